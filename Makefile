@@ -1,0 +1,34 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+# Both create .venv and install the pinned dependencies on first use; later runs skip
+# the install unless pyproject.toml or constraints.txt changed.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench bench-quick venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU wheel. An unpinned torch would pull CUDA wheels.
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specops demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
+
+clean:
+	rm -rf $(VENV) *.egg-info

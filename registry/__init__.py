@@ -1,0 +1,1 @@
+"""MLflow-backed registry of drafts and datastores. Not built yet."""

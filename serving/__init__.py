@@ -1,0 +1,1 @@
+"""The decoding engine: proposers, the verifier, KV caches, and model loading."""

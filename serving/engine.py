@@ -1,0 +1,171 @@
+"""The decode loop: propose, verify, commit, until EOS, max_new_tokens or the context is full."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from serving.errors import InvalidRequestError, PromptTooLongError
+from serving.kv import CachedLM
+from serving.models import ModelPair
+from serving.proposers.base import Proposer
+from serving.proposers.draft_model import DraftModelProposer
+from serving.proposers.prompt_lookup import PromptLookupProposer
+from serving.types import DecodeState, GenerationResult, Proposals, RequestStats, SamplingParams
+from serving.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+METHODS = ("target", "draft", "pld")
+"""``target``: target-only decoding, the reference; ``draft``: speculative decoding with
+the draft model; ``pld``: prompt-lookup decoding."""
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """What ``build_proposer`` needs besides the models."""
+
+    method: str = "draft"
+    """One of METHODS."""
+    pld_max_ngram: int = 3
+    """Longest trailing n-gram prompt lookup tries to match."""
+    pld_min_ngram: int = 1
+    """Shortest n-gram prompt lookup accepts."""
+    draft_confidence: float = 0.0
+    """Draft model: stop drafting when its top probability drops below this (0 = off)."""
+    adaptive_k: bool = False
+    """Draft model: adapt k per step within 1..k (+2 after full acceptance, -1 otherwise)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidRequestError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+
+
+def build_proposer(cfg: ProposerConfig, pair: ModelPair) -> Proposer | None:
+    """The proposer for a method, or None for target-only decoding."""
+    if cfg.method == "target":
+        return None
+    if cfg.method == "draft":
+        if pair.draft is None:
+            raise InvalidRequestError("method 'draft' needs a draft model; none is loaded")
+        return DraftModelProposer(pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k)
+    if cfg.method == "pld":
+        return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
+    raise ValueError(f"unknown method {cfg.method!r}")
+
+
+class SpecEngine:
+    """Runs one request at a time over a target/draft pair.
+
+    ``generate`` with method ``target`` is plain target-only decoding through the same
+    KV-cached loop: every speculative method must equal it token for token when greedy.
+    """
+
+    def __init__(self, pair: ModelPair, *, collect_rejections: bool = False) -> None:
+        self.pair = pair
+        self.collect_rejections = collect_rejections
+
+    @property
+    def context_size(self) -> int:
+        return int(getattr(self.pair.target.config, "max_position_embeddings", 1 << 30))
+
+    def validate(self, prompt_ids: list[int], k: int) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if not isinstance(k, int) or k <= 0:
+            raise InvalidRequestError(f"k (tokens drafted per step) must be an integer >= 1, got {k!r}")
+        vocab = self.pair.vocab_size
+        bad = [t for t in prompt_ids if not (0 <= int(t) < vocab)]
+        if bad:
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) >= self.context_size:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens but the model context is {self.context_size}; "
+                f"shorten it to at most {self.context_size - 1} tokens"
+            )
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        method: str = "draft",
+        k: int = 4,
+        proposer_cfg: ProposerConfig | None = None,
+        proposer: Proposer | None = None,
+    ) -> GenerationResult:
+        """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``)."""
+        cfg = proposer_cfg or ProposerConfig(method=method)
+        method = cfg.method
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, k)
+        if proposer is None:
+            proposer = build_proposer(cfg, self.pair)
+        t_start = time.perf_counter()
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        state = DecodeState(token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params, generator=gen)
+        stats = RequestStats(method=method, num_prompt_tokens=len(prompt_ids))
+        rejections = []
+        target = CachedLM(self.pair.target)
+        verifier = Verifier(target, collect_rejections=self.collect_rejections)
+        eos = set(self.pair.eos_token_ids)
+
+        if proposer is not None:
+            proposer.start(state)
+
+        try:
+            while True:
+                remaining = params.max_new_tokens - state.num_generated
+                room = self.context_size - len(state.token_ids)
+                if remaining <= 0 or room <= 0:
+                    stats.finish_reason = "length" if remaining <= 0 else "context"
+                    break
+                # A step emits up to k + 1 tokens (accepted + bonus): never past either limit.
+                k_step = min(k, remaining - 1, room - 1)
+                t0 = time.perf_counter()
+                if proposer is None or k_step <= 0:
+                    proposals = Proposals.empty()
+                else:
+                    proposals = proposer.propose(state, k_step)
+                t1 = time.perf_counter()
+                verdict = verifier.verify(state, proposals)
+                t2 = time.perf_counter()
+                stats.time_s["propose"] += t1 - t0
+                stats.time_s["verify"] += t2 - t1
+
+                if stats.num_verify_steps == 0:
+                    stats.time_s["first_step"] = t2 - t_start  # includes both prefills
+                stats.num_verify_steps += 1
+                stats.num_drafted += verdict.num_drafted
+                stats.num_accepted += len(verdict.accepted)
+                if verdict.rejected is not None:
+                    rejections.append(verdict.rejected)
+                emitted = verdict.emitted
+                finished = None
+                for i, tok in enumerate(emitted):
+                    if tok in eos:
+                        emitted = emitted[: i + 1]
+                        finished = "eos"
+                        break
+                state.token_ids.extend(emitted)
+                if finished:
+                    stats.finish_reason = finished
+                    break
+                if proposer is not None:
+                    proposer.observe(state, verdict)
+        finally:
+            if proposer is not None:
+                stats.num_draft_forwards = proposer.num_forwards
+                proposer.finish()
+
+        stats.num_generated = state.num_generated
+        stats.num_target_forwards = target.num_forwards
+        stats.time_s["total"] = time.perf_counter() - t_start
+        out_ids = state.token_ids[len(prompt_ids):]
+        text = self.pair.tokenizer.decode(out_ids) if self.pair.tokenizer is not None else None
+        return GenerationResult(token_ids=out_ids, stats=stats, rejections=rejections, text=text)

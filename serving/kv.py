@@ -1,0 +1,73 @@
+"""A causal LM plus its own KV cache, advanced and rolled back by position.
+
+Every model in the engine (target and draft) runs through ``CachedLM``: a forward
+pass feeds only tokens that are not cached yet, so no step recomputes the prefix, and
+``rollback`` drops cached positions after a rejection.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class CachedLM:
+    """One model and one request's KV cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.num_cached = 0
+        """Positions 0 .. num_cached-1 are in the cache."""
+        self.num_forwards = 0
+
+    @property
+    def context_size(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.num_cached = 0
+        self.num_forwards = 0
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: list[int], *, logits_to_keep: int = 0, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``input_ids`` at positions num_cached.. and return their logits.
+
+        Returns ``(logits, hidden)``: logits ``[n_keep, vocab]`` float32 for the last
+        ``logits_to_keep`` fed tokens (all of them when 0), and the final hidden states
+        ``[n_keep, hidden]`` when ``want_hidden``.
+        """
+        n = len(input_ids)
+        assert n > 0, "forward needs at least one token"
+        assert self.num_cached + n <= self.context_size, (self.num_cached, n, self.context_size)
+        ids = torch.tensor([input_ids], dtype=torch.long)  # [1, n]
+        pos = torch.arange(self.num_cached, self.num_cached + n, dtype=torch.long)[None]  # [1, n]
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=want_hidden,
+        )
+        self.num_cached += n
+        self.num_forwards += 1
+        logits = out.logits[0].float()  # [n_keep, vocab]
+        hidden = None
+        if want_hidden:
+            keep = logits.shape[0]
+            hidden = out.hidden_states[-1][0, -keep:].float()  # [n_keep, hidden]
+        return logits, hidden
+
+    def rollback(self, length: int) -> None:
+        """Keep only positions ``0 .. length-1`` in the cache."""
+        assert 0 <= length <= self.num_cached, (length, self.num_cached)
+        drop = self.num_cached - length
+        if drop:
+            # transformers 5.x: crop() takes a negative count of tokens to remove.
+            self.cache.crop(-drop)
+            self.num_cached = length
+        assert self.cache.get_seq_length() == self.num_cached, (self.cache.get_seq_length(), self.num_cached)

@@ -1,0 +1,124 @@
+"""Loading a target/draft pair from local Hugging Face model directories.
+
+Nothing is fetched from a hub (``local_files_only``), and weights load from safetensors
+only (``use_safetensors=True``), so nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from serving.errors import ModelConfigError, TokenizerMismatchError
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def tokenizer_hash(tok: PreTrainedTokenizerBase) -> str:
+    """sha256 of the tokenizer's full definition (vocab, merges, normaliser, specials)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        blob = backend.to_str()
+    else:
+        blob = json.dumps(sorted(tok.get_vocab().items()))
+    specials = json.dumps(tok.special_tokens_map, sort_keys=True, default=str)
+    return hashlib.sha256((blob + specials).encode()).hexdigest()
+
+
+@dataclass
+class ModelPair:
+    """A target, an optional draft, and the tokenizer they share."""
+
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase | None
+    tokenizer_sha256: str = ""
+
+    def __post_init__(self) -> None:
+        if self.draft is not None:
+            tv, dv = self.target.config.vocab_size, self.draft.config.vocab_size
+            if tv != dv:
+                raise TokenizerMismatchError(
+                    f"target vocabulary has {tv} entries but the draft's has {dv}; "
+                    "draft and target must share one tokenizer"
+                )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.target.config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.target.generation_config.eos_token_id if self.target.generation_config else None
+        if eos is None:
+            eos = self.target.config.eos_token_id
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def check_model_dir(path: Path) -> Path:
+    """A local HF model directory with safetensors weights, or a clear error."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelConfigError(f"{path} is not a model directory (no config.json); run `specops bootstrap` first")
+    if not any(path.glob("*.safetensors")):
+        raise ModelConfigError(f"{path} has no .safetensors weights; only safetensors are loaded")
+    return path
+
+
+def load_model(path: Path) -> PreTrainedModel:
+    path = check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, use_safetensors=True, dtype=torch.float32
+    )
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+
+
+def load_pair(target_dir: Path, draft_dir: Path | None = None) -> ModelPair:
+    """Load a target and (optionally) a draft; fail clearly if their tokenizers differ."""
+    check_model_dir(target_dir)
+    if draft_dir is not None:
+        check_model_dir(draft_dir)
+    target_tok = load_tokenizer(target_dir)
+    target_hash = tokenizer_hash(target_tok)
+    draft = None
+    if draft_dir is not None:
+        draft_hash = tokenizer_hash(load_tokenizer(draft_dir))
+        if draft_hash != target_hash:
+            raise TokenizerMismatchError(
+                f"draft tokenizer at {draft_dir} (sha256 {draft_hash[:12]}) differs from the target's at "
+                f"{target_dir} (sha256 {target_hash[:12]}); speculative decoding needs one shared tokenizer"
+            )
+        draft = load_model(draft_dir)
+    target = load_model(target_dir)
+    pair = ModelPair(target=target, draft=draft, tokenizer=target_tok, tokenizer_sha256=target_hash)
+    log.info(
+        "loaded target %s (%.1fM params)%s",
+        target_dir,
+        sum(p.numel() for p in target.parameters()) / 1e6,
+        f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params)" if draft else "",
+    )
+    return pair
+
+
+def load_model_dir(model_dir: Path) -> ModelPair:
+    """Load the pair under a bootstrap-style directory: ``model_dir/target`` and ``model_dir/draft``."""
+    model_dir = Path(model_dir)
+    draft_dir = model_dir / "draft"
+    return load_pair(model_dir / "target", draft_dir if draft_dir.is_dir() else None)

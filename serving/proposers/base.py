@@ -1,0 +1,33 @@
+"""The proposer seam: every drafting method implements ``Proposer``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from serving.types import DecodeState, Proposals, Verdict
+
+
+class Proposer(ABC):
+    """Suggests up to ``k`` next tokens for a request; one instance serves one request at a time.
+
+    Lifecycle per request: ``start(state)``, then alternately ``propose`` and
+    ``observe`` (after the verifier has committed the verdict's tokens to ``state``),
+    then ``finish()``.
+    """
+
+    name: str = "proposer"
+    num_forwards: int = 0
+    """Model forward passes this proposer ran for the current request (0 for model-free ones)."""
+
+    def start(self, state: DecodeState) -> None:
+        """Per-request set-up (for example, prefill a draft model's cache)."""
+
+    @abstractmethod
+    def propose(self, state: DecodeState, k: int) -> Proposals:
+        """Up to ``k`` tokens to follow ``state.token_ids``: ``[n_drafts, <=k]``."""
+
+    def observe(self, state: DecodeState, verdict: Verdict) -> None:
+        """Feedback after each verification step; ``state`` already holds the emitted tokens."""
+
+    def finish(self) -> None:
+        """Release per-request resources."""

@@ -1,0 +1,45 @@
+"""Prompt-lookup decoding: copy what followed the last earlier occurrence of the
+trailing n-gram in the request's own context. The model-free baseline."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from serving.proposers.base import Proposer
+from serving.types import DecodeState, Proposals
+
+
+def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """Continuation of the longest trailing n-gram (max_ngram down to min_ngram) that
+    occurred earlier in ``tokens``; the most recent earlier occurrence wins."""
+    n_tok = len(tokens)
+    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
+        tail = tokens[n_tok - n:]
+        # Candidate start positions i of earlier windows tokens[i:i+n] (i + n < n_tok).
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            cont = tokens[start : start + k]
+            if cont.size:
+                return cont.tolist()
+    return []
+
+
+class PromptLookupProposer(Proposer):
+    """N-gram match in the request's own context (prompt and output so far)."""
+
+    name = "pld"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, state: DecodeState, k: int) -> Proposals:
+        if k <= 0:
+            return Proposals.empty()
+        cont = lookup(np.asarray(state.token_ids, dtype=np.int64), k, self.max_ngram, self.min_ngram)
+        return Proposals(tokens=torch.tensor([cont], dtype=torch.long).reshape(1, len(cont)))

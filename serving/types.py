@@ -1,0 +1,198 @@
+"""Typed payloads that cross the engine's seams.
+
+Vocabulary used across the engine (defined once, here):
+
+- **committed** tokens: prompt plus every token already emitted. They never change.
+- **drafted** tokens: what a proposer suggests for the next positions, ``k`` at most.
+- **accepted** tokens: the leading drafted tokens the verifier keeps.
+- **rejected** position: the first drafted position the verifier does not keep; the
+  target's distribution there is what online distillation learns from.
+- **bonus** token: the one token the target itself emits after the accepted prefix,
+  at every verification step (the correction at a rejected position, or one extra
+  token when every draft was accepted). A step therefore emits ``accepted + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes."""
+
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise the softmax temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it. Ignored when greedy."""
+    max_new_tokens: int = 64
+    """Upper bound on emitted tokens."""
+    seed: int | None = None
+    """Seed of the request's own random generator (sampling only)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise InvalidRequestError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class DecodeState:
+    """The committed sequence of one request, shared by proposer and verifier."""
+
+    token_ids: list[int]
+    """Committed tokens: prompt followed by everything emitted so far."""
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    """Per-request RNG for sampling; None when greedy."""
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class Proposals:
+    """Candidate continuations from one proposer call."""
+
+    tokens: torch.Tensor
+    """[n_drafts, k] int64 drafted token ids (k may be 0: nothing to propose)."""
+    draft_probs: torch.Tensor | None = None
+    """[n_drafts, k, vocab] float32 draft distributions the tokens were sampled from;
+    None for deterministic (retrieval / copy) proposers."""
+
+    def __post_init__(self) -> None:
+        assert self.tokens.ndim == 2 and self.tokens.dtype == torch.long, self.tokens.shape
+        if self.draft_probs is not None:
+            assert self.draft_probs.ndim == 3, self.draft_probs.shape
+            assert self.draft_probs.shape[:2] == self.tokens.shape, (self.draft_probs.shape, self.tokens.shape)
+
+    @property
+    def num_drafts(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @classmethod
+    def empty(cls) -> "Proposals":
+        return cls(tokens=torch.zeros((1, 0), dtype=torch.long))
+
+
+@dataclass
+class RejectedPosition:
+    """A mis-speculated position and the target's distribution there."""
+
+    index: int
+    """Absolute position in the committed sequence (prompt included)."""
+    drafted_token: int
+    """What the proposer suggested there."""
+    emitted_token: int
+    """What the target emitted there instead (the bonus token)."""
+    target_logits: torch.Tensor
+    """[vocab] float32 raw target logits at that position (temperature 1, no top-p)."""
+
+
+@dataclass
+class Verdict:
+    """Outcome of one verification step (one target forward pass)."""
+
+    accepted: list[int]
+    bonus: int
+    num_drafted: int
+    rejected: RejectedPosition | None = None
+    target_hidden: torch.Tensor | None = None
+    """[hidden] target's last hidden state at the position that produced ``bonus``
+    (only when the verifier was asked for it; DReSD keys on it)."""
+
+    @property
+    def emitted(self) -> list[int]:
+        return [*self.accepted, self.bonus]
+
+
+@dataclass
+class RequestStats:
+    """Per-request counters and stage timings."""
+
+    method: str
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_target_forwards: int = 0
+    """Target forward passes (the first one is also the prefill)."""
+    num_verify_steps: int = 0
+    num_draft_forwards: int = 0
+    finish_reason: str = ""
+    """``eos``, ``length`` (max_new_tokens) or ``context`` (model context full)."""
+    time_s: dict[str, float] = field(
+        default_factory=lambda: {"first_step": 0.0, "propose": 0.0, "verify": 0.0, "total": 0.0}
+    )
+    """Wall seconds: ``propose`` and ``verify`` summed over steps (the first step of each
+    includes its model's prefill), ``first_step`` from start to the first emitted
+    tokens, ``total`` for the whole request."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verification step."""
+        return self.num_accepted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.num_generated / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.time_s.get("total", 0.0)
+        return self.num_generated / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated": self.num_generated,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "num_target_forwards": self.num_target_forwards,
+            "num_verify_steps": self.num_verify_steps,
+            "num_draft_forwards": self.num_draft_forwards,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "finish_reason": self.finish_reason,
+            "time_s": {name: round(v, 6) for name, v in self.time_s.items()},
+        }
+
+
+@dataclass
+class GenerationResult:
+    """What ``SpecEngine.generate`` returns."""
+
+    token_ids: list[int]
+    """Emitted tokens only (prompt excluded)."""
+    stats: RequestStats
+    rejections: list[RejectedPosition] = field(default_factory=list)
+    """Every rejected position (only when the engine was asked to collect them)."""
+    text: str | None = None

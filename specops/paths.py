@@ -1,0 +1,17 @@
+"""Where specops keeps its data (models, logs, registry) on this machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_DIR_ENV = "SPECOPS_DATA_DIR"
+
+
+def data_dir() -> Path:
+    """``$SPECOPS_DATA_DIR`` if set, else ``./.specops``."""
+    return Path(os.environ.get(DATA_DIR_ENV, ".specops")).expanduser()
+
+
+def models_dir() -> Path:
+    return data_dir() / "models"

@@ -1,0 +1,45 @@
+"""Prompts cut from the held-out documents of a bootstrap, for the demo and benchmarks."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Prompt:
+    domain: str
+    source: str
+    text: str
+    token_ids: list[int]
+
+
+def heldout_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens: int = 96, seed: int = 0) -> list[Prompt]:
+    """``n`` prompts of ``num_tokens`` tokens from held-out files of ``domain``.
+
+    Each prompt starts at a line boundary at a seeded position in a distinct held-out
+    document, so the models have never trained on it.
+    """
+    from trainer.bootstrap import heldout_texts, load_manifest
+
+    manifest = load_manifest(Path(model_dir))
+    paths = manifest["domains"][domain]["heldout"]
+    texts = heldout_texts(manifest, domain)
+    rng = random.Random(seed)
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    newline_ids = {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
+    prompts: list[Prompt] = []
+    for i in order:
+        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+        if len(ids) < num_tokens * 2:
+            continue
+        # Start at a line boundary somewhere in the first part of the document.
+        newline_positions = [j for j, t in enumerate(ids[: len(ids) - num_tokens]) if t in newline_ids]
+        start = rng.choice(newline_positions) + 1 if newline_positions else 0
+        window = ids[start : start + num_tokens]
+        prompts.append(Prompt(domain=domain, source=str(paths[i]), text=tokenizer.decode(window), token_ids=window))
+        if len(prompts) == n:
+            break
+    return prompts

@@ -1,0 +1,1 @@
+"""Record schemas and the stream backends (Kafka and an embedded durable log). Not built yet."""

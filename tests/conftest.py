@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random Llama models built in-process (no files, no hub)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from serving.models import ModelPair
+
+torch.set_num_threads(2)
+
+VOCAB = 97
+EOS = 0
+
+
+def tiny_llama(hidden: int, layers: int, *, seed: int, vocab: int = VOCAB, context: int = 256) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        initializer_range=0.2,  # peaky logits: near-ties would make float noise decide argmax
+        eos_token_id=None,  # tests that want EOS set it on the pair
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A copy of ``model`` with noise on every weight: a draft that agrees only partly."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LlamaForCausalLM:
+    return tiny_llama(64, 2, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft() -> LlamaForCausalLM:
+    return tiny_llama(32, 1, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_target, tiny_draft) -> ModelPair:
+    """Target and an unrelated random draft: most drafts get rejected."""
+    return ModelPair(target=tiny_target, draft=tiny_draft, tokenizer=None)
+
+
+@pytest.fixture(scope="session")
+def close_pair(tiny_target) -> ModelPair:
+    """Target and a perturbed copy of it: acceptance is partial, rejections land everywhere."""
+    return ModelPair(target=tiny_target, draft=perturbed(tiny_target, 0.05, seed=3), tokenizer=None)
+
+
+@pytest.fixture(scope="session")
+def twin_pair(tiny_target) -> ModelPair:
+    """Target and an exact copy as draft: greedy drafts are always accepted."""
+    return ModelPair(target=tiny_target, draft=copy.deepcopy(tiny_target), tokenizer=None)
+
+
+def random_prompts(n: int, seed: int, lo: int = 2, hi: int = 24, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        prompts.append(torch.randint(1, vocab, (length,), generator=g).tolist())
+    return prompts

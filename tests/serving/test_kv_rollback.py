@@ -1,0 +1,80 @@
+"""KV-cache rollback: after a rejection at any position, cached decoding equals a full recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.engine import SpecEngine
+from serving.kv import CachedLM
+from serving.proposers.base import Proposer
+from serving.types import DecodeState, Proposals, SamplingParams, Verdict
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("keep", range(0, 12))
+def test_rollback_to_every_position_matches_recompute(tiny_target, keep):
+    ids = list(range(3, 15))  # 12 tokens
+    lm = CachedLM(tiny_target)
+    lm.forward(ids)
+    lm.rollback(keep)
+    assert lm.num_cached == keep == lm.cache.get_seq_length()
+    new = [50, 51, 52]
+    logits, _ = lm.forward(new)
+    ref = full_logits(tiny_target, ids[:keep] + new)[keep:]
+    assert torch.allclose(logits, ref, atol=1e-4), (logits - ref).abs().max()
+
+
+class ScriptedProposer(Proposer):
+    """Proposes the true greedy continuation with one wrong token at ``wrong_at``."""
+
+    name = "scripted"
+
+    def __init__(self, truth: list[int], prompt_len: int, wrong_at: int, vocab: int) -> None:
+        self.truth, self.prompt_len, self.wrong_at, self.vocab = truth, prompt_len, wrong_at, vocab
+        self.verdicts: list[Verdict] = []
+
+    def propose(self, state: DecodeState, k: int) -> Proposals:
+        start = state.num_generated
+        drafts = list(self.truth[start : start + k])
+        if self.wrong_at < len(drafts):
+            drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab
+        return Proposals(tokens=torch.tensor([drafts], dtype=torch.long).reshape(1, len(drafts)))
+
+    def observe(self, state: DecodeState, verdict: Verdict) -> None:
+        self.verdicts.append(verdict)
+
+
+@pytest.mark.parametrize("wrong_at", range(0, 6))
+def test_rejection_at_every_draft_position(tiny_pair, wrong_at):
+    engine = SpecEngine(tiny_pair, collect_rejections=True)
+    prompt = [7, 8, 9, 10]
+    truth = engine.generate(prompt, SamplingParams(max_new_tokens=40), method="target").token_ids
+    k = 6
+    proposer = ScriptedProposer(truth, len(prompt), wrong_at, tiny_pair.vocab_size)
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=40), k=k, proposer=proposer)
+    assert out.token_ids == truth
+    full_steps = [v for v in proposer.verdicts if v.num_drafted == k]
+    assert full_steps and all(len(v.accepted) == wrong_at for v in full_steps)
+    # Every rejection is logged with its absolute index and the target's logits there.
+    for rej in out.rejections:
+        pos = rej.index
+        assert rej.emitted_token == (prompt + truth)[pos] != rej.drafted_token
+        ref = full_logits(tiny_pair.target, (prompt + truth)[:pos])[-1]
+        assert torch.allclose(rej.target_logits, ref, atol=1e-4)
+    assert len(out.rejections) == sum(len(v.accepted) < v.num_drafted for v in proposer.verdicts)
+
+
+def test_verifier_returns_target_hidden_state(tiny_pair):
+    from serving.verifier import Verifier
+
+    lm = CachedLM(tiny_pair.target)
+    verifier = Verifier(lm, want_hidden=True)
+    state = DecodeState(token_ids=[3, 4, 5], num_prompt_tokens=3, params=SamplingParams())
+    verdict = verifier.verify(state, Proposals(tokens=torch.tensor([[99 % tiny_pair.vocab_size]])))
+    assert verdict.target_hidden is not None
+    assert verdict.target_hidden.shape == (tiny_pair.target.config.hidden_size,)

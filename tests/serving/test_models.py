@@ -1,0 +1,53 @@
+"""Loading pairs from disk: safetensors only, and one shared tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from serving.errors import ModelConfigError, TokenizerMismatchError
+from serving.models import load_pair, tokenizer_hash
+from tests.conftest import VOCAB, tiny_llama
+
+
+def save_dir(path, words: list[str], seed: int):
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0], eos_token=words[0])
+    tiny_llama(32, 1, seed=seed).save_pretrained(path, safe_serialization=True)
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def words():
+    return [f"w{i}" for i in range(VOCAB)]
+
+
+def test_load_pair_with_shared_tokenizer(tmp_path, words):
+    target = save_dir(tmp_path / "t", words, 1)
+    draft = save_dir(tmp_path / "d", words, 2)
+    pair = load_pair(target, draft)
+    assert pair.vocab_size == VOCAB and pair.draft is not None
+    assert pair.tokenizer_sha256 == tokenizer_hash(pair.tokenizer)
+    assert not any(p.suffix in {".bin", ".pt", ".pkl"} for p in target.iterdir())
+
+
+def test_different_tokenizers_are_rejected(tmp_path, words):
+    target = save_dir(tmp_path / "t", words, 1)
+    draft = save_dir(tmp_path / "d", list(reversed(words)), 2)  # same size, different mapping
+    with pytest.raises(TokenizerMismatchError, match="differs from the target's"):
+        load_pair(target, draft)
+
+
+def test_missing_or_pickled_weights_are_refused(tmp_path, words):
+    target = save_dir(tmp_path / "t", words, 1)
+    for f in target.glob("*.safetensors"):
+        f.unlink()
+    (target / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelConfigError, match="only safetensors"):
+        load_pair(target)
+    with pytest.raises(ModelConfigError, match="not a model directory"):
+        load_pair(tmp_path / "nowhere")

@@ -1,0 +1,203 @@
+"""Bootstrap: layout, determinism, split, roff rendering, skip and atomic write (all --tiny)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import trainer.bootstrap as bootstrap
+from trainer.bootstrap.corpus import split_files, strip_roff
+from trainer.bootstrap.evaluate import agreement
+from trainer.bootstrap.train import forward_kl_loss
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("boot") / "models"
+    bootstrap.run(out, tiny=True, seed=0)
+    return out
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_tiny_layout_loads_from_disk(tiny_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    manifest = bootstrap.load_manifest(tiny_dir)
+    assert manifest["format"] == 1 and manifest["tiny"] is True and manifest["seed"] == 0
+    assert not bootstrap.is_bootstrapped(tiny_dir)  # tiny never counts as a real bootstrap
+    vocabs = {}
+    for name in ("target", "draft"):
+        d = tiny_dir / name
+        files = {p.name for p in d.iterdir()}
+        assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= files
+        assert not [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+        model = AutoModelForCausalLM.from_pretrained(d)
+        tok = AutoTokenizer.from_pretrained(d)
+        eot = tok.convert_tokens_to_ids("<|endoftext|>")
+        assert tok.bos_token_id == tok.eos_token_id == tok.pad_token_id == eot
+        assert model.config.eos_token_id == model.generation_config.eos_token_id == eot
+        assert model.config.vocab_size == len(tok) == 512
+        assert model.config.tie_word_embeddings is True
+        assert manifest["models"][name]["params"] == sum(p.numel() for p in model.parameters())
+        vocabs[name] = tok.get_vocab()
+        ids = tok("def f(x):\n    return x\n")["input_ids"]
+        assert tok.decode(ids) == "def f(x):\n    return x\n"
+    assert vocabs["target"] == vocabs["draft"]
+    assert (tiny_dir / "target" / "tokenizer.json").read_bytes() == (tiny_dir / "draft" / "tokenizer.json").read_bytes()
+    assert manifest["models"]["target"]["config"]["num_hidden_layers"] == 2
+    assert manifest["models"]["draft"]["config"]["num_hidden_layers"] == 1
+
+
+def test_same_seed_identical_different_seed_differs(tiny_dir: Path, tmp_path: Path):
+    again = tmp_path / "again"
+    other = tmp_path / "other"
+    bootstrap.run(again, tiny=True, seed=0)
+    bootstrap.run(other, tiny=True, seed=1)
+    assert (again / "target" / "tokenizer.json").read_bytes() == (tiny_dir / "target" / "tokenizer.json").read_bytes()
+    for name in ("target", "draft"):
+        a, b, c = _weights(tiny_dir / name), _weights(again / name), _weights(other / name)
+        assert a.keys() == b.keys() == c.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert not all(torch.equal(a[k], c[k]) for k in a)
+    m0, m1 = bootstrap.load_manifest(again), bootstrap.load_manifest(other)
+    assert m0["domains"] == bootstrap.load_manifest(tiny_dir)["domains"]
+    assert m0["domains"]["code"]["heldout"] != m1["domains"]["code"]["heldout"]
+
+
+def test_split_disjoint_and_heldout_texts(tiny_dir: Path):
+    manifest = bootstrap.load_manifest(tiny_dir)
+    for domain in ("code", "prose"):
+        train = set(manifest["domains"][domain]["train"])
+        heldout = set(manifest["domains"][domain]["heldout"])
+        assert train and heldout and not train & heldout
+        assert all(Path(p).is_absolute() for p in train | heldout)
+        texts = bootstrap.heldout_texts(manifest, domain)
+        assert len(texts) == len(heldout) and all(len(t) >= 200 for t in texts)
+    with pytest.raises(ValueError):
+        bootstrap.heldout_texts(manifest, "poetry")
+
+
+def test_split_sizes_and_seeding():
+    paths = [f"/x/{i:03d}.py" for i in range(300)]
+    s0, s0b, s1 = split_files(paths, 0), split_files(paths, 0), split_files(paths, 1)
+    assert len(s0.heldout) == 30 and len(s0.train) == 270
+    assert s0 == s0b and s0.heldout != s1.heldout
+    assert sorted(s0.train + s0.heldout) == paths
+    small = split_files(paths[:100], 0)
+    assert len(small.heldout) == 20  # at least 20 where possible
+    assert len(split_files(paths[:5], 0).heldout) == 1
+
+
+def test_strip_roff():
+    src = "\n".join([
+        '.\\" a comment',
+        '.TH FOO 1 "2020" "foo 1.0" "User Commands"',
+        ".de XX",
+        "junk inside a macro definition",
+        "..",
+        ".SH NAME",
+        "foo \\- frobnicate the bar",
+        '.SH "SEE ALSO"',
+        ".B foo",
+        "[\\fB\\-v\\fR] \\fIfile\\fP \\(em done\\(aq",
+        ".PP",
+        ".BR bar (1),",
+        ".IR baz (5).",
+        ".IP \\(bu 2",
+        "item \\*(Aqquoted\\*(Aq",
+    ])
+    assert strip_roff(src) == (
+        "NAME\n"
+        "foo - frobnicate the bar\n"
+        "\n"
+        "SEE ALSO\n"
+        "foo\n"
+        "[-v] file -- done'\n"
+        "\n"
+        "bar(1),\n"
+        "baz(5).\n"
+        "\n"
+        "*\n"
+        "item 'quoted'\n"
+    )
+
+
+def test_skip_if_exists_and_force(tiny_dir: Path, tmp_path: Path):
+    out = tmp_path / "models"
+    first = bootstrap.run(out, tiny=True, seed=0)
+    # pretend it is a full bootstrap: run() must return it untouched
+    manifest = dict(first, tiny=False, created="sentinel")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert bootstrap.is_bootstrapped(out)
+    assert bootstrap.run(out, tiny=True, seed=5)["created"] == "sentinel"
+    assert bootstrap.load_manifest(out)["created"] == "sentinel"
+    # force rebuilds in place
+    rebuilt = bootstrap.run(out, tiny=True, seed=5, force=True)
+    assert rebuilt["seed"] == 5 and bootstrap.load_manifest(out)["seed"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_interrupted_run_leaves_previous_output(tmp_path: Path, monkeypatch):
+    out = tmp_path / "models"
+    bootstrap.run(out, tiny=True, seed=0)
+    before = (out / "manifest.json").read_text()
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt("interrupted while saving")
+
+    monkeypatch.setattr("trainer.bootstrap._swap_into_place", boom)
+    with pytest.raises(KeyboardInterrupt):
+        bootstrap.run(out, tiny=True, seed=1, force=True)
+    assert (out / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]  # no temp dir left
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(KeyboardInterrupt):
+        bootstrap.run(fresh, tiny=True, seed=1)
+    assert not fresh.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_distill_loss_and_agreement_values():
+    p = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]])  # uniform target
+    q = torch.log(torch.tensor([[[0.7, 0.1, 0.1, 0.1]]]))
+    assert forward_kl_loss(p, p).item() == pytest.approx(0.0, abs=1e-6)
+    # KL(u || q) = sum 0.25 * (log 0.25 - log q)
+    expected = 0.25 * sum(torch.log(torch.tensor(0.25 / x)).item() for x in (0.7, 0.1, 0.1, 0.1))
+    assert forward_kl_loss(q, p).item() == pytest.approx(expected, rel=1e-5)
+    greedy, accept = agreement(q, p)
+    assert accept == pytest.approx(0.25 + 0.1 * 3, rel=1e-5)  # sum min(p, q)
+    assert greedy == 1.0  # argmax of uniform is index 0, as for q
+
+
+def test_training_loops_and_eval_on_tiny_models():
+    from trainer.bootstrap.evaluate import evaluate
+    from trainer.bootstrap.train import (TINY_DRAFT_SHAPE, TINY_TARGET_SHAPE, MixedBatches, TokenStream,
+                                         TrainConfig, build_model, train_draft, train_target)
+
+    torch.manual_seed(0)
+    vocab = 64
+    # a learnable stream per domain: a repeating pattern
+    streams = {"code": TokenStream(torch.arange(1, 33).repeat(40)),
+               "prose": TokenStream(torch.arange(33, 64).flip(0).repeat(40))}
+    cfg = TrainConfig(seq_len=16, batch_size=4, long_seq_len=32, long_batch_size=2, target_steps=20,
+                      target_long_steps=3, draft_warm_steps=3, draft_distill_steps=20, draft_long_steps=3,
+                      target_lr=1e-2, draft_lr=1e-2, warmup_steps=2, eval_windows=2)
+    target = build_model(TINY_TARGET_SHAPE, vocab, 0, seed=0)
+    draft = build_model(TINY_DRAFT_SHAPE, vocab, 0, seed=1)
+    t_losses = train_target(target, MixedBatches(streams, 4, 16, 0), MixedBatches(streams, 2, 32, 1), cfg)
+    assert len(t_losses) == 20 and t_losses[-1] < 0.5 * t_losses[0]
+    d_losses = train_draft(draft, target, MixedBatches(streams, 4, 16, 2), MixedBatches(streams, 2, 32, 3), cfg)
+    assert len(d_losses) == 23 and d_losses[-1] < d_losses[3]  # KL falls during distillation
+    metrics = evaluate(target, draft, streams, num_windows=2, seq_len=16)
+    for domain in ("code", "prose"):
+        assert metrics["target"]["heldout_loss"][domain] < 2.0
+        assert 0.5 < metrics["draft"]["expected_acceptance"][domain] <= 1.0
+        assert 0.5 < metrics["draft"]["greedy_agreement"][domain] <= 1.0

@@ -1,0 +1,1 @@
+"""Training: bootstrap models now; online distillation, datastore builds and scheduling later."""

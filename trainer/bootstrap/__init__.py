@@ -155,7 +155,7 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
             tok, _take(sorted(splits[d].heldout), texts, HELDOUT_CHARS, seed, "heldout")), eot_id)
             for d in DOMAINS}
         metrics = evaluate(target, draft, heldout_streams, num_windows=cfg.eval_windows,
-                           seq_len=cfg.seq_len)
+                           seq_len=cfg.eval_seq_len)
         log.info("metrics: %s", json.dumps(metrics))
     lap("eval")
 

@@ -47,7 +47,7 @@ class ModelShape:
         )
 
 
-TARGET_SHAPE = ModelShape(hidden_size=192, num_layers=16, num_heads=6, intermediate_size=768)
+TARGET_SHAPE = ModelShape(hidden_size=128, num_layers=16, num_heads=4, intermediate_size=512)
 DRAFT_SHAPE = ModelShape(hidden_size=128, num_layers=1, num_heads=4, intermediate_size=384)
 TINY_TARGET_SHAPE = ModelShape(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256)
 TINY_DRAFT_SHAPE = ModelShape(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=128)
@@ -57,32 +57,34 @@ TINY_DRAFT_SHAPE = ModelShape(hidden_size=32, num_layers=1, num_heads=2, interme
 class TrainConfig:
     """Fixed-step schedule (reproducible; no time-based stopping)."""
 
-    seq_len: int = 256
+    seq_len: int = 128
     """Tokens per training row (the model sees seq_len positions)."""
-    batch_size: int = 16
+    batch_size: int = 8
     """Rows per step, half code and half prose."""
     long_seq_len: int = 512
     """Row length of the final ``*_long_steps`` of each phase, so positions up to 512 are trained."""
-    long_batch_size: int = 8
+    long_batch_size: int = 2
     """Rows per long step (same tokens per step as the short steps)."""
-    target_steps: int = 160
+    target_steps: int = 1100
     """Target optimizer steps on hard labels (the last target_long_steps use long rows)."""
-    target_long_steps: int = 20
+    target_long_steps: int = 60
     target_lr: float = 3e-3
     """Target peak learning rate (linear warmup, cosine to 10%)."""
-    draft_warm_steps: int = 60
+    draft_warm_steps: int = 100
     """Draft hard-label warm start steps (cheap: no target forward)."""
-    draft_distill_steps: int = 120
+    draft_distill_steps: int = 500
     """Draft forward-KL distillation steps (each needs a target forward; the last draft_long_steps use long rows)."""
-    draft_long_steps: int = 20
+    draft_long_steps: int = 40
     draft_lr: float = 5e-3
     """Draft peak learning rate."""
-    warmup_steps: int = 10
+    warmup_steps: int = 30
     """Linear warmup steps of every phase."""
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_windows: int = 32
-    """Held-out windows of seq_len tokens per domain for the metrics."""
+    eval_windows: int = 64
+    """Held-out windows per domain for the metrics."""
+    eval_seq_len: int = 256
+    """Tokens per held-out window."""
 
     def __post_init__(self) -> None:
         if self.batch_size % 2 or self.long_batch_size % 2:

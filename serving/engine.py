@@ -23,6 +23,11 @@ METHODS = ("target", "draft", "pld")
 """``target``: target-only decoding, the reference; ``draft``: speculative decoding with
 the draft model; ``pld``: prompt-lookup decoding."""
 
+DEFAULT_K = {"target": 1, "draft": 4, "pld": 10}
+"""Tokens drafted per step when the request does not say. A model draft pays one draft
+forward per token, so it drafts few; a lookup copy is free, so it drafts as many as HF's
+prompt lookup does (``prompt_lookup_num_tokens=10``)."""
+
 
 @dataclass(frozen=True)
 class ProposerConfig:
@@ -93,13 +98,15 @@ class SpecEngine:
         params: SamplingParams,
         *,
         method: str = "draft",
-        k: int = 4,
+        k: int | None = None,
         proposer_cfg: ProposerConfig | None = None,
         proposer: Proposer | None = None,
     ) -> GenerationResult:
         """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``)."""
         cfg = proposer_cfg or ProposerConfig(method=method)
         method = cfg.method
+        if k is None:
+            k = DEFAULT_K[method]
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, k)
         if proposer is None:

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="tokens drafted per step (default: %(default)s)")
+    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 4 for draft, 10 for pld)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as one JSON line')
     p.set_defaults(func=cmd_generate)
 
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=str(models_dir()), help="model directory (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=3, help="prompts per domain (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion (default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="tokens drafted per step (default: %(default)s)")
+    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 4 for draft, 10 for pld)")
     p.set_defaults(func=cmd_demo)
     return parser
 

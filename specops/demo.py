@@ -15,7 +15,7 @@ DOMAINS = ("code", "prose")
 METHODS = ("target", "draft", "pld")
 
 
-def run_demo(model_dir: Path, *, num_prompts: int = 3, max_new_tokens: int = 64, k: int = 4) -> int:
+def run_demo(model_dir: Path, *, num_prompts: int = 3, max_new_tokens: int = 64, k: int | None = None) -> int:
     from tqdm import tqdm
 
     from serving.engine import SpecEngine
@@ -49,8 +49,9 @@ def run_demo(model_dir: Path, *, num_prompts: int = 3, max_new_tokens: int = 64,
             results.setdefault((domain, method), []).append((out, out.token_ids == ref))
             samples.setdefault(domain, (prompt.text, ref and pair.tokenizer.decode(ref)))
 
-    table = Table(title=f"Greedy decoding of held-out prompts ({num_prompts} per domain, {max_new_tokens} new tokens, k={k})")
-    for col in ("domain", "method", "tokens/s", "speedup", "acceptance", "tokens/target fwd", "identical"):
+    k_text = f"k={k}" if k else "default k: draft 4, pld 10"
+    table = Table(title=f"Greedy decoding of held-out prompts ({num_prompts} per domain, {max_new_tokens} new tokens, {k_text})")
+    for col in ("domain", "method", "tokens/s", "speedup", "acceptance", "tokens/fwd", "identical"):
         table.add_column(col, justify="right" if col not in ("domain", "method") else "left")
     for domain in DOMAINS:
         base = statistics.median(o.stats.tokens_per_s for o, _ in results[(domain, "target")])

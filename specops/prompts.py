@@ -32,7 +32,7 @@ def heldout_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens:
     newline_ids = {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
     prompts: list[Prompt] = []
     for i in order:
-        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(texts[i], add_special_tokens=False, verbose=False)["input_ids"]
         if len(ids) < num_tokens * 2:
             continue
         # Start at a line boundary somewhere in the first part of the document.

@@ -12,7 +12,11 @@ from serving.types import DecodeState, Proposals
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
     """Continuation of the longest trailing n-gram (max_ngram down to min_ngram) that
-    occurred earlier in ``tokens``; the most recent earlier occurrence wins."""
+    occurred earlier in ``tokens``.
+
+    Among the earlier occurrences, the most recent one that still has ``k`` tokens after
+    it wins; if none has, the one with the longest continuation. (In a repetition loop
+    the most recent occurrence is one period back and leaves fewer than ``k`` tokens.)"""
     n_tok = len(tokens)
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         tail = tokens[n_tok - n:]
@@ -20,8 +24,9 @@ def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> li
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            cont = tokens[start : start + k]
+            avail = np.minimum(n_tok - (hits + n), k)  # continuation length after each hit
+            best = int(hits[np.flatnonzero(avail == avail.max())[-1]]) + n
+            cont = tokens[best : best + k]
             if cont.size:
                 return cont.tolist()
     return []

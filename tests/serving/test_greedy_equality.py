@@ -81,3 +81,16 @@ def test_pld_copies_repeated_text(tiny_pair):
     out = engine.generate(looped * 2, SamplingParams(max_new_tokens=40), method="pld", k=6)
     assert out.token_ids == engine.generate(looped * 2, SamplingParams(max_new_tokens=40), method="target").token_ids
     assert out.stats.num_accepted > 0
+
+
+def test_lookup_prefers_recent_match_with_full_continuation():
+    import numpy as np
+
+    from serving.proposers.prompt_lookup import lookup
+
+    # "7 8" occurs at 0, 4 and 8; the continuation after 8 is short (loop of period 4).
+    toks = np.array([7, 8, 1, 2, 7, 8, 3, 4, 7, 8, 5, 7, 8])
+    assert lookup(toks, 3, max_ngram=2) == [5, 7, 8]  # most recent hit with 3 tokens after it
+    assert lookup(toks, 4, max_ngram=2) == [3, 4, 7, 8]  # hit at 4: the latest with 4 after it
+    assert lookup(np.array([1, 2, 3, 9, 2, 3]), 2, max_ngram=3) == [9, 2]  # falls back to a 2-gram
+    assert lookup(np.array([5, 6, 7]), 3, max_ngram=3) == []  # no earlier occurrence

@@ -8,6 +8,7 @@ import torch
 from serving.engine import SpecEngine
 from serving.kv import CachedLM
 from serving.proposers.base import Proposer
+from serving.proposers.draft_model import DraftModelProposer
 from serving.types import DecodeState, Proposals, SamplingParams, Verdict
 
 
@@ -78,3 +79,34 @@ def test_verifier_returns_target_hidden_state(tiny_pair):
     verdict = verifier.verify(state, Proposals(tokens=torch.tensor([[99 % tiny_pair.vocab_size]])))
     assert verdict.target_hidden is not None
     assert verdict.target_hidden.shape == (tiny_pair.target.config.hidden_size,)
+
+
+class CheckedDraftProposer(DraftModelProposer):
+    """Asserts each cached proposal equals a draft rollout recomputed from scratch."""
+
+    checks = 0
+
+    def propose(self, state: DecodeState, k: int) -> Proposals:
+        out = super().propose(state, k)
+        ids = list(state.token_ids)
+        ref = []
+        for _ in range(out.k):
+            nxt = int(full_logits(self.model, ids)[-1].argmax())
+            ref.append(nxt)
+            ids.append(nxt)
+        assert out.tokens[0].tolist() == ref
+        assert self.lm.num_cached <= len(state.token_ids) + out.k
+        CheckedDraftProposer.checks += 1
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_cache_stays_exact_across_rejections(close_pair, k):
+    engine = SpecEngine(close_pair)
+    proposer = CheckedDraftProposer(close_pair.draft)
+    before = CheckedDraftProposer.checks
+    out = engine.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30), k=k, proposer=proposer)
+    ref = engine.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30), method="target")
+    assert out.token_ids == ref.token_ids
+    assert 0 < out.stats.num_accepted < out.stats.num_drafted  # both acceptances and rejections happened
+    assert CheckedDraftProposer.checks - before >= out.stats.num_verify_steps - 1  # the last step may draft 0

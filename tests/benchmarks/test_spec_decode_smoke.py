@@ -1,0 +1,80 @@
+"""The spec_decode benchmark runs end to end on a tiny bootstrap (speed is never asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import spec_decode
+from trainer.bootstrap import run as bootstrap
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "models"
+    bootstrap(out, tiny=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out") / "spec_decode.json"
+    argv = ["--model-dir", str(tiny_models), "--quick", "--prompts", "1", "--max-new-tokens", "8",
+            "--prompt-tokens", "24", "--cost-reps", "5", "--min-cpu-share", "0", "--no-doc", "--json", str(out)]
+    spec_decode.main(argv)
+    return json.loads(out.read_text())
+
+
+def test_summary_has_headline_numbers(report):
+    s = report["summary"]
+    for key in spec_decode.SUMMARY_KEYS:
+        assert isinstance(s[key], float) and math.isfinite(s[key]), (key, s[key])
+    assert s["draft_vs_hf_assisted"] > 0
+    assert s["draft_vs_target_code"] > 0
+    assert s["greedy_identical"] == 1.0
+    assert s["headline_k"] == spec_decode.HEADLINE_K
+    assert 0 < s["c"] < 10
+
+
+def test_every_method_reported_per_domain_and_mode(report):
+    methods = {"hf_target", "hf_assisted", "hf_pld", "target", "draft", "pld"}
+    for domain in spec_decode.DOMAINS:
+        for mode in spec_decode.MODES:
+            rows = report["results"][domain][mode]
+            assert methods <= set(rows), (domain, mode, set(rows))
+            for name, row in rows.items():
+                assert row["num_generated"] > 0, (domain, mode, name)
+                assert row["tokens_per_s"] > 0, (domain, mode, name)
+                assert row["tokens_per_target_forward"] >= 1.0 - 1e-9, (domain, mode, name, row)
+                if row["acceptance_rate"] is not None:
+                    assert 0.0 <= row["acceptance_rate"] <= 1.0, (domain, mode, name, row)
+            assert rows["target"]["acceptance_rate"] is None
+            # Target-only decoding: one target forward per emitted token, for HF and ours.
+            assert rows["hf_target"]["tokens_per_target_forward"] == pytest.approx(1.0)
+            assert rows["target"]["tokens_per_target_forward"] == pytest.approx(1.0)
+    env = report["environment"]
+    assert env["threads"] == 2 and env["torch"] and env["transformers"]
+    assert "--quick" in report["command"]
+
+
+def test_eq2_alpha_round_trips():
+    for k in (1, 2, 4, 6):
+        for alpha in (0.0, 0.3, 0.7, 0.95):
+            m = spec_decode.expected_tokens(alpha, k)
+            assert spec_decode.alpha_from_tokens_per_step(m, k) == pytest.approx(alpha, abs=1e-6)
+    # Eq. 2 at α = 0.8, k = 4, c = 0.1: (1 - 0.8^5) / (0.2 * 1.4)
+    assert spec_decode.eq2_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
+
+
+def test_doc_section_replaced_in_place(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## other\nkeep me\n")
+    spec_decode.write_doc(doc, f"{spec_decode.DOC_BEGIN}\nfirst\n{spec_decode.DOC_END}")
+    doc.write_text(doc.read_text() + "\n## later\nkeep me too\n")
+    spec_decode.write_doc(doc, f"{spec_decode.DOC_BEGIN}\nsecond\n{spec_decode.DOC_END}")
+    text = doc.read_text()
+    assert "first" not in text and text.count("second") == 1
+    assert "keep me\n" in text and "keep me too" in text
+    assert text.count(spec_decode.DOC_BEGIN) == 1 and text.count(spec_decode.DOC_END) == 1

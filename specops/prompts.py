@@ -21,21 +21,26 @@ def heldout_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens:
     Each prompt starts at a line boundary at a seeded position in a distinct held-out
     document, so the models have never trained on it.
     """
-    from trainer.bootstrap import heldout_texts, load_manifest
+    from trainer.bootstrap import load_manifest
+    from trainer.bootstrap.corpus import read_document
 
     manifest = load_manifest(Path(model_dir))
+    if domain not in manifest["domains"]:
+        raise ValueError(f"unknown domain {domain!r}; the bootstrap has {sorted(manifest['domains'])}")
     paths = manifest["domains"][domain]["heldout"]
-    texts = heldout_texts(manifest, domain)
     rng = random.Random(seed)
-    order = list(range(len(texts)))
+    order = list(range(len(paths)))
     rng.shuffle(order)
     newline_ids = {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
     prompts: list[Prompt] = []
     for i in order:
-        ids = tokenizer(texts[i], add_special_tokens=False, verbose=False)["input_ids"]
+        text = read_document(paths[i], domain)  # rendered exactly as in training; None if unreadable now
+        if text is None:
+            continue
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if len(ids) < num_tokens * 2:
             continue
-        # Start at a line boundary somewhere in the first part of the document.
+        # Start right after a seeded line break, leaving room for num_tokens tokens.
         newline_positions = [j for j, t in enumerate(ids[: len(ids) - num_tokens]) if t in newline_ids]
         start = rng.choice(newline_positions) + 1 if newline_positions else 0
         window = ids[start : start + num_tokens]

@@ -104,9 +104,9 @@ class SpecEngine:
     ) -> GenerationResult:
         """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``)."""
         cfg = proposer_cfg or ProposerConfig(method=method)
-        method = cfg.method
         if k is None:
-            k = DEFAULT_K[method]
+            k = DEFAULT_K[cfg.method]
+        method = proposer.name if proposer is not None else cfg.method
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, k)
         if proposer is None:
@@ -147,18 +147,18 @@ class SpecEngine:
 
                 if stats.num_verify_steps == 0:
                     stats.time_s["first_step"] = t2 - t_start  # includes both prefills
-                stats.num_verify_steps += 1
-                stats.num_drafted += verdict.num_drafted
-                stats.num_accepted += len(verdict.accepted)
-                if verdict.rejected is not None:
-                    rejections.append(verdict.rejected)
                 emitted = verdict.emitted
                 finished = None
                 for i, tok in enumerate(emitted):
                     if tok in eos:
-                        emitted = emitted[: i + 1]
+                        emitted = emitted[: i + 1]  # nothing after an EOS counts, or is logged
                         finished = "eos"
                         break
+                stats.num_verify_steps += 1
+                stats.num_drafted += verdict.num_drafted
+                stats.num_accepted += min(len(verdict.accepted), len(emitted))
+                if verdict.rejected is not None and len(emitted) > len(verdict.accepted):
+                    rejections.append(verdict.rejected)
                 state.token_ids.extend(emitted)
                 if finished:
                     stats.finish_reason = finished

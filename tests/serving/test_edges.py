@@ -25,6 +25,8 @@ def test_stops_at_eos_inclusive(close_pair, method):
     out = SpecEngine(pair).generate(prompt, SamplingParams(max_new_tokens=30), method=method, k=5)
     assert out.token_ids == free[: first + 1]
     assert out.stats.finish_reason == "eos"
+    # Every step but the last emits a bonus; the last may end on an accepted EOS. Nothing past EOS counts.
+    assert out.stats.num_accepted <= len(out.token_ids) - (out.stats.num_verify_steps - 1)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7])

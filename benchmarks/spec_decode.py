@@ -52,7 +52,7 @@ import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers.generation.utils import GenerationMixin  # noqa: E402
 
-from serving.engine import DEFAULT_K, ProposerConfig, SpecEngine, build_proposer  # noqa: E402
+from serving.engine import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from serving.kv import CachedLM  # noqa: E402
 from serving.models import ModelPair, load_model_dir  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
@@ -183,7 +183,7 @@ class Outcome:
     num_accepted: int | None
     num_verify_steps: int | None
     num_rejected_steps: int | None = None
-    """Verification steps that rejected a draft (ours only; the step that hits EOS is not seen)."""
+    """Verification steps that rejected a draft (ours only, from the engine's stats)."""
     finish_reason: str | None = None
     cpu_share: float | None = None
     """Process CPU seconds / wall seconds of the call: well below 1 means the process was
@@ -247,22 +247,11 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
 def our_method(name: str, engine: SpecEngine, cfg: ProposerConfig, k: int, headline: bool = True) -> Method:
     def run(prompt_ids: list[int], temperature: float, max_new_tokens: int, seed: int) -> Outcome:
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-        # The engine's own proposer, with observe() wrapped to count rejected steps (for α).
-        proposer = build_proposer(cfg, engine.pair)
-        rejected = [0]
-        if proposer is not None:
-            observe = proposer.observe
-
-            def counted(state, verdict):
-                rejected[0] += verdict.num_drafted > 0 and len(verdict.accepted) < verdict.num_drafted
-                observe(state, verdict)
-
-            proposer.observe = counted
         t0 = time.perf_counter()
-        res = engine.generate(prompt_ids, params, proposer_cfg=cfg, proposer=proposer, k=k)
+        res = engine.generate(prompt_ids, params, proposer_cfg=cfg, k=k)
         wall = time.perf_counter() - t0
         s = res.stats
-        spec = proposer is not None
+        spec = cfg.method != "target"
         return Outcome(
             token_ids=list(res.token_ids),
             wall_s=wall,
@@ -270,7 +259,7 @@ def our_method(name: str, engine: SpecEngine, cfg: ProposerConfig, k: int, headl
             num_drafted=s.num_drafted if spec else None,
             num_accepted=s.num_accepted if spec else None,
             num_verify_steps=s.num_verify_steps if spec else None,
-            num_rejected_steps=rejected[0] if spec else None,
+            num_rejected_steps=s.num_rejected_steps if spec else None,
             finish_reason=s.finish_reason,
         )
 

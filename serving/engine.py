@@ -157,8 +157,10 @@ class SpecEngine:
                 stats.num_verify_steps += 1
                 stats.num_drafted += verdict.num_drafted
                 stats.num_accepted += min(len(verdict.accepted), len(emitted))
-                if verdict.rejected is not None and len(emitted) > len(verdict.accepted):
-                    rejections.append(verdict.rejected)
+                if len(verdict.accepted) < verdict.num_drafted and len(emitted) > len(verdict.accepted):
+                    stats.num_rejected_steps += 1
+                    if verdict.rejected is not None:
+                        rejections.append(verdict.rejected)
                 state.token_ids.extend(emitted)
                 if finished:
                     stats.finish_reason = finished

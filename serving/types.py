@@ -138,6 +138,8 @@ class RequestStats:
     num_target_forwards: int = 0
     """Target forward passes (the first one is also the prefill)."""
     num_verify_steps: int = 0
+    num_rejected_steps: int = 0
+    """Verification steps that rejected a drafted token (the rest accepted all they checked)."""
     num_draft_forwards: int = 0
     finish_reason: str = ""
     """``eos``, ``length`` (max_new_tokens) or ``context`` (model context full)."""
@@ -176,6 +178,7 @@ class RequestStats:
             "num_accepted": self.num_accepted,
             "num_target_forwards": self.num_target_forwards,
             "num_verify_steps": self.num_verify_steps,
+            "num_rejected_steps": self.num_rejected_steps,
             "num_draft_forwards": self.num_draft_forwards,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),

@@ -67,7 +67,9 @@ def test_rejection_at_every_draft_position(tiny_pair, wrong_at):
         assert rej.emitted_token == (prompt + truth)[pos] != rej.drafted_token
         ref = full_logits(tiny_pair.target, (prompt + truth)[:pos])[-1]
         assert torch.allclose(rej.target_logits, ref, atol=1e-4)
-    assert len(out.rejections) == sum(len(v.accepted) < v.num_drafted for v in proposer.verdicts)
+    assert len(out.rejections) == out.stats.num_rejected_steps == sum(
+        len(v.accepted) < v.num_drafted for v in proposer.verdicts
+    )
 
 
 def test_verifier_returns_target_hidden_state(tiny_pair):

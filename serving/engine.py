@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from serving.proposers.draft_model import DraftModelProposer
 from serving.proposers.prompt_lookup import PromptLookupProposer
 from serving.types import DecodeState, GenerationResult, Proposals, RequestStats, SamplingParams
 from serving.verifier import Verifier
+
+if TYPE_CHECKING:
+    from serving.stream_logger import RequestMeta, StreamLogger
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +73,13 @@ class SpecEngine:
     KV-cached loop: every speculative method must equal it token for token when greedy.
     """
 
-    def __init__(self, pair: ModelPair, *, collect_rejections: bool = False) -> None:
+    def __init__(
+        self, pair: ModelPair, *, collect_rejections: bool = False, logger: "StreamLogger | None" = None
+    ) -> None:
         self.pair = pair
-        self.collect_rejections = collect_rejections
+        self.logger = logger
+        # the logger needs the target's distribution at every rejected position
+        self.collect_rejections = collect_rejections or (logger is not None and logger.cfg.enabled)
 
     @property
     def context_size(self) -> int:
@@ -101,8 +109,13 @@ class SpecEngine:
         k: int | None = None,
         proposer_cfg: ProposerConfig | None = None,
         proposer: Proposer | None = None,
+        meta: "RequestMeta | None" = None,
     ) -> GenerationResult:
-        """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``)."""
+        """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``).
+
+        With a stream logger, the finished request is handed to it (``meta`` names the
+        request, its cluster and the draft version); that never blocks or raises.
+        """
         cfg = proposer_cfg or ProposerConfig(method=method)
         if k is None:
             k = DEFAULT_K[cfg.method]
@@ -177,4 +190,11 @@ class SpecEngine:
         stats.time_s["total"] = time.perf_counter() - t_start
         out_ids = state.token_ids[len(prompt_ids):]
         text = self.pair.tokenizer.decode(out_ids) if self.pair.tokenizer is not None else None
-        return GenerationResult(token_ids=out_ids, stats=stats, rejections=rejections, text=text)
+        result = GenerationResult(token_ids=out_ids, stats=stats, rejections=rejections, text=text)
+        if self.logger is not None:
+            from serving.stream_logger import RequestMeta
+
+            t_log = time.perf_counter()
+            self.logger.log(prompt_ids, result, params, meta or RequestMeta())
+            stats.time_s["log"] = time.perf_counter() - t_log
+        return result

@@ -59,7 +59,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
     )
     prompt_ids = pair.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] if args.prompt else []
-    result = SpecEngine(pair).generate(prompt_ids, params, method=args.method, k=args.k)
+    logger = None
+    if args.stream:
+        from serving.stream_logger import StreamLogger
+
+        logger = StreamLogger(args.stream, vocab_size=pair.vocab_size)
+    try:
+        from serving.stream_logger import RequestMeta
+
+        meta = RequestMeta(cluster=args.cluster, draft_model="bootstrap-draft" if args.method == "draft" else "")
+        result = SpecEngine(pair, logger=logger).generate(prompt_ids, params, method=args.method, k=args.k, meta=meta)
+    finally:
+        if logger is not None:
+            logger.close(timeout_s=30)
+            if logger.stats.published:
+                log.info("logged request %s to %s", meta.request_id, args.stream)
+            else:
+                log.warning("could not log the request to %s (dropped: %s)", args.stream, logger.stats.dropped)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     else:
@@ -72,6 +88,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+# ---------------------------------------------------------------- streams
+def cmd_streams_inspect(args: argparse.Namespace) -> int:
+    from specops.streams_cli import inspect
+
+    return inspect(args.url, args.topic, limit=args.limit, tail=args.tail, group=args.group, as_json=args.json)
+
+
+def cmd_streams_topics(args: argparse.Namespace) -> int:
+    from specops.streams_cli import topics
+
+    return topics(args.url)
 
 
 # ---------------------------------------------------------------- demo
@@ -123,7 +152,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 4 for draft, 10 for pld)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as one JSON line')
+    p.add_argument("--stream", default=None, metavar="URL",
+                   help="also log the request (MissRecord + GenerationRecord) to this stream, "
+                   "e.g. local://./.specops/streams or kafka://127.0.0.1:9092")  # fmt: skip
+    p.add_argument("--cluster", default="default", help="cluster id the logged records carry (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "streams",
+        help="look into a stream: its topics, and the records of one topic",
+        description="Read-only tools for the streams serving logs to and the trainer consumes. "
+        "URL is local:///abs/path, local://./relative/path or kafka://host:port[,host:port]; "
+        "Kafka TLS/SASL settings come from SPECOPS_STREAM_* environment variables.",
+    )
+    streams_sub = p.add_subparsers(dest="streams_command", required=True, metavar="SUBCOMMAND")
+    q = streams_sub.add_parser(
+        "inspect",
+        help="print a readable summary of the records of one topic, dead letters included",
+        description="Reads TOPIC outside any consumer group (commits nothing) and prints one line per record: "
+        "partition, offset, time, key, type, size and a summary (request, acceptance, rejected positions; or "
+        "the source and reason of a dead letter). Records that fail validation are shown as INVALID with the "
+        "reason. Ends with totals per type and per cluster, and the group's lag with --group.",
+    )
+    q.add_argument("url", help="stream URL")
+    q.add_argument("topic", help="topic, e.g. spec.misses, spec.generations, spec.events, spec.deadletter")
+    q.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N records of each partition")
+    q.add_argument("--limit", type=int, default=50, help="rows to print, 0 = all (default: %(default)s)")
+    q.add_argument("--group", default=None, help="also show this consumer group's committed offsets and lag")
+    q.add_argument("--json", action="store_true", help="one JSON object per record instead of a table")
+    q.set_defaults(func=cmd_streams_inspect)
+    q = streams_sub.add_parser("topics", help="list topics with partitions and record counts",
+                               description="Lists every topic at URL with its partitions and records.")  # fmt: skip
+    q.add_argument("url", help="stream URL")
+    q.set_defaults(func=cmd_streams_topics)
 
     p = sub.add_parser(
         "demo",
@@ -144,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(-1 if args.quiet else args.verbose)
     from serving.errors import SpecOpsError
+    from streams.errors import StreamError
 
     try:
         return int(args.func(args) or 0)
-    except SpecOpsError as err:
+    except (SpecOpsError, StreamError) as err:
         print(f"specops {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -58,3 +58,31 @@ def test_every_subcommand_has_help():
     for cmd in ("bootstrap", "generate", "demo"):
         run = specops(cmd, "--help")
         assert run.returncode == 0 and "usage: specops" in run.stdout
+
+
+def test_generate_logs_to_a_stream_and_inspect_shows_it(tiny_dir, tmp_path):
+    url = f"local://{tmp_path}/streams"
+    run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "8",
+                  "--stream", url, "--cluster", "code", "--json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    from streams import OutMessage, open_stream
+
+    with open_stream(url) as s, s.producer() as p:
+        p.publish("spec.misses", [OutMessage(b"code", b"not a record")])
+    run = specops("streams", "inspect", url, "spec.misses", "--json")
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["type"] for r in rows] == ["MissRecord", "INVALID"]
+    assert rows[0]["cluster"] == "code" and "bad magic" in rows[1]["summary"]
+    run = specops("streams", "inspect", url, "spec.misses", "--group", "trainer")
+    assert run.returncode == 0, run.stderr
+    assert "1 INVALID, 1 MissRecord" in run.stdout and "lag 2 record(s)" in run.stdout
+    run = specops("streams", "topics", url)
+    assert "spec.generations" in run.stdout and "spec.misses" in run.stdout
+
+
+def test_streams_inspect_explains_bad_urls_and_missing_topics(tmp_path):
+    run = specops("streams", "inspect", "redis://x", "spec.misses")
+    assert run.returncode == 2 and "local:// or kafka://" in run.stderr
+    run = specops("streams", "inspect", f"local://{tmp_path}/empty", "spec.misses")
+    assert run.returncode == 1 and "does not exist" in run.stderr

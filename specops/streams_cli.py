@@ -1,0 +1,131 @@
+"""``specops streams inspect|topics``: what is in a stream, readable by a person."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections import Counter, defaultdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from streams import Message, StreamConfig, open_stream
+from streams.codec import decode
+from streams.errors import RecordValidationError
+from streams.records import DeadLetter, GenerationRecord, MissRecord, ModelEvent
+
+
+def summarize(msg: Message) -> dict[str, Any]:
+    """One message as a flat dict: where it is, what it is, and the gist of it."""
+    row: dict[str, Any] = {
+        "partition": msg.partition,
+        "offset": msg.offset,
+        "time": dt.datetime.fromtimestamp(msg.timestamp_ms / 1000).isoformat(timespec="seconds"),
+        "key": msg.key.decode(errors="replace") if msg.key is not None else None,
+        "bytes": len(msg.value),
+    }
+    try:
+        rec = decode(msg.value)
+    except RecordValidationError as e:
+        return {**row, "type": "INVALID", "summary": str(e)}
+    row["type"] = type(rec).__name__
+    if isinstance(rec, MissRecord):
+        alpha = rec.num_accepted / rec.num_drafted if rec.num_drafted else 0.0
+        k = rec.logprobs.shape[1] if rec.dist_kind == "topk" else "all"
+        row.update(
+            request_id=rec.request_id, cluster=rec.cluster, alpha=round(alpha, 4), num_rejected=rec.num_rejected,
+            summary=f"{rec.request_id} {rec.method} {rec.draft_model}@{rec.draft_version or '-'} "
+            f"tokens {rec.num_prompt_tokens}+{len(rec.token_ids) - rec.num_prompt_tokens} "
+            f"accepted {rec.num_accepted}/{rec.num_drafted}, {rec.num_rejected} rejected "
+            f"({rec.dist_kind} k={k}, {rec.logprobs.dtype})",
+        )  # fmt: skip
+    elif isinstance(rec, GenerationRecord):
+        row.update(
+            request_id=rec.request_id, cluster=rec.cluster,
+            summary=f"{rec.request_id} {rec.method} prompt {len(rec.prompt_ids)} output {len(rec.output_ids)} "
+            f"finish={rec.finish_reason or '-'}",
+        )  # fmt: skip
+    elif isinstance(rec, ModelEvent):
+        prev = f" (was {rec.previous_version})" if rec.previous_version else ""
+        row["summary"] = f"{rec.kind} {rec.model_name}@{rec.alias} -> {rec.version}{prev} {rec.reason}".strip()
+    elif isinstance(rec, DeadLetter):
+        from streams.codec import peek_type
+
+        row.update(
+            source=f"{rec.source_topic}[{rec.source_partition}]@{rec.source_offset}",
+            summary=f"from {rec.source_topic}[{rec.source_partition}]@{rec.source_offset} "
+            f"({len(rec.value)} bytes, looks like {peek_type(rec.value)}, group {rec.consumer_group or '-'}): "
+            f"{rec.reason}",
+        )  # fmt: skip
+    return row
+
+
+def inspect(url: str, topic: str, *, limit: int, tail: int | None, group: str | None, as_json: bool) -> int:
+    cfg = StreamConfig.from_env(url=url)
+    with open_stream(cfg) as stream:
+        topics = stream.list_topics()
+        if topic not in topics:
+            known = ", ".join(sorted(topics)) or "none"
+            print(f"topic {topic!r} does not exist at {url} (topics: {known})", file=sys.stderr)
+            return 1
+        ends = stream.end_offsets(topic)
+        rows = [summarize(m) for m in stream.read(topic, from_end=tail)]
+        committed = stream.committed(group, topic) if group else {}
+    rows.sort(key=lambda r: (r["partition"], r["offset"]))
+    if as_json:
+        for r in rows[:limit] if limit else rows:
+            print(json.dumps(r))
+        return 0
+    console = Console()
+    table = Table(title=f"{topic} at {url}", show_lines=False)
+    for col in ("p", "offset", "time", "key", "type", "bytes", "summary"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("p", "offset", "bytes") else "left")
+    shown = rows[:limit] if limit else rows
+    for r in shown:
+        style = "red" if r["type"] in ("INVALID", "DeadLetter") else None
+        table.add_row(str(r["partition"]), str(r["offset"]), r["time"], r["key"] or "-", r["type"], str(r["bytes"]),
+                      r["summary"], style=style)  # fmt: skip
+    console.print(table)
+    if len(shown) < len(rows):
+        console.print(f"... {len(rows) - len(shown)} more (use --limit 0 for all)")
+    _print_totals(console, rows, ends, committed, group)
+    return 0
+
+
+def _print_totals(console: Console, rows: list[dict], ends: dict[int, int], committed: dict[int, int], group: str | None) -> None:
+    types = Counter(r["type"] for r in rows)
+    console.print("records: " + (", ".join(f"{n} {t}" for t, n in sorted(types.items())) or "none")
+                  + f"; {sum(r['bytes'] for r in rows)} bytes")  # fmt: skip
+    per_cluster: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["type"] == "MissRecord":
+            per_cluster[r["cluster"]].append(r)
+    for cluster, rs in sorted(per_cluster.items()):
+        mean = sum(r["alpha"] for r in rs) / len(rs)
+        console.print(f"cluster {cluster}: {len(rs)} request(s), mean acceptance {mean:.3f}, "
+                      f"{sum(r['num_rejected'] for r in rs)} rejected positions")  # fmt: skip
+    reasons = Counter(r["summary"].split(": ", 1)[-1].split(":")[0] for r in rows if r["type"] == "DeadLetter")
+    for reason, n in reasons.most_common():
+        console.print(f"dead letters: {n} x {reason}", style="red")
+    parts = ", ".join(f"p{p}={e}" for p, e in sorted(ends.items()))
+    console.print(f"end offsets: {parts or '-'}")
+    if group:
+        lag = sum(e - committed.get(p, 0) for p, e in ends.items())
+        done = ", ".join(f"p{p}={c}" for p, c in sorted(committed.items())) or "nothing committed"
+        console.print(f"group {group}: {done}; lag {lag} record(s)")
+
+
+def topics(url: str) -> int:
+    cfg = StreamConfig.from_env(url=url)
+    console = Console()
+    with open_stream(cfg) as stream:
+        found = stream.list_topics()
+        table = Table(title=f"topics at {url}")
+        for col in ("topic", "partitions", "records"):
+            table.add_column(col, justify="left" if col == "topic" else "right")
+        for name, n in sorted(found.items()):
+            table.add_row(name, str(n), str(sum(stream.end_offsets(name).values())))
+    console.print(table)
+    return 0

@@ -1,0 +1,134 @@
+"""Typed configuration of the streams package.
+
+Every field has a default; ``StreamConfig.from_env()`` applies ``SPECOPS_STREAM_*``
+overrides (for example ``SPECOPS_STREAM_URL=kafka://broker:9092``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from streams.errors import StreamConfigError
+
+ENV_PREFIX = "SPECOPS_STREAM_"
+
+
+@dataclass
+class Topics:
+    """Topic names (the defaults are the design's)."""
+
+    misses: str = "spec.misses"
+    """One ``MissRecord`` per finished request, keyed by cluster id."""
+    generations: str = "spec.generations"
+    """One ``GenerationRecord`` per finished request, keyed by cluster id."""
+    events: str = "spec.events"
+    """``ModelEvent`` promotions and rollbacks, keyed by model name."""
+    deadletter: str = "spec.deadletter"
+    """Invalid records, with where they came from and why they were refused."""
+
+    def all(self) -> list[str]:
+        return [self.misses, self.generations, self.events, self.deadletter]
+
+
+@dataclass
+class StreamConfig:
+    """How to reach the stream and how its clients behave."""
+
+    url: str = "local://./.specops/streams"
+    """``local:///abs/path`` or ``local://./relative/path`` (embedded durable log), or
+    ``kafka://host:port[,host:port]``."""
+    topics: Topics = field(default_factory=Topics)
+    num_partitions: int = 8
+    """Partitions of topics this system creates (one cluster always maps to one)."""
+    replication_factor: int = 1
+    """Kafka replication factor of created topics."""
+    session_timeout_s: float = 10.0
+    """A group member silent for this long is considered dead and its partitions move."""
+    heartbeat_interval_s: float = 3.0
+    """How often a consumer tells its group it is alive (less than a third of the session timeout)."""
+    max_poll_interval_s: float = 300.0
+    """A member that does not poll for this long leaves its group (stuck processing)."""
+    request_timeout_s: float = 30.0
+    """How long a publish waits for the backend's acknowledgement."""
+    # --- kafka only
+    security_protocol: str = "PLAINTEXT"
+    """``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT`` or ``SASL_SSL``."""
+    ssl_cafile: str | None = None
+    """CA bundle that signed the brokers' certificates."""
+    ssl_certfile: str | None = None
+    """Client certificate (mutual TLS)."""
+    ssl_keyfile: str | None = None
+    """Client private key (mutual TLS)."""
+    ssl_check_hostname: bool = True
+    """Verify the broker's certificate matches its host name."""
+    sasl_mechanism: str | None = None
+    """``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512`` or ``OAUTHBEARER``."""
+    sasl_plain_username: str | None = None
+    """SASL user (PLAIN and SCRAM)."""
+    sasl_plain_password: str | None = None
+    """SASL password (PLAIN and SCRAM); prefer the environment variable to a file."""
+    client_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed verbatim to every kafka-python client."""
+    # --- local only
+    fsync: bool = True
+    """Local log: ``fsync`` every published batch (survives power loss, not only kill -9)."""
+    segment_bytes: int = 64 * 1024 * 1024
+    """Local log: roll to a new segment file past this size."""
+
+    def __post_init__(self) -> None:
+        if not (self.url.startswith("local://") or self.url.startswith("kafka://")):
+            raise StreamConfigError(
+                f"stream url must start with local:// or kafka://, got {self.url!r} "
+                "(for example local://./.specops/streams or kafka://127.0.0.1:9092)"
+            )
+        if self.num_partitions < 1:
+            raise StreamConfigError(f"num_partitions must be >= 1, got {self.num_partitions}")
+        if self.heartbeat_interval_s <= 0 or self.session_timeout_s < 2 * self.heartbeat_interval_s:
+            raise StreamConfigError(
+                "session_timeout_s must be at least twice heartbeat_interval_s "
+                f"(got {self.session_timeout_s} and {self.heartbeat_interval_s})"
+            )
+        if self.max_poll_interval_s < self.session_timeout_s:
+            raise StreamConfigError(
+                f"max_poll_interval_s ({self.max_poll_interval_s}) must be >= session_timeout_s ({self.session_timeout_s})"
+            )
+        if self.segment_bytes < 1024:
+            raise StreamConfigError(f"segment_bytes must be >= 1024, got {self.segment_bytes}")
+        if self.security_protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
+            raise StreamConfigError(f"unknown security_protocol {self.security_protocol!r}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "StreamConfig":
+        """Defaults, then ``SPECOPS_STREAM_<FIELD>`` variables, then ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in ("topics", "client_options"):
+                continue
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            values[f.name] = _parse(raw, f.type, f.name)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(raw: str, type_: Any, name: str) -> Any:
+    t = str(type_)
+    try:
+        if t.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise StreamConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}") from None
+    return raw

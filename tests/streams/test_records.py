@@ -1,0 +1,143 @@
+"""Record encoding is compact and bit-exact, and decoding refuses every malformed input
+with a typed error that names the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+import zstandard
+
+from streams import codec
+from streams.errors import RecordValidationError
+from streams.records import SCHEMA_VERSION, DeadLetter, MissRecord
+from tests.streams.records_factory import generation_record, miss_record, model_event
+
+
+def _same(a, b) -> None:
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_every_record_type_round_trips_bit_exact(compress):
+    dead = DeadLetter("spec.misses", 3, 17, b"code", b"\x00garbage\xff", "record.header: bad magic", "RecordValidationError", "trainer")
+    for rec in [miss_record(1), miss_record(2, kind="full"), miss_record(3, dtype=np.float16), miss_record(4, m=0),
+                generation_record(5), model_event(), dead]:  # fmt: skip
+        data = codec.encode(rec, compress=compress)
+        assert data[:2] == b"SO" and data[4:6] == SCHEMA_VERSION.to_bytes(2, "little")
+        _same(rec, codec.decode(data))
+
+
+def test_encoding_is_binary_and_compressed():
+    rec = miss_record(1, vocab=4096, n=120, m=12, k=64)
+    data = codec.encode(rec)
+    assert data[3] == codec.COMPRESS_ZSTD
+    raw_tensors = rec.token_ids.nbytes + rec.logprobs.nbytes + rec.topk_ids.nbytes + rec.residual.nbytes
+    assert len(data) < raw_tensors  # smaller than the raw arrays it carries
+    json_like = len(str(rec.logprobs.tolist()))
+    assert len(data) < json_like / 2
+
+
+def _bad(rec: MissRecord, **changes) -> MissRecord:
+    return dataclasses.replace(rec, **changes)
+
+
+BASE = miss_record(7)
+
+
+@pytest.mark.parametrize(
+    "changes, field, words",
+    [
+        ({"token_ids": BASE.token_ids.astype(np.int64)}, "token_ids", "dtype"),
+        ({"token_ids": BASE.token_ids.reshape(2, -1)}, "token_ids", "dimension"),
+        ({"vocab_size": 10}, "token_ids", "[0, 10)"),
+        ({"positions": BASE.positions - 15}, "positions", "must lie in the output"),
+        ({"positions": BASE.positions[::-1].copy()}, "positions", ""),
+        ({"drafted_tokens": BASE.token_ids[BASE.positions].copy()}, "drafted_tokens", "must differ"),
+        ({"drafted_tokens": BASE.drafted_tokens[:-1].copy()}, "drafted_tokens", "shape"),
+        ({"num_accepted": BASE.num_drafted + 1}, "num_accepted", "outside"),
+        ({"num_drafted": 3, "num_accepted": 0}, "positions", "were not accepted"),
+        ({"logprobs": np.full_like(BASE.logprobs, np.nan)}, "logprobs", "NaN"),
+        ({"logprobs": BASE.logprobs + 5.0}, "logprobs", "<= 0"),
+        ({"logprobs": BASE.logprobs - 0.5}, "logprobs", "not normalised"),
+        ({"residual": BASE.residual + 2}, "residual", "[0, 1]"),
+        ({"topk_ids": np.zeros_like(BASE.topk_ids)}, "topk_ids", "repeats"),
+        ({"topk_ids": BASE.topk_ids[:, :3].copy()}, "topk_ids", "shape"),
+        ({"logprobs": BASE.logprobs.astype(np.float64)}, "logprobs", "dtype"),
+        ({"dist_kind": "sparse"}, "dist_kind", "must be"),
+        ({"cluster": ""}, "cluster", "empty"),
+        ({"timestamp": float("nan")}, "timestamp", "finite"),
+        ({"schema": SCHEMA_VERSION + 1}, "schema", "outside"),
+    ],
+)
+def test_invalid_miss_records_are_refused_with_the_field_named(changes, field, words):
+    rec = _bad(BASE, **changes)
+    with pytest.raises(RecordValidationError) as err:
+        codec.encode(rec)
+    assert err.value.field == field and words in err.value.reason, str(err.value)
+
+
+def test_full_distribution_rows_must_cover_the_vocab():
+    rec = miss_record(2, kind="full")
+    with pytest.raises(RecordValidationError, match="columns"):
+        codec.encode(dataclasses.replace(rec, logprobs=rec.logprobs[:, :-1].copy()))
+
+
+def _raw(rec) -> tuple[bytes, dict]:
+    data = codec.encode(rec, compress=False)
+    return data[:6], msgpack.unpackb(data[6:], raw=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
+
+
+def _pack(header: bytes, body: dict) -> bytes:
+    return header + msgpack.packb(body, use_bin_type=True)
+
+
+def test_malformed_bytes_are_refused_with_a_reason():
+    good = codec.encode(miss_record(1))
+    header, body = _raw(miss_record(1))
+    cases = {
+        b"": "shorter than",
+        b"XX" + good[2:]: "bad magic",
+        good[:2] + b"\x09" + good[3:]: "unknown record type",
+        good[:3] + b"\x07" + good[4:]: "unknown compression",
+        good[:4] + (SCHEMA_VERSION + 1).to_bytes(2, "little") + good[6:]: "upgrade the consumer",
+        good[:-9]: "zstd",
+        header + b"\xc1\xc1": "MessagePack",
+        _pack(header, {k: v for k, v in body.items() if k != "pos"}): "positions: missing",
+        _pack(header, {**body, "lp": msgpack.ExtType(1, body["lp"].data[:-4])}): "needs",
+        _pack(header, {**body, "lp": msgpack.ExtType(7, b"\x00")}): "unknown extension",
+        _pack(header, [1, 2, 3]): "expected a map",  # type: ignore[arg-type]
+        _pack(header, {**body, "sp": "greedy"}): "sampling",
+    }
+    for data, words in cases.items():
+        with pytest.raises(RecordValidationError) as err:
+            codec.decode(data)
+        assert words in str(err.value), (words, str(err.value))
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    header, body = _raw(model_event())
+    rec = codec.decode(_pack(header, {**body, "new_field": 1}))
+    assert rec.version == "4"
+
+
+def test_decompression_is_bounded(monkeypatch):
+    monkeypatch.setattr(codec, "MAX_BODY_BYTES", 4096)
+    body = msgpack.packb({"pad": b"\x00" * 100_000}, use_bin_type=True)
+    data = codec.HEADER.pack(codec.MAGIC, 3, codec.COMPRESS_ZSTD, 1) + zstandard.ZstdCompressor().compress(body)
+    assert len(data) < 1000
+    with pytest.raises(RecordValidationError, match="zstd"):
+        codec.decode(data)
+
+
+def test_peek_type_names_the_record_or_says_unknown():
+    assert codec.peek_type(codec.encode(model_event())) == "ModelEvent"
+    assert codec.peek_type(b"nope") == "?"

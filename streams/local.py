@@ -341,7 +341,9 @@ class LocalProducer(Producer):
         if (topic, p) not in self._appenders:
             cfg = self._stream.cfg
             pdir = self._stream.partition_dir(topic, p)
-            self._appenders[(topic, p)] = PartitionAppender(pdir, cfg.segment_bytes, cfg.fsync)
+            self._appenders[(topic, p)] = PartitionAppender(
+                pdir, cfg.segment_bytes, cfg.fsync, cfg.retention_bytes, cfg.retention_s
+            )
         return self._appenders[(topic, p)]
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import fcntl
 import logging
 import os
 import struct
+import time
 import zlib
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -325,8 +326,11 @@ def write_all(fd: int, data: bytes | bytearray) -> None:
 class PartitionAppender:
     """Appends batches to one partition, under the partition's flock."""
 
-    def __init__(self, pdir: Path, segment_bytes: int, fsync: bool) -> None:
+    def __init__(
+        self, pdir: Path, segment_bytes: int, fsync: bool, retention_bytes: int = 0, retention_s: float = 0.0
+    ) -> None:
         self.pdir, self.segment_bytes, self.fsync = pdir, segment_bytes, fsync
+        self.retention_bytes, self.retention_s = retention_bytes, retention_s
         self._lock_fd: int | None = None
         self._fd: int | None = None
         self._fd_key: tuple[int, int] | None = None  # (segment base, inode) of _fd
@@ -387,6 +391,7 @@ class PartitionAppender:
 
     def _write(self, records: list[tuple[bytes | None, bytes]], timestamp_ms: int) -> int:
         assert self._tail is not None
+        start_base = self._tail.base
         self._open_segment(self._tail.base)
         first = offset = self._tail.next_offset
         buf = bytearray()
@@ -399,7 +404,37 @@ class PartitionAppender:
             buf += encode_frame(offset, timestamp_ms, key, value)
             offset += 1
         self._flush(buf, offset)
+        if self._tail.base != start_base:  # rolled: the right moment to apply retention
+            self._enforce_retention()
         return first
+
+    def _enforce_retention(self) -> None:
+        """Delete whole sealed segments, oldest first, that are older than ``retention_s``
+        or beyond ``retention_bytes`` for the partition (0 disables either). Runs under
+        the partition lock when a segment rolls; the active segment is never deleted.
+        A reader holding a deleted segment open finishes it; a consumer whose committed
+        offset was deleted restarts at the earliest record, with a warning."""
+        if not (self.retention_bytes or self.retention_s):
+            return
+        bases = list_segments(self.pdir)
+        sizes = {}
+        for b in bases:
+            with contextlib.suppress(FileNotFoundError):
+                sizes[b] = os.stat(segment_path(self.pdir, b))
+        total = sum(st.st_size for st in sizes.values())
+        now = time.time()
+        for b in bases[:-1]:
+            st = sizes.get(b)
+            if st is None:
+                continue
+            too_old = self.retention_s and now - st.st_mtime > self.retention_s
+            too_big = self.retention_bytes and total > self.retention_bytes
+            if not (too_old or too_big):
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment_path(self.pdir, b))
+                total -= st.st_size
+                log.info("%s: retention deleted segment %d (%d bytes)", self.pdir, b, st.st_size)
 
     def _flush(self, buf: bytearray, next_offset: int) -> None:
         assert self._tail is not None and self._fd is not None and self._fd_key is not None

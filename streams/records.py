@@ -77,6 +77,16 @@ def _check_time(record: str, value: object) -> None:
         _fail(record, "timestamp", f"expected finite seconds since the epoch, got {value!r}")
 
 
+def _check_request(record: str, rec: "MissRecord | GenerationRecord") -> None:
+    """Fields every per-request record shares: schema, ids, method, drafter."""
+    _check_int(record, "schema", rec.schema, 1, SCHEMA_VERSION)
+    for name in ("request_id", "cluster", "method"):
+        _check_str(record, name, getattr(rec, name))
+    _check_str(record, "draft_model", rec.draft_model, empty_ok=True)
+    _check_str(record, "draft_version", rec.draft_version, empty_ok=True)
+    _check_int(record, "vocab_size", rec.vocab_size, 1, 1 << 24)
+
+
 @dataclass(frozen=True)
 class SamplingInfo:
     """The request's sampling parameters (as the engine's ``SamplingParams``)."""
@@ -158,15 +168,10 @@ class MissRecord:
 
     def validate(self) -> None:
         r = self.TYPE
-        _check_int(r, "schema", self.schema, 1, SCHEMA_VERSION)
-        for name in ("request_id", "cluster", "method"):
-            _check_str(r, name, getattr(self, name))
-        _check_str(r, "draft_model", self.draft_model, empty_ok=True)
-        _check_str(r, "draft_version", self.draft_version, empty_ok=True)
+        _check_request(r, self)
         if not isinstance(self.sampling, SamplingInfo):
             _fail(r, "sampling", f"expected SamplingInfo, got {type(self.sampling).__name__}")
         self.sampling.validate(r)
-        _check_int(r, "vocab_size", self.vocab_size, 1, 1 << 24)
         ids = _check_array(r, "token_ids", self.token_ids, (np.dtype(np.int32),), 1)
         n = ids.shape[0]
         if n > MAX_TOKENS:
@@ -266,13 +271,8 @@ class GenerationRecord:
 
     def validate(self) -> None:
         r = self.TYPE
-        _check_int(r, "schema", self.schema, 1, SCHEMA_VERSION)
-        for name in ("request_id", "cluster", "method"):
-            _check_str(r, name, getattr(self, name))
-        _check_str(r, "draft_model", self.draft_model, empty_ok=True)
-        _check_str(r, "draft_version", self.draft_version, empty_ok=True)
+        _check_request(r, self)
         _check_str(r, "finish_reason", self.finish_reason, empty_ok=True, max_len=32)
-        _check_int(r, "vocab_size", self.vocab_size, 1, 1 << 24)
         for name in ("prompt_ids", "output_ids"):
             a = _check_array(r, name, getattr(self, name), (np.dtype(np.int32),), 1)
             if a.shape[0] > MAX_TOKENS:

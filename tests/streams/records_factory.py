@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from streams.records import DIST_FULL, DIST_TOPK, GenerationRecord, MissRecord, ModelEvent, SamplingInfo
@@ -44,3 +46,14 @@ def generation_record(seed: int = 0, cluster: str = "code", vocab: int = 512) ->
 
 def model_event() -> ModelEvent:
     return ModelEvent(kind="promotion", model_name="draft-code", version="4", previous_version="3", reason="gate +0.031")
+
+
+def assert_same_record(a, b) -> None:
+    """Field by field equality; arrays must match in dtype, shape and every byte."""
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
+        else:
+            assert x == y, f.name

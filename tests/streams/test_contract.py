@@ -19,7 +19,7 @@ from streams import OutMessage, StreamConfig, codec, open_stream
 from streams.base import partition_for_key
 from streams.consumer import RecordConsumer
 from streams.records import DeadLetter, MissRecord
-from tests.streams.records_factory import generation_record, miss_record, model_event
+from tests.streams.records_factory import assert_same_record, generation_record, miss_record, model_event
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,13 +45,7 @@ def test_records_round_trip_bit_exact(make_cfg, topic):
     assert len(got) == len(records)
     by_id = {d.record.request_id: d.record for d in got}
     for r in records:
-        back = by_id[r.request_id]
-        for f in dataclasses.fields(MissRecord):
-            a, b = getattr(r, f.name), getattr(back, f.name)
-            if isinstance(a, np.ndarray):
-                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f.name
-            else:
-                assert a == b, f.name
+        assert_same_record(r, by_id[r.request_id])
 
 
 def test_ordering_per_key_and_one_partition_per_key(make_cfg, topic):

@@ -463,3 +463,51 @@ def test_topic_names_and_concurrent_topic_creation(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # a later chdir does not move the stream
     assert [m.value for m in rel.read("t")] == [b"v"]
     assert (tmp_path / "rel" / "topics" / "t" / "topic.json").exists() and os.path.isabs(rel.root)
+
+
+def test_retention_deletes_old_sealed_segments_and_consumers_restart_at_the_earliest(tmp_path):
+    from streams import OutMessage, StreamConfig, open_stream
+
+    cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=1, segment_bytes=1024,
+                       retention_bytes=4096, session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5)  # fmt: skip
+    stream = open_stream(cfg)
+    with stream.producer() as producer:
+        for i in range(40):
+            producer.publish("r", [OutMessage(b"k", b"x" * 200 + str(i).encode())])
+    pdir = tmp_path / "log" / "topics" / "r" / "0"
+    sizes = [p.stat().st_size for p in pdir.glob("*.log")]
+    assert sum(sizes) <= 4096 + 1024 and len(sizes) < 40 * 230 // 1024  # old segments are gone
+    got = [m.offset for m in stream.read("r")]
+    assert got == list(range(got[0], 40)) and got[0] > 0  # what is left is contiguous up to the end
+    consumer = stream.consumer("late", ["r"])
+    seen = []
+    for _ in range(20):
+        seen += [m.offset for m in consumer.poll(timeout_s=0.2)]
+        if seen and seen[-1] == 39:
+            break
+    consumer.close()
+    assert seen == got
+
+
+def test_retention_by_age_keeps_the_active_segment(tmp_path):
+    import os
+    import time
+
+    from streams import OutMessage, StreamConfig, open_stream
+
+    cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=1, segment_bytes=1024, retention_s=60)
+    stream = open_stream(cfg)
+    with stream.producer() as producer:
+        for i in range(12):
+            producer.publish("a", [OutMessage(b"k", b"y" * 200)])
+        pdir = tmp_path / "log" / "topics" / "a" / "0"
+        old = time.time() - 3600
+        for p in pdir.glob("*.log"):
+            os.utime(p, (old, old))  # every segment so far is an hour old
+        before = sorted(pdir.glob("*.log"))
+        for i in range(6):  # enough to roll once more
+            producer.publish("a", [OutMessage(b"k", b"z" * 200)])
+    after = sorted(pdir.glob("*.log"))
+    assert before[-1] in after or len(after) >= 1
+    assert not (set(before[:-1]) & set(after)), "hour-old sealed segments should be deleted"
+    assert sum(stream.end_offsets("a").values()) == 18

@@ -13,17 +13,7 @@ import zstandard
 from streams import codec
 from streams.errors import RecordValidationError
 from streams.records import SCHEMA_VERSION, DeadLetter, MissRecord
-from tests.streams.records_factory import generation_record, miss_record, model_event
-
-
-def _same(a, b) -> None:
-    assert type(a) is type(b)
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, np.ndarray):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
-        else:
-            assert x == y, f.name
+from tests.streams.records_factory import assert_same_record, generation_record, miss_record, model_event
 
 
 @pytest.mark.parametrize("compress", [True, False])
@@ -33,7 +23,7 @@ def test_every_record_type_round_trips_bit_exact(compress):
                 generation_record(5), model_event(), dead]:  # fmt: skip
         data = codec.encode(rec, compress=compress)
         assert data[:2] == b"SO" and data[4:6] == SCHEMA_VERSION.to_bytes(2, "little")
-        _same(rec, codec.decode(data))
+        assert_same_record(rec, codec.decode(data))
 
 
 def test_encoding_is_binary_and_compressed():

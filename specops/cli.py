@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from specops.paths import models_dir
+from specops.paths import models_dir, streams_url
 
 log = logging.getLogger("specops")
 
@@ -108,7 +108,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from specops.demo import run_demo
 
     _threads(args.threads)
-    return run_demo(Path(args.model_dir), num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, k=args.k)
+    stream = None if args.no_stream else args.stream
+    return run_demo(Path(args.model_dir), num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, k=args.k,
+                    stream=stream)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=3, help="prompts per domain (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion (default: %(default)s)")
     p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 4 for draft, 10 for pld)")
+    p.add_argument("--stream", default=streams_url(), metavar="URL",
+                   help="log every request (MissRecord + GenerationRecord, cluster = domain) here (default: %(default)s)")
+    p.add_argument("--no-stream", action="store_true", help="do not log requests to a stream")
     p.set_defaults(func=cmd_demo)
     return parser
 

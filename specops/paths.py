@@ -15,3 +15,9 @@ def data_dir() -> Path:
 
 def models_dir() -> Path:
     return data_dir() / "models"
+
+
+def streams_url() -> str:
+    """The default stream: ``$SPECOPS_STREAM_URL`` if set, else the embedded local log
+    under the data directory."""
+    return os.environ.get("SPECOPS_STREAM_URL") or f"local://{data_dir() / 'streams'}"

@@ -36,6 +36,7 @@ def summarize(msg: Message) -> dict[str, Any]:
         k = rec.logprobs.shape[1] if rec.dist_kind == "topk" else "all"
         row.update(
             request_id=rec.request_id, cluster=rec.cluster, alpha=round(alpha, 4), num_rejected=rec.num_rejected,
+            num_drafted=rec.num_drafted, num_accepted=rec.num_accepted,
             summary=f"{rec.request_id} {rec.method} {rec.draft_model}@{rec.draft_version or '-'} "
             f"tokens {rec.num_prompt_tokens}+{len(rec.token_ids) - rec.num_prompt_tokens} "
             f"accepted {rec.num_accepted}/{rec.num_drafted}, {rec.num_rejected} rejected "
@@ -103,8 +104,9 @@ def _print_totals(console: Console, rows: list[dict], ends: dict[int, int], comm
         if r["type"] == "MissRecord":
             per_cluster[r["cluster"]].append(r)
     for cluster, rs in sorted(per_cluster.items()):
-        mean = sum(r["alpha"] for r in rs) / len(rs)
-        console.print(f"cluster {cluster}: {len(rs)} request(s), mean acceptance {mean:.3f}, "
+        drafted, accepted = sum(r["num_drafted"] for r in rs), sum(r["num_accepted"] for r in rs)
+        rate = f"{accepted / drafted:.3f}" if drafted else "-"
+        console.print(f"cluster {cluster}: {len(rs)} request(s), acceptance {rate} ({accepted}/{drafted} drafted tokens), "
                       f"{sum(r['num_rejected'] for r in rs)} rejected positions")  # fmt: skip
     reasons = Counter(r["summary"].split(": ", 1)[-1].split(":")[0] for r in rows if r["type"] == "DeadLetter")
     for reason, n in reasons.most_common():

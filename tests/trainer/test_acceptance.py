@@ -1,0 +1,67 @@
+"""Offline expected acceptance: it matches the verifier's real acceptance rate, and it is
+exact on known cases."""
+
+from __future__ import annotations
+
+import torch
+
+from serving.engine import SpecEngine
+from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from serving.types import SamplingParams
+from serving.verifier import decide
+from streams import StreamConfig, codec, open_stream
+from tests.conftest import random_prompts
+from trainer.acceptance import evaluate_records, position_acceptance
+from trainer.losses import TargetDist
+
+
+def test_sampling_estimate_is_the_verifiers_acceptance_probability():
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(1, 12, generator=g) * 2
+    draft_logits = torch.randn(1, 12, generator=g) * 2
+    p, q = target_logits.softmax(-1), draft_logits.softmax(-1)
+    est, _, _ = position_acceptance(draft_logits, TargetDist.full(target_logits.log_softmax(-1)))
+    trials, accepted = 20000, 0
+    for _ in range(trials):
+        d = int(torch.multinomial(q[0], 1, generator=g))
+        acc, _ = decide(torch.cat([p, p]), [d], q, greedy=False, generator=g)
+        accepted += len(acc)
+    rate = accepted / trials
+    assert abs(rate - float(est[0])) < 0.015, (rate, float(est[0]))
+    assert abs(float(est[0]) - float(torch.minimum(p, q).sum())) < 1e-6
+
+
+def test_topk_bounds_bracket_the_full_value_and_agree_at_k_equals_v():
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(5, 40, generator=g).log_softmax(-1)
+    draft = torch.randn(5, 40, generator=g) * 1.5
+    full_low, full_high, full_greedy = position_acceptance(draft, TargetDist.full(target))
+    assert torch.allclose(full_low, full_high)
+    vals, ids = target.topk(8, dim=-1)
+    residual = (1 - vals.exp().sum(-1)).clamp(min=0)
+    low, high, greedy = position_acceptance(draft, TargetDist.topk(ids, vals, residual))
+    assert torch.all(low <= full_low + 1e-6) and torch.all(full_low <= high + 1e-6)
+    assert torch.equal(greedy, full_greedy)
+    vals, ids = target.topk(40, dim=-1)
+    low, high, _ = position_acceptance(draft, TargetDist.topk(ids, vals, torch.zeros(5)))
+    assert torch.allclose(low, full_low, atol=1e-5) and torch.allclose(high, full_low, atol=1e-5)
+
+
+def test_on_its_own_greedy_rejections_the_draft_agrees_nowhere_and_the_target_everywhere(close_pair, tmp_path):
+    cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False)
+    logger = StreamLogger(cfg, LoggerConfig(topk=16), vocab_size=close_pair.vocab_size)
+    engine = SpecEngine(close_pair, logger=logger)
+    for i, prompt in enumerate(random_prompts(6, seed=3)):
+        engine.generate(prompt, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
+    logger.close()
+    with open_stream(cfg) as s:
+        records = [codec.decode(m.value) for m in s.read(cfg.topics.misses)]
+    draft = evaluate_records(close_pair.draft, records)
+    target = evaluate_records(close_pair.target, records)
+    assert draft.num_positions == target.num_positions == sum(r.num_rejected for r in records) > 0
+    assert draft.greedy == 0.0  # each position is where the draft's argmax was refused
+    assert target.greedy == 1.0
+    # the target against itself: the lower bound is the logged top-k mass, the upper bound 1
+    topk_mass = sum(float((1 - r.residual).sum()) for r in records) / target.num_positions
+    assert abs(target.sampling - topk_mass) < 1e-4 and target.sampling_upper > 0.999
+    assert draft.sampling < target.sampling

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from specops.paths import models_dir, streams_url
+from specops.paths import data_dir, models_dir, streams_url
 
 log = logging.getLogger("specops")
 
@@ -103,6 +103,36 @@ def cmd_streams_topics(args: argparse.Namespace) -> int:
     return topics(args.url)
 
 
+# ---------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace) -> int:
+    from streams import StreamConfig
+    from trainer.online import OnlineConfig, OnlineTrainer
+    from trainer.replay import ReplayConfig
+
+    _threads(args.threads)
+    cfg = OnlineConfig(
+        group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
+        steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
+        holdout_every=args.holdout_every,
+    )  # fmt: skip
+    base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
+    trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg)
+    try:
+        consumed = trainer.run(max_idle_s=args.idle_exit, max_records=args.max_records)
+    except KeyboardInterrupt:
+        consumed = None
+        log.info("interrupted; everything committed is checkpointed")
+    finally:
+        trainer.close()
+    for cluster, st in sorted(trainer.clusters.items()):
+        ev = st.last_eval.get("after", {})
+        print(f"cluster {cluster}: draft v{st.version}, {st.updates} updates, {st.records_trained} requests, "
+              f"{st.positions_trained} positions; held-out acceptance {ev.get('sampling', float('nan')):.3f}")  # fmt: skip
+    if consumed is not None:
+        print(f"consumed {consumed} records; checkpoints in {args.out}")
+    return 0
+
+
 # ---------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
     from specops.demo import run_demo
@@ -159,6 +189,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. local://./.specops/streams or kafka://127.0.0.1:9092")  # fmt: skip
     p.add_argument("--cluster", default="default", help="cluster id the logged records carry (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "train",
+        help="online distillation: consume spec.misses and keep one draft per cluster aligned with the target",
+        description="Consumes MissRecords from the stream as a consumer group, keeps a replay buffer per cluster "
+        "and, every --interval requests of a cluster, takes gradient steps on that cluster's draft with the "
+        "chosen GKD loss at the logged rejected positions (OSD Algorithm 1). Expected acceptance on held-out "
+        "records is logged before and after each update. Drafts, optimiser state and buffers are checkpointed "
+        "under --out before offsets are committed, so a killed trainer loses nothing and resumes where it was.",
+    )
+    p.add_argument("--stream", default=streams_url(), metavar="URL", help="stream to consume (default: %(default)s)")
+    p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir whose draft/ seeds new clusters (default: %(default)s)")
+    p.add_argument("--draft", default=None, help="draft model directory seeding new clusters (overrides --model-dir)")
+    p.add_argument("--out", default=str(data_dir() / "trainer"), help="checkpoint directory (default: %(default)s)")
+    p.add_argument("--group", default="trainer", help="consumer group (default: %(default)s)")
+    p.add_argument("--interval", type=int, default=8, help="update a cluster every I requests (default: %(default)s)")
+    p.add_argument("--loss", choices=("fkl", "rkl", "jsd"), default="fkl", help="distillation loss (default: %(default)s)")
+    p.add_argument("--beta", type=float, default=0.5, help="JSD mixture weight (default: %(default)s)")
+    p.add_argument("--tau", type=float, default=1.0, help="softmax temperature (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="optimiser steps per update (default: %(default)s)")
+    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="clear",
+                   help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample")  # fmt: skip
+    p.add_argument("--capacity", type=int, default=256, help="replay buffer size per cluster (default: %(default)s)")
+    p.add_argument("--holdout-every", type=int, default=10, help="hold out 1 request in N for evaluation (default: %(default)s)")
+    p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
+    p.add_argument("--max-records", type=int, default=None, help="stop after consuming this many records")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
         "streams",

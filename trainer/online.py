@@ -1,0 +1,321 @@
+"""The online distillation loop (OSD Algorithm 1, lines 18-21), one draft per cluster.
+
+Each pass of :meth:`OnlineTrainer.step` reads top to bottom:
+
+1. **consume** a batch of MissRecords from ``spec.misses`` as a member of the consumer
+   group (invalid records are dead-lettered by ``RecordConsumer``);
+2. **buffer** each record in its cluster's replay buffer, or in the cluster's held-out
+   set (one request in ``holdout_every``, chosen by a hash of its request id);
+3. for every cluster with ``interval`` new requests: **update** its draft with the GKD
+   loss at the logged rejected positions, using the logged target distributions
+   (teacher sampling, OSD §4.1); **evaluate** expected acceptance on the held-out set
+   before and after; **checkpoint** draft, optimiser and state durably. This happens
+   in stream order, as soon as a cluster has I new requests, even inside one batch;
+4. **persist** the buffers of the clusters touched;
+5. **commit** the consumer offsets.
+
+Offsets are committed only after step 4, so every committed record is either inside a
+checkpointed update or inside a durably persisted buffer: kill the trainer anywhere and
+nothing is lost (at-least-once). Records delivered twice after a crash are recognised
+by their (topic, partition, offset) and buffered once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from streams import StreamConfig, codec, open_stream
+from streams.consumer import RecordConsumer
+from streams.records import MissRecord
+from trainer import checkpoint as ckpt
+from trainer.acceptance import Acceptance, evaluate_records
+from trainer.data import draft_logits_at, target_dist
+from trainer.losses import LOSSES, checked_loss
+from trainer.replay import ReplayBuffers, ReplayConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OnlineConfig:
+    """How the online trainer learns. Every field is stamped on each checkpoint."""
+
+    group: str = "trainer"
+    """Consumer group on ``spec.misses``; trainer replicas share it and split clusters."""
+    interval: int = 8
+    """Update a cluster's draft every I finished requests of that cluster (OSD uses 8)."""
+    loss: str = "fkl"
+    """``fkl`` (forward KL), ``rkl`` (reverse KL) or ``jsd`` (JSD[beta]) (OSD Eq. 4)."""
+    beta: float = 0.5
+    """JSD mixture weight."""
+    tau: float = 1.0
+    """Softmax temperature applied to both distributions."""
+    lr: float = 5e-4
+    """AdamW learning rate of every draft."""
+    weight_decay: float = 0.0
+    steps_per_update: int = 4
+    """Optimiser steps per update, each over the whole buffer."""
+    grad_clip: float = 1.0
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    holdout_every: int = 10
+    """One request in N (by request-id hash) is held out for evaluation, never trained on."""
+    holdout_capacity: int = 256
+    """Most held-out requests kept per cluster (the most recent)."""
+    poll_records: int = 256
+    poll_timeout_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.interval < 1 or self.steps_per_update < 1 or self.holdout_every < 2:
+            raise ValueError("interval and steps_per_update must be >= 1, holdout_every >= 2")
+        if not (0.0 < self.beta < 1.0) or self.tau <= 0 or self.lr <= 0:
+            raise ValueError("need 0 < beta < 1, tau > 0 and lr > 0")
+
+    def digest(self) -> str:
+        """Hash of everything that changes the trained weights."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Held:
+    """A buffered record and where it came from."""
+
+    record: MissRecord
+    source: tuple[str, int, int]
+    raw: bytes
+
+
+@dataclass
+class ClusterState:
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    version: int = 0
+    updates: int = 0
+    records_trained: int = 0
+    positions_trained: int = 0
+    skipped_steps: int = 0
+    lineage: dict = field(default_factory=dict)
+    """Per partition of spec.misses, [first, last] offsets this draft trained on."""
+    holdout: deque = field(default_factory=deque)
+    last_eval: dict = field(default_factory=dict)
+
+
+class OnlineTrainer:
+    """Consumes spec.misses and keeps one distilled draft per cluster."""
+
+    def __init__(self, stream: StreamConfig, base_draft: Path, out_dir: Path, cfg: OnlineConfig | None = None) -> None:
+        self.stream_cfg = stream
+        self.cfg = cfg or OnlineConfig()
+        self.base_draft = Path(base_draft)
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.buffers: ReplayBuffers[Held] = ReplayBuffers(self.cfg.replay)
+        self.clusters: dict[str, ClusterState] = {}
+        self._seen: set[tuple[str, int, int]] = set()
+        self._rng = random.Random(self.cfg.seed)
+        self.stream = open_stream(stream)
+        self.consumer = RecordConsumer(self.stream, self.cfg.group, [stream.topics.misses],
+                                       deadletter_topic=stream.topics.deadletter, expect=[MissRecord])  # fmt: skip
+        for cluster in ckpt.clusters_in(self.out):
+            self._restore(cluster)
+
+    # ------------------------------------------------------------ state
+    def _new_state(self, cluster: str) -> ClusterState:
+        path = ckpt.latest_version(self.out, cluster)
+        model = AutoModelForCausalLM.from_pretrained(path or self.base_draft, use_safetensors=True)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        st = ClusterState(model=model, opt=opt, holdout=deque(maxlen=self.cfg.holdout_capacity))
+        if path is not None:
+            ckpt.load_optimizer(path, opt)
+            saved = ckpt.load_state(path)
+            st.version, st.updates = saved["version"], saved["updates"]
+            st.records_trained, st.positions_trained = saved["records_trained"], saved["positions_trained"]
+            st.skipped_steps, st.lineage = saved.get("skipped_steps", 0), saved.get("lineage", {})
+            st.last_eval = saved.get("eval", {})
+            log.info("cluster %s: resumed draft v%d (%d updates) from %s", cluster, st.version, st.updates, path)
+        else:
+            log.info("cluster %s: new draft from %s", cluster, self.base_draft)
+        return st
+
+    def state(self, cluster: str) -> ClusterState:
+        if cluster not in self.clusters:
+            self.clusters[cluster] = self._new_state(cluster)
+        return self.clusters[cluster]
+
+    def _restore(self, cluster: str) -> None:
+        st = self.state(cluster)
+        saved = ckpt.load_buffer(self.out, cluster)
+        if not saved:
+            return
+        buf = self.buffers[cluster]
+        for item in saved["buffer"]:
+            held = self._held(item)
+            buf.add(held)
+            self._seen.add(held.source)
+        buf.num_new = saved["num_new"]
+        for item in saved["holdout"]:
+            held = self._held(item)
+            st.holdout.append(held)
+            self._seen.add(held.source)
+        log.info("cluster %s: restored %d buffered and %d held-out records", cluster, len(buf), len(st.holdout))
+
+    @staticmethod
+    def _held(item: list) -> Held:
+        topic, partition, offset, raw = item
+        rec = codec.decode(raw)
+        assert isinstance(rec, MissRecord)
+        return Held(rec, (topic, partition, offset), raw)
+
+    def _persist(self, cluster: str) -> None:
+        pack = [[*h.source, h.raw] for h in self.buffers[cluster].items()]
+        hold = [[*h.source, h.raw] for h in self.clusters[cluster].holdout]
+        ckpt.save_buffer(self.out, cluster, {"buffer": pack, "num_new": self.buffers[cluster].num_new, "holdout": hold})
+
+    # ------------------------------------------------------------ the loop
+    def step(self) -> int:
+        """One pass of consume, buffer, update, persist, commit. Returns records consumed."""
+        delivered = self.consumer.poll(max_records=self.cfg.poll_records, timeout_s=self.cfg.poll_timeout_s)  # 1.
+        touched: set[str] = set()
+        for d in delivered:  # 2.
+            m = d.message
+            source = (m.topic, m.partition, m.offset)
+            if source in self._seen:
+                continue  # redelivered after a crash: already buffered
+            self._seen.add(source)
+            rec = d.record
+            assert isinstance(rec, MissRecord)
+            held = Held(rec, source, bytes(m.value))
+            st = self.state(rec.cluster)
+            touched.add(rec.cluster)
+            if _holdout(rec.request_id, self.cfg.holdout_every):
+                st.holdout.append(held)
+                continue
+            buf = self.buffers[rec.cluster]
+            buf.add(held)
+            if buf.num_new >= self.cfg.interval:  # 3. every I requests of this cluster
+                self.update(rec.cluster)
+        for cluster in sorted(touched):  # 4.
+            self._persist(cluster)
+        if delivered:  # 5.
+            self.consumer.commit()
+            # after a commit only what the buffers hold can come back (crash before the next commit)
+            self._seen = {h.source for c in self.buffers.clusters() for h in self.buffers[c]}
+            self._seen |= {h.source for st in self.clusters.values() for h in st.holdout}
+        return len(delivered)
+
+    def update(self, cluster: str) -> dict:
+        """Distil the cluster's draft on its buffer, evaluate, checkpoint. Returns the summary."""
+        st, buf = self.state(cluster), self.buffers[cluster]
+        items = [h for h in buf.items() if h.record.num_rejected]
+        t0 = time.perf_counter()
+        before = self.evaluate(cluster)
+        losses, skipped = [], 0
+        for _ in range(self.cfg.steps_per_update):
+            loss, n_skipped = self._optimizer_step(st, items)
+            skipped += n_skipped
+            if loss is not None:
+                losses.append(loss)
+        after = self.evaluate(cluster)
+        st.version += 1
+        st.updates += 1
+        st.records_trained += len(buf.items())
+        st.positions_trained += sum(h.record.num_rejected for h in items)
+        st.skipped_steps += skipped
+        for h in buf.items():
+            lo, hi = st.lineage.get(str(h.source[1]), [h.source[2], h.source[2]])
+            st.lineage[str(h.source[1])] = [min(lo, h.source[2]), max(hi, h.source[2])]
+        st.last_eval = {"before": before.to_dict(), "after": after.to_dict()}
+        state = {
+            "cluster": cluster, "updates": st.updates, "records_trained": st.records_trained,
+            "positions_trained": st.positions_trained, "skipped_steps": st.skipped_steps, "eval": st.last_eval,
+            "lineage": {"topic": self.stream_cfg.topics.misses, "offsets": st.lineage}, "config": asdict(self.cfg),
+            "config_hash": self.cfg.digest(), "base_draft": str(self.base_draft),
+        }  # fmt: skip
+        ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state)
+        summary = {
+            "cluster": cluster, "version": st.version, "requests": len(buf.items()),
+            "positions": sum(h.record.num_rejected for h in items), "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None, "skipped_steps": skipped, "eval_before": before.to_dict(),
+            "eval_after": after.to_dict(), "request_ids": [h.record.request_id for h in buf.items()],
+            "seconds": round(time.perf_counter() - t0, 3),
+        }  # fmt: skip
+        ckpt.append_history(self.out, cluster, summary)
+        buf.updated()
+        log.info(
+            "cluster %s: draft v%d after %d requests (%d positions): loss %s -> %s, held-out acceptance %.3f -> %.3f "
+            "(greedy %.3f -> %.3f, %d positions) in %.2fs",
+            cluster, st.version, summary["requests"], summary["positions"], _f(summary["loss_first"]),
+            _f(summary["loss_last"]), before.sampling, after.sampling, before.greedy, after.greedy,
+            after.num_positions, summary["seconds"],
+        )  # fmt: skip
+        return summary
+
+    def _optimizer_step(self, st: ClusterState, items: list[Held]) -> tuple[float | None, int]:
+        """One step over ``items``: position-weighted mean loss; non-finite records skipped."""
+        if not items:
+            return None, 0
+        st.model.train()
+        st.opt.zero_grad(set_to_none=True)
+        total, positions, skipped = None, 0, 0
+        for h in items:
+            logits = draft_logits_at(st.model, h.record)  # [m, V]
+            loss, reason = checked_loss(logits, target_dist(h.record), self.cfg.loss, beta=self.cfg.beta, tau=self.cfg.tau)
+            if loss is None:
+                skipped += 1
+                log.warning("skipped request %s in the update: %s", h.record.request_id, reason)
+                continue
+            m = h.record.num_rejected
+            total = loss * m if total is None else total + loss * m
+            positions += m
+        if total is None:
+            return None, skipped
+        mean = total / positions
+        mean.backward()
+        torch.nn.utils.clip_grad_norm_(st.model.parameters(), self.cfg.grad_clip)
+        st.opt.step()
+        return float(mean.detach()), skipped
+
+    def evaluate(self, cluster: str) -> Acceptance:
+        """Expected acceptance of the cluster's current draft on its held-out records."""
+        st = self.state(cluster)
+        return evaluate_records(st.model, [h.record for h in st.holdout])
+
+    def run(self, *, max_idle_s: float | None = None, max_records: int | None = None, stop=None) -> int:
+        """Loop until ``stop`` is set, ``max_records`` were consumed, or nothing came for ``max_idle_s``."""
+        consumed, idle_since = 0, time.monotonic()
+        while stop is None or not stop.is_set():
+            n = self.step()
+            consumed += n
+            if n:
+                idle_since = time.monotonic()
+            if max_records is not None and consumed >= max_records:
+                break
+            if max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
+                log.info("no records for %.0fs; stopping", max_idle_s)
+                break
+        return consumed
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.stream.close()
+
+
+def _holdout(request_id: str, every: int) -> bool:
+    return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) % every == 0
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"

@@ -118,7 +118,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg)
     try:
-        consumed = trainer.run(max_idle_s=args.idle_exit, max_records=args.max_records)
+        if args.schedule:  # the same steps as APScheduler jobs on a persistent job store (trainer/schedule.py)
+            from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
+
+            if args.verbose < 1:
+                logging.getLogger("apscheduler").setLevel(logging.WARNING)  # no "Running job" line per tick
+            scfg = ScheduleConfig(jobstore_url=args.jobstore or default_jobstore_url(args.out),
+                                  tick_seconds=args.tick_seconds, load_signal=args.load_signal,
+                                  load_threshold=args.load_threshold)  # fmt: skip
+            consumed = TrainerScheduler(trainer, scfg).run_forever(max_idle_s=args.idle_exit, max_records=args.max_records)
+        else:
+            consumed = trainer.run(max_idle_s=args.idle_exit, max_records=args.max_records)
     except KeyboardInterrupt:
         consumed = None
         log.info("interrupted; everything committed is checkpointed")
@@ -216,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout-every", type=int, default=10, help="hold out 1 request in N for evaluation (default: %(default)s)")
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
     p.add_argument("--max-records", type=int, default=None, help="stop after consuming this many records")
+    p.add_argument("--schedule", action="store_true",
+                   help="run as scheduled jobs (a distillation tick, an evaluation every 60s) kept in a persistent "
+                   "job store, so the schedule survives restarts; ticks are skipped while serving is busy")  # fmt: skip
+    p.add_argument("--jobstore", default=None, metavar="URL",
+                   help="--schedule job store: sqlite:///path or postgresql://user@host:5432/db "
+                   "(default: sqlite:///<--out>/schedule.sqlite)")  # fmt: skip
+    p.add_argument("--tick-seconds", type=float, default=5.0, help="--schedule: seconds between ticks (default: %(default)s)")
+    p.add_argument("--load-signal", default=None, metavar="PATH",
+                   help='--schedule: JSON file {"load": float, "time": epoch} written by serving; a tick is skipped '
+                   "while load > --load-threshold; a signal older than 30s is ignored (default: never skip)")  # fmt: skip
+    p.add_argument("--load-threshold", type=float, default=0.8,
+                   help="--schedule: serving load above which ticks are skipped (default: %(default)s)")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(

@@ -15,11 +15,14 @@ class Prompt:
     token_ids: list[int]
 
 
-def heldout_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens: int = 96, seed: int = 0) -> list[Prompt]:
+def heldout_prompts(
+    model_dir: Path, tokenizer, domain: str, n: int, num_tokens: int = 96, seed: int = 0, per_doc: int = 1
+) -> list[Prompt]:
     """``n`` prompts of ``num_tokens`` tokens from held-out files of ``domain``.
 
-    Each prompt starts at a line boundary at a seeded position in a distinct held-out
-    document, so the models have never trained on it.
+    Each prompt starts at a line boundary at a seeded position in a held-out document,
+    so the models have never trained on it; a document gives at most ``per_doc``
+    prompts (distinct positions).
     """
     from trainer.bootstrap import load_manifest
     from trainer.bootstrap.corpus import read_document
@@ -42,9 +45,15 @@ def heldout_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens:
             continue
         # Start right after a seeded line break, leaving room for num_tokens tokens.
         newline_positions = [j for j, t in enumerate(ids[: len(ids) - num_tokens]) if t in newline_ids]
-        start = rng.choice(newline_positions) + 1 if newline_positions else 0
-        window = ids[start : start + num_tokens]
-        prompts.append(Prompt(domain=domain, source=str(paths[i]), text=tokenizer.decode(window), token_ids=window))
-        if len(prompts) == n:
-            break
+        if not newline_positions:
+            starts = [-1]
+        elif per_doc == 1:  # one draw, as always: keeps the prompts of earlier benchmark runs
+            starts = [rng.choice(newline_positions)]
+        else:
+            starts = rng.sample(newline_positions, min(per_doc, len(newline_positions)))
+        for start in (s + 1 for s in starts):
+            window = ids[start : start + num_tokens]
+            prompts.append(Prompt(domain=domain, source=str(paths[i]), text=tokenizer.decode(window), token_ids=window))
+            if len(prompts) == n:
+                return prompts
     return prompts

@@ -1,0 +1,467 @@
+"""Scheduled jobs of the online trainer: the distillation tick and the evaluation.
+
+:class:`TrainerScheduler` runs an :class:`~trainer.online.OnlineTrainer` under an
+APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
+
+- **distill-tick** (every ``tick_seconds``): unless serving is busy, call
+  ``trainer.step()`` (consume, buffer, update, persist, commit) until the stream is
+  drained or the tick's time budget is used;
+- **evaluate** (every ``eval_seconds``): held-out expected acceptance of every
+  cluster's current draft, logged and exported as a Prometheus gauge.
+
+**Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
+serving leaves idle. Serving writes its load to a small JSON file
+(``{"load": 0.42, "time": <epoch seconds>}``, see :func:`write_load_signal`); a tick is
+skipped while that load is above ``load_threshold``, logged at INFO and counted in
+``specops_trainer_ticks_total{outcome="skipped_load"}``. A missing, unreadable or stale
+signal (older than ``load_stale_s``) is *unknown* and never causes a skip: a crashed
+serving process must not stall training forever. Skipping is safe: nothing is polled,
+so nothing is uncommitted. A skip longer than the stream's ``max_poll_interval_s``
+makes this trainer leave its consumer group; the next tick that runs rejoins and
+resumes from the committed offsets (other replicas may own its partitions meanwhile).
+
+**Persistent job store.** Jobs live in an SQLAlchemy job store: SQLite at
+``<trainer out>/schedule.sqlite`` by default, or any ``postgresql://`` URL. A job in a
+persistent store is pickled, so its function must be importable by name and its
+arguments picklable. The live trainer (models, optimisers, an open consumer) cannot be
+pickled, so the jobs are the module-level functions ``trainer.schedule:_tick`` and
+``trainer.schedule:_evaluate``, registered by that textual reference, and their only
+argument is ``trainer_id``, a string key into this module's registry of the
+schedulers running in this process. :meth:`TrainerScheduler.start` registers itself
+under that key before any job can fire; :meth:`TrainerScheduler.shutdown` removes it.
+
+**The schedule survives a restart.** The jobs have stable ids (``distill-tick``,
+``evaluate``) and are added with ``replace_existing=True``: a restarted trainer on the
+same job store replaces its two rows (never duplicates them) and keeps each job's
+pending next run time unless the new interval fires sooner. Runs missed while the
+trainer was down are *coalesced* into one (``coalesce=True``) and dropped when later
+than ``misfire_grace_s``. Each job has ``max_instances=1``: a tick still running when
+the next is due makes APScheduler skip the new one, never run two updates at once.
+The two jobs also share a lock, so an evaluation never reads a draft mid-update.
+
+One job store (URL and table) belongs to one trainer process: APScheduler 3.x does not
+coordinate schedulers sharing a store. Replicas of a consumer group use separate
+tables (``jobstore_table``) or databases.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Union
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+from prometheus_client import Counter, Gauge
+
+from serving.errors import SpecOpsError
+
+log = logging.getLogger(__name__)
+
+TICK_JOB_ID = "distill-tick"
+EVAL_JOB_ID = "evaluate"
+TICK_FUNC = "trainer.schedule:_tick"
+EVAL_FUNC = "trainer.schedule:_evaluate"
+
+TICKS = Counter("specops_trainer_ticks_total", "Distillation ticks of the scheduled trainer", ["outcome"])
+HELDOUT_ACCEPTANCE = Gauge(
+    "specops_trainer_heldout_acceptance", "Held-out expected acceptance of each cluster's draft", ["cluster", "kind"]
+)
+
+LoadSignal = Union[str, os.PathLike, Callable[[], Union[float, None]], None]
+
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+class ScheduleError(SpecOpsError):
+    """The scheduled trainer cannot start (job store unreachable, trainer already scheduled)."""
+
+
+class ScheduleConfigError(ScheduleError, ValueError):
+    """A schedule setting is invalid. The message says what to change."""
+
+
+@dataclass
+class ScheduleConfig:
+    """When the trainer's jobs run and when a tick is skipped for serving load."""
+
+    jobstore_url: str | None = None
+    """SQLAlchemy URL of the persistent job store; None = ``sqlite:///<trainer out>/schedule.sqlite``."""
+    jobstore_table: str = "specops_trainer_jobs"
+    """Table holding the jobs; one table per trainer process (replicas use their own)."""
+    tick_seconds: float = 5.0
+    """Interval of the distillation tick, in seconds."""
+    tick_budget_s: float | None = None
+    """Seconds a tick keeps calling ``trainer.step()``; None = 0.8 * tick_seconds (one step may overrun it)."""
+    eval_seconds: float = 60.0
+    """Interval of the held-out evaluation job, in seconds."""
+    misfire_grace_s: int = 30
+    """How late a run may start and still run: covers a tick delayed by a long update or a short restart;
+    runs later than this are dropped, since the next one is at most one interval away."""
+    coalesce: bool = True
+    """After downtime run a missed job once, not once per missed interval (a tick drains the backlog anyway)."""
+    load_threshold: float = 0.8
+    """Skip a tick while the serving load signal is above this value."""
+    load_signal: LoadSignal = None
+    """Serving load: a path to a JSON file ``{"load": float, "time": epoch}``, or a callable returning the load
+    (None = unknown); None = never skip."""
+    load_stale_s: float = 30.0
+    """A file signal older than this is unknown and does not cause a skip (serving may have died)."""
+
+    def __post_init__(self) -> None:
+        grace = self.misfire_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, int) or grace < 1:  # APScheduler takes whole seconds
+            raise ScheduleConfigError(f"misfire_grace_s must be a whole number of seconds >= 1, got {grace!r}")
+        for name in ("tick_seconds", "eval_seconds", "load_stale_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ScheduleConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.tick_budget_s is not None and not (0 < self.tick_budget_s < math.inf):
+            raise ScheduleConfigError(
+                f"tick_budget_s must be > 0 (got {self.tick_budget_s!r}); leave it None for 0.8 * tick_seconds"
+            )
+        if not isinstance(self.load_threshold, int | float) or not math.isfinite(self.load_threshold):
+            raise ScheduleConfigError(f"load_threshold must be a finite number (got {self.load_threshold!r}), e.g. 0.8")
+        if not isinstance(self.coalesce, bool):
+            raise ScheduleConfigError(f"coalesce must be True or False, got {self.coalesce!r}")
+        signal = self.load_signal
+        if signal is not None and not isinstance(signal, str | os.PathLike) and not callable(signal):
+            raise ScheduleConfigError(
+                f"load_signal must be a path to a JSON file written by serving, a callable returning the load, "
+                f"or None to never skip; got {type(signal).__name__}"
+            )
+        if not _TABLE_NAME.match(self.jobstore_table):
+            raise ScheduleConfigError(
+                f"jobstore_table must be a plain SQL identifier (letters, digits, _), got {self.jobstore_table!r}"
+            )
+        if self.jobstore_url is not None:
+            _check_url(self.jobstore_url)
+
+    @property
+    def budget_s(self) -> float:
+        """The tick's time budget in seconds."""
+        return self.tick_budget_s if self.tick_budget_s is not None else 0.8 * self.tick_seconds
+
+
+def _check_url(url: str) -> None:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ScheduleConfigError(
+            f"jobstore URL {url!r} is not an SQLAlchemy URL: use sqlite:///path/schedule.sqlite "
+            f"or postgresql://user@host:5432/db ({exc})"
+        ) from exc
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ScheduleConfigError(
+            f"jobstore URL must be sqlite:///... or postgresql://..., got {parsed.get_backend_name()!r}"
+        )
+
+
+def engine_url(url: str) -> str:
+    """``url`` with a driver SQLAlchemy can load here: ``postgresql://`` means psycopg2 (SQLAlchemy 2.1's
+    default PostgreSQL driver is psycopg 3, which is not a dependency)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg2")
+    return parsed.render_as_string(hide_password=False)
+
+
+def default_jobstore_url(out_dir: str | os.PathLike) -> str:
+    """``sqlite:///<out_dir>/schedule.sqlite`` (absolute path)."""
+    return f"sqlite:///{Path(out_dir).resolve() / 'schedule.sqlite'}"
+
+
+# ---------------------------------------------------------------- the load signal
+def write_load_signal(path: str | os.PathLike, load: float, now: float | None = None) -> None:
+    """Write ``{"load": load, "time": now}`` to ``path`` atomically (what serving publishes)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps({"load": float(load), "time": time.time() if now is None else float(now)}))
+    os.replace(tmp, path)
+
+
+def read_load_file(path: str | os.PathLike, stale_s: float, now: float | None = None) -> tuple[float | None, str]:
+    """The load in the signal file, or None when unknown, with the reason."""
+    now = time.time() if now is None else now
+    try:
+        data = json.loads(Path(path).read_text())
+        load, stamp = float(data["load"]), float(data["time"])
+    except FileNotFoundError:
+        return None, f"no load signal at {path}"
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return None, f"unreadable load signal {path}: {type(exc).__name__}: {exc}"
+    if not (math.isfinite(load) and math.isfinite(stamp)):
+        return None, f"non-finite load signal in {path}"
+    age = now - stamp
+    if abs(age) > stale_s:
+        return None, f"stale load signal {path} ({age:.0f}s old, limit {stale_s:.0f}s)"
+    return load, "ok"
+
+
+# ---------------------------------------------------------------- the jobs (picklable references)
+_LIVE: dict[str, TrainerScheduler] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def _live(trainer_id: str, job: str) -> TrainerScheduler | None:
+    with _LIVE_LOCK:
+        sched = _LIVE.get(trainer_id)
+    if sched is None:
+        log.warning("%s job for trainer %s, which is not scheduled in this process: ignored", job, trainer_id)
+    return sched
+
+
+def _tick(trainer_id: str) -> None:
+    """The ``distill-tick`` job: run one tick of the trainer registered as ``trainer_id``."""
+    sched = _live(trainer_id, TICK_JOB_ID)
+    if sched is None:
+        TICKS.labels(outcome="error").inc()
+        return
+    sched.tick()
+
+
+def _evaluate(trainer_id: str) -> None:
+    """The ``evaluate`` job: evaluate every cluster of the trainer registered as ``trainer_id``."""
+    sched = _live(trainer_id, EVAL_JOB_ID)
+    if sched is not None:
+        sched.evaluate_all()
+
+
+# ---------------------------------------------------------------- the scheduler
+class TrainerScheduler:
+    """Runs an OnlineTrainer's distillation ticks and evaluations on a persistent schedule.
+
+    ``trainer`` needs ``step()``, ``evaluate(cluster)``, ``clusters`` and ``out`` (an
+    :class:`~trainer.online.OnlineTrainer`). ``trainer_id`` keys the job registry and is
+    stored as the jobs' argument; the default (the trainer's resolved ``out`` directory)
+    is stable across restarts. Plain counters for tests and the CLI: ``ticks_run``,
+    ``ticks_skipped``, ``ticks_failed``, ``evals_run``, ``records_consumed``.
+    """
+
+    def __init__(self, trainer: Any, cfg: ScheduleConfig | None = None, *, trainer_id: str | None = None) -> None:
+        self.trainer = trainer
+        self.cfg = cfg or ScheduleConfig()
+        self.trainer_id = trainer_id or str(Path(trainer.out).resolve())
+        self.jobstore_url = self.cfg.jobstore_url or default_jobstore_url(trainer.out)
+        self.ticks_run = self.ticks_skipped = self.ticks_failed = self.evals_run = self.records_consumed = 0
+        self.last_load: float | None = None
+        self._last_records_at = time.monotonic()
+        self._load_note = "ok"
+        self._work_lock = threading.Lock()  # one of tick / evaluation touches the trainer at a time
+        self._stop = threading.Event()
+        self._scheduler: BackgroundScheduler | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> bool:
+        return self._scheduler is not None and self._scheduler.running
+
+    def _jobstore(self) -> SQLAlchemyJobStore:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(self.jobstore_url)
+        if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        return SQLAlchemyJobStore(url=engine_url(self.jobstore_url), tablename=self.cfg.jobstore_table,
+                                  engine_options={"pool_pre_ping": True})  # fmt: skip
+
+    def start(self) -> None:
+        """Register the trainer, open the job store, (re)place both jobs and start running them."""
+        if self._scheduler is not None:
+            raise ScheduleError("this TrainerScheduler is already started")
+        _check_url(self.jobstore_url)
+        with _LIVE_LOCK:
+            if self.trainer_id in _LIVE:
+                raise ScheduleError(f"trainer {self.trainer_id} is already scheduled in this process")
+            _LIVE[self.trainer_id] = self
+        self._stop.clear()
+        self._last_records_at = time.monotonic()
+        try:
+            scheduler = BackgroundScheduler(
+                jobstores={"default": self._jobstore()}, executors={"default": ThreadPoolExecutor(2)},
+                timezone=timezone.utc, daemon=True,
+            )  # fmt: skip
+            scheduler.start(paused=True)  # open the store; nothing runs until both jobs are in place
+        except Exception as exc:
+            self._unregister()
+            raise ScheduleError(f"cannot open the job store {_safe_url(self.jobstore_url)}: {exc}") from exc
+        try:
+            self._place_job(scheduler, TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds)
+            self._place_job(scheduler, EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds)
+        except Exception:
+            scheduler.shutdown(wait=False)
+            self._unregister()
+            raise
+        self._scheduler = scheduler
+        scheduler.resume()
+        log.info("scheduled trainer %s: tick every %gs (budget %gs), evaluation every %gs, job store %s, "
+                 "load signal %s", self.trainer_id, self.cfg.tick_seconds, self.cfg.budget_s, self.cfg.eval_seconds,
+                 _safe_url(self.jobstore_url), _describe(self.cfg.load_signal))  # fmt: skip
+
+    def _place_job(self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float) -> None:
+        trigger = IntervalTrigger(seconds=seconds, timezone=timezone.utc)
+        kw: dict[str, Any] = {}
+        existing = scheduler.get_job(job_id)
+        if existing is not None and existing.next_run_time is not None:
+            fresh = trigger.get_next_fire_time(None, _now())
+            if fresh is not None and existing.next_run_time <= fresh:
+                kw["next_run_time"] = existing.next_run_time  # the schedule survives the restart
+        scheduler.add_job(
+            func, trigger, kwargs={"trainer_id": self.trainer_id}, id=job_id, name=job_id, replace_existing=True,
+            max_instances=1, coalesce=self.cfg.coalesce, misfire_grace_time=self.cfg.misfire_grace_s, **kw,
+        )  # fmt: skip
+        log.info("job %s: %s every %gs, next run %s", job_id, func, seconds,
+                 f"{kw['next_run_time']} (kept from the job store)" if kw else "in one interval")  # fmt: skip
+
+    def jobs(self) -> dict[str, datetime | None]:
+        """Id and next run time of every job in the store (while started)."""
+        if self._scheduler is None:
+            raise ScheduleError("the scheduler is not started")
+        return {job.id: job.next_run_time for job in self._scheduler.get_jobs()}
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the jobs (finishing a running tick when ``wait``); the jobs stay in the store."""
+        self._stop.set()
+        scheduler, self._scheduler = self._scheduler, None
+        try:
+            if scheduler is not None and scheduler.running:
+                scheduler.shutdown(wait=wait)
+        finally:
+            self._unregister()
+
+    def _unregister(self) -> None:
+        with _LIVE_LOCK:
+            if _LIVE.get(self.trainer_id) is self:
+                del _LIVE[self.trainer_id]
+
+    def run_forever(self, stop_event: threading.Event | None = None, *, max_idle_s: float | None = None,
+                    max_records: int | None = None, check_s: float = 0.5) -> int:  # fmt: skip
+        """Run until ``stop_event`` is set, ``max_records`` were consumed or nothing came for ``max_idle_s``
+        (or Ctrl-C); then shut down, finishing the running tick. Returns the records consumed."""
+        stop_event = stop_event or threading.Event()
+        if not self.running:
+            self.start()
+        try:
+            while not stop_event.wait(check_s):
+                if max_records is not None and self.records_consumed >= max_records:
+                    break
+                if max_idle_s is not None and time.monotonic() - self._last_records_at > max_idle_s:
+                    log.info("no records for %.0fs; stopping", max_idle_s)
+                    break
+        finally:
+            self.shutdown(wait=True)
+        return self.records_consumed
+
+    # ------------------------------------------------------------ the jobs
+    def current_load(self) -> float | None:
+        """The serving load now, or None when unknown (no signal, unreadable, stale)."""
+        signal = self.cfg.load_signal
+        if signal is None:
+            return None
+        if callable(signal):
+            try:
+                value = signal()
+                load, note = (None, "load callable returned None") if value is None else (float(value), "ok")
+            except Exception as exc:  # a broken signal must not stop training
+                load, note = None, f"load callable failed: {type(exc).__name__}: {exc}"
+        else:
+            load, note = read_load_file(signal, self.cfg.load_stale_s)
+        if note != self._load_note:  # log changes only, not every tick
+            if load is None:
+                log.warning("serving load signal: %s; not skipping ticks", note)
+            else:
+                log.info("serving load signal: %s; skipping ticks above %.2f", note, self.cfg.load_threshold)
+            self._load_note = note
+        self.last_load = load
+        return load
+
+    def _too_busy(self) -> float | None:
+        load = self.current_load()
+        return load if load is not None and load > self.cfg.load_threshold else None
+
+    def tick(self) -> str:
+        """One distillation tick; never raises. Returns the outcome (``ran``, ``skipped_load``, ``error``)."""
+        try:
+            busy = self._too_busy()
+            if busy is not None:
+                log.info("skipped distillation tick: serving load %.2f > %.2f", busy, self.cfg.load_threshold)
+                self.ticks_skipped += 1
+                TICKS.labels(outcome="skipped_load").inc()
+                return "skipped_load"
+            t0, consumed = time.monotonic(), 0
+            with self._work_lock:
+                while not self._stop.is_set():
+                    n = self.trainer.step()
+                    consumed += n
+                    self.records_consumed += n
+                    if n:
+                        self._last_records_at = time.monotonic()
+                    if n == 0 or time.monotonic() - t0 >= self.cfg.budget_s:
+                        break
+                    busy = self._too_busy()
+                    if busy is not None:
+                        log.info("distillation tick stopped early: serving load %.2f > %.2f",
+                                 busy, self.cfg.load_threshold)  # fmt: skip
+                        break
+            log.debug("distillation tick: %d records in %.2fs", consumed, time.monotonic() - t0)
+            self.ticks_run += 1
+            TICKS.labels(outcome="ran").inc()
+            return "ran"
+        except Exception:
+            log.exception("distillation tick failed (the next tick retries)")
+            self.ticks_failed += 1
+            TICKS.labels(outcome="error").inc()
+            return "error"
+
+    def evaluate_all(self) -> dict[str, dict]:
+        """Held-out acceptance of every cluster's draft, logged and exported; never raises."""
+        results: dict[str, dict] = {}
+        try:
+            with self._work_lock:
+                for cluster in sorted(self.trainer.clusters):
+                    acc = self.trainer.evaluate(cluster)
+                    if not acc.num_positions:
+                        log.info("cluster %s: no held-out positions yet", cluster)
+                        continue
+                    results[cluster] = acc.to_dict()
+                    HELDOUT_ACCEPTANCE.labels(cluster=cluster, kind="sampling").set(acc.sampling)
+                    HELDOUT_ACCEPTANCE.labels(cluster=cluster, kind="greedy").set(acc.greedy)
+                    log.info("cluster %s: held-out acceptance %.3f (greedy %.3f) over %d positions",
+                             cluster, acc.sampling, acc.greedy, acc.num_positions)  # fmt: skip
+                self.evals_run += 1
+        except Exception:
+            log.exception("evaluation job failed (the next run retries)")
+        return results
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _describe(signal: LoadSignal) -> str:
+    if signal is None:
+        return "none (never skip)"
+    return getattr(signal, "__name__", "callable") + "()" if callable(signal) else str(signal)

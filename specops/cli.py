@@ -113,7 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = OnlineConfig(
         group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
-        holdout_every=args.holdout_every,
+        holdout_every=args.holdout_every, backend=args.backend,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg)
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample")  # fmt: skip
     p.add_argument("--capacity", type=int, default=256, help="replay buffer size per cluster (default: %(default)s)")
     p.add_argument("--holdout-every", type=int, default=10, help="hold out 1 request in N for evaluation (default: %(default)s)")
+    p.add_argument("--backend", choices=("torch", "deepspeed"), default="torch",
+                   help="optimiser backend: plain PyTorch, or DeepSpeed ZeRO-2 (CPU: gloo, one process) (default: %(default)s)")  # fmt: skip
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
     p.add_argument("--max-records", type=int, default=None, help="stop after consuming this many records")
     p.add_argument("--schedule", action="store_true",

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -74,10 +75,19 @@ class OnlineConfig:
     poll_records: int = 256
     poll_timeout_s: float = 1.0
     seed: int = 0
+    backend: str = "torch"
+    """``torch`` (plain PyTorch) or ``deepspeed``: the same update through a DeepSpeed engine
+    (ZeRO, gloo, CPU, one process; see ``trainer.ds_backend``)."""
+    deepspeed_zero_stage: int = 2
+    """ZeRO stage (0, 1 or 2) when ``backend == "deepspeed"``."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.backend not in ("torch", "deepspeed"):
+            raise ValueError(f"backend must be 'torch' or 'deepspeed', got {self.backend!r}")
+        if self.deepspeed_zero_stage not in (0, 1, 2):
+            raise ValueError(f"deepspeed_zero_stage must be 0, 1 or 2, got {self.deepspeed_zero_stage!r}")
         if self.interval < 1 or self.steps_per_update < 1 or self.holdout_every < 2:
             raise ValueError("interval and steps_per_update must be >= 1, holdout_every >= 2")
         if not (0.0 < self.beta < 1.0) or self.tau <= 0 or self.lr <= 0:
@@ -110,6 +120,8 @@ class ClusterState:
     """Per partition of spec.misses, [first, last] offsets this draft trained on."""
     holdout: deque = field(default_factory=deque)
     last_eval: dict = field(default_factory=dict)
+    engine: Any = None
+    """The DeepSpeed engine around ``model`` and ``opt`` (backend ``deepspeed``), else None."""
 
 
 class OnlineTrainer:
@@ -138,9 +150,20 @@ class OnlineTrainer:
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         st = ClusterState(model=model, opt=opt, holdout=deque(maxlen=self.cfg.holdout_capacity))
+        if self.cfg.backend == "deepspeed":  # imported only here: plain PyTorch runs never load deepspeed
+            from trainer.ds_backend import DeepSpeedConfig, init_engine
+
+            # before loading optimiser state: under ZeRO 1/2 ``opt`` then steps ZeRO's flat fp32 partition
+            ds_cfg = DeepSpeedConfig(zero_stage=self.cfg.deepspeed_zero_stage)
+            st.engine = init_engine(model, opt, self.cfg.grad_clip, ds_cfg)
         if path is not None:
-            ckpt.load_optimizer(path, opt)
             saved = ckpt.load_state(path)
+            was, now = _opt_layout(saved.get("config", {})), _opt_layout(asdict(self.cfg))
+            if was == now:
+                ckpt.load_optimizer(path, opt)
+            else:
+                log.warning("cluster %s: %s has optimiser layout %s, this run uses %s: weights resumed, "
+                            "optimiser state starts fresh", cluster, path, was, now)  # fmt: skip
             st.version, st.updates = saved["version"], saved["updates"]
             st.records_trained, st.positions_trained = saved["records_trained"], saved["positions_trained"]
             st.skipped_steps, st.lineage = saved.get("skipped_steps", 0), saved.get("lineage", {})
@@ -267,11 +290,12 @@ class OnlineTrainer:
         """One step over ``items``: position-weighted mean loss; non-finite records skipped."""
         if not items:
             return None, 0
-        st.model.train()
+        net = st.model if st.engine is None else st.engine  # DeepSpeed: forward through the engine
+        net.train()
         st.opt.zero_grad(set_to_none=True)
         total, positions, skipped = None, 0, 0
         for h in items:
-            logits = draft_logits_at(st.model, h.record)  # [m, V]
+            logits = draft_logits_at(net, h.record)  # [m, V]
             loss, reason = checked_loss(logits, target_dist(h.record), self.cfg.loss, beta=self.cfg.beta, tau=self.cfg.tau)
             if loss is None:
                 skipped += 1
@@ -283,9 +307,13 @@ class OnlineTrainer:
         if total is None:
             return None, skipped
         mean = total / positions
-        mean.backward()
-        torch.nn.utils.clip_grad_norm_(st.model.parameters(), self.cfg.grad_clip)
-        st.opt.step()
+        if st.engine is not None:  # ZeRO: reduce grads, clip to cfg.grad_clip, AdamW on the fp32 partition, copy back
+            st.engine.backward(mean)
+            st.engine.step()
+        else:
+            mean.backward()
+            torch.nn.utils.clip_grad_norm_(st.model.parameters(), self.cfg.grad_clip)
+            st.opt.step()
         return float(mean.detach()), skipped
 
     def evaluate(self, cluster: str) -> Acceptance:
@@ -311,6 +339,13 @@ class OnlineTrainer:
     def close(self) -> None:
         self.consumer.close()
         self.stream.close()
+
+
+def _opt_layout(config: dict) -> str:
+    """The optimiser-state layout a stamped config trains with; state resumes only into the same one."""
+    from trainer.ds_backend import optimizer_layout  # no deepspeed import
+
+    return optimizer_layout(config.get("backend", "torch"), config.get("deepspeed_zero_stage", 2))
 
 
 def _holdout(request_id: str, every: int) -> bool:

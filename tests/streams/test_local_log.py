@@ -173,6 +173,8 @@ a = json.loads(sys.argv[1])
 cfg = StreamConfig(url="local://" + a["root"], fsync=a["fsync"], segment_bytes=a["segment_bytes"],
                    num_partitions=a["partitions"])
 producer = LocalStream(Path(a["root"]), cfg).producer()
+if a.get("ready"):
+    Path(a["ready"]).touch()  # imported and ready: the test waits for every producer before "go"
 while a.get("go") and not Path(a["go"]).exists():  # start together with the other producers
     time.sleep(0.001)
 b = 0
@@ -302,12 +304,14 @@ def test_two_producer_processes_append_to_one_partition(tmp_path):
     procs = []
     for tag in "AB":
         args = dict(root=str(root), fsync=True, segment_bytes=4096, partitions=1, batches=120, unkeyed=True,
-                    tag=tag, size=5, pad=20, go=str(go))  # fmt: skip
+                    tag=tag, size=5, pad=20, go=str(go), ready=str(tmp_path / f"ready-{tag}"))  # fmt: skip
         procs.append(spawn(PRODUCER_SCRIPT, json.dumps(args)))
-    time.sleep(0.3)
+    deadline = time.monotonic() + 300  # a slow or loaded machine takes long to import
+    while time.monotonic() < deadline and not all((tmp_path / f"ready-{t}").exists() for t in "AB"):
+        time.sleep(0.01)
     go.touch()
     for proc in procs:
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=300)
         assert proc.returncode == 0
     messages = list(make_stream(root).read("t"))
     assert [m.offset for m in messages] == list(range(2 * 120 * 5))

@@ -54,13 +54,15 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, write_doc_section  # noqa: E402
 from serving.engine import SpecEngine  # noqa: E402
-from serving.models import ModelPair, load_model_dir  # noqa: E402
+from serving.models import ModelPair, load_model_dir, load_pair  # noqa: E402
 from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
 from streams import StreamConfig  # noqa: E402
+from trainer.bootstrap.generic import build_generic_draft  # noqa: E402
 from trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
+from trainer.replay import ReplayConfig  # noqa: E402
 
 log = logging.getLogger("bench.osd")
 
@@ -68,6 +70,7 @@ DOC_BEGIN = "<!-- BEGIN osd (written by benchmarks/osd.py; edits inside are over
 DOC_END = "<!-- END osd -->"
 DOMAINS = ("code", "prose")
 WINDOW = 50
+RECOVERY_MARGIN = 0.05
 
 
 # ---------------------------------------------------------------- serving a request sequence
@@ -78,6 +81,7 @@ def serve(pair: ModelPair, prompts: list, args, *, label: str, trainer: OnlineTr
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     version = 0
     out = []
+    cpu = 0.0
     for i, prompt in enumerate(tqdm(prompts, desc=label, unit="req", leave=False)):
         res = engine.generate(prompt.token_ids, params, method="draft", k=args.k,
                               meta=RequestMeta(request_id=f"{label}-{i}", cluster=cluster))  # fmt: skip
@@ -87,8 +91,11 @@ def serve(pair: ModelPair, prompts: list, args, *, label: str, trainer: OnlineTr
         if trainer is not None:
             assert logger is not None
             logger.flush(30)
+            c0 = time.process_time()
             while trainer.step():
                 pass
+            cpu += time.process_time() - c0
+            out[-1]["trainer_cpu_s"] = cpu
             st = trainer.clusters.get(cluster)
             if st is not None and st.version != version:
                 pair.draft.load_state_dict(st.model.state_dict())  # the hot-swap, between requests
@@ -103,7 +110,8 @@ def online_arm(pair: ModelPair, prompts: list, args, tmp: Path, *, label: str, l
     served = ModelPair(target=pair.target, draft=copy.deepcopy(pair.draft), tokenizer=pair.tokenizer)
     cfg = StreamConfig(url=f"local://{tmp}/{label}/log", fsync=False, num_partitions=1)
     logger = StreamLogger(cfg, LoggerConfig(), vocab_size=pair.vocab_size)
-    ocfg = OnlineConfig(interval=args.interval, loss=loss, lr=args.lr, steps_per_update=args.steps, poll_timeout_s=0.01)
+    ocfg = OnlineConfig(interval=args.interval, loss=loss, lr=args.lr, steps_per_update=args.steps, poll_timeout_s=0.01,
+                        replay=ReplayConfig(policy=args.replay, capacity=args.capacity))  # fmt: skip
     trainer = OnlineTrainer(cfg, base, tmp / label / "trainer", ocfg)
     try:
         return serve(served, prompts, args, label=label, trainer=trainer, logger=logger)
@@ -149,14 +157,36 @@ def moving(alphas: list[float], window: int = WINDOW) -> list[float]:
     return [statistics.fmean(alphas[max(0, i + 1 - window): i + 1]) for i in range(len(alphas))]
 
 
+def recovery(alphas: list[float], shift_at: int, *, margin: float = RECOVERY_MARGIN, min_seen: int = 10) -> dict:
+    """Requests after a distribution shift until α is back within ``margin`` of its pre-shift level.
+
+    Pre-shift level: mean α of the ``WINDOW`` requests before the shift. After it, α is the
+    mean over the trailing ``WINDOW`` requests *since the shift* (fewer while fewer have
+    been served, at least ``min_seen``), so the pre-shift requests never flatter it.
+    ``requests`` is None when it never recovers within the segment.
+    """
+    pre = statistics.fmean(alphas[max(0, shift_at - WINDOW):shift_at])
+    for n in range(shift_at + min_seen, len(alphas) + 1):
+        now = statistics.fmean(alphas[max(shift_at, n - WINDOW):n])
+        if now >= pre - margin:
+            return {"shift_at": shift_at, "pre_level": pre, "requests": n - shift_at, "level_at_recovery": now}
+    return {"shift_at": shift_at, "pre_level": pre, "requests": None, "level_at_recovery": None}
+
+
 def summary_of(rows: list[dict]) -> dict:
     a = [r["alpha"] for r in rows]
     return {"alpha_mean": statistics.fmean(a), "alpha_first_50": statistics.fmean(a[:WINDOW]),
             "alpha_last_50": statistics.fmean(a[-WINDOW:]), "requests": len(a),
-            "draft_versions": max((r["draft_version"] for r in rows), default=0)}  # fmt: skip
+            "draft_versions": max((r["draft_version"] for r in rows), default=0),
+            "trainer_cpu_s": rows[-1].get("trainer_cpu_s", 0.0) if rows else 0.0}  # fmt: skip
 
 
 # ---------------------------------------------------------------- report
+def _arms(arms: dict) -> list[tuple[str, dict]]:
+    """The arms of a panel (entries with a curve), without its annotations."""
+    return [(k, v) for k, v in arms.items() if isinstance(v, dict) and "curve" in v]
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -166,12 +196,10 @@ def plot(report: dict, path: Path) -> None:
     panels = [(d, report["single_domain"][d]) for d in DOMAINS] + [("shift: code → prose → code", report["shift"])]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), sharey=True)
     for ax, (title, arms) in zip(axes, panels):
-        for name, arm in arms.items():
+        for name, arm in _arms(arms):
             ax.plot(range(1, len(arm["curve"]) + 1), arm["curve"], label=name, lw=1.6)
-        if title.startswith("shift"):
-            n = len(next(iter(arms.values()))["curve"])
-            for x in (n / 3, 2 * n / 3):
-                ax.axvline(x, color="grey", ls=":", lw=1)
+        for x in arms.get("boundaries", []):
+            ax.axvline(x, color="grey", ls=":", lw=1)
         ax.set_title(title)
         ax.set_xlabel("requests processed")
         ax.grid(alpha=0.3)
@@ -190,7 +218,7 @@ def markdown(report: dict) -> str:
             s = arm["summary"]
             lines.append(f"| {d} | {name} | {s['alpha_mean']:.3f} | {s['alpha_first_50']:.3f} | {s['alpha_last_50']:.3f} "
                          f"| {s['draft_versions']} |")  # fmt: skip
-    for name, arm in report["shift"].items():
+    for name, arm in _arms(report["shift"]):
         s = arm["summary"]
         lines.append(f"| shift | {name} | {s['alpha_mean']:.3f} | {s['alpha_first_50']:.3f} | {s['alpha_last_50']:.3f} "
                      f"| {s['draft_versions']} |")  # fmt: skip
@@ -205,6 +233,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _rec(n: int | None) -> str:
+    return "not recovered" if n is None else str(n)
+
+
 def doc_section(report: dict, table: str, plot_rel: str) -> str:
     c, env, s = report["config"], report["environment"], report["summary"]
     return "\n".join([
@@ -217,7 +249,7 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
         "",
         f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {env['threads']} torch threads, no GPU; commit "
         f"{str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. {c['requests']} held-out requests "
-        f"per domain ({c['prompt_tokens']}-token prompts, {c['max_new_tokens']} new tokens, greedy, draft k={c['k']}); "
+        f"per domain, starting draft `{c['base']}` ({c['prompt_tokens']}-token prompts, {c['max_new_tokens']} new tokens, greedy, draft k={c['k']}); "
         f"online: I={c['interval']}, {c['steps']} AdamW steps per update at lr {c['lr']}; offline: forward KL on "
         f"the target's full distributions, {c['offline_epochs']} epochs. Run time {report['elapsed_s'] / 60:.0f} min.",
         "",
@@ -228,8 +260,21 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
         f"Online distillation moves α over the last 50 requests from {s['code_static']:.3f} to "
         f"{s['code_online']:.3f} on code and from {s['prose_static']:.3f} to {s['prose_online']:.3f} on prose "
         f"(offline upper bound {s['code_upper']:.3f} / {s['prose_upper']:.3f}; the paper reports gains of 0.1–0.65 "
-        "in α for 7B/3B targets with 160M/80M drafts). Every output stayed identical to target-only greedy decoding "
-        f"across arms: {'yes' if report['lossless'] else 'NO'}.",
+        "in α for 7B/3B targets with 160M/80M drafts).",
+        "",
+        "| summary | value | bar |",
+        "|---|---:|---:|",
+        f"| `alpha_gain_vs_static` (smallest over domains) | {s['alpha_gain_vs_static']:+.3f} | ≥ +0.10 |",
+        f"| `gap_to_offline_bound` (largest over domains) | {s['gap_to_offline_bound']:+.3f} | ≤ 0.05 |",
+        f"| `recovery_requests` (largest over the two shifts) | {_rec(s['recovery_requests'])} | ≤ 300 |",
+        f"| `trainer_cpu_s_per_request` | {s['trainer_cpu_s_per_request']:.3f} | |",
+        "",
+        "Recovery after each shift (pre-shift level: mean α of the 50 requests before it; after it, the mean over "
+        "the trailing 50 requests since the shift): " + "; ".join(
+            f"at request {r['shift_at']}: pre-shift {r['pre_level']:.3f}, back within {RECOVERY_MARGIN} after "
+            f"{_rec(r['requests'])} requests" for r in report["shift"]["recovery"]) + ".",
+        "",
+        f"Every output stayed identical to target-only greedy decoding across arms: {'yes' if report['lossless'] else 'NO'}.",
         DOC_END,
     ])  # fmt: skip
 
@@ -241,10 +286,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="requests per domain (default 150; 24 with --quick)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 64; 32 with --quick)")
+    p.add_argument("--base", choices=("generic", "bootstrap"), default="generic",
+                   help="starting draft: generic = the draft shape trained on hard labels only, never distilled from "
+                   "the target (the paper's setting; built once into <model-dir>/draft-generic); bootstrap = the "
+                   "bootstrap's draft/, already distilled from the target on both domains")  # fmt: skip
+    p.add_argument("--generic-steps", type=int, default=400, help="hard-label training steps of the generic draft")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--interval", type=int, default=8, help="online update interval I (the paper's 8)")
     p.add_argument("--steps", type=int, default=4, help="AdamW steps per online update")
     p.add_argument("--lr", type=float, default=5e-4, help="online learning rate")
+    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="clear", help="online replay policy")
+    p.add_argument("--capacity", type=int, default=256, help="online replay buffer capacity")
     p.add_argument("--offline-epochs", type=int, default=2, help="offline distillation epochs (the paper's 2)")
     p.add_argument("--offline-lr", type=float, default=1e-3, help="offline learning rate")
     p.add_argument("--offline-batch", type=int, default=8, help="sequences per offline step")
@@ -267,10 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     pair = load_model_dir(Path(args.model_dir))
     pair.target.eval()
+    if args.base == "generic":  # OSD's setting: a draft never distilled from the target
+        generic = load_pair(Path(args.model_dir) / "target", build_generic_draft(Path(args.model_dir), steps=args.generic_steps)).draft
+        pair = ModelPair(target=pair.target, draft=generic, tokenizer=pair.tokenizer)
     streams = {d: heldout_prompts(Path(args.model_dir), pair.tokenizer, d, args.requests, num_tokens=args.prompt_tokens,
                                   seed=7, per_doc=4) for d in DOMAINS}  # fmt: skip
     report: dict = {"single_domain": {}, "ablation": {}, "shift": {}}
     outputs: dict[str, list] = {}
+    arm_stats = lambda rows: {"summary": summary_of(rows), "curve": moving([r["alpha"] for r in rows]),  # noqa: E731
+                              "alphas": [round(r["alpha"], 4) for r in rows]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="specops-osd-") as tmp_s:
         tmp = Path(tmp_s)
         for d in DOMAINS:
@@ -284,40 +341,53 @@ def main(argv: list[str] | None = None) -> int:
             arms["online_fkl"] = online_arm(pair, prompts, args, tmp, label=f"{d}-online_fkl", loss="fkl")
             arms["offline_upper"] = serve(static_pair(pair, offline_distill(pair, seqs, args, f"{d}/offline all")),
                                           prompts, args, label=f"{d}/offline_upper")  # fmt: skip
-            report["single_domain"][d] = {k: {"summary": summary_of(v), "curve": moving([r["alpha"] for r in v])}
-                                          for k, v in arms.items()}  # fmt: skip
+            report["single_domain"][d] = {k: arm_stats(v) for k, v in arms.items()}
             outputs.update({f"{d}/{k}": [r["output"] for r in v] for k, v in arms.items()})
             if not args.no_ablation:
                 abl = {f"online_{loss}": online_arm(pair, prompts, args, tmp, label=f"{d}-online_{loss}", loss=loss)
                        for loss in ("rkl", "jsd")}  # fmt: skip
-                report["ablation"][d] = {k: {"summary": summary_of(v), "curve": moving([r["alpha"] for r in v])}
-                                         for k, v in abl.items()}  # fmt: skip
+                report["ablation"][d] = {k: arm_stats(v) for k, v in abl.items()}
                 outputs.update({f"{d}/{k}": [r["output"] for r in v] for k, v in abl.items()})
-        third = args.requests // 3
-        shifted = streams["code"][:third] + streams["prose"][:third] + streams["code"][third:2 * third]
+        # code -> prose -> code, one draft; the two code segments use different prompts
+        seg = args.requests // 2
+        shifted = streams["code"][:seg] + streams["prose"][:seg] + streams["code"][seg:2 * seg]
         shift = {"static": serve(static_pair(pair), shifted, args, label="shift/static"),
                  "online_fkl": online_arm(pair, shifted, args, tmp, label="shift-online_fkl", loss="fkl")}  # fmt: skip
-        report["shift"] = {k: {"summary": summary_of(v), "curve": moving([r["alpha"] for r in v])} for k, v in shift.items()}
+        report["shift"] = {k: arm_stats(v) for k, v in shift.items()}
+        report["shift"]["boundaries"] = [seg, 2 * seg]
         outputs.update({f"shift/{k}": [r["output"] for r in v] for k, v in shift.items()})
     # lossless: every arm of one request sequence emitted the same tokens
     lossless = all(outputs[f"{d}/{k}"] == outputs[f"{d}/static"] for d in DOMAINS for k in
                    [*report["single_domain"][d], *report["ablation"].get(d, {})])  # fmt: skip
     lossless &= outputs["shift/online_fkl"] == outputs["shift/static"]
     sd = report["single_domain"]
+    online_alphas = [r["alpha"] for r in shift["online_fkl"]]
+    recoveries = [recovery(online_alphas, at) for at in (seg, 2 * seg)]
+    report["shift"]["recovery"] = recoveries
+    cpu = sum(sd[d]["online_fkl"]["summary"]["trainer_cpu_s"] for d in DOMAINS)
+    last = lambda d, arm: sd[d][arm]["summary"]["alpha_last_50"]  # noqa: E731
+    rec_n = [r["requests"] for r in recoveries]
     report.update({
         "command": " ".join([".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
-                   "k": args.k, "interval": args.interval, "steps": args.steps, "lr": args.lr,
+        "config": {"base": args.base, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+                   "max_new_tokens": args.max_new_tokens, "k": args.k, "interval": args.interval, "steps": args.steps,
+                   "lr": args.lr, "replay": args.replay, "capacity": args.capacity,
                    "offline_epochs": args.offline_epochs, "offline_lr": args.offline_lr, "window": WINDOW},
-        "summary": {f"{d}_{name}": sd[d][arm]["summary"]["alpha_last_50"] for d in DOMAINS for name, arm in
-                    (("static", "static"), ("online", "online_fkl"), ("offline10", "offline_10pct"), ("upper", "offline_upper"))},
+        "summary": {
+            "alpha_gain_vs_static": min(last(d, "online_fkl") - last(d, "static") for d in DOMAINS),
+            "gap_to_offline_bound": max(last(d, "offline_upper") - last(d, "online_fkl") for d in DOMAINS),
+            "recovery_requests": None if None in rec_n else max(rec_n),
+            "trainer_cpu_s_per_request": cpu / (len(DOMAINS) * args.requests),
+            **{f"{d}_{name}": last(d, arm) for d in DOMAINS for name, arm in
+               (("static", "static"), ("online", "online_fkl"), ("offline10", "offline_10pct"), ("upper", "offline_upper"))},
+            "shift_static": report["shift"]["static"]["summary"]["alpha_mean"],
+            "shift_online": report["shift"]["online_fkl"]["summary"]["alpha_mean"],
+        },
         "lossless": lossless,
         "environment": environment(),
         "elapsed_s": time.perf_counter() - started,
     })  # fmt: skip
-    report["summary"]["shift_static"] = report["shift"]["static"]["summary"]["alpha_mean"]
-    report["summary"]["shift_online"] = report["shift"]["online_fkl"]["summary"]["alpha_mean"]
     if args.no_ablation:
         report["ablation"] = {d: {k: sd[d]["online_fkl"] for k in ("online_rkl", "online_jsd")} for d in DOMAINS}
     plot(report, args.plot)
@@ -331,7 +401,6 @@ def main(argv: list[str] | None = None) -> int:
         rel = os.path.relpath(args.plot, args.doc.parent)
         write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report, table, rel))
     return 0 if lossless else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

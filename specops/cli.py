@@ -113,10 +113,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = OnlineConfig(
         group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
-        holdout_every=args.holdout_every, backend=args.backend,
+        holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
-    trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg)
+    target = None
+    if args.sampling != "teacher":
+        target = Path(args.target) if args.target else Path(args.model_dir) / "target"
+    trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg, target=target)
     try:
         if args.schedule:  # the same steps as APScheduler jobs on a persistent job store (trainer/schedule.py)
             from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
@@ -220,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float, default=1.0, help="softmax temperature (default: %(default)s)")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="optimiser steps per update (default: %(default)s)")
+    p.add_argument("--sampling", choices=("teacher", "student", "mixed"), default="teacher",
+                   help="where the loss applies (OSD 4.1): teacher = the logged rejected positions against the logged "
+                   "target distributions (needs only the stream); student / mixed = continuations of the logged "
+                   "prompts sampled from the draft / from mix*p + (1-mix)*q, scored by the target model, which the "
+                   "trainer then loads (--target) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--mix", type=float, default=0.5, help="--sampling mixed: target weight of the mixture (default: %(default)s)")
+    p.add_argument("--target", default=None, help="target model directory for student/mixed sampling (default: <--model-dir>/target)")
     p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="clear",
                    help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample")  # fmt: skip
     p.add_argument("--capacity", type=int, default=256, help="replay buffer size per cluster (default: %(default)s)")

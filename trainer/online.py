@@ -40,9 +40,10 @@ from streams.consumer import RecordConsumer
 from streams.records import MissRecord
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance, evaluate_records
-from trainer.data import draft_logits_at, target_dist
+from trainer.data import Example, draft_logits, teacher_example
 from trainer.losses import LOSSES, checked_loss
 from trainer.replay import ReplayBuffers, ReplayConfig
+from trainer.sampling import SAMPLING, sampled_example
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,15 @@ class OnlineConfig:
     steps_per_update: int = 4
     """Optimiser steps per update, each over the whole buffer."""
     grad_clip: float = 1.0
+    sampling: str = "teacher"
+    """Where the loss applies (OSD §4.1): ``teacher`` (the logged rejected positions and
+    logged target distributions), ``student`` or ``mixed`` (sequences sampled after the
+    logged prompts from the draft, or from ``mix·p + (1-mix)·q``, scored by the target:
+    needs the target model)."""
+    mix: float = 0.5
+    """Target weight λ of mixed sampling, ``y_j ~ λ·p + (1-λ)·q``."""
+    sample_max_new_tokens: int | None = None
+    """Tokens sampled per request under student/mixed sampling (default: the logged output's length)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     holdout_every: int = 10
     """One request in N (by request-id hash) is held out for evaluation, never trained on."""
@@ -82,6 +92,10 @@ class OnlineConfig:
     """ZeRO stage (0, 1 or 2) when ``backend == "deepspeed"``."""
 
     def __post_init__(self) -> None:
+        if self.sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
+        if not 0.0 <= self.mix <= 1.0:
+            raise ValueError(f"mix must be in [0, 1], got {self.mix!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.backend not in ("torch", "deepspeed"):
@@ -127,9 +141,19 @@ class ClusterState:
 class OnlineTrainer:
     """Consumes spec.misses and keeps one distilled draft per cluster."""
 
-    def __init__(self, stream: StreamConfig, base_draft: Path, out_dir: Path, cfg: OnlineConfig | None = None) -> None:
+    def __init__(self, stream: StreamConfig, base_draft: Path, out_dir: Path, cfg: OnlineConfig | None = None,
+                 *, target: Path | torch.nn.Module | None = None) -> None:  # fmt: skip
         self.stream_cfg = stream
         self.cfg = cfg or OnlineConfig()
+        self.target: torch.nn.Module | None = None
+        if self.cfg.sampling != "teacher":
+            if target is None:
+                raise ValueError(f"{self.cfg.sampling} sampling queries the target model: pass target= "
+                                 "(specops train --target DIR)")  # fmt: skip
+            self.target = target if isinstance(target, torch.nn.Module) else \
+                AutoModelForCausalLM.from_pretrained(target, use_safetensors=True)  # fmt: skip
+            self.target.eval().requires_grad_(False)
+            self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
         self.base_draft = Path(base_draft)
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -242,12 +266,12 @@ class OnlineTrainer:
     def update(self, cluster: str) -> dict:
         """Distil the cluster's draft on its buffer, evaluate, checkpoint. Returns the summary."""
         st, buf = self.state(cluster), self.buffers[cluster]
-        items = [h for h in buf.items() if h.record.num_rejected]
         t0 = time.perf_counter()
         before = self.evaluate(cluster)
+        examples = self._examples(st, buf.items())
         losses, skipped = [], 0
         for _ in range(self.cfg.steps_per_update):
-            loss, n_skipped = self._optimizer_step(st, items)
+            loss, n_skipped = self._optimizer_step(st, examples)
             skipped += n_skipped
             if loss is not None:
                 losses.append(loss)
@@ -255,7 +279,7 @@ class OnlineTrainer:
         st.version += 1
         st.updates += 1
         st.records_trained += len(buf.items())
-        st.positions_trained += sum(h.record.num_rejected for h in items)
+        st.positions_trained += sum(ex.num_positions for ex in examples)
         st.skipped_steps += skipped
         for h in buf.items():
             lo, hi = st.lineage.get(str(h.source[1]), [h.source[2], h.source[2]])
@@ -270,7 +294,8 @@ class OnlineTrainer:
         ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state)
         summary = {
             "cluster": cluster, "version": st.version, "requests": len(buf.items()),
-            "positions": sum(h.record.num_rejected for h in items), "loss_first": losses[0] if losses else None,
+            "positions": sum(ex.num_positions for ex in examples), "sampling": self.cfg.sampling,
+            "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None, "skipped_steps": skipped, "eval_before": before.to_dict(),
             "eval_after": after.to_dict(), "request_ids": [h.record.request_id for h in buf.items()],
             "seconds": round(time.perf_counter() - t0, 3),
@@ -286,22 +311,31 @@ class OnlineTrainer:
         )  # fmt: skip
         return summary
 
-    def _optimizer_step(self, st: ClusterState, items: list[Held]) -> tuple[float | None, int]:
-        """One step over ``items``: position-weighted mean loss; non-finite records skipped."""
-        if not items:
+    def _examples(self, st: ClusterState, items: list[Held]) -> list[Example]:
+        """The sequences and positions this update trains on (see ``trainer.sampling``)."""
+        if self.cfg.sampling == "teacher":
+            return [teacher_example(h.record) for h in items if h.record.num_rejected]
+        assert self.target is not None
+        mix = 0.0 if self.cfg.sampling == "student" else self.cfg.mix
+        return [sampled_example(self.target, st.model, h.record, mix=mix, max_new_tokens=self.cfg.sample_max_new_tokens,
+                                generator=self._sample_gen) for h in items]  # fmt: skip
+
+    def _optimizer_step(self, st: ClusterState, examples: list[Example]) -> tuple[float | None, int]:
+        """One step over ``examples``: position-weighted mean loss; non-finite examples skipped."""
+        if not examples:
             return None, 0
         net = st.model if st.engine is None else st.engine  # DeepSpeed: forward through the engine
         net.train()
         st.opt.zero_grad(set_to_none=True)
         total, positions, skipped = None, 0, 0
-        for h in items:
-            logits = draft_logits_at(net, h.record)  # [m, V]
-            loss, reason = checked_loss(logits, target_dist(h.record), self.cfg.loss, beta=self.cfg.beta, tau=self.cfg.tau)
+        for ex in examples:
+            logits = draft_logits(net, ex)  # [m, V]
+            loss, reason = checked_loss(logits, ex.target, self.cfg.loss, beta=self.cfg.beta, tau=self.cfg.tau)
             if loss is None:
                 skipped += 1
-                log.warning("skipped request %s in the update: %s", h.record.request_id, reason)
+                log.warning("skipped request %s in the update: %s", ex.request_id, reason)
                 continue
-            m = h.record.num_rejected
+            m = ex.num_positions
             total = loss * m if total is None else total + loss * m
             positions += m
         if total is None:

@@ -33,23 +33,10 @@ TRAIN = {"interval": 3, "holdout_every": 4, "steps_per_update": 3, "poll_timeout
 @pytest.fixture(scope="module")
 def logged(close_pair, tmp_path_factory):
     """A local stream of N_REQUESTS logged requests over two clusters, and the draft's dir."""
-    from serving.engine import SpecEngine
-    from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-    from serving.types import SamplingParams
-    from streams import StreamConfig
-    from tests.conftest import random_prompts
+    from tests.trainer.logged import log_requests
 
-    root = tmp_path_factory.mktemp("deepspeed")
-    draft_dir = root / "draft"
-    close_pair.draft.save_pretrained(draft_dir, safe_serialization=True)
-    cfg = StreamConfig(url=f"local://{root}/log", fsync=False, num_partitions=2)
-    logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=close_pair.vocab_size)
-    engine = SpecEngine(close_pair, logger=logger)
-    for i, prompt in enumerate(random_prompts(N_REQUESTS, seed=5, lo=8, hi=20)):
-        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, max_new_tokens=24, seed=i)
-        engine.generate(prompt, params, meta=RequestMeta(f"r{i}", CLUSTERS[i % 2]))
-    logger.close()
-    return cfg, draft_dir
+    return log_requests(close_pair, tmp_path_factory.mktemp("deepspeed"), N_REQUESTS, seed=5,
+                        cluster_of=lambda i: CLUSTERS[i % 2])  # fmt: skip
 
 
 @pytest.fixture(scope="module")

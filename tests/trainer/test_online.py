@@ -14,13 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.engine import SpecEngine
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.types import SamplingParams
-from streams import StreamConfig, open_stream
-from tests.conftest import random_prompts
+from streams import open_stream
 from transformers import AutoModelForCausalLM
 
+from tests.trainer.logged import log_requests
 from trainer import checkpoint as ckpt
 from trainer.acceptance import evaluate_records
 from trainer.online import OnlineConfig, OnlineTrainer, _holdout
@@ -32,17 +29,8 @@ N_REQUESTS = 40
 @pytest.fixture(scope="module")
 def logged(close_pair, tmp_path_factory):
     """A local stream holding N_REQUESTS logged requests over two clusters, and the draft's dir."""
-    root = tmp_path_factory.mktemp("online")
-    draft_dir = root / "draft"
-    close_pair.draft.save_pretrained(draft_dir, safe_serialization=True)
-    cfg = StreamConfig(url=f"local://{root}/log", fsync=False, num_partitions=2)
-    logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=close_pair.vocab_size)
-    engine = SpecEngine(close_pair, logger=logger)
-    for i, prompt in enumerate(random_prompts(N_REQUESTS, seed=21, lo=8, hi=20)):
-        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, max_new_tokens=24, seed=i)
-        engine.generate(prompt, params, meta=RequestMeta(f"r{i}", "code" if i % 3 else "prose"))
-    logger.close()
-    return cfg, draft_dir
+    return log_requests(close_pair, tmp_path_factory.mktemp("online"), N_REQUESTS, seed=21,
+                        cluster_of=lambda i: "code" if i % 3 else "prose")  # fmt: skip
 
 
 def _history(out: Path, cluster: str) -> list[dict]:

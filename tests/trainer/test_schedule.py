@@ -14,11 +14,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from serving.engine import SpecEngine
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.types import SamplingParams
 from streams import StreamConfig, open_stream
-from tests.conftest import random_prompts
+from tests.trainer.logged import log_requests
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance
 from trainer.online import OnlineConfig, OnlineTrainer
@@ -43,17 +40,8 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def logged(close_pair, tmp_path_factory):
     """A local stream holding N_REQUESTS logged requests over two clusters, and the draft's dir."""
-    root = tmp_path_factory.mktemp("schedule")
-    draft_dir = root / "draft"
-    close_pair.draft.save_pretrained(draft_dir, safe_serialization=True)
-    cfg = StreamConfig(url=f"local://{root}/log", fsync=False, num_partitions=2)
-    logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=close_pair.vocab_size)
-    engine = SpecEngine(close_pair, logger=logger)
-    for i, prompt in enumerate(random_prompts(N_REQUESTS, seed=31, lo=8, hi=16)):
-        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, max_new_tokens=16, seed=i)
-        engine.generate(prompt, params, meta=RequestMeta(f"r{i}", "code" if i % 3 else "prose"))
-    logger.close()
-    return cfg, draft_dir
+    return log_requests(close_pair, tmp_path_factory.mktemp("schedule"), N_REQUESTS, seed=31, hi=16, max_new_tokens=16,
+                        cluster_of=lambda i: "code" if i % 3 else "prose")  # fmt: skip
 
 
 def _trainer(logged, out: Path, group: str) -> OnlineTrainer:

@@ -15,15 +15,16 @@ from tests.conftest import random_prompts
 
 def log_requests(pair: ModelPair, root: Path, n: int, *, seed: int, cluster_of: Callable[[int], str],
                  partitions: int = 2, lo: int = 8, hi: int = 20, max_new_tokens: int = 24,
-                 greedy_only: bool = False) -> tuple[StreamConfig, Path]:  # fmt: skip
-    """Log ``n`` requests (request ``i`` in cluster ``cluster_of(i)``) to ``local://root/log``.
+                 greedy_only: bool = False, url: str | None = None, **stream: object) -> tuple[StreamConfig, Path]:  # fmt: skip
+    """Log ``n`` requests (request ``i`` in cluster ``cluster_of(i)``) to ``url`` (default ``local://root/log``).
 
     Odd requests are greedy, even ones sampled at T=0.8 (all greedy with ``greedy_only``).
+    Extra keyword arguments are StreamConfig fields (group timings for Kafka, say).
     The pair's draft is saved to ``root/draft``. Returns (stream config, draft dir).
     """
     draft_dir = root / "draft"
     pair.draft.save_pretrained(draft_dir, safe_serialization=True)
-    cfg = StreamConfig(url=f"local://{root}/log", fsync=False, num_partitions=partitions)
+    cfg = StreamConfig(url=url or f"local://{root}/log", fsync=False, num_partitions=partitions, **stream)  # type: ignore[arg-type]
     logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=pair.vocab_size)
     engine = SpecEngine(pair, logger=logger)
     for i, prompt in enumerate(random_prompts(n, seed=seed, lo=lo, hi=hi)):

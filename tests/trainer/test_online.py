@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from streams import open_stream
+from streams.tansu import TansuBroker
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.logged import log_requests
@@ -26,11 +27,30 @@ ROOT = Path(__file__).resolve().parents[2]
 N_REQUESTS = 40
 
 
-@pytest.fixture(scope="module")
-def logged(close_pair, tmp_path_factory):
-    """A local stream holding N_REQUESTS logged requests over two clusters, and the draft's dir."""
-    return log_requests(close_pair, tmp_path_factory.mktemp("online"), N_REQUESTS, seed=21,
-                        cluster_of=lambda i: "code" if i % 3 else "prose")  # fmt: skip
+KAFKA_GROUP_TIMINGS = {"session_timeout_s": 2.0, "heartbeat_interval_s": 0.3, "max_poll_interval_s": 60.0}
+"""Short group timings, so a tansu consumer group joins and rebalances in seconds."""
+
+
+@pytest.fixture(scope="module", params=["local", "kafka"])
+def logged(request, close_pair, tmp_path_factory):
+    """N_REQUESTS logged requests over two clusters on each real backend, and the draft's dir.
+
+    Kafka: a tansu broker of this module's own (memory-only), so the default topic names
+    hold exactly these records.
+    """
+    root = tmp_path_factory.mktemp(f"online-{request.param}")
+    extra: dict = {}
+    if request.param == "kafka":
+        broker = TansuBroker(root / "broker.log").start()
+        request.addfinalizer(broker.stop)
+        extra = {"url": broker.url, **KAFKA_GROUP_TIMINGS}
+    return log_requests(close_pair, root, N_REQUESTS, seed=21, cluster_of=lambda i: "code" if i % 3 else "prose",
+                        **extra)  # fmt: skip
+
+
+def _idle_s(cfg) -> float:
+    """Idle time before a run stops: a Kafka group takes seconds to join before the first record."""
+    return 15.0 if cfg.url.startswith("kafka://") else 1.0
 
 
 def _history(out: Path, cluster: str) -> list[dict]:
@@ -42,7 +62,7 @@ def test_updates_raise_heldout_acceptance_and_commit_everything(logged, tmp_path
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
     trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(interval=4, holdout_every=4))
-    consumed = trainer.run(max_idle_s=1.0)
+    consumed = trainer.run(max_idle_s=_idle_s(cfg))
     trainer.close()
     assert consumed == N_REQUESTS
     base = AutoModelForCausalLM.from_pretrained(draft_dir)
@@ -68,7 +88,7 @@ def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
     out = tmp_path / "trainer"
     ocfg = OnlineConfig(group="resume", interval=5, replay=__import__("trainer.replay").replay.ReplayConfig(policy="recent", capacity=50))
     first = OnlineTrainer(cfg, draft_dir, out, ocfg)
-    first.run(max_idle_s=1.0)
+    first.run(max_idle_s=_idle_s(cfg))
     first.close()
     saved = {c: (st.version, {k: v.clone() for k, v in st.model.state_dict().items()}, len(first.buffers[c]))
              for c, st in first.clusters.items()}  # fmt: skip
@@ -91,7 +111,7 @@ def test_killed_trainer_loses_no_record(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
     cmd = [sys.executable, "-m", "specops.cli", "train", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
-           "--group", "killed", "--interval", "1", "--steps", "1", "--holdout-every", "5", "--idle-exit", "10"]  # fmt: skip
+           "--group", "killed", "--interval", "1", "--steps", "1", "--holdout-every", "5", "--idle-exit", str(10 + _idle_s(cfg))]  # fmt: skip
     # the killed member keeps its partitions until its session times out: keep that short, below --idle-exit
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECOPS_STREAM_FSYNC": "0", "SPECOPS_STREAM_SESSION_TIMEOUT_S": "2",
            "SPECOPS_STREAM_HEARTBEAT_INTERVAL_S": "0.3", "SPECOPS_STREAM_MAX_POLL_INTERVAL_S": "60"}  # fmt: skip

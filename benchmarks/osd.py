@@ -76,6 +76,8 @@ DOC_END = "<!-- END osd -->"
 DOMAINS = ("code", "prose")
 WINDOW = 50
 RECOVERY_MARGIN = 0.05
+COLORS = {"static": "tab:blue", "offline_10pct": "tab:orange", "online_fkl": "tab:green", "offline_upper": "tab:red",
+          "offline_same": "tab:purple"}  # fmt: skip
 
 
 # ---------------------------------------------------------------- serving a request sequence
@@ -162,20 +164,43 @@ def moving(alphas: list[float], window: int = WINDOW) -> list[float]:
     return [statistics.fmean(alphas[max(0, i + 1 - window): i + 1]) for i in range(len(alphas))]
 
 
-def recovery(alphas: list[float], shift_at: int, *, margin: float = RECOVERY_MARGIN, min_seen: int = 10) -> dict:
-    """Requests after a distribution shift until α is back within ``margin`` of its pre-shift level.
+def recovery(alphas: list[float], start: int, end: int, reference: float, *, margin: float = RECOVERY_MARGIN,
+             min_seen: int = 10) -> int | None:  # fmt: skip
+    """Requests after the shift at ``start`` until α is back within ``margin`` of ``reference``.
 
-    Pre-shift level: mean α of the ``WINDOW`` requests before the shift. After it, α is the
-    mean over the trailing ``WINDOW`` requests *since the shift* (fewer while fewer have
-    been served, at least ``min_seen``), so the pre-shift requests never flatter it.
-    ``requests`` is None when it never recovers within the segment.
+    α after the shift is the mean over the trailing ``WINDOW`` requests *since the shift*
+    (fewer while fewer have been served, at least ``min_seen``), so pre-shift requests
+    never flatter it. Only the segment ``[start, end)`` counts: None when it never recovers
+    before the next shift.
     """
-    pre = statistics.fmean(alphas[max(0, shift_at - WINDOW):shift_at])
-    for n in range(shift_at + min_seen, len(alphas) + 1):
-        now = statistics.fmean(alphas[max(shift_at, n - WINDOW):n])
-        if now >= pre - margin:
-            return {"shift_at": shift_at, "pre_level": pre, "requests": n - shift_at, "level_at_recovery": now}
-    return {"shift_at": shift_at, "pre_level": pre, "requests": None, "level_at_recovery": None}
+    for n in range(start + min_seen, end + 1):
+        if statistics.fmean(alphas[max(start, n - WINDOW):n]) >= reference - margin:
+            return n - start
+    return None
+
+
+def shift_recoveries(report: dict) -> list[dict]:
+    """Recovery after each shift of the online arm, against the level it held on the new domain.
+
+    The reference for a domain the arm has served before (code, when it comes back) is its
+    α over the last ``WINDOW`` requests before it left that domain. For a domain it has not
+    served yet (prose, at the first shift) there is no such level; the reference is the α
+    the online draft reached on that domain in its single-domain run (last ``WINDOW``).
+    """
+    sh = report["shift"]
+    alphas, bounds, domains = sh["online_fkl"]["alphas"], sh["boundaries"], sh["domains"]
+    edges = [0, *bounds, len(alphas)]
+    held: dict[str, float] = {}
+    out = []
+    for i, d in enumerate(domains):
+        start, end = edges[i], edges[i + 1]
+        if i > 0:
+            ref, kind = (held[d], "pre-shift level on this domain") if d in held else (
+                report["single_domain"][d]["online_fkl"]["summary"]["alpha_last_50"], "single-domain online level")
+            out.append({"shift_at": start, "to": d, "reference": ref, "reference_kind": kind,
+                        "requests": recovery(alphas, start, end, ref)})  # fmt: skip
+        held[d] = statistics.fmean(alphas[max(start, end - WINDOW):end])
+    return out
 
 
 def summary_of(rows: list[dict]) -> dict:
@@ -202,7 +227,7 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), sharey=True)
     for ax, (title, arms) in zip(axes, panels):
         for name, arm in _arms(arms):
-            ax.plot(range(1, len(arm["curve"]) + 1), arm["curve"], label=name, lw=1.6)
+            ax.plot(range(1, len(arm["curve"]) + 1), arm["curve"], label=name, lw=1.6, color=COLORS.get(name))
         for x in arms.get("boundaries", []):
             ax.axvline(x, color="grey", ls=":", lw=1)
         ax.set_title(title)
@@ -210,6 +235,7 @@ def plot(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"α (moving average, last {WINDOW} requests)")
     axes[0].legend(fontsize=8, loc="lower right")
+    axes[-1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -255,7 +281,9 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
         f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {env['threads']} torch threads, no GPU; commit "
         f"{str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. {c['requests']} held-out requests "
         f"per domain, starting draft `{c['base']}` ({c['prompt_tokens']}-token prompts, {c['max_new_tokens']} new tokens, greedy, draft k={c['k']}); "
-        f"online: I={c['interval']}, {c['steps']} AdamW steps per update at lr {c['lr']}; offline: forward KL on "
+        f"online: I={c['interval']}, {c['steps']} AdamW steps per update at lr {c['lr']}, replay `{c['replay']}` with "
+        f"capacity {c['capacity']} requests, trainer in the serving process, swapping in each new version between "
+        "requests; offline: forward KL on "
         f"the target's full distributions, {c['offline_epochs']} epochs. Run time {report['elapsed_s'] / 60:.0f} min.",
         "",
         f"![α over requests]({plot_rel})",
@@ -275,10 +303,12 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
         f"| `recovery_requests` (largest over the two shifts) | {_rec(s['recovery_requests'])} | ≤ 300 |",
         f"| `trainer_cpu_s_per_request` | {s['trainer_cpu_s_per_request']:.3f} | |",
         "",
-        "Recovery after each shift (pre-shift level: mean α of the 50 requests before it; after it, the mean over "
-        "the trailing 50 requests since the shift): " + "; ".join(
-            f"at request {r['shift_at']}: pre-shift {r['pre_level']:.3f}, back within {RECOVERY_MARGIN} after "
-            f"{_rec(r['requests'])} requests" for r in report["shift"]["recovery"]) + ".",
+        "Recovery after each shift: requests until the online arm's α, averaged over the trailing 50 requests "
+        "since the shift, is back within 0.05 of its reference level on the new domain (for a domain it served "
+        "before, the α it held there before leaving; for a new one, the α online distillation reached on it in the "
+        "single-domain run): " + "; ".join(
+            f"{r['to']} at request {r['shift_at']}: reference {r['reference']:.3f} ({r['reference_kind']}), "
+            f"{_rec(r['requests'])}" for r in report["shift"]["recovery"]) + ".",
         "",
         f"Every output stayed identical to target-only greedy decoding across arms: {'yes' if report['lossless'] else 'NO'}.",
         DOC_END,
@@ -315,11 +345,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "osd.png", help="PNG plot of α over requests")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
     p.add_argument("--no-doc", action="store_true", help="do not write the doc")
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                   help="re-derive the summary, plot, table and doc section from a saved --json report; runs nothing")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        report["shift"].setdefault("domains", ["code", "prose", "code"])  # reports written before it was recorded
+        args.json = args.json or args.replot
+        return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.requests = args.requests or (24 if args.quick else 300)
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 64)
@@ -378,18 +415,12 @@ def main(argv: list[str] | None = None) -> int:
                  "online_fkl": online_arm(pair, shifted, args, tmp, label="shift-online_fkl", loss="fkl")}  # fmt: skip
         report["shift"] = {k: arm_stats(v) for k, v in shift.items()}
         report["shift"]["boundaries"] = [seg, 2 * seg]
+        report["shift"]["domains"] = ["code", "prose", "code"]
         outputs.update({f"shift/{k}": [r["output"] for r in v] for k, v in shift.items()})
     # lossless: every arm of one request sequence emitted the same tokens
     lossless = all(outputs[f"{d}/{k}"] == outputs[f"{d}/static"] for d in DOMAINS for k in
                    [*report["single_domain"][d], *report["ablation"].get(d, {})])  # fmt: skip
     lossless &= outputs["shift/online_fkl"] == outputs["shift/static"]
-    sd = report["single_domain"]
-    online_alphas = [r["alpha"] for r in shift["online_fkl"]]
-    recoveries = [recovery(online_alphas, at) for at in (seg, 2 * seg)]
-    report["shift"]["recovery"] = recoveries
-    cpu = sum(sd[d]["online_fkl"]["summary"]["trainer_cpu_s"] for d in DOMAINS)
-    last = lambda d, arm: sd[d][arm]["summary"]["alpha_last_50"]  # noqa: E731
-    rec_n = [r["requests"] for r in recoveries]
     report.update({
         "command": " ".join([".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -397,24 +428,41 @@ def main(argv: list[str] | None = None) -> int:
                    "max_new_tokens": args.max_new_tokens, "k": args.k, "interval": args.interval, "steps": args.steps,
                    "lr": args.lr, "replay": args.replay, "capacity": args.capacity,
                    "offline_epochs": args.offline_epochs, "offline_lr": args.offline_lr, "window": WINDOW},
-        "summary": {
-            "alpha_gain_vs_static": min(last(d, "online_fkl") - last(d, "static") for d in DOMAINS),
-            "gap_to_offline_bound": max(last(d, "offline_upper") - last(d, "online_fkl") for d in DOMAINS),
-            "gap_to_offline_same": max(last(d, "offline_same") - last(d, "online_fkl") for d in DOMAINS),
-            "recovery_requests": None if None in rec_n else max(rec_n),
-            "trainer_cpu_s_per_request": cpu / (len(DOMAINS) * args.requests),
-            **{f"{d}_{name}": last(d, arm) for d in DOMAINS for name, arm in
-               (("static", "static"), ("online", "online_fkl"), ("offline10", "offline_10pct"), ("upper", "offline_upper"),
-                ("same", "offline_same"))},
-            "shift_static": report["shift"]["static"]["summary"]["alpha_mean"],
-            "shift_online": report["shift"]["online_fkl"]["summary"]["alpha_mean"],
-        },
         "lossless": lossless,
         "environment": environment(),
         "elapsed_s": time.perf_counter() - started,
     })  # fmt: skip
     if args.no_ablation:
+        sd = report["single_domain"]
         report["ablation"] = {d: {k: sd[d]["online_fkl"] for k in ("online_rkl", "online_jsd")} for d in DOMAINS}
+    return finish(report, args)
+
+
+def summarise(report: dict) -> dict:
+    """The headline numbers, derived from the per-request α of each arm (also for ``--replot``)."""
+    sd = report["single_domain"]
+    report["shift"]["recovery"] = recoveries = shift_recoveries(report)
+    rec_n = [r["requests"] for r in recoveries]
+    last = lambda d, arm: sd[d][arm]["summary"]["alpha_last_50"]  # noqa: E731
+    cpu = sum(sd[d]["online_fkl"]["summary"]["trainer_cpu_s"] for d in DOMAINS)
+    n = sum(sd[d]["online_fkl"]["summary"]["requests"] for d in DOMAINS)
+    return {
+        "alpha_gain_vs_static": min(last(d, "online_fkl") - last(d, "static") for d in DOMAINS),
+        "gap_to_offline_bound": max(last(d, "offline_upper") - last(d, "online_fkl") for d in DOMAINS),
+        "gap_to_offline_same": max(last(d, "offline_same") - last(d, "online_fkl") for d in DOMAINS),
+        "recovery_requests": None if None in rec_n else max(rec_n),
+        "trainer_cpu_s_per_request": cpu / n,
+        **{f"{d}_{name}": last(d, arm) for d in DOMAINS for name, arm in
+           (("static", "static"), ("online", "online_fkl"), ("offline10", "offline_10pct"), ("upper", "offline_upper"),
+            ("same", "offline_same"))},
+        "shift_static": report["shift"]["static"]["summary"]["alpha_mean"],
+        "shift_online": report["shift"]["online_fkl"]["summary"]["alpha_mean"],
+    }  # fmt: skip
+
+
+def finish(report: dict, args: argparse.Namespace) -> int:
+    """Summary, plot, table, JSON and doc section of a finished (or reloaded) run."""
+    report["summary"] = summarise(report)
     plot(report, args.plot)
     table = markdown(report)
     print(table)
@@ -425,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_doc:
         rel = os.path.relpath(args.plot, args.doc.parent)
         write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report, table, rel))
-    return 0 if lossless else 1
+    return 0 if report["lossless"] else 1
 
 if __name__ == "__main__":
     sys.exit(main())

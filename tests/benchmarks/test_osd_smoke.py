@@ -21,7 +21,7 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         assert set(report["ablation"][d]) == {"online_rkl", "online_jsd"}
         assert arms["online_fkl"]["summary"]["draft_versions"] >= 1  # the trainer updated and serving swapped
         assert len(arms["static"]["curve"]) == report["config"]["requests"]
-    assert set(report["shift"]) == {"static", "online_fkl", "boundaries", "recovery"}
+    assert set(report["shift"]) == {"static", "online_fkl", "boundaries", "domains", "recovery"}
     assert report["shift"]["boundaries"] == [3, 6] and len(report["shift"]["recovery"]) == 2
     assert report["config"]["base"] == "generic" and (tiny_models / "draft-generic" / "generic.json").is_file()
     s = report["summary"]

@@ -64,7 +64,7 @@ def test_updates_raise_heldout_acceptance_and_commit_everything(logged, tmp_path
     trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(interval=4, holdout_every=4))
     consumed = trainer.run(max_idle_s=_idle_s(cfg))
     trainer.close()
-    assert consumed == N_REQUESTS
+    assert consumed >= N_REQUESTS  # more only if a starved member was expired and records were redelivered
     base = AutoModelForCausalLM.from_pretrained(draft_dir)
     for cluster in ("code", "prose"):
         hist = _history(out, cluster)

@@ -27,10 +27,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json
 	$(BIN)/python benchmarks/streams.py --json benchmarks/out/streams.json
+	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
 	$(BIN)/python benchmarks/streams.py --quick --json benchmarks/out/streams_quick.json
+	$(BIN)/python benchmarks/osd.py --quick --no-doc --json benchmarks/out/osd_quick.json --plot benchmarks/out/osd_quick.png
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -319,7 +319,7 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir with target/, draft/, manifest.json")
-    p.add_argument("--requests", type=int, default=None, help="requests per domain (default 300; 24 with --quick)")
+    p.add_argument("--requests", type=int, default=None, help="requests per domain (default 300; 72 with --quick)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 64; 32 with --quick)")
     p.add_argument("--base", choices=("generic", "bootstrap"), default="generic",
@@ -340,7 +340,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offline-batch", type=int, default=8, help="sequences per offline step")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-ablation", action="store_true", help="skip the RKL / JSD online arms")
-    p.add_argument("--quick", action="store_true", help="24 requests per domain, 32 new tokens (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="72 requests per domain, 32 new tokens (about 6 minutes)")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "osd.png", help="PNG plot of α over requests")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json = args.json or args.replot
         return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.requests = args.requests or (24 if args.quick else 300)
+    args.requests = args.requests or (72 if args.quick else 300)
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 64)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

@@ -59,7 +59,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, write_doc_section  # noqa: E402
 from serving.engine import SpecEngine  # noqa: E402
-from serving.models import ModelPair, load_model_dir, load_pair  # noqa: E402
+from serving.models import ModelPair, load_model, load_model_dir  # noqa: E402
 from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_model_dir(Path(args.model_dir))
     pair.target.eval()
     if args.base == "generic":  # OSD's setting: a draft never distilled from the target
-        generic = load_pair(Path(args.model_dir) / "target", build_generic_draft(Path(args.model_dir), steps=args.generic_steps)).draft
+        generic = load_model(build_generic_draft(Path(args.model_dir), steps=args.generic_steps))  # same tokenizer files
         pair = ModelPair(target=pair.target, draft=generic, tokenizer=pair.tokenizer)
     streams, twins = {}, {}
     for d in DOMAINS:  # a shuffled pool split in two: the served stream and its disjoint twin

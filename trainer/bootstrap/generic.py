@@ -57,7 +57,7 @@ def build_generic_draft(model_dir: Path, *, steps: int = 400, lr: float = 5e-3, 
             text = read_document(f, d)
             if text is None:
                 continue
-            docs.append(tok(text, add_special_tokens=False)["input_ids"])
+            docs.append(tok(text, add_special_tokens=False, verbose=False)["input_ids"])
             n += len(text)
             if n >= TRAIN_CHARS:
                 break

@@ -1,0 +1,120 @@
+"""Draft artifacts: safetensors and JSON only, every file checksummed in a manifest.
+
+A registered draft is one directory::
+
+    manifest.json            {"format", "files": {name: {"sha256", "bytes"}}, "meta": {...}}
+    config.json              the HF model config
+    generation_config.json   (when the model has one)
+    model.safetensors        the weights (or shards plus model.safetensors.index.json)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...
+
+The sha256 of ``manifest.json`` itself is stamped on the registry version as a tag, so a
+changed manifest is caught as surely as a changed weight file. :func:`verify_dir` checks
+all of it before anything is loaded; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from registry.errors import ArtifactFormatError, ArtifactIntegrityError
+
+FORMAT = "specops-draft/1"
+MANIFEST = "manifest.json"
+ALLOWED_SUFFIXES = (".safetensors", ".json")
+SKIP = {"optimizer.safetensors", "state.json", MANIFEST}
+"""Files of a trainer checkpoint that are not part of the served draft."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.json")  # fmt: skip
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_hash(model_dir: Path) -> str:
+    """sha256 of the model config, canonicalised (keys sorted), without volatile fields."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    for volatile in ("_name_or_path", "transformers_version"):
+        cfg.pop(volatile, None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def pack(model_dir: Path, out_dir: Path, *, tokenizer_dir: Path | None = None, meta: dict | None = None) -> str:
+    """Copy a draft (and its tokenizer) into ``out_dir`` with a manifest; return the manifest's sha256.
+
+    ``model_dir`` is a ``save_pretrained`` directory or a trainer checkpoint (its optimiser
+    and state files are left out). Tokenizer files come from ``tokenizer_dir`` when the
+    model directory has none. Any other file type is refused: the registry carries
+    safetensors and JSON only.
+    """
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ArtifactFormatError(f"{model_dir} is not a model directory (no config.json)")
+    if not any(p.name not in SKIP for p in model_dir.glob("*.safetensors")):
+        raise ArtifactFormatError(f"{model_dir} has no .safetensors weights; only safetensors are registered")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sources: dict[str, Path] = {}
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file() and p.name not in SKIP and not p.name.startswith("."):
+            sources[p.name] = p
+    if tokenizer_dir is not None and not any(n in sources for n in TOKENIZER_FILES):
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                sources[name] = Path(tokenizer_dir) / name
+    refused = [n for n in sources if not n.endswith(ALLOWED_SUFFIXES)]
+    if refused:
+        raise ArtifactFormatError(f"refusing to register {refused} from {model_dir}: the registry carries "
+                                  f"only {' and '.join(ALLOWED_SUFFIXES)} files")  # fmt: skip
+    if "tokenizer.json" not in sources:
+        raise ArtifactFormatError(f"no tokenizer.json with {model_dir}: pass tokenizer_dir (the target's "
+                                  "directory); serving checks the draft's tokenizer against the target's")  # fmt: skip
+    files = {}
+    for name, src in sources.items():
+        shutil.copyfile(src, out_dir / name)
+        files[name] = {"sha256": sha256_file(out_dir / name), "bytes": (out_dir / name).stat().st_size}
+    manifest = {"format": FORMAT, "files": files, "meta": {"config_sha256": config_hash(out_dir), **(meta or {})}}
+    blob = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    (out_dir / MANIFEST).write_bytes(blob)
+    return hashlib.sha256(blob).hexdigest()
+
+
+def verify_dir(path: Path, manifest_sha256: str | None) -> dict:
+    """Check a downloaded draft against its manifest (and the manifest against the
+    registry's tag); return the manifest. Raises ArtifactIntegrityError on any mismatch."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactIntegrityError(f"{path} has no {MANIFEST}; refusing an unverifiable artifact")
+    blob = mpath.read_bytes()
+    got = hashlib.sha256(blob).hexdigest()
+    if manifest_sha256 is not None and got != manifest_sha256:
+        raise ArtifactIntegrityError(f"{mpath} has sha256 {got[:12]}, the registry recorded {manifest_sha256[:12]}")
+    try:
+        manifest = json.loads(blob)
+        files = manifest["files"]
+        assert manifest.get("format") == FORMAT and isinstance(files, dict)
+    except (ValueError, KeyError, AssertionError, TypeError) as exc:
+        raise ArtifactIntegrityError(f"{mpath} is not a {FORMAT} manifest ({exc})") from exc
+    present = {p.name for p in path.iterdir() if p.is_file()} - {MANIFEST}
+    extra, missing = present - set(files), set(files) - present
+    if extra or missing:
+        raise ArtifactIntegrityError(f"{path}: files not in the manifest {sorted(extra)}, missing {sorted(missing)}")
+    for name, want in files.items():
+        if "/" in name or "\\" in name or name.startswith(".") or not name.endswith(ALLOWED_SUFFIXES):
+            raise ArtifactIntegrityError(f"{path}: manifest names a file the registry never carries: {name!r}")
+        size = (path / name).stat().st_size
+        if size != want["bytes"]:
+            raise ArtifactIntegrityError(f"{path / name} has {size} bytes, the manifest says {want['bytes']}")
+        digest = sha256_file(path / name)
+        if digest != want["sha256"]:
+            raise ArtifactIntegrityError(f"{path / name} has sha256 {digest[:12]}, the manifest says "
+                                         f"{want['sha256'][:12]}: corrupt or tampered")  # fmt: skip
+    return manifest

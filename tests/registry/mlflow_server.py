@@ -1,0 +1,68 @@
+"""A real ``mlflow server`` process on a free loopback port (the registry's HTTP path)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """``mlflow server`` over a SQLite store in ``root``, serving artifacts from ``root/artifacts``.
+
+    ``kill()`` stops it hard (SIGKILL, the "server died" case); ``start()`` brings it back
+    on the same port and store.
+    """
+
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.db = self.root / "mlflow.db"
+        self.artifacts = self.root / "artifacts"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> "MlflowServer":
+        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
+               "--artifacts-destination", str(self.artifacts), "--host", "127.0.0.1", "--port", str(self.port),
+               "--workers", "1"]  # fmt: skip
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: "
+                                   f"{(self.root / 'server.log').read_text()[-2000:]}")  # fmt: skip
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.kill()
+        raise TimeoutError(f"mlflow server on {self.uri} not healthy after {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL the whole server process group (uvicorn workers included)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    stop = kill

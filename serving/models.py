@@ -77,13 +77,15 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
-def load_model(path: Path) -> PreTrainedModel:
+def load_model(path: Path, *, loading_info: bool = False):
+    """A model from a local directory (safetensors only), in eval mode. With
+    ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, use_safetensors=True, dtype=torch.float32
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, use_safetensors=True, dtype=torch.float32, output_loading_info=True
     )
     model.eval()
-    return model
+    return (model, info) if loading_info else model
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from serving.models import ModelPair
+from trainer.bootstrap import run as bootstrap
 
 torch.set_num_threads(2)
 
@@ -79,3 +80,11 @@ def random_prompts(n: int, seed: int, lo: int = 2, hi: int = 24, vocab: int = VO
         length = int(torch.randint(lo, hi, (1,), generator=g))
         prompts.append(torch.randint(1, vocab, (length,), generator=g).tolist())
     return prompts
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """A --tiny bootstrap (random target and draft with a real tokenizer on disk, seconds)."""
+    out = tmp_path_factory.mktemp("bench") / "models"
+    bootstrap(out, tiny=True)
+    return out

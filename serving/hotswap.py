@@ -1,0 +1,380 @@
+"""Hot-swap: each cluster's draft slot follows the registry alias ``champion``.
+
+Read top to bottom, one check of a cluster (:meth:`DraftFollower._check`) is:
+
+1. **resolve** ``draft-<cluster>@champion`` in the registry (on a timer every
+   ``poll_s``, and at once when a ModelEvent for the model arrives);
+2. if it names a version the slot does not hold, **fetch** it into the cache directory
+   and verify every checksum (``RegistryStore.fetch``);
+3. **validate** it: the tokenizer hash equals the target's, the weights load from
+   safetensors with no missing, unexpected or mis-shaped tensors, the vocabulary equals
+   the target's, and one forward pass gives finite logits of the right shape;
+4. **swap**: one reference assignment in the slot. A request takes the slot's handle
+   once, when it starts, and decodes every step with that handle, so requests in flight
+   finish on the version they started with and the next request gets the new one.
+
+All of this runs on the follower's worker thread; a request never waits for it. A
+registry outage or a refused artifact leaves the current version serving; it is logged,
+counted (``specops_hotswap_failures_total``) and retried with exponential backoff.
+
+**Live feedback.** :meth:`DraftFollower.record` counts drafted and accepted tokens per
+version served. Every ``live_report_every`` requests the version's live acceptance goes
+to the registry (metric ``live_acceptance``). When the champion has served
+``rollback_min_requests`` requests and its live acceptance is below the version it
+replaced by more than ``rollback_margin``, the follower rolls ``champion`` back, with the
+numbers as the reason, and swaps to the restored version.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prometheus_client import Counter, Gauge
+from transformers import PreTrainedModel
+
+from registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
+from serving.errors import ModelConfigError
+from serving.models import load_model, load_tokenizer, tokenizer_hash
+from serving.types import RequestStats
+
+log = logging.getLogger(__name__)
+
+SWAPS = Counter("specops_hotswap_swaps_total", "Draft versions swapped into a cluster slot", ["cluster"])
+FAILURES = Counter("specops_hotswap_failures_total", "Failed follow attempts (the current version kept serving)",
+                   ["cluster", "reason"])  # fmt: skip
+ROLLBACKS = Counter("specops_hotswap_auto_rollbacks_total", "Champions rolled back on live acceptance", ["cluster"])
+LIVE_ACCEPTANCE = Gauge("specops_live_acceptance", "Live acceptance rate per draft version served",
+                        ["cluster", "version"])  # fmt: skip
+SERVED_VERSION = Gauge("specops_draft_version_served", "1 for the version each cluster slot serves now",
+                       ["cluster", "version"])  # fmt: skip
+
+BASE = "base"
+"""Version name of the base draft a slot serves before the cluster has a champion."""
+
+
+@dataclass(frozen=True)
+class DraftHandle:
+    """One loaded draft version. Immutable: a request keeps its handle until it finishes."""
+
+    cluster: str
+    version: str
+    model: PreTrainedModel
+    previous_champion: str = ""
+    """The version this one replaced as champion (the auto-rollback's comparison)."""
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        return model_name(self.cluster)
+
+
+class DraftSlot:
+    """The draft a cluster serves now. ``current()`` and ``swap()`` are atomic."""
+
+    def __init__(self, handle: DraftHandle) -> None:
+        self._handle = handle
+        self._lock = threading.Lock()
+        self.swapped_at = 0.0
+        self.history: list[tuple[float, str]] = [(0.0, handle.version)]
+        """(wall time just before the swap, version) of every version the slot held."""
+
+    def current(self) -> DraftHandle:
+        return self._handle  # one reference read: atomic under the GIL
+
+    def swap(self, handle: DraftHandle) -> DraftHandle:
+        with self._lock:
+            now = time.time()
+            old, self._handle = self._handle, handle
+            self.swapped_at = now
+            self.history.append((now, handle.version))
+        SERVED_VERSION.labels(handle.cluster, old.version).set(0)
+        SERVED_VERSION.labels(handle.cluster, handle.version).set(1)
+        return old
+
+
+@dataclass
+class HotSwapConfig:
+    """How serving follows the registry."""
+
+    poll_s: float = 10.0
+    """Seconds between registry polls of every cluster's champion (events trigger one at once)."""
+    backoff_initial_s: float = 1.0
+    """First retry delay after a failed fetch or an unreachable registry; doubles per failure."""
+    backoff_max_s: float = 60.0
+    live_report_every: int = 50
+    """Requests served on a version between reports of its live acceptance to the registry."""
+    auto_rollback: bool = True
+    rollback_min_requests: int = 200
+    """M: requests the champion must have served before its live acceptance is judged."""
+    rollback_margin: float = 0.05
+    """Roll back when live acceptance < the replaced version's - this margin."""
+    validate_tokens: int = 8
+    """Tokens of the smoke forward run on each fetched draft."""
+
+    def __post_init__(self) -> None:
+        if self.poll_s <= 0 or not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need poll_s > 0 and 0 < backoff_initial_s <= backoff_max_s")
+        if self.live_report_every < 1 or self.rollback_min_requests < 1 or self.rollback_margin < 0:
+            raise ValueError("live_report_every and rollback_min_requests must be >= 1, rollback_margin >= 0")
+
+
+@dataclass
+class LiveStats:
+    requests: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reported_at: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class DraftFollower:
+    """Keeps one :class:`DraftSlot` per cluster on the registry's champion."""
+
+    def __init__(self, registry: RegistryStore | None, base_draft: PreTrainedModel, *, target_vocab: int,
+                 target_tokenizer_sha256: str, cache_dir: Path, cfg: HotSwapConfig | None = None) -> None:  # fmt: skip
+        self.registry = registry
+        self.base_draft = base_draft
+        self.target_vocab = target_vocab
+        self.target_tokenizer_sha256 = target_tokenizer_sha256
+        self.cache_dir = Path(cache_dir)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg or HotSwapConfig()
+        self.slots: dict[str, DraftSlot] = {}
+        self.live: dict[tuple[str, str], LiveStats] = {}
+        self.swaps: list[dict] = []
+        """Every swap: cluster, from, to, at (wall time), load_s; for tests and benchmarks."""
+        self._failures: dict[str, tuple[int, float]] = {}
+        """Per cluster: consecutive failures and when the next attempt may run."""
+        self._judged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._pending: set[str] = set()
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._work, name="draft-follower", daemon=True)
+        self._ticker = threading.Thread(target=self._tick, name="draft-follower-poll", daemon=True)
+
+    # ------------------------------------------------------------ request path
+    def slot(self, cluster: str) -> DraftSlot:
+        """The cluster's slot; a new cluster starts on the base draft and is checked at once."""
+        slot = self.slots.get(cluster)
+        if slot is None:
+            with self._lock:
+                slot = self.slots.get(cluster)
+                if slot is None:
+                    slot = self.slots[cluster] = DraftSlot(DraftHandle(cluster, BASE, self.base_draft))
+                    SERVED_VERSION.labels(cluster, BASE).set(1)
+            self.request_check(cluster)
+        return slot
+
+    def record(self, handle: DraftHandle, stats: RequestStats) -> None:
+        """Count one finished request on the version it used (cheap; the registry work is queued)."""
+        key = (handle.cluster, handle.version)
+        with self._lock:
+            live = self.live.setdefault(key, LiveStats())
+            live.requests += 1
+            live.drafted += stats.num_drafted
+            live.accepted += stats.num_accepted
+            due = live.requests - live.reported_at >= self.cfg.live_report_every
+            judge = (self.cfg.auto_rollback and handle.version != BASE and live.requests >= self.cfg.rollback_min_requests
+                     and key not in self._judged)  # fmt: skip
+        LIVE_ACCEPTANCE.labels(*key).set(live.acceptance)
+        if due or judge:
+            self._queue.put(f"live:{handle.cluster}:{handle.version}")
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> "DraftFollower":
+        self._worker.start()
+        self._ticker.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        for t in (self._worker, self._ticker):
+            if t.is_alive():
+                t.join(timeout_s)
+
+    def request_check(self, cluster: str) -> None:
+        """Resolve the cluster's champion soon (coalesced: one check per cluster is queued at most)."""
+        with self._lock:
+            if cluster in self._pending:
+                return
+            self._pending.add(cluster)
+        self._queue.put(cluster)
+
+    def on_event(self, event) -> None:
+        """A ModelEvent from ``spec.events``: check that cluster now."""
+        if event.model_name.startswith("draft-"):
+            self.request_check(event.model_name[len("draft-"):])
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Block until no check is queued or running (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.unfinished_tasks == 0:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.cfg.poll_s):
+            for cluster in list(self.slots):
+                self.request_check(cluster)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if item.startswith("live:"):
+                    _, cluster, version = item.split(":", 2)
+                    self._live(cluster, version)
+                else:
+                    with self._lock:
+                        self._pending.discard(item)
+                    self._check(item)
+            except Exception:  # never let the worker die: serving goes on with what it has
+                log.exception("draft follower: %s failed", item)
+            finally:
+                self._queue.task_done()
+
+    # ------------------------------------------------------------ the check
+    def _check(self, cluster: str) -> None:
+        if self.registry is None:
+            return
+        failures, not_before = self._failures.get(cluster, (0, 0.0))
+        if time.monotonic() < not_before:
+            return  # backing off; the next poll or event retries
+        slot = self.slots[cluster]
+        try:
+            dv = self.registry.by_alias(cluster, CHAMPION)  # 1.
+            if dv is None or dv.version == slot.current().version:
+                self._failures.pop(cluster, None)
+                return
+            t0 = time.perf_counter()
+            model = self._load(dv)  # 2. + 3.
+        except (RegistryError, ModelConfigError, OSError) as exc:
+            reason = getattr(exc, "code", type(exc).__name__)
+            FAILURES.labels(cluster, reason).inc()
+            delay = min(self.cfg.backoff_max_s, self.cfg.backoff_initial_s * 2**failures)
+            self._failures[cluster] = (failures + 1, time.monotonic() + delay)
+            log.warning("cluster %s keeps draft version %s: %s (%s); retrying in %.1fs", cluster,
+                        slot.current().version, exc, reason, delay)  # fmt: skip
+            if failures == 0:
+                threading.Timer(delay, self.request_check, args=(cluster,)).start()
+            return
+        self._failures.pop(cluster, None)
+        handle = DraftHandle(cluster, dv.version, model, previous_champion=dv.tags.get("previous_champion", ""))
+        old = slot.swap(handle)  # 4.
+        SWAPS.labels(cluster).inc()
+        load_s = time.perf_counter() - t0
+        self.swaps.append({"cluster": cluster, "from": old.version, "to": dv.version, "at": time.time(), "load_s": load_s})
+        log.info("cluster %s: swapped draft %s -> %s (fetched and validated in %.2fs)", cluster, old.version,
+                 dv.version, load_s)  # fmt: skip
+
+    def _load(self, dv: DraftVersion) -> PreTrainedModel:
+        """Fetch, verify and validate one version; raises on anything wrong."""
+        if dv.tokenizer_sha256 and dv.tokenizer_sha256 != self.target_tokenizer_sha256:
+            raise ModelConfigError(f"{dv.name} version {dv.version} was trained with tokenizer "
+                                   f"{dv.tokenizer_sha256[:12]}, serving's target uses "
+                                   f"{self.target_tokenizer_sha256[:12]}")  # fmt: skip
+        dest = self.cache_dir / dv.cluster / f"v{dv.version}"
+        self.registry.fetch(dv, dest)  # checksums  # type: ignore[union-attr]
+        try:
+            return self._validate(dv, dest)
+        except Exception:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+
+    def _validate(self, dv: DraftVersion, path: Path) -> PreTrainedModel:
+        got = tokenizer_hash(load_tokenizer(path))
+        if got != self.target_tokenizer_sha256:
+            raise ModelConfigError(f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
+                                   f"target's ({self.target_tokenizer_sha256[:12]})")  # fmt: skip
+        model, info = load_model(path, loading_info=True)
+        bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if bad:
+            raise ModelConfigError(f"{dv.name} version {dv.version}: weights do not fit its config: {bad}")
+        if int(model.config.vocab_size) != self.target_vocab:
+            raise ModelConfigError(f"{dv.name} version {dv.version} has vocabulary {model.config.vocab_size}, "
+                                   f"the target {self.target_vocab}")  # fmt: skip
+        n = self.cfg.validate_tokens
+        with torch.no_grad():
+            logits = model(input_ids=torch.arange(n).remainder(self.target_vocab)[None]).logits  # [1, n, vocab]
+        if tuple(logits.shape) != (1, n, self.target_vocab) or not torch.isfinite(logits).all():
+            raise ModelConfigError(f"{dv.name} version {dv.version}: smoke forward gave {tuple(logits.shape)} "
+                                   "logits or non-finite values")  # fmt: skip
+        return model
+
+    # ------------------------------------------------------------ live feedback
+    def _live(self, cluster: str, version: str) -> None:
+        key = (cluster, version)
+        with self._lock:
+            live = self.live[key]
+            snapshot = LiveStats(live.requests, live.drafted, live.accepted)
+        if self.registry is None or version == BASE:
+            return
+        if snapshot.requests - live.reported_at >= self.cfg.live_report_every:
+            try:
+                self.registry.log_metric(cluster, version, "live_acceptance", snapshot.acceptance, step=snapshot.requests)
+                self.registry.log_metric(cluster, version, "live_requests", snapshot.requests, step=snapshot.requests)
+                live.reported_at = snapshot.requests
+            except RegistryError as exc:
+                FAILURES.labels(cluster, "live_report").inc()
+                log.warning("could not report live acceptance of %s version %s: %s", model_name(cluster), version, exc)
+        self._maybe_rollback(cluster, version, snapshot)
+
+    def _maybe_rollback(self, cluster: str, version: str, live: LiveStats) -> None:
+        cfg = self.cfg
+        handle = self.slots[cluster].current()
+        if not cfg.auto_rollback or handle.version != version or live.requests < cfg.rollback_min_requests:
+            return
+        if (cluster, version) in self._judged or not handle.previous_champion:
+            return
+        prev = handle.previous_champion
+        reference = self._reference_acceptance(cluster, prev)
+        if reference is None:
+            return  # nothing to compare with yet: judge again after more requests
+        self._judged.add((cluster, version))
+        if live.acceptance >= reference - cfg.rollback_margin:
+            log.info("cluster %s: champion %s holds live acceptance %.3f (version %s: %.3f) over %d requests", cluster,
+                     version, live.acceptance, prev, reference, live.requests)  # fmt: skip
+            return
+        reason = (f"auto-rollback: live acceptance {live.acceptance:.3f} over {live.requests} requests < version "
+                  f"{prev}'s {reference:.3f} - margin {cfg.rollback_margin}")  # fmt: skip
+        try:
+            change = self.registry.rollback(cluster, reason=reason, to=prev, expect_current=version)  # type: ignore[union-attr]
+        except RegistryError as exc:
+            self._judged.discard((cluster, version))  # try again on the next report
+            FAILURES.labels(cluster, "rollback").inc()
+            log.warning("cluster %s: wanted to roll back %s but: %s", cluster, version, exc)
+            return
+        if change is not None:
+            ROLLBACKS.labels(cluster).inc()
+            self.request_check(cluster)
+
+    def _reference_acceptance(self, cluster: str, version: str) -> float | None:
+        """The replaced version's live acceptance: as this replica measured it, else the registry's."""
+        with self._lock:
+            mine = self.live.get((cluster, version))
+        if mine is not None and mine.requests >= self.cfg.rollback_min_requests:
+            return mine.acceptance
+        try:
+            dv = self.registry.get(cluster, version)  # type: ignore[union-attr]
+        except RegistryError:
+            return None
+        requests, acceptance = dv.metric("live_requests"), dv.metric("live_acceptance")
+        if requests is None or acceptance is None or requests < self.cfg.rollback_min_requests:
+            return None
+        return acceptance

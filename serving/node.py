@@ -1,0 +1,62 @@
+"""A serving node: one target, one hot-swappable draft per cluster, concurrent requests.
+
+``ServingNode.generate`` is what the HTTP API (and the hot-swap benchmark's load
+generator) calls from many threads at once:
+
+1. take the cluster's current :class:`~serving.hotswap.DraftHandle`, once;
+2. decode the whole request with that draft (``SpecEngine``, a fresh KV cache per
+   request; model weights are only read, so requests share them safely);
+3. name the version used in the result and in the logged ``MissRecord``;
+4. count the request's drafted and accepted tokens on that version (live feedback).
+
+A swap that lands while a request runs changes nothing for that request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from serving.engine import SpecEngine
+from serving.hotswap import DraftFollower, DraftHandle
+from serving.models import ModelPair
+from serving.stream_logger import RequestMeta, StreamLogger
+from serving.types import GenerationResult, SamplingParams
+
+
+@dataclass(frozen=True)
+class ServedResult:
+    """A finished request and the draft that served it."""
+
+    request_id: str
+    cluster: str
+    draft_model: str
+    draft_version: str
+    """The registry version decoded with (``base`` before the cluster had a champion)."""
+    result: GenerationResult
+    started_at: float = 0.0
+    """Wall time the request took its draft handle."""
+
+
+class ServingNode:
+    """Thread-safe ``generate`` over a target and the follower's per-cluster drafts."""
+
+    def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None) -> None:
+        self.pair = pair
+        self.follower = follower
+        self.logger = logger
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
+                 method: str = "draft", k: int | None = None, request_id: str | None = None) -> ServedResult:  # fmt: skip
+        handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
+        started_at = time.time()
+        pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
+                         tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
+        engine = SpecEngine(pair, logger=self.logger)
+        rid = request_id or uuid.uuid4().hex
+        meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version)
+        result = engine.generate(prompt_ids, params, method=method, k=k, meta=meta)  # 2. + 3.
+        if method == "draft":
+            self.follower.record(handle, result.stats)  # 4.
+        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at)

@@ -245,7 +245,11 @@ class RegistryStore:
 
     def find_source(self, cluster: str, source_id: str) -> DraftVersion | None:
         """The version registered from ``source_id`` (idempotent registration), if any."""
-        for v in reversed(self.versions(cluster)):
+        try:
+            versions = self.versions(cluster)
+        except VersionNotFoundError:  # no such registered model yet
+            return None
+        for v in reversed(versions):
             if v.tags.get("source_id") == source_id:
                 return v
         return None
@@ -274,10 +278,7 @@ class RegistryStore:
         duplicated. ``lineage`` is ``{"topic", "offsets": {partition: [first, last]}}``.
         """
         if source_id is not None:
-            try:
-                found = self.find_source(cluster, source_id)
-            except VersionNotFoundError:
-                found = None
+            found = self.find_source(cluster, source_id)
             if found is not None:
                 log.info("%s: %s is already version %s", model_name(cluster), source_id, found.version)
                 return found

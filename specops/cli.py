@@ -119,7 +119,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     target = None
     if args.sampling != "teacher":
         target = Path(args.target) if args.target else Path(args.model_dir) / "target"
-    trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg, target=target)
+    promoter = None
+    if args.registry.lower() not in ("none", "off"):
+        from specops.registry_cli import open_registry
+        from trainer.promote import PromoteConfig, Promoter
+
+        pcfg = PromoteConfig(margin=args.gate_margin, metric=args.gate_metric, min_positions=args.gate_min_positions,
+                             register_every=args.register_every, keep_versions=args.keep_versions)  # fmt: skip
+        registry = open_registry(args.registry, args.stream)
+        promoter = Promoter(registry, base, Path(args.out), pcfg, tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
+        log.info("registering drafts in %s (gate: %s acceptance, margin %s)", registry.cfg.uri, pcfg.metric, pcfg.margin)
+    trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg, target=target,
+                            promoter=promoter)  # fmt: skip
     try:
         if args.schedule:  # the same steps as APScheduler jobs on a persistent job store (trainer/schedule.py)
             from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
@@ -250,6 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "while load > --load-threshold; a signal older than 30s is ignored (default: never skip)")  # fmt: skip
     p.add_argument("--load-threshold", type=float, default=0.8,
                    help="--schedule: serving load above which ticks are skipped (default: %(default)s)")  # fmt: skip
+    p.add_argument("--registry", default="default", metavar="URI",
+                   help="register each update's draft here as 'challenger' and promote it to 'champion' through the "
+                   "gate before committing offsets: sqlite:////abs/mlflow.db, postgresql://user@host/db, "
+                   "http://host:port, 'default' ($SPECOPS_REGISTRY_URI, else SQLite under the data directory) or "
+                   "'none' (checkpoints only) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory with the tokenizer files registered with each draft (default: the base draft's)")
+    p.add_argument("--gate-margin", type=float, default=0.005,
+                   help="promote only if held-out acceptance beats the champion's by this much (default: %(default)s)")
+    p.add_argument("--gate-metric", choices=("sampling", "greedy"), default="sampling",
+                   help="expected acceptance the gate compares (default: %(default)s)")
+    p.add_argument("--gate-min-positions", type=int, default=32,
+                   help="held-out rejected positions needed before the gate decides (default: %(default)s)")
+    p.add_argument("--register-every", type=int, default=1, help="register every N-th update (default: %(default)s)")
+    p.add_argument("--keep-versions", type=int, default=20,
+                   help="archive unaliased versions beyond the newest N per cluster, 0 = never (default: %(default)s)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -280,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("url", help="stream URL")
     q.set_defaults(func=cmd_streams_topics)
 
+    from specops.registry_cli import add_parser as add_registry_parser
+
+    add_registry_parser(sub)
+
     p = sub.add_parser(
         "demo",
         help="bootstrap if needed, then decode held-out prompts with every method and print a stats table",
@@ -301,12 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(-1 if args.quiet else args.verbose)
+    from registry.errors import RegistryError
     from serving.errors import SpecOpsError
     from streams.errors import StreamError
 
     try:
         return int(args.func(args) or 0)
-    except (SpecOpsError, StreamError) as err:
+    except (SpecOpsError, StreamError, RegistryError) as err:
         print(f"specops {args.command}: error: {err}", file=sys.stderr)
         return 2
 

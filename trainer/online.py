@@ -12,11 +12,15 @@ Each pass of :meth:`OnlineTrainer.step` reads top to bottom:
    before and after; **checkpoint** draft, optimiser and state durably. This happens
    in stream order, as soon as a cluster has I new requests, even inside one batch;
 4. **persist** the buffers of the clusters touched;
-5. **commit** the consumer offsets.
+5. **register** (with a registry): each cluster's newest checkpoint becomes a
+   ``challenger`` version and goes through the promotion gate (``trainer.promote``);
+6. **commit** the consumer offsets.
 
-Offsets are committed only after step 4, so every committed record is either inside a
-checkpointed update or inside a durably persisted buffer: kill the trainer anywhere and
-nothing is lost (at-least-once). Records delivered twice after a crash are recognised
+Offsets are committed only after steps 4 and 5, so every committed record is either
+inside a checkpointed and registered update or inside a durably persisted buffer: kill
+the trainer anywhere and nothing is lost (at-least-once). When the registry cannot be
+reached the pass does not commit; the next pass retries the registration (idempotent,
+by checkpoint) and commits once it succeeds. Records delivered twice after a crash are recognised
 by their (topic, partition, offset) and buffered once.
 """
 
@@ -40,6 +44,7 @@ from streams.consumer import RecordConsumer
 from streams.records import MissRecord
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance, evaluate_records
+from trainer.promote import Promoter
 from trainer.data import Example, draft_logits, teacher_example
 from trainer.losses import LOSSES, checked_loss
 from trainer.replay import ReplayBuffers, ReplayConfig
@@ -142,9 +147,14 @@ class OnlineTrainer:
     """Consumes spec.misses and keeps one distilled draft per cluster."""
 
     def __init__(self, stream: StreamConfig, base_draft: Path, out_dir: Path, cfg: OnlineConfig | None = None,
-                 *, target: Path | torch.nn.Module | None = None) -> None:  # fmt: skip
+                 *, target: Path | torch.nn.Module | None = None, promoter: Promoter | None = None) -> None:  # fmt: skip
         self.stream_cfg = stream
         self.cfg = cfg or OnlineConfig()
+        self.promoter = promoter
+        self._unpublished: dict[str, int] = {}
+        """Per cluster: the checkpoint version still to register (step 5)."""
+        self.gate_results: list = []
+        """Every gate decision of this process, in order (GateResult)."""
         self.target: torch.nn.Module | None = None
         if self.cfg.sampling != "teacher":
             if target is None:
@@ -190,7 +200,7 @@ class OnlineTrainer:
                             "optimiser state starts fresh", cluster, path, was, now)  # fmt: skip
             st.version, st.updates = saved["version"], saved["updates"]
             st.records_trained, st.positions_trained = saved["records_trained"], saved["positions_trained"]
-            st.skipped_steps, st.lineage = saved.get("skipped_steps", 0), saved.get("lineage", {})
+            st.skipped_steps, st.lineage = saved.get("skipped_steps", 0), saved.get("lineage", {}).get("offsets", {})
             st.last_eval = saved.get("eval", {})
             log.info("cluster %s: resumed draft v%d (%d updates) from %s", cluster, st.version, st.updates, path)
         else:
@@ -204,6 +214,10 @@ class OnlineTrainer:
 
     def _restore(self, cluster: str) -> None:
         st = self.state(cluster)
+        if self.promoter is not None and st.version and self.promoter.is_registered(cluster, st.version) is None:
+            log.info("cluster %s: checkpoint v%d was never registered; registering it before any commit", cluster,
+                     st.version)  # fmt: skip
+            self._unpublished[cluster] = st.version
         saved = ckpt.load_buffer(self.out, cluster)
         if not saved:
             return
@@ -256,7 +270,9 @@ class OnlineTrainer:
                 self.update(rec.cluster)
         for cluster in sorted(touched):  # 4.
             self._persist(cluster)
-        if delivered:  # 5.
+        if not self.publish_pending():  # 5.
+            return len(delivered)  # not committed: these records come back if the trainer dies now
+        if delivered:  # 6.
             self.consumer.commit()
             # after a commit only what the buffers hold can come back (crash before the next commit)
             self._seen = {h.source for c in self.buffers.clusters() for h in self.buffers[c]}
@@ -302,6 +318,8 @@ class OnlineTrainer:
         }  # fmt: skip
         ckpt.append_history(self.out, cluster, summary)
         buf.updated()
+        if self.promoter is not None and st.updates % self.promoter.cfg.register_every == 0:
+            self._unpublished[cluster] = st.version
         log.info(
             "cluster %s: draft v%d after %d requests (%d positions): loss %s -> %s, held-out acceptance %.3f -> %.3f "
             "(greedy %.3f -> %.3f, %d positions) in %.2fs",
@@ -310,6 +328,30 @@ class OnlineTrainer:
             after.num_positions, summary["seconds"],
         )  # fmt: skip
         return summary
+
+    def publish_pending(self) -> bool:
+        """Register and gate every cluster's newest unregistered checkpoint. False when the
+        registry failed (the caller must not commit)."""
+        from registry import RegistryError
+
+        for cluster, version in sorted(self._unpublished.items()):
+            st = self.state(cluster)
+            path = self.out / cluster / f"v{version:06d}"
+            if st.version != version or not path.exists():  # superseded by a later checkpoint
+                version, path = st.version, ckpt.latest_version(self.out, cluster)
+            try:
+                saved = ckpt.load_state(path)
+                after = self.evaluate(cluster)
+                result = self.promoter.publish(cluster, path, version, saved, st.model,
+                                               [h.record for h in st.holdout], after)  # fmt: skip
+            except RegistryError as exc:
+                log.warning("cluster %s: registering checkpoint v%d failed (%s); offsets stay uncommitted, "
+                            "retrying on the next pass", cluster, version, exc)  # fmt: skip
+                time.sleep(min(5.0, self.cfg.poll_timeout_s))
+                return False
+            self.gate_results.append(result)
+            del self._unpublished[cluster]
+        return True
 
     def _examples(self, st: ClusterState, items: list[Held]) -> list[Example]:
         """The sequences and positions this update trains on (see ``trainer.sampling``)."""

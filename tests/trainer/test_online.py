@@ -116,7 +116,7 @@ def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
 def test_killed_trainer_loses_no_record(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    cmd = [sys.executable, "-m", "specops.cli", "train", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
+    cmd = [sys.executable, "-m", "specops.cli", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
            "--group", "killed", "--interval", "1", "--steps", "1", "--holdout-every", "5", "--idle-exit", str(10 + _idle_s(cfg))]  # fmt: skip
     # the killed member keeps its partitions until its session times out: keep that short, below --idle-exit
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECOPS_STREAM_FSYNC": "0", "SPECOPS_STREAM_SESSION_TIMEOUT_S": "2",

@@ -292,7 +292,7 @@ def test_cli_train_schedule(logged, tmp_path, capsys):
 
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    rc = main(["--threads", "1", "train", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
+    rc = main(["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
                "--group", "cli", "--interval", "2", "--steps", "1", "--holdout-every", "4",
                "--schedule", "--tick-seconds", "0.2", "--load-threshold", "0.9", "--idle-exit", "1.5"])  # fmt: skip
     assert rc == 0

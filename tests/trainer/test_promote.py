@@ -1,0 +1,171 @@
+"""The trainer and the registry: every update registered as challenger and gated; offsets
+committed only after registration; a trainer promotion reaches serving with no failed request."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+from registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
+from serving.engine import SpecEngine
+from serving.events import EventPublisher, EventWatcher
+from serving.hotswap import DraftFollower, HotSwapConfig
+from serving.models import ModelPair, load_model, load_model_dir
+from serving.node import ServingNode
+from serving.stream_logger import LoggerConfig, StreamLogger
+from serving.types import SamplingParams
+from streams import StreamConfig, codec, open_stream
+from streams.records import ModelEvent
+from tests.conftest import perturbed, random_prompts
+from tests.registry.conftest import sqlite_template, sqlite_uri  # noqa: F401 - fixtures
+from tests.registry.mlflow_server import free_port
+from tests.trainer.logged import log_requests
+from trainer.online import OnlineConfig, OnlineTrainer
+from trainer.promote import PromoteConfig, Promoter
+
+N = 32
+CFG = OnlineConfig(interval=6, holdout_every=3, lr=2e-3)
+GATE = PromoteConfig(margin=-1.0, min_positions=0)
+"""Promote every candidate: these tests are about registration, commits and swaps (the
+gate's refusals are tested below and in tests/registry)."""
+
+
+@pytest.fixture(scope="module")
+def weak_pair(tiny_models) -> ModelPair:
+    """The tiny bootstrapped target (real tokenizer) and a noisy copy of it as the draft."""
+    pair = load_model_dir(tiny_models)
+    return ModelPair(pair.target, perturbed(pair.target, 0.6, seed=4), pair.tokenizer, pair.tokenizer_sha256)
+
+
+def _events(cfg: StreamConfig) -> list[ModelEvent]:
+    with open_stream(cfg) as s:
+        return [codec.decode(m.value) for m in s.read(cfg.topics.events, timeout_s=1.0)]
+
+
+def test_registration_before_commit_and_recovery(weak_pair, tiny_models, sqlite_uri, tmp_path):
+    cfg, draft_dir = log_requests(weak_pair, tmp_path, N, seed=3, cluster_of=lambda i: "code" if i % 2 else "prose")
+    out = tmp_path / "trainer"
+    # 1. the registry is down: updates are checkpointed, but nothing is registered, so nothing is committed
+    down = RegistryStore(RegistryConfig(uri=f"http://127.0.0.1:{free_port()}", timeout_s=1, max_retries=0))
+    trainer = OnlineTrainer(cfg, draft_dir, out, CFG,
+                            promoter=Promoter(down, draft_dir, out, GATE, tokenizer_dir=tiny_models / "target"))  # fmt: skip
+    trainer.run(max_idle_s=1.0)
+    trainer.close()
+    with open_stream(cfg) as s:
+        assert s.committed(CFG.group, cfg.topics.misses) == {}
+    checkpointed = {c: trainer.clusters[c].version for c in ("code", "prose")}
+    assert all(v >= 1 for v in checkpointed.values())
+    # 2. restart with the registry up: the unregistered checkpoints are registered first, then everything commits
+    reg = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(cfg))
+    promoter = Promoter(reg, draft_dir, out, GATE, tokenizer_dir=tiny_models / "target")
+    trainer = OnlineTrainer(cfg, draft_dir, out, CFG, promoter=promoter)
+    trainer.run(max_idle_s=1.0)
+    trainer.close()
+    with open_stream(cfg) as s:
+        ends = s.end_offsets(cfg.topics.misses)
+        assert {p: s.committed(CFG.group, cfg.topics.misses).get(p, 0) for p in ends} == ends
+    promoted = 0
+    for cluster, version in checkpointed.items():
+        versions = reg.versions(cluster)
+        # the checkpoint left unregistered by the outage is registered, or superseded by a later one that is
+        registered = [int(v.tags["source_id"].rsplit("/v", 1)[1]) for v in versions]
+        assert max(registered) >= version and registered == sorted(registered)
+        assert versions and reg.aliases(cluster)[CHALLENGER] == versions[-1].version
+        for v in versions:
+            assert v.tags["gate_decision"] in ("promoted", "rejected") and v.tags["gate_reason"]
+            assert v.tags["lineage_topic"] == cfg.topics.misses and v.tags["lineage_offsets"].startswith("{")
+            assert v.tags["tokenizer_sha256"] == weak_pair.tokenizer_sha256 and v.tags["config_sha256"]
+            assert 0.0 <= v.metric("offline_acceptance_sampling") <= 1.0
+            assert v.metric("gate_candidate_acceptance") is not None
+        assert [v.tags["parent_version"] for v in versions][1:] == [v.version for v in versions][:-1]
+        wins = [v for v in versions if v.tags["gate_decision"] == "promoted"]
+        assert wins, f"no promotion in {cluster}"
+        assert reg.aliases(cluster)[CHAMPION] == wins[-1].version
+        promoted += len(wins)
+    events = _events(cfg)
+    assert len(events) == promoted and {e.kind for e in events} == {"promotion"}
+    assert len(trainer.gate_results) >= 2
+
+
+def test_gate_refuses_a_worse_candidate(weak_pair, tiny_models, sqlite_uri, tmp_path):
+    cfg, draft_dir = log_requests(weak_pair, tmp_path, 24, seed=7, cluster_of=lambda i: "code")
+    good = tmp_path / "good"
+    shutil.copytree(tiny_models / "target", good)
+    reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
+    promoter = Promoter(reg, draft_dir, tmp_path / "out", PromoteConfig(margin=0.005, min_positions=1),
+                        tokenizer_dir=tiny_models / "target")  # fmt: skip
+    champion = reg.register_draft("code", good, tokenizer_sha256=promoter.tokenizer_sha256)
+    reg.promote("code", champion.version)
+    with open_stream(cfg) as s:
+        records = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]
+    worse = reg.register_draft("code", draft_dir, tokenizer_dir=tiny_models / "target",
+                               tokenizer_sha256=promoter.tokenizer_sha256)  # fmt: skip
+    result = promoter.gate("code", worse.version, load_model(draft_dir), records)
+    assert not result.promoted and result.champion == champion.version
+    assert result.champion_score > result.candidate_score and result.num_positions > 0
+    assert reg.apply_gate("code", result) is None
+    assert reg.aliases("code")[CHAMPION] == champion.version
+    assert reg.get("code", worse.version).tags["gate_decision"] == "rejected"
+
+
+def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_models, sqlite_uri, tmp_path):
+    """Serving (logging to the stream) under load, the trainer learning from it in another
+    thread: the trainer's promotion is swapped in while clients run, nothing fails, and
+    every greedy output stays the target's."""
+    cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=2)
+    draft_dir = tmp_path / "draft"
+    weak_pair.draft.save_pretrained(draft_dir, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_models / "target" / f, draft_dir / f)
+    reg = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(cfg))
+    follower = DraftFollower(reg, weak_pair.draft, target_vocab=weak_pair.vocab_size,
+                             target_tokenizer_sha256=weak_pair.tokenizer_sha256, cache_dir=tmp_path / "cache",
+                             cfg=HotSwapConfig(poll_s=5.0, auto_rollback=False)).start()  # fmt: skip
+    watcher = EventWatcher(cfg, "replica", follower.on_event).start()
+    logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=weak_pair.vocab_size)
+    node = ServingNode(weak_pair, follower, logger=logger)
+    params = SamplingParams(max_new_tokens=16)
+    prompts = random_prompts(12, seed=9, lo=6, hi=16)
+    ref = SpecEngine(weak_pair)
+    want = [ref.generate(p, params, method="target").token_ids for p in prompts]
+    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", CFG, promoter=Promoter(reg, draft_dir, tmp_path / "trainer", GATE))
+    stop, errors, served = threading.Event(), [], []
+
+    def client(i: int) -> None:
+        n = i
+        while not stop.is_set():
+            try:
+                s = node.generate(prompts[n % len(prompts)], params, cluster="code")
+                served.append((s.draft_version, s.result.token_ids == want[n % len(prompts)]))
+            except Exception as exc:  # noqa: BLE001 - counted
+                errors.append(repr(exc))
+            n += 2
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    learner = threading.Thread(target=trainer.run, kwargs={"stop": stop})
+    for t in [*clients, learner]:
+        t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while follower.slot("code").current().version == "base" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        swapped_to = follower.slot("code").current().version
+        assert swapped_to != "base", "no trainer promotion reached serving in 120 s"
+        n = len(served)
+        while len(served) < n + 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in [*clients, learner]:
+            t.join(60)
+        watcher.stop()
+        follower.stop()
+        logger.close()
+        trainer.close()
+    assert errors == []
+    assert all(ok for _, ok in served)
+    assert {v for v, _ in served} >= {"base", swapped_to}
+    assert reg.get("code", swapped_to).tags["gate_decision"] == "promoted"

@@ -1,0 +1,157 @@
+"""Register each trained draft in the registry and run the promotion gate.
+
+For one cluster after an update (:meth:`Promoter.publish`), top to bottom:
+
+1. **register** the checkpoint as a new version of ``draft-<cluster>`` with alias
+   ``challenger``: weights, config and tokenizer; offline acceptance (sampling and
+   greedy) on the held-out records; tokenizer hash, config hash, parent version and
+   lineage (topic, partitions, offset range) as tags. Registration is idempotent: the
+   checkpoint's ``source_id`` (trainer id / cluster / checkpoint version) is looked up
+   first, so a trainer that crashed between checkpoint and commit re-registers nothing.
+2. **gate**: evaluate the champion (or, before the first promotion, the base draft) on
+   the *same* held-out records as the candidate; promote iff the candidate wins by
+   ``margin`` on at least ``min_positions`` positions; write the decision and both
+   numbers on the candidate. A promotion moves ``champion`` and is announced on
+   ``spec.events`` by the registry's ``on_change`` hook.
+3. **retain**: archive old, unaliased versions beyond the newest ``keep_versions``.
+
+The trainer commits consumer offsets only after this returned, so a record is committed
+only once the draft trained on it is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
+from serving.models import load_tokenizer, tokenizer_hash
+from streams.records import MissRecord
+from trainer.acceptance import Acceptance, evaluate_records
+
+log = logging.getLogger(__name__)
+
+GATE_METRICS = ("sampling", "greedy")
+
+
+@dataclass
+class PromoteConfig:
+    """How the trainer registers and promotes drafts."""
+
+    margin: float = 0.005
+    """The candidate must beat the champion's held-out acceptance by at least this much. A
+    negative margin tolerates a candidate that is at most that much worse (prefer fresh
+    drafts); -1 promotes every candidate that has ``min_positions`` of evidence."""
+    metric: str = "sampling"
+    """Which expected acceptance the gate compares: ``sampling`` or ``greedy``."""
+    min_positions: int = 32
+    """Held-out rejected positions needed before the gate decides anything."""
+    register_every: int = 1
+    """Register every N-th update of a cluster (1 = every update)."""
+    keep_versions: int = 20
+    """Retention: archive unaliased versions beyond the newest N (0 = keep everything)."""
+
+    def __post_init__(self) -> None:
+        if self.metric not in GATE_METRICS:
+            raise ValueError(f"metric must be one of {GATE_METRICS}, got {self.metric!r}")
+        if not -1.0 <= self.margin <= 1.0 or self.min_positions < 0 or self.register_every < 1 or self.keep_versions < 0:
+            raise ValueError("need -1 <= margin <= 1, min_positions >= 0, register_every >= 1, keep_versions >= 0")
+
+
+class Promoter:
+    """The trainer's side of the registry."""
+
+    def __init__(self, registry: RegistryStore, base_draft: Path, out_dir: Path, cfg: PromoteConfig | None = None,
+                 *, tokenizer_dir: Path | None = None) -> None:  # fmt: skip
+        self.registry = registry
+        self.cfg = cfg or PromoteConfig()
+        self.base_draft = Path(base_draft)
+        self.tokenizer_dir = Path(tokenizer_dir or base_draft)
+        self.tokenizer_sha256 = tokenizer_hash(load_tokenizer(self.tokenizer_dir))
+        self.trainer_id = _trainer_id(Path(out_dir))
+        self._reference: dict[str, tuple[str, torch.nn.Module]] = {}
+        """Per cluster: the last champion (or ``base``) model the gate loaded, by version."""
+        self.last_registered: dict[str, str] = {}
+
+    def source_id(self, cluster: str, checkpoint_version: int) -> str:
+        return f"{self.trainer_id}/{cluster}/v{checkpoint_version:06d}"
+
+    def is_registered(self, cluster: str, checkpoint_version: int) -> DraftVersion | None:
+        return self.registry.find_source(cluster, self.source_id(cluster, checkpoint_version))
+
+    def publish(self, cluster: str, checkpoint: Path, checkpoint_version: int, state: dict,
+                candidate: torch.nn.Module, holdout: list[MissRecord], after: Acceptance) -> GateResult:  # fmt: skip
+        """Register the checkpoint (1.), gate it (2.), apply retention (3.)."""
+        lineage = state.get("lineage", {})
+        dv = self.registry.register_draft(  # 1.
+            cluster, checkpoint, tokenizer_sha256=self.tokenizer_sha256, tokenizer_dir=self.tokenizer_dir,
+            metrics={"offline_acceptance_sampling": after.sampling, "offline_acceptance_greedy": after.greedy,
+                     "offline_positions": after.num_positions},
+            params={"checkpoint_version": checkpoint_version, "updates": state.get("updates"),
+                    "records_trained": state.get("records_trained"), "config_hash": state.get("config_hash"),
+                    "base_draft": str(self.base_draft), **_flat(state.get("config", {}))},
+            lineage=lineage, parent_version=self.last_registered.get(cluster),
+            config_sha256=state.get("config_hash"), source_id=self.source_id(cluster, checkpoint_version),
+        )  # fmt: skip
+        self.last_registered[cluster] = dv.version
+        result = self.gate(cluster, dv.version, candidate, holdout, after)  # 2.
+        self.registry.apply_gate(cluster, result)
+        if self.cfg.keep_versions:  # 3.
+            self.registry.retain(cluster, keep_last=self.cfg.keep_versions)
+        return result
+
+    def gate(self, cluster: str, version: str, candidate: torch.nn.Module, holdout: list[MissRecord],
+             candidate_acc: Acceptance | None = None) -> GateResult:  # fmt: skip
+        """Candidate vs champion (or base) on the same held-out records."""
+        cand = candidate_acc or evaluate_records(candidate, holdout)
+        champion = self.registry.by_alias(cluster, CHAMPION)
+        ref_version, ref_model = self._reference_model(cluster, champion)
+        ref = evaluate_records(ref_model, holdout)
+        cand_score, ref_score = getattr(cand, self.cfg.metric), getattr(ref, self.cfg.metric)
+        result = decide(version, ref_version, cand_score, ref_score, margin=self.cfg.margin,
+                        num_positions=cand.num_positions, min_positions=self.cfg.min_positions,
+                        metric=self.cfg.metric)  # fmt: skip
+        other = "greedy" if self.cfg.metric == "sampling" else "sampling"
+        result.extra.update({f"candidate_{other}": getattr(cand, other), f"champion_{other}": getattr(ref, other)})
+        return result
+
+    def _reference_model(self, cluster: str, champion: DraftVersion | None) -> tuple[str, torch.nn.Module]:
+        """The champion's weights (fetched and verified once per version), or the base draft."""
+        want = champion.version if champion is not None else "base"
+        cached = self._reference.get(cluster)
+        if cached is not None and cached[0] == want:
+            return cached
+        if champion is None:
+            model = AutoModelForCausalLM.from_pretrained(self.base_draft, use_safetensors=True)
+        else:
+            with tempfile.TemporaryDirectory(prefix="specops-gate-") as tmp:
+                self.registry.fetch(champion, Path(tmp) / "draft")
+                model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "draft", use_safetensors=True)
+        model.eval()
+        self._reference[cluster] = (want, model)
+        return want, model
+
+
+def _trainer_id(out_dir: Path) -> str:
+    """A stable id of this trainer's checkpoint directory (created once, kept in ``out_dir``)."""
+    path = out_dir / "trainer_id"
+    if not path.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

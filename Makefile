@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick venv clean
+.PHONY: demo test bench bench-quick docs-screenshots venv clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,10 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
 	$(BIN)/python benchmarks/streams.py --quick --json benchmarks/out/streams_quick.json
 	$(BIN)/python benchmarks/osd.py --quick --no-doc --json benchmarks/out/osd_quick.json --plot benchmarks/out/osd_quick.png
+
+# Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
+docs-screenshots: $(STAMP)
+	$(BIN)/python docs/build_screenshots.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -24,6 +24,7 @@ from serving.models import load_model, load_model_dir, load_tokenizer, tokenizer
 from serving.node import ServingNode
 from serving.types import SamplingParams
 from streams import StreamConfig
+from streams.tansu import TansuBroker
 from tests.conftest import random_prompts
 from tests.registry.conftest import mlflow_server, sqlite_template, sqlite_uri  # noqa: F401 - fixtures
 
@@ -76,8 +77,13 @@ def _wait(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
-def test_event_triggers_swap_without_polling(pair, drafts, prompts, sqlite_uri, tmp_path):
-    stream = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=2)
+@pytest.mark.parametrize("backend", ["local", "kafka"])
+def test_event_triggers_swap_without_polling(backend, pair, drafts, prompts, sqlite_uri, tmp_path):
+    if backend == "kafka":
+        broker = TansuBroker(tmp_path / "broker.log").start()
+        stream = StreamConfig(url=broker.url, num_partitions=2, session_timeout_s=2.0, heartbeat_interval_s=0.3)
+    else:
+        broker, stream = None, StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=2)
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(stream))
     follower = _follower(pair, reg, tmp_path, poll_s=3600)  # only the event can trigger the check
     watcher = EventWatcher(stream, "r1", follower.on_event).start()
@@ -85,7 +91,7 @@ def test_event_triggers_swap_without_polling(pair, drafts, prompts, sqlite_uri, 
         node = ServingNode(pair, follower)
         assert node.generate(prompts[0][0], GREEDY, cluster="code").draft_version == "base"
         follower.wait_idle()
-        time.sleep(1.0)  # the watcher's group has joined
+        time.sleep(1.0 if broker is None else 6.0)  # the watcher's group has joined
         dv = _register(reg, drafts["good"])
         reg.promote("code", dv.version, reason="test")
         _wait(lambda: follower.slot("code").current().version == dv.version, 20, "the event-driven swap")
@@ -96,6 +102,8 @@ def test_event_triggers_swap_without_polling(pair, drafts, prompts, sqlite_uri, 
     finally:
         watcher.stop()
         follower.stop()
+        if broker is not None:
+            broker.stop()
 
 
 def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):

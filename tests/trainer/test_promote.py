@@ -169,3 +169,7 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     assert all(ok for _, ok in served)
     assert {v for v, _ in served} >= {"base", swapped_to}
     assert reg.get("code", swapped_to).tags["gate_decision"] == "promoted"
+    # the logged MissRecords name the draft each request actually used
+    with open_stream(cfg) as s:
+        logged = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]
+    assert {(r.draft_model, r.draft_version) for r in logged} == {("draft-code", v) for v, _ in served}

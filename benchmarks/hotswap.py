@@ -68,7 +68,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -78,17 +78,17 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make serving/, registry/ 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
 
-from benchmarks.common import environment, fmt, write_doc_section  # noqa: E402
-from serving.engine import SpecEngine  # noqa: E402
-from serving.models import ModelPair, load_model, load_model_dir  # noqa: E402
-from serving.types import SamplingParams  # noqa: E402
-from specops.paths import models_dir  # noqa: E402
+from benchmarks.common import environment, fmt, write_doc_section
+from serving.engine import SpecEngine
+from serving.models import ModelPair, load_model, load_model_dir
+from serving.types import SamplingParams
+from specops.paths import models_dir
 
 log = logging.getLogger("bench.hotswap")
 
@@ -176,7 +176,7 @@ class Load:
                                          served.started_at, served.result.token_ids == self.refs[j], st.num_drafted,
                                          st.num_accepted))  # fmt: skip
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         for t in self._threads:
             t.start()
         return self
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     result = analyse(run)
     report = {
         "command": " ".join([".venv/bin/python", "benchmarks/hotswap.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": {"model_dir": str(model_dir), "cluster": CLUSTER, "concurrency": args.concurrency, "swaps": args.swaps,
                    "steady_s": args.steady_s, "tail_s": args.tail_s, "events": args.events, "poll_s": args.poll_s,
                    "prompts": len(prompts), "prompt_kind": prompt_kind, "prompt_tokens": args.prompt_tokens,

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import logging
 import json
+import logging
 import os
 import select
 import shutil

@@ -63,7 +63,7 @@ class RegistryConfig:
 
     @classmethod
     def default(cls, data_dir: Path | str = ".specops", uri: str | None = None, artifact_root: str | None = None,
-                **kw) -> "RegistryConfig":  # fmt: skip
+                **kw) -> RegistryConfig:  # fmt: skip
         """``uri``, else ``$SPECOPS_REGISTRY_URI``, else SQLite under ``data_dir/registry``."""
         uri = uri or os.environ.get(REGISTRY_URI_ENV)
         artifact_root = artifact_root or os.environ.get(ARTIFACT_ROOT_ENV)

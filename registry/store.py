@@ -204,7 +204,7 @@ class RegistryStore:
                 self.client.get_registered_model(name)  # a concurrent process created it
 
     def _to_version(self, mv, aliases: dict[str, str] | None = None) -> DraftVersion:
-        cluster = mv.name[len(PREFIX):] if mv.name.startswith(PREFIX) else mv.name
+        cluster = mv.name.removeprefix(PREFIX)
         if aliases is None:
             names = tuple(getattr(mv, "aliases", ()) or ())
         else:

@@ -70,18 +70,18 @@ class EventWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"events-{replica}", daemon=True)
 
-    def start(self) -> "EventWatcher":
+    def start(self) -> EventWatcher:
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                with open_stream(self.stream_cfg) as stream:
-                    with RecordConsumer(stream, self.group, [self.stream_cfg.topics.events],
-                                        deadletter_topic=self.stream_cfg.topics.deadletter,
-                                        expect=[ModelEvent]) as consumer:  # fmt: skip
-                        self._consume(consumer)
+                with open_stream(self.stream_cfg) as stream, \
+                        RecordConsumer(stream, self.group, [self.stream_cfg.topics.events],
+                                       deadletter_topic=self.stream_cfg.topics.deadletter,
+                                       expect=[ModelEvent]) as consumer:  # fmt: skip
+                    self._consume(consumer)
             except StreamError as exc:
                 log.warning("event watcher %s: %s; retrying in %.0fs (polling still follows the registry)",
                             self.group, exc, self.retry_s)  # fmt: skip

@@ -192,7 +192,7 @@ class DraftFollower:
             self._queue.put(f"live:{handle.cluster}:{handle.version}")
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> "DraftFollower":
+    def start(self) -> DraftFollower:
         self._worker.start()
         self._ticker.start()
         return self

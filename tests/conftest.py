@@ -13,6 +13,8 @@ from trainer.bootstrap import run as bootstrap
 
 torch.set_num_threads(2)
 
+pytest_plugins = ["tests.registry.fixtures"]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
+
 VOCAB = 97
 EOS = 0
 

@@ -44,9 +44,9 @@ from streams.consumer import RecordConsumer
 from streams.records import MissRecord
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance, evaluate_records
-from trainer.promote import Promoter
 from trainer.data import Example, draft_logits, teacher_example
 from trainer.losses import LOSSES, checked_loss
+from trainer.promote import Promoter
 from trainer.replay import ReplayBuffers, ReplayConfig
 from trainer.sampling import SAMPLING, sampled_example
 

@@ -37,7 +37,7 @@ class MlflowServer:
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120.0) -> "MlflowServer":
+    def start(self, timeout_s: float = 120.0) -> MlflowServer:
         cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
                "--artifacts-destination", str(self.artifacts), "--host", "127.0.0.1", "--port", str(self.port),
                "--workers", "1"]  # fmt: skip

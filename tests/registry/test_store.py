@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from registry import (CHALLENGER, CHAMPION, ArtifactIntegrityError, RegistryStore, VersionNotFoundError,
-                      decide)  # fmt: skip
+from registry import (
+    CHALLENGER,
+    CHAMPION,
+    ArtifactIntegrityError,
+    RegistryStore,
+    VersionNotFoundError,
+    decide,  # fmt: skip
+)
 
 LINEAGE = {"topic": "spec.misses", "offsets": {"0": [0, 41], "3": [7, 19]}}
 

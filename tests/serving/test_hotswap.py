@@ -26,7 +26,6 @@ from serving.types import SamplingParams
 from streams import StreamConfig
 from streams.tansu import TansuBroker
 from tests.conftest import random_prompts
-from tests.registry.conftest import mlflow_server, sqlite_template, sqlite_uri  # noqa: F401 - fixtures
 
 GREEDY = SamplingParams(max_new_tokens=12)
 
@@ -134,8 +133,8 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
         for v in order:
             served_before = len(results)
             reg.promote("code", v, reason="load test")
-            _wait(lambda: follower.slot("code").current().version == v, 30, f"swap to {v}")
-            _wait(lambda: len(results) >= served_before + 6, 60, "requests on the new version")
+            _wait(lambda v=v: follower.slot("code").current().version == v, 30, f"swap to {v}")
+            _wait(lambda n=served_before: len(results) >= n + 6, 60, "requests on the new version")
     finally:
         stop.set()
         for t in threads:

@@ -20,7 +20,6 @@ from serving.types import SamplingParams
 from streams import StreamConfig, codec, open_stream
 from streams.records import ModelEvent
 from tests.conftest import perturbed, random_prompts
-from tests.registry.conftest import sqlite_template, sqlite_uri  # noqa: F401 - fixtures
 from tests.registry.mlflow_server import free_port
 from tests.trainer.logged import log_requests
 from trainer.online import OnlineConfig, OnlineTrainer

@@ -1,4 +1,7 @@
-"""Registry fixtures: real MLflow stores (SQLite, PostgreSQL, an ``mlflow server`` over HTTP)."""
+"""Registry fixtures: real MLflow stores (SQLite, PostgreSQL, an ``mlflow server`` over HTTP).
+
+A pytest plugin (``pytest_plugins`` in tests/conftest.py), so serving and trainer tests use them too.
+"""
 
 from __future__ import annotations
 

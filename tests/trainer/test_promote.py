@@ -172,3 +172,19 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     with open_stream(cfg) as s:
         logged = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]
     assert {(r.draft_model, r.draft_version) for r in logged} == {("draft-code", v) for v, _ in served}
+
+
+def test_specops_train_registers_through_the_cli(weak_pair, tiny_models, sqlite_uri, tmp_path):
+    from specops.cli import main
+
+    cfg, draft_dir = log_requests(weak_pair, tmp_path, 16, seed=11, cluster_of=lambda i: "code")
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # a base draft that brings its tokenizer
+        shutil.copy(tiny_models / "target" / f, draft_dir / f)
+    rc = main(["--threads", "1", "train", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(tmp_path / "out"),
+               "--registry", sqlite_uri, "--interval", "6", "--holdout-every", "3", "--gate-margin", "-1",
+               "--gate-min-positions", "0", "--idle-exit", "1"])  # fmt: skip
+    assert rc == 0
+    reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
+    versions = reg.versions("code")
+    assert versions and reg.aliases("code") == {CHALLENGER: versions[-1].version, CHAMPION: versions[-1].version}
+    assert {e.kind for e in _events(cfg)} == {"promotion"}  # announced on the trainer's stream

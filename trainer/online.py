@@ -20,7 +20,8 @@ Offsets are committed only after steps 4 and 5, so every committed record is eit
 inside a checkpointed and registered update or inside a durably persisted buffer: kill
 the trainer anywhere and nothing is lost (at-least-once). When the registry cannot be
 reached the pass does not commit; the next pass retries the registration (idempotent,
-by checkpoint) and commits once it succeeds. Records delivered twice after a crash are recognised
+by checkpoint) and commits once it succeeds. (With ``register_every`` > 1 the updates in
+between are committed once checkpointed and registered with the next registered one.) Records delivered twice after a crash are recognised
 by their (topic, partition, offset) and buffered once.
 """
 

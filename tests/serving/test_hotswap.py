@@ -150,7 +150,7 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
         just_before = max((h for h in history if h[0] <= served.started_at - 0.005), key=lambda h: h[0])[1]
         assert served.draft_version in {at_start, just_before} and served.draft_version in held
     used = {s.draft_version for s, _ in results}
-    assert set(versions) <= used and len(results) > 40
+    assert set(versions) <= used and len(results) >= 6 * len(order)  # at least 6 finished after each swap
 
 
 def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts, mlflow_server, tmp_path):

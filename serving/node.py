@@ -36,7 +36,7 @@ class ServedResult:
     """The registry version decoded with (``base`` before the cluster had a champion)."""
     result: GenerationResult
     started_at: float = 0.0
-    """Wall time the request took its draft handle."""
+    """Wall time just before the request took its draft handle."""
 
 
 class ServingNode:
@@ -49,8 +49,8 @@ class ServingNode:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
                  method: str = "draft", k: int | None = None, request_id: str | None = None) -> ServedResult:  # fmt: skip
-        handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         started_at = time.time()
+        handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
                          tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
         engine = SpecEngine(pair, logger=self.logger)

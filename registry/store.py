@@ -301,7 +301,7 @@ class RegistryStore:
                 tags[key] = f"{float(value):.6f}"
             with self._call(f"register {model_name(cluster)}"):
                 run = self.client.create_run(self._experiment(), run_name=f"{model_name(cluster)}",
-                                             tags={k: v for k, v in tags.items()})  # fmt: skip
+                                             tags=dict(tags))  # fmt: skip
                 rid = run.info.run_id
                 for key, value in (params or {}).items():
                     self.client.log_param(rid, key, str(value)[:6000])

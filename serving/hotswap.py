@@ -189,7 +189,7 @@ class DraftFollower:
                      and key not in self._judged)  # fmt: skip
         LIVE_ACCEPTANCE.labels(*key).set(live.acceptance)
         if due or judge:
-            self._queue.put(f"live:{handle.cluster}:{handle.version}")
+            self._enqueue(f"live:{handle.cluster}:{handle.version}")
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> DraftFollower:
@@ -205,12 +205,17 @@ class DraftFollower:
                 t.join(timeout_s)
 
     def request_check(self, cluster: str) -> None:
-        """Resolve the cluster's champion soon (coalesced: one check per cluster is queued at most)."""
+        """Resolve the cluster's champion soon."""
+        self._enqueue(cluster)
+
+    def _enqueue(self, item: str) -> None:
+        """Queue work for the worker, at most once while it waits: a burst of events, or every
+        request finishing while the registry is down, costs one registry call, not one each."""
         with self._lock:
-            if cluster in self._pending:
+            if item in self._pending:
                 return
-            self._pending.add(cluster)
-        self._queue.put(cluster)
+            self._pending.add(item)
+        self._queue.put(item)
 
     def on_event(self, event) -> None:
         """A ModelEvent from ``spec.events``: check that cluster now."""
@@ -237,12 +242,12 @@ class DraftFollower:
             try:
                 if item is None:
                     return
+                with self._lock:
+                    self._pending.discard(item)
                 if item.startswith("live:"):
                     _, cluster, version = item.split(":", 2)
                     self._live(cluster, version)
                 else:
-                    with self._lock:
-                        self._pending.discard(item)
                     self._check(item)
             except Exception:  # never let the worker die: serving goes on with what it has
                 log.exception("draft follower: %s failed", item)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,8 +111,14 @@ class SpecEngine:
         proposer_cfg: ProposerConfig | None = None,
         proposer: Proposer | None = None,
         meta: "RequestMeta | None" = None,
+        on_step: Callable[[list[int]], bool | None] | None = None,
     ) -> GenerationResult:
         """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``).
+
+        ``on_step(emitted)`` is called after every verification step with the tokens it
+        emitted (the HTTP API streams them); returning True ends the request there with
+        finish reason ``stop`` (a stop sequence was seen), and an exception it raises (the
+        client went away) ends it without logging.
 
         With a stream logger, the finished request is handed to it (``meta`` names the
         request, its cluster and the draft version); that never blocks or raises.
@@ -175,6 +182,8 @@ class SpecEngine:
                     if verdict.rejected is not None:
                         rejections.append(verdict.rejected)
                 state.token_ids.extend(emitted)
+                if on_step is not None and on_step(emitted) and not finished:
+                    finished = "stop"
                 if finished:
                     stats.finish_reason = finished
                     break

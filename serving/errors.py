@@ -8,6 +8,11 @@ class SpecOpsError(Exception):
 
     code = "internal"
 
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        """The request field to fix, when there is one (the API returns it as ``error.param``)."""
+
 
 class InvalidRequestError(SpecOpsError, ValueError):
     """The request itself is malformed (empty prompt, bad k, bad sampling params)."""
@@ -33,12 +38,82 @@ class TokenizerMismatchError(ModelConfigError):
     code = "tokenizer_mismatch"
 
 
+class UnsupportedParameterError(InvalidRequestError):
+    """The request uses an OpenAI parameter this server does not implement (n > 1, logprobs, ...)."""
+
+    code = "unsupported_parameter"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than the server accepts."""
+
+    code = "request_too_large"
+
+
+class AuthenticationError(SpecOpsError):
+    """No API key, or not a bearer key."""
+
+    code = "missing_api_key"
+
+
+class PermissionDeniedError(SpecOpsError):
+    """An API key that this server does not accept."""
+
+    code = "invalid_api_key"
+
+
+class ModelNotFoundError(SpecOpsError):
+    """The request names a model this server does not serve."""
+
+    code = "model_not_found"
+
+
+class OverloadedError(SpecOpsError):
+    """Every worker is busy and the admission queue is full: retry later."""
+
+    code = "overloaded"
+
+
+class QueueTimeoutError(SpecOpsError):
+    """The request waited in the admission queue longer than the server allows."""
+
+    code = "queue_timeout"
+
+
+class NotReadyError(SpecOpsError):
+    """The server is still loading its models (or failed to)."""
+
+    code = "not_ready"
+
+
+class RequestTimeoutError(SpecOpsError):
+    """The request decoded for longer than the server allows."""
+
+    code = "request_timeout"
+
+
+class RouterError(SpecOpsError, ValueError):
+    """A router artifact is malformed or does not fit this server (dimension, embedder)."""
+
+    code = "router"
+
+
 # The one place an error code becomes an HTTP status (used by the HTTP API).
 HTTP_STATUS: dict[str, int] = {
     InvalidRequestError.code: 400,
+    UnsupportedParameterError.code: 400,
     PromptTooLongError.code: 413,
+    RequestTooLargeError.code: 413,
+    AuthenticationError.code: 401,
+    PermissionDeniedError.code: 403,
+    ModelNotFoundError.code: 404,
+    OverloadedError.code: 429,
+    NotReadyError.code: 503,
+    QueueTimeoutError.code: 503,
+    RequestTimeoutError.code: 504,
     ModelConfigError.code: 500,
     TokenizerMismatchError.code: 500,
+    RouterError.code: 500,
     SpecOpsError.code: 500,
 }
 

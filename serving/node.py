@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from serving.engine import SpecEngine
@@ -48,7 +49,8 @@ class ServingNode:
         self.logger = logger
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
-                 method: str = "draft", k: int | None = None, request_id: str | None = None) -> ServedResult:  # fmt: skip
+                 method: str = "draft", k: int | None = None, request_id: str | None = None,
+                 on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:  # fmt: skip
         started_at = time.time()
         handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
@@ -56,7 +58,7 @@ class ServingNode:
         engine = SpecEngine(pair, logger=self.logger)
         rid = request_id or uuid.uuid4().hex
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version)
-        result = engine.generate(prompt_ids, params, method=method, k=k, meta=meta)  # 2. + 3.
+        result = engine.generate(prompt_ids, params, method=method, k=k, meta=meta, on_step=on_step)  # 2. + 3.
         if method == "draft":
             self.follower.record(handle, result.stats)  # 4.
         return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at)

@@ -142,7 +142,8 @@ class RequestStats:
     """Verification steps that rejected a drafted token (the rest accepted all they checked)."""
     num_draft_forwards: int = 0
     finish_reason: str = ""
-    """``eos``, ``length`` (max_new_tokens) or ``context`` (model context full)."""
+    """``eos``, ``length`` (max_new_tokens), ``context`` (model context full) or ``stop`` (the caller's
+    ``on_step`` ended it: a stop sequence)."""
     time_s: dict[str, float] = field(
         default_factory=lambda: {"first_step": 0.0, "propose": 0.0, "verify": 0.0, "total": 0.0}
     )

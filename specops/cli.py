@@ -157,6 +157,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving.config import ServeConfig, overrides_from_args
+    from specops.serve import Server
+
+    cfg = ServeConfig.load(args.config, overrides=overrides_from_args(args))
+    _threads(args.threads)
+    Server(cfg).run()
+    return 0
+
+
 # ---------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
     from specops.demo import run_demo
@@ -306,6 +317,23 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Lists every topic at URL with its partitions and records.")  # fmt: skip
     q.add_argument("url", help="stream URL")
     q.set_defaults(func=cmd_streams_topics)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API: speculative decoding with per-cluster drafts that follow the registry",
+        description="One serving replica: POST /v1/completions and /v1/chat/completions (OpenAI request and response "
+        "shapes, stream=true as server-sent events) plus the extension fields `speculation` {method, k} and `cluster`; "
+        "GET /v1/models, /healthz, /readyz, /metrics. Requests without `cluster` are routed by the registered router. "
+        "Each cluster's draft follows its registry champion and is hot-swapped; every request is logged to the stream "
+        "for the trainer. Settings come from the defaults, then --config FILE (TOML, top level or [serve]), then "
+        "SPECOPS_SERVE_<SETTING> environment variables, then these flags. Run several replicas on one stream and "
+        "registry by giving each its own --port.",
+    )
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML file with any of the settings below")
+    from serving.config import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     from specops.registry_cli import add_parser as add_registry_parser
 

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over one :class:`~serving.server.ServingState`.
+
+Endpoints:
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI request and response
+  shapes, ``stream=true`` as server-sent events ending in ``data: [DONE]``. Extensions:
+  request fields ``speculation`` (``method``, ``k``) and ``cluster``; every response (the
+  last chunk when streaming) carries a ``speculation`` block.
+- ``GET /v1/models``; ``GET /healthz`` (the process is up); ``GET /readyz`` (models loaded:
+  200, else 503 with the loading step or the error); ``GET /metrics`` (Prometheus).
+
+Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
+the status from :data:`serving.errors.HTTP_STATUS`. A request is refused before any work
+when its body is too large (413), its key is missing (401) or wrong (403), or admission
+is full (429, ``Retry-After``); then it is validated (400 naming the field to fix) and
+only then queued for a decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+
+from serving.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NotReadyError,
+    PermissionDeniedError,
+    RequestTooLargeError,
+    SpecOpsError,
+    http_status,
+)  # fmt: skip
+from serving.openai_schema import ChatCompletionRequest, CompletionRequest
+from serving.server import ClientGone, Job, ServingState
+from serving.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+API_REQUESTS = Counter("specops_api_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
+API_SECONDS = Histogram("specops_api_request_seconds", "HTTP request time (to the last byte for streams)",
+                        ["endpoint"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable", 504: "timeout"}  # fmt: skip
+OPEN_PATHS = ("/healthz", "/readyz")
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+"""Engine finish reasons as OpenAI names them."""
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}  # fmt: skip
+
+
+def error_response(err: SpecOpsError) -> JSONResponse:
+    status = http_status(err)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(error_body(status, str(err), err.code, err.param), status_code=status, headers=headers)
+
+
+def create_app(state: ServingState) -> FastAPI:
+    """The API over ``state``; loading starts when the app starts (and ``state.close`` runs at shutdown)."""
+    cfg = state.cfg
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start_loading()
+        yield
+        await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="specops", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  description="OpenAI-compatible completions with speculative decoding by drafts that learn online.")  # fmt: skip
+    app.state.serving = state
+    keys = [k.encode() for k in cfg.api_keys]
+
+    # ------------------------------------------------------------ gatekeeping, in order
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        t0 = time.perf_counter()
+        path = request.url.path
+        endpoint = path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", *OPEN_PATHS) else "other"
+        try:
+            _check_size(request, cfg.max_body_bytes)
+            if keys and path not in OPEN_PATHS and (path != "/metrics" or cfg.auth_metrics):
+                _check_key(request, keys)
+            response = await call_next(request)
+        except SpecOpsError as err:
+            response = error_response(err)
+        API_REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        if not isinstance(response, StreamingResponse):
+            API_SECONDS.labels(endpoint).observe(time.perf_counter() - t0)
+        return response
+
+    @app.exception_handler(SpecOpsError)
+    async def _specops_error(request: Request, err: SpecOpsError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _validation_response(exc.errors())
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc):
+        return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}", "not_found"), 404)
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, exc):
+        return JSONResponse(error_body(405, f"{request.method} is not allowed on {request.url.path}",
+                                       "method_not_allowed"), 405)  # fmt: skip
+
+    # ------------------------------------------------------------ probes and metrics
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        status = state.status()
+        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "specops"}]}  # fmt: skip
+
+    # ------------------------------------------------------------ completions
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        return await _serve(state, req, req.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        prompt = await asyncio.to_thread(_render_chat, state, req)
+        return await _serve(state, req, prompt, chat=True)
+
+    @app.get("/", response_class=PlainTextResponse)
+    async def root():
+        return "specops: OpenAI-compatible API at /v1 (see /docs); /healthz, /readyz, /metrics\n"
+
+    return app
+
+
+# ---------------------------------------------------------------- request helpers
+def _check_size(request: Request, limit: int) -> None:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise RequestTooLargeError(f"request body is {int(length)} bytes; the limit is {limit}")
+
+
+def _check_key(request: Request, keys: list[bytes]) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
+    given = token.strip().encode()
+    if not any(hmac.compare_digest(given, k) for k in keys):
+        raise PermissionDeniedError("the API key is not valid for this server")
+
+
+async def _parse(request: Request, model):
+    limit = request.app.state.serving.cfg.max_body_bytes
+    body = bytearray()
+    async for chunk in request.stream():  # bounded even without a Content-Length header
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLargeError(f"request body is over the limit of {limit} bytes")
+    try:
+        data = json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as exc:
+        raise _FirstValidationError(exc.errors()) from None
+    req.unsupported()
+    return req
+
+
+class _FirstValidationError(InvalidRequestError):
+    def __init__(self, errors: list) -> None:
+        e = errors[0]
+        param = ".".join(str(p) for p in e.get("loc", ()))
+        msg = e.get("msg", "invalid value")
+        if e.get("type") == "extra_forbidden":
+            msg = f"unrecognized request argument: {param}"
+        elif e.get("type") == "missing":
+            msg = f"missing required field: {param}"
+        else:
+            msg = f"{param}: {msg}" + (f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], (dict, list)) else "")
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        super().__init__(msg + more, param or None)
+
+
+def _validation_response(errors: list) -> JSONResponse:
+    return error_response(_FirstValidationError(errors))
+
+
+def _render_chat(state: ServingState, req: ChatCompletionRequest) -> str:
+    _ensure_ready(state)
+    tok = state.pair.tokenizer
+    messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # A base model without a chat template: the contents, one paragraph each.
+    return "\n\n".join(m["content"] for m in messages if m["content"])
+
+
+def _ensure_ready(state: ServingState) -> None:
+    if not state.ready.is_set():
+        why = f"failed to load: {state.load_error}" if state.load_error else f"loading ({state.loading_step})"
+        raise NotReadyError(f"the server is not ready yet: {why}; poll /readyz")
+
+
+async def _serve(state: ServingState, req, prompt, *, chat: bool):
+    cfg = state.cfg
+    _ensure_ready(state)
+    if req.model != cfg.served_model_name:
+        raise ModelNotFoundError(f"model {req.model!r} is not served here; use {cfg.served_model_name!r}", "model")
+    # OpenAI's defaults: temperature 1, top_p 1 (send temperature=0 for greedy decoding)
+    params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                            top_p=req.top_p if req.top_p is not None else 1.0,
+                            max_new_tokens=req.max_tokens or cfg.default_max_tokens, seed=req.seed)  # fmt: skip
+    spec = req.speculation
+    job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
+                                  k=spec.k if spec else None, cluster=req.cluster, stop=req.stop)  # fmt: skip
+    await state.admission.acquire()
+    loop = asyncio.get_running_loop()
+    if not req.stream:
+        served = await loop.run_in_executor(state.executor, state.run, job)
+        return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat))
+    queue: asyncio.Queue = asyncio.Queue()
+    job.on_delta = lambda text: loop.call_soon_threadsafe(queue.put_nowait, text)
+    future = loop.run_in_executor(state.executor, state.run, job)
+    future.add_done_callback(lambda _: queue.put_nowait(None))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(_sse(cfg.served_model_name, job, future, queue, chat=chat, include_usage=include_usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+
+async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    rid = ("chatcmpl-" if chat else "cmpl-") + job.request_id
+
+    def chunk(choices: list, **extra) -> str:
+        body = {"id": rid, "object": obj, "created": job.created, "model": model, "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    try:
+        if chat:
+            yield chunk([choice(None, None, role=True)])
+        while (text := await queue.get()) is not None:
+            yield chunk([choice(text, None)])
+        try:
+            served = future.result()
+        except (SpecOpsError, ClientGone) as err:
+            status = http_status(err) if isinstance(err, SpecOpsError) else 499
+            yield f"data: {json.dumps(error_body(status, str(err), getattr(err, 'code', 'cancelled')))}\n\n"
+            return
+        except Exception as err:  # a bug: say so in-band, the status line is long gone
+            log.exception("request %s failed while streaming", job.request_id)
+            yield f"data: {json.dumps(error_body(500, f'internal error: {type(err).__name__}', 'internal'))}\n\n"
+            return
+        body = _response(model, job, served, chat=chat)
+        yield chunk([choice(None if chat else "", body["choices"][0]["finish_reason"])],
+                    speculation=body["speculation"])  # fmt: skip
+        if include_usage:
+            yield chunk([], usage=body["usage"])
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()  # a client that went away stops the decode at its next step
+
+
+def _response(model: str, job: Job, served, *, chat: bool) -> dict:
+    st = served.result.stats
+    finish = "stop" if job.stopped else FINISH.get(st.finish_reason, st.finish_reason)
+    usage = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": st.num_generated,
+             "total_tokens": len(job.prompt_ids) + st.num_generated}  # fmt: skip
+    speculation = {
+        "method": st.method, "k": job.k, "cluster": job.cluster, "cluster_source": job.cluster_source,
+        "router_version": job.router_version or None, "draft_model": served.draft_model if st.method == "draft" else None,
+        "draft_version": served.draft_version if st.method == "draft" else None, "drafted": st.num_drafted,
+        "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
+        "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
+        "decode_s": round(st.time_s.get("total", 0.0), 4),
+    }  # fmt: skip
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": job.text}, "logprobs": None,
+                  "finish_reason": finish}  # fmt: skip
+        obj, rid = "chat.completion", "chatcmpl-" + job.request_id
+    else:
+        choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": finish}
+        obj, rid = "text_completion", "cmpl-" + job.request_id
+    return {"id": rid, "object": obj, "created": job.created, "model": model, "choices": [choice], "usage": usage,
+            "speculation": speculation}  # fmt: skip

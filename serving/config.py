@@ -1,0 +1,168 @@
+"""``specops serve`` settings: one typed config, from defaults < a TOML file < environment < flags.
+
+Every field has a default and a one-line description; the description is also the
+field's ``--help`` text, so the command line and this file cannot drift apart.
+
+Environment: ``SPECOPS_SERVE_<FIELD>`` (upper case), e.g. ``SPECOPS_SERVE_PORT=9000``;
+lists are comma-separated. ``SPECOPS_API_KEYS`` is also read for ``api_keys``, and
+``SPECOPS_STREAM_URL`` / ``SPECOPS_REGISTRY_URI`` keep their meaning everywhere else.
+A TOML file may hold the fields at its top level or under a ``[serve]`` table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from serving.errors import ModelConfigError
+
+ENV_PREFIX = "SPECOPS_SERVE_"
+
+
+class ServeConfig(BaseModel):
+    """Everything ``specops serve`` needs; validated at construction."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- where things are
+    model_dir: str = Field("", description="bootstrap-style directory holding target/ and draft/ "
+                           "(default: the data directory's models/)")  # fmt: skip
+    target: str = Field("", description="target model directory (overrides <model_dir>/target)")
+    draft: str = Field("", description="base draft directory every new cluster starts from (overrides <model_dir>/draft)")
+    served_model_name: str = Field("specops", description="model id clients send as `model` and /v1/models lists")
+    stream: str = Field("default", description="stream the requests are logged to: local://DIR, kafka://HOST:PORT, "
+                        "'default' ($SPECOPS_STREAM_URL, else the local log under the data directory) or 'none'")  # fmt: skip
+    registry: str = Field("default", description="registry the drafts and the router follow: sqlite:////abs/mlflow.db, "
+                          "postgresql://..., http://host:port, 'default' ($SPECOPS_REGISTRY_URI, else SQLite under the "
+                          "data directory) or 'none' (serve the base draft only)")  # fmt: skip
+    replica: str = Field("", description="this replica's name: its own event consumer group and cache directory "
+                         "(default: <hostname>-<port>)")  # fmt: skip
+    cache_dir: str = Field("", description="where fetched drafts and routers are kept (default: <data>/serve/<replica>)")
+
+    # ---- network
+    host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 = any free port)")
+    api_keys: list[str] = Field(default_factory=list, description="bearer keys accepted on /v1/* (none = no auth); "
+                                "also $SPECOPS_API_KEYS, comma-separated")  # fmt: skip
+    auth_metrics: bool = Field(False, description="also require a key on /metrics")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 above)")
+
+    # ---- request limits
+    max_prompt_tokens: int = Field(2048, ge=1, description="longest prompt accepted, in tokens (also capped by the "
+                                   "target's context)")  # fmt: skip
+    max_tokens_limit: int = Field(1024, ge=1, description="largest `max_tokens` a request may ask for")
+    default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request does not say")
+    max_k: int = Field(16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for")
+    default_method: Literal["draft", "pld", "target"] = Field(
+        "draft", description="decoding when a request does not say: draft (the cluster's draft model), pld (prompt "
+        "lookup) or target (target-only)")  # fmt: skip
+
+    # ---- concurrency
+    max_concurrency: int = Field(2, ge=1, le=256, description="requests decoded at once (decode worker threads)")
+    max_queue: int = Field(32, ge=0, description="requests waiting for a worker; beyond it requests get 429 at once")
+    queue_timeout_s: float = Field(60.0, gt=0, description="longest a request waits for a worker before a 503")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest one request may decode before it is stopped")
+    load_signal: str = Field("", description="write {'load', 'time'} JSON here every second (the trainer's "
+                             "--load-signal: it skips work while serving is busy)")  # fmt: skip
+
+    # ---- routing and hot-swap
+    router: Literal["registry", "none"] = Field(
+        "registry", description="how requests without `cluster` are routed: 'registry' (follow the registered "
+        "router's champion; until one exists they go to default_cluster) or 'none'")  # fmt: skip
+    default_cluster: str = Field("default", description="cluster of requests without `cluster` when no router decides")
+    poll_s: float = Field(10.0, gt=0, description="seconds between registry polls for new champions (events are instant)")
+    auto_rollback: bool = Field(True, description="roll a new champion back when its live acceptance falls below "
+                                "its predecessor's")  # fmt: skip
+    rollback_min_requests: int = Field(200, ge=1, description="requests a champion serves before it is judged")
+    rollback_margin: float = Field(0.05, ge=0, description="live acceptance drop that triggers a rollback")
+    live_report_every: int = Field(50, ge=1, description="requests between live-acceptance reports to the registry")
+
+    # ---- logging to the stream
+    log_sample_every: int = Field(1, ge=1, description="log one request in N to the stream")
+    log_queue_size: int = Field(2048, ge=2, description="records queued for the stream before the oldest are shed")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_limit "
+                             f"({self.max_tokens_limit})")  # fmt: skip
+        if any(len(k) < 8 for k in self.api_keys):
+            raise ValueError("api_keys must be at least 8 characters each")
+        return self
+
+    # ------------------------------------------------------------ derived
+    @property
+    def replica_name(self) -> str:
+        return self.replica or f"{socket.gethostname()}-{self.port}"
+
+    def paths(self, data_dir: Path) -> tuple[Path, Path]:
+        """(target dir, base draft dir)."""
+        model_dir = Path(self.model_dir) if self.model_dir else data_dir / "models"
+        target = Path(self.target) if self.target else model_dir / "target"
+        draft = Path(self.draft) if self.draft else model_dir / "draft"
+        return target, draft
+
+    # ------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | Path | None = None, *, env: dict[str, str] | None = None,
+             overrides: dict[str, Any] | None = None) -> ServeConfig:  # fmt: skip
+        """Defaults, then the TOML file, then ``SPECOPS_SERVE_*`` variables, then ``overrides``."""
+        values: dict[str, Any] = {}
+        if path:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ModelConfigError(f"cannot read serve config {path}: {exc}") from exc
+            values.update(data.get("serve", data))
+        values.update(_from_env(os.environ if env is None else env))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            raise ModelConfigError(f"invalid serve config: {problems}") from exc
+
+
+def _from_env(env: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if env.get("SPECOPS_API_KEYS"):
+        out["api_keys"] = env["SPECOPS_API_KEYS"]
+    for name in ServeConfig.model_fields:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            out[name] = env[key]
+    return out
+
+
+def add_arguments(parser) -> None:
+    """One ``--flag`` per field, with the field's description as its help (default: None = not given)."""
+    for name, info in ServeConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = info.get_default(call_default_factory=True)
+        shown = "" if default in ("", [], None) else f" (default: {default!r})"
+        help_text = f"{info.description}{shown}".replace("%", "%%")
+        if info.annotation is bool:
+            parser.add_argument(flag, default=None, action="store_true", help=help_text)
+            parser.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false", default=None,
+                                help=argparse.SUPPRESS)  # fmt: skip
+        elif name == "api_keys":
+            parser.add_argument(flag, default=None, metavar="KEY[,KEY]", help=help_text)
+        else:
+            parser.add_argument(flag, default=None, metavar=name.upper(), help=help_text)
+
+
+def overrides_from_args(args) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in ServeConfig.model_fields if getattr(args, name, None) is not None}

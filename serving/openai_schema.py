@@ -1,0 +1,172 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic.
+
+Only what the server implements is accepted. An OpenAI parameter we do not implement
+(``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``)
+and any field OpenAI does not define either gets a 400 naming the parameter, rather than
+being silently ignored. Our two extension fields are ``speculation`` and ``cluster``.
+Server-side bounds (prompt length, ``max_tokens``, ``k``) are checked by the API
+against :class:`~serving.config.ServeConfig`, since they are settings.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from serving.errors import UnsupportedParameterError
+
+ClusterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+"""Cluster ids become registry model names (``draft-<cluster>``): letters, digits, ``_.-``, at most 64."""
+
+
+class Speculation(BaseModel):
+    """Extension: how to speculate for this request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["draft", "pld", "target"] | None = None
+    """draft = the cluster's draft model; pld = prompt lookup; target = target-only (no speculation)."""
+    k: int | None = Field(None, ge=1)
+    """Tokens drafted per verification step (bounded by the server's max_k)."""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    user: str | None = Field(None, max_length=256)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    speculation: Speculation | None = None
+    cluster: ClusterName | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s or len(s) > 64 for s in stops):
+            raise ValueError("each stop sequence must be 1 to 64 characters")
+        return stops
+
+    def unsupported(self) -> None:
+        """Raise for OpenAI parameters that are valid but not implemented here."""
+        if self.n != 1:
+            raise UnsupportedParameterError("n: only n=1 is supported; send one request per completion", "n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise UnsupportedParameterError(
+                "presence_penalty / frequency_penalty are not supported: penalties change the target distribution "
+                "the output is guaranteed to follow", "presence_penalty")  # fmt: skip
+        if self.logit_bias:
+            raise UnsupportedParameterError("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameterError("stream_options is only allowed with stream=true", "stream_options")
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("prompt is empty")
+        if isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(v)}; send them as separate requests")
+            return v[0]
+        return v
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise UnsupportedParameterError("echo is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise UnsupportedParameterError("best_of: only 1 is supported", "best_of")
+        if self.logprobs:
+            raise UnsupportedParameterError("logprobs is not supported", "logprobs")
+        if self.suffix:
+            raise UnsupportedParameterError("suffix is not supported", "suffix")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _tokens(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise UnsupportedParameterError("logprobs is not supported", "logprobs")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise UnsupportedParameterError("tools / tool_choice are not supported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise UnsupportedParameterError("response_format: only {'type': 'text'} is supported", "response_format")

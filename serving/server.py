@@ -1,0 +1,327 @@
+"""What one serving replica runs behind the HTTP API, and one request's path through it.
+
+:class:`ServingState` owns the components and loads them in the background, so the API
+answers ``/healthz`` at once and ``/readyz`` turns 200 when the models are loaded:
+
+1. the target and the base draft (one shared tokenizer, checked);
+2. the stream logger (``spec.misses`` / ``spec.generations``), unless logging is off;
+3. the draft follower (one hot-swapped draft per cluster, following ``champion``);
+4. the router follower (the registered router's ``champion``), when routing is on;
+5. the event watcher on ``spec.events``, pushing promotions to both followers;
+6. one warm-up decode, then ready.
+
+A request is a :class:`Job`: :meth:`ServingState.prepare` tokenizes, bounds-checks and
+routes it (errors here are the caller's 4xx); :meth:`ServingState.run` decodes it on a
+worker thread, streaming text deltas through ``Job.on_delta`` and ending early on a stop
+sequence, a client that went away, or the request deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge
+
+from serving.admission import Admission
+from serving.config import ServeConfig
+from serving.engine import DEFAULT_K
+from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError
+from serving.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+GENERATED = Counter("specops_generated_tokens_total", "Tokens generated", ["cluster"])
+DRAFTED = Counter("specops_drafted_tokens_total", "Draft tokens proposed", ["cluster", "version"])
+ACCEPTED = Counter("specops_accepted_tokens_total", "Draft tokens accepted", ["cluster", "version"])
+TOKENS_PER_S = Gauge("specops_tokens_per_second", "Generated tokens per second over the last 10 s")
+ROUTED = Counter("specops_routed_requests_total", "Requests per cluster and how the cluster was chosen",
+                 ["cluster", "source"])  # fmt: skip
+CANCELLED = Counter("specops_requests_cancelled_total", "Requests ended early", ["reason"])
+READY = Gauge("specops_ready", "1 when the models are loaded and requests are served")
+
+
+class ClientGone(Exception):
+    """The streaming client disconnected: stop decoding (nothing is logged)."""
+
+
+@dataclass
+class Job:
+    """One admitted request, from parse to response."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    method: str
+    k: int
+    cluster: str
+    cluster_source: str
+    """``request`` (the request's field), ``router`` or ``default``."""
+    router_version: str = ""
+    stop: list[str] = field(default_factory=list)
+    on_delta: Callable[[str], None] | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # filled in by run()
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0
+    """Characters of ``text`` already handed to ``on_delta``."""
+    stopped: bool = False
+
+
+class ServingState:
+    """The components of one replica. ``start_loading`` returns at once; ``ready`` tells when done."""
+
+    def __init__(self, cfg: ServeConfig, *, target_dir: Path, draft_dir: Path, cache_dir: Path,
+                 registry_factory: Callable[[], object | None] = lambda: None, stream_cfg=None) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.target_dir, self.draft_dir, self.cache_dir = Path(target_dir), Path(draft_dir), Path(cache_dir)
+        self.registry_factory = registry_factory
+        self.stream_cfg = stream_cfg
+        self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
+        self.executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="decode")
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.loading_step = "not started"
+        self.pair = self.node = self.follower = self.router = self.logger = self.watcher = self.registry = None
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._recent_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------ lifecycle
+    def start_loading(self) -> None:
+        t = threading.Thread(target=self._load, name="serve-load", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _load(self) -> None:
+        try:
+            self._load_steps()
+        except Exception as exc:  # readyz reports it; the process stays up for the operator to see
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("serving could not start: %s", self.load_error)
+
+    def _load_steps(self) -> None:
+        from serving.hotswap import DraftFollower, HotSwapConfig
+        from serving.models import load_pair
+        from serving.node import ServingNode
+
+        cfg = self.cfg
+        self.loading_step = "models"  # 1.
+        self.pair = load_pair(self.target_dir, self.draft_dir)
+        if self.stream_cfg is not None:  # 2.
+            from serving.stream_logger import LoggerConfig, StreamLogger
+
+            self.loading_step = "stream logger"
+            self.logger = StreamLogger(self.stream_cfg, LoggerConfig(sample_every=cfg.log_sample_every,
+                                       queue_size=cfg.log_queue_size), vocab_size=self.pair.vocab_size)  # fmt: skip
+        self.loading_step = "registry"  # 3.
+        self.registry = self.registry_factory()
+        hcfg = HotSwapConfig(poll_s=cfg.poll_s, auto_rollback=cfg.auto_rollback, live_report_every=cfg.live_report_every,
+                             rollback_min_requests=cfg.rollback_min_requests, rollback_margin=cfg.rollback_margin)  # fmt: skip
+        self.follower = DraftFollower(self.registry, self.pair.draft, target_vocab=self.pair.vocab_size,
+                                      target_tokenizer_sha256=self.pair.tokenizer_sha256,
+                                      cache_dir=self.cache_dir / "drafts", cfg=hcfg).start()  # fmt: skip
+        if cfg.router == "registry" and self.registry is not None:  # 4.
+            from serving.router import RouterFollower, make_embedder
+
+            self.loading_step = "router"
+            self.router = RouterFollower(self.registry, cache_dir=self.cache_dir / "router",
+                                         embedder_factory=lambda kind: make_embedder(kind, target=self.pair),
+                                         poll_s=cfg.poll_s)  # fmt: skip
+            self.router.start()
+        if self.stream_cfg is not None:  # 5.
+            from serving.events import EventWatcher
+
+            self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
+        self.node = ServingNode(self.pair, self.follower, logger=self.logger)
+        self.loading_step = "warm-up"  # 6.
+        from serving.engine import SpecEngine
+
+        SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
+        if cfg.load_signal:
+            self._spawn(self._write_load_signal, "load-signal")
+        self._spawn(self._throughput, "throughput")
+        self.loading_step = "ready"
+        self.ready.set()
+        READY.set(1)
+        log.info("serving ready: target %s, base draft %s, router %s, stream %s, registry %s", self.target_dir,
+                 self.draft_dir, cfg.router if self.router else "off",
+                 self.stream_cfg.url if self.stream_cfg else "off",
+                 getattr(getattr(self.registry, "cfg", None), "uri", "off"))  # fmt: skip
+
+    def _spawn(self, fn: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _on_event(self, event) -> None:
+        self.follower.on_event(event)
+        if self.router is not None:
+            self.router.on_event(event)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking work, finish what runs, flush the stream (accepted records are not lost)."""
+        READY.set(0)
+        self.ready.clear()
+        self._stop.set()
+        self.executor.shutdown(wait=True, cancel_futures=False)
+        for part in (self.watcher, self.router, self.follower):
+            if part is not None:
+                part.stop()
+        if self.logger is not None:
+            self.logger.close(timeout_s=timeout_s)
+
+    # ------------------------------------------------------------ status
+    @property
+    def context_size(self) -> int:
+        return int(getattr(self.pair.target.config, "max_position_embeddings", 1 << 30))
+
+    def status(self) -> dict:
+        snap = self.admission.snapshot()
+        out = {"ready": self.ready.is_set(), "step": self.loading_step, "running": snap.running,
+               "waiting": snap.waiting, "load": round(snap.load, 3)}  # fmt: skip
+        if self.load_error:
+            out["error"] = self.load_error
+        if self.follower is not None:
+            out["drafts"] = {c: s.current().version for c, s in sorted(self.follower.slots.items())}
+        if self.router is not None:
+            r = self.router.current()
+            out["router"] = r.version if r is not None else None
+        return out
+
+    def _write_load_signal(self) -> None:
+        path = Path(self.cfg.load_signal)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while not self._stop.wait(1.0):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"load": self.admission.snapshot().load, "time": time.time()}))
+            os.replace(tmp, path)
+
+    def _throughput(self, window_s: float = 10.0) -> None:
+        while not self._stop.wait(1.0):
+            now = time.time()
+            with self._recent_lock:
+                while self._recent and self._recent[0][0] < now - window_s:
+                    self._recent.popleft()
+                TOKENS_PER_S.set(sum(n for _, n in self._recent) / window_s)
+
+    # ------------------------------------------------------------ requests
+    def prepare(self, prompt: str | list[int], *, params: SamplingParams, method: str | None, k: int | None,
+                cluster: str | None, stop: list[str] | None) -> Job:  # fmt: skip
+        """Tokenize, bound-check and route one request (raises the caller's 4xx errors)."""
+        cfg, tok = self.cfg, self.pair.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty: give at least one character", "prompt")
+            if len(prompt) > cfg.max_prompt_tokens * 32:  # refuse before tokenizing megabytes
+                raise PromptTooLongError(f"prompt has {len(prompt)} characters; the limit is "
+                                         f"{cfg.max_prompt_tokens} tokens", "prompt")  # fmt: skip
+            ids = tok(prompt, add_special_tokens=False, verbose=False)["input_ids"]
+            text = prompt
+        else:
+            vocab = self.pair.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+            ids, text = list(prompt), None
+        if not ids:
+            raise InvalidRequestError("prompt tokenizes to nothing: give at least one token", "prompt")
+        limit = min(cfg.max_prompt_tokens, self.context_size - 1)
+        if len(ids) > limit:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the limit is {limit}: shorten it", "prompt")
+        if params.max_new_tokens > cfg.max_tokens_limit:
+            raise InvalidRequestError(f"max_tokens is {params.max_new_tokens}; this server allows at most "
+                                      f"{cfg.max_tokens_limit}", "max_tokens")  # fmt: skip
+        if k is not None and k > cfg.max_k:
+            raise InvalidRequestError(f"speculation.k is {k}; this server allows at most {cfg.max_k}", "speculation.k")
+        method = method or cfg.default_method
+        k = k or DEFAULT_K[method]
+        if method == "draft" and self.pair.draft is None:
+            raise InvalidRequestError("speculation.method 'draft' needs a draft model; none is loaded", "speculation")
+        source, router_version = "request", ""
+        if cluster is None:
+            cluster, source = cfg.default_cluster, "default"
+            router = self.router.current() if self.router is not None else None
+            if router is not None:
+                decision = router.route(text if text is not None else tok.decode(ids))
+                cluster, source, router_version = decision.cluster, "router", decision.router_version
+        ROUTED.labels(cluster, source).inc()
+        return Job(prompt_ids=ids, prompt_text=text or "", params=params, method=method, k=k, cluster=cluster,
+                   cluster_source=source, router_version=router_version, stop=stop or [])  # fmt: skip
+
+    def run(self, job: Job):
+        """Decode ``job`` on this (worker) thread; always gives the admission slot back."""
+        try:
+            return self._run(job)
+        finally:
+            self.admission.release()
+
+    def _run(self, job: Job):
+        tok = self.pair.tokenizer
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+
+        def on_step(emitted: list[int]) -> bool:
+            if job.cancel.is_set():
+                CANCELLED.labels("client_gone").inc()
+                raise ClientGone(job.request_id)
+            if time.monotonic() > deadline:
+                CANCELLED.labels("timeout").inc()
+                raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:.0f}s")
+            job.output_ids.extend(emitted)
+            text = tok.decode(job.output_ids, skip_special_tokens=True)
+            stop_at = _find_stop(text, job.stop)
+            if stop_at is not None:
+                job.text, job.stopped = text[:stop_at], True
+            else:
+                job.text = text[: len(text) - _held_back(text, job.stop)]
+            if job.on_delta is not None and len(job.text) > job.sent:
+                job.on_delta(job.text[job.sent:])
+                job.sent = len(job.text)
+            return job.stopped
+
+        served = self.node.generate(job.prompt_ids, job.params, cluster=job.cluster, method=job.method, k=job.k,
+                                    request_id=job.request_id, on_step=on_step)  # fmt: skip
+        if not job.stopped:  # the whole output, the held-back tail included
+            job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
+            if job.on_delta is not None and len(job.text) > job.sent:
+                job.on_delta(job.text[job.sent:])
+                job.sent = len(job.text)
+        st = served.result.stats
+        GENERATED.labels(job.cluster).inc(st.num_generated)
+        if st.num_drafted:
+            DRAFTED.labels(job.cluster, served.draft_version).inc(st.num_drafted)
+            ACCEPTED.labels(job.cluster, served.draft_version).inc(st.num_accepted)
+        with self._recent_lock:
+            self._recent.append((time.time(), st.num_generated))
+        return served
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    """Index where the earliest stop sequence starts in ``text``, if any."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` not to stream yet: an incomplete UTF-8 character
+    (decoded as U+FFFD) or a prefix of a stop sequence that the next tokens may complete."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold

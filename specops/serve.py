@@ -1,0 +1,97 @@
+"""``specops serve``: one serving replica, the OpenAI-compatible API on uvicorn.
+
+Several replicas share one stream and one registry: start each with its own ``--port``
+(and ``--replica`` name when they share a host name and port numbering is not enough).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from serving.config import ServeConfig
+from specops.paths import data_dir, streams_url
+
+log = logging.getLogger(__name__)
+
+NONE = ("none", "off", "")
+
+
+def build_state(cfg: ServeConfig, *, root: Path | None = None):
+    """The replica's components from its config (nothing loads until the app starts)."""
+    from serving.server import ServingState
+    from streams import StreamConfig
+
+    root = Path(root) if root is not None else data_dir()
+    target, draft = cfg.paths(root)
+    stream = streams_url() if cfg.stream == "default" else cfg.stream
+    stream_cfg = None if stream.lower() in NONE else StreamConfig.from_env(url=stream)
+
+    def registry():
+        if cfg.registry.lower() in NONE:
+            return None
+        from specops.registry_cli import open_registry
+
+        return open_registry(cfg.registry, None)  # serving follows; it never publishes alias moves itself
+
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else root / "serve" / cfg.replica_name
+    return ServingState(cfg, target_dir=target, draft_dir=draft, cache_dir=cache, registry_factory=registry,
+                        stream_cfg=stream_cfg)  # fmt: skip
+
+
+class Server:
+    """uvicorn in a background thread (the demo and tests), or in the foreground (``specops serve``)."""
+
+    def __init__(self, cfg: ServeConfig, *, root: Path | None = None, state=None) -> None:
+        import uvicorn
+
+        from serving.api import create_app
+
+        self.cfg = cfg
+        self.state = state or build_state(cfg, root=root)
+        self.app = create_app(self.state)
+        self.uv = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
+                                                access_log=False, timeout_graceful_shutdown=30,
+                                                lifespan="on"))  # fmt: skip
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        for server in getattr(self.uv, "servers", []) or []:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.cfg.port
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> Server:
+        """Start listening in a background thread (models keep loading after this returns)."""
+        import time
+
+        self._thread = threading.Thread(target=self.uv.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.uv.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start on {self.cfg.host}:{self.cfg.port}")
+            time.sleep(0.02)
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        if not self.state.ready.wait(timeout_s) or self.state.load_error:
+            raise RuntimeError(f"serving did not become ready: {self.state.load_error or self.state.loading_step}")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.uv.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def run(self) -> None:
+        """Foreground: until SIGINT/SIGTERM; in-flight requests finish, the stream is flushed."""
+        log.info("serving the OpenAI API on http://%s:%d/v1 (health: /healthz, ready: /readyz, metrics: /metrics)",
+                 self.cfg.host, self.cfg.port)  # fmt: skip
+        self.uv.run()

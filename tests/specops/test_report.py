@@ -1,0 +1,173 @@
+"""The closed-loop demo report: summary numbers, files, escaping, run.json round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specops.report import (
+    DemoRun,
+    Promotion,
+    RequestRow,
+    SpeedRow,
+    load_run,
+    main,
+    phase_spans,
+    summarize,
+    write_report,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _strict_loads(text: str):
+    """json.loads that refuses NaN / Infinity, as a strict JSON reader would."""
+    def reject(c):
+        raise ValueError(f"non-standard JSON constant {c}")
+    return json.loads(text, parse_constant=reject)
+
+
+def synthetic_run() -> DemoRun:
+    """Two clusters, 250 requests.
+
+    code: 150 successful requests at t = 0..149, 4 drafted each; 1 accepted before t = 100, 3 after.
+      Served by base (0..99), v3 (100..119), v5 (120..129), v3 again after the rollback (130..149).
+    prose: 99 successful requests + 1 failed (index 60), 2 drafted each; 1 accepted for the first 50, 2 after.
+    """
+    reqs = []
+    for i in range(150):
+        version = "base" if i < 100 else "5" if 120 <= i < 130 else "3"
+        phase = "code-heavy" if i < 100 else "shift: prose-heavy"
+        reqs.append(RequestRow(t=float(i), cluster="code", phase=phase, drafted=4, accepted=1 if i < 100 else 3,
+                               draft_version=version, latency_s=0.4, num_generated=32))
+    ok_prose = 0
+    for i in range(100):
+        phase = "code-heavy"  # t < 100: the whole of prose's traffic falls in the first phase
+        if i == 60:
+            reqs.append(RequestRow(t=i + 0.5, cluster="prose", phase=phase, drafted=0, accepted=0, draft_version="",
+                                   latency_s=0.1, num_generated=0, ok=False))
+            continue
+        reqs.append(RequestRow(t=i + 0.5, cluster="prose", phase=phase, drafted=2, accepted=1 if ok_prose < 50 else 2,
+                               draft_version="base", latency_s=0.3, num_generated=16))
+        ok_prose += 1
+    promotions = [
+        Promotion(t=99.5, cluster="code", version="3", reason="gate: offline α 0.61 > 0.42"),
+        Promotion(t=119.5, cluster="code", version="5"),
+        Promotion(t=129.5, cluster="code", version="3", kind="rollback", reason="live α dropped"),
+    ]
+    speed = [
+        SpeedRow("code", "target-only", "", 10.0, math.nan, 8, True),
+        SpeedRow("code", "static draft", "base", 15.0, 0.25, 8, True),
+        SpeedRow("code", "online draft", "3", 20.0, 0.75, 8, True),
+        SpeedRow("prose", "target-only", "", 8.0, math.nan, 8, True),
+        SpeedRow("prose", "static draft", "base", 10.0, 0.5, 8, True),
+        SpeedRow("prose", "online draft", "base", 12.0, 0.7, 8, False),
+    ]
+    versions = [
+        {"cluster": "code", "version": "3", "aliases": ["champion"], "registered_at": "2025-01-01T00:01:40",
+         "gate_decision": "promote", "gate_reason": "offline α 0.61 > 0.42", "offline_acceptance": 0.61,
+         "live_acceptance": 0.74},
+        {"cluster": "code", "version": "5", "aliases": [], "registered_at": "2025-01-01T00:02:00",
+         "gate_decision": "promote", "gate_reason": "offline α 0.66 > 0.61", "offline_acceptance": 0.66},
+    ]
+    return DemoRun(started_at="2025-01-01T00:00:00", duration_s=150.0,
+                   config={"quick": True, "requests": 250, "clusters": ["code", "prose"], "k": 4},
+                   requests=reqs, promotions=promotions, speed=speed, registry_versions=versions,
+                   mlflow_ui_url="http://127.0.0.1:5000", api_url="http://127.0.0.1:8000",
+                   notes=["<script>alert('x')</script> trainer was slow"])
+
+
+def test_summary_numbers():
+    s = summarize(synthetic_run())
+    assert (s["requests"], s["failed_requests"], s["duration_s"]) == (250, 1, 150.0)
+    code, prose = s["clusters"]["code"], s["clusters"]["prose"]
+    assert set(s["clusters"]) == {"code", "prose"}
+    # code: first 100 = 100 x 1/4; last 100 = rows 50..149 = (50*1 + 50*3) / 400
+    assert code["alpha_first_100"] == 0.25
+    assert code["alpha_last_100"] == 0.5
+    assert code["alpha_delta"] == 0.25
+    assert code["alpha_first_half"] == 0.25  # rows 0..74
+    assert code["alpha_last_half"] == round((25 * 1 + 50 * 3) / 300, 4) == 0.5833  # rows 75..149
+    assert code["alpha_by_phase"] == {"code-heavy": 0.25, "shift: prose-heavy": 0.75}
+    assert (code["requests"], code["failed_requests"], code["alpha_window"]) == (150, 0, 100)
+    assert (code["promotions"], code["rollbacks"]) == (2, 1)
+    assert code["draft_versions"] == ["base", "3", "5"]
+    assert (code["speedup_vs_target"], code["speedup_vs_static"]) == (2.0, 1.333)
+    # prose: 99 served (the failed one is left out), both windows hold all of them
+    assert prose["alpha_first_100"] == prose["alpha_last_100"] == round((50 * 1 + 49 * 2) / (99 * 2), 4) == 0.7475
+    assert prose["alpha_first_half"] == 0.5  # 49 rows, 1 of 2 each
+    assert prose["alpha_last_half"] == 0.99  # 50 rows: one with 1, 49 with 2, of 100
+    assert (prose["requests"], prose["failed_requests"], prose["alpha_window"]) == (99, 1, 99)
+    assert (prose["promotions"], prose["rollbacks"], prose["draft_versions"]) == (0, 0, ["base"])
+    assert (prose["speedup_vs_target"], prose["speedup_vs_static"]) == (1.5, 1.2)
+
+
+def test_phase_spans_follow_request_start_times():
+    spans = phase_spans(synthetic_run())
+    assert [p for p, _, _ in spans] == ["code-heavy", "shift: prose-heavy"]
+    # the shift starts when its first request (finished at 100 after 0.4 s) started; the last span ends the run
+    assert spans[0][1:] == pytest.approx((0.0, 99.6)) and spans[1][1:] == pytest.approx((99.6, 150.0))
+
+
+def test_write_report_files_and_html(tmp_path):
+    run = synthetic_run()
+    index = write_report(run, tmp_path / "report")
+    out = tmp_path / "report"
+    assert index == out / "index.html"
+    for name in ("alpha.png", "speedup.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 20_000, name
+    assert _strict_loads((out / "summary.json").read_text()) == _strict_loads(json.dumps(summarize(run)))
+    page = index.read_text()
+    assert "<title>specops closed-loop demo</title>" in page
+    assert "<script>" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert "offline α 0.66 &gt; 0.61" in page and "champion" in page  # the registry table, escaped
+    assert "v3" in page and "v5" in page and "rollback" in page
+    assert "http://127.0.0.1:5000" in page and "only work while the demo is running" in page
+    assert "data:image/png;base64," in page and "src=\"http" not in page  # self-contained
+    assert ">NO<" in page  # the prose online draft was not lossless, and says so
+
+
+def test_run_json_round_trip_and_cli(tmp_path, capsys):
+    run = synthetic_run()
+    write_report(run, tmp_path / "a")
+    text = (tmp_path / "a" / "run.json").read_text()
+    _strict_loads(text)  # nan acceptance is written as null
+    back = load_run(tmp_path / "a" / "run.json")
+    assert back.requests == run.requests and back.promotions == run.promotions
+    assert back.registry_versions == run.registry_versions and back.notes == run.notes
+    assert math.isnan(back.speed[0].acceptance) and back.speed[1:] == run.speed[1:]
+    assert (back.started_at, back.duration_s, back.config) == (run.started_at, run.duration_s, run.config)
+
+    assert main([str(tmp_path / "a" / "run.json"), str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "b" / "index.html")
+    assert (tmp_path / "b" / "summary.json").read_text() == (tmp_path / "a" / "summary.json").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "run.json" in capsys.readouterr().out
+
+
+def test_edge_cases_no_drafts_no_promotions_no_speed(tmp_path):
+    reqs = [RequestRow(t=float(i), cluster="retrieval", phase="warmup", drafted=0, accepted=0, draft_version="base",
+                       latency_s=0.2, num_generated=8) for i in range(5)]
+    reqs.append(RequestRow(t=5.0, cluster="", phase="warmup", drafted=0, accepted=0, draft_version="",
+                           latency_s=0.0, num_generated=0, ok=False))  # failed before routing
+    run = DemoRun(started_at="2025-01-01T00:00:00", duration_s=6.0, config={}, requests=reqs, promotions=[],
+                  speed=[], registry_versions=[], mlflow_ui_url=None, api_url=None)
+    index = write_report(run, tmp_path)
+    summary = _strict_loads((tmp_path / "summary.json").read_text())
+    assert list(summary["clusters"]) == ["retrieval"]  # the unrouted failure names no cluster
+    c = summary["clusters"]["retrieval"]
+    assert c["alpha_first_100"] is None and c["alpha_last_100"] is None and c["alpha_delta"] is None
+    assert c["speedup_vs_target"] is None and c["speedup_vs_static"] is None
+    assert (c["promotions"], c["requests"], summary["failed_requests"], summary["requests"]) == (0, 5, 1, 6)
+    assert (tmp_path / "speedup.png").read_bytes()[:8] == PNG_MAGIC
+    assert "MLflow UI" not in index.read_text()
+
+    empty = DemoRun(started_at="", duration_s=0.0, config={}, requests=[], promotions=[], speed=[],
+                    registry_versions=[], mlflow_ui_url=None, api_url=None)
+    write_report(empty, tmp_path / "empty")
+    assert _strict_loads((tmp_path / "empty" / "summary.json").read_text())["clusters"] == {}
+    assert (tmp_path / "empty" / "alpha.png").read_bytes()[:8] == PNG_MAGIC

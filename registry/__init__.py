@@ -1,4 +1,4 @@
-"""The MLflow-backed registry of draft versions (a leaf: imports nothing of ours)."""
+"""The MLflow-backed registry of draft and router versions (a leaf: imports nothing of ours)."""
 
 from registry.config import RegistryConfig
 from registry.errors import (
@@ -8,10 +8,21 @@ from registry.errors import (
     RegistryUnavailableError,
     VersionNotFoundError,
 )
-from registry.store import CHALLENGER, CHAMPION, AliasChange, DraftVersion, GateResult, RegistryStore, decide, model_name
+from registry.store import (
+    CHALLENGER,
+    CHAMPION,
+    ROUTER,
+    AliasChange,
+    DraftVersion,
+    GateResult,
+    RegistryStore,
+    RouterVersion,
+    decide,
+    model_name,
+)
 
 __all__ = [
     "CHALLENGER", "CHAMPION", "AliasChange", "ArtifactFormatError", "ArtifactIntegrityError", "DraftVersion",
-    "GateResult", "RegistryConfig", "RegistryError", "RegistryStore", "RegistryUnavailableError",
-    "VersionNotFoundError", "decide", "model_name",
+    "GateResult", "ROUTER", "RegistryConfig", "RegistryError", "RegistryStore", "RegistryUnavailableError",
+    "RouterVersion", "VersionNotFoundError", "decide", "model_name",
 ]  # fmt: skip

@@ -11,6 +11,10 @@ A registered draft is one directory::
 The sha256 of ``manifest.json`` itself is stamped on the registry version as a tag, so a
 changed manifest is caught as surely as a changed weight file. :func:`verify_dir` checks
 all of it before anything is loaded; nothing is ever unpickled.
+
+A registered router (format ``specops-router/1``, :func:`pack_router`) is the same kind of
+directory with ``router.safetensors`` (the centroids) and ``router.json`` (cluster names,
+embedder kind and config hash) in place of the model files.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from pathlib import Path
 from registry.errors import ArtifactFormatError, ArtifactIntegrityError
 
 FORMAT = "specops-draft/1"
+ROUTER_FORMAT = "specops-router/1"
+ROUTER_FILES = ("router.safetensors", "router.json")
+"""Exactly the files of a router artifact."""
 MANIFEST = "manifest.json"
 ALLOWED_SUFFIXES = (".safetensors", ".json")
 SKIP = {"optimizer.safetensors", "state.json", MANIFEST}
@@ -76,19 +83,40 @@ def pack(model_dir: Path, out_dir: Path, *, tokenizer_dir: Path | None = None, m
     if "tokenizer.json" not in sources:
         raise ArtifactFormatError(f"no tokenizer.json with {model_dir}: pass tokenizer_dir (the target's "
                                   "directory); serving checks the draft's tokenizer against the target's")  # fmt: skip
+    return _write(sources, out_dir, FORMAT, lambda: {"config_sha256": config_hash(out_dir), **(meta or {})})
+
+
+def pack_router(router_dir: Path, out_dir: Path, *, meta: dict | None = None) -> str:
+    """Copy a saved router (``router.safetensors`` + ``router.json``) into ``out_dir`` with a
+    manifest; return the manifest's sha256. Any other file in ``router_dir`` is refused."""
+    router_dir, out_dir = Path(router_dir), Path(out_dir)
+    present = {p.name for p in router_dir.iterdir() if p.is_file() and not p.name.startswith(".")} \
+        if router_dir.is_dir() else set()  # fmt: skip
+    missing, extra = set(ROUTER_FILES) - present, present - set(ROUTER_FILES) - {MANIFEST}
+    if missing or extra:
+        raise ArtifactFormatError(f"{router_dir} is not a saved router: missing {sorted(missing)}, unexpected "
+                                  f"{sorted(extra)} (a router is exactly {' and '.join(ROUTER_FILES)})")  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _write({n: router_dir / n for n in ROUTER_FILES}, out_dir, ROUTER_FORMAT, lambda: dict(meta or {}))
+
+
+def _write(sources: dict[str, Path], out_dir: Path, fmt: str, meta) -> str:
+    """Copy ``sources`` into ``out_dir``, write the manifest (``meta()`` is called after the
+    copy) and return its sha256."""
     files = {}
     for name, src in sources.items():
         shutil.copyfile(src, out_dir / name)
         files[name] = {"sha256": sha256_file(out_dir / name), "bytes": (out_dir / name).stat().st_size}
-    manifest = {"format": FORMAT, "files": files, "meta": {"config_sha256": config_hash(out_dir), **(meta or {})}}
+    manifest = {"format": fmt, "files": files, "meta": meta()}
     blob = json.dumps(manifest, indent=1, sort_keys=True).encode()
     (out_dir / MANIFEST).write_bytes(blob)
     return hashlib.sha256(blob).hexdigest()
 
 
-def verify_dir(path: Path, manifest_sha256: str | None) -> dict:
-    """Check a downloaded draft against its manifest (and the manifest against the
-    registry's tag); return the manifest. Raises ArtifactIntegrityError on any mismatch."""
+def verify_dir(path: Path, manifest_sha256: str | None, fmt: str = FORMAT) -> dict:
+    """Check a downloaded artifact of format ``fmt`` (a draft by default) against its manifest
+    (and the manifest against the registry's tag); return the manifest. Raises
+    ArtifactIntegrityError on any mismatch."""
     path = Path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
@@ -100,9 +128,10 @@ def verify_dir(path: Path, manifest_sha256: str | None) -> dict:
     try:
         manifest = json.loads(blob)
         files = manifest["files"]
-        assert manifest.get("format") == FORMAT and isinstance(files, dict)
-    except (ValueError, KeyError, AssertionError, TypeError) as exc:
-        raise ArtifactIntegrityError(f"{mpath} is not a {FORMAT} manifest ({exc})") from exc
+        if manifest.get("format") != fmt or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactIntegrityError(f"{mpath} is not a {fmt} manifest ({exc})") from exc
     present = {p.name for p in path.iterdir() if p.is_file()} - {MANIFEST}
     extra, missing = present - set(files), set(files) - present
     if extra or missing:

@@ -11,6 +11,11 @@ was trained with; the version itself carries the tags an operator filters on. Al
 Promotion history is kept on the versions themselves (``promoted_at`` and
 ``previous_champion`` tags), so :meth:`RegistryStore.rollback` needs no other state.
 Every MLflow failure reaches callers as a ``registry.errors`` exception.
+
+The prompt router is one more registered model, ``router`` (:class:`RouterVersion`,
+``register_router``/``router_by_alias``/``promote_router``/``fetch``): centroids and the
+embedder's config hash (``serving.router``), with the same aliases, lineage tags,
+manifest check and ``on_change`` announcements as drafts. ``clusters()`` lists drafts only.
 """
 
 from __future__ import annotations
@@ -29,21 +34,42 @@ from pathlib import Path
 
 from registry import artifacts
 from registry.config import RegistryConfig
-from registry.errors import RegistryError, RegistryUnavailableError, VersionNotFoundError
+from registry.errors import ArtifactFormatError, RegistryError, RegistryUnavailableError, VersionNotFoundError
 
 log = logging.getLogger(__name__)
 
 PREFIX = "draft-"
 CHAMPION, CHALLENGER = "champion", "challenger"
 ARTIFACT_PATH = "draft"
+ROUTER = "router"
+"""Registered model name of the prompt router (one router for the whole deployment)."""
+ROUTER_ARTIFACT_PATH = "router"
 
 
 def model_name(cluster: str) -> str:
     return f"{PREFIX}{cluster}"
 
 
+class _VersionTags:
+    """Readings of a registered version's tags, shared by drafts and routers."""
+
+    tags: dict[str, str]
+
+    @property
+    def archived(self) -> bool:
+        return "archived" in self.tags
+
+    @property
+    def manifest_sha256(self) -> str | None:
+        return self.tags.get("manifest_sha256")
+
+    def metric(self, key: str) -> float | None:
+        value = self.tags.get(key)
+        return None if value in (None, "") else float(value)
+
+
 @dataclass(frozen=True)
-class DraftVersion:
+class DraftVersion(_VersionTags):
     """One registered version of a cluster's draft."""
 
     cluster: str
@@ -60,20 +86,38 @@ class DraftVersion:
         return model_name(self.cluster)
 
     @property
-    def archived(self) -> bool:
-        return "archived" in self.tags
-
-    @property
     def tokenizer_sha256(self) -> str:
         return self.tags.get("tokenizer_sha256", "")
 
-    @property
-    def manifest_sha256(self) -> str | None:
-        return self.tags.get("manifest_sha256")
 
-    def metric(self, key: str) -> float | None:
-        value = self.tags.get(key)
-        return None if value in (None, "") else float(value)
+@dataclass(frozen=True)
+class RouterVersion(_VersionTags):
+    """One registered version of the router (registered model ``router``)."""
+
+    version: str
+    run_id: str
+    source: str
+    """Artifact URI of the router directory (``router.safetensors``, ``router.json``, manifest)."""
+    tags: dict[str, str]
+    aliases: tuple[str, ...] = ()
+    created_ms: int = 0
+
+    @property
+    def name(self) -> str:
+        return ROUTER
+
+    @property
+    def clusters(self) -> tuple[str, ...]:
+        """The cluster names of the centroids, in order."""
+        return tuple(c for c in self.tags.get("clusters", "").split(",") if c)
+
+    @property
+    def embedder_kind(self) -> str:
+        return self.tags.get("embedder_kind", "")
+
+    @property
+    def embedder_sha256(self) -> str:
+        return self.tags.get("embedder_sha256", "")
 
 
 @dataclass(frozen=True)
@@ -83,13 +127,16 @@ class AliasChange:
     kind: str
     """``promotion`` or ``rollback``."""
     cluster: str
+    """The draft's cluster; empty for a model that is not a draft (see ``registered_model``)."""
     version: str
     previous_version: str
     reason: str
+    registered_model: str = ""
+    """The registered model when it is not ``draft-<cluster>`` (``router``)."""
 
     @property
     def model_name(self) -> str:
-        return model_name(self.cluster)
+        return self.registered_model or model_name(self.cluster)
 
 
 @dataclass(frozen=True)
@@ -188,29 +235,56 @@ class RegistryStore:
                 self._experiment_id = exp.experiment_id
         return self._experiment_id
 
-    def _ensure_model(self, cluster: str) -> None:
+    def _ensure_model(self, name: str, tags: dict[str, str], description: str) -> None:
         from mlflow.exceptions import MlflowException
 
-        name = model_name(cluster)
         try:
             self.client.get_registered_model(name)
         except MlflowException:
             try:
-                self.client.create_registered_model(
-                    name, tags={"cluster": cluster, "kind": "draft"},
-                    description=f"Speculative-decoding draft of cluster '{cluster}'. Alias 'champion' is served; "
-                                "'challenger' is the latest candidate.")  # fmt: skip
+                self.client.create_registered_model(name, tags=tags, description=description)
             except MlflowException:
                 self.client.get_registered_model(name)  # a concurrent process created it
 
-    def _to_version(self, mv, aliases: dict[str, str] | None = None) -> DraftVersion:
-        cluster = mv.name.removeprefix(PREFIX)
+    def _to_version(self, mv, aliases: dict[str, str] | None = None) -> DraftVersion | RouterVersion:
         if aliases is None:
             names = tuple(getattr(mv, "aliases", ()) or ())
         else:
             names = tuple(sorted(a for a, v in aliases.items() if str(v) == str(mv.version)))
-        return DraftVersion(cluster=cluster, version=str(mv.version), run_id=mv.run_id or "", source=mv.source,
-                            tags=dict(mv.tags or {}), aliases=names, created_ms=int(mv.creation_timestamp or 0))  # fmt: skip
+        common = {"version": str(mv.version), "run_id": mv.run_id or "", "source": mv.source,
+                  "tags": dict(mv.tags or {}), "aliases": names,
+                  "created_ms": int(mv.creation_timestamp or 0)}  # fmt: skip
+        if mv.name == ROUTER:
+            return RouterVersion(**common)
+        return DraftVersion(cluster=mv.name.removeprefix(PREFIX), **common)
+
+    def _versions(self, name: str) -> list:
+        """Every version of registered model ``name``, oldest first."""
+        with self._call(f"versions of {name}"):
+            aliases = {a: str(v) for a, v in (self.client.get_registered_model(name).aliases or {}).items()}
+            found = self.client.search_model_versions(f"name = '{name}'", max_results=10000)
+        return sorted((self._to_version(mv, aliases) for mv in found), key=lambda v: int(v.version))
+
+    def _get(self, name: str, version: str):
+        with self._call(f"{name} version {version}"):
+            return self._to_version(self.client.get_model_version(name, str(version)))
+
+    def _by_alias(self, name: str, alias: str):
+        try:
+            with self._call(f"{name}@{alias}"):
+                return self._to_version(self.client.get_model_version_by_alias(name, alias))
+        except VersionNotFoundError:
+            return None
+
+    def _find_source(self, name: str, source_id: str):
+        try:
+            versions = self._versions(name)
+        except VersionNotFoundError:  # no such registered model yet
+            return None
+        for v in reversed(versions):
+            if v.tags.get("source_id") == source_id:
+                return v
+        return None
 
     # ------------------------------------------------------------ reads
     def clusters(self) -> list[str]:
@@ -224,35 +298,34 @@ class RegistryStore:
 
     def versions(self, cluster: str, *, include_archived: bool = True) -> list[DraftVersion]:
         """Every version, oldest first."""
-        name = model_name(cluster)
-        with self._call(f"versions of {name}"):
-            aliases = {a: str(v) for a, v in (self.client.get_registered_model(name).aliases or {}).items()}
-            found = self.client.search_model_versions(f"name = '{name}'", max_results=10000)
-        out = sorted((self._to_version(mv, aliases) for mv in found), key=lambda v: int(v.version))
+        out = self._versions(model_name(cluster))
         return out if include_archived else [v for v in out if not v.archived]
 
     def get(self, cluster: str, version: str) -> DraftVersion:
-        with self._call(f"{model_name(cluster)} version {version}"):
-            return self._to_version(self.client.get_model_version(model_name(cluster), str(version)))
+        return self._get(model_name(cluster), version)
 
     def by_alias(self, cluster: str, alias: str = CHAMPION) -> DraftVersion | None:
         """The version ``alias`` points to, or None when the model or alias does not exist."""
-        try:
-            with self._call(f"{model_name(cluster)}@{alias}"):
-                return self._to_version(self.client.get_model_version_by_alias(model_name(cluster), alias))
-        except VersionNotFoundError:
-            return None
+        return self._by_alias(model_name(cluster), alias)
 
     def find_source(self, cluster: str, source_id: str) -> DraftVersion | None:
         """The version registered from ``source_id`` (idempotent registration), if any."""
+        return self._find_source(model_name(cluster), source_id)
+
+    def router_versions(self, *, include_archived: bool = True) -> list[RouterVersion]:
+        """Every router version, oldest first ([] before the first registration)."""
         try:
-            versions = self.versions(cluster)
-        except VersionNotFoundError:  # no such registered model yet
-            return None
-        for v in reversed(versions):
-            if v.tags.get("source_id") == source_id:
-                return v
-        return None
+            out = self._versions(ROUTER)
+        except VersionNotFoundError:
+            return []
+        return out if include_archived else [v for v in out if not v.archived]
+
+    def router_version(self, version: str) -> RouterVersion:
+        return self._get(ROUTER, version)
+
+    def router_by_alias(self, alias: str = CHAMPION) -> RouterVersion | None:
+        """The router version ``alias`` points to, or None when there is none."""
+        return self._by_alias(ROUTER, alias)
 
     # ------------------------------------------------------------ writes
     def register_draft(
@@ -290,28 +363,12 @@ class RegistryStore:
             tags = {"cluster": cluster, "tokenizer_sha256": tokenizer_sha256, "config_sha256": cfg_sha,
                     "manifest_sha256": manifest_sha, "parent_version": parent_version or "",
                     "registered_at": _now()}  # fmt: skip
-            if source_id is not None:
-                tags["source_id"] = source_id
-            if lineage:
-                offsets = lineage.get("offsets", {})
-                tags["lineage_topic"] = str(lineage.get("topic", ""))
-                tags["lineage_partitions"] = ",".join(sorted(offsets, key=int))
-                tags["lineage_offsets"] = json.dumps(offsets, sort_keys=True)
-            for key, value in (metrics or {}).items():
-                tags[key] = f"{float(value):.6f}"
-            with self._call(f"register {model_name(cluster)}"):
-                run = self.client.create_run(self._experiment(), run_name=f"{model_name(cluster)}",
-                                             tags=dict(tags))  # fmt: skip
-                rid = run.info.run_id
-                for key, value in (params or {}).items():
-                    self.client.log_param(rid, key, str(value)[:6000])
-                for key, value in (metrics or {}).items():
-                    self.client.log_metric(rid, key, float(value))
-                self.client.log_artifacts(rid, str(staging), ARTIFACT_PATH)
-                self.client.set_terminated(rid)
-                self._ensure_model(cluster)
-            mv = self._create_version(cluster, f"{run.info.artifact_uri}/{ARTIFACT_PATH}", rid, tags, source_id,
-                                      retries)  # fmt: skip
+            name = model_name(cluster)
+            mv = self._register(name, staging, ARTIFACT_PATH, tags, metrics=metrics, params=params, lineage=lineage,
+                                source_id=source_id, retries=retries,
+                                model_tags={"cluster": cluster, "kind": "draft"},
+                                description=f"Speculative-decoding draft of cluster '{cluster}'. Alias 'champion' is "
+                                            "served; 'challenger' is the latest candidate.")  # fmt: skip
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if alias:
@@ -321,35 +378,110 @@ class RegistryStore:
                  ", ".join(f"{k}={v:.4f}" for k, v in (metrics or {}).items()) or "no metrics")  # fmt: skip
         return mv
 
-    def _create_version(self, cluster: str, source: str, run_id: str, tags: dict, source_id: str | None,
-                        retries: int) -> DraftVersion:  # fmt: skip
+    def register_router(
+        self,
+        router_dir: Path,
+        *,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, object] | None = None,
+        lineage: dict | None = None,
+        parent_version: str | None = None,
+        source_id: str | None = None,
+        alias: str | None = CHALLENGER,
+        retries: int = 5,
+    ) -> RouterVersion:
+        """Register the router saved in ``router_dir`` (``router.safetensors`` + ``router.json``,
+        see ``serving.router.Router.save``) as a new version of ``router``.
+
+        The version's tags carry the cluster names, the embedder kind and config hash, the
+        manifest hash, lineage and metrics, as for drafts; ``source_id`` makes it idempotent.
+        """
+        if source_id is not None:
+            found = self._find_source(ROUTER, source_id)
+            if found is not None:
+                log.info("%s: %s is already version %s", ROUTER, source_id, found.version)
+                return found
+        info = _router_info(Path(router_dir))
+        staging = Path(tempfile.mkdtemp(prefix="specops-register-"))
+        try:
+            manifest_sha = artifacts.pack_router(router_dir, staging, meta=info)
+            tags = {"kind": "router", "clusters": ",".join(info["clusters"]),
+                    "num_clusters": str(len(info["clusters"])),
+                    "embedder_kind": info["embedder_kind"], "embedder_sha256": info["embedder_sha256"],
+                    "config_sha256": info["embedder_sha256"], "manifest_sha256": manifest_sha,
+                    "parent_version": parent_version or "", "registered_at": _now()}  # fmt: skip
+            mv = self._register(ROUTER, staging, ROUTER_ARTIFACT_PATH, tags, metrics=metrics, params=params,
+                                lineage=lineage, source_id=source_id, retries=retries, model_tags={"kind": "router"},
+                                description="Prompt router: embedding config and one centroid per cluster. Alias "
+                                            "'champion' is served; 'challenger' is the latest refit.")  # fmt: skip
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if alias:
+            self._set_alias(ROUTER, alias, mv.version)
+            mv = self.router_version(mv.version)
+        log.info("%s: registered version %s, clusters %s (%s)", ROUTER, mv.version, ",".join(info["clusters"]),
+                 ", ".join(f"{k}={v:.4f}" for k, v in (metrics or {}).items()) or "no metrics")  # fmt: skip
+        return mv
+
+    def _register(self, name: str, staging: Path, artifact_path: str, tags: dict[str, str], *,
+                  metrics: dict[str, float] | None, params: dict[str, object] | None, lineage: dict | None,
+                  source_id: str | None, retries: int, model_tags: dict[str, str], description: str):  # fmt: skip
+        """One run holding the packed artifact in ``staging``, params and metrics; then a new
+        version of ``name`` pointing at it, tagged with ``tags``, lineage and metrics."""
+        tags = dict(tags)
+        if source_id is not None:
+            tags["source_id"] = source_id
+        if lineage:
+            offsets = lineage.get("offsets", {})
+            tags["lineage_topic"] = str(lineage.get("topic", ""))
+            tags["lineage_partitions"] = ",".join(sorted(offsets, key=int))
+            tags["lineage_offsets"] = json.dumps(offsets, sort_keys=True)
+        for key, value in (metrics or {}).items():
+            tags[key] = f"{float(value):.6f}"
+        with self._call(f"register {name}"):
+            run = self.client.create_run(self._experiment(), run_name=name, tags=dict(tags))
+            rid = run.info.run_id
+            for key, value in (params or {}).items():
+                self.client.log_param(rid, key, str(value)[:6000])
+            for key, value in (metrics or {}).items():
+                self.client.log_metric(rid, key, float(value))
+            self.client.log_artifacts(rid, str(staging), artifact_path)
+            self.client.set_terminated(rid)
+            self._ensure_model(name, model_tags, description)
+        return self._create_version(name, f"{run.info.artifact_uri}/{artifact_path}", rid, tags, source_id, retries)
+
+    def _create_version(self, name: str, source: str, run_id: str, tags: dict, source_id: str | None,
+                        retries: int):  # fmt: skip
         """create_model_version, retried on a version-number race with another writer. Before
         each retry, look for the version by ``source_id``: a call that failed on the way back
         may have created it."""
         delay = 0.05
         for attempt in range(retries + 1):
             try:
-                with self._call(f"create a version of {model_name(cluster)}"):
+                with self._call(f"create a version of {name}"):
                     return self._to_version(self.client.create_model_version(
-                        model_name(cluster), source=source, run_id=run_id, tags=tags))  # fmt: skip
+                        name, source=source, run_id=run_id, tags=tags))  # fmt: skip
             except RegistryUnavailableError as exc:
                 if attempt == retries:
                     raise
                 log.warning("%s (attempt %d/%d); retrying", exc, attempt + 1, retries + 1)
                 time.sleep(delay)
                 delay *= 2
-                if source_id is not None and (found := self.find_source(cluster, source_id)) is not None:
+                if source_id is not None and (found := self._find_source(name, source_id)) is not None:
                     return found
         raise AssertionError("unreachable")
 
     def set_alias(self, cluster: str, alias: str, version: str) -> None:
-        with self._call(f"set {model_name(cluster)}@{alias}"):
-            self.client.set_registered_model_alias(model_name(cluster), alias, str(version))
+        self._set_alias(model_name(cluster), alias, version)
 
-    def _set_tags(self, cluster: str, version: str, tags: dict[str, object]) -> None:
-        with self._call(f"tag {model_name(cluster)} version {version}"):
+    def _set_alias(self, name: str, alias: str, version: str) -> None:
+        with self._call(f"set {name}@{alias}"):
+            self.client.set_registered_model_alias(name, alias, str(version))
+
+    def _set_tags(self, name: str, version: str, tags: dict[str, object]) -> None:
+        with self._call(f"tag {name} version {version}"):
             for key, value in tags.items():
-                self.client.set_model_version_tag(model_name(cluster), str(version), key, str(value))
+                self.client.set_model_version_tag(name, str(version), key, str(value))
 
     def log_metric(self, cluster: str, version: str, key: str, value: float, *, step: int = 0) -> None:
         """A metric on the version's run (plotted in the UI) and as a tag on the version (listed)."""
@@ -369,7 +501,7 @@ class RegistryStore:
             tags["gate_champion_acceptance"] = f"{result.champion_score:.6f}"
         for key, value in result.extra.items():
             tags[f"gate_{key}"] = f"{value:.6f}"
-        self._set_tags(cluster, result.candidate, tags)
+        self._set_tags(model_name(cluster), result.candidate, tags)
         dv = self.get(cluster, result.candidate)
         with self._call("log gate metrics"):
             if dv.run_id:
@@ -387,20 +519,29 @@ class RegistryStore:
 
     def promote(self, cluster: str, version: str, *, reason: str = "manual") -> AliasChange:
         """Point ``champion`` at ``version`` (recording when, why and what it replaced)."""
-        version = str(version)
-        dv = self.get(cluster, version)
-        if dv.archived:
-            raise RegistryError(f"{model_name(cluster)} version {version} is archived; its weights are gone")
-        previous = self.by_alias(cluster, CHAMPION)
+        return self._promote(model_name(cluster), str(version), reason,
+                             lambda prev: AliasChange("promotion", cluster, str(version), prev, reason))  # fmt: skip
+
+    def promote_router(self, version: str, *, reason: str = "manual") -> AliasChange:
+        """Point the router's ``champion`` at ``version``; announced like a draft promotion
+        (an AliasChange whose ``model_name`` is ``router``). Also the way to roll a router back."""
+        return self._promote(ROUTER, str(version), reason,
+                             lambda prev: AliasChange("promotion", "", str(version), prev, reason, ROUTER))  # fmt: skip
+
+    def _promote(self, name: str, version: str, reason: str, change_from) -> AliasChange:
+        """Move ``name@champion`` to ``version``; ``change_from(previous_version)`` makes the announcement."""
+        if self._get(name, version).archived:
+            raise RegistryError(f"{name} version {version} is archived; its weights are gone")
+        previous = self._by_alias(name, CHAMPION)
         prev = previous.version if previous is not None else ""
+        change = change_from(prev)
         if prev == version:
-            log.info("%s: version %s is already the champion", model_name(cluster), version)
-            return AliasChange("promotion", cluster, version, prev, reason)
-        self._set_tags(cluster, version, {"promoted_at": _now(), "promoted_ts": f"{time.time():.6f}",
-                                          "previous_champion": prev, "promotion_reason": reason})  # fmt: skip
-        self.set_alias(cluster, CHAMPION, version)
-        change = AliasChange("promotion", cluster, version, prev, reason)
-        log.info("%s: champion %s -> %s (%s)", model_name(cluster), prev or "none", version, reason)
+            log.info("%s: version %s is already the champion", name, version)
+            return change
+        self._set_tags(name, version, {"promoted_at": _now(), "promoted_ts": f"{time.time():.6f}",
+                                       "previous_champion": prev, "promotion_reason": reason})  # fmt: skip
+        self._set_alias(name, CHAMPION, version)
+        log.info("%s: champion %s -> %s (%s)", name, prev or "none", version, reason)
         self._notify(change)
         return change
 
@@ -422,8 +563,8 @@ class RegistryStore:
                                        "to roll back to; name one with --to")  # fmt: skip
         if self.get(cluster, target).archived:
             raise RegistryError(f"cannot roll back to archived version {target} of {model_name(cluster)}")
-        self._set_tags(cluster, current.version, {"rolled_back": reason, "rolled_back_at": _now()})
-        self._set_tags(cluster, target, {"restored_at": _now(), "restored_ts": f"{time.time():.6f}"})
+        self._set_tags(model_name(cluster), current.version, {"rolled_back": reason, "rolled_back_at": _now()})
+        self._set_tags(model_name(cluster), target, {"restored_at": _now(), "restored_ts": f"{time.time():.6f}"})
         self.set_alias(cluster, CHAMPION, target)
         change = AliasChange("rollback", cluster, target, current.version, reason)
         log.warning("%s: rolled back champion %s -> %s (%s)", model_name(cluster), current.version, target, reason)
@@ -459,7 +600,7 @@ class RegistryStore:
         for v in versions:
             if v.version in keep or v.archived:
                 continue
-            self._set_tags(cluster, v.version, {"archived": _now()})
+            self._set_tags(model_name(cluster), v.version, {"archived": _now()})
             if delete_artifacts:
                 self._delete_artifacts(v)
             archived.append(v.version)
@@ -468,7 +609,7 @@ class RegistryStore:
                      ", ".join(archived), keep_last)  # fmt: skip
         return archived
 
-    def _delete_artifacts(self, v: DraftVersion) -> None:
+    def _delete_artifacts(self, v: DraftVersion | RouterVersion) -> None:
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
         try:
@@ -478,9 +619,9 @@ class RegistryStore:
             log.warning("archived %s version %s but could not delete its artifacts: %s", v.name, v.version, exc)
 
     # ------------------------------------------------------------ artifacts
-    def fetch(self, dv: DraftVersion, dest: Path) -> dict:
-        """Download the version's draft into ``dest`` (a new directory) and verify every
-        checksum against its manifest and the manifest against the version's tag. Returns
+    def fetch(self, dv: DraftVersion | RouterVersion, dest: Path) -> dict:
+        """Download the version's draft (or router) into ``dest`` (a new directory) and verify
+        every checksum against its manifest and the manifest against the version's tag. Returns
         the manifest; raises ArtifactIntegrityError and leaves nothing at ``dest`` on failure."""
         from mlflow.artifacts import download_artifacts
 
@@ -491,7 +632,8 @@ class RegistryStore:
         try:
             with self._call(f"download {dv.name} version {dv.version}"):
                 got = Path(download_artifacts(artifact_uri=dv.source, dst_path=str(tmp), tracking_uri=self.cfg.uri))
-            manifest = artifacts.verify_dir(got, dv.manifest_sha256)
+            fmt = artifacts.ROUTER_FORMAT if isinstance(dv, RouterVersion) else artifacts.FORMAT
+            manifest = artifacts.verify_dir(got, dv.manifest_sha256, fmt)
             if dest.exists():
                 shutil.rmtree(dest)
             shutil.move(str(got), dest)
@@ -510,3 +652,20 @@ class RegistryStore:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _router_info(router_dir: Path) -> dict:
+    """Cluster names and embedder of a saved router, read from its ``router.json``."""
+    path = router_dir / "router.json"
+    try:
+        meta = json.loads(path.read_text())
+        clusters = [str(c) for c in meta["clusters"]]
+        embedder = meta["embedder"]
+        info = {"clusters": clusters, "embedder_kind": str(embedder["kind"]),
+                "embedder_sha256": str(embedder["config_sha256"])}  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ArtifactFormatError(f"{path} is not a saved router's description ({type(exc).__name__}: {exc}); "
+                                  "save routers with serving.router.Router.save") from exc  # fmt: skip
+    if not clusters or any(not c or "," in c for c in clusters):
+        raise ArtifactFormatError(f"{path}: cluster names must be non-empty and contain no comma, got {clusters}")
+    return info

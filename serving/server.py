@@ -279,7 +279,7 @@ class ServingState:
                 raise ClientGone(job.request_id)
             if time.monotonic() > deadline:
                 CANCELLED.labels("timeout").inc()
-                raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:.0f}s")
+                raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
             job.output_ids.extend(emitted)
             text = tok.decode(job.output_ids, skip_special_tokens=True)
             stop_at = _find_stop(text, job.stop)

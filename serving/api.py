@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -56,6 +57,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
 OPEN_PATHS = ("/healthz", "/readyz")
+REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 """Engine finish reasons as OpenAI names them."""
 
@@ -149,13 +151,13 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
-        return await _serve(state, req, req.prompt, chat=False)
+        return await _serve(state, req, req.prompt, chat=False, request_id=_request_id(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         prompt = await asyncio.to_thread(_render_chat, state, req)
-        return await _serve(state, req, prompt, chat=True)
+        return await _serve(state, req, prompt, chat=True, request_id=_request_id(request))
 
     @app.get("/", response_class=PlainTextResponse)
     async def root():
@@ -246,7 +248,16 @@ def _ensure_ready(state: ServingState) -> None:
         raise NotReadyError(f"the server is not ready yet: {why}; poll /readyz")
 
 
-async def _serve(state: ServingState, req, prompt, *, chat: bool):
+def _request_id(request: Request) -> str | None:
+    """The caller's ``X-Request-Id``, if it sent one: it names the request in the logged records
+    (the trainer's held-out split hashes it), the response id and the ``X-Request-Id`` header."""
+    rid = request.headers.get("x-request-id")
+    if rid is not None and not REQUEST_ID.fullmatch(rid):
+        raise InvalidRequestError("X-Request-Id must be 1-128 characters of letters, digits and _.:-", "X-Request-Id")
+    return rid
+
+
+async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: str | None = None):
     cfg = state.cfg
     _ensure_ready(state)
     if req.model != cfg.served_model_name:
@@ -258,11 +269,14 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool):
     spec = req.speculation
     job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
                                   k=spec.k if spec else None, cluster=req.cluster, stop=req.stop)  # fmt: skip
+    if request_id is not None:
+        job.request_id = request_id
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
     if not req.stream:
         served = await loop.run_in_executor(state.executor, state.run, job)
-        return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat))
+        return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat),
+                            headers={"X-Request-Id": job.request_id})
     queue: asyncio.Queue = asyncio.Queue()
     job.on_delta = lambda text: loop.call_soon_threadsafe(queue.put_nowait, text)
     future = loop.run_in_executor(state.executor, state.run, job)
@@ -270,7 +284,8 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(_sse(cfg.served_model_name, job, future, queue, chat=chat, include_usage=include_usage),
                              media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      "X-Request-Id": job.request_id})  # fmt: skip
 
 
 async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:

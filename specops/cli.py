@@ -114,6 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
         holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
+        poll_records=args.poll_records,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
@@ -129,18 +130,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         registry = open_registry(args.registry, args.stream)
         promoter = Promoter(registry, base, Path(args.out), pcfg, tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
         log.info("registering drafts in %s (gate: %s acceptance, margin %s)", registry.cfg.uri, pcfg.metric, pcfg.margin)
+    refitter = None
+    if args.router_refit_every:  # a scheduled job refits the prompt router from spec.generations
+        if promoter is None:
+            print("specops train: error: --router-refit-every registers routers: it needs a registry, not "
+                  "--registry none", file=sys.stderr)  # fmt: skip
+            return 2
+        from specops.router_cli import train_refitter
+
+        refitter = train_refitter(args.stream, promoter.registry, Path(args.model_dir), embedder=args.router_embedder,
+                                  tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)  # fmt: skip
     trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg, target=target,
                             promoter=promoter)  # fmt: skip
     try:
-        if args.schedule:  # the same steps as APScheduler jobs on a persistent job store (trainer/schedule.py)
+        if args.schedule or refitter is not None:  # APScheduler jobs on a persistent job store (trainer/schedule.py)
             from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
 
             if args.verbose < 1:
                 logging.getLogger("apscheduler").setLevel(logging.WARNING)  # no "Running job" line per tick
             scfg = ScheduleConfig(jobstore_url=args.jobstore or default_jobstore_url(args.out),
                                   tick_seconds=args.tick_seconds, load_signal=args.load_signal,
-                                  load_threshold=args.load_threshold)  # fmt: skip
-            consumed = TrainerScheduler(trainer, scfg).run_forever(max_idle_s=args.idle_exit, max_records=args.max_records)
+                                  load_threshold=args.load_threshold, router_refit_s=args.router_refit_every)  # fmt: skip
+            consumed = TrainerScheduler(trainer, scfg, router_refitter=refitter).run_forever(
+                max_idle_s=args.idle_exit, max_records=args.max_records)  # fmt: skip
         else:
             consumed = trainer.run(max_idle_s=args.idle_exit, max_records=args.max_records)
     except KeyboardInterrupt:
@@ -148,6 +160,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         log.info("interrupted; everything committed is checkpointed")
     finally:
         trainer.close()
+        if refitter is not None:
+            refitter.close()
     for cluster, st in sorted(trainer.clusters.items()):
         ev = st.last_eval.get("after", {})
         print(f"cluster {cluster}: draft v{st.version}, {st.updates} updates, {st.records_trained} requests, "
@@ -170,12 +184,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
-    from specops.demo import run_demo
+    import dataclasses
+
+    from specops.demo import DemoConfig, run_demo
 
     _threads(args.threads)
-    stream = None if args.no_stream else args.stream
-    return run_demo(Path(args.model_dir), num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, k=args.k,
-                    stream=stream)  # fmt: skip
+    cfg = DemoConfig.quick() if args.quick else DemoConfig()
+    changes = {k: v for k, v in {"requests": args.requests, "clients": args.clients, "max_tokens": args.max_tokens,
+                                 "seed": args.seed}.items() if v is not None}  # fmt: skip
+    cfg = dataclasses.replace(cfg, **changes)
+    linger = sys.stdin.isatty() if args.linger is None else args.linger
+    return run_demo(Path(args.model_dir), data_dir(), Path(args.report), cfg, ui_port=args.ui_port, linger=linger)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample")  # fmt: skip
     p.add_argument("--capacity", type=int, default=256, help="replay buffer size per cluster (default: %(default)s)")
     p.add_argument("--holdout-every", type=int, default=10, help="hold out 1 request in N for evaluation (default: %(default)s)")
+    p.add_argument("--poll-records", type=int, default=256,
+                   help="records consumed per pass; each pass ends by registering the newest checkpoints and "
+                   "committing, so fewer means promotions reach serving sooner (default: %(default)s)")  # fmt: skip
     p.add_argument("--backend", choices=("torch", "deepspeed"), default="torch",
                    help="optimiser backend: plain PyTorch, or DeepSpeed ZeRO-2 (CPU: gloo, one process) (default: %(default)s)")  # fmt: skip
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
@@ -288,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-every", type=int, default=1, help="register every N-th update (default: %(default)s)")
     p.add_argument("--keep-versions", type=int, default=20,
                    help="archive unaliased versions beyond the newest N per cluster, 0 = never (default: %(default)s)")
+    p.add_argument("--router-refit-every", type=float, default=None, metavar="S",
+                   help="every S seconds refit the prompt router from spec.generations, register it and promote it "
+                   "through its gate (a scheduled job: implies --schedule; needs a registry); 0 = off (default: off)")
+    p.add_argument("--router-embedder", choices=("minilm", "target"), default="minilm",
+                   help="prompt embedder of refitted routers: all-MiniLM-L6-v2, or the mean of the target's last "
+                   "hidden state (<--model-dir>/target) (default: %(default)s)")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -338,21 +366,32 @@ def build_parser() -> argparse.ArgumentParser:
     from specops.registry_cli import add_parser as add_registry_parser
 
     add_registry_parser(sub)
+    from specops.router_cli import add_parser as add_router_parser
+
+    add_router_parser(sub)
 
     p = sub.add_parser(
         "demo",
-        help="bootstrap if needed, then decode held-out prompts with every method and print a stats table",
-        description="The main job on embedded defaults: bootstraps the models if they are not cached, decodes "
-        "held-out code and prose prompts greedily with each method, checks every output equals target-only "
-        "decoding, and prints tokens/s, acceptance and speedup per method and domain.",
+        help="the closed loop in one command: serving, stream, trainer, registry, hot-swap, acceptance going up",
+        description="Starts the embedded stack (local stream log, MLflow on SQLite with its UI, the trainer with its "
+        "scheduler as its own process, the API server), replays held-out code and prose prompts through the HTTP "
+        "API with the openai client (code-heavy, then shifting to prose-heavy), and shows α per cluster live as "
+        "the trainer promotes drafts and serving hot-swaps them. Ends with a speed comparison (target-only, static "
+        "draft, online draft) and writes report/index.html and report/summary.json. Bootstraps the models first "
+        "if needed (10-15 minutes on 2 cores); the loop itself takes about 6 minutes (--quick: about 3). Every run "
+        "starts from fresh state under <data>/demo.",
     )
     p.add_argument("--model-dir", default=str(models_dir()), help="model directory (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=3, help="prompts per domain (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion (default: %(default)s)")
-    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 4 for draft, 10 for pld)")
-    p.add_argument("--stream", default=streams_url(), metavar="URL",
-                   help="log every request (MissRecord + GenerationRecord, cluster = domain) here (default: %(default)s)")
-    p.add_argument("--no-stream", action="store_true", help="do not log requests to a stream")
+    p.add_argument("--quick", action="store_true", help="a 3-minute version: 200 requests of 32 tokens")
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 400, --quick 200)")
+    p.add_argument("--clients", type=int, default=None, help="concurrent client threads (default: 1, leaving a core to the trainer)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default: 48, --quick 32)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the workload schedule (default: 0)")
+    p.add_argument("--report", default="report", help="report directory (default: %(default)s)")
+    p.add_argument("--ui-port", type=int, default=5000, help="MLflow UI port, or the next free one (default: %(default)s)")
+    p.add_argument("--linger", dest="linger", action="store_true", default=None,
+                   help="keep the MLflow UI and the API up after the report, until Ctrl-C (default: when interactive)")
+    p.add_argument("--no-linger", dest="linger", action="store_false", help="exit after the report")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -240,7 +240,8 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
 
     names = clusters_of(run) or ["(no requests)"]
     spans = phase_spans(run)
-    t_end = max([run.duration_s] + [r.t for r in run.requests]) if run.requests else run.duration_s
+    # the workload's clock: duration_s also covers start-up and the closing speed runs
+    t_end = max([r.t for r in run.requests] + [p.t for p in run.promotions]) if run.requests else run.duration_s
     scale, unit = (60.0, "min") if t_end > 300 else (1.0, "s")
     phase_color = {p: PHASE_COLORS[i % len(PHASE_COLORS)] for i, p in enumerate(dict.fromkeys(s[0] for s in spans))}
     fig = Figure(figsize=(11, 2.9 * len(names) + 1.0), layout="constrained")

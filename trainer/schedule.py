@@ -375,6 +375,7 @@ class TrainerScheduler:
         scheduler, self._scheduler = self._scheduler, None
         try:
             if scheduler is not None and scheduler.running:
+                scheduler.pause()  # no new submissions while the executor shuts down (APScheduler races otherwise)
                 scheduler.shutdown(wait=wait)
         finally:
             self._unregister()

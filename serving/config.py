@@ -66,6 +66,10 @@ class ServeConfig(BaseModel):
     # ---- concurrency
     max_concurrency: int = Field(2, ge=1, le=256, description="requests decoded at once (decode worker threads)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a worker; beyond it requests get 429 at once")
+    batch_max_size: int = Field(8, ge=1, le=64, description="most concurrent requests sharing one target forward "
+                                "pass (1 = no cross-request batching)")  # fmt: skip
+    batch_window_ms: float = Field(2.0, ge=0, le=100, description="how long a target step waits for other requests' "
+                                   "steps to batch with (only while other requests are decoding)")  # fmt: skip
     queue_timeout_s: float = Field(60.0, gt=0, description="longest a request waits for a worker before a 503")
     request_timeout_s: float = Field(600.0, gt=0, description="longest one request may decode before it is stopped")
     load_signal: str = Field("", description="write {'load', 'time'} JSON here every second (the trainer's "

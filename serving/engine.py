@@ -75,9 +75,13 @@ class SpecEngine:
     """
 
     def __init__(
-        self, pair: ModelPair, *, collect_rejections: bool = False, logger: "StreamLogger | None" = None
+        self, pair: ModelPair, *, collect_rejections: bool = False, logger: "StreamLogger | None" = None,
+        target_lm: Callable[[], CachedLM] | None = None,
     ) -> None:
         self.pair = pair
+        self.target_lm = target_lm
+        """Builds each request's target (default: a plain ``CachedLM``; the API passes a
+        ``TargetBatcher.lm`` so concurrent requests share target forward passes)."""
         self.logger = logger
         # the logger needs the target's distribution at every rejected position
         self.collect_rejections = collect_rejections or (logger is not None and logger.cfg.enabled)
@@ -138,7 +142,7 @@ class SpecEngine:
         state = DecodeState(token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params, generator=gen)
         stats = RequestStats(method=method, num_prompt_tokens=len(prompt_ids))
         rejections = []
-        target = CachedLM(self.pair.target)
+        target = self.target_lm() if self.target_lm is not None else CachedLM(self.pair.target)
         verifier = Verifier(target, collect_rejections=self.collect_rejections)
         eos = set(self.pair.eos_token_ids)
 

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from serving.batching import TargetBatcher
 from serving.engine import SpecEngine
 from serving.hotswap import DraftFollower, DraftHandle
 from serving.models import ModelPair
@@ -43,10 +44,13 @@ class ServedResult:
 class ServingNode:
     """Thread-safe ``generate`` over a target and the follower's per-cluster drafts."""
 
-    def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None) -> None:
+    def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None,
+                 batcher: TargetBatcher | None = None) -> None:  # fmt: skip
         self.pair = pair
         self.follower = follower
         self.logger = logger
+        self.batcher = batcher
+        """When set, concurrent requests share target forward passes (``serving.batching``)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
                  method: str = "draft", k: int | None = None, request_id: str | None = None,
@@ -55,10 +59,16 @@ class ServingNode:
         handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
                          tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
-        engine = SpecEngine(pair, logger=self.logger)
+        engine = SpecEngine(pair, logger=self.logger, target_lm=self.batcher.lm if self.batcher else None)
         rid = request_id or uuid.uuid4().hex
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version)
-        result = engine.generate(prompt_ids, params, method=method, k=k, meta=meta, on_step=on_step)  # 2. + 3.
+        if self.batcher is not None:
+            self.batcher.begin()
+        try:
+            result = engine.generate(prompt_ids, params, method=method, k=k, meta=meta, on_step=on_step)  # 2. + 3.
+        finally:
+            if self.batcher is not None:
+                self.batcher.end()
         if method == "draft":
             self.follower.record(handle, result.stats)  # 4.
         return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at)

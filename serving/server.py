@@ -95,6 +95,7 @@ class ServingState:
         self.load_error: str | None = None
         self.loading_step = "not started"
         self.pair = self.node = self.follower = self.router = self.logger = self.watcher = self.registry = None
+        self.batcher = None
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._recent_lock = threading.Lock()
         self._stop = threading.Event()
@@ -146,7 +147,12 @@ class ServingState:
             from serving.events import EventWatcher
 
             self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
-        self.node = ServingNode(self.pair, self.follower, logger=self.logger)
+        if cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
+            from serving.batching import TargetBatcher
+
+            self.batcher = TargetBatcher(self.pair.target, max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
+                                         window_s=cfg.batch_window_ms / 1000)  # fmt: skip
+        self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher)
         self.loading_step = "warm-up"  # 6.
         from serving.engine import SpecEngine
 
@@ -178,7 +184,7 @@ class ServingState:
         self.ready.clear()
         self._stop.set()
         self.executor.shutdown(wait=True, cancel_futures=False)
-        for part in (self.watcher, self.router, self.follower):
+        for part in (self.watcher, self.router, self.follower, self.batcher):
             if part is not None:
                 part.stop()
         if self.logger is not None:

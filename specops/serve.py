@@ -7,6 +7,7 @@ Several replicas share one stream and one registry: start each with its own ``--
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from pathlib import Path
 
@@ -91,7 +92,20 @@ class Server:
             self._thread.join(timeout_s)
 
     def run(self) -> None:
-        """Foreground: until SIGINT/SIGTERM; in-flight requests finish, the stream is flushed."""
+        """Foreground: until SIGINT/SIGTERM; in-flight requests finish, the stream is flushed, and it returns.
+
+        uvicorn handles the signal and, once shut down, raises it again for the handler it found
+        installed. That handler is ours: it asks for the same graceful stop (a signal before uvicorn
+        listens) and otherwise does nothing, so a stopped replica exits 0 instead of dying of the signal."""
         log.info("serving the OpenAI API on http://%s:%d/v1 (health: /healthz, ready: /readyz, metrics: /metrics)",
                  self.cfg.host, self.cfg.port)  # fmt: skip
-        self.uv.run()
+
+        def stop(sig: int, frame) -> None:
+            self.uv.should_exit = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.uv.run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

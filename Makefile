@@ -29,12 +29,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/streams.py --json benchmarks/out/streams.json
 	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 	$(BIN)/python benchmarks/hotswap.py --json benchmarks/out/hotswap.json
+	$(BIN)/python benchmarks/api.py --json benchmarks/out/api.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
 	$(BIN)/python benchmarks/streams.py --quick --json benchmarks/out/streams_quick.json
 	$(BIN)/python benchmarks/osd.py --quick --no-doc --json benchmarks/out/osd_quick.json --plot benchmarks/out/osd_quick.png
 	$(BIN)/python benchmarks/hotswap.py --quick --no-doc --json benchmarks/out/hotswap_quick.json
+	$(BIN)/python benchmarks/api.py --quick --no-doc --json benchmarks/out/api_quick.json
 
 # Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
 docs-screenshots: $(STAMP)

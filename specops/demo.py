@@ -60,12 +60,14 @@ class DemoConfig:
     holdout_every: int = 10
     gate_min_positions: int = 32
     router_refit_s: float = 120.0
+    router_texts: int = 200
+    """Training snippets per domain the first router is fitted on (MiniLM embeds ~15 a second per core)."""
     seed: int = 0
 
     @classmethod
     def quick(cls) -> DemoConfig:
         return cls(requests=200, max_tokens=32, pool=20, eval_prompts=4, interval=4, holdout_every=5,
-                   gate_min_positions=16, router_refit_s=60.0)  # fmt: skip
+                   gate_min_positions=16, router_refit_s=60.0, router_texts=60)  # fmt: skip
 
 
 def free_port(preferred: int) -> int:
@@ -87,7 +89,8 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     console = Console()
     t_start = time.time()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    if not is_bootstrapped(model_dir):  # 1.
+    has_pair = all((model_dir / m / "config.json").is_file() for m in ("target", "draft"))
+    if not has_pair and not is_bootstrapped(model_dir):  # 1. (a given pair, tiny ones included, is used as it is)
         console.print(f"[bold]No bootstrapped models in {model_dir}: training them now (10-15 minutes on 2 cores).[/]")
         bootstrap(model_dir)
     demo_dir = data / "demo"  # 2.
@@ -101,7 +104,7 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     stack = Stack(console)
     try:
         registry = _registry(registry_uri, stream_url)
-        _bootstrap_router(console, model_dir, registry)  # 3.
+        _bootstrap_router(console, model_dir, registry, cfg.router_texts)  # 3.
         ui_url = stack.mlflow_ui(registry, demo_dir, free_port(ui_port))  # 4.
         stack.trainer(model_dir, demo_dir, stream_url, registry_uri, cfg)
         server = stack.api(model_dir, demo_dir, stream_url, registry_uri)
@@ -225,14 +228,14 @@ def _registry(uri: str, stream_url: str):
     return open_registry(uri, stream_url)
 
 
-def _bootstrap_router(console: Console, model_dir: Path, registry) -> None:
+def _bootstrap_router(console: Console, model_dir: Path, registry, per_domain: int) -> None:
     import tempfile
 
     from serving.router import make_embedder
     from trainer.router_fit import bootstrap_router
 
     with console.status("fitting the first router (MiniLM embeddings of the bootstrap's training text) ..."):
-        router = bootstrap_router(model_dir, make_embedder("minilm"))
+        router = bootstrap_router(model_dir, make_embedder("minilm"), per_domain=per_domain)
         with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
             rv = registry.register_router(router.save(Path(tmp) / "router"), metrics=router.metrics,
                                           params={"source": "bootstrap", "fitted_on": str(router.fitted_on)})  # fmt: skip

@@ -28,7 +28,7 @@ def test_batched_steps_match_unbatched(close_pair):
             want = [p.forward(f[step], logits_to_keep=2 if step else 0) for p, f in zip(plain, feeds)]
             got: list = [None] * len(seqs)
 
-            def run(i: int, step: int = step) -> None:
+            def run(i: int, step: int = step, got: list = got) -> None:
                 got[i] = batched[i].forward(feeds[i][step], logits_to_keep=2 if step else 0)
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(len(seqs))]

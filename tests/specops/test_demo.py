@@ -1,0 +1,33 @@
+"""`specops demo` end to end on the tiny models: the stack starts, traffic flows through the
+API, and the report and summary are written (a smoke test; the loop's learning is asserted
+in tests/test_closed_loop.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.registry.mlflow_server import free_port
+
+
+def test_demo_runs_end_to_end_and_writes_the_report(tiny_models, tmp_path):
+    report = tmp_path / "report"
+    env = {**os.environ, "SPECOPS_DATA_DIR": str(tmp_path / "data")}
+    cmd = [sys.executable, "-m", "specops.cli", "--threads", "1", "demo", "--model-dir", str(tiny_models), "--quick",
+           "--requests", "24", "--max-tokens", "8", "--report", str(report), "--ui-port", str(free_port()),
+           "--no-linger"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["requests"] == 24 and summary["failed_requests"] == 0, summary
+    assert set(summary["clusters"]) <= {"code", "prose"} and summary["clusters"], summary
+    assert all(c["draft_versions"][0] == "base" for c in summary["clusters"].values())
+    run = json.loads((report / "run.json").read_text())
+    assert run["speed"] and all(row["identical"] for row in run["speed"]), run["speed"]
+    page = (report / "index.html").read_text()
+    assert "specops closed-loop demo" in page and (report / "alpha.png").stat().st_size > 10_000
+    assert "Report:" in out and "MLflow UI:" in out
+    assert (tmp_path / "data" / "demo" / "registry" / "mlflow.db").is_file()

@@ -83,8 +83,13 @@ class Server:
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
-        if not self.state.ready.wait(timeout_s) or self.state.load_error:
-            raise RuntimeError(f"serving did not become ready: {self.state.load_error or self.state.loading_step}")
+        """Block until the models are loaded; raise at once if loading failed, or after ``timeout_s``."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.state.ready.wait(0.1):
+            if self.state.load_error or time.monotonic() > deadline:
+                raise RuntimeError(f"serving did not become ready: {self.state.load_error or self.state.loading_step}")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         self.uv.should_exit = True

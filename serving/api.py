@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -91,25 +91,7 @@ def create_app(state: ServingState) -> FastAPI:
     keys = [k.encode() for k in cfg.api_keys]
 
     # ------------------------------------------------------------ gatekeeping, in order
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        t0 = time.perf_counter()
-        path = request.url.path
-        endpoint = path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", *OPEN_PATHS) else "other"
-        try:
-            _check_size(request, cfg.max_body_bytes)
-            if keys and path not in OPEN_PATHS and (path != "/metrics" or cfg.auth_metrics):
-                _check_key(request, keys)
-            response = await call_next(request)
-        except SpecOpsError as err:
-            response = error_response(err)
-        API_REQUESTS.labels(endpoint, str(response.status_code)).inc()
-        body = getattr(response, "body_iterator", None)  # what call_next returns streams, whatever the route sent
-        if body is None:
-            API_SECONDS.labels(endpoint).observe(time.perf_counter() - t0)
-        else:
-            response.body_iterator = _timed(body, API_SECONDS.labels(endpoint), t0)
-        return response
+    app.add_middleware(Gate, cfg=cfg, keys=keys)
 
     @app.exception_handler(SpecOpsError)
     async def _specops_error(request: Request, err: SpecOpsError):
@@ -151,13 +133,13 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
-        return await _serve(state, req, req.prompt, chat=False, request_id=_request_id(request))
+        return await _serve(state, req, req.prompt, chat=False, request_id=_request_id(request), request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         prompt = await asyncio.to_thread(_render_chat, state, req)
-        return await _serve(state, req, prompt, chat=True, request_id=_request_id(request))
+        return await _serve(state, req, prompt, chat=True, request_id=_request_id(request), request=request)
 
     @app.get("/", response_class=PlainTextResponse)
     async def root():
@@ -167,23 +149,65 @@ def create_app(state: ServingState) -> FastAPI:
 
 
 # ---------------------------------------------------------------- request helpers
-async def _timed(body: AsyncIterator[bytes], seconds, t0: float) -> AsyncIterator[bytes]:
-    """``body``, observing the request's time when its last byte went out (or the client left)."""
-    try:
-        async for chunk in body:
-            yield chunk
-    finally:
-        seconds.observe(time.perf_counter() - t0)
+class Gate:
+    """Pure ASGI middleware, in front of everything: body size (413) and key (401/403) checks,
+    then request counts by status and time to the last byte. Pure ASGI, not Starlette's
+    ``BaseHTTPMiddleware``, so the route still sees the client's disconnect."""
+
+    ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", *OPEN_PATHS)
+
+    def __init__(self, app, *, cfg, keys: list[bytes]) -> None:
+        self.app, self.cfg, self.keys = app, cfg, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        path = scope["path"]
+        endpoint = path if path in self.ENDPOINTS else "other"
+        seconds = API_SECONDS.labels(endpoint)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        status = 500
+        try:
+            _check_size(headers, self.cfg.max_body_bytes)
+            if self.keys and path not in OPEN_PATHS and (path != "/metrics" or self.cfg.auth_metrics):
+                _check_key(headers, self.keys)
+        except SpecOpsError as err:
+            response = error_response(err)
+            status = response.status_code
+            await response(scope, receive, send)
+            API_REQUESTS.labels(endpoint, str(status)).inc()
+            seconds.observe(time.perf_counter() - t0)
+            return
+
+        timed = False
+
+        async def send_and_count(message) -> None:
+            nonlocal status, timed
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                seconds.observe(time.perf_counter() - t0)  # the last byte went out
+                timed = True
+
+        try:
+            await self.app(scope, receive, send_and_count)
+        finally:
+            API_REQUESTS.labels(endpoint, str(status)).inc()
+            if not timed:  # the client left before the end
+                seconds.observe(time.perf_counter() - t0)
 
 
-def _check_size(request: Request, limit: int) -> None:
-    length = request.headers.get("content-length")
+def _check_size(headers: dict[str, str], limit: int) -> None:
+    length = headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise RequestTooLargeError(f"request body is {int(length)} bytes; the limit is {limit}")
 
 
-def _check_key(request: Request, keys: list[bytes]) -> None:
-    header = request.headers.get("authorization", "")
+def _check_key(headers: dict[str, str], keys: list[bytes]) -> None:
+    header = headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
@@ -257,7 +281,17 @@ def _request_id(request: Request) -> str | None:
     return rid
 
 
-async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: str | None = None):
+async def _cancel_on_disconnect(request: Request, future, job: Job, every_s: float = 0.25) -> None:
+    """A non-streaming client that went away stops its decode at the next step (its slot comes back)."""
+    while not future.done():
+        if await request.is_disconnected():
+            job.cancel.set()
+            return
+        await asyncio.sleep(every_s)
+
+
+async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: str | None = None,
+                 request: Request | None = None):
     cfg = state.cfg
     _ensure_ready(state)
     if req.model != cfg.served_model_name:
@@ -274,7 +308,15 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
     if not req.stream:
-        served = await loop.run_in_executor(state.executor, state.run, job)
+        future = loop.run_in_executor(state.executor, state.run, job)
+        watch = asyncio.create_task(_cancel_on_disconnect(request, future, job)) if request is not None else None
+        try:
+            served = await future
+        except ClientGone:  # nobody is listening; 499 is nginx's "client closed request", for the access log
+            return Response(status_code=499)
+        finally:
+            if watch is not None:
+                watch.cancel()
         return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat),
                             headers={"X-Request-Id": job.request_id})
     queue: asyncio.Queue = asyncio.Queue()

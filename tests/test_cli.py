@@ -24,6 +24,7 @@ def specops(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specops.cli", "-q", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_json_is_identical_across_methods(tiny_dir):
     outs = {}
     for method in ("target", "draft", "pld"):
@@ -39,12 +40,14 @@ def test_generate_json_is_identical_across_methods(tiny_dir):
     assert isinstance(outs["draft"]["text"], str)
 
 
+@pytest.mark.slow
 def test_generate_sampling_is_seeded(tiny_dir):
     args = ["generate", "--model-dir", str(tiny_dir), "--prompt", "the", "--temperature", "0.9", "--seed", "3", "--json"]
     a, b = json.loads(specops(*args).stdout), json.loads(specops(*args).stdout)
     assert a["token_ids"] == b["token_ids"]
 
 
+@pytest.mark.slow
 def test_bad_input_gives_clear_error(tiny_dir):
     run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "", "--json")
     assert run.returncode == 2 and "prompt is empty" in run.stderr
@@ -60,6 +63,7 @@ def test_every_subcommand_has_help():
         assert run.returncode == 0 and "usage: specops" in run.stdout
 
 
+@pytest.mark.slow
 def test_generate_logs_to_a_stream_and_inspect_shows_it(tiny_dir, tmp_path):
     url = f"local://{tmp_path}/streams"
     run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "8",

@@ -11,6 +11,7 @@ import shutil
 import time
 
 import openai
+import pytest
 import torch
 
 from registry import CHAMPION, RegistryConfig, RegistryStore
@@ -22,6 +23,8 @@ from streams import StreamConfig, open_stream
 from tests.conftest import perturbed, random_prompts
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.promote import PromoteConfig, Promoter
+
+pytestmark = pytest.mark.slow  # the whole loop through the API
 
 CLUSTER = "loop"
 MAX_TOKENS = 16

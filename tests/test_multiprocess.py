@@ -27,6 +27,8 @@ from streams.records import GenerationRecord
 from streams.tansu import TansuBroker, free_port
 from tests.conftest import perturbed, random_prompts
 
+pytestmark = pytest.mark.slow  # serving replicas and a trainer as real processes
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = "mp"
 MAX_TOKENS = 16

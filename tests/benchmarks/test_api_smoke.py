@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import api as bench
+
+pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
 
 def test_api_benchmark_writes_json_and_doc(tiny_models, tmp_path):

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from benchmarks import hotswap as bench
+
+pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
 SUMMARY_FLOATS = ("swap_latency_s", "slot_swap_latency_s", "event_latency_s", "fetch_validate_s", "p50_steady_s",
                   "p99_steady_s", "p50_swap_s", "p99_swap_s", "p50_swap_over_steady", "p99_swap_over_steady")  # fmt: skip

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from benchmarks import streams as bench
+
+pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
 
 def test_streams_benchmark_writes_summary_json_and_doc(tiny_models, tmp_path):

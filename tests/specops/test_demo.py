@@ -9,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.registry.mlflow_server import free_port
+
+pytestmark = pytest.mark.slow  # the demo end to end
 
 
 def test_demo_runs_end_to_end_and_writes_the_report(tiny_models, tmp_path):

@@ -21,8 +21,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from tests.tolerances import F32_RTOL
 from trainer import checkpoint as ckpt
 from trainer.online import OnlineConfig
+
+pytestmark = pytest.mark.slow  # a DeepSpeed subprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 N_REQUESTS = 16
@@ -62,8 +65,9 @@ def test_deepspeed_update_matches_torch(both_runs):
         th, dh = torch_hist[cluster], ds_hist[cluster]
         assert th and len(dh) == len(th), cluster
         assert [h["request_ids"] for h in dh] == [h["request_ids"] for h in th]
-        # same weights and data: the first loss is the same computation; later ones differ by float noise
-        assert dh[0]["loss_first"] == pytest.approx(th[0]["loss_first"], rel=1e-6)
+        # same weights and data: the first loss is the same computation (float32: compare at its precision);
+        # later ones differ by float noise
+        assert dh[0]["loss_first"] == pytest.approx(th[0]["loss_first"], rel=F32_RTOL)
         for d, t in zip(dh, th):
             assert d["loss_first"] == pytest.approx(t["loss_first"], rel=1e-4)
             assert d["loss_last"] == pytest.approx(t["loss_last"], rel=1e-4)
@@ -88,7 +92,8 @@ def test_deepspeed_checkpoint_is_safetensors_json_and_resumes(both_runs):
         state = ckpt.load_state(latest)
         assert state["config"]["backend"] == "deepspeed" and state["config"]["deepspeed_zero_stage"] == 2
         model = AutoModelForCausalLM.from_pretrained(latest, use_safetensors=True)
-        numel = sum(p.numel() for p in model.parameters())
+        # the trained parameters: the token embeddings (and the head tied to them) stay frozen by default
+        numel = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
         opt = load_file(str(latest / "optimizer.safetensors"))  # ZeRO-2, world size 1: one flat fp32 partition
         assert opt["0.exp_avg"].shape == opt["0.exp_avg_sq"].shape == (numel,), {k: v.shape for k, v in opt.items()}
         assert int(opt["0.step"]) == state["version"] * TRAIN["steps_per_update"]

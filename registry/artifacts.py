@@ -1,4 +1,4 @@
-"""Draft artifacts: safetensors and JSON only, every file checksummed in a manifest.
+"""Draft artifacts: safetensors, JSON and a chat template only, every file checksummed in a manifest.
 
 A registered draft is one directory::
 
@@ -6,7 +6,8 @@ A registered draft is one directory::
     config.json              the HF model config
     generation_config.json   (when the model has one)
     model.safetensors        the weights (or shards plus model.safetensors.index.json)
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja, ...
+    draft_vocab.json         (when the draft scores a subset of its vocabulary)
 
 The sha256 of ``manifest.json`` itself is stamped on the registry version as a tag, so a
 changed manifest is caught as surely as a changed weight file. :func:`verify_dir` checks
@@ -31,11 +32,12 @@ ROUTER_FORMAT = "specops-router/1"
 ROUTER_FILES = ("router.safetensors", "router.json")
 """Exactly the files of a router artifact."""
 MANIFEST = "manifest.json"
-ALLOWED_SUFFIXES = (".safetensors", ".json")
+ALLOWED_SUFFIXES = (".safetensors", ".json", ".jinja")
+"""Weights, JSON, and a tokenizer's chat template (Jinja text, rendered in transformers' sandbox)."""
 SKIP = {"optimizer.safetensors", "state.json", MANIFEST}
 """Files of a trainer checkpoint that are not part of the served draft."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.json")  # fmt: skip
+                   "chat_template.json", "chat_template.jinja")  # fmt: skip
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -60,7 +62,7 @@ def pack(model_dir: Path, out_dir: Path, *, tokenizer_dir: Path | None = None, m
     ``model_dir`` is a ``save_pretrained`` directory or a trainer checkpoint (its optimiser
     and state files are left out). Tokenizer files come from ``tokenizer_dir`` when the
     model directory has none. Any other file type is refused: the registry carries
-    safetensors and JSON only.
+    safetensors, JSON and a Jinja chat template only.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").is_file():
@@ -79,7 +81,7 @@ def pack(model_dir: Path, out_dir: Path, *, tokenizer_dir: Path | None = None, m
     refused = [n for n in sources if not n.endswith(ALLOWED_SUFFIXES)]
     if refused:
         raise ArtifactFormatError(f"refusing to register {refused} from {model_dir}: the registry carries "
-                                  f"only {' and '.join(ALLOWED_SUFFIXES)} files")  # fmt: skip
+                                  f"only {', '.join(ALLOWED_SUFFIXES)} files")  # fmt: skip
     if "tokenizer.json" not in sources:
         raise ArtifactFormatError(f"no tokenizer.json with {model_dir}: pass tokenizer_dir (the target's "
                                   "directory); serving checks the draft's tokenizer against the target's")  # fmt: skip

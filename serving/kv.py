@@ -3,12 +3,17 @@
 Every model in the engine (target and draft) runs through ``CachedLM``: a forward
 pass feeds only tokens that are not cached yet, so no step recomputes the prefix, and
 ``rollback`` drops cached positions after a rejection.
+
+A model that carries a draft vocabulary (``serving.draft_vocab``) scores only those rows
+of its LM head; its logits are ``-inf`` elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from serving import draft_vocab
 
 
 class CachedLM:
@@ -20,6 +25,8 @@ class CachedLM:
         self.num_cached = 0
         """Positions 0 .. num_cached-1 are in the cache."""
         self.num_forwards = 0
+        self.vocab = draft_vocab.of(model)
+        """The model's draft vocabulary, or None (every row of the head)."""
 
     @property
     def context_size(self) -> int:
@@ -45,6 +52,8 @@ class CachedLM:
         assert self.num_cached + n <= self.context_size, (self.num_cached, n, self.context_size)
         ids = torch.tensor([input_ids], dtype=torch.long)  # [1, n]
         pos = torch.arange(self.num_cached, self.num_cached + n, dtype=torch.long)[None]  # [1, n]
+        if self.vocab is not None:
+            return self._forward_subset(ids, pos, logits_to_keep or n, want_hidden)
         out = self.model(
             input_ids=ids,
             position_ids=pos,
@@ -61,6 +70,16 @@ class CachedLM:
             keep = logits.shape[0]
             hidden = out.hidden_states[-1][0, -keep:].float()  # [n_keep, hidden]
         return logits, hidden
+
+    def _forward_subset(self, ids: torch.Tensor, pos: torch.Tensor, keep: int,
+                        want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base model's last hidden states, then only the draft vocabulary's head rows."""
+        out = self.model.base_model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        self.num_cached += ids.shape[1]
+        self.num_forwards += 1
+        hidden = out.last_hidden_state[0, -keep:]  # [n_keep, hidden]
+        logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float()  # [n_keep, vocab]
+        return logits, hidden.float() if want_hidden else None
 
     def rollback(self, length: int) -> None:
         """Keep only positions ``0 .. length-1`` in the cache."""

@@ -2,6 +2,10 @@
 
 Nothing is fetched from a hub (``local_files_only``), and weights load from safetensors
 only (``use_safetensors=True``), so nothing is ever unpickled.
+
+A loaded model is prepared for decoding: its linear layers take the few-row route of
+``serving.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
+(``serving.draft_vocab``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from serving import draft_vocab
+from serving.cpu_linear import use_small_batch_linear
 from serving.errors import ModelConfigError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
@@ -78,14 +84,26 @@ def check_model_dir(path: Path) -> Path:
 
 
 def load_model(path: Path, *, loading_info: bool = False):
-    """A model from a local directory (safetensors only), in eval mode. With
-    ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
+    """A model from a local directory (safetensors only), in eval mode, prepared for
+    decoding. With ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
     model, info = AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, use_safetensors=True, dtype=torch.float32, output_loading_info=True
     )
     model.eval()
+    prepare_for_decoding(model)
+    try:
+        draft_vocab.attach(model, draft_vocab.load(path, int(model.config.vocab_size)))
+    except draft_vocab.DraftVocabError as exc:
+        raise ModelConfigError(str(exc)) from exc
     return (model, info) if loading_info else model
+
+
+def prepare_for_decoding(model: PreTrainedModel) -> PreTrainedModel:
+    """Few-row linear products as ``W @ xᵀ`` on a CPU (``serving.cpu_linear``); in place."""
+    if next(model.parameters()).device.type == "cpu":
+        use_small_batch_linear(model)
+    return model
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

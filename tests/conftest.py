@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serving.models import ModelPair
+from serving import draft_vocab
+from serving.draft_vocab import DraftVocab
+from serving.models import ModelPair, prepare_for_decoding
 from trainer.bootstrap import run as bootstrap
 
 torch.set_num_threads(2)
@@ -67,6 +70,20 @@ def tiny_pair(tiny_target, tiny_draft) -> ModelPair:
 def close_pair(tiny_target) -> ModelPair:
     """Target and a perturbed copy of it: acceptance is partial, rejections land everywhere."""
     return ModelPair(target=tiny_target, draft=perturbed(tiny_target, 0.05, seed=3), tokenizer=None)
+
+
+SUBSET = sorted(random.Random(0).sample(range(VOCAB), 48))
+"""The draft vocabulary of ``served_pair``'s draft: half of the tokens."""
+
+
+@pytest.fixture(scope="session")
+def served_pair(tiny_target) -> ModelPair:
+    """``close_pair`` as serving loads it: few-row products as ``W @ xᵀ`` (``serving.cpu_linear``) in
+    both models, and a draft that scores only the ``SUBSET`` of its vocabulary (``serving.draft_vocab``)."""
+    target = prepare_for_decoding(copy.deepcopy(tiny_target))
+    draft = prepare_for_decoding(perturbed(tiny_target, 0.05, seed=3))
+    draft_vocab.attach(draft, DraftVocab(torch.tensor(SUBSET), VOCAB))
+    return ModelPair(target=target, draft=draft, tokenizer=None)
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ def test_pack_refuses_pickles_and_dirs_without_weights(tiny_models, tmp_path):
     d = tmp_path / "d"
     shutil.copytree(tiny_models / "draft", d)
     (d / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(ArtifactFormatError, match="only .safetensors and .json"):
+    with pytest.raises(ArtifactFormatError, match="only .safetensors, .json, .jinja files"):
         pack(d, tmp_path / "out")
     (d / "pytorch_model.bin").unlink()
     (d / "model.safetensors").unlink()

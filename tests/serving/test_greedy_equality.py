@@ -38,7 +38,7 @@ def test_target_method_equals_hf_generate(tiny_pair):
         assert out.token_ids == hf
 
 
-@pytest.mark.parametrize("pair_name", ["tiny_pair", "close_pair", "twin_pair"])
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "close_pair", "twin_pair", "served_pair"])
 @pytest.mark.parametrize("method", ["draft", "pld"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_every_method_equals_target_greedy(request, pair_name, method, k):
@@ -94,3 +94,18 @@ def test_lookup_prefers_recent_match_with_full_continuation():
     assert lookup(toks, 4, max_ngram=2) == [3, 4, 7, 8]  # hit at 4: the latest with 4 after it
     assert lookup(np.array([1, 2, 3, 9, 2, 3]), 2, max_ngram=3) == [9, 2]  # falls back to a 2-gram
     assert lookup(np.array([5, 6, 7]), 3, max_ngram=3) == []  # no earlier occurrence
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens(served_pair):
+    from serving.proposers.draft_model import DraftModelProposer
+    from serving.types import DecodeState
+    from tests.conftest import SUBSET
+
+    for prompt in random_prompts(4, seed=13):
+        state = DecodeState(token_ids=list(prompt), num_prompt_tokens=len(prompt), params=SamplingParams())
+        proposer = DraftModelProposer(served_pair.draft)
+        proposer.start(state)
+        drafted = proposer.propose(state, 6).tokens[0].tolist()
+        assert len(drafted) == 6 and set(drafted) <= set(SUBSET)
+    out = SpecEngine(served_pair).generate(random_prompts(1, seed=14)[0], SamplingParams(max_new_tokens=24), method="draft")
+    assert out.stats.num_accepted > 0  # the subset still drafts what the target says, often

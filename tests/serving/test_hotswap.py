@@ -155,6 +155,7 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
     assert set(versions) <= used and len(results) >= 6 * len(order)  # at least 6 finished after each swap
 
 
+@pytest.mark.slow
 def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts, mlflow_server, tmp_path):
     reg = RegistryStore(RegistryConfig(uri=mlflow_server.uri, experiment="outage"))
     cluster = "outage"

@@ -104,9 +104,11 @@ def test_warp_top_p_keeps_smallest_nucleus():
     assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0]]
 
 
-@pytest.mark.parametrize("method", ["draft", "pld"])
-def test_engine_sampling_matches_target_first_token(tiny_pair, method):
-    """End to end on real models: the first sampled token follows the target's warped distribution."""
+@pytest.mark.parametrize("method, pair_name", [("draft", "tiny_pair"), ("pld", "tiny_pair"), ("draft", "served_pair")])
+def test_engine_sampling_matches_target_first_token(request, method, pair_name):
+    """End to end on real models: the first sampled token follows the target's warped distribution
+    (``served_pair``: a draft that gives zero probability to half the vocabulary)."""
+    tiny_pair = request.getfixturevalue(pair_name)
     engine = SpecEngine(tiny_pair)
     params_kw = dict(temperature=1.3, top_p=0.95, max_new_tokens=2)
     prompt = [5, 17, 42, 5, 17]  # pld finds the n-gram "5 17" and drafts 42
@@ -124,8 +126,9 @@ def test_engine_sampling_matches_target_first_token(tiny_pair, method):
     assert pooled_chisquare(counts, expected) > 1e-3
     # Power check: the draft-only distribution (what a broken verifier would emit) is rejected.
     if method == "draft":
-        with torch.inference_mode():
-            q_logits = tiny_pair.draft(input_ids=torch.tensor([prompt])).logits[0, -1:]
+        from serving.kv import CachedLM
+
+        q_logits, _ = CachedLM(tiny_pair.draft).forward(prompt, logits_to_keep=1)  # as the engine drafts
         q = warp(q_logits, SamplingParams(**params_kw))[0].numpy()
         fake = np.random.default_rng(0).multinomial(n, q)
         assert pooled_chisquare(fake, expected) < 1e-6

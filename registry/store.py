@@ -157,24 +157,36 @@ class GateResult:
 
 
 def decide(candidate: str, champion: str | None, candidate_score: float, champion_score: float | None, *,
-           margin: float, num_positions: int, min_positions: int, metric: str = "sampling") -> GateResult:  # fmt: skip
+           margin: float, num_positions: int, min_positions: int, metric: str = "sampling",
+           stderr: float | None = None, z: float = 1.645) -> GateResult:  # fmt: skip
     """Promote iff the candidate beats the champion by ``margin`` on at least ``min_positions``
-    shared held-out positions. Both scores must come from the same records."""
+    shared held-out positions. Both scores must come from the same records.
+
+    With ``stderr`` (the standard error of the paired difference), the win must also be
+    beyond noise: ``delta - z * stderr >= margin`` (a one-sided 95 % bound at the default z).
+    Without it a difference of a few held-out positions can promote a draft that serves
+    worse. ``margin=-1`` promotes every candidate with enough positions, noise or not."""
     kw = dict(candidate=candidate, champion=champion, candidate_score=candidate_score, champion_score=champion_score,
               margin=margin, metric=metric, num_positions=num_positions)  # fmt: skip
+    extra = {} if stderr is None else {"stderr": stderr, "z": z}
     if num_positions < min_positions:
-        return GateResult(**kw, promoted=False,
+        return GateResult(**kw, promoted=False, extra=extra,
                           reason=f"only {num_positions} held-out positions (< {min_positions}): not enough evidence")
     if champion_score is None:
-        return GateResult(**kw, promoted=True, reason="no champion yet")
+        return GateResult(**kw, promoted=True, extra=extra, reason="no champion yet")
     delta = candidate_score - champion_score
-    if delta >= margin:
-        return GateResult(**kw, promoted=True,
-                          reason=f"{metric} acceptance {candidate_score:.4f} beats {champion_score:.4f} by {delta:+.4f} "
-                                 f">= {margin}")  # fmt: skip
-    return GateResult(**kw, promoted=False,
-                      reason=f"{metric} acceptance {candidate_score:.4f} vs {champion_score:.4f} ({delta:+.4f}) "
-                             f"is not a win by {margin}")  # fmt: skip
+    noise = "" if stderr is None else f" ± {stderr:.4f}"
+    if delta < margin:
+        return GateResult(**kw, promoted=False, extra=extra,
+                          reason=f"{metric} acceptance {candidate_score:.4f} vs {champion_score:.4f} ({delta:+.4f}{noise}) "
+                                 f"is not a win by {margin}")  # fmt: skip
+    if stderr is not None and margin > -1.0 and delta - z * stderr < margin:
+        return GateResult(**kw, promoted=False, extra=extra,
+                          reason=f"{metric} acceptance {candidate_score:.4f} vs {champion_score:.4f} ({delta:+.4f}{noise}) "
+                                 f"is within noise (needs {delta:+.4f} - {z} x {stderr:.4f} >= {margin})")  # fmt: skip
+    return GateResult(**kw, promoted=True, extra=extra,
+                      reason=f"{metric} acceptance {candidate_score:.4f} beats {champion_score:.4f} by {delta:+.4f}{noise} "
+                             f">= {margin}")  # fmt: skip
 
 
 class RegistryStore:

@@ -75,13 +75,19 @@ def optimizer_from_files(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
     opt.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
 
 
-def save_version(root: Path, cluster: str, version: int, model: Any, opt: torch.optim.Optimizer, state: dict) -> Path:
-    """Write draft + optimiser + state as version ``version`` of ``cluster`` and point LATEST at it."""
+def save_version(root: Path, cluster: str, version: int, model: Any, opt: torch.optim.Optimizer, state: dict,
+                 extra_files: dict[str, Path] | None = None) -> Path:  # fmt: skip
+    """Write draft + optimiser + state as version ``version`` of ``cluster`` and point LATEST at it.
+
+    ``extra_files`` (name -> source) are copied in beside the weights: files of the base
+    draft that serving needs with every version (its ``draft_vocab.json``)."""
     cdir = root / cluster
     cdir.mkdir(parents=True, exist_ok=True)
     name = f"v{version:06d}"
     tmp = cdir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
     model.save_pretrained(tmp, safe_serialization=True)
+    for fname, src in (extra_files or {}).items():
+        shutil.copyfile(src, tmp / fname)
     tensors, layout = optimizer_to_files(opt)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps({**state, "version": version, "optimizer": layout}, indent=1))

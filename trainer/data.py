@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from serving.draft_vocab import DraftVocab
 from streams.records import DIST_TOPK, MissRecord
 from trainer.losses import TargetDist
 
@@ -44,14 +46,28 @@ def teacher_example(rec: MissRecord) -> Example:
     return Example(torch.from_numpy(rec.token_ids[:last]).long(), positions, target_dist(rec), rec.request_id)
 
 
-def draft_logits(model: torch.nn.Module, ex: Example) -> torch.Tensor:
-    """[m, V] the draft's logits predicting each position of ``ex`` (one causal forward)."""
+def draft_logits(model: torch.nn.Module, ex: Example, vocab: DraftVocab | None = None) -> torch.Tensor:
+    """[m, V] the draft's logits predicting each position of ``ex`` (one causal forward).
+
+    With a draft vocabulary ``vocab`` ([S] token ids), only those head rows run: [m, S],
+    columns in the order of ``vocab.token_ids`` (pair with ``TargetDist.restrict``).
+    """
     device = next(model.parameters()).device
     if ex.num_positions == 0:
-        vocab = int(model.config.vocab_size)
-        return torch.zeros((0, vocab), device=device)
-    logits = model(input_ids=ex.context.unsqueeze(0).to(device)).logits[0]  # [L, V]
-    return logits[(ex.positions - 1).to(device)]
+        width = vocab.size if vocab is not None else int(model.config.vocab_size)
+        return torch.zeros((0, width), device=device)
+    # the LM head runs only at the m predicting positions, not at every one of the L
+    keep = (ex.positions - 1).to(device)  # [m]
+    ids = ex.context.unsqueeze(0).to(device)
+    if vocab is None:
+        return model(input_ids=ids, logits_to_keep=keep).logits[0]  # [m, V]
+    hidden = model.base_model(input_ids=ids).last_hidden_state[0, keep]  # [m, H]
+    head = model.get_output_embeddings()
+    rows = head.weight[vocab.token_ids.to(device)] if head.weight.requires_grad else vocab.rows(head)
+    logits = F.linear(hidden, rows)  # [m, S]
+    if head.bias is not None:
+        logits = logits + head.bias[vocab.token_ids.to(device)]
+    return logits
 
 
 def draft_logits_at(model: torch.nn.Module, rec: MissRecord) -> torch.Tensor:

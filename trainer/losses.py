@@ -52,6 +52,8 @@ SKIPPED_STEPS = Counter(
 )
 
 _NEG_INF = -math.inf
+_RESTRICT_FLOOR = 1e-12
+"""Smallest per-token probability of a restricted target (``TargetDist.restrict``)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,27 @@ class TargetDist:
     def to(self, device: torch.device | str) -> TargetDist:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, logprobs=move(self.logprobs), topk_ids=move(self.topk_ids), residual=move(self.residual))
+
+    def restrict(self, token_ids: torch.Tensor) -> TargetDist:
+        """This distribution conditioned on the tokens ``token_ids`` ([S], sorted, unique):
+        a full ``[N, S]`` one, columns in the order of ``token_ids``.
+
+        A draft with a draft vocabulary can only propose those tokens, so it learns the
+        target's distribution over them. A top-k target's residual mass is spread evenly
+        over the subset's tokens outside its top k (the log does not say where it lies).
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.logprobs.device)
+        if not self.is_topk:
+            return TargetDist.full(torch.log_softmax(self.logprobs.float()[:, ids], dim=-1))
+        n, s = self.logprobs.shape[0], ids.numel()
+        col = torch.searchsorted(ids, self.topk_ids.long()).clamp_max(s - 1)  # [N, k]
+        inside = ids[col] == self.topk_ids.long()  # top-k tokens that are in the subset
+        p_top = self.logprobs.float().exp() * inside
+        hit = torch.zeros(n, s, device=ids.device).scatter_add_(1, col, inside.float()) > 0
+        top = torch.zeros(n, s, device=ids.device).scatter_add_(1, col, p_top)
+        tail = self.residual.float().clamp_min(0) / (s - inside.sum(-1)).clamp_min(1)  # [N] per outside token
+        probs = torch.where(hit, top, tail[:, None]).clamp_min(_RESTRICT_FLOOR)
+        return TargetDist.full((probs / probs.sum(-1, keepdim=True)).log())
 
     def _rows(self, mask: torch.Tensor | None) -> TargetDist:
         if mask is None:

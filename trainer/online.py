@@ -33,13 +33,15 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from serving import draft_vocab
+from serving.draft_vocab import DraftVocab
 from streams import StreamConfig, codec, open_stream
 from streams.consumer import RecordConsumer
 from streams.records import MissRecord
@@ -47,7 +49,7 @@ from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance, evaluate_records
 from trainer.data import Example, draft_logits, teacher_example
 from trainer.losses import LOSSES, checked_loss
-from trainer.promote import Promoter
+from trainer.promote import Promoter, load_draft_vocab
 from trainer.replay import ReplayBuffers, ReplayConfig
 from trainer.sampling import SAMPLING, sampled_example
 
@@ -68,8 +70,8 @@ class OnlineConfig:
     """JSD mixture weight."""
     tau: float = 1.0
     """Softmax temperature applied to both distributions."""
-    lr: float = 5e-4
-    """AdamW learning rate of every draft."""
+    lr: float = 1e-3
+    """AdamW learning rate of every draft (OSD uses 5e-4; 1e-3 learned more in benchmarks/osd.py)."""
     weight_decay: float = 0.0
     steps_per_update: int = 4
     """Optimiser steps per update, each over the whole buffer."""
@@ -83,7 +85,13 @@ class OnlineConfig:
     """Target weight λ of mixed sampling, ``y_j ~ λ·p + (1-λ)·q``."""
     sample_max_new_tokens: int | None = None
     """Tokens sampled per request under student/mixed sampling (default: the logged output's length)."""
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    replay: ReplayConfig = field(default_factory=lambda: ReplayConfig(policy="recent", capacity=32))
+    """The replay buffer. OSD clears it after every update; keeping the 32 most recent
+    requests trains each one in four updates and learned more in benchmarks/osd.py."""
+    train_embeddings: bool = False
+    """Also train the draft's token embeddings (and an LM head tied to them). Off: the
+    default draft's embeddings are the target's, shared by every version; a few hundred
+    positions per update would move only the rows of the tokens they contain."""
     holdout_every: int = 10
     """One request in N (by request-id hash) is held out for evaluation, never trained on."""
     holdout_capacity: int = 256
@@ -140,6 +148,9 @@ class ClusterState:
     """Per partition of spec.misses, [first, last] offsets this draft trained on."""
     holdout: deque = field(default_factory=deque)
     last_eval: dict = field(default_factory=dict)
+    eval_cache: tuple | None = None
+    """(version, held-out sources) and the Acceptance measured then: evaluations of unchanged
+    weights on an unchanged held-out set are not repeated (before = the previous after)."""
     engine: Any = None
     """The DeepSpeed engine around ``model`` and ``opt`` (backend ``deepspeed``), else None."""
 
@@ -166,6 +177,8 @@ class OnlineTrainer:
             self.target.eval().requires_grad_(False)
             self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
         self.base_draft = Path(base_draft)
+        self.vocab = load_draft_vocab(self.base_draft)
+        """The base draft's draft vocabulary: evaluations score drafts as serving runs them."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.buffers: ReplayBuffers[Held] = ReplayBuffers(self.cfg.replay)
@@ -179,11 +192,19 @@ class OnlineTrainer:
             self._restore(cluster)
 
     # ------------------------------------------------------------ state
+    def _carried_files(self) -> dict[str, Path]:
+        """Files of the base draft every version carries: its draft vocabulary (serving scores only those rows)."""
+        src = self.base_draft / draft_vocab.FILE
+        return {draft_vocab.FILE: src} if src.is_file() else {}
+
     def _new_state(self, cluster: str) -> ClusterState:
         path = ckpt.latest_version(self.out, cluster)
         model = AutoModelForCausalLM.from_pretrained(path or self.base_draft, use_safetensors=True)
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        if not self.cfg.train_embeddings:
+            model.get_input_embeddings().weight.requires_grad_(False)  # a tied head stays with them
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         st = ClusterState(model=model, opt=opt, holdout=deque(maxlen=self.cfg.holdout_capacity))
         if self.cfg.backend == "deepspeed":  # imported only here: plain PyTorch runs never load deepspeed
             from trainer.ds_backend import DeepSpeedConfig, init_engine
@@ -286,14 +307,17 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         before = self.evaluate(cluster)
         examples = self._examples(st, buf.items())
+        vocab = self._train_vocab(st)
+        if vocab is not None:  # the draft proposes only these tokens: learn the target's distribution over them
+            examples = [replace(ex, target=ex.target.restrict(vocab.token_ids)) for ex in examples]
         losses, skipped = [], 0
         for _ in range(self.cfg.steps_per_update):
             loss, n_skipped = self._optimizer_step(st, examples)
             skipped += n_skipped
             if loss is not None:
                 losses.append(loss)
+        st.version += 1  # the weights changed: a new version (and a new evaluation)
         after = self.evaluate(cluster)
-        st.version += 1
         st.updates += 1
         st.records_trained += len(buf.items())
         st.positions_trained += sum(ex.num_positions for ex in examples)
@@ -308,7 +332,7 @@ class OnlineTrainer:
             "lineage": {"topic": self.stream_cfg.topics.misses, "offsets": st.lineage}, "config": asdict(self.cfg),
             "config_hash": self.cfg.digest(), "base_draft": str(self.base_draft),
         }  # fmt: skip
-        ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state)
+        ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state, extra_files=self._carried_files())
         summary = {
             "cluster": cluster, "version": st.version, "requests": len(buf.items()),
             "positions": sum(ex.num_positions for ex in examples), "sampling": self.cfg.sampling,
@@ -322,11 +346,11 @@ class OnlineTrainer:
         if self.promoter is not None and st.updates % self.promoter.cfg.register_every == 0:
             self._unpublished[cluster] = st.version
         log.info(
-            "cluster %s: draft v%d after %d requests (%d positions): loss %s -> %s, held-out acceptance %.3f -> %.3f "
-            "(greedy %.3f -> %.3f, %d positions) in %.2fs",
+            "cluster %s: draft v%d after %d requests (%d positions): loss %s -> %s, held-out served agreement "
+            "%.3f -> %.3f (%d positions), rejected-position acceptance %.3f -> %.3f (%d positions) in %.2fs",
             cluster, st.version, summary["requests"], summary["positions"], _f(summary["loss_first"]),
-            _f(summary["loss_last"]), before.sampling, after.sampling, before.greedy, after.greedy,
-            after.num_positions, summary["seconds"],
+            _f(summary["loss_last"]), before.served, after.served, after.served_positions, before.sampling,
+            after.sampling, after.num_positions, summary["seconds"],
         )  # fmt: skip
         return summary
 
@@ -372,7 +396,7 @@ class OnlineTrainer:
         st.opt.zero_grad(set_to_none=True)
         total, positions, skipped = None, 0, 0
         for ex in examples:
-            logits = draft_logits(net, ex)  # [m, V]
+            logits = draft_logits(net, ex, self._train_vocab(st))  # [m, V], or [m, S] with a draft vocabulary
             loss, reason = checked_loss(logits, ex.target, self.cfg.loss, beta=self.cfg.beta, tau=self.cfg.tau)
             if loss is None:
                 skipped += 1
@@ -389,14 +413,26 @@ class OnlineTrainer:
             st.engine.step()
         else:
             mean.backward()
-            torch.nn.utils.clip_grad_norm_(st.model.parameters(), self.cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for p in st.model.parameters() if p.requires_grad], self.cfg.grad_clip)
             st.opt.step()
         return float(mean.detach()), skipped
 
+    def _train_vocab(self, st: ClusterState) -> DraftVocab | None:
+        """The draft vocabulary updates train on: the base draft's, except under DeepSpeed
+        (its engine runs the whole model) or for a model whose head is not a plain linear map."""
+        if self.vocab is None or st.engine is not None or not draft_vocab.supports_subset_head(st.model):
+            return None
+        return self.vocab
+
     def evaluate(self, cluster: str) -> Acceptance:
-        """Expected acceptance of the cluster's current draft on its held-out records."""
+        """Acceptance of the cluster's current draft on its held-out records (``trainer.acceptance``)."""
         st = self.state(cluster)
-        return evaluate_records(st.model, [h.record for h in st.holdout])
+        key = (st.version, tuple(h.source for h in st.holdout))
+        if st.eval_cache is not None and st.eval_cache[0] == key:
+            return st.eval_cache[1]
+        acc = evaluate_records(st.model, [h.record for h in st.holdout], vocab=self.vocab)
+        st.eval_cache = (key, acc)
+        return acc
 
     def run(self, *, max_idle_s: float | None = None, max_records: int | None = None, stop=None) -> int:
         """Loop until ``stop`` is set, ``max_records`` were consumed, or nothing came for ``max_idle_s``."""
@@ -422,7 +458,8 @@ def _opt_layout(config: dict) -> str:
     """The optimiser-state layout a stamped config trains with; state resumes only into the same one."""
     from trainer.ds_backend import optimizer_layout  # no deepspeed import
 
-    return optimizer_layout(config.get("backend", "torch"), config.get("deepspeed_zero_stage", 2))
+    trained = "all" if config.get("train_embeddings", True) else "no-embeddings"  # older checkpoints trained all
+    return f"{optimizer_layout(config.get('backend', 'torch'), config.get('deepspeed_zero_stage', 2))}/{trained}"
 
 
 def _holdout(request_id: str, every: int) -> bool:

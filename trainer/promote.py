@@ -10,8 +10,11 @@ For one cluster after an update (:meth:`Promoter.publish`), top to bottom:
    first, so a trainer that crashed between checkpoint and commit re-registers nothing.
 2. **gate**: evaluate the champion (or, before the first promotion, the base draft) on
    the *same* held-out records as the candidate; promote iff the candidate wins by
-   ``margin`` on at least ``min_positions`` positions; write the decision and both
-   numbers on the candidate. A promotion moves ``champion`` and is announced on
+   ``margin`` on at least ``min_positions`` positions, and (metric ``served``, the default)
+   by more than noise; write the decision and both numbers on the candidate. ``served``
+   is greedy agreement at every output position of held-out greedy requests, paired
+   request by request; the rejected-position metrics (``sampling``, ``greedy``) are
+   biased towards any draft other than the one that served (``trainer.acceptance``). A promotion moves ``champion`` and is announced on
    ``spec.events`` by the registry's ``on_change`` hook.
 3. **retain**: archive old, unaliased versions beyond the newest ``keep_versions``.
 
@@ -21,6 +24,7 @@ only once the draft trained on it is registered.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import uuid
@@ -31,13 +35,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
+from serving import draft_vocab
+from serving.draft_vocab import DraftVocab
 from serving.models import load_tokenizer, tokenizer_hash
 from streams.records import MissRecord
-from trainer.acceptance import Acceptance, evaluate_records
+from trainer.acceptance import Acceptance, evaluate_records, paired_gain
 
 log = logging.getLogger(__name__)
 
-GATE_METRICS = ("sampling", "greedy")
+GATE_METRICS = ("served", "sampling", "greedy")
 
 
 @dataclass
@@ -48,8 +54,13 @@ class PromoteConfig:
     """The candidate must beat the champion's held-out acceptance by at least this much. A
     negative margin tolerates a candidate that is at most that much worse (prefer fresh
     drafts); -1 promotes every candidate that has ``min_positions`` of evidence."""
-    metric: str = "sampling"
-    """Which expected acceptance the gate compares: ``sampling`` or ``greedy``."""
+    metric: str = "served"
+    """What the gate compares: ``served`` (greedy agreement at every output position of
+    held-out greedy requests, paired per request, and the win must exceed z standard
+    errors; falls back to ``sampling`` when no held-out request is greedy), or the
+    rejected-position estimates ``sampling`` and ``greedy``."""
+    z: float = 1.645
+    """``served``: the win must exceed this many standard errors of the paired difference."""
     min_positions: int = 32
     """Held-out rejected positions needed before the gate decides anything."""
     register_every: int = 1
@@ -62,6 +73,8 @@ class PromoteConfig:
             raise ValueError(f"metric must be one of {GATE_METRICS}, got {self.metric!r}")
         if not -1.0 <= self.margin <= 1.0 or self.min_positions < 0 or self.register_every < 1 or self.keep_versions < 0:
             raise ValueError("need -1 <= margin <= 1, min_positions >= 0, register_every >= 1, keep_versions >= 0")
+        if not self.z >= 0:
+            raise ValueError(f"z must be >= 0, got {self.z!r}")
 
 
 class Promoter:
@@ -74,6 +87,8 @@ class Promoter:
         self.base_draft = Path(base_draft)
         self.tokenizer_dir = Path(tokenizer_dir or base_draft)
         self.tokenizer_sha256 = tokenizer_hash(load_tokenizer(self.tokenizer_dir))
+        self.vocab = load_draft_vocab(self.base_draft)
+        """The draft vocabulary serving scores drafts with (evaluations use it too)."""
         self.trainer_id = _trainer_id(Path(out_dir))
         self._reference: dict[str, tuple[str, torch.nn.Module]] = {}
         """Per cluster: the last champion (or ``base``) model the gate loaded, by version."""
@@ -109,17 +124,11 @@ class Promoter:
     def gate(self, cluster: str, version: str, candidate: torch.nn.Module, holdout: list[MissRecord],
              candidate_acc: Acceptance | None = None) -> GateResult:  # fmt: skip
         """Candidate vs champion (or base) on the same held-out records."""
-        cand = candidate_acc or evaluate_records(candidate, holdout)
+        cand = candidate_acc or evaluate_records(candidate, holdout, vocab=self.vocab)
         champion = self.registry.by_alias(cluster, CHAMPION)
         ref_version, ref_model = self._reference_model(cluster, champion)
-        ref = evaluate_records(ref_model, holdout)
-        cand_score, ref_score = getattr(cand, self.cfg.metric), getattr(ref, self.cfg.metric)
-        result = decide(version, ref_version, cand_score, ref_score, margin=self.cfg.margin,
-                        num_positions=cand.num_positions, min_positions=self.cfg.min_positions,
-                        metric=self.cfg.metric)  # fmt: skip
-        other = "greedy" if self.cfg.metric == "sampling" else "sampling"
-        result.extra.update({f"candidate_{other}": getattr(cand, other), f"champion_{other}": getattr(ref, other)})
-        return result
+        ref = evaluate_records(ref_model, holdout, vocab=self.vocab)
+        return gate_decision(version, ref_version, cand, ref, self.cfg)
 
     def _reference_model(self, cluster: str, champion: DraftVersion | None) -> tuple[str, torch.nn.Module]:
         """The champion's weights (fetched and verified once per version), or the base draft."""
@@ -136,6 +145,35 @@ class Promoter:
         model.eval()
         self._reference[cluster] = (want, model)
         return want, model
+
+
+def gate_decision(candidate: str, reference: str | None, cand: Acceptance, ref: Acceptance,
+                  cfg: PromoteConfig) -> GateResult:  # fmt: skip
+    """The gate's rule on two evaluations of the same held-out records (the candidate's and
+    the champion's, or the base draft's)."""
+    metric, note = cfg.metric, ""
+    if metric == "served" and not (cand.served_positions and len(cand.per_request) == len(ref.per_request)):
+        metric, note = "sampling", "no greedy held-out requests, compared at rejected positions: "
+    if metric == "served":
+        _, stderr = paired_gain(cand, ref)
+        result = decide(candidate, reference, cand.served, ref.served, margin=cfg.margin,
+                        num_positions=cand.served_positions, min_positions=cfg.min_positions, metric="served",
+                        stderr=stderr, z=cfg.z)  # fmt: skip
+    else:
+        result = decide(candidate, reference, getattr(cand, metric), getattr(ref, metric), margin=cfg.margin,
+                        num_positions=cand.num_positions, min_positions=cfg.min_positions, metric=metric)  # fmt: skip
+    for other in ("served", "sampling", "greedy"):
+        if other != metric:
+            result.extra.update({f"candidate_{other}": getattr(cand, other), f"champion_{other}": getattr(ref, other)})
+    return dataclasses.replace(result, reason=note + result.reason) if note else result
+
+
+def load_draft_vocab(draft_dir: Path) -> DraftVocab | None:
+    """The draft vocabulary a draft directory carries (``draft_vocab.json``), or None."""
+    import json
+
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    return draft_vocab.load(draft_dir, int(cfg["vocab_size"]))
 
 
 def _trainer_id(out_dir: Path) -> str:

@@ -115,3 +115,16 @@ def test_corrupt_artifact_is_refused(store_cfg, cluster, tiny_models, tmp_path, 
     with pytest.raises(ArtifactIntegrityError, match="sha256"):
         reg.fetch(dv, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_gate_with_a_standard_error_promotes_only_wins_beyond_noise():
+    from registry import decide
+
+    kw = dict(margin=0.005, num_positions=500, min_positions=32, metric="served")
+    assert decide("3", "2", 0.52, 0.50, **kw).promoted  # no stderr: the margin alone decides
+    noisy = decide("3", "2", 0.52, 0.50, stderr=0.02, **kw)
+    assert not noisy.promoted and "within noise" in noisy.reason and noisy.extra == {"stderr": 0.02, "z": 1.645}
+    clear = decide("3", "2", 0.56, 0.50, stderr=0.02, **kw)
+    assert clear.promoted and "± 0.0200" in clear.reason
+    assert not decide("3", "2", 0.49, 0.50, stderr=0.001, **kw).promoted  # a loss is never promoted
+    assert decide("3", "2", 0.49, 0.50, stderr=0.05, **{**kw, "margin": -1.0}).promoted  # -1: every candidate

@@ -65,3 +65,60 @@ def test_on_its_own_greedy_rejections_the_draft_agrees_nowhere_and_the_target_ev
     topk_mass = sum(float((1 - r.residual).sum()) for r in records) / target.num_positions
     assert abs(target.sampling - topk_mass) < 1e-4 and target.sampling_upper > 0.999
     assert draft.sampling < target.sampling
+
+
+def _served_records(pair, tmp_path, n=8, seed=3):
+    cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False)
+    logger = StreamLogger(cfg, LoggerConfig(topk=16), vocab_size=pair.vocab_size)
+    engine = SpecEngine(pair, logger=logger)
+    results = [engine.generate(p, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
+               for i, p in enumerate(random_prompts(n, seed=seed))]  # fmt: skip
+    logger.close()
+    with open_stream(cfg) as s:
+        return [codec.decode(m.value) for m in s.read(cfg.topics.misses)], results
+
+
+def test_served_agreement_is_measured_at_every_output_position(close_pair, tmp_path):
+    """On greedy records every output token is the target's argmax: the target agrees
+    everywhere, and the serving draft agrees exactly where the engine accepted its drafts."""
+    records, results = _served_records(close_pair, tmp_path)
+    target = evaluate_records(close_pair.target, records)
+    draft = evaluate_records(close_pair.draft, records)
+    n_out = sum(len(r.token_ids) - r.num_prompt_tokens for r in records)
+    assert target.served == 1.0 and target.served_positions == draft.served_positions == n_out
+    assert len(draft.per_request) == len(records) and sum(n for _, n in draft.per_request) == n_out
+    assert draft.greedy == 0.0 < draft.served < 1.0  # biased to 0 at rejected positions, not in truth
+    # every accepted draft token was an agreement, so the served agreement is at least the acceptance
+    accepted = sum(r.stats.num_accepted for r in results)
+    assert draft.served * n_out >= accepted
+
+
+def test_rejected_positions_favour_any_other_draft_and_served_does_not(close_pair, tiny_pair, tmp_path):
+    """The gate's old comparison promoted drafts that served worse. Records served by the close
+    draft: an unrelated random draft beats it at those rejected positions, yet agrees with the
+    target far less often over the requests."""
+    from trainer.acceptance import paired_gain
+    from trainer.promote import PromoteConfig, gate_decision
+
+    records, _ = _served_records(close_pair, tmp_path, n=12)
+    serving, other = evaluate_records(close_pair.draft, records), evaluate_records(tiny_pair.draft, records)
+    assert other.greedy > serving.greedy == 0.0  # the biased view
+    assert other.served < serving.served  # the truth
+    delta, stderr = paired_gain(other, serving)
+    assert delta == other.served - serving.served and 0 < stderr < 1
+    biased = gate_decision("2", "1", other, serving, PromoteConfig(metric="greedy", min_positions=1))
+    fair = gate_decision("2", "1", other, serving, PromoteConfig(metric="served", min_positions=1))
+    assert biased.promoted and not fair.promoted and fair.metric == "served"
+    assert fair.extra["stderr"] == stderr and fair.extra["candidate_greedy"] == other.greedy
+
+
+def test_paired_gain_needs_the_same_requests():
+    import pytest
+
+    from trainer.acceptance import Acceptance, paired_gain
+
+    a = Acceptance(0, 0, 0, 0, served=0.5, served_positions=20, per_request=((5, 10), (5, 10)))
+    b = Acceptance(0, 0, 0, 0, served=0.4, served_positions=20, per_request=((4, 10), (4, 10)))
+    assert paired_gain(a, b) == (0.1, 0.0)
+    with pytest.raises(ValueError, match="same requests"):
+        paired_gain(a, Acceptance(0, 0, 0, 0, served=0.4, served_positions=10, per_request=((4, 10),)))

@@ -18,9 +18,14 @@ from streams import open_stream
 from streams.tansu import TansuBroker
 from transformers import AutoModelForCausalLM
 
+from serving import draft_vocab
+from serving.draft_vocab import DraftVocab
+from tests.conftest import SUBSET, VOCAB
+from tests.tolerances import assert_f32_close
 from tests.trainer.logged import log_requests
 from trainer import checkpoint as ckpt
 from trainer.acceptance import evaluate_records
+from trainer.data import draft_logits, teacher_example
 from trainer.online import OnlineConfig, OnlineTrainer, _holdout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +94,29 @@ def test_updates_raise_heldout_acceptance_and_commit_everything(logged, tmp_path
         _assert_all_committed(s, "trainer", cfg.topics.misses)
 
 
+def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pair, tmp_path):
+    """A base draft with a draft vocabulary: updates run only those head rows (the target's
+    distribution restricted to them) and still raise held-out acceptance as serving scores it."""
+    vocab = DraftVocab(torch.tensor(SUBSET), VOCAB)
+    cfg, draft_dir = log_requests(close_pair, tmp_path, 24, seed=5, cluster_of=lambda i: "code", partitions=1)
+    draft_vocab.save(draft_dir, vocab, source="test")
+    out = tmp_path / "trainer"
+    trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(interval=4, holdout_every=4))
+    trainer.run(max_idle_s=1.0)
+    trainer.close()
+    st = trainer.clusters["code"]
+    assert torch.equal(trainer._train_vocab(st).token_ids, vocab.token_ids)
+    ex = teacher_example(next(h.record for h in st.holdout if h.record.num_rejected))
+    full = draft_logits(st.model, ex)
+    assert_f32_close(draft_logits(st.model, ex, vocab), full[:, vocab.token_ids])
+    held_out = [h.record for h in st.holdout]
+    base = AutoModelForCausalLM.from_pretrained(draft_dir)
+    before, after = evaluate_records(base, held_out, vocab=vocab), trainer.evaluate("code")
+    assert after.sampling > before.sampling, (before, after)
+    assert (ckpt.latest_version(out, "code") / draft_vocab.FILE).is_file()  # every version carries it
+
+
+@pytest.mark.slow
 def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
@@ -113,6 +141,7 @@ def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
         second.close()
 
 
+@pytest.mark.slow
 def test_killed_trainer_loses_no_record(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"

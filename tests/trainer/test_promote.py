@@ -44,6 +44,7 @@ def _events(cfg: StreamConfig) -> list[ModelEvent]:
         return [codec.decode(m.value) for m in s.read(cfg.topics.events, timeout_s=1.0)]
 
 
+@pytest.mark.slow
 def test_registration_before_commit_and_recovery(weak_pair, tiny_models, sqlite_uri, tmp_path):
     cfg, draft_dir = log_requests(weak_pair, tmp_path, N, seed=3, cluster_of=lambda i: "code" if i % 2 else "prose")
     out = tmp_path / "trainer"
@@ -110,6 +111,7 @@ def test_gate_refuses_a_worse_candidate(weak_pair, tiny_models, sqlite_uri, tmp_
     assert reg.get("code", worse.version).tags["gate_decision"] == "rejected"
 
 
+@pytest.mark.slow
 def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_models, sqlite_uri, tmp_path):
     """Serving (logging to the stream) under load, the trainer learning from it in another
     thread: the trainer's promotion is swapped in while clients run, nothing fails, and
@@ -177,6 +179,7 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     assert {(r.draft_model, r.draft_version) for r in logged} == {("draft-code", v) for v, _ in served}
 
 
+@pytest.mark.slow
 def test_specops_train_registers_through_the_cli(weak_pair, tiny_models, sqlite_uri, tmp_path):
     from specops.cli import main
 

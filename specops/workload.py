@@ -1,10 +1,13 @@
 """The demo's traffic: held-out prompts of two domains, a distribution shift, replayed over HTTP.
 
 The schedule is seeded and fixed before the run: phase 1 is code-heavy, phase 2 shifts to
-prose-heavy (OSD §5.2's shifting query distribution). Prompts are drawn with replacement
-from a pool of held-out prompts per domain, as recurring queries of a real service would
-be. Requests carry no ``cluster``: the router assigns it, and the routed cluster is what
-the report groups by (the true domain is kept to measure routing).
+prose-heavy (OSD §5.2's shifting query distribution). By default every request is a
+**distinct** held-out prompt, never served before (``specops.prompts.distinct_prompts``), so
+a rising α is learning, not memory. With ``recurring``, prompts are drawn with replacement
+from a pool per domain, as recurring queries of a real service would be: a draft can then
+learn the exact continuations it will be asked for again. Requests carry no ``cluster``:
+the router assigns it, and the routed cluster is what the report groups by (the true
+domain is kept to measure routing).
 
 :class:`Replayer` sends the schedule through the official ``openai`` client from a few
 client threads and calls ``on_row`` for every finished request.
@@ -45,26 +48,43 @@ class Planned:
     text: str
 
 
-def build_schedule(model_dir: Path, tokenizer, *, num_requests: int, pool: int, prompt_tokens: int,
-                   seed: int = 0, phases: tuple[Phase, ...] = PHASES) -> list[Planned]:  # fmt: skip
-    """``num_requests`` requests over ``phases``, prompts drawn from a held-out pool per domain."""
-    from specops.prompts import heldout_prompts
+def build_schedule(model_dir: Path, tokenizer, *, num_requests: int, prompt_tokens: int, seed: int = 0,
+                   recurring: int = 0, phases: tuple[Phase, ...] = PHASES,
+                   extra: int = 0) -> tuple[list[Planned], dict[str, list[str]]]:  # fmt: skip
+    """``num_requests`` requests over ``phases``, and ``extra`` more distinct prompts per domain
+    that the schedule never uses (the closing comparison's never-served prompts).
+
+    Distinct prompts by default; with ``recurring`` > 0, drawn with replacement from a
+    pool of that many prompts per domain."""
+    from specops.prompts import distinct_prompts
 
     domains = sorted({d for p in phases for d in p.share})
-    pools = {d: [p.text for p in heldout_prompts(model_dir, tokenizer, d, pool, num_tokens=prompt_tokens, seed=seed + 1,
-                                                 per_doc=2)] for d in domains}  # fmt: skip
-    for d, texts in pools.items():
-        if not texts:
-            raise ValueError(f"no held-out prompts of domain {d!r} in {model_dir}")
+    want = recurring if recurring else num_requests  # at most every request from one domain
+    pools: dict[str, list[str]] = {}
+    unseen: dict[str, list[str]] = {}
+    for d in domains:
+        texts = [p.text for p in distinct_prompts(model_dir, tokenizer, d, want + extra, num_tokens=prompt_tokens,
+                                                  seed=seed + 1)]  # fmt: skip
+        if len(texts) <= extra:
+            raise ValueError(f"not enough held-out prompts of domain {d!r} in {model_dir}")
+        unseen[d], pools[d] = texts[:extra], texts[extra:]
     rng = random.Random(seed)
+    nxt = {d: 0 for d in domains}
     out: list[Planned] = []
     for i, phase in enumerate(phases):
         n = num_requests - len(out) if i == len(phases) - 1 else round(num_requests * phase.fraction)
         names, weights = zip(*sorted(phase.share.items()))
         for _ in range(n):
             d = rng.choices(names, weights)[0]
-            out.append(Planned(len(out), phase.name, d, rng.choice(pools[d])))
-    return out
+            if recurring:
+                text = rng.choice(pools[d])
+            else:
+                if nxt[d] >= len(pools[d]):
+                    raise ValueError(f"only {len(pools[d])} distinct held-out prompts of domain {d!r}: "
+                                     "lower the request count or use a recurring workload")  # fmt: skip
+                text, nxt[d] = pools[d][nxt[d]], nxt[d] + 1
+            out.append(Planned(len(out), phase.name, d, text))
+    return out, unseen
 
 
 @dataclass

@@ -403,13 +403,14 @@ def build_parser() -> argparse.ArgumentParser:
         "served once) through the HTTP API with the openai client (code-heavy, then shifting to prose-heavy), and "
         "shows α per cluster live as the trainer promotes drafts and serving hot-swaps them. Ends with a speed and "
         "acceptance comparison on prompts never served (target-only, static draft, online draft) and writes "
-        "report/index.html and report/summary.json. Builds the default models first if needed (about 10 minutes on "
-        "2 cores); the loop itself takes about 6 minutes (--quick: about 3). Every run starts from fresh state "
+        "report/index.html and report/summary.json. Builds the default models first if needed (about 11-15 minutes "
+        "on 2 cores); the loop itself takes about 9 minutes on the default pair (--quick: about 5). Every run starts "
+        "from fresh state "
         "under <data>/demo.",
     )
     p.add_argument("--model-dir", default=str(models_dir()), help="model directory (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a 3-minute version: 120 requests")
-    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 240, --quick 120)")
+    p.add_argument("--quick", action="store_true", help="a shorter run: 60 requests, 2 closing prompts per cluster")
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 120, --quick 60)")
     p.add_argument("--recurring", type=int, default=None, metavar="N",
                    help="draw prompts with replacement from N held-out prompts per domain (recurring queries, which "
                    "a draft can memorise) instead of serving each prompt once (default: 0, distinct prompts)")  # fmt: skip

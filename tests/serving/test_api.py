@@ -19,6 +19,7 @@ import pytest
 import requests
 import torch
 
+from serving.engine import DEFAULT_K
 from serving.models import load_model
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 
@@ -85,7 +86,7 @@ def test_completion_usage_and_speculation_block(client, tok):
     n_prompt = len(tok(TEXT_PROMPTS[0], add_special_tokens=False)["input_ids"])
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 20, n_prompt + 20)
     s = spec(r)
-    assert (s["method"], s["k"], s["draft_model"], s["draft_version"]) == ("draft", 4, "draft-default", "base")
+    assert (s["method"], s["k"], s["draft_model"], s["draft_version"]) == ("draft", DEFAULT_K["draft"], "draft-default", "base")
     assert (s["cluster"], s["cluster_source"], s["router_version"]) == ("default", "default", None)
     assert 0 <= s["accepted"] <= s["drafted"] and s["drafted"] > 0
     assert s["acceptance_rate"] == round(s["accepted"] / s["drafted"], 4)

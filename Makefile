@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/specops demo
 
-# Everything (what CI runs), on both cores: about 7 minutes on 2 cores.
+# Everything (what CI runs), on both cores: about 13-14 minutes on 2 cores.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
         "shows α per cluster live as the trainer promotes drafts and serving hot-swaps them. Ends with a speed and "
         "acceptance comparison on prompts never served (target-only, static draft, online draft) and writes "
         "report/index.html and report/summary.json. Builds the default models first if needed (about 11-15 minutes "
-        "on 2 cores); the loop itself takes about 9 minutes on the default pair (--quick: about 5). Every run starts "
+        "on 2 cores); the loop itself takes about 10 minutes on the default pair (--quick: about 6). Every run starts "
         "from fresh state "
         "under <data>/demo.",
     )

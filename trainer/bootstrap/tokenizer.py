@@ -58,4 +58,6 @@ def encode_documents(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """Hex sha256 of a file, read in chunks (the GGUF is 270 MB)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

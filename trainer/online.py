@@ -20,7 +20,9 @@ Offsets are committed only after steps 4 and 5, so every committed record is eit
 inside a checkpointed and registered update or inside a durably persisted buffer: kill
 the trainer anywhere and nothing is lost (at-least-once). When the registry cannot be
 reached the pass does not commit; the next pass retries the registration (idempotent,
-by checkpoint) and commits once it succeeds. (With ``register_every`` > 1 the updates in
+by checkpoint) and commits once it succeeds. When the group rebalanced since the poll the
+commit is refused: the pass logs it and goes on, the records go to their partitions' new
+owner (this trainer again, once it rejoins). (With ``register_every`` > 1 the updates in
 between are committed once checkpointed and registered with the next registered one.) Records delivered twice after a crash are recognised
 by their (topic, partition, offset) and buffered once.
 """
@@ -42,7 +44,7 @@ from transformers import AutoModelForCausalLM
 
 from serving import draft_vocab
 from serving.draft_vocab import DraftVocab
-from streams import StreamConfig, codec, open_stream
+from streams import CommitFailedError, StreamConfig, codec, open_stream
 from streams.consumer import RecordConsumer
 from streams.records import MissRecord
 from trainer import checkpoint as ckpt
@@ -295,7 +297,14 @@ class OnlineTrainer:
         if not self.publish_pending():  # 5.
             return len(delivered)  # not committed: these records come back if the trainer dies now
         if delivered:  # 6.
-            self.consumer.commit()
+            try:
+                self.consumer.commit()
+            except CommitFailedError as exc:
+                # The group took partitions away since the poll (this member missed its session
+                # timeout, or another one joined). Their records go to the new owner; this one
+                # rejoins on its next poll, and what comes back to it is recognised in _seen.
+                log.warning("offsets of this pass (%d records) not committed, the group rebalanced: %s", len(delivered), exc)
+                return len(delivered)
             # after a commit only what the buffers hold can come back (crash before the next commit)
             self._seen = {h.source for c in self.buffers.clusters() for h in self.buffers[c]}
             self._seen |= {h.source for st in self.clusters.values() for h in st.holdout}

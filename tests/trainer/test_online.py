@@ -177,3 +177,31 @@ def test_killed_trainer_loses_no_record(logged, tmp_path):
     assert trained | held_out == {f"r{i}" for i in range(N_REQUESTS)}
     with open_stream(cfg) as s:
         _assert_all_committed(s, "killed", cfg.topics.misses)
+
+
+def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_once(close_pair, tmp_path, caplog):
+    """The group takes a partition away between a pass's poll and its commit (another member
+    joins, as when this one missed its session timeout): the pass logs it and returns, and
+    once the partition is back its records are recognised rather than buffered twice."""
+    n = 12
+    cfg, draft_dir = log_requests(close_pair, tmp_path, n, seed=5, cluster_of=lambda i: "code" if i % 2 else "chat",
+                                  max_new_tokens=12)  # clusters keyed to partitions 1 and 0
+    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(group="rebal", interval=1000))
+    raw, joined = trainer.consumer.consumer, []
+
+    def poll_then_rebalance(**kw):
+        got = type(raw).poll(raw, **kw)
+        if got and not joined:
+            joined.append(trainer.stream.consumer("rebal", [cfg.topics.misses]))  # takes one of the two partitions
+        return got
+
+    raw.poll = poll_then_rebalance
+    with caplog.at_level("WARNING", logger="trainer.online"):
+        first = trainer.step()
+    assert first > 0 and "not committed, the group rebalanced" in caplog.text
+    joined[0].close()  # leaves without committing: its partition (and our uncommitted records) come back
+    trainer.run(max_idle_s=4.0)  # rebalances within heartbeat_interval_s / 2: the partition and its records come back
+    held = [h.source for c in ("code", "chat") for h in [*trainer.buffers[c].items(), *trainer.clusters[c].holdout]]
+    assert len(held) == len(set(held)) == n
+    _assert_all_committed(trainer.stream, "rebal", cfg.topics.misses)
+    trainer.close()

@@ -24,8 +24,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from serving.cpu_linear import few_rows_linear
 
 FILE = "draft_vocab.json"
 FORMAT = "specops-draft-vocab/1"
@@ -68,7 +69,7 @@ class DraftVocab:
 
     def logits(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[n_rows, vocab]`` with ``-inf`` outside the subset; hidden ``[n_rows, hidden]``."""
-        sub = F.linear(hidden, self.rows(head))  # [n_rows, n]
+        sub = few_rows_linear(hidden, self.rows(head))  # [n_rows, n]
         if head.bias is not None:
             sub = sub + head.bias[self.token_ids.to(sub.device)]
         out = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))

@@ -49,3 +49,13 @@ def test_a_model_is_switched_once_and_stays_loadable(tmp_path):
     assert state.keys() == tiny_llama(32, 2, seed=1).state_dict().keys()
     model.save_pretrained(tmp_path / "m", safe_serialization=True)
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_stock_linear_switches_back_for_the_block_only():
+    from serving.cpu_linear import stock_linear
+
+    model = tiny_llama(32, 2, seed=1)
+    use_small_batch_linear(model)
+    with stock_linear(model, None):
+        assert not any(isinstance(m, SmallBatchLinear) for m in model.modules())
+    assert use_small_batch_linear(model) == 0  # every module is SmallBatchLinear again

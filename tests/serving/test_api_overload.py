@@ -190,14 +190,26 @@ def test_queue_and_request_timeouts(tiny_models, tmp_path):
         err = assert_error(first[0], 504, "request_timeout")
         assert err["type"] == "timeout" and "more than 0.5s" in err["message"]
         # a stream that runs out of time ends with an in-band OpenAI-shaped error instead of [DONE]
-        with requests.post(url, json=long | {"stream": True}, stream=True, timeout=60) as r:
-            assert r.status_code == 200
-            events = [line.removeprefix(b"data: ") for line in r.iter_lines() if line]
+        extra_timeouts = 0
+        for _ in range(3):
+            with requests.post(url, json=long | {"stream": True}, stream=True, timeout=60) as r:
+                if r.status_code == 504:  # no token within 0.5 s on a loaded machine: a plain 504 (also a timeout)
+                    assert_error(r, 504, "request_timeout")
+                    extra_timeouts += 1
+                    continue
+                assert r.status_code == 200
+                events = [line.removeprefix(b"data: ") for line in r.iter_lines() if line]
+                break
+        else:
+            pytest.fail("three streams in a row timed out before their first token")
         assert b"[DONE]" not in events and len(events) >= 2
         last = json.loads(events[-1])
         assert (last["error"]["code"], last["error"]["type"]) == ("request_timeout", "timeout")
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-1])
-        assert counts() == (timeouts0 + 2, queue_timeouts0 + 1)
+        assert counts() == (timeouts0 + 2 + extra_timeouts, queue_timeouts0 + 1)
         assert wait_until(lambda: srv.state.admission.snapshot().running == 0, 5)
-        ok = requests.post(url, json=long | {"max_tokens": 3})
+        for _ in range(3):  # the server serves again; on a loaded machine 3 tokens may still take > 0.5 s
+            ok = requests.post(url, json=long | {"max_tokens": 3})
+            if ok.status_code != 504:
+                break
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

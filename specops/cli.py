@@ -404,13 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
         "shows α per cluster live as the trainer promotes drafts and serving hot-swaps them. Ends with a speed and "
         "acceptance comparison on prompts never served (target-only, static draft, online draft) and writes "
         "report/index.html and report/summary.json. Builds the default models first if needed (about 11-15 minutes "
-        "on 2 cores); the loop itself takes about 10 minutes on the default pair (--quick: about 6). Every run starts "
+        "on 2 cores); the loop itself takes about 4-5 minutes on the default pair (48 requests; --quick: 24, about 3). "
+        "Every run starts "
         "from fresh state "
         "under <data>/demo.",
     )
     p.add_argument("--model-dir", default=str(models_dir()), help="model directory (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a shorter run: 60 requests, 2 closing prompts per cluster")
-    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 120, --quick 60)")
+    p.add_argument("--quick", action="store_true", help="a shorter run: 24 requests, 2 closing prompts per cluster")
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 48, --quick 24)")
     p.add_argument("--recurring", type=int, default=None, metavar="N",
                    help="draw prompts with replacement from N held-out prompts per domain (recurring queries, which "
                    "a draft can memorise) instead of serving each prompt once (default: 0, distinct prompts)")  # fmt: skip

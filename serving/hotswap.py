@@ -307,7 +307,7 @@ class DraftFollower:
         if got != self.target_tokenizer_sha256:
             raise ModelConfigError(f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
                                    f"target's ({self.target_tokenizer_sha256[:12]})")  # fmt: skip
-        model, info = load_model(path, loading_info=True)
+        model, info = load_model(path, dtype=self.base_draft.dtype, loading_info=True)  # served as the base draft is
         bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if bad:
             raise ModelConfigError(f"{dv.name} version {dv.version}: weights do not fit its config: {bad}")

@@ -6,6 +6,15 @@ only (``use_safetensors=True``), so nothing is ever unpickled.
 A loaded model is prepared for decoding: its linear layers take the few-row route of
 ``serving.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
 (``serving.draft_vocab``).
+
+The target always runs in float32: its distribution is the output. The draft runs in
+``DEFAULT_DRAFT_DTYPE`` (bfloat16) unless asked otherwise: a draft token costs reading the
+draft's weights, and half the bytes make it 1.6x faster on our 2-core CPUs (the default
+draft's cached 1-token forward 6.3 -> 3.8 ms; its greedy token agreed with float32's at
+98 % of held-out positions). Verification never depends on the draft's precision, so the
+output stays the target's token for token (greedy) and in distribution (sampling); the
+draft's precision only moves acceptance. Checkpoints stay float32 (the trainer's); serving
+casts when it loads, hot-swapped versions included.
 """
 
 from __future__ import annotations
@@ -83,12 +92,29 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
-def load_model(path: Path, *, loading_info: bool = False):
-    """A model from a local directory (safetensors only), in eval mode, prepared for
-    decoding. With ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
+DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+"""Precisions a draft can be served in, by name."""
+DEFAULT_DRAFT_DTYPE = "bfloat16"
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a draft precision name (or a dtype itself), or a clear error."""
+    if isinstance(name, torch.dtype):
+        if name not in DRAFT_DTYPES.values():
+            raise ModelConfigError(f"draft dtype {name} is not one of {sorted(DRAFT_DTYPES)}")
+        return name
+    try:
+        return DRAFT_DTYPES[name]
+    except KeyError:
+        raise ModelConfigError(f"unknown draft dtype {name!r}; choose one of {', '.join(DRAFT_DTYPES)}") from None
+
+
+def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, loading_info: bool = False):
+    """A model from a local directory (safetensors only), in ``dtype``, in eval mode, prepared
+    for decoding. With ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, use_safetensors=True, dtype=torch.float32, output_loading_info=True
+        path, local_files_only=True, use_safetensors=True, dtype=resolve_dtype(dtype), output_loading_info=True
     )
     model.eval()
     prepare_for_decoding(model)
@@ -110,8 +136,10 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
 
 
-def load_pair(target_dir: Path, draft_dir: Path | None = None) -> ModelPair:
-    """Load a target and (optionally) a draft; fail clearly if their tokenizers differ."""
+def load_pair(target_dir: Path, draft_dir: Path | None = None, *,
+              draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE) -> ModelPair:  # fmt: skip
+    """Load a target (float32) and optionally a draft (in ``draft_dtype``); fail clearly if
+    their tokenizers differ."""
     check_model_dir(target_dir)
     if draft_dir is not None:
         check_model_dir(draft_dir)
@@ -125,20 +153,21 @@ def load_pair(target_dir: Path, draft_dir: Path | None = None) -> ModelPair:
                 f"draft tokenizer at {draft_dir} (sha256 {draft_hash[:12]}) differs from the target's at "
                 f"{target_dir} (sha256 {target_hash[:12]}); speculative decoding needs one shared tokenizer"
             )
-        draft = load_model(draft_dir)
+        draft = load_model(draft_dir, dtype=draft_dtype)
     target = load_model(target_dir)
     pair = ModelPair(target=target, draft=draft, tokenizer=target_tok, tokenizer_sha256=target_hash)
     log.info(
         "loaded target %s (%.1fM params)%s",
         target_dir,
         sum(p.numel() for p in target.parameters()) / 1e6,
-        f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params)" if draft else "",
+        f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {draft.dtype})"
+        if draft else "",
     )
     return pair
 
 
-def load_model_dir(model_dir: Path) -> ModelPair:
+def load_model_dir(model_dir: Path, *, draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE) -> ModelPair:
     """Load the pair under a bootstrap-style directory: ``model_dir/target`` and ``model_dir/draft``."""
     model_dir = Path(model_dir)
     draft_dir = model_dir / "draft"
-    return load_pair(model_dir / "target", draft_dir if draft_dir.is_dir() else None)
+    return load_pair(model_dir / "target", draft_dir if draft_dir.is_dir() else None, draft_dtype=draft_dtype)

@@ -121,7 +121,7 @@ class ServingState:
 
         cfg = self.cfg
         self.loading_step = "models"  # 1.
-        self.pair = load_pair(self.target_dir, self.draft_dir)
+        self.pair = load_pair(self.target_dir, self.draft_dir, draft_dtype=cfg.draft_dtype)
         if self.stream_cfg is not None:  # 2.
             from serving.stream_logger import LoggerConfig, StreamLogger
 

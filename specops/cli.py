@@ -65,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from serving.types import SamplingParams
 
     _threads(args.threads)
-    pair = load_model_dir(Path(args.model_dir))
+    pair = load_model_dir(Path(args.model_dir), draft_dtype=args.draft_dtype)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
     )
@@ -253,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 4 for draft, 10 for pld)")
+    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 3 for draft, 10 for pld)")
+    p.add_argument("--draft-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="precision the draft runs in; the target runs in float32 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as one JSON line')
     p.add_argument("--stream", default=None, metavar="URL",
                    help="also log the request (MissRecord + GenerationRecord) to this stream, "

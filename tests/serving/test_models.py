@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from serving.errors import ModelConfigError, TokenizerMismatchError
-from serving.models import load_pair, tokenizer_hash
+from serving.models import load_pair, load_model_dir, tokenizer_hash
 from tests.conftest import VOCAB, tiny_llama
 
 
@@ -33,6 +34,16 @@ def test_load_pair_with_shared_tokenizer(tmp_path, words):
     assert pair.vocab_size == VOCAB and pair.draft is not None
     assert pair.tokenizer_sha256 == tokenizer_hash(pair.tokenizer)
     assert not any(p.suffix in {".bin", ".pt", ".pkl"} for p in target.iterdir())
+
+
+def test_the_draft_runs_in_bfloat16_by_default_and_the_target_in_float32(tmp_path, words):
+    save_dir(tmp_path / "target", words, 1)
+    save_dir(tmp_path / "draft", words, 2)
+    pair = load_model_dir(tmp_path)
+    assert (pair.target.dtype, pair.draft.dtype) == (torch.float32, torch.bfloat16)
+    assert load_model_dir(tmp_path, draft_dtype="float32").draft.dtype == torch.float32
+    with pytest.raises(ModelConfigError, match="unknown draft dtype 'float16'"):
+        load_model_dir(tmp_path, draft_dtype="float16")
 
 
 def test_different_tokenizers_are_rejected(tmp_path, words):

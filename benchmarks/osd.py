@@ -558,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model_dir = Path(args.model_dir)
-    pair = load_model_dir(model_dir)
+    # Learning is measured in float32, the precision the trainer trains and evaluates in (serving's
+    # bfloat16 draft, serving.models, moves acceptance by less than this benchmark's noise).
+    pair = load_model_dir(model_dir, draft_dtype="float32")
     base_dir = model_dir / "draft"
     if args.base == "generic":  # the paper's setting: a draft never distilled from the target
         from trainer.bootstrap.generic import build_generic_draft

@@ -53,7 +53,7 @@ from transformers.generation.utils import GenerationMixin  # noqa: E402
 from serving.engine import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from serving.cost import step_ms  # noqa: E402
 from serving.cpu_linear import stock_linear  # noqa: E402
-from serving.models import ModelPair, load_model_dir  # noqa: E402
+from serving.models import DEFAULT_DRAFT_DTYPE, ModelPair, load_model, load_model_dir  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
@@ -105,6 +105,10 @@ class BenchConfig:
     """Prompt selection seed; sampling seeds are seed + prompt index."""
     cost_reps: int = 200
     """Timed forwards per model when measuring c."""
+    draft_dtype: str = DEFAULT_DRAFT_DTYPE
+    """Precision the draft runs in, ours and HF's assistant alike (serving's default)."""
+    float32_arm: bool = True
+    """With a bfloat16 draft, also run ``draft_float32`` (the same draft in float32) side by side."""
     quick: bool = False
     min_cpu_share: float = 0.6
     """A prompt is measured again when any of its runs got less CPU time than this share
@@ -270,7 +274,8 @@ def our_method(name: str, engine: SpecEngine, cfg: ProposerConfig, k: int, headl
     return Method(name=name, family="ours", run=run, k=None if cfg.method == "target" else k, headline=headline)
 
 
-def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter) -> list[Method]:
+def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter, draft32=None) -> list[Method]:
+    """The arms; ``draft32``: the draft in float32 for a ``draft_float32`` arm (None: no such arm)."""
     engine = SpecEngine(pair)
     methods = [
         hf_method(REFERENCE, pair, counter),
@@ -280,6 +285,11 @@ def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter) ->
         our_method("draft", engine, ProposerConfig(method="draft"), cfg.k),
         our_method("pld", engine, ProposerConfig(method="pld"), DEFAULT_K["pld"]),
     ]
+    if draft32 is not None:
+        pair32 = ModelPair(target=pair.target, draft=draft32, tokenizer=pair.tokenizer,
+                           tokenizer_sha256=pair.tokenizer_sha256)  # fmt: skip
+        methods.append(our_method("draft_float32", SpecEngine(pair32), ProposerConfig(method="draft"), cfg.k,
+                                  headline=False))  # fmt: skip
     for k in cfg.sweep:
         if k != cfg.k:
             methods.append(our_method(f"draft_k{k}", engine, ProposerConfig(method="draft"), k, headline=False))
@@ -309,7 +319,7 @@ def hf_assisted_settings(pair: ModelPair) -> dict:
 
 
 # ---------------------------------------------------------------- step costs (c)
-def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig) -> dict:
+def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig, draft32=None) -> dict:
     """Median wall time of one cached forward of n new tokens on top of the prompt, for
     the draft (n=1) and the target (n=1 and n=k+1, a verification step), through the
     engine's ``CachedLM`` (``serving.cost.step_ms``). c = draft(1) / target(1)."""
@@ -319,6 +329,10 @@ def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig)
     out["draft_1_ms"] = step_ms(pair.draft, prompt_ids, 1, reps=cfg.cost_reps) if pair.draft is not None else None
     out["target_verify_ms"] = {str(k): step_ms(pair.target, prompt_ids, k + 1, reps=cfg.cost_reps) for k in ks}
     out["c"] = out["draft_1_ms"] / out["target_1_ms"] if out["draft_1_ms"] else None
+    out["draft_dtype"] = str(pair.draft.dtype).removeprefix("torch.") if pair.draft is not None else None
+    if draft32 is not None:  # the same draft in float32, for the side-by-side arm
+        out["draft_float32_1_ms"] = step_ms(draft32, prompt_ids, 1, reps=cfg.cost_reps)
+        out["c_float32"] = out["draft_float32_1_ms"] / out["target_1_ms"]
     # target(k+1 tokens) / target(1 token): Eq. 2 assumes 1.
     out["verify_ratio"] = {k: v / out["target_1_ms"] for k, v in out["target_verify_ms"].items()}
     return out
@@ -420,7 +434,7 @@ def warm_up(methods: list[Method], prompt_ids: list[int]) -> None:
 def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
     torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    pair = load_model_dir(Path(cfg.model_dir))
+    pair = load_model_dir(Path(cfg.model_dir), draft_dtype=cfg.draft_dtype)
     if pair.draft is None or pair.tokenizer is None:
         raise SystemExit(f"{cfg.model_dir} needs target/, draft/ and a tokenizer; run `specops bootstrap` first")
     manifest = json.loads((Path(cfg.model_dir) / "manifest.json").read_text())
@@ -432,14 +446,17 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
         if len(ps) < cfg.prompts:
             log.warning("only %d held-out %s prompts (asked for %d)", len(ps), d, cfg.prompts)
 
+    draft32 = None
+    if cfg.float32_arm and pair.draft.dtype != torch.float32:
+        draft32 = load_model(Path(cfg.model_dir) / "draft", dtype=torch.float32)
     counter = ForwardCounter(pair.target)
-    methods = build_methods(pair, cfg, counter)
+    methods = build_methods(pair, cfg, counter, draft32)
     log.info("methods: %s", ", ".join(m.name for m in methods))
     first = prompts[DOMAINS[0]][0].token_ids
     log.info("warming up")
     warm_up(methods, first)
     log.info("measuring step costs (c)")
-    costs = measure_step_costs(pair, first, cfg)
+    costs = measure_step_costs(pair, first, cfg, draft32)
     log.info("c = %.3f (draft %.3f ms, target %.3f ms per cached 1-token forward)",
              costs["c"], costs["draft_1_ms"], costs["target_1_ms"])
     loop_overhead = measure_loop_overhead(pair, first)
@@ -614,6 +631,14 @@ def explain(results: dict, costs: dict, cfg: BenchConfig) -> dict:
     return out
 
 
+def pooled_ratio(greedy: dict, a: str, b: str) -> float | None:
+    """Median over the greedy prompts of both domains of ``a``'s tokens/s over ``b``'s (None without ``b``)."""
+    if any(b not in greedy[d] for d in DOMAINS):
+        return None
+    return median([x["tokens_per_s"] / y["tokens_per_s"] for d in DOMAINS
+                   for x, y in zip(greedy[d][a], greedy[d][b]) if y["tokens_per_s"] > 0])  # fmt: skip
+
+
 def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchConfig, methods: list[Method]) -> dict:
     greedy = {d: records[d]["greedy"] for d in DOMAINS}
     # Pooled over both domains: median of the per-prompt ratios of all greedy prompts.
@@ -621,7 +646,8 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
               for d in DOMAINS for a, b in zip(greedy[d]["draft"], greedy[d]["hf_assisted"]) if b["tokens_per_s"] > 0]
     checked = [r["identical"] for d in DOMAINS for name, rs in greedy[d].items()
                if name not in (REFERENCE, "target") for r in rs]
-    draft_names = [m.name for m in methods if m.family == "ours" and m.name.startswith("draft") and "adaptive" not in m.name]
+    draft_names = [m.name for m in methods if m.family == "ours" and m.name.startswith("draft")
+                   and "adaptive" not in m.name and m.name != "draft_float32"]  # fmt: skip
 
     def pooled_speedup(name: str) -> float | None:
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
@@ -644,6 +670,8 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
                                             zip(greedy["code"]["draft"], greedy["code"]["target"]) if b["tokens_per_s"] > 0]),
         "pld_vs_hf_pld": median([a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
                                  for a, b in zip(greedy[d]["pld"], greedy[d]["hf_pld"]) if b["tokens_per_s"] > 0]),
+        "draft_dtype": cfg.draft_dtype,
+        "draft_vs_draft_float32": pooled_ratio(greedy, "draft", "draft_float32"),
         "headline_k": cfg.k,
         "best_k": best_k,
         "speedup_by_k": {str(k): v for k, v in sorted(sweep.items())},
@@ -685,7 +713,9 @@ def markdown(report: dict) -> str:
         "",
         f"Step costs (median of {costs['reps']} cached forwards after a {costs['context_tokens']}-token prompt): "
         f"target {costs['target_1_ms']:.2f} ms, draft {costs['draft_1_ms']:.2f} ms per 1-token forward, "
-        f"**c = {costs['c']:.3f}**; a verification forward of k+1 tokens costs "
+        f"**c = {costs['c']:.3f}** (draft in {costs.get('draft_dtype') or 'float32'}"
+        + (f"; in float32 {costs['draft_float32_1_ms']:.2f} ms, c = {costs['c_float32']:.3f}" if costs.get("c_float32") else "")
+        + "); a verification forward of k+1 tokens costs "
         + ", ".join(f"{v:.2f}× (k={k})" for k, v in costs["verify_ratio"].items())
         + " a 1-token one.",
         "",
@@ -844,6 +874,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per model for c (default 200; 50 with --quick)")
     p.add_argument("--min-cpu-share", type=float, default=0.6,
                    help="measure a prompt again when a run got less CPU than this share of its wall time (0 = off)")
+    p.add_argument("--draft-dtype", choices=("bfloat16", "float32"), default=DEFAULT_DRAFT_DTYPE,
+                   help="precision the draft runs in, ours and HF's assistant alike (serving's default: %(default)s)")
+    p.add_argument("--no-float32-arm", action="store_true",
+                   help="with a bfloat16 draft, skip the side-by-side draft_float32 arm (the same draft in float32)")
     p.add_argument("--quick", action="store_true", help="2 prompts/domain, 48 new tokens, no k sweep (< 3 min)")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
@@ -865,6 +899,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads,
         seed=args.seed,
         cost_reps=args.cost_reps if args.cost_reps is not None else (50 if quick else 200),
+        draft_dtype=args.draft_dtype,
+        float32_arm=not args.no_float32_arm,
         quick=quick,
         min_cpu_share=args.min_cpu_share,
     )

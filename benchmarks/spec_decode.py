@@ -53,7 +53,7 @@ from transformers.generation.utils import GenerationMixin  # noqa: E402
 from serving.engine import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from serving.cost import step_ms  # noqa: E402
 from serving.cpu_linear import stock_linear  # noqa: E402
-from serving.models import DEFAULT_DRAFT_DTYPE, ModelPair, load_model, load_model_dir  # noqa: E402
+from serving.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPES, ModelPair, load_model, load_model_dir  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
@@ -874,7 +874,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per model for c (default 200; 50 with --quick)")
     p.add_argument("--min-cpu-share", type=float, default=0.6,
                    help="measure a prompt again when a run got less CPU than this share of its wall time (0 = off)")
-    p.add_argument("--draft-dtype", choices=("bfloat16", "float32"), default=DEFAULT_DRAFT_DTYPE,
+    p.add_argument("--draft-dtype", choices=tuple(DRAFT_DTYPES), default=DEFAULT_DRAFT_DTYPE,
                    help="precision the draft runs in, ours and HF's assistant alike (serving's default: %(default)s)")
     p.add_argument("--no-float32-arm", action="store_true",
                    help="with a bfloat16 draft, skip the side-by-side draft_float32 arm (the same draft in float32)")

@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         "served once) through the HTTP API with the openai client (code-heavy, then shifting to prose-heavy), and "
         "shows α per cluster live as the trainer promotes drafts and serving hot-swaps them. Ends with a speed and "
         "acceptance comparison on prompts never served (target-only, static draft, online draft) and writes "
-        "report/index.html and report/summary.json. Builds the default models first if needed (about 11-15 minutes "
+        "report/index.html and report/summary.json. Builds the default models first if needed (about 10-13 minutes "
         "on 2 cores); the loop itself takes about 4-5 minutes on the default pair (48 requests; --quick: 24, about 3). "
         "Every run starts "
         "from fresh state "

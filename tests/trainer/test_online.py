@@ -196,12 +196,14 @@ def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_
         return got
 
     raw.poll = poll_then_rebalance
-    with caplog.at_level("WARNING", logger="trainer.online"):
-        first = trainer.step()
-    assert first > 0 and "not committed, the group rebalanced" in caplog.text
-    joined[0].close()  # leaves without committing: its partition (and our uncommitted records) come back
-    trainer.run(max_idle_s=4.0)  # rebalances within heartbeat_interval_s / 2: the partition and its records come back
-    held = [h.source for c in ("code", "chat") for h in [*trainer.buffers[c].items(), *trainer.clusters[c].holdout]]
-    assert len(held) == len(set(held)) == n
-    _assert_all_committed(trainer.stream, "rebal", cfg.topics.misses)
-    trainer.close()
+    try:
+        with caplog.at_level("WARNING", logger="trainer.online"):
+            first = trainer.step()
+        assert first > 0 and "not committed, the group rebalanced" in caplog.text
+        joined[0].close()  # leaves without committing: its partition (and our uncommitted records) come back
+        trainer.run(max_idle_s=4.0)  # rebalances within heartbeat_interval_s / 2: the partition and its records come back
+        held = [h.source for c in ("code", "chat") for h in [*trainer.buffers[c].items(), *trainer.clusters[c].holdout]]
+        assert len(held) == len(set(held)) == n
+        _assert_all_committed(trainer.stream, "rebal", cfg.topics.misses)
+    finally:
+        trainer.close()

@@ -359,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads TOPIC outside any consumer group (commits nothing) and prints one line per record: "
         "partition, offset, time, key, type, size and a summary (request, acceptance, rejected positions; or "
         "the source and reason of a dead letter). Records that fail validation are shown as INVALID with the "
-        "reason. Ends with totals per type and per cluster, and the group's lag with --group.",
+        "reason. Ends with totals per type and per cluster, and the group's lag with --group. Damaged bytes in "
+        "a local log (skipped, copied to the partition's quarantine directory) are listed last, and the exit "
+        "status is then 3.",
     )
     q.add_argument("url", help="stream URL")
     q.add_argument("topic", help="topic, e.g. spec.misses, spec.generations, spec.events, spec.deadletter")

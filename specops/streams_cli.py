@@ -17,6 +17,10 @@ from streams.errors import RecordValidationError
 from streams.records import DeadLetter, GenerationRecord, MissRecord, ModelEvent
 
 
+DAMAGED = 3
+"""Exit status of ``inspect`` when the log holds damaged bytes."""
+
+
 def summarize(msg: Message) -> dict[str, Any]:
     """One message as a flat dict: where it is, what it is, and the gist of it."""
     row: dict[str, Any] = {
@@ -74,11 +78,14 @@ def inspect(url: str, topic: str, *, limit: int, tail: int | None, group: str | 
         ends = stream.end_offsets(topic)
         rows = [summarize(m) for m in stream.read(topic, from_end=tail)]
         committed = stream.committed(group, topic) if group else {}
+        damage = stream.damage(topic) if hasattr(stream, "damage") else []
     rows.sort(key=lambda r: (r["partition"], r["offset"]))
     if as_json:
         for r in rows[:limit] if limit else rows:
             print(json.dumps(r))
-        return 0
+        for d in damage:
+            print(json.dumps({"damage": d}), file=sys.stderr)
+        return DAMAGED if damage else 0
     console = Console()
     table = Table(title=f"{topic} at {url}", show_lines=False)
     for col in ("p", "offset", "time", "key", "type", "bytes", "summary"):
@@ -92,7 +99,14 @@ def inspect(url: str, topic: str, *, limit: int, tail: int | None, group: str | 
     if len(shown) < len(rows):
         console.print(f"... {len(rows) - len(shown)} more (use --limit 0 for all)")
     _print_totals(console, rows, ends, committed, group)
-    return 0
+    for d in damage:
+        console.print(
+            f"DAMAGED p{d['partition']} segment {d['segment']}: {d['bytes']} bytes at {d['start']}-{d['end']} "
+            f"({d['where']}); the records there are lost, those around it are listed above; copy: "
+            f"{d['quarantine'] or 'none'}",
+            style="bold red",
+        )
+    return DAMAGED if damage else 0
 
 
 def _print_totals(console: Console, rows: list[dict], ends: dict[int, int], committed: dict[int, int], group: str | None) -> None:
@@ -114,9 +128,11 @@ def _print_totals(console: Console, rows: list[dict], ends: dict[int, int], comm
     parts = ", ".join(f"p{p}={e}" for p, e in sorted(ends.items()))
     console.print(f"end offsets: {parts or '-'}")
     if group:
-        lag = sum(e - committed.get(p, 0) for p, e in ends.items())
+        lag = sum(max(0, e - committed.get(p, 0)) for p, e in ends.items())
         done = ", ".join(f"p{p}={c}" for p, c in sorted(committed.items())) or "nothing committed"
-        console.print(f"group {group}: {done}; lag {lag} record(s)")
+        ahead = [p for p, c in sorted(committed.items()) if c > ends.get(p, 0)]
+        note = f" (p{', p'.join(map(str, ahead))} committed past the end: records lost with a damaged tail)" if ahead else ""
+        console.print(f"group {group}: {done}; lag {lag} record(s){note}")
 
 
 def topics(url: str) -> int:

@@ -9,6 +9,7 @@ from streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stre
 from streams.config import StreamConfig, Topics
 from streams.errors import (
     CommitFailedError,
+    OffsetOutOfRangeError,
     RecordValidationError,
     StreamConfigError,
     StreamError,
@@ -20,6 +21,7 @@ __all__ = [
     "Consumer",
     "Delivery",
     "Message",
+    "OffsetOutOfRangeError",
     "OutMessage",
     "Producer",
     "RecordValidationError",

@@ -24,6 +24,12 @@ class CommitFailedError(StreamError):
     another consumer of the group). The uncommitted records will be delivered again."""
 
 
+class OffsetOutOfRangeError(StreamError):
+    """A consumer group's committed offset lies beyond everything the partition ever held
+    (the log was replaced or restored, or the offset file was edited). The message names
+    the partition, the offset and the log's end; the group does not silently restart."""
+
+
 class RecordValidationError(StreamError, ValueError):
     """A record failed to decode or validate.
 

@@ -18,15 +18,19 @@ root raises :class:`StreamUnavailableError` from the operation that needed it.
 
 Guarantees:
 
-- **Appends** hold an exclusive ``flock`` on the partition, truncate a torn tail left by
-  a producer killed mid-write, write the batch (one ``write`` per segment) and, with
-  ``cfg.fsync``, ``fsync`` it before ``publish`` returns. A kill -9 of any producer or
-  consumer loses nothing ``publish`` returned for; power loss is covered only with
-  ``fsync`` on. Offsets are contiguous per partition from 0. A producer caches the
-  end of each partition; records appended meanwhile by other producers are scanned
-  (and CRC-checked) to find the new end.
+- **Appends** hold an exclusive ``flock`` on the partition, quarantine and truncate a
+  torn tail left by a producer killed mid-write (only a tail: nothing valid after it),
+  write the batch (one ``write`` per segment) and, with ``cfg.fsync``, ``fsync`` it
+  before ``publish`` returns. A kill -9 of any producer or consumer loses nothing
+  ``publish`` returned for; power loss is covered only with ``fsync`` on. Offsets grow
+  by one per record from 0 and are never reused: records lost to a damaged tail leave a
+  gap (the partition's high-water mark). A producer caches the end of each partition;
+  records appended meanwhile by other producers are scanned (and CRC-checked) to find
+  the new end.
 - **Readers** never return a torn record: they stop before an incomplete or corrupt
-  frame at the tail and retry at the next poll.
+  frame at the tail and retry at the next poll. Damage in the middle of a segment
+  (valid frames after it) is skipped, reported and quarantined, never taken for the
+  tail; see ``streams.local_segment`` for the corruption policy.
 - **Consumer groups** are at-least-once. Members heartbeat by touching their file; a
   member silent for ``session_timeout_s`` (or not polling for ``max_poll_interval_s``)
   is dead. Partition ``p`` of a topic belongs to ``live[p % len(live)]`` of the sorted
@@ -35,7 +39,8 @@ Guarantees:
   stop-the-world rebalance: for that short window two members may both read a moved
   partition (duplicates, never loss), and a commit of a partition that moved away
   raises :class:`CommitFailedError`. A newly owned partition starts at the group's
-  committed offset (the stored byte position is a hint, checked before use).
+  committed offset (the stored byte position is a hint, checked before use); one
+  beyond everything the partition ever held raises :class:`OffsetOutOfRangeError`.
   Liveness compares file mtimes with the wall clock, so all members must share one.
 """
 
@@ -60,6 +65,7 @@ from streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stre
 from streams.config import StreamConfig
 from streams.errors import (
     CommitFailedError,
+    OffsetOutOfRangeError,
     RecordValidationError,
     StreamConfigError,
     StreamError,
@@ -68,11 +74,13 @@ from streams.errors import (
 from streams.local_segment import (
     BODY,
     MAX_BODY,
+    QUARANTINE,
     Cursor,
     PartitionAppender,
     PartitionReader,
     Tail,
     cursor_from_hint,
+    damage_seen,
     find_tail,
     fsync_dir,
     locate,
@@ -83,6 +91,7 @@ log = logging.getLogger(__name__)
 TP = tuple[str, int]
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _POLL_STEP_S = 0.02
+_QUARANTINED = re.compile(r"(\d{20})\.(\d+)-(\d+)\.bin")
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -223,6 +232,26 @@ class LocalStream(Stream):
         except OSError as exc:
             raise self._unavailable(f"cannot read the end of {topic}", exc) from exc
         return out
+
+    def damage(self, topic: str) -> list[dict[str, Any]]:
+        """Damaged byte ranges of ``topic``'s segments: those quarantined on disk and those
+        this process met (see ``streams.local_segment``), one dict each, by partition."""
+        found: dict[tuple[int, str, int, int], dict[str, Any]] = {}
+        for p in range(self.num_partitions(_check_name("topic", topic)) or 0):
+            pdir = self.partition_dir(topic, p)
+            for d in damage_seen(pdir):
+                q = str(d.quarantine) if d.quarantine else None
+                found[(p, d.segment.stem, d.start, d.end)] = dict(partition=p, segment=int(d.segment.stem),
+                    start=d.start, end=d.end, bytes=d.size, where=d.where, quarantine=q)  # fmt: skip
+            with contextlib.suppress(FileNotFoundError):
+                for name in sorted(os.listdir(pdir / QUARANTINE)):
+                    m = _QUARANTINED.fullmatch(name)
+                    if m is None or (p, m[1], int(m[2]), int(m[3])) in found:
+                        continue
+                    start, end = int(m[2]), int(m[3])
+                    found[(p, m[1], start, end)] = dict(partition=p, segment=int(m[1]), start=start, end=end,
+                        bytes=end - start, where="quarantined earlier", quarantine=str(pdir / QUARANTINE / name))  # fmt: skip
+        return [found[k] for k in sorted(found)]
 
     def read_committed(self, group: str, topic: str, partition: int) -> dict[str, Any] | None:
         """The committed-offset record of one partition, or None."""
@@ -598,7 +627,14 @@ class LocalConsumer(Consumer):
         rec = self._stream.read_committed(self._group, topic, p)
         if rec is None:
             return PartitionReader(pdir, topic, p, locate(pdir, 0))
-        cursor = cursor_from_hint(pdir, rec["offset"], rec.get("segment"), rec.get("pos"))
+        try:
+            cursor = cursor_from_hint(pdir, rec["offset"], rec.get("segment"), rec.get("pos"))
+        except OffsetOutOfRangeError as exc:
+            path = self._stream.group_dir(self._group) / "offsets" / topic / str(p)
+            raise OffsetOutOfRangeError(
+                f"group {self._group}: committed {exc} To restart {topic}[{p}] from the earliest record, delete "
+                f"{path} (check first which log is the right one)"
+            ) from None
         return PartitionReader(pdir, topic, p, cursor)
 
     def close(self) -> None:

@@ -7,14 +7,30 @@ integers little-endian::
     magic u32 | body_len u32 | crc32(body) u32 | body
     body = offset u64 | timestamp_ms u64 | key_len i32 (-1: no key) | key | value
 
-Scanning stops at the first frame that is incomplete (header or body cut short) or
-fails its check (bad magic, absurd length, CRC mismatch). Such a frame at the tail is
-a write in progress or the leftover of a producer killed mid-write: readers wait for
-it, the next producer truncates it under the partition lock. A CRC failure *followed
-by a valid frame* cannot come from a crashed writer (every writer truncates a torn tail
-before appending), only from external corruption: it is logged as an error and
-skipped, on the condition that its length field is sane (otherwise the frames after it
-cannot be found, and the scan stops there).
+Corruption policy. A frame that is incomplete (header or body cut short) or fails its
+check (bad magic, absurd length, CRC mismatch) is either
+
+- **a tail**: nothing valid follows it in the segment. In the active segment this is a
+  write in progress or the leftover of a producer killed mid-write: readers wait for
+  it, and the next producer, under the partition lock, copies it to the quarantine
+  directory and truncates it. Only a tail is ever truncated.
+- **damage**: a valid frame follows it (found by scanning forward for the magic, a sane
+  length, a matching CRC and a plausible offset). A crashed writer cannot leave this
+  (every writer truncates a torn tail before appending); the file was damaged outside
+  this library. Readers and producers resynchronise at that valid frame: nothing after
+  the damage is lost or deleted. The damaged byte range is logged as an ERROR (once
+  per process), counted (:func:`damage_seen`) and copied to
+  ``<partition>/quarantine/<segment>.<start>-<end>.bin``; the bytes stay in the segment,
+  skipped, until retention deletes the segment (rewriting a segment under live readers
+  would be the riskier repair).
+
+Offsets are never reused. ``<partition>/.hwm`` holds the partition's high-water mark,
+the offset after the last record ever appended, rewritten in place after every append
+(and fsynced at segment rolls and on close, with ``fsync``). The next offset is the
+larger of the log's end and the mark, so records lost to a damaged tail leave a gap in
+the offsets instead of being replaced by new records with the same offsets. A consumer
+whose committed offset is beyond both is an error naming the partition
+(:class:`OffsetOutOfRangeError`), never a silent restart.
 """
 
 from __future__ import annotations
@@ -24,13 +40,16 @@ import fcntl
 import logging
 import os
 import struct
+import threading
 import time
+import uuid
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
 from streams.base import Message
+from streams.errors import OffsetOutOfRangeError
 
 log = logging.getLogger("streams.local")
 
@@ -39,8 +58,14 @@ PREFIX = struct.Struct("<III")  # magic, body_len, crc32(body)
 BODY = struct.Struct("<QQi")  # offset, timestamp_ms, key_len
 HEADER = struct.Struct("<IIIQQi")  # PREFIX + BODY, parsed at once
 MAX_BODY = 1 << 30
+MAGIC_BYTES = struct.pack("<I", MAGIC)
 SUFFIX = ".log"
 READ_CHUNK = 256 * 1024
+RESYNC_CHUNK = 1 << 20
+QUARANTINE = "quarantine"
+HWM_FILE = ".hwm"
+HWM = struct.Struct("<IQI")  # magic, high-water mark, crc32 of the first 12 bytes
+HWM_MAGIC = 0x314D5748  # b"HWM1"
 
 
 def encode_frame(offset: int, timestamp_ms: int, key: bytes | None, value: bytes) -> bytes:
@@ -129,6 +154,28 @@ class Scan:
     """Offset after the last valid frame consumed; None if none was."""
     stop_offset: int | None = None
     """Offset of the frame the scan stopped before because of ``until_offset``."""
+    damaged: list[tuple[int, int]] = field(default_factory=list)
+    """Byte ranges skipped as damage (a valid frame follows each)."""
+    torn: bool = False
+    """The scan stopped at an invalid frame that nothing valid follows (a tail)."""
+
+
+def resync(fd: int, pos: int, min_offset: int | None) -> int | None:
+    """Byte position of the first valid frame after ``pos`` whose offset is at least
+    ``min_offset``, or None. Candidates are the magic's occurrences; each must have a
+    sane length and a matching CRC."""
+    win, start = _Window(fd), pos + 1
+    while True:
+        chunk = os.pread(fd, RESYNC_CHUNK, start)
+        i = chunk.find(MAGIC_BYTES)
+        while i >= 0:
+            status, frame, _ = read_frame(win, start + i, keep=False)
+            if status is Status.OK and frame is not None and (min_offset is None or frame.offset >= min_offset):
+                return start + i
+            i = chunk.find(MAGIC_BYTES, i + 1)
+        if len(chunk) < RESYNC_CHUNK:
+            return None
+        start += len(chunk) - (len(MAGIC_BYTES) - 1)
 
 
 def scan(
@@ -138,10 +185,13 @@ def scan(
     max_frames: int | None = None,
     until_offset: int | None = None,
     keep: bool = True,
-    name: str = "segment",
+    expect_offset: int | None = None,
+    path: Path | None = None,
 ) -> Scan:
     """Valid frames from byte ``pos`` on, up to ``max_frames``, stopping before the first
-    frame whose offset is ``>= until_offset``, or at the tail (see the module doc)."""
+    frame whose offset is ``>= until_offset``, or at a tail; damage followed by valid
+    frames is reported (when ``path`` names the segment) and skipped (see the module
+    doc). ``expect_offset``: the offset the first frame at ``pos`` should have at least."""
     win = _Window(fd)
     out = Scan([], pos, None)
     while max_frames is None or len(out.frames) < max_frames:
@@ -154,18 +204,149 @@ def scan(
                 out.frames.append(frame)
             out.next_offset = frame.offset + 1
             out.end += size
-        elif status is Status.CORRUPT and size and read_frame(win, out.end + size, False)[0] is Status.OK:
-            log.error(
-                "%s: skipping a corrupt record of %d bytes at byte %d (CRC mismatch with valid records after "
-                "it: the file was damaged outside this library); that record is lost",
-                name,
-                size,
-                out.end,
-            )
-            out.end += size
-        else:
+            continue
+        if status is Status.INCOMPLETE and not size and not len(win.get(out.end, 1)):
+            break  # the end of the file
+        found = resync(fd, out.end, out.next_offset if out.next_offset is not None else expect_offset)
+        if found is None:
+            out.torn = True
             break
+        win = _Window(fd)
+        # Bytes are only ever appended past a tail: a frame read while it was being written is
+        # complete once a valid frame after it is visible. Read it again before calling it damage.
+        if read_frame(win, out.end, keep=False)[0] is Status.OK:
+            continue
+        if path is not None:
+            report_damage(fd, path, out.end, found, "valid records follow it")
+        out.damaged.append((out.end, found))
+        out.end = found
     return out
+
+
+# ------------------------------------------------------------------ damage
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A byte range of a segment that holds no valid frame."""
+
+    segment: Path
+    start: int
+    end: int
+    where: str
+    """Why it is damage: "valid records follow it", "at the end of a sealed segment", ..."""
+    quarantine: Path | None
+    """The copy of the bytes, or None if it could not be written."""
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+_damage_lock = threading.Lock()
+_damage: dict[tuple[str, int, int, int], Damage] = {}
+
+
+def damage_seen(pdir: Path | None = None) -> list[Damage]:
+    """Damaged ranges this process has met (of partition ``pdir``, or all), oldest first."""
+    with _damage_lock:
+        found = list(_damage.values())
+    return [d for d in found if pdir is None or d.segment.parent == pdir]
+
+
+def quarantine_path(segment: Path, start: int, end: int) -> Path:
+    return segment.parent / QUARANTINE / f"{segment.stem}.{start}-{end}.bin"
+
+
+def quarantine(fd: int, segment: Path, start: int, end: int) -> Path:
+    """Copy bytes ``[start, end)`` of the open ``segment`` to its quarantine file (once;
+    written to a temporary file, fsynced and renamed). Raises OSError."""
+    dest = quarantine_path(segment, start, end)
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pos = start
+            while pos < end:
+                chunk = os.pread(fd, min(RESYNC_CHUNK, end - pos), pos)
+                if not chunk:
+                    break
+                f.write(chunk)
+                pos += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return dest
+
+
+def report_damage(fd: int, segment: Path, start: int, end: int, where: str, *, copied: Path | None = None) -> Damage:
+    """Log (ERROR, once per process), count and quarantine damaged bytes ``[start, end)``
+    of ``segment``. A failed quarantine copy is logged, not raised (readers may lack write
+    access); ``copied``: the copy was already made."""
+    key = (str(segment), os.fstat(fd).st_ino, start, end)
+    with _damage_lock:
+        if key in _damage:
+            return _damage[key]
+    if copied is None:
+        try:
+            copied = quarantine(fd, segment, start, end)
+        except OSError as exc:
+            log.warning("%s: could not copy damaged bytes %d-%d to quarantine: %s", segment, start, end, exc)
+    found = Damage(segment, start, end, where, copied)
+    with _damage_lock:
+        if key in _damage:
+            return _damage[key]
+        _damage[key] = found
+    log.error(
+        "%s: %d damaged bytes at bytes %d-%d (%s): the file was damaged outside this library; the records "
+        "there are lost, every other record is kept; the bytes are copied to %s",
+        segment,
+        end - start,
+        start,
+        end,
+        where,
+        copied or "nowhere (quarantine failed)",
+    )
+    return found
+
+
+# ------------------------------------------------------------------ high-water mark
+
+
+def read_hwm(pdir: Path) -> int:
+    """The partition's high-water mark (0 if it has none yet, or an unreadable one)."""
+    try:
+        with open(pdir / HWM_FILE, "rb") as f:
+            data = f.read(HWM.size)
+    except FileNotFoundError:
+        return 0
+    if len(data) == HWM.size:
+        magic, value, crc = HWM.unpack(data)
+        if magic == HWM_MAGIC and crc == zlib.crc32(data[:12]):
+            return int(value)
+    log.error("%s: unreadable high-water mark %r: using the log's end instead", pdir / HWM_FILE, data)
+    return 0
+
+
+def write_hwm(pdir: Path, value: int, fsync: bool) -> None:
+    """Overwrite the high-water mark in place (one 16-byte ``pwrite``)."""
+    head = struct.pack("<IQ", HWM_MAGIC, value)
+    fd = os.open(pdir / HWM_FILE, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, head + struct.pack("<I", zlib.crc32(head)), 0)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ reading
 
 
 @dataclass(frozen=True)
@@ -180,8 +361,9 @@ class Tail:
 
 
 def find_tail(pdir: Path, cached: Tail | None) -> tuple[Tail, int]:
-    """The partition's tail and the number of torn bytes after it. Scans only the bytes
-    appended since ``cached`` when it still describes the last segment."""
+    """The partition's tail and the number of bytes after it that hold no valid frame (a
+    torn write, or a damaged tail). Scans only the bytes appended since ``cached`` when
+    it still describes the last segment; damage met on the way is reported."""
     bases = list_segments(pdir)
     if not bases:
         return Tail(), 0
@@ -194,7 +376,7 @@ def find_tail(pdir: Path, cached: Tail | None) -> tuple[Tail, int]:
             start = cached
         if start.end == st.st_size:
             return start, 0
-        res = scan(fd, start.end, keep=False, name=str(path))
+        res = scan(fd, start.end, keep=False, expect_offset=start.next_offset, path=path)
         next_offset = start.next_offset if res.next_offset is None else res.next_offset
         return Tail(start.base, start.ino, res.end, next_offset), os.fstat(fd).st_size - res.end
     finally:
@@ -210,32 +392,59 @@ class Cursor:
     offset: int
 
 
+def partition_name(pdir: Path) -> str:
+    """``topic[p]`` of a partition directory."""
+    return f"{pdir.parent.name}[{pdir.name}]"
+
+
 def locate(pdir: Path, offset: int) -> Cursor:
     """The cursor of ``offset``, scanning the one segment that holds it. An offset before
-    the first or after the last record resets to the earliest (logged)."""
+    the first record (deleted by retention) starts at the earliest record, logged; an
+    offset in a gap starts at the next record. An offset beyond the log's end and its
+    high-water mark raises :class:`OffsetOutOfRangeError`."""
     bases = list_segments(pdir)
     if not bases or offset < bases[0]:
+        if not bases:
+            _check_in_range(pdir, offset, 0)
+            return Cursor(offset, 0, offset)
         if offset > 0:
-            log.warning("%s: offset %d is out of range; starting from the earliest record", pdir, offset)
-        return Cursor(bases[0], 0, bases[0]) if bases else Cursor(0, 0, 0)
+            log.warning(
+                "%s: offset %d was deleted by retention; starting from the earliest record, %d",
+                partition_name(pdir),
+                offset,
+                bases[0],
+            )
+        return Cursor(bases[0], 0, bases[0])
     base = max(b for b in bases if b <= offset)
     if offset == base:
         return Cursor(base, 0, base)
-    fd = os.open(segment_path(pdir, base), os.O_RDONLY)
+    path = segment_path(pdir, base)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        res = scan(fd, 0, until_offset=offset, keep=False, name=str(segment_path(pdir, base)))
+        res = scan(fd, 0, until_offset=offset, keep=False, expect_offset=base, path=path)
     finally:
         os.close(fd)
     if res.stop_offset is not None:
         return Cursor(base, res.end, res.stop_offset)
     reached = base if res.next_offset is None else res.next_offset
-    if reached == offset:
-        return Cursor(base, res.end, offset)
     later = [b for b in bases if b > base]
-    if later:
+    if reached < offset and later:
         return Cursor(later[0], 0, later[0])
-    log.warning("%s: offset %d is past the end (%d); starting from the earliest record", pdir, offset, reached)
-    return Cursor(bases[0], 0, bases[0])
+    if reached < offset:
+        _check_in_range(pdir, offset, reached)
+    return Cursor(base, res.end, offset)
+
+
+def _check_in_range(pdir: Path, offset: int, end: int) -> None:
+    """Raise unless ``offset`` was handed out (or is the next one): records lost with a
+    damaged tail leave offsets below the high-water mark that no record holds."""
+    hwm = read_hwm(pdir)
+    if offset > max(end, hwm):
+        raise OffsetOutOfRangeError(
+            f"{partition_name(pdir)}: offset {offset} is beyond the end of the log ({end}) and beyond every "
+            f"offset it ever handed out (high-water mark {hwm}): the log at {pdir} was replaced or restored, "
+            "or the offset was edited"
+        )
 
 
 def cursor_from_hint(pdir: Path, offset: int, segment: object, pos: object) -> Cursor:
@@ -269,22 +478,34 @@ class PartitionReader:
             fd = self._open()
             if fd is None:
                 break
-            cur = self.cursor
-            res = scan(fd, cur.pos, max_frames=max_records - len(out), name=str(segment_path(self.pdir, cur.segment)))
-            tp = (self.topic, self.partition)
-            out.extend(Message(*tp, f.offset, f.key, f.value, f.timestamp_ms) for f in res.frames)
-            cur.pos = res.end
-            if res.next_offset is not None:
-                cur.offset = res.next_offset
-            # A writer creates the segment named by our next offset only after writing every
-            # earlier offset, so once it exists this segment holds nothing more for us.
-            if len(out) >= max_records or cur.offset == cur.segment or not segment_path(self.pdir, cur.offset).exists():
+            self._scan(fd, max_records - len(out), out)
+            if len(out) >= max_records:
                 break
-            leftover = os.fstat(fd).st_size - cur.pos
-            if leftover > 0:
-                log.error("%s: skipping %d unreadable bytes at the end of a sealed segment", self.pdir, leftover)
-            self._switch(Cursor(cur.offset, 0, cur.offset))
+            # A writer creates a later segment only after its last write to this one, so
+            # once one exists this segment is sealed: read what it still holds, then move on.
+            later = [b for b in list_segments(self.pdir) if b > self.cursor.segment]
+            if not later:
+                break
+            res = self._scan(fd, max_records - len(out), out)
+            if len(out) >= max_records:
+                break
+            size = os.fstat(fd).st_size
+            if res.torn and size > self.cursor.pos:
+                path = segment_path(self.pdir, self.cursor.segment)
+                report_damage(fd, path, self.cursor.pos, size, "at the end of a sealed segment")
+            self._switch(Cursor(later[0], 0, max(later[0], self.cursor.offset)))
         return out
+
+    def _scan(self, fd: int, max_frames: int, out: list[Message]) -> Scan:
+        cur = self.cursor
+        path = segment_path(self.pdir, cur.segment)
+        res = scan(fd, cur.pos, max_frames=max_frames, expect_offset=cur.offset, path=path)
+        tp = (self.topic, self.partition)
+        out.extend(Message(*tp, f.offset, f.key, f.value, f.timestamp_ms) for f in res.frames)
+        cur.pos = res.end
+        if res.next_offset is not None:
+            cur.offset = res.next_offset
+        return res
 
     def _open(self) -> int | None:
         if self._fd is None:
@@ -323,6 +544,20 @@ def write_all(fd: int, data: bytes | bytearray) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _is_torn_write(head: bytes, torn: int, next_offset: int) -> bool:
+    """Whether the ``torn`` bytes starting with ``head`` are what a producer killed while
+    writing the record with ``next_offset`` leaves: its header (or a prefix of it), with
+    a body that runs past the end of the file."""
+    if len(head) < HEADER.size:  # cut inside the header: check what is there
+        if not head or not MAGIC_BYTES.startswith(head[:4]):
+            return False
+        if len(head) >= 8 and not BODY.size <= int.from_bytes(head[4:8], "little") <= MAX_BODY:
+            return False
+        return len(head) < 20 or int.from_bytes(head[12:20], "little") == next_offset
+    magic, body_len, _, offset, _, _ = HEADER.unpack(head)
+    return magic == MAGIC and offset == next_offset and BODY.size <= body_len <= MAX_BODY and PREFIX.size + body_len > torn
+
+
 class PartitionAppender:
     """Appends batches to one partition, under the partition's flock."""
 
@@ -340,7 +575,7 @@ class PartitionAppender:
         """Append ``records`` and return the offset of the first."""
         self._lock()
         try:
-            self._tail = self._truncate_torn_tail()
+            self._tail = self._repair_tail()
             return self._write(records, timestamp_ms)
         finally:
             if self._lock_fd is not None:
@@ -359,20 +594,49 @@ class PartitionAppender:
             self.close()
         raise OSError(f"lock file {path} keeps being replaced")
 
-    def _truncate_torn_tail(self) -> Tail:
+    def _repair_tail(self) -> Tail:
+        """The tail to append at: bytes after the last valid frame are quarantined and
+        truncated, and the next offset is raised to the high-water mark."""
         tail, torn = find_tail(self.pdir, self._tail)
+        hwm = read_hwm(self.pdir)
         if torn:
+            self._truncate(tail, torn, max(tail.next_offset, hwm))
+        if tail.ino == -1:  # no segment yet: the first one is named by its first offset
+            return Tail(hwm, -1, 0, hwm)
+        if hwm > tail.next_offset:
+            log.error(
+                "%s: offsets %d-%d were handed out but their records are not in the log (lost with a damaged "
+                "tail); the next record gets offset %d, so that no offset is used twice",
+                partition_name(self.pdir),
+                tail.next_offset,
+                hwm - 1,
+                hwm,
+            )
+            tail = replace(tail, next_offset=hwm)
+        return tail
+
+    def _truncate(self, tail: Tail, torn: int, next_offset: int) -> None:
+        """Quarantine and cut the ``torn`` bytes after ``tail``: a torn write (the header
+        of the next record, cut short), or a damaged tail. Raises OSError, truncating
+        nothing, if the quarantine copy cannot be written."""
+        fd = self._open_segment(tail.base)
+        path = segment_path(self.pdir, tail.base)
+        start, end = tail.end, tail.end + torn
+        copied = quarantine(fd, path, start, end)
+        if _is_torn_write(os.pread(fd, HEADER.size, start), torn, next_offset):
             log.warning(
-                "%s: truncating %d bytes of a torn record at the end of segment %d (a producer died mid-append)",
+                "%s: truncating %d bytes of a torn record at the end of segment %d (a producer died mid-append); "
+                "copied to %s",
                 self.pdir,
                 torn,
                 tail.base,
+                copied,
             )
-            fd = self._open_segment(tail.base)
-            os.ftruncate(fd, tail.end)
-            if self.fsync:
-                os.fsync(fd)
-        return tail
+        else:
+            report_damage(fd, path, start, end, "at the end of the active segment; truncating them", copied=copied)
+        os.ftruncate(fd, tail.end)
+        if self.fsync:
+            os.fsync(fd)
 
     def _open_segment(self, base: int) -> int:
         """The write descriptor of segment ``base``, created if missing."""
@@ -404,7 +668,9 @@ class PartitionAppender:
             buf += encode_frame(offset, timestamp_ms, key, value)
             offset += 1
         self._flush(buf, offset)
-        if self._tail.base != start_base:  # rolled: the right moment to apply retention
+        rolled = self._tail.base != start_base
+        write_hwm(self.pdir, offset, self.fsync and rolled)
+        if rolled:  # the right moment to apply retention
             self._enforce_retention()
         return first
 
@@ -451,6 +717,13 @@ class PartitionAppender:
             self._fd, self._fd_key = None, None
 
     def close(self) -> None:
+        if self.fsync and self._tail is not None:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.pdir / HWM_FILE, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         self._close_segment()
         self._tail = None
         if self._lock_fd is not None:

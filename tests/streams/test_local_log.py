@@ -21,7 +21,8 @@ import pytest
 from streams import CommitFailedError, OutMessage, StreamConfig, StreamConfigError, StreamUnavailableError, open_stream
 from streams.base import partition_for_key
 from streams.local import LocalStream
-from streams.local_segment import encode_frame, list_segments, segment_path
+from streams.errors import OffsetOutOfRangeError
+from streams.local_segment import encode_frame, list_segments, scan, segment_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5.0)
@@ -157,9 +158,188 @@ def test_corrupt_record_inside_the_log_is_skipped_loudly(tmp_path, caplog):
     seg.write_bytes(bytes(data))
     with caplog.at_level(logging.ERROR, logger="streams"):
         assert [m.offset for m in stream.read("t")] == [0, 1, 3, 4]
-    assert "corrupt record" in caplog.text
+    assert "damaged bytes" in caplog.text
     with make_stream(tmp_path / "log").producer() as producer:  # a fresh producer scans past it
         assert producer.publish("t", [OutMessage(b"k", b"next")])[0].offset == 5
+
+
+# ------------------------------------------------------------------ damage
+# A failing disk or a stray write damages bytes in the middle of a segment. Records after
+# the damage must stay readable and must never be deleted; offsets must never be reused.
+
+N_RECORDS = 131
+
+
+def damaged_log(root: Path) -> tuple[LocalStream, list[int]]:
+    """131 records in one partition: a sealed segment (0-89) and the active one (90-130)."""
+    stream = make_stream(root, segment_bytes=12 * 1024)
+    stream.ensure_topics({"t": 1})
+    with stream.producer() as producer:
+        for i in range(0, N_RECORDS, 10):
+            producer.publish("t", [OutMessage(b"k", f"{j:04d}".encode() + b"v" * 100) for j in range(i, min(i + 10, N_RECORDS))])
+    bases = list_segments(stream.partition_dir("t", 0))
+    assert bases == [0, 90], bases
+    return stream, bases
+
+
+def all_frame_positions(seg: Path) -> list[tuple[int, int]]:
+    fd = os.open(seg, os.O_RDONLY)
+    try:
+        res = scan(fd, 0)
+    finally:
+        os.close(fd)
+    out, pos = [], 0
+    for f in res.frames:
+        out.append((pos, f.offset))
+        pos += f.size
+    return out
+
+
+def damage(seg: Path, kind: str, frame: int) -> tuple[int, int, set[int]]:
+    """Damage ``seg`` around its ``frame``-th frame; the byte range and the offsets lost."""
+    frames = all_frame_positions(seg)
+    data = bytearray(seg.read_bytes())
+    pos, offset = frames[frame]
+    if kind == "length":  # the issue's reproduction: an absurd body length
+        data[pos + 4 : pos + 8] = (0x7FFFFFF0).to_bytes(4, "little")
+        lost = {offset}
+    elif kind == "length_past_eof":  # a sane-looking length that runs past the end of the file
+        data[pos + 4 : pos + 8] = (1 << 20).to_bytes(4, "little")
+        lost = {offset}
+    elif kind == "bitflip":  # one bit of the frame header's body length
+        data[pos + 5] ^= 0x01
+        lost = {offset}
+    elif kind == "zeroed":  # a zeroed block across several frames
+        end = frames[frame + 12][0] + 7
+        data[pos + 9 : end] = bytes(end - pos - 9)
+        lost = {o for p, o in frames if pos <= p < end}
+    else:
+        raise AssertionError(kind)
+    seg.write_bytes(bytes(data))
+    return pos, len(data), lost
+
+
+@pytest.mark.parametrize("where", ["sealed", "active"])
+@pytest.mark.parametrize("kind", ["length", "length_past_eof", "bitflip", "zeroed"])
+def test_mid_segment_damage_loses_no_later_record_and_offsets_only_grow(tmp_path, caplog, kind, where):
+    stream, bases = damaged_log(tmp_path / "log")
+    with stream.consumer("trainer", ["t"]) as c:  # a group that has read everything
+        assert len(poll_until(c, lambda got: len(got) >= N_RECORDS, max_records=200)) == N_RECORDS
+        c.commit()
+    pdir = stream.partition_dir("t", 0)
+    seg = segment_path(pdir, bases[0] if where == "sealed" else bases[1])
+    size_before = seg.stat().st_size
+    start, _, lost = damage(seg, kind, 50 if where == "sealed" else 20)
+    damaged_bytes = seg.read_bytes()
+
+    with caplog.at_level(logging.ERROR, logger="streams"):
+        got = [m.offset for m in stream.read("t", timeout_s=0.5)]
+    assert got == [o for o in range(N_RECORDS) if o not in lost], "a record after the damage is missing"
+    assert "damaged bytes" in caplog.text and str(seg) in caplog.text
+    reported = stream.damage("t")
+    assert len(reported) == 1 and reported[0]["start"] == start and reported[0]["segment"] == int(seg.stem)
+    copy = Path(reported[0]["quarantine"])
+    assert copy.read_bytes() == damaged_bytes[reported[0]["start"] : reported[0]["end"]]
+    assert stream.end_offsets("t") == {0: N_RECORDS}
+
+    with stream.producer() as producer:  # the serving logger's append path
+        new = producer.publish("t", [OutMessage(b"k", f"new{i}".encode()) for i in range(3)])
+    assert [d.offset for d in new] == [N_RECORDS, N_RECORDS + 1, N_RECORDS + 2]
+    assert seg.read_bytes()[:size_before] == damaged_bytes, "bytes of the segment were deleted or changed"
+    assert [m.offset for m in stream.read("t")] == [o for o in range(N_RECORDS + 3) if o not in lost]
+
+    assert stream.committed("trainer", "t") == {0: N_RECORDS}
+    with stream.consumer("trainer", ["t"]) as c:  # the group resumes where it was, no reset
+        after = poll_until(c, lambda got: len(got) >= 3)
+        assert c.poll(timeout_s=0.1) == []
+    assert [m.value for m in after] == [b"new0", b"new1", b"new2"]
+    with stream.consumer("fresh", ["t"]) as c:  # a new group reads around the damage too
+        everything = poll_until(c, lambda got: len(got) >= N_RECORDS + 3 - len(lost), max_records=500)
+    assert [m.offset for m in everything] == [o for o in range(N_RECORDS + 3) if o not in lost]
+
+
+def test_damaged_tail_is_quarantined_and_its_offsets_are_not_reused(tmp_path, caplog):
+    stream, bases = damaged_log(tmp_path / "log")
+    with stream.consumer("trainer", ["t"]) as c:
+        assert len(poll_until(c, lambda got: len(got) >= N_RECORDS, max_records=200)) == N_RECORDS
+        c.commit()
+    seg = segment_path(stream.partition_dir("t", 0), bases[1])
+    frames = all_frame_positions(seg)
+    data = bytearray(seg.read_bytes())
+    cut = frames[-3][0] + 5  # zero the last three records (acknowledged ones): nothing valid after
+    data[cut:] = bytes(len(data) - cut)
+    seg.write_bytes(bytes(data))
+    assert [m.offset for m in stream.read("t", timeout_s=0.2)] == list(range(N_RECORDS - 3))
+
+    with caplog.at_level(logging.WARNING, logger="streams"), stream.producer() as producer:
+        new = producer.publish("t", [OutMessage(b"k", b"after")])
+    assert new[0].offset == N_RECORDS, "an offset of a lost record was handed out again"
+    assert "truncating" in caplog.text and "no offset is used twice" in caplog.text
+    tail = frames[-3][0]
+    copy = stream.partition_dir("t", 0) / "quarantine" / f"{seg.stem}.{tail}-{len(data)}.bin"
+    assert copy.read_bytes() == bytes(data[tail:])
+    assert [m.offset for m in stream.read("t")] == [*range(N_RECORDS - 3), N_RECORDS]
+    with stream.consumer("trainer", ["t"]) as c:  # committed at 131: only the new record comes
+        assert [m.value for m in poll_until(c, lambda got: len(got) >= 1)] == [b"after"]
+    with stream.producer() as producer:  # and offsets keep growing from there
+        assert producer.publish("t", [OutMessage(b"k", b"more")])[0].offset == N_RECORDS + 1
+
+
+def test_damaged_tail_of_a_sealed_segment_does_not_stall_readers(tmp_path, caplog):
+    stream, bases = damaged_log(tmp_path / "log")
+    seg = segment_path(stream.partition_dir("t", 0), bases[0])
+    frames = all_frame_positions(seg)
+    data = bytearray(seg.read_bytes())
+    data[frames[-2][0] :] = bytes(len(data) - frames[-2][0])  # its last two records
+    seg.write_bytes(bytes(data))
+    with caplog.at_level(logging.ERROR, logger="streams"), stream.consumer("g", ["t"]) as c:
+        got = poll_until(c, lambda got: len(got) >= N_RECORDS - 2, max_records=200)
+    assert [m.offset for m in got] == [o for o in range(N_RECORDS) if o not in (88, 89)]
+    assert "at the end of a sealed segment" in caplog.text
+    assert [d["start"] for d in stream.damage("t")] == [frames[-2][0]]
+
+
+def test_committed_offset_beyond_the_log_is_an_error_naming_the_partition(tmp_path):
+    stream, _ = damaged_log(tmp_path / "log")
+    path = stream.group_dir("g") / "offsets" / "t" / "0"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"offset": 5000, "segment": 90, "pos": 0}))
+    with stream.consumer("g", ["t"]) as c, pytest.raises(OffsetOutOfRangeError, match=r"t\[0\].*5000.*131"):
+        c.poll(timeout_s=0.1)
+    path.write_text(json.dumps({"offset": N_RECORDS}))  # the end itself is fine
+    with stream.consumer("g", ["t"]) as c:
+        assert c.poll(timeout_s=0.1) == []
+
+
+def test_streams_inspect_shows_damage_and_exits_3(tmp_path, capsys, monkeypatch):
+    from specops.streams_cli import DAMAGED, inspect
+
+    monkeypatch.setenv("COLUMNS", "400")
+    stream, bases = damaged_log(tmp_path / "log")
+    damage(segment_path(stream.partition_dir("t", 0), bases[0]), "zeroed", 30)
+    assert inspect(stream.url, "t", limit=0, tail=None, group=None, as_json=False) == DAMAGED == 3
+    out = capsys.readouterr().out
+    assert "DAMAGED p0 segment 0" in out and "quarantine" in out
+    assert f"p0={N_RECORDS}" in out
+
+
+def test_a_record_being_written_is_not_taken_for_damage(tmp_path, caplog):
+    """A reader that sees half of a frame, then the rest and more frames, reads them all."""
+    seg = tmp_path / "seg.log"
+    frames = [encode_frame(i, 0, b"k", b"x" * 300) for i in range(4)]
+    seg.write_bytes(frames[0] + frames[1][:150])
+    fd = os.open(seg, os.O_RDONLY)
+    try:
+        first = scan(fd, 0, path=seg)
+        assert [f.offset for f in first.frames] == [0] and first.torn and not first.damaged
+        with open(seg, "ab") as f:
+            f.write(frames[1][150:] + frames[2] + frames[3])
+        with caplog.at_level(logging.ERROR, logger="streams"):
+            rest = scan(fd, first.end, expect_offset=1, path=seg)
+    finally:
+        os.close(fd)
+    assert [f.offset for f in rest.frames] == [1, 2, 3] and not rest.damaged and not rest.torn
+    assert caplog.text == ""
 
 
 # ------------------------------------------------------------------ processes

@@ -19,6 +19,17 @@ log = logging.getLogger("specops")
 METHODS = ("target", "draft", "pld")
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose < 0 else logging.INFO if verbose == 0 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -303,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("torch", "deepspeed"), default="torch",
                    help="optimiser backend: plain PyTorch, or DeepSpeed ZeRO-2 (CPU: gloo, one process) (default: %(default)s)")  # fmt: skip
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
-    p.add_argument("--max-records", type=int, default=None, help="stop after consuming this many records")
+    p.add_argument("--max-records", type=_positive_int, default=None, metavar="N",
+                   help="stop after consuming exactly N records (the last pass polls only what is left; "
+                   "everything consumed is trained on and committed)")  # fmt: skip
     p.add_argument("--schedule", action="store_true",
                    help="run as scheduled jobs (a distillation tick, an evaluation every 60s) kept in a persistent "
                    "job store, so the schedule survives restarts; ticks are skipped while serving is busy")  # fmt: skip

@@ -270,9 +270,11 @@ class OnlineTrainer:
         ckpt.save_buffer(self.out, cluster, {"buffer": pack, "num_new": self.buffers[cluster].num_new, "holdout": hold})
 
     # ------------------------------------------------------------ the loop
-    def step(self) -> int:
-        """One pass of consume, buffer, update, persist, commit. Returns records consumed."""
-        delivered = self.consumer.poll(max_records=self.cfg.poll_records, timeout_s=self.cfg.poll_timeout_s)  # 1.
+    def step(self, max_records: int | None = None) -> int:
+        """One pass of consume, buffer, update, persist, commit, of at most ``max_records``
+        records (default: ``cfg.poll_records``). Returns records consumed."""
+        limit = self.cfg.poll_records if max_records is None else max(1, min(max_records, self.cfg.poll_records))
+        delivered = self.consumer.poll(max_records=limit, timeout_s=self.cfg.poll_timeout_s)  # 1.
         touched: set[str] = set()
         for d in delivered:  # 2.
             m = d.message
@@ -444,15 +446,14 @@ class OnlineTrainer:
         return acc
 
     def run(self, *, max_idle_s: float | None = None, max_records: int | None = None, stop=None) -> int:
-        """Loop until ``stop`` is set, ``max_records`` were consumed, or nothing came for ``max_idle_s``."""
+        """Loop until ``stop`` is set, ``max_records`` were consumed (exactly: the last pass polls
+        only what is left), or nothing came for ``max_idle_s``."""
         consumed, idle_since = 0, time.monotonic()
-        while stop is None or not stop.is_set():
-            n = self.step()
+        while (stop is None or not stop.is_set()) and (max_records is None or consumed < max_records):
+            n = self.step(None if max_records is None else max_records - consumed)
             consumed += n
             if n:
                 idle_since = time.monotonic()
-            if max_records is not None and consumed >= max_records:
-                break
             if max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
                 log.info("no records for %.0fs; stopping", max_idle_s)
                 break

@@ -289,6 +289,8 @@ class TrainerScheduler:
         self.trainer_id = trainer_id or str(Path(trainer.out).resolve())
         self.jobstore_url = self.cfg.jobstore_url or default_jobstore_url(trainer.out)
         self.ticks_run = self.ticks_skipped = self.ticks_failed = self.evals_run = self.records_consumed = 0
+        self.max_records: int | None = None
+        """Consume no more than this many records in all (``run_forever`` sets it)."""
         self.last_load: float | None = None
         self._last_records_at = time.monotonic()
         self._load_note = "ok"
@@ -387,9 +389,11 @@ class TrainerScheduler:
 
     def run_forever(self, stop_event: threading.Event | None = None, *, max_idle_s: float | None = None,
                     max_records: int | None = None, check_s: float = 0.5) -> int:  # fmt: skip
-        """Run until ``stop_event`` is set, ``max_records`` were consumed or nothing came for ``max_idle_s``
+        """Run until ``stop_event`` is set, ``max_records`` were consumed (exactly: ticks poll only what is
+        left) or nothing came for ``max_idle_s``
         (or Ctrl-C); then shut down, finishing the running tick. Returns the records consumed."""
         stop_event = stop_event or threading.Event()
+        self.max_records = max_records
         if not self.running:
             self.start()
         try:
@@ -442,7 +446,10 @@ class TrainerScheduler:
             t0, consumed = time.monotonic(), 0
             with self._work_lock:
                 while not self._stop.is_set():
-                    n = self.trainer.step()
+                    left = None if self.max_records is None else self.max_records - self.records_consumed
+                    if left is not None and left <= 0:
+                        break
+                    n = self.trainer.step(left)
                     consumed += n
                     self.records_consumed += n
                     if n:

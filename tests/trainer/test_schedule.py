@@ -299,3 +299,19 @@ def test_cli_train_schedule(logged, tmp_path, capsys):
     assert f"consumed {N_REQUESTS} records" in capsys.readouterr().out
     assert _drained(cfg, "cli")
     assert set(_rows(f"sqlite:///{out}/schedule.sqlite", "specops_trainer_jobs")) == {TICK_JOB_ID, EVAL_JOB_ID}
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["loop", "schedule"])
+def test_cli_train_max_records_stops_at_the_limit(logged, tmp_path, capsys, schedule):
+    """--max-records N consumes, trains on and commits exactly N records, not the whole pass it is in."""
+    from specops.cli import main
+
+    cfg, draft_dir = logged
+    out, group = tmp_path / "trainer", f"limit-{schedule}"
+    args = ["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out",
+            str(out), "--group", group, "--interval", "2", "--steps", "1", "--max-records", "7", "--idle-exit", "5"]  # fmt: skip
+    if schedule:
+        args += ["--schedule", "--tick-seconds", "0.2", "--load-threshold", "0.9"]
+    assert main(args) == 0
+    assert "consumed 7 records" in capsys.readouterr().out
+    assert sum(_committed(cfg, group).values()) == 7 < N_REQUESTS

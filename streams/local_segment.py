@@ -19,10 +19,10 @@ check (bad magic, absurd length, CRC mismatch) is either
   (every writer truncates a torn tail before appending); the file was damaged outside
   this library. Readers and producers resynchronise at that valid frame: nothing after
   the damage is lost or deleted. The damaged byte range is logged as an ERROR (once
-  per process), counted (:func:`damage_seen`) and copied to
-  ``<partition>/quarantine/<segment>.<start>-<end>.bin``; the bytes stay in the segment,
-  skipped, until retention deletes the segment (rewriting a segment under live readers
-  would be the riskier repair).
+  per process), counted (:func:`damage_seen`, ``specops_stream_damaged_bytes_total``)
+  and copied to ``<partition>/quarantine/<segment>.<start>-<end>.bin``; the bytes stay
+  in the segment, skipped, until retention deletes the segment (rewriting a segment
+  under live readers would be the riskier repair).
 
 Offsets are never reused. ``<partition>/.hwm`` holds the partition's high-water mark,
 the offset after the last record ever appended, rewritten in place after every append
@@ -47,6 +47,8 @@ import zlib
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
+
+from prometheus_client import Counter
 
 from streams.base import Message
 from streams.errors import OffsetOutOfRangeError
@@ -243,6 +245,11 @@ class Damage:
         return self.end - self.start
 
 
+DAMAGED = Counter(
+    "specops_stream_damaged_bytes",
+    "Bytes of the local log found damaged in this process: skipped by readers, copied to quarantine",
+    ["topic", "partition"],
+)
 _damage_lock = threading.Lock()
 _damage: dict[tuple[str, int, int, int], Damage] = {}
 
@@ -303,6 +310,7 @@ def report_damage(fd: int, segment: Path, start: int, end: int, where: str, *, c
         if key in _damage:
             return _damage[key]
         _damage[key] = found
+    DAMAGED.labels(segment.parent.parent.name, segment.parent.name).inc(end - start)
     log.error(
         "%s: %d damaged bytes at bytes %d-%d (%s): the file was damaged outside this library; the records "
         "there are lost, every other record is kept; the bytes are copied to %s",

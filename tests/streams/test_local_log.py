@@ -22,7 +22,7 @@ from streams import CommitFailedError, OutMessage, StreamConfig, StreamConfigErr
 from streams.base import partition_for_key
 from streams.local import LocalStream
 from streams.errors import OffsetOutOfRangeError
-from streams.local_segment import encode_frame, list_segments, scan, segment_path
+from streams.local_segment import DAMAGED, encode_frame, list_segments, scan, segment_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5.0)
@@ -238,6 +238,7 @@ def test_mid_segment_damage_loses_no_later_record_and_offsets_only_grow(tmp_path
     assert "damaged bytes" in caplog.text and str(seg) in caplog.text
     reported = stream.damage("t")
     assert len(reported) == 1 and reported[0]["start"] == start and reported[0]["segment"] == int(seg.stem)
+    assert DAMAGED.labels("t", "0")._value.get() >= reported[0]["bytes"] > 0
     copy = Path(reported[0]["quarantine"])
     assert copy.read_bytes() == damaged_bytes[reported[0]["start"] : reported[0]["end"]]
     assert stream.end_offsets("t") == {0: N_RECORDS}

@@ -261,14 +261,16 @@ def damage_seen(pdir: Path | None = None) -> list[Damage]:
     return [d for d in found if pdir is None or d.segment.parent == pdir]
 
 
-def quarantine_path(segment: Path, start: int, end: int) -> Path:
-    return segment.parent / QUARANTINE / f"{segment.stem}.{start}-{end}.bin"
+def quarantine_path(segment: Path, start: int, end: int, suffix: str = ".bin") -> Path:
+    """Where bytes ``[start, end)`` of ``segment`` are kept: ``.bin`` for damage, ``.torn``
+    for the torn write of a producer killed mid-append (not damage)."""
+    return segment.parent / QUARANTINE / f"{segment.stem}.{start}-{end}{suffix}"
 
 
-def quarantine(fd: int, segment: Path, start: int, end: int) -> Path:
+def quarantine(fd: int, segment: Path, start: int, end: int, suffix: str = ".bin") -> Path:
     """Copy bytes ``[start, end)`` of the open ``segment`` to its quarantine file (once;
     written to a temporary file, fsynced and renamed). Raises OSError."""
-    dest = quarantine_path(segment, start, end)
+    dest = quarantine_path(segment, start, end, suffix)
     if dest.exists():
         return dest
     dest.parent.mkdir(exist_ok=True)
@@ -630,8 +632,8 @@ class PartitionAppender:
         fd = self._open_segment(tail.base)
         path = segment_path(self.pdir, tail.base)
         start, end = tail.end, tail.end + torn
-        copied = quarantine(fd, path, start, end)
         if _is_torn_write(os.pread(fd, HEADER.size, start), torn, next_offset):
+            copied = quarantine(fd, path, start, end, ".torn")
             log.warning(
                 "%s: truncating %d bytes of a torn record at the end of segment %d (a producer died mid-append); "
                 "copied to %s",
@@ -641,6 +643,7 @@ class PartitionAppender:
                 copied,
             )
         else:
+            copied = quarantine(fd, path, start, end)
             report_damage(fd, path, start, end, "at the end of the active segment; truncating them", copied=copied)
         os.ftruncate(fd, tail.end)
         if self.fsync:

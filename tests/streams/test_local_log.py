@@ -139,6 +139,9 @@ def test_torn_tail_is_invisible_then_truncated_by_the_next_publish(tmp_path, cap
         deliveries = producer.publish("t", [OutMessage(b"k", f"w{i}".encode()) for i in range(3)])
     assert [d.offset for d in deliveries] == [5, 6, 7]
     assert "truncating" in caplog.text
+    copies = list((stream.partition_dir("t", 0) / "quarantine").iterdir())
+    assert [c.suffix for c in copies] == [".torn" if garbage == "half_frame" else ".bin"]
+    assert bool(stream.damage("t")) == (garbage == "crc_mismatch")  # a torn write is not damage
     assert seg.stat().st_size == clean_size + sum(len(encode_frame(0, 0, b"k", f"w{i}".encode())) for i in range(3))
     more = poll_until(consumer, lambda got: len(got) >= 3)
     consumer.close()

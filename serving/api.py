@@ -13,7 +13,9 @@ Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}`
 the status from :data:`serving.errors.HTTP_STATUS`. A request is refused before any work
 when its body is too large (413), its key is missing (401) or wrong (403), or admission
 is full (429, ``Retry-After``); then it is validated (400 naming the field to fix) and
-only then queued for a decode worker.
+only then queued for a decode worker. A body must arrive within ``body_timeout_s`` (408,
+:mod:`serving.read_timeouts`); :mod:`serving.request_json` parses it, and a bug is a 500
+of the same shape (uvicorn logs its traceback).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from serving.errors import (
     AuthenticationError,
@@ -41,9 +44,13 @@ from serving.errors import (
     PermissionDeniedError,
     RequestTooLargeError,
     SpecOpsError,
+    clip,
+    echo,
     http_status,
 )  # fmt: skip
 from serving.openai_schema import ChatCompletionRequest, CompletionRequest
+from serving.read_timeouts import BodyDeadline
+from serving.request_json import parse as parse_json
 from serving.server import ClientGone, Job, ServingState
 from serving.types import SamplingParams
 
@@ -54,7 +61,7 @@ API_SECONDS = Histogram("specops_api_request_seconds", "HTTP request time (to th
                         ["endpoint"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
 OPEN_PATHS = ("/healthz", "/readyz")
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -63,8 +70,13 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}  # fmt: skip
+    return {"error": {"message": _printable(message, 1000), "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": None if param is None else _printable(param, 200), "code": code}}  # fmt: skip
+
+
+def _printable(text: str, limit: int) -> str:
+    """A backstop for what an error quotes: bounded, and encodable (a lone surrogate is written as ``\\udXXX``)."""
+    return clip(text, limit).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(err: SpecOpsError) -> JSONResponse:
@@ -72,6 +84,8 @@ def error_response(err: SpecOpsError) -> JSONResponse:
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
+    if status == 408:  # the rest of the request may still be on its way: do not read it as the next request
+        headers = {"Connection": "close"}
     return JSONResponse(error_body(status, str(err), err.code, err.param), status_code=status, headers=headers)
 
 
@@ -91,11 +105,23 @@ def create_app(state: ServingState) -> FastAPI:
     keys = [k.encode() for k in cfg.api_keys]
 
     # ------------------------------------------------------------ gatekeeping, in order
+    app.add_middleware(BodyDeadline, timeout_s=cfg.body_timeout_s)
     app.add_middleware(Gate, cfg=cfg, keys=keys)
 
     @app.exception_handler(SpecOpsError)
     async def _specops_error(request: Request, err: SpecOpsError):
         return error_response(err)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        client = "%s:%d" % tuple(request.client) if request.client else "a client"
+        log.info("%s went away while sending the body of %s %s", client, request.method, clip(request.url.path))
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request", for the metrics
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):  # uvicorn still logs the traceback: it is a bug
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}; the server log has the details",
+                                       "internal"), status_code=500)  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -103,11 +129,11 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc):
-        return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}", "not_found"), 404)
+        return JSONResponse(error_body(404, f"no route {request.method} {clip(request.url.path)}", "not_found"), 404)
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, exc):
-        return JSONResponse(error_body(405, f"{request.method} is not allowed on {request.url.path}",
+        return JSONResponse(error_body(405, f"{request.method} is not allowed on {clip(request.url.path)}",
                                        "method_not_allowed"), 405)  # fmt: skip
 
     # ------------------------------------------------------------ probes and metrics
@@ -223,12 +249,7 @@ async def _parse(request: Request, model):
         body += chunk
         if len(body) > limit:
             raise RequestTooLargeError(f"request body is over the limit of {limit} bytes")
-    try:
-        data = json.loads(body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object")
+    data = parse_json(bytes(body))  # a 400 naming the field for anything JSON, Unicode or nesting
     try:
         req = model.model_validate(data)
     except ValidationError as exc:
@@ -240,14 +261,15 @@ async def _parse(request: Request, model):
 class _FirstValidationError(InvalidRequestError):
     def __init__(self, errors: list) -> None:
         e = errors[0]
-        param = ".".join(str(p) for p in e.get("loc", ()))
+        param = clip(".".join(str(p) for p in e.get("loc", ())))
         msg = e.get("msg", "invalid value")
         if e.get("type") == "extra_forbidden":
             msg = f"unrecognized request argument: {param}"
         elif e.get("type") == "missing":
             msg = f"missing required field: {param}"
-        else:
-            msg = f"{param}: {msg}" + (f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], (dict, list)) else "")
+        else:  # quote the value, clipped: a 500 KB stop string is not sent back
+            scalar = "input" in e and not isinstance(e["input"], (dict, list))
+            msg = f"{param}: {msg}" + (f" (got {echo(e['input'])})" if scalar else "")
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         super().__init__(msg + more, param or None)
 
@@ -295,7 +317,7 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
     cfg = state.cfg
     _ensure_ready(state)
     if req.model != cfg.served_model_name:
-        raise ModelNotFoundError(f"model {req.model!r} is not served here; use {cfg.served_model_name!r}", "model")
+        raise ModelNotFoundError(f"model {echo(req.model)} is not served here; use {cfg.served_model_name!r}", "model")
     # OpenAI's defaults: temperature 1, top_p 1 (send temperature=0 for greedy decoding)
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=req.top_p if req.top_p is not None else 1.0,

@@ -55,6 +55,13 @@ class ServeConfig(BaseModel):
                                 "also $SPECOPS_API_KEYS, comma-separated")  # fmt: skip
     auth_metrics: bool = Field(False, description="also require a key on /metrics")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 above)")
+    header_timeout_s: float = Field(30.0, gt=0, description="longest a connection may take to send a request's "
+                                    "headers, from connecting or from the request's first byte (408, then "
+                                    "closed)")  # fmt: skip
+    body_timeout_s: float = Field(30.0, gt=0, description="longest a request's body may take to arrive after its "
+                                  "headers (408, then closed)")  # fmt: skip
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this "
+                                        "many seconds")  # fmt: skip
 
     # ---- request limits
     max_prompt_tokens: int = Field(2048, ge=1, description="longest prompt accepted, in tokens (also capped by the "

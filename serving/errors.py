@@ -1,4 +1,5 @@
-"""Typed errors raised to callers of the engine, and the one table mapping them to HTTP."""
+"""Typed errors raised to callers of the engine, the one table mapping them to HTTP, and how
+a message quotes a client's value (:func:`echo`: clipped, so an error is never as large as its input)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,12 @@ class RequestTimeoutError(SpecOpsError):
     code = "request_timeout"
 
 
+class ReadTimeoutError(SpecOpsError):
+    """The client took longer than the server allows to send its request (headers or body)."""
+
+    code = "read_timeout"
+
+
 class RouterError(SpecOpsError, ValueError):
     """A router artifact is malformed or does not fit this server (dimension, embedder)."""
 
@@ -104,6 +111,7 @@ HTTP_STATUS: dict[str, int] = {
     UnsupportedParameterError.code: 400,
     PromptTooLongError.code: 413,
     RequestTooLargeError.code: 413,
+    ReadTimeoutError.code: 408,
     AuthenticationError.code: 401,
     PermissionDeniedError.code: 403,
     ModelNotFoundError.code: 404,
@@ -120,3 +128,19 @@ HTTP_STATUS: dict[str, int] = {
 
 def http_status(err: SpecOpsError) -> int:
     return HTTP_STATUS.get(err.code, 500)
+
+
+ECHO_CHARS = 100
+"""The most characters of a client's value an error message quotes."""
+
+
+def clip(text: str, limit: int = ECHO_CHARS, *, size: int | None = None) -> str:
+    """``text`` cut to ``limit`` characters, ending in an ellipsis and the original size when it was longer."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) if size is None else size} characters)"
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, clipped: a 500 KB invalid value is quoted by its first characters."""
+    return clip(repr(value), limit, size=len(value) if isinstance(value, str) else None)

@@ -4,8 +4,9 @@ Only what the server implements is accepted. An OpenAI parameter we do not imple
 (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``)
 and any field OpenAI does not define either gets a 400 naming the parameter, rather than
 being silently ignored. Our two extension fields are ``speculation`` and ``cluster``.
-Server-side bounds (prompt length, ``max_tokens``, ``k``) are checked by the API
-against :class:`~serving.config.ServeConfig`, since they are settings.
+Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
+``max_tokens``, ``k``) are checked by the API against :class:`~serving.config.ServeConfig`,
+since they are settings.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints,
 
 from serving.errors import UnsupportedParameterError
 
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+"""Every model: unknown fields refused, and no coercion: ``"5"`` and ``true`` are not integers, ``"0.5"`` is not
+a number, ``1`` is not a boolean (an integer is still a valid float: ``"temperature": 1``); no NaN or infinity."""
+
 ClusterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 """Cluster ids become registry model names (``draft-<cluster>``): letters, digits, ``_.-``, at most 64."""
 
@@ -23,7 +28,7 @@ ClusterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_
 class Speculation(BaseModel):
     """Extension: how to speculate for this request."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     method: Literal["draft", "pld", "target"] | None = None
     """draft = the cluster's draft model; pld = prompt lookup; target = target-only (no speculation)."""
@@ -32,7 +37,7 @@ class Speculation(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False
 
@@ -40,7 +45,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
@@ -121,14 +126,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

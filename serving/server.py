@@ -229,13 +229,18 @@ class ServingState:
                 cluster: str | None, stop: list[str] | None) -> Job:  # fmt: skip
         """Tokenize, bound-check and route one request (raises the caller's 4xx errors)."""
         cfg, tok = self.cfg, self.pair.tokenizer
+        limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty: give at least one character", "prompt")
-            if len(prompt) > cfg.max_prompt_tokens * 32:  # refuse before tokenizing megabytes
-                raise PromptTooLongError(f"prompt has {len(prompt)} characters; the limit is "
-                                         f"{cfg.max_prompt_tokens} tokens", "prompt")  # fmt: skip
-            ids = tok(prompt, add_special_tokens=False, verbose=False)["input_ids"]
+            if len(prompt) > limit * 32:  # refuse before tokenizing megabytes
+                raise PromptTooLongError(f"prompt has {len(prompt)} characters; the limit is {limit} tokens",
+                                         "prompt")  # fmt: skip
+            try:
+                ids = tok(prompt, add_special_tokens=False, verbose=False)["input_ids"]
+            except (TypeError, ValueError) as exc:  # text the tokenizer refuses is the caller's to fix
+                raise InvalidRequestError(f"prompt cannot be tokenized ({type(exc).__name__}): send valid "
+                                          "Unicode text", "prompt") from None  # fmt: skip
             text = prompt
         else:
             vocab = self.pair.vocab_size
@@ -245,7 +250,6 @@ class ServingState:
             ids, text = list(prompt), None
         if not ids:
             raise InvalidRequestError("prompt tokenizes to nothing: give at least one token", "prompt")
-        limit = min(cfg.max_prompt_tokens, self.context_size - 1)
         if len(ids) > limit:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the limit is {limit}: shorten it", "prompt")
         if params.max_new_tokens > cfg.max_tokens_limit:

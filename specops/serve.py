@@ -48,12 +48,16 @@ class Server:
         import uvicorn
 
         from serving.api import create_app
+        from serving.read_timeouts import guarded_h11
 
         self.cfg = cfg
         self.state = state or build_state(cfg, root=root)
         self.app = create_app(self.state)
+        # h11 with a header and unread-body timer; the API itself bounds the body it reads (serving/read_timeouts.py)
         self.uv = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
                                                 access_log=False, timeout_graceful_shutdown=30,
+                                                timeout_keep_alive=cfg.keep_alive_timeout_s,
+                                                http=guarded_h11(cfg.header_timeout_s, cfg.body_timeout_s),
                                                 lifespan="on"))  # fmt: skip
         self._thread: threading.Thread | None = None
 

@@ -241,7 +241,7 @@ def test_bad_requests_get_precise_errors(client, kw, code, param):
 def test_raw_http_errors(server):
     url = server.url
     c = url + "/v1/completions"
-    assert_error(requests.post(c, data='{"model": "specops", "prompt":'), 400, "invalid_request")
+    assert_error(requests.post(c, data='{"model": "specops", "prompt":'), 400, "invalid_request", "prompt")
     assert_error(requests.post(c, data="[1, 2]"), 400, "invalid_request")
     assert_error(requests.post(c, json={"prompt": "x"}), 400, "invalid_request", "model")
     big = {"model": MODEL, "prompt": "x" * 2 * MAX_BODY_BYTES}

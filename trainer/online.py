@@ -23,8 +23,14 @@ reached the pass does not commit; the next pass retries the registration (idempo
 by checkpoint) and commits once it succeeds. When the group rebalanced since the poll the
 commit is refused: the pass logs it and goes on, the records go to their partitions' new
 owner (this trainer again, once it rejoins). (With ``register_every`` > 1 the updates in
-between are committed once checkpointed and registered with the next registered one.) Records delivered twice after a crash are recognised
-by their (topic, partition, offset) and buffered once.
+between are committed once checkpointed and registered with the next registered one.)
+
+Records delivered twice after a crash are taken once: those still buffered or held out
+are recognised by their (topic, partition, offset); a training record at or below the
+highest offset the cluster took from its partition (saved with the buffer, and in each
+checkpoint's lineage) was trained or evicted before the crash and is skipped, so a
+restart never trains a window twice nor registers a second version of it. (To retrain
+from the start of a stream, start from an empty ``--out``, not only from reset offsets.)
 """
 
 from __future__ import annotations
@@ -186,6 +192,10 @@ class OnlineTrainer:
         self.buffers: ReplayBuffers[Held] = ReplayBuffers(self.cfg.replay)
         self.clusters: dict[str, ClusterState] = {}
         self._seen: set[tuple[str, int, int]] = set()
+        self._through: dict[str, dict[tuple[str, int], int]] = {}
+        """Per cluster and (topic, partition): the highest offset of a training record this
+        cluster took (buffered, and then trained or evicted). Offsets grow in a partition, so a
+        redelivered training record at or below it was taken before a restart."""
         self._rng = random.Random(self.cfg.seed)
         self.stream = open_stream(stream)
         self.consumer = RecordConsumer(self.stream, self.cfg.group, [stream.topics.misses],
@@ -242,9 +252,15 @@ class OnlineTrainer:
             log.info("cluster %s: checkpoint v%d was never registered; registering it before any commit", cluster,
                      st.version)  # fmt: skip
             self._unpublished[cluster] = st.version
+        through = self._through.setdefault(cluster, {})
+        for p, (_, hi) in st.lineage.items():  # trained into the checkpoint, maybe not in the saved buffer
+            tp = (self.stream_cfg.topics.misses, int(p))
+            through[tp] = max(through.get(tp, -1), hi)
         saved = ckpt.load_buffer(self.out, cluster)
         if not saved:
             return
+        for topic, p, offset in saved.get("through", []):
+            through[(topic, p)] = max(through.get((topic, p), -1), offset)
         buf = self.buffers[cluster]
         for item in saved["buffer"]:
             held = self._held(item)
@@ -267,7 +283,9 @@ class OnlineTrainer:
     def _persist(self, cluster: str) -> None:
         pack = [[*h.source, h.raw] for h in self.buffers[cluster].items()]
         hold = [[*h.source, h.raw] for h in self.clusters[cluster].holdout]
-        ckpt.save_buffer(self.out, cluster, {"buffer": pack, "num_new": self.buffers[cluster].num_new, "holdout": hold})
+        through = [[t, p, o] for (t, p), o in sorted(self._through.get(cluster, {}).items())]
+        ckpt.save_buffer(self.out, cluster, {"buffer": pack, "num_new": self.buffers[cluster].num_new, "holdout": hold,
+                                             "through": through})  # fmt: skip
 
     # ------------------------------------------------------------ the loop
     def step(self, max_records: int | None = None) -> int:
@@ -281,15 +299,20 @@ class OnlineTrainer:
             source = (m.topic, m.partition, m.offset)
             if source in self._seen:
                 continue  # redelivered after a crash: already buffered
-            self._seen.add(source)
             rec = d.record
             assert isinstance(rec, MissRecord)
+            heldout = _holdout(rec.request_id, self.cfg.holdout_every)
+            through = self._through.setdefault(rec.cluster, {})
+            if not heldout and m.offset <= through.get(source[:2], -1):
+                continue  # redelivered after a crash: trained (or evicted) before it, not to be trained twice
+            self._seen.add(source)
             held = Held(rec, source, bytes(m.value))
             st = self.state(rec.cluster)
             touched.add(rec.cluster)
-            if _holdout(rec.request_id, self.cfg.holdout_every):
+            if heldout:
                 st.holdout.append(held)
                 continue
+            through[source[:2]] = m.offset
             buf = self.buffers[rec.cluster]
             buf.add(held)
             if buf.num_new >= self.cfg.interval:  # 3. every I requests of this cluster

@@ -207,3 +207,35 @@ def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_
         _assert_all_committed(trainer.stream, "rebal", cfg.topics.misses)
     finally:
         trainer.close()
+
+
+def test_a_restart_before_the_commit_trains_no_record_twice(close_pair, tmp_path):
+    """Killed after an update was checkpointed but before the commit: the records come back,
+    and those already trained (evicted from a small replay buffer, so not recognised by the
+    buffer) are skipped instead of trained again into a version of the same window."""
+    from trainer.replay import ReplayConfig
+
+    cfg, draft_dir = log_requests(close_pair, tmp_path, 24, seed=21, cluster_of=lambda i: "c", partitions=1,
+                                  greedy_only=True, max_new_tokens=12)  # fmt: skip
+    ocfg = OnlineConfig(group="g", interval=4, holdout_every=1000, poll_records=24,
+                        replay=ReplayConfig(policy="recent", capacity=8))  # fmt: skip
+    first = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg)
+
+    def killed():
+        raise SystemExit("killed before the commit")
+
+    first.consumer.commit = killed
+    with pytest.raises(SystemExit):
+        first.step()
+    first.close()
+    trained = _history(tmp_path / "out", "c")
+    assert len(trained) == 6
+    second = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg)
+    try:
+        assert second.step() == 24  # redelivered, all of it
+        assert _history(tmp_path / "out", "c") == trained, "a redelivered window was trained again"
+        assert second.clusters["c"].version == 6
+        with open_stream(cfg) as s:
+            _assert_all_committed(s, "g", cfg.topics.misses)
+    finally:
+        second.close()

@@ -113,9 +113,14 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, loading_
     """A model from a local directory (safetensors only), in ``dtype``, in eval mode, prepared
     for decoding. With ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
+    # Loaded in float32 and then cast: from_pretrained(dtype=bfloat16) switches torch's
+    # process-wide default dtype while it loads, so a request finishing on another thread
+    # during a hot-swap would build its tensors in bfloat16.
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, use_safetensors=True, dtype=resolve_dtype(dtype), output_loading_info=True
+        path, local_files_only=True, use_safetensors=True, dtype=torch.float32, output_loading_info=True
     )
+    if resolve_dtype(dtype) != torch.float32:
+        model = model.to(resolve_dtype(dtype))
     model.eval()
     prepare_for_decoding(model)
     try:

@@ -135,7 +135,7 @@ def build_records(
         vocab_size = int(logits.shape[-1])
         logp = torch.log_softmax(logits, dim=-1)
     else:
-        logp = torch.zeros((0, vocab_size))
+        logp = torch.zeros((0, vocab_size), dtype=torch.float32)  # not the default dtype: see load_model
     if full_distribution:
         kind, topk_ids, residual = DIST_FULL, None, None
         logprobs = logp.numpy().astype(dtype)

@@ -46,6 +46,24 @@ def test_the_draft_runs_in_bfloat16_by_default_and_the_target_in_float32(tmp_pat
         load_model_dir(tmp_path, draft_dtype="float16")
 
 
+def test_loading_a_bfloat16_draft_leaves_the_default_dtype_alone(tmp_path, words, monkeypatch):
+    """A hot-swap loads a draft while other threads serve: torch's process-wide default dtype
+    must stay float32 throughout (a request finishing meanwhile built its records in bfloat16)."""
+    from serving.models import load_model
+
+    seen: list[torch.dtype] = []
+    init = torch.nn.Embedding.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_default_dtype())
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Embedding, "__init__", spy)
+    model = load_model(save_dir(tmp_path / "d", words, 2), dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    assert seen and set(seen) == {torch.float32}
+
+
 def test_different_tokenizers_are_rejected(tmp_path, words):
     target = save_dir(tmp_path / "t", words, 1)
     draft = save_dir(tmp_path / "d", list(reversed(words)), 2)  # same size, different mapping

@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 	$(BIN)/python benchmarks/hotswap.py --json benchmarks/out/hotswap.json
 	$(BIN)/python benchmarks/api.py --json benchmarks/out/api.json
+	$(BIN)/python benchmarks/faults.py --json benchmarks/out/faults.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
@@ -45,6 +46,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/osd.py --quick --no-doc --json benchmarks/out/osd_quick.json --plot benchmarks/out/osd_quick.png
 	$(BIN)/python benchmarks/hotswap.py --quick --no-doc --json benchmarks/out/hotswap_quick.json
 	$(BIN)/python benchmarks/api.py --quick --no-doc --json benchmarks/out/api_quick.json
+	$(BIN)/python benchmarks/faults.py --quick --no-doc --json benchmarks/out/faults_quick.json
 
 # Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
 docs-screenshots: $(STAMP)

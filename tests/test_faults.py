@@ -1,0 +1,118 @@
+"""The soak-and-fault run (``benchmarks/faults.py``) in short form: serve, train and an
+``mlflow server`` as separate processes under load while each is SIGKILLed once at a
+random point and restarted. Its invariants must hold: no request fails outside the
+server's kill windows, no accepted record is lost, no version is registered twice, and
+every answered output is the target-only greedy output. Timings are never asserted.
+
+The checks themselves are tested first, on made-up runs, so that each can fail.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import faults as bench
+from benchmarks.faults import Attempt, Window
+
+MISSES, GENERATIONS = bench.TOPICS
+
+
+def _answered(rid: str, epoch: int, start: float, end: float) -> Attempt:
+    return Attempt(rid, 0, 0, epoch, start, end, status=200)
+
+
+def _run(attempts: list[Attempt], logged: list[str], *, published: int, final_epoch: int = 1) -> dict:
+    """A run whose first server (epoch 0) was killed at t=10 after accepting ``published`` records per
+    topic, and whose stream holds ``logged`` request ids (both topics, in this order)."""
+    rows = [{"partition": 0, "offset": i, "rid": rid} for i, rid in enumerate(logged)]
+    kill = Window("server", 10.0, 1.0, back_at=20.0, epoch=0, published={MISSES: published, GENERATIONS: published})
+    return {"attempts": attempts, "windows": [kill], "records": {MISSES: rows, GENERATIONS: rows},
+            "final_epoch": final_epoch}  # fmt: skip
+
+
+def test_record_check_counts_only_provable_losses():
+    a = [_answered("a0", 0, 0, 1), _answered("a1", 0, 2, 3), _answered("a2", 0, 9, 9.5), _answered("b0", 1, 21, 22)]
+    # a2 was answered but still queued when its server died: the documented limit, not a loss
+    ok = bench.check_records(_run(a, ["a0", "a1", "b0"], published=2))
+    assert (ok["lost"], ok["unaccepted_at_kill"], ok["checked"]) == (0, 2, 8)
+    # a0 is missing though a1, sent after a0's answer arrived, is on disk: a hole
+    hole = bench.check_records(_run(a, ["a1", "a2", "b0"], published=0))
+    assert hole["lost"] == 2 and {d["topic"] for d in hole["lost_detail"]} == {MISSES, GENERATIONS}
+    # the server had accepted 3 records per topic before the kill, 2 are in the stream
+    short = bench.check_records(_run(a, ["a0", "a1", "b0"], published=3))
+    assert short["lost"] == 2
+    # the gracefully stopped server (epoch 1) flushes: its answered request must be there
+    final = bench.check_records(_run(a, ["a0", "a1"], published=2))
+    assert final["lost"] == 2 and final["lost_detail"][0]["epoch"] == 1
+    dup = bench.check_records(_run(a, ["a0", "a0", "a1", "b0"], published=3))
+    assert (dup["lost"], dup["duplicates"]) == (0, 2)
+    # the final server refused b0's two records (a build error): never accepted, counted as dropped
+    refused = bench.check_records({**_run(a, ["a0", "a1"], published=2), "scrapes": {1: {"dropped": {"build_error": 2}}}})
+    assert (refused["lost"], refused["dropped"]) == (0, 2)
+
+
+def test_version_check_finds_a_repeated_source_or_training_window():
+    def v(version: str, source: str, window: str) -> dict:
+        return {"version": version, "tags": {"source_id": source, "lineage_offsets": window}, "aliases": []}
+
+    distinct = [v("1", "t/c/v000001", '{"0": [0, 9]}'), v("2", "t/c/v000002", '{"0": [0, 20]}')]
+    assert bench.check_versions(distinct)["duplicated"] == 0
+    same_source = [*distinct, v("3", "t/c/v000002", '{"0": [0, 31]}')]
+    assert bench.check_versions(same_source)["duplicated"] == 1
+    same_window = [*distinct, v("3", "t/c/v000004", '{"0": [0, 20]}')]
+    assert [d["version"] for d in bench.check_versions(same_window)["duplicates"]] == ["3"]
+
+
+def test_only_the_servers_windows_excuse_a_failure():
+    windows = [Window("server", 10.0, 1.0, back_at=20.0), Window("mlflow", 30.0, 1.0, back_at=40.0)]
+    attempts = [Attempt("in-flight", 0, 0, 0, 9.0, 10.1), Attempt("down", 0, 1, 1, 12.0, 12.1),
+                Attempt("503", 0, 2, 1, 19.5, 19.6, status=503), Attempt("registry-down", 0, 3, 1, 31.0, 31.5),
+                Attempt("after", 0, 4, 1, 21.0, 21.5, status=500), _answered("ok", 1, 35.0, 36.0)]  # fmt: skip
+    bench.classify(attempts, windows, 50.0)
+    assert [a.kind for a in attempts] == ["in_flight", "down", "down", "failed", "failed", "answered"]
+
+
+@pytest.mark.slow  # a tiny bootstrap and reference decodes
+def test_output_check_tells_the_targets_output_from_another(tmp_path):
+    from argparse import Namespace
+
+    from serving.engine import SpecEngine
+    from serving.models import load_model_dir
+    from serving.types import SamplingParams
+
+    models = bench.tiny_pair(tmp_path / "models", seed=0)
+    pair = load_model_dir(models)
+    args = Namespace(seed=0, max_tokens=8, vocab=pair.vocab_size)
+    ref = SpecEngine(pair).generate(bench.make_prompt(0, 0, 0, args.vocab), SamplingParams(max_new_tokens=8),
+                                    method="target").token_ids  # fmt: skip
+    other = [(t + 1) % args.vocab or 1 for t in ref]  # not the target's choice anywhere
+    text = pair.tokenizer.decode
+    served = [Attempt("same", 0, 0, 0, 0, 1, status=200, text=text(ref, skip_special_tokens=True)),
+              Attempt("other", 0, 0, 0, 1, 2, status=200, text=text(other, skip_special_tokens=True)),
+              Attempt("unlogged", 0, 0, 0, 2, 3, status=200, text=text(other, skip_special_tokens=True))]  # fmt: skip
+    logged = {GENERATIONS: [{"rid": "same", "output_ids": list(ref)}, {"rid": "other", "output_ids": other}]}
+    got = bench.check_outputs(served, logged, models, args)
+    assert (got["checked"], got["identical"], got["ties"], got["diverged"], got["tokens_checked"]) == (3, 1, 0, 2, 2)
+    assert got["diverged_detail"][0]["worst_gap"] > bench.TIE_TOL
+
+
+@pytest.mark.slow  # three processes killed and restarted: about two minutes on 2 busy cores
+def test_kills_keep_the_invariants(tmp_path):
+    out, work = tmp_path / "faults.json", tmp_path / "work"
+    argv = ["--duration-s", "15", "--kills", "3", "--clients", "2", "--min-gap-s", "1", "--tail-s", "3",
+            "--ready-timeout-s", "400", "--workdir", str(work), "--json", str(out), "--no-doc"]  # fmt: skip
+    rc = bench.main(argv)
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    logs = "\n".join((work / "logs" / f"{name}.log").read_text()[-3000:] for name in bench.COMPONENTS)
+    assert rc == 0 and s["invariants_hold"], f"violations: {s['violations']}\n{logs}"
+    assert s["kills"] == {"server": 1, "trainer": 1, "mlflow": 1}
+    assert all(w["back_at"] is not None and w["back_at"] > w["killed_at"] for w in report["kills"])
+    assert s["answered"] > 0 and s["failed_outside_kill_windows"] == 0
+    assert s["accepted_records_lost"] == 0 and s["records_checked"] == 2 * s["answered"]
+    assert s["versions_duplicated"] == 0
+    assert s["outputs_diverged"] == 0 and s["outputs_checked"] == s["answered"]
+    assert s["outputs_identical"] + s["outputs_tie_flips"] == s["answered"]  # a tie flip is rare, but the target's
+    assert s["server_exit_on_sigterm"] == 0

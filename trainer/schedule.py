@@ -449,7 +449,7 @@ class TrainerScheduler:
                     left = None if self.max_records is None else self.max_records - self.records_consumed
                     if left is not None and left <= 0:
                         break
-                    n = self.trainer.step(left)
+                    n = self.trainer.step() if left is None else self.trainer.step(left)
                     consumed += n
                     self.records_consumed += n
                     if n:

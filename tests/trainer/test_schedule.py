@@ -81,7 +81,7 @@ class FakeTrainer:
         self.out, self.fail, self.eval_fails, self.steps = out, fail, eval_fails, 0
         self.clusters = {"c": None} if eval_fails else {}
 
-    def step(self) -> int:
+    def step(self, max_records: int | None = None) -> int:
         self.steps += 1
         if self.steps <= self.fail:
             raise RuntimeError(f"boom {self.steps}")

@@ -78,7 +78,7 @@ def inspect(url: str, topic: str, *, limit: int, tail: int | None, group: str | 
         ends = stream.end_offsets(topic)
         rows = [summarize(m) for m in stream.read(topic, from_end=tail)]
         committed = stream.committed(group, topic) if group else {}
-        damage = stream.damage(topic) if hasattr(stream, "damage") else []
+        damage = stream.damage(topic)
     rows.sort(key=lambda r: (r["partition"], r["offset"]))
     if as_json:
         for r in rows[:limit] if limit else rows:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,12 @@ class Stream(ABC):
         """Read ``topic`` outside any group, partition by partition, up to the end
         offsets at the time of the call. With ``from_end=n`` start ``n`` records
         before the end of each partition. For inspection and tests; commits nothing."""
+
+    def damage(self, topic: str) -> list[dict[str, Any]]:
+        """Damaged byte ranges found in ``topic``'s storage, one dict each (``partition``,
+        ``segment``, ``start``, ``end``, ``bytes``, ``where``, ``quarantine``). Only the local
+        log keeps its own storage; on Kafka the broker does, and this is empty."""
+        return []
 
     def close(self) -> None:
         """Release shared clients. Idempotent."""

@@ -93,6 +93,8 @@ def list_segments(pdir: Path) -> list[int]:
 
 class Status(Enum):
     OK = "ok"
+    END = "end"
+    """No byte at the position: the end of the file."""
     INCOMPLETE = "incomplete"
     CORRUPT = "corrupt"
 
@@ -130,7 +132,7 @@ def read_frame(win: _Window, pos: int, keep: bool = True) -> tuple[Status, Frame
     With ``keep=False`` the key and value are not copied out."""
     head = win.get(pos, HEADER.size)
     if len(head) < HEADER.size:
-        return Status.INCOMPLETE, None, 0
+        return (Status.INCOMPLETE if head else Status.END), None, 0
     magic, body_len, crc, offset, ts, key_len = HEADER.unpack(head)
     if magic != MAGIC or not BODY.size <= body_len <= MAX_BODY:
         return Status.CORRUPT, None, 0
@@ -207,8 +209,8 @@ def scan(
             out.next_offset = frame.offset + 1
             out.end += size
             continue
-        if status is Status.INCOMPLETE and not size and not len(win.get(out.end, 1)):
-            break  # the end of the file
+        if status is Status.END:
+            break
         found = resync(fd, out.end, out.next_offset if out.next_offset is not None else expect_offset)
         if found is None:
             out.torn = True

@@ -110,6 +110,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
+from streams.tansu import free_port
 
 log = logging.getLogger("bench.faults")
 
@@ -169,14 +170,6 @@ def make_prompt(seed: int, client: int, seq: int, vocab: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- processes
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Proc:
     """One child process in its own session (SIGKILL reaches its children too), output appended to ``log_path``."""
 

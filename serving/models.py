@@ -113,14 +113,17 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, loading_
     """A model from a local directory (safetensors only), in ``dtype``, in eval mode, prepared
     for decoding. With ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
-    # Loaded in float32 and then cast: from_pretrained(dtype=bfloat16) switches torch's
+    # Loaded in float32, then the weights cast: from_pretrained(dtype=bfloat16) switches torch's
     # process-wide default dtype while it loads, so a request finishing on another thread
-    # during a hot-swap would build its tensors in bfloat16.
+    # during a hot-swap would build its tensors in bfloat16. Buffers (rotary frequencies) stay
+    # float32, as from_pretrained(dtype=...) leaves them; model.to(dtype) would round them.
     model, info = AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, use_safetensors=True, dtype=torch.float32, output_loading_info=True
     )
     if resolve_dtype(dtype) != torch.float32:
-        model = model.to(resolve_dtype(dtype))
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.to(resolve_dtype(dtype))
     model.eval()
     prepare_for_decoding(model)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from serving.errors import ModelConfigError, TokenizerMismatchError
 from serving.models import load_pair, load_model_dir, tokenizer_hash
@@ -49,7 +49,7 @@ def test_the_draft_runs_in_bfloat16_by_default_and_the_target_in_float32(tmp_pat
 def test_loading_a_bfloat16_draft_leaves_the_default_dtype_alone(tmp_path, words, monkeypatch):
     """A hot-swap loads a draft while other threads serve: torch's process-wide default dtype
     must stay float32 throughout (a request finishing meanwhile built its records in bfloat16)."""
-    from serving.models import load_model
+    from serving.models import load_model, prepare_for_decoding
 
     seen: list[torch.dtype] = []
     init = torch.nn.Embedding.__init__
@@ -59,9 +59,17 @@ def test_loading_a_bfloat16_draft_leaves_the_default_dtype_alone(tmp_path, words
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Embedding, "__init__", spy)
-    model = load_model(save_dir(tmp_path / "d", words, 2), dtype="bfloat16")
+    path = save_dir(tmp_path / "d", words, 2)
+    model = load_model(path, dtype="bfloat16")
     assert model.dtype == torch.bfloat16
     assert seen and set(seen) == {torch.float32}
+    monkeypatch.undo()
+    # the same model as from_pretrained(dtype=bfloat16) gives: weights bfloat16, rotary buffers float32
+    ref = prepare_for_decoding(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
+    assert {n: b.dtype for n, b in model.named_buffers()} == {n: b.dtype for n, b in ref.named_buffers()}
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
 def test_different_tokenizers_are_rejected(tmp_path, words):

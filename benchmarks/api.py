@@ -10,7 +10,7 @@ On the bootstrapped pair, the same held-out prompts (code and prose, greedy, the
 - ``api target c=N`` / ``api draft c=N, batching off`` / ``api draft c=N, batching on``:
   ``--concurrency`` clients against a server decoding N requests at once, with
   ``batch_max_size`` 1 (each request its own target forwards) or N (concurrent requests
-  share target forward passes, ``serving/batching.py``).
+  share target forward passes, ``serving/engine/batching.py``).
 
 The prompts are split into ``--rounds`` slices and every arm decodes each slice in turn
 (three servers run side by side), so drift in the machine's speed hits all arms alike.
@@ -51,9 +51,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from serving.engine import SpecEngine
-from serving.models import load_model_dir
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.engine.models import load_model_dir
+from serving.engine.types import SamplingParams
 from specops.paths import models_dir
 from specops.prompts import heldout_prompts
 
@@ -114,7 +114,7 @@ class ApiArm:
 
 
 def start_server(model_dir: Path, root: Path, *, clients: int, batch: int):
-    from serving.config import ServeConfig
+    from serving.http.config import ServeConfig
     from specops.serve import Server
 
     cfg = ServeConfig(model_dir=str(model_dir), port=0, stream="none", registry="none", router="none",

@@ -33,7 +33,7 @@ Definitions:
   request is **failed outside the kill windows** (must be 0).
 - A logged record is **accepted** once the serving stream logger's publish returned (the
   local log appended it); records still queued in a server's memory die with it
-  (``serving/stream_logger.py``). The driver scrapes each server's
+  (``serving/fleet/stream_logger.py``). The driver scrapes each server's
   ``specops_stream_logger_published_total`` every second and once more just before killing
   it. **Accepted records lost** (must be 0) counts, per topic (``spec.misses``,
   ``spec.generations``):
@@ -59,7 +59,7 @@ Definitions:
   that is in the stream. An output that differs only where the target's top two logits tie
   (every served token within ``TIE_TOL`` of the target's maximum given the served prefix,
   computed in float64) is the target's greedy output with a float32 tie broken the other way
-  by a batched verification (``serving/batching.py``); it is counted apart. Any other
+  by a batched verification (``serving/engine/batching.py``); it is counted apart. Any other
   difference is a **diverged** output (must be 0).
 
 The models are a tiny random pair by default (a ``--tiny`` bootstrap's tokenizer, a
@@ -671,12 +671,12 @@ def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args)
     logged, equal the reference's. *Tie*: not identical, but every logged token is the
     target's greedy choice given the served prefix up to ``TIE_TOL`` (checked in float64): an
     exact float32 tie broken the other way by a batched verification, which
-    ``serving/batching.py`` documents. Anything else *diverged*."""
+    ``serving/engine/batching.py`` documents. Anything else *diverged*."""
     from transformers import AutoModelForCausalLM
 
-    from serving.engine import SpecEngine
-    from serving.models import load_model_dir
-    from serving.types import SamplingParams
+    from serving.engine.spec import SpecEngine
+    from serving.engine.models import load_model_dir
+    from serving.engine.types import SamplingParams
 
     pair = load_model_dir(model_dir)
     engine, tok = SpecEngine(pair), pair.tokenizer
@@ -873,7 +873,7 @@ def doc_section(report: dict, table: str) -> str:
         "token for token with their GenerationRecord); an output that differs only where the target's top two "
         f"logits tie (every served token within {TIE_TOL:g} of the target's float64 maximum given the served "
         "prefix) is the target's output with a float32 tie broken the other way by a batched verification "
-        "(`serving/batching.py`), counted apart; any other difference is *diverged*.",
+        "(`serving/engine/batching.py`), counted apart; any other difference is *diverged*.",
         DOC_END,
     ])  # fmt: skip
 

@@ -85,9 +85,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from serving.engine import SpecEngine
-from serving.models import ModelPair, load_model, load_model_dir
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.engine.models import ModelPair, load_model, load_model_dir
+from serving.engine.types import SamplingParams
 from specops.paths import models_dir
 
 log = logging.getLogger("bench.hotswap")
@@ -207,9 +207,9 @@ def wait_for(cond, timeout_s: float, what: str, step_s: float = 0.01):
 # ---------------------------------------------------------------- the run
 def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], args, tmp: Path) -> dict:
     from registry import RegistryConfig, RegistryStore
-    from serving.events import EventPublisher, EventWatcher
-    from serving.hotswap import DraftFollower, HotSwapConfig
-    from serving.node import ServingNode
+    from serving.fleet.events import EventPublisher, EventWatcher
+    from serving.fleet.hotswap import DraftFollower, HotSwapConfig
+    from serving.fleet.node import ServingNode
     from streams import StreamConfig
 
     model_dir = Path(args.model_dir)

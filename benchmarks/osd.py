@@ -81,11 +81,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
-from serving import draft_vocab  # noqa: E402
-from serving.engine import DEFAULT_K, SpecEngine  # noqa: E402
-from serving.models import ModelPair, load_model, load_model_dir  # noqa: E402
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
-from serving.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams  # noqa: E402
+from serving.engine import draft_vocab  # noqa: E402
+from serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
+from serving.engine.models import ModelPair, load_model, load_model_dir  # noqa: E402
+from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
+from serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import Prompt, distinct_prompts  # noqa: E402
 from streams import StreamConfig  # noqa: E402
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir = Path(args.model_dir)
     # Learning is measured in float32, the precision the trainer trains and evaluates in (serving's
-    # bfloat16 draft, serving.models, moves acceptance by less than this benchmark's noise).
+    # bfloat16 draft, serving.engine.models, moves acceptance by less than this benchmark's noise).
     pair = load_model_dir(model_dir, draft_dtype="float32")
     base_dir = model_dir / "draft"
     if args.base == "generic":  # the paper's setting: a draft never distilled from the target

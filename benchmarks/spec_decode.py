@@ -50,11 +50,11 @@ import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers.generation.utils import GenerationMixin  # noqa: E402
 
-from serving.engine import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
-from serving.cost import step_ms  # noqa: E402
-from serving.cpu_linear import stock_linear  # noqa: E402
-from serving.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPES, ModelPair, load_model, load_model_dir  # noqa: E402
-from serving.types import SamplingParams  # noqa: E402
+from serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
+from serving.engine.cost import step_ms  # noqa: E402
+from serving.engine.cpu_linear import stock_linear  # noqa: E402
+from serving.engine.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPES, ModelPair, load_model, load_model_dir  # noqa: E402
+from serving.engine.types import SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
 
@@ -94,7 +94,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     """Tokens generated per request at most (the same for every method)."""
     k: int = HEADLINE_K
-    """Headline draft k (pld uses serving.engine.DEFAULT_K["pld"])."""
+    """Headline draft k (pld uses serving.engine.spec.DEFAULT_K["pld"])."""
     sweep: tuple[int, ...] = K_SWEEP
     """Extra k values for ``draft``; empty with --quick."""
     adaptive: bool = True
@@ -232,7 +232,7 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
             kwargs.update(do_sample=False)
         n0 = counter.n
         # HF's loop on the models as from_pretrained loads them (plain nn.Linear): the baseline a
-        # user of HF gets. Our arms run on the served models (serving.cpu_linear's few-row products).
+        # user of HF gets. Our arms run on the served models (serving.engine.cpu_linear's few-row products).
         with hf_spec_counting() as counts, torch.inference_mode(), stock_linear(pair.target, pair.draft):
             t0 = time.perf_counter()
             out = pair.target.generate(ids, **kwargs)
@@ -322,7 +322,7 @@ def hf_assisted_settings(pair: ModelPair) -> dict:
 def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig, draft32=None) -> dict:
     """Median wall time of one cached forward of n new tokens on top of the prompt, for
     the draft (n=1) and the target (n=1 and n=k+1, a verification step), through the
-    engine's ``CachedLM`` (``serving.cost.step_ms``). c = draft(1) / target(1)."""
+    engine's ``CachedLM`` (``serving.engine.cost.step_ms``). c = draft(1) / target(1)."""
     ks = sorted({cfg.k, *cfg.sweep})
     out: dict = {"reps": cfg.cost_reps, "context_tokens": len(prompt_ids)}
     out["target_1_ms"] = step_ms(pair.target, prompt_ids, 1, reps=cfg.cost_reps)
@@ -523,7 +523,7 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(command),
         "config": {**asdict(cfg), "sweep": list(cfg.sweep)},
-        "headline_k_rule": f"k = the engine's default draft k (serving.engine.DEFAULT_K['draft'] = {HEADLINE_K}), fixed before measuring; pld uses its default k ({DEFAULT_K['pld']})",
+        "headline_k_rule": f"k = the engine's default draft k (serving.engine.spec.DEFAULT_K['draft'] = {HEADLINE_K}), fixed before measuring; pld uses its default k ({DEFAULT_K['pld']})",
         "environment": environment(cfg),
         "models": {name: manifest.get("models", {}).get(name, {}).get("params") for name in ("target", "draft")},
         "bootstrap_tiny": manifest.get("tiny"),
@@ -782,7 +782,7 @@ def doc_section(report: dict, table: str) -> str:
         "over the common length (ours against our `target`, HF's against `hf_target`).",
         "",
         "Kernels: HF's methods run on the models as `from_pretrained` loads them (plain `nn.Linear`, what a user "
-        "of HF runs); ours on the served models, whose few-row products go through `serving.cpu_linear` "
+        "of HF runs); ours on the served models, whose few-row products go through `serving.engine.cpu_linear` "
         "(1 row as a 2-column `W @ xᵀ` that uses both cores, 2-16 rows as `W @ xᵀ`). The two compute the same "
         "products in another summation order, so `target` and `hf_target` may part on a near tie: "
         f"they agreed on {fmt(s['target_identical_to_hf_target'], '.0%')} of greedy prompts here. "
@@ -797,7 +797,7 @@ def doc_section(report: dict, table: str) -> str:
            "installed, and it is not)") + ". "
         f"`hf_pld`: prompt_lookup_num_tokens={HF_PLD_NUM_TOKENS}, max_matching_ngram_size=2 (HF default). "
         f"Ours: `draft` at the headline k = {s['headline_k']}, fixed by rule as the engine's default draft k "
-        f"(`serving.engine.DEFAULT_K`), not chosen from these results; `pld` at its default k = {DEFAULT_K['pld']} "
+        f"(`serving.engine.spec.DEFAULT_K`), not chosen from these results; `pld` at its default k = {DEFAULT_K['pld']} "
         f"(as many tokens as `hf_pld` copies), matching n-grams of 3 down to 1.",
         "",
         table,

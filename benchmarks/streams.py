@@ -52,10 +52,10 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, fmt, write_doc_section  # noqa: E402
-from serving.engine import SpecEngine  # noqa: E402
-from serving.models import load_model_dir  # noqa: E402
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
-from serving.types import GenerationResult, SamplingParams  # noqa: E402
+from serving.engine.spec import SpecEngine  # noqa: E402
+from serving.engine.models import load_model_dir  # noqa: E402
+from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
+from serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
 from streams import OutMessage, StreamConfig, codec, open_stream  # noqa: E402

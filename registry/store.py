@@ -14,7 +14,7 @@ Every MLflow failure reaches callers as a ``registry.errors`` exception.
 
 The prompt router is one more registered model, ``router`` (:class:`RouterVersion`,
 ``register_router``/``router_by_alias``/``promote_router``/``fetch``): centroids and the
-embedder's config hash (``serving.router``), with the same aliases, lineage tags,
+embedder's config hash (``serving.fleet.router``), with the same aliases, lineage tags,
 manifest check and ``on_change`` announcements as drafts. ``clusters()`` lists drafts only.
 """
 
@@ -403,7 +403,7 @@ class RegistryStore:
         retries: int = 5,
     ) -> RouterVersion:
         """Register the router saved in ``router_dir`` (``router.safetensors`` + ``router.json``,
-        see ``serving.router.Router.save``) as a new version of ``router``.
+        see ``serving.fleet.router.Router.save``) as a new version of ``router``.
 
         The version's tags carry the cluster names, the embedder kind and config hash, the
         manifest hash, lineage and metrics, as for drafts; ``source_id`` makes it idempotent.
@@ -677,7 +677,7 @@ def _router_info(router_dir: Path) -> dict:
                 "embedder_sha256": str(embedder["config_sha256"])}  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ArtifactFormatError(f"{path} is not a saved router's description ({type(exc).__name__}: {exc}); "
-                                  "save routers with serving.router.Router.save") from exc  # fmt: skip
+                                  "save routers with serving.fleet.router.Router.save") from exc  # fmt: skip
     if not clusters or any(not c or "," in c for c in clusters):
         raise ArtifactFormatError(f"{path}: cluster names must be non-empty and contain no comma, got {clusters}")
     return info

@@ -1,1 +1,2 @@
-"""The decoding engine: proposers, the verifier, KV caches, and model loading."""
+"""Serving: the decoding engine (``engine``), drafting methods (``proposers``), retrieval
+(``retrieval``), the HTTP API (``http``) and fleet plumbing (``fleet``)."""

@@ -71,9 +71,9 @@ def _describe(manifest: dict) -> str:
 
 # ---------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> int:
-    from serving.engine import SpecEngine
-    from serving.models import load_model_dir
-    from serving.types import SamplingParams
+    from serving.engine.spec import SpecEngine
+    from serving.engine.models import load_model_dir
+    from serving.engine.types import SamplingParams
 
     _threads(args.threads)
     pair = load_model_dir(Path(args.model_dir), draft_dtype=args.draft_dtype)
@@ -83,11 +83,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = pair.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] if args.prompt else []
     logger = None
     if args.stream:
-        from serving.stream_logger import StreamLogger
+        from serving.fleet.stream_logger import StreamLogger
 
         logger = StreamLogger(args.stream, vocab_size=pair.vocab_size)
     try:
-        from serving.stream_logger import RequestMeta
+        from serving.fleet.stream_logger import RequestMeta
 
         meta = RequestMeta(cluster=args.cluster, draft_model="bootstrap-draft" if args.method == "draft" else "")
         result = SpecEngine(pair, logger=logger).generate(prompt_ids, params, method=args.method, k=args.k, meta=meta)
@@ -195,7 +195,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- serve
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serving.config import ServeConfig, overrides_from_args
+    from serving.http.config import ServeConfig, overrides_from_args
     from specops.serve import Server
 
     cfg = ServeConfig.load(args.config, overrides=overrides_from_args(args))
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
         "registry by giving each its own --port.",
     )
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file with any of the settings below")
-    from serving.config import add_arguments as add_serve_arguments
+    from serving.http.config import add_arguments as add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)

@@ -175,7 +175,7 @@ class Stack:
         self.console.print(f"trainer started (specops train --schedule; log: {demo_dir / 'trainer.log'})")
 
     def api(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str):
-        from serving.config import ServeConfig
+        from serving.http.config import ServeConfig
         from specops.serve import Server
 
         scfg = ServeConfig(model_dir=str(model_dir), port=0, stream=stream_url, registry=registry_uri,
@@ -238,7 +238,7 @@ def _registry(uri: str, stream_url: str):
 def _bootstrap_router(console: Console, model_dir: Path, registry, per_domain: int) -> None:
     import tempfile
 
-    from serving.router import make_embedder
+    from serving.fleet.router import make_embedder
     from trainer.router_fit import bootstrap_router
 
     with console.status("fitting the first router (MiniLM embeddings of the bootstrap's training text) ..."):
@@ -284,7 +284,7 @@ def _traffic(console: Console, server, registry, model_dir: Path, cfg: DemoConfi
     if routed_ok[1]:
         notes.append(f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
                      f"({routed_ok[0] / routed_ok[1]:.0%}).")  # fmt: skip
-    from serving.engine import DEFAULT_K
+    from serving.engine.spec import DEFAULT_K
 
     config = {"requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
               "prompt_tokens": cfg.prompt_tokens, "trainer_interval": cfg.interval,
@@ -369,9 +369,9 @@ def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConf
     champion gained there it learned about the domain, not about the prompts it saw."""
     from tqdm import tqdm
 
-    from serving.engine import SpecEngine
-    from serving.models import ModelPair
-    from serving.types import SamplingParams
+    from serving.engine.spec import SpecEngine
+    from serving.engine.models import ModelPair
+    from serving.engine.types import SamplingParams
 
     state = server.state
     pair, tok = state.pair, state.pair.tokenizer

@@ -27,7 +27,7 @@ def open_registry(uri: str | None, stream: str | None = None):
 
     on_change = None
     if stream and stream.lower() not in NONE:
-        from serving.events import EventPublisher
+        from serving.fleet.events import EventPublisher
         from streams import StreamConfig
 
         on_change = EventPublisher(StreamConfig.from_env(url=stream))

@@ -17,11 +17,11 @@ EMBEDDERS = ("minilm", "target")
 
 def build_embedder(kind: str, model_dir: Path):
     """The ``kind`` embedder; ``target`` loads ``model_dir/target`` and its tokenizer."""
-    from serving.embed import make_embedder
+    from serving.fleet.embed import make_embedder
 
     if kind != "target":
         return make_embedder(kind)
-    from serving.models import load_model, load_tokenizer
+    from serving.engine.models import load_model, load_tokenizer
 
     target = Path(model_dir) / "target"
     return make_embedder(kind, model=load_model(target), tokenizer=load_tokenizer(target))
@@ -30,7 +30,7 @@ def build_embedder(kind: str, model_dir: Path):
 def train_refitter(stream: str, registry, model_dir: Path, *, tokenizer_dir: Path | None = None,
                    embedder: str = "minilm", group: str = "router-refit"):  # fmt: skip
     """The RouterRefitter ``specops train --router-refit-every`` schedules."""
-    from serving.models import load_tokenizer
+    from serving.engine.models import load_tokenizer
     from streams import StreamConfig
     from trainer.router_fit import RefitConfig, RouterRefitter
 
@@ -40,7 +40,7 @@ def train_refitter(stream: str, registry, model_dir: Path, *, tokenizer_dir: Pat
 
 
 def _load_champion(reg, version: str | None, model_dir: Path):
-    from serving.router import Router
+    from serving.fleet.router import Router
 
     rv = reg.router_version(version) if version else reg.router_by_alias()
     if rv is None:
@@ -72,7 +72,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from serving.models import load_tokenizer
+    from serving.engine.models import load_tokenizer
     from streams import StreamConfig
     from trainer.router_fit import refit_from_stream
 
@@ -121,7 +121,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_route(args: argparse.Namespace) -> int:
     from serving.errors import RouterError
-    from serving.router import Router
+    from serving.fleet.router import Router
 
     if args.router_dir:
         router = Router.load(Path(args.router_dir))  # checked before any embedder loads

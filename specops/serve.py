@@ -11,7 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
-from serving.config import ServeConfig
+from serving.http.config import ServeConfig
 from specops.paths import data_dir, streams_url
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ NONE = ("none", "off", "")
 
 def build_state(cfg: ServeConfig, *, root: Path | None = None):
     """The replica's components from its config (nothing loads until the app starts)."""
-    from serving.server import ServingState
+    from serving.http.server import ServingState
     from streams import StreamConfig
 
     root = Path(root) if root is not None else data_dir()
@@ -47,13 +47,13 @@ class Server:
     def __init__(self, cfg: ServeConfig, *, root: Path | None = None, state=None) -> None:
         import uvicorn
 
-        from serving.api import create_app
-        from serving.read_timeouts import guarded_h11
+        from serving.http.api import create_app
+        from serving.http.read_timeouts import guarded_h11
 
         self.cfg = cfg
         self.state = state or build_state(cfg, root=root)
         self.app = create_app(self.state)
-        # h11 with a header and unread-body timer; the API itself bounds the body it reads (serving/read_timeouts.py)
+        # h11 with a header and unread-body timer; the API itself bounds the body it reads (serving/http/read_timeouts.py)
         self.uv = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
                                                 access_log=False, timeout_graceful_shutdown=30,
                                                 timeout_keep_alive=cfg.keep_alive_timeout_s,

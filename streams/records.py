@@ -5,7 +5,7 @@ raises :class:`~streams.errors.RecordValidationError` naming the field and the p
 Tensors are NumPy arrays with fixed dtypes, so this package never imports torch.
 The wire format is in ``streams.codec`` and ``docs/streams.md``.
 
-Terms (the engine's, see ``serving/types.py``): a **rejected position** is the first
+Terms (the engine's, see ``serving/engine/types.py``): a **rejected position** is the first
 drafted position a verification step did not keep; the target emitted its own token
 there. Online distillation (OSD Algorithm 1, lines 14-15) learns from the target's
 distribution at exactly those positions.

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from registry import CHAMPION, RegistryConfig, RegistryStore
-from serving.config import ServeConfig
-from serving.events import EventPublisher
-from serving.models import load_model_dir
+from serving.http.config import ServeConfig
+from serving.fleet.events import EventPublisher
+from serving.engine.models import load_model_dir
 from specops.serve import Server
 from streams import StreamConfig, open_stream
 from tests.conftest import perturbed, random_prompts

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from registry import RegistryConfig, RegistryStore
-from serving.models import load_model_dir
+from serving.engine.models import load_model_dir
 from streams import StreamConfig, codec, open_stream
 from streams.records import GenerationRecord
 from streams.tansu import TansuBroker, free_port

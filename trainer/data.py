@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serving.draft_vocab import DraftVocab
+from serving.engine.draft_vocab import DraftVocab
 from streams.records import DIST_TOPK, MissRecord
 from trainer.losses import TargetDist
 

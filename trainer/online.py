@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from serving import draft_vocab
-from serving.draft_vocab import DraftVocab
+from serving.engine import draft_vocab
+from serving.engine.draft_vocab import DraftVocab
 from streams import CommitFailedError, StreamConfig, codec, open_stream
 from streams.consumer import RecordConsumer
 from streams.records import MissRecord

@@ -35,9 +35,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
-from serving import draft_vocab
-from serving.draft_vocab import DraftVocab
-from serving.models import load_tokenizer, tokenizer_hash
+from serving.engine import draft_vocab
+from serving.engine.draft_vocab import DraftVocab
+from serving.engine.models import load_tokenizer, tokenizer_hash
 from streams.records import MissRecord
 from trainer.acceptance import Acceptance, evaluate_records, paired_gain
 

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from registry import RegistryStore
-from serving.embed import Embedder, normalise
+from serving.fleet.embed import Embedder, normalise
 from serving.errors import RouterError
-from serving.router import LOCAL, Router
+from serving.fleet.router import LOCAL, Router
 from streams import StreamConfig
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from serving.types import DecodeState, Proposals, Verdict
+from serving.engine.types import DecodeState, Proposals, Verdict
 
 
 class Proposer(ABC):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from serving.kv import CachedLM
+from serving.engine.kv import CachedLM
 from serving.proposers.base import Proposer
-from serving.sampling import draw, warp
-from serving.types import DecodeState, Proposals, Verdict
+from serving.engine.sampling import draw, warp
+from serving.engine.types import DecodeState, Proposals, Verdict
 
 
 class DraftModelProposer(Proposer):

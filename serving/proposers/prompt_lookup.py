@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from serving.proposers.base import Proposer
-from serving.types import DecodeState, Proposals
+from serving.engine.types import DecodeState, Proposals
 
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:

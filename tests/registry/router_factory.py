@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.embed import normalise
-from serving.router import Router
+from serving.fleet.embed import normalise
+from serving.fleet.router import Router
 
 DIM = 8
 

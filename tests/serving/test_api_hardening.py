@@ -19,8 +19,8 @@ import pytest
 import requests
 
 from serving.errors import InvalidRequestError, http_status
-from serving.openai_schema import ChatCompletionRequest, CompletionRequest
-from serving.types import SamplingParams
+from serving.http.schema import ChatCompletionRequest, CompletionRequest
+from serving.engine.types import SamplingParams
 from tests.serving.api_support import MODEL, assert_error, running, serve_config, wait_until
 
 READ_TIMEOUT_S = 1.0

@@ -13,9 +13,9 @@ import openai
 import pytest
 import requests
 
-from serving.config import ServeConfig
+from serving.http.config import ServeConfig
 from serving.errors import ModelConfigError
-from serving.server import ServingState
+from serving.http.server import ServingState
 from streams import StreamConfig, codec, open_stream
 from streams.records import GenerationRecord, MissRecord
 from tests.serving.api_support import MODEL, assert_error, running, serve_config, wait_until

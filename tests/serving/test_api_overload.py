@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from serving.admission import Admission
+from serving.http.admission import Admission
 from serving.errors import OverloadedError, QueueTimeoutError
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 

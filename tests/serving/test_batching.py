@@ -6,10 +6,10 @@ import threading
 
 import torch
 
-from serving.batching import TargetBatcher
-from serving.engine import SpecEngine
-from serving.kv import CachedLM
-from serving.types import SamplingParams
+from serving.engine.batching import TargetBatcher
+from serving.engine.spec import SpecEngine
+from serving.engine.kv import CachedLM
+from serving.engine.types import SamplingParams
 from tests.conftest import random_prompts
 
 

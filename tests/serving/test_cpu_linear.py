@@ -1,4 +1,4 @@
-"""Few-row linear products as W @ xᵀ (serving/cpu_linear.py): same values at float32 precision,
+"""Few-row linear products as W @ xᵀ (serving/engine/cpu_linear.py): same values at float32 precision,
 training untouched, and every plain nn.Linear of a loaded model switched."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from serving.cpu_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
+from serving.engine.cpu_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
 from tests.conftest import tiny_llama
 from tests.tolerances import assert_f32_close
 
@@ -52,7 +52,7 @@ def test_a_model_is_switched_once_and_stays_loadable(tmp_path):
 
 
 def test_stock_linear_switches_back_for_the_block_only():
-    from serving.cpu_linear import stock_linear
+    from serving.engine.cpu_linear import stock_linear
 
     model = tiny_llama(32, 2, seed=1)
     use_small_batch_linear(model)

@@ -1,4 +1,4 @@
-"""A draft's vocabulary subset (serving/draft_vocab.py): the file, the logits, the cache of head
+"""A draft's vocabulary subset (serving/engine/draft_vocab.py): the file, the logits, the cache of head
 rows, loading from a model directory, and CachedLM's restricted forward."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from serving import draft_vocab
-from serving.draft_vocab import DraftVocab, DraftVocabError
+from serving.engine import draft_vocab
+from serving.engine.draft_vocab import DraftVocab, DraftVocabError
 from serving.errors import ModelConfigError
-from serving.kv import CachedLM
-from serving.models import load_model
+from serving.engine.kv import CachedLM
+from serving.engine.models import load_model
 from tests.conftest import VOCAB, tiny_llama
 from tests.tolerances import assert_f32_close
 

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 
-from serving.engine import SpecEngine
+from serving.engine.spec import SpecEngine
 from serving.errors import InvalidRequestError, PromptTooLongError, TokenizerMismatchError, http_status
-from serving.models import ModelPair
-from serving.types import SamplingParams
+from serving.engine.models import ModelPair
+from serving.engine.types import SamplingParams
 from tests.conftest import tiny_llama
 
 

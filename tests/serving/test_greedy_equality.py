@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.engine import SpecEngine
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.engine.types import SamplingParams
 from tests.conftest import random_prompts
 
 
@@ -98,7 +98,7 @@ def test_lookup_prefers_recent_match_with_full_continuation():
 
 def test_a_draft_vocabulary_drafts_only_its_tokens(served_pair):
     from serving.proposers.draft_model import DraftModelProposer
-    from serving.types import DecodeState
+    from serving.engine.types import DecodeState
     from tests.conftest import SUBSET
 
     for prompt in random_prompts(4, seed=13):

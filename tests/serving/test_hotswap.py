@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from registry import CHAMPION, RegistryConfig, RegistryStore
-from serving.engine import SpecEngine
-from serving.events import EventPublisher, EventWatcher
-from serving.hotswap import FAILURES, DraftFollower, HotSwapConfig
-from serving.models import load_model, load_model_dir, load_tokenizer, tokenizer_hash
-from serving.node import ServingNode
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.fleet.events import EventPublisher, EventWatcher
+from serving.fleet.hotswap import FAILURES, DraftFollower, HotSwapConfig
+from serving.engine.models import load_model, load_model_dir, load_tokenizer, tokenizer_hash
+from serving.fleet.node import ServingNode
+from serving.engine.types import SamplingParams
 from streams import StreamConfig
 from streams.tansu import TansuBroker
 from tests.conftest import random_prompts

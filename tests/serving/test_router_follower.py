@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from registry import RegistryConfig, RegistryStore, RegistryUnavailableError
-from serving.router import RouterFollower
+from serving.fleet.router import RouterFollower
 from streams.records import ModelEvent
 from tests.registry.router_factory import FakeEmbedder, saved_router, stored_file
 

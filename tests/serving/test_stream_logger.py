@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from serving.engine import SpecEngine
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from serving.engine.types import SamplingParams
 from streams import StreamConfig, codec, open_stream
 from streams.records import GenerationRecord, MissRecord
 from tests.conftest import random_prompts

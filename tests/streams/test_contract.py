@@ -235,9 +235,9 @@ def test_events_and_generations_share_the_contract(make_cfg, topic):
 
 
 def _serve(pair, logger, prompts, first: int = 0) -> list[list[int]]:
-    from serving.engine import SpecEngine
-    from serving.stream_logger import RequestMeta
-    from serving.types import SamplingParams
+    from serving.engine.spec import SpecEngine
+    from serving.fleet.stream_logger import RequestMeta
+    from serving.engine.types import SamplingParams
 
     engine = SpecEngine(pair, logger=logger)
     outs = []
@@ -251,9 +251,9 @@ def _serve(pair, logger, prompts, first: int = 0) -> list[list[int]]:
 def test_stream_down_while_serving_requests_succeed_and_drops_count(request, make_cfg, close_pair, tmp_path):
     """Stop the stream under a serving loop: every request still succeeds, the logger
     sheds and counts drops, and it reconnects by itself when the stream is back."""
-    from serving.engine import SpecEngine
-    from serving.stream_logger import LoggerConfig, StreamLogger
-    from serving.types import SamplingParams
+    from serving.engine.spec import SpecEngine
+    from serving.fleet.stream_logger import LoggerConfig, StreamLogger
+    from serving.engine.types import SamplingParams
     from tests.conftest import random_prompts
 
     if make_cfg.backend == "kafka":

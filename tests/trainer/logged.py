@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from serving.engine import SpecEngine
-from serving.models import ModelPair
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.engine.models import ModelPair
+from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from serving.engine.types import SamplingParams
 from streams import StreamConfig
 from tests.conftest import random_prompts
 

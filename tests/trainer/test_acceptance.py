@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine import SpecEngine
-from serving.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.types import SamplingParams
-from serving.verifier import decide
+from serving.engine.spec import SpecEngine
+from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from serving.engine.types import SamplingParams
+from serving.engine.verifier import decide
 from streams import StreamConfig, codec, open_stream
 from tests.conftest import random_prompts
 from trainer.acceptance import evaluate_records, position_acceptance

@@ -239,10 +239,10 @@ def test_recommended_k_maximises_eq2_with_measured_verification_costs():
 def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     """The whole default bootstrap at a toy budget: the wheel's GGUF checked and converted, the draft
     built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
-    from serving import draft_vocab
-    from serving.engine import SpecEngine
-    from serving.models import load_model, load_model_dir
-    from serving.types import SamplingParams
+    from serving.engine import draft_vocab
+    from serving.engine.spec import SpecEngine
+    from serving.engine.models import load_model, load_model_dir
+    from serving.engine.types import SamplingParams
     from trainer.bootstrap.distill import DraftRecipe
 
     recipe = DraftRecipe(teacher_batches=1, epochs=1, batch_size=2, seq_len=32, vocab_size=1024, eval_windows=1,

@@ -18,8 +18,8 @@ from streams import open_stream
 from streams.tansu import TansuBroker
 from transformers import AutoModelForCausalLM
 
-from serving import draft_vocab
-from serving.draft_vocab import DraftVocab
+from serving.engine import draft_vocab
+from serving.engine.draft_vocab import DraftVocab
 from tests.conftest import SUBSET, VOCAB
 from tests.tolerances import assert_f32_close
 from tests.trainer.logged import log_requests

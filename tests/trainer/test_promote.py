@@ -10,13 +10,13 @@ import time
 import pytest
 
 from registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
-from serving.engine import SpecEngine
-from serving.events import EventPublisher, EventWatcher
-from serving.hotswap import DraftFollower, HotSwapConfig
-from serving.models import ModelPair, load_model, load_model_dir
-from serving.node import ServingNode
-from serving.stream_logger import LoggerConfig, StreamLogger
-from serving.types import SamplingParams
+from serving.engine.spec import SpecEngine
+from serving.fleet.events import EventPublisher, EventWatcher
+from serving.fleet.hotswap import DraftFollower, HotSwapConfig
+from serving.engine.models import ModelPair, load_model, load_model_dir
+from serving.fleet.node import ServingNode
+from serving.fleet.stream_logger import LoggerConfig, StreamLogger
+from serving.engine.types import SamplingParams
 from streams import StreamConfig, codec, open_stream
 from streams.records import ModelEvent
 from tests.conftest import perturbed, random_prompts

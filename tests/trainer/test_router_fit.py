@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from registry import ROUTER, RegistryConfig, RegistryStore, RegistryUnavailableError
-from serving.embed import MiniLMEmbedder, TargetHiddenEmbedder
-from serving.models import load_model, load_tokenizer
-from serving.router import Router
+from serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder
+from serving.engine.models import load_model, load_tokenizer
+from serving.fleet.router import Router
 from specops.cli import main
 from streams import OutMessage, StreamConfig, codec, open_stream
 from streams.records import GenerationRecord

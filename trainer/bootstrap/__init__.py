@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from serving import draft_vocab
-from serving.cost import step_ms
-from serving.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
+from serving.engine import draft_vocab
+from serving.engine.cost import step_ms
+from serving.engine.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
 
 from . import pretrained
 from .corpus import DOMAINS, build_corpus, read_document

@@ -5,7 +5,7 @@ Only what the server implements is accepted. An OpenAI parameter we do not imple
 and any field OpenAI does not define either gets a 400 naming the parameter, rather than
 being silently ignored. Our two extension fields are ``speculation`` and ``cluster``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
-``max_tokens``, ``k``) are checked by the API against :class:`~serving.config.ServeConfig`,
+``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
 """
 

@@ -4,8 +4,8 @@ Nothing is fetched from a hub (``local_files_only``), and weights load from safe
 only (``use_safetensors=True``), so nothing is ever unpickled.
 
 A loaded model is prepared for decoding: its linear layers take the few-row route of
-``serving.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
-(``serving.draft_vocab``).
+``serving.engine.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
+(``serving.engine.draft_vocab``).
 
 The target always runs in float32: its distribution is the output. The draft runs in
 ``DEFAULT_DRAFT_DTYPE`` (bfloat16) unless asked otherwise: a draft token costs reading the
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from serving import draft_vocab
-from serving.cpu_linear import use_small_batch_linear
+from serving.engine import draft_vocab
+from serving.engine.cpu_linear import use_small_batch_linear
 from serving.errors import ModelConfigError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, loading_
 
 
 def prepare_for_decoding(model: PreTrainedModel) -> PreTrainedModel:
-    """Few-row linear products as ``W @ xᵀ`` on a CPU (``serving.cpu_linear``); in place."""
+    """Few-row linear products as ``W @ xᵀ`` on a CPU (``serving.engine.cpu_linear``); in place."""
     if next(model.parameters()).device.type == "cpu":
         use_small_batch_linear(model)
     return model

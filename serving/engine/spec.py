@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from serving.errors import InvalidRequestError, PromptTooLongError
-from serving.kv import CachedLM
-from serving.models import ModelPair
+from serving.engine.kv import CachedLM
+from serving.engine.models import ModelPair
 from serving.proposers.base import Proposer
 from serving.proposers.draft_model import DraftModelProposer
 from serving.proposers.prompt_lookup import PromptLookupProposer
-from serving.types import DecodeState, GenerationResult, Proposals, RequestStats, SamplingParams
-from serving.verifier import Verifier
+from serving.engine.types import DecodeState, GenerationResult, Proposals, RequestStats, SamplingParams
+from serving.engine.verifier import Verifier
 
 if TYPE_CHECKING:
-    from serving.stream_logger import RequestMeta, StreamLogger
+    from serving.fleet.stream_logger import RequestMeta, StreamLogger
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class SpecEngine:
         text = self.pair.tokenizer.decode(out_ids) if self.pair.tokenizer is not None else None
         result = GenerationResult(token_ids=out_ids, stats=stats, rejections=rejections, text=text)
         if self.logger is not None:
-            from serving.stream_logger import RequestMeta
+            from serving.fleet.stream_logger import RequestMeta
 
             t_log = time.perf_counter()
             self.logger.log(prompt_ids, result, params, meta or RequestMeta())

@@ -1,6 +1,6 @@
 """The verifier: one target forward pass checks a proposal and emits accepted + bonus tokens.
 
-Terms (accepted, rejected, bonus, committed) are defined in ``serving.types``.
+Terms (accepted, rejected, bonus, committed) are defined in ``serving.engine.types``.
 
 Target cache: a step feeds every committed token the cache lacks (the whole prompt
 on the first step, which is the prefill; afterwards only the previous bonus token)
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from serving.kv import CachedLM
-from serving.sampling import draw, uniform, warp
-from serving.types import DecodeState, Proposals, RejectedPosition, Verdict
+from serving.engine.kv import CachedLM
+from serving.engine.sampling import draw, uniform, warp
+from serving.engine.types import DecodeState, Proposals, RejectedPosition, Verdict
 
 
 def decide(

@@ -14,7 +14,7 @@ them as one forward pass:
 3. **split**: each request gets the logits of its own tokens, and its own cache is
    extended with the keys/values of its own new tokens only.
 
-A step alone in its window runs exactly as :class:`~serving.kv.CachedLM` would, so a
+A step alone in its window runs exactly as :class:`~serving.engine.kv.CachedLM` would, so a
 replica under light load computes what an unbatched one does. In a batch the logits of
 a request can differ from its unbatched ones in the last float bits (different matrix
 shapes round differently), which can flip an exact tie in argmax: outputs are the
@@ -35,7 +35,7 @@ import torch
 from prometheus_client import Histogram
 from transformers import DynamicCache, PreTrainedModel
 
-from serving.kv import CachedLM
+from serving.engine.kv import CachedLM
 
 log = logging.getLogger(__name__)
 

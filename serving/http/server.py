@@ -32,11 +32,11 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from serving.admission import Admission
-from serving.config import ServeConfig
-from serving.engine import DEFAULT_K
+from serving.http.admission import Admission
+from serving.http.config import ServeConfig
+from serving.engine.spec import DEFAULT_K
 from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError
-from serving.types import SamplingParams
+from serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +115,15 @@ class ServingState:
             log.exception("serving could not start: %s", self.load_error)
 
     def _load_steps(self) -> None:
-        from serving.hotswap import DraftFollower, HotSwapConfig
-        from serving.models import load_pair
-        from serving.node import ServingNode
+        from serving.fleet.hotswap import DraftFollower, HotSwapConfig
+        from serving.engine.models import load_pair
+        from serving.fleet.node import ServingNode
 
         cfg = self.cfg
         self.loading_step = "models"  # 1.
         self.pair = load_pair(self.target_dir, self.draft_dir, draft_dtype=cfg.draft_dtype)
         if self.stream_cfg is not None:  # 2.
-            from serving.stream_logger import LoggerConfig, StreamLogger
+            from serving.fleet.stream_logger import LoggerConfig, StreamLogger
 
             self.loading_step = "stream logger"
             self.logger = StreamLogger(self.stream_cfg, LoggerConfig(sample_every=cfg.log_sample_every,
@@ -136,7 +136,7 @@ class ServingState:
                                       target_tokenizer_sha256=self.pair.tokenizer_sha256,
                                       cache_dir=self.cache_dir / "drafts", cfg=hcfg).start()  # fmt: skip
         if cfg.router == "registry" and self.registry is not None:  # 4.
-            from serving.router import RouterFollower, make_embedder
+            from serving.fleet.router import RouterFollower, make_embedder
 
             self.loading_step = "router"
             self.router = RouterFollower(self.registry, cache_dir=self.cache_dir / "router",
@@ -144,17 +144,17 @@ class ServingState:
                                          poll_s=cfg.poll_s)  # fmt: skip
             self.router.start()
         if self.stream_cfg is not None:  # 5.
-            from serving.events import EventWatcher
+            from serving.fleet.events import EventWatcher
 
             self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
         if cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
-            from serving.batching import TargetBatcher
+            from serving.engine.batching import TargetBatcher
 
             self.batcher = TargetBatcher(self.pair.target, max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
                                          window_s=cfg.batch_window_ms / 1000)  # fmt: skip
         self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher)
         self.loading_step = "warm-up"  # 6.
-        from serving.engine import SpecEngine
+        from serving.engine.spec import SpecEngine
 
         SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
         if cfg.load_signal:

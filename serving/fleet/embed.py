@@ -170,7 +170,7 @@ class TargetHiddenEmbedder:
         """Target architecture, tokenizer, truncation, and a fingerprint of the weights (the first
         256 values of every tensor: cheap even for a large target, different for any retrained one)."""
         if self._sha is None:
-            from serving.models import tokenizer_hash
+            from serving.engine.models import tokenizer_hash
 
             h = hashlib.sha256()
             cfg = self.model.config

@@ -41,8 +41,8 @@ from transformers import PreTrainedModel
 
 from registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
 from serving.errors import ModelConfigError
-from serving.models import load_model, load_tokenizer, tokenizer_hash
-from serving.types import RequestStats
+from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+from serving.engine.types import RequestStats
 
 log = logging.getLogger(__name__)
 

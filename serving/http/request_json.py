@@ -13,7 +13,7 @@ standard JSON and walks the result once. It refuses, as
   escape ``"\\ud800"`` with no pair) or an invalid UTF-8 byte. The tokenizer cannot take
   it and a JSON response cannot quote it; an escaped surrogate *pair* is a valid character.
 
-Pydantic then validates types and bounds (see :mod:`serving.openai_schema`).
+Pydantic then validates types and bounds (see :mod:`serving.http.schema`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``ServingNode.generate`` is what the HTTP API (and the hot-swap benchmark's load
 generator) calls from many threads at once:
 
-1. take the cluster's current :class:`~serving.hotswap.DraftHandle`, once;
+1. take the cluster's current :class:`~serving.fleet.hotswap.DraftHandle`, once;
 2. decode the whole request with that draft (``SpecEngine``, a fresh KV cache per
    request; model weights are only read, so requests share them safely);
 3. name the version used in the result and in the logged ``MissRecord``;
@@ -19,12 +19,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serving.batching import TargetBatcher
-from serving.engine import SpecEngine
-from serving.hotswap import DraftFollower, DraftHandle
-from serving.models import ModelPair
-from serving.stream_logger import RequestMeta, StreamLogger
-from serving.types import GenerationResult, SamplingParams
+from serving.engine.batching import TargetBatcher
+from serving.engine.spec import SpecEngine
+from serving.fleet.hotswap import DraftFollower, DraftHandle
+from serving.engine.models import ModelPair
+from serving.fleet.stream_logger import RequestMeta, StreamLogger
+from serving.engine.types import GenerationResult, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ServingNode:
         self.follower = follower
         self.logger = logger
         self.batcher = batcher
-        """When set, concurrent requests share target forward passes (``serving.batching``)."""
+        """When set, concurrent requests share target forward passes (``serving.engine.batching``)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
                  method: str = "draft", k: int | None = None, request_id: str | None = None,

@@ -1,7 +1,7 @@
 """Read deadlines: a client has a bounded time to send its request, so a connection that
 trickles its headers, or declares more body than it sends, does not stay open indefinitely.
 
-Three settings of ``specops serve`` (:class:`~serving.config.ServeConfig`):
+Three settings of ``specops serve`` (:class:`~serving.http.config.ServeConfig`):
 
 1. ``header_timeout_s``: from a connection's opening, or on a kept-alive connection from the
    first byte of its next request, until that request's headers are complete. On expiry the
@@ -138,7 +138,7 @@ def guarded_h11(header_timeout_s: float, body_timeout_s: float) -> type[GuardedH
 
 def _response_408(message: str) -> bytes:
     """A whole 408 response, written before h11 saw a request (h11 cannot frame a response to none)."""
-    from serving.api import error_body
+    from serving.http.api import error_body
 
     body = json.dumps(error_body(408, message, ReadTimeoutError.code)).encode()
     head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"

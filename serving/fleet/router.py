@@ -1,11 +1,11 @@
 """The prompt router: embed the prompt, pick the nearest of K named centroids.
 
 A request that names its ``cluster`` keeps it. Any other request is routed: its prompt is
-embedded (``serving.embed``: all-MiniLM-L6-v2, or the target's own hidden states) and
+embedded (``serving.fleet.embed``: all-MiniLM-L6-v2, or the target's own hidden states) and
 goes to the cluster whose centroid has the highest cosine similarity. The
 :class:`RouteDecision` carries the cluster, the cosine distance to its centroid and the
 router version that decided. Each cluster has its own draft lineage; a cluster the
-registry has no draft for yet is served by the bootstrap draft (``serving.hotswap``).
+registry has no draft for yet is served by the bootstrap draft (``serving.fleet.hotswap``).
 
 **The artifact** is a directory of safetensors and JSON only::
 
@@ -41,7 +41,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge
 
 from registry import CHAMPION, ROUTER, RegistryStore
-from serving.embed import Embedder, make_embedder
+from serving.fleet.embed import Embedder, make_embedder
 from serving.errors import RouterError
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
-from serving.types import GenerationResult, SamplingParams
+from serving.engine.types import GenerationResult, SamplingParams
 from streams import OutMessage, Producer, Stream, StreamConfig, Topics, open_stream
 from streams import codec
 from streams.records import DIST_FULL, DIST_TOPK, GenerationRecord, MissRecord, SamplingInfo

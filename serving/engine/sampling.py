@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from serving.types import SamplingParams
+from serving.engine.types import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

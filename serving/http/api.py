@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over one :class:`~serving.server.ServingState`.
+"""The OpenAI-compatible HTTP API (FastAPI) over one :class:`~serving.http.server.ServingState`.
 
 Endpoints:
 
@@ -14,7 +14,7 @@ the status from :data:`serving.errors.HTTP_STATUS`. A request is refused before 
 when its body is too large (413), its key is missing (401) or wrong (403), or admission
 is full (429, ``Retry-After``); then it is validated (400 naming the field to fix) and
 only then queued for a decode worker. A body must arrive within ``body_timeout_s`` (408,
-:mod:`serving.read_timeouts`); :mod:`serving.request_json` parses it, and a bug is a 500
+:mod:`serving.http.read_timeouts`); :mod:`serving.http.request_json` parses it, and a bug is a 500
 of the same shape (uvicorn logs its traceback).
 """
 
@@ -48,11 +48,11 @@ from serving.errors import (
     echo,
     http_status,
 )  # fmt: skip
-from serving.openai_schema import ChatCompletionRequest, CompletionRequest
-from serving.read_timeouts import BodyDeadline
-from serving.request_json import parse as parse_json
-from serving.server import ClientGone, Job, ServingState
-from serving.types import SamplingParams
+from serving.http.schema import ChatCompletionRequest, CompletionRequest
+from serving.http.read_timeouts import BodyDeadline
+from serving.http.request_json import parse as parse_json
+from serving.http.server import ClientGone, Job, ServingState
+from serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,9 @@ def post(server, body: str | bytes, path: str = "/v1/completions") -> requests.R
 def healthy(server) -> None:
     assert requests.get(server.url + "/healthz").json() == {"status": "ok"}
     r = requests.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    # The tiny random model may emit EOS first (the tiny bootstrap's training is not bit-reproducible
+    # across CPUs), so a healthy answer is a 200 with one or two tokens.
+    assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 2, r.text
 
 
 # ---------------------------------------------------------------- bodies that do not parse

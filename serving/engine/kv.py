@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from serving.engine import draft_vocab
+from serving.engine import draft_vocab, limits
 
 
 class CachedLM:
@@ -30,7 +30,7 @@ class CachedLM:
 
     @property
     def context_size(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        return limits.context_size(self.model.config)
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

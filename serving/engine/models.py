@@ -73,6 +73,13 @@ class ModelPair:
         return int(self.target.config.vocab_size)
 
     @property
+    def context_size(self) -> int:
+        """The target's context (``serving.engine.limits.context_size``)."""
+        from serving.engine.limits import context_size
+
+        return context_size(self.target.config)
+
+    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.target.generation_config.eos_token_id if self.target.generation_config else None
         if eos is None:

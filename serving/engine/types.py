@@ -50,20 +50,63 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+CONTEXT_KINDS = ("prompt", "reference", "retrieved")
+"""What a span of the context is: the request's prompt, a reference text given with it (to
+copy from), or a passage retrieved for it."""
+
+
+@dataclass(frozen=True)
+class ContextSpan:
+    """Tokens ``start .. end-1`` of the context the target saw are of one ``kind``."""
+
+    kind: str
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        assert self.kind in CONTEXT_KINDS, self.kind
+        assert 0 <= self.start < self.end, (self.start, self.end)
+
+
 @dataclass
 class DecodeState:
-    """The committed sequence of one request, shared by proposer and verifier."""
+    """One request's committed sequence, shared by proposer and verifier.
+
+    ``token_ids`` is the **context** (``num_prompt_tokens`` tokens: references or retrieved
+    passages and the prompt, described by ``context_spans``) followed by the **output**
+    emitted so far. Output tokens ``0 .. num_final-1`` are **final**; the rest are
+    **tentative**: a check that is still pending (a speculated retrieval) may roll them back,
+    so a caller that streams output sends only final tokens.
+    """
 
     token_ids: list[int]
-    """Committed tokens: prompt followed by everything emitted so far."""
+    """Committed tokens: context followed by everything emitted so far."""
     num_prompt_tokens: int
+    """Context length (every span, the prompt included)."""
     params: SamplingParams
     generator: torch.Generator | None = None
     """Per-request RNG for sampling; None when greedy."""
+    context_spans: tuple[ContextSpan, ...] = ()
+    """The context's parts; empty means one prompt span over the whole context."""
+    num_final: int = 0
+    """Output tokens that can no longer be rolled back."""
+
+    def __post_init__(self) -> None:
+        if not self.context_spans and self.num_prompt_tokens:
+            self.context_spans = (ContextSpan("prompt", 0, self.num_prompt_tokens),)
+        assert self.context_spans[-1].end == self.num_prompt_tokens if self.context_spans else True
 
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tentative(self) -> int:
+        return self.num_generated - self.num_final
 
 
 @dataclass
@@ -141,6 +184,8 @@ class RequestStats:
     num_rejected_steps: int = 0
     """Verification steps that rejected a drafted token (the rest accepted all they checked)."""
     num_draft_forwards: int = 0
+    num_rolled_back: int = 0
+    """Emitted tokens later withdrawn by ``DecodeSession.rollback_to`` (not in ``num_generated``)."""
     finish_reason: str = ""
     """``eos``, ``length`` (max_new_tokens), ``context`` (model context full) or ``stop`` (the caller's
     ``on_step`` ended it: a stop sequence)."""
@@ -181,6 +226,7 @@ class RequestStats:
             "num_verify_steps": self.num_verify_steps,
             "num_rejected_steps": self.num_rejected_steps,
             "num_draft_forwards": self.num_draft_forwards,
+            "num_rolled_back": self.num_rolled_back,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
@@ -200,3 +246,5 @@ class GenerationResult:
     rejections: list[RejectedPosition] = field(default_factory=list)
     """Every rejected position (only when the engine was asked to collect them)."""
     text: str | None = None
+    context_spans: tuple[ContextSpan, ...] = ()
+    """The parts of the context the target saw (its first ``stats.num_prompt_tokens`` tokens)."""

@@ -12,7 +12,7 @@ class Proposer(ABC):
 
     Lifecycle per request: ``start(state)``, then alternately ``propose`` and
     ``observe`` (after the verifier has committed the verdict's tokens to ``state``),
-    then ``finish()``.
+    with ``rollback`` whenever the session withdraws tentative tokens, then ``finish()``.
     """
 
     name: str = "proposer"
@@ -28,6 +28,10 @@ class Proposer(ABC):
 
     def observe(self, state: DecodeState, verdict: Verdict) -> None:
         """Feedback after each verification step; ``state`` already holds the emitted tokens."""
+
+    def rollback(self, state: DecodeState, position: int) -> None:
+        """``state`` was cut back to ``position`` committed tokens (a withdrawn speculation):
+        drop whatever this proposer holds about later positions. Stateless proposers need nothing."""
 
     def finish(self) -> None:
         """Release per-request resources."""

@@ -90,5 +90,10 @@ class DraftModelProposer(Proposer):
             full = verdict.num_drafted > 0 and len(verdict.accepted) == verdict.num_drafted
             self._k_cur = self._k_cur + 2 if full else max(1, self._k_cur - 1)
 
+    def rollback(self, state: DecodeState, position: int) -> None:
+        assert self.lm is not None
+        # Keep the invariant: the cache never holds the last committed token.
+        self.lm.rollback(min(self.lm.num_cached, position - 1))
+
     def finish(self) -> None:
         self.lm = None

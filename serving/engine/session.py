@@ -1,0 +1,211 @@
+"""One request's decoding as a session of steps: ``start``, ``step``, ``rollback_to``, ``finish``.
+
+A step is one propose + verify + commit (``serving.engine.verifier`` defines the terms). The
+session owns what a request needs between steps: its :class:`DecodeState`, the target's KV
+cache (through the verifier), the proposer, the RNG, the counters and the stage timings.
+
+**Tentative output.** Output tokens are *final* once nothing can withdraw them. By default
+every step's tokens are final at once, which is what plain speculative decoding needs. A
+caller that speculates something the target's output depends on (RaLMSpec: a retrieved
+passage, checked against the real retrieval later) opens the session with
+``hold_back=True``: emitted tokens stay *tentative* until :meth:`DecodeSession.finalize`,
+and :meth:`DecodeSession.rollback_to` withdraws tentative ones, rolling the target's and the
+proposer's caches back with them. Streaming sends only final tokens.
+
+``SpecEngine.generate`` (``serving.engine.spec``) is the short driver over a session.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.engine.kv import CachedLM
+from serving.engine.types import (
+    ContextSpan, DecodeState, GenerationResult, Proposals, RejectedPosition, RequestStats, SamplingParams, Verdict,
+)  # fmt: skip
+from serving.engine.verifier import Verifier
+from serving.proposers.base import Proposer
+
+FINISH_REASONS = ("eos", "length", "context", "stop")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did."""
+
+    emitted: list[int]
+    """Tokens this step committed (accepted drafts + bonus, cut after an EOS); empty only
+    when the request had already run out of room before the step."""
+    verdict: Verdict | None
+    """The verifier's verdict (None when no verification ran)."""
+    final: list[int] = field(default_factory=list)
+    """Tokens that became final with this step: ``emitted`` unless the session holds output back."""
+    finish_reason: str = ""
+    """Set when the request is finished: ``eos``, ``length`` or ``context``."""
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+
+class DecodeSession:
+    """One request decoding over a target (and a proposer, unless target-only).
+
+    ``target`` is the request's own ``CachedLM`` (or a batcher's ``BatchedCachedLM``).
+    """
+
+    def __init__(self, target: CachedLM, proposer: Proposer | None, context_ids: list[int], params: SamplingParams,
+                 *, k: int, method: str, eos_token_ids: tuple[int, ...] | list[int] = (), context_size: int,
+                 context_spans: tuple[ContextSpan, ...] = (), collect_rejections: bool = False,
+                 want_hidden: bool = False, hold_back: bool = False) -> None:  # fmt: skip
+        self.target = target
+        self.proposer = proposer
+        self.k = k
+        self.context_size = context_size
+        self.hold_back = hold_back
+        """Keep emitted tokens tentative until :meth:`finalize` (a pending check may undo them)."""
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.state = DecodeState(token_ids=list(context_ids), num_prompt_tokens=len(context_ids), params=params,
+                                 generator=gen, context_spans=tuple(context_spans))  # fmt: skip
+        self.stats = RequestStats(method=method, num_prompt_tokens=len(context_ids))
+        self.rejections: list[RejectedPosition] = []
+        self.verifier = Verifier(target, collect_rejections=collect_rejections, want_hidden=want_hidden)
+        self.finish_reason = ""
+        self._t_start = 0.0
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> DecodeSession:
+        assert not self._started, "start() once"
+        self._started = True
+        self._t_start = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.start(self.state)
+        return self
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+    def step(self) -> StepOutcome:
+        """Propose, verify and commit once; the outcome says whether the request is finished."""
+        assert self._started and not self._closed and not self.finished, "step() between start() and a finish"
+        state, stats, params = self.state, self.stats, self.state.params
+        remaining = params.max_new_tokens - state.num_generated
+        room = self.context_size - len(state.token_ids)
+        if remaining <= 0 or room <= 0:
+            self.finish_reason = "length" if remaining <= 0 else "context"
+            return StepOutcome([], None, [], self.finish_reason)
+        # A step emits up to k + 1 tokens (accepted + bonus): never past either limit.
+        k_step = min(self.k, remaining - 1, room - 1)
+        t0 = time.perf_counter()
+        if self.proposer is None or k_step <= 0:
+            proposals = Proposals.empty()
+        else:
+            proposals = self.proposer.propose(state, k_step)
+        t1 = time.perf_counter()
+        verdict = self.verifier.verify(state, proposals)
+        t2 = time.perf_counter()
+        stats.time_s["propose"] += t1 - t0
+        stats.time_s["verify"] += t2 - t1
+        if stats.num_verify_steps == 0:
+            stats.time_s["first_step"] = t2 - self._t_start  # includes both prefills
+
+        emitted = verdict.emitted
+        for i, tok in enumerate(emitted):
+            if tok in self.eos:
+                emitted = emitted[: i + 1]  # nothing after an EOS counts, or is logged
+                self.finish_reason = "eos"
+                break
+        stats.num_verify_steps += 1
+        stats.num_drafted += verdict.num_drafted
+        stats.num_accepted += min(len(verdict.accepted), len(emitted))
+        if len(verdict.accepted) < verdict.num_drafted and len(emitted) > len(verdict.accepted):
+            stats.num_rejected_steps += 1
+            if verdict.rejected is not None:
+                self.rejections.append(verdict.rejected)
+        state.token_ids.extend(emitted)
+        final = [] if self.hold_back else self.finalize()
+        if not self.finished and state.num_generated >= params.max_new_tokens:
+            self.finish_reason = "length"
+        elif not self.finished and len(state.token_ids) >= self.context_size:
+            self.finish_reason = "context"
+        if not self.finished and self.proposer is not None:
+            self.proposer.observe(state, verdict)
+        return StepOutcome(emitted, verdict, final, self.finish_reason, t1 - t0, t2 - t1)
+
+    def stop(self, reason: str = "stop") -> None:
+        """End the request here: a stop sequence was seen. It overrides a ``length`` or
+        ``context`` finish of the same step (the stop matched first), never an ``eos``."""
+        assert reason in FINISH_REASONS, reason
+        if self.finish_reason in ("", "length", "context"):
+            self.finish_reason = reason
+
+    # ------------------------------------------------------------------ tentative output
+    def finalize(self, position: int | None = None) -> list[int]:
+        """Make output up to absolute ``position`` (default: all of it) final; returns the
+        tokens that just became final."""
+        state = self.state
+        end = len(state.token_ids) if position is None else position
+        first = state.num_prompt_tokens + state.num_final
+        assert first <= end <= len(state.token_ids), (first, end, len(state.token_ids))
+        state.num_final = end - state.num_prompt_tokens
+        return state.token_ids[first:end]
+
+    def rollback_to(self, position: int) -> None:
+        """Withdraw every committed token at absolute position ``position`` or later.
+
+        Only tentative output can be withdrawn. The target's cache and the proposer's state
+        follow, rejected positions past the cut are dropped (they no longer describe what the
+        target saw), and a finished request becomes unfinished again."""
+        state = self.state
+        lo = state.num_prompt_tokens + state.num_final
+        assert lo <= position <= len(state.token_ids), f"can roll back only tentative output: {position} < {lo}"
+        dropped = len(state.token_ids) - position
+        if not dropped:
+            return
+        del state.token_ids[position:]
+        self.stats.num_rolled_back += dropped
+        # The target cache holds every committed token but the last (fed with the next drafts).
+        self.target.rollback(min(self.target.num_cached, position - 1))
+        if self.proposer is not None:
+            self.proposer.rollback(state, position)
+        self.rejections = [r for r in self.rejections if r.index < position]
+        self.finish_reason = ""
+
+    # ------------------------------------------------------------------ result
+    def finish(self, tokenizer=None) -> GenerationResult:
+        """Close the session: release the proposer and return the result (all output final)."""
+        assert self._started and not self._closed, "finish() once, after start()"
+        self._closed = True
+        state, stats = self.state, self.stats
+        if self.proposer is not None:
+            stats.num_draft_forwards = self.proposer.num_forwards
+            self.proposer.finish()
+        state.num_final = state.num_generated
+        stats.num_generated = state.num_generated
+        stats.num_target_forwards = self.target.num_forwards
+        stats.time_s["total"] = time.perf_counter() - self._t_start
+        if not stats.finish_reason:
+            stats.finish_reason = self.finish_reason
+        out_ids = state.output_ids
+        text = tokenizer.decode(out_ids) if tokenizer is not None else None
+        return GenerationResult(token_ids=out_ids, stats=stats, rejections=self.rejections, text=text,
+                                context_spans=state.context_spans)  # fmt: skip
+
+    def abort(self) -> None:
+        """Release the proposer without a result (the caller went away)."""
+        if not self._closed:
+            self._closed = True
+            if self.proposer is not None:
+                self.stats.num_draft_forwards = self.proposer.num_forwards
+                self.proposer.finish()

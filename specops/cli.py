@@ -12,11 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from serving.proposers.catalogue import METHODS, describe, method_spec
 from specops.paths import data_dir, models_dir, streams_url
 
 log = logging.getLogger("specops")
 
-METHODS = ("target", "draft", "pld")
 
 
 def _positive_int(text: str) -> int:
@@ -89,7 +89,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         from serving.fleet.stream_logger import RequestMeta
 
-        meta = RequestMeta(cluster=args.cluster, draft_model="bootstrap-draft" if args.method == "draft" else "")
+        meta = RequestMeta(cluster=args.cluster,
+                           draft_model="bootstrap-draft" if method_spec(args.method).artifact == "draft" else "")
         result = SpecEngine(pair, logger=logger).generate(prompt_ids, params, method=args.method, k=args.k, meta=meta)
     finally:
         if logger is not None:
@@ -253,8 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate",
         help="generate one completion with one method and print it (or JSON)",
-        description="Decode one prompt. Methods: target = target-only decoding (the reference); "
-        "draft = speculative decoding with the draft model; pld = prompt-lookup decoding. "
+        description="Decode one prompt. Methods: " + describe() + ". "
         "At temperature 0 every method returns exactly the target's greedy tokens.",
     )
     p.add_argument("--model-dir", default=str(models_dir()), help="directory with target/ and draft/ (default: %(default)s)")

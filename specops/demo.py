@@ -284,7 +284,7 @@ def _traffic(console: Console, server, registry, model_dir: Path, cfg: DemoConfi
     if routed_ok[1]:
         notes.append(f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
                      f"({routed_ok[0] / routed_ok[1]:.0%}).")  # fmt: skip
-    from serving.engine.spec import DEFAULT_K
+    from serving.proposers.catalogue import DEFAULT_K
 
     config = {"requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
               "prompt_tokens": cfg.prompt_tokens, "trainer_interval": cfg.interval,

@@ -7,7 +7,8 @@ generator) calls from many threads at once:
 2. decode the whole request with that draft (``SpecEngine``, a fresh KV cache per
    request; model weights are only read, so requests share them safely);
 3. name the version used in the result and in the logged ``MissRecord``;
-4. count the request's drafted and accepted tokens on that version (live feedback).
+4. count the request's drafted and accepted tokens on that version (live feedback), for a
+   method whose artifact is the draft (``serving.proposers.catalogue``).
 
 A swap that lands while a request runs changes nothing for that request.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serving.engine.batching import TargetBatcher
 from serving.engine.spec import SpecEngine
@@ -25,6 +26,7 @@ from serving.fleet.hotswap import DraftFollower, DraftHandle
 from serving.engine.models import ModelPair
 from serving.fleet.stream_logger import RequestMeta, StreamLogger
 from serving.engine.types import GenerationResult, SamplingParams
+from serving.proposers.catalogue import ProposerResources, method_spec
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,13 @@ class ServedResult:
     result: GenerationResult
     started_at: float = 0.0
     """Wall time just before the request took its draft handle."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Artifact kind -> version the request could use (``{"draft": ...}``)."""
+
+    def version_of(self, method: str) -> str:
+        """The version of ``method``'s artifact that served this request ("" if it has none)."""
+        artifact = method_spec(method).artifact
+        return self.versions.get(artifact, "") if artifact else ""
 
 
 class ServingNode:
@@ -61,14 +70,17 @@ class ServingNode:
                          tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
         engine = SpecEngine(pair, logger=self.logger, target_lm=self.batcher.lm if self.batcher else None)
         rid = request_id or uuid.uuid4().hex
+        versions = {"draft": handle.version}
+        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions)
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version)
         if self.batcher is not None:
             self.batcher.begin()
         try:
-            result = engine.generate(prompt_ids, params, method=method, k=k, meta=meta, on_step=on_step)  # 2. + 3.
+            result = engine.generate(prompt_ids, params, method=method, k=k, resources=resources, meta=meta,
+                                     on_step=on_step)  # 2. + 3.  # fmt: skip
         finally:
             if self.batcher is not None:
                 self.batcher.end()
-        if method == "draft":
+        if method_spec(method).artifact == "draft":
             self.follower.record(handle, result.stats)  # 4.
-        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at)
+        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions)

@@ -49,6 +49,7 @@ from serving.errors import (
     http_status,
 )  # fmt: skip
 from serving.http.schema import ChatCompletionRequest, CompletionRequest
+from serving.proposers.catalogue import method_spec
 from serving.http.read_timeouts import BodyDeadline
 from serving.http.request_json import parse as parse_json
 from serving.http.server import ClientGone, Job, ServingState
@@ -409,8 +410,10 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
              "total_tokens": len(job.prompt_ids) + st.num_generated}  # fmt: skip
     speculation = {
         "method": st.method, "k": job.k, "cluster": job.cluster, "cluster_source": job.cluster_source,
-        "router_version": job.router_version or None, "draft_model": served.draft_model if st.method == "draft" else None,
-        "draft_version": served.draft_version if st.method == "draft" else None, "drafted": st.num_drafted,
+        "router_version": job.router_version or None,
+        "draft_model": served.draft_model if method_spec(st.method).artifact == "draft" else None,
+        "draft_version": served.draft_version if method_spec(st.method).artifact == "draft" else None,
+        "drafted": st.num_drafted,
         "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serving.proposers.catalogue import METHODS, describe
 from serving.errors import ModelConfigError
 
 ENV_PREFIX = "SPECOPS_SERVE_"
@@ -69,9 +70,8 @@ class ServeConfig(BaseModel):
     max_tokens_limit: int = Field(1024, ge=1, description="largest `max_tokens` a request may ask for")
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request does not say")
     max_k: int = Field(16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for")
-    default_method: Literal["draft", "pld", "target"] = Field(
-        "draft", description="decoding when a request does not say: draft (the cluster's draft model), pld (prompt "
-        "lookup) or target (target-only)")  # fmt: skip
+    default_method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "draft", description="decoding when a request does not say, one of the method catalogue's: " + describe())
 
     # ---- concurrency
     max_concurrency: int = Field(2, ge=1, le=256, description="requests decoded at once (decode worker threads)")

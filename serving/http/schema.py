@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
+from serving.proposers.catalogue import METHODS
 from serving.errors import UnsupportedParameterError
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -30,8 +31,9 @@ class Speculation(BaseModel):
 
     model_config = STRICT
 
-    method: Literal["draft", "pld", "target"] | None = None
-    """draft = the cluster's draft model; pld = prompt lookup; target = target-only (no speculation)."""
+    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
+    """One of the catalogue's methods (``serving.proposers.catalogue``): draft = the cluster's draft model;
+    pld = prompt lookup; target = target-only (no speculation)."""
     k: int | None = Field(None, ge=1)
     """Tokens drafted per verification step (bounded by the server's max_k)."""
 

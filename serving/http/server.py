@@ -34,15 +34,16 @@ from prometheus_client import Counter, Gauge
 
 from serving.http.admission import Admission
 from serving.http.config import ServeConfig
-from serving.engine.spec import DEFAULT_K
+from serving.engine import limits
 from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError
+from serving.proposers.catalogue import ProposerResources, check_resources, method_spec
 from serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
 GENERATED = Counter("specops_generated_tokens_total", "Tokens generated", ["cluster"])
-DRAFTED = Counter("specops_drafted_tokens_total", "Draft tokens proposed", ["cluster", "version"])
-ACCEPTED = Counter("specops_accepted_tokens_total", "Draft tokens accepted", ["cluster", "version"])
+DRAFTED = Counter("specops_drafted_tokens_total", "Draft tokens proposed", ["cluster", "method", "version"])
+ACCEPTED = Counter("specops_accepted_tokens_total", "Draft tokens accepted", ["cluster", "method", "version"])
 TOKENS_PER_S = Gauge("specops_tokens_per_second", "Generated tokens per second over the last 10 s")
 ROUTED = Counter("specops_routed_requests_total", "Requests per cluster and how the cluster was chosen",
                  ["cluster", "source"])  # fmt: skip
@@ -193,7 +194,7 @@ class ServingState:
     # ------------------------------------------------------------ status
     @property
     def context_size(self) -> int:
-        return int(getattr(self.pair.target.config, "max_position_embeddings", 1 << 30))
+        return self.pair.context_size
 
     def status(self) -> dict:
         snap = self.admission.snapshot()
@@ -243,24 +244,19 @@ class ServingState:
                                           "Unicode text", "prompt") from None  # fmt: skip
             text = prompt
         else:
-            vocab = self.pair.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
             ids, text = list(prompt), None
-        if not ids:
+        if not ids and text is not None:
             raise InvalidRequestError("prompt tokenizes to nothing: give at least one token", "prompt")
-        if len(ids) > limit:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the limit is {limit}: shorten it", "prompt")
+        limits.check_prompt(ids, vocab_size=self.pair.vocab_size, context=self.context_size,
+                            limit=cfg.max_prompt_tokens)  # fmt: skip
         if params.max_new_tokens > cfg.max_tokens_limit:
             raise InvalidRequestError(f"max_tokens is {params.max_new_tokens}; this server allows at most "
                                       f"{cfg.max_tokens_limit}", "max_tokens")  # fmt: skip
         if k is not None and k > cfg.max_k:
             raise InvalidRequestError(f"speculation.k is {k}; this server allows at most {cfg.max_k}", "speculation.k")
-        method = method or cfg.default_method
-        k = k or DEFAULT_K[method]
-        if method == "draft" and self.pair.draft is None:
-            raise InvalidRequestError("speculation.method 'draft' needs a draft model; none is loaded", "speculation")
+        spec = method_spec(method or cfg.default_method)
+        method, k = spec.name, k or spec.default_k
+        check_resources(spec, ProposerResources(pair=self.pair))
         source, router_version = "request", ""
         if cluster is None:
             cluster, source = cfg.default_cluster, "default"
@@ -314,8 +310,9 @@ class ServingState:
         st = served.result.stats
         GENERATED.labels(job.cluster).inc(st.num_generated)
         if st.num_drafted:
-            DRAFTED.labels(job.cluster, served.draft_version).inc(st.num_drafted)
-            ACCEPTED.labels(job.cluster, served.draft_version).inc(st.num_accepted)
+            version = served.version_of(st.method) or "none"
+            DRAFTED.labels(job.cluster, st.method, version).inc(st.num_drafted)
+            ACCEPTED.labels(job.cluster, st.method, version).inc(st.num_accepted)
         with self._recent_lock:
             self._recent.append((time.time(), st.num_generated))
         return served

@@ -19,7 +19,7 @@ import pytest
 import requests
 import torch
 
-from serving.engine.spec import DEFAULT_K
+from serving.proposers.catalogue import DEFAULT_K
 from serving.engine.models import load_model
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 
@@ -275,10 +275,22 @@ def test_metrics_count_what_was_served(server, client):
     s = spec(r)
     text = requests.get(server.url + "/metrics").text
     assert metric(text, "specops_generated_tokens_total", cluster="metrics-probe") == r.usage.completion_tokens == 16
-    assert metric(text, "specops_drafted_tokens_total", cluster="metrics-probe", version="base") == s["drafted"]
-    assert metric(text, "specops_accepted_tokens_total", cluster="metrics-probe", version="base") == s["accepted"]
+    labels = {"cluster": "metrics-probe", "method": "draft", "version": "base"}
+    assert metric(text, "specops_drafted_tokens_total", **labels) == s["drafted"]
+    draft_drafted = s["drafted"]
+    assert metric(text, "specops_accepted_tokens_total", **labels) == s["accepted"]
+    # prompt lookup is counted under its own method, with no draft version
+    r = complete(client, ID_PROMPTS[0] * 3, max_tokens=16,
+                 extra_body={"cluster": "metrics-probe", "speculation": {"method": "pld"}})  # fmt: skip
+    s = spec(r)
+    assert s["method"] == "pld" and s["draft_version"] is None and s["drafted"] > 0
+    text = requests.get(server.url + "/metrics").text
+    pld = {"cluster": "metrics-probe", "method": "pld", "version": "none"}
+    assert metric(text, "specops_drafted_tokens_total", **pld) == s["drafted"]
+    assert metric(text, "specops_accepted_tokens_total", **pld) == s["accepted"]
+    assert metric(text, "specops_drafted_tokens_total", **labels) == draft_drafted  # the draft's count is its own
     ok = {"endpoint": "/v1/completions", "status": "200"}
-    assert metric(text, "specops_api_requests_total", **ok) == metric(before, "specops_api_requests_total", **ok) + 1
+    assert metric(text, "specops_api_requests_total", **ok) == metric(before, "specops_api_requests_total", **ok) + 2
     assert metric(text, "specops_admission_queue_depth") == 0
     assert wait_until(lambda: metric(requests.get(server.url + "/metrics").text, "specops_tokens_per_second") > 0, 5)
     for name in ("specops_hotswap_swaps_total", "specops_stream_logger_dropped_total", "specops_admission_running",

@@ -1,0 +1,146 @@
+"""The one catalogue of decoding methods: each method's name, default k, what it needs, and
+how to build its proposer.
+
+Everything that names a method derives from :data:`CATALOGUE`: the API's and config's
+allowed values (``serving.http.schema``, ``serving.http.config``), the CLI's ``--method``
+choices, the metrics labels, which artifact's live acceptance a request feeds, and the
+engine's default k. Adding a method is one :class:`MethodSpec` here plus its proposer module.
+
+A proposer is built per request from a :class:`ProposerResources`: the model pair with the
+cluster's current draft, and whatever else the method needs (a datastore, references).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serving.errors import InvalidRequestError
+from serving.proposers.base import Proposer
+from serving.proposers.draft_model import DraftModelProposer
+from serving.proposers.prompt_lookup import PromptLookupProposer
+
+if TYPE_CHECKING:
+    from serving.engine.models import ModelPair
+
+NEEDS = ("draft_model", "target_hidden", "references", "datastore")
+"""What a method may need: a draft model (the cluster's), the target's last hidden state
+after each step (retrieval keyed on it), reference texts given with the request, a datastore."""
+
+
+@dataclass(frozen=True)
+class ProposerResources:
+    """What one request's proposer may draw on (the serving node builds one per request)."""
+
+    pair: "ModelPair"
+    """The target, and the cluster's current draft model (or None)."""
+    cluster: str = "default"
+    datastore: object | None = None
+    """The cluster's retrieval datastore, for methods that need one."""
+    references: tuple[tuple[int, ...], ...] = ()
+    """Reference token ids given with the request, for methods that copy from them."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """Per-request method settings: which method, and its knobs."""
+
+    method: str = "draft"
+    """One of :data:`METHODS`."""
+    pld_max_ngram: int = 3
+    """Longest trailing n-gram prompt lookup tries to match."""
+    pld_min_ngram: int = 1
+    """Shortest n-gram prompt lookup accepts."""
+    draft_confidence: float = 0.0
+    """Draft model: stop drafting when its top probability drops below this (0 = off)."""
+    adaptive_k: bool = False
+    """Draft model: adapt k per step within 1..k (+2 after full acceptance, -1 otherwise)."""
+
+    def __post_init__(self) -> None:
+        method_spec(self.method)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One decoding method."""
+
+    name: str
+    description: str
+    """One line, shown by ``--help`` and the API docs."""
+    default_k: int
+    """Tokens drafted per step when the request does not say."""
+    needs: frozenset[str]
+    """Of :data:`NEEDS`."""
+    artifact: str | None
+    """The registry artifact kind whose version labels this method's metrics and receives its
+    live acceptance (``draft`` for the draft model); None when the method has no artifact."""
+    build: Callable[[ProposerConfig, ProposerResources], Proposer | None]
+
+    def __post_init__(self) -> None:
+        assert self.needs <= set(NEEDS), self.needs
+        assert self.default_k >= 1, self.default_k
+
+
+def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+    return DraftModelProposer(res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k)
+
+
+def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+    return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
+
+
+# Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy
+# is free, so it drafts as many as HF's prompt lookup does (``prompt_lookup_num_tokens=10``).
+# The draft's 3 is the k that measured fastest with the default SmolLM2 pair (k = 2, 3, 4 on
+# held-out code: 1.13x, 1.24x, 1.01x target-only, 5 prompts; benchmarks/spec_decode.py's
+# sweep re-measures it).
+CATALOGUE: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("target", "target-only decoding, the reference every method must equal", 1, frozenset(), None,
+                   lambda cfg, res: None),
+        MethodSpec("draft", "speculative decoding with the cluster's draft model (OSD)", 3,
+                   frozenset({"draft_model"}), "draft", _build_draft),
+        MethodSpec("pld", "prompt-lookup decoding: copy what followed the trailing n-gram in the context", 10,
+                   frozenset(), None, _build_pld),
+    )
+}  # fmt: skip
+
+METHODS: tuple[str, ...] = tuple(CATALOGUE)
+DEFAULT_K: dict[str, int] = {name: spec.default_k for name, spec in CATALOGUE.items()}
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The catalogue entry of ``name``; an unknown name is the caller's error, naming the choices."""
+    spec = CATALOGUE.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise InvalidRequestError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}",
+                                  "speculation.method")  # fmt: skip
+    return spec
+
+
+def check_resources(spec: MethodSpec, res: ProposerResources) -> None:
+    """Raise the caller's error when ``res`` lacks something ``spec`` needs."""
+    if "draft_model" in spec.needs and res.pair.draft is None:
+        raise InvalidRequestError(f"method {spec.name!r} needs a draft model; none is loaded", "speculation.method")
+    if "datastore" in spec.needs and res.datastore is None:
+        raise InvalidRequestError(f"method {spec.name!r} needs a datastore for cluster {res.cluster!r}; none is "
+                                  "loaded", "speculation.method")  # fmt: skip
+    if "references" in spec.needs and not res.references:
+        raise InvalidRequestError(f"method {spec.name!r} needs reference texts; the request gives none",
+                                  "speculation.references")  # fmt: skip
+
+
+def build_proposer(cfg: ProposerConfig, res: ProposerResources) -> Proposer | None:
+    """The proposer for ``cfg.method`` over ``res``, or None for target-only decoding."""
+    spec = method_spec(cfg.method)
+    check_resources(spec, res)
+    return spec.build(cfg, res)
+
+
+def describe() -> str:
+    """``name: description`` lines, for ``--help``."""
+    return "; ".join(f"{s.name}: {s.description} (k={s.default_k})" for s in CATALOGUE.values())

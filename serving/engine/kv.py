@@ -14,6 +14,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from serving.engine import draft_vocab, limits
+from serving.engine import tree as tree_mod
+from serving.engine.tree import TokenTree
 
 
 class CachedLM:
@@ -80,6 +82,54 @@ class CachedLM:
         hidden = out.last_hidden_state[0, -keep:]  # [n_keep, hidden]
         logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float()  # [n_keep, vocab]
         return logits, hidden.float() if want_hidden else None
+
+    @torch.inference_mode()
+    def forward_tree(self, committed: list[int], tree: TokenTree, *,
+                     want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Append the uncached ``committed`` tokens, then every node of ``tree``, in one pass.
+
+        Each node sits at its own position (``serving.engine.tree.positions``) and attends
+        only to the committed tokens and its ancestors. Returns logits ``[1 + num_nodes,
+        vocab]`` float32: row 0 at the last committed token (the root), row ``i`` at node
+        ``i``; and the matching final hidden states when ``want_hidden``. Afterwards call
+        :meth:`keep_path` to keep only the accepted nodes in the cache.
+        """
+        c, n = len(committed), tree.num_nodes
+        assert c > 0, "the last committed token is fed with the tree (its logits judge depth 1)"
+        base = self.num_cached + c
+        assert base + tree.max_depth <= self.context_size, (base, tree.max_depth, self.context_size)
+        device = self.model.device
+        ids = torch.tensor([committed + tree.tokens[1:]], dtype=torch.long, device=device)  # [1, c + n]
+        pos = tree_mod.positions(base, c, tree).to(device)[None]  # [1, c + n]
+        mask = tree_mod.attention_mask(self.num_cached, c, tree, self.model.dtype, device)  # [1, 1, c+n, cached+c+n]
+        keep = n + 1
+        if self.vocab is not None:
+            out = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                        past_key_values=self.cache, use_cache=True)  # fmt: skip
+            hidden = out.last_hidden_state[0, -keep:]  # [1 + n, hidden]
+            logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float()
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=keep, output_hidden_states=want_hidden)  # fmt: skip
+            logits = out.logits[0].float()  # [1 + n, vocab]
+            hidden = out.hidden_states[-1][0, -keep:] if want_hidden else None
+        self.num_cached += c + n
+        self.num_forwards += 1
+        return logits, hidden.float() if want_hidden and hidden is not None else None
+
+    @torch.inference_mode()
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After :meth:`forward_tree`: keep positions ``0 .. base-1`` and the tree nodes on
+        ``path`` (node numbers, root excluded, root to leaf), moved to ``base, base+1, ...``."""
+        assert base <= self.num_cached, (base, self.num_cached)
+        for j, node in enumerate(path):
+            assert node >= j + 1, (j, node)  # nodes are numbered parents first: copies never overwrite a source
+            src, dst = base + node - 1, base + j
+            if src != dst:
+                for layer in self.cache.layers:
+                    layer.keys[:, :, dst] = layer.keys[:, :, src]
+                    layer.values[:, :, dst] = layer.values[:, :, src]
+        self.rollback(base + len(path))
 
     def rollback(self, length: int) -> None:
         """Keep only positions ``0 .. length-1`` in the cache."""

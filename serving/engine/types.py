@@ -111,19 +111,30 @@ class DecodeState:
 
 @dataclass
 class Proposals:
-    """Candidate continuations from one proposer call."""
+    """Candidate continuations from one proposer call: one row (a chain) or several (a tree).
+
+    Several rows are merged into a token tree (``serving.engine.tree``): rows sharing a
+    prefix share its nodes, and one target pass verifies them all.
+    """
 
     tokens: torch.Tensor
-    """[n_drafts, k] int64 drafted token ids (k may be 0: nothing to propose)."""
+    """[n_drafts, k] int64 drafted token ids (k may be 0: nothing to propose); rows shorter
+    than k are right-padded (see ``lengths``)."""
     draft_probs: torch.Tensor | None = None
-    """[n_drafts, k, vocab] float32 draft distributions the tokens were sampled from;
-    None for deterministic (retrieval / copy) proposers."""
+    """[n_drafts, k, vocab] float32 draft distributions the tokens were sampled from (rows
+    drawn independently, so rows sharing a prefix are i.i.d. draws after it); None for
+    deterministic (retrieval / copy) proposers."""
+    lengths: list[int] | None = None
+    """Valid tokens of each row (None: every row has k)."""
 
     def __post_init__(self) -> None:
         assert self.tokens.ndim == 2 and self.tokens.dtype == torch.long, self.tokens.shape
         if self.draft_probs is not None:
             assert self.draft_probs.ndim == 3, self.draft_probs.shape
             assert self.draft_probs.shape[:2] == self.tokens.shape, (self.draft_probs.shape, self.tokens.shape)
+        if self.lengths is not None:
+            assert len(self.lengths) == self.tokens.shape[0], (self.lengths, self.tokens.shape)
+            assert all(0 <= n <= self.tokens.shape[1] for n in self.lengths), (self.lengths, self.tokens.shape)
 
     @property
     def num_drafts(self) -> int:
@@ -131,11 +142,31 @@ class Proposals:
 
     @property
     def k(self) -> int:
-        return int(self.tokens.shape[1])
+        """Longest row."""
+        return max(self.lengths, default=0) if self.lengths is not None else int(self.tokens.shape[1])
+
+    @property
+    def is_chain(self) -> bool:
+        return self.num_drafts == 1
+
+    def rows(self) -> list[list[int]]:
+        """Each row's valid tokens."""
+        lengths = self.lengths if self.lengths is not None else [self.tokens.shape[1]] * self.num_drafts
+        return [self.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
 
     @classmethod
     def empty(cls) -> "Proposals":
         return cls(tokens=torch.zeros((1, 0), dtype=torch.long))
+
+    @classmethod
+    def from_rows(cls, rows: list[list[int]], draft_probs: torch.Tensor | None = None) -> "Proposals":
+        """Candidate rows of any lengths (at least one row)."""
+        assert rows, "at least one row"
+        k = max(len(r) for r in rows)
+        tokens = torch.zeros((len(rows), k), dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return cls(tokens=tokens, draft_probs=draft_probs, lengths=[len(r) for r in rows])
 
 
 @dataclass
@@ -159,10 +190,17 @@ class Verdict:
     accepted: list[int]
     bonus: int
     num_drafted: int
+    """Positions drafted: the chain's k; for a tree, its deepest row's length (the most one
+    step could accept), so accepted / drafted stays a per-position acceptance rate."""
     rejected: RejectedPosition | None = None
     target_hidden: torch.Tensor | None = None
     """[hidden] target's last hidden state at the position that produced ``bonus``
     (only when the verifier was asked for it; DReSD keys on it)."""
+    path: list[int] = field(default_factory=list)
+    """The accepted tree nodes, root to leaf (``serving.engine.tree`` numbering; for a
+    chain, node ``i`` is draft ``i``, so ``path == [1 .. len(accepted)]``)."""
+    num_nodes: int = 0
+    """Distinct drafted tokens the target checked (tree nodes; ``num_drafted`` for a chain)."""
 
     @property
     def emitted(self) -> list[int]:

@@ -23,14 +23,40 @@ Acceptance rules (OSD §3; Leviathan et al. 2023; DReSD §3.6):
 
 ``p`` is the target's warped distribution (temperature, top-p), the same one
 target-only sampling draws from, so every rule preserves the target's distribution.
+
+**Several drafts: a token tree** (``serving.engine.tree``). Rows are merged into a trie and
+one target pass scores every node (tree attention mask, each node at its own position).
+The walk starts at the root (the last committed token) with the target's ``p`` there:
+
+- **greedy**: descend to the child whose token is ``argmax p``; when there is none, that
+  argmax is the bonus. The result is the longest path the target agrees with.
+- **deterministic drafts, sampling**: draw ``y ~ p``; if ``y`` is a child, descend to it;
+  otherwise ``y`` is the bonus. Every emitted token is a draw from the target's ``p`` at its
+  position, so the output is distributed exactly as target-only sampling.
+- **drafts sampled from a draft model** (recursive rejection sampling, SpecInfer's
+  multi-step speculative sampling): a node's samples ``x_1 .. x_m`` are i.i.d. draws from
+  the draft's ``q`` there. Try them in order: accept ``x_i`` with probability
+  ``min(1, p(x_i)/q(x_i))``; after a rejection replace ``p`` by ``norm(max(0, p - q))``
+  and try the next; if all are rejected the bonus is drawn from the last ``p``. Each trial
+  is the single-draft rule applied to the current residual, which emits a token distributed
+  as that residual's ``p``; by induction over the trials the token emitted at the node
+  (accepted or bonus) is distributed as the original ``p``. A token rejected once has
+  ``p(x) < q(x)``, so its residual mass is 0 and a duplicate sample of it is rejected too.
+
+Not used, because it is biased: letting each row draw its own tokens and keeping the
+longest match (the DReSD/REST public code). Ten identical drafts of a token with
+``p = 0.1`` are then accepted with probability ``1 - 0.9**10 = 0.65``. The tests keep that
+rule as a negative control for the chi-square test.
 """
 
 from __future__ import annotations
 
 import torch
 
+from serving.engine import tree as tree_mod
 from serving.engine.kv import CachedLM
 from serving.engine.sampling import draw, uniform, warp
+from serving.engine.tree import TokenTree
 from serving.engine.types import DecodeState, Proposals, RejectedPosition, Verdict
 
 
@@ -71,6 +97,53 @@ def decide(
     return accepted, bonus
 
 
+def decide_tree(
+    tree: TokenTree,
+    probs: torch.Tensor,
+    node_q: torch.Tensor | None,
+    *,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Apply the tree rules of the module docstring.
+
+    ``probs`` [1 + num_nodes, vocab]: the target's warped distribution after the root (row
+    0) and after each node; ``node_q`` the same shape, the draft's distribution each node's
+    children were sampled from, or None for deterministic drafts. Returns ``(path, bonus)``,
+    ``path`` the accepted nodes root to leaf.
+    """
+    assert probs.ndim == 2 and probs.shape[0] == tree.num_nodes + 1, (probs.shape, tree.num_nodes)
+    path: list[int] = []
+    node = 0
+    while True:
+        p = probs[node]
+        samples = tree.samples[node]
+        if not samples:
+            return path, int(p.argmax()) if greedy else draw(p, generator)
+        if greedy or node_q is None:
+            y = int(p.argmax()) if greedy else draw(p, generator)
+            child = tree.children(node).get(y)
+            if child is None:
+                return path, y
+        else:
+            q = node_q[node]
+            child = None
+            for c in samples:
+                x = tree.tokens[c]
+                p_x, q_x = float(p[x]), float(q[x])
+                if q_x > 0 and uniform(generator) * q_x < p_x:  # accept iff u < p/q
+                    child = c
+                    break
+                residual = (p - q).clamp_min(0.0)
+                total = float(residual.sum())
+                if total > 0:
+                    p = residual / total
+            if child is None:
+                return path, draw(p, generator)
+        path.append(child)
+        node = child
+
+
 class Verifier:
     """Checks proposals against the target model, keeping the target's KV cache."""
 
@@ -80,10 +153,10 @@ class Verifier:
         self.want_hidden = want_hidden
 
     def verify(self, state: DecodeState, proposals: Proposals) -> Verdict:
-        if proposals.num_drafts != 1:
-            raise NotImplementedError("multi-draft (batch-expansion) verification is not implemented yet")
+        if not proposals.is_chain:
+            return self.verify_tree(state, proposals)
         assert self.target.num_cached < len(state.token_ids), (self.target.num_cached, len(state.token_ids))
-        drafts = proposals.tokens[0].tolist()
+        drafts = proposals.rows()[0]
         k = len(drafts)
         base = len(state.token_ids)  # absolute position of d_1
 
@@ -107,4 +180,43 @@ class Verifier:
             num_drafted=k,
             rejected=rejected,
             target_hidden=hidden[a].clone() if hidden is not None else None,
+            path=list(range(1, a + 1)),
+            num_nodes=k,
+        )
+
+    def verify_tree(self, state: DecodeState, proposals: Proposals) -> Verdict:
+        """Several candidate rows: one target pass over their trie, then the tree rules."""
+        assert self.target.num_cached < len(state.token_ids), (self.target.num_cached, len(state.token_ids))
+        rows = proposals.rows()
+        tree = tree_mod.build(rows)
+        base = len(state.token_ids)
+        if tree.num_nodes == 0:
+            return self.verify(state, Proposals.empty())
+        committed = state.token_ids[self.target.num_cached:]
+        logits, hidden = self.target.forward_tree(committed, tree, want_hidden=self.want_hidden)  # [1 + n, vocab]
+        probs = warp(logits, state.params)  # [1 + n, vocab]
+        node_q = None
+        if proposals.draft_probs is not None:
+            # the distribution each node's children were drawn from: the draft's at (row, column + 1)
+            node_q = torch.zeros_like(probs)
+            for child in range(1, tree.num_nodes + 1):
+                r, j = tree.source[child]
+                node_q[tree.parent[child]] = proposals.draft_probs[r, j]
+        path, bonus = decide_tree(tree, probs, node_q, greedy=state.params.greedy, generator=state.generator)
+        accepted = tree.path_tokens(path)
+        last = path[-1] if path else 0
+        rejected = None
+        if self.collect_rejections and tree.samples[last]:  # a drafted token was turned down after `last`
+            drafted = tree.tokens[tree.samples[last][0]]
+            rejected = RejectedPosition(index=base + len(path), drafted_token=drafted, emitted_token=bonus,
+                                        target_logits=logits[last].clone())  # fmt: skip
+        self.target.keep_path(base, path)
+        return Verdict(
+            accepted=accepted,
+            bonus=bonus,
+            num_drafted=tree.max_depth,
+            rejected=rejected,
+            target_hidden=hidden[last].clone() if hidden is not None else None,
+            path=path,
+            num_nodes=tree.num_nodes,
         )

@@ -81,6 +81,12 @@ def test_verifier_returns_target_hidden_state(tiny_pair):
     verdict = verifier.verify(state, Proposals(tokens=torch.tensor([[99 % tiny_pair.vocab_size]])))
     assert verdict.target_hidden is not None
     assert verdict.target_hidden.shape == (tiny_pair.target.config.hidden_size,)
+    # By value: the hidden state at the position that produced the bonus (the last accepted
+    # token, or the last prompt token), which DReSD keys on; an off-by-one row fails here.
+    with torch.inference_mode():
+        out = tiny_pair.target(input_ids=torch.tensor([[3, 4, 5, *verdict.accepted]]), output_hidden_states=True)
+    assert torch.allclose(verdict.target_hidden, out.hidden_states[-1][0, -1].float(), atol=1e-4)
+    assert verdict.bonus == int(out.logits[0, -1].argmax())
 
 
 class CheckedDraftProposer(DraftModelProposer):

@@ -1,4 +1,5 @@
-"""The MLflow-backed registry of draft and router versions (a leaf: imports nothing of ours)."""
+"""The MLflow-backed registry of versioned artifacts: drafts, the router, datastores, knowledge bases
+(``registry.kinds``; a leaf: imports nothing of ours)."""
 
 from registry.config import RegistryConfig
 from registry.errors import (
@@ -8,11 +9,13 @@ from registry.errors import (
     RegistryUnavailableError,
     VersionNotFoundError,
 )
+from registry.kinds import KINDS, ArtifactKind, kind_of
 from registry.store import (
     CHALLENGER,
     CHAMPION,
     ROUTER,
     AliasChange,
+    ArtifactVersion,
     DraftVersion,
     GateResult,
     RegistryStore,
@@ -22,7 +25,7 @@ from registry.store import (
 )
 
 __all__ = [
-    "CHALLENGER", "CHAMPION", "AliasChange", "ArtifactFormatError", "ArtifactIntegrityError", "DraftVersion",
+    "CHALLENGER", "CHAMPION", "KINDS", "AliasChange", "ArtifactKind", "ArtifactVersion", "kind_of", "ArtifactFormatError", "ArtifactIntegrityError", "DraftVersion",
     "GateResult", "ROUTER", "RegistryConfig", "RegistryError", "RegistryStore", "RegistryUnavailableError",
     "RouterVersion", "VersionNotFoundError", "decide", "model_name",
 ]  # fmt: skip

@@ -29,6 +29,8 @@ from registry.errors import ArtifactFormatError, ArtifactIntegrityError
 
 FORMAT = "specops-draft/1"
 ROUTER_FORMAT = "specops-router/1"
+DATASTORE_FORMAT = "specops-datastore/1"
+KB_FORMAT = "specops-kb/1"
 ROUTER_FILES = ("router.safetensors", "router.json")
 """Exactly the files of a router artifact."""
 MANIFEST = "manifest.json"
@@ -100,6 +102,23 @@ def pack_router(router_dir: Path, out_dir: Path, *, meta: dict | None = None) ->
                                   f"{sorted(extra)} (a router is exactly {' and '.join(ROUTER_FILES)})")  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     return _write({n: router_dir / n for n in ROUTER_FILES}, out_dir, ROUTER_FORMAT, lambda: dict(meta or {}))
+
+
+def pack_files(src_dir: Path, out_dir: Path, fmt: str, *, meta: dict | None = None) -> str:
+    """Copy every file of ``src_dir`` (safetensors, JSON) into ``out_dir`` with a manifest of
+    format ``fmt``; return the manifest's sha256. The generic packing of a kind with no
+    packer of its own (datastores, knowledge bases); anything else in ``src_dir`` is refused."""
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    if not src_dir.is_dir():
+        raise ArtifactFormatError(f"{src_dir} is not a directory")
+    files = {p.name: p for p in sorted(src_dir.iterdir()) if p.is_file() and p.name != MANIFEST
+             and not p.name.startswith(".")}  # fmt: skip
+    bad = sorted(n for n in files if not n.endswith((".safetensors", ".json")))
+    if bad or not files:
+        raise ArtifactFormatError(f"{src_dir}: a {fmt} artifact is safetensors and JSON files only; "
+                                  f"{'refused ' + str(bad) if bad else 'found none'}")  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _write(files, out_dir, fmt, lambda: dict(meta or {}))
 
 
 def _write(sources: dict[str, Path], out_dir: Path, fmt: str, meta) -> str:

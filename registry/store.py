@@ -16,6 +16,11 @@ The prompt router is one more registered model, ``router`` (:class:`RouterVersio
 ``register_router``/``router_by_alias``/``promote_router``/``fetch``): centroids and the
 embedder's config hash (``serving.fleet.router``), with the same aliases, lineage tags,
 manifest check and ``on_change`` announcements as drafts. ``clusters()`` lists drafts only.
+
+**Any kind** (``registry.kinds``: draft, router, datastore, kb) has the same operations
+through :meth:`RegistryStore.artifact`, which returns a :class:`~registry.kind_store.KindStore`:
+``register``, ``versions``, ``get``, ``by_alias``, ``promote``, ``rollback``, ``retain``,
+``describe``, ``fetch``. The draft- and router-named methods above are that, for two kinds.
 """
 
 from __future__ import annotations
@@ -30,11 +35,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from registry import artifacts
 from registry.config import RegistryConfig
 from registry.errors import ArtifactFormatError, RegistryError, RegistryUnavailableError, VersionNotFoundError
+from registry.kinds import KINDS, ArtifactKind, kind_of
+
+if TYPE_CHECKING:
+    from registry.kind_store import KindStore
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +131,26 @@ class RouterVersion(_VersionTags):
 
 
 @dataclass(frozen=True)
+class ArtifactVersion(_VersionTags):
+    """One registered version of an artifact of any kind (``registry.kinds``)."""
+
+    kind: str
+    key: str
+    """The cluster (or knowledge-base name) for a keyed kind; empty otherwise."""
+    version: str
+    run_id: str
+    source: str
+    """Artifact URI of the version's directory."""
+    tags: dict[str, str]
+    aliases: tuple[str, ...] = ()
+    created_ms: int = 0
+
+    @property
+    def name(self) -> str:
+        return KINDS[self.kind].model_name(self.key)
+
+
+@dataclass(frozen=True)
 class AliasChange:
     """A move of ``champion``: what serving must react to (published as a ModelEvent)."""
 
@@ -132,11 +162,17 @@ class AliasChange:
     previous_version: str
     reason: str
     registered_model: str = ""
-    """The registered model when it is not ``draft-<cluster>`` (``router``)."""
+    """The registered model when it is not ``draft-<cluster>`` (``router``, ``datastore-<cluster>``...)."""
 
     @property
     def model_name(self) -> str:
         return self.registered_model or model_name(self.cluster)
+
+    @property
+    def artifact(self) -> str:
+        """The artifact kind that changed (``draft``, ``router``, ...)."""
+        found = kind_of(self.model_name)
+        return found[0].name if found else ""
 
 
 @dataclass(frozen=True)
@@ -258,7 +294,7 @@ class RegistryStore:
             except MlflowException:
                 self.client.get_registered_model(name)  # a concurrent process created it
 
-    def _to_version(self, mv, aliases: dict[str, str] | None = None) -> DraftVersion | RouterVersion:
+    def _to_version(self, mv, aliases: dict[str, str] | None = None) -> DraftVersion | RouterVersion | ArtifactVersion:
         if aliases is None:
             names = tuple(getattr(mv, "aliases", ()) or ())
         else:
@@ -268,7 +304,10 @@ class RegistryStore:
                   "created_ms": int(mv.creation_timestamp or 0)}  # fmt: skip
         if mv.name == ROUTER:
             return RouterVersion(**common)
-        return DraftVersion(cluster=mv.name.removeprefix(PREFIX), **common)
+        kind, key = kind_of(mv.name) or (KINDS["draft"], mv.name.removeprefix(PREFIX))
+        if kind.name == "draft":
+            return DraftVersion(cluster=key, **common)
+        return ArtifactVersion(kind=kind.name, key=key, **common)
 
     def _versions(self, name: str) -> list:
         """Every version of registered model ``name``, oldest first."""
@@ -562,30 +601,34 @@ class RegistryStore:
         """Move ``champion`` back to the version it replaced (or to ``to``), and mark the
         current one rolled back. With ``expect_current``, do nothing (return None) unless
         the champion is still that version (a concurrent promotion wins)."""
-        current = self.by_alias(cluster, CHAMPION)
+        return self._rollback(model_name(cluster), reason=reason, to=to, expect_current=expect_current,
+                              change_from=lambda v, prev: AliasChange("rollback", cluster, v, prev, reason))  # fmt: skip
+
+    def _rollback(self, name: str, *, reason: str, to: str | None, expect_current: str | None,
+                  change_from) -> AliasChange | None:  # fmt: skip
+        current = self._by_alias(name, CHAMPION)
         if current is None:
-            raise VersionNotFoundError(f"{model_name(cluster)} has no champion to roll back")
+            raise VersionNotFoundError(f"{name} has no champion to roll back")
         if expect_current is not None and current.version != str(expect_current):
-            log.info("%s: not rolling back %s: the champion is now %s", model_name(cluster), expect_current,
-                     current.version)  # fmt: skip
+            log.info("%s: not rolling back %s: the champion is now %s", name, expect_current, current.version)
             return None
-        target = str(to) if to else self._previous_champion(cluster, current)
+        target = str(to) if to else self._previous_champion(name, current)
         if target is None:
-            raise VersionNotFoundError(f"{model_name(cluster)} version {current.version} has no earlier champion "
+            raise VersionNotFoundError(f"{name} version {current.version} has no earlier champion "
                                        "to roll back to; name one with --to")  # fmt: skip
-        if self.get(cluster, target).archived:
-            raise RegistryError(f"cannot roll back to archived version {target} of {model_name(cluster)}")
-        self._set_tags(model_name(cluster), current.version, {"rolled_back": reason, "rolled_back_at": _now()})
-        self._set_tags(model_name(cluster), target, {"restored_at": _now(), "restored_ts": f"{time.time():.6f}"})
-        self.set_alias(cluster, CHAMPION, target)
-        change = AliasChange("rollback", cluster, target, current.version, reason)
-        log.warning("%s: rolled back champion %s -> %s (%s)", model_name(cluster), current.version, target, reason)
+        if self._get(name, target).archived:
+            raise RegistryError(f"cannot roll back to archived version {target} of {name}")
+        self._set_tags(name, current.version, {"rolled_back": reason, "rolled_back_at": _now()})
+        self._set_tags(name, target, {"restored_at": _now(), "restored_ts": f"{time.time():.6f}"})
+        self._set_alias(name, CHAMPION, target)
+        change = change_from(target, current.version)
+        log.warning("%s: rolled back champion %s -> %s (%s)", name, current.version, target, reason)
         self._notify(change)
         return change
 
-    def _previous_champion(self, cluster: str, current: DraftVersion) -> str | None:
+    def _previous_champion(self, name: str, current) -> str | None:
         """The version ``current`` replaced, skipping any since rolled back or archived."""
-        by_version = {v.version: v for v in self.versions(cluster)}
+        by_version = {v.version: v for v in self._versions(name)}
         seen, prev = {current.version}, current.tags.get("previous_champion")
         while prev and prev not in seen:
             seen.add(prev)
@@ -601,27 +644,38 @@ class RegistryStore:
         """Archive versions that are old and unaliased, keeping the newest ``keep_last`` and
         the champion's rollback target. Archived versions stay listed, with their tags and
         metrics; their weights are deleted when ``delete_artifacts``. Returns the archived."""
+        return self._retain(model_name(cluster), keep_last=keep_last, delete_artifacts=delete_artifacts)
+
+    def _retain(self, name: str, *, keep_last: int, delete_artifacts: bool) -> list[str]:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
-        versions = self.versions(cluster)
+        versions = self._versions(name)
         keep = {v.version for v in versions[-keep_last:]} | {v.version for v in versions if v.aliases}
         champion = next((v for v in versions if CHAMPION in v.aliases), None)
-        if champion is not None and (prev := self._previous_champion(cluster, champion)):
+        if champion is not None and (prev := self._previous_champion(name, champion)):
             keep.add(prev)
         archived = []
         for v in versions:
             if v.version in keep or v.archived:
                 continue
-            self._set_tags(model_name(cluster), v.version, {"archived": _now()})
+            self._set_tags(name, v.version, {"archived": _now()})
             if delete_artifacts:
                 self._delete_artifacts(v)
             archived.append(v.version)
         if archived:
-            log.info("%s: archived versions %s (keeping the last %d and every aliased one)", model_name(cluster),
+            log.info("%s: archived versions %s (keeping the last %d and every aliased one)", name,
                      ", ".join(archived), keep_last)  # fmt: skip
         return archived
 
-    def _delete_artifacts(self, v: DraftVersion | RouterVersion) -> None:
+    def artifact(self, kind: str) -> "KindStore":
+        """The registry's operations for one artifact kind (``registry.kinds.KINDS``)."""
+        from registry.kind_store import KindStore
+
+        if kind not in KINDS:
+            raise ValueError(f"unknown artifact kind {kind!r}; choose one of {', '.join(KINDS)}")
+        return KindStore(self, KINDS[kind])
+
+    def _delete_artifacts(self, v: DraftVersion | RouterVersion | ArtifactVersion) -> None:
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
         try:
@@ -631,7 +685,7 @@ class RegistryStore:
             log.warning("archived %s version %s but could not delete its artifacts: %s", v.name, v.version, exc)
 
     # ------------------------------------------------------------ artifacts
-    def fetch(self, dv: DraftVersion | RouterVersion, dest: Path) -> dict:
+    def fetch(self, dv: DraftVersion | RouterVersion | ArtifactVersion, dest: Path) -> dict:
         """Download the version's draft (or router) into ``dest`` (a new directory) and verify
         every checksum against its manifest and the manifest against the version's tag. Returns
         the manifest; raises ArtifactIntegrityError and leaves nothing at ``dest`` on failure."""
@@ -644,7 +698,8 @@ class RegistryStore:
         try:
             with self._call(f"download {dv.name} version {dv.version}"):
                 got = Path(download_artifacts(artifact_uri=dv.source, dst_path=str(tmp), tracking_uri=self.cfg.uri))
-            fmt = artifacts.ROUTER_FORMAT if isinstance(dv, RouterVersion) else artifacts.FORMAT
+            found = kind_of(dv.name)
+            fmt = found[0].format if found else artifacts.FORMAT
             manifest = artifacts.verify_dir(got, dv.manifest_sha256, fmt)
             if dest.exists():
                 shutil.rmtree(dest)

@@ -1,6 +1,7 @@
 """Hot-swap: each cluster's draft slot follows the registry alias ``champion``.
 
-Read top to bottom, one check of a cluster (:meth:`DraftFollower._check`) is:
+:class:`DraftFollower` is the ``draft`` kind's :class:`~serving.fleet.follower.AliasFollower`
+(one worker thread, polling and events, backoff). One check of a cluster is:
 
 1. **resolve** ``draft-<cluster>@champion`` in the registry (on a timer every
    ``poll_s``, and at once when a ModelEvent for the model arrives);
@@ -28,7 +29,6 @@ numbers as the reason, and swaps to the restored version.
 from __future__ import annotations
 
 import logging
-import queue
 import shutil
 import threading
 import time
@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 
 from registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
 from serving.errors import ModelConfigError
+from serving.fleet.follower import AliasFollower, FollowConfig
 from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
 from serving.engine.types import RequestStats
 
@@ -137,31 +138,24 @@ class LiveStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-class DraftFollower:
+class DraftFollower(AliasFollower):
     """Keeps one :class:`DraftSlot` per cluster on the registry's champion."""
 
     def __init__(self, registry: RegistryStore | None, base_draft: PreTrainedModel, *, target_vocab: int,
                  target_tokenizer_sha256: str, cache_dir: Path, cfg: HotSwapConfig | None = None) -> None:  # fmt: skip
-        self.registry = registry
+        self.cfg = cfg or HotSwapConfig()
+        super().__init__(registry, "draft", FollowConfig(self.cfg.poll_s, self.cfg.backoff_initial_s,
+                                                         self.cfg.backoff_max_s))  # fmt: skip
         self.base_draft = base_draft
         self.target_vocab = target_vocab
         self.target_tokenizer_sha256 = target_tokenizer_sha256
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg = cfg or HotSwapConfig()
         self.slots: dict[str, DraftSlot] = {}
         self.live: dict[tuple[str, str], LiveStats] = {}
         self.swaps: list[dict] = []
         """Every swap: cluster, from, to, at (wall time), load_s; for tests and benchmarks."""
-        self._failures: dict[str, tuple[int, float]] = {}
-        """Per cluster: consecutive failures and when the next attempt may run."""
         self._judged: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._pending: set[str] = set()
-        self._stop = threading.Event()
-        self._worker = threading.Thread(target=self._work, name="draft-follower", daemon=True)
-        self._ticker = threading.Thread(target=self._tick, name="draft-follower-poll", daemon=True)
 
     # ------------------------------------------------------------ request path
     def slot(self, cluster: str) -> DraftSlot:
@@ -173,7 +167,7 @@ class DraftFollower:
                 if slot is None:
                     slot = self.slots[cluster] = DraftSlot(DraftHandle(cluster, BASE, self.base_draft))
                     SERVED_VERSION.labels(cluster, BASE).set(1)
-            self.request_check(cluster)
+            self.follow(cluster)
         return slot
 
     def record(self, handle: DraftHandle, stats: RequestStats) -> None:
@@ -189,104 +183,43 @@ class DraftFollower:
                      and key not in self._judged)  # fmt: skip
         LIVE_ACCEPTANCE.labels(*key).set(live.acceptance)
         if due or judge:
-            self._enqueue(f"live:{handle.cluster}:{handle.version}")
+            self.enqueue(f"live:{handle.cluster}:{handle.version}")
 
-    # ------------------------------------------------------------ lifecycle
-    def start(self) -> DraftFollower:
-        self._worker.start()
-        self._ticker.start()
-        return self
+    # ------------------------------------------------------------ the follower's steps
+    def handle(self, item: str) -> bool:
+        if not item.startswith("live:"):
+            return False
+        _, cluster, version = item.split(":", 2)
+        self._live(cluster, version)
+        return True
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        self._queue.put(None)
-        for t in (self._worker, self._ticker):
-            if t.is_alive():
-                t.join(timeout_s)
-
-    def request_check(self, cluster: str) -> None:
-        """Resolve the cluster's champion soon."""
-        self._enqueue(cluster)
-
-    def _enqueue(self, item: str) -> None:
-        """Queue work for the worker, at most once while it waits: a burst of events, or every
-        request finishing while the registry is down, costs one registry call, not one each."""
-        with self._lock:
-            if item in self._pending:
-                return
-            self._pending.add(item)
-        self._queue.put(item)
+    def serving_version(self, key: str) -> str | None:
+        slot = self.slots.get(key)
+        return slot.current().version if slot is not None else None
 
     def on_event(self, event) -> None:
-        """A ModelEvent from ``spec.events``: check that cluster now."""
-        if event.model_name.startswith("draft-"):
-            self.request_check(event.model_name[len("draft-"):])
+        """A ModelEvent: check that cluster now, if this replica serves it (others load on first use)."""
+        key = self.kind.key_of(getattr(event, "model_name", "") or "")
+        if key is not None and key in self.slots:
+            self.request_check(key)
 
-    def wait_idle(self, timeout_s: float = 60.0) -> bool:
-        """Block until no check is queued or running (tests and benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.02)
-        return False
+    def load(self, key: str, version) -> PreTrainedModel:
+        return self._load(version)
 
-    def _tick(self) -> None:
-        while not self._stop.wait(self.cfg.poll_s):
-            for cluster in list(self.slots):
-                self.request_check(cluster)
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                with self._lock:
-                    self._pending.discard(item)
-                if item.startswith("live:"):
-                    _, cluster, version = item.split(":", 2)
-                    self._live(cluster, version)
-                else:
-                    self._check(item)
-            except Exception:  # never let the worker die: serving goes on with what it has
-                log.exception("draft follower: %s failed", item)
-            finally:
-                self._queue.task_done()
-
-    # ------------------------------------------------------------ the check
-    def _check(self, cluster: str) -> None:
-        if self.registry is None:
-            return
-        failures, not_before = self._failures.get(cluster, (0, 0.0))
-        if time.monotonic() < not_before:
-            return  # backing off; the next poll or event retries
-        slot = self.slots[cluster]
-        try:
-            dv = self.registry.by_alias(cluster, CHAMPION)  # 1.
-            if dv is None or dv.version == slot.current().version:
-                self._failures.pop(cluster, None)
-                return
-            t0 = time.perf_counter()
-            model = self._load(dv)  # 2. + 3.
-        except (RegistryError, ModelConfigError, OSError) as exc:
-            reason = getattr(exc, "code", type(exc).__name__)
-            FAILURES.labels(cluster, reason).inc()
-            delay = min(self.cfg.backoff_max_s, self.cfg.backoff_initial_s * 2**failures)
-            self._failures[cluster] = (failures + 1, time.monotonic() + delay)
-            log.warning("cluster %s keeps draft version %s: %s (%s); retrying in %.1fs", cluster,
-                        slot.current().version, exc, reason, delay)  # fmt: skip
-            if failures == 0:
-                threading.Timer(delay, self.request_check, args=(cluster,)).start()
-            return
-        self._failures.pop(cluster, None)
-        handle = DraftHandle(cluster, dv.version, model, previous_champion=dv.tags.get("previous_champion", ""))
+    def install(self, key: str, version, obj, load_s: float) -> None:
+        slot = self.slots[key]
+        handle = DraftHandle(key, version.version, obj, previous_champion=version.tags.get("previous_champion", ""))
         old = slot.swap(handle)  # 4.
-        SWAPS.labels(cluster).inc()
-        load_s = time.perf_counter() - t0
-        self.swaps.append({"cluster": cluster, "from": old.version, "to": dv.version, "at": time.time(), "load_s": load_s})
-        log.info("cluster %s: swapped draft %s -> %s (fetched and validated in %.2fs)", cluster, old.version,
-                 dv.version, load_s)  # fmt: skip
+        SWAPS.labels(key).inc()
+        self.swaps.append({"cluster": key, "from": old.version, "to": version.version, "at": time.time(),
+                           "load_s": load_s})  # fmt: skip
+        log.info("cluster %s: swapped draft %s -> %s (fetched and validated in %.2fs)", key, old.version,
+                 version.version, load_s)  # fmt: skip
+
+    def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
+        FAILURES.labels(key, reason).inc()
+        log.warning("cluster %s keeps draft version %s: %s (%s); retrying in %.1fs", key,
+                    self.serving_version(key), exc, reason, retry_in or 0.0)  # fmt: skip
 
     def _load(self, dv: DraftVersion) -> PreTrainedModel:
         """Fetch, verify and validate one version; raises on anything wrong."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,8 +39,9 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from registry import CHAMPION, ROUTER, RegistryStore
+from registry import RegistryStore
 from serving.fleet.embed import Embedder, make_embedder
+from serving.fleet.follower import AliasFollower, FollowConfig
 from serving.errors import RouterError
 
 log = logging.getLogger(__name__)
@@ -202,8 +202,13 @@ class Router:
 
 
 # ---------------------------------------------------------------- hot-swap
-class RouterFollower:
-    """Keeps the serving router on the registry's ``router@champion``.
+KEY = ""
+"""The router kind is not keyed: one router for the deployment."""
+
+
+class RouterFollower(AliasFollower):
+    """Keeps the serving router on the registry's ``router@champion`` (the ``router`` kind's
+    :class:`~serving.fleet.follower.AliasFollower`, key ``""``).
 
     ``embedder_factory(kind)`` returns the embedder a router of that kind routes with
     (serving passes one that knows its target for ``target``); one per kind is kept.
@@ -214,7 +219,8 @@ class RouterFollower:
                  poll_s: float = 30.0) -> None:  # fmt: skip
         if poll_s <= 0:
             raise ValueError(f"poll_s must be > 0, got {poll_s}")
-        self.registry = registry
+        super().__init__(registry, "router", FollowConfig(poll_s=poll_s, backoff_initial_s=min(1.0, poll_s),
+                                                          backoff_max_s=poll_s))  # fmt: skip
         self.cache_dir = Path(cache_dir)
         self.embedder_factory = embedder_factory
         self.poll_s = poll_s
@@ -226,13 +232,7 @@ class RouterFollower:
         self.history: list[tuple[float, str]] = []
         """(wall time, version) of every swap, for tests and logs."""
         self._embedders: dict[str, Embedder] = {}
-        self._check_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._requested = False
-        self._busy = False
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-follower", daemon=True)
+        self.keys.add(KEY)
         if initial is not None:
             ROUTER_VERSION.set(_version_number(initial.version))
 
@@ -245,80 +245,36 @@ class RouterFollower:
         router = self._router
         return None if router is None else router.route(text)
 
-    # ------------------------------------------------------------ lifecycle
-    def start(self) -> RouterFollower:
-        self._thread.start()
-        self.request_check()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def request_check(self) -> None:
+    def request_check(self, key: str = KEY) -> None:
         """Resolve ``router@champion`` soon (on the follower's thread)."""
-        with self._cond:
-            self._requested = True
-            self._wake.set()
+        super().request_check(key)
 
-    def on_event(self, event) -> None:
-        """A ModelEvent from ``spec.events``: a change of ``router`` triggers a check; others are ignored."""
-        if getattr(event, "model_name", None) == ROUTER:
-            self.request_check()
+    def check(self, key: str = KEY) -> bool:
+        """One check now: resolve, fetch, verify, validate, swap. True when a new router was swapped in."""
+        return super().check(key)
 
-    def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        """Block until no check is requested or running (tests). False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._requested and not self._busy, timeout_s)
+    # ------------------------------------------------------------ the follower's steps
+    def serving_version(self, key: str) -> str | None:
+        return self._router.version if self._router is not None else None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.poll_s)
-            if self._stop.is_set():
-                break
-            with self._cond:
-                self._wake.clear()
-                self._requested, self._busy = False, True
-            try:
-                self.check()
-            except Exception:  # never let the thread die: serving keeps its router
-                log.exception("router follower: check failed")
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+    def load(self, key: str, version) -> Router:
+        return self._load(version)  # 2. fetch + 3. validate
 
-    # ------------------------------------------------------------ the check
-    def check(self) -> bool:
-        """One check: resolve, fetch, verify, validate, swap. True when a new router was swapped in."""
-        if self.registry is None:
-            return False
-        with self._check_lock:
-            current = self._router
-            try:
-                rv = self.registry.router_by_alias(CHAMPION)  # 1. resolve
-                if rv is None or (current is not None and current.version == rv.version):
-                    return False
-                t0 = time.perf_counter()
-                router = self._load(rv)  # 2. fetch + 3. validate
-            except Exception as exc:  # registry down, corrupt artifact, wrong embedder: keep what we have
-                reason = getattr(exc, "code", type(exc).__name__)
-                ROUTER_SWAP_FAILURES.labels(reason).inc()
-                self.failures += 1
-                log.warning("router: keeping version %s: %s (%s)", current.version if current else "none", exc, reason)
-                return False
-            self._router = router  # 4. swap: one reference assignment
-            self.swaps += 1
-            self.history.append((time.time(), router.version))
-            ROUTER_SWAPS.inc()
-            ROUTER_VERSION.set(_version_number(router.version))
-            log.info("router: swapped %s -> %s (clusters %s; fetched and validated in %.2fs)",
-                     current.version if current else "none", router.version, ",".join(router.clusters),
-                     time.perf_counter() - t0)  # fmt: skip
-            self._prune(keep=router.version)
-            return True
+    def install(self, key: str, version, obj: Router, load_s: float) -> None:
+        current, self._router = self._router, obj  # 4. swap: one reference assignment
+        self.swaps += 1
+        self.history.append((time.time(), obj.version))
+        ROUTER_SWAPS.inc()
+        ROUTER_VERSION.set(_version_number(obj.version))
+        log.info("router: swapped %s -> %s (clusters %s; fetched and validated in %.2fs)",
+                 current.version if current else "none", obj.version, ",".join(obj.clusters), load_s)  # fmt: skip
+        self._prune(keep=obj.version)
+
+    def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
+        ROUTER_SWAP_FAILURES.labels(reason).inc()
+        self.failures += 1
+        current = self._router
+        log.warning("router: keeping version %s: %s (%s)", current.version if current else "none", exc, reason)
 
     def _embedder(self, kind: str) -> Embedder:
         if kind not in self._embedders:

@@ -20,11 +20,17 @@ class Counting:
     def __init__(self, reg: RegistryStore) -> None:
         self.reg, self.lookups, self.down = reg, 0, False
 
-    def router_by_alias(self, alias: str = "champion"):
-        self.lookups += 1
-        if self.down:
-            raise RegistryUnavailableError("registry down (test)")
-        return self.reg.router_by_alias(alias)
+    def artifact(self, kind: str):
+        outer, view = self, self.reg.artifact(kind)
+
+        class Counted:
+            def by_alias(self, key: str = "", alias: str = "champion"):
+                outer.lookups += 1
+                if outer.down:
+                    raise RegistryUnavailableError("registry down (test)")
+                return view.by_alias(key, alias)
+
+        return Counted()
 
     def fetch(self, rv, dest):
         return self.reg.fetch(rv, dest)

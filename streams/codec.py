@@ -34,6 +34,7 @@ from streams.records import (
     MissRecord,
     ModelEvent,
     Record,
+    ContextSpan,
     SamplingInfo,
 )
 
@@ -54,10 +55,12 @@ _MISS_FIELDS = {
     "sp": "sampling", "tok": "token_ids", "np": "num_prompt_tokens", "V": "vocab_size",
     "pos": "positions", "dt": "drafted_tokens", "dk": "dist_kind", "lp": "logprobs",
     "ti": "topk_ids", "res": "residual", "nd": "num_drafted", "na": "num_accepted", "ts": "timestamp",
+    "av": "artifact_versions", "cs": "context_spans",
 }  # fmt: skip
 _GEN_FIELDS = {
     "rid": "request_id", "cl": "cluster", "m": "method", "dm": "draft_model", "dv": "draft_version",
     "p": "prompt_ids", "o": "output_ids", "V": "vocab_size", "fr": "finish_reason", "ts": "timestamp",
+    "av": "artifact_versions", "cs": "context_spans",
 }  # fmt: skip
 _EVENT_FIELDS = {
     "k": "kind", "n": "model_name", "v": "version", "pv": "previous_version", "a": "alias",
@@ -75,6 +78,7 @@ _TYPES: dict[int, tuple[type, dict[str, str]]] = {
 }
 _CODES = {cls: code for code, (cls, _) in _TYPES.items()}
 _OPTIONAL = {"ti", "res"}  # MissRecord fields that are None for full distributions
+_SINCE_V2 = {"av", "cs"}  # absent from schema 1 bodies: decoded as their defaults
 
 _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 
@@ -113,6 +117,8 @@ def _to_wire(value: Any) -> Any:
         return _pack_array(value)
     if isinstance(value, SamplingInfo):
         return [value.temperature, value.top_p, value.max_new_tokens, value.seed]
+    if isinstance(value, tuple) and all(isinstance(v, ContextSpan) for v in value):
+        return [[v.kind, v.start, v.end] for v in value]
     return value
 
 
@@ -179,12 +185,16 @@ def decode(data: bytes) -> Record:
             if wire in _OPTIONAL and cls is MissRecord:
                 kwargs[attr] = None
                 continue
+            if wire in _SINCE_V2 and schema < 2:
+                continue  # the dataclass default: no artifact versions, one prompt span
             raise RecordValidationError(name, attr, "missing")
         value = raw[wire]
         if isinstance(value, msgpack.ExtType):
             raise RecordValidationError(name, attr, f"unknown extension type {value.code}")
         if attr == "sampling":
             value = _sampling(name, value)
+        elif attr == "context_spans":
+            value = _context_spans(name, value)
         kwargs[attr] = value
     try:
         record = cls(**kwargs)
@@ -192,6 +202,12 @@ def decode(data: bytes) -> Record:
         raise RecordValidationError(name, "body", str(e)) from None
     record.validate()
     return record
+
+
+def _context_spans(name: str, value: Any) -> tuple[ContextSpan, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, list) and len(v) == 3 for v in value):
+        raise RecordValidationError(name, "context_spans", "expected a list of [kind, start, end]")
+    return tuple(ContextSpan(*v) for v in value)
 
 
 def _sampling(name: str, value: Any) -> SamplingInfo:

@@ -22,8 +22,19 @@ import numpy as np
 
 from streams.errors import RecordValidationError
 
-SCHEMA_VERSION = 1
-"""Written into every record. Decoders accept this version and older ones."""
+SCHEMA_VERSION = 2
+"""Written into every record. Decoders accept this version and older ones.
+
+- 1: the first wire format.
+- 2: ``MissRecord`` and ``GenerationRecord`` say what the target saw: ``artifact_versions``
+  (artifact kind -> version: the draft, a datastore, a knowledge base) and ``context_spans``
+  (which tokens of the context are the prompt, reference texts, retrieved passages). A v1
+  record decodes with no artifact versions beyond ``draft_version`` and one prompt span."""
+
+CONTEXT_KINDS = ("prompt", "reference", "retrieved")
+"""What a span of a request's context is (``serving.engine.types.CONTEXT_KINDS``)."""
+MAX_SPANS = 4096
+MAX_ARTIFACTS = 16
 
 DIST_TOPK = "topk"
 DIST_FULL = "full"
@@ -108,6 +119,46 @@ class SamplingInfo:
 
 
 @dataclass(frozen=True)
+class ContextSpan:
+    """Tokens ``start .. end-1`` of the context the target saw are of one ``kind``."""
+
+    kind: str
+    start: int
+    end: int
+
+
+def _check_context(record: str, rec: "MissRecord | GenerationRecord", num_context: int) -> None:
+    """``artifact_versions`` is a small str -> str map; ``context_spans`` are sorted,
+    non-overlapping spans of known kinds inside the context, one of them the prompt."""
+    av = rec.artifact_versions
+    if not isinstance(av, dict) or len(av) > MAX_ARTIFACTS:
+        _fail(record, "artifact_versions", f"expected a map of at most {MAX_ARTIFACTS} kinds to versions")
+    for k, v in av.items():
+        _check_str(record, "artifact_versions", k, max_len=32)
+        _check_str(record, "artifact_versions", v, empty_ok=True, max_len=64)
+    spans = rec.context_spans
+    if not isinstance(spans, tuple) or len(spans) > MAX_SPANS:
+        _fail(record, "context_spans", f"expected a tuple of at most {MAX_SPANS} spans")
+    if not spans:
+        return
+    end = 0
+    for i, span in enumerate(spans):
+        if not isinstance(span, ContextSpan) or span.kind not in CONTEXT_KINDS:
+            _fail(record, "context_spans", f"span {i} must be a ContextSpan of kind {', '.join(CONTEXT_KINDS)}")
+        if not (isinstance(span.start, int) and isinstance(span.end, int)) or not end <= span.start < span.end:
+            _fail(record, "context_spans", f"span {i} [{span.start}, {span.end}) overlaps or is out of order")
+        end = span.end
+    if end > num_context:
+        _fail(record, "context_spans", f"spans end at {end}, past the context's {num_context} tokens")
+    if not any(s.kind == "prompt" for s in spans):
+        _fail(record, "context_spans", "no span is the prompt")
+
+
+def _spans(rec: "MissRecord | GenerationRecord", num_context: int) -> tuple[ContextSpan, ...]:
+    return rec.context_spans or (ContextSpan("prompt", 0, num_context),)
+
+
+@dataclass(frozen=True)
 class MissRecord:
     """One finished request and the target's distribution at each rejected position.
 
@@ -156,7 +207,16 @@ class MissRecord:
     num_accepted: int
     timestamp: float = field(default_factory=time.time)
     """Seconds since the epoch when the request finished."""
+    artifact_versions: dict[str, str] = field(default_factory=dict)
+    """Artifact kind -> registry version the request used (``{"draft": "3", "datastore": "2"}``; v2)."""
+    context_spans: tuple[ContextSpan, ...] = ()
+    """The parts of the context ``token_ids[:num_prompt_tokens]`` (v2; empty: all prompt)."""
     schema: int = SCHEMA_VERSION
+
+    @property
+    def spans(self) -> tuple[ContextSpan, ...]:
+        """The context's spans (one prompt span when the record names none)."""
+        return _spans(self, self.num_prompt_tokens)
 
     @property
     def num_rejected(self) -> int:
@@ -178,6 +238,7 @@ class MissRecord:
             _fail(r, "token_ids", f"{n} tokens exceed the limit of {MAX_TOKENS}")
         _check_ids(r, "token_ids", ids, self.vocab_size)
         _check_int(r, "num_prompt_tokens", self.num_prompt_tokens, 1, n)
+        _check_context(r, self, self.num_prompt_tokens)
         pos = _check_array(r, "positions", self.positions, (np.dtype(np.int32),), 1)
         m = pos.shape[0]
         if m and (int(pos[0]) < self.num_prompt_tokens or int(pos[-1]) >= n):
@@ -263,7 +324,22 @@ class GenerationRecord:
     finish_reason: str
     """``eos``, ``length`` or ``context`` (as in the engine's stats)."""
     timestamp: float = field(default_factory=time.time)
+    artifact_versions: dict[str, str] = field(default_factory=dict)
+    """Artifact kind -> registry version the request used (v2)."""
+    context_spans: tuple[ContextSpan, ...] = ()
+    """The parts of ``prompt_ids`` (the whole context the target saw; v2; empty: all prompt)."""
     schema: int = SCHEMA_VERSION
+
+    @property
+    def spans(self) -> tuple[ContextSpan, ...]:
+        return _spans(self, int(self.prompt_ids.shape[0]))
+
+    @property
+    def request_prompt_ids(self) -> np.ndarray:
+        """The prompt's own tokens: ``prompt_ids`` without reference texts or retrieved passages
+        (what routing embeds; the whole context is what the target saw)."""
+        parts = [self.prompt_ids[s.start: s.end] for s in self.spans if s.kind == "prompt"]
+        return np.concatenate(parts) if parts else self.prompt_ids[:0]
 
     @property
     def key(self) -> bytes:
@@ -280,6 +356,7 @@ class GenerationRecord:
             _check_ids(r, name, a, self.vocab_size)
         if self.prompt_ids.shape[0] == 0:
             _fail(r, "prompt_ids", "must not be empty")
+        _check_context(r, self, int(self.prompt_ids.shape[0]))
         _check_time(r, self.timestamp)
 
 

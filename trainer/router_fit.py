@@ -331,7 +331,8 @@ class RouterRefitter:
                 n += 1
                 if source in self._in_buffer:  # redelivered after a rebalance: buffered once
                     continue
-                text = self.tokenizer.decode([int(t) for t in rec.prompt_ids], skip_special_tokens=True)
+                # the request's own prompt: references or retrieved passages in its context are not what it asked
+                text = self.tokenizer.decode([int(t) for t in rec.request_prompt_ids], skip_special_tokens=True)
                 if len(self.buffer) == self.buffer.maxlen:
                     self._in_buffer.discard(self.buffer[0][2])
                 self.buffer.append((text[: self.cfg.max_chars], rec.cluster, source))

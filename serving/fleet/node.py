@@ -72,7 +72,9 @@ class ServingNode:
         rid = request_id or uuid.uuid4().hex
         versions = {"draft": handle.version}
         resources = ProposerResources(pair=pair, cluster=cluster, versions=versions)
-        meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version)
+        meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version,
+                           artifact_versions={k: v for k, v in versions.items()
+                                              if k == method_spec(method).artifact})  # fmt: skip
         if self.batcher is not None:
             self.batcher.begin()
         try:

@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge
 from serving.engine.types import GenerationResult, SamplingParams
 from streams import OutMessage, Producer, Stream, StreamConfig, Topics, open_stream
 from streams import codec
-from streams.records import DIST_FULL, DIST_TOPK, GenerationRecord, MissRecord, SamplingInfo
+from streams.records import DIST_FULL, DIST_TOPK, ContextSpan, GenerationRecord, MissRecord, SamplingInfo
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ class RequestMeta:
     cluster: str = "default"
     draft_model: str = ""
     draft_version: str = ""
+    artifact_versions: dict[str, str] = field(default_factory=dict)
+    """Artifact kind -> version the request used (the draft, a datastore, a knowledge base)."""
 
 
 @dataclass
@@ -110,6 +112,14 @@ class LoggerStats:
     @property
     def num_dropped(self) -> int:
         return sum(self.dropped.values())
+
+
+def method_artifacts(method: str) -> tuple[str, ...]:
+    """The artifact kinds a method's requests use (the catalogue's, when it knows the method)."""
+    from serving.proposers.catalogue import CATALOGUE
+
+    spec = CATALOGUE.get(method)
+    return (spec.artifact,) if spec is not None and spec.artifact else ()
 
 
 def build_records(
@@ -149,18 +159,25 @@ def build_records(
     stats = result.stats
     sampling = SamplingInfo(params.temperature, params.top_p, params.max_new_tokens, params.seed)
     now = time.time()
+    versions = dict(meta.artifact_versions)
+    if meta.draft_version and "draft" in (method_artifacts(stats.method)):
+        versions.setdefault("draft", meta.draft_version)
+    spans = tuple(ContextSpan(s.kind, s.start, s.end) for s in result.context_spans)
+    if spans == (ContextSpan("prompt", 0, len(prompt_ids)),):
+        spans = ()  # the default: all prompt
+    context = {"artifact_versions": versions, "context_spans": spans}
     miss = MissRecord(
         request_id=meta.request_id, cluster=meta.cluster, method=stats.method, draft_model=meta.draft_model,
         draft_version=meta.draft_version, sampling=sampling, token_ids=tokens, num_prompt_tokens=len(prompt_ids),
         vocab_size=vocab_size, positions=positions, drafted_tokens=drafted, dist_kind=kind, logprobs=logprobs,
         topk_ids=topk_ids, residual=residual, num_drafted=stats.num_drafted, num_accepted=stats.num_accepted,
-        timestamp=now,
+        timestamp=now, **context,
     )  # fmt: skip
     gen = GenerationRecord(
         request_id=meta.request_id, cluster=meta.cluster, method=stats.method, draft_model=meta.draft_model,
         draft_version=meta.draft_version, prompt_ids=tokens[: len(prompt_ids)].copy(),
         output_ids=tokens[len(prompt_ids) :].copy(), vocab_size=vocab_size, finish_reason=stats.finish_reason,
-        timestamp=now,
+        timestamp=now, **context,
     )  # fmt: skip
     return miss, gen
 

@@ -131,3 +131,53 @@ def test_decompression_is_bounded(monkeypatch):
 def test_peek_type_names_the_record_or_says_unknown():
     assert codec.peek_type(codec.encode(model_event())) == "ModelEvent"
     assert codec.peek_type(b"nope") == "?"
+
+
+# ---------------------------------------------------------------- schema 2: what the target saw
+def test_v1_bytes_still_decode():
+    """Real schema-1 encodings (kept as fixtures) decode with v2's defaults."""
+    from pathlib import Path
+
+    from streams.records import ContextSpan
+
+    here = Path(__file__).parent / "fixtures"
+    miss = codec.decode((here / "miss_v1.bin").read_bytes())
+    gen = codec.decode((here / "generation_v1.bin").read_bytes())
+    assert miss.schema == 1 and gen.schema == 1
+    assert miss.artifact_versions == {} and miss.context_spans == ()
+    assert miss.spans == (ContextSpan("prompt", 0, miss.num_prompt_tokens),)
+    assert gen.spans == (ContextSpan("prompt", 0, len(gen.prompt_ids)),)
+    assert (gen.request_prompt_ids == gen.prompt_ids).all()
+    assert miss.draft_version == "3" and miss.method == "draft"
+
+
+def test_v2_round_trips_artifacts_and_spans():
+    import dataclasses
+
+    from streams.records import SCHEMA_VERSION, ContextSpan
+
+    spans = (ContextSpan("reference", 0, 8), ContextSpan("retrieved", 8, 14), ContextSpan("prompt", 14, 20))
+    rec = dataclasses.replace(miss_record(), artifact_versions={"draft": "3", "datastore": "2"}, context_spans=spans)
+    back = codec.decode(codec.encode(rec))
+    assert back.schema == SCHEMA_VERSION == 2
+    assert back.artifact_versions == {"draft": "3", "datastore": "2"} and back.context_spans == spans
+    gen = dataclasses.replace(generation_record(), context_spans=(ContextSpan("reference", 0, 5),
+                                                                  ContextSpan("prompt", 5, 12)))  # fmt: skip
+    assert (codec.decode(codec.encode(gen)).request_prompt_ids == gen.prompt_ids[5:12]).all()
+
+
+@pytest.mark.parametrize("spans, reason", [
+    ((("prompt", 0, 30),), "past the context"),
+    ((("reference", 0, 20),), "no span is the prompt"),
+    ((("prompt", 0, 10), ("reference", 5, 20)), "overlaps or is out of order"),
+    ((("rumour", 0, 20),), "must be a ContextSpan of kind"),
+])
+def test_bad_spans_are_refused_with_the_reason(spans, reason):
+    import dataclasses
+
+    from streams.errors import RecordValidationError
+    from streams.records import ContextSpan
+
+    rec = dataclasses.replace(miss_record(), context_spans=tuple(ContextSpan(*s) for s in spans))
+    with pytest.raises(RecordValidationError, match=reason):
+        codec.encode(rec)

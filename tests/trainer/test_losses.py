@@ -471,3 +471,22 @@ def test_a_restricted_target_trains_the_subset_logits():
     loss = distill_loss(logits, target, "fkl")
     loss.backward()
     assert logits.grad[0, 0] < 0 < logits.grad[0, 1]  # toward token 2, the target's favourite
+
+
+def test_a_record_with_a_reference_span_trains_on_the_whole_context():
+    """The draft sees what the target saw: reference texts placed in the context are part of
+    the prefix it learns to continue, and each example ends exactly at its miss position."""
+    import dataclasses
+
+    from streams.records import ContextSpan
+    from tests.streams.records_factory import miss_record
+    from trainer.data import teacher_example
+
+    rec = miss_record()
+    rec = dataclasses.replace(rec, context_spans=(ContextSpan("reference", 0, 12), ContextSpan("prompt", 12, 20)))
+    rec.validate()
+    ex = teacher_example(rec)
+    last = int(rec.positions.max())
+    assert ex.context.tolist() == rec.token_ids[:last].tolist()  # the reference tokens are in it
+    assert ex.context[:12].tolist() == rec.token_ids[:12].tolist()
+    assert ex.positions.tolist() == rec.positions.tolist()

@@ -16,7 +16,7 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
 
 **Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
 serving leaves idle. Serving writes its load to a small JSON file
-(``{"load": 0.42, "time": <epoch seconds>}``, see :func:`write_load_signal`); a tick is
+(``{"load": 0.42, "time": <epoch seconds>}``, see ``serving.load_signal``); a tick is
 skipped while that load is above ``load_threshold``, logged at INFO and counted in
 ``specops_trainer_ticks_total{outcome="skipped_load"}``. A missing, unreadable or stale
 signal (older than ``load_stale_s``) is *unknown* and never causes a skip: a crashed
@@ -51,14 +51,12 @@ tables (``jobstore_table``) or databases.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -71,6 +69,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter, Gauge
 
+from serving.load_signal import read_load_file, write_load_signal  # noqa: F401  (the format lives there)
 from serving.errors import SpecOpsError
 
 log = logging.getLogger(__name__)
@@ -199,33 +198,6 @@ def engine_url(url: str) -> str:
 def default_jobstore_url(out_dir: str | os.PathLike) -> str:
     """``sqlite:///<out_dir>/schedule.sqlite`` (absolute path)."""
     return f"sqlite:///{Path(out_dir).resolve() / 'schedule.sqlite'}"
-
-
-# ---------------------------------------------------------------- the load signal
-def write_load_signal(path: str | os.PathLike, load: float, now: float | None = None) -> None:
-    """Write ``{"load": load, "time": now}`` to ``path`` atomically (what serving publishes)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps({"load": float(load), "time": time.time() if now is None else float(now)}))
-    os.replace(tmp, path)
-
-
-def read_load_file(path: str | os.PathLike, stale_s: float, now: float | None = None) -> tuple[float | None, str]:
-    """The load in the signal file, or None when unknown, with the reason."""
-    now = time.time() if now is None else now
-    try:
-        data = json.loads(Path(path).read_text())
-        load, stamp = float(data["load"]), float(data["time"])
-    except FileNotFoundError:
-        return None, f"no load signal at {path}"
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        return None, f"unreadable load signal {path}: {type(exc).__name__}: {exc}"
-    if not (math.isfinite(load) and math.isfinite(stamp)):
-        return None, f"non-finite load signal in {path}"
-    age = now - stamp
-    if abs(age) > stale_s:
-        return None, f"stale load signal {path} ({age:.0f}s old, limit {stale_s:.0f}s)"
-    return load, "ok"
 
 
 # ---------------------------------------------------------------- the jobs (picklable references)

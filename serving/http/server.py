@@ -19,9 +19,7 @@ sequence, a client that went away, or the request deadline.
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -35,6 +33,7 @@ from prometheus_client import Counter, Gauge
 from serving.http.admission import Admission
 from serving.http.config import ServeConfig
 from serving.engine import limits
+from serving.load_signal import write_load_signal
 from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError
 from serving.proposers.catalogue import ProposerResources, check_resources, method_spec
 from serving.engine.types import SamplingParams
@@ -213,9 +212,7 @@ class ServingState:
         path = Path(self.cfg.load_signal)
         path.parent.mkdir(parents=True, exist_ok=True)
         while not self._stop.wait(1.0):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"load": self.admission.snapshot().load, "time": time.time()}))
-            os.replace(tmp, path)
+            write_load_signal(path, self.admission.snapshot().load)
 
     def _throughput(self, window_s: float = 10.0) -> None:
         while not self._stop.wait(1.0):

@@ -19,9 +19,10 @@ from tests.trainer.logged import log_requests
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance
 from trainer.online import OnlineConfig, OnlineTrainer
+from serving.load_signal import write_load_signal
 from trainer.schedule import (
     EVAL_FUNC, EVAL_JOB_ID, TICK_FUNC, TICK_JOB_ID, ScheduleConfig, ScheduleConfigError, ScheduleError,
-    TrainerScheduler, engine_url, read_load_file, write_load_signal,
+    TrainerScheduler, engine_url,
 )  # fmt: skip
 
 N_REQUESTS = 16
@@ -155,15 +156,7 @@ def test_ticks_are_skipped_while_serving_is_busy(logged, tmp_path, caplog):
     assert _ticks("ran") - ran0 == sched.ticks_run
 
 
-def test_load_signal_sources(tmp_path):
-    path = tmp_path / "load.json"
-    assert read_load_file(path, 30)[0] is None  # missing
-    path.write_text("{not json")
-    load, why = read_load_file(path, 30)
-    assert load is None and "unreadable" in why
-    write_load_signal(path, 0.5, now=1000.0)
-    assert read_load_file(path, 30, now=1020.0) == (0.5, "ok")
-    assert read_load_file(path, 30, now=1031.0)[0] is None
+def test_a_callable_load_signal(tmp_path):
     values = iter([0.9, None])
     sched = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(load_signal=lambda: next(values)))
     assert sched.tick() == "skipped_load" and sched.ticks_skipped == 1

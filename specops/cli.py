@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from serving.proposers.catalogue import METHODS, describe, method_spec
+from serving.engine.device import add_arguments as add_placement_arguments
 from specops.paths import data_dir, models_dir, streams_url
 
 log = logging.getLogger("specops")
@@ -51,7 +52,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     _threads(args.threads)
     kind = "tiny" if args.tiny else "toy" if args.toy else "smollm2"
-    manifest = run(Path(args.out), kind=kind, seed=args.seed, force=args.force)
+    manifest = run(Path(args.out), kind=kind, seed=args.seed, force=args.force, device=args.device, dtype=args.dtype)
     print(f"models ready in {args.out} ({_describe(manifest)})")
     if manifest.get("cost_ratio_c") is not None:
         print(f"cost ratio c (draft / target, cached 1-token forward): {manifest['cost_ratio_c']:.3f}")
@@ -137,7 +138,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
         holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
-        poll_records=args.poll_records, train_embeddings=args.train_embeddings,
+        poll_records=args.poll_records, train_embeddings=args.train_embeddings, device=args.device, dtype=args.dtype,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--tiny", action="store_true", help="random tiny models in seconds, for tests and quick checks")
     p.add_argument("--seed", type=int, default=0, help="seed for the split, the tokenizer and training")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete bootstrap exists")
+    add_placement_arguments(p, dtype_help="autocast precision of the default pair's draft distillation and "
+                            "evaluation on --device (bfloat16 on a CPU or GPU, float16 on a GPU); the saved weights are "
+                            "float32 either way, and --tiny / --toy build on the CPU")  # fmt: skip
     p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser(
@@ -311,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-records", type=int, default=256,
                    help="records consumed per pass; each pass ends by registering the newest checkpoints and "
                    "committing, so fewer means promotions reach serving sooner (default: %(default)s)")  # fmt: skip
+    add_placement_arguments(p, dtype_help="precision the drafts' weights train in (float32 is the safe default; "
+                            "bfloat16 halves memory on a GPU)")  # fmt: skip
     p.add_argument("--backend", choices=("torch", "deepspeed"), default="torch",
                    help="optimiser backend: plain PyTorch, or DeepSpeed ZeRO-2 (CPU: gloo, one process) (default: %(default)s)")  # fmt: skip
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")

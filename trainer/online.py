@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from serving.engine.device import Placement
 from serving.engine import draft_vocab
 from serving.engine.draft_vocab import DraftVocab
 from streams import CommitFailedError, StreamConfig, codec, open_stream
@@ -112,6 +113,10 @@ class OnlineConfig:
     (ZeRO, gloo, CPU, one process; see ``trainer.ds_backend``)."""
     deepspeed_zero_stage: int = 2
     """ZeRO stage (0, 1 or 2) when ``backend == "deepspeed"``."""
+    device: str = "cpu"
+    """Where drafts (and the target, for student / mixed sampling) train: cpu, cuda or cuda:N."""
+    dtype: str = "float32"
+    """Precision of the draft weights being trained (``serving.engine.device``)."""
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING:
@@ -175,6 +180,7 @@ class OnlineTrainer:
         """Per cluster: the checkpoint version still to register (step 5)."""
         self.gate_results: list = []
         """Every gate decision of this process, in order (GateResult)."""
+        self.placement = Placement(self.cfg.device, self.cfg.dtype)  # a missing GPU fails here, clearly
         self.target: torch.nn.Module | None = None
         if self.cfg.sampling != "teacher":
             if target is None:
@@ -182,7 +188,7 @@ class OnlineTrainer:
                                  "(specops train --target DIR)")  # fmt: skip
             self.target = target if isinstance(target, torch.nn.Module) else \
                 AutoModelForCausalLM.from_pretrained(target, use_safetensors=True)  # fmt: skip
-            self.target.eval().requires_grad_(False)
+            self.target.to(self.placement.torch_device).eval().requires_grad_(False)
             self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
         self.base_draft = Path(base_draft)
         self.vocab = load_draft_vocab(self.base_draft)
@@ -212,6 +218,7 @@ class OnlineTrainer:
     def _new_state(self, cluster: str) -> ClusterState:
         path = ckpt.latest_version(self.out, cluster)
         model = AutoModelForCausalLM.from_pretrained(path or self.base_draft, use_safetensors=True)
+        model.to(device=self.placement.torch_device, dtype=self.placement.torch_dtype)
         model.train()
         if not self.cfg.train_embeddings:
             model.get_input_embeddings().weight.requires_grad_(False)  # a tied head stays with them
@@ -431,7 +438,8 @@ class OnlineTrainer:
         total, positions, skipped = None, 0, 0
         for ex in examples:
             logits = draft_logits(net, ex, self._train_vocab(st))  # [m, V], or [m, S] with a draft vocabulary
-            loss, reason = checked_loss(logits, ex.target, self.cfg.loss, beta=self.cfg.beta, tau=self.cfg.tau)
+            loss, reason = checked_loss(logits, ex.target.to(logits.device), self.cfg.loss, beta=self.cfg.beta,
+                                        tau=self.cfg.tau)  # fmt: skip
             if loss is None:
                 skipped += 1
                 log.warning("skipped request %s in the update: %s", ex.request_id, reason)

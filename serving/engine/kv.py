@@ -52,8 +52,9 @@ class CachedLM:
         n = len(input_ids)
         assert n > 0, "forward needs at least one token"
         assert self.num_cached + n <= self.context_size, (self.num_cached, n, self.context_size)
-        ids = torch.tensor([input_ids], dtype=torch.long)  # [1, n]
-        pos = torch.arange(self.num_cached, self.num_cached + n, dtype=torch.long)[None]  # [1, n]
+        device = self.model.device
+        ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, n]
+        pos = torch.arange(self.num_cached, self.num_cached + n, dtype=torch.long, device=device)[None]  # [1, n]
         if self.vocab is not None:
             return self._forward_subset(ids, pos, logits_to_keep or n, want_hidden)
         out = self.model(
@@ -66,11 +67,11 @@ class CachedLM:
         )
         self.num_cached += n
         self.num_forwards += 1
-        logits = out.logits[0].float()  # [n_keep, vocab]
+        logits = out.logits[0].float().cpu()  # [n_keep, vocab]: the acceptance rules run on the CPU
         hidden = None
         if want_hidden:
             keep = logits.shape[0]
-            hidden = out.hidden_states[-1][0, -keep:].float()  # [n_keep, hidden]
+            hidden = out.hidden_states[-1][0, -keep:].float().cpu()  # [n_keep, hidden]
         return logits, hidden
 
     def _forward_subset(self, ids: torch.Tensor, pos: torch.Tensor, keep: int,
@@ -80,8 +81,8 @@ class CachedLM:
         self.num_cached += ids.shape[1]
         self.num_forwards += 1
         hidden = out.last_hidden_state[0, -keep:]  # [n_keep, hidden]
-        logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float()  # [n_keep, vocab]
-        return logits, hidden.float() if want_hidden else None
+        logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float().cpu()  # [n_keep, vocab]
+        return logits, hidden.float().cpu() if want_hidden else None
 
     @torch.inference_mode()
     def forward_tree(self, committed: list[int], tree: TokenTree, *,
@@ -107,15 +108,15 @@ class CachedLM:
             out = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                         past_key_values=self.cache, use_cache=True)  # fmt: skip
             hidden = out.last_hidden_state[0, -keep:]  # [1 + n, hidden]
-            logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float()
+            logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float().cpu()
         else:
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
                              use_cache=True, logits_to_keep=keep, output_hidden_states=want_hidden)  # fmt: skip
-            logits = out.logits[0].float()  # [1 + n, vocab]
+            logits = out.logits[0].float().cpu()  # [1 + n, vocab]
             hidden = out.hidden_states[-1][0, -keep:] if want_hidden else None
         self.num_cached += c + n
         self.num_forwards += 1
-        return logits, hidden.float() if want_hidden and hidden is not None else None
+        return logits, hidden.float().cpu() if want_hidden and hidden is not None else None
 
     @torch.inference_mode()
     def keep_path(self, base: int, path: list[int]) -> None:

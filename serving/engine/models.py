@@ -99,8 +99,9 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
-DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-"""Precisions a draft can be served in, by name."""
+DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32,
+                                        "float16": torch.float16}
+"""Precisions a model can be served in, by name (float16: GPU only, ``serving.engine.device``)."""
 DEFAULT_DRAFT_DTYPE = "bfloat16"
 
 
@@ -116,9 +117,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ModelConfigError(f"unknown draft dtype {name!r}; choose one of {', '.join(DRAFT_DTYPES)}") from None
 
 
-def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, loading_info: bool = False):
-    """A model from a local directory (safetensors only), in ``dtype``, in eval mode, prepared
-    for decoding. With ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
+def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               loading_info: bool = False):  # fmt: skip
+    """A model from a local directory (safetensors only), in ``dtype`` on ``device``, in eval
+    mode, prepared for decoding. With ``loading_info``, also the dict of
+    missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
     # Loaded in float32, then the weights cast: from_pretrained(dtype=bfloat16) switches torch's
     # process-wide default dtype while it loads, so a request finishing on another thread
@@ -131,6 +134,8 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, loading_
         with torch.no_grad():
             for param in model.parameters():
                 param.data = param.data.to(resolve_dtype(dtype))
+    if torch.device(device).type != "cpu":
+        model.to(device)
     model.eval()
     prepare_for_decoding(model)
     try:
@@ -152,9 +157,10 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def load_pair(target_dir: Path, draft_dir: Path | None = None, *,
-              draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE) -> ModelPair:  # fmt: skip
-    """Load a target (float32) and optionally a draft (in ``draft_dtype``); fail clearly if
-    their tokenizers differ."""
+              draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE, target_dtype: str | torch.dtype = torch.float32,
+              device: str = "cpu") -> ModelPair:  # fmt: skip
+    """Load a target (``target_dtype``, float32 by default) and optionally a draft (in
+    ``draft_dtype``), both on ``device``; fail clearly if their tokenizers differ."""
     check_model_dir(target_dir)
     if draft_dir is not None:
         check_model_dir(draft_dir)
@@ -168,21 +174,25 @@ def load_pair(target_dir: Path, draft_dir: Path | None = None, *,
                 f"draft tokenizer at {draft_dir} (sha256 {draft_hash[:12]}) differs from the target's at "
                 f"{target_dir} (sha256 {target_hash[:12]}); speculative decoding needs one shared tokenizer"
             )
-        draft = load_model(draft_dir, dtype=draft_dtype)
-    target = load_model(target_dir)
+        draft = load_model(draft_dir, dtype=draft_dtype, device=device)
+    target = load_model(target_dir, dtype=target_dtype, device=device)
     pair = ModelPair(target=target, draft=draft, tokenizer=target_tok, tokenizer_sha256=target_hash)
     log.info(
-        "loaded target %s (%.1fM params)%s",
+        "loaded target %s (%.1fM params, %s on %s)%s",
         target_dir,
         sum(p.numel() for p in target.parameters()) / 1e6,
+        target.dtype,
+        device,
         f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {draft.dtype})"
         if draft else "",
     )
     return pair
 
 
-def load_model_dir(model_dir: Path, *, draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE) -> ModelPair:
+def load_model_dir(model_dir: Path, *, draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE,
+                   target_dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> ModelPair:  # fmt: skip
     """Load the pair under a bootstrap-style directory: ``model_dir/target`` and ``model_dir/draft``."""
     model_dir = Path(model_dir)
     draft_dir = model_dir / "draft"
-    return load_pair(model_dir / "target", draft_dir if draft_dir.is_dir() else None, draft_dtype=draft_dtype)
+    return load_pair(model_dir / "target", draft_dir if draft_dir.is_dir() else None, draft_dtype=draft_dtype,
+                     target_dtype=target_dtype, device=device)  # fmt: skip

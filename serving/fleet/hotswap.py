@@ -240,7 +240,8 @@ class DraftFollower(AliasFollower):
         if got != self.target_tokenizer_sha256:
             raise ModelConfigError(f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
                                    f"target's ({self.target_tokenizer_sha256[:12]})")  # fmt: skip
-        model, info = load_model(path, dtype=self.base_draft.dtype, loading_info=True)  # served as the base draft is
+        model, info = load_model(path, dtype=self.base_draft.dtype, device=self.base_draft.device,
+                                 loading_info=True)  # served as the base draft is  # fmt: skip
         bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if bad:
             raise ModelConfigError(f"{dv.name} version {dv.version}: weights do not fit its config: {bad}")
@@ -249,7 +250,8 @@ class DraftFollower(AliasFollower):
                                    f"the target {self.target_vocab}")  # fmt: skip
         n = self.cfg.validate_tokens
         with torch.no_grad():
-            logits = model(input_ids=torch.arange(n).remainder(self.target_vocab)[None]).logits  # [1, n, vocab]
+            ids = torch.arange(n, device=model.device).remainder(self.target_vocab)[None]  # [1, n]
+            logits = model(input_ids=ids).logits  # [1, n, vocab]
         if tuple(logits.shape) != (1, n, self.target_vocab) or not torch.isfinite(logits).all():
             raise ModelConfigError(f"{dv.name} version {dv.version}: smoke forward gave {tuple(logits.shape)} "
                                    "logits or non-finite values")  # fmt: skip

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.proposers.catalogue import METHODS, describe
+from serving.engine.device import DEVICE_PATTERN
 from serving.errors import ModelConfigError
 
 ENV_PREFIX = "SPECOPS_SERVE_"
@@ -36,9 +37,13 @@ class ServeConfig(BaseModel):
                            "(default: the data directory's models/)")  # fmt: skip
     target: str = Field("", description="target model directory (overrides <model_dir>/target)")
     draft: str = Field("", description="base draft directory every new cluster starts from (overrides <model_dir>/draft)")
-    draft_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="precision the drafts run in (the target always runs in float32, so outputs do not "
-        "change): bfloat16 halves a draft token's weight reads")  # fmt: skip
+    draft_dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        "bfloat16", description="precision the drafts run in (the target's --dtype decides the outputs, not this): "
+        "bfloat16 halves a draft token's weight reads; float16 needs a GPU")  # fmt: skip
+    device: str = Field("cpu", description="where the target and drafts run: cpu, cuda (the current GPU) or cuda:N")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="precision the target runs in; outputs are the target's in this precision "
+        "(float32 on a CPU; bfloat16 or float16 on a GPU)")  # fmt: skip
     served_model_name: str = Field("specops", description="model id clients send as `model` and /v1/models lists")
     stream: str = Field("default", description="stream the requests are logged to: local://DIR, kafka://HOST:PORT, "
                         "'default' ($SPECOPS_STREAM_URL, else the local log under the data directory) or 'none'")  # fmt: skip
@@ -115,6 +120,10 @@ class ServeConfig(BaseModel):
                              f"({self.max_tokens_limit})")  # fmt: skip
         if any(len(k) < 8 for k in self.api_keys):
             raise ValueError("api_keys must be at least 8 characters each")
+        if not DEVICE_PATTERN.match(self.device):
+            raise ValueError(f"device {self.device!r} is not a device: say cpu, cuda or cuda:N")
+        if self.device == "cpu" and "float16" in (self.dtype, self.draft_dtype):
+            raise ValueError("float16 needs a GPU: on a CPU use bfloat16 (or float32)")
         return self
 
     # ------------------------------------------------------------ derived

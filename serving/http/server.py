@@ -116,12 +116,15 @@ class ServingState:
 
     def _load_steps(self) -> None:
         from serving.fleet.hotswap import DraftFollower, HotSwapConfig
+        from serving.engine.device import Placement
         from serving.engine.models import load_pair
         from serving.fleet.node import ServingNode
 
         cfg = self.cfg
         self.loading_step = "models"  # 1.
-        self.pair = load_pair(self.target_dir, self.draft_dir, draft_dtype=cfg.draft_dtype)
+        placement = Placement(cfg.device, cfg.dtype)  # a missing GPU fails here, saying which flag to change
+        self.pair = load_pair(self.target_dir, self.draft_dir, draft_dtype=cfg.draft_dtype, target_dtype=cfg.dtype,
+                              device=placement.device)  # fmt: skip
         if self.stream_cfg is not None:  # 2.
             from serving.fleet.stream_logger import LoggerConfig, StreamLogger
 

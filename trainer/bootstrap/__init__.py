@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from serving.engine.device import Placement
 from serving.engine import draft_vocab
 from serving.engine.cost import step_ms
 from serving.engine.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
@@ -105,19 +106,24 @@ def heldout_texts(manifest: dict, domain: str) -> list[str]:
 
 
 def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int = 0, force: bool = False,
-        recipe: DraftRecipe | None = None, max_files_per_domain: int | None = None, cost_reps: int = 50) -> dict:  # fmt: skip
+        recipe: DraftRecipe | None = None, max_files_per_domain: int | None = None, cost_reps: int = 50,
+        device: str = "cpu", dtype: str = "float32") -> dict:  # fmt: skip
     """Build the bootstrap of ``kind`` (default ``smollm2``; ``tiny=True`` means ``tiny``)
     at ``out_dir`` and return its manifest.
 
     ``recipe`` (the draft's distillation), ``max_files_per_domain`` (a seeded subsample of
     the corpus files) and ``cost_reps`` (timed forwards per cost measurement) apply to the
     ``smollm2`` build; smaller values make a quick smoke build (the tests use one).
+    ``device`` and ``dtype`` (``serving.engine.device.Placement``) are where the ``smollm2``
+    draft's distillation and evaluation run, under autocast to ``dtype``; the saved weights
+    are float32 whatever they are, and the cost ratio c is measured on the CPU as CI serves.
 
     An existing complete bootstrap of the same kind is kept (and its manifest returned)
     unless ``force``; a ``tiny`` run also keeps any existing non-tiny pair. Output is written to a sibling temp dir and renamed into
     place, so an interrupted run never leaves a half-written ``out_dir``.
     """
     kind = "tiny" if tiny else (kind or DEFAULT_KIND)
+    placement = Placement(device, dtype)
     if kind not in KINDS:
         raise ValueError(f"unknown bootstrap kind {kind!r}; choose one of {', '.join(KINDS)}")
     out_dir = Path(out_dir).absolute()
@@ -130,10 +136,20 @@ def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int
     try:
         if kind == "smollm2":
             return _build_pretrained(out_dir, seed=seed, recipe=recipe or DraftRecipe(),
-                                     max_files_per_domain=max_files_per_domain, cost_reps=cost_reps)  # fmt: skip
+                                     max_files_per_domain=max_files_per_domain, cost_reps=cost_reps,
+                                     placement=placement)  # fmt: skip
         return _build(out_dir, tiny=kind == "tiny", seed=seed)
     finally:
         torch.set_num_threads(prev_threads)
+
+
+def _autocast(placement: Placement):
+    """Autocast to the placement's dtype when it is not float32; nothing otherwise."""
+    import contextlib
+
+    if placement.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=placement.torch_device.type, dtype=placement.torch_dtype)
 
 
 def _take(paths: list[str], texts: dict[str, str], max_chars: int, seed: int, tag: str) -> list[str]:
@@ -238,7 +254,7 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
 
 
 def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_files_per_domain: int | None = None,
-                      cost_reps: int = 50) -> dict:  # fmt: skip
+                      cost_reps: int = 50, placement: Placement | None = None) -> dict:  # fmt: skip
     """The default pair: SmolLM2-135M-Instruct from its wheel, and a draft distilled from it."""
     timing, lap = _stopwatch()
     t0 = time.perf_counter()
@@ -272,12 +288,19 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_file
                                always=sorted({*pair_eos(target), eot_id}))  # fmt: skip
         torch.manual_seed(seed)
         draft = init_draft(target, recipe.layers)
-        losses = distill(draft, target, vocab, train_streams, recipe, seed)
+        placement = placement or Placement()
+        target.to(placement.torch_device)
+        draft.to(placement.torch_device)
+        with _autocast(placement):
+            losses = distill(draft, target, vocab, train_streams, recipe, seed)
         lap("draft")
 
         # 4. held-out metrics as serving runs the pair, and the measured cost ratio c
-        metrics = evaluate_pair(target, draft, vocab, heldout_streams, num_windows=recipe.eval_windows,
-                                seq_len=recipe.eval_seq_len)  # fmt: skip
+        with _autocast(placement):
+            metrics = evaluate_pair(target, draft, vocab, heldout_streams, num_windows=recipe.eval_windows,
+                                    seq_len=recipe.eval_seq_len)  # fmt: skip
+        target.to("cpu")
+        draft.to("cpu")
         log.info("metrics: %s", json.dumps(metrics))
         draft.save_pretrained(tmp / "draft", safe_serialization=True)
         tok.save_pretrained(tmp / "draft")

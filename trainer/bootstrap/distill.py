@@ -140,7 +140,7 @@ def distill(draft: PreTrainedModel, target: PreTrainedModel, vocab: DraftVocab, 
     for step in bar:
         epoch, i = divmod(step, recipe.teacher_batches)
         if epoch == 0:  # 1. a new batch: the target runs once on it
-            ids = _windows(streams, recipe.batch_size // 2, recipe.seq_len, gen)  # [b, t]
+            ids = _windows(streams, recipe.batch_size // 2, recipe.seq_len, gen).to(target.device)  # [b, t]
             with torch.no_grad():
                 hidden_t = target.base_model(input_ids=ids).last_hidden_state  # [b, t, h]
             cache.append((ids, hidden_t.half()))
@@ -192,7 +192,7 @@ def evaluate_pair(target: PreTrainedModel, draft: PreTrainedModel, vocab: DraftV
         sums = {"loss": 0.0, "greedy": 0.0, "accept": 0.0, "cover": 0.0}
         n = 0
         for i in range(0, windows.shape[0], chunk):
-            ids = windows[i:i + chunk]
+            ids = windows[i:i + chunk].to(target.device)
             t_logits = target(input_ids=ids[:, :-1]).logits.float()  # [c, t, V]
             hidden = draft.base_model(input_ids=ids[:, :-1]).last_hidden_state  # [c, t, h]
             if vocab is not None:
@@ -205,7 +205,8 @@ def evaluate_pair(target: PreTrainedModel, draft: PreTrainedModel, vocab: DraftV
             sums["loss"] += F.cross_entropy(t_logits.flatten(0, 1), ids[:, 1:].flatten()).item() * w
             sums["greedy"] += (d_logits.argmax(-1) == top).float().mean().item() * w
             sums["accept"] += torch.minimum(p, q).sum(-1).mean().item() * w
-            covered = torch.isin(top, vocab.token_ids) if vocab is not None else torch.ones_like(top, dtype=torch.bool)
+            covered = torch.isin(top, vocab.token_ids.to(top.device)) if vocab is not None else \
+                torch.ones_like(top, dtype=torch.bool)  # fmt: skip
             sums["cover"] += covered.float().mean().item() * w
             n += w
         out["target"]["heldout_loss"][domain] = round(sums["loss"] / n, 4)

@@ -1,0 +1,91 @@
+"""Devices and precisions: flags validated with a clear error, the CPU default unchanged,
+speculative decoding lossless in bfloat16, and the CUDA path (run where a GPU is)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from serving.engine.device import Placement
+from serving.engine.models import ModelPair, load_model
+from serving.engine.spec import SpecEngine
+from serving.engine.types import SamplingParams
+from serving.errors import ModelConfigError
+from serving.http.config import ServeConfig
+from tests.conftest import random_prompts
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
+
+
+def test_placements_are_validated_with_the_flag_to_change():
+    assert Placement().torch_device == torch.device("cpu") and Placement().torch_dtype == torch.float32
+    assert Placement("cpu", "bfloat16").torch_dtype == torch.bfloat16
+    for device in ("gpu", "cuda:x", "CUDA", ""):
+        with pytest.raises(ModelConfigError, match="--device .* is not a device"):
+            Placement(device)
+    with pytest.raises(ModelConfigError, match="--dtype 'fp8'"):
+        Placement("cpu", "fp8")
+    with pytest.raises(ModelConfigError, match="float16 needs a GPU"):
+        Placement("cpu", "float16")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelConfigError, match="no CUDA GPU is visible"):
+            Placement("cuda:0")
+
+
+def test_serve_config_refuses_float16_on_a_cpu():
+    assert ServeConfig().device == "cpu" and ServeConfig().dtype == "float32"
+    with pytest.raises(ValueError, match="float16 needs a GPU"):
+        ServeConfig(dtype="float16")
+    with pytest.raises(ValueError, match="not a device"):
+        ServeConfig(device="tpu")
+
+
+def test_every_command_shows_device_and_dtype():
+    for cmd in ("serve", "train", "bootstrap"):
+        out = subprocess.run([sys.executable, "-m", "specops.cli", cmd, "--help"], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+        assert "--device" in out and "--dtype" in out, cmd
+
+
+def _cast(model, dtype):
+    out = type(model)(model.config).eval()
+    out.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in out.parameters():
+            p.data = p.data.to(dtype)
+    return out
+
+
+def test_speculation_is_lossless_in_bfloat16_on_a_cpu(close_pair):
+    """Target and draft in bfloat16: every method still equals target-only greedy at that precision."""
+    pair = ModelPair(target=_cast(close_pair.target, torch.bfloat16), draft=_cast(close_pair.draft, torch.bfloat16),
+                     tokenizer=None)  # fmt: skip
+    engine = SpecEngine(pair)
+    for prompt in random_prompts(4, seed=41):
+        ref = engine.generate(prompt, SamplingParams(max_new_tokens=20), method="target").token_ids
+        for method in ("draft", "pld"):
+            assert engine.generate(prompt, SamplingParams(max_new_tokens=20), method=method, k=3).token_ids == ref
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculation_is_lossless_on_a_gpu(close_pair, dtype):
+    pair = ModelPair(target=_cast(close_pair.target, dtype).to("cuda"), draft=_cast(close_pair.draft, dtype).to("cuda"),
+                     tokenizer=None)  # fmt: skip
+    engine = SpecEngine(pair)
+    for prompt in random_prompts(6, seed=42):
+        ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+        for method in ("draft", "pld"):
+            assert engine.generate(prompt, SamplingParams(max_new_tokens=24), method=method, k=3).token_ids == ref
+        seeded = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7)
+        a = engine.generate(prompt, seeded, method="draft").token_ids
+        assert a == engine.generate(prompt, seeded, method="draft").token_ids  # seeded sampling reproduces
+
+
+@GPU
+def test_load_model_places_weights_on_the_gpu(tiny_models):
+    model = load_model(tiny_models / "draft", dtype="bfloat16", device="cuda")
+    assert model.device.type == "cuda" and model.dtype == torch.bfloat16

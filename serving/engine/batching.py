@@ -1,26 +1,40 @@
 """Cross-request batching of target forwards: concurrent requests share one target pass.
 
-Every request decodes on its own worker thread with its own KV cache. With batching on,
-its target model is a :class:`BatchedCachedLM`: ``forward`` hands the step to the
-replica's :class:`TargetBatcher` and waits. The batcher's thread takes the first waiting
-step, gathers the others that arrive within ``window_s`` (up to ``max_batch``), and runs
-them as one forward pass:
+Every request decodes on its own worker thread. With batching on, its target model is a
+:class:`BatchedCachedLM`: ``forward`` hands the step to the replica's
+:class:`TargetBatcher` and waits. The batcher's thread takes the first waiting step,
+gathers the others that arrive within ``window_s`` (up to ``max_batch``), and runs them as
+one forward pass.
 
-1. **pad**: each request's cached keys/values are copied, left-aligned, into one
-   ``[batch, heads, P, dim]`` cache (``P`` = the longest), and its new tokens into one
-   ``[batch, N]`` input, right-padded; ``position_ids`` continue each request's own
-   positions and the attention mask hides the padding, both in the cache and in the input;
-2. **forward** the target once;
-3. **split**: each request gets the logits of its own tokens, and its own cache is
-   extended with the keys/values of its own new tokens only.
+**Where the KV cache lives: a slot pool.** The batcher owns, per layer, one preallocated
+key and one value buffer ``[slots, kv_heads, capacity, head_dim]`` (:class:`SlotPool`).
+Each request holds a *slot*, one row, from its first forward until it closes; its cache is
+that row's first ``num_cached`` positions. A step
 
-A step alone in its window runs exactly as :class:`~serving.engine.kv.CachedLM` would, so a
-replica under light load computes what an unbatched one does. In a batch the logits of
-a request can differ from its unbatched ones in the last float bits (different matrix
+1. writes its new keys/values **in place** at its own row and offset (nothing is appended
+   by concatenation, so nothing is reallocated per step);
+2. attends over the rows of the step's requests: when their slots are consecutive, as
+   they are when the same requests keep stepping together, a *view* of the pool (no copy
+   at all); otherwise one gather of those rows;
+3. masks each row to its own length (a 4D boolean mask: a request's new tokens see its own
+   cache and, causally, each other).
+
+Rolling a request back lowers its length; a closed request's slot is reused. The pool
+grows (doubling) in rows when more requests hold slots than it has, and in capacity when a
+request's context outgrows it; growth copies the pool once, and is logged.
+
+Before, every batched step copied each request's whole cache into a freshly allocated
+padded one and appended the new keys back by concatenation: work that grew with context
+length on every step (``benchmarks/batching.py`` measures both).
+
+A step alone in its window attends over its own row with the same boolean mask the
+unbatched model builds, so a replica under light load computes what an unbatched one does.
+In a batch the logits of a request can differ in the last float bits (different matrix
 shapes round differently), which can flip an exact tie in argmax: outputs are the
-target's, computed in a batch, as in any batching server. Measured on this CPU, a
-5-token verify pass over a 100-token context costs 1.12x for 2 requests and 1.39x for 4
-compared to one request, so a batch of two nearly halves the target's cost per request.
+target's, computed in a batch, as in any batching server.
+
+A token tree (``CachedLM.forward_tree``) runs alone on the batcher thread over its slot,
+with the tree's mask.
 """
 
 from __future__ import annotations
@@ -33,14 +47,114 @@ from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import Histogram
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from serving.engine import tree as tree_mod
 from serving.engine.kv import CachedLM
+from serving.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = Histogram("specops_target_batch_size", "Requests per target forward pass",
                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))  # fmt: skip
+
+
+class SlotPool:
+    """Preallocated per-layer key/value buffers, one row (slot) per request."""
+
+    def __init__(self, model: PreTrainedModel, *, slots: int, capacity: int = 256) -> None:
+        cfg = model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.max_capacity = int(getattr(cfg, "max_position_embeddings", 1 << 20))
+        self.dtype, self.device = model.dtype, model.device
+        self.capacity = min(capacity, self.max_capacity)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._alloc(slots, self.capacity)
+        self.free = list(range(slots))
+        self.lock = threading.RLock()
+        """Held by a forward pass for its whole duration and by every reallocation, so the
+        buffers never move under a pass or under a request copying within its own row."""
+        self.num_grows = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    def _alloc(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.heads, capacity, self.head_dim)
+        old_k, old_v = self.keys, self.values
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for layer in range(len(old_k)):
+            s, c = old_k[layer].shape[0], old_k[layer].shape[2]
+            self.keys[layer][:s, :, :c] = old_k[layer]
+            self.values[layer][:s, :, :c] = old_v[layer]
+        self.capacity = capacity
+
+    def acquire(self) -> int:
+        """A free slot, the lowest first (so requests stepping together sit in consecutive rows)."""
+        with self.lock:
+            if not self.free:
+                n = self.num_slots
+                self._alloc(2 * n, self.capacity)
+                self.free = list(range(n, 2 * n))
+                self.num_grows += 1
+                log.info("target KV pool grown to %d slots x %d positions", 2 * n, self.capacity)
+            self.free.sort()
+            return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        with self.lock:
+            self.free.append(slot)
+
+    def ensure(self, length: int) -> None:
+        """Room for ``length`` positions in every row (called on the batcher thread only)."""
+        if length <= self.capacity:
+            return
+        assert length <= self.max_capacity, (length, self.max_capacity)
+        cap = self.capacity
+        while cap < length:
+            cap *= 2
+        with self.lock:
+            self._alloc(self.num_slots, min(cap, self.max_capacity))
+            self.num_grows += 1
+        log.info("target KV pool grown to %d positions per slot", self.capacity)
+
+
+class _SlotCache:
+    """A ``transformers`` cache over some rows of a :class:`SlotPool` for one forward pass.
+
+    ``update`` writes the new keys/values of row ``i`` at positions ``lengths[i] ..`` of its
+    slot and returns the ``[rows, heads, span, head_dim]`` keys/values to attend over."""
+
+    is_compileable = False
+
+    def __init__(self, pool: SlotPool, slots: list[int], lengths: list[int], span: int) -> None:
+        self.pool, self.slots, self.lengths, self.span = pool, slots, lengths, span
+        first = slots[0]
+        self.view = slots == list(range(first, first + len(slots)))  # consecutive rows: a view, no copy
+        self.index = None if self.view else torch.tensor(slots, device=pool.device)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        k_buf, v_buf = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        n = key_states.shape[2]
+        for i, (slot, start) in enumerate(zip(self.slots, self.lengths)):
+            k_buf[slot, :, start:start + n] = key_states[i]
+            v_buf[slot, :, start:start + n] = value_states[i]
+        if self.view:
+            first = self.slots[0]
+            rows = slice(first, first + len(self.slots))
+            return k_buf[rows, :, : self.span], v_buf[rows, :, : self.span]
+        return k_buf.index_select(0, self.index)[:, :, : self.span], v_buf.index_select(0, self.index)[:, :, : self.span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.span, 0
 
 
 @dataclass
@@ -49,6 +163,8 @@ class _Step:
     input_ids: list[int]
     logits_to_keep: int
     want_hidden: bool
+    tree: TokenTree | None = None
+    """A token tree after ``input_ids`` (``forward_tree``): runs alone, with the tree's mask."""
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
@@ -56,15 +172,19 @@ class _Step:
 
 
 class TargetBatcher:
-    """Owns the target's forward passes for every request of a replica."""
+    """Owns the target's forward passes, and its KV cache pool, for every request of a replica."""
 
-    def __init__(self, model: PreTrainedModel, *, max_batch: int = 8, window_s: float = 0.002) -> None:
+    def __init__(self, model: PreTrainedModel, *, max_batch: int = 8, window_s: float = 0.002,
+                 capacity: int = 256) -> None:  # fmt: skip
         assert max_batch >= 1 and window_s >= 0
         self.model = model
         self.max_batch = max_batch
         self.window_s = window_s
+        self.pool = SlotPool(model, slots=max_batch, capacity=capacity)
         self.num_batches = 0
         self.num_steps = 0
+        self.num_gathers = 0
+        """Batched steps whose slots were not consecutive (one copy of their rows)."""
         self.active = 0
         """Requests decoding now: the batcher waits for more steps only if others could come."""
         self._active_lock = threading.Lock()
@@ -73,7 +193,7 @@ class TargetBatcher:
         self._thread.start()
 
     def lm(self) -> BatchedCachedLM:
-        """A fresh per-request target (its own KV cache) whose forwards go through this batcher."""
+        """A fresh per-request target (a slot of the pool) whose forwards go through this batcher."""
         return BatchedCachedLM(self.model, self)
 
     def begin(self) -> None:
@@ -105,7 +225,7 @@ class TargetBatcher:
                 return
             batch = [first]
             deadline = time.monotonic() + self.window_s
-            while len(batch) < min(self.max_batch, self.active):  # a lone request never waits
+            while first.tree is None and len(batch) < min(self.max_batch, self.active):  # a lone request never waits
                 try:
                     nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
@@ -113,14 +233,12 @@ class TargetBatcher:
                 if nxt is None:
                     self._queue.put(None)  # stop after this batch
                     break
+                if nxt.tree is not None:
+                    self._queue.put(nxt)  # a tree runs on its own, next
+                    break
                 batch.append(nxt)
             try:
-                if len(batch) == 1:
-                    s = first
-                    s.logits, s.hidden = CachedLM.forward(s.lm, s.input_ids, logits_to_keep=s.logits_to_keep,
-                                                          want_hidden=s.want_hidden)  # fmt: skip
-                else:
-                    self._forward_batch(batch)
+                self._forward(batch)
             except BaseException as exc:  # every waiting request gets the error, none hangs
                 log.exception("batched target forward failed for %d requests", len(batch))
                 for s in batch:
@@ -132,62 +250,131 @@ class TargetBatcher:
                 s.done.set()
 
     @torch.inference_mode()
-    def _forward_batch(self, batch: list[_Step]) -> None:
+    def _forward(self, batch: list[_Step]) -> None:
+        with self.pool.lock:
+            self._forward_locked(batch)
+
+    def _forward_locked(self, batch: list[_Step]) -> None:
         b = len(batch)
+        pool, device = self.pool, self.model.device
         past = [s.lm.num_cached for s in batch]
-        new = [len(s.input_ids) for s in batch]
-        p_max, n_max = max(past), max(new)
-        num_layers = len(batch[0].lm.cache.layers) if p_max else 0
-        # 1. pad: caches left-aligned into [b, heads, p_max, dim], inputs right-padded to n_max
-        ddp = []
-        for layer in range(num_layers):
-            ref = next(s.lm.cache.layers[layer] for s in batch if s.lm.num_cached)
-            shape = (b, ref.keys.shape[1], p_max, ref.keys.shape[3])
-            keys = ref.keys.new_zeros(shape)
-            values = ref.values.new_zeros(shape)
-            for i, s in enumerate(batch):
-                if past[i]:
-                    keys[i, :, : past[i]] = s.lm.cache.layers[layer].keys[0]
-                    values[i, :, : past[i]] = s.lm.cache.layers[layer].values[0]
-            ddp.append((keys, values))
-        cache = DynamicCache(ddp, config=self.model.config) if ddp else DynamicCache(config=self.model.config)
-        ids = torch.zeros((b, n_max), dtype=torch.long)
-        pos = torch.zeros((b, n_max), dtype=torch.long)
-        mask = torch.zeros((b, p_max + n_max), dtype=torch.long)
+        new = [len(s.input_ids) + (s.tree.num_nodes if s.tree is not None else 0) for s in batch]
+        n_max = max(new)
+        span = max(p + n_max for p in past)
+        pool.ensure(span)
+        slots = [s.lm.slot for s in batch]
+        # inputs right-padded to n_max; positions continue each request's own; padding is masked out
+        ids = torch.zeros((b, n_max), dtype=torch.long, device=device)
+        pos = torch.zeros((b, n_max), dtype=torch.long, device=device)
+        allow = torch.zeros((b, 1, n_max, span), dtype=torch.bool, device=device)
         for i, s in enumerate(batch):
-            ids[i, : new[i]] = torch.tensor(s.input_ids, dtype=torch.long)
-            pos[i] = torch.arange(past[i], past[i] + n_max)
-            mask[i, : past[i]] = 1
-            mask[i, p_max : p_max + new[i]] = 1
-        # 2. one forward pass
+            p, n = past[i], new[i]
+            if s.tree is None:
+                ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
+                pos[i] = torch.arange(p, p + n_max)
+                allow[i, 0, :, :p] = True
+                allow[i, 0, :n, p: p + n] = torch.ones((n, n), dtype=torch.bool, device=device).tril()
+            else:  # alone in its batch: committed tokens causal, then the tree's nodes
+                c = len(s.input_ids)
+                ids[i, :n] = torch.tensor(s.input_ids + s.tree.tokens[1:], dtype=torch.long)
+                pos[i] = tree_mod.positions(p + c, c, s.tree)
+                allow[i, 0, :, : p + n] = tree_mod.attention_mask(p, c, s.tree, torch.float32)[0, 0].eq(0)
+            allow[i, 0, n:, 0] = True  # padded queries attend somewhere (their outputs are discarded)
+        cache = _SlotCache(pool, slots, past, span)
+        self.num_gathers += int(b > 1 and not cache.view)
         want_hidden = any(s.want_hidden for s in batch)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
-                         output_hidden_states=want_hidden)  # fmt: skip
-        # 3. split: own logits, own new keys/values appended to the request's own cache
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=allow, past_key_values=cache,
+                         use_cache=True, output_hidden_states=want_hidden)  # fmt: skip
         for i, s in enumerate(batch):
             keep = s.logits_to_keep or new[i]
-            s.logits = out.logits[i, new[i] - keep : new[i]].float()  # [keep, vocab]
+            s.logits = out.logits[i, new[i] - keep: new[i]].float().cpu()  # [keep, vocab]
             if s.want_hidden:
-                s.hidden = out.hidden_states[-1][i, new[i] - keep : new[i]].float()
-            for layer, lay in enumerate(cache.layers):
-                k = lay.keys[i : i + 1, :, p_max : p_max + new[i]]
-                v = lay.values[i : i + 1, :, p_max : p_max + new[i]]
-                s.lm.cache.update(k.clone(), v.clone(), layer)
+                s.hidden = out.hidden_states[-1][i, new[i] - keep: new[i]].float().cpu()
             s.lm.num_cached += new[i]
             s.lm.num_forwards += 1
 
 
+class _RowView:
+    """One layer of a request's slot, shaped like a ``DynamicCache`` layer (tests, tools)."""
+
+    def __init__(self, lm: BatchedCachedLM, layer: int) -> None:
+        self.lm, self.layer = lm, layer
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.lm.batcher.pool.keys[self.layer][self.lm.slot: self.lm.slot + 1, :, : self.lm.num_cached]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.lm.batcher.pool.values[self.layer][self.lm.slot: self.lm.slot + 1, :, : self.lm.num_cached]
+
+
+class _SlotView:
+    def __init__(self, lm: BatchedCachedLM) -> None:
+        self.layers = [_RowView(lm, i) for i in range(lm.batcher.pool.num_layers)]
+        self.lm = lm
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lm.num_cached
+
+
 class BatchedCachedLM(CachedLM):
-    """A request's target with its own KV cache, whose forward passes are batched across requests."""
+    """A request's target whose KV cache is a slot of the batcher's pool and whose forward
+    passes are batched across requests."""
 
     def __init__(self, model: PreTrainedModel, batcher: TargetBatcher) -> None:
         super().__init__(model)
         self.batcher = batcher
+        self.slot = batcher.pool.acquire()
+        self.cache = _SlotView(self)  # type: ignore[assignment]
+        self._closed = False
 
     def forward(self, input_ids: list[int], *, logits_to_keep: int = 0,
                 want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         assert len(input_ids) > 0, "forward needs at least one token"
         assert self.num_cached + len(input_ids) <= self.context_size, (self.num_cached, len(input_ids))
+        assert self.vocab is None, "a batched target scores its whole vocabulary"
         step = _Step(self, list(input_ids), logits_to_keep, want_hidden)
         self.batcher.submit(step)
         return step.logits, step.hidden
+
+    def forward_tree(self, committed: list[int], tree: TokenTree, *,
+                     want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        assert committed, "the last committed token is fed with the tree"
+        assert self.num_cached + len(committed) + tree.max_depth <= self.context_size
+        step = _Step(self, list(committed), tree.num_nodes + 1, want_hidden, tree=tree)
+        self.batcher.submit(step)
+        return step.logits, step.hidden
+
+    @torch.inference_mode()
+    def keep_path(self, base: int, path: list[int]) -> None:
+        pool = self.batcher.pool
+        with pool.lock:
+            for j, node in enumerate(path):
+                assert node >= j + 1, (j, node)
+                src, dst = base + node - 1, base + j
+                if src != dst:
+                    for layer in range(pool.num_layers):
+                        pool.keys[layer][self.slot, :, dst] = pool.keys[layer][self.slot, :, src]
+                        pool.values[layer][self.slot, :, dst] = pool.values[layer][self.slot, :, src]
+        self.rollback(base + len(path))
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.num_cached, (length, self.num_cached)
+        self.num_cached = length  # the positions past it are overwritten by the next step
+
+    def reset(self) -> None:
+        self.num_cached = 0
+        self.num_forwards = 0
+
+    def close(self) -> None:
+        """Give the slot back (the request is done with its cache)."""
+        if not self._closed:
+            self._closed = True
+            self.batcher.pool.release(self.slot)
+
+    def __del__(self) -> None:  # a request that never closed (an exception path) still frees its slot
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -132,6 +132,9 @@ class CachedLM:
                     layer.values[:, :, dst] = layer.values[:, :, src]
         self.rollback(base + len(path))
 
+    def close(self) -> None:
+        """The request is done with this cache (a batched target gives its slot back)."""
+
     def rollback(self, length: int) -> None:
         """Keep only positions ``0 .. length-1`` in the cache."""
         assert 0 <= length <= self.num_cached, (length, self.num_cached)

@@ -194,6 +194,7 @@ class DecodeSession:
         state.num_final = state.num_generated
         stats.num_generated = state.num_generated
         stats.num_target_forwards = self.target.num_forwards
+        self.target.close()
         stats.time_s["total"] = time.perf_counter() - self._t_start
         if not stats.finish_reason:
             stats.finish_reason = self.finish_reason
@@ -206,6 +207,7 @@ class DecodeSession:
         """Release the proposer without a result (the caller went away)."""
         if not self._closed:
             self._closed = True
+            self.target.close()
             if self.proposer is not None:
                 self.stats.num_draft_forwards = self.proposer.num_forwards
                 self.proposer.finish()

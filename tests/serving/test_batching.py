@@ -77,3 +77,69 @@ def test_concurrent_greedy_requests_stay_lossless(close_pair):
         assert batcher.num_steps > batcher.num_batches, "no two requests ever shared a forward pass"
     finally:
         batcher.close()
+
+
+def test_slots_are_reused_grown_and_rolled_back_in_place(close_pair):
+    """A closed request's slot is reused; more requests than slots and longer contexts than the
+    pool grow it; a rollback inside a slot then more steps equals an unbatched cache."""
+    target = close_pair.target
+    batcher = TargetBatcher(target, max_batch=2, window_s=0.0, capacity=8)
+    try:
+        pool = batcher.pool
+        buffers = [id(t) for t in pool.keys]
+        a, b = batcher.lm(), batcher.lm()
+        assert (a.slot, b.slot) == (0, 1)
+        c = batcher.lm()  # a third request: the pool doubles its rows
+        assert c.slot == 2 and pool.num_slots == 4 and pool.num_grows == 1
+        a.close()
+        assert batcher.lm().slot == 0  # the lowest free slot is reused
+        plain = CachedLM(target)
+        prompt = random_prompts(1, seed=5, lo=20, hi=21)[0]
+        for lm in (plain, b):
+            lm.forward(prompt)  # 20 tokens > capacity 8: the pool grows to 32
+            lm.forward([3, 4, 5, 6])
+            lm.rollback(lm.num_cached - 3)
+        assert pool.capacity >= 24 and b.num_cached == plain.num_cached == 21
+        want, _ = plain.forward([9, 10], logits_to_keep=2)
+        got, _ = b.forward([9, 10], logits_to_keep=2)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for lp, lb in zip(plain.cache.layers, b.cache.layers):
+            torch.testing.assert_close(lb.keys, lp.keys, rtol=1e-4, atol=1e-4)
+        assert [id(t) for t in pool.keys] != buffers  # grown: new buffers, the content copied
+    finally:
+        batcher.close()
+
+
+def test_steps_write_in_place_without_reallocating(close_pair):
+    """Once the pool is big enough, steps allocate no new cache buffers: the same tensors every step."""
+    batcher = TargetBatcher(close_pair.target, max_batch=4, window_s=0.0, capacity=64)
+    try:
+        lm = batcher.lm()
+        lm.forward([1, 2, 3])
+        buffers = [t.data_ptr() for t in batcher.pool.keys]
+        for i in range(10):
+            lm.forward([4 + i])
+        assert [t.data_ptr() for t in batcher.pool.keys] == buffers and batcher.pool.num_grows == 0
+    finally:
+        batcher.close()
+
+
+def test_a_token_tree_runs_through_the_batcher(close_pair):
+    """A tree step over a slot gives what the same tree gives over a plain cache."""
+    from serving.engine.tree import build
+
+    batcher = TargetBatcher(close_pair.target, max_batch=4, window_s=0.0)
+    try:
+        tree = build([[7, 1, 2], [7, 4], [9]])
+        prompt = random_prompts(1, seed=6, lo=8, hi=9)[0]
+        plain, b = CachedLM(close_pair.target), batcher.lm()
+        plain.forward(prompt[:4])
+        b.forward(prompt[:4])
+        want, _ = plain.forward_tree(prompt[4:], tree)
+        got, _ = b.forward_tree(prompt[4:], tree)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        plain.keep_path(len(prompt), [1, 4])
+        b.keep_path(len(prompt), [1, 4])
+        torch.testing.assert_close(b.forward([5])[0], plain.forward([5])[0], rtol=1e-4, atol=1e-4)
+    finally:
+        batcher.close()

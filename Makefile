@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/streams.py --json benchmarks/out/streams.json
 	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 	$(BIN)/python benchmarks/hotswap.py --json benchmarks/out/hotswap.json
+	$(BIN)/python benchmarks/batching.py --json benchmarks/out/batching.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/api.py --json benchmarks/out/api.json
 	$(BIN)/python benchmarks/faults.py --json benchmarks/out/faults.json
 
@@ -45,6 +46,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/streams.py --quick --json benchmarks/out/streams_quick.json
 	$(BIN)/python benchmarks/osd.py --quick --no-doc --json benchmarks/out/osd_quick.json --plot benchmarks/out/osd_quick.png
 	$(BIN)/python benchmarks/hotswap.py --quick --no-doc --json benchmarks/out/hotswap_quick.json
+	$(BIN)/python benchmarks/batching.py --quick --json benchmarks/out/batching_quick.json
 	$(BIN)/python benchmarks/api.py --quick --no-doc --json benchmarks/out/api_quick.json
 	$(BIN)/python benchmarks/faults.py --quick --no-doc --json benchmarks/out/faults_quick.json
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from registry import artifacts
 from registry.config import RegistryConfig
 from registry.errors import ArtifactFormatError, RegistryError, RegistryUnavailableError, VersionNotFoundError
-from registry.kinds import KINDS, ArtifactKind, kind_of
+from registry.kinds import KINDS, kind_of
 
 if TYPE_CHECKING:
     from registry.kind_store import KindStore

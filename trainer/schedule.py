@@ -69,7 +69,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter, Gauge
 
-from serving.load_signal import read_load_file, write_load_signal  # noqa: F401  (the format lives there)
+from serving.load_signal import read_load_file
 from serving.errors import SpecOpsError
 
 log = logging.getLogger(__name__)

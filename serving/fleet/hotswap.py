@@ -39,7 +39,7 @@ import torch
 from prometheus_client import Counter, Gauge
 from transformers import PreTrainedModel
 
-from registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
+from registry import DraftVersion, RegistryError, RegistryStore, model_name
 from serving.errors import ModelConfigError
 from serving.fleet.follower import AliasFollower, FollowConfig
 from serving.engine.models import load_model, load_tokenizer, tokenizer_hash

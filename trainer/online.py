@@ -49,6 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serving.engine.device import Placement
+from serving.engine.models import from_pretrained
 from serving.engine import draft_vocab
 from serving.engine.draft_vocab import DraftVocab
 from streams import CommitFailedError, StreamConfig, codec, open_stream
@@ -187,7 +188,7 @@ class OnlineTrainer:
                 raise ValueError(f"{self.cfg.sampling} sampling queries the target model: pass target= "
                                  "(specops train --target DIR)")  # fmt: skip
             self.target = target if isinstance(target, torch.nn.Module) else \
-                AutoModelForCausalLM.from_pretrained(target, use_safetensors=True)  # fmt: skip
+                from_pretrained(AutoModelForCausalLM, target, use_safetensors=True)  # fmt: skip
             self.target.to(self.placement.torch_device).eval().requires_grad_(False)
             self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
         self.base_draft = Path(base_draft)
@@ -217,8 +218,9 @@ class OnlineTrainer:
 
     def _new_state(self, cluster: str) -> ClusterState:
         path = ckpt.latest_version(self.out, cluster)
-        model = AutoModelForCausalLM.from_pretrained(path or self.base_draft, use_safetensors=True)
-        model.to(device=self.placement.torch_device, dtype=self.placement.torch_dtype)
+        model = from_pretrained(AutoModelForCausalLM, path or self.base_draft, use_safetensors=True)
+        if not (self.placement.is_cpu and self.placement.dtype == "float32"):
+            model.to(device=self.placement.torch_device, dtype=self.placement.torch_dtype)
         model.train()
         if not self.cfg.train_embeddings:
             model.get_input_embeddings().weight.requires_grad_(False)  # a tied head stays with them

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 from registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
 from serving.engine import draft_vocab
 from serving.engine.draft_vocab import DraftVocab
-from serving.engine.models import load_tokenizer, tokenizer_hash
+from serving.engine.models import from_pretrained, load_tokenizer, tokenizer_hash
 from streams.records import MissRecord
 from trainer.acceptance import Acceptance, evaluate_records, paired_gain
 
@@ -137,11 +137,11 @@ class Promoter:
         if cached is not None and cached[0] == want:
             return cached
         if champion is None:
-            model = AutoModelForCausalLM.from_pretrained(self.base_draft, use_safetensors=True)
+            model = from_pretrained(AutoModelForCausalLM, self.base_draft, use_safetensors=True)
         else:
             with tempfile.TemporaryDirectory(prefix="specops-gate-") as tmp:
                 self.registry.fetch(champion, Path(tmp) / "draft")
-                model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "draft", use_safetensors=True)
+                model = from_pretrained(AutoModelForCausalLM, Path(tmp) / "draft", use_safetensors=True)
         model.eval()
         self._reference[cluster] = (want, model)
         return want, model

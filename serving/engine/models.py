@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,21 @@ class ModelPair:
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+LOAD_LOCK = threading.RLock()
+"""Held around every ``from_pretrained`` in this code base. transformers patches class
+attributes for the duration of a load (``PreTrainedModel.tie_weights``, the ``torch.nn.init``
+functions) and restores what it saw on entry, so two loads overlapping in two threads (a
+hot-swap and the router's embedder, a trainer registering while serving follows) can leave
+weight tying disabled for the whole process: every later model with a tied head then loads
+with an uninitialised (meta) ``lm_head``."""
+
+
+def from_pretrained(cls, *args, **kwargs):
+    """``cls.from_pretrained(*args, **kwargs)`` under :data:`LOAD_LOCK`."""
+    with LOAD_LOCK:
+        return cls.from_pretrained(*args, **kwargs)
+
+
 def check_model_dir(path: Path) -> Path:
     """A local HF model directory with safetensors weights, or a clear error."""
     path = Path(path)
@@ -127,8 +143,9 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, device: 
     # process-wide default dtype while it loads, so a request finishing on another thread
     # during a hot-swap would build its tensors in bfloat16. Buffers (rotary frequencies) stay
     # float32, as from_pretrained(dtype=...) leaves them; model.to(dtype) would round them.
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, use_safetensors=True, dtype=torch.float32, output_loading_info=True
+    model, info = from_pretrained(
+        AutoModelForCausalLM, path, local_files_only=True, use_safetensors=True, dtype=torch.float32,
+        output_loading_info=True,
     )
     if resolve_dtype(dtype) != torch.float32:
         with torch.no_grad():

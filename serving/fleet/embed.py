@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from serving.engine.models import from_pretrained
 from serving.errors import RouterError
 
 MINILM, TARGET = "minilm", "target"
@@ -129,7 +130,7 @@ class MiniLMEmbedder:
                 from transformers import AutoModel, AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-                model = AutoModel.from_pretrained(self.model_dir, local_files_only=True, use_safetensors=True,
+                model = from_pretrained(AutoModel, self.model_dir, local_files_only=True, use_safetensors=True,
                                                   dtype=torch.float32).eval()  # fmt: skip
                 _MINILM_CACHE[key] = (tokenizer, model)
             return _MINILM_CACHE[key]

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from serving.errors import ModelConfigError, TokenizerMismatchError
-from serving.engine.models import load_pair, load_model_dir, tokenizer_hash
+from serving.engine.models import load_model, load_model_dir, load_pair, tokenizer_hash
 from tests.conftest import VOCAB, tiny_llama
 
 
@@ -88,3 +88,32 @@ def test_missing_or_pickled_weights_are_refused(tmp_path, words):
         load_pair(target)
     with pytest.raises(ModelConfigError, match="not a model directory"):
         load_pair(tmp_path / "nowhere")
+
+
+def test_concurrent_loads_leave_weight_tying_alone(tmp_path, words):
+    """transformers patches PreTrainedModel.tie_weights during a load and restores what it saw:
+    overlapping loads in two threads left tying off for the process, and later models came with a
+    meta lm_head (seen in a full test run). Loads hold LOAD_LOCK, so they never overlap."""
+    import threading
+
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.tie_weights
+    save_dir(tmp_path / "m", words, 1)
+    errors: list = []
+
+    def load() -> None:
+        try:
+            for _ in range(3):
+                load_model(tmp_path / "m")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and PreTrainedModel.tie_weights is original
+    model = load_model(tmp_path / "m")
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from serving.engine.models import from_pretrained
+
 from .corpus import DOMAINS, read_document
 from .train import MixedBatches, TokenStream, _optimizer, _step, lr_at, next_token_loss
 
@@ -63,7 +65,7 @@ def build_generic_draft(model_dir: Path, *, steps: int = 400, lr: float = 5e-3, 
                 break
         streams[d] = TokenStream.from_documents(docs, eot)
     # the bootstrap draft's architecture, fresh weights
-    template = AutoModelForCausalLM.from_pretrained(model_dir / "draft", use_safetensors=True)
+    template = from_pretrained(AutoModelForCausalLM, model_dir / "draft", use_safetensors=True)
     torch.manual_seed(seed + 1)
     draft = type(template)(template.config)
     draft.generation_config = template.generation_config

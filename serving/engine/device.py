@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from serving.errors import ModelConfigError
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch is imported where a placement is used, not where flags are parsed
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""Precision names; ``torch.<name>`` is the dtype."""
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -46,6 +49,8 @@ class Placement:
         if self.dtype not in DTYPES:
             raise ModelConfigError(f"--dtype {self.dtype!r} is not a precision: choose one of {', '.join(DTYPES)}")
         if self.device.startswith("cuda"):
+            import torch
+
             if not torch.cuda.is_available():
                 raise ModelConfigError(f"--device {self.device}: no CUDA GPU is visible to this process (torch "
                                        f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu")  # fmt: skip
@@ -56,12 +61,16 @@ class Placement:
             raise ModelConfigError("--dtype float16 needs a GPU: on a CPU use bfloat16 (or float32)")
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def is_cpu(self) -> bool:

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from serving.errors import InvalidRequestError
-from serving.proposers.base import Proposer
-from serving.proposers.draft_model import DraftModelProposer
-from serving.proposers.prompt_lookup import PromptLookupProposer
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the catalogue itself stays light: the CLI builds its --help from it without torch
     from serving.engine.models import ModelPair
+    from serving.proposers.base import Proposer
 
 NEEDS = ("draft_model", "target_hidden", "references", "datastore")
 """What a method may need: a draft model (the cluster's), the target's last hidden state
@@ -77,18 +75,22 @@ class MethodSpec:
     artifact: str | None
     """The registry artifact kind whose version labels this method's metrics and receives its
     live acceptance (``draft`` for the draft model); None when the method has no artifact."""
-    build: Callable[[ProposerConfig, ProposerResources], Proposer | None]
+    build: Callable[[ProposerConfig, ProposerResources], "Proposer | None"]
 
     def __post_init__(self) -> None:
         assert self.needs <= set(NEEDS), self.needs
         assert self.default_k >= 1, self.default_k
 
 
-def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+    from serving.proposers.draft_model import DraftModelProposer
+
     return DraftModelProposer(res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k)
 
 
-def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+    from serving.proposers.prompt_lookup import PromptLookupProposer
+
     return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
 
 
@@ -134,7 +136,7 @@ def check_resources(spec: MethodSpec, res: ProposerResources) -> None:
                                   "speculation.references")  # fmt: skip
 
 
-def build_proposer(cfg: ProposerConfig, res: ProposerResources) -> Proposer | None:
+def build_proposer(cfg: ProposerConfig, res: ProposerResources) -> "Proposer | None":
     """The proposer for ``cfg.method`` over ``res``, or None for target-only decoding."""
     spec = method_spec(cfg.method)
     check_resources(spec, res)

@@ -59,15 +59,44 @@ def _cast(model, dtype):
     return out
 
 
+def _first_divergence_is_a_rounding_tie(target, prompt, ref, out, ulps=4):
+    """Where ``out`` first leaves ``ref``, were the two tokens' target logits within ``ulps`` units of
+    the precision's rounding? In bfloat16 a verify pass over k+1 positions and a one-token step
+    accumulate the same sums in a different order, so their logits differ by about an ulp and an
+    exact tie can fall either way (vLLM documents the same for its speculative decoding)."""
+    i = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + ref[:i]], device=target.device)).logits[0, -1].float()
+    tolerance = ulps * torch.finfo(target.dtype).eps * logits.abs().max().item()
+    gap = abs(logits[ref[i]].item() - logits[out[i]].item())
+    assert gap <= tolerance, f"diverged at {i}: {ref[i]} vs {out[i]}, logit gap {gap:.4f} > {tolerance:.4f}"
+    return True
+
+
 def test_speculation_is_lossless_in_bfloat16_on_a_cpu(close_pair):
-    """Target and draft in bfloat16: every method still equals target-only greedy at that precision."""
+    """Target and draft in bfloat16: every method equals target-only greedy at that precision, up to
+    exact ties that bfloat16 rounding breaks differently in a verify pass (checked to be ties)."""
     pair = ModelPair(target=_cast(close_pair.target, torch.bfloat16), draft=_cast(close_pair.draft, torch.bfloat16),
                      tokenizer=None)  # fmt: skip
     engine = SpecEngine(pair)
     for prompt in random_prompts(4, seed=41):
         ref = engine.generate(prompt, SamplingParams(max_new_tokens=20), method="target").token_ids
         for method in ("draft", "pld"):
-            assert engine.generate(prompt, SamplingParams(max_new_tokens=20), method=method, k=3).token_ids == ref
+            out = engine.generate(prompt, SamplingParams(max_new_tokens=20), method=method, k=3).token_ids
+            assert len(out) == len(ref)
+            assert out == ref or _first_divergence_is_a_rounding_tie(pair.target, prompt, ref, out), method
+
+
+def test_the_tie_check_is_not_a_blank_cheque(close_pair):
+    """Negative control: a divergence at a clear margin fails the bfloat16 tie check."""
+    target = _cast(close_pair.target, torch.bfloat16)
+    prompt = random_prompts(1, seed=41)[0]
+    engine = SpecEngine(ModelPair(target=target, draft=target, tokenizer=None))
+    ref = engine.generate(prompt, SamplingParams(max_new_tokens=4), method="target").token_ids
+    with torch.no_grad():
+        worst = int(target(torch.tensor([prompt])).logits[0, -1].argmin())
+    with pytest.raises(AssertionError, match="logit gap"):
+        _first_divergence_is_a_rounding_tie(target, prompt, ref, [worst] + ref[1:])
 
 
 @GPU
@@ -79,7 +108,8 @@ def test_speculation_is_lossless_on_a_gpu(close_pair, dtype):
     for prompt in random_prompts(6, seed=42):
         ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
         for method in ("draft", "pld"):
-            assert engine.generate(prompt, SamplingParams(max_new_tokens=24), method=method, k=3).token_ids == ref
+            out = engine.generate(prompt, SamplingParams(max_new_tokens=24), method=method, k=3).token_ids
+            assert out == ref or _first_divergence_is_a_rounding_tie(pair.target, prompt, ref, out), method
         seeded = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7)
         a = engine.generate(prompt, seeded, method="draft").token_ids
         assert a == engine.generate(prompt, seeded, method="draft").token_ids  # seeded sampling reproduces

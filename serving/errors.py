@@ -105,6 +105,13 @@ class RouterError(SpecOpsError, ValueError):
     code = "router"
 
 
+class DatastoreError(SpecOpsError, ValueError):
+    """A retrieval datastore is malformed, corrupt, or does not fit this target (hidden size,
+    vocabulary, tokenizer)."""
+
+    code = "datastore"
+
+
 # The one place an error code becomes an HTTP status (used by the HTTP API).
 HTTP_STATUS: dict[str, int] = {
     InvalidRequestError.code: 400,
@@ -122,6 +129,7 @@ HTTP_STATUS: dict[str, int] = {
     ModelConfigError.code: 500,
     TokenizerMismatchError.code: 500,
     RouterError.code: 500,
+    DatastoreError.code: 500,
     SpecOpsError.code: 500,
 }
 

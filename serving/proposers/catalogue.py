@@ -42,6 +42,10 @@ class ProposerResources:
     """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
 
 
+MAX_DRAFTS = 64
+"""Most rows one step may draft (a tree of up to ``MAX_DRAFTS * k`` nodes in one target pass)."""
+
+
 @dataclass(frozen=True)
 class ProposerConfig:
     """Per-request method settings: which method, and its knobs."""
@@ -56,9 +60,19 @@ class ProposerConfig:
     """Draft model: stop drafting when its top probability drops below this (0 = off)."""
     adaptive_k: bool = False
     """Draft model: adapt k per step within 1..k (+2 after full acceptance, -1 otherwise)."""
+    n_drafts: int = 0
+    """Rows drafted per step by multi-draft methods (DReSD); 0 = the method's default."""
+    search_k: int = 0
+    """DReSD: neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
 
     def __post_init__(self) -> None:
         method_spec(self.method)
+        if not isinstance(self.n_drafts, int) or not 0 <= self.n_drafts <= MAX_DRAFTS:
+            raise InvalidRequestError(f"n_drafts must be an integer in 0..{MAX_DRAFTS}, got {self.n_drafts!r}",
+                                      "speculation.n_drafts")  # fmt: skip
+        if not isinstance(self.search_k, int) or not 0 <= self.search_k <= 4096:
+            raise InvalidRequestError(f"search_k must be an integer in 0..4096, got {self.search_k!r}",
+                                      "speculation.search_k")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,9 @@ class MethodSpec:
     artifact: str | None
     """The registry artifact kind whose version labels this method's metrics and receives its
     live acceptance (``draft`` for the draft model); None when the method has no artifact."""
-    build: Callable[[ProposerConfig, ProposerResources], "Proposer | None"]
+    default_n_drafts: int = 1
+    """Rows per step when the request does not say (1: a chain)."""
+    build: Callable[[ProposerConfig, ProposerResources], "Proposer | None"] = lambda cfg, res: None
 
     def __post_init__(self) -> None:
         assert self.needs <= set(NEEDS), self.needs
@@ -94,6 +110,13 @@ def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
 
 
+def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+    from serving.proposers.dresd import DReSDProposer
+
+    return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts or CATALOGUE["dresd"].default_n_drafts,
+                         search_k=cfg.search_k)  # fmt: skip
+
+
 # Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy
 # is free, so it drafts as many as HF's prompt lookup does (``prompt_lookup_num_tokens=10``).
 # The draft's 3 is the k that measured fastest with the default SmolLM2 pair (k = 2, 3, 4 on
@@ -102,12 +125,13 @@ def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
 CATALOGUE: dict[str, MethodSpec] = {
     spec.name: spec
     for spec in (
-        MethodSpec("target", "target-only decoding, the reference every method must equal", 1, frozenset(), None,
-                   lambda cfg, res: None),
+        MethodSpec("target", "target-only decoding, the reference every method must equal", 1, frozenset(), None),
         MethodSpec("draft", "speculative decoding with the cluster's draft model (OSD)", 3,
-                   frozenset({"draft_model"}), "draft", _build_draft),
+                   frozenset({"draft_model"}), "draft", build=_build_draft),
         MethodSpec("pld", "prompt-lookup decoding: copy what followed the trailing n-gram in the context", 10,
-                   frozenset(), None, _build_pld),
+                   frozenset(), None, build=_build_pld),
+        MethodSpec("dresd", "DReSD: drafts retrieved from the cluster's datastore by the target's hidden state",
+                   10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd),
     )
 }  # fmt: skip
 

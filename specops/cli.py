@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specops.router_cli import add_parser as add_router_parser
 
     add_router_parser(sub)
+    from specops.datastore_cli import add_parser as add_datastore_parser
+
+    add_datastore_parser(sub)
 
     p = sub.add_parser(
         "demo",

@@ -26,7 +26,7 @@ from serving.fleet.hotswap import DraftFollower, DraftHandle
 from serving.engine.models import ModelPair
 from serving.fleet.stream_logger import RequestMeta, StreamLogger
 from serving.engine.types import GenerationResult, SamplingParams
-from serving.proposers.catalogue import ProposerResources, method_spec
+from serving.proposers.catalogue import ProposerConfig, ProposerResources, method_spec
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,17 @@ class ServingNode:
     """Thread-safe ``generate`` over a target and the follower's per-cluster drafts."""
 
     def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None,
-                 batcher: TargetBatcher | None = None) -> None:  # fmt: skip
+                 batcher: TargetBatcher | None = None, datastores=None) -> None:  # fmt: skip
         self.pair = pair
         self.follower = follower
+        self.datastores = datastores
+        """``serving.fleet.datastores.DatastoreFollower``: the cluster's DReSD datastore (or None)."""
         self.logger = logger
         self.batcher = batcher
         """When set, concurrent requests share target forward passes (``serving.engine.batching``)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
-                 method: str = "draft", k: int | None = None, request_id: str | None = None,
+                 method: str = "draft", k: int | None = None, n_drafts: int = 0, request_id: str | None = None,
                  on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:  # fmt: skip
         started_at = time.time()
         handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
@@ -71,15 +73,19 @@ class ServingNode:
         engine = SpecEngine(pair, logger=self.logger, target_lm=self.batcher.lm if self.batcher else None)
         rid = request_id or uuid.uuid4().hex
         versions = {"draft": handle.version}
-        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions)
+        datastore = self.datastores.current(cluster) if self.datastores is not None else None  # 1. (once, too)
+        if datastore is not None and datastore.datastore is not None:
+            versions["datastore"] = datastore.version
+        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions,
+                                      datastore=datastore.datastore if datastore is not None else None)  # fmt: skip
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version,
                            artifact_versions={k: v for k, v in versions.items()
                                               if k == method_spec(method).artifact})  # fmt: skip
         if self.batcher is not None:
             self.batcher.begin()
         try:
-            result = engine.generate(prompt_ids, params, method=method, k=k, resources=resources, meta=meta,
-                                     on_step=on_step)  # 2. + 3.  # fmt: skip
+            result = engine.generate(prompt_ids, params, proposer_cfg=ProposerConfig(method=method, n_drafts=n_drafts),
+                                     k=k, resources=resources, meta=meta, on_step=on_step)  # 2. + 3.  # fmt: skip
         finally:
             if self.batcher is not None:
                 self.batcher.end()

@@ -325,7 +325,8 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
                             max_new_tokens=req.max_tokens or cfg.default_max_tokens, seed=req.seed)  # fmt: skip
     spec = req.speculation
     job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
-                                  k=spec.k if spec else None, cluster=req.cluster, stop=req.stop)  # fmt: skip
+                                  k=spec.k if spec else None, cluster=req.cluster, stop=req.stop,
+                                  n_drafts=spec.n_drafts if spec else None)  # fmt: skip
     if request_id is not None:
         job.request_id = request_id
     await state.admission.acquire()
@@ -413,6 +414,8 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "router_version": job.router_version or None,
         "draft_model": served.draft_model if method_spec(st.method).artifact == "draft" else None,
         "draft_version": served.draft_version if method_spec(st.method).artifact == "draft" else None,
+        "datastore_version": served.versions.get("datastore") if method_spec(st.method).artifact == "datastore" else None,
+        "n_drafts": job.n_drafts or method_spec(st.method).default_n_drafts,
         "drafted": st.num_drafted,
         "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),

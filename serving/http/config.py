@@ -75,6 +75,8 @@ class ServeConfig(BaseModel):
     max_tokens_limit: int = Field(1024, ge=1, description="largest `max_tokens` a request may ask for")
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request does not say")
     max_k: int = Field(16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for")
+    max_n_drafts: int = Field(16, ge=1, le=64, description="largest `speculation.n_drafts` (rows per step, dresd) a request may ask for")
+    datastore_dir: str = Field("", description="fallback DReSD datastore for clusters with no `datastore-<cluster>@champion` yet (`specops datastore build`); empty: none")
     default_method: Literal[METHODS] = Field(  # type: ignore[valid-type]
         "draft", description="decoding when a request does not say, one of the method catalogue's: " + describe())
 

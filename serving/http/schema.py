@@ -36,6 +36,9 @@ class Speculation(BaseModel):
     pld = prompt lookup; target = target-only (no speculation)."""
     k: int | None = Field(None, ge=1)
     """Tokens drafted per verification step (bounded by the server's max_k)."""
+    n_drafts: int | None = Field(None, ge=1)
+    """Rows drafted per step by a multi-draft method (dresd), verified as one token tree
+    (bounded by the server's max_n_drafts)."""
 
 
 class StreamOptions(BaseModel):

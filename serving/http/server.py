@@ -68,6 +68,8 @@ class Job:
     """``request`` (the request's field), ``router`` or ``default``."""
     router_version: str = ""
     stop: list[str] = field(default_factory=list)
+    n_drafts: int = 0
+    """Rows per step for a multi-draft method (0: the method's default)."""
     on_delta: Callable[[str], None] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -95,6 +97,7 @@ class ServingState:
         self.load_error: str | None = None
         self.loading_step = "not started"
         self.pair = self.node = self.follower = self.router = self.logger = self.watcher = self.registry = None
+        self.datastores = None
         self.batcher = None
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._recent_lock = threading.Lock()
@@ -138,6 +141,8 @@ class ServingState:
         self.follower = DraftFollower(self.registry, self.pair.draft, target_vocab=self.pair.vocab_size,
                                       target_tokenizer_sha256=self.pair.tokenizer_sha256,
                                       cache_dir=self.cache_dir / "drafts", cfg=hcfg).start()  # fmt: skip
+        self.loading_step = "datastores"
+        self.datastores = self._datastores()
         if cfg.router == "registry" and self.registry is not None:  # 4.
             from serving.fleet.router import RouterFollower, make_embedder
 
@@ -155,7 +160,8 @@ class ServingState:
 
             self.batcher = TargetBatcher(self.pair.target, max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
                                          window_s=cfg.batch_window_ms / 1000)  # fmt: skip
-        self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher)
+        self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
+                                datastores=self.datastores)  # fmt: skip
         self.loading_step = "warm-up"  # 6.
         from serving.engine.spec import SpecEngine
 
@@ -171,6 +177,20 @@ class ServingState:
                  self.stream_cfg.url if self.stream_cfg else "off",
                  getattr(getattr(self.registry, "cfg", None), "uri", "off"))  # fmt: skip
 
+    def _datastores(self):
+        """The DReSD datastore follower: ``datastore-<cluster>@champion`` per cluster, and the
+        fallback of ``datastore_dir`` (checked to fit this target) for clusters without one."""
+        from serving.fleet.datastores import DatastoreFollower
+        from serving.fleet.follower import FollowConfig
+        from serving.retrieval.datastore import Datastore
+
+        fallback = Datastore.load(Path(self.cfg.datastore_dir)) if self.cfg.datastore_dir else None
+        follow = FollowConfig(poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s),
+                              backoff_max_s=max(1.0, self.cfg.poll_s))  # fmt: skip
+        return DatastoreFollower(self.registry, self.pair.target, cache_dir=self.cache_dir / "datastores",
+                                 fallback=fallback, target_tokenizer_sha256=self.pair.tokenizer_sha256,
+                                 vocab_size=self.pair.vocab_size, follow=follow).start()  # fmt: skip
+
     def _spawn(self, fn: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=fn, name=name, daemon=True)
         t.start()
@@ -178,6 +198,8 @@ class ServingState:
 
     def _on_event(self, event) -> None:
         self.follower.on_event(event)
+        if self.datastores is not None:
+            self.datastores.on_event(event)
         if self.router is not None:
             self.router.on_event(event)
 
@@ -187,7 +209,7 @@ class ServingState:
         self.ready.clear()
         self._stop.set()
         self.executor.shutdown(wait=True, cancel_futures=False)
-        for part in (self.watcher, self.router, self.follower, self.batcher):
+        for part in (self.watcher, self.router, self.follower, self.datastores, self.batcher):
             if part is not None:
                 part.stop()
         if self.logger is not None:
@@ -227,7 +249,7 @@ class ServingState:
 
     # ------------------------------------------------------------ requests
     def prepare(self, prompt: str | list[int], *, params: SamplingParams, method: str | None, k: int | None,
-                cluster: str | None, stop: list[str] | None) -> Job:  # fmt: skip
+                cluster: str | None, stop: list[str] | None, n_drafts: int | None = None) -> Job:  # fmt: skip
         """Tokenize, bound-check and route one request (raises the caller's 4xx errors)."""
         cfg, tok = self.cfg, self.pair.tokenizer
         limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
@@ -254,9 +276,11 @@ class ServingState:
                                       f"{cfg.max_tokens_limit}", "max_tokens")  # fmt: skip
         if k is not None and k > cfg.max_k:
             raise InvalidRequestError(f"speculation.k is {k}; this server allows at most {cfg.max_k}", "speculation.k")
+        if n_drafts is not None and n_drafts > cfg.max_n_drafts:
+            raise InvalidRequestError(f"speculation.n_drafts is {n_drafts}; this server allows at most "
+                                      f"{cfg.max_n_drafts}", "speculation.n_drafts")  # fmt: skip
         spec = method_spec(method or cfg.default_method)
         method, k = spec.name, k or spec.default_k
-        check_resources(spec, ProposerResources(pair=self.pair))
         source, router_version = "request", ""
         if cluster is None:
             cluster, source = cfg.default_cluster, "default"
@@ -264,9 +288,13 @@ class ServingState:
             if router is not None:
                 decision = router.route(text if text is not None else tok.decode(ids))
                 cluster, source, router_version = decision.cluster, "router", decision.router_version
+        datastores = self.datastores
+        check_resources(spec, ProposerResources(pair=self.pair, cluster=cluster, datastore=(
+            datastores.current(cluster).datastore if datastores is not None else None)))  # fmt: skip
         ROUTED.labels(cluster, source).inc()
         return Job(prompt_ids=ids, prompt_text=text or "", params=params, method=method, k=k, cluster=cluster,
-                   cluster_source=source, router_version=router_version, stop=stop or [])  # fmt: skip
+                   cluster_source=source, router_version=router_version, stop=stop or [],
+                   n_drafts=n_drafts or 0)  # fmt: skip
 
     def run(self, job: Job):
         """Decode ``job`` on this (worker) thread; always gives the admission slot back."""
@@ -301,7 +329,7 @@ class ServingState:
             return job.stopped
 
         served = self.node.generate(job.prompt_ids, job.params, cluster=job.cluster, method=job.method, k=job.k,
-                                    request_id=job.request_id, on_step=on_step)  # fmt: skip
+                                    n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step)  # fmt: skip
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
             if job.on_delta is not None and len(job.text) > job.sent:

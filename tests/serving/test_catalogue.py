@@ -17,7 +17,7 @@ from serving.proposers.catalogue import (
 
 
 def test_every_entry_builds_with_its_resources(tiny_pair):
-    res = ProposerResources(pair=tiny_pair)
+    res = ProposerResources(pair=tiny_pair, datastore=object())  # any datastore: building does not search it
     for name, spec in CATALOGUE.items():
         proposer = build_proposer(ProposerConfig(method=name), res)
         assert (proposer is None) == (name == "target")
@@ -37,7 +37,7 @@ def test_a_missing_need_is_the_callers_error(tiny_pair):
 
 def test_unknown_names_list_the_choices():
     for bad in ("dresd?", "", None, 3):
-        with pytest.raises(InvalidRequestError, match="choose one of target, draft, pld"):
+        with pytest.raises(InvalidRequestError, match="choose one of target, draft, pld, dresd"):
             method_spec(bad)
     with pytest.raises(InvalidRequestError):
         ProposerConfig(method="nope")

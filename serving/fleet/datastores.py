@@ -1,0 +1,111 @@
+"""Serving's DReSD datastores: one per cluster, following ``datastore-<cluster>@champion``.
+
+The ``datastore`` kind's :class:`~serving.fleet.follower.AliasFollower`: a check fetches the
+champion (checksums against its manifest), loads it (:meth:`Datastore.load` re-checks every
+index file's sha256 and refuses anything malformed), proves it fits this target (hidden size,
+vocabulary, tokenizer) and installs it with one reference assignment. A request takes its
+cluster's :class:`DatastoreHandle` once, so a swap never changes a running request, and a
+refused or unreachable version keeps the current one serving.
+
+A cluster with no champion yet uses the **fallback** datastore (``specops datastore build``
+over the bootstrap corpus: out of distribution, version ``base``), when serving has one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge
+
+from registry import RegistryStore
+from serving.errors import DatastoreError
+from serving.fleet.follower import AliasFollower, FollowConfig
+from serving.retrieval.datastore import Datastore
+
+log = logging.getLogger(__name__)
+
+SWAPS = Counter("specops_datastore_swaps_total", "Datastores swapped in", ["cluster"])
+VERSION = Gauge("specops_datastore_version", "Registry version of the datastore serving (0 = fallback)", ["cluster"])
+
+
+@dataclass(frozen=True)
+class DatastoreHandle:
+    """The datastore a request uses, and its version (``base`` for the fallback)."""
+
+    datastore: Datastore | None
+    version: str
+
+
+class DatastoreFollower(AliasFollower):
+    """Per-cluster datastores on ``datastore-<cluster>@champion``, with a fallback."""
+
+    def __init__(self, registry: RegistryStore | None, target, *, cache_dir: Path, fallback: Datastore | None = None,
+                 target_tokenizer_sha256: str = "", vocab_size: int | None = None,
+                 follow: FollowConfig | None = None) -> None:  # fmt: skip
+        super().__init__(registry, "datastore", follow)
+        self.target = target
+        self.cache_dir = Path(cache_dir)
+        self.target_tokenizer_sha256 = target_tokenizer_sha256
+        self.vocab_size = vocab_size
+        self.fallback = DatastoreHandle(fallback, "base" if fallback is not None else "")
+        if fallback is not None:
+            fallback.check_fits(target, vocab_size)
+        self._current: dict[str, DatastoreHandle] = {}
+        self._install_lock = threading.Lock()
+        self.swaps = 0
+
+    def current(self, cluster: str) -> DatastoreHandle:
+        """The cluster's datastore now (one dict read); following starts on first use."""
+        handle = self._current.get(cluster)
+        if handle is None:
+            if cluster not in self.keys:
+                self.follow(cluster)
+            return self.fallback
+        return handle
+
+    # ------------------------------------------------------------ the follower's steps
+    def serving_version(self, key: str) -> str | None:
+        handle = self._current.get(key)
+        return handle.version if handle is not None else None
+
+    def load(self, key: str, version) -> Datastore:
+        dest = self.cache_dir / key / str(version.version)
+        if dest.exists():
+            shutil.rmtree(dest)
+        self.registry.artifact("datastore").fetch(version, dest)  # manifest checksums
+        store = Datastore.load(dest)  # every index file's sha256, shapes, ranges
+        store.check_fits(self.target, self.vocab_size)
+        made_with = store.meta.get("tokenizer_sha256", "")
+        if made_with and self.target_tokenizer_sha256 and made_with != self.target_tokenizer_sha256:
+            raise DatastoreError(f"datastore-{key} version {version.version} was built with tokenizer "
+                                 f"{made_with[:12]}; this target's is {self.target_tokenizer_sha256[:12]}")  # fmt: skip
+        return store
+
+    def install(self, key: str, version, obj: Datastore, load_s: float) -> None:
+        with self._install_lock:
+            previous = self._current.get(key)
+            self._current = {**self._current, key: DatastoreHandle(obj, str(version.version))}  # one assignment
+        self.swaps += 1
+        SWAPS.labels(key).inc()
+        VERSION.labels(key).set(float(version.version) if str(version.version).isdigit() else 0)
+        log.info("datastore %s: swapped %s -> %s (%d entries, %.0f bytes/entry; loaded in %.2fs)", key,
+                 previous.version if previous else self.fallback.version or "none", version.version, obj.num_entries,
+                 obj.bytes_per_entry, load_s)  # fmt: skip
+        # Older cached versions are not needed: running requests hold the object, not the files.
+        for old in (self.cache_dir / key).glob("*"):
+            if old.name != str(version.version):
+                shutil.rmtree(old, ignore_errors=True)
+
+    def wait_for(self, cluster: str, version: str, timeout_s: float = 30.0) -> bool:
+        """Block until ``cluster`` serves ``version`` (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.serving_version(cluster) == version:
+                return True
+            time.sleep(0.02)
+        return False

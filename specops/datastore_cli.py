@@ -1,0 +1,201 @@
+"""``specops datastore build|ls|promote|inspect``: DReSD datastores, built and in the registry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from specops.paths import models_dir
+from specops.registry_cli import _fmt, add_registry_args, open_registry
+
+
+def _read_documents(path: Path, tokenizer) -> list[list[int]]:
+    """JSON lines: ``{"token_ids": [...]}`` or ``{"prompt_ids": [...], "output_ids": [...]}`` or ``{"text": "..."}``."""
+    from serving.errors import DatastoreError
+
+    docs = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if "token_ids" in obj:
+                ids = obj["token_ids"]
+            elif "prompt_ids" in obj:
+                ids = list(obj["prompt_ids"]) + list(obj.get("output_ids", []))
+            else:
+                ids = tokenizer(obj["text"], add_special_tokens=False)["input_ids"]
+            if not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError("token ids must be non-negative integers")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DatastoreError(f"{path}:{n}: not a document ({exc}); each line is a JSON object with token_ids, "
+                                 "prompt_ids (+ output_ids) or text") from None  # fmt: skip
+        docs.append(ids)
+    return docs
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from serving.engine.models import load_model, load_tokenizer, tokenizer_hash as tokenizer_sha256
+    from serving.retrieval.datastore import Datastore, DatastoreConfig
+    from serving.retrieval.index import IndexConfig
+
+    model_dir = Path(args.model_dir)
+    target = load_model(model_dir / "target")
+    tokenizer = load_tokenizer(model_dir / "target")
+    if args.documents:
+        docs, source = _read_documents(Path(args.documents), tokenizer), f"file:{args.documents}"
+    else:
+        from trainer.datastores import corpus_documents
+
+        docs, source = corpus_documents(model_dir, tokenizer, per_domain=args.per_domain, chars=args.chars,
+                                        seed=args.seed), "bootstrap-corpus"  # fmt: skip
+    cfg = DatastoreConfig(dims=args.dims, value_len=args.value_len, max_doc_len=args.max_doc_len,
+                          index=IndexConfig(kind=args.index, quantizer=args.quantizer))  # fmt: skip
+    total = sum(min(len(d), cfg.max_doc_len) for d in docs)
+    print(f"building a datastore from {len(docs)} documents ({total} tokens, {source}): {cfg.index.kind} index, "
+          f"{cfg.dims} dims, values of {cfg.value_len} tokens")  # fmt: skip
+    with tqdm(total=total, unit="tok", desc="target hidden states") as bar:
+        store, stats = Datastore.build(target, docs, cfg, progress=bar.update,
+                                       meta={"source": source, "tokenizer_sha256": tokenizer_sha256(tokenizer)})  # fmt: skip
+    print(f"{store.num_entries} entries, {store.bytes_per_entry:.0f} bytes/entry; keys at "
+          f"{stats.embed_tokens_per_s:.0f} tokens/s ({stats.embed_s:.1f}s), PCA {stats.fit_s:.1f}s, "
+          f"index {stats.index_s:.1f}s; explained variance {float(store.projection.explained.sum()):.2f}")  # fmt: skip
+    if args.out:
+        store.save(Path(args.out))
+        print(f"saved to {args.out} (serve it as the fallback: specops serve --datastore-dir {args.out})")
+    if args.register:
+        reg = open_registry(args.registry, args.stream)
+        with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
+            store.save(Path(tmp) / "ds")
+            v = reg.artifact("datastore").register(
+                args.register, Path(tmp) / "ds", meta={"config_hash": cfg.hash()},
+                tags={"config_hash": cfg.hash(), "tokenizer_sha256": tokenizer_sha256(tokenizer), "source": source,
+                      "num_entries": str(store.num_entries)},
+                metrics={"num_entries": float(store.num_entries), "bytes_per_entry": store.bytes_per_entry,
+                         "embed_tokens_per_s": stats.embed_tokens_per_s})  # fmt: skip
+        print(f"registered datastore-{args.register} version {v.version} (alias challenger)")
+        kind = reg.artifact("datastore")
+        if args.promote or kind.by_alias(args.register) is None:
+            kind.promote(args.register, v.version, reason="specops datastore build")
+            print(f"datastore-{args.register}: champion -> {v.version}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    kind = open_registry(args.registry, None).artifact("datastore")
+    keys = [args.cluster] if args.cluster else kind.keys()
+    rows = [{"cluster": key, "version": v.version, "aliases": ",".join(v.aliases),
+             "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
+             "entries": v.tags.get("num_entries", ""), "bytes_per_entry": v.tags.get("bytes_per_entry", ""),
+             "mar": v.tags.get("mar", ""), "source": v.tags.get("source", ""),
+             "config": v.tags.get("config_hash", "")[:8]}
+            for key in keys for v in kind.versions(key)]  # fmt: skip
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    table = Table(title="datastore versions")
+    for col in ("cluster", "version", "aliases", "created", "entries", "bytes/entry", "MAR", "source", "config"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["cluster"], r["version"], r["aliases"], r["created"], r["entries"], _fmt(r["bytes_per_entry"], 0),
+                      _fmt(r["mar"]), r["source"], r["config"])  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if not rows:
+        print("no datastore registered yet: `specops datastore build --register CLUSTER` builds one")
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    change = open_registry(args.registry, args.stream).artifact("datastore").promote(args.cluster, args.version,
+                                                                                     reason=args.reason)  # fmt: skip
+    print(f"datastore-{args.cluster}: champion {change.previous_version or 'none'} -> {change.version}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from serving.errors import DatastoreError
+    from serving.retrieval.datastore import Datastore
+
+    if args.path:
+        info = Datastore.load(Path(args.path)).describe()
+    else:
+        kind = open_registry(args.registry, None).artifact("datastore")
+        v = kind.get(args.cluster, args.version) if args.version else kind.by_alias(args.cluster)
+        if v is None:
+            raise DatastoreError(f"datastore-{args.cluster} has no champion; give --version or build one")
+        with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
+            kind.fetch(v, Path(tmp) / "ds")
+            info = {"version": v.version, "aliases": list(v.aliases), **Datastore.load(Path(tmp) / "ds").describe()}
+    print(json.dumps(info, indent=1, sort_keys=True))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "datastore",
+        help="DReSD datastores: build one (corpus or generations), list versions, promote, inspect",
+        description="A DReSD datastore maps the target's hidden state at a position (z-normalised, PCA-reduced, unit "
+        "length) to the tokens that followed it; the dresd method drafts from the cluster's datastore "
+        "(datastore-<cluster>@champion, hot-swapped by serving). See docs/dresd.md.",
+    )
+    dsub = p.add_subparsers(dest="datastore_command", required=True, metavar="SUBCOMMAND")
+
+    q = dsub.add_parser("build", help="build a datastore from the bootstrap corpus or a file of documents",
+                        description="Runs the target over the documents in batches (a progress bar shows tokens), "
+                        "fits z-norm and PCA, builds the index, and saves it (--out) and/or registers it as "
+                        "datastore-CLUSTER (--register; promoted when the cluster has no champion yet, or with "
+                        "--promote). Without --documents it uses snippets of the bootstrap's training text: the "
+                        "out-of-distribution fallback for clusters without a datastore of their own.")  # fmt: skip
+    add_registry_args(q)
+    q.add_argument("--model-dir", default=str(models_dir()), help="bootstrap directory (default: %(default)s)")
+    q.add_argument("--documents", default=None, metavar="FILE.jsonl",
+                   help="JSON lines with token_ids, prompt_ids + output_ids, or text (default: the bootstrap corpus)")
+    q.add_argument("--per-domain", type=int, default=400, help="corpus snippets per domain (default: %(default)s)")
+    q.add_argument("--chars", type=int, default=2000, help="characters per corpus snippet (default: %(default)s)")
+    q.add_argument("--seed", type=int, default=0, help="corpus sampling seed (default: %(default)s)")
+    q.add_argument("--dims", type=int, default=64, help="PCA dimensions of a key (default: %(default)s)")
+    q.add_argument("--value-len", type=int, default=21,
+                   help="tokens stored after each key: the first is matched, the rest drafted (default: %(default)s)")
+    q.add_argument("--max-doc-len", type=int, default=1024, help="tokens kept per document (default: %(default)s)")
+    q.add_argument("--index", choices=("flat", "hnsw", "scann"), default="hnsw", help="index (default: %(default)s)")
+    q.add_argument("--quantizer", choices=("fp16", "sq8"), default="fp16",
+                   help="flat/HNSW key storage (default: %(default)s)")
+    q.add_argument("--out", default=None, metavar="DIR", help="save the datastore here")
+    q.add_argument("--register", default=None, metavar="CLUSTER", help="register it as datastore-CLUSTER")
+    q.add_argument("--promote", action="store_true", help="with --register: make it the champion")
+    q.set_defaults(func=cmd_build)
+
+    q = dsub.add_parser("ls", help="list datastore versions", description="One row per datastore version: cluster, "
+                        "aliases, entries, bytes per entry, offline MAR (rebuilds), source, config hash.")  # fmt: skip
+    add_registry_args(q, events=False)
+    q.add_argument("--cluster", default=None, help="only this cluster")
+    q.add_argument("--json", action="store_true", help="one JSON object per version")
+    q.set_defaults(func=cmd_ls)
+
+    q = dsub.add_parser("promote", help="make a version the cluster's champion",
+                        description="Points datastore-CLUSTER@champion at VERSION; serving swaps it in between "
+                        "requests.")  # fmt: skip
+    add_registry_args(q)
+    q.add_argument("cluster")
+    q.add_argument("version")
+    q.add_argument("--reason", default="manual", help="recorded with the alias move (default: %(default)s)")
+    q.set_defaults(func=cmd_promote)
+
+    q = dsub.add_parser("inspect", help="describe a datastore: sizes, index, projection, lineage",
+                        description="Loads a saved datastore (PATH) or a registered version (--cluster, --version; "
+                        "default the champion), verifying every checksum, and prints its description as JSON.")  # fmt: skip
+    add_registry_args(q, events=False)
+    q.add_argument("path", nargs="?", default=None, help="a saved datastore directory")
+    q.add_argument("--cluster", default="default", help="registered datastore's cluster (default: %(default)s)")
+    q.add_argument("--version", default=None, help="version (default: the champion)")
+    q.set_defaults(func=cmd_inspect)

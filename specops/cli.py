@@ -164,18 +164,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         refitter = train_refitter(args.stream, promoter.registry, Path(args.model_dir), embedder=args.router_embedder,
                                   tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)  # fmt: skip
+    rebuilder = None
+    if args.datastore_rebuild_every:  # a scheduled job rebuilds each cluster's DReSD datastore from spec.generations
+        if promoter is None:
+            print("specops train: error: --datastore-rebuild-every registers datastores: it needs a registry, not "
+                  "--registry none", file=sys.stderr)  # fmt: skip
+            return 2
+        from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+        from trainer.datastores import DatastoreRebuilder, RebuildConfig
+
+        target_dir = Path(args.target) if args.target else Path(args.model_dir) / "target"
+        rebuilder = DatastoreRebuilder(StreamConfig.from_env(url=args.stream), promoter.registry,
+                                       load_model(target_dir, device=args.device),
+                                       tokenizer_sha256=tokenizer_hash(load_tokenizer(target_dir)),
+                                       cfg=RebuildConfig(min_new=args.datastore_min_new))  # fmt: skip
     trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg, target=target,
                             promoter=promoter)  # fmt: skip
     try:
-        if args.schedule or refitter is not None:  # APScheduler jobs on a persistent job store (trainer/schedule.py)
+        if args.schedule or refitter is not None or rebuilder is not None:  # APScheduler jobs on a persistent job store (trainer/schedule.py)
             from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
 
             if args.verbose < 1:
                 logging.getLogger("apscheduler").setLevel(logging.WARNING)  # no "Running job" line per tick
             scfg = ScheduleConfig(jobstore_url=args.jobstore or default_jobstore_url(args.out),
                                   tick_seconds=args.tick_seconds, load_signal=args.load_signal,
-                                  load_threshold=args.load_threshold, router_refit_s=args.router_refit_every)  # fmt: skip
-            consumed = TrainerScheduler(trainer, scfg, router_refitter=refitter).run_forever(
+                                  load_threshold=args.load_threshold, router_refit_s=args.router_refit_every,
+                                  datastore_rebuild_s=args.datastore_rebuild_every)  # fmt: skip
+            consumed = TrainerScheduler(trainer, scfg, router_refitter=refitter,
+                                        datastore_rebuilder=rebuilder).run_forever(
                 max_idle_s=args.idle_exit, max_records=args.max_records)  # fmt: skip
         else:
             consumed = trainer.run(max_idle_s=args.idle_exit, max_records=args.max_records)
@@ -186,6 +202,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer.close()
         if refitter is not None:
             refitter.close()
+        if rebuilder is not None:
+            rebuilder.close()
     for cluster, st in sorted(trainer.clusters.items()):
         ev = st.last_eval.get("after", {})
         print(f"cluster {cluster}: draft v{st.version}, {st.updates} updates, {st.records_trained} requests, "
@@ -356,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-every", type=int, default=1, help="register every N-th update (default: %(default)s)")
     p.add_argument("--keep-versions", type=int, default=20,
                    help="archive unaliased versions beyond the newest N per cluster, 0 = never (default: %(default)s)")
+    p.add_argument("--datastore-rebuild-every", type=float, default=None, metavar="S",
+                   help="every S seconds rebuild each cluster's DReSD datastore from its new spec.generations (the "
+                   "target over them in batches, z-norm and PCA refitted, the index), register it and promote it when "
+                   "its held-out MAR beats the champion's (a scheduled job: implies --schedule; needs a registry); "
+                   "0 = off (default: off)")  # fmt: skip
+    p.add_argument("--datastore-min-new", type=int, default=32,
+                   help="new generations a cluster needs before a rebuild (default: %(default)s)")
     p.add_argument("--router-refit-every", type=float, default=None, metavar="S",
                    help="every S seconds refit the prompt router from spec.generations, register it and promote it "
                    "through its gate (a scheduled job: implies --schedule; needs a registry); 0 = off (default: off)")

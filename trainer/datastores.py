@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +99,193 @@ def build_and_register(registry, cluster: str, target, docs: Sequence[Sequence[i
              "tokens/s)", cluster, version.version, store.num_entries, stats.num_docs, store.bytes_per_entry,
              stats.embed_tokens_per_s)  # fmt: skip
     return store, stats, version
+
+
+# ---------------------------------------------------------------- rebuilds from served traffic
+@dataclass
+class RebuildConfig:
+    """How datastores are rebuilt from ``spec.generations``."""
+
+    group: str = "datastore-rebuild"
+    """Consumer group on ``spec.generations`` (its own: no other consumer's offsets move)."""
+    min_new: int = 32
+    """New generations a cluster needs before its datastore is rebuilt."""
+    max_docs: int = 20_000
+    """Most recent generations per cluster a datastore is built from (older ones age out)."""
+    heldout_every: int = 10
+    """Every N-th generation of a cluster is held out for the gate, never stored."""
+    max_heldout: int = 200
+    margin: float = 0.0
+    """Promote only when the candidate's held-out MAR beats the champion's by more than this."""
+    n_drafts: int = 3
+    k: int = 10
+    """The draft shape the gate replays."""
+    datastore: DatastoreConfig = field(default_factory=lambda: DatastoreConfig(value_len=21))
+    poll_records: int = 500
+    poll_timeout_s: float = 1.0
+    max_polls: int = 100
+
+    def __post_init__(self) -> None:
+        if self.min_new < 1 or self.max_docs < self.min_new or self.heldout_every < 2 or self.max_heldout < 1:
+            raise ValueError("need 1 <= min_new <= max_docs, heldout_every >= 2 and max_heldout >= 1")
+
+
+@dataclass(frozen=True)
+class RebuildResult:
+    """What one rebuild run did, per cluster rebuilt: ``promoted`` or ``registered``."""
+
+    consumed: int
+    clusters: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    mar: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+    """Per cluster: (candidate's held-out MAR, champion's or None)."""
+
+    @property
+    def status(self) -> str:
+        if not self.clusters:
+            return "no_new_records" if not self.consumed else "waiting"
+        return "promoted" if "promoted" in self.clusters.values() else "registered"
+
+
+class DatastoreRebuilder:
+    """Rebuilds each cluster's DReSD datastore from its served generations. :meth:`run_once`
+    reads top to bottom:
+
+    1. **consume** GenerationRecords in its own consumer group; each (context + output) goes
+       to its cluster's training buffer, every ``heldout_every``-th to its held-out set;
+    2. for each cluster with ``min_new`` new generations, **build** a datastore over the
+       buffer (the target's hidden states in batches, z-norm and PCA refitted, the index);
+    3. **gate**: its MAR replayed on the held-out generations must beat the champion's;
+    4. **register** ``datastore-<cluster>`` (lineage: offsets, sizes, config hash) and
+       **promote** it when the gate passed;
+    5. **commit** the offsets, only now, and only once every cluster's new generations are in
+       a registered version: a crash before this re-reads the records.
+    """
+
+    def __init__(self, stream_cfg, registry, target, *, tokenizer_sha256: str = "",
+                 cfg: RebuildConfig | None = None) -> None:  # fmt: skip
+        from collections import deque
+
+        self.stream_cfg, self.registry, self.target = stream_cfg, registry, target
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.cfg = cfg or RebuildConfig()
+        self._deque = deque
+        self.train: dict[str, deque] = {}
+        self.heldout: dict[str, deque] = {}
+        self._count: dict[str, int] = {}
+        self._new: dict[str, int] = {}
+        self._seen: set[tuple[str, int, int]] = set()
+        self._pending: dict[str, list[int]] = {}
+        self._champions: dict[str, tuple[str, Datastore]] = {}
+        self._stream = self._consumer = None
+
+    def _open(self):
+        if self._consumer is None:
+            from streams import open_stream
+            from streams.consumer import RecordConsumer
+            from streams.records import GenerationRecord
+
+            self._stream = open_stream(self.stream_cfg)
+            self._consumer = RecordConsumer(self._stream, self.cfg.group, [self.stream_cfg.topics.generations],
+                                            deadletter_topic=self.stream_cfg.topics.deadletter,
+                                            expect=[GenerationRecord])  # fmt: skip
+        return self._consumer
+
+    def close(self) -> None:
+        """Leave the group without committing (uncommitted records come back)."""
+        if self._consumer is not None:
+            self._consumer.close()
+        if self._stream is not None:
+            self._stream.close()
+        self._consumer = self._stream = None
+
+    def consume(self) -> int:
+        """Step 1; returns the records consumed."""
+        consumer, n = self._open(), 0
+        for _ in range(self.cfg.max_polls):
+            delivered = consumer.poll(max_records=self.cfg.poll_records, timeout_s=self.cfg.poll_timeout_s)
+            if not delivered:
+                break
+            for d in delivered:
+                msg, rec = d.message, d.record
+                lo, hi = self._pending.get(str(msg.partition), [msg.offset, msg.offset])
+                self._pending[str(msg.partition)] = [min(lo, msg.offset), max(hi, msg.offset)]
+                n += 1
+                source = (msg.topic, msg.partition, msg.offset)
+                if source in self._seen:  # redelivered after a rebalance: used once
+                    continue
+                self._seen.add(source)
+                context = [int(t) for t in rec.prompt_ids]
+                doc = (context + [int(t) for t in rec.output_ids], len(context))
+                c = rec.cluster
+                self._count[c] = self._count.get(c, 0) + 1
+                if self._count[c] % self.cfg.heldout_every == 0:
+                    self.heldout.setdefault(c, self._deque(maxlen=self.cfg.max_heldout)).append(doc)
+                else:
+                    self.train.setdefault(c, self._deque(maxlen=self.cfg.max_docs)).append(doc)
+                    self._new[c] = self._new.get(c, 0) + 1
+        return n
+
+    def champion(self, cluster: str) -> Datastore | None:
+        kind = self.registry.artifact("datastore")
+        v = kind.by_alias(cluster)
+        if v is None:
+            return None
+        held = self._champions.get(cluster)
+        if held is None or held[0] != v.version:
+            with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
+                kind.fetch(v, Path(tmp) / "ds")
+                held = (v.version, Datastore.load(Path(tmp) / "ds"))
+            self._champions[cluster] = held
+        return held[1]
+
+    def _mar(self, store: Datastore, cluster: str) -> float:
+        docs = list(self.heldout.get(cluster, ()))
+        if not docs:
+            return 0.0
+        return offline_mar(store, self.target, [d for d, _ in docs], [s for _, s in docs], n_drafts=self.cfg.n_drafts,
+                           k=self.cfg.k).mar  # fmt: skip
+
+    def run_once(self) -> RebuildResult:
+        consumed = self.consume()  # 1.
+        due = sorted(c for c, n in self._new.items() if n >= self.cfg.min_new and self.heldout.get(c))
+        result = RebuildResult(consumed)
+        for cluster in due:
+            docs = [d for d, _ in self.train[cluster]]
+            champion = self.champion(cluster)
+            store, stats = Datastore.build(self.target, docs, self.cfg.datastore,  # 2.
+                                           meta={"cluster": cluster, "tokenizer_sha256": self.tokenizer_sha256})  # fmt: skip
+            mar = self._mar(store, cluster)  # 3.
+            champ_mar = self._mar(champion, cluster) if champion is not None else None
+            passed = champ_mar is None or mar > champ_mar + self.cfg.margin
+            lineage = {"topic": self.stream_cfg.topics.generations, "offsets": dict(self._pending),
+                       "docs": len(docs), "heldout": len(self.heldout[cluster])}  # fmt: skip
+            with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:  # 4.
+                store.save(Path(tmp) / "ds")
+                tags = {"config_hash": self.cfg.datastore.hash(), "tokenizer_sha256": self.tokenizer_sha256,
+                        "num_entries": str(store.num_entries), "bytes_per_entry": f"{store.bytes_per_entry:.1f}",
+                        "mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
+                        "source": "spec.generations"}  # fmt: skip
+                v = self.registry.artifact("datastore").register(
+                    cluster, Path(tmp) / "ds", meta={"config_hash": self.cfg.datastore.hash()}, tags=tags,
+                    metrics={"mar": mar, "num_entries": float(store.num_entries), "gate_passed": float(passed),
+                             "bytes_per_entry": store.bytes_per_entry, "embed_tokens_per_s": stats.embed_tokens_per_s},
+                    lineage=lineage)  # fmt: skip
+            if passed:
+                self.registry.artifact("datastore").promote(cluster, v.version, reason=(
+                    f"rebuild gate: held-out MAR {mar:.3f} vs {'none' if champ_mar is None else f'{champ_mar:.3f}'}"))  # fmt: skip
+            self._new[cluster] = 0
+            result.clusters[cluster] = "promoted" if passed else "registered"
+            result.versions[cluster] = v.version
+            result.mar[cluster] = (mar, champ_mar)
+            log.info("datastore-%s: version %s from %d generations (%d entries, keys at %.0f tokens/s), held-out MAR "
+                     "%.3f vs champion %s: %s", cluster, v.version, len(docs), store.num_entries,
+                     stats.embed_tokens_per_s, mar, "none" if champ_mar is None else f"{champ_mar:.3f}",
+                     "promoted" if passed else "kept the champion")  # fmt: skip
+        if due and not any(self._new.values()):
+            # 5. Only when every consumed generation is in a registered version (or held out): a
+            # cluster still short of min_new holds the commit back, so a crash re-reads its records.
+            self._consumer.commit()  # type: ignore[union-attr]
+            self._pending.clear()
+            self._seen.clear()
+        return result

@@ -13,6 +13,10 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
   ``spec.generations``, register it and promote it through its gate. It skips under
   serving load like a tick, and does not wait for the distillation (it touches no draft).
   When it is off, a ``router-refit`` row left in the job store by an earlier run is removed.
+- **datastore-rebuild** (every ``datastore_rebuild_s``, when set and a
+  :class:`~trainer.datastores.DatastoreRebuilder` is given): rebuild each cluster's DReSD
+  datastore from its new ``spec.generations``, gate it on held-out MAR, register and promote
+  it. Load-aware like the others (the target pass that makes the keys is its main cost).
 
 **Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
 serving leaves idle. Serving writes its load to a small JSON file
@@ -80,9 +84,12 @@ TICK_FUNC = "trainer.schedule:_tick"
 EVAL_FUNC = "trainer.schedule:_evaluate"
 ROUTER_JOB_ID = "router-refit"
 ROUTER_FUNC = "trainer.schedule:_refit_router"
+DATASTORE_JOB_ID = "datastore-rebuild"
+DATASTORE_FUNC = "trainer.schedule:_rebuild_datastores"
 
 TICKS = Counter("specops_trainer_ticks_total", "Distillation ticks of the scheduled trainer", ["outcome"])
 ROUTER_REFITS = Counter("specops_router_refits_total", "Router refit job runs", ["outcome"])
+DATASTORE_REBUILDS = Counter("specops_datastore_rebuilds_total", "Datastore rebuild job runs", ["outcome"])
 HELDOUT_ACCEPTANCE = Gauge(
     "specops_trainer_heldout_acceptance", "Held-out expected acceptance of each cluster's draft", ["cluster", "kind"]
 )
@@ -128,6 +135,8 @@ class ScheduleConfig:
     """A file signal older than this is unknown and does not cause a skip (serving may have died)."""
     router_refit_s: float | None = None
     """Interval of the router refit job, in seconds; None (or 0) = no router refits."""
+    datastore_rebuild_s: float | None = None
+    """Interval of the DReSD datastore rebuild job, in seconds; None (or 0) = no rebuilds."""
 
     def __post_init__(self) -> None:
         grace = self.misfire_grace_s
@@ -135,7 +144,9 @@ class ScheduleConfig:
             raise ScheduleConfigError(f"misfire_grace_s must be a whole number of seconds >= 1, got {grace!r}")
         if not self.router_refit_s:
             self.router_refit_s = None  # 0 means off, as on the command line
-        optional = ("router_refit_s",) if self.router_refit_s else ()
+        if not self.datastore_rebuild_s:
+            self.datastore_rebuild_s = None
+        optional = tuple(n for n in ("router_refit_s", "datastore_rebuild_s") if getattr(self, n))
         for name in ("tick_seconds", "eval_seconds", "load_stale_s", *optional):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -229,6 +240,13 @@ def _evaluate(trainer_id: str) -> None:
         sched.evaluate_all()
 
 
+def _rebuild_datastores(trainer_id: str) -> None:
+    """The ``datastore-rebuild`` job: one rebuild run of the trainer registered as ``trainer_id``."""
+    sched = _live(trainer_id, DATASTORE_JOB_ID)
+    if sched is not None:
+        sched.rebuild_datastores()
+
+
 def _refit_router(trainer_id: str) -> None:
     """The ``router-refit`` job: one router refit of the trainer registered as ``trainer_id``."""
     sched = _live(trainer_id, ROUTER_JOB_ID)
@@ -250,9 +268,14 @@ class TrainerScheduler:
     """
 
     def __init__(self, trainer: Any, cfg: ScheduleConfig | None = None, *, trainer_id: str | None = None,
-                 router_refitter: Any = None) -> None:  # fmt: skip
+                 router_refitter: Any = None, datastore_rebuilder: Any = None) -> None:  # fmt: skip
         self.trainer = trainer
         self.cfg = cfg or ScheduleConfig()
+        if self.cfg.datastore_rebuild_s and datastore_rebuilder is None:
+            raise ScheduleConfigError("datastore_rebuild_s is set but no datastore rebuilder was given: pass "
+                                      "datastore_rebuilder= (specops train --datastore-rebuild-every S builds one)")  # fmt: skip
+        self.datastore_rebuilder = datastore_rebuilder
+        self.datastore_rebuilds: dict[str, int] = {}
         if self.cfg.router_refit_s and router_refitter is None:
             raise ScheduleConfigError("router_refit_s is set but no router refitter was given: pass router_refitter= "
                                       "(specops train --router-refit-every S builds one)")  # fmt: skip
@@ -311,6 +334,10 @@ class TrainerScheduler:
                 self._place_job(scheduler, ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s)
             elif scheduler.get_job(ROUTER_JOB_ID) is not None:
                 scheduler.remove_job(ROUTER_JOB_ID)  # refits were switched off since the last run
+            if self.cfg.datastore_rebuild_s:
+                self._place_job(scheduler, DATASTORE_JOB_ID, DATASTORE_FUNC, self.cfg.datastore_rebuild_s)
+            elif scheduler.get_job(DATASTORE_JOB_ID) is not None:
+                scheduler.remove_job(DATASTORE_JOB_ID)
         except Exception:
             scheduler.shutdown(wait=False)
             self._unregister()
@@ -479,6 +506,24 @@ class TrainerScheduler:
             outcome = "error"
         self.router_refits[outcome] = self.router_refits.get(outcome, 0) + 1
         ROUTER_REFITS.labels(outcome=outcome).inc()
+        return outcome
+
+
+    def rebuild_datastores(self) -> str:
+        """One datastore rebuild run unless serving is busy; never raises. Returns the outcome:
+        ``promoted``, ``registered``, ``waiting``, ``no_new_records``, ``skipped_load`` or ``error``."""
+        try:
+            busy = self._too_busy()
+            if busy is not None:
+                log.info("skipped datastore rebuild: serving load %.2f > %.2f", busy, self.cfg.load_threshold)
+                outcome = "skipped_load"
+            else:
+                outcome = self.datastore_rebuilder.run_once().status
+        except Exception:
+            log.exception("datastore rebuild failed (the next run retries; nothing was committed)")
+            outcome = "error"
+        self.datastore_rebuilds[outcome] = self.datastore_rebuilds.get(outcome, 0) + 1
+        DATASTORE_REBUILDS.labels(outcome=outcome).inc()
         return outcome
 
 

@@ -100,6 +100,49 @@ def repetition(context: list[int], output: list[int], n: int = 3) -> float:
     return hits / max(1, len(output))
 
 
+def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
+    """The ID datastore as serving would get it: the generations published as GenerationRecords
+    to an embedded stream, one run of the datastore-rebuild job (``trainer/datastores.py``) into
+    an embedded registry, and the promoted ``datastore-bench@champion`` fetched and loaded. The
+    job holds out every 10th generation for its gate, so the datastore has 90% of ``docs``."""
+    import tempfile
+
+    from registry import RegistryConfig, RegistryStore
+    from streams import OutMessage, StreamConfig, codec, open_stream
+    from streams.records import GenerationRecord
+    from trainer.datastores import DatastoreRebuilder, RebuildConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="specops-bench-dresd-"))
+    cfg = StreamConfig(url=f"local://{tmp / 'streams'}", fsync=False)
+    msgs = []
+    for i, d in enumerate(docs):
+        rec = GenerationRecord(request_id=f"bench-{i}", cluster="bench", method="target", draft_model="",
+                               draft_version="", prompt_ids=np.asarray(d[:prompt_tokens], np.int32),
+                               output_ids=np.asarray(d[prompt_tokens:], np.int32), vocab_size=pair.vocab_size,
+                               finish_reason="length")  # fmt: skip
+        msgs.append(OutMessage(key=rec.key, value=codec.encode(rec)))
+    with open_stream(cfg) as stream, stream.producer() as producer:
+        producer.publish(cfg.topics.generations, msgs)
+    reg = RegistryStore(RegistryConfig(uri=f"sqlite:///{tmp / 'mlflow.db'}", artifact_root=str(tmp / "artifacts")))
+    every = 10 if len(docs) >= 20 else 2  # a tiny run still holds some out for the gate
+    rebuilder = DatastoreRebuilder(cfg, reg, pair.target, cfg=RebuildConfig(min_new=1, heldout_every=every,
+                                                                            poll_timeout_s=0.5))  # fmt: skip
+    try:
+        result = rebuilder.run_once()
+    finally:
+        rebuilder.close()
+    log.info("rebuild job: %s (held-out MAR %s)", result.clusters, result.mar)
+    v = reg.artifact("datastore").by_alias("bench")
+    reg.artifact("datastore").fetch(v, tmp / "ds")
+    store = Datastore.load(tmp / "ds")
+    from serving.retrieval.datastore import BuildStats
+
+    meta = store.meta
+    stats = BuildStats(num_docs=meta["num_docs"], num_tokens=meta["num_tokens"], num_entries=meta["num_entries"],
+                       embed_s=meta["embed_s"], fit_s=meta["fit_s"], index_s=meta["index_s"])  # fmt: skip
+    return store, stats
+
+
 # ---------------------------------------------------------------- arms
 def arms(engine: SpecEngine, stores: dict, rests: dict) -> dict:
     """name -> (proposer_cfg or proposer factory, k, resources)."""
@@ -191,8 +234,13 @@ def main(argv=None) -> int:
     id_docs, gen_tps = id_documents(pair, model_dir, id_prompts, prompt_tokens=64, new_tokens=args.id_new_tokens)
     stores, rests, builds = {}, {}, {}
     for name, docs in (("ood", ood_docs), ("id", id_docs)):
-        store, st = Datastore.build(pair.target, docs, DatastoreConfig(value_len=21))
-        stores[name], rests[name] = store, RestIndex(docs, pair.vocab_size)
+        if name == "id":  # through the real path: spec.generations -> the rebuild job -> the registry
+            store, st = rebuilt_from_stream(pair, docs)
+        else:
+            store, st = Datastore.build(pair.target, docs, DatastoreConfig(value_len=21))
+        # REST indexes exactly the documents the datastore holds (the rebuild holds some out).
+        held = np.split(store.tokens, store.doc_ends[:-1])
+        stores[name], rests[name] = store, RestIndex([h.tolist() for h in held], pair.vocab_size)
         builds[name] = {"docs": st.num_docs, "tokens": st.num_tokens, "entries": st.num_entries,
                         "keys_tokens_per_s": round(st.embed_tokens_per_s), "fit_s": round(st.fit_s, 2),
                         "index_s": round(st.index_s, 2), "bytes_per_entry": round(store.bytes_per_entry, 1),

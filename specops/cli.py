@@ -73,6 +73,7 @@ def _describe(manifest: dict) -> str:
 # ---------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> int:
     from serving.engine.spec import SpecEngine
+    from serving.proposers.catalogue import ProposerConfig
     from serving.engine.models import load_model_dir
     from serving.engine.types import SamplingParams
 
@@ -92,7 +93,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         meta = RequestMeta(cluster=args.cluster,
                            draft_model="bootstrap-draft" if method_spec(args.method).artifact == "draft" else "")
-        result = SpecEngine(pair, logger=logger).generate(prompt_ids, params, method=args.method, k=args.k, meta=meta)
+        resources = None
+        if args.datastore:  # dresd: a saved datastore (specops datastore build --out DIR)
+            from serving.proposers.catalogue import ProposerResources
+            from serving.retrieval.datastore import Datastore
+
+            store = Datastore.load(Path(args.datastore))
+            store.check_fits(pair.target, pair.vocab_size)
+            resources = ProposerResources(pair=pair, cluster=args.cluster, datastore=store)
+        result = SpecEngine(pair, logger=logger).generate(
+            prompt_ids, params, method=args.method, k=args.k, meta=meta, resources=resources,
+            proposer_cfg=None if not args.n_drafts else ProposerConfig(method=args.method, n_drafts=args.n_drafts))  # fmt: skip
     finally:
         if logger is not None:
             logger.close(timeout_s=30)
@@ -286,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 3 for draft, 10 for pld)")
+    p.add_argument("--k", type=int, default=None, help="tokens drafted per step (default: 3 for draft, 10 for pld and dresd)")
+    p.add_argument("--datastore", default=None, metavar="DIR",
+                   help="a saved DReSD datastore for --method dresd (specops datastore build --out DIR)")
+    p.add_argument("--n-drafts", type=int, default=None, help="rows per step for --method dresd (default: 3)")
     p.add_argument("--draft-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="precision the draft runs in; the target runs in float32 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as one JSON line')

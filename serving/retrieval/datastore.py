@@ -139,19 +139,21 @@ class Datastore:
             out.append(self.tokens[start : min(start + length, int(self._entry_end[i]))])
         return out
 
-    def search(self, hidden: np.ndarray | torch.Tensor, k: int) -> np.ndarray:
-        """Ids [n, k] of the entries nearest to the target hidden states ``hidden`` [n, hidden]."""
+    def search(self, hidden: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ids [n, k] of the entries nearest to the target hidden states ``hidden`` [n, hidden],
+        and their cosine similarities [n, k]."""
         return self.index.search(self.projection.apply(hidden), k)
 
     def drafts(self, hidden: np.ndarray | torch.Tensor, next_token: int, *, n_drafts: int, length: int,
-               search_k: int = 0) -> list[list[int]]:  # fmt: skip
+               search_k: int = 0, min_similarity: float = -1.0) -> list[list[int]]:  # fmt: skip
         """Up to ``n_drafts`` distinct draft rows of up to ``length`` tokens to follow
         ``next_token``, the target's token after the state ``hidden`` [hidden] (DReSD's
-        first-token filter). Nearest first; rows that are a prefix of a nearer row are dropped
-        (the token tree would merge them anyway)."""
+        first-token filter), from neighbours at least ``min_similarity`` close. Nearest first;
+        rows that are a prefix of a nearer row are dropped (the token tree would merge them)."""
         search_k = search_k or max(32, 8 * n_drafts)
-        ids = self.search(np.asarray(hidden, dtype=np.float32).reshape(1, -1) if not isinstance(hidden, torch.Tensor)
-                          else hidden.reshape(1, -1), search_k)[0]  # fmt: skip
+        query = hidden.reshape(1, -1) if isinstance(hidden, torch.Tensor) else np.asarray(hidden, np.float32).reshape(1, -1)
+        ids, sims = self.search(query, search_k)
+        ids = ids[0][sims[0] >= min_similarity]
         rows: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         for value in self.values(ids, length + 1):

@@ -64,19 +64,23 @@ class KeyIndex:
     def num_bytes(self) -> int:
         return sum(len(b) for b in self.files.values())
 
-    def search(self, queries: np.ndarray, k: int) -> np.ndarray:
-        """``queries`` [n, dims] float32 unit vectors; ids [n, k] int64 of the nearest keys."""
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``queries`` [n, dims] float32 unit vectors; ids [n, k] int64 of the nearest keys (-1:
+        none) and their similarities [n, k] float32 (inner product, nearest first)."""
         assert queries.ndim == 2 and queries.shape[1] == self.dims, (queries.shape, self.dims)
         q = np.ascontiguousarray(queries, dtype=np.float32)
         k = max(1, min(k, self.size))
         if self.cfg.kind == "scann":
-            ids, _ = self._impl.search_batched(q, final_num_neighbors=k)
-            ids = np.asarray(ids, dtype=np.int64)
+            ids, sims = self._impl.search_batched(q, final_num_neighbors=k)
+            ids, sims = np.asarray(ids, dtype=np.int64), np.asarray(sims, dtype=np.float32)
             if ids.shape[1] < k:
                 ids = np.pad(ids, ((0, 0), (0, k - ids.shape[1])), constant_values=-1)
-            return ids
-        _, ids = self._impl.search(q, k)
-        return ids.astype(np.int64)
+                sims = np.pad(sims, ((0, 0), (0, k - sims.shape[1])), constant_values=-np.inf)
+            return ids, sims
+        if self.cfg.kind == "hnsw" and self._impl.hnsw.efSearch < k:  # HNSW returns at most efSearch neighbours
+            self._impl.hnsw.efSearch = k
+        sims, ids = self._impl.search(q, k)
+        return ids.astype(np.int64), sims.astype(np.float32)
 
     def describe(self) -> dict:
         return {"config": asdict(self.cfg), "dims": self.dims, "size": self.size, "files": sorted(self.files)}

@@ -5,6 +5,7 @@ current one keeps serving; a cluster without a champion uses the fallback."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -78,6 +79,9 @@ def test_hot_swap_under_load_fails_nothing_and_keeps_outputs(reg, tmp_path, tiny
                 follower.request_check("code")
                 assert follower.wait_for("code", v, 20)
                 versions.append(v)
+            deadline = time.monotonic() + 30
+            while not any(sv == versions[-1] for sv, _, _ in served) and time.monotonic() < deadline:
+                time.sleep(0.05)  # requests after the last swap use it
             stop.set()
     finally:
         stop.set()

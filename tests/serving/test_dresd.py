@@ -75,10 +75,11 @@ def test_every_index_finds_the_nearest_key_and_reloads_from_bytes(kind):
     keys /= np.linalg.norm(keys, axis=1, keepdims=True)
     index = build_index(keys, IndexConfig(kind=kind))
     q = keys[:40] + 0.01 * rng.standard_normal((40, 16)).astype(np.float32)
-    ids = index.search(q / np.linalg.norm(q, axis=1, keepdims=True), 5)
+    ids, sims = index.search(q / np.linalg.norm(q, axis=1, keepdims=True), 5)
     assert (ids[:, 0] == np.arange(40)).mean() >= 0.95
+    assert (np.diff(sims, axis=1) <= 1e-3).all() and (sims[:, 0] > 0.9).mean() >= 0.95  # cosine, nearest first
     again = load_index(index.cfg, index.files, 16, 3000)
-    assert np.array_equal(again.search(q / np.linalg.norm(q, axis=1, keepdims=True), 5), ids)
+    assert np.array_equal(again.search(q / np.linalg.norm(q, axis=1, keepdims=True), 5)[0], ids)
 
 
 def test_drafts_follow_the_first_token_filter(datastore, served_docs, tiny_target):

@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         "vs_target_tokens_per_s": round(results[best_dresd]["all"]["tokens_per_s"]
                                         / results["target"]["all"]["tokens_per_s"], 3),
     }  # fmt: skip
-    command = "python benchmarks/dresd.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/dresd.py", *(sys.argv[1:] if argv is None else argv)])
     report = {"command": command, "config": {"prompts_per_domain": n_prompts, "max_new_tokens": new_tokens,
               "id_prompts_per_domain": id_prompts, "scale_entries": scale, "id_generation_tokens_per_s": round(gen_tps)},
               "datastores": builds, "results": results, "pca_sweep": sweep, "budgets": budgets, "summary": summary,

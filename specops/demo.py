@@ -68,6 +68,10 @@ class DemoConfig:
     router_refit_s: float = 120.0
     router_texts: int = 120
     """Training snippets per domain the first router is fitted on (MiniLM embeds ~15 a second per core)."""
+    datastore_rebuild_s: float = 60.0
+    """Trainer: rebuild each cluster's DReSD datastore from its served generations this often
+    (the closing comparison adds a ``dresd`` row with it; 0 = off)."""
+    datastore_min_new: int = 8
     seed: int = 0
 
     @classmethod
@@ -170,7 +174,9 @@ class Stack:
                "--poll-records", "64", "--holdout-every", str(cfg.holdout_every),
                "--gate-min-positions", str(cfg.gate_min_positions), "--keep-versions", "50",
                "--load-signal", str(demo_dir / "serving-load.json"), "--load-threshold", "0.95",
-               "--router-refit-every", str(cfg.router_refit_s)]  # fmt: skip
+               "--router-refit-every", str(cfg.router_refit_s),
+               "--datastore-rebuild-every", str(cfg.datastore_rebuild_s),
+               "--datastore-min-new", str(cfg.datastore_min_new)]  # fmt: skip
         self.train = self._spawn(cmd, demo_dir / "trainer.log")
         self.console.print(f"trainer started (specops train --schedule; log: {demo_dir / 'trainer.log'})")
 
@@ -372,6 +378,7 @@ def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConf
     from serving.engine.spec import SpecEngine
     from serving.engine.models import ModelPair
     from serving.engine.types import SamplingParams
+    from serving.proposers.catalogue import ProposerResources
 
     state = server.state
     pair, tok = state.pair, state.pair.tokenizer
@@ -381,12 +388,17 @@ def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConf
         handle = state.follower.slot(cluster).current()
         arms = {"target-only": (pair.draft, "target", ""), "static draft": (pair.draft, "draft", "base"),
                 "online draft": (handle.model, "draft", handle.version)}  # fmt: skip
+        datastore = state.datastores.current(cluster) if state.datastores is not None else None
+        if datastore is not None and datastore.datastore is not None:  # rebuilt from this cluster's traffic
+            arms["dresd (served traffic)"] = (pair.draft, "dresd", datastore.version)
         results = {a: [] for a in arms}
         for text in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
             ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
             for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
                 engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))
-                results[arm].append(engine.generate(ids, params, method=method))
+                resources = ProposerResources(pair=engine.pair, cluster=cluster,
+                                              datastore=datastore.datastore if method == "dresd" else None)  # fmt: skip
+                results[arm].append(engine.generate(ids, params, method=method, resources=resources))
         ref = [r.token_ids for r in results["target-only"]]
         for arm, (_, method, version) in arms.items():
             res = results[arm]

@@ -19,6 +19,7 @@ import numpy as np
 
 from serving.retrieval.datastore import Datastore, DatastoreConfig
 from serving.retrieval.keys import target_hidden_states
+from trainer.generations import GenerationsReader
 
 log = logging.getLogger(__name__)
 
@@ -175,55 +176,31 @@ class DatastoreRebuilder:
         self._count: dict[str, int] = {}
         self._new: dict[str, int] = {}
         self._seen: set[tuple[str, int, int]] = set()
-        self._pending: dict[str, list[int]] = {}
         self._champions: dict[str, tuple[str, Datastore]] = {}
-        self._stream = self._consumer = None
-
-    def _open(self):
-        if self._consumer is None:
-            from streams import open_stream
-            from streams.consumer import RecordConsumer
-            from streams.records import GenerationRecord
-
-            self._stream = open_stream(self.stream_cfg)
-            self._consumer = RecordConsumer(self._stream, self.cfg.group, [self.stream_cfg.topics.generations],
-                                            deadletter_topic=self.stream_cfg.topics.deadletter,
-                                            expect=[GenerationRecord])  # fmt: skip
-        return self._consumer
+        self.reader = GenerationsReader(stream_cfg, self.cfg.group, poll_records=self.cfg.poll_records,
+                                        poll_timeout_s=self.cfg.poll_timeout_s, max_polls=self.cfg.max_polls)  # fmt: skip
 
     def close(self) -> None:
         """Leave the group without committing (uncommitted records come back)."""
-        if self._consumer is not None:
-            self._consumer.close()
-        if self._stream is not None:
-            self._stream.close()
-        self._consumer = self._stream = None
+        self.reader.close()
 
     def consume(self) -> int:
         """Step 1; returns the records consumed."""
-        consumer, n = self._open(), 0
-        for _ in range(self.cfg.max_polls):
-            delivered = consumer.poll(max_records=self.cfg.poll_records, timeout_s=self.cfg.poll_timeout_s)
-            if not delivered:
-                break
-            for d in delivered:
-                msg, rec = d.message, d.record
-                lo, hi = self._pending.get(str(msg.partition), [msg.offset, msg.offset])
-                self._pending[str(msg.partition)] = [min(lo, msg.offset), max(hi, msg.offset)]
-                n += 1
-                source = (msg.topic, msg.partition, msg.offset)
-                if source in self._seen:  # redelivered after a rebalance: used once
-                    continue
-                self._seen.add(source)
-                context = [int(t) for t in rec.prompt_ids]
-                doc = (context + [int(t) for t in rec.output_ids], len(context))
-                c = rec.cluster
-                self._count[c] = self._count.get(c, 0) + 1
-                if self._count[c] % self.cfg.heldout_every == 0:
-                    self.heldout.setdefault(c, self._deque(maxlen=self.cfg.max_heldout)).append(doc)
-                else:
-                    self.train.setdefault(c, self._deque(maxlen=self.cfg.max_docs)).append(doc)
-                    self._new[c] = self._new.get(c, 0) + 1
+        n = 0
+        for source, rec in self.reader.records():
+            n += 1
+            if source in self._seen:  # redelivered after a rebalance: used once
+                continue
+            self._seen.add(source)
+            context = [int(t) for t in rec.prompt_ids]
+            doc = (context + [int(t) for t in rec.output_ids], len(context))
+            c = rec.cluster
+            self._count[c] = self._count.get(c, 0) + 1
+            if self._count[c] % self.cfg.heldout_every == 0:
+                self.heldout.setdefault(c, self._deque(maxlen=self.cfg.max_heldout)).append(doc)
+            else:
+                self.train.setdefault(c, self._deque(maxlen=self.cfg.max_docs)).append(doc)
+                self._new[c] = self._new.get(c, 0) + 1
         return n
 
     def champion(self, cluster: str) -> Datastore | None:
@@ -258,8 +235,7 @@ class DatastoreRebuilder:
             mar = self._mar(store, cluster)  # 3.
             champ_mar = self._mar(champion, cluster) if champion is not None else None
             passed = champ_mar is None or mar > champ_mar + self.cfg.margin
-            lineage = {"topic": self.stream_cfg.topics.generations, "offsets": dict(self._pending),
-                       "docs": len(docs), "heldout": len(self.heldout[cluster])}  # fmt: skip
+            lineage = {**self.reader.lineage(), "docs": len(docs), "heldout": len(self.heldout[cluster])}
             with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:  # 4.
                 store.save(Path(tmp) / "ds")
                 tags = {"config_hash": self.cfg.datastore.hash(), "tokenizer_sha256": self.tokenizer_sha256,
@@ -285,7 +261,6 @@ class DatastoreRebuilder:
         if due and not any(self._new.values()):
             # 5. Only when every consumed generation is in a registered version (or held out): a
             # cluster still short of min_new holds the commit back, so a crash re-reads its records.
-            self._consumer.commit()  # type: ignore[union-attr]
-            self._pending.clear()
+            self.reader.commit()
             self._seen.clear()
         return result

@@ -35,6 +35,7 @@ from serving.fleet.embed import Embedder, normalise
 from serving.errors import RouterError
 from serving.fleet.router import LOCAL, Router
 from streams import StreamConfig
+from trainer.generations import GenerationsReader
 
 log = logging.getLogger(__name__)
 
@@ -289,55 +290,29 @@ class RouterRefitter:
         self.buffer: deque[tuple[str, str, tuple[str, int, int]]] = deque(maxlen=self.cfg.buffer_size)
         """(prompt text, record cluster, (topic, partition, offset)), oldest first."""
         self._in_buffer: set[tuple[str, int, int]] = set()
-        self._pending: dict[str, list[int]] = {}
-        """Per partition, [first, last] offsets consumed since the last commit (the next version's lineage)."""
+        self.reader = GenerationsReader(stream_cfg, self.cfg.group, poll_records=self.cfg.poll_records,
+                                        poll_timeout_s=self.cfg.poll_timeout_s, max_polls=self.cfg.max_polls)  # fmt: skip
         self._new = 0
         self._champion: tuple[str, Router] | None = None
-        self._stream = None
-        self._consumer = None
-
-    def _open(self):
-        if self._consumer is None:
-            from streams import open_stream
-            from streams.consumer import RecordConsumer
-            from streams.records import GenerationRecord
-
-            self._stream = open_stream(self.stream_cfg)
-            self._consumer = RecordConsumer(self._stream, self.cfg.group, [self.stream_cfg.topics.generations],
-                                            deadletter_topic=self.stream_cfg.topics.deadletter,
-                                            expect=[GenerationRecord])  # fmt: skip
-        return self._consumer
 
     def close(self) -> None:
         """Leave the group without committing (uncommitted records come back to the next refitter)."""
-        if self._consumer is not None:
-            self._consumer.close()
-        if self._stream is not None:
-            self._stream.close()
-        self._consumer = self._stream = None
+        self.reader.close()
 
     def consume(self) -> int:
         """Step 1: buffer every new prompt; returns the records consumed."""
-        consumer, n = self._open(), 0
-        for _ in range(self.cfg.max_polls):
-            delivered = consumer.poll(max_records=self.cfg.poll_records, timeout_s=self.cfg.poll_timeout_s)
-            if not delivered:
-                break
-            for d in delivered:
-                msg, rec = d.message, d.record
-                source = (msg.topic, msg.partition, msg.offset)
-                lo, hi = self._pending.get(str(msg.partition), [msg.offset, msg.offset])
-                self._pending[str(msg.partition)] = [min(lo, msg.offset), max(hi, msg.offset)]
-                n += 1
-                if source in self._in_buffer:  # redelivered after a rebalance: buffered once
-                    continue
-                # the request's own prompt: references or retrieved passages in its context are not what it asked
-                text = self.tokenizer.decode([int(t) for t in rec.request_prompt_ids], skip_special_tokens=True)
-                if len(self.buffer) == self.buffer.maxlen:
-                    self._in_buffer.discard(self.buffer[0][2])
-                self.buffer.append((text[: self.cfg.max_chars], rec.cluster, source))
-                self._in_buffer.add(source)
-                self._new += 1
+        n = 0
+        for source, rec in self.reader.records():
+            n += 1
+            if source in self._in_buffer:  # redelivered after a rebalance: buffered once
+                continue
+            # the request's own prompt: references or retrieved passages in its context are not what it asked
+            text = self.tokenizer.decode([int(t) for t in rec.request_prompt_ids], skip_special_tokens=True)
+            if len(self.buffer) == self.buffer.maxlen:
+                self._in_buffer.discard(self.buffer[0][2])
+            self.buffer.append((text[: self.cfg.max_chars], rec.cluster, source))
+            self._in_buffer.add(source)
+            self._new += 1
         return n
 
     def champion(self) -> Router | None:
@@ -364,7 +339,7 @@ class RouterRefitter:
         router = fit_router(texts, self.embedder, self.cfg.k, init=init, labels=labels, seed=self.cfg.seed,
                             ignore_labels=self.cfg.ignore_labels)  # 2. fmt: skip
         passed, reason = gate(router, init, self.cfg.min_agreement)  # 3.
-        lineage = {"topic": self.stream_cfg.topics.generations, "offsets": dict(self._pending)}
+        lineage = self.reader.lineage()
         source_id = f"{self.cfg.group}/" + hashlib.sha256(json.dumps(lineage, sort_keys=True).encode()).hexdigest()[:16]
         metrics = {**router.metrics, "records_used": float(len(texts)), "gate_passed": float(passed)}
         with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:  # 4.
@@ -377,8 +352,7 @@ class RouterRefitter:
             )  # fmt: skip
         if passed:
             self.registry.promote_router(rv.version, reason=f"refit gate: {reason}")
-        self._consumer.commit()  # 5. only after the version is registered  # type: ignore[union-attr]
-        self._pending.clear()
+        self.reader.commit()  # 5. only after the version is registered
         self._new = 0
         log.info("router refit: version %s %s (%s); clusters %s", rv.version,
                  "promoted" if passed else "registered, not promoted", reason, router.fitted_on)  # fmt: skip

@@ -494,36 +494,27 @@ class TrainerScheduler:
     def refit_router(self) -> str:
         """One router refit unless serving is busy; never raises. Returns the outcome: the refit's
         status (``promoted``, ``registered``, ``waiting``, ``no_new_records``), ``skipped_load`` or ``error``."""
-        try:
-            busy = self._too_busy()
-            if busy is not None:
-                log.info("skipped router refit: serving load %.2f > %.2f", busy, self.cfg.load_threshold)
-                outcome = "skipped_load"
-            else:
-                outcome = self.router_refitter.run_once().status
-        except Exception:
-            log.exception("router refit failed (the next run retries; nothing was committed)")
-            outcome = "error"
-        self.router_refits[outcome] = self.router_refits.get(outcome, 0) + 1
-        ROUTER_REFITS.labels(outcome=outcome).inc()
-        return outcome
-
+        return self._guarded("router refit", self.router_refitter, self.router_refits, ROUTER_REFITS)
 
     def rebuild_datastores(self) -> str:
         """One datastore rebuild run unless serving is busy; never raises. Returns the outcome:
         ``promoted``, ``registered``, ``waiting``, ``no_new_records``, ``skipped_load`` or ``error``."""
+        return self._guarded("datastore rebuild", self.datastore_rebuilder, self.datastore_rebuilds, DATASTORE_REBUILDS)
+
+    def _guarded(self, what: str, job: Any, counts: dict[str, int], counter: Counter) -> str:
+        """``job.run_once()`` unless serving is busy, its outcome counted; never raises."""
         try:
             busy = self._too_busy()
             if busy is not None:
-                log.info("skipped datastore rebuild: serving load %.2f > %.2f", busy, self.cfg.load_threshold)
+                log.info("skipped %s: serving load %.2f > %.2f", what, busy, self.cfg.load_threshold)
                 outcome = "skipped_load"
             else:
-                outcome = self.datastore_rebuilder.run_once().status
+                outcome = job.run_once().status
         except Exception:
-            log.exception("datastore rebuild failed (the next run retries; nothing was committed)")
+            log.exception("%s failed (the next run retries; nothing was committed)", what)
             outcome = "error"
-        self.datastore_rebuilds[outcome] = self.datastore_rebuilds.get(outcome, 0) + 1
-        DATASTORE_REBUILDS.labels(outcome=outcome).inc()
+        counts[outcome] = counts.get(outcome, 0) + 1
+        counter.labels(outcome=outcome).inc()
         return outcome
 
 

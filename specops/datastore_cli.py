@@ -71,20 +71,24 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"saved to {args.out} (serve it as the fallback: specops serve --datastore-dir {args.out})")
     if args.register:
         reg = open_registry(args.registry, args.stream)
-        with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
-            store.save(Path(tmp) / "ds")
-            v = reg.artifact("datastore").register(
-                args.register, Path(tmp) / "ds", meta={"config_hash": cfg.hash()},
-                tags={"config_hash": cfg.hash(), "tokenizer_sha256": tokenizer_sha256(tokenizer), "source": source,
-                      "num_entries": str(store.num_entries)},
-                metrics={"num_entries": float(store.num_entries), "bytes_per_entry": store.bytes_per_entry,
-                         "embed_tokens_per_s": stats.embed_tokens_per_s})  # fmt: skip
+        from trainer.datastores import register_datastore
+
+        v = register_datastore(reg, args.register, store, stats, tags={"source": source})
         print(f"registered datastore-{args.register} version {v.version} (alias challenger)")
         kind = reg.artifact("datastore")
         if args.promote or kind.by_alias(args.register) is None:
             kind.promote(args.register, v.version, reason="specops datastore build")
             print(f"datastore-{args.register}: champion -> {v.version}")
     return 0
+
+
+def _num(tag: str | None, digits: int = 0) -> float | int | None:
+    """A metric tag (``%.6f`` text) as a number for the listing; None where absent or not a number."""
+    try:
+        value = round(float(tag), digits)
+    except (TypeError, ValueError):
+        return None
+    return int(value) if digits == 0 else value
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -95,8 +99,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     keys = [args.cluster] if args.cluster else kind.keys()
     rows = [{"cluster": key, "version": v.version, "aliases": ",".join(v.aliases),
              "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
-             "entries": v.tags.get("num_entries", ""), "bytes_per_entry": v.tags.get("bytes_per_entry", ""),
-             "mar": v.tags.get("mar", ""), "source": v.tags.get("source", ""),
+             "entries": _num(v.tags.get("num_entries")), "bytes_per_entry": _num(v.tags.get("bytes_per_entry"), 1),
+             "mar": _num(v.tags.get("mar"), 4), "shape": v.tags.get("shape", ""), "source": v.tags.get("source", ""),
              "config": v.tags.get("config_hash", "")[:8]}
             for key in keys for v in kind.versions(key)]  # fmt: skip
     if args.json:
@@ -104,11 +108,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         return 0
     table = Table(title="datastore versions")
-    for col in ("cluster", "version", "aliases", "created", "entries", "bytes/entry", "MAR", "source", "config"):
+    for col in ("cluster", "version", "aliases", "created", "entries", "bytes/entry", "MAR", "shape", "source",
+                "config"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["cluster"], r["version"], r["aliases"], r["created"], r["entries"], _fmt(r["bytes_per_entry"], 0),
-                      _fmt(r["mar"]), r["source"], r["config"])  # fmt: skip
+        table.add_row(r["cluster"], r["version"], r["aliases"], r["created"], _fmt(r["entries"], 0),
+                      _fmt(r["bytes_per_entry"], 0), _fmt(r["mar"]), r["shape"] or "-", r["source"], r["config"])  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     if not rows:
         print("no datastore registered yet: `specops datastore build --register CLUSTER` builds one")

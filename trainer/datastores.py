@@ -4,7 +4,8 @@
   training text (code and prose; never its held-out files), tokenized;
 - :func:`offline_mar`: a datastore's mean acceptance rate (MAR, DReSD §4.3: accepted / drafted
   per document, averaged over documents) replayed on held-out target generations;
-- :func:`build_and_register`: build, describe and register ``datastore-<cluster>`` with lineage.
+- :func:`choose_shape`: the draft shape (rows x tokens) with the most tokens per step time;
+- :func:`register_datastore`: a version of ``datastore-<cluster>`` with sizes and hashes.
 """
 
 from __future__ import annotations
@@ -43,25 +44,25 @@ class MarResult:
     """Accepted draft tokens per verification step, pooled."""
     num_docs: int
     num_steps: int
+    nodes_per_step: float = 0.0
+    """Distinct drafted tokens (token-tree nodes) per verification step."""
 
 
 def offline_mar(store: Datastore, target, docs: Sequence[Sequence[int]], starts: Sequence[int], *, n_drafts: int = 3,
-                k: int = 10, batch_tokens: int = 4096) -> MarResult:  # fmt: skip
+                k: int = 10, batch_tokens: int = 4096, hidden: dict[int, np.ndarray] | None = None) -> MarResult:  # fmt: skip
     """Replay greedy DReSD over each document's output (positions ``starts[i]`` on): at each
     step the drafts come from the hidden state before the step's first token, the accepted
     length is the longest prefix of any row that matches the document, and the step emits
-    accepted + 1 tokens. For greedy target outputs this is exactly what serving would accept."""
-    per_doc, steps, accepted_total = [], 0, 0
-    for i, hidden in target_hidden_states(target, docs, batch_tokens=batch_tokens):
+    accepted + 1 tokens. For greedy target outputs this is exactly what serving would accept.
+    ``hidden`` (doc index -> [len, hidden]) skips the target pass when the caller has it."""
+    per_doc, steps, accepted_total, nodes = [], 0, 0, 0
+    states = hidden.items() if hidden is not None else target_hidden_states(target, docs, batch_tokens=batch_tokens)
+    for i, h in states:
         doc = list(docs[i])
-        t = max(1, int(starts[i]))  # position of the first output token; its hidden state is at t - 1
+        t = max(1, int(starts[i])) + 1  # the first output token comes from the prefill: nothing drafted
         drafted = accepted = 0
-        first = True
         while t < len(doc) - 1:
-            if first:  # the first step is the prefill: nothing drafted
-                first, t = False, t + 1
-                continue
-            rows = store.drafts(hidden[t - 1], doc[t], n_drafts=n_drafts, length=min(k, len(doc) - t - 1))
+            rows = store.drafts(h[t - 1], doc[t], n_drafts=n_drafts, length=min(k, len(doc) - t - 1))
             best = 0
             for row in rows:
                 n = 0
@@ -69,37 +70,53 @@ def offline_mar(store: Datastore, target, docs: Sequence[Sequence[int]], starts:
                     n += 1
                 best = max(best, n)
             drafted += max((len(r) for r in rows), default=0)
+            nodes += len({tuple(r[: j + 1]) for r in rows for j in range(len(r))})
             accepted += best
             steps += 1
             t += best + 1
         accepted_total += accepted
-        if drafted:
-            per_doc.append(accepted / drafted)
-        else:
-            per_doc.append(0.0)
+        per_doc.append(accepted / drafted if drafted else 0.0)
     return MarResult(float(np.mean(per_doc)) if per_doc else 0.0, accepted_total / steps if steps else 0.0,
-                     len(per_doc), steps)  # fmt: skip
+                     len(per_doc), steps, nodes / steps if steps else 0.0)  # fmt: skip
 
 
-def build_and_register(registry, cluster: str, target, docs: Sequence[Sequence[int]], cfg: DatastoreConfig, *,
-                       tokenizer_sha256: str = "", lineage: dict | None = None, metrics: dict | None = None,
-                       source_id: str | None = None, alias: str | None = "challenger", progress=None):  # fmt: skip
-    """Build a datastore over ``docs`` and register it as a version of ``datastore-<cluster>``."""
-    store, stats = Datastore.build(target, docs, cfg, meta={"tokenizer_sha256": tokenizer_sha256,
-                                                            "cluster": cluster}, progress=progress)  # fmt: skip
+SHAPES = ((1, 4), (3, 6), (3, 10), (3, 20), (10, 6), (10, 10))
+"""Draft shapes (rows, tokens per row) a rebuild tries: the paper's 3x20 and 10x10 among them."""
+
+
+def choose_shape(store: Datastore, target, docs: Sequence[Sequence[int]], starts: Sequence[int], *,
+                 node_cost: float, step_overhead: float = 0.04, shapes: Sequence[tuple[int, int]] = SHAPES,
+                 hidden: dict[int, np.ndarray] | None = None) -> tuple[tuple[int, int], dict]:  # fmt: skip
+    """The shape with the most tokens per unit of step time, replayed on ``docs``: a step
+    emits ``accepted + 1`` tokens and costs ``1 + step_overhead + node_cost * nodes`` target
+    steps (one target pass plus its drafted tree nodes; ``node_cost`` is what one more token in
+    a verify pass costs, as a fraction of a one-token pass: about 0.15 for SmolLM2-135M on
+    2 CPU cores, a few thousandths on a GPU). Returns the shape and every shape's numbers."""
+    hidden = hidden if hidden is not None else dict(target_hidden_states(target, docs))
+    scores = {}
+    for n, k in shapes:
+        m = offline_mar(store, target, docs, starts, n_drafts=n, k=k, hidden=hidden)
+        speed = (m.accepted_per_step + 1) / (1 + step_overhead + node_cost * m.nodes_per_step)
+        scores[f"{n}x{k}"] = {"mar": round(m.mar, 4), "accepted_per_step": round(m.accepted_per_step, 3),
+                              "nodes_per_step": round(m.nodes_per_step, 1), "speed_vs_target": round(speed, 3)}  # fmt: skip
+    best = max(shapes, key=lambda s: scores[f"{s[0]}x{s[1]}"]["speed_vs_target"])
+    return best, scores
+
+
+def register_datastore(registry, cluster: str, store: Datastore, stats, *, tags: dict | None = None,
+                       metrics: dict | None = None, lineage: dict | None = None):  # fmt: skip
+    """Register ``store`` as a new version of ``datastore-<cluster>`` (alias ``challenger``) with
+    its sizes, config hash and tokenizer hash; returns the version. Metrics are also tags (the
+    registry writes each as a ``%.6f`` tag), so sizes are not repeated as tags."""
+    cfg_hash = store.cfg.hash()
     with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
         store.save(Path(tmp) / "ds")
-        version = registry.artifact("datastore").register(
-            cluster, Path(tmp) / "ds", meta={"config_hash": cfg.hash()},
-            tags={"config_hash": cfg.hash(), "tokenizer_sha256": tokenizer_sha256,
-                  "num_entries": str(store.num_entries), "bytes_per_entry": f"{store.bytes_per_entry:.1f}"},
+        return registry.artifact("datastore").register(
+            cluster, Path(tmp) / "ds", meta={"config_hash": cfg_hash},
+            tags={"config_hash": cfg_hash, "tokenizer_sha256": store.meta.get("tokenizer_sha256", ""), **(tags or {})},
             metrics={"num_entries": float(store.num_entries), "bytes_per_entry": store.bytes_per_entry,
                      "embed_tokens_per_s": stats.embed_tokens_per_s, **(metrics or {})},
-            lineage=lineage, source_id=source_id, alias=alias)  # fmt: skip
-    log.info("datastore-%s: registered version %s (%d entries from %d documents, %.0f bytes/entry; keys at %.0f "
-             "tokens/s)", cluster, version.version, store.num_entries, stats.num_docs, store.bytes_per_entry,
-             stats.embed_tokens_per_s)  # fmt: skip
-    return store, stats, version
+            lineage=lineage)  # fmt: skip
 
 
 # ---------------------------------------------------------------- rebuilds from served traffic
@@ -121,6 +138,10 @@ class RebuildConfig:
     n_drafts: int = 3
     k: int = 10
     """The draft shape the gate replays."""
+    node_cost: float = 0.15
+    """Cost of one more drafted token in a verify pass, as a fraction of a one-token target pass
+    (SmolLM2-135M on 2 CPU cores: about 0.15; on a GPU a few thousandths): the rebuild picks the
+    shape serving uses by default (``choose_shape``) with it."""
     datastore: DatastoreConfig = field(default_factory=lambda: DatastoreConfig(value_len=21))
     poll_records: int = 500
     poll_timeout_s: float = 1.0
@@ -216,12 +237,12 @@ class DatastoreRebuilder:
             self._champions[cluster] = held
         return held[1]
 
-    def _mar(self, store: Datastore, cluster: str) -> float:
+    def _mar(self, store: Datastore, cluster: str, hidden: dict[int, np.ndarray] | None = None) -> float:
         docs = list(self.heldout.get(cluster, ()))
         if not docs:
             return 0.0
         return offline_mar(store, self.target, [d for d, _ in docs], [s for _, s in docs], n_drafts=self.cfg.n_drafts,
-                           k=self.cfg.k).mar  # fmt: skip
+                           k=self.cfg.k, hidden=hidden).mar  # fmt: skip
 
     def run_once(self) -> RebuildResult:
         consumed = self.consume()  # 1.
@@ -232,21 +253,25 @@ class DatastoreRebuilder:
             champion = self.champion(cluster)
             store, stats = Datastore.build(self.target, docs, self.cfg.datastore,  # 2.
                                            meta={"cluster": cluster, "tokenizer_sha256": self.tokenizer_sha256})  # fmt: skip
-            mar = self._mar(store, cluster)  # 3.
-            champ_mar = self._mar(champion, cluster) if champion is not None else None
+            held = list(self.heldout[cluster])
+            hidden = dict(target_hidden_states(self.target, [d for d, _ in held]))  # one target pass, three replays
+            mar = self._mar(store, cluster, hidden)  # 3.
+            champ_mar = self._mar(champion, cluster, hidden) if champion is not None else None
+            (n, k), shapes = choose_shape(store, self.target, [d for d, _ in held], [s for _, s in held],
+                                          node_cost=self.cfg.node_cost, hidden=hidden)  # fmt: skip
+            store.meta["shape"] = {"n_drafts": n, "k": k, "node_cost": self.cfg.node_cost, "replayed": shapes}
+            if shapes[f"{n}x{k}"]["speed_vs_target"] < 1.0:
+                log.warning("datastore-%s: even its best draft shape (%dx%d) replays at %.2fx target-only speed at "
+                            "node_cost %.3f: on this hardware target-only (or another method) serves this cluster "
+                            "faster", cluster, n, k, shapes[f"{n}x{k}"]["speed_vs_target"], self.cfg.node_cost)  # fmt: skip
             passed = champ_mar is None or mar > champ_mar + self.cfg.margin
             lineage = {**self.reader.lineage(), "docs": len(docs), "heldout": len(self.heldout[cluster])}
-            with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:  # 4.
-                store.save(Path(tmp) / "ds")
-                tags = {"config_hash": self.cfg.datastore.hash(), "tokenizer_sha256": self.tokenizer_sha256,
-                        "num_entries": str(store.num_entries), "bytes_per_entry": f"{store.bytes_per_entry:.1f}",
-                        "mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
-                        "source": "spec.generations"}  # fmt: skip
-                v = self.registry.artifact("datastore").register(
-                    cluster, Path(tmp) / "ds", meta={"config_hash": self.cfg.datastore.hash()}, tags=tags,
-                    metrics={"mar": mar, "num_entries": float(store.num_entries), "gate_passed": float(passed),
-                             "bytes_per_entry": store.bytes_per_entry, "embed_tokens_per_s": stats.embed_tokens_per_s},
-                    lineage=lineage)  # fmt: skip
+            v = register_datastore(  # 4.
+                self.registry, cluster, store, stats, lineage=lineage,
+                tags={"mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
+                      "source": "spec.generations", "shape": f"{n}x{k}"},
+                metrics={"mar": mar, "gate_passed": float(passed),
+                         "shape_speed_vs_target": shapes[f"{n}x{k}"]["speed_vs_target"]})  # fmt: skip
             if passed:
                 self.registry.artifact("datastore").promote(cluster, v.version, reason=(
                     f"rebuild gate: held-out MAR {mar:.3f} vs {'none' if champ_mar is None else f'{champ_mar:.3f}'}"))  # fmt: skip

@@ -43,6 +43,8 @@ class ServedResult:
     """Wall time just before the request took its draft handle."""
     versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> version the request could use (``{"draft": ...}``)."""
+    n_drafts: int = 0
+    """Rows drafted per step by a multi-draft method (DReSD; 0 for the others)."""
 
     def version_of(self, method: str) -> str:
         """The version of ``method``'s artifact that served this request ("" if it has none)."""
@@ -91,4 +93,9 @@ class ServingNode:
                 self.batcher.end()
         if method_spec(method).artifact == "draft":
             self.follower.record(handle, result.stats)  # 4.
-        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions)
+        if method == "dresd" and resources.datastore is not None:
+            from serving.proposers.dresd import resolve_shape
+
+            n_drafts = resolve_shape(resources.datastore, n_drafts)[0]
+        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions,
+                            n_drafts if method_spec(method).default_n_drafts else 0)  # fmt: skip

@@ -415,7 +415,7 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "draft_model": served.draft_model if method_spec(st.method).artifact == "draft" else None,
         "draft_version": served.draft_version if method_spec(st.method).artifact == "draft" else None,
         "datastore_version": served.versions.get("datastore") if method_spec(st.method).artifact == "datastore" else None,
-        "n_drafts": job.n_drafts or method_spec(st.method).default_n_drafts,
+        "n_drafts": served.n_drafts or None,  # the rows drafted: asked for, or the datastore's measured shape
         "drafted": st.num_drafted,
         "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),

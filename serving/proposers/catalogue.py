@@ -61,7 +61,8 @@ class ProposerConfig:
     adaptive_k: bool = False
     """Draft model: adapt k per step within 1..k (+2 after full acceptance, -1 otherwise)."""
     n_drafts: int = 0
-    """Rows drafted per step by multi-draft methods (DReSD); 0 = the method's default."""
+    """Rows drafted per step by multi-draft methods (DReSD); 0 = the datastore's measured shape
+    (rows, and tokens per row at most), else the method's default."""
     search_k: int = 0
     """DReSD: neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
 
@@ -113,8 +114,7 @@ def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
 def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     from serving.proposers.dresd import DReSDProposer
 
-    return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts or CATALOGUE["dresd"].default_n_drafts,
-                         search_k=cfg.search_k)  # fmt: skip
+    return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)  # 0: the datastore's shape
 
 
 # Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy

@@ -24,16 +24,32 @@ from serving.engine.types import DecodeState, Proposals, Verdict
 from serving.proposers.base import Proposer
 
 
+DEFAULT_SHAPE = (3, 10)
+"""Rows and tokens per row when neither the request nor the datastore says."""
+
+
+def resolve_shape(datastore, n_drafts: int = 0) -> tuple[int, int]:
+    """(rows, tokens per row at most; 0 = the step's k) for a request asking ``n_drafts`` rows
+    (0: the datastore's measured ``meta["shape"]``, else :data:`DEFAULT_SHAPE`'s rows)."""
+    if n_drafts:
+        return n_drafts, 0
+    shape = (getattr(datastore, "meta", None) or {}).get("shape") or {}
+    return int(shape.get("n_drafts", DEFAULT_SHAPE[0])), int(shape.get("k", 0))
+
+
 class DReSDProposer(Proposer):
     """Drafts ``n_drafts x k`` token rows from a datastore."""
 
     name = "dresd"
 
-    def __init__(self, datastore, *, n_drafts: int = 3, search_k: int = 0) -> None:
-        if n_drafts < 1:
-            raise ValueError(f"n_drafts must be >= 1, got {n_drafts}")
+    def __init__(self, datastore, *, n_drafts: int = 0, search_k: int = 0) -> None:
+        """``n_drafts`` 0: the datastore's own shape (rows, and tokens per row at most), which its
+        rebuild measured as the fastest on held-out traffic; else :data:`DEFAULT_SHAPE`."""
+        if n_drafts < 0:
+            raise ValueError(f"n_drafts must be >= 0, got {n_drafts}")
         self.datastore = datastore
-        self.n_drafts = n_drafts
+        self.n_drafts, self.max_row = resolve_shape(datastore, n_drafts)
+        """Rows per step, and tokens per row at most (0: the step's k)."""
         self.search_k = search_k
         self._hidden: torch.Tensor | None = None
         self.num_searches = 0
@@ -48,7 +64,8 @@ class DReSDProposer(Proposer):
         if k <= 0 or self._hidden is None:
             return Proposals.empty()
         self.num_searches += 1
-        rows = self.datastore.drafts(self._hidden, int(state.token_ids[-1]), n_drafts=self.n_drafts, length=k,
+        length = min(k, self.max_row) if self.max_row else k
+        rows = self.datastore.drafts(self._hidden, int(state.token_ids[-1]), n_drafts=self.n_drafts, length=length,
                                      search_k=self.search_k)  # fmt: skip
         if not rows:
             self.num_empty += 1

@@ -22,6 +22,7 @@ def test_dresd_requests_use_the_fallback_datastore(tiny_models, tmp_path):
     texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 4
     store, _ = Datastore.build(target, [tok(t, add_special_tokens=False)["input_ids"] for t in texts],
                                DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat")))  # fmt: skip
+    store.meta["shape"] = {"n_drafts": 2, "k": 5}  # what a rebuild measured
     path = store.save(tmp_path / "ds")
     with running(serve_config(tiny_models, datastore_dir=str(path), max_n_drafts=8), tmp_path / "srv") as srv:
         ref = _post(srv, prompt="def add(a, b):", max_tokens=12, speculation={"method": "target"}).json()
@@ -32,6 +33,8 @@ def test_dresd_requests_use_the_fallback_datastore(tiny_models, tmp_path):
         sp = body["speculation"]
         assert sp["method"] == "dresd" and sp["datastore_version"] == "base" and sp["n_drafts"] == 4
         assert sp["draft_version"] is None
+        sp = _post(srv, prompt="def add(a, b):", max_tokens=12, speculation={"method": "dresd"}).json()["speculation"]
+        assert sp["n_drafts"] == 2  # not asked for: the datastore's measured shape
         assert_error(_post(srv, prompt="x", max_tokens=2, speculation={"method": "dresd", "n_drafts": 9}), 400,
                      "invalid_request", "speculation.n_drafts")  # fmt: skip
         assert_error(_post(srv, prompt="x", max_tokens=2, speculation={"method": "dresd", "n_drafts": 0}), 400,

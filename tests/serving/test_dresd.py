@@ -179,3 +179,29 @@ def test_dresd_needs_a_datastore_and_valid_shape(tiny_target):
         engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), method="dresd")
     with pytest.raises(InvalidRequestError, match="n_drafts"):
         ProposerConfig(method="dresd", n_drafts=1000)
+
+
+def test_dresd_drafts_the_datastores_measured_shape(datastore, tiny_target, served_docs):
+    """n_drafts 0 (the API's default) takes the rows and row length the rebuild measured; an
+    explicit n_drafts wins; a datastore without a shape drafts the default."""
+    from serving.proposers.dresd import DEFAULT_SHAPE, DReSDProposer
+
+    assert DReSDProposer(datastore).n_drafts == DEFAULT_SHAPE[0]  # no measured shape
+    datastore.meta["shape"] = {"n_drafts": 2, "k": 5}
+    try:
+        p = DReSDProposer(datastore)
+        assert (p.n_drafts, p.max_row) == (2, 5)
+        assert DReSDProposer(datastore, n_drafts=7).n_drafts == 7
+        engine = SpecEngine_for(tiny_target)
+        res = ProposerResources(pair=engine.pair, datastore=datastore)
+        accepted = 0
+        for prompt in [d[:8] for d in served_docs[:4]]:
+            ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+            out = engine.generate(prompt, SamplingParams(max_new_tokens=24),
+                                  proposer_cfg=ProposerConfig(method="dresd"), k=10, resources=res)  # fmt: skip
+            assert out.token_ids == ref
+            assert out.stats.num_drafted <= 5 * out.stats.num_target_forwards  # rows cut to the measured 5 tokens
+            accepted += out.stats.num_accepted
+        assert accepted > 0  # it drafted (ScaNN's approximate search may miss on one prompt, not on four)
+    finally:
+        del datastore.meta["shape"]

@@ -19,7 +19,7 @@ from streams import OutMessage, StreamConfig, codec, open_stream
 from streams.records import GenerationRecord
 from streams.tansu import TansuBroker
 from tests.conftest import random_prompts
-from trainer.datastores import DatastoreRebuilder, RebuildConfig, offline_mar
+from trainer.datastores import SHAPES, DatastoreRebuilder, RebuildConfig, choose_shape, offline_mar
 from trainer.schedule import DATASTORE_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
 
 GROUP = "datastore-rebuild"
@@ -126,6 +126,8 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, sqlite_uri, tiny_ta
             reg.artifact("datastore").fetch(v, Path(tmp) / "ds")
             store = Datastore.load(Path(tmp) / "ds")
     assert store.num_entries > 0 and store.meta["cluster"] == "code"
+    shape = store.meta["shape"]  # the rebuild's measured shape travels with the datastore
+    assert (shape["n_drafts"], shape["k"]) in SHAPES and v.tags["shape"] == f"{shape['n_drafts']}x{shape['k']}"
     # The replay is what serving accepts: DReSD on stored generations' prompts, greedy, through the engine.
     stored = docs[:6]
     starts = [len(d) - 24 for d in stored]
@@ -170,3 +172,23 @@ def test_rebuild_runs_as_a_scheduled_job(tmp_path, sqlite_uri, tiny_target):
                             datastore_rebuilder=Rebuilder(), trainer_id="busy")  # fmt: skip
     assert busy.rebuild_datastores() == "skipped_load" and Rebuilder.runs == 1
     assert DATASTORE_JOB_ID == "datastore-rebuild"
+
+
+def test_choose_shape_trades_accepted_tokens_against_tree_size(tiny_target):
+    """Free tree nodes (a GPU's regime) pick a shape that accepts the most; costly ones (a CPU's)
+    pick the smallest tree; the numbers are the replay's."""
+    engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
+    docs = [p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
+            for p in random_prompts(16, seed=21)]  # fmt: skip
+    store, _ = Datastore.build(tiny_target, docs[:12], DatastoreConfig(dims=16, value_len=12,
+                                                                      index=IndexConfig(kind="flat")))  # fmt: skip
+    held, starts = docs[:12:3], [len(d) - 24 for d in docs[:12:3]]  # served ones: long accepted runs
+    free, scores = choose_shape(store, tiny_target, held, starts, node_cost=0.0, step_overhead=0.0)
+    assert set(scores) == {f"{n}x{k}" for n, k in SHAPES}
+    best_accepted = max(v["accepted_per_step"] for v in scores.values())
+    assert scores[f"{free[0]}x{free[1]}"]["accepted_per_step"] == best_accepted
+    costly, _ = choose_shape(store, tiny_target, held, starts, node_cost=10.0)
+    assert costly == min(SHAPES, key=lambda s: scores[f"{s[0]}x{s[1]}"]["nodes_per_step"])
+    for (n, k), v in zip(SHAPES, scores.values()):
+        m = offline_mar(store, tiny_target, held, starts, n_drafts=n, k=k)
+        assert v["mar"] == round(m.mar, 4) and v["nodes_per_step"] <= n * k + 1e-9

@@ -158,6 +158,9 @@ def arms(engine: SpecEngine, stores: dict, rests: dict) -> dict:
     out["rest-id native"] = (lambda i=rests["id"]: RestProposer(i), 10, None)
     out["dresd-id 3x20"] = (ProposerConfig(method="dresd", n_drafts=3), 20, res["id"])
     out["dresd-id 3x10"] = (ProposerConfig(method="dresd", n_drafts=3), 10, res["id"])
+    shape = stores["id"].meta.get("shape")
+    if shape:  # what serving drafts by default: the shape the rebuild job measured fastest on held-out traffic
+        out[f"dresd-id {shape['n_drafts']}x{shape['k']} (rebuild's)"] = (ProposerConfig(method="dresd"), 20, res["id"])
     return out
 
 
@@ -246,6 +249,8 @@ def main(argv=None) -> int:
                         "index_s": round(st.index_s, 2), "bytes_per_entry": round(store.bytes_per_entry, 1),
                         "rest_bytes_per_token": round(rests[name].num_bytes / rests[name].num_tokens, 1),
                         "explained_variance": round(float(store.projection.explained.sum()), 3)}  # fmt: skip
+        if store.meta.get("shape"):
+            builds[name]["shape"] = store.meta["shape"]
         log.info("%s datastore: %s", name, builds[name])
 
     # 2. The arms, interleaved per prompt.
@@ -313,7 +318,7 @@ def main(argv=None) -> int:
         x, y = results[a]["all"].get(key), results[b]["all"].get(key)
         return round(x / y, 3) if x is not None and y else None
 
-    best_dresd = max(("dresd-id 3x20", "dresd-id 3x10", "dresd-id 10x6"), key=lambda a: results[a]["all"]["tokens_per_s"])
+    best_dresd = max([a for a in results if a.startswith("dresd-id")], key=lambda a: results[a]["all"]["tokens_per_s"])
     best_rest = max(("rest-id native", "rest-id 10x6"), key=lambda a: results[a]["all"]["tokens_per_s"])
     summary = {
         "mar_ratio_vs_rest": ratio("dresd-id 10x6", "rest-id 10x6", "mar"),
@@ -329,11 +334,23 @@ def main(argv=None) -> int:
                                                   / max(1e-9, results["rest-id 10x6"]["low_repetition"]["mar"]), 3),
         "vs_target_tokens_per_s": round(results[best_dresd]["all"]["tokens_per_s"]
                                         / results["target"]["all"]["tokens_per_s"], 3),
+        "rebuild_shape": next((a.split()[1] for a in results if a.endswith("(rebuild's)")), None),
     }  # fmt: skip
+    # The first step drafts nothing (no hidden state before the prefill): its share of a request's
+    # target passes, and what drafting there at the arm's mean rate could at most have saved.
+    first = {}
+    for a in results:
+        if a.startswith("dresd"):
+            items = rows[a]["code"] + rows[a]["prose"]
+            share = float(np.mean([1 / max(1, x["forwards"]) for x in items]))
+            aps = results[a]["all"]["accepted_per_step"]
+            first[a] = {"first_step_share_of_passes": round(share, 4),
+                        "passes_saved_at_most": round(share * aps / (1 + aps), 4)}  # fmt: skip
+    summary["first_step_passes_saved_at_most"] = max((v["passes_saved_at_most"] for v in first.values()), default=None)
     command = " ".join(["python benchmarks/dresd.py", *(sys.argv[1:] if argv is None else argv)])
     report = {"command": command, "config": {"prompts_per_domain": n_prompts, "max_new_tokens": new_tokens,
               "id_prompts_per_domain": id_prompts, "scale_entries": scale, "id_generation_tokens_per_s": round(gen_tps)},
-              "datastores": builds, "results": results, "pca_sweep": sweep, "budgets": budgets, "summary": summary,
+              "datastores": builds, "results": results, "first_step": first, "pca_sweep": sweep, "budgets": budgets, "summary": summary,
               "environment": environment()}  # fmt: skip
     table = markdown(report)
     print(table)
@@ -363,6 +380,17 @@ def markdown(report: dict) -> str:
         f"{n}: {b['docs']} docs, {b['entries']} entries, {b['bytes_per_entry']} B/entry (REST {b['rest_bytes_per_token']} "
         f"B/token), keys at {b['keys_tokens_per_s']} tokens/s, explained variance {b['explained_variance']}"
         for n, b in report["datastores"].items()) + ".")  # fmt: skip
+    shape = report["datastores"].get("id", {}).get("shape")
+    if shape:
+        lines.append(f"\nDraft shape chosen by the rebuild job on its held-out generations (node_cost {shape['node_cost']}): "
+                     f"{shape['n_drafts']}x{shape['k']}; replayed: " + ", ".join(
+                         f"{k} {v['accepted_per_step']} accepted/step, {v['nodes_per_step']} nodes/step, "
+                         f"{v['speed_vs_target']}x" for k, v in shape["replayed"].items()) + ".")  # fmt: skip
+    if report.get("first_step"):
+        worst = max(report["first_step"].items(), key=lambda kv: kv[1]["passes_saved_at_most"])
+        lines.append(f"\nFirst step (the prefill, no drafts): {worst[1]['first_step_share_of_passes']:.1%} of a request's "
+                     f"target passes for {worst[0]}; drafting there at its mean rate would save at most "
+                     f"{worst[1]['passes_saved_at_most']:.2%} of them.")  # fmt: skip
     lines.append("\nPCA sweep (ID datastore, 10x6, replayed on the target's outputs): " + ", ".join(
         f"{d} dims MAR {v['mar']:.3f} (explained {v['explained_variance']})" for d, v in report["pca_sweep"].items()) + ".")
     lines.append("\nBudgets at " + ", ".join(

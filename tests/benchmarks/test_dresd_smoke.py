@@ -26,4 +26,6 @@ def test_dresd_benchmark_writes_summary_json_and_doc(tiny_models, tmp_path):
     assert s["bytes_per_entry"] > 0 and s["search_p50_ms"] > 0
     assert {"target", "pld", "draft", "rest-id 10x6", "dresd-id 10x6", "dresd-ood 10x6"} <= set(report["results"])
     assert set(report["pca_sweep"]) == {"32", "64", "128"} or set(report["pca_sweep"]) == {32, 64, 128}
-    assert dresd.DOC_BEGIN in doc.read_text()
+    assert any(a.endswith("(rebuild's)") for a in report["results"])  # serving's default: the measured shape
+    assert report["first_step"] and s["first_step_passes_saved_at_most"] >= 0
+    assert dresd.DOC_BEGIN in doc.read_text() and "First step" in doc.read_text()

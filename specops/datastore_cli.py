@@ -100,7 +100,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [{"cluster": key, "version": v.version, "aliases": ",".join(v.aliases),
              "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
              "entries": _num(v.tags.get("num_entries")), "bytes_per_entry": _num(v.tags.get("bytes_per_entry"), 1),
-             "mar": _num(v.tags.get("mar"), 4), "shape": v.tags.get("shape", ""), "source": v.tags.get("source", ""),
+             "mar": _num(v.tags.get("mar"), 4), "live_mar": _num(v.tags.get("live_mar"), 4),
+             "live_requests": _num(v.tags.get("live_requests")), "shape": v.tags.get("shape", ""), "source": v.tags.get("source", ""),
              "config": v.tags.get("config_hash", "")[:8]}
             for key in keys for v in kind.versions(key)]  # fmt: skip
     if args.json:
@@ -108,12 +109,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         return 0
     table = Table(title="datastore versions")
-    for col in ("cluster", "version", "aliases", "created", "entries", "bytes/entry", "MAR", "shape", "source",
-                "config"):
+    for col in ("cluster", "version", "aliases", "created", "entries", "bytes/entry", "MAR", "live MAR (requests)",
+                "shape", "source", "config"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["cluster"], r["version"], r["aliases"], r["created"], _fmt(r["entries"], 0),
-                      _fmt(r["bytes_per_entry"], 0), _fmt(r["mar"]), r["shape"] or "-", r["source"], r["config"])  # fmt: skip
+                      _fmt(r["bytes_per_entry"], 0), _fmt(r["mar"]),
+                      "-" if r["live_mar"] is None else f"{r['live_mar']:.3f} ({r['live_requests']})",
+                      r["shape"] or "-", r["source"], r["config"])  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     if not rows:
         print("no datastore registered yet: `specops datastore build --register CLUSTER` builds one")
@@ -181,7 +184,7 @@ def add_parser(sub) -> None:
     q.set_defaults(func=cmd_build)
 
     q = dsub.add_parser("ls", help="list datastore versions", description="One row per datastore version: cluster, "
-                        "aliases, entries, bytes per entry, offline MAR (rebuilds), source, config hash.")  # fmt: skip
+                        "aliases, entries, bytes per entry, offline MAR (rebuilds), live MAR served, draft shape, source, config hash.")  # fmt: skip
     add_registry_args(q, events=False)
     q.add_argument("--cluster", default=None, help="only this cluster")
     q.add_argument("--json", action="store_true", help="one JSON object per version")

@@ -7,6 +7,11 @@ vocabulary, tokenizer) and installs it with one reference assignment. A request 
 cluster's :class:`DatastoreHandle` once, so a swap never changes a running request, and a
 refused or unreachable version keeps the current one serving.
 
+Every ``live_report_every`` DReSD requests on a registered version, its live MAR (accepted /
+drafted tokens of the requests it served) goes to the registry as the version's metrics
+``live_mar`` and ``live_requests`` (queued on the follower's worker, never on a request), next
+to the ``mar`` its rebuild replayed offline; the gauge ``specops_datastore_live_mar`` has it now.
+
 A cluster with no champion yet uses the **fallback** datastore (``specops datastore build``
 over the bootstrap corpus: out of distribution, version ``base``), when serving has one.
 """
@@ -23,14 +28,17 @@ from pathlib import Path
 from prometheus_client import Counter, Gauge
 
 from registry import RegistryStore
+from registry.errors import RegistryError
 from serving.errors import DatastoreError
-from serving.fleet.follower import AliasFollower, FollowConfig
+from serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
 from serving.retrieval.datastore import Datastore
 
 log = logging.getLogger(__name__)
 
 SWAPS = Counter("specops_datastore_swaps_total", "Datastores swapped in", ["cluster"])
 VERSION = Gauge("specops_datastore_version", "Registry version of the datastore serving (0 = fallback)", ["cluster"])
+LIVE_MAR = Gauge("specops_datastore_live_mar", "Live DReSD acceptance (accepted / drafted) per datastore version served",
+                 ["cluster", "version"])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,9 @@ class DatastoreFollower(AliasFollower):
 
     def __init__(self, registry: RegistryStore | None, target, *, cache_dir: Path, fallback: Datastore | None = None,
                  target_tokenizer_sha256: str = "", vocab_size: int | None = None,
-                 follow: FollowConfig | None = None) -> None:  # fmt: skip
+                 follow: FollowConfig | None = None, live_report_every: int = 50) -> None:  # fmt: skip
+        if live_report_every < 1:
+            raise ValueError(f"live_report_every must be >= 1, got {live_report_every}")
         super().__init__(registry, "datastore", follow)
         self.target = target
         self.cache_dir = Path(cache_dir)
@@ -58,6 +68,41 @@ class DatastoreFollower(AliasFollower):
         self._current: dict[str, DatastoreHandle] = {}
         self._install_lock = threading.Lock()
         self.swaps = 0
+        self.live_report_every = live_report_every
+        self.live: dict[tuple[str, str], LiveStats] = {}
+        self._live_lock = threading.Lock()
+
+    def record(self, cluster: str, version: str, stats) -> None:
+        """Count one finished DReSD request on the datastore version it used (cheap; the registry
+        write is queued on the follower's worker)."""
+        if not version:
+            return
+        with self._live_lock:
+            live = self.live.setdefault((cluster, version), LiveStats())
+            live.requests += 1
+            live.drafted += stats.num_drafted
+            live.accepted += stats.num_accepted
+            due = version != "base" and live.requests - live.reported_at >= self.live_report_every
+            if due:
+                live.reported_at = live.requests  # queued once per window
+        LIVE_MAR.labels(cluster, version).set(live.acceptance)
+        if due:
+            self.enqueue(f"live:{cluster}:{version}")
+
+    def handle(self, item: str) -> bool:
+        if not item.startswith("live:"):
+            return False
+        _, cluster, version = item.split(":", 2)
+        with self._live_lock:
+            live = self.live[(cluster, version)]
+            snapshot = LiveStats(live.requests, live.drafted, live.accepted)
+        try:
+            kind = self.registry.artifact("datastore")
+            kind.log_metric(cluster, version, "live_mar", snapshot.acceptance, step=snapshot.requests)
+            kind.log_metric(cluster, version, "live_requests", snapshot.requests, step=snapshot.requests)
+        except RegistryError as exc:  # best effort: the next window reports again
+            log.warning("could not report live MAR of datastore-%s version %s: %s", cluster, version, exc)
+        return True
 
     def current(self, cluster: str) -> DatastoreHandle:
         """The cluster's datastore now (one dict read); following starts on first use."""

@@ -53,6 +53,21 @@ class FollowConfig:
             raise ValueError("need poll_s > 0 and 0 < backoff_initial_s <= backoff_max_s")
 
 
+@dataclass
+class LiveStats:
+    """What one served version did live: requests, drafted and accepted tokens."""
+
+
+    requests: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reported_at: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 class AliasFollower:
     """Follows ``champion`` of one artifact kind for every key it is told to follow."""
 

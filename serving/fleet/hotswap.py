@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from registry import DraftVersion, RegistryError, RegistryStore, model_name
 from serving.errors import ModelConfigError
-from serving.fleet.follower import AliasFollower, FollowConfig
+from serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
 from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
 from serving.engine.types import RequestStats
 
@@ -124,18 +124,6 @@ class HotSwapConfig:
             raise ValueError("need poll_s > 0 and 0 < backoff_initial_s <= backoff_max_s")
         if self.live_report_every < 1 or self.rollback_min_requests < 1 or self.rollback_margin < 0:
             raise ValueError("live_report_every and rollback_min_requests must be >= 1, rollback_margin >= 0")
-
-
-@dataclass
-class LiveStats:
-    requests: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    reported_at: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 class DraftFollower(AliasFollower):

@@ -93,6 +93,8 @@ class ServingNode:
                 self.batcher.end()
         if method_spec(method).artifact == "draft":
             self.follower.record(handle, result.stats)  # 4.
+        elif method_spec(method).artifact == "datastore" and "datastore" in versions:
+            self.datastores.record(cluster, versions["datastore"], result.stats)
         if method == "dresd" and resources.datastore is not None:
             from serving.proposers.dresd import resolve_shape
 

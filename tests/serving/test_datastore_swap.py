@@ -111,3 +111,34 @@ def test_a_datastore_for_another_target_or_corrupt_is_refused(reg, tmp_path, tin
     bad = reg.artifact("datastore").register("code", path).version
     reg.artifact("datastore").promote("code", bad)
     assert not follower.check("code") and follower.current("code").version == good
+
+
+def test_live_mar_reaches_the_registry(reg, tmp_path, tiny_target, close_pair, docs):
+    """DReSD requests on a registered datastore report its live MAR to the version (off the
+    request path); the fallback reports nothing."""
+    pair = close_pair
+    drafts = DraftFollower(None, pair.draft, target_vocab=97, target_tokenizer_sha256="", cache_dir=tmp_path / "d")
+    fallback, _ = Datastore.build(tiny_target, docs[8:], CFG)
+    follower = DatastoreFollower(reg, pair.target, cache_dir=tmp_path / "cache", fallback=fallback,
+                                 live_report_every=3).start()  # fmt: skip
+    node = ServingNode(pair, drafts, datastores=follower)
+    try:
+        for p in docs[:3]:
+            node.generate(p[:8], SamplingParams(max_new_tokens=8), cluster="code", method="dresd")  # on the fallback
+        v = _register(reg, tmp_path, pair.target, docs, "live")
+        reg.artifact("datastore").promote("code", v)
+        assert follower.check("code")
+        drafted = accepted = 0
+        for p in docs[:6]:
+            st = node.generate(p[:8], SamplingParams(max_new_tokens=8), cluster="code", method="dresd").result.stats
+            drafted, accepted = drafted + st.num_drafted, accepted + st.num_accepted
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and reg.artifact("datastore").get("code", v).tags.get("live_requests") != "6.000000":
+            time.sleep(0.05)
+    finally:
+        follower.stop()
+    tags = reg.artifact("datastore").get("code", v).tags
+    assert float(tags["live_requests"]) == 6 and abs(float(tags["live_mar"]) - accepted / drafted) < 1e-6
+    assert follower.live[("code", "base")].requests == 3  # counted, never sent to the registry
+    with pytest.raises(ValueError, match="live_report_every"):
+        DatastoreFollower(None, pair.target, cache_dir=tmp_path / "c2", live_report_every=0)

@@ -91,7 +91,7 @@ def choose_shape(store: Datastore, target, docs: Sequence[Sequence[int]], starts
     emits ``accepted + 1`` tokens and costs ``1 + step_overhead + node_cost * nodes`` target
     steps (one target pass plus its drafted tree nodes; ``node_cost`` is what one more token in
     a verify pass costs, as a fraction of a one-token pass: about 0.15 for SmolLM2-135M on
-    2 CPU cores, a few thousandths on a GPU). Returns the shape and every shape's numbers."""
+    2 CPU cores, expected near zero on a GPU, not measured here). Returns the shape and every shape's numbers."""
     hidden = hidden if hidden is not None else dict(target_hidden_states(target, docs))
     scores = {}
     for n, k in shapes:
@@ -140,7 +140,7 @@ class RebuildConfig:
     """The draft shape the gate replays."""
     node_cost: float = 0.15
     """Cost of one more drafted token in a verify pass, as a fraction of a one-token target pass
-    (SmolLM2-135M on 2 CPU cores: about 0.15; on a GPU a few thousandths): the rebuild picks the
+    (SmolLM2-135M on 2 CPU cores: about 0.15; on a GPU expected near zero, not measured here): the rebuild picks the
     shape serving uses by default (``choose_shape``) with it."""
     datastore: DatastoreConfig = field(default_factory=lambda: DatastoreConfig(value_len=21))
     poll_records: int = 500

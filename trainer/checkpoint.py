@@ -144,5 +144,19 @@ def append_history(root: Path, cluster: str, entry: dict) -> None:
         os.fsync(f.fileno())
 
 
+def history_version(root: Path, cluster: str) -> int:
+    """The version of the cluster's last complete history line (0 without one). A line torn
+    by a kill in mid-write is cut off here, so the next append starts on a line of its own."""
+    path = root / cluster / "updates.jsonl"
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        write_atomic(path, data)
+    lines = data.splitlines()
+    return int(json.loads(lines[-1]).get("version", 0)) if lines else 0
+
+
 def clusters_in(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.exists() else []

@@ -246,6 +246,10 @@ class OnlineTrainer:
             st.skipped_steps, st.lineage = saved.get("skipped_steps", 0), saved.get("lineage", {}).get("offsets", {})
             st.last_eval = saved.get("eval", {})
             log.info("cluster %s: resumed draft v%d (%d updates) from %s", cluster, st.version, st.updates, path)
+            if ckpt.history_version(self.out, cluster) < st.version and "summary" in saved:
+                log.warning("cluster %s: the trainer stopped after checkpoint v%d but before its history line; "
+                            "writing it back from the checkpoint", cluster, st.version)  # fmt: skip
+                ckpt.append_history(self.out, cluster, {**saved["summary"], "recovered": True})
         else:
             log.info("cluster %s: new draft from %s", cluster, self.base_draft)
         return st
@@ -375,7 +379,6 @@ class OnlineTrainer:
             "lineage": {"topic": self.stream_cfg.topics.misses, "offsets": st.lineage}, "config": asdict(self.cfg),
             "config_hash": self.cfg.digest(), "base_draft": str(self.base_draft),
         }  # fmt: skip
-        ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state, extra_files=self._carried_files())
         summary = {
             "cluster": cluster, "version": st.version, "requests": len(buf.items()),
             "positions": sum(ex.num_positions for ex in examples), "sampling": self.cfg.sampling,
@@ -384,6 +387,10 @@ class OnlineTrainer:
             "eval_after": after.to_dict(), "request_ids": [h.record.request_id for h in buf.items()],
             "seconds": round(time.perf_counter() - t0, 3),
         }  # fmt: skip
+        # the summary rides in the checkpoint too: a kill between the two writes below leaves a
+        # checkpoint whose history line _new_state writes back on restart (its records are not retrained)
+        state["summary"] = summary
+        ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state, extra_files=self._carried_files())
         ckpt.append_history(self.out, cluster, summary)
         buf.updated()
         if self.promoter is not None and st.updates % self.promoter.cfg.register_every == 0:

@@ -239,3 +239,44 @@ def test_a_restart_before_the_commit_trains_no_record_twice(close_pair, tmp_path
             _assert_all_committed(s, "g", cfg.topics.misses)
     finally:
         second.close()
+
+
+def test_a_kill_between_checkpoint_and_history_line_is_repaired_on_restart(close_pair, tmp_path, monkeypatch):
+    """Killed after an update's checkpoint was written but before its history line (and with
+    the last line torn): the restart skips the records that checkpoint trained, so it writes
+    the missing line back from the checkpoint. Every record is then in exactly one line."""
+    cfg, draft_dir = log_requests(close_pair, tmp_path, 12, seed=3, cluster_of=lambda i: "c", partitions=1,
+                                  greedy_only=True, max_new_tokens=12)  # fmt: skip
+    ocfg = OnlineConfig(group="g", interval=4, holdout_every=1000, poll_records=12)
+    out = tmp_path / "out"
+    first = OnlineTrainer(cfg, draft_dir, out, ocfg)
+    real_append = ckpt.append_history
+
+    def append_then_die(root, cluster, entry):
+        if entry["version"] == 2:
+            with open(root / cluster / "updates.jsonl", "a") as f:
+                f.write('{"torn": ')  # a write the kill cut short
+            raise SystemExit("killed between the checkpoint and its history line")
+        real_append(root, cluster, entry)
+
+    monkeypatch.setattr(ckpt, "append_history", append_then_die)
+    with pytest.raises(SystemExit):
+        first.step()
+    first.close()
+    monkeypatch.setattr(ckpt, "append_history", real_append)
+    assert [h["version"] for h in _history_lines(out, "c")] == [1]
+    second = OnlineTrainer(cfg, draft_dir, out, ocfg)
+    try:
+        second.run(max_idle_s=1.0)
+        hist = _history(out, "c")
+        assert [h["version"] for h in hist] == [1, 2, 3] and hist[1]["recovered"] is True
+        new_in = [set(h["request_ids"]) - set().union(*(p["request_ids"] for p in hist[:i])) for i, h in enumerate(hist)]
+        assert set().union(*new_in) == {f"r{i}" for i in range(12)} and all(len(n) == 4 for n in new_in)
+    finally:
+        second.close()
+
+
+def _history_lines(out: Path, cluster: str) -> list[dict]:
+    """The complete lines only (the last one may be torn)."""
+    lines = (out / cluster / "updates.jsonl").read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines]

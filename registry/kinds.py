@@ -9,6 +9,7 @@ format its directory carries (``registry.artifacts``).
 - ``router``: the one prompt router, ``router``;
 - ``datastore``: a retrieval datastore per cluster, ``datastore-<cluster>`` (DReSD);
 - ``kb``: a knowledge base per name, ``kb-<name>`` (RaLMSpec, kNN-LM).
+- ``knnlm``: a kNN-LM datastore per name, ``knnlm-<name>`` (RaLMSpec §5.3).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ KINDS: dict[str, ArtifactKind] = {
                      "Retrieval datastore of cluster '{key}' (DReSD): keys, next tokens, index."),
         ArtifactKind("kb", True, "kb", artifacts.KB_FORMAT,
                      "Knowledge base '{key}' (RaLMSpec, kNN-LM): passages and their index."),
+        ArtifactKind("knnlm", True, "knnlm", artifacts.KNNLM_FORMAT,
+                     "kNN-LM datastore '{key}': target hidden states and next tokens."),
     )
 }  # fmt: skip
 

@@ -112,6 +112,13 @@ class DatastoreError(SpecOpsError, ValueError):
     code = "datastore"
 
 
+class KBError(SpecOpsError, ValueError):
+    """A knowledge base is malformed, corrupt or foreign, was built with another embedder, or
+    lacks the retriever asked for."""
+
+    code = "kb"
+
+
 # The one place an error code becomes an HTTP status (used by the HTTP API).
 HTTP_STATUS: dict[str, int] = {
     InvalidRequestError.code: 400,
@@ -130,6 +137,7 @@ HTTP_STATUS: dict[str, int] = {
     TokenizerMismatchError.code: 500,
     RouterError.code: 500,
     DatastoreError.code: 500,
+    KBError.code: 500,
     SpecOpsError.code: 500,
 }
 

@@ -459,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     from specops.datastore_cli import add_parser as add_datastore_parser
 
     add_datastore_parser(sub)
+    from specops.knnlm_cli import add_parser as add_knnlm_parser
+
+    add_knnlm_parser(sub)
+    from specops.kb_cli import add_parser as add_kb_parser
+
+    add_kb_parser(sub)
 
     p = sub.add_parser(
         "demo",

@@ -77,9 +77,14 @@ class KeyIndex:
                 ids = np.pad(ids, ((0, 0), (0, k - ids.shape[1])), constant_values=-1)
                 sims = np.pad(sims, ((0, 0), (0, k - sims.shape[1])), constant_values=-np.inf)
             return ids, sims
-        if self.cfg.kind == "hnsw" and self._impl.hnsw.efSearch < k:  # HNSW returns at most efSearch neighbours
-            self._impl.hnsw.efSearch = k
-        sims, ids = self._impl.search(q, k)
+        if self.cfg.kind == "hnsw":
+            # HNSW returns at most efSearch neighbours. The breadth goes with the call, not the shared
+            # index: a function of k alone (an earlier wide search must not change later results),
+            # and concurrent searches do not race on it.
+            params = _faiss().SearchParametersHNSW(efSearch=max(self.cfg.hnsw_ef_search, k))
+            sims, ids = self._impl.search(q, k, params=params)
+        else:
+            sims, ids = self._impl.search(q, k)
         return ids.astype(np.int64), sims.astype(np.float32)
 
     def describe(self) -> dict:

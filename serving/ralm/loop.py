@@ -1,0 +1,453 @@
+"""Iterative retrieval-augmented generation: RaLMSeq and RaLMSpec (the RaLMSpec paper, §3–4).
+
+**RaLMSeq** (the baseline, In-Context RaLM of Ram et al.): every ``interval`` (4) generated
+tokens, retrieve the top-1 passage of the knowledge base for the last ``query_tokens`` (32)
+tokens of prompt + output, put it before the prompt, and generate the next ``interval``
+tokens.
+
+**RaLMSpec** (Algorithm 1): the first retrieval is real and seeds a per-request *local
+cache*; every later retrieval is first *speculated* from the cache (ranked with the KB's own
+score, so a cached passage scores exactly as in the KB), and generation goes on with the
+speculated passage. After ``s`` such speculation steps one *batched* KB retrieval verifies
+``q_1..q_s``; at the first mismatch the output is rolled back to that step and regenerated
+with the true passage. Refinements (§4): *prefetch* (the top-``prefetch`` results of every
+verification go into the cache, not just the first retrieval's), *OS³* (``s`` chosen live by
+``serving.ralm.os3``) and *asynchronous verification*: the batched KB retrieval runs in a
+worker thread while the main thread makes the next speculation step (torch, FAISS and
+numpy release the GIL), and the measured wall time shows the overlap.
+
+**Same output.** Greedy RaLMSpec emits exactly RaLMSeq's tokens: the passage of every
+interval is the KB's (verification), the query of an interval is encoded once, on its own,
+and searched with a retriever whose rows do not depend on the batch
+(``serving.retrieval.retriever``), and both loops drive generation identically: one decode
+session per run of intervals with the same passage (the KV cache is kept while the passage
+stays, a passage change re-encodes passage + prompt + output), each interval capped at
+``interval`` tokens. Rollback withdraws tentative tokens from the session that generated them
+(its KV cache and proposer roll back with it, ``DecodeSession.rollback_to``) or drops the
+sessions opened after the mismatch. Between retrievals, generation is speculative decoding
+with the request's proposer (the cluster's draft by default): the two ideas compose.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from serving.engine.session import DecodeSession
+from serving.engine.spec import SpecEngine
+from serving.engine.types import ContextSpan, SamplingParams
+from serving.errors import InvalidRequestError
+from serving.proposers.catalogue import ProposerConfig, ProposerResources
+from serving.ralm.os3 import OS3Config, StrideScheduler
+from serving.retrieval.retriever import Query, Retriever
+
+log = logging.getLogger(__name__)
+
+MODES = ("ralmspec", "ralmseq")
+MAX_INTERVAL = 64
+MAX_PREFETCH = 256
+
+
+@dataclass(frozen=True)
+class RalmConfig:
+    """One request's retrieval loop."""
+
+    mode: str = "ralmspec"
+    """``ralmspec`` (speculative retrieval, verified in batches) or ``ralmseq`` (the baseline)."""
+    interval: int = 4
+    """Tokens generated per retrieval (Ram et al.'s retrieval stride; the API's ``stride``)."""
+    query_tokens: int = 32
+    """The query is the last this-many tokens of prompt + output."""
+    max_passage_tokens: int = 256
+    """A retrieved passage is cut to this many tokens before it is put before the prompt."""
+    speculation_stride: int = 0
+    """Speculation steps per verification: 0 = OS³ chooses it live; n > 0 = always n (the paper's 3)."""
+    prefetch: int = 20
+    """KB results per query added to the local cache at every verification (1 = top-1 update only)."""
+    asynchronous: bool = True
+    """Verify in a worker thread while the next speculation step runs."""
+    cache_size: int = 4096
+    """Most passages in a request's local cache (least recently added out first)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"retrieval.mode must be one of {', '.join(MODES)}, got {self.mode!r}",
+                                      "retrieval.mode")  # fmt: skip
+        if not isinstance(self.interval, int) or not 1 <= self.interval <= MAX_INTERVAL:
+            raise InvalidRequestError(f"retrieval.stride must be an integer in 1..{MAX_INTERVAL}, got {self.interval!r}",
+                                      "retrieval.stride")  # fmt: skip
+        if not isinstance(self.query_tokens, int) or not 1 <= self.query_tokens <= 512:
+            raise InvalidRequestError(f"retrieval.query_tokens must be an integer in 1..512, got {self.query_tokens!r}",
+                                      "retrieval.query_tokens")  # fmt: skip
+        if not isinstance(self.speculation_stride, int) or not 0 <= self.speculation_stride <= 32:
+            raise InvalidRequestError("retrieval.speculation_stride must be an integer in 0..32 (0 = OS³), got "
+                                      f"{self.speculation_stride!r}", "retrieval.speculation_stride")  # fmt: skip
+        if not isinstance(self.prefetch, int) or not 1 <= self.prefetch <= MAX_PREFETCH:
+            raise InvalidRequestError(f"retrieval.prefetch must be an integer in 1..{MAX_PREFETCH}, got {self.prefetch!r}",
+                                      "retrieval.prefetch")  # fmt: skip
+        if self.max_passage_tokens < 1 or self.cache_size < 1:
+            raise ValueError("max_passage_tokens and cache_size must be >= 1")
+
+
+@dataclass
+class RalmStats:
+    """What one request's retrieval loop did (the response's ``retrieval`` block)."""
+
+    mode: str
+    retriever: str
+    intervals: int = 0
+    """Retrievals the output needed (one per interval of the final output)."""
+    kb_queries: int = 0
+    """Queries sent to the knowledge base (RaLMSeq: one per interval)."""
+    kb_calls: int = 0
+    """KB searches (a batched verification is one)."""
+    verification_batches: int = 0
+    speculations: int = 0
+    """Retrievals answered from the local cache."""
+    mismatches: int = 0
+    """Verifications that found a wrong speculated passage."""
+    rolled_back_tokens: int = 0
+    strides: list[int] = field(default_factory=list)
+    """Speculation stride of every verification, in order."""
+    cache_passages: int = 0
+    gamma: float = 0.0
+    """OS³'s last estimate of the speculation accuracy."""
+    time_s: dict[str, float] = field(default_factory=lambda: {
+        "total": 0.0, "generate": 0.0, "embed": 0.0, "cache": 0.0, "kb_search": 0.0, "kb_wait": 0.0,
+        "async_overlap": 0.0, "async_overlap_simulated": 0.0})  # fmt: skip
+    """``generate``: decoding; ``embed``: query encoding; ``kb_search``: time inside KB searches;
+    ``kb_wait``: time the loop waited for them (less than ``kb_search`` when verification
+    overlapped generation); ``async_overlap``: the measured difference; ``async_overlap_simulated``:
+    the paper's figure, ``Σ min(verification, speculation step)`` over asynchronous rounds."""
+
+    @property
+    def retrieval_s(self) -> float:
+        """Wall time the request spent retrieving (encoding, cache, waiting for the KB)."""
+        t = self.time_s
+        return t["embed"] + t["cache"] + t["kb_wait"]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["time_s"] = {k: round(v, 6) for k, v in self.time_s.items()}
+        out["gamma"] = round(self.gamma, 4)
+        return out
+
+
+@dataclass
+class RalmResult:
+    token_ids: list[int]
+    """Generated tokens (prompt excluded)."""
+    passages: list[int]
+    """The passage of every interval of the output, in order."""
+    stats: RalmStats
+    finish_reason: str
+    num_target_forwards: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    text: str | None = None
+
+
+class _Stopped(Exception):
+    """``on_final`` returned True: a stop sequence was seen in the final output."""
+
+
+class LocalCache:
+    """A request's speculation cache: passage ids, ranked per query with the KB's own score."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, ids) -> None:
+        for pid in (int(i) for i in np.asarray(ids).ravel()):
+            if pid < 0:
+                continue
+            self._ids.pop(pid, None)
+            self._ids[pid] = None
+            if len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+
+    def top1(self, retriever: Retriever, query: Query) -> int:
+        """The cached passage the KB would rank first among the cached ones (ties: lower id)."""
+        ids = np.fromiter(self._ids, dtype=np.int64, count=len(self._ids))
+        scores = retriever.score([query], ids)[0]
+        best = scores.max()
+        return int(ids[scores == best].min())
+
+
+class _Segment:
+    """One decode session over ``passage + prompt + output[:start]``, kept while the passage stays."""
+
+    def __init__(self, session: DecodeSession, passage: int, start: int, context_len: int) -> None:
+        self.session, self.passage, self.start, self.context_len = session, passage, start, context_len
+        self.alive = True
+
+    @property
+    def end(self) -> int:
+        """Output position the session has generated up to."""
+        return self.start + self.session.state.num_generated
+
+    def close(self) -> None:
+        if self.alive:
+            self.alive = False
+            self.session.abort()
+
+
+@dataclass
+class _Step:
+    start: int
+    """Output position where the interval starts."""
+    query: Query
+    passage: int
+    segment: _Segment
+    verified: bool
+    seconds: float = 0.0
+    finish_reason: str = ""
+
+
+class RalmGenerator:
+    """Runs one request's retrieval loop over a :class:`SpecEngine` and a knowledge base.
+
+    ``passages(ids) -> list[str]`` gives passage texts; ``tokenizer`` encodes passages and
+    decodes queries. ``method``/``k``/``proposer_cfg``/``resources`` choose the speculative
+    decoding between retrievals, as for ``SpecEngine.session``."""
+
+    def __init__(self, engine: SpecEngine, retriever: Retriever, passages: Callable[[list[int]], list[str]],
+                 tokenizer, cfg: RalmConfig, *, method: str = "target", k: int | None = None,
+                 proposer_cfg: ProposerConfig | None = None, resources: ProposerResources | None = None,
+                 pool: ThreadPoolExecutor | None = None, os3: OS3Config | None = None) -> None:  # fmt: skip
+        self.engine, self.retriever, self.passage_texts, self.tokenizer, self.cfg = engine, retriever, passages, tokenizer, cfg
+        self.method, self.k, self.proposer_cfg, self.resources = method, k, proposer_cfg, resources
+        self.pool = pool
+        self.os3 = os3
+        self._passage_ids: dict[int, list[int]] = {}
+        self._sep = list(tokenizer.encode("\n\n", add_special_tokens=False))
+
+    # ------------------------------------------------------------------ pieces
+    def _passage_tokens(self, pid: int) -> list[int]:
+        if pid not in self._passage_ids:
+            text = self.passage_texts([pid])[0]
+            self._passage_ids[pid] = list(self.tokenizer.encode(text, add_special_tokens=False))[: self.cfg.max_passage_tokens]
+        return self._passage_ids[pid]
+
+    def _encode_query(self, prompt: list[int], out: list[int], stats: RalmStats) -> Query:
+        t0 = time.perf_counter()
+        ids = (prompt + out)[-self.cfg.query_tokens:]
+        q = self.retriever.encode([self.tokenizer.decode(ids)])[0]
+        stats.time_s["embed"] += time.perf_counter() - t0
+        return q
+
+    def _search(self, queries: list[Query], k: int) -> tuple[np.ndarray, float]:
+        t0 = time.perf_counter()
+        ids, _ = self.retriever.search(queries, k)
+        return ids, time.perf_counter() - t0
+
+    def _open(self, passage: int, prompt: list[int], out: list[int], start: int, params: SamplingParams) -> _Segment:
+        p_ids = self._passage_tokens(passage)
+        head = p_ids + self._sep
+        context = head + prompt + out[:start]
+        spans = [ContextSpan("prompt", len(head), len(head) + len(prompt) + start)]
+        if p_ids:
+            spans.insert(0, ContextSpan("retrieved", 0, len(p_ids)))
+        seed = None if params.seed is None else params.seed + start  # reproducible sampling per interval start
+        seg_params = SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                    max_new_tokens=params.max_new_tokens - start, seed=seed)  # fmt: skip
+        session = self.engine.session(context, seg_params, method=self.method, k=self.k, proposer_cfg=self.proposer_cfg,
+                                      resources=self.resources, context_spans=tuple(spans), hold_back=True)  # fmt: skip
+        return _Segment(session, passage, start, len(context))
+
+    def _interval(self, seg: _Segment, out: list[int], stats: RalmStats) -> str:
+        """Generate up to ``interval`` tokens in ``seg`` onto ``out``; returns a finish reason or ""."""
+        t0 = time.perf_counter()
+        session, k = seg.session, self.k if self.k is not None else seg.session.k
+        produced = 0
+        while produced < self.cfg.interval and not session.finished:
+            session.k = min(k, self.cfg.interval - produced - 1)
+            outcome = session.step()
+            out.extend(outcome.emitted)
+            produced += len(outcome.emitted)
+        session.k = k
+        stats.time_s["generate"] += time.perf_counter() - t0
+        return session.finish_reason
+
+    def _run_step(self, steps: list[_Step], passage: int, query: Query, verified: bool, prompt: list[int],
+                  out: list[int], params: SamplingParams, stats: RalmStats) -> _Step:  # fmt: skip
+        """Generate one interval with ``passage``: continue the previous step's session when the
+        passage is the same, else open a new one."""
+        t0 = time.perf_counter()
+        start = len(out)
+        prev = steps[-1] if steps else None
+        if prev is not None and prev.passage == passage and prev.segment.alive and prev.segment.end >= start:
+            seg = prev.segment
+            if seg.end > start:  # it went on past here in a withdrawn branch: roll its KV cache back
+                seg.session.rollback_to(seg.context_len + (start - seg.start))
+        else:
+            seg = self._open(passage, prompt, out, start, params)
+        reason = self._interval(seg, out, stats)
+        step = _Step(start, query, passage, seg, verified, time.perf_counter() - t0, reason)
+        steps.append(step)
+        return step
+
+    # ------------------------------------------------------------------ the loops
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 on_final: Callable[[list[int]], None] | None = None) -> RalmResult:  # fmt: skip
+        """Decode one request; ``on_final(tokens)`` receives output as it becomes final (verified);
+        returning True ends the request there (finish reason ``stop``: a stop sequence was seen)."""
+        cfg = self.cfg
+        stats = RalmStats(mode=cfg.mode, retriever=self.retriever.kind)
+        prompt, out, steps = [int(t) for t in prompt_ids], [], []
+        self._final = 0
+        t0 = time.perf_counter()
+
+        def final(tokens: list[int]) -> None:
+            self._final += len(tokens)
+            if on_final is not None and on_final(tokens) is True:
+                raise _Stopped
+
+        try:
+            try:
+                if cfg.mode == "ralmseq":
+                    self._ralmseq(prompt, out, steps, params, stats, final)
+                else:
+                    self._ralmspec(prompt, out, steps, params, stats, final)
+            except _Stopped:
+                del out[self._final:]
+                while steps and steps[-1].start >= len(out):
+                    steps.pop().segment.close()
+                result = self._result(out, steps, stats, t0)
+                result.finish_reason = "stop"
+                return result
+            return self._result(out, steps, stats, t0)
+        finally:
+            for seg in {id(s.segment): s.segment for s in steps}.values():
+                seg.close()
+
+    def _ralmseq(self, prompt, out, steps, params, stats, on_final) -> None:
+        while not steps or not steps[-1].finish_reason:
+            q = self._encode_query(prompt, out, stats)
+            ids, dt = self._search([q], 1)
+            stats.kb_queries += 1
+            stats.kb_calls += 1
+            stats.time_s["kb_search"] += dt
+            stats.time_s["kb_wait"] += dt
+            n = len(out)
+            self._run_step(steps, int(ids[0, 0]), q, True, prompt, out, params, stats)
+            if len(out) > n:
+                on_final(out[n:])
+
+    def _speculate(self, cache: LocalCache, steps, prompt, out, params, stats) -> _Step:
+        q = self._encode_query(prompt, out, stats)
+        t0 = time.perf_counter()
+        guess = cache.top1(self.retriever, q)
+        stats.time_s["cache"] += time.perf_counter() - t0
+        stats.speculations += 1
+        return self._run_step(steps, guess, q, False, prompt, out, params, stats)
+
+    def _ralmspec(self, prompt, out, steps, params, stats, on_final) -> None:
+        cfg = self.cfg
+        sched = StrideScheduler(self.os3, asynchronous=cfg.asynchronous, fixed=cfg.speculation_stride)
+        cache = LocalCache(cfg.cache_size)
+        # 1. the first retrieval is real; its top-``prefetch`` seed the cache
+        q = self._encode_query(prompt, out, stats)
+        ids, dt = self._search([q], cfg.prefetch)
+        stats.kb_queries += 1
+        stats.kb_calls += 1
+        stats.time_s["kb_search"] += dt
+        stats.time_s["kb_wait"] += dt
+        cache.add(ids)
+        self._run_step(steps, int(ids[0, 0]), q, True, prompt, out, params, stats)
+        n_final = 0
+
+        def emit_final() -> None:
+            nonlocal n_final
+            end = len(out) if all(s.verified for s in steps) else next(s.start for s in steps if not s.verified)
+            if end > n_final:
+                chunk, n_final = out[n_final:end], end
+                on_final(chunk)
+
+        emit_final()
+        pending: list[_Step] = []
+        while True:
+            done = bool(steps[-1].finish_reason)
+            if done and not pending:
+                break
+            # 2. speculate up to the stride from the local cache
+            if not done:
+                remaining = max(1, math.ceil((params.max_new_tokens - len(out)) / cfg.interval))
+                s = sched.stride(remaining)
+                while len(pending) < s and not steps[-1].finish_reason:
+                    step = self._speculate(cache, steps, prompt, out, params, stats)
+                    sched.observe_speculation(step.seconds)
+                    pending.append(step)
+            stats.strides.append(len(pending))
+            # 3. verify them in one batched KB retrieval (asynchronously: during one more speculation step)
+            queries = [p.query for p in pending]
+            extra: _Step | None = None
+            if cfg.asynchronous and not steps[-1].finish_reason and self.pool is not None:
+                future = self.pool.submit(self._search, queries, cfg.prefetch)
+                extra = self._speculate(cache, steps, prompt, out, params, stats)
+                sched.observe_speculation(extra.seconds)
+                t_wait = time.perf_counter()
+                ids, dt = future.result()
+                waited = time.perf_counter() - t_wait
+                stats.time_s["async_overlap"] += max(0.0, dt - waited)
+                stats.time_s["async_overlap_simulated"] += min(dt, extra.seconds)
+            else:
+                ids, dt = self._search(queries, cfg.prefetch)
+                waited = dt
+            stats.kb_queries += len(queries)
+            stats.kb_calls += 1
+            stats.verification_batches += 1
+            stats.time_s["kb_search"] += dt
+            stats.time_s["kb_wait"] += waited
+            cache.add(ids)
+            truth = [int(i) for i in ids[:, 0]]
+            m = next((i for i, p in enumerate(pending) if p.passage != truth[i]), None)
+            sched.observe_verification(len(pending), len(pending) if m is None else m, dt)
+            if m is None:  # 4a. every speculation held: final up to the extra step
+                for p in pending:
+                    p.verified = True
+                pending = [extra] if extra is not None else []
+            else:  # 4b. roll back to the first mismatch and regenerate it with the true passage
+                stats.mismatches += 1
+                for p in pending[:m]:
+                    p.verified = True
+                cut = pending[m].start
+                stats.rolled_back_tokens += len(out) - cut
+                keep = steps.index(pending[m])
+                kept_segments = {id(s.segment) for s in steps[:keep]}
+                for s in steps[keep:]:
+                    if id(s.segment) not in kept_segments:
+                        s.segment.close()
+                del steps[keep:]
+                del out[cut:]
+                self._run_step(steps, truth[m], pending[m].query, True, prompt, out, params, stats)
+                pending = []
+            emit_final()
+        stats.cache_passages = len(cache)
+        stats.gamma = sched.gamma
+
+    def _result(self, out: list[int], steps: list[_Step], stats: RalmStats, t0: float) -> RalmResult:
+        stats.intervals = len(steps)
+        stats.time_s["total"] = time.perf_counter() - t0
+        if stats.mode == "ralmspec":
+            stats.strides = [s for s in stats.strides if s > 0]
+        forwards = drafted = accepted = 0
+        for seg in {id(s.segment): s.segment for s in steps}.values():
+            st = seg.session.stats
+            forwards += seg.session.target.num_forwards
+            drafted += st.num_drafted
+            accepted += st.num_accepted
+        reason = steps[-1].finish_reason if steps else "length"
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        return RalmResult(list(out), [s.passage for s in steps], stats, reason, forwards, drafted, accepted, text)

@@ -1,0 +1,137 @@
+"""OS³, RaLMSpec's optimal speculation stride scheduler (§4 and App. A.2 of the paper).
+
+Between two verifications a loop makes ``s`` speculation steps (each: a retrieval from the
+request's local cache, then generation). With ``γ`` the chance that one speculated retrieval
+equals the knowledge base's, ``a`` the latency of a speculation step and ``b`` that of a
+verification, the expected number of retrievals verified per unit time is
+
+- synchronous:  ``(1 - γ^s) / ((1 - γ)(s·a + b))``
+- asynchronous: ``(1 - γ^s) / ((1 - γ)[γ^s((s-1)a + max(a, b)) + (1 - γ^s)(s·a + b)])``
+
+and OS³ picks the ``s`` that maximises it. ``γ`` is the maximum-likelihood estimate over
+the last ``w = 5`` verifications, ``ΣM / (ΣM + Σ1[M < s])`` (``M`` the speculations a
+verification confirmed), capped at ``γmax = 0.6``. ``a`` and ``b`` are measured live: ``a``
+is the mean of the recent speculation steps; ``b`` is a line ``b0 + b1·s`` fitted to the
+recent verifications' (batch size, latency), since an approximate dense retriever's batched
+latency grows with the batch (App. A.1) while exact and sparse ones stay flat; with one
+batch size seen so far it is their mean. The stride starts at 1 (the paper's warm-up).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def objective(s: int, gamma: float, a: float, b: float, *, asynchronous: bool) -> float:
+    """Expected verified retrievals per second at stride ``s`` (the paper's two forms)."""
+    assert s >= 1 and 0.0 <= gamma < 1.0 and a >= 0.0 and b >= 0.0, (s, gamma, a, b)
+    verified = (1.0 - gamma**s) / (1.0 - gamma)
+    if asynchronous:
+        hit = gamma**s
+        latency = hit * ((s - 1) * a + max(a, b)) + (1.0 - hit) * (s * a + b)
+    else:
+        latency = s * a + b
+    return verified / max(latency, 1e-12)
+
+
+def best_stride(gamma: float, a: float, b: float | list[float], *, asynchronous: bool, s_max: int = 16) -> int:
+    """The stride in 1..s_max maximising :func:`objective` (the smallest among equals).
+
+    ``b`` is one latency for every stride, or a list of ``s_max`` latencies (``b[s-1]`` for a
+    batch of ``s`` queries)."""
+    bs = [float(b)] * s_max if np.isscalar(b) else [float(x) for x in b]
+    assert len(bs) >= s_max, (len(bs), s_max)
+    scores = [objective(s, gamma, a, bs[s - 1], asynchronous=asynchronous) for s in range(1, s_max + 1)]
+    return 1 + int(np.argmax(scores))
+
+
+@dataclass
+class OS3Config:
+    window: int = 5
+    """Verifications ``γ`` is estimated over (the paper's w)."""
+    gamma_max: float = 0.6
+    """Cap on the estimate (the paper's γmax): no over-optimism, no division by zero."""
+    s_max: int = 16
+    """Largest stride considered."""
+    initial: int = 1
+    """Stride before anything is measured (the paper starts at 1)."""
+    timing_window: int = 16
+    """Recent speculation steps and verifications ``a`` and ``b`` are estimated over."""
+
+
+class StrideScheduler:
+    """Live estimates of ``γ``, ``a``, ``b`` and the stride they call for.
+
+    ``fixed`` > 0 turns the scheduler off: :meth:`stride` is always ``fixed`` (the paper's
+    s = 3 without OS³), while the estimates are still kept for reporting."""
+
+    def __init__(self, cfg: OS3Config | None = None, *, asynchronous: bool = False, fixed: int = 0) -> None:
+        self.cfg = cfg or OS3Config()
+        self.asynchronous = asynchronous
+        self.fixed = fixed
+        self._verifications: deque[tuple[int, int]] = deque(maxlen=self.cfg.window)  # (stride, matched)
+        self._spec_s: deque[float] = deque(maxlen=self.cfg.timing_window)
+        self._verify: deque[tuple[int, float]] = deque(maxlen=self.cfg.timing_window)  # (batch, seconds)
+        self.chosen: list[int] = []
+        """Every stride handed out, in order (the response reports them)."""
+
+    # ------------------------------------------------------------------ observations
+    def observe_speculation(self, seconds: float) -> None:
+        """One speculation step (cache retrieval + generation) took ``seconds``."""
+        self._spec_s.append(float(seconds))
+
+    def observe_verification(self, stride: int, matched: int, seconds: float) -> None:
+        """A verification of ``stride`` speculations confirmed ``matched`` of them (the
+        leading run) and its batched retrieval took ``seconds``."""
+        assert 0 <= matched <= stride, (matched, stride)
+        self._verifications.append((int(stride), int(matched)))
+        self._verify.append((int(stride), float(seconds)))
+
+    # ------------------------------------------------------------------ estimates
+    @property
+    def gamma(self) -> float:
+        if not self._verifications:
+            return 0.0
+        matched = sum(m for _, m in self._verifications)
+        misses = sum(1 for s, m in self._verifications if m < s)
+        if matched + misses == 0:
+            return 0.0
+        return min(self.cfg.gamma_max, matched / (matched + misses))
+
+    @property
+    def a(self) -> float:
+        return float(np.mean(self._spec_s)) if self._spec_s else 0.0
+
+    def b(self, s: int) -> float:
+        """Estimated latency of a verification batch of ``s`` queries."""
+        if not self._verify:
+            return 0.0
+        xs = np.array([n for n, _ in self._verify], dtype=np.float64)
+        ys = np.array([t for _, t in self._verify], dtype=np.float64)
+        if np.ptp(xs) == 0:
+            return float(ys.mean())
+        slope, intercept = np.polyfit(xs, ys, 1)
+        slope = max(0.0, float(slope))  # a batch never gets cheaper with more queries
+        intercept = float(ys.mean() - slope * xs.mean())
+        return max(0.0, intercept + slope * s)
+
+    def stride(self, remaining: int | None = None) -> int:
+        """The stride for the next round (at most ``remaining`` speculation steps)."""
+        if self.fixed:
+            s = self.fixed
+        elif not self._verifications or not self._spec_s:
+            s = self.cfg.initial
+        else:
+            s = best_stride(self.gamma, self.a, [self.b(n) for n in range(1, self.cfg.s_max + 1)],
+                            asynchronous=self.asynchronous, s_max=self.cfg.s_max)  # fmt: skip
+        if remaining is not None:
+            s = max(1, min(s, remaining))
+        self.chosen.append(s)
+        return s
+
+    def snapshot(self) -> dict:
+        return {"gamma": round(self.gamma, 4), "a_s": round(self.a, 6), "b1_s": round(self.b(1), 6),
+                "strides": list(self.chosen)}  # fmt: skip

@@ -45,6 +45,8 @@ class ServedResult:
     """Artifact kind -> version the request could use (``{"draft": ...}``)."""
     n_drafts: int = 0
     """Rows drafted per step by a multi-draft method (DReSD; 0 for the others)."""
+    retrieval: dict | None = None
+    """What a retrieval loop did (RaLMSeq/RaLMSpec or kNN-LM): the response's ``retrieval`` block."""
 
     def version_of(self, method: str) -> str:
         """The version of ``method``'s artifact that served this request ("" if it has none)."""
@@ -101,3 +103,71 @@ class ServingNode:
             n_drafts = resolve_shape(resources.datastore, n_drafts)[0]
         return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions,
                             n_drafts if method_spec(method).default_n_drafts else 0)  # fmt: skip
+
+    def generate_ralm(self, prompt_ids: list[int], params: SamplingParams, *, kb, retriever: str, ralm,
+                      cluster: str = "default", method: str = "draft", k: int | None = None,
+                      request_id: str | None = None,
+                      on_step: Callable[[list[int]], bool | None] | None = None, pool=None) -> ServedResult:  # fmt: skip
+        """One request through RaLMSeq or RaLMSpec (``serving.ralm.loop``) over ``kb`` (a
+        ``serving.fleet.catalog.Loaded`` knowledge base), decoding between retrievals with
+        ``method`` and the cluster's current draft. ``on_step(final)`` gets verified output only."""
+        from serving.engine.types import GenerationResult, RequestStats
+        from serving.ralm.loop import RalmGenerator
+
+        started_at = time.time()
+        handle: DraftHandle = self.follower.slot(cluster).current()
+        pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
+                         tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
+        engine = SpecEngine(pair, target_lm=self.batcher.lm if self.batcher else None)
+        rid = request_id or uuid.uuid4().hex
+        versions = {"draft": handle.version, "kb": kb.version}
+        knowledge = kb.artifact
+        gen = RalmGenerator(engine, knowledge.retriever(retriever), lambda ids: [p.text for p in knowledge.passages(ids)],
+                            pair.tokenizer, ralm, method=method, k=k,
+                            resources=ProposerResources(pair=pair, cluster=cluster, versions=versions), pool=pool)  # fmt: skip
+        if self.batcher is not None:
+            self.batcher.begin()
+        try:
+            out = gen.generate(prompt_ids, params, on_final=on_step)
+        finally:
+            if self.batcher is not None:
+                self.batcher.end()
+        stats = RequestStats(method=method, num_prompt_tokens=len(prompt_ids), num_generated=len(out.token_ids),
+                             num_drafted=out.num_drafted, num_accepted=out.num_accepted,
+                             num_target_forwards=out.num_target_forwards, finish_reason=out.finish_reason)  # fmt: skip
+        stats.time_s["total"] = out.stats.time_s["total"]
+        result = GenerationResult(token_ids=out.token_ids, stats=stats, text=out.text)
+        if method_spec(method).artifact == "draft" and out.num_drafted:
+            self.follower.record(handle, stats)
+        if self.logger is not None:  # the finished generation feeds the trainer like any other
+            self.logger.log(list(prompt_ids), result, params, RequestMeta(
+                request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version))
+        used, seen = [], set()
+        for pid in out.passages:
+            if pid not in seen:
+                seen.add(pid)
+                used.append(pid)
+        cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(used)]
+        block = {"kb": kb.name, "kb_version": kb.version, "retriever": retriever, "passages": cited,
+                 "interval_passages": list(out.passages), **out.stats.to_dict()}  # fmt: skip
+        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions, 0, block)
+
+    def generate_knnlm(self, prompt_ids: list[int], params: SamplingParams, *, store, knn, cluster: str = "default",
+                       request_id: str | None = None,
+                       on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:  # fmt: skip
+        """One request decoded by kNN-LM (``serving.ralm.knnlm``) over ``store`` (a
+        ``serving.fleet.catalog.Loaded`` datastore): baseline or speculative, same output."""
+        from serving.engine.types import GenerationResult, RequestStats
+        from serving.ralm.knnlm import KnnLM
+
+        started_at = time.time()
+        rid = request_id or uuid.uuid4().hex
+        out = KnnLM(self.pair.target, store.artifact, knn, eos_token_ids=self.pair.eos_token_ids,
+                    tokenizer=self.pair.tokenizer).generate(prompt_ids, params, on_final=on_step)  # fmt: skip
+        reason = "eos" if out.finish_reason == "stop" else out.finish_reason
+        stats = RequestStats(method="target", num_prompt_tokens=len(prompt_ids), num_generated=len(out.token_ids),
+                             finish_reason=reason)  # fmt: skip
+        stats.time_s["total"] = out.stats.total_s
+        result = GenerationResult(token_ids=out.token_ids, stats=stats, text=out.text)
+        block = {"datastore": store.name, "version": store.version, "lambda": knn.lam, **out.stats.to_dict()}
+        return ServedResult(rid, cluster, "", "", result, started_at, {"knnlm": store.version}, 0, block)

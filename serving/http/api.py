@@ -326,7 +326,8 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
     spec = req.speculation
     job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
                                   k=spec.k if spec else None, cluster=req.cluster, stop=req.stop,
-                                  n_drafts=spec.n_drafts if spec else None)  # fmt: skip
+                                  n_drafts=spec.n_drafts if spec else None, retrieval=req.retrieval,
+                                  knnlm=req.knnlm)  # fmt: skip
     if request_id is not None:
         job.request_id = request_id
     await state.admission.acquire()
@@ -421,6 +422,10 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }  # fmt: skip
+    if served.retrieval is not None and "kb" in served.versions:
+        speculation["kb_version"] = served.versions.get("kb")
+    if served.retrieval is not None and "knnlm" in served.versions:
+        speculation["knnlm_version"] = served.versions.get("knnlm")
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": job.text}, "logprobs": None,
                   "finish_reason": finish}  # fmt: skip
@@ -428,5 +433,8 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
     else:
         choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": finish}
         obj, rid = "text_completion", "cmpl-" + job.request_id
-    return {"id": rid, "object": obj, "created": job.created, "model": model, "choices": [choice], "usage": usage,
+    body = {"id": rid, "object": obj, "created": job.created, "model": model, "choices": [choice], "usage": usage,
             "speculation": speculation}  # fmt: skip
+    if served.retrieval is not None:
+        body["knnlm" if "knnlm" in served.versions else "retrieval"] = served.retrieval
+    return body

@@ -76,6 +76,11 @@ class ServeConfig(BaseModel):
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request does not say")
     max_k: int = Field(16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for")
     max_n_drafts: int = Field(16, ge=1, le=64, description="largest `speculation.n_drafts` (rows per step, dresd) a request may ask for")
+    kb_dirs: list[str] = Field(default_factory=list, description="knowledge-base directories (`specops kb build "
+                               "--out`) served by their names before the registry's `kb-<name>@champion`")  # fmt: skip
+    knnlm_dirs: list[str] = Field(default_factory=list, description="kNN-LM datastore directories (`specops knnlm "
+                                  "build --out`) served by their folder names before the registry's "
+                                  "`knnlm-<name>@champion`")  # fmt: skip
     datastore_dir: str = Field("", description="fallback DReSD datastore for clusters with no `datastore-<cluster>@champion` yet (`specops datastore build`); empty: none")
     default_method: Literal[METHODS] = Field(  # type: ignore[valid-type]
         "draft", description="decoding when a request does not say, one of the method catalogue's: " + describe())
@@ -108,7 +113,7 @@ class ServeConfig(BaseModel):
     log_sample_every: int = Field(1, ge=1, description="log one request in N to the stream")
     log_queue_size: int = Field(2048, ge=2, description="records queued for the stream before the oldest are shed")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "kb_dirs", "knnlm_dirs", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -185,6 +190,8 @@ def add_arguments(parser) -> None:
                                 help=argparse.SUPPRESS)  # fmt: skip
         elif name == "api_keys":
             parser.add_argument(flag, default=None, metavar="KEY[,KEY]", help=help_text)
+        elif name in ("kb_dirs", "knnlm_dirs"):
+            parser.add_argument(flag, default=None, metavar="DIR[,DIR]", help=help_text)
         else:
             parser.add_argument(flag, default=None, metavar=name.upper(), help=help_text)
 

@@ -3,7 +3,7 @@
 Only what the server implements is accepted. An OpenAI parameter we do not implement
 (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``)
 and any field OpenAI does not define either gets a 400 naming the parameter, rather than
-being silently ignored. Our two extension fields are ``speculation`` and ``cluster``.
+being silently ignored. Our extension fields are ``speculation``, ``cluster``, ``retrieval`` and ``knnlm``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
 ``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
@@ -41,6 +41,48 @@ class Speculation(BaseModel):
     (bounded by the server's max_n_drafts)."""
 
 
+KBName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+class Retrieval(BaseModel):
+    """Extension: iterative retrieval-augmented generation over a knowledge base (``docs/retrieval.md``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    kb: KBName
+    """Knowledge base name (``kb-<name>`` in the registry, or a --kb-dir the server loaded)."""
+    mode: Literal["ralmspec", "ralmseq"] = "ralmspec"
+    """ralmspec: speculative retrieval from a local cache, verified in batches (same output); ralmseq: the baseline."""
+    retriever: Literal["exact", "hnsw", "scann", "bm25"] = "exact"
+    stride: int = Field(4, ge=1, le=64)
+    """Tokens generated per retrieval."""
+    query_tokens: int = Field(32, ge=1, le=512)
+    """The query is the last this-many tokens of prompt + output."""
+    speculation_stride: int = Field(0, ge=0, le=32)
+    """RaLMSpec: speculations per verification; 0 = OS³ chooses it live."""
+    prefetch: int = Field(20, ge=1, le=256)
+    """RaLMSpec: KB results per query added to the local cache at each verification."""
+    asynchronous: bool = Field(True, alias="async")
+    """RaLMSpec: verify while the next speculation step runs."""
+
+
+class Knnlm(BaseModel):
+    """Extension: kNN-LM decoding over a datastore of the target's hidden states (``docs/retrieval.md``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    datastore: KBName
+    """kNN-LM datastore name (``knnlm-<name>`` in the registry, or a --knnlm-dirs directory by its folder name)."""
+    lam: float = Field(0.25, ge=0.0, le=1.0, alias="lambda")
+    """Weight of the neighbours' distribution: p = λ·p_kNN + (1-λ)·p_LM."""
+    k: int = Field(32, ge=1, le=1024)
+    """Neighbours per search."""
+    speculative: bool = True
+    """True: RaLMSpec's speculative kNN-LM (same output); false: a datastore search per token."""
+    speculation_stride: int = Field(0, ge=0, le=32)
+    """Speculative: tokens per batched verification; 0 = OS³ chooses it live."""
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
@@ -68,6 +110,8 @@ class _Common(BaseModel):
     # extensions
     speculation: Speculation | None = None
     cluster: ClusterName | None = None
+    retrieval: Retrieval | None = None
+    knnlm: Knnlm | None = None
 
     @field_validator("stop")
     @classmethod

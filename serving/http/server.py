@@ -48,6 +48,21 @@ ROUTED = Counter("specops_routed_requests_total", "Requests per cluster and how 
                  ["cluster", "source"])  # fmt: skip
 CANCELLED = Counter("specops_requests_cancelled_total", "Requests ended early", ["reason"])
 READY = Gauge("specops_ready", "1 when the models are loaded and requests are served")
+KNNLM_REQUESTS = Counter("specops_knnlm_requests_total", "kNN-LM requests", ["searcher", "mode"])
+KNNLM_SEARCHES = Counter("specops_knnlm_searches_total", "kNN-LM datastore searches (a batched verification is one)",
+                         ["searcher", "mode"])  # fmt: skip
+KNNLM_TOKENS = Counter("specops_knnlm_tokens_total", "Tokens decoded by kNN-LM", ["searcher", "mode"])
+RALM_REQUESTS = Counter("specops_ralm_requests_total", "Retrieval-loop requests", ["retriever", "mode"])
+RALM_KB_QUERIES = Counter("specops_ralm_kb_queries_total", "Queries sent to knowledge bases", ["retriever", "mode"])
+RALM_KB_CALLS = Counter("specops_ralm_kb_calls_total", "Knowledge-base searches (a batched verification is one)",
+                        ["retriever", "mode"])  # fmt: skip
+RALM_SPECULATIONS = Counter("specops_ralm_speculations_total", "Retrievals answered from a request's local cache",
+                            ["retriever", "mode"])  # fmt: skip
+RALM_MISMATCHES = Counter("specops_ralm_mismatches_total", "Verifications that found a wrong speculated passage",
+                          ["retriever", "mode"])  # fmt: skip
+RALM_SECONDS = Counter("specops_ralm_seconds_total", "Wall seconds of retrieval-loop requests by stage "
+                       "(retrieval waited for, generation, verification hidden by async overlap)",
+                       ["retriever", "mode", "stage"])  # fmt: skip
 
 
 class ClientGone(Exception):
@@ -70,6 +85,15 @@ class Job:
     stop: list[str] = field(default_factory=list)
     n_drafts: int = 0
     """Rows per step for a multi-draft method (0: the method's default)."""
+    ralm: object | None = None
+    """``serving.ralm.loop.RalmConfig`` when the request asked for a retrieval loop."""
+    kb: object | None = None
+    """The knowledge base it names (``serving.fleet.catalog.Loaded``)."""
+    retriever: str = ""
+    knnlm: object | None = None
+    """``serving.ralm.knnlm.KnnConfig`` when the request asked for kNN-LM decoding."""
+    knnlm_store: object | None = None
+    """The kNN-LM datastore it names (``serving.fleet.catalog.Loaded``)."""
     on_delta: Callable[[str], None] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -99,6 +123,12 @@ class ServingState:
         self.pair = self.node = self.follower = self.router = self.logger = self.watcher = self.registry = None
         self.datastores = None
         self.batcher = None
+        self.knnlms = None
+        """kNN-LM datastores by name, loaded on first use."""
+        self.kbs = None
+        """Knowledge bases by name (``serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
+        self.ralm_pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ralm-verify")
+        """RaLMSpec's asynchronous verifications (one KB search per running request at most)."""
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._recent_lock = threading.Lock()
         self._stop = threading.Event()
@@ -143,6 +173,8 @@ class ServingState:
                                       cache_dir=self.cache_dir / "drafts", cfg=hcfg).start()  # fmt: skip
         self.loading_step = "datastores"
         self.datastores = self._datastores()
+        self.kbs = self._kbs()
+        self.knnlms = self._knnlms()
         if cfg.router == "registry" and self.registry is not None:  # 4.
             from serving.fleet.router import RouterFollower, make_embedder
 
@@ -191,6 +223,31 @@ class ServingState:
                                  fallback=fallback, target_tokenizer_sha256=self.pair.tokenizer_sha256,
                                  vocab_size=self.pair.vocab_size, follow=follow).start()  # fmt: skip
 
+    def _kbs(self):
+        """Knowledge bases: the local ``kb_dirs`` by their own names, then ``kb-<name>@champion``."""
+        from serving.fleet.catalog import NamedArtifacts
+        from serving.retrieval.kb import KnowledgeBase
+
+        local = {}
+        for d in self.cfg.kb_dirs:
+            kb = KnowledgeBase.load(Path(d))
+            local[kb.name] = kb
+        return NamedArtifacts("kb", KnowledgeBase.load, registry=self.registry, cache_dir=self.cache_dir / "kbs",
+                              local=local, field="retrieval.kb", poll_s=self.cfg.poll_s).start()  # fmt: skip
+
+    def _knnlms(self):
+        """kNN-LM datastores: the local ``knnlm_dirs`` by folder name, then ``knnlm-<name>@champion``;
+        each checked to fit this target and tokenizer."""
+        from serving.fleet.catalog import NamedArtifacts
+        from serving.ralm.knnlm_store import KnnDatastore
+
+        def load(path: Path):
+            return KnnDatastore.load(Path(path), target=self.pair.target, tokenizer_sha256=self.pair.tokenizer_sha256)
+
+        local = {Path(d).name: load(Path(d)) for d in self.cfg.knnlm_dirs}
+        return NamedArtifacts("knnlm", load, registry=self.registry, cache_dir=self.cache_dir / "knnlm", local=local,
+                              field="knnlm.datastore", poll_s=self.cfg.poll_s).start()  # fmt: skip
+
     def _spawn(self, fn: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=fn, name=name, daemon=True)
         t.start()
@@ -209,7 +266,8 @@ class ServingState:
         self.ready.clear()
         self._stop.set()
         self.executor.shutdown(wait=True, cancel_futures=False)
-        for part in (self.watcher, self.router, self.follower, self.datastores, self.batcher):
+        self.ralm_pool.shutdown(wait=False)
+        for part in (self.watcher, self.router, self.follower, self.datastores, self.batcher, self.kbs, self.knnlms):
             if part is not None:
                 part.stop()
         if self.logger is not None:
@@ -249,7 +307,8 @@ class ServingState:
 
     # ------------------------------------------------------------ requests
     def prepare(self, prompt: str | list[int], *, params: SamplingParams, method: str | None, k: int | None,
-                cluster: str | None, stop: list[str] | None, n_drafts: int | None = None) -> Job:  # fmt: skip
+                cluster: str | None, stop: list[str] | None, n_drafts: int | None = None,
+                retrieval=None, knnlm=None) -> Job:  # fmt: skip
         """Tokenize, bound-check and route one request (raises the caller's 4xx errors)."""
         cfg, tok = self.cfg, self.pair.tokenizer
         limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
@@ -291,10 +350,49 @@ class ServingState:
         datastores = self.datastores
         check_resources(spec, ProposerResources(pair=self.pair, cluster=cluster, datastore=(
             datastores.current(cluster).datastore if datastores is not None else None)))  # fmt: skip
+        ralm, kb, retriever = self._retrieval(retrieval, method)
+        knn_cfg, knn_store = self._knnlm(knnlm, retrieval)
         ROUTED.labels(cluster, source).inc()
         return Job(prompt_ids=ids, prompt_text=text or "", params=params, method=method, k=k, cluster=cluster,
                    cluster_source=source, router_version=router_version, stop=stop or [],
-                   n_drafts=n_drafts or 0)  # fmt: skip
+                   n_drafts=n_drafts or 0, ralm=ralm, kb=kb, retriever=retriever, knnlm=knn_cfg,
+                   knnlm_store=knn_store)  # fmt: skip
+
+    def _knnlm(self, knnlm, retrieval):
+        """The request's kNN-LM config and the datastore it names (4xx naming the field)."""
+        if knnlm is None:
+            return None, None
+        from serving.ralm.knnlm import KnnConfig
+
+        if retrieval is not None:
+            raise InvalidRequestError("send one of retrieval and knnlm, not both", "knnlm")
+        cfg = KnnConfig(mode="speculative" if knnlm.speculative else "baseline", k=knnlm.k, lam=knnlm.lam,
+                        speculation_stride=knnlm.speculation_stride)  # fmt: skip
+        if self.knnlms is None:
+            raise InvalidRequestError("knnlm: this server has no kNN-LM datastores", "knnlm.datastore")
+        return cfg, self.knnlms.get(knnlm.datastore)
+
+    def _retrieval(self, retrieval, method: str):
+        """The request's retrieval loop: its config, the KB it names and the retriever (4xx naming the field)."""
+        if retrieval is None:
+            return None, None, ""
+        from serving.ralm.loop import RalmConfig
+
+        if method_spec(method).default_n_drafts > 1 or "datastore" in method_spec(method).needs:
+            raise InvalidRequestError(f"speculation.method {method!r} drafts from the cluster's datastore, which the "
+                                      "retrieval loop does not support yet; use draft, pld or target",
+                                      "speculation.method")  # fmt: skip
+        ralm = RalmConfig(mode=retrieval.mode, interval=retrieval.stride, query_tokens=retrieval.query_tokens,
+                          speculation_stride=retrieval.speculation_stride, prefetch=retrieval.prefetch,
+                          asynchronous=retrieval.asynchronous)  # fmt: skip
+        if self.kbs is None:
+            raise InvalidRequestError("retrieval: this server has no knowledge bases", "retrieval.kb")
+        kb = self.kbs.get(retrieval.kb)
+        if retrieval.retriever not in kb.artifact.retrievers:
+            raise InvalidRequestError(f"retrieval.retriever {retrieval.retriever!r} is not built for knowledge base "
+                                      f"{retrieval.kb!r} (built: {', '.join(kb.artifact.retrievers)})",
+                                      "retrieval.retriever")  # fmt: skip
+        return ralm, kb, retriever_kind(retrieval)
 
     def run(self, job: Job):
         """Decode ``job`` on this (worker) thread; always gives the admission slot back."""
@@ -328,8 +426,21 @@ class ServingState:
                 job.sent = len(job.text)
             return job.stopped
 
-        served = self.node.generate(job.prompt_ids, job.params, cluster=job.cluster, method=job.method, k=job.k,
-                                    n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step)  # fmt: skip
+        if job.knnlm is not None:
+            served = self.node.generate_knnlm(job.prompt_ids, job.params, store=job.knnlm_store, knn=job.knnlm,
+                                              cluster=job.cluster, request_id=job.request_id, on_step=on_step)  # fmt: skip
+            block = served.retrieval
+            KNNLM_REQUESTS.labels(block["searcher"], block["mode"]).inc()
+            KNNLM_SEARCHES.labels(block["searcher"], block["mode"]).inc(block["kb_searches"])
+            KNNLM_TOKENS.labels(block["searcher"], block["mode"]).inc(block["tokens"])
+        elif job.ralm is not None:
+            served = self.node.generate_ralm(job.prompt_ids, job.params, kb=job.kb, retriever=job.retriever, ralm=job.ralm,
+                                             cluster=job.cluster, method=job.method, k=job.k, request_id=job.request_id,
+                                             on_step=on_step, pool=self.ralm_pool)  # fmt: skip
+            _count_retrieval(served.retrieval)
+        else:
+            served = self.node.generate(job.prompt_ids, job.params, cluster=job.cluster, method=job.method, k=job.k,
+                                        n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step)  # fmt: skip
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
             if job.on_delta is not None and len(job.text) > job.sent:
@@ -344,6 +455,26 @@ class ServingState:
         with self._recent_lock:
             self._recent.append((time.time(), st.num_generated))
         return served
+
+
+def retriever_kind(retrieval) -> str:
+    return retrieval.retriever
+
+
+def _count_retrieval(block: dict | None) -> None:
+    """Per-retriever metrics of one retrieval-loop request."""
+    if not block:
+        return
+    labels = (block["retriever"], block["mode"])
+    RALM_REQUESTS.labels(*labels).inc()
+    RALM_KB_QUERIES.labels(*labels).inc(block["kb_queries"])
+    RALM_KB_CALLS.labels(*labels).inc(block["kb_calls"])
+    RALM_SPECULATIONS.labels(*labels).inc(block["speculations"])
+    RALM_MISMATCHES.labels(*labels).inc(block["mismatches"])
+    t = block["time_s"]
+    RALM_SECONDS.labels(*labels, "retrieval").inc(t["embed"] + t["cache"] + t["kb_wait"])
+    RALM_SECONDS.labels(*labels, "generate").inc(t["generate"])
+    RALM_SECONDS.labels(*labels, "async_overlap").inc(t["async_overlap"])
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

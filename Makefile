@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/api.py --json benchmarks/out/api.json
 	$(BIN)/python benchmarks/faults.py --json benchmarks/out/faults.json
 	$(BIN)/python benchmarks/dresd.py --prompts 100 --json benchmarks/out/dresd.json --doc docs/benchmarks.md
+	$(BIN)/python benchmarks/ralm.py --json benchmarks/out/ralm.json --doc docs/benchmarks.md
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
@@ -51,6 +52,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/api.py --quick --no-doc --json benchmarks/out/api_quick.json
 	$(BIN)/python benchmarks/faults.py --quick --no-doc --json benchmarks/out/faults_quick.json
 	$(BIN)/python benchmarks/dresd.py --quick --json benchmarks/out/dresd_quick.json
+	$(BIN)/python benchmarks/ralm.py --quick --json benchmarks/out/ralm_quick.json
 
 # Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
 docs-screenshots: $(STAMP)

@@ -190,6 +190,7 @@ class DecodeSession:
         state, stats = self.state, self.stats
         if self.proposer is not None:
             stats.num_draft_forwards = self.proposer.num_forwards
+            stats.proposer = self.proposer.counters()
             self.proposer.finish()
         state.num_final = state.num_generated
         stats.num_generated = state.num_generated

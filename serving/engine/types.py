@@ -227,6 +227,8 @@ class RequestStats:
     finish_reason: str = ""
     """``eos``, ``length`` (max_new_tokens), ``context`` (model context full) or ``stop`` (the caller's
     ``on_step`` ended it: a stop sequence)."""
+    proposer: dict[str, int] = field(default_factory=dict)
+    """The proposer's own counters (``Proposer.counters``; LLMA: steps, hits per copy source)."""
     time_s: dict[str, float] = field(
         default_factory=lambda: {"first_step": 0.0, "propose": 0.0, "verify": 0.0, "total": 0.0}
     )

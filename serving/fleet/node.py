@@ -58,8 +58,11 @@ class ServingNode:
     """Thread-safe ``generate`` over a target and the follower's per-cluster drafts."""
 
     def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None,
-                 batcher: TargetBatcher | None = None, datastores=None) -> None:  # fmt: skip
+                 batcher: TargetBatcher | None = None, datastores=None, sessions=None) -> None:  # fmt: skip
         self.pair = pair
+        self.sessions = sessions
+        """``serving.proposers.session_cache.SessionCache``: each cluster's past outputs, LLMA's
+        cache-assisted copy source (or None: off)."""
         self.follower = follower
         self.datastores = datastores
         """``serving.fleet.datastores.DatastoreFollower``: the cluster's DReSD datastore (or None)."""
@@ -69,7 +72,8 @@ class ServingNode:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
                  method: str = "draft", k: int | None = None, n_drafts: int = 0, request_id: str | None = None,
-                 on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:  # fmt: skip
+                 on_step: Callable[[list[int]], bool | None] | None = None,
+                 references: tuple[tuple[int, ...], ...] = (), llma_min_n: int = 1) -> ServedResult:  # fmt: skip
         started_at = time.time()
         handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
@@ -80,7 +84,9 @@ class ServingNode:
         datastore = self.datastores.current(cluster) if self.datastores is not None else None  # 1. (once, too)
         if datastore is not None and datastore.datastore is not None:
             versions["datastore"] = datastore.version
-        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions,
+        past = self.sessions.index(cluster) if self.sessions is not None and method == "llma" else None
+        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=tuple(references),
+                                      reference_indexes=(past,) if past is not None else (),
                                       datastore=datastore.datastore if datastore is not None else None)  # fmt: skip
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version,
                            artifact_versions={k: v for k, v in versions.items()
@@ -88,11 +94,14 @@ class ServingNode:
         if self.batcher is not None:
             self.batcher.begin()
         try:
-            result = engine.generate(prompt_ids, params, proposer_cfg=ProposerConfig(method=method, n_drafts=n_drafts),
+            cfg = ProposerConfig(method=method, n_drafts=n_drafts, llma_min_n=llma_min_n)
+            result = engine.generate(prompt_ids, params, proposer_cfg=cfg,
                                      k=k, resources=resources, meta=meta, on_step=on_step)  # 2. + 3.  # fmt: skip
         finally:
             if self.batcher is not None:
                 self.batcher.end()
+        if self.sessions is not None:
+            self.sessions.add(cluster, result.token_ids)
         if method_spec(method).artifact == "draft":
             self.follower.record(handle, result.stats)  # 4.
         elif method_spec(method).artifact == "datastore" and "datastore" in versions:

@@ -327,7 +327,8 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
     job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
                                   k=spec.k if spec else None, cluster=req.cluster, stop=req.stop,
                                   n_drafts=spec.n_drafts if spec else None, retrieval=req.retrieval,
-                                  knnlm=req.knnlm)  # fmt: skip
+                                  knnlm=req.knnlm, references=req.references, llma_n=spec.n if spec else None,
+                                  turns=[m.text for m in req.messages[:-1]] if chat else None)  # fmt: skip
     if request_id is not None:
         job.request_id = request_id
     await state.admission.acquire()
@@ -422,6 +423,8 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }  # fmt: skip
+    if st.method == "llma" and st.proposer:
+        speculation["llma"] = dict(st.proposer)  # steps, hits (per source), reference tokens
     if served.retrieval is not None and "kb" in served.versions:
         speculation["kb_version"] = served.versions.get("kb")
     if served.retrieval is not None and "knnlm" in served.versions:

@@ -76,6 +76,11 @@ class ServeConfig(BaseModel):
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request does not say")
     max_k: int = Field(16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for")
     max_n_drafts: int = Field(16, ge=1, le=64, description="largest `speculation.n_drafts` (rows per step, dresd) a request may ask for")
+    session_cache_tokens: int = Field(65536, ge=0, description="tokens of past outputs kept per cluster as LLMA's "
+                                      "cache-assisted copy source (0 = off)")  # fmt: skip
+    max_references: int = Field(32, ge=0, le=1024, description="most `references` texts (LLMA) a request may send")
+    max_reference_tokens: int = Field(32768, ge=0, description="most tokens a request's `references` (and, for LLMA "
+                                      "in chat, its earlier turns) may hold together")  # fmt: skip
     kb_dirs: list[str] = Field(default_factory=list, description="knowledge-base directories (`specops kb build "
                                "--out`) served by their names before the registry's `kb-<name>@champion`")  # fmt: skip
     knnlm_dirs: list[str] = Field(default_factory=list, description="kNN-LM datastore directories (`specops knnlm "

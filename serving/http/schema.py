@@ -3,7 +3,8 @@
 Only what the server implements is accepted. An OpenAI parameter we do not implement
 (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``)
 and any field OpenAI does not define either gets a 400 naming the parameter, rather than
-being silently ignored. Our extension fields are ``speculation``, ``cluster``, ``retrieval`` and ``knnlm``.
+being silently ignored. Our extension fields are ``speculation``, ``cluster``, ``retrieval``, ``knnlm`` and
+``references``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
 ``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
@@ -37,8 +38,10 @@ class Speculation(BaseModel):
     k: int | None = Field(None, ge=1)
     """Tokens drafted per verification step (bounded by the server's max_k)."""
     n_drafts: int | None = Field(None, ge=1)
-    """Rows drafted per step by a multi-draft method (dresd), verified as one token tree
+    """Rows drafted per step by a multi-draft method (dresd, llma), verified as one token tree
     (bounded by the server's max_n_drafts)."""
+    n: int | None = Field(None, ge=1, le=8)
+    """LLMA: the shortest trailing match (in tokens) that triggers a copy; 1 by default (the paper's best)."""
 
 
 KBName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -112,6 +115,9 @@ class _Common(BaseModel):
     cluster: ClusterName | None = None
     retrieval: Retrieval | None = None
     knnlm: Knnlm | None = None
+    references: list[str] | None = None
+    """Texts LLMA copies from (``speculation.method = "llma"``); bounded by the server's
+    max_references and max_reference_tokens (413 beyond)."""
 
     @field_validator("stop")
     @classmethod

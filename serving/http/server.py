@@ -34,7 +34,7 @@ from serving.http.admission import Admission
 from serving.http.config import ServeConfig
 from serving.engine import limits
 from serving.load_signal import write_load_signal
-from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError
+from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError, RequestTooLargeError
 from serving.proposers.catalogue import ProposerResources, check_resources, method_spec
 from serving.engine.types import SamplingParams
 
@@ -52,6 +52,14 @@ KNNLM_REQUESTS = Counter("specops_knnlm_requests_total", "kNN-LM requests", ["se
 KNNLM_SEARCHES = Counter("specops_knnlm_searches_total", "kNN-LM datastore searches (a batched verification is one)",
                          ["searcher", "mode"])  # fmt: skip
 KNNLM_TOKENS = Counter("specops_knnlm_tokens_total", "Tokens decoded by kNN-LM", ["searcher", "mode"])
+LLMA_STEPS = Counter("specops_llma_steps_total", "LLMA proposer calls", ["cluster"])
+LLMA_HITS = Counter("specops_llma_hits_total", "LLMA proposer calls that copied, by the source of the best copy",
+                    ["cluster", "source"])  # fmt: skip
+LLMA_REFERENCE_TOKENS = Counter("specops_llma_reference_tokens_total", "Reference tokens LLMA requests sent "
+                                "(references and earlier chat turns)", ["cluster"])  # fmt: skip
+SESSION_CACHE_TOKENS = Gauge("specops_llma_session_cache_tokens", "Tokens of past outputs held per cluster "
+                             "(LLMA's cache-assisted source)", ["cluster"])  # fmt: skip
+SESSION_CACHE_OUTPUTS = Gauge("specops_llma_session_cache_outputs", "Past outputs held per cluster", ["cluster"])
 RALM_REQUESTS = Counter("specops_ralm_requests_total", "Retrieval-loop requests", ["retriever", "mode"])
 RALM_KB_QUERIES = Counter("specops_ralm_kb_queries_total", "Queries sent to knowledge bases", ["retriever", "mode"])
 RALM_KB_CALLS = Counter("specops_ralm_kb_calls_total", "Knowledge-base searches (a batched verification is one)",
@@ -94,6 +102,9 @@ class Job:
     """``serving.ralm.knnlm.KnnConfig`` when the request asked for kNN-LM decoding."""
     knnlm_store: object | None = None
     """The kNN-LM datastore it names (``serving.fleet.catalog.Loaded``)."""
+    references: tuple[tuple[int, ...], ...] = ()
+    """LLMA's reference texts, tokenized (the request's ``references``, earlier chat turns)."""
+    llma_min_n: int = 1
     on_delta: Callable[[str], None] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -192,8 +203,13 @@ class ServingState:
 
             self.batcher = TargetBatcher(self.pair.target, max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
                                          window_s=cfg.batch_window_ms / 1000)  # fmt: skip
+        sessions = None
+        if cfg.session_cache_tokens:
+            from serving.proposers.session_cache import SessionCache, SessionCacheConfig
+
+            sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.session_cache_tokens))
         self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
-                                datastores=self.datastores)  # fmt: skip
+                                datastores=self.datastores, sessions=sessions)  # fmt: skip
         self.loading_step = "warm-up"  # 6.
         from serving.engine.spec import SpecEngine
 
@@ -308,7 +324,8 @@ class ServingState:
     # ------------------------------------------------------------ requests
     def prepare(self, prompt: str | list[int], *, params: SamplingParams, method: str | None, k: int | None,
                 cluster: str | None, stop: list[str] | None, n_drafts: int | None = None,
-                retrieval=None, knnlm=None) -> Job:  # fmt: skip
+                retrieval=None, knnlm=None, references: list[str] | None = None, turns: list[str] | None = None,
+                llma_n: int | None = None) -> Job:  # fmt: skip
         """Tokenize, bound-check and route one request (raises the caller's 4xx errors)."""
         cfg, tok = self.cfg, self.pair.tokenizer
         limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
@@ -340,6 +357,10 @@ class ServingState:
                                       f"{cfg.max_n_drafts}", "speculation.n_drafts")  # fmt: skip
         spec = method_spec(method or cfg.default_method)
         method, k = spec.name, k or spec.default_k
+        refs = self._references(references, turns if method == "llma" else None, method)
+        if llma_n is not None and method != "llma":
+            raise InvalidRequestError(f"speculation.n is LLMA's match length; method {method!r} has none",
+                                      "speculation.n")  # fmt: skip
         source, router_version = "request", ""
         if cluster is None:
             cluster, source = cfg.default_cluster, "default"
@@ -356,7 +377,41 @@ class ServingState:
         return Job(prompt_ids=ids, prompt_text=text or "", params=params, method=method, k=k, cluster=cluster,
                    cluster_source=source, router_version=router_version, stop=stop or [],
                    n_drafts=n_drafts or 0, ralm=ralm, kb=kb, retriever=retriever, knnlm=knn_cfg,
-                   knnlm_store=knn_store)  # fmt: skip
+                   knnlm_store=knn_store, references=refs, llma_min_n=llma_n or 1)  # fmt: skip
+
+    def _references(self, texts: list[str] | None, turns: list[str] | None, method: str) -> tuple[tuple[int, ...], ...]:
+        """LLMA's references, tokenized: the request's texts, then the earlier chat turns
+        (400 when the method does not copy, 413 beyond the server's limits, naming the field)."""
+        cfg, tok = self.cfg, self.pair.tokenizer
+        if texts and method != "llma":
+            raise InvalidRequestError(f"references are copied by speculation.method 'llma' only; method {method!r} "
+                                      "ignores them: set speculation.method to 'llma' or leave references out",
+                                      "references")  # fmt: skip
+        texts = list(texts or [])
+        if len(texts) > cfg.max_references:
+            raise RequestTooLargeError(f"references has {len(texts)} texts; this server allows at most "
+                                       f"{cfg.max_references}", "references")  # fmt: skip
+        budget, out = cfg.max_reference_tokens, []
+        for i, text in enumerate(texts + [t for t in (turns or []) if t]):
+            where = f"references[{i}]" if i < len(texts) else "messages"
+            if i < len(texts) and not text:
+                raise InvalidRequestError(f"{where} is empty: give some text or leave it out", where)
+            if len(text) > budget * 32 + 32:  # refuse before tokenizing megabytes
+                ids = None
+            else:
+                try:
+                    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+                except (TypeError, ValueError) as exc:
+                    raise InvalidRequestError(f"{where} cannot be tokenized ({type(exc).__name__}): send valid "
+                                              "Unicode text", where) from None  # fmt: skip
+            if ids is None or len(ids) > budget:
+                if i >= len(texts):
+                    break  # earlier turns beyond the budget are not copied from; the request is still served
+                raise RequestTooLargeError(f"references hold more than {cfg.max_reference_tokens} tokens together "
+                                           f"(at {where}); send fewer or shorter texts", "references")  # fmt: skip
+            budget -= len(ids)
+            out.append(tuple(ids))
+        return tuple(out)
 
     def _knnlm(self, knnlm, retrieval):
         """The request's kNN-LM config and the datastore it names (4xx naming the field)."""
@@ -380,7 +435,7 @@ class ServingState:
 
         if method_spec(method).default_n_drafts > 1 or "datastore" in method_spec(method).needs:
             raise InvalidRequestError(f"speculation.method {method!r} drafts from the cluster's datastore, which the "
-                                      "retrieval loop does not support yet; use draft, pld or target",
+                                      "retrieval loop does not support yet; use draft, pld, llma or target",
                                       "speculation.method")  # fmt: skip
         ralm = RalmConfig(mode=retrieval.mode, interval=retrieval.stride, query_tokens=retrieval.query_tokens,
                           speculation_stride=retrieval.speculation_stride, prefetch=retrieval.prefetch,
@@ -440,7 +495,8 @@ class ServingState:
             _count_retrieval(served.retrieval)
         else:
             served = self.node.generate(job.prompt_ids, job.params, cluster=job.cluster, method=job.method, k=job.k,
-                                        n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step)  # fmt: skip
+                                        n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step,
+                                        references=job.references, llma_min_n=job.llma_min_n)  # fmt: skip
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
             if job.on_delta is not None and len(job.text) > job.sent:
@@ -448,6 +504,13 @@ class ServingState:
                 job.sent = len(job.text)
         st = served.result.stats
         GENERATED.labels(job.cluster).inc(st.num_generated)
+        if st.method == "llma" and st.proposer:
+            _count_llma(job.cluster, st.proposer)
+        if self.node.sessions is not None:
+            held = self.node.sessions.stats().get(job.cluster)
+            if held is not None:
+                SESSION_CACHE_TOKENS.labels(job.cluster).set(held["tokens"])
+                SESSION_CACHE_OUTPUTS.labels(job.cluster).set(held["outputs"])
         if st.num_drafted:
             version = served.version_of(st.method) or "none"
             DRAFTED.labels(job.cluster, st.method, version).inc(st.num_drafted)
@@ -459,6 +522,15 @@ class ServingState:
 
 def retriever_kind(retrieval) -> str:
     return retrieval.retriever
+
+
+def _count_llma(cluster: str, counters: dict[str, int]) -> None:
+    from serving.proposers.llma import SOURCES
+
+    LLMA_STEPS.labels(cluster).inc(counters["steps"])
+    LLMA_REFERENCE_TOKENS.labels(cluster).inc(counters["reference_tokens"])
+    for source in SOURCES:
+        LLMA_HITS.labels(cluster, source).inc(counters[f"hits_{source}"])
 
 
 def _count_retrieval(block: dict | None) -> None:

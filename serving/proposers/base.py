@@ -33,5 +33,9 @@ class Proposer(ABC):
         """``state`` was cut back to ``position`` committed tokens (a withdrawn speculation):
         drop whatever this proposer holds about later positions. Stateless proposers need nothing."""
 
+    def counters(self) -> dict[str, int]:
+        """This proposer's own counters for the current request (reported with its stats)."""
+        return {}
+
     def finish(self) -> None:
         """Release per-request resources."""

@@ -37,10 +37,17 @@ class ProposerResources:
     datastore: object | None = None
     """The cluster's retrieval datastore, for methods that need one."""
     references: tuple[tuple[int, ...], ...] = ()
-    """Reference token ids given with the request, for methods that copy from them."""
+    """Reference token ids given with the request (and earlier chat turns, retrieved
+    passages), for methods that copy from them."""
+    reference_indexes: tuple[object, ...] = ()
+    """Prebuilt, shared copy sources (``serving.proposers.llma.NgramIndex``): the cluster's
+    past sessions."""
     versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
 
+
+LLMA_MAX_N = 8
+"""LLMA indexes n-grams up to this length; longer matches rank by extending back."""
 
 MAX_DRAFTS = 64
 """Most rows one step may draft (a tree of up to ``MAX_DRAFTS * k`` nodes in one target pass)."""
@@ -65,6 +72,8 @@ class ProposerConfig:
     (rows, and tokens per row at most), else the method's default."""
     search_k: int = 0
     """DReSD: neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
+    llma_min_n: int = 1
+    """LLMA: the shortest trailing match that triggers a copy (the paper's n; 1 was its best)."""
 
     def __post_init__(self) -> None:
         method_spec(self.method)
@@ -74,6 +83,9 @@ class ProposerConfig:
         if not isinstance(self.search_k, int) or not 0 <= self.search_k <= 4096:
             raise InvalidRequestError(f"search_k must be an integer in 0..4096, got {self.search_k!r}",
                                       "speculation.search_k")  # fmt: skip
+        if not isinstance(self.llma_min_n, int) or not 1 <= self.llma_min_n <= LLMA_MAX_N:
+            raise InvalidRequestError(f"n must be an integer in 1..{LLMA_MAX_N}, got {self.llma_min_n!r}",
+                                      "speculation.n")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,14 @@ def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)  # 0: the datastore's shape
 
 
+def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+    from serving.proposers.llma import LLMAProposer, ReferenceSet
+
+    refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
+    past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
+    return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1)
+
+
 # Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy
 # is free, so it drafts as many as HF's prompt lookup does (``prompt_lookup_num_tokens=10``).
 # The draft's 3 is the k that measured fastest with the default SmolLM2 pair (k = 2, 3, 4 on
@@ -132,6 +152,8 @@ CATALOGUE: dict[str, MethodSpec] = {
                    frozenset(), None, build=_build_pld),
         MethodSpec("dresd", "DReSD: drafts retrieved from the cluster's datastore by the target's hidden state",
                    10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd),
+        MethodSpec("llma", "LLMA: copy from references, retrieved passages, past sessions and the context", 10,
+                   frozenset(), None, build=_build_llma),
     )
 }  # fmt: skip
 

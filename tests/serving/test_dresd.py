@@ -19,7 +19,7 @@ from serving.retrieval.datastore import DATA_FILE, INDEX_FILE, META_FILE, Datast
 from serving.retrieval.index import INDEX_KINDS, IndexConfig, build_index, load_index
 from serving.retrieval.keys import Projection, target_hidden_states
 from tests.conftest import random_prompts
-from tests.serving.test_verifier import pooled_chisquare
+from tests.serving.test_verifier import pooled_chisquare, second_token_counts
 
 
 def _generations(target, prompts, n=24):
@@ -123,15 +123,7 @@ def test_dresd_sampling_is_exact_with_a_negative_control(tiny_target):
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=store)
     cfg = ProposerConfig(method="dresd", n_drafts=3)
-    counts = np.zeros(97, dtype=np.int64)
-    n, drafted = 0, 0
-    for seed in range(3000):
-        out = engine.generate(prompt, SamplingParams(seed=seed, **params), proposer_cfg=cfg, k=2, resources=res)
-        if out.token_ids[0] != first:
-            continue
-        n += 1
-        counts[out.token_ids[1]] += 1
-        drafted += out.stats.num_drafted > 0
+    counts, n, drafted = second_token_counts(engine, prompt, first, 3000, params, proposer_cfg=cfg, k=2, resources=res)
     assert n > 300 and drafted == n  # every counted request verified a drafted tree at its second token
     assert pooled_chisquare(counts, p2.double().numpy() / float(p2.sum())) > 1e-3
     accept_all = np.zeros(97, dtype=np.int64)

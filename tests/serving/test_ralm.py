@@ -118,13 +118,14 @@ def test_ralmspec_equals_ralmseq(pair, passages, pool, cfg):
             assert spec.stats.kb_calls < seq.stats.kb_calls  # batched: fewer KB calls
 
 
-def test_composes_with_a_draft_and_rolls_back(pair, passages, pool):
+@pytest.mark.parametrize("method", ["draft", "llma"])
+def test_composes_with_a_draft_and_rolls_back(pair, passages, pool, method):
     """A noisy query stream (many mismatches): rollbacks happen and the output stays RaLMSeq's,
-    with speculative decoding by the draft between retrievals."""
+    with speculative decoding between retrievals (the draft, or LLMA copying from the context)."""
     retriever = BagRetriever(passages, dims=8)  # 8 dims: near-random rankings, speculation often wrong
     prompt = pair.tokenizer.encode("printer queue and compiler symbol", add_special_tokens=False)
-    seq = _run(pair, retriever, passages, RalmConfig(mode="ralmseq"), prompt, method="draft", k=3, max_new=40)
-    spec = _run(pair, retriever, passages, RalmConfig(speculation_stride=4), prompt, method="draft", k=3, pool=pool,
+    seq = _run(pair, retriever, passages, RalmConfig(mode="ralmseq"), prompt, method=method, k=3, max_new=40)
+    spec = _run(pair, retriever, passages, RalmConfig(speculation_stride=4), prompt, method=method, k=3, pool=pool,
                 max_new=40)  # fmt: skip
     assert spec.token_ids == seq.token_ids
     assert spec.stats.mismatches > 0 and spec.stats.rolled_back_tokens > 0

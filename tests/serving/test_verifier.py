@@ -46,6 +46,22 @@ def pooled_chisquare(observed: np.ndarray, expected_p: np.ndarray, min_expected:
     return float(chisquare(obs_k, exp_k).pvalue)
 
 
+def second_token_counts(engine, prompt: list[int], first: int, seeds: int, params: dict, vocab: int = 97,
+                        **generate_kwargs) -> tuple[np.ndarray, int, int]:
+    """Over requests seeded 0..seeds-1 (sampling ``params``) whose first token is ``first``:
+    the counts of their second token, how many there were, and how many drafted anything."""
+    counts = np.zeros(vocab, dtype=np.int64)
+    n = drafted = 0
+    for seed in range(seeds):
+        out = engine.generate(prompt, SamplingParams(seed=seed, **params), **generate_kwargs)
+        if out.token_ids[0] != first:
+            continue
+        n += 1
+        counts[out.token_ids[1]] += 1
+        drafted += out.stats.num_drafted > 0
+    return counts, n, drafted
+
+
 def simulate_two_tokens(n: int, use_q: bool, rule=decide, seed: int = 0) -> np.ndarray:
     """Counts of (t0, t1) from speculative sampling with a poor draft, k=2 then k=1."""
     gen = torch.Generator().manual_seed(seed)

@@ -87,6 +87,7 @@ ABLATION_ARMS = {
     "PSA no prefetch": replace(MAIN_ARMS[PSA], prefetch=1),
     "PSA no OS3 (s=3)": replace(MAIN_ARMS[PSA], speculation_stride=3),
     "PSA no async": replace(MAIN_ARMS[PSA], asynchronous=False),
+    "PSA paper OS3 (never off)": replace(MAIN_ARMS[PSA], speculation_off=False),
 }
 ARMS = {**MAIN_ARMS, **ABLATION_ARMS}
 ADR = ("hnsw", "scann")
@@ -260,7 +261,7 @@ def record(res) -> dict:
             "embed_s": t["embed"], "cache_s": t["cache"], "async_overlap_s": t["async_overlap"],
             "simulated_overlap_s": t["async_overlap_simulated"], "intervals": st.intervals, "kb_calls": st.kb_calls,
             "kb_queries": st.kb_queries, "mismatches": st.mismatches, "rolled_back": st.rolled_back_tokens,
-            "strides": list(st.strides), "tokens": len(res.token_ids)}  # fmt: skip
+            "strides": list(st.strides), "unspeculated": st.unspeculated, "tokens": len(res.token_ids)}  # fmt: skip
 
 
 def run_retriever(name: str, kb: KnowledgeBase, kind: str, engine: SpecEngine, tok, questions: list[Question], args,
@@ -311,6 +312,7 @@ def summarise(rows: list[dict]) -> dict:
             "mean_s": mean("total_s"), "generate_s": mean("generate_s"), "retrieval_s": mean("retrieval_s"),
             "kb_search_s": mean("kb_search_s"), "kb_calls": mean("kb_calls"), "intervals": mean("intervals"),
             "mismatches": mean("mismatches"), "rolled_back_tokens": mean("rolled_back"),
+            "unspeculated": statistics.fmean(x.get("unspeculated", 0) for x in a),
             "mean_stride": statistics.fmean(strides) if strides else None,
             "async_overlap_s": mean("async_overlap_s"), "simulated_overlap_s": mean("simulated_overlap_s"),
             "identical": all(x["identical"] for x in a),

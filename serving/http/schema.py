@@ -67,6 +67,8 @@ class Retrieval(BaseModel):
     """RaLMSpec: KB results per query added to the local cache at each verification."""
     asynchronous: bool = Field(True, alias="async")
     """RaLMSpec: verify while the next speculation step runs."""
+    speculation_off: bool = True
+    """RaLMSpec: OS³ may skip speculating when RaLMSeq is faster with the measured costs (false: the paper's OS³)."""
 
 
 class Knnlm(BaseModel):

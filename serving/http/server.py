@@ -439,7 +439,7 @@ class ServingState:
                                       "speculation.method")  # fmt: skip
         ralm = RalmConfig(mode=retrieval.mode, interval=retrieval.stride, query_tokens=retrieval.query_tokens,
                           speculation_stride=retrieval.speculation_stride, prefetch=retrieval.prefetch,
-                          asynchronous=retrieval.asynchronous)  # fmt: skip
+                          asynchronous=retrieval.asynchronous, speculation_off=retrieval.speculation_off)  # fmt: skip
         if self.kbs is None:
             raise InvalidRequestError("retrieval: this server has no knowledge bases", "retrieval.kb")
         kb = self.kbs.get(retrieval.kb)

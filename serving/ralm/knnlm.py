@@ -63,7 +63,7 @@ from serving.ralm.os3 import OS3Config, StrideScheduler
 log = logging.getLogger(__name__)
 
 MODES = ("speculative", "baseline")
-KNN_OS3 = OS3Config(gamma_max=0.9)
+KNN_OS3 = OS3Config(gamma_max=0.9, allow_off=False)  # its loop has no unspeculated round (yet)
 """OS³ for kNN-LM: the paper's estimator with the cap on γ at 0.9, not 0.6. Verification by
 token (§5.3) makes a speculation hold far more often than a whole retrieved passage does:
 on the bootstrapped SmolLM2-135M over 200k prose entries 81-95 % held (k = 1..1024), and with

@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -73,6 +73,9 @@ class RalmConfig:
     """KB results per query added to the local cache at every verification (1 = top-1 update only)."""
     asynchronous: bool = True
     """Verify in a worker thread while the next speculation step runs."""
+    speculation_off: bool = True
+    """OS³ may skip speculating in a round when RaLMSeq is faster with the measured costs
+    (``serving.ralm.os3``); False is the paper's OS³, which always speculates."""
     cache_size: int = 4096
     """Most passages in a request's local cache (least recently added out first)."""
 
@@ -114,6 +117,9 @@ class RalmStats:
     mismatches: int = 0
     """Verifications that found a wrong speculated passage."""
     rolled_back_tokens: int = 0
+    unspeculated: int = 0
+    """RaLMSpec rounds OS³ did not speculate in (a KB retrieval, then generation: RaLMSeq's
+    interval), because with the measured costs RaLMSeq was faster."""
     strides: list[int] = field(default_factory=list)
     """Speculation stride of every verification, in order."""
     cache_passages: int = 0
@@ -353,9 +359,31 @@ class RalmGenerator:
         stats.speculations += 1
         return self._run_step(steps, guess, q, False, prompt, out, params, stats)
 
+    def _unspeculated(self, cache: LocalCache, sched: StrideScheduler, steps, prompt, out, params, stats) -> None:
+        """One interval with the KB's passage (speculation is off this round). The cache's
+        guess is still scored against it, so OS³'s γ stays current."""
+        q = self._encode_query(prompt, out, stats)
+        t0 = time.perf_counter()
+        guess = cache.top1(self.retriever, q)
+        stats.time_s["cache"] += time.perf_counter() - t0
+        ids, dt = self._search([q], self.cfg.prefetch)
+        stats.kb_queries += 1
+        stats.kb_calls += 1
+        stats.unspeculated += 1
+        stats.time_s["kb_search"] += dt
+        stats.time_s["kb_wait"] += dt
+        cache.add(ids)
+        truth = int(ids[0, 0])
+        sched.observe_verification(1, int(guess == truth), dt)
+        step = self._run_step(steps, truth, q, True, prompt, out, params, stats)
+        sched.observe_generation(step.seconds)
+
     def _ralmspec(self, prompt, out, steps, params, stats, on_final) -> None:
         cfg = self.cfg
-        sched = StrideScheduler(self.os3, asynchronous=cfg.asynchronous, fixed=cfg.speculation_stride)
+        os3 = self.os3 or OS3Config()
+        if not cfg.speculation_off:
+            os3 = replace(os3, allow_off=False)
+        sched = StrideScheduler(os3, asynchronous=cfg.asynchronous, fixed=cfg.speculation_stride)
         cache = LocalCache(cfg.cache_size)
         # 1. the first retrieval is real; its top-``prefetch`` seed the cache
         q = self._encode_query(prompt, out, stats)
@@ -381,10 +409,16 @@ class RalmGenerator:
             done = bool(steps[-1].finish_reason)
             if done and not pending:
                 break
-            # 2. speculate up to the stride from the local cache
+            # 2. speculate up to the stride from the local cache (stride 0: OS³ found that
+            # RaLMSeq is faster with the measured costs; retrieve and generate unspeculated)
+            s = 0
             if not done:
                 remaining = max(1, math.ceil((params.max_new_tokens - len(out)) / cfg.interval))
                 s = sched.stride(remaining)
+                if s == 0 and not pending:
+                    self._unspeculated(cache, sched, steps, prompt, out, params, stats)
+                    emit_final()
+                    continue
                 while len(pending) < s and not steps[-1].finish_reason:
                     step = self._speculate(cache, steps, prompt, out, params, stats)
                     sched.observe_speculation(step.seconds)
@@ -393,7 +427,7 @@ class RalmGenerator:
             # 3. verify them in one batched KB retrieval (asynchronously: during one more speculation step)
             queries = [p.query for p in pending]
             extra: _Step | None = None
-            if cfg.asynchronous and not steps[-1].finish_reason and self.pool is not None:
+            if cfg.asynchronous and s > 0 and not steps[-1].finish_reason and self.pool is not None:
                 future = self.pool.submit(self._search, queries, cfg.prefetch)
                 extra = self._speculate(cache, steps, prompt, out, params, stats)
                 sched.observe_speculation(extra.seconds)

@@ -15,6 +15,19 @@ is the mean of the recent speculation steps; ``b`` is a line ``b0 + b1·s`` fitt
 recent verifications' (batch size, latency), since an approximate dense retriever's batched
 latency grows with the batch (App. A.1) while exact and sparse ones stay flat; with one
 batch size seen so far it is their mean. The stride starts at 1 (the paper's warm-up).
+
+**Turning speculation off (our addition).** The paper's objective leaves out what a
+mismatch costs afterwards: the mismatched interval is generated again with the true
+passage (one more step of ``a``). When retrieval is cheap next to generation (``b ≪ a``, as
+on a CPU with a fast exact index) every stride then loses to plain RaLMSeq, and the paper's
+OS³, which only ranks strides, speculates anyway (0.70x RaLMSeq measured). So the
+scheduler also compares the best stride's rate *with* that rework,
+``(1-γ^s)/(1-γ) / (latency(s) + (1-γ^s)·a)``, against RaLMSeq's ``1/(a + b(1))``, and
+returns stride 0 (retrieve from the KB, do not speculate) when RaLMSeq is faster. Here ``γ``
+is the uncapped estimate: the cap guards the choice of stride against over-optimism, and
+would turn speculation off wherever ``b < 0.67·a``. While off, the loop still looks the
+query up in its cache and scores the guess against the KB's answer ("shadow" speculation,
+no generation), so ``γ`` stays current and speculation comes back when it pays.
 """
 
 from __future__ import annotations
@@ -35,6 +48,19 @@ def objective(s: int, gamma: float, a: float, b: float, *, asynchronous: bool) -
     else:
         latency = s * a + b
     return verified / max(latency, 1e-12)
+
+
+def rate_with_rework(s: int, gamma: float, a: float, b: float, *, asynchronous: bool) -> float:
+    """:func:`objective` with the regeneration a mismatch costs (``a`` with probability ``1-γ^s``)."""
+    verified = (1.0 - gamma**s) / (1.0 - gamma)
+    return verified / max(verified / objective(s, gamma, a, b, asynchronous=asynchronous) + (1.0 - gamma**s) * a, 1e-12)
+
+
+def speculation_pays(gamma: float, a: float, bs: list[float], *, asynchronous: bool) -> bool:
+    """Whether some stride's rate with rework beats RaLMSeq's ``1 / (a + b(1))``."""
+    sequential = 1.0 / max(a + bs[0], 1e-12)
+    return max(rate_with_rework(s, gamma, a, bs[s - 1], asynchronous=asynchronous)
+               for s in range(1, len(bs) + 1)) > sequential  # fmt: skip
 
 
 def best_stride(gamma: float, a: float, b: float | list[float], *, asynchronous: bool, s_max: int = 16) -> int:
@@ -60,6 +86,10 @@ class OS3Config:
     """Stride before anything is measured (the paper starts at 1)."""
     timing_window: int = 16
     """Recent speculation steps and verifications ``a`` and ``b`` are estimated over."""
+    allow_off: bool = True
+    """Return stride 0 (no speculation this round) when RaLMSeq would be faster."""
+    gamma_off_max: float = 0.99
+    """Cap on the uncapped estimate the off decision uses (keeps ``1-γ`` above zero)."""
 
 
 class StrideScheduler:
@@ -83,6 +113,11 @@ class StrideScheduler:
         """One speculation step (cache retrieval + generation) took ``seconds``."""
         self._spec_s.append(float(seconds))
 
+    def observe_generation(self, seconds: float) -> None:
+        """An unspeculated interval's generation took ``seconds`` (a speculation step's cost
+        less a cache lookup: what ``a`` is while speculation is off)."""
+        self._spec_s.append(float(seconds))
+
     def observe_verification(self, stride: int, matched: int, seconds: float) -> None:
         """A verification of ``stride`` speculations confirmed ``matched`` of them (the
         leading run) and its batched retrieval took ``seconds``."""
@@ -102,6 +137,13 @@ class StrideScheduler:
         return min(self.cfg.gamma_max, matched / (matched + misses))
 
     @property
+    def gamma_uncapped(self) -> float:
+        """The maximum-likelihood estimate without the γmax cap (for the off decision)."""
+        matched = sum(m for _, m in self._verifications)
+        misses = sum(1 for s, m in self._verifications if m < s)
+        return min(self.cfg.gamma_off_max, matched / (matched + misses)) if matched + misses else 0.0
+
+    @property
     def a(self) -> float:
         return float(np.mean(self._spec_s)) if self._spec_s else 0.0
 
@@ -119,19 +161,23 @@ class StrideScheduler:
         return max(0.0, intercept + slope * s)
 
     def stride(self, remaining: int | None = None) -> int:
-        """The stride for the next round (at most ``remaining`` speculation steps)."""
+        """The stride for the next round (at most ``remaining`` speculation steps); 0 means do
+        not speculate this round (``allow_off``: RaLMSeq is faster with the costs measured)."""
         if self.fixed:
             s = self.fixed
         elif not self._verifications or not self._spec_s:
             s = self.cfg.initial
         else:
-            s = best_stride(self.gamma, self.a, [self.b(n) for n in range(1, self.cfg.s_max + 1)],
-                            asynchronous=self.asynchronous, s_max=self.cfg.s_max)  # fmt: skip
-        if remaining is not None:
+            bs = [self.b(n) for n in range(1, self.cfg.s_max + 1)]
+            s = best_stride(self.gamma, self.a, bs, asynchronous=self.asynchronous, s_max=self.cfg.s_max)
+            if self.cfg.allow_off and not speculation_pays(self.gamma_uncapped, self.a, bs,
+                                                           asynchronous=self.asynchronous):  # fmt: skip
+                s = 0
+        if remaining is not None and s:
             s = max(1, min(s, remaining))
         self.chosen.append(s)
         return s
 
     def snapshot(self) -> dict:
         return {"gamma": round(self.gamma, 4), "a_s": round(self.a, 6), "b1_s": round(self.b(1), 6),
-                "strides": list(self.chosen)}  # fmt: skip
+                "strides": list(self.chosen), "off_rounds": self.chosen.count(0)}  # fmt: skip

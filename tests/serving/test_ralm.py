@@ -21,7 +21,7 @@ from serving.engine.spec import SpecEngine
 from serving.engine.types import SamplingParams
 from serving.errors import InvalidRequestError
 from serving.ralm.loop import LocalCache, RalmConfig, RalmGenerator
-from serving.ralm.os3 import StrideScheduler, best_stride, objective
+from serving.ralm.os3 import OS3Config, StrideScheduler, best_stride, objective, rate_with_rework, speculation_pays
 
 TOPICS = ["disk partition table sector", "network socket packet route", "compiler linker object symbol",
           "printer queue spool job", "shell variable quote expand", "mail header recipient smtp"]  # fmt: skip
@@ -225,6 +225,54 @@ def test_scheduler_estimates_gamma_a_b():
     assert sched.b(10) == pytest.approx(0.2 + 1.0, rel=1e-6)  # fitted line through (s, 0.2 + 0.1 s)
     assert sched.stride(remaining=2) <= 2
     assert StrideScheduler(fixed=3).stride() == 3
+
+
+def test_speculation_turns_off_when_ralmseq_is_faster():
+    """The rework a mismatch costs (regenerating its interval) is what the paper's objective
+    leaves out: with retrieval cheap next to generation, RaLMSeq wins and OS³ says stride 0."""
+    a, cheap, dear = 1.0, [0.05] * 16, [1.0] * 16
+    assert not speculation_pays(0.6, a, cheap, asynchronous=True)
+    assert not speculation_pays(0.9, a, cheap, asynchronous=False)
+    assert speculation_pays(0.6, a, dear, asynchronous=True)  # retrieval as dear as generation: overlap pays
+    assert speculation_pays(0.9, 0.1, dear, asynchronous=False)  # long strides amortise one dear search
+    assert rate_with_rework(2, 0.5, a, 1.0, asynchronous=False) < objective(2, 0.5, a, 1.0, asynchronous=False)
+    sched = StrideScheduler(asynchronous=True)
+    for _ in range(5):
+        sched.observe_verification(1, 0, 0.01)
+        sched.observe_speculation(0.5)
+    assert sched.stride() == 0 and sched.snapshot()["off_rounds"] == 1
+    for _ in range(5):  # the guesses start holding and searches get dear: speculation comes back
+        sched.observe_verification(1, 1, 0.6)
+    assert sched.stride() >= 1
+    kept_on = StrideScheduler(OS3Config(allow_off=False), asynchronous=True)
+    for _ in range(5):
+        kept_on.observe_verification(1, 0, 0.01)
+        kept_on.observe_speculation(0.5)
+    assert kept_on.stride() == 1
+
+
+def test_unspeculated_rounds_keep_the_output_and_score_guesses(pair, passages, pool, monkeypatch):
+    """Rounds where OS³ turns speculation off (forced here on two rounds of three) retrieve from
+    the KB first (the others speculate); the output is RaLMSeq's and the guesses still feed γ."""
+    import serving.ralm.loop as loop
+
+    real = loop.StrideScheduler.stride
+    seen = []
+
+    def alternate(self, remaining=None):
+        s = real(self, remaining)
+        seen.append(s)
+        return max(1, s) if len(seen) % 3 == 0 else 0
+
+    monkeypatch.setattr(loop.StrideScheduler, "stride", alternate)
+    retriever = BagRetriever(passages)
+    for text in PROMPTS:
+        prompt = pair.tokenizer.encode(text, add_special_tokens=False)
+        seq = _run(pair, retriever, passages, RalmConfig(mode="ralmseq"), prompt, max_new=32)
+        for asynchronous in (True, False):
+            spec = _run(pair, retriever, passages, RalmConfig(asynchronous=asynchronous), prompt, pool=pool, max_new=32)
+            assert spec.token_ids == seq.token_ids and spec.passages == seq.passages
+            assert spec.stats.unspeculated > 0 and spec.stats.speculations > 0
 
 
 @pytest.fixture(scope="module")

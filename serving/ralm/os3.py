@@ -27,7 +27,10 @@ returns stride 0 (retrieve from the KB, do not speculate) when RaLMSeq is faster
 is the uncapped estimate: the cap guards the choice of stride against over-optimism, and
 would turn speculation off wherever ``b < 0.67·a``. While off, the loop still looks the
 query up in its cache and scores the guess against the KB's answer ("shadow" speculation,
-no generation), so ``γ`` stays current and speculation comes back when it pays.
+no generation), so ``γ`` stays current and speculation comes back when it pays. The same
+shadow rounds replace the paper's warm-up at s = 1: a request starts unspeculated and
+speculates once the measured γ, a and b say it pays, so learning them costs no rework
+(a wrong warm-up guess cost up to two intervals of 16: 0.83-0.85x measured).
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class OS3Config:
     s_max: int = 16
     """Largest stride considered."""
     initial: int = 1
-    """Stride before anything is measured (the paper starts at 1)."""
+    """Stride before anything is measured when ``allow_off`` is False (the paper starts at 1);
+    with ``allow_off`` the first rounds are unspeculated and measure instead."""
     timing_window: int = 16
     """Recent speculation steps and verifications ``a`` and ``b`` are estimated over."""
     allow_off: bool = True
@@ -166,7 +170,7 @@ class StrideScheduler:
         if self.fixed:
             s = self.fixed
         elif not self._verifications or not self._spec_s:
-            s = self.cfg.initial
+            s = 0 if self.cfg.allow_off else self.cfg.initial  # off: measure γ, a, b unspeculated first
         else:
             bs = [self.b(n) for n in range(1, self.cfg.s_max + 1)]
             s = best_stride(self.gamma, self.a, bs, asynchronous=self.asynchronous, s_max=self.cfg.s_max)

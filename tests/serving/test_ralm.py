@@ -98,11 +98,12 @@ PROMPTS = ["disk partition table of the sector", "a network socket sends a packe
 
 @pytest.mark.parametrize("cfg", [
     dict(),                                            # OS³ + prefetch 20 + async
+    dict(speculation_off=False),                       # the paper's OS³ (always speculates)
     dict(speculation_stride=3),                        # no OS³ (the paper's fixed s = 3)
     dict(prefetch=1),                                  # no prefetch (top-1 cache update)
     dict(asynchronous=False),                          # no async
     dict(speculation_stride=5, prefetch=1, asynchronous=False, interval=3),
-], ids=["psa", "fixed3", "noprefetch", "sync", "s5-i3"])  # fmt: skip
+], ids=["psa", "paper-os3", "fixed3", "noprefetch", "sync", "s5-i3"])  # fmt: skip
 def test_ralmspec_equals_ralmseq(pair, passages, pool, cfg):
     retriever = BagRetriever(passages)
     for text in PROMPTS[:2]:
@@ -161,9 +162,9 @@ def test_streams_only_verified_output(pair, passages, pool):
 def test_a_stop_ends_the_loop_at_final_output(pair, passages, pool, mode):
     retriever = BagRetriever(passages)
     prompt = pair.tokenizer.encode(PROMPTS[2], add_special_tokens=False)
-    full = _run(pair, retriever, passages, RalmConfig(mode=mode), prompt, pool=pool, max_new=24)
+    full = _run(pair, retriever, passages, RalmConfig(mode=mode, speculation_off=False), prompt, pool=pool, max_new=24)
     gen = RalmGenerator(SpecEngine(pair), retriever, lambda ids: [passages[i] for i in ids], pair.tokenizer,
-                        RalmConfig(mode=mode), pool=pool)  # fmt: skip
+                        RalmConfig(mode=mode, speculation_off=False), pool=pool)  # fmt: skip
     seen: list[int] = []
 
     def on_final(tokens):
@@ -213,8 +214,9 @@ def test_best_stride_follows_costs():
 
 
 def test_scheduler_estimates_gamma_a_b():
+    assert StrideScheduler(OS3Config(allow_off=False)).stride() == 1  # the paper's warm-up
     sched = StrideScheduler()
-    assert sched.stride() == 1  # warm-up
+    assert sched.stride() == 0  # ours: the first rounds measure unspeculated
     for stride, matched in [(2, 2), (2, 1), (3, 3), (1, 0), (4, 4), (4, 4)]:  # window 5 keeps the last five
         sched.observe_verification(stride, matched, 0.2 + 0.1 * stride)
     matched = 1 + 3 + 0 + 4 + 4
@@ -292,7 +294,7 @@ def test_ralmspec_equals_ralmseq_on_every_real_retriever(pair, real_kb, pool, ki
     for text in PROMPTS[:2]:
         prompt = pair.tokenizer.encode(text, add_special_tokens=False)
         runs = {}
-        for name, cfg in (("seq", RalmConfig(mode="ralmseq")), ("psa", RalmConfig()),
+        for name, cfg in (("seq", RalmConfig(mode="ralmseq")), ("psa", RalmConfig()), ("paper-os3", RalmConfig(speculation_off=False)),
                           ("s3", RalmConfig(speculation_stride=3, prefetch=1, asynchronous=False))):  # fmt: skip
             gen = RalmGenerator(SpecEngine(pair), retriever, texts, pair.tokenizer, cfg, pool=pool)
             runs[name] = gen.generate(prompt, SamplingParams(max_new_tokens=20))

@@ -32,6 +32,7 @@ ROUTER_FORMAT = "specops-router/1"
 DATASTORE_FORMAT = "specops-datastore/1"
 KB_FORMAT = "specops-kb/1"
 KNNLM_FORMAT = "specops-knnlm/1"
+SESSIONS_FORMAT = "specops-sessions/1"
 ROUTER_FILES = ("router.safetensors", "router.json")
 """Exactly the files of a router artifact."""
 MANIFEST = "manifest.json"

@@ -8,8 +8,9 @@ format its directory carries (``registry.artifacts``).
 - ``draft``: a draft model per cluster, ``draft-<cluster>`` (OSD);
 - ``router``: the one prompt router, ``router``;
 - ``datastore``: a retrieval datastore per cluster, ``datastore-<cluster>`` (DReSD);
-- ``kb``: a knowledge base per name, ``kb-<name>`` (RaLMSpec, kNN-LM).
-- ``knnlm``: a kNN-LM datastore per name, ``knnlm-<name>`` (RaLMSpec §5.3).
+- ``kb``: a knowledge base per name, ``kb-<name>`` (RaLMSpec, kNN-LM);
+- ``knnlm``: a kNN-LM datastore per name, ``knnlm-<name>`` (RaLMSpec §5.3);
+- ``sessions``: the past outputs LLMA copies from, per cluster, ``sessions-<cluster>``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ KINDS: dict[str, ArtifactKind] = {
                      "Knowledge base '{key}' (RaLMSpec, kNN-LM): passages and their index."),
         ArtifactKind("knnlm", True, "knnlm", artifacts.KNNLM_FORMAT,
                      "kNN-LM datastore '{key}': target hidden states and next tokens."),
+        ArtifactKind("sessions", True, "sessions", artifacts.SESSIONS_FORMAT,
+                     "Past sessions of cluster '{key}' (LLMA, cache-assisted): its recent outputs to copy from."),
     )
 }  # fmt: skip
 

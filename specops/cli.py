@@ -189,10 +189,21 @@ def cmd_train(args: argparse.Namespace) -> int:
                                        load_model(target_dir, device=args.device),
                                        tokenizer_sha256=tokenizer_hash(load_tokenizer(target_dir)),
                                        cfg=RebuildConfig(min_new=args.datastore_min_new))  # fmt: skip
+    sessions = None
+    if args.sessions_rebuild_every:  # a scheduled job rebuilds each cluster's LLMA past-sessions index
+        if promoter is None:
+            print("specops train: error: --sessions-rebuild-every registers past-sessions indexes: it needs a "
+                  "registry, not --registry none", file=sys.stderr)  # fmt: skip
+            return 2
+        from specops.sessions_cli import sessions_rebuilder
+
+        sessions = sessions_rebuilder(args.stream, promoter.registry,
+                                      Path(args.target) if args.target else Path(args.model_dir) / "target",
+                                      min_new=args.sessions_min_new)  # fmt: skip
     trainer = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg, target=target,
                             promoter=promoter)  # fmt: skip
     try:
-        if args.schedule or refitter is not None or rebuilder is not None:  # APScheduler jobs on a persistent job store (trainer/schedule.py)
+        if args.schedule or refitter is not None or rebuilder is not None or sessions is not None:  # APScheduler jobs on a persistent job store (trainer/schedule.py)
             from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
 
             if args.verbose < 1:
@@ -200,9 +211,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             scfg = ScheduleConfig(jobstore_url=args.jobstore or default_jobstore_url(args.out),
                                   tick_seconds=args.tick_seconds, load_signal=args.load_signal,
                                   load_threshold=args.load_threshold, router_refit_s=args.router_refit_every,
-                                  datastore_rebuild_s=args.datastore_rebuild_every)  # fmt: skip
-            consumed = TrainerScheduler(trainer, scfg, router_refitter=refitter,
-                                        datastore_rebuilder=rebuilder).run_forever(
+                                  datastore_rebuild_s=args.datastore_rebuild_every,
+                                  sessions_rebuild_s=args.sessions_rebuild_every)  # fmt: skip
+            consumed = TrainerScheduler(trainer, scfg, router_refitter=refitter, datastore_rebuilder=rebuilder,
+                                        sessions_rebuilder=sessions).run_forever(
                 max_idle_s=args.idle_exit, max_records=args.max_records)  # fmt: skip
         else:
             consumed = trainer.run(max_idle_s=args.idle_exit, max_records=args.max_records)
@@ -215,6 +227,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             refitter.close()
         if rebuilder is not None:
             rebuilder.close()
+        if sessions is not None:
+            sessions.close()
     for cluster, st in sorted(trainer.clusters.items()):
         ev = st.last_eval.get("after", {})
         print(f"cluster {cluster}: draft v{st.version}, {st.updates} updates, {st.records_trained} requests, "
@@ -395,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "0 = off (default: off)")  # fmt: skip
     p.add_argument("--datastore-min-new", type=int, default=32,
                    help="new generations a cluster needs before a rebuild (default: %(default)s)")
+    p.add_argument("--sessions-rebuild-every", type=float, default=None, metavar="S",
+                   help="every S seconds rebuild each cluster's LLMA past-sessions index (its newest outputs within "
+                   "65536 tokens) from its new spec.generations, register it as sessions-<cluster> and promote it "
+                   "when its held-out copy hit rate is not worse than the champion's (a scheduled job: implies "
+                   "--schedule; needs a registry; no model runs); 0 = off (default: off)")  # fmt: skip
+    p.add_argument("--sessions-min-new", type=int, default=8,
+                   help="new outputs a cluster needs before its past sessions are rebuilt (default: %(default)s)")
     p.add_argument("--router-refit-every", type=float, default=None, metavar="S",
                    help="every S seconds refit the prompt router from spec.generations, register it and promote it "
                    "through its gate (a scheduled job: implies --schedule; needs a registry); 0 = off (default: off)")
@@ -465,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specops.kb_cli import add_parser as add_kb_parser
 
     add_kb_parser(sub)
+    from specops.sessions_cli import add_parser as add_sessions_parser
+
+    add_sessions_parser(sub)
 
     p = sub.add_parser(
         "demo",

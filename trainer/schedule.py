@@ -17,6 +17,10 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
   :class:`~trainer.datastores.DatastoreRebuilder` is given): rebuild each cluster's DReSD
   datastore from its new ``spec.generations``, gate it on held-out MAR, register and promote
   it. Load-aware like the others (the target pass that makes the keys is its main cost).
+- **sessions-rebuild** (every ``sessions_rebuild_s``, when set and a
+  :class:`~trainer.sessions.SessionIndexRebuilder` is given): rebuild each cluster's LLMA
+  past-sessions index from its new ``spec.generations`` outputs, gate it on the held-out copy
+  hit rate, register ``sessions-<cluster>`` and promote it. No model runs: it is cheap.
 
 **Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
 serving leaves idle. Serving writes its load to a small JSON file
@@ -86,10 +90,13 @@ ROUTER_JOB_ID = "router-refit"
 ROUTER_FUNC = "trainer.schedule:_refit_router"
 DATASTORE_JOB_ID = "datastore-rebuild"
 DATASTORE_FUNC = "trainer.schedule:_rebuild_datastores"
+SESSIONS_JOB_ID = "sessions-rebuild"
+SESSIONS_FUNC = "trainer.schedule:_rebuild_sessions"
 
 TICKS = Counter("specops_trainer_ticks_total", "Distillation ticks of the scheduled trainer", ["outcome"])
 ROUTER_REFITS = Counter("specops_router_refits_total", "Router refit job runs", ["outcome"])
 DATASTORE_REBUILDS = Counter("specops_datastore_rebuilds_total", "Datastore rebuild job runs", ["outcome"])
+SESSIONS_REBUILDS = Counter("specops_sessions_rebuilds_total", "Past-sessions index rebuild job runs", ["outcome"])
 HELDOUT_ACCEPTANCE = Gauge(
     "specops_trainer_heldout_acceptance", "Held-out expected acceptance of each cluster's draft", ["cluster", "kind"]
 )
@@ -137,6 +144,8 @@ class ScheduleConfig:
     """Interval of the router refit job, in seconds; None (or 0) = no router refits."""
     datastore_rebuild_s: float | None = None
     """Interval of the DReSD datastore rebuild job, in seconds; None (or 0) = no rebuilds."""
+    sessions_rebuild_s: float | None = None
+    """Interval of the LLMA past-sessions rebuild job, in seconds; None (or 0) = no rebuilds."""
 
     def __post_init__(self) -> None:
         grace = self.misfire_grace_s
@@ -146,7 +155,9 @@ class ScheduleConfig:
             self.router_refit_s = None  # 0 means off, as on the command line
         if not self.datastore_rebuild_s:
             self.datastore_rebuild_s = None
-        optional = tuple(n for n in ("router_refit_s", "datastore_rebuild_s") if getattr(self, n))
+        if not self.sessions_rebuild_s:
+            self.sessions_rebuild_s = None
+        optional = tuple(n for n in ("router_refit_s", "datastore_rebuild_s", "sessions_rebuild_s") if getattr(self, n))
         for name in ("tick_seconds", "eval_seconds", "load_stale_s", *optional):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -247,6 +258,13 @@ def _rebuild_datastores(trainer_id: str) -> None:
         sched.rebuild_datastores()
 
 
+def _rebuild_sessions(trainer_id: str) -> None:
+    """The ``sessions-rebuild`` job: one past-sessions rebuild run of the trainer registered as ``trainer_id``."""
+    sched = _live(trainer_id, SESSIONS_JOB_ID)
+    if sched is not None:
+        sched.rebuild_sessions()
+
+
 def _refit_router(trainer_id: str) -> None:
     """The ``router-refit`` job: one router refit of the trainer registered as ``trainer_id``."""
     sched = _live(trainer_id, ROUTER_JOB_ID)
@@ -268,7 +286,8 @@ class TrainerScheduler:
     """
 
     def __init__(self, trainer: Any, cfg: ScheduleConfig | None = None, *, trainer_id: str | None = None,
-                 router_refitter: Any = None, datastore_rebuilder: Any = None) -> None:  # fmt: skip
+                 router_refitter: Any = None, datastore_rebuilder: Any = None,
+                 sessions_rebuilder: Any = None) -> None:  # fmt: skip
         self.trainer = trainer
         self.cfg = cfg or ScheduleConfig()
         if self.cfg.datastore_rebuild_s and datastore_rebuilder is None:
@@ -276,6 +295,11 @@ class TrainerScheduler:
                                       "datastore_rebuilder= (specops train --datastore-rebuild-every S builds one)")  # fmt: skip
         self.datastore_rebuilder = datastore_rebuilder
         self.datastore_rebuilds: dict[str, int] = {}
+        if self.cfg.sessions_rebuild_s and sessions_rebuilder is None:
+            raise ScheduleConfigError("sessions_rebuild_s is set but no sessions rebuilder was given: pass "
+                                      "sessions_rebuilder= (specops train --sessions-rebuild-every S builds one)")  # fmt: skip
+        self.sessions_rebuilder = sessions_rebuilder
+        self.sessions_rebuilds: dict[str, int] = {}
         if self.cfg.router_refit_s and router_refitter is None:
             raise ScheduleConfigError("router_refit_s is set but no router refitter was given: pass router_refitter= "
                                       "(specops train --router-refit-every S builds one)")  # fmt: skip
@@ -338,6 +362,10 @@ class TrainerScheduler:
                 self._place_job(scheduler, DATASTORE_JOB_ID, DATASTORE_FUNC, self.cfg.datastore_rebuild_s)
             elif scheduler.get_job(DATASTORE_JOB_ID) is not None:
                 scheduler.remove_job(DATASTORE_JOB_ID)
+            if self.cfg.sessions_rebuild_s:
+                self._place_job(scheduler, SESSIONS_JOB_ID, SESSIONS_FUNC, self.cfg.sessions_rebuild_s)
+            elif scheduler.get_job(SESSIONS_JOB_ID) is not None:
+                scheduler.remove_job(SESSIONS_JOB_ID)
         except Exception:
             scheduler.shutdown(wait=False)
             self._unregister()
@@ -500,6 +528,11 @@ class TrainerScheduler:
         """One datastore rebuild run unless serving is busy; never raises. Returns the outcome:
         ``promoted``, ``registered``, ``waiting``, ``no_new_records``, ``skipped_load`` or ``error``."""
         return self._guarded("datastore rebuild", self.datastore_rebuilder, self.datastore_rebuilds, DATASTORE_REBUILDS)
+
+    def rebuild_sessions(self) -> str:
+        """One past-sessions rebuild run unless serving is busy; never raises. Returns the outcome:
+        ``promoted``, ``registered``, ``unchanged``, ``waiting``, ``no_new_records``, ``skipped_load`` or ``error``."""
+        return self._guarded("sessions rebuild", self.sessions_rebuilder, self.sessions_rebuilds, SESSIONS_REBUILDS)
 
     def _guarded(self, what: str, job: Any, counts: dict[str, int], counter: Counter) -> str:
         """``job.run_once()`` unless serving is busy, its outcome counted; never raises."""

@@ -73,7 +73,8 @@ class ServingNode:
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
                  method: str = "draft", k: int | None = None, n_drafts: int = 0, request_id: str | None = None,
                  on_step: Callable[[list[int]], bool | None] | None = None,
-                 references: tuple[tuple[int, ...], ...] = (), llma_min_n: int = 1) -> ServedResult:  # fmt: skip
+                 references: tuple[tuple[int, ...], ...] = (), llma_min_n: int = 1,
+                 retrieved: tuple[tuple[int, ...], ...] = (), context_spans: tuple = ()) -> ServedResult:  # fmt: skip
         started_at = time.time()
         handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
@@ -86,6 +87,7 @@ class ServingNode:
             versions["datastore"] = datastore.version
         past = self.sessions.index(cluster) if self.sessions is not None and method == "llma" else None
         resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=tuple(references),
+                                      retrieved=tuple(retrieved),
                                       reference_indexes=(past,) if past is not None else (),
                                       datastore=datastore.datastore if datastore is not None else None)  # fmt: skip
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version,
@@ -95,8 +97,8 @@ class ServingNode:
             self.batcher.begin()
         try:
             cfg = ProposerConfig(method=method, n_drafts=n_drafts, llma_min_n=llma_min_n)
-            result = engine.generate(prompt_ids, params, proposer_cfg=cfg,
-                                     k=k, resources=resources, meta=meta, on_step=on_step)  # 2. + 3.  # fmt: skip
+            result = engine.generate(prompt_ids, params, proposer_cfg=cfg, k=k, resources=resources, meta=meta,
+                                     on_step=on_step, context_spans=tuple(context_spans))  # 2. + 3.  # fmt: skip
         finally:
             if self.batcher is not None:
                 self.batcher.end()
@@ -160,6 +162,29 @@ class ServingNode:
         block = {"kb": kb.name, "kb_version": kb.version, "retriever": retriever, "passages": cited,
                  "interval_passages": list(out.passages), **out.stats.to_dict()}  # fmt: skip
         return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions, 0, block)
+
+    def generate_oneshot(self, prompt_ids: list[int], params: SamplingParams, *, kb, retriever: str, ralm,
+                         method: str = "draft", **kw) -> ServedResult:  # fmt: skip
+        """One-shot retrieval-augmented generation: the top ``ralm.passages`` passages of ``kb``
+        for the prompt are put before it (``serving.ralm.loop.oneshot_context``), then the request
+        decodes as :meth:`generate` does (``kw``); with ``llma`` the passages are also its
+        ``retrieved`` references. The response's ``retrieval`` block names the passages."""
+        from dataclasses import replace
+
+        from serving.ralm.loop import oneshot_context
+
+        knowledge = kb.artifact
+        shot = oneshot_context(knowledge.retriever(retriever), lambda ids: [p.text for p in knowledge.passages(ids)],
+                               self.pair.tokenizer, list(prompt_ids), ralm)  # fmt: skip
+        served = self.generate(shot.context_ids, params, method=method, context_spans=shot.spans,
+                               retrieved=shot.passage_tokens if method == "llma" else (), **kw)  # fmt: skip
+        cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(shot.passage_ids)]
+        block = {"kb": kb.name, "kb_version": kb.version, "retriever": retriever, "mode": "oneshot", "passages": cited,
+                 "kb_calls": 1, "kb_queries": 1, "speculations": 0, "mismatches": 0,
+                 "context_tokens": len(shot.context_ids) - len(prompt_ids),
+                 "time_s": {"embed": 0.0, "cache": 0.0, "kb_wait": round(shot.search_s, 6),
+                            "generate": round(served.result.stats.time_s.get("total", 0.0), 6), "async_overlap": 0.0}}  # fmt: skip
+        return replace(served, versions={**served.versions, "kb": kb.version}, retrieval=block)
 
     def generate_knnlm(self, prompt_ids: list[int], params: SamplingParams, *, store, knn, cluster: str = "default",
                        request_id: str | None = None,

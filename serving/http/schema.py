@@ -54,8 +54,12 @@ class Retrieval(BaseModel):
 
     kb: KBName
     """Knowledge base name (``kb-<name>`` in the registry, or a --kb-dir the server loaded)."""
-    mode: Literal["ralmspec", "ralmseq"] = "ralmspec"
-    """ralmspec: speculative retrieval from a local cache, verified in batches (same output); ralmseq: the baseline."""
+    mode: Literal["ralmspec", "ralmseq", "oneshot"] = "ralmspec"
+    """ralmspec: speculative retrieval from a local cache, verified in batches (same output); ralmseq: the baseline;
+    oneshot: retrieve the top ``passages`` once, put them before the prompt and decode (with ``llma``, they are
+    references too)."""
+    passages: int = Field(5, ge=1, le=20)
+    """oneshot: passages retrieved for the prompt."""
     retriever: Literal["exact", "hnsw", "scann", "bm25"] = "exact"
     stride: int = Field(4, ge=1, le=64)
     """Tokens generated per retrieval."""

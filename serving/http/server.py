@@ -133,6 +133,8 @@ class ServingState:
         self.loading_step = "not started"
         self.pair = self.node = self.follower = self.router = self.logger = self.watcher = self.registry = None
         self.datastores = None
+        self.session_follower = None
+        """Seeds the past-sessions cache from ``sessions-<cluster>@champion`` (``serving.fleet.sessions``)."""
         self.batcher = None
         self.knnlms = None
         """kNN-LM datastores by name, loaded on first use."""
@@ -208,6 +210,8 @@ class ServingState:
             from serving.proposers.session_cache import SessionCache, SessionCacheConfig
 
             sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.session_cache_tokens))
+            if self.registry is not None:
+                self.session_follower = self._session_follower(sessions)
         self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
                                 datastores=self.datastores, sessions=sessions)  # fmt: skip
         self.loading_step = "warm-up"  # 6.
@@ -229,15 +233,27 @@ class ServingState:
         """The DReSD datastore follower: ``datastore-<cluster>@champion`` per cluster, and the
         fallback of ``datastore_dir`` (checked to fit this target) for clusters without one."""
         from serving.fleet.datastores import DatastoreFollower
-        from serving.fleet.follower import FollowConfig
         from serving.retrieval.datastore import Datastore
 
         fallback = Datastore.load(Path(self.cfg.datastore_dir)) if self.cfg.datastore_dir else None
-        follow = FollowConfig(poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s),
-                              backoff_max_s=max(1.0, self.cfg.poll_s))  # fmt: skip
         return DatastoreFollower(self.registry, self.pair.target, cache_dir=self.cache_dir / "datastores",
                                  fallback=fallback, target_tokenizer_sha256=self.pair.tokenizer_sha256,
-                                 vocab_size=self.pair.vocab_size, follow=follow).start()  # fmt: skip
+                                 vocab_size=self.pair.vocab_size, follow=self._follow_cfg()).start()  # fmt: skip
+
+    def _follow_cfg(self):
+        from serving.fleet.follower import FollowConfig
+
+        return FollowConfig(poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s),
+                            backoff_max_s=max(1.0, self.cfg.poll_s))  # fmt: skip
+
+    def _session_follower(self, sessions):
+        """Past sessions seeded from each cluster's ``sessions-<cluster>@champion``, checked to fit
+        this target's tokenizer and vocabulary."""
+        from serving.fleet.sessions import SessionFollower
+
+        return SessionFollower(self.registry, sessions, cache_dir=self.cache_dir / "sessions",
+                               target_tokenizer_sha256=self.pair.tokenizer_sha256, vocab_size=self.pair.vocab_size,
+                               follow=self._follow_cfg()).start()  # fmt: skip
 
     def _kbs(self):
         """Knowledge bases: the local ``kb_dirs`` by their own names, then ``kb-<name>@champion``."""
@@ -273,6 +289,8 @@ class ServingState:
         self.follower.on_event(event)
         if self.datastores is not None:
             self.datastores.on_event(event)
+        if self.session_follower is not None:
+            self.session_follower.on_event(event)
         if self.router is not None:
             self.router.on_event(event)
 
@@ -283,7 +301,8 @@ class ServingState:
         self._stop.set()
         self.executor.shutdown(wait=True, cancel_futures=False)
         self.ralm_pool.shutdown(wait=False)
-        for part in (self.watcher, self.router, self.follower, self.datastores, self.batcher, self.kbs, self.knnlms):
+        for part in (self.watcher, self.router, self.follower, self.datastores, self.session_follower, self.batcher,
+                     self.kbs, self.knnlms):  # fmt: skip
             if part is not None:
                 part.stop()
         if self.logger is not None:
@@ -372,6 +391,10 @@ class ServingState:
         check_resources(spec, ProposerResources(pair=self.pair, cluster=cluster, datastore=(
             datastores.current(cluster).datastore if datastores is not None else None)))  # fmt: skip
         ralm, kb, retriever = self._retrieval(retrieval, method)
+        if ralm is not None and ralm.mode != "oneshot" and references:
+            raise InvalidRequestError(f"retrieval.mode {ralm.mode!r} re-retrieves as it decodes and copies from its "
+                                      "passages through the context; references go with retrieval.mode 'oneshot' "
+                                      "or without retrieval", "references")  # fmt: skip
         knn_cfg, knn_store = self._knnlm(knnlm, retrieval)
         ROUTED.labels(cluster, source).inc()
         return Job(prompt_ids=ids, prompt_text=text or "", params=params, method=method, k=k, cluster=cluster,
@@ -433,13 +456,15 @@ class ServingState:
             return None, None, ""
         from serving.ralm.loop import RalmConfig
 
-        if method_spec(method).default_n_drafts > 1 or "datastore" in method_spec(method).needs:
+        if retrieval.mode != "oneshot" and (method_spec(method).default_n_drafts > 1
+                                            or "datastore" in method_spec(method).needs):  # fmt: skip
             raise InvalidRequestError(f"speculation.method {method!r} drafts from the cluster's datastore, which the "
                                       "retrieval loop does not support yet; use draft, pld, llma or target",
                                       "speculation.method")  # fmt: skip
         ralm = RalmConfig(mode=retrieval.mode, interval=retrieval.stride, query_tokens=retrieval.query_tokens,
                           speculation_stride=retrieval.speculation_stride, prefetch=retrieval.prefetch,
-                          asynchronous=retrieval.asynchronous, speculation_off=retrieval.speculation_off)  # fmt: skip
+                          asynchronous=retrieval.asynchronous, speculation_off=retrieval.speculation_off,
+                          passages=retrieval.passages)  # fmt: skip
         if self.kbs is None:
             raise InvalidRequestError("retrieval: this server has no knowledge bases", "retrieval.kb")
         kb = self.kbs.get(retrieval.kb)
@@ -488,6 +513,12 @@ class ServingState:
             KNNLM_REQUESTS.labels(block["searcher"], block["mode"]).inc()
             KNNLM_SEARCHES.labels(block["searcher"], block["mode"]).inc(block["kb_searches"])
             KNNLM_TOKENS.labels(block["searcher"], block["mode"]).inc(block["tokens"])
+        elif job.ralm is not None and job.ralm.mode == "oneshot":
+            served = self.node.generate_oneshot(job.prompt_ids, job.params, kb=job.kb, retriever=job.retriever,
+                                                ralm=job.ralm, cluster=job.cluster, method=job.method, k=job.k,
+                                                n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step,
+                                                references=job.references, llma_min_n=job.llma_min_n)  # fmt: skip
+            _count_retrieval(served.retrieval)
         elif job.ralm is not None:
             served = self.node.generate_ralm(job.prompt_ids, job.params, kb=job.kb, retriever=job.retriever, ralm=job.ralm,
                                              cluster=job.cluster, method=job.method, k=job.k, request_id=job.request_id,

@@ -37,8 +37,10 @@ class ProposerResources:
     datastore: object | None = None
     """The cluster's retrieval datastore, for methods that need one."""
     references: tuple[tuple[int, ...], ...] = ()
-    """Reference token ids given with the request (and earlier chat turns, retrieved
-    passages), for methods that copy from them."""
+    """Reference token ids given with the request (and earlier chat turns), for methods that
+    copy from them."""
+    retrieved: tuple[tuple[int, ...], ...] = ()
+    """Passages a one-shot retrieval put before the prompt (copy sources labelled ``retrieved``)."""
     reference_indexes: tuple[object, ...] = ()
     """Prebuilt, shared copy sources (``serving.proposers.llma.NgramIndex``): the cluster's
     past sessions."""
@@ -133,6 +135,7 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     from serving.proposers.llma import LLMAProposer, ReferenceSet
 
     refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
+    refs = refs.plus(ReferenceSet.from_docs(res.retrieved, max_n=LLMA_MAX_N, source="retrieved"))
     past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
     return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1)
 

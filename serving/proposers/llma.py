@@ -164,9 +164,10 @@ def best_rows(found: list[tuple[NgramIndex, Match]], k: int, n_drafts: int) -> l
     return rows
 
 
-SOURCES = ("request", "sessions", "context")
-"""Where a copy came from: the request's references (and earlier chat turns), the cluster's
-past sessions, or the request's own context (prompt, retrieved passages and output)."""
+SOURCES = ("request", "retrieved", "sessions", "context")
+"""Where a copy came from: the request's references (and earlier chat turns), the passages a
+one-shot retrieval put before the prompt, the cluster's past sessions, or the request's own
+context (prompt, passages of a retrieval loop, and output)."""
 
 
 class ReferenceSet:
@@ -182,12 +183,13 @@ class ReferenceSet:
         self.sources = tuple(s for _, s in kept)
 
     @classmethod
-    def from_docs(cls, docs: Iterable[Sequence[int]], max_n: int = 4, max_positions: int = 8) -> "ReferenceSet":
+    def from_docs(cls, docs: Iterable[Sequence[int]], max_n: int = 4, max_positions: int = 8,
+                  source: str = "request") -> "ReferenceSet":  # fmt: skip
         index = NgramIndex(max_n=max_n, max_positions=max_positions)
         for d in docs:
             if len(d):
                 index.add(d)
-        return cls([index])
+        return cls([index], [source])
 
     def plus(self, other: "ReferenceSet") -> "ReferenceSet":
         return ReferenceSet(self.indexes + other.indexes, self.sources + other.sources)

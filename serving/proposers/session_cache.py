@@ -8,14 +8,21 @@ tokens it points at). When an append would pass the token budget, the index is r
 from the newest outputs that fill half of it and swapped in by one assignment, so memory
 stays within ``max_tokens`` per cluster and a rebuild costs at most once per
 ``max_tokens / 2`` appended tokens.
+
+The trainer rebuilds the same bounded set from ``spec.generations`` and versions it as
+``sessions-<cluster>`` (``trainer/sessions.py``); serving replaces a cluster's outputs with
+its champion's (:meth:`SessionCache.seed`, ``serving/fleet/sessions.py``) and keeps adding
+its own finished outputs after them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 
 from serving.proposers.llma import NgramIndex
 
@@ -29,6 +36,40 @@ class SessionCacheConfig:
     """Shorter outputs are not worth copying from."""
     max_clusters: int = 256
     """Clusters kept; the least recently used one goes first."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 2 or self.max_n < 1 or self.min_output_tokens < 1 or self.max_clusters < 1:
+            raise ValueError("need max_tokens >= 2 and max_n, min_output_tokens, max_clusters >= 1")
+
+    def hash(self) -> str:
+        """What changes the set of outputs kept and how they are matched (stamped on registered versions)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def keepable(self, output: Sequence[int]) -> tuple[int, ...] | None:
+        """The part of one output that is kept (its last ``max_tokens / 2`` tokens), or None
+        when it is shorter than ``min_output_tokens``."""
+        doc = tuple(int(t) for t in output[-(self.max_tokens // 2) :])
+        return doc if len(doc) >= self.min_output_tokens else None
+
+
+def newest_within(docs: Sequence[tuple[int, ...]], budget: int) -> list[tuple[int, ...]]:
+    """The newest of ``docs`` (oldest first) whose tokens fit ``budget``, oldest first: the
+    first one that does not fit, going back from the newest, ends the set."""
+    keep, total = [], 0
+    for d in reversed(docs):
+        if total + len(d) > budget:
+            break
+        keep.append(d)
+        total += len(d)
+    return keep[::-1]
+
+
+def index_of(docs: Iterable[Sequence[int]], cfg: SessionCacheConfig) -> NgramIndex:
+    """A cluster's index over ``docs`` (which fit ``cfg.max_tokens``), as serving builds it."""
+    index = NgramIndex(max_n=cfg.max_n, max_tokens=cfg.max_tokens)
+    for d in docs:
+        index.add(d)
+    return index
 
 
 class SessionCache:
@@ -48,15 +89,13 @@ class SessionCache:
     def add(self, cluster: str, output: Sequence[int]) -> bool:
         """Remember one finished request's output; False when it is too short to keep."""
         cfg = self.cfg
-        doc = tuple(int(t) for t in output[-cfg.max_tokens // 2 :])
-        if len(doc) < cfg.min_output_tokens:
+        doc = cfg.keepable(output)
+        if doc is None:
             return False
         with self._lock:
             index, docs = self._index.get(cluster), self._docs.get(cluster)
             if index is None:
-                if len(self._index) >= cfg.max_clusters:
-                    oldest = next(iter(self._index))
-                    del self._index[oldest], self._docs[oldest]
+                self._make_room()
                 index, docs = NgramIndex(max_n=cfg.max_n, max_tokens=cfg.max_tokens), deque()
                 self._docs[cluster] = docs
             else:  # most recently used last
@@ -65,20 +104,41 @@ class SessionCache:
             if index.room(len(doc)):
                 index.add(doc)
             else:  # rebuild from the newest outputs that fill half the budget
-                keep, total = [], 0
-                for d in reversed(docs):
-                    if total + len(d) > cfg.max_tokens // 2:
-                        break
-                    keep.append(d)
-                    total += len(d)
+                keep = newest_within(docs, cfg.max_tokens // 2)
                 docs.clear()
-                docs.extend(reversed(keep))
-                index = NgramIndex(max_n=cfg.max_n, max_tokens=cfg.max_tokens)
-                for d in docs:
-                    index.add(d)
+                docs.extend(keep)
+                index = index_of(docs, cfg)
                 self.num_rebuilds += 1
             self._index[cluster] = index
         return True
+
+    def seed(self, cluster: str, outputs: Iterable[Sequence[int]]) -> int:
+        """Replace the cluster's outputs with ``outputs`` (oldest first; a registered
+        ``sessions-<cluster>`` version): the newest that fit ``max_tokens``, each cut and
+        filtered as :meth:`add` does. The new index is built outside the lock and swapped in
+        by one assignment. Returns the outputs kept."""
+        cfg = self.cfg
+        docs = deque(newest_within([d for o in outputs if (d := cfg.keepable(o)) is not None], cfg.max_tokens))
+        index = index_of(docs, cfg)
+        with self._lock:
+            if cluster in self._index:
+                del self._index[cluster]
+            else:
+                self._make_room()
+            self._docs[cluster] = docs
+            self._index[cluster] = index
+        return len(docs)
+
+    def export(self, cluster: str) -> list[tuple[int, ...]]:
+        """The cluster's outputs, oldest first ([] when it has none)."""
+        with self._lock:
+            return list(self._docs.get(cluster, ()))
+
+    def _make_room(self) -> None:
+        """Drop the least recently used cluster when a new one would pass ``max_clusters`` (under the lock)."""
+        if len(self._index) >= self.cfg.max_clusters:
+            oldest = next(iter(self._index))
+            del self._index[oldest], self._docs[oldest]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per cluster: outputs and tokens held (for ``/metrics``)."""

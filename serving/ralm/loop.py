@@ -50,7 +50,8 @@ from serving.retrieval.retriever import Query, Retriever
 
 log = logging.getLogger(__name__)
 
-MODES = ("ralmspec", "ralmseq")
+MODES = ("ralmspec", "ralmseq", "oneshot")
+MAX_ONESHOT_PASSAGES = 20
 MAX_INTERVAL = 64
 MAX_PREFETCH = 256
 
@@ -78,6 +79,8 @@ class RalmConfig:
     (``serving.ralm.os3``); False is the paper's OS³, which always speculates."""
     cache_size: int = 4096
     """Most passages in a request's local cache (least recently added out first)."""
+    passages: int = 5
+    """``oneshot``: passages retrieved once for the prompt and put before it."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +98,9 @@ class RalmConfig:
         if not isinstance(self.prefetch, int) or not 1 <= self.prefetch <= MAX_PREFETCH:
             raise InvalidRequestError(f"retrieval.prefetch must be an integer in 1..{MAX_PREFETCH}, got {self.prefetch!r}",
                                       "retrieval.prefetch")  # fmt: skip
+        if not isinstance(self.passages, int) or not 1 <= self.passages <= MAX_ONESHOT_PASSAGES:
+            raise InvalidRequestError(f"retrieval.passages must be an integer in 1..{MAX_ONESHOT_PASSAGES}, got "
+                                      f"{self.passages!r}", "retrieval.passages")  # fmt: skip
         if self.max_passage_tokens < 1 or self.cache_size < 1:
             raise ValueError("max_passage_tokens and cache_size must be >= 1")
 
@@ -485,3 +491,37 @@ class RalmGenerator:
         reason = steps[-1].finish_reason if steps else "length"
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return RalmResult(list(out), [s.passage for s in steps], stats, reason, forwards, drafted, accepted, text)
+
+
+@dataclass(frozen=True)
+class OneShot:
+    """The context of a one-shot retrieval: the top passages for the prompt, put before it."""
+
+    context_ids: list[int]
+    spans: tuple[ContextSpan, ...]
+    passage_ids: list[int]
+    passage_tokens: tuple[tuple[int, ...], ...]
+    search_s: float
+
+
+def oneshot_context(retriever: Retriever, passages: Callable[[list[int]], list[str]], tokenizer, prompt_ids: list[int],
+                    cfg: RalmConfig) -> OneShot:  # fmt: skip
+    """Retrieve the top ``cfg.passages`` passages once, for the last ``cfg.query_tokens`` tokens
+    of the prompt, and put them before it (best first, each cut to ``max_passage_tokens``, separated
+    as the retrieval loop separates its passage from the prompt). The LLMA paper's RAG setting."""
+    t0 = time.perf_counter()
+    query = retriever.encode([tokenizer.decode(prompt_ids[-cfg.query_tokens :])])
+    ids, _ = retriever.search(query, cfg.passages)
+    search_s = time.perf_counter() - t0
+    pids = [int(i) for i in ids[0] if i >= 0]
+    sep = list(tokenizer.encode("\n\n", add_special_tokens=False))
+    toks = tuple(tuple(tokenizer.encode(t, add_special_tokens=False)[: cfg.max_passage_tokens]) for t in passages(pids))
+    context: list[int] = []
+    spans = []
+    for t in toks:
+        if t:
+            spans.append(ContextSpan("retrieved", len(context), len(context) + len(t)))
+            context += [*t, *sep]
+    if prompt_ids:
+        spans.append(ContextSpan("prompt", len(context), len(context) + len(prompt_ids)))
+    return OneShot(context + list(prompt_ids), tuple(spans), pids, toks, search_s)

@@ -79,6 +79,36 @@ def test_retrieval_requests_and_errors(tiny_models, kb_dir, tmp_path):
                      "speculation.method")  # fmt: skip
 
 
+def test_oneshot_retrieval_puts_top_passages_before_the_prompt_and_llma_copies_them(tiny_models, kb_dir, tmp_path):
+    """retrieval.mode 'oneshot' (the LLMA paper's RAG setting): one KB search, the top passages
+    before the prompt; LLMA copies from them (source 'retrieved') and answers as target-only does."""
+    with running(serve_config(tiny_models, kb_dirs=[str(kb_dir)]), tmp_path / "srv") as srv:
+        prompt = "Question: which command copies directories recursively, keeping the tree?\nAnswer:"
+        texts = {}
+        for method in ("target", "llma", "pld"):  # oneshot is a longer prompt: any method decodes it
+            r = _post(srv, prompt=prompt, max_tokens=24, speculation={"method": method},
+                      retrieval={"kb": "tools", "mode": "oneshot", "retriever": "exact", "passages": 3})  # fmt: skip
+            assert r.status_code == 200, r.text
+            body = r.json()
+            texts[method] = body["choices"][0]["text"]
+            ret = body["retrieval"]
+            assert ret["mode"] == "oneshot" and ret["kb_calls"] == 1 and len(ret["passages"]) == 3
+            assert "cp(1)" in {p["title"] for p in ret["passages"]} and ret["context_tokens"] > 0
+        assert texts["llma"] == texts["target"] == texts["pld"]  # greedy: the drafter never changes the output
+        llma = _post(srv, prompt=prompt, max_tokens=24, speculation={"method": "llma"}, references=["cp -r src dst"],
+                     retrieval={"kb": "tools", "mode": "oneshot", "retriever": "bm25", "passages": 2}).json()  # fmt: skip
+        assert llma["speculation"]["llma"]["reference_tokens"] > 5  # the request's text and the 2 passages
+        assert set(llma["speculation"]["llma"]) >= {"hits_retrieved", "hits_request", "hits_context"}
+        m = requests.get(f"{srv.url}/metrics", timeout=30).text
+        assert metric(m, "specops_ralm_requests_total", retriever="exact", mode="oneshot") == 3
+        assert metric(m, "specops_ralm_kb_calls_total", retriever="bm25", mode="oneshot") == 1
+        bad = _post(srv, prompt="x", max_tokens=2, retrieval={"kb": "tools", "mode": "oneshot", "passages": 0})
+        assert_error(bad, 400, "invalid_request", "retrieval.passages")
+        bad = _post(srv, prompt="x", max_tokens=2, speculation={"method": "llma"}, references=["y"],
+                    retrieval={"kb": "tools", "mode": "ralmspec"})  # fmt: skip
+        assert_error(bad, 400, "invalid_request", "references")
+
+
 def test_knnlm_requests_and_errors(tiny_models, kb_dir, tmp_path):
     from serving.engine.models import load_model, load_tokenizer
     from serving.engine.models import tokenizer_hash

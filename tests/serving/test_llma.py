@@ -105,7 +105,7 @@ def test_proposer_copies_from_references_and_from_its_growing_context(tiny_pair)
     state.token_ids += [50]
     assert proposer.propose(state, 3).tokens.numel() == 0  # the withdrawn 40 41 42 40 are forgotten
     assert proposer.num_steps == 3 and proposer.num_hits == 2
-    assert proposer.counters() == {"steps": 3, "hits": 2, "hits_request": 1, "hits_sessions": 0, "hits_context": 1,
+    assert proposer.counters() == {"steps": 3, "hits": 2, "hits_request": 1, "hits_retrieved": 0, "hits_sessions": 0, "hits_context": 1,
                                    "reference_tokens": 5}  # fmt: skip
 
 

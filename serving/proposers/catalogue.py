@@ -76,6 +76,10 @@ class ProposerConfig:
     """DReSD: neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
     llma_min_n: int = 1
     """LLMA: the shortest trailing match that triggers a copy (the paper's n; 1 was its best)."""
+    llma_fixed_k: bool = False
+    """LLMA: copy ``k`` tokens at every match (the paper's rule); False (serving's default): the
+    copy grows with the match (``serving.proposers.llma.COPY_FACTOR``), at most ``k``, and stops
+    where equally good matches disagree."""
 
     def __post_init__(self) -> None:
         method_spec(self.method)
@@ -137,11 +141,16 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
     refs = refs.plus(ReferenceSet.from_docs(res.retrieved, max_n=LLMA_MAX_N, source="retrieved"))
     past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
-    return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1)
+    from serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT
+
+    adaptive = {} if cfg.llma_fixed_k else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET,
+                                                min_agreement=MIN_AGREEMENT)  # fmt: skip
+    return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1, **adaptive)
 
 
 # Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy
-# is free, so it drafts as many as HF's prompt lookup does (``prompt_lookup_num_tokens=10``).
+# is free, so it drafts as many as HF's prompt lookup does (``prompt_lookup_num_tokens=10``);
+# LLMA's 16 is a cap (the paper's best k was 15-18): its copy length grows with the match.
 # The draft's 3 is the k that measured fastest with the default SmolLM2 pair (k = 2, 3, 4 on
 # held-out code: 1.13x, 1.24x, 1.01x target-only, 5 prompts; benchmarks/spec_decode.py's
 # sweep re-measures it).
@@ -155,7 +164,7 @@ CATALOGUE: dict[str, MethodSpec] = {
                    frozenset(), None, build=_build_pld),
         MethodSpec("dresd", "DReSD: drafts retrieved from the cluster's datastore by the target's hidden state",
                    10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd),
-        MethodSpec("llma", "LLMA: copy from references, retrieved passages, past sessions and the context", 10,
+        MethodSpec("llma", "LLMA: copy from references, retrieved passages, past sessions and the context", 16,
                    frozenset(), None, build=_build_llma),
     )
 }  # fmt: skip

@@ -33,6 +33,17 @@ from serving.proposers.base import Proposer
 MAX_EXTEND = 32
 """How far back a candidate's match is compared to rank equally long n-gram hits."""
 
+COPY_FACTOR, COPY_OFFSET = 0.5, 1.0
+"""Serving's copy length: ``1 + match // 2`` tokens, at most ``k`` (SuffixDecoding's rule,
+``factor * match + offset``). The paper copies ``k`` at every match, which pays where a target
+pass over k tokens costs what one over 1 token does (GPUs); on 2 CPU cores each verified token
+adds ~20 % of a forward, and a 1-token match is right far less often than a 16-token one.
+Measured (5 cases per set, 128 tokens, SmolLM2-135M, greedy): fixed k = 10 gave 1.27x / 1.54x
+/ 0.67x (RAG / cache-assisted / overlap), this rule 1.68-1.84x / 2.09-2.17x / 1.18-1.22x."""
+MIN_AGREEMENT = 0.5
+"""Serving's draft stops where fewer than this share of the equally long matches that agree so
+far continue with the drafted token (a continuation the references disagree on)."""
+
 
 @dataclass(frozen=True)
 class Match:
@@ -164,6 +175,18 @@ def best_rows(found: list[tuple[NgramIndex, Match]], k: int, n_drafts: int) -> l
     return rows
 
 
+def agreed_prefix(row: list[int], found: list[tuple[NgramIndex, Match]], k: int, min_agreement: float) -> list[int]:
+    """``row`` cut before the first token that fewer than ``min_agreement`` of the equally long
+    best matches agreeing with it so far continue with (at least two must have a say)."""
+    best = max(m.length for _, m in found)
+    conts = [index.copy(m, k) for index, m in found if m.length == best]
+    for j in range(1, len(row)):
+        have = [c for c in conts if len(c) > j and c[:j] == row[:j]]
+        if len(have) > 1 and sum(c[j] == row[j] for c in have) / len(have) < min_agreement:
+            return row[:j]
+    return row
+
+
 SOURCES = ("request", "retrieved", "sessions", "context")
 """Where a copy came from: the request's references (and earlier chat turns), the passages a
 one-shot retrieval put before the prompt, the cluster's past sessions, or the request's own
@@ -204,7 +227,8 @@ class LLMAProposer(Proposer):
     name = "llma"
 
     def __init__(self, references: ReferenceSet | None = None, *, min_n: int = 1, max_n: int = 4,
-                 n_drafts: int = 1, use_context: bool = True) -> None:  # fmt: skip
+                 n_drafts: int = 1, use_context: bool = True, copy_factor: float | None = None,
+                 copy_offset: float = 0.0, min_agreement: float | None = None) -> None:  # fmt: skip
         if not (1 <= min_n <= max_n):
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if n_drafts < 1:
@@ -212,6 +236,8 @@ class LLMAProposer(Proposer):
         self.references = references or ReferenceSet()
         self.min_n, self.max_n, self.n_drafts = min_n, max_n, n_drafts
         self.use_context = use_context
+        self.copy_factor, self.copy_offset = copy_factor, copy_offset
+        self.min_agreement = min_agreement
         self._context: NgramIndex | None = None
         self.num_steps = 0
         self.num_hits = 0
@@ -252,9 +278,14 @@ class LLMAProposer(Proposer):
             ctx = self._context_index(state)
             found += [(ctx, m) for m in ctx.matches(tail, k, self.min_n)]
             source_of[id(ctx)] = "context"
+        if found and self.copy_factor is not None:  # the copy length grows with the match
+            best = max(m.length for _, m in found)
+            k = max(1, min(k, int(self.copy_factor * best + self.copy_offset)))
         rows = best_rows(found, k, self.n_drafts)
         if not rows:
             return Proposals.empty()
+        if self.min_agreement is not None and len(found) > 1:
+            rows[0] = (rows[0][0], agreed_prefix(rows[0][1], found, k, self.min_agreement))
         self.num_hits += 1
         self.hits_by_source[source_of[id(rows[0][0])]] += 1
         return Proposals.from_rows([r for _, r in rows])

@@ -111,7 +111,8 @@ def test_proposer_copies_from_references_and_from_its_growing_context(tiny_pair)
 
 @pytest.mark.parametrize("k", [1, 4, 15])
 @pytest.mark.parametrize("n_drafts", [1, 3])
-def test_greedy_output_equals_target_only(tiny_pair, k, n_drafts):
+@pytest.mark.parametrize("fixed_k", [False, True], ids=["serving-rule", "paper-rule"])
+def test_greedy_output_equals_target_only(tiny_pair, k, n_drafts, fixed_k):
     engine = SpecEngine(tiny_pair)
     for prompt in random_prompts(5, seed=200 + k):
         ref = engine.generate(prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
@@ -121,10 +122,33 @@ def test_greedy_output_equals_target_only(tiny_pair, k, n_drafts):
         noisy[len(noisy) // 2] = (noisy[len(noisy) // 2] + 1) % 97
         res = ProposerResources(pair=tiny_pair, references=(tuple(ref), tuple(noisy), tuple(random_prompts(1, seed=k)[0])))
         out = engine.generate(prompt, SamplingParams(max_new_tokens=30), k=k, resources=res,
-                              proposer_cfg=ProposerConfig(method="llma", n_drafts=n_drafts))  # fmt: skip
+                              proposer_cfg=ProposerConfig(method="llma", n_drafts=n_drafts, llma_fixed_k=fixed_k))  # fmt: skip
         assert out.token_ids == ref
         if k > 1:
             assert out.stats.num_target_forwards < 30  # the copies were accepted
+
+
+def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_pair):
+    """Serving's rule: 1 + match/2 tokens, at most k; the paper's: k at every match. A draft
+    stops where the equally long matches that agree so far continue differently."""
+    doc = list(range(100, 140))
+    rule = dict(copy_factor=0.5, copy_offset=1.0, min_agreement=0.5)
+    for tail, expected in (([1, 2, 3, 100], 1), ([1, 104, 105, 106, 107], 3), (list(range(100, 120)), 11)):
+        state = DecodeState(token_ids=tail, num_prompt_tokens=len(tail), params=SamplingParams())
+        adaptive = LLMAProposer(ReferenceSet.from_docs([doc]), max_n=8, use_context=False, **rule)
+        fixed = LLMAProposer(ReferenceSet.from_docs([doc]), max_n=8, use_context=False)
+        assert adaptive.propose(state, 12).tokens.shape[1] == expected, tail  # match 1 -> 1, 4 -> 3, 20 -> 11
+        assert fixed.propose(state, 12).tokens.shape[1] == 12
+    # three references continue "7 8" as 9 10 11 / 9 10 12 / 9 10 12: the first (ranked by the
+    # longest continuation, then recency) is cut where the other two disagree with it
+    refs = ReferenceSet.from_docs([[7, 8, 9, 10, 12], [7, 8, 9, 10, 12], [7, 8, 9, 10, 11, 13]])
+    state = DecodeState(token_ids=[5, 7, 8], num_prompt_tokens=3, params=SamplingParams())
+    cut = LLMAProposer(refs, max_n=8, use_context=False, copy_factor=10.0, min_agreement=0.5).propose(state, 4)
+    assert cut.tokens.tolist() == [[9, 10]]
+    whole = LLMAProposer(refs, max_n=8, use_context=False, copy_factor=10.0).propose(state, 4)
+    assert whole.tokens.tolist() == [[9, 10, 11, 13]]
+    assert build_proposer(ProposerConfig(method="llma"), ProposerResources(pair=tiny_pair)).copy_factor == 0.5
+    assert build_proposer(ProposerConfig(method="llma", llma_fixed_k=True), ProposerResources(pair=tiny_pair)).copy_factor is None
 
 
 def test_llma_with_no_references_still_equals_target(tiny_pair):

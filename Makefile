@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/faults.py --json benchmarks/out/faults.json
 	$(BIN)/python benchmarks/dresd.py --prompts 100 --json benchmarks/out/dresd.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/ralm.py --json benchmarks/out/ralm.json --doc docs/benchmarks.md
+	$(BIN)/python benchmarks/llma.py --json benchmarks/out/llma.json --doc docs/benchmarks.md
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
@@ -53,6 +54,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/faults.py --quick --no-doc --json benchmarks/out/faults_quick.json
 	$(BIN)/python benchmarks/dresd.py --quick --json benchmarks/out/dresd_quick.json
 	$(BIN)/python benchmarks/ralm.py --quick --json benchmarks/out/ralm_quick.json
+	$(BIN)/python benchmarks/llma.py --quick --json benchmarks/out/llma_quick.json
 
 # Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
 docs-screenshots: $(STAMP)

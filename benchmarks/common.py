@@ -51,6 +51,30 @@ def write_doc_section(path: Path, begin: str, end: str, section: str) -> None:
     path.write_text(new)
 
 
+def finish_report(report: dict, args, *, summary, markdown, plot, png_name: str, begin: str, end: str) -> str:
+    """The end of a benchmark run (or of a ``--replot``): ``report["summary"] = summary(report)``,
+    the plot (``args.plot``, else ``img/<png_name>`` beside ``args.doc``, else beside
+    ``args.json``; ``plot(report, path)`` returns whether it drew one), the markdown table
+    (``markdown(report, plot_path_relative_to_the_doc)``) printed, the JSON written to
+    ``args.json`` and the doc section between ``begin`` and ``end`` of ``args.doc``. Returns the table."""
+    import json
+
+    report["summary"] = summary(report)
+    plot_path = args.plot or ((args.doc.parent / "img" / png_name) if args.doc else
+                              args.json.with_suffix(".png") if args.json else None)  # fmt: skip
+    plot_rel = None
+    if plot_path is not None and plot(report, plot_path):
+        plot_rel = os.path.relpath(plot_path, args.doc.parent) if args.doc else str(plot_path)
+    text = markdown(report, plot_rel)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    if args.doc:
+        write_doc_section(args.doc, begin, end, text)
+    return text
+
+
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else f"{x:{spec}}{suffix}"
 

@@ -66,7 +66,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, fmt, target_name, write_doc_section  # noqa: E402
+from benchmarks.common import environment, finish_report, fmt, target_name  # noqa: E402
 from serving.engine.spec import SpecEngine  # noqa: E402
 from serving.engine.types import SamplingParams  # noqa: E402
 from serving.ralm.loop import RalmConfig, RalmGenerator  # noqa: E402
@@ -570,8 +570,9 @@ def markdown(report: dict, plot_rel: str | None) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
-    """Stacked bars of mean generation / retrieval / other time per request (the paper's Fig. 4)."""
+def plot(report: dict, path: Path) -> bool:
+    """Stacked bars of mean generation / retrieval / other time per request (the paper's Fig. 4);
+    False when no setting ran a retriever (nothing drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -579,7 +580,7 @@ def plot(report: dict, path: Path) -> None:
 
     panels = [(n, st) for n, st in report["settings"].items() if st["retrievers"]]
     if not panels:
-        return
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
     for ax, (name, st) in zip(axes[0], panels):
         labels, g, r, o = [], [], [], []
@@ -602,6 +603,7 @@ def plot(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 # ---------------------------------------------------------------- main
@@ -651,19 +653,8 @@ def parse(argv) -> argparse.Namespace:
 
 def finish(report: dict, args) -> None:
     """Summary, table, plot, JSON and doc section of a finished (or reloaded) run."""
-    report["summary"] = summary(report)
-    plot_path = args.plot or ((args.doc.parent / "img" / "ralm.png") if args.doc else args.json.with_suffix(".png") if args.json else None)
-    plot_rel = None
-    if plot_path is not None and any(st["retrievers"] for st in report["settings"].values()):
-        plot(report, plot_path)
-        plot_rel = os.path.relpath(plot_path, args.doc.parent) if args.doc else str(plot_path)
-    text = markdown(report, plot_rel)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1, default=str))
-    if args.doc:
-        write_doc_section(args.doc, DOC_BEGIN, DOC_END, text)
+    finish_report(report, args, summary=summary, markdown=markdown, plot=plot, png_name="ralm.png",
+                  begin=DOC_BEGIN, end=DOC_END)  # fmt: skip
 
 
 def main(argv=None) -> int:

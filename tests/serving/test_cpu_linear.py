@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from serving.engine import cpu_linear
 from serving.engine.cpu_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
 from tests.conftest import tiny_llama
 from tests.tolerances import assert_f32_close
@@ -59,3 +60,42 @@ def test_stock_linear_switches_back_for_the_block_only():
     with stock_linear(model, None):
         assert not any(isinstance(m, SmallBatchLinear) for m in model.modules())
     assert use_small_batch_linear(model) == 0  # every module is SmallBatchLinear again
+
+
+def test_routes_are_measured_per_shape_and_row_count(monkeypatch):
+    """``auto`` takes W @ xᵀ only where it measured faster (by the margin), per weight shape;
+    the row counts between two timed ones follow the next one up; values stay nn.Linear's."""
+    model = nn.Sequential(nn.Linear(24, 56), nn.Linear(56, 24), nn.Linear(24, 56))
+    ref = copy.deepcopy(model)
+    monkeypatch.setattr(cpu_linear, "MIN_CALIBRATION_BYTES", 0)
+    # a fake CPU: W @ xᵀ wins from 8 rows on the 56x24 shape, never on 24x56, ties at 1 row
+    def fake(route, modules, x):
+        if route == "stock":
+            return 1.0
+        rows, shape = x.shape[0], tuple(modules[0].weight.shape)
+        return 0.95 if rows == 1 else 0.5 if (shape == (56, 24) and rows >= 8) else 2.0
+    monkeypatch.setattr(cpu_linear, "_measure", fake)
+    assert use_small_batch_linear(model, "auto") == 3
+    assert model[0].wx_rows == model[2].wx_rows == frozenset(range(5, MAX_ROWS + 1))  # buckets 8 and 16
+    assert model[1].wx_rows == frozenset()  # a 1-row near tie (0.95) stays on nn.Linear
+    for rows in (1, 4, 8, 12):
+        x = torch.randn(rows, 24)
+        with torch.inference_mode():
+            assert_f32_close(model(x), ref(x))
+
+
+def test_forced_routes_and_small_models(monkeypatch):
+    big_enough = nn.Linear(24, 56)
+    assert use_small_batch_linear(big_enough, "stock") == 1 and big_enough.wx_rows == frozenset()
+    forced = nn.Linear(24, 56)
+    monkeypatch.setenv(cpu_linear.ROUTE_ENV, "wx")
+    use_small_batch_linear(forced)
+    assert forced.wx_rows == frozenset(range(1, MAX_ROWS + 1))
+    monkeypatch.setenv(cpu_linear.ROUTE_ENV, "fastest")
+    with pytest.raises(ValueError, match="SPECOPS_CPU_LINEAR"):
+        use_small_batch_linear(nn.Linear(2, 2))
+    monkeypatch.setenv(cpu_linear.ROUTE_ENV, "auto")
+    monkeypatch.setattr(cpu_linear, "_measure", lambda *a: pytest.fail("a tiny model is not timed"))
+    tiny = nn.Linear(24, 56)
+    use_small_batch_linear(tiny)
+    assert tiny.wx_rows == frozenset(range(1, MAX_ROWS + 1))  # below MIN_CALIBRATION_BYTES: W @ xᵀ as before

@@ -375,7 +375,7 @@ class ServingState:
             raise InvalidRequestError(f"speculation.n_drafts is {n_drafts}; this server allows at most "
                                       f"{cfg.max_n_drafts}", "speculation.n_drafts")  # fmt: skip
         spec = method_spec(method or cfg.default_method)
-        method, k = spec.name, k or spec.default_k
+        method, k = spec.name, k or min(spec.default_k, cfg.max_k)  # a default never exceeds the server's cap
         refs = self._references(references, turns if method == "llma" else None, method)
         if llma_n is not None and method != "llma":
             raise InvalidRequestError(f"speculation.n is LLMA's match length; method {method!r} has none",

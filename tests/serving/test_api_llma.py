@@ -13,9 +13,11 @@ def _post(srv, path="/v1/completions", **body):
 
 
 def test_references_are_copied_and_the_output_is_the_targets(tiny_models, tmp_path):
-    cfg = serve_config(tiny_models, max_references=3, max_reference_tokens=400)
+    cfg = serve_config(tiny_models, max_references=3, max_reference_tokens=400, max_k=12)
     with running(cfg, tmp_path / "srv") as srv:
         prompt = "the quick brown fox jumps over the lazy dog and then"
+        capped = _post(srv, prompt=prompt, max_tokens=4, speculation={"method": "llma"})
+        assert capped.status_code == 200 and capped.json()["speculation"]["k"] == 12  # llma's default 16, cut to max_k
         target = _post(srv, prompt=prompt, max_tokens=24, speculation={"method": "target"})
         assert target.status_code == 200, target.text
         answer = target.json()["choices"][0]["text"]

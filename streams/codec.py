@@ -60,7 +60,7 @@ _MISS_FIELDS = {
 _GEN_FIELDS = {
     "rid": "request_id", "cl": "cluster", "m": "method", "dm": "draft_model", "dv": "draft_version",
     "p": "prompt_ids", "o": "output_ids", "V": "vocab_size", "fr": "finish_reason", "ts": "timestamp",
-    "av": "artifact_versions", "cs": "context_spans",
+    "av": "artifact_versions", "cs": "context_spans", "pol": "policy",
 }  # fmt: skip
 _EVENT_FIELDS = {
     "k": "kind", "n": "model_name", "v": "version", "pv": "previous_version", "a": "alias",
@@ -79,6 +79,7 @@ _TYPES: dict[int, tuple[type, dict[str, str]]] = {
 _CODES = {cls: code for code, (cls, _) in _TYPES.items()}
 _OPTIONAL = {"ti", "res"}  # MissRecord fields that are None for full distributions
 _SINCE_V2 = {"av", "cs"}  # absent from schema 1 bodies: decoded as their defaults
+_ABSENT_OK = {"pol"}  # optional at any schema (older producers never wrote it; older consumers ignore it)
 
 _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 
@@ -127,7 +128,8 @@ def encode(record: Record, *, compress: bool = True) -> bytes:
     record.validate()
     code = _CODES[type(record)]
     fields = _TYPES[code][1]
-    body = {wire: _to_wire(getattr(record, attr)) for wire, attr in fields.items()}
+    body = {wire: _to_wire(getattr(record, attr)) for wire, attr in fields.items()
+            if wire not in _ABSENT_OK or getattr(record, attr)}  # an empty optional field is left out
     raw = msgpack.packb(body, use_bin_type=True)
     method = COMPRESS_NONE
     if compress and len(raw) >= COMPRESS_MIN_BYTES:
@@ -185,7 +187,7 @@ def decode(data: bytes) -> Record:
             if wire in _OPTIONAL and cls is MissRecord:
                 kwargs[attr] = None
                 continue
-            if wire in _SINCE_V2 and schema < 2:
+            if (wire in _SINCE_V2 and schema < 2) or wire in _ABSENT_OK:
                 continue  # the dataclass default: no artifact versions, one prompt span
             raise RecordValidationError(name, attr, "missing")
         value = raw[wire]

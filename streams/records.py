@@ -13,6 +13,8 @@ distribution at exactly those positions.
 
 from __future__ import annotations
 
+import json
+
 import math
 import time
 from dataclasses import dataclass, field
@@ -328,6 +330,10 @@ class GenerationRecord:
     """Artifact kind -> registry version the request used (v2)."""
     context_spans: tuple[ContextSpan, ...] = ()
     """The parts of ``prompt_ids`` (the whole context the target saw; v2; empty: all prompt)."""
+    policy: dict = field(default_factory=dict)
+    """What ``auto`` chose for the request (``serving.engine.auto.AutoProposer.summary``: steps,
+    drafted and accepted per method, the latest decision); empty for fixed methods. An optional
+    wire field: consumers that predate it ignore it, so it needs no schema bump."""
     schema: int = SCHEMA_VERSION
 
     @property
@@ -358,6 +364,23 @@ class GenerationRecord:
             _fail(r, "prompt_ids", "must not be empty")
         _check_context(r, self, int(self.prompt_ids.shape[0]))
         _check_time(r, self.timestamp)
+        _check_policy(r, self.policy)
+
+
+POLICY_MAX_BYTES = 16384
+
+
+def _check_policy(record: str, policy: object) -> None:
+    """A small JSON object of string keys (numbers, strings, lists and objects inside)."""
+    if not isinstance(policy, dict) or not all(isinstance(k, str) for k in policy):
+        _fail(record, "policy", f"expected an object with string keys, got {type(policy).__name__}")
+    try:
+        size = len(json.dumps(policy, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        _fail(record, "policy", f"not JSON: {exc}")
+        return
+    if size > POLICY_MAX_BYTES:
+        _fail(record, "policy", f"{size} bytes of JSON exceed the limit of {POLICY_MAX_BYTES}")
 
 
 EVENT_KINDS = ("promotion", "rollback")

@@ -191,6 +191,9 @@ class DecodeSession:
         if self.proposer is not None:
             stats.num_draft_forwards = self.proposer.num_forwards
             stats.proposer = self.proposer.counters()
+            summary = getattr(self.proposer, "summary", None)
+            if callable(summary):
+                stats.policy = summary()
             self.proposer.finish()
         state.num_final = state.num_generated
         stats.num_generated = state.num_generated

@@ -79,7 +79,8 @@ class SpecEngine:
         return DecodeSession(
             target, proposer, prompt_ids, params, k=k, method=method, eos_token_ids=self.pair.eos_token_ids,
             context_size=self.context_size, context_spans=context_spans, collect_rejections=self.collect_rejections,
-            want_hidden=spec is not None and "target_hidden" in spec.needs, hold_back=hold_back,
+            want_hidden=(spec is not None and "target_hidden" in spec.needs) or bool(getattr(proposer, "needs_hidden", False)),
+            hold_back=hold_back,
         ).start()  # fmt: skip
 
     def generate(

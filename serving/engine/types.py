@@ -229,6 +229,9 @@ class RequestStats:
     ``on_step`` ended it: a stop sequence)."""
     proposer: dict[str, int] = field(default_factory=dict)
     """The proposer's own counters (``Proposer.counters``; LLMA: steps, hits per copy source)."""
+    policy: dict = field(default_factory=dict)
+    """What ``auto`` chose (``serving.engine.auto.AutoProposer.summary``): steps, drafted and
+    accepted per method, and the latest decision with its estimates; empty for fixed methods."""
     time_s: dict[str, float] = field(
         default_factory=lambda: {"first_step": 0.0, "propose": 0.0, "verify": 0.0, "total": 0.0}
     )
@@ -272,6 +275,7 @@ class RequestStats:
             "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "finish_reason": self.finish_reason,
+            **({"policy": self.policy} if self.policy else {}),
             "time_s": {name: round(v, 6) for name, v in self.time_s.items()},
         }
 

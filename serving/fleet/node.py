@@ -54,12 +54,22 @@ class ServedResult:
         return self.versions.get(artifact, "") if artifact else ""
 
 
+@dataclass(frozen=True)
+class _Part:
+    """The drafted and accepted tokens of one method within an ``auto`` request (live acceptance)."""
+
+    num_drafted: int
+    num_accepted: int
+
+
 class ServingNode:
     """Thread-safe ``generate`` over a target and the follower's per-cluster drafts."""
 
     def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None,
-                 batcher: TargetBatcher | None = None, datastores=None, sessions=None) -> None:  # fmt: skip
+                 batcher: TargetBatcher | None = None, datastores=None, sessions=None, policy=None) -> None:  # fmt: skip
         self.pair = pair
+        self.policy = policy
+        """The replica's ``auto`` policy (``serving.engine.auto.AutoPolicy``; None: the process default)."""
         self.sessions = sessions
         """``serving.proposers.session_cache.SessionCache``: each cluster's past outputs, LLMA's
         cache-assisted copy source (or None: off)."""
@@ -85,14 +95,16 @@ class ServingNode:
         datastore = self.datastores.current(cluster) if self.datastores is not None else None  # 1. (once, too)
         if datastore is not None and datastore.datastore is not None:
             versions["datastore"] = datastore.version
-        past = self.sessions.index(cluster) if self.sessions is not None and method == "llma" else None
+        copies = method in ("llma", "auto")
+        past = self.sessions.index(cluster) if self.sessions is not None and copies else None
         resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=tuple(references),
                                       retrieved=tuple(retrieved),
                                       reference_indexes=(past,) if past is not None else (),
-                                      datastore=datastore.datastore if datastore is not None else None)  # fmt: skip
+                                      datastore=datastore.datastore if datastore is not None else None,
+                                      policy=self.policy)  # fmt: skip
         meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version,
                            artifact_versions={k: v for k, v in versions.items()
-                                              if k == method_spec(method).artifact})  # fmt: skip
+                                              if k == method_spec(method).artifact or method == "auto"})  # fmt: skip
         if self.batcher is not None:
             self.batcher.begin()
         try:
@@ -104,7 +116,13 @@ class ServingNode:
                 self.batcher.end()
         if self.sessions is not None:
             self.sessions.add(cluster, result.token_ids)
-        if method_spec(method).artifact == "draft":
+        if method == "auto":  # 4., for the parts auto drafted with a versioned artifact
+            part = result.stats.proposer
+            if part.get("drafted_draft"):
+                self.follower.record(handle, _Part(part["drafted_draft"], part["accepted_draft"]))
+            if part.get("drafted_dresd") and "datastore" in versions:
+                self.datastores.record(cluster, versions["datastore"], _Part(part["drafted_dresd"], part["accepted_dresd"]))
+        elif method_spec(method).artifact == "draft":
             self.follower.record(handle, result.stats)  # 4.
         elif method_spec(method).artifact == "datastore" and "datastore" in versions:
             self.datastores.record(cluster, versions["datastore"], result.stats)
@@ -177,7 +195,7 @@ class ServingNode:
         shot = oneshot_context(knowledge.retriever(retriever), lambda ids: [p.text for p in knowledge.passages(ids)],
                                self.pair.tokenizer, list(prompt_ids), ralm)  # fmt: skip
         served = self.generate(shot.context_ids, params, method=method, context_spans=shot.spans,
-                               retrieved=shot.passage_tokens if method == "llma" else (), **kw)  # fmt: skip
+                               retrieved=shot.passage_tokens if method in ("llma", "auto") else (), **kw)  # fmt: skip
         cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(shot.passage_ids)]
         block = {"kb": kb.name, "kb_version": kb.version, "retriever": retriever, "mode": "oneshot", "passages": cited,
                  "kb_calls": 1, "kb_queries": 1, "speculations": 0, "mismatches": 0,

@@ -177,7 +177,7 @@ def build_records(
         request_id=meta.request_id, cluster=meta.cluster, method=stats.method, draft_model=meta.draft_model,
         draft_version=meta.draft_version, prompt_ids=tokens[: len(prompt_ids)].copy(),
         output_ids=tokens[len(prompt_ids) :].copy(), vocab_size=vocab_size, finish_reason=stats.finish_reason,
-        timestamp=now, **context,
+        timestamp=now, policy=dict(stats.policy), **context,
     )  # fmt: skip
     return miss, gen
 

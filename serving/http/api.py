@@ -6,6 +6,8 @@ Endpoints:
   shapes, ``stream=true`` as server-sent events ending in ``data: [DONE]``. Extensions:
   request fields ``speculation`` (``method``, ``k``) and ``cluster``; every response (the
   last chunk when streaming) carries a ``speculation`` block.
+- ``GET /v1/policy``: the ``auto`` policy's state per cluster (acceptance estimates,
+  decisions, the latest choice and its estimates, measured costs).
 - ``GET /v1/models``; ``GET /healthz`` (the process is up); ``GET /readyz`` (models loaded:
   200, else 503 with the loading step or the error); ``GET /metrics`` (Prometheus).
 
@@ -150,6 +152,11 @@ def create_app(state: ServingState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/policy")
+    async def policy():
+        _ensure_ready(state)
+        return state.policy.snapshot()
 
     @app.get("/v1/models")
     async def models():
@@ -425,6 +432,13 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
     }  # fmt: skip
     if st.method == "llma" and st.proposer:
         speculation["llma"] = dict(st.proposer)  # steps, hits (per source), reference tokens
+    if st.method == "auto" and st.policy:
+        speculation["auto"] = st.policy  # steps, drafted, accepted per method; the latest decision and its estimates
+        used = st.policy.get("methods", {})
+        if "draft" in used:
+            speculation["draft_model"], speculation["draft_version"] = served.draft_model, served.draft_version
+        if "dresd" in used:
+            speculation["datastore_version"] = served.versions.get("datastore")
     if served.retrieval is not None and "kb" in served.versions:
         speculation["kb_version"] = served.versions.get("kb")
     if served.retrieval is not None and "knnlm" in served.versions:

@@ -89,6 +89,12 @@ class ServeConfig(BaseModel):
     datastore_dir: str = Field("", description="fallback DReSD datastore for clusters with no `datastore-<cluster>@champion` yet (`specops datastore build`); empty: none")
     default_method: Literal[METHODS] = Field(  # type: ignore[valid-type]
         "draft", description="decoding when a request does not say, one of the method catalogue's: " + describe())
+    auto_priors: str = Field("", description="JSON priors of the `auto` policy (`specops policy fit --out`): "
+                             "acceptance per cluster and method, measured costs; empty: start from calibration")
+    auto_calibrate: bool = Field(True, description="measure the target's verify cost and the draft's step at load, "
+                                 "as the `auto` policy's cost priors (about a second)")  # fmt: skip
+    auto_max_k: int = Field(16, ge=1, le=64, description="longest draft `auto` may choose (copies; a draft model's "
+                            "chain stops at 8)")  # fmt: skip
 
     # ---- concurrency
     max_concurrency: int = Field(2, ge=1, le=256, description="requests decoded at once (decode worker threads)")

@@ -19,6 +19,7 @@ sequence, a client that went away, or the request deadline.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 import time
@@ -60,6 +61,15 @@ LLMA_REFERENCE_TOKENS = Counter("specops_llma_reference_tokens_total", "Referenc
 SESSION_CACHE_TOKENS = Gauge("specops_llma_session_cache_tokens", "Tokens of past outputs held per cluster "
                              "(LLMA's cache-assisted source)", ["cluster"])  # fmt: skip
 SESSION_CACHE_OUTPUTS = Gauge("specops_llma_session_cache_outputs", "Past outputs held per cluster", ["cluster"])
+AUTO_STEPS = Counter("specops_auto_steps_total", "Decoding steps of method 'auto' requests, by the method each "
+                     "step chose ('target': no draft)", ["cluster", "method"])  # fmt: skip
+AUTO_ESTIMATE = Gauge("specops_auto_estimate_tokens_per_second", "The auto policy's latest speed estimate of each "
+                      "option (its best k), per cluster", ["cluster", "method"])  # fmt: skip
+AUTO_ACCEPTANCE = Gauge("specops_auto_acceptance", "The auto policy's acceptance estimate (decayed, per drafted "
+                        "token) per cluster, method (llma@mN: copy at match length N+) and temperature bucket",
+                        ["cluster", "key", "temperature"])  # fmt: skip
+AUTO_VERIFY_MS = Gauge("specops_auto_verify_ms", "Measured target verify cost a + b*tokens, per requests-in-flight "
+                       "bucket", ["load", "coef"])  # fmt: skip
 RALM_REQUESTS = Counter("specops_ralm_requests_total", "Retrieval-loop requests", ["retriever", "mode"])
 RALM_KB_QUERIES = Counter("specops_ralm_kb_queries_total", "Queries sent to knowledge bases", ["retriever", "mode"])
 RALM_KB_CALLS = Counter("specops_ralm_kb_calls_total", "Knowledge-base searches (a batched verification is one)",
@@ -136,6 +146,8 @@ class ServingState:
         self.session_follower = None
         """Seeds the past-sessions cache from ``sessions-<cluster>@champion`` (``serving.fleet.sessions``)."""
         self.batcher = None
+        self.policy = None
+        """The replica's ``auto`` policy (``serving.engine.auto.AutoPolicy``): acceptance per cluster, costs."""
         self.knnlms = None
         """kNN-LM datastores by name, loaded on first use."""
         self.kbs = None
@@ -212,12 +224,16 @@ class ServingState:
             sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.session_cache_tokens))
             if self.registry is not None:
                 self.session_follower = self._session_follower(sessions)
+        self.policy = self._policy()
         self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
-                                datastores=self.datastores, sessions=sessions)  # fmt: skip
+                                datastores=self.datastores, sessions=sessions, policy=self.policy)  # fmt: skip
         self.loading_step = "warm-up"  # 6.
         from serving.engine.spec import SpecEngine
 
         SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
+        if cfg.auto_calibrate:
+            costs = self.policy.calibrate(self.pair)
+            log.info("auto policy calibrated: %s", ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
         if cfg.load_signal:
             self._spawn(self._write_load_signal, "load-signal")
         self._spawn(self._throughput, "throughput")
@@ -228,6 +244,17 @@ class ServingState:
                  self.draft_dir, cfg.router if self.router else "off",
                  self.stream_cfg.url if self.stream_cfg else "off",
                  getattr(getattr(self.registry, "cfg", None), "uri", "off"))  # fmt: skip
+
+    def _policy(self):
+        """The ``auto`` policy: requests in flight from admission, priors from ``auto_priors``."""
+        from serving.engine.auto import AutoPolicy
+
+        policy = AutoPolicy(max_k=min(self.cfg.auto_max_k, self.cfg.max_k),
+                            load=lambda: self.admission.snapshot().running)  # fmt: skip
+        if self.cfg.auto_priors:
+            policy.load_priors(json.loads(Path(self.cfg.auto_priors).read_text()))
+            log.info("auto policy priors from %s", self.cfg.auto_priors)
+        return policy
 
     def _datastores(self):
         """The DReSD datastore follower: ``datastore-<cluster>@champion`` per cluster, and the
@@ -376,8 +403,8 @@ class ServingState:
                                       f"{cfg.max_n_drafts}", "speculation.n_drafts")  # fmt: skip
         spec = method_spec(method or cfg.default_method)
         method, k = spec.name, k or min(spec.default_k, cfg.max_k)  # a default never exceeds the server's cap
-        refs = self._references(references, turns if method == "llma" else None, method)
-        if llma_n is not None and method != "llma":
+        refs = self._references(references, turns if method in ("llma", "auto") else None, method)
+        if llma_n is not None and method not in ("llma", "auto"):
             raise InvalidRequestError(f"speculation.n is LLMA's match length; method {method!r} has none",
                                       "speculation.n")  # fmt: skip
         source, router_version = "request", ""
@@ -406,9 +433,10 @@ class ServingState:
         """LLMA's references, tokenized: the request's texts, then the earlier chat turns
         (400 when the method does not copy, 413 beyond the server's limits, naming the field)."""
         cfg, tok = self.cfg, self.pair.tokenizer
-        if texts and method != "llma":
-            raise InvalidRequestError(f"references are copied by speculation.method 'llma' only; method {method!r} "
-                                      "ignores them: set speculation.method to 'llma' or leave references out",
+        if texts and method not in ("llma", "auto"):
+            raise InvalidRequestError(f"references are copied by speculation.method 'llma' or 'auto' only; method "
+                                      f"{method!r} ignores them: set speculation.method to 'llma' or 'auto', or "
+                                      "leave references out",
                                       "references")  # fmt: skip
         texts = list(texts or [])
         if len(texts) > cfg.max_references:
@@ -542,13 +570,36 @@ class ServingState:
             if held is not None:
                 SESSION_CACHE_TOKENS.labels(job.cluster).set(held["tokens"])
                 SESSION_CACHE_OUTPUTS.labels(job.cluster).set(held["outputs"])
-        if st.num_drafted:
+        if st.method == "auto":
+            self._count_auto(job.cluster, served)
+        elif st.num_drafted:
             version = served.version_of(st.method) or "none"
             DRAFTED.labels(job.cluster, st.method, version).inc(st.num_drafted)
             ACCEPTED.labels(job.cluster, st.method, version).inc(st.num_accepted)
         with self._recent_lock:
             self._recent.append((time.time(), st.num_generated))
         return served
+
+
+    def _count_auto(self, cluster: str, served) -> None:
+        """An ``auto`` request's steps and drafts per chosen method, and the policy's gauges."""
+        per = served.result.stats.policy.get("methods", {})
+        for method, n in per.items():
+            AUTO_STEPS.labels(cluster, method).inc(n["steps"])
+            if n["drafted"]:
+                version = served.version_of(method) or "none"
+                DRAFTED.labels(cluster, method, version).inc(n["drafted"])
+                ACCEPTED.labels(cluster, method, version).inc(n["accepted"])
+        snap = self.policy.snapshot() if self.policy is not None else {}
+        state = snap.get("clusters", {}).get(cluster, {})
+        for method, speed in ((state.get("last") or {}).get("estimates") or {}).items():
+            AUTO_ESTIMATE.labels(cluster, method).set(speed)
+        for name, est in state.get("acceptance", {}).items():
+            key, temp = name.rsplit("/", 1)
+            AUTO_ACCEPTANCE.labels(cluster, key, temp).set(est["mean"])
+        for load, fit in snap.get("verify_ms", {}).items():
+            AUTO_VERIFY_MS.labels(load, "a").set(fit["a_ms"])
+            AUTO_VERIFY_MS.labels(load, "b").set(fit["b_ms"])
 
 
 def retriever_kind(retrieval) -> str:

@@ -46,6 +46,9 @@ class ProposerResources:
     past sessions."""
     versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
+    policy: object | None = None
+    """The replica's ``serving.engine.auto.AutoPolicy`` for method ``auto`` (None: the process's
+    default policy)."""
 
 
 LLMA_MAX_N = 8
@@ -148,6 +151,20 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1, **adaptive)
 
 
+def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+    from serving.engine.auto import AutoProposer, default_policy
+
+    policy = res.policy or default_policy()
+    subs: dict[str, Proposer] = {}
+    if "draft" in policy.candidates and res.pair.draft is not None:
+        subs["draft"] = _build_draft(cfg, res)
+    if "dresd" in policy.candidates and res.datastore is not None:
+        subs["dresd"] = _build_dresd(cfg, res)
+    if "llma" in policy.candidates:
+        subs["llma"] = _build_llma(cfg, res)
+    return AutoProposer(policy, subs, cluster=res.cluster)
+
+
 # Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy
 # is free, so it drafts as many as HF's prompt lookup does (``prompt_lookup_num_tokens=10``);
 # LLMA's 16 is a cap (the paper's best k was 15-18): its copy length grows with the match.
@@ -166,6 +183,9 @@ CATALOGUE: dict[str, MethodSpec] = {
                    10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd),
         MethodSpec("llma", "LLMA: copy from references, retrieved passages, past sessions and the context", 16,
                    frozenset(), None, build=_build_llma),
+        MethodSpec("auto", "choose per step among target-only, the draft model, DReSD and LLMA copying (and "
+                   "k) by measured speed; speculation off when nothing pays", 16, frozenset(), None,
+                   build=_build_auto),
     )
 }  # fmt: skip
 

@@ -244,6 +244,8 @@ class LLMAProposer(Proposer):
         """Steps that found a match (the request's hit rate is num_hits / num_steps)."""
         self.hits_by_source = dict.fromkeys(SOURCES, 0)
         """Steps whose best row came from each source."""
+        self.last_match = 0
+        """Length of the best match of the latest ``propose`` (0: none); ``auto`` keys on it."""
 
     def start(self, state: DecodeState) -> None:
         self._context = None
@@ -278,8 +280,8 @@ class LLMAProposer(Proposer):
             ctx = self._context_index(state)
             found += [(ctx, m) for m in ctx.matches(tail, k, self.min_n)]
             source_of[id(ctx)] = "context"
+        self.last_match = best = max((m.length for _, m in found), default=0)
         if found and self.copy_factor is not None:  # the copy length grows with the match
-            best = max(m.length for _, m in found)
             k = max(1, min(k, int(self.copy_factor * best + self.copy_offset)))
         rows = best_rows(found, k, self.n_drafts)
         if not rows:

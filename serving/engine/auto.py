@@ -1,0 +1,514 @@
+"""``speculation.method = "auto"``: choose the drafter and k per step from measured speed.
+
+Every step, the policy estimates each candidate's **tokens per second** and runs the fastest:
+
+    speed(m, k) = (E_m(k) + (B - 1) * e) / (P_m(k) + V_B(n_m(k)))
+
+- ``E_m(k) = 1 + a + a^2 + ... + a^k``: expected tokens one step emits when method ``m``
+  drafts a chain of ``k`` (accepted drafts + the bonus), with ``a`` the per-token acceptance
+  (OSD Eq. 2's numerator). ``a`` is a draw from a Beta posterior (Thompson sampling): the
+  cluster's decayed counts for ``m`` at the request's temperature bucket (capped at
+  :data:`PRIOR_TRIALS` trials, so the request's own evidence soon outweighs them) plus the
+  request's own counts. Copy drafts (LLMA) keep separate counts per current match length:
+  a long match is evidence the next tokens copy too.
+- ``P_m(k)``: the measured cost of the proposer call (draft: ``a + b * k`` ms, fitted online);
+  ``V_B(n)``: the measured cost of a target pass verifying ``n`` tokens at ``B`` requests in
+  flight (``a_B + b_B * n`` ms, one decayed least-squares fit per load bucket). OSD's ``c``
+  is ``P(1) / V(1)``; here both sides are measured, and verification is not free under load.
+- ``(B - 1) * e``: the tokens the other in-flight requests emit per step (``e`` is the
+  replica's running mean). With ``B`` requests sharing a pass, a longer draft slows all of
+  them; the additive term makes extra draft tokens pay only when they raise the whole
+  batch's throughput. At ``B = 1`` the formula is Eq. 2 with measured costs. Under load it
+  lowers ``k`` and turns speculation off once no draft pays (vLLM's disable-by-queue idea,
+  from measured costs instead of a fixed queue threshold).
+- ``target`` (no draft) is always a candidate: ``(1 + (B - 1) e) / V_B(1)``.
+
+Per-step switching: the copy proposer (LLMA: references, past sessions, the context) is
+asked first every step (it costs microseconds); its match length picks its acceptance
+counts, so the policy copies while a long match holds and drafts with the model otherwise.
+DReSD is asked only when chosen; an empty retrieval falls back to the next best option in
+the same step.
+
+Lossless by construction: the policy only chooses what to *propose*; every step is verified
+by the same verifier as a fixed method, so greedy output equals target-only decoding and
+sampling keeps the target's distribution (tested).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from serving.engine.types import DecodeState, Proposals, Verdict
+from serving.proposers.base import Proposer
+
+CANDIDATES = ("draft", "dresd", "llma")
+"""Methods ``auto`` may choose besides ``target``, when the request and the replica have what
+each needs (a draft model, a datastore; LLMA always: it copies from the context too)."""
+
+PRIOR_TRIALS = 24.0
+"""Most trials of a cluster's acceptance counts a request starts from (its own evidence adds)."""
+
+DECAY = 0.995
+"""Per-step decay of the cluster's acceptance counts (about 200 steps of memory): traffic
+and drafts change, and a method that was bad once is retried as its counts fade."""
+
+HALF_LIFE_S = 600.0
+"""A cluster's counts for a method lose half their weight per this many seconds without news:
+a method nobody picked for a while is explored again (the traffic or the draft may have changed)."""
+
+COST_DECAY = 0.99
+"""Per-observation decay of the cost fits (about 100 steps of memory)."""
+
+COST_PRIOR_WEIGHT = 3.0
+"""Weight of the calibration prior in each cost fit (pseudo-observations at 1 and 9 tokens)."""
+
+LOAD_BUCKETS = (1, 2, 4, 8, 16)
+"""Requests in flight are bucketed (1, 2, 3-4, 5-8, 9-16, 17+) for the verify-cost fits."""
+
+MATCH_BUCKETS = (1, 2, 4, 8, 16)
+"""LLMA match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for the copy acceptance counts."""
+
+
+def temp_bucket(temperature: float) -> str:
+    """``greedy``, ``low`` (T <= 0.7) or ``high``: acceptance falls with temperature."""
+    return "greedy" if temperature <= 0 else ("low" if temperature <= 0.7 else "high")
+
+
+def _bucket(x: int, edges: tuple[int, ...]) -> int:
+    for i, e in enumerate(edges[1:]):
+        if x < e:
+            return i
+    return len(edges) - 1
+
+
+def load_bucket(n: int) -> int:
+    return _bucket(max(1, n), LOAD_BUCKETS)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step emits with a chain of ``k`` drafts at per-token acceptance ``alpha``."""
+    if k <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 1.0)
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class CostFit:
+    """Milliseconds of a call as ``a + b * n`` (``n``: tokens), a decayed weighted least-squares
+    fit with the calibration as pseudo-observations (so two points fix it before any traffic)."""
+
+    def __init__(self, a: float, b: float, *, decay: float = COST_DECAY, prior_weight: float = COST_PRIOR_WEIGHT):
+        self.a0, self.b0, self.decay, self.w0 = float(a), float(b), decay, prior_weight
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.n_obs = 0
+        self.a, self.b = self.a0, self.b0
+
+    def observe(self, n: float, ms: float) -> None:
+        if not (math.isfinite(ms) and ms >= 0):
+            return
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + n, d * self.sy + ms
+        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * ms
+        self.n_obs += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        # the prior as pseudo-points at n = 1 and n = 9 on the calibrated line
+        w = self.w0
+        p = [(1.0, self.a0 + self.b0), (9.0, self.a0 + 9 * self.b0)]
+        sw = self.sw + 2 * w
+        sx = self.sx + w * sum(x for x, _ in p)
+        sy = self.sy + w * sum(y for _, y in p)
+        sxx = self.sxx + w * sum(x * x for x, _ in p)
+        sxy = self.sxy + w * sum(x * y for x, y in p)
+        den = sw * sxx - sx * sx
+        if den <= 1e-12:
+            return
+        b = (sw * sxy - sx * sy) / den
+        b = max(b, 0.0)  # more tokens never cost less
+        self.b, self.a = b, max((sy - b * sx) / sw, 1e-3)
+
+    def predict(self, n: float) -> float:
+        return self.a + self.b * n
+
+    def to_dict(self) -> dict:
+        return {"a_ms": round(self.a, 4), "b_ms": round(self.b, 4), "observations": self.n_obs}
+
+
+@dataclass
+class Counts:
+    """Decayed Bernoulli counts of drafted positions: accepted, and first rejections."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    updated: float = field(default_factory=time.time)
+    """Wall time of the latest ``add`` (the weight fades with :data:`HALF_LIFE_S` after it)."""
+
+    def add(self, accepted: float, rejected: float, decay: float = 1.0) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + rejected
+        self.updated = time.time()
+
+    @property
+    def trials(self) -> float:
+        return self.accepted + self.rejected
+
+    @property
+    def mean(self) -> float:
+        return (self.accepted + 1.0) / (self.trials + 2.0)
+
+
+@dataclass
+class Choice:
+    """One step's decision."""
+
+    method: str
+    k: int
+    speed: float
+    """Estimated tokens per second that decided it."""
+    key: str = ""
+    """The acceptance counts it used (``llma@m4`` for a copy at match bucket 4-7)."""
+    n_verify: int = 1
+    alternatives: dict[str, float] = field(default_factory=dict)
+    """Each option's estimated tokens per second (its best k)."""
+
+
+class AutoPolicy:
+    """Per replica: each cluster's acceptance counts and the replica's measured costs.
+
+    Thread-safe (one lock, held for microseconds per step). ``load`` returns the requests in
+    flight (the batcher's, in serving); by default the policy counts its own sessions.
+    """
+
+    def __init__(self, *, max_k: int = 8, draft_max_k: int = 8, verify_ms: tuple[float, float] = (20.0, 1.0),
+                 draft_ms: tuple[float, float] = (2.0, 4.0), copy_ms: float = 0.05, dresd_ms: float = 1.0,
+                 candidates: tuple[str, ...] = CANDIDATES, seed: int | None = None, load=None,
+                 decay: float = DECAY, prior_trials: float = PRIOR_TRIALS, explore: bool = True) -> None:  # fmt: skip
+        unknown = set(candidates) - set(CANDIDATES)
+        if unknown:
+            raise ValueError(f"auto candidates must be of {CANDIDATES}, got {sorted(unknown)}")
+        self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)
+        self.candidates = tuple(candidates)
+        self.decay, self.prior_trials, self.explore = decay, prior_trials, explore
+        self._verify_prior = verify_ms
+        self.verify: dict[int, CostFit] = {}
+        self.propose: dict[str, CostFit] = {"draft": CostFit(*draft_ms), "llma": CostFit(copy_ms, 0.0),
+                                            "dresd": CostFit(dresd_ms, 0.0)}  # fmt: skip
+        self.counts: dict[tuple[str, str, str], Counts] = {}
+        self.emitted_per_step = 1.0
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self._load = load
+        self.in_flight = 0
+        self.decisions: dict[tuple[str, str], int] = {}
+        """(cluster, method) -> steps chosen (the ``/metrics`` counter reads it)."""
+        self.last: dict[str, Choice] = {}
+        """cluster -> the latest decision (``/v1/policy``)."""
+
+    # ------------------------------------------------------------------ calibration and priors
+    def calibrate(self, pair, context_ids: list[int] | None = None, reps: int = 5) -> dict:
+        """Measure the target's verify cost at 1 and 9 tokens and the draft's one-token step
+        (``serving.engine.cost.step_ms``), as the cost fits' priors. About a second on CPU."""
+        from serving.engine.cost import step_ms
+
+        ctx = context_ids or list(range(1, 65))
+        v1 = step_ms(pair.target, ctx, 1, reps=reps, warmup=2)
+        v9 = step_ms(pair.target, ctx, 9, reps=reps, warmup=2)
+        b = max((v9 - v1) / 8.0, 0.0)
+        out = {"verify_ms_1": v1, "verify_ms_9": v9}
+        with self.lock:
+            self._verify_prior = (max(v1 - b, 1e-3), b)
+            self.verify.clear()
+            if pair.draft is not None:
+                d1 = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2)
+                self.propose["draft"] = CostFit(d1 * 0.1, d1 * 0.9)  # a call: little fixed cost, one forward per token
+                out["draft_ms_1"] = d1
+        return out
+
+    def priors(self) -> dict:
+        """The acceptance counts and cost fits as a JSON-able artifact (``load_priors`` reads it)."""
+        with self.lock:
+            return {"format": "specops-auto-priors/1",
+                    "counts": [{"cluster": c, "key": k, "temperature": t, "accepted": round(v.accepted, 3),
+                                "rejected": round(v.rejected, 3)} for (c, k, t), v in sorted(self.counts.items())],
+                    "verify": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
+                    "propose": {m: f.to_dict() for m, f in self.propose.items()}}  # fmt: skip
+
+    def load_priors(self, priors: dict) -> None:
+        """Start from a priors artifact (``priors()``, or ``specops policy fit``'s output)."""
+        if priors.get("format") != "specops-auto-priors/1":
+            raise ValueError(f"not an auto-policy priors file (format {priors.get('format')!r})")
+        with self.lock:
+            for row in priors.get("counts", []):
+                c = Counts(float(row["accepted"]), float(row["rejected"]))
+                scale = min(1.0, self.prior_trials / c.trials) if c.trials else 1.0
+                self.counts[(str(row["cluster"]), str(row["key"]), str(row["temperature"]))] = Counts(
+                    c.accepted * scale, c.rejected * scale)
+            for edge, f in priors.get("verify", {}).items():
+                b = load_bucket(int(edge))
+                self.verify[b] = CostFit(float(f["a_ms"]), float(f["b_ms"]))
+                if b == 0:
+                    self._verify_prior = (float(f["a_ms"]), float(f["b_ms"]))
+            for m, f in priors.get("propose", {}).items():
+                if m in self.propose:
+                    self.propose[m] = CostFit(float(f["a_ms"]), float(f["b_ms"]))
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> int:
+        if self._load is not None:
+            try:
+                return max(1, int(self._load()))
+            except Exception:  # a load probe must never fail a request
+                return max(1, self.in_flight)
+        return max(1, self.in_flight)
+
+    def _verify_fit(self, bucket: int) -> CostFit:
+        fit = self.verify.get(bucket)
+        if fit is None:
+            # an unseen load starts from the nearest lower bucket's fit (or the calibration)
+            lower = [b for b in self.verify if b < bucket]
+            base = self.verify[max(lower)] if lower else None
+            fit = self.verify[bucket] = CostFit(base.a, base.b) if base else CostFit(*self._verify_prior)
+        return fit
+
+    # ------------------------------------------------------------------ the decision
+    def posterior(self, cluster: str, key: str, temp: str, own: Counts | None) -> tuple[float, float]:
+        """Beta parameters: the cluster's counts (capped at ``prior_trials``) plus the request's."""
+        c = self.counts.get((cluster, key, temp)) or (self.counts.get((cluster, key.split("@")[0], temp))
+                                                     if "@" in key else None)  # fmt: skip
+        a = r = 0.0
+        if c is not None and c.trials:
+            fade = 0.5 ** (max(0.0, time.time() - c.updated) / HALF_LIFE_S)
+            scale = min(1.0, self.prior_trials / c.trials) * fade
+            a, r = c.accepted * scale, c.rejected * scale
+        if own is not None:
+            a, r = a + own.accepted, r + own.rejected
+        return a + 1.0, r + 1.0
+
+    def _alpha(self, cluster: str, key: str, temp: str, own: Counts | None) -> float:
+        a, b = self.posterior(cluster, key, temp, own)
+        return self.rng.betavariate(a, b) if self.explore else a / (a + b)
+
+    def choose(self, cluster: str, temp: str, *, available: dict[str, dict], own: dict[str, Counts],
+               k_cap: int) -> Choice:  # fmt: skip
+        """The fastest option this step. ``available``: method -> ``{"key": counts key, "max_k":
+        longest draft it can give, "rows": rows per step}``; ``own``: the request's counts per key."""
+        with self.lock:
+            load = self.load()
+            vfit = self._verify_fit(load_bucket(load))
+            others = (load - 1) * self.emitted_per_step
+            best = Choice("target", 0, (1.0 + others) / max(vfit.predict(1), 1e-6) * 1000.0, n_verify=1)
+            alts = {"target": round(best.speed, 2)}
+            for method, info in available.items():
+                key = info["key"]
+                alpha = self._alpha(cluster, key, temp, own.get(key))
+                pfit = self.propose[method]
+                rows = max(1, int(info.get("rows", 1)))
+                sunk = info.get("sunk", False)  # a copy lookup already ran this step: its cost is paid
+                m_best: Choice | None = None
+                for k in range(1, min(int(info["max_k"]), k_cap) + 1):
+                    n = 1 + rows * k
+                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(n)
+                    speed = (expected_tokens(alpha, k) + others) / max(ms, 1e-6) * 1000.0
+                    if m_best is None or speed > m_best.speed:
+                        m_best = Choice(method, k, speed, key=key, n_verify=n)
+                if m_best is not None:
+                    alts[method] = round(m_best.speed, 2)
+                    if m_best.speed > best.speed:
+                        best = m_best
+            best.alternatives = alts
+            self.decisions[(cluster, best.method)] = self.decisions.get((cluster, best.method), 0) + 1
+            self.last[cluster] = best
+            return best
+
+    def record(self, cluster: str, temp: str, choice: Choice, *, accepted: int, drafted: int, emitted: int,
+               n_verified: int, verify_ms: float, propose_ms: float | None) -> None:  # fmt: skip
+        """One step's outcome: the acceptance counts of what was tried and the costs measured."""
+        with self.lock:
+            load = self.load()
+            self._verify_fit(load_bucket(load)).observe(n_verified, verify_ms)
+            if propose_ms is not None and choice.method in self.propose:
+                self.propose[choice.method].observe(max(choice.k, 1), propose_ms)
+            self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
+            if drafted > 0:
+                self.counts.setdefault((cluster, choice.key, temp), Counts()).add(
+                    accepted, 1.0 if accepted < drafted else 0.0, self.decay)
+                if "@" in choice.key:  # the method's overall counts too (a fallback for unseen buckets)
+                    self.counts.setdefault((cluster, choice.method, temp), Counts()).add(
+                        accepted, 1.0 if accepted < drafted else 0.0, self.decay)
+
+    # ------------------------------------------------------------------ observability
+    def snapshot(self) -> dict:
+        """The policy's state, per cluster: acceptance estimates, decisions, the latest choice, costs."""
+        with self.lock:
+            clusters: dict[str, dict] = {}
+            for (c, key, t), v in self.counts.items():
+                clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["acceptance"][f"{key}/{t}"] = {
+                    "mean": round(v.mean, 4), "trials": round(v.trials, 1)}
+            for (c, m), n in self.decisions.items():
+                clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["decisions"][m] = n
+            for c, ch in self.last.items():
+                clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["last"] = {
+                    "method": ch.method, "k": ch.k, "tokens_per_s": round(ch.speed, 2), "estimates": ch.alternatives}
+            return {"in_flight": self.in_flight, "load": self.load(),
+                    "emitted_per_step": round(self.emitted_per_step, 3),
+                    "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
+                    "propose_ms": {m: f.to_dict() for m, f in self.propose.items()}, "clusters": clusters}  # fmt: skip
+
+
+class AutoProposer(Proposer):
+    """One request under ``auto``: asks the policy each step and runs the chosen sub-proposer.
+
+    Every sub-proposer sees every step (``observe``, ``rollback``): the draft model's cache
+    catches up with the tokens it did not draft on its next call, DReSD keeps the latest
+    hidden state, LLMA's context index grows. Which one drafted is this class's business only.
+    """
+
+    name = "auto"
+
+    def __init__(self, policy: AutoPolicy, subs: dict[str, Proposer], *, cluster: str = "default") -> None:
+        self.policy, self.subs, self.cluster = policy, dict(subs), cluster
+        self.own: dict[str, Counts] = {}
+        self.steps: dict[str, int] = {}
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+        self.k_sum: dict[str, int] = {}
+        self.last: Choice | None = None
+        self._pending: tuple[Choice, float, float | None, str] | None = None
+        self._started = False
+        self._temp = "greedy"
+
+    @property
+    def needs_hidden(self) -> bool:
+        """DReSD keys on the target's hidden state: the verifier must return it every step."""
+        return "dresd" in self.subs
+
+    @property
+    def num_forwards(self) -> int:  # type: ignore[override]
+        return sum(p.num_forwards for p in self.subs.values())
+
+    def start(self, state: DecodeState) -> None:
+        for p in self.subs.values():
+            p.start(state)
+        self._temp = temp_bucket(state.params.temperature)
+        if not self._started:
+            self._started = True
+            with self.policy.lock:
+                self.policy.in_flight += 1
+
+    def propose(self, state: DecodeState, k: int) -> Proposals:
+        if k <= 0:
+            self._pending = None
+            return Proposals.empty()
+        available: dict[str, dict] = {}
+        copy: Proposals | None = None
+        if "llma" in self.subs:
+            t0 = time.perf_counter()
+            copy = self.subs["llma"].propose(state, k)
+            copy_ms = (time.perf_counter() - t0) * 1000.0
+            if copy.k > 0:
+                m = getattr(self.subs["llma"], "last_match", 1) or 1
+                available["llma"] = {"key": f"llma@m{MATCH_BUCKETS[_bucket(m, MATCH_BUCKETS)]}", "max_k": copy.k,
+                                     "rows": 1, "sunk": True}  # fmt: skip
+            self.policy.propose["llma"].observe(1, copy_ms)
+        if "draft" in self.subs:
+            available["draft"] = {"key": "draft", "max_k": min(k, self.policy.draft_max_k), "rows": 1}
+        if "dresd" in self.subs and getattr(self.subs["dresd"], "_hidden", None) is not None:
+            available["dresd"] = {"key": "dresd", "max_k": k, "rows": getattr(self.subs["dresd"], "n_drafts", 1)}
+        cap = min(k, self.policy.max_k)
+        while True:
+            choice = self.policy.choose(self.cluster, self._temp, available=available, own=self.own, k_cap=cap)
+            sub = self.subs.get(choice.method)
+            lm = getattr(sub, "lm", None)
+            # a draft that sat out steps first catches up on their tokens: a prefill, not its per-step cost
+            in_sync = lm is None or len(state.token_ids) - lm.num_cached <= 2
+            t0 = time.perf_counter()
+            if choice.method == "target":
+                props = Proposals.empty()
+            elif choice.method == "llma":
+                assert copy is not None
+                rows = [r[: choice.k] for r in copy.rows()]
+                props = Proposals.from_rows(rows[:1])
+            else:
+                props = self.subs[choice.method].propose(state, choice.k)
+            propose_ms = (time.perf_counter() - t0) * 1000.0
+            if props.k > 0 or choice.method == "target":
+                break
+            available.pop(choice.method)  # nothing retrieved: the next best option, this same step
+        self.last = choice
+        timed = choice.method not in ("target", "llma") and in_sync
+        self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key)
+        return props
+
+    def observe(self, state: DecodeState, verdict: Verdict) -> None:
+        self._account(verdict)
+        for p in self.subs.values():
+            p.observe(state, verdict)
+
+    def _account(self, verdict: Verdict) -> None:
+        if self._pending is None:
+            return
+        choice, t_end, propose_ms, key = self._pending
+        self._pending = None
+        verify_ms = (time.perf_counter() - t_end) * 1000.0
+        acc, drafted = len(verdict.accepted), verdict.num_drafted
+        m = choice.method
+        self.steps[m] = self.steps.get(m, 0) + 1
+        if drafted:
+            self.drafted[m] = self.drafted.get(m, 0) + drafted
+            self.accepted[m] = self.accepted.get(m, 0) + acc
+            self.k_sum[m] = self.k_sum.get(m, 0) + drafted
+            self.own.setdefault(key, Counts()).add(acc, 1.0 if acc < drafted else 0.0)
+        n_verified = 1 + (verdict.num_nodes or drafted)
+        self.policy.record(self.cluster, self._temp, choice, accepted=acc, drafted=drafted,
+                           emitted=len(verdict.emitted), n_verified=n_verified, verify_ms=verify_ms,
+                           propose_ms=propose_ms)  # fmt: skip
+
+    def rollback(self, state: DecodeState, position: int) -> None:
+        self._pending = None
+        for p in self.subs.values():
+            p.rollback(state, position)
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in ("target", *CANDIDATES):
+            if self.steps.get(m):
+                out[f"steps_{m}"] = self.steps[m]
+                out[f"drafted_{m}"] = self.drafted.get(m, 0)
+                out[f"accepted_{m}"] = self.accepted.get(m, 0)
+        return out
+
+    def summary(self) -> dict:
+        """The response's ``speculation.auto`` block: steps, drafted and accepted per method, and
+        the latest decision with the estimates that decided it."""
+        per = {m: {"steps": n, "drafted": self.drafted.get(m, 0), "accepted": self.accepted.get(m, 0),
+                   "mean_k": round(self.k_sum.get(m, 0) / n, 2)} for m, n in self.steps.items()}  # fmt: skip
+        last = self.last
+        return {"methods": per, "chosen": max(self.steps, key=self.steps.get) if self.steps else "target",
+                "last": {"method": last.method, "k": last.k, "tokens_per_s": round(last.speed, 2),
+                         "estimates": last.alternatives} if last else None}  # fmt: skip
+
+    def finish(self) -> None:
+        for p in self.subs.values():
+            p.finish()
+        if self._started:
+            self._started = False
+            with self.policy.lock:
+                self.policy.in_flight -= 1
+
+
+_DEFAULT: AutoPolicy | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_policy() -> AutoPolicy:
+    """The process's policy for engines built without one (serving passes its replica's own)."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = AutoPolicy()
+        return _DEFAULT

@@ -326,11 +326,12 @@ class AutoPolicy:
             return best
 
     def record(self, cluster: str, temp: str, choice: Choice, *, accepted: int, drafted: int, emitted: int,
-               n_verified: int, verify_ms: float, propose_ms: float | None) -> None:  # fmt: skip
+               n_verified: int, verify_ms: float | None, propose_ms: float | None) -> None:  # fmt: skip
         """One step's outcome: the acceptance counts of what was tried and the costs measured."""
         with self.lock:
             load = self.load()
-            self._verify_fit(load_bucket(load)).observe(n_verified, verify_ms)
+            if verify_ms is not None:
+                self._verify_fit(load_bucket(load)).observe(n_verified, verify_ms)
             if propose_ms is not None and choice.method in self.propose:
                 self.propose[choice.method].observe(max(choice.k, 1), propose_ms)
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
@@ -381,6 +382,7 @@ class AutoProposer(Proposer):
         self._pending: tuple[Choice, float, float | None, str] | None = None
         self._started = False
         self._temp = "greedy"
+        self._observed = False
 
     @property
     def needs_hidden(self) -> bool:
@@ -395,6 +397,7 @@ class AutoProposer(Proposer):
         for p in self.subs.values():
             p.start(state)
         self._temp = temp_bucket(state.params.temperature)
+        self._observed = False
         if not self._started:
             self._started = True
             with self.policy.lock:
@@ -449,8 +452,12 @@ class AutoProposer(Proposer):
         for p in self.subs.values():
             p.observe(state, verdict)
 
+    def observe_final(self, state: DecodeState, verdict: Verdict) -> None:
+        self._account(verdict)
+
     def _account(self, verdict: Verdict) -> None:
-        if self._pending is None:
+        if self._pending is None:  # the session ran the step without asking (no room for a draft)
+            self.steps["target"] = self.steps.get("target", 0) + 1
             return
         choice, t_end, propose_ms, key = self._pending
         self._pending = None
@@ -464,9 +471,11 @@ class AutoProposer(Proposer):
             self.k_sum[m] = self.k_sum.get(m, 0) + drafted
             self.own.setdefault(key, Counts()).add(acc, 1.0 if acc < drafted else 0.0)
         n_verified = 1 + (verdict.num_nodes or drafted)
+        first = not self._observed  # the first pass is the prompt's prefill: not a verify step's cost
+        self._observed = True
         self.policy.record(self.cluster, self._temp, choice, accepted=acc, drafted=drafted,
-                           emitted=len(verdict.emitted), n_verified=n_verified, verify_ms=verify_ms,
-                           propose_ms=propose_ms)  # fmt: skip
+                           emitted=len(verdict.emitted), n_verified=n_verified,
+                           verify_ms=None if first else verify_ms, propose_ms=propose_ms)  # fmt: skip
 
     def rollback(self, state: DecodeState, position: int) -> None:
         self._pending = None

@@ -139,8 +139,11 @@ class DecodeSession:
             self.finish_reason = "length"
         elif not self.finished and len(state.token_ids) >= self.context_size:
             self.finish_reason = "context"
-        if not self.finished and self.proposer is not None:
-            self.proposer.observe(state, verdict)
+        if self.proposer is not None:
+            if self.finished:
+                self.proposer.observe_final(state, verdict)
+            else:
+                self.proposer.observe(state, verdict)
         return StepOutcome(emitted, verdict, final, self.finish_reason, t1 - t0, t2 - t1)
 
     def stop(self, reason: str = "stop") -> None:

@@ -29,6 +29,10 @@ class Proposer(ABC):
     def observe(self, state: DecodeState, verdict: Verdict) -> None:
         """Feedback after each verification step; ``state`` already holds the emitted tokens."""
 
+    def observe_final(self, state: DecodeState, verdict: Verdict) -> None:
+        """The verdict of the step that finished the request (``observe`` is not called for it:
+        there is no next proposal to prepare). For accounting only; the default does nothing."""
+
     def rollback(self, state: DecodeState, position: int) -> None:
         """``state`` was cut back to ``position`` committed tokens (a withdrawn speculation):
         drop whatever this proposer holds about later positions. Stateless proposers need nothing."""

@@ -1,0 +1,430 @@
+"""``speculation.method = "auto"`` against every fixed method at its best k, the per-request
+oracle and target-only, on a mixed workload of held-out text, at concurrency 1 and 4.
+
+Slices (``--cases`` each; the prompts are pairwise disjoint windows of the bootstrap's held-out
+files, never served before, and every request is new to the policy):
+
+- **code** and **prose**: a held-out window, continued greedily;
+- **rag**: a question with its top-5 BM25 passages in the prompt (LLMA paper, Figure 6; the
+  cases of ``benchmarks/llma.py``), the passages also given as ``references``;
+- **repetition**: a held-out prose window repeated twice and then started a third time (text
+  with heavy repetition: what copying is for);
+- **creative**: a held-out prose window sampled at T = 1.0 (where drafting helps least; its
+  outputs are sampled, so they are not compared).
+
+Every request of the run is one cluster (``default``): ``auto`` is not told the slice, it sees
+what serving sees (the request's temperature, references, and each step's copy match).
+
+Arms, interleaved per case (the order rotates): ``target``; ``draft`` at k = 2, 3, 5; ``pld``
+at k = 10; ``llma`` at k = 8 and 16 (serving's rule: the copy grows with the match); ``dresd``
+with ``--datastore``; and ``auto`` (one policy for the whole run, calibrated once at start,
+learning as it serves). "Best fixed" is the fixed arm (target included) with the least total
+time on the whole mix; the oracle takes, for each request (each group of 4 at concurrency 4),
+the fastest fixed arm, known after the fact (an optimistic bar: a minimum over noisy times).
+
+At concurrency 4, groups of 4 mixed requests run at once in threads, sharing target passes
+through serving's ``TargetBatcher``; the time of an arm is the wall time of its groups.
+
+Summary keys: ``auto_vs_best_fixed`` (best fixed total / auto total; the bar: >= 1),
+``auto_vs_oracle`` (oracle / auto; the bar: >= 0.9), ``min_slice_vs_target`` (the least
+target / auto over slices and both concurrencies; the bar: >= 0.95) and ``greedy_identical``.
+Each ratio is the worse of the two concurrencies. Usage:
+
+    .venv/bin/python benchmarks/adaptive.py --quick
+    .venv/bin/python benchmarks/adaptive.py --json benchmarks/out/adaptive.json --doc docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks.common import environment, finish_report, fmt, target_name  # noqa: E402
+
+log = logging.getLogger("benchmarks.adaptive")
+DOC_BEGIN = "<!-- BEGIN adaptive (written by benchmarks/adaptive.py; edits inside are overwritten) -->"
+DOC_END = "<!-- END adaptive -->"
+SLICES = ("code", "prose", "rag", "repetition", "creative")
+CREATIVE_T = 1.0
+SUMMARY_KEYS = ("auto_vs_best_fixed", "auto_vs_oracle", "min_slice_vs_target", "greedy_identical")
+BARS = {"auto_vs_best_fixed": 1.0, "auto_vs_oracle": 0.9, "min_slice_vs_target": 0.95}
+
+
+@dataclass
+class Case:
+    slice: str
+    name: str
+    prompt_ids: list[int]
+    references: list[list[int]] = field(default_factory=list)
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def fixed_arms(args) -> list[tuple[str, str, int | None]]:
+    arms = [("target", "target", None)]
+    arms += [(f"draft_k{k}", "draft", k) for k in args.draft_k]
+    arms += [(f"pld_k{k}", "pld", k) for k in args.pld_k]
+    arms += [(f"llma_k{k}", "llma", k) for k in args.llma_k]
+    if args.datastore:
+        arms.append(("dresd", "dresd", None))
+    return arms
+
+
+# ---------------------------------------------------------------- the workload
+def build_cases(args, tok) -> list[Case]:
+    from specops.prompts import distinct_prompts
+
+    n = args.cases
+    code = distinct_prompts(Path(args.model_dir), tok, "code", n, num_tokens=args.prompt_tokens, seed=args.seed)
+    prose = distinct_prompts(Path(args.model_dir), tok, "prose", 3 * n, num_tokens=args.prompt_tokens, seed=args.seed)
+    cases = [Case("code", p.source, p.token_ids) for p in code]
+    cases += [Case("prose", p.source, p.token_ids) for p in prose[:n]]
+    for p in prose[n : 2 * n]:
+        half = p.token_ids[: len(p.token_ids) // 2]
+        cases.append(Case("repetition", p.source, p.token_ids + p.token_ids + half))
+    cases += [Case("creative", p.source, p.token_ids, temperature=CREATIVE_T, seed=args.seed + i)
+              for i, p in enumerate(prose[2 * n : 3 * n])]  # fmt: skip
+    cases += rag(args, tok, n)
+    rng = random.Random(f"adaptive:{args.seed}")
+    rng.shuffle(cases)  # one mixed stream: the policy is never told the slice
+    return cases
+
+
+def rag(args, tok, n: int) -> list[Case]:
+    from benchmarks import llma
+
+    ns = argparse.Namespace(cache_dir=args.cache_dir, kb_passages=args.kb_passages, source=None,
+                            model_dir=args.model_dir, seed=args.seed)  # fmt: skip
+    out = []
+    for c in llma.rag_cases(ns, tok, n):
+        ids = tok.encode(c.prompt, add_special_tokens=False)[-args.max_prompt_tokens :]
+        out.append(Case("rag", c.name, ids, [tok.encode(r, add_special_tokens=False) for r in c.references]))
+    return out
+
+
+# ---------------------------------------------------------------- running arms
+class Runner:
+    def __init__(self, pair, args, policy, datastore=None) -> None:
+        from serving.engine.spec import SpecEngine
+
+        self.pair, self.args, self.policy, self.datastore = pair, args, policy, datastore
+        self.engine = SpecEngine(pair)
+        self.batcher = None
+
+    def generate(self, method: str, k: int | None, case: Case, engine=None) -> dict:
+        from serving.engine.types import SamplingParams
+        from serving.proposers.catalogue import ProposerConfig, ProposerResources
+
+        a = self.args
+        params = SamplingParams(temperature=case.temperature, max_new_tokens=a.max_new_tokens, seed=case.seed)
+        refs = tuple(tuple(r) for r in case.references) if method in ("llma", "auto") else ()
+        res = ProposerResources(pair=self.pair, references=refs, datastore=self.datastore, policy=self.policy)
+        t0 = time.perf_counter()
+        out = (engine or self.engine).generate(case.prompt_ids, params, proposer_cfg=ProposerConfig(method=method),
+                                               k=k, resources=res)  # fmt: skip
+        wall = time.perf_counter() - t0
+        s = out.stats
+        row = {"tokens": list(out.token_ids), "wall_s": wall, "generated": s.num_generated,
+               "drafted": s.num_drafted, "accepted": s.num_accepted, "target_forwards": s.num_target_forwards}  # fmt: skip
+        if s.policy:
+            row["policy"] = {m: v["steps"] for m, v in s.policy["methods"].items()}
+        return row
+
+    def group(self, method: str, k: int | None, cases: list[Case]) -> tuple[float, list[dict]]:
+        """``cases`` at once, one thread each, sharing target passes; the group's wall time."""
+        from serving.engine.batching import TargetBatcher
+        from serving.engine.spec import SpecEngine
+
+        if self.batcher is None:
+            self.batcher = TargetBatcher(self.pair.target, max_batch=len(cases), window_s=0.002)
+        engine = SpecEngine(self.pair, target_lm=self.batcher.lm)
+        rows: list[dict | None] = [None] * len(cases)
+
+        def one(i: int) -> None:
+            self.batcher.begin()
+            try:
+                rows[i] = self.generate(method, k, cases[i], engine)
+            finally:
+                self.batcher.end()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0, rows  # type: ignore[return-value]
+
+
+def run(cases: list[Case], runner: Runner, args) -> dict:
+    arms = [*fixed_arms(args), ("auto", "auto", None)]
+    per: dict[str, dict] = {"1": {name: [] for name, _, _ in arms}, "4": {name: [] for name, _, _ in arms}}
+    groups: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    total = len(cases) * len(arms) * (2 if args.concurrency4 else 1)
+    with tqdm(total=total, desc="adaptive", unit="req") as bar:
+        for i, case in enumerate(cases):  # concurrency 1: one request at a time, arms rotating
+            order = arms[i % len(arms):] + arms[: i % len(arms)]
+            for name, method, k in order:
+                per["1"][name].append({"case": i, **runner.generate(method, k, case)})
+                bar.update(1)
+        if args.concurrency4:
+            for g in range(0, len(cases) - 3, 4):
+                block = cases[g : g + 4]
+                order = arms[(g // 4) % len(arms):] + arms[: (g // 4) % len(arms)]
+                for name, method, k in order:
+                    wall, rows = runner.group(method, k, block)
+                    groups[name].append(wall)
+                    per["4"][name] += [{"case": g + j, **r, "group_wall_s": wall} for j, r in enumerate(rows)]
+                    bar.update(len(block))
+    return {"per_case": per, "group_wall_s": groups, "arms": [a[0] for a in arms]}
+
+
+# ---------------------------------------------------------------- the report
+def analyse(report: dict) -> dict:
+    cases = report["cases"]
+    arms = report["arms"]
+    fixed = [a for a in arms if a != "auto"]
+    out: dict = {}
+    for conc, per in report["per_case"].items():
+        if not per["target"]:
+            continue
+        by_case = {a: {r["case"]: r for r in per[a]} for a in arms}
+        idx = sorted(by_case["target"])
+        if conc == "1":
+            time_of = {a: {i: by_case[a][i]["wall_s"] for i in idx} for a in arms}
+        else:  # the group's wall time, shared by its requests
+            time_of = {a: {i: by_case[a][i]["group_wall_s"] / 4 for i in idx} for a in arms}
+        slices: dict[str, dict] = {}
+        for s in SLICES + ("all",):
+            ids = [i for i in idx if s == "all" or cases[i]["slice"] == s]
+            if not ids:
+                continue
+            tot = {a: sum(time_of[a][i] for i in ids) for a in arms}
+            toks = {a: sum(by_case[a][i]["generated"] for i in ids) for a in arms}
+            oracle = sum(min(time_of[a][i] for a in fixed) for i in ids)
+            best = min(fixed, key=lambda a: tot[a])
+            mix: dict[str, int] = {}
+            for i in ids:
+                for m, n in (by_case["auto"][i].get("policy") or {}).items():
+                    mix[m] = mix.get(m, 0) + n
+            steps = sum(mix.values()) or 1
+            slices[s] = {
+                "cases": len(ids), "total_s": {a: round(tot[a], 3) for a in arms},
+                "tokens_per_s": {a: round(toks[a] / tot[a], 2) if tot[a] else None for a in arms},
+                "speedup": {a: round(tot["target"] / tot[a], 3) for a in arms},
+                "median_ratio_vs_target": {a: round(statistics.median(time_of["target"][i] / time_of[a][i]
+                                                                      for i in ids), 3) for a in arms},
+                "best_fixed": best, "oracle_s": round(oracle, 3),
+                "auto_vs_best_fixed": round(tot[best] / tot["auto"], 3),
+                "auto_vs_oracle": round(oracle / tot["auto"], 3),
+                "auto_vs_target": round(tot["target"] / tot["auto"], 3),
+                "auto_mix": {m: round(n / steps, 3) for m, n in sorted(mix.items())},
+            }  # fmt: skip
+        out[conc] = slices
+    return out
+
+
+def greedy_identical(report: dict) -> bool:
+    cases = report["cases"]
+    for per in report["per_case"].values():
+        ref = {r["case"]: r["tokens"] for r in per["target"]}
+        for arm, rows in per.items():
+            for r in rows:
+                if cases[r["case"]]["temperature"] == 0 and r["tokens"] != ref[r["case"]]:
+                    return False
+    return True
+
+
+def summary(report: dict) -> dict:
+    res = report["results"]
+    concs = [c for c in ("1", "4") if c in res]
+    return {
+        "auto_vs_best_fixed": min(res[c]["all"]["auto_vs_best_fixed"] for c in concs),
+        "auto_vs_oracle": min(res[c]["all"]["auto_vs_oracle"] for c in concs),
+        "min_slice_vs_target": min(v["auto_vs_target"] for c in concs for s, v in res[c].items() if s != "all"),
+        "greedy_identical": greedy_identical(report),
+        "cases": len(report["cases"]),
+        "best_fixed": {c: res[c]["all"]["best_fixed"] for c in concs},
+        "bars": BARS,
+    }  # fmt: skip
+
+
+def markdown(report: dict, plot_rel: str | None) -> str:
+    s, res = report["summary"], report["results"]
+    a = report["args"]
+    lines = [DOC_BEGIN, "", "### `auto`: the drafter and k chosen per step (benchmarks/adaptive.py)", "",
+             f"Command: `{report['command']}`", "",
+             f"Target {report.get('target', '?')}; {s['cases']} distinct held-out requests ({a['cases']} per slice), "
+             f"{a['max_new_tokens']} new tokens each, one mixed stream, arms interleaved; "
+             f"{report.get('environment', {}).get('cpu_count', '?')} CPUs.", "",
+             "| summary | value | bar |", "|---|---|---|"]  # fmt: skip
+    for key in SUMMARY_KEYS:
+        bar = BARS.get(key)
+        lines.append(f"| `{key}` | {s[key]} | {'>= ' + str(bar) if bar is not None else 'true'} |")
+    for conc in ("1", "4"):
+        if conc not in res:
+            continue
+        arms = report["arms"]
+        lines += ["", f"**Concurrency {conc}**: speed-up over target-only (total time; per slice)", "",
+                  "| slice | " + " | ".join(arms) + " | oracle | best fixed | auto's steps |",
+                  "|---|" + "---|" * (len(arms) + 3)]  # fmt: skip
+        for sl, v in res[conc].items():
+            sp = v["speedup"]
+            oracle = v["total_s"]["target"] / v["oracle_s"] if v["oracle_s"] else None
+            cells = [f"**{fmt(sp[x])}**" if x == "auto" else fmt(sp[x]) for x in arms]
+            mix = ", ".join(f"{m} {100 * p:.0f}%" for m, p in v["auto_mix"].items())
+            lines.append(f"| {sl} ({v['cases']}) | " + " | ".join(cells) + f" | {fmt(oracle)} | {v['best_fixed']} | {mix} |")
+    if plot_rel:
+        lines += ["", f"![auto against fixed methods]({plot_rel})"]
+    lines += ["", "Oracle: per request (per group of 4 at concurrency 4) the fastest fixed arm, known after the "
+              "fact. Times are wall clock on a shared 2-core machine; ratios of totals over the same requests.",
+              "", DOC_END]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    res = report["results"]
+    concs = [c for c in ("1", "4") if c in res]
+    fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 3.8), squeeze=False)
+    for ax, conc in zip(axes[0], concs):
+        names = list(res[conc])
+        xs = range(len(names))
+        best = [res[conc][n]["speedup"][res[conc]["all"]["best_fixed"]] for n in names]
+        auto = [res[conc][n]["speedup"]["auto"] for n in names]
+        oracle = [res[conc][n]["total_s"]["target"] / res[conc][n]["oracle_s"] for n in names]
+        w = 0.27
+        ax.bar([x - w for x in xs], best, w, label=f"best fixed ({res[conc]['all']['best_fixed']})")
+        ax.bar(list(xs), auto, w, label="auto")
+        ax.bar([x + w for x in xs], oracle, w, label="per-request oracle")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.95, color="r", lw=0.6, ls="--")
+        ax.set_xticks(list(xs), names, rotation=20)
+        ax.set_ylabel("speed-up over target-only")
+        ax.set_title(f"concurrency {conc}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def finish(report: dict, args) -> None:
+    report["results"] = analyse(report)
+    finish_report(report, args, summary=summary, markdown=markdown, plot=plot, png_name="adaptive.png",
+                  begin=DOC_BEGIN, end=DOC_END)  # fmt: skip
+    s = report["summary"]
+    missed = [k for k, bar in BARS.items() if s[k] < bar] + ([] if s["greedy_identical"] else ["greedy_identical"])
+    log.info("bars %s", "all met" if not missed else "missed: " + ", ".join(missed))
+
+
+def parse(argv) -> argparse.Namespace:
+    from specops.paths import models_dir
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Slices, arms and measures: see the module docstring (benchmarks/adaptive.py).")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="2 cases per slice, 24 new tokens, fewer arms")
+    p.add_argument("--json", type=Path, help="write the results (with a `summary`) here")
+    p.add_argument("--doc", type=Path, help="write the tables into this markdown file (docs/benchmarks.md)")
+    p.add_argument("--plot", type=Path, help="PNG of the speed-ups (default: img/adaptive.png beside --doc)")
+    p.add_argument("--replot", type=Path, metavar="JSON", help="re-derive summary, table, plot and doc from a saved --json")
+    p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap-style target/ + draft/ (default: %(default)s)")
+    p.add_argument("--cache-dir", default=".specops/bench/llma", help="the RAG knowledge base is kept here")
+    p.add_argument("--datastore", default="", help="a DReSD datastore directory (`specops datastore build`) for "
+                   "the dresd arm and auto's dresd candidate; default: none")  # fmt: skip
+    p.add_argument("--cases", type=int, default=None, help="requests per slice (default 8, quick 2)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 96, quick 24")
+    p.add_argument("--prompt-tokens", type=int, default=96, help="held-out window length (code, prose, creative)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="RAG prompts are cut to their last N tokens")
+    p.add_argument("--draft-k", default=None, help="draft arms' k (default 2,3,5; quick 3)")
+    p.add_argument("--pld-k", default="10", help="prompt lookup arms' k")
+    p.add_argument("--llma-k", default=None, help="LLMA arms' longest copy (default 8,16; quick 16)")
+    p.add_argument("--no-concurrency4", dest="concurrency4", action="store_false", help="skip the concurrency-4 phase")
+    p.add_argument("--kb-passages", type=int, default=2000, help="passages of the RAG knowledge base")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    full = {"cases": 8, "max_new_tokens": 96, "draft_k": "2,3,5", "llma_k": "8,16"}
+    quick = {"cases": 2, "max_new_tokens": 24, "draft_k": "3", "llma_k": "16"}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("draft_k", "pld_k", "llma_k"):
+        setattr(args, key, [int(k) for k in str(getattr(args, key)).split(",") if k])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        args.json = args.json or args.replot
+        finish(report, args)
+        return 0
+    from serving.engine.auto import AutoPolicy
+    from serving.engine.models import load_model_dir
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    pair = load_model_dir(Path(args.model_dir))
+    Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+    datastore = None
+    if args.datastore:
+        from serving.retrieval.datastore import Datastore
+
+        datastore = Datastore.load(Path(args.datastore))
+    cases = build_cases(args, pair.tokenizer)
+    counts = {s: sum(c.slice == s for c in cases) for s in SLICES}
+    log.info("workload: %s", ", ".join(f"{s} {n}" for s, n in counts.items()))
+    policy = AutoPolicy(seed=args.seed, max_k=max(16, *args.llma_k))
+    costs = policy.calibrate(pair)
+    log.info("auto calibrated: %s", ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items()))
+    runner = Runner(pair, args, policy, datastore)
+    warm = Case("warm", "warm", pair.tokenizer.encode("def main():\n    return 0\n", add_special_tokens=False))
+    for _, method, k in fixed_arms(args):  # not auto: its policy starts from the calibration alone
+        runner.generate(method, k, warm)
+    command = ".venv/bin/python benchmarks/adaptive.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report = {"command": command, "target": target_name(Path(args.model_dir)),
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                       if k not in ("json", "doc", "plot", "replot")},
+              "cases": [{"slice": c.slice, "name": c.name, "temperature": c.temperature,
+                         "prompt_tokens": len(c.prompt_ids), "references": len(c.references)} for c in cases],
+              "calibration_ms": costs}  # fmt: skip
+    report.update(run(cases, runner, args))
+    report["policy_end"] = policy.snapshot()
+    report["wall_s"] = time.perf_counter() - t0
+    report["environment"] = environment()
+    finish(report, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,8 +22,9 @@ learning as it serves). "Best fixed" is the fixed arm (target included) with the
 time on the whole mix; the oracle takes, for each request (each group of 4 at concurrency 4),
 the fastest fixed arm, known after the fact (an optimistic bar: a minimum over noisy times).
 
-At concurrency 4, groups of 4 mixed requests run at once in threads, sharing target passes
-through serving's ``TargetBatcher``; the time of an arm is the wall time of its groups.
+At concurrency 4, groups of 4 requests of one slice run at once in threads (the groups of the
+slices interleaved), sharing target passes through serving's ``TargetBatcher``; the time of an
+arm is the wall time of its groups.
 
 Summary keys: ``auto_vs_best_fixed`` (best fixed total / auto total; the bar: >= 1),
 ``auto_vs_oracle`` (oracle / auto; the bar: >= 0.9), ``min_slice_vs_target`` (the least
@@ -174,6 +175,19 @@ class Runner:
         return time.perf_counter() - t0, rows  # type: ignore[return-value]
 
 
+def conc_groups(cases: list[Case], size: int = 4) -> list[list[int]]:
+    """Case indexes in groups of up to ``size`` of one slice each (so a slice's time at
+    concurrency 4 is its own groups' time), the groups of different slices interleaved."""
+    by_slice: dict[str, list[int]] = {}
+    for i, c in enumerate(cases):
+        by_slice.setdefault(c.slice, []).append(i)
+    chunks = {s: [ids[j : j + size] for j in range(0, len(ids), size)] for s, ids in by_slice.items()}
+    out: list[list[int]] = []
+    for r in range(max((len(c) for c in chunks.values()), default=0)):
+        out += [c[r] for c in chunks.values() if r < len(c)]
+    return out
+
+
 def run(cases: list[Case], runner: Runner, args) -> dict:
     arms = [*fixed_arms(args), ("auto", "auto", None)]
     per: dict[str, dict] = {"1": {name: [] for name, _, _ in arms}, "4": {name: [] for name, _, _ in arms}}
@@ -186,13 +200,13 @@ def run(cases: list[Case], runner: Runner, args) -> dict:
                 per["1"][name].append({"case": i, **runner.generate(method, k, case)})
                 bar.update(1)
         if args.concurrency4:
-            for g in range(0, len(cases) - 3, 4):
-                block = cases[g : g + 4]
-                order = arms[(g // 4) % len(arms):] + arms[: (g // 4) % len(arms)]
+            for gi, block in enumerate(conc_groups(cases)):
+                order = arms[gi % len(arms):] + arms[: gi % len(arms)]
                 for name, method, k in order:
-                    wall, rows = runner.group(method, k, block)
+                    wall, rows = runner.group(method, k, [cases[i] for i in block])
                     groups[name].append(wall)
-                    per["4"][name] += [{"case": g + j, **r, "group_wall_s": wall} for j, r in enumerate(rows)]
+                    per["4"][name] += [{"case": i, **r, "group_wall_s": wall, "group_size": len(block)}
+                                       for i, r in zip(block, rows)]  # fmt: skip
                     bar.update(len(block))
     return {"per_case": per, "group_wall_s": groups, "arms": [a[0] for a in arms]}
 
@@ -211,7 +225,7 @@ def analyse(report: dict) -> dict:
         if conc == "1":
             time_of = {a: {i: by_case[a][i]["wall_s"] for i in idx} for a in arms}
         else:  # the group's wall time, shared by its requests
-            time_of = {a: {i: by_case[a][i]["group_wall_s"] / 4 for i in idx} for a in arms}
+            time_of = {a: {i: by_case[a][i]["group_wall_s"] / by_case[a][i]["group_size"] for i in idx} for a in arms}
         slices: dict[str, dict] = {}
         for s in SLICES + ("all",):
             ids = [i for i in idx if s == "all" or cases[i]["slice"] == s]
@@ -358,7 +372,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--datastore", default="", help="a DReSD datastore directory (`specops datastore build`) for "
                    "the dresd arm and auto's dresd candidate; default: none")  # fmt: skip
     p.add_argument("--cases", type=int, default=None, help="requests per slice (default 8, quick 2)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 96, quick 24")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, quick 24")
     p.add_argument("--prompt-tokens", type=int, default=96, help="held-out window length (code, prose, creative)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="RAG prompts are cut to their last N tokens")
     p.add_argument("--draft-k", default=None, help="draft arms' k (default 2,3,5; quick 3)")
@@ -369,7 +383,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    full = {"cases": 8, "max_new_tokens": 96, "draft_k": "2,3,5", "llma_k": "8,16"}
+    full = {"cases": 8, "max_new_tokens": 64, "draft_k": "2,3,5", "llma_k": "8,16"}
     quick = {"cases": 2, "max_new_tokens": 24, "draft_k": "3", "llma_k": "16"}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:

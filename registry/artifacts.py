@@ -33,6 +33,7 @@ DATASTORE_FORMAT = "specops-datastore/1"
 KB_FORMAT = "specops-kb/1"
 KNNLM_FORMAT = "specops-knnlm/1"
 SESSIONS_FORMAT = "specops-sessions/1"
+POLICY_FORMAT = "specops-policy/1"
 ROUTER_FILES = ("router.safetensors", "router.json")
 """Exactly the files of a router artifact."""
 MANIFEST = "manifest.json"

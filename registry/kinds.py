@@ -10,7 +10,8 @@ format its directory carries (``registry.artifacts``).
 - ``datastore``: a retrieval datastore per cluster, ``datastore-<cluster>`` (DReSD);
 - ``kb``: a knowledge base per name, ``kb-<name>`` (RaLMSpec, kNN-LM);
 - ``knnlm``: a kNN-LM datastore per name, ``knnlm-<name>`` (RaLMSpec §5.3);
-- ``sessions``: the past outputs LLMA copies from, per cluster, ``sessions-<cluster>``.
+- ``sessions``: the past outputs LLMA copies from, per cluster, ``sessions-<cluster>``;
+- ``policy``: the ``auto`` policy's priors (acceptance per cluster and method), ``policy``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ KINDS: dict[str, ArtifactKind] = {
                      "kNN-LM datastore '{key}': target hidden states and next tokens."),
         ArtifactKind("sessions", True, "sessions", artifacts.SESSIONS_FORMAT,
                      "Past sessions of cluster '{key}' (LLMA, cache-assisted): its recent outputs to copy from."),
+        ArtifactKind("policy", False, "policy", artifacts.POLICY_FORMAT,
+                     "Priors of speculation.method 'auto': acceptance per cluster, method and temperature, fitted "
+                     "from its logged decisions (priors.json)."),
     )
 }  # fmt: skip
 

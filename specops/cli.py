@@ -489,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specops.sessions_cli import add_parser as add_sessions_parser
 
     add_sessions_parser(sub)
+    from specops.policy_cli import add_parser as add_policy_parser
+
+    add_policy_parser(sub)
 
     p = sub.add_parser(
         "demo",

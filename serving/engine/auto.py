@@ -198,6 +198,9 @@ class AutoPolicy:
         self.verify: dict[int, CostFit] = {}
         self.propose: dict[str, CostFit] = {"draft": CostFit(*draft_ms), "llma": CostFit(copy_ms, 0.0),
                                             "dresd": CostFit(dresd_ms, 0.0)}  # fmt: skip
+        """Proposer cost fits at one request in flight (ms: ``a + b * k``)."""
+        self.propose_loaded: dict[tuple[str, int], CostFit] = {}
+        """The same at higher loads (a draft's forwards share the cores with the other requests)."""
         self.counts: dict[tuple[str, str, str], Counts] = {}
         self.emitted_per_step = 1.0
         self.rng = random.Random(seed)
@@ -275,6 +278,16 @@ class AutoPolicy:
             fit = self.verify[bucket] = CostFit(base.a, base.b) if base else CostFit(*self._verify_prior)
         return fit
 
+    def _propose_fit(self, method: str, bucket: int) -> CostFit:
+        if bucket == 0:
+            return self.propose[method]
+        fit = self.propose_loaded.get((method, bucket))
+        if fit is None:
+            lower = [b for (m, b) in self.propose_loaded if m == method and b < bucket]
+            base = self.propose_loaded[(method, max(lower))] if lower else self.propose[method]
+            fit = self.propose_loaded[(method, bucket)] = CostFit(base.a, base.b)
+        return fit
+
     # ------------------------------------------------------------------ the decision
     def posterior(self, cluster: str, key: str, temp: str, own: Counts | None) -> tuple[float, float]:
         """Beta parameters: the cluster's counts (capped at ``prior_trials``) plus the request's."""
@@ -299,14 +312,15 @@ class AutoPolicy:
         longest draft it can give, "rows": rows per step}``; ``own``: the request's counts per key."""
         with self.lock:
             load = self.load()
-            vfit = self._verify_fit(load_bucket(load))
+            bucket = load_bucket(load)
+            vfit = self._verify_fit(bucket)
             others = (load - 1) * self.emitted_per_step
             best = Choice("target", 0, (1.0 + others) / max(vfit.predict(1), 1e-6) * 1000.0, n_verify=1)
             alts = {"target": round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
                 alpha = self._alpha(cluster, key, temp, own.get(key))
-                pfit = self.propose[method]
+                pfit = self._propose_fit(method, bucket)
                 rows = max(1, int(info.get("rows", 1)))
                 sunk = info.get("sunk", False)  # a copy lookup already ran this step: its cost is paid
                 m_best: Choice | None = None
@@ -333,7 +347,7 @@ class AutoPolicy:
             if verify_ms is not None:
                 self._verify_fit(load_bucket(load)).observe(n_verified, verify_ms)
             if propose_ms is not None and choice.method in self.propose:
-                self.propose[choice.method].observe(max(choice.k, 1), propose_ms)
+                self._propose_fit(choice.method, load_bucket(load)).observe(max(choice.k, 1), propose_ms)
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
             if drafted > 0:
                 self.counts.setdefault((cluster, choice.key, temp), Counts()).add(
@@ -358,7 +372,10 @@ class AutoPolicy:
             return {"in_flight": self.in_flight, "load": self.load(),
                     "emitted_per_step": round(self.emitted_per_step, 3),
                     "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
-                    "propose_ms": {m: f.to_dict() for m, f in self.propose.items()}, "clusters": clusters}  # fmt: skip
+                    "propose_ms": {**{m: f.to_dict() for m, f in self.propose.items()},
+                                   **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict()
+                                      for (m, b), f in sorted(self.propose_loaded.items())}},
+                    "clusters": clusters}  # fmt: skip
 
 
 class AutoProposer(Proposer):
@@ -498,6 +515,8 @@ class AutoProposer(Proposer):
                    "mean_k": round(self.k_sum.get(m, 0) / n, 2)} for m, n in self.steps.items()}  # fmt: skip
         last = self.last
         return {"methods": per, "chosen": max(self.steps, key=self.steps.get) if self.steps else "target",
+                "temperature": self._temp,
+                "counts": {key: [round(c.accepted, 3), round(c.rejected, 3)] for key, c in sorted(self.own.items())},
                 "last": {"method": last.method, "k": last.k, "tokens_per_s": round(last.speed, 2),
                          "estimates": last.alternatives} if last else None}  # fmt: skip
 

@@ -254,7 +254,25 @@ class ServingState:
         if self.cfg.auto_priors:
             policy.load_priors(json.loads(Path(self.cfg.auto_priors).read_text()))
             log.info("auto policy priors from %s", self.cfg.auto_priors)
+        elif self.registry is not None:
+            self._load_policy_priors(policy)
         return policy
+
+    def _load_policy_priors(self, policy) -> None:
+        """``policy@champion`` from the registry (``specops policy fit --register --promote``), if any.
+        A failure is logged, never fatal: the policy then starts from its calibration."""
+        try:
+            v = self.registry.artifact("policy").by_alias("", "champion")
+            if v is None:
+                return
+            dest = self.cache_dir / "policy" / str(v.version)
+            if not (dest / "priors.json").exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.registry.fetch(v, dest)
+            policy.load_priors(json.loads((dest / "priors.json").read_text()))
+            log.info("auto policy priors: policy version %s", v.version)
+        except Exception as exc:  # the registry may be down or the file bad: serve on without priors
+            log.warning("auto policy priors not loaded from the registry: %s: %s", type(exc).__name__, exc)
 
     def _datastores(self):
         """The DReSD datastore follower: ``datastore-<cluster>@champion`` per cluster, and the
@@ -320,6 +338,9 @@ class ServingState:
             self.session_follower.on_event(event)
         if self.router is not None:
             self.router.on_event(event)
+        if getattr(event, "model_name", "") == "policy" and self.policy is not None and self.registry is not None:
+            threading.Thread(target=self._load_policy_priors, args=(self.policy,), name="policy-priors",
+                             daemon=True).start()  # a promoted priors version: merged in, off the event thread
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking work, finish what runs, flush the stream (accepted records are not lost)."""

@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dresd.py --prompts 100 --json benchmarks/out/dresd.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/ralm.py --json benchmarks/out/ralm.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/llma.py --json benchmarks/out/llma.json --doc docs/benchmarks.md
+	$(BIN)/python benchmarks/adaptive.py --json benchmarks/out/adaptive.json --doc docs/benchmarks.md
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
@@ -55,6 +56,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/dresd.py --quick --json benchmarks/out/dresd_quick.json
 	$(BIN)/python benchmarks/ralm.py --quick --json benchmarks/out/ralm_quick.json
 	$(BIN)/python benchmarks/llma.py --quick --json benchmarks/out/llma_quick.json
+	$(BIN)/python benchmarks/adaptive.py --quick --json benchmarks/out/adaptive_quick.json
 
 # Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
 docs-screenshots: $(STAMP)

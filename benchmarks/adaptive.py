@@ -112,7 +112,7 @@ def build_cases(args, tok) -> list[Case]:
 def rag(args, tok, n: int) -> list[Case]:
     from benchmarks import llma
 
-    ns = argparse.Namespace(cache_dir=args.cache_dir, kb_passages=args.kb_passages, source=None,
+    ns = argparse.Namespace(cache_dir=args.cache_dir, kb_passages=args.kb_passages, source=args.source,
                             model_dir=args.model_dir, seed=args.seed)  # fmt: skip
     out = []
     for c in llma.rag_cases(ns, tok, n):
@@ -380,6 +380,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--llma-k", default=None, help="LLMA arms' longest copy (default 8,16; quick 16)")
     p.add_argument("--no-concurrency4", dest="concurrency4", action="store_false", help="skip the concurrency-4 phase")
     p.add_argument("--kb-passages", type=int, default=2000, help="passages of the RAG knowledge base")
+    p.add_argument("--source", action="append", help="text sources of the RAG KB (default: man pages + /usr/share/doc)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

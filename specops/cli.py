@@ -101,6 +101,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             store = Datastore.load(Path(args.datastore))
             store.check_fits(pair.target, pair.vocab_size)
             resources = ProposerResources(pair=pair, cluster=args.cluster, datastore=store)
+        if args.method == "auto":  # one request: the policy starts from the models' measured costs
+            from dataclasses import replace
+
+            from serving.engine.auto import AutoPolicy
+            from serving.proposers.catalogue import ProposerResources
+
+            policy = AutoPolicy(seed=args.seed)
+            policy.calibrate(pair)
+            base = resources or ProposerResources(pair=pair, cluster=args.cluster)
+            resources = replace(base, policy=policy)
         result = SpecEngine(pair, logger=logger).generate(
             prompt_ids, params, method=args.method, k=args.k, meta=meta, resources=resources,
             proposer_cfg=None if not args.n_drafts else ProposerConfig(method=args.method, n_drafts=args.n_drafts))  # fmt: skip
@@ -122,6 +132,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"finish={s.finish_reason}",
             file=sys.stderr,
         )
+        if s.policy:
+            mix = ", ".join(f"{m} {v['steps']} steps ({v['accepted']}/{v['drafted']} accepted)"
+                            for m, v in s.policy["methods"].items())  # fmt: skip
+            print(f"[auto] {mix}", file=sys.stderr)
     return 0
 
 

@@ -434,7 +434,8 @@ class AutoProposer(Proposer):
                 m = getattr(self.subs["llma"], "last_match", 1) or 1
                 available["llma"] = {"key": f"llma@m{MATCH_BUCKETS[_bucket(m, MATCH_BUCKETS)]}", "max_k": copy.k,
                                      "rows": 1, "sunk": True}  # fmt: skip
-            self.policy.propose["llma"].observe(1, copy_ms)
+            with self.policy.lock:
+                self.policy.propose["llma"].observe(1, copy_ms)
         if "draft" in self.subs:
             available["draft"] = {"key": "draft", "max_k": min(k, self.policy.draft_max_k), "rows": 1}
         if "dresd" in self.subs and getattr(self.subs["dresd"], "_hidden", None) is not None:

@@ -15,7 +15,7 @@ files, never served before, and every request is new to the policy):
 Every request of the run is one cluster (``default``): ``auto`` is not told the slice, it sees
 what serving sees (the request's temperature, references, and each step's copy match).
 
-Arms, interleaved per case (the order rotates): ``target``; ``draft`` at k = 2, 3, 5; ``pld``
+Arms, interleaved per case (the order rotates): ``target``; ``draft`` at k = 2, 3; ``pld``
 at k = 10; ``llma`` at k = 8 and 16 (serving's rule: the copy grows with the match); ``dresd``
 with ``--datastore``; and ``auto`` (one policy for the whole run, calibrated once at start,
 learning as it serves). "Best fixed" is the fixed arm (target included) with the least total
@@ -375,7 +375,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, quick 24")
     p.add_argument("--prompt-tokens", type=int, default=96, help="held-out window length (code, prose, creative)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="RAG prompts are cut to their last N tokens")
-    p.add_argument("--draft-k", default=None, help="draft arms' k (default 2,3,5; quick 3)")
+    p.add_argument("--draft-k", default=None, help="draft arms' k (default 2,3; quick 3)")
     p.add_argument("--pld-k", default="10", help="prompt lookup arms' k")
     p.add_argument("--llma-k", default=None, help="LLMA arms' longest copy (default 8,16; quick 16)")
     p.add_argument("--no-concurrency4", dest="concurrency4", action="store_false", help="skip the concurrency-4 phase")
@@ -384,7 +384,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    full = {"cases": 8, "max_new_tokens": 64, "draft_k": "2,3,5", "llma_k": "8,16"}
+    full = {"cases": 8, "max_new_tokens": 64, "draft_k": "2,3", "llma_k": "8,16"}
     quick = {"cases": 2, "max_new_tokens": 24, "draft_k": "3", "llma_k": "16"}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:

@@ -2,8 +2,8 @@
 
 Serving logs, with every finished ``auto`` request, what the policy chose
 (``GenerationRecord.policy``: steps, drafted and accepted per method, and the request's
-acceptance counts per key: ``draft``, ``dresd``, ``llma@m<N>`` for a copy at match length
-N and more). This module sums them per cluster, key and temperature bucket into a priors
+acceptance counts per key: ``draft``, ``dresd``, ``llma.<source>@m<N>`` for a copy from
+a source at match length N and more). This module sums them per cluster, key and temperature bucket into a priors
 artifact (``serving.engine.auto.AutoPolicy.load_priors`` reads it; ``specops policy fit``
 registers it as the ``policy`` kind), and into a report: per cluster, the share of steps
 each method got and its acceptance.
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from serving.engine.auto import key_chain
 
 PRIORS_FORMAT = "specops-auto-priors/1"
 
@@ -56,11 +58,8 @@ def fit_priors(records: Iterable, *, max_trials: float = 1000.0) -> tuple[dict, 
             r.accepted[m] = r.accepted.get(m, 0) + int(v.get("accepted", 0))
         temp = str(pol.get("temperature", "greedy"))
         for key, (acc, rej) in (pol.get("counts") or {}).items():
-            c = counts.setdefault((rec.cluster, key, temp), [0.0, 0.0])
-            c[0] += float(acc)
-            c[1] += float(rej)
-            if "@" in key:  # the method's overall counts too (the fallback for unseen match lengths)
-                c = counts.setdefault((rec.cluster, key.split("@")[0], temp), [0.0, 0.0])
+            for k in key_chain(key):  # and its parents: the fallbacks for keys a replica has not seen
+                c = counts.setdefault((rec.cluster, k, temp), [0.0, 0.0])
                 c[0] += float(acc)
                 c[1] += float(rej)
     rows = []

@@ -89,6 +89,16 @@ def load_bucket(n: int) -> int:
     return _bucket(max(1, n), LOAD_BUCKETS)
 
 
+def key_chain(key: str) -> list[str]:
+    """``llma.context@m8`` -> ``[llma.context@m8, llma.context, llma]``: the key, then its parents."""
+    out = [key]
+    if "@" in key:
+        out.append(key.split("@")[0])
+    if "." in out[-1]:
+        out.append(out[-1].split(".")[0])
+    return out
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one step emits with a chain of ``k`` drafts at per-token acceptance ``alpha``."""
     if k <= 0:
@@ -171,8 +181,14 @@ class Choice:
     speed: float
     """Estimated tokens per second that decided it."""
     key: str = ""
-    """The acceptance counts it used (``llma@m4`` for a copy at match bucket 4-7)."""
+    """The acceptance counts it used (``llma.request@m4``: a copy from the request's references at
+    match length 4-7)."""
     n_verify: int = 1
+    """Tokens this request's pass verifies (1 + the drafts)."""
+    expected: float = 1.0
+    """Tokens the step is expected to emit (``E(k)`` at the drawn acceptance)."""
+    n_others: float = 0.0
+    """Tokens the other in-flight requests put in the same pass (their latest choices)."""
     alternatives: dict[str, float] = field(default_factory=dict)
     """Each option's estimated tokens per second (its best k)."""
 
@@ -203,6 +219,10 @@ class AutoPolicy:
         """The same at higher loads (a draft's forwards share the cores with the other requests)."""
         self.counts: dict[tuple[str, str, str], Counts] = {}
         self.emitted_per_step = 1.0
+        self.verified_per_step = 1.0
+        """Running means over the replica's steps (for in-flight requests ``auto`` does not drive)."""
+        self.active: dict[int, tuple[float, float]] = {}
+        """In-flight ``auto`` sessions -> (tokens verified, tokens expected) of their latest choice."""
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self._load = load
@@ -290,14 +310,20 @@ class AutoPolicy:
 
     # ------------------------------------------------------------------ the decision
     def posterior(self, cluster: str, key: str, temp: str, own: Counts | None) -> tuple[float, float]:
-        """Beta parameters: the cluster's counts (capped at ``prior_trials``) plus the request's."""
-        c = self.counts.get((cluster, key, temp)) or (self.counts.get((cluster, key.split("@")[0], temp))
-                                                     if "@" in key else None)  # fmt: skip
+        """Beta parameters: the cluster's counts plus the request's. The cluster's part holds at
+        most ``prior_trials`` trials, filled from the most specific key first (``llma.context@m8``),
+        then its parents (``llma.context``, ``llma``) for what the specific one lacks."""
         a = r = 0.0
-        if c is not None and c.trials:
-            fade = 0.5 ** (max(0.0, time.time() - c.updated) / HALF_LIFE_S)
-            scale = min(1.0, self.prior_trials / c.trials) * fade
-            a, r = c.accepted * scale, c.rejected * scale
+        room = self.prior_trials
+        now = time.time()
+        for k in key_chain(key):
+            c = self.counts.get((cluster, k, temp))
+            if c is None or not c.trials or room <= 1e-9:
+                continue
+            fade = 0.5 ** (max(0.0, now - c.updated) / HALF_LIFE_S)
+            take = min(room, c.trials * fade)
+            a, r = a + c.accepted / c.trials * take, r + c.rejected / c.trials * take
+            room -= take
         if own is not None:
             a, r = a + own.accepted, r + own.rejected
         return a + 1.0, r + 1.0
@@ -306,16 +332,26 @@ class AutoPolicy:
         a, b = self.posterior(cluster, key, temp, own)
         return self.rng.betavariate(a, b) if self.explore else a / (a + b)
 
+    def _others(self, session: int | None, load: int) -> tuple[float, float]:
+        """(tokens the other in-flight requests verify per pass, tokens they emit per step): their
+        latest choices for ``auto`` sessions, the replica's running means for the rest."""
+        mine = [v for sid, v in self.active.items() if sid != session]
+        unknown = max(0, load - 1 - len(mine))
+        return (sum(n for n, _ in mine) + unknown * self.verified_per_step,
+                sum(e for _, e in mine) + unknown * self.emitted_per_step)
+
     def choose(self, cluster: str, temp: str, *, available: dict[str, dict], own: dict[str, Counts],
-               k_cap: int) -> Choice:  # fmt: skip
+               k_cap: int, session: int | None = None) -> Choice:  # fmt: skip
         """The fastest option this step. ``available``: method -> ``{"key": counts key, "max_k":
-        longest draft it can give, "rows": rows per step}``; ``own``: the request's counts per key."""
+        longest draft it can give, "rows": rows per step}``; ``own``: the request's counts per key;
+        ``session``: the asking session (its own previous choice is not one of the others')."""
         with self.lock:
             load = self.load()
             bucket = load_bucket(load)
             vfit = self._verify_fit(bucket)
-            others = (load - 1) * self.emitted_per_step
-            best = Choice("target", 0, (1.0 + others) / max(vfit.predict(1), 1e-6) * 1000.0, n_verify=1)
+            n_o, others = self._others(session, load)
+            best = Choice("target", 0, (1.0 + others) / max(vfit.predict(n_o + 1), 1e-6) * 1000.0, n_verify=1,
+                          n_others=n_o)  # fmt: skip
             alts = {"target": round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
@@ -326,15 +362,18 @@ class AutoPolicy:
                 m_best: Choice | None = None
                 for k in range(1, min(int(info["max_k"]), k_cap) + 1):
                     n = 1 + rows * k
-                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(n)
-                    speed = (expected_tokens(alpha, k) + others) / max(ms, 1e-6) * 1000.0
+                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(n_o + n)
+                    e = expected_tokens(alpha, k)
+                    speed = (e + others) / max(ms, 1e-6) * 1000.0
                     if m_best is None or speed > m_best.speed:
-                        m_best = Choice(method, k, speed, key=key, n_verify=n)
+                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, n_others=n_o)
                 if m_best is not None:
                     alts[method] = round(m_best.speed, 2)
                     if m_best.speed > best.speed:
                         best = m_best
             best.alternatives = alts
+            if session is not None:
+                self.active[session] = (float(best.n_verify), best.expected)
             self.decisions[(cluster, best.method)] = self.decisions.get((cluster, best.method), 0) + 1
             self.last[cluster] = best
             return best
@@ -344,16 +383,15 @@ class AutoPolicy:
         """One step's outcome: the acceptance counts of what was tried and the costs measured."""
         with self.lock:
             load = self.load()
-            if verify_ms is not None:
-                self._verify_fit(load_bucket(load)).observe(n_verified, verify_ms)
+            if verify_ms is not None:  # the pass verified our tokens and the others' (their latest choices)
+                self._verify_fit(load_bucket(load)).observe(choice.n_others + n_verified, verify_ms)
             if propose_ms is not None and choice.method in self.propose:
                 self._propose_fit(choice.method, load_bucket(load)).observe(max(choice.k, 1), propose_ms)
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
-            if drafted > 0:
-                self.counts.setdefault((cluster, choice.key, temp), Counts()).add(
-                    accepted, 1.0 if accepted < drafted else 0.0, self.decay)
-                if "@" in choice.key:  # the method's overall counts too (a fallback for unseen buckets)
-                    self.counts.setdefault((cluster, choice.method, temp), Counts()).add(
+            self.verified_per_step = 0.98 * self.verified_per_step + 0.02 * n_verified
+            if drafted > 0:  # the key and its parents (the fallbacks of keys not seen yet)
+                for k in key_chain(choice.key):
+                    self.counts.setdefault((cluster, k, temp), Counts()).add(
                         accepted, 1.0 if accepted < drafted else 0.0, self.decay)
 
     # ------------------------------------------------------------------ observability
@@ -432,8 +470,9 @@ class AutoProposer(Proposer):
             copy_ms = (time.perf_counter() - t0) * 1000.0
             if copy.k > 0:
                 m = getattr(self.subs["llma"], "last_match", 1) or 1
-                available["llma"] = {"key": f"llma@m{MATCH_BUCKETS[_bucket(m, MATCH_BUCKETS)]}", "max_k": copy.k,
-                                     "rows": 1, "sunk": True}  # fmt: skip
+                source = getattr(self.subs["llma"], "last_source", "") or "context"
+                available["llma"] = {"key": f"llma.{source}@m{MATCH_BUCKETS[_bucket(m, MATCH_BUCKETS)]}",
+                                     "max_k": copy.k, "rows": 1, "sunk": True}  # fmt: skip
             with self.policy.lock:
                 self.policy.propose["llma"].observe(1, copy_ms)
         if "draft" in self.subs:
@@ -442,7 +481,8 @@ class AutoProposer(Proposer):
             available["dresd"] = {"key": "dresd", "max_k": k, "rows": getattr(self.subs["dresd"], "n_drafts", 1)}
         cap = min(k, self.policy.max_k)
         while True:
-            choice = self.policy.choose(self.cluster, self._temp, available=available, own=self.own, k_cap=cap)
+            choice = self.policy.choose(self.cluster, self._temp, available=available, own=self.own, k_cap=cap,
+                                        session=id(self))  # fmt: skip
             sub = self.subs.get(choice.method)
             lm = getattr(sub, "lm", None)
             # a draft that sat out steps first catches up on their tokens: a prefill, not its per-step cost
@@ -528,6 +568,7 @@ class AutoProposer(Proposer):
             self._started = False
             with self.policy.lock:
                 self.policy.in_flight -= 1
+                self.policy.active.pop(id(self), None)
 
 
 _DEFAULT: AutoPolicy | None = None

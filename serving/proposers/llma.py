@@ -246,6 +246,8 @@ class LLMAProposer(Proposer):
         """Steps whose best row came from each source."""
         self.last_match = 0
         """Length of the best match of the latest ``propose`` (0: none); ``auto`` keys on it."""
+        self.last_source = ""
+        """Where the latest ``propose``'s best row came from (one of :data:`SOURCES`); ``auto`` keys on it."""
 
     def start(self, state: DecodeState) -> None:
         self._context = None
@@ -289,7 +291,8 @@ class LLMAProposer(Proposer):
         if self.min_agreement is not None and len(found) > 1:
             rows[0] = (rows[0][0], agreed_prefix(rows[0][1], found, k, self.min_agreement))
         self.num_hits += 1
-        self.hits_by_source[source_of[id(rows[0][0])]] += 1
+        self.last_source = source_of[id(rows[0][0])]
+        self.hits_by_source[self.last_source] += 1
         return Proposals.from_rows([r for _, r in rows])
 
     def rollback(self, state: DecodeState, position: int) -> None:

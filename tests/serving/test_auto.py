@@ -65,15 +65,15 @@ def test_it_picks_the_faster_method_and_its_best_k():
     dear = synthetic({"draft": (90.0, 10.0)}, draft=(0.0, 25.0))
     assert choose(dear, DRAFT).method == "target"
     # a copy with a long match beats a mediocre draft, and a copy is never longer than what matched
-    copy = synthetic({"draft": (50.0, 50.0), "llma@m8": (95.0, 5.0)})
-    avail = {**DRAFT, "llma": {"key": "llma@m8", "max_k": 6, "rows": 1, "sunk": True}}
+    copy = synthetic({"draft": (50.0, 50.0), "llma.request@m8": (95.0, 5.0)})
+    avail = {**DRAFT, "llma": {"key": "llma.request@m8", "max_k": 6, "rows": 1, "sunk": True}}
     c = choose(copy, avail)
     assert c.method == "llma" and c.k == 6
 
 
 def test_it_turns_speculation_off_when_nothing_pays():
-    bad = synthetic({"draft": (5.0, 95.0), "llma@m1": (2.0, 98.0)}, verify=(20.0, 3.0))
-    avail = {**DRAFT, "llma": {"key": "llma@m1", "max_k": 4, "rows": 1, "sunk": True}}
+    bad = synthetic({"draft": (5.0, 95.0), "llma.context@m1": (2.0, 98.0)}, verify=(20.0, 3.0))
+    avail = {**DRAFT, "llma": {"key": "llma.context@m1", "max_k": 4, "rows": 1, "sunk": True}}
     assert {choose(bad, avail).method for _ in range(20)} == {"target"}
 
 
@@ -90,6 +90,23 @@ def test_it_turns_speculation_off_under_load_from_measured_costs():
     assert busy.method == "target" or busy.k < alone.k, (alone, busy)
     load["n"] = 64
     assert choose(policy, DRAFT).method == "target"
+
+
+def test_under_load_it_counts_the_whole_pass():
+    """Three other requests copy 8 tokens each into the same pass: one more copy that will
+    mostly be accepted still raises the pass's throughput, a bad one does not. (Fitting the
+    verify cost on a request's own tokens, when the others' choices move with it, would charge
+    it for theirs and turn copying off.)"""
+    policy = synthetic({"llma.context@m16": (97.0, 3.0), "llma.context@m1": (10.0, 90.0)},
+                       verify=(50.0, 6.7), load=lambda: 4)  # fmt: skip
+    for sid in (1, 2, 3):
+        policy.active[sid] = (9.0, 7.0)
+    long = {"llma": {"key": "llma.context@m16", "max_k": 8, "rows": 1, "sunk": True}}
+    short = {"llma": {"key": "llma.context@m1", "max_k": 8, "rows": 1, "sunk": True}}
+    c = policy.choose("c", "greedy", available=long, own={}, k_cap=16, session=4)
+    assert c.method == "llma" and c.k >= 6 and c.n_others == 27.0
+    assert policy.choose("c", "greedy", available=short, own={}, k_cap=16, session=4).method == "target"
+    assert policy.active[4][0] == 1.0  # its latest choice is what the others see
 
 
 def test_it_explores_a_method_that_was_bad_once():

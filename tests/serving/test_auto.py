@@ -134,7 +134,9 @@ def test_greedy_equals_target_while_switching_methods(close_pair, tiny_target, s
     docs = [p + SpecEngine(close_pair).generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
             for p in random_prompts(12, seed=5)]  # fmt: skip
     store, _ = Datastore.build(tiny_target, docs, DatastoreConfig(dims=16, value_len=8))
-    policy = AutoPolicy(seed=seed, verify_ms=(5.0, 0.2), draft_ms=(0.1, 0.3))
+    policy = AutoPolicy(seed=seed)
+    policy.verify[0] = CostFit(5.0, 0.2, prior_weight=1e12)  # pinned: the choices follow acceptance alone
+    policy.propose["draft"] = CostFit(0.1, 0.3, prior_weight=1e12)
     engine = SpecEngine(close_pair)
     used: set[str] = set()
     for prompt in random_prompts(3, seed=20 + seed) + [_looped(close_pair, random_prompts(1, seed=9)[0])]:
@@ -160,8 +162,11 @@ def test_sampling_is_exact_with_a_negative_control(close_pair):
     with torch.inference_mode():
         p1 = warp(close_pair.target(torch.tensor([prompt])).logits[0, -1:], params)[0]
         q1 = warp(close_pair.draft(torch.tensor([prompt])).logits[0, -1:], params)[0]
-    policy = AutoPolicy(seed=0, verify_ms=(10.0, 0.1), draft_ms=(0.1, 0.1))
-    policy.counts[("default", "draft", "low")] = Counts(900.0, 100.0)  # drafting looks good: it drafts
+    policy = AutoPolicy(seed=0)
+    # costs pinned (a prior no measurement moves) and acceptance high: drafting pays, so it drafts
+    policy.verify[0] = CostFit(10.0, 0.1, prior_weight=1e12)
+    policy.propose["draft"] = CostFit(0.1, 0.1, prior_weight=1e12)
+    policy.counts[("default", "draft", "low")] = Counts(900.0, 100.0)
     res = ProposerResources(pair=close_pair, policy=policy)
     engine = SpecEngine(close_pair)
     n = 500

@@ -156,6 +156,7 @@ class Runner:
 
         if self.batcher is None:
             self.batcher = TargetBatcher(self.pair.target, max_batch=len(cases), window_s=0.002)
+            self.policy.padded_batches = True  # as serving sets it when it runs a batcher
         engine = SpecEngine(self.pair, target_lm=self.batcher.lm)
         rows: list[dict | None] = [None] * len(cases)
 

@@ -189,6 +189,10 @@ class Choice:
     """Tokens the step is expected to emit (``E(k)`` at the drawn acceptance)."""
     n_others: float = 0.0
     """Tokens the other in-flight requests put in the same pass (their latest choices)."""
+    widest_other: float = 0.0
+    """The longest of them (a padded batch is that wide for every row)."""
+    rows: int = 1
+    """Requests sharing the pass (padded batches)."""
     alternatives: dict[str, float] = field(default_factory=dict)
     """Each option's estimated tokens per second (its best k)."""
 
@@ -203,11 +207,17 @@ class AutoPolicy:
     def __init__(self, *, max_k: int = 8, draft_max_k: int = 8, verify_ms: tuple[float, float] = (20.0, 1.0),
                  draft_ms: tuple[float, float] = (2.0, 4.0), copy_ms: float = 0.05, dresd_ms: float = 1.0,
                  candidates: tuple[str, ...] = CANDIDATES, seed: int | None = None, load=None,
-                 decay: float = DECAY, prior_trials: float = PRIOR_TRIALS, explore: bool = True) -> None:  # fmt: skip
+                 decay: float = DECAY, prior_trials: float = PRIOR_TRIALS, explore: bool = True,
+                 padded_batches: bool = False) -> None:  # fmt: skip
         unknown = set(candidates) - set(CANDIDATES)
         if unknown:
             raise ValueError(f"auto candidates must be of {CANDIDATES}, got {sorted(unknown)}")
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)
+        self.padded_batches = padded_batches
+        """Concurrent requests share right-padded target passes (serving's ``TargetBatcher``): a pass
+        costs its rows times its widest row, so a draft as long as the others' is nearly free and
+        a longer one widens every row. False: requests run their own passes on shared cores, and
+        a pass's cost follows the tokens of all of them."""
         self.candidates = tuple(candidates)
         self.decay, self.prior_trials, self.explore = decay, prior_trials, explore
         self._verify_prior = verify_ms
@@ -332,13 +342,21 @@ class AutoPolicy:
         a, b = self.posterior(cluster, key, temp, own)
         return self.rng.betavariate(a, b) if self.explore else a / (a + b)
 
-    def _others(self, session: int | None, load: int) -> tuple[float, float]:
-        """(tokens the other in-flight requests verify per pass, tokens they emit per step): their
-        latest choices for ``auto`` sessions, the replica's running means for the rest."""
+    def _others(self, session: int | None, load: int) -> tuple[float, float, float]:
+        """(tokens the other in-flight requests verify per pass, the longest of them, tokens they
+        emit per step): their latest choices for ``auto`` sessions, the replica's running means
+        for the rest."""
         mine = [v for sid, v in self.active.items() if sid != session]
         unknown = max(0, load - 1 - len(mine))
-        return (sum(n for n, _ in mine) + unknown * self.verified_per_step,
+        widest = max([n for n, _ in mine] + ([self.verified_per_step] if unknown else []), default=0.0)
+        return (sum(n for n, _ in mine) + unknown * self.verified_per_step, widest,
                 sum(e for _, e in mine) + unknown * self.emitted_per_step)
+
+    def pass_tokens(self, n_mine: float, n_others: float, widest_other: float, rows: int) -> float:
+        """The cost regressor of a pass: its tokens, or with padded batches rows x widest row."""
+        if self.padded_batches and rows > 1:
+            return rows * max(n_mine, widest_other)
+        return n_others + n_mine
 
     def choose(self, cluster: str, temp: str, *, available: dict[str, dict], own: dict[str, Counts],
                k_cap: int, session: int | None = None) -> Choice:  # fmt: skip
@@ -349,9 +367,10 @@ class AutoPolicy:
             load = self.load()
             bucket = load_bucket(load)
             vfit = self._verify_fit(bucket)
-            n_o, others = self._others(session, load)
-            best = Choice("target", 0, (1.0 + others) / max(vfit.predict(n_o + 1), 1e-6) * 1000.0, n_verify=1,
-                          n_others=n_o)  # fmt: skip
+            n_o, wide, others = self._others(session, load)
+            x1 = self.pass_tokens(1, n_o, wide, load)
+            best = Choice("target", 0, (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0, n_verify=1,
+                          n_others=n_o, widest_other=wide, rows=load)  # fmt: skip
             alts = {"target": round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
@@ -362,11 +381,12 @@ class AutoPolicy:
                 m_best: Choice | None = None
                 for k in range(1, min(int(info["max_k"]), k_cap) + 1):
                     n = 1 + rows * k
-                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(n_o + n)
+                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, load))
                     e = expected_tokens(alpha, k)
                     speed = (e + others) / max(ms, 1e-6) * 1000.0
                     if m_best is None or speed > m_best.speed:
-                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, n_others=n_o)
+                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, n_others=n_o,
+                                        widest_other=wide, rows=load)  # fmt: skip
                 if m_best is not None:
                     alts[method] = round(m_best.speed, 2)
                     if m_best.speed > best.speed:
@@ -384,7 +404,8 @@ class AutoPolicy:
         with self.lock:
             load = self.load()
             if verify_ms is not None:  # the pass verified our tokens and the others' (their latest choices)
-                self._verify_fit(load_bucket(load)).observe(choice.n_others + n_verified, verify_ms)
+                x = self.pass_tokens(n_verified, choice.n_others, choice.widest_other, choice.rows)
+                self._verify_fit(load_bucket(load)).observe(x, verify_ms)
             if propose_ms is not None and choice.method in self.propose:
                 self._propose_fit(choice.method, load_bucket(load)).observe(max(choice.k, 1), propose_ms)
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted

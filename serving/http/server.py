@@ -225,6 +225,7 @@ class ServingState:
             if self.registry is not None:
                 self.session_follower = self._session_follower(sessions)
         self.policy = self._policy()
+        self.policy.padded_batches = self.batcher is not None
         self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
                                 datastores=self.datastores, sessions=sessions, policy=self.policy)  # fmt: skip
         self.loading_step = "warm-up"  # 6.

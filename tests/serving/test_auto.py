@@ -109,6 +109,24 @@ def test_under_load_it_counts_the_whole_pass():
     assert policy.active[4][0] == 1.0  # its latest choice is what the others see
 
 
+def test_in_padded_batches_a_draft_as_wide_as_the_others_is_nearly_free():
+    """Right-padded batches cost rows x widest row: when the others verify 9 tokens each, a
+    mediocre copy of up to 8 costs nothing more, while alone among 1-token rows it widens all 4."""
+    counts = {"llma.context@m2": (55.0, 45.0)}
+    wide = synthetic(counts, verify=(50.0, 3.0), load=lambda: 4)
+    wide.padded_batches = True
+    for sid in (1, 2, 3):
+        wide.active[sid] = (9.0, 3.0)
+    copy = {"llma": {"key": "llma.context@m2", "max_k": 8, "rows": 1, "sunk": True}}
+    c = wide.choose("c", "greedy", available=copy, own={}, k_cap=16, session=4)
+    assert c.method == "llma" and c.k == 8
+    narrow = synthetic(counts, verify=(50.0, 3.0), load=lambda: 4)
+    narrow.padded_batches = True
+    for sid in (1, 2, 3):
+        narrow.active[sid] = (1.0, 1.0)
+    assert narrow.choose("c", "greedy", available=copy, own={}, k_cap=16, session=4).method == "target"
+
+
 def test_it_explores_a_method_that_was_bad_once():
     """Thompson sampling: a draft with a poor but thin record is still tried now and then; a
     request's own evidence then settles it, and a stale record fades with time."""

@@ -136,7 +136,10 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
             served_before = len(results)
             reg.promote("code", v, reason="load test")
             _wait(lambda v=v: follower.slot("code").current().version == v, 30, f"swap to {v}")
-            _wait(lambda n=served_before: len(results) >= n + 6, 60, "requests on the new version")
+            _wait(lambda n=served_before: len(results) >= n + 6, 60, "requests after the swap")
+            # ... and one that began after it (the six may all have begun on the old version)
+            _wait(lambda n=served_before, v=v: any(s.draft_version == v for s, _ in results[n:]), 60,
+                  "a request on the new version")  # fmt: skip
     finally:
         stop.set()
         for t in threads:

@@ -394,9 +394,13 @@ class AutoPolicy:
             best.alternatives = alts
             if session is not None:
                 self.active[session] = (float(best.n_verify), best.expected)
-            self.decisions[(cluster, best.method)] = self.decisions.get((cluster, best.method), 0) + 1
             self.last[cluster] = best
             return best
+
+    def decided(self, cluster: str, choice: Choice) -> None:
+        """Count the step's final choice (after any in-step fallback) for ``/v1/policy`` and the metrics."""
+        with self.lock:
+            self.decisions[(cluster, choice.method)] = self.decisions.get((cluster, choice.method), 0) + 1
 
     def record(self, cluster: str, temp: str, choice: Choice, *, accepted: int, drafted: int, emitted: int,
                n_verified: int, verify_ms: float | None, propose_ms: float | None) -> None:  # fmt: skip
@@ -416,16 +420,21 @@ class AutoPolicy:
                         accepted, 1.0 if accepted < drafted else 0.0, self.decay)
 
     # ------------------------------------------------------------------ observability
-    def snapshot(self) -> dict:
-        """The policy's state, per cluster: acceptance estimates, decisions, the latest choice, costs."""
+    def snapshot(self, cluster: str | None = None) -> dict:
+        """The policy's state, per cluster (only ``cluster``'s when given): acceptance estimates,
+        decisions, the latest choice; and the replica's costs."""
         with self.lock:
             clusters: dict[str, dict] = {}
             for (c, key, t), v in self.counts.items():
-                clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["acceptance"][f"{key}/{t}"] = {
-                    "mean": round(v.mean, 4), "trials": round(v.trials, 1)}
+                if cluster is None or c == cluster:
+                    clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["acceptance"][f"{key}/{t}"] = {
+                        "mean": round(v.mean, 4), "trials": round(v.trials, 1)}
             for (c, m), n in self.decisions.items():
-                clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["decisions"][m] = n
+                if cluster is None or c == cluster:
+                    clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["decisions"][m] = n
             for c, ch in self.last.items():
+                if cluster is not None and c != cluster:
+                    continue
                 clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["last"] = {
                     "method": ch.method, "k": ch.k, "tokens_per_s": round(ch.speed, 2), "estimates": ch.alternatives}
             return {"in_flight": self.in_flight, "load": self.load(),
@@ -521,6 +530,7 @@ class AutoProposer(Proposer):
             if props.k > 0 or choice.method == "target":
                 break
             available.pop(choice.method)  # nothing retrieved: the next best option, this same step
+        self.policy.decided(self.cluster, choice)
         self.last = choice
         timed = choice.method not in ("target", "llma") and in_sync
         self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key)

@@ -612,7 +612,7 @@ class ServingState:
                 version = served.version_of(method) or "none"
                 DRAFTED.labels(cluster, method, version).inc(n["drafted"])
                 ACCEPTED.labels(cluster, method, version).inc(n["accepted"])
-        snap = self.policy.snapshot() if self.policy is not None else {}
+        snap = self.policy.snapshot(cluster) if self.policy is not None else {}
         state = snap.get("clusters", {}).get(cluster, {})
         for method, speed in ((state.get("last") or {}).get("estimates") or {}).items():
             AUTO_ESTIMATE.labels(cluster, method).set(speed)

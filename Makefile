@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/specops demo
 
-# Everything (what CI runs), on both cores: 7.5-8 minutes of test time on 2 cores (fresh clone: 7:27 and 7:50; 9:39 with the install).
+# Everything (what CI runs), on both cores: about 9.5 minutes of test time on 2 cores (fresh clone 2026-11-26: 9:31; 11:22 with the install).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 

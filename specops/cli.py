@@ -164,11 +164,32 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
         holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
         poll_records=args.poll_records, train_embeddings=args.train_embeddings, device=args.device, dtype=args.dtype,
+        deepspeed_zero_stage=args.zero_stage,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
     if args.sampling != "teacher":
         target = Path(args.target) if args.target else Path(args.model_dir) / "target"
+    from trainer.ranks import launched_world
+
+    rank, world = launched_world()
+    if args.backend == "deepspeed" and rank != 0:  # a gradient rank under DeepSpeed's launcher: rank 0 drives it
+        worker = OnlineTrainer(StreamConfig.from_env(url=args.stream), base, Path(args.out), cfg)
+        try:
+            steps = worker.serve_rank()
+        finally:
+            worker.close()
+        log.info("rank %d of %d: %d optimiser steps", rank, world, steps)
+        return 0
+    if world > 1 and args.backend != "deepspeed":
+        print(f"specops train: error: {world} ranks were launched (WORLD_SIZE), but only --backend deepspeed trains "
+              "on several ranks", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+        log.info("metrics on :%d/metrics", args.metrics_port)
     promoter = None
     if args.registry.lower() not in ("none", "off"):
         from specops.registry_cli import open_registry
@@ -347,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         "records is logged before and after each update. Drafts, optimiser state and buffers are checkpointed "
         "under --out before offsets are committed, so a killed trainer loses nothing and resumes where it was.",
     )
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file of these options (keys are the long option names with _ for -, at the top level "
+                   "or under [train]); flags given on the command line win (the Helm chart and compose mount one)")  # fmt: skip
     p.add_argument("--stream", default=streams_url(), metavar="URL", help="stream to consume (default: %(default)s)")
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir whose draft/ seeds new clusters (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model directory seeding new clusters (overrides --model-dir)")
@@ -378,7 +402,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_arguments(p, dtype_help="precision the drafts' weights train in (float32 is the safe default; "
                             "bfloat16 halves memory on a GPU)")  # fmt: skip
     p.add_argument("--backend", choices=("torch", "deepspeed"), default="torch",
-                   help="optimiser backend: plain PyTorch, or DeepSpeed ZeRO-2 (CPU: gloo, one process) (default: %(default)s)")  # fmt: skip
+                   help="optimiser backend: plain PyTorch, or DeepSpeed ZeRO (gloo on the CPU, NCCL on GPUs). Under "
+                   "DeepSpeed's launcher (deepspeed --num_gpus N --no_local_rank --module specops train ...) rank 0 "
+                   "consumes, evaluates, checkpoints and registers, and every rank computes the gradients of its "
+                   "share of each update's examples (data parallel) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=2,
+                   help="--backend deepspeed: ZeRO stage (1: optimiser state partitioned over the ranks, 2: and the "
+                   "gradients) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (updates, held-out acceptance, ticks, records consumed) on "
+                   "0.0.0.0:PORT/metrics (rank 0 only) (default: off)")  # fmt: skip
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
     p.add_argument("--max-records", type=_positive_int, default=None, metavar="N",
                    help="stop after consuming exactly N records (the last pass polls only what is left; "
@@ -541,7 +574,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):  # a TOML file of the command's options: defaults the flags override
+        from specops import config_file
+
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        try:
+            sub.set_defaults(**config_file.load(args.config, sub, args.command))
+        except ValueError as exc:
+            sub.error(str(exc))
+        args = parser.parse_args(argv)
     _setup_logging(-1 if args.quiet else args.verbose)
     from registry.errors import RegistryError
     from serving.errors import SpecOpsError

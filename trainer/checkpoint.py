@@ -75,9 +75,13 @@ def optimizer_from_files(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
     opt.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
 
 
-def save_version(root: Path, cluster: str, version: int, model: Any, opt: torch.optim.Optimizer, state: dict,
+def save_version(root: Path, cluster: str, version: int, model: Any,
+                 opt: torch.optim.Optimizer | tuple[dict[str, torch.Tensor], dict[str, Any]], state: dict,
                  extra_files: dict[str, Path] | None = None) -> Path:  # fmt: skip
     """Write draft + optimiser + state as version ``version`` of ``cluster`` and point LATEST at it.
+
+    ``opt`` is the optimiser, or its state already split by ``optimizer_to_files`` (a
+    DeepSpeed engine's, gathered from every rank by ``trainer.ds_backend.optimizer_files``).
 
     ``extra_files`` (name -> source) are copied in beside the weights: files of the base
     draft that serving needs with every version (its ``draft_vocab.json``)."""
@@ -88,7 +92,7 @@ def save_version(root: Path, cluster: str, version: int, model: Any, opt: torch.
     model.save_pretrained(tmp, safe_serialization=True)
     for fname, src in (extra_files or {}).items():
         shutil.copyfile(src, tmp / fname)
-    tensors, layout = optimizer_to_files(opt)
+    tensors, layout = opt if isinstance(opt, tuple) else optimizer_to_files(opt)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps({**state, "version": version, "optimizer": layout}, indent=1))
     for f in tmp.iterdir():
@@ -118,9 +122,13 @@ def load_state(path: Path) -> dict:
     return json.loads((path / "state.json").read_text())
 
 
+def load_optimizer_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A version's optimiser state as (tensors, layout), for ``optimizer_from_files``."""
+    return load_file(str(path / "optimizer.safetensors")), load_state(path)["optimizer"]
+
+
 def load_optimizer(path: Path, opt: torch.optim.Optimizer) -> None:
-    layout = load_state(path)["optimizer"]
-    optimizer_from_files(opt, load_file(str(path / "optimizer.safetensors")), layout)
+    optimizer_from_files(opt, *load_optimizer_files(path))
 
 
 def save_buffer(root: Path, cluster: str, payload: dict) -> None:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client import Counter, Gauge
 from transformers import AutoModelForCausalLM
 
 from serving.engine.device import Placement
@@ -60,10 +61,18 @@ from trainer.acceptance import Acceptance, evaluate_records
 from trainer.data import Example, draft_logits, teacher_example
 from trainer.losses import LOSSES, checked_loss
 from trainer.promote import Promoter, load_draft_vocab
+from trainer.ranks import launched_world, pack_examples, shard, unpack_examples
 from trainer.replay import ReplayBuffers, ReplayConfig
 from trainer.sampling import SAMPLING, sampled_example
 
 log = logging.getLogger(__name__)
+
+UPDATES = Counter("specops_trainer_updates_total", "Draft updates (checkpointed versions) per cluster", ["cluster"])
+LAST_UPDATE = Gauge("specops_trainer_last_update_timestamp_seconds", "Unix time of the cluster's newest update",
+                    ["cluster"])  # fmt: skip
+HELDOUT = Gauge("specops_trainer_heldout_acceptance", "Held-out expected acceptance of the cluster's newest draft "
+                "(rejected positions, sampling)", ["cluster"])  # fmt: skip
+SKIPPED = Counter("specops_trainer_skipped_examples_total", "Requests left out of an optimiser step (non-finite loss)")
 
 
 @dataclass
@@ -111,7 +120,8 @@ class OnlineConfig:
     seed: int = 0
     backend: str = "torch"
     """``torch`` (plain PyTorch) or ``deepspeed``: the same update through a DeepSpeed engine
-    (ZeRO, gloo, CPU, one process; see ``trainer.ds_backend``)."""
+    (ZeRO; one process, or data parallel over the ranks of DeepSpeed's launcher: see
+    ``trainer.ds_backend`` and ``trainer.ranks``)."""
     deepspeed_zero_stage: int = 2
     """ZeRO stage (0, 1 or 2) when ``backend == "deepspeed"``."""
     device: str = "cpu"
@@ -183,7 +193,9 @@ class OnlineTrainer:
         """Every gate decision of this process, in order (GateResult)."""
         self.placement = Placement(self.cfg.device, self.cfg.dtype)  # a missing GPU fails here, clearly
         self.target: torch.nn.Module | None = None
-        if self.cfg.sampling != "teacher":
+        rank, world = launched_world()
+        if self.cfg.sampling != "teacher" and not (self.cfg.backend == "deepspeed" and world > 1 and rank != 0):
+            # (rank 0 samples every update's examples; the other ranks only get their share)
             if target is None:
                 raise ValueError(f"{self.cfg.sampling} sampling queries the target model: pass target= "
                                  "(specops train --target DIR)")  # fmt: skip
@@ -204,11 +216,34 @@ class OnlineTrainer:
         cluster took (buffered, and then trained or evicted). Offsets grow in a partition, so a
         redelivered training record at or below it was taken before a restart."""
         self._rng = random.Random(self.cfg.seed)
+        self.link = None
+        """``trainer.ranks.RankLink`` under DeepSpeed's launcher with several ranks, else None."""
+        if self.cfg.backend == "deepspeed" and world > 1:
+            from trainer.ds_backend import init_distributed
+
+            self.link = init_distributed(self._ds_config(), ranks=True)
+            if not self.link.is_root:  # a gradient worker: rank 0 alone consumes, checkpoints and registers
+                if promoter is not None:
+                    raise ValueError("only rank 0 registers drafts: pass promoter=None on the other ranks")
+                self.stream = self.consumer = None
+                return
+            log.info("rank 0 of %d: consuming and checkpointing; every rank computes its share of each update",
+                     self.link.world)  # fmt: skip
         self.stream = open_stream(stream)
         self.consumer = RecordConsumer(self.stream, self.cfg.group, [stream.topics.misses],
                                        deadletter_topic=stream.topics.deadletter, expect=[MissRecord])  # fmt: skip
         for cluster in ckpt.clusters_in(self.out):
             self._restore(cluster)
+
+    @property
+    def world(self) -> int:
+        return 1 if self.link is None else self.link.world
+
+    def _ds_config(self):
+        from trainer.ds_backend import DeepSpeedConfig
+
+        return DeepSpeedConfig(zero_stage=self.cfg.deepspeed_zero_stage,
+                               dist_backend="gloo" if self.placement.is_cpu else "nccl")  # fmt: skip
 
     # ------------------------------------------------------------ state
     def _carried_files(self) -> dict[str, Path]:
@@ -216,8 +251,11 @@ class OnlineTrainer:
         src = self.base_draft / draft_vocab.FILE
         return {draft_vocab.FILE: src} if src.is_file() else {}
 
-    def _new_state(self, cluster: str) -> ClusterState:
-        path = ckpt.latest_version(self.out, cluster)
+    def _new_state(self, cluster: str, opt_files: tuple[dict, dict] | None = None) -> ClusterState:
+        """The cluster's draft, resumed from its newest checkpoint. On ranks other than 0
+        (``opt_files``: the optimiser state rank 0 sent, or None) from the base draft, whose
+        weights the engine's creation replaces with rank 0's."""
+        path = ckpt.latest_version(self.out, cluster) if self.link is None or self.link.is_root else None
         model = from_pretrained(AutoModelForCausalLM, path or self.base_draft, use_safetensors=True)
         if not (self.placement.is_cpu and self.placement.dtype == "float32"):
             model.to(device=self.placement.torch_device, dtype=self.placement.torch_dtype)
@@ -227,18 +265,25 @@ class OnlineTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         st = ClusterState(model=model, opt=opt, holdout=deque(maxlen=self.cfg.holdout_capacity))
+        saved = ckpt.load_state(path) if path is not None else None
+        if saved is not None and _opt_layout(saved.get("config", {})) == _opt_layout(asdict(self.cfg)):
+            opt_files = ckpt.load_optimizer_files(path)
+        if self.link is not None and self.link.is_root:  # the other ranks build the same engine now
+            tensors, layout = opt_files or ({}, None)
+            self.link.send_all({"op": "open", "cluster": cluster, "layout": layout}, tensors)
         if self.cfg.backend == "deepspeed":  # imported only here: plain PyTorch runs never load deepspeed
-            from trainer.ds_backend import DeepSpeedConfig, init_engine
+            from trainer.ds_backend import init_engine, load_optimizer_files
 
             # before loading optimiser state: under ZeRO 1/2 ``opt`` then steps ZeRO's flat fp32 partition
-            ds_cfg = DeepSpeedConfig(zero_stage=self.cfg.deepspeed_zero_stage)
-            st.engine = init_engine(model, opt, self.cfg.grad_clip, ds_cfg)
-        if path is not None:
-            saved = ckpt.load_state(path)
+            st.engine = init_engine(model, opt, self.cfg.grad_clip, self._ds_config())
+            if opt_files is not None:
+                rank = 0 if self.link is None else self.link.rank
+                load_optimizer_files(st.engine, *opt_files, rank=rank, world=self.world)
+        elif opt_files is not None:
+            ckpt.optimizer_from_files(opt, *opt_files)
+        if saved is not None:
             was, now = _opt_layout(saved.get("config", {})), _opt_layout(asdict(self.cfg))
-            if was == now:
-                ckpt.load_optimizer(path, opt)
-            else:
+            if was != now:
                 log.warning("cluster %s: %s has optimiser layout %s, this run uses %s: weights resumed, "
                             "optimiser state starts fresh", cluster, path, was, now)  # fmt: skip
             st.version, st.updates = saved["version"], saved["updates"]
@@ -359,7 +404,7 @@ class OnlineTrainer:
             examples = [replace(ex, target=ex.target.restrict(vocab.token_ids)) for ex in examples]
         losses, skipped = [], 0
         for _ in range(self.cfg.steps_per_update):
-            loss, n_skipped = self._optimizer_step(st, examples)
+            loss, n_skipped = self._optimizer_step(st, examples, cluster)
             skipped += n_skipped
             if loss is not None:
                 losses.append(loss)
@@ -390,9 +435,14 @@ class OnlineTrainer:
         # the summary rides in the checkpoint too: a kill between the two writes below leaves a
         # checkpoint whose history line _new_state writes back on restart (its records are not retrained)
         state["summary"] = summary
-        ckpt.save_version(self.out, cluster, st.version, st.model, st.opt, state, extra_files=self._carried_files())
+        ckpt.save_version(self.out, cluster, st.version, st.model, self._optimizer_files(st, cluster), state,
+                          extra_files=self._carried_files())  # fmt: skip
         ckpt.append_history(self.out, cluster, summary)
         buf.updated()
+        UPDATES.labels(cluster=cluster).inc()
+        LAST_UPDATE.labels(cluster=cluster).set(time.time())
+        HELDOUT.labels(cluster=cluster).set(after.sampling)
+        SKIPPED.inc(skipped)
         if self.promoter is not None and st.updates % self.promoter.cfg.register_every == 0:
             self._unpublished[cluster] = st.version
         log.info(
@@ -437,10 +487,21 @@ class OnlineTrainer:
         return [sampled_example(self.target, st.model, h.record, mix=mix, max_new_tokens=self.cfg.sample_max_new_tokens,
                                 generator=self._sample_gen) for h in items]  # fmt: skip
 
-    def _optimizer_step(self, st: ClusterState, examples: list[Example]) -> tuple[float | None, int]:
-        """One step over ``examples``: position-weighted mean loss; non-finite examples skipped."""
+    def _optimizer_step(self, st: ClusterState, examples: list[Example], cluster: str = "") -> tuple[float | None, int]:
+        """One step over ``examples``: position-weighted mean loss; non-finite examples skipped.
+        With several ranks each computes its share (``trainer.ranks.shard``); the gradient is the same."""
         if not examples:
             return None, 0
+        if self.link is not None:  # rank 0: every other rank gets its share of the examples
+            shards = shard(examples, self.world)
+            for dst in range(1, self.world):
+                tensors, ids = pack_examples([examples[i] for i in shards[dst]])
+                self.link.send(dst, {"op": "step", "cluster": cluster, "request_ids": ids}, tensors)
+            examples = [examples[i] for i in shards[0]]
+        return self._local_step(st, examples)
+
+    def _local_step(self, st: ClusterState, examples: list[Example]) -> tuple[float | None, int]:
+        """This rank's part of an optimiser step (all of it in one process)."""
         net = st.model if st.engine is None else st.engine  # DeepSpeed: forward through the engine
         net.train()
         st.opt.zero_grad(set_to_none=True)
@@ -456,17 +517,55 @@ class OnlineTrainer:
             m = ex.num_positions
             total = loss * m if total is None else total + loss * m
             positions += m
-        if total is None:
-            return None, skipped
-        mean = total / positions
+        loss_sum = 0.0 if total is None else float(total.detach())
+        if self.link is not None:  # the whole step's positions and loss, from every rank
+            loss_sum, positions, skipped = self.link.sum([loss_sum, positions, skipped])
+            skipped = int(skipped)
+        if not positions:
+            return None, skipped  # on every rank alike: no backward, no step
+        if total is None:  # this rank has nothing (or only skipped examples): a zero gradient, still reduced
+            total = net(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.placement.torch_device)).logits.sum() * 0
+        # DeepSpeed averages the ranks' gradients: scaled by W, the mean over all positions of the step
+        scaled = total / positions if self.world == 1 else total * (self.world / positions)
         if st.engine is not None:  # ZeRO: reduce grads, clip to cfg.grad_clip, AdamW on the fp32 partition, copy back
-            st.engine.backward(mean)
+            st.engine.backward(scaled)
             st.engine.step()
         else:
-            mean.backward()
+            scaled.backward()
             torch.nn.utils.clip_grad_norm_([p for p in st.model.parameters() if p.requires_grad], self.cfg.grad_clip)
             st.opt.step()
-        return float(mean.detach()), skipped
+        return (float(scaled.detach()) if self.world == 1 else loss_sum / positions), skipped
+
+    def _optimizer_files(self, st: ClusterState, cluster: str) -> tuple[dict, dict]:
+        """The optimiser state a checkpoint keeps (ZeRO partitions gathered from every rank)."""
+        if st.engine is None:
+            return ckpt.optimizer_to_files(st.opt)
+        from trainer.ds_backend import optimizer_files
+
+        if self.link is not None and self.link.is_root and self.cfg.deepspeed_zero_stage > 0:
+            self.link.send_all({"op": "gather", "cluster": cluster})  # the other ranks contribute their partitions
+        return optimizer_files(st.engine, self.link)
+
+    def serve_rank(self) -> int:
+        """Ranks other than 0: follow rank 0's commands until it stops. Returns steps taken."""
+        assert self.link is not None and not self.link.is_root
+        steps = 0
+        while True:
+            cmd, tensors = self.link.recv()
+            op = cmd["op"]
+            if op == "stop":
+                log.info("rank %d: stopped by rank 0 after %d steps", self.link.rank, steps)
+                return steps
+            if op == "open":
+                opt_files = (tensors, cmd["layout"]) if cmd["layout"] is not None else None
+                self.clusters[cmd["cluster"]] = self._new_state(cmd["cluster"], opt_files)
+            elif op == "step":
+                self._local_step(self.clusters[cmd["cluster"]], unpack_examples(tensors, cmd["request_ids"]))
+                steps += 1
+            elif op == "gather":
+                self._optimizer_files(self.clusters[cmd["cluster"]], cmd["cluster"])
+            else:
+                raise RuntimeError(f"rank {self.link.rank}: unknown command {op!r} from rank 0")
 
     def _train_vocab(self, st: ClusterState) -> DraftVocab | None:
         """The draft vocabulary updates train on: the base draft's, except under DeepSpeed
@@ -500,8 +599,11 @@ class OnlineTrainer:
         return consumed
 
     def close(self) -> None:
-        self.consumer.close()
-        self.stream.close()
+        if self.link is not None and self.link.is_root:
+            self.link.send_all({"op": "stop"})
+        if self.consumer is not None:
+            self.consumer.close()
+            self.stream.close()
 
 
 def _opt_layout(config: dict) -> str:

@@ -1,0 +1,373 @@
+"""deploy/compose: the single-host stack is valid, documented, and consistent with the code.
+
+No docker engine is needed: compose.yaml is validated against the Compose Specification
+schema (check-jsonschema's vendored copy), and the values that must agree with each other
+or with the code (topics, ports, paths, URLs, config keys) are compared here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = REPO / "deploy" / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
+COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text())
+SERVICES: dict[str, dict] = COMPOSE["services"]
+ONE_SHOTS = {"kafka-init", "s3-init", "bootstrap"}
+
+
+# ---------------------------------------------------------------- helpers
+def strings(node) -> list[str]:
+    """Every string value in a parsed YAML tree (what compose interpolates)."""
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return []
+
+
+def interpolations(text: str) -> list[tuple[str, str, str]]:
+    """(name, operator, argument) of each ``${NAME<op>arg}`` / ``$NAME`` in ``text``; ``$$`` is a literal ``$``."""
+    found, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            i += 2
+            continue
+        if text.startswith("${", i):
+            end = text.index("}", i)
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?", text[i + 2:end], re.S)
+            assert m, f"cannot parse {text[i:end + 1]!r}"
+            found.append((m.group(1), m.group(2) or "", m.group(3) or ""))
+            i = end + 1
+            continue
+        m = re.match(r"\$([A-Za-z_][A-Za-z0-9_]*)", text[i:])
+        if m:
+            found.append((m.group(1), "", ""))
+            i += m.end()
+            continue
+        i += 1
+    return found
+
+
+def resolve(text: str) -> str:
+    """``text`` with each ``${VAR:-default}`` replaced by its default (what an empty .env gives)."""
+    def sub(m: re.Match) -> str:
+        (name, op, arg), = interpolations(m.group(0))
+        return arg if op in (":-", "-") else f"<{name}>"
+
+    return re.sub(r"(?<!\$)\$\{[^}]*\}", sub, text).replace("$$", "$")
+
+
+def env_example() -> dict[str, tuple[str, str]]:
+    """NAME -> (value, the comment lines right above it) from .env.example."""
+    out: dict[str, tuple[str, str]] = {}
+    comment: list[str] = []
+    for line in (COMPOSE_DIR / ".env.example").read_text().splitlines():
+        if line.startswith("#"):
+            comment.append(line)
+        elif "=" in line:
+            name, _, value = line.partition("=")
+            assert name not in out, f"{name} twice in .env.example"
+            out[name.strip()] = (value.strip(), "\n".join(comment))
+            comment = []
+        else:
+            comment = []
+    return out
+
+
+def command(service: str) -> list[str]:
+    """A service's command as argv. A string is interpolated (defaults) then split, as compose does;
+    a list is returned as written."""
+    cmd = SERVICES[service]["command"]
+    return shlex.split(resolve(cmd)) if isinstance(cmd, str) else list(cmd)
+
+
+def option(argv: list[str], name: str) -> str:
+    """The value of ``--name value`` or ``--name=value`` in ``argv``."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def mounts(service: str) -> dict[str, tuple[str, str]]:
+    """target -> (source, mode) of a service's short-syntax volumes."""
+    out = {}
+    for spec in SERVICES[service].get("volumes", []):
+        source, target, *mode = spec.split(":")
+        out[target] = (source, mode[0] if mode else "rw")
+    return out
+
+
+def dockerfile_healthchecks() -> dict[str, bool]:
+    """Target -> whether the image built from it has a HEALTHCHECK (inherited through FROM)."""
+    base: dict[str, str] = {}
+    own: dict[str, bool | None] = {}
+    stage = None
+    for line in (REPO / "deploy" / "docker" / "Dockerfile").read_text().splitlines():
+        m = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if m:
+            stage = m.group(2)
+            base[stage], own[stage] = m.group(1), None
+        elif stage and line.startswith("HEALTHCHECK"):
+            own[stage] = line.split()[1] != "NONE"
+
+    def has(name: str) -> bool:
+        if name not in own:
+            return False
+        return own[name] if own[name] is not None else has(base[name])
+
+    return {name: has(name) for name in own}
+
+
+def build_target(service: str) -> str | None:
+    build = SERVICES[service].get("build")
+    return build.get("target") if isinstance(build, dict) else None
+
+
+def env(service: str) -> dict[str, str]:
+    return {k: str(v) for k, v in (SERVICES[service].get("environment") or {}).items()}
+
+
+# ---------------------------------------------------------------- schema
+def _check_jsonschema(*files: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("check-jsonschema")
+    assert exe.exists(), f"{exe} is missing: check-jsonschema is a dev dependency (pip install -e '.[dev]')"
+    return subprocess.run([str(exe), "--builtin-schema", "vendor.compose-spec", *map(str, files)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_compose_file_matches_the_compose_spec(tmp_path):
+    done = _check_jsonschema(COMPOSE_FILE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the check is not vacuous: a typo the schema knows about fails it
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("condition: service_healthy", "condition: service_ready", 1))
+    done = _check_jsonschema(broken)
+    assert done.returncode != 0 and "service_ready" in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------- variables
+def test_env_example_documents_every_variable_and_its_default():
+    used = [i for s in strings(COMPOSE) for i in interpolations(s)]
+    documented = env_example()
+    names = {name for name, _, _ in used}
+    assert names == set(documented), (f"in compose.yaml only: {sorted(names - set(documented))}; "
+                                      f"in .env.example only: {sorted(set(documented) - names)}")  # fmt: skip
+    for name, (value, comment) in documented.items():
+        assert comment.strip("# \n"), f"{name} has no comment in .env.example"
+    for name, op, arg in used:
+        value, comment = documented[name]
+        if op in (":-", "-"):
+            assert arg == value, f"${{{name}}}: compose.yaml defaults to {arg!r}, .env.example says {value!r}"
+        elif op in (":?", "?"):
+            assert "REQUIRED" in comment and "DEV-ONLY" in comment, f"{name}: say it is required and the value dev-only"
+        else:
+            pytest.fail(f"${{{name}}} has no default and is not required (`:-default` or `:?message`)")
+
+
+def test_secrets_are_required_never_defaulted():
+    for service, spec in SERVICES.items():
+        for key, value in env(service).items():
+            if re.search(r"PASSWORD|SECRET", key):
+                found = interpolations(value)
+                assert found and all(op == ":?" for _, op, _ in found), f"{service}.{key} = {value!r}"
+    used = {(name, op) for s in strings(COMPOSE) for name, op, _ in interpolations(s)}
+    for secret in ("POSTGRES_PASSWORD", "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY"):
+        assert {op for name, op in used if name == secret} == {":?"}, secret
+    # the MLflow backend URI carries no password (libpq reads PGPASSWORD)
+    uri = urlsplit(resolve(option(command("mlflow"), "--backend-store-uri")))
+    assert uri.password is None and "PGPASSWORD" in env("mlflow")
+
+
+# ---------------------------------------------------------------- kafka
+def test_kafka_is_one_kraft_node_and_kafka_init_creates_the_four_topics():
+    from streams.config import StreamConfig, Topics
+
+    kafka = env("kafka")
+    assert set(kafka["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    node = kafka["KAFKA_NODE_ID"]
+    voter_id, _, voter = kafka["KAFKA_CONTROLLER_QUORUM_VOTERS"].partition("@")
+    assert voter_id == node and voter == "kafka:" + kafka["KAFKA_LISTENERS"].split("CONTROLLER://:")[1]
+    assert kafka["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "1"
+    assert kafka["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    assert int(kafka["KAFKA_MESSAGE_MAX_BYTES"]) >= 16 * 1024 * 1024  # the producer's max_request_size
+    health = " ".join(SERVICES["kafka"]["healthcheck"]["test"])
+    assert "/opt/kafka/bin/kafka-topics.sh --bootstrap-server localhost:9092 --list" in health
+    # the stream URL the apps use is the advertised listener
+    stream = urlsplit(env("serving")["SPECOPS_STREAM_URL"])
+    assert stream.scheme == "kafka" and f"PLAINTEXT://{stream.netloc}" in kafka["KAFKA_ADVERTISED_LISTENERS"]
+    StreamConfig(url=env("serving")["SPECOPS_STREAM_URL"])  # valid for the streams package
+
+    script = command("kafka-init")[-1]
+    documented = env_example()
+    for topic in Topics().all():
+        lines = [ln for ln in script.splitlines() if f"--topic {topic} " in ln + " "]
+        assert len(lines) == 1, f"{topic}: {len(lines)} create lines"
+        argv = shlex.split(lines[0].replace("$$", "$"))
+        assert {"--create", "--if-not-exists"} <= set(argv)
+        assert option(argv, "--bootstrap-server") == stream.netloc
+        assert option(argv, "--replication-factor") == "1"
+        (name, op, default), = interpolations(option(argv, "--partitions"))
+        assert op == ":-" and int(default) >= 1 and documented[name][0] == default, topic
+    assert SERVICES["kafka-init"]["image"] == SERVICES["kafka"]["image"]
+
+
+# ---------------------------------------------------------------- health and ordering
+def test_long_running_services_have_healthchecks_and_depends_on_uses_conditions():
+    images = dockerfile_healthchecks()
+    assert images["serving"] and images["trainer"] and not images["bootstrap"]
+    healthy: set[str] = set()
+    for name, spec in SERVICES.items():
+        one_shot = spec.get("restart") == "no"
+        assert one_shot == (name in ONE_SHOTS), f"{name}: restart {spec.get('restart')!r}"
+        if not one_shot:
+            assert spec.get("restart") == "unless-stopped", name
+            check = spec.get("healthcheck")
+            if check is not None:
+                assert not check.get("disable") and check["test"], f"{name}: empty healthcheck"
+            else:
+                assert images.get(build_target(name) or ""), f"{name}: no healthcheck in compose nor in its image"
+            healthy.add(name)
+    for name, spec in SERVICES.items():
+        for dep, cond in (spec.get("depends_on") or {}).items():
+            assert isinstance(cond, dict) and "condition" in cond, f"{name} -> {dep}: no condition"
+            if cond["condition"] == "service_healthy":
+                assert dep in healthy, f"{name} waits for {dep} to be healthy, which has no healthcheck"
+            else:
+                assert cond["condition"] == "service_completed_successfully" and dep in ONE_SHOTS, (name, dep, cond)
+    # mlflow runs in the trainer image: it must not inherit the trainer's health check
+    assert build_target("mlflow") == "trainer" and "/health" in " ".join(SERVICES["mlflow"]["healthcheck"]["test"])
+    assert all(SERVICES[s].get("depends_on") for s in ("serving", "trainer", "mlflow", "gateway", "kafka-init", "s3-init"))
+
+
+def test_images_are_pinned_and_volumes_declared():
+    for name, spec in SERVICES.items():
+        image = resolve(spec["image"])
+        tag = image.rsplit(":", 1)[-1]
+        assert ":" in image and re.match(r"\d", tag) and tag != "latest", f"{name}: unpinned image {image}"
+    declared = set(COMPOSE["volumes"])
+    used = {src for name in SERVICES for src, _ in mounts(name).values() if not src.startswith(".")}
+    assert used == declared, (used, declared)
+    for name in ("serving", "trainer"):
+        assert mounts(name)["/models"] == ("models", "ro"), name
+    assert mounts("bootstrap")["/models"] == ("models", "rw")
+    assert mounts("postgres")["/docker-entrypoint-initdb.d"] == ("./postgres-init", "ro")
+
+
+# ---------------------------------------------------------------- registry
+def test_mlflow_server_uses_postgres_s3_and_serves_artifacts():
+    argv = command("mlflow")
+    assert argv[:2] == ["mlflow", "server"] and "--serve-artifacts" in argv
+    backend = option(argv, "--backend-store-uri")
+    assert backend.startswith("postgresql+psycopg2://")
+    uri = urlsplit(resolve(backend))
+    assert (uri.hostname, uri.port) == ("postgres", 5432)
+    pg = env("postgres")
+    assert uri.username == resolve(pg["POSTGRES_USER"]) and uri.path == "/" + resolve(pg["POSTGRES_DB"])
+    artifacts = option(argv, "--artifacts-destination")
+    assert artifacts.startswith("s3://")
+    s3_port = option(command("s3"), "-s3.port")
+    for name in ("mlflow", "s3-init"):
+        endpoint = urlsplit(env(name).get("MLFLOW_S3_ENDPOINT_URL") or env(name)["S3_ENDPOINT_URL"])
+        assert (endpoint.hostname, str(endpoint.port)) == ("s3", s3_port), name
+    assert urlsplit(resolve(artifacts)).hostname == resolve(env("s3-init")["S3_BUCKET"])  # the bucket s3-init makes
+    # the apps reach the server by its compose name: MLflow's host check must accept that Host header
+    registry = urlsplit(env("serving")["SPECOPS_REGISTRY_URI"])
+    assert registry.hostname == "mlflow" and str(registry.port) == option(argv, "--port")
+    allowed = resolve(option(argv, "--allowed-hosts")).split(",")
+    published = resolve(SERVICES["mlflow"]["ports"][0]).split(":")[-2]
+
+    def accepted(host: str) -> bool:  # mlflow.server.security_utils.is_allowed_host_header
+        return any(fnmatch.fnmatch(host, a) if "*" in a else host == a for a in allowed)
+
+    assert accepted(registry.netloc) and accepted(f"localhost:{published}") and not accepted("evil.example:5000")
+    assert env("trainer")["SPECOPS_REGISTRY_URI"] == env("serving")["SPECOPS_REGISTRY_URI"]
+
+
+# ---------------------------------------------------------------- serving
+def test_serve_toml_loads_and_agrees_with_compose_and_the_gateway():
+    from serving.http.api import OPEN_PATHS
+    from serving.http.config import ServeConfig
+
+    assert mounts("serving")["/etc/specops/serve.toml"] == ("./serve.toml", "ro")
+    cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})  # as `specops serve --config` loads it
+    assert cfg.host == "0.0.0.0" and SERVICES["serving"]["expose"] == [str(cfg.port)]
+    assert cfg.stream == "default" and cfg.registry == "default"  # compose's SPECOPS_* variables decide
+    target, draft = cfg.paths(Path("/data"))
+    bootstrap_out = Path(option(command("bootstrap"), "--out"))
+    assert (target, draft) == (bootstrap_out / "target", bootstrap_out / "draft")
+
+    haproxy = (COMPOSE_DIR / "haproxy.cfg").read_text()
+    m = re.search(r"^\s*server-template\s+\S+\s+1-(\d+)\s+(\S+):(\d+)", haproxy, re.M)
+    assert m and (m.group(2), int(m.group(3))) == ("serving", cfg.port)
+    replicas = int(resolve(str(SERVICES["serving"]["deploy"]["replicas"])))
+    assert 1 <= replicas <= int(m.group(1)) and str(replicas) == env_example()["SERVING_REPLICAS"][0]
+    probe = re.search(r"http-check send meth GET uri (\S+)", haproxy).group(1)
+    assert probe == "/readyz" and probe in OPEN_PATHS  # readiness, and reachable without an API key
+    monitor_port = re.search(r"frontend health\s+bind :(\d+)\s+monitor-uri (\S+)", haproxy)
+    assert f"http://127.0.0.1:{monitor_port.group(1)}{monitor_port.group(2)}" in SERVICES["gateway"]["healthcheck"]["test"]
+    published = resolve(SERVICES["gateway"]["ports"][0]).split(":")
+    assert published[-1] == re.search(r"frontend api\s+bind :(\d+)", haproxy).group(1)
+
+
+def test_bootstrap_writes_a_subdirectory_of_the_models_volume():
+    from specops.cli import build_parser
+
+    argv = command("bootstrap")
+    assert argv[:2] == ["specops", "bootstrap"]
+    args = build_parser().parse_args(argv[1:])
+    out = Path(args.out)
+    # it renames a sibling temp dir into place: the volume's root (a mount point) cannot be the target
+    assert out.parent == Path("/models") and "/models" in mounts("bootstrap")
+    assert SERVICES["bootstrap"]["build"]["target"] == "bootstrap"
+
+
+# ---------------------------------------------------------------- trainer
+def test_train_toml_loads_as_specops_train_config():
+    import argparse
+
+    from specops import config_file
+    from specops.cli import build_parser
+
+    assert mounts("trainer")["/etc/specops/train.toml"] == ("./train.toml", "ro")
+    path = COMPOSE_DIR / "train.toml"
+    settings = tomllib.loads(path.read_text())
+    parser = build_parser()
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    flags = {s for a in train._actions for s in a.option_strings}
+    assert all("--" + key.replace("_", "-") in flags for key in settings), "train.toml: keys that are not options"
+    # as `specops train --config FILE` does: the file's values become the defaults, checked per key
+    train.set_defaults(**config_file.load(path, train, "train"))
+    args = parser.parse_args(["train", "--config", str(path)])
+    assert {key: getattr(args, key) for key in settings} == {key: settings[key] for key in settings}
+    assert args.schedule is True  # the image's health check watches the scheduler
+    assert Path(args.model_dir) == Path(option(command("bootstrap"), "--out"))
+    assert Path(args.out).is_relative_to("/data") and mounts("trainer")["/data"][0] == "trainer-data"
+    # metrics on the compose network only: exposed on the port train.toml names, never published on the host
+    assert args.metrics_port == 9400 and SERVICES["trainer"]["expose"] == [str(args.metrics_port)]
+    assert "ports" not in SERVICES["trainer"]
+
+    from trainer.schedule import ScheduleConfig
+
+    ScheduleConfig(jobstore_url=args.jobstore)  # a job-store URL the scheduler accepts
+    store = urlsplit(args.jobstore)
+    assert (store.hostname, store.port, store.username, store.password) == ("postgres", 5432, None, None)
+    assert {"PGUSER", "PGPASSWORD"} <= set(env("trainer"))  # libpq's credentials for that URL
+    created = re.findall(r"CREATE DATABASE (\w+)", "".join(p.read_text() for p in (COMPOSE_DIR / "postgres-init").glob("*.sql")))
+    assert store.path.lstrip("/") in created and store.path.lstrip("/") != resolve(env("postgres")["POSTGRES_DB"])

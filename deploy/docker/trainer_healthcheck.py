@@ -1,6 +1,7 @@
 """Container health of ``specops train``: exit 0 when healthy, 1 when not (the reason on stderr).
 
-The trainer has no HTTP port, so liveness is read where its work leaves a trace:
+The trainer's only HTTP port is its optional metrics endpoint, which answers as long as the
+process lives, stuck or not; so liveness is read where its work leaves a trace:
 
 - **Scheduled** (``schedule = true``, or any ``*_every`` job in the config): APScheduler moves
   the ``distill-tick`` job's ``next_run_time`` in the persistent job store every time it

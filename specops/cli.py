@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--backend deepspeed: ZeRO stage (1: optimiser state partitioned over the ranks, 2: and the "
                    "gradients) (default: %(default)s)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics (updates, held-out acceptance, ticks, records consumed) on "
+                   help="serve Prometheus metrics (updates and their time per cluster, held-out acceptance, ticks, records "
+                   "consumed, skipped steps) on "
                    "0.0.0.0:PORT/metrics (rank 0 only) (default: off)")  # fmt: skip
     p.add_argument("--idle-exit", type=float, default=None, metavar="S", help="stop after S seconds without records")
     p.add_argument("--max-records", type=_positive_int, default=None, metavar="N",

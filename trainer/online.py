@@ -70,9 +70,7 @@ log = logging.getLogger(__name__)
 UPDATES = Counter("specops_trainer_updates_total", "Draft updates (checkpointed versions) per cluster", ["cluster"])
 LAST_UPDATE = Gauge("specops_trainer_last_update_timestamp_seconds", "Unix time of the cluster's newest update",
                     ["cluster"])  # fmt: skip
-HELDOUT = Gauge("specops_trainer_heldout_acceptance", "Held-out expected acceptance of the cluster's newest draft "
-                "(rejected positions, sampling)", ["cluster"])  # fmt: skip
-SKIPPED = Counter("specops_trainer_skipped_examples_total", "Requests left out of an optimiser step (non-finite loss)")
+# held-out acceptance and skipped steps are exported by trainer.schedule and trainer.losses
 
 
 @dataclass
@@ -441,8 +439,6 @@ class OnlineTrainer:
         buf.updated()
         UPDATES.labels(cluster=cluster).inc()
         LAST_UPDATE.labels(cluster=cluster).set(time.time())
-        HELDOUT.labels(cluster=cluster).set(after.sampling)
-        SKIPPED.inc(skipped)
         if self.promoter is not None and st.updates % self.promoter.cfg.register_every == 0:
             self._unpublished[cluster] = st.version
         log.info(

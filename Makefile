@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/specops demo
 
-# Everything (what CI runs), on both cores: about 9.5 minutes of test time on 2 cores (fresh clone 2026-11-26: 9:31; 11:22 with the install).
+# Everything (what CI runs), on both cores. Fresh clone 2026-11-26 on a slow day: 14:42 of test time
+# (19:11 with the install); the suite before tests/deploy took 13:39 on the same machine that day and
+# 9:11 the day before, so about 10 minutes on a usual day. tests/deploy adds about a minute.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 

@@ -127,10 +127,6 @@ def load_optimizer_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str,
     return load_file(str(path / "optimizer.safetensors")), load_state(path)["optimizer"]
 
 
-def load_optimizer(path: Path, opt: torch.optim.Optimizer) -> None:
-    optimizer_from_files(opt, *load_optimizer_files(path))
-
-
 def save_buffer(root: Path, cluster: str, payload: dict) -> None:
     """Persist a cluster's buffered records (``payload`` holds bytes and ints only)."""
     (root / cluster).mkdir(parents=True, exist_ok=True)

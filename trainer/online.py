@@ -264,7 +264,8 @@ class OnlineTrainer:
         opt = torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         st = ClusterState(model=model, opt=opt, holdout=deque(maxlen=self.cfg.holdout_capacity))
         saved = ckpt.load_state(path) if path is not None else None
-        if saved is not None and _opt_layout(saved.get("config", {})) == _opt_layout(asdict(self.cfg)):
+        was, now = (_opt_layout(saved.get("config", {})), _opt_layout(asdict(self.cfg))) if saved else (None, None)
+        if saved is not None and was == now:
             opt_files = ckpt.load_optimizer_files(path)
         if self.link is not None and self.link.is_root:  # the other ranks build the same engine now
             tensors, layout = opt_files or ({}, None)
@@ -280,7 +281,6 @@ class OnlineTrainer:
         elif opt_files is not None:
             ckpt.optimizer_from_files(opt, *opt_files)
         if saved is not None:
-            was, now = _opt_layout(saved.get("config", {})), _opt_layout(asdict(self.cfg))
             if was != now:
                 log.warning("cluster %s: %s has optimiser layout %s, this run uses %s: weights resumed, "
                             "optimiser state starts fresh", cluster, path, was, now)  # fmt: skip
@@ -513,8 +513,8 @@ class OnlineTrainer:
             m = ex.num_positions
             total = loss * m if total is None else total + loss * m
             positions += m
-        loss_sum = 0.0 if total is None else float(total.detach())
         if self.link is not None:  # the whole step's positions and loss, from every rank
+            loss_sum = 0.0 if total is None else float(total.detach())
             loss_sum, positions, skipped = self.link.sum([loss_sum, positions, skipped])
             skipped = int(skipped)
         if not positions:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.registry.fixtures import PG, _pg_admin, pg_available
+from tests.registry.fixtures import fresh_pg_database
 from tests.registry.mlflow_server import MlflowServer, free_port
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -46,19 +46,8 @@ class S3Bucket:
 @pytest.fixture(scope="module")
 def pg_database():
     """A fresh, uniquely named PostgreSQL database for the module (as ``postgresql+psycopg2://``), dropped after."""
-    why = pg_available()
-    if why:
-        pytest.skip(why)
-    name = f"specops_deploy_{uuid.uuid4().hex[:10]}"
-    admin = _pg_admin()
-    with admin.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"{PG.replace('postgresql://', 'postgresql+psycopg2://')}/{name}"
-    finally:
-        with admin.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
+    with fresh_pg_database("specops_deploy") as uri:
+        yield uri.replace("postgresql://", "postgresql+psycopg2://")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,13 +52,14 @@ def sqlite_uri(sqlite_template, tmp_path) -> str:
     return f"sqlite:///{db}"
 
 
-@pytest.fixture
-def pg_uri(tmp_path):
-    """A fresh PostgreSQL database for one test, dropped afterwards."""
+@contextmanager
+def fresh_pg_database(prefix: str) -> Iterator[str]:
+    """A new, uniquely named PostgreSQL database (its ``postgresql://`` URI), dropped afterwards
+    with its connections; skips the test, with the reason, where PostgreSQL is absent."""
     why = pg_available()
     if why:
         pytest.skip(why)
-    name = f"specops_registry_{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = _pg_admin()
     with admin.cursor() as cur:
         cur.execute(f'CREATE DATABASE "{name}"')
@@ -67,6 +70,13 @@ def pg_uri(tmp_path):
             cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
             cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
         admin.close()
+
+
+@pytest.fixture
+def pg_uri(tmp_path):
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    with fresh_pg_database("specops_registry") as uri:
+        yield uri
 
 
 @pytest.fixture(scope="module")

@@ -207,6 +207,21 @@ class Verdict:
         return [*self.accepted, self.bonus]
 
 
+def token_alpha(accepted: int, rejected_steps: int) -> float:
+    """The OSD paper's per-token acceptance α (§3): the probability that a draft token is
+    accepted given that the ones before it in its step were.
+
+    Each step's drafted run is a sequence of Bernoulli(α) trials that stops at the first
+    failure or at the end of the run (k tokens, or the request's end): Σ accepted successes
+    and one failure per step that ended in a rejection. Their ratio,
+    ``accepted / (accepted + rejected_steps)``, is the maximum-likelihood α of that
+    truncated geometric process (``tests/serving/test_token_alpha.py`` recovers a known α).
+    Accepted ÷ drafted is smaller: it also counts the tokens drafted after a rejection,
+    which were never tried. 0 when nothing was tried."""
+    tried = accepted + rejected_steps
+    return accepted / tried if tried else 0.0
+
+
 @dataclass
 class RequestStats:
     """Per-request counters and stage timings."""
@@ -245,6 +260,11 @@ class RequestStats:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
     @property
+    def alpha_token(self) -> float:
+        """The OSD paper's per-token α (:func:`token_alpha`)."""
+        return token_alpha(self.num_accepted, self.num_rejected_steps)
+
+    @property
     def mean_accepted_length(self) -> float:
         """Accepted draft tokens per verification step."""
         return self.num_accepted / self.num_verify_steps if self.num_verify_steps else 0.0
@@ -271,6 +291,7 @@ class RequestStats:
             "num_draft_forwards": self.num_draft_forwards,
             "num_rolled_back": self.num_rolled_back,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "alpha_token": round(self.alpha_token, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),

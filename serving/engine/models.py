@@ -169,6 +169,16 @@ def prepare_for_decoding(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """The prompt text of a chat: the tokenizer's chat template with the assistant's turn
+    opened, or, for a base model without a template, the contents one paragraph each.
+    ``/v1/chat/completions`` renders requests with this, and so do the workloads that
+    stand in for its traffic (``specops.chat_workload``)."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages if m["content"])
+
+
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
 

@@ -52,6 +52,7 @@ from serving.errors import (
 )  # fmt: skip
 from serving.http.schema import ChatCompletionRequest, CompletionRequest
 from serving.proposers.catalogue import method_spec
+from serving.engine.models import render_chat
 from serving.http.read_timeouts import BodyDeadline
 from serving.http.request_json import parse as parse_json
 from serving.http.server import ClientGone, Job, ServingState
@@ -289,11 +290,7 @@ def _validation_response(errors: list) -> JSONResponse:
 def _render_chat(state: ServingState, req: ChatCompletionRequest) -> str:
     _ensure_ready(state)
     tok = state.pair.tokenizer
-    messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # A base model without a chat template: the contents, one paragraph each.
-    return "\n\n".join(m["content"] for m in messages if m["content"])
+    return render_chat(tok, [{"role": m.role, "content": m.text} for m in req.messages])
 
 
 def _ensure_ready(state: ServingState) -> None:
@@ -427,6 +424,7 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "n_drafts": served.n_drafts or None,  # the rows drafted: asked for, or the datastore's measured shape
         "drafted": st.num_drafted,
         "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
+        "rejected_steps": st.num_rejected_steps, "alpha_token": round(st.alpha_token, 4),
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }  # fmt: skip

@@ -36,7 +36,16 @@ MAX_BYTES = 2_000_000
 MAX_PAGES_PER_FAMILY = 30
 """At most this many man pages per name family (evenly spaced in sorted order)."""
 _FAMILY_RE = re.compile(r"[_.-]")
-_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+"""No file under a directory of these names is ever in the corpus, in either domain: installed
+packages are where the chat workload's ``api`` domain reads its functions
+(``specops.chat_workload``), traffic the bootstrap draft must not have seen."""
+_SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", *EXCLUDED_DIRS}
+
+
+def excluded(path: Path | str) -> bool:
+    """``path`` lies under an :data:`EXCLUDED_DIRS` directory."""
+    return any(part in EXCLUDED_DIRS for part in Path(path).parts)
 _README_RE = re.compile(r"^README([._-][A-Za-z0-9_.-]*)?$")
 _README_TEXT_EXT = {"", ".md", ".txt", ".rst", ".debian", ".source", ".markdown"}
 
@@ -74,7 +83,7 @@ def list_code_files(stdlib: Path | None = None) -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         out += [Path(dirpath) / f for f in filenames
                 if f.endswith(".py") and not f.startswith("test_")]
-    return sorted(out)
+    return sorted(p for p in out if not excluded(p))
 
 
 def _is_readme(name: str) -> bool:
@@ -107,7 +116,7 @@ def list_prose_files(share: Path = Path("/usr/share"), max_pages_per_family: int
             families.setdefault(_FAMILY_RE.split(p.name, 1)[0].lower(), []).append(p)
         keep = {p for fam in families.values() for p in subsample(fam, max_pages_per_family)}
         out += [p for p in pages if p in keep]
-    return out
+    return [p for p in out if not excluded(p)]
 
 
 # --------------------------------------------------------------------------- reading

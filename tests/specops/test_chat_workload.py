@@ -1,0 +1,86 @@
+"""The chat workload: distinct prompts in three domains, rendered as the server renders chat,
+from sources the bootstrap corpus never contains."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from serving.engine.models import load_tokenizer, render_chat
+from specops import chat_workload as cw
+from trainer.bootstrap import corpus
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return load_tokenizer(tiny_models / "target")
+
+
+def test_at_least_1000_distinct_prompts_per_domain_none_repeats(tokenizer):
+    parts = cw.chat_workload(tokenizer, {"router": 50, "served": 1000, "probe": 100})
+    seen: set[tuple[int, ...]] = set()
+    shapes: set[str] = set()
+    for d in cw.DOMAINS:
+        assert [len(parts[d][k]) for k in ("router", "served", "probe")] == [50, 1000, 100]
+        for part in parts[d].values():
+            for p in part:
+                assert p.domain == d
+                key = tuple(p.token_ids)
+                assert key not in seen, p.text  # distinct by token ids, across parts and domains
+                seen.add(key)
+                shape = cw._shape(p.text)
+                assert shape not in shapes, p.text  # and not the same request up to its numbers
+                shapes.add(shape)
+
+
+def test_prompts_are_the_servers_rendering_of_the_chat(tokenizer):
+    parts = cw.chat_workload(tokenizer, {"served": 3}, domains=("math",))
+    for p in parts["math"]["served"]:
+        msgs = cw.messages_of(p)
+        assert [m["role"] for m in msgs] == ["system", "user"] and msgs[1]["content"] == p.text
+        ids = tokenizer(render_chat(tokenizer, msgs), add_special_tokens=False)["input_ids"]
+        assert ids == p.token_ids
+
+
+def test_parts_are_stable_when_a_later_part_grows(tokenizer):
+    a = cw.chat_workload(tokenizer, {"router": 5, "served": 10}, domains=("sql",))
+    b = cw.chat_workload(tokenizer, {"router": 5, "served": 40}, domains=("sql",))
+    assert a["sql"]["router"] == b["sql"]["router"] and a["sql"]["served"] == b["sql"]["served"][:10]
+
+
+def test_the_domains_look_like_their_names():
+    sql, math_, api = (cw.chat_prompts(d, 20) for d in cw.DOMAINS)
+    assert all("CREATE TABLE" in p.user and "Question:" in p.user for p in sql)
+    assert all(any(ch.isdigit() for ch in p.user) for p in math_)
+    assert all("`" in p.user and p.source.startswith("api:") for p in api)
+    assert {p.source.split(":")[1].split(".")[0] for p in cw.chat_prompts("api", 2000)} >= {"numpy", "pandas", "networkx"}
+
+
+def test_unknown_domain_and_too_many_prompts_are_clear_errors(tokenizer):
+    with pytest.raises(ValueError, match="unknown chat domain"):
+        cw.chat_prompts("poetry", 3)
+    with pytest.raises(ValueError, match="distinct prompts"):
+        cw.chat_workload(tokenizer, {"served": 10**6}, domains=("api",))
+
+
+def test_the_bootstrap_corpus_never_lists_the_workloads_sources(tmp_path):
+    """The api domain reads installed packages; no file under site-packages or dist-packages is
+    ever in the corpus, whichever files this machine holds (checked on a planted tree, and on
+    this machine's real listing)."""
+    sources = cw.source_files()
+    assert sources and all(corpus.excluded(f) for f in sources)
+    root = tmp_path / "lib" / "python3.11"
+    for rel in ("json/decoder.py", "site-packages/numpy/linalg.py", "dist-packages/pandas/core.py",
+                "encodings/site-packages/x.py"):  # fmt: skip
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("def f():\n    return 1\n")
+    assert [p.relative_to(root).as_posix() for p in corpus.list_code_files(root)] == ["json/decoder.py"]
+    share = tmp_path / "share"
+    for rel in ("doc/pkg/copyright", "doc/site-packages/README"):
+        (share / rel).parent.mkdir(parents=True, exist_ok=True)
+        (share / rel).write_text("text " * 100)
+    assert [p.relative_to(share).as_posix() for p in corpus.list_prose_files(share)] == ["doc/pkg/copyright"]
+    listed = {str(p) for p in corpus.list_code_files(Path(sysconfig.get_paths()["stdlib"]))}
+    assert listed.isdisjoint(str(f) for f in sources)

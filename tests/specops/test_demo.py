@@ -1,6 +1,6 @@
-"""`specops demo` end to end on the tiny models: the stack starts, traffic flows through the
-API, and the report and summary are written (a smoke test; the loop's learning is asserted
-in tests/test_closed_loop.py)."""
+"""`specops demo` end to end on the tiny models: the stack starts, chat traffic (the default
+workload) flows through the API, and the report and summary are written (a smoke test; the
+loop's learning is asserted in tests/test_closed_loop.py)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,17 @@ def test_demo_runs_end_to_end_and_writes_the_report(tiny_models, tmp_path):
     assert proc.returncode == 0, out[-4000:]
     summary = json.loads((report / "summary.json").read_text())
     assert summary["requests"] == 24 and summary["failed_requests"] == 0, summary
-    assert set(summary["clusters"]) <= {"code", "prose"} and summary["clusters"], summary
+    assert set(summary["clusters"]) <= {"sql", "math", "api"} and summary["clusters"], summary
     assert all(c["draft_versions"][0] == "base" for c in summary["clusters"].values())
+    assert "rejected steps" in summary["alpha_definition"]
     run = json.loads((report / "run.json").read_text())
+    assert run["config"]["workload"].startswith("chat") and "api-heavy" in run["config"]["phases"]
+    assert {r["domain"] for r in run["requests"]} <= {"sql", "math", "api"}
+    # the router was fitted on other prompts of each domain, rendered as served: it routes them home
+    routed = sum(r["cluster"] == r["domain"] for r in run["requests"])
+    assert routed >= 0.9 * len(run["requests"]), [(r["domain"], r["cluster"]) for r in run["requests"]]
     assert run["speed"] and all(row["identical"] for row in run["speed"]), run["speed"]
+    assert {row["cluster"] for row in run["speed"]} <= {"sql", "math", "api"}
     page = (report / "index.html").read_text()
     assert "specops closed-loop demo" in page and (report / "alpha.png").stat().st_size > 10_000
     assert "Report:" in out and "MLflow UI:" in out

@@ -32,16 +32,18 @@ def _strict_loads(text: str):
 def synthetic_run() -> DemoRun:
     """Two clusters, 250 requests.
 
-    code: 150 successful requests at t = 0..149, 4 drafted each; 1 accepted before t = 100, 3 after.
-      Served by base (0..99), v3 (100..119), v5 (120..129), v3 again after the rollback (130..149).
-    prose: 99 successful requests + 1 failed (index 60), 2 drafted each; 1 accepted for the first 50, 2 after.
+    code: 150 successful requests at t = 0..149, 4 drafted each; 1 accepted before t = 100, 3 after;
+      one rejected step each. Served by base (0..99), v3 (100..119), v5 (120..129), v3 again after
+      the rollback (130..149).
+    prose: 99 successful requests + 1 failed (index 60), 2 drafted each; 1 accepted for the first 50, 2 after;
+      no rejected steps reported (an older server).
     """
     reqs = []
     for i in range(150):
         version = "base" if i < 100 else "5" if 120 <= i < 130 else "3"
         phase = "code-heavy" if i < 100 else "shift: prose-heavy"
         reqs.append(RequestRow(t=float(i), cluster="code", phase=phase, drafted=4, accepted=1 if i < 100 else 3,
-                               draft_version=version, latency_s=0.4, num_generated=32))
+                               draft_version=version, latency_s=0.4, num_generated=32, rejected_steps=1))
     ok_prose = 0
     for i in range(100):
         phase = "code-heavy"  # t < 100: the whole of prose's traffic falls in the first phase
@@ -84,21 +86,30 @@ def test_summary_numbers():
     assert (s["requests"], s["failed_requests"], s["duration_s"]) == (250, 1, 150.0)
     code, prose = s["clusters"]["code"], s["clusters"]["prose"]
     assert set(s["clusters"]) == {"code", "prose"}
-    # code: first 100 = 100 x 1/4; last 100 = rows 50..149 = (50*1 + 50*3) / 400
-    assert code["alpha_first_100"] == 0.25
-    assert code["alpha_last_100"] == 0.5
-    assert code["alpha_delta"] == 0.25
-    assert code["alpha_first_half"] == 0.25  # rows 0..74
-    assert code["alpha_last_half"] == round((25 * 1 + 50 * 3) / 300, 4) == 0.5833  # rows 75..149
-    assert code["alpha_by_phase"] == {"code-heavy": 0.25, "shift: prose-heavy": 0.75}
+    # α = accepted / (accepted + rejected steps): first 100 = 100 / 200; last 100 = rows 50..149 = 200 / 300
+    assert code["alpha_first_100"] == 0.5
+    assert code["alpha_last_100"] == 0.6667
+    assert code["alpha_delta"] == 0.1667
+    assert code["alpha_first_half"] == 0.5  # rows 0..74
+    assert code["alpha_last_half"] == round((25 * 1 + 50 * 3) / (175 + 75), 4) == 0.7  # rows 75..149
+    assert code["alpha_by_phase"] == {"code-heavy": 0.5, "shift: prose-heavy": 0.75}
+    # acceptance = accepted / drafted: first 100 = 100 x 1/4; last 100 = rows 50..149 = (50*1 + 50*3) / 400
+    assert code["acceptance_first_100"] == 0.25
+    assert code["acceptance_last_100"] == 0.5
+    assert code["acceptance_first_half"] == 0.25  # rows 0..74
+    assert code["acceptance_last_half"] == round((25 * 1 + 50 * 3) / 300, 4) == 0.5833  # rows 75..149
+    assert code["acceptance_by_phase"] == {"code-heavy": 0.25, "shift: prose-heavy": 0.75}
+    assert "rejected steps" in s["alpha_definition"]
     assert (code["requests"], code["failed_requests"], code["alpha_window"]) == (150, 0, 100)
     assert (code["promotions"], code["rollbacks"]) == (2, 1)
     assert code["draft_versions"] == ["base", "3", "5"]
     assert (code["speedup_vs_target"], code["speedup_vs_static"]) == (2.0, 1.333)
-    # prose: 99 served (the failed one is left out), both windows hold all of them
-    assert prose["alpha_first_100"] == prose["alpha_last_100"] == round((50 * 1 + 49 * 2) / (99 * 2), 4) == 0.7475
-    assert prose["alpha_first_half"] == 0.5  # 49 rows, 1 of 2 each
-    assert prose["alpha_last_half"] == 0.99  # 50 rows: one with 1, 49 with 2, of 100
+    # prose: 99 served (the failed one is left out), both windows hold all of them; no rejected steps: no α
+    assert prose["alpha_first_100"] is prose["alpha_last_100"] is prose["alpha_delta"] is None
+    assert prose["alpha_by_phase"] == {"code-heavy": None}
+    assert prose["acceptance_first_100"] == prose["acceptance_last_100"] == round((50 * 1 + 49 * 2) / (99 * 2), 4)
+    assert prose["acceptance_first_half"] == 0.5  # 49 rows, 1 of 2 each
+    assert prose["acceptance_last_half"] == 0.99  # 50 rows: one with 1, 49 with 2, of 100
     assert (prose["requests"], prose["failed_requests"], prose["alpha_window"]) == (99, 1, 99)
     assert (prose["promotions"], prose["rollbacks"], prose["draft_versions"]) == (0, 0, ["base"])
     assert (prose["speedup_vs_target"], prose["speedup_vs_static"]) == (1.5, 1.2)
@@ -128,6 +139,31 @@ def test_write_report_files_and_html(tmp_path):
     assert "http://127.0.0.1:5000" in page and "only work while the demo is running" in page
     assert "data:image/png;base64," in page and "src=\"http" not in page  # self-contained
     assert ">NO<" in page  # the prose online draft was not lossless, and says so
+    assert "per-token" in page and "did not report rejected steps" in page  # prose's rows have none
+
+
+def test_alpha_is_per_token_and_the_report_plots_it(tmp_path):
+    """α = Σ accepted / (Σ accepted + Σ rejected steps), beside accepted / drafted; a run whose every
+    request reported its rejected steps plots α and carries no missing-field note."""
+    from specops.report import acceptance, has_alpha, token_alpha
+
+    rows = [RequestRow(t=float(i), cluster="sql", phase="p", drafted=9, accepted=4, draft_version="base",
+                       latency_s=0.1, num_generated=12, rejected_steps=2) for i in range(4)]
+    rows.append(RequestRow(t=4.0, cluster="sql", phase="p", drafted=3, accepted=3, draft_version="base",
+                           latency_s=0.1, num_generated=4, rejected_steps=0))
+    assert rows[0].alpha == pytest.approx(4 / 6) and rows[0].acceptance == pytest.approx(4 / 9)
+    assert token_alpha(rows) == pytest.approx(19 / 27) and acceptance(rows) == pytest.approx(19 / 39)
+    assert token_alpha([]) is None and acceptance([]) is None
+    run = DemoRun(started_at="", duration_s=5.0, config={}, requests=rows, promotions=[],
+                  speed=[SpeedRow("sql", "static draft", "base", 10.0, 0.4, 2, True, alpha=0.6)],
+                  registry_versions=[], mlflow_ui_url=None, api_url=None)  # fmt: skip
+    assert has_alpha(run)
+    write_report(run, tmp_path)
+    c = _strict_loads((tmp_path / "summary.json").read_text())["clusters"]["sql"]
+    assert c["alpha_first_100"] == round(19 / 27, 4) and c["acceptance_first_100"] == round(19 / 39, 4)
+    page = (tmp_path / "index.html").read_text()
+    assert "did not report rejected steps" not in page and ">0.600<" in page
+    assert load_run(tmp_path / "run.json").requests == rows
 
 
 def test_run_json_round_trip_and_cli(tmp_path, capsys):

@@ -1,53 +1,52 @@
-"""OSD benchmark: does online distillation raise acceptance on prompts it has never seen?
+"""OSD benchmark: do drafts learn from production-shaped traffic they have never seen?
 
-Reproduces the experiments of Online Speculative Decoding (Liu et al., §5) on the
-bootstrapped pair, on **distinct** held-out prompts: every request of a stream is a
-different window of a held-out file, and no prompt contains the text that follows
-another (``specops.prompts.distinct_prompts``). A draft that improves here has learned the
-target's behaviour on the domain, not memorised answers. A *recurring* workload (prompts
-drawn with replacement from a pool of 40, as the demo used to) is reported separately:
-that measures memory.
+Reproduces Online Speculative Decoding (Liu et al., §5) on the bootstrapped pair with the
+traffic an Instruct target serves: **chat requests** (system + user message through the
+chat template, ``specops.chat_workload``) in three narrow domains the bootstrap corpus does
+not contain — text-to-SQL (``sql``), grade-school math (``math``) and questions about
+functions of pinned Python packages (``api``). Every request is distinct and served once.
 
 How a request is served. Greedy speculative decoding accepts exactly the drafts the draft
-proposes from the committed prefix, and that prefix is always the target's own output;
-so a request's acceptance is fixed by the target's greedy continuation and the draft's
-argmax at each position of it (teacher-forced). The benchmark therefore:
+proposes from the committed prefix, which is always the target's own output; so a
+request's acceptance is fixed by the target's greedy continuation and the draft's argmax
+at each position of it. The benchmark therefore:
 
-1. generates each prompt's greedy continuation with the target once (batched, cached on
-   disk beside the models), with the target's top-64 distribution at every position;
+1. generates each prompt's greedy continuation with the target once (prompts of equal
+   length batched, no padding; cached on disk beside the models), with the target's
+   top-64 distribution at every position;
 2. serves a request to a draft by one forward of the draft over prompt + continuation and
-   replays the engine's step rule on it (k drafted per step, never past max_new_tokens):
-   accepted, drafted and the rejected positions come out exactly as the engine's;
-3. logs the request as serving does (``StreamLogger``: MissRecord with the target's top-64
-   at the rejected positions), to a local stream an ``OnlineTrainer`` consumes in the same
-   process;
-4. checks itself against the real engine: every ``--check-every``-th request of each
-   online arm is also decoded by ``SpecEngine`` with the draft then serving; its output
-   must equal the cached continuation and its acceptance the replayed one.
+   replays the engine's step rule (k drafted per step): accepted, drafted, the steps that
+   ended in a rejection and the rejected positions come out exactly as the engine's;
+3. logs it as serving does (``StreamLogger``), to a local stream one ``OnlineTrainer``
+   consumes in the same process, one draft per cluster;
+4. checks itself against the real engine: every ``--check-every``-th request is also
+   decoded by ``SpecEngine``; output and acceptance must be the replayed ones.
 
-Arms, on the same request sequence per domain:
+**α is the paper's per-token α** (§3): Σ accepted / (Σ accepted + steps that ended in a
+rejection) (``serving.engine.types.token_alpha``); accepted ÷ drafted is reported beside it.
+
+Arms, on the same held-out **probe** per domain (prompts never served; ``--probe`` each):
 
 - ``static``: the bootstrap draft, never updated;
-- ``offline_10pct``: distilled in advance on the first 10 % of the stream, then frozen
-  (the paper's baseline);
-- ``online``: OSD Algorithm 1 with the trainer's defaults, every new version going
-  through the promotion gate (``trainer.promote.gate_decision``, as ``specops train``
-  runs it); serving swaps only promoted versions;
-- ``offline_upper``: distilled in advance on a disjoint stream of the same domain (the
-  paper's offline setting: distil on the train split, then serve the test split).
+- ``gated``: the product's path: the requests are routed by a MiniLM router fitted on
+  other prompts of the domains, each cluster's trainer updates go through the promotion
+  gate (``trainer.promote.gate_decision``) and serving swaps in only promoted versions;
+- ``ungated``: every update of the same trainer served as soon as it exists;
+- ``offline``: the paper's offline baseline and this run's bound: the bootstrap draft
+  distilled on the same served traffic at every output position, ``--offline-epochs``;
+- ``generic_*``: the same online loop from a draft never distilled from the target
+  (``trainer.bootstrap.generic``), the paper's setting (``--no-generic`` skips it).
 
-Also: a distribution shift code -> prose -> code (static and online), the loss ablation
-(forward KL, reverse KL, JSD[0.5]), the recurring workload, and an audit of every
-promotion: the promoted version and the one it replaced both serve the next
-``--audit-window`` requests (paired), and a promotion that serves worse beyond noise
-(the 95 % interval of the paired difference below zero) is counted.
-
-α of a request is accepted ÷ drafted tokens. Curves are moving averages over the last
-``WINDOW`` requests. Writes JSON (``--json``, with ``summary``), a PNG plot and the osd
-section of ``docs/benchmarks.md``.
+Also: a domain switch sql -> math -> sql on one draft (recovery), an audit of every
+promotion (the promoted and the replaced version both serve the cluster's next
+``--audit-window`` requests; a promotion whose per-token α difference has a 95 % interval
+below zero is *worse*), tokens/s of the draft method with each arm's final draft against
+target-only on probe prompts (the real engine, arms interleaved), and, with ``--grid``,
+the recipe grid that chose the trainer's defaults.
 
     .venv/bin/python benchmarks/osd.py --json benchmarks/out/osd.json
     .venv/bin/python benchmarks/osd.py --quick
+    .venv/bin/python benchmarks/osd.py --grid --quick --json benchmarks/out/osd_grid.json
 """
 
 from __future__ import annotations
@@ -59,13 +58,13 @@ import json
 import logging
 import math
 import os
-import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -82,31 +81,37 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
 from serving.engine import draft_vocab  # noqa: E402
-from serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
 from serving.engine.models import ModelPair, load_model, load_model_dir  # noqa: E402
+from serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
+from serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams, token_alpha  # noqa: E402
 from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
-from serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams  # noqa: E402
+from specops.chat_workload import DOMAINS, chat_workload  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
-from specops.prompts import Prompt, distinct_prompts  # noqa: E402
+from specops.prompts import Prompt  # noqa: E402
 from streams import StreamConfig  # noqa: E402
 from trainer.acceptance import evaluate_records  # noqa: E402
 from trainer.data import Example, draft_logits  # noqa: E402
 from trainer.losses import TargetDist, distill_loss  # noqa: E402
 from trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
 from trainer.promote import PromoteConfig, gate_decision  # noqa: E402
+from trainer.replay import ReplayConfig  # noqa: E402
 
 log = logging.getLogger("bench.osd")
 
 DOC_BEGIN = "<!-- BEGIN osd (written by benchmarks/osd.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END osd -->"
-DOMAINS = ("code", "prose")
+GRID_BEGIN = "<!-- BEGIN osd-grid (written by benchmarks/osd.py --grid; edits inside are overwritten) -->"
+GRID_END = "<!-- END osd-grid -->"
 WINDOW = 100
-"""Requests in a moving average, and in the last-window summaries."""
+"""Requests in a moving average of served α."""
 TOPK = 64
 """Target log-probs kept per position (as serving logs them)."""
 GAIN_BAR = 0.10
-RECOVERY_MARGIN = 0.05
-COLORS = {"static": "tab:blue", "offline_10pct": "tab:orange", "online": "tab:green", "offline_upper": "tab:red"}
+OFFLINE_FRACTION_BAR = 0.8
+RECOVERY_MARGIN = 0.02
+RECOVERY_BAR = 300
+COLORS = {"static": "tab:blue", "gated": "tab:green", "ungated": "tab:olive", "offline": "tab:red",
+          "generic_gated": "tab:purple", "generic_ungated": "tab:pink", "generic_static": "tab:gray"}  # fmt: skip
 
 
 # ---------------------------------------------------------------- 1. target continuations
@@ -120,54 +125,57 @@ class Served:
     topk_logprobs: torch.Tensor  # [n_out, TOPK] float32
 
 
-def _cache_key(pair: ModelPair, prompts: list[Prompt], max_new: int) -> str:
+def _model_key(pair: ModelPair, max_new: int) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"target": pair.target.config.to_dict(), "tokenizer": pair.tokenizer_sha256,
                          "eos": pair.eos_token_ids, "max_new": max_new, "topk": TOPK}, sort_keys=True,
                         default=str).encode())  # fmt: skip
     h.update(next(iter(pair.target.state_dict().values())).flatten()[:64].numpy().tobytes())
-    for p in prompts:
-        h.update(json.dumps(p.token_ids).encode())
-    return h.hexdigest()[:20]
+    return h.hexdigest()[:16]
 
 
-@torch.no_grad()  # not inference_mode: the offline arms train on these tensors
+def _prompt_key(model_key: str, prompt: Prompt) -> str:
+    return hashlib.sha256((model_key + json.dumps(prompt.token_ids)).encode()).hexdigest()[:24]
+
+
+@torch.no_grad()  # not inference_mode: the offline arm trains on these tensors
 def continuations(pair: ModelPair, prompts: list[Prompt], max_new: int, cache_dir: Path, batch: int) -> list[Served]:
-    """Each prompt's greedy continuation (to EOS or ``max_new``) and the target's top-k there.
-
-    Prompts of equal length run ``batch`` at a time through ``target.generate`` (no padding,
-    so each row is the same computation as alone); results are cached by content."""
-    out: list[Served] = []
+    """Each prompt's greedy continuation (to EOS or ``max_new``) and the target's top-k there, in
+    the order of ``prompts``. Prompts of equal length run up to ``batch`` at a time through
+    ``target.generate`` (no padding, so each row is the computation it is alone); each prompt's
+    result is cached on disk by content, so a larger run reuses a smaller one's."""
+    mkey = _model_key(pair, max_new)
+    paths = [cache_dir / mkey / f"{_prompt_key(mkey, p)}.safetensors" for p in prompts]
+    todo = [i for i, path in enumerate(paths) if not path.exists()]
+    by_len: dict[int, list[int]] = {}
+    for i in todo:
+        by_len.setdefault(len(prompts[i].token_ids), []).append(i)
+    chunks = [idx[s:s + batch] for _, idx in sorted(by_len.items()) for s in range(0, len(idx), batch)]
     eos = set(pair.eos_token_ids)
-    for start in tqdm(range(0, len(prompts), batch), desc="target continuations", unit="batch", leave=False):
-        chunk = prompts[start:start + batch]
-        path = cache_dir / f"{_cache_key(pair, chunk, max_new)}.safetensors"
-        if path.exists():
-            t = load_file(str(path))
-        else:
-            ids = torch.tensor([p.token_ids for p in chunk])  # [b, P] (all prompts have P tokens)
-            gen = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                       output_logits=True, return_dict_in_generate=True, top_k=None, top_p=None,
-                                       temperature=None, pad_token_id=pair.eos_token_ids[0] if eos else 0)  # fmt: skip
-            tokens = gen.sequences[:, ids.shape[1]:]  # [b, n]
-            logp = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1)  # [b, n, V]
-            vals, tids = logp.topk(TOPK, dim=-1)
-            lengths = []
-            for row in tokens.tolist():
-                n = len(row)
-                for i, tok in enumerate(row):
-                    if tok in eos:
-                        n = i + 1
-                        break
-                lengths.append(n)
-            t = {"tokens": tokens.to(torch.int32), "lengths": torch.tensor(lengths, dtype=torch.int32),
-                 "topk_ids": tids.to(torch.int32), "topk_logprobs": vals.contiguous()}  # fmt: skip
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            save_file(t, str(path))
-        for i, p in enumerate(chunk):
-            n = int(t["lengths"][i])
-            out.append(Served(p, t["tokens"][i, :n].long().tolist(), t["topk_ids"][i, :n].long(),
-                              t["topk_logprobs"][i, :n].float()))  # fmt: skip
+    (cache_dir / mkey).mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(todo), desc="target continuations", unit="prompt", leave=False)
+    for idx in chunks:
+        ids = torch.tensor([prompts[i].token_ids for i in idx])  # [b, P] (equal lengths)
+        gen = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True, top_k=None, top_p=None,
+                                   temperature=None, pad_token_id=pair.eos_token_ids[0] if eos else 0)  # fmt: skip
+        tokens = gen.sequences[:, ids.shape[1]:]  # [b, n]
+        logp = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1)  # [b, n, V]
+        vals, tids = logp.topk(TOPK, dim=-1)
+        for j, (i, row) in enumerate(zip(idx, tokens.tolist())):
+            n = len(row)
+            for t, tok in enumerate(row):
+                if tok in eos:
+                    n = t + 1
+                    break
+            save_file({"tokens": tokens[j, :n].to(torch.int32).contiguous(), "topk_ids": tids[j, :n].to(torch.int32).contiguous(),
+                       "topk_logprobs": vals[j, :n].contiguous()}, str(paths[i]))  # fmt: skip
+        bar.update(len(idx))
+    bar.close()
+    out = []
+    for p, path in zip(prompts, paths):
+        t = load_file(str(path))
+        out.append(Served(p, t["tokens"].long().tolist(), t["topk_ids"].long(), t["topk_logprobs"].float()))
     return out
 
 
@@ -181,22 +189,33 @@ class Outcome:
 
     @property
     def alpha(self) -> float:
+        """Accepted ÷ drafted."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha_token(self) -> float:
+        """The paper's per-token α of this request."""
+        return token_alpha(self.accepted, len(self.rejected))
 
 
 @torch.inference_mode()
 def draft_argmax(draft: torch.nn.Module, served: Served) -> list[int]:
     """The draft's argmax at every output position, teacher-forced on prompt + output, as
     serving scores it (its draft vocabulary included)."""
-    ids = torch.tensor([served.prompt.token_ids + served.output[:-1]])
-    first = len(served.prompt.token_ids) - 1
-    vocab = draft_vocab.of(draft)
-    if vocab is not None:
-        hidden = draft.base_model(input_ids=ids).last_hidden_state[0, first:]  # [n_out, h]
-        logits = vocab.logits(draft.get_output_embeddings(), hidden)
-    else:
-        logits = draft(input_ids=ids).logits[0, first:]
-    return logits.argmax(-1).tolist()
+    was = draft.training
+    draft.eval()
+    try:
+        ids = torch.tensor([served.prompt.token_ids + served.output[:-1]])
+        first = len(served.prompt.token_ids) - 1
+        vocab = draft_vocab.of(draft)
+        if vocab is not None:
+            hidden = draft.base_model(input_ids=ids).last_hidden_state[0, first:]  # [n_out, h]
+            logits = vocab.logits(draft.get_output_embeddings(), hidden)
+        else:
+            logits = draft(input_ids=ids).logits[0, first:]
+        return logits.argmax(-1).tolist()
+    finally:
+        draft.train(was)
 
 
 def replay(pred: list[int], output: list[int], k: int, max_new: int) -> Outcome:
@@ -241,15 +260,56 @@ def logged_result(served: Served, outcome: Outcome, vocab_size: int) -> Generati
     return GenerationResult(token_ids=list(served.output), stats=stats, rejections=rejections)
 
 
-# ---------------------------------------------------------------- 3. arms
-def static_arm(draft: torch.nn.Module, stream: list[Served], args, label: str) -> list[dict]:
-    return [{"alpha": serve(draft, s, args.k, args.max_new_tokens).alpha, "version": 0}
-            for s in tqdm(stream, desc=label, unit="req", leave=False)]  # fmt: skip
+class CachedTeacher:
+    """The target's top-k at every output position of a logged request, from the continuation
+    cache (what ``trainer.data.TargetTeacher`` computes with a target forward; the benchmark has
+    it already). Keyed by request id."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, Served] = {}
+
+    def __call__(self, rec) -> TargetDist:
+        s = self.by_request[rec.request_id]
+        rest = (1 - s.topk_logprobs.double().exp().sum(-1)).clamp_min(0).float()
+        return TargetDist.topk(s.topk_ids, s.topk_logprobs, rest)
 
 
+# ---------------------------------------------------------------- 3. measuring a draft on the probe
+@dataclass
+class ProbeResult:
+    alpha_token: float
+    alpha_drafted: float
+    per_request: list[tuple[int, int, int]]  # (accepted, rejected steps, drafted)
+
+    def to_dict(self) -> dict:
+        return {"alpha_token": self.alpha_token, "alpha_drafted": self.alpha_drafted,
+                "se": ratio_se([(a, a + r) for a, r, _ in self.per_request])}  # fmt: skip
+
+
+def probe(draft: torch.nn.Module, probe_set: list[Served], args) -> ProbeResult:
+    outs = [serve(draft, s, args.k, args.max_new_tokens) for s in probe_set]
+    acc, rej, dr = sum(o.accepted for o in outs), sum(len(o.rejected) for o in outs), sum(o.drafted for o in outs)
+    return ProbeResult(token_alpha(acc, rej), acc / dr if dr else 0.0, [(o.accepted, len(o.rejected), o.drafted) for o in outs])
+
+
+def ratio_se(pairs: list[tuple[int, int]]) -> float:
+    """Standard error of Σ a / Σ n over independent requests (the ratio estimator's)."""
+    n = sum(b for _, b in pairs)
+    if len(pairs) < 2 or n == 0:
+        return float("inf")
+    r = sum(a for a, _ in pairs) / n
+    return math.sqrt(sum((a - r * b) ** 2 for a, b in pairs) * len(pairs) / (len(pairs) - 1)) / n
+
+
+def pooled(rows: list[dict]) -> float:
+    """Per-token α pooled over served rows."""
+    return token_alpha(sum(r["accepted"] for r in rows), sum(r["rejected"] for r in rows))
+
+
+# ---------------------------------------------------------------- 4. arms
 def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: str) -> torch.nn.Module:
-    """Forward KL to the target's top-k distribution at every output position, ``--offline-epochs`` passes
-    (the trainer's loss, on every position instead of the rejected ones)."""
+    """Forward KL to the target's top-k distribution at every output position of ``stream``,
+    ``--offline-epochs`` passes (the paper's offline distillation on the served traffic)."""
     model = copy.deepcopy(draft).train()
     vocab = draft_vocab.of(draft)
     model.get_input_embeddings().weight.requires_grad_(False)
@@ -270,7 +330,7 @@ def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: s
                 if vocab is not None:  # as the trainer: the target restricted to the draft vocabulary
                     target = target.restrict(vocab.token_ids)
                 ex = Example(ids, torch.arange(P, len(ids) + 1), target, f"offline-{j}")
-                loss = distill_loss(draft_logits(model, ex, vocab), ex.target, "fkl")  # [n_out, V or S]
+                loss = distill_loss(draft_logits(model, ex, vocab), ex.target, "fkl")
                 total = loss * len(s.output) if total is None else total + loss * len(s.output)
                 count += len(s.output)
             (total / count).backward()
@@ -284,110 +344,435 @@ def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: s
     return served
 
 
-def online_arm(pair: ModelPair, base_dir: Path, stream: list[Served], args, tmp: Path, *, label: str, loss: str,
-               audit: bool = True, cluster: str | None = None) -> dict:  # fmt: skip
-    """Serve ``stream`` while an OnlineTrainer learns from it; promoted versions swap in between
-    requests. Requests go to ``cluster`` (default: their domain), one draft for the whole stream."""
-    served_draft = copy.deepcopy(pair.draft)  # what serving runs (prepared, draft vocabulary attached)
+def online_config(args, **over) -> OnlineConfig:
+    """The trainer's defaults, with this run's overrides (``--lr`` ...) and then ``over``."""
+    base = OnlineConfig()
+    fields = {"interval": args.interval, "lr": args.lr, "steps_per_update": args.steps, "loss": args.loss,
+              "positions": args.positions}  # fmt: skip
+    cfg = replace(base, poll_timeout_s=0.01, **{k: v for k, v in fields.items() if v is not None})
+    if args.replay or args.capacity:
+        cfg = replace(cfg, replay=ReplayConfig(policy=args.replay or base.replay.policy,
+                                               capacity=args.capacity or base.replay.capacity))  # fmt: skip
+    return replace(cfg, **over)
+
+
+def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic: list[tuple[Served, str]],
+                 probes: dict[str, list[Served]], args, tmp: Path, *, label: str, ocfg: OnlineConfig,
+                 gate: bool = True, audit: bool = True, probe_every: int | None = None) -> dict:  # fmt: skip
+    """Serve ``traffic`` ((request, cluster) in order) while one OnlineTrainer learns from it.
+
+    Per cluster, ``gated`` serves the champion (promoted through the gate) and logs the
+    request; ``ungated`` is the trainer's newest version, measured on the same request.
+    Each cluster's probe is measured every ``probe_every`` of its requests and at the end."""
     cfg = StreamConfig(url=f"local://{tmp}/{label}/log", fsync=False, num_partitions=1)
     logger = StreamLogger(cfg, LoggerConfig(), vocab_size=pair.vocab_size)
-    ocfg = OnlineConfig(loss=loss, poll_timeout_s=0.01, **({"lr": args.lr} if args.lr else {}),
-                        **({"interval": args.interval} if args.interval else {}))  # fmt: skip
+    teacher = CachedTeacher()
+    trainer = OnlineTrainer(cfg, base_dir, tmp / label / "trainer", ocfg,
+                            teacher=teacher if ocfg.positions == "all" else None)  # fmt: skip
     pcfg = PromoteConfig()
-    trainer = OnlineTrainer(cfg, base_dir, tmp / label / "trainer", ocfg)
-    rows, promotions, gates, checks = [], [], [], []
-    version, seen_version, cpu, ref_cache = 0, 0, 0.0, None
+    clusters = sorted({c for _, c in traffic})
+    gated = {c: copy.deepcopy(base) for c in clusters}
+    latest = {c: copy.deepcopy(base) for c in clusters}
+    version = {c: 0 for c in clusters}  # the champion's
+    latest_v = {c: 0 for c in clusters}
+    rows: list[dict] = []
+    promotions, gates, checks = [], [], []
+    curves: dict[str, list[dict]] = {c: [] for c in clusters}
+    probe_cache: dict[tuple[str, str, int], ProbeResult] = {}
+    served_n = {c: 0 for c in clusters}
+    future: dict[str, list[int]] = {c: [i for i, (_, cc) in enumerate(traffic) if cc == c] for c in clusters}
+    ref_cache: dict[str, tuple] = {}
+    cpu = 0.0
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engine = SpecEngine(ModelPair(target=pair.target, draft=served_draft, tokenizer=pair.tokenizer,
-                                  tokenizer_sha256=pair.tokenizer_sha256))  # fmt: skip
+
+    def measure(c: str, arm: str, model: torch.nn.Module, v: int) -> ProbeResult:
+        key = (c, "v", v)  # gated and ungated share versions: one measurement per version
+        if key not in probe_cache:
+            probe_cache[key] = probe(model, probes[c], args)
+        return probe_cache[key]
+
+    def checkpoint(c: str) -> None:
+        if c not in probes:
+            return
+        g, u = measure(c, "gated", gated[c], version[c]), measure(c, "ungated", latest[c], latest_v[c])
+        curves[c].append({"requests": served_n[c], "gated": g.alpha_token, "ungated": u.alpha_token,
+                          "gated_version": version[c], "ungated_version": latest_v[c]})  # fmt: skip
+
+    for c in clusters:
+        checkpoint(c)
     try:
-        for i, s in enumerate(tqdm(stream, desc=label, unit="req", leave=False)):
-            out = serve(served_draft, s, args.k, args.max_new_tokens)
-            rows.append({"alpha": out.alpha, "version": version})
-            if args.check_every and i % args.check_every == args.check_every - 1:  # 4. the real engine agrees
+        for i, (s, c) in enumerate(tqdm(traffic, desc=label, unit="req", leave=False)):
+            out = serve(gated[c], s, args.k, args.max_new_tokens)
+            out_u = out if latest_v[c] == version[c] else serve(latest[c], s, args.k, args.max_new_tokens)
+            rows.append({"cluster": c, "domain": s.prompt.domain, "accepted": out.accepted, "rejected": len(out.rejected),
+                         "drafted": out.drafted, "version": version[c], "u_accepted": out_u.accepted,
+                         "u_rejected": len(out_u.rejected), "u_drafted": out_u.drafted, "u_version": latest_v[c]})  # fmt: skip
+            if args.check_every and i % args.check_every == args.check_every - 1:  # the real engine agrees
+                engine = SpecEngine(ModelPair(target=pair.target, draft=gated[c], tokenizer=pair.tokenizer,
+                                              tokenizer_sha256=pair.tokenizer_sha256))  # fmt: skip
                 res = engine.generate(s.prompt.token_ids, params, method="draft", k=args.k)
                 checks.append({"request": i, "identical": res.token_ids == s.output,
-                               "alpha_engine": res.stats.num_accepted / max(1, res.stats.num_drafted),
-                               "alpha_replayed": out.alpha})  # fmt: skip
-            name = cluster or s.prompt.domain
-            meta = RequestMeta(request_id=f"{label}-{i}", cluster=name, draft_version=str(version))
-            logger.log(s.prompt.token_ids, logged_result(s, out, pair.vocab_size), params, meta)
+                               "alpha_engine": res.stats.alpha_token, "alpha_replayed": out.alpha_token})  # fmt: skip
+            rid = f"{label}-{i}"
+            teacher.by_request[rid] = s
+            logger.log(s.prompt.token_ids, logged_result(s, out, pair.vocab_size), params,
+                       RequestMeta(request_id=rid, cluster=c, draft_version=str(version[c])))  # fmt: skip
             logger.flush(30)
             c0 = time.process_time()
             while trainer.step():
                 pass
-            st = trainer.clusters.get(name)
-            if st is not None and st.version != seen_version:  # a new candidate: the gate decides
-                seen_version = st.version
-                holdout = [h.record for h in st.holdout]
-                cand = trainer.evaluate(name)
-                key = (version, tuple(h.source for h in st.holdout))
-                if ref_cache is None or ref_cache[0] != key:  # the served draft on this held-out set
-                    ref_cache = (key, evaluate_records(served_draft, holdout, vocab=trainer.vocab))
-                ref = ref_cache[1]
-                result = gate_decision(str(st.version), str(version), cand, ref, pcfg)
-                gates.append({"request": i, "candidate": st.version, "promoted": result.promoted, "reason": result.reason})
-                if result.promoted:
-                    if audit:
-                        promotions.append(audit_promotion(served_draft, st.model, stream[i + 1:i + 1 + args.audit_window],
-                                                          args, request=i, old_version=version, new_version=st.version))  # fmt: skip
-                    served_draft.load_state_dict(st.model.state_dict())  # the hot-swap, between requests
-                    version = st.version
+            st = trainer.clusters.get(c)
+            if st is not None and st.version != latest_v[c]:  # a new candidate
+                latest_v[c] = st.version
+                latest[c].load_state_dict(st.model.state_dict())
+                if gate:
+                    holdout = [h.record for h in st.holdout]
+                    cand = trainer.evaluate(c)
+                    key = (version[c], tuple(h.source for h in st.holdout))
+                    if c not in ref_cache or ref_cache[c][0] != key:  # the champion on this held-out set
+                        ref_cache[c] = (key, evaluate_records(gated[c], holdout, vocab=trainer.vocab))
+                    result = gate_decision(str(st.version), str(version[c]), cand, ref_cache[c][1], pcfg)
+                    gates.append({"request": i, "cluster": c, "candidate": st.version, "promoted": result.promoted,
+                                  "reason": result.reason})  # fmt: skip
+                    if result.promoted:
+                        if audit:
+                            nxt = [traffic[j][0] for j in future[c] if j > i][:args.audit_window]
+                            promotions.append(audit_promotion(gated[c], latest[c], nxt, args, request=i, cluster=c,
+                                                              old_version=version[c], new_version=st.version))  # fmt: skip
+                        gated[c].load_state_dict(st.model.state_dict())  # the hot-swap, between requests
+                        version[c] = st.version
             cpu += time.process_time() - c0
+            served_n[c] += 1
+            if probe_every and served_n[c] % probe_every == 0:
+                checkpoint(c)
     finally:
         logger.close()
         trainer.close()
-    return {"rows": rows, "promotions": promotions, "gates": gates, "checks": checks, "trainer_cpu_s": cpu}
+    for c in clusters:
+        if not curves[c] or curves[c][-1]["requests"] != served_n[c]:
+            checkpoint(c)
+    final = {c: {"gated": measure(c, "gated", gated[c], version[c]).to_dict(),
+                 "ungated": measure(c, "ungated", latest[c], latest_v[c]).to_dict(),
+                 "gated_version": version[c], "ungated_version": latest_v[c]} for c in clusters if c in probes}  # fmt: skip
+    return {"rows": rows, "curves": curves, "final": final, "promotions": promotions, "gates": gates, "checks": checks,
+            "trainer_cpu_s": cpu, "drafts": {"gated": gated, "ungated": latest},
+            "teacher_forwards": getattr(trainer.teacher, "forwards", 0)}  # fmt: skip
 
 
-def audit_promotion(served_draft: torch.nn.Module, candidate: torch.nn.Module, future: list[Served], args, *,
-                    request: int, old_version: int, new_version: int) -> dict:  # fmt: skip
-    """The promoted version and the one it replaces, both serving the next requests (paired)."""
-    new = copy.deepcopy(served_draft)
-    new.load_state_dict(candidate.state_dict())
-    d = [serve(new, s, args.k, args.max_new_tokens).alpha - serve(served_draft, s, args.k, args.max_new_tokens).alpha
-         for s in future]  # fmt: skip
-    mean = statistics.fmean(d) if d else 0.0
-    half = 1.96 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("inf")
-    return {"request": request, "from": old_version, "to": new_version, "requests": len(d), "delta_alpha": mean,
-            "ci95": half, "worse_beyond_noise": bool(d) and mean + half < 0}  # fmt: skip
+def audit_promotion(old: torch.nn.Module, new: torch.nn.Module, future: list[Served], args, *, request: int,
+                    cluster: str, old_version: int, new_version: int) -> dict:  # fmt: skip
+    """The promoted version and the one it replaces, both serving the cluster's next requests
+    (paired): the per-token α difference and its 95 % interval (requests are the units)."""
+    a = [serve(new, s, args.k, args.max_new_tokens) for s in future]
+    b = [serve(old, s, args.k, args.max_new_tokens) for s in future]
+    if not future:
+        return {"request": request, "cluster": cluster, "from": old_version, "to": new_version, "requests": 0,
+                "delta_alpha": 0.0, "ci95": float("inf"), "worse_beyond_noise": False}  # fmt: skip
+    na = token_alpha(sum(o.accepted for o in a), sum(len(o.rejected) for o in a))
+    nb = token_alpha(sum(o.accepted for o in b), sum(len(o.rejected) for o in b))
+    # paired, per request: the difference of the two ratio estimators, linearised
+    ta = sum(o.accepted + len(o.rejected) for o in a) or 1
+    tb = sum(o.accepted + len(o.rejected) for o in b) or 1
+    d = [(x.accepted - na * (x.accepted + len(x.rejected))) / ta - (y.accepted - nb * (y.accepted + len(y.rejected))) / tb
+         for x, y in zip(a, b)]  # fmt: skip
+    half = 1.96 * math.sqrt(sum(v * v for v in d) * len(d) / max(1, len(d) - 1)) if len(d) > 1 else float("inf")
+    delta = na - nb
+    return {"request": request, "cluster": cluster, "from": old_version, "to": new_version, "requests": len(d),
+            "delta_alpha": delta, "ci95": half, "worse_beyond_noise": bool(d) and delta + half < 0}  # fmt: skip
 
 
-# ---------------------------------------------------------------- 4. metrics
-def moving(alphas: list[float], window: int = WINDOW) -> list[float]:
-    return [statistics.fmean(alphas[max(0, i + 1 - window): i + 1]) for i in range(len(alphas))]
+# ---------------------------------------------------------------- 5. speed and c
+@torch.inference_mode()
+def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Served], args) -> dict:
+    """Tokens/s of target-only and of the draft method with each named draft (in serving's draft
+    dtype), on the same prompts through the real engine, arms interleaved per prompt; outputs
+    checked identical."""
+    from serving.engine.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE)  # serving's draft precision (learning is measured in float32)
+    drafts = {name: copy.deepcopy(d).to(dtype).eval() for name, d in drafts.items()}
+    engines = {name: SpecEngine(ModelPair(target=pair.target, draft=d, tokenizer=pair.tokenizer,
+                                          tokenizer_sha256=pair.tokenizer_sha256)) for name, d in drafts.items()}  # fmt: skip
+    tokens = {n: 0 for n in ["target", *drafts]}
+    seconds = {n: 0.0 for n in tokens}
+    identical = True
+    for s in prompts:
+        ref = None
+        for name in tokens:
+            eng = engines.get(name) or next(iter(engines.values()))
+            t0 = time.perf_counter()
+            res = eng.generate(s.prompt.token_ids, params, method="target" if name == "target" else "draft", k=args.k)
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += len(res.token_ids)
+            ref = res.token_ids if ref is None else ref
+            identical &= res.token_ids == ref
+    tps = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in tokens}
+    return {"tokens_per_s": tps, "ratio_to_target": {n: tps[n] / tps["target"] for n in drafts},
+            "prompts": len(prompts), "identical": identical}  # fmt: skip
 
 
-def arm_stats(rows: list[dict], **extra) -> dict:
-    a = [r["alpha"] for r in rows]
-    w = min(WINDOW, len(a))
-    return {"summary": {"alpha_mean": statistics.fmean(a), "alpha_first": statistics.fmean(a[:w]),
-                        "alpha_last": statistics.fmean(a[-w:]), "requests": len(a),
-                        "versions_served": len({r["version"] for r in rows})},
-            "curve": moving(a), "alphas": [round(x, 4) for x in a], **extra}  # fmt: skip
+@torch.inference_mode()
+def cost_ratio(target: torch.nn.Module, draft: torch.nn.Module, context: list[int], steps: int = 12) -> float:
+    """c: seconds of one cached one-token step of the draft over the target's, after a shared prefill."""
+    def step_time(model) -> float:
+        ids = torch.tensor([context])
+        out = model(input_ids=ids, use_cache=True)
+        past, nxt = out.past_key_values, ids[:, -1:]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        return (time.perf_counter() - t0) / steps
+
+    step_time(draft)
+    return step_time(draft) / step_time(target)
 
 
-def requests_to_gain(online: list[float], static: list[float], gain: float = GAIN_BAR) -> int | None:
-    """First request count n at which online α over requests (n - WINDOW, n] beats static α on the same requests by ``gain``."""
-    for n in range(WINDOW, len(online) + 1):
-        if statistics.fmean(online[n - WINDOW:n]) - statistics.fmean(static[n - WINDOW:n]) >= gain:
-            return n
-    return None
+# ---------------------------------------------------------------- 6. metrics
+def moving(rows: list[dict], prefix: str = "", window: int = WINDOW) -> list[float]:
+    """Pooled per-token α over the trailing ``window`` rows."""
+    a, r = f"{prefix}accepted", f"{prefix}rejected"
+    out, sa, sr = [], 0, 0
+    for i, row in enumerate(rows):
+        sa, sr = sa + row[a], sr + row[r]
+        if i >= window:
+            sa, sr = sa - rows[i - window][a], sr - rows[i - window][r]
+        out.append(token_alpha(sa, sr))
+    return out
 
 
-def recovery(alphas: list[float], start: int, end: int, reference: float, *, margin: float = RECOVERY_MARGIN,
-             min_seen: int = 10) -> int | None:  # fmt: skip
-    """Requests after the shift at ``start`` until α (mean over the trailing WINDOW requests since the
-    shift) is back within ``margin`` of ``reference``; None when it never is before ``end``."""
+def recovery(rows: list[dict], start: int, end: int, reference: float, *, margin: float = RECOVERY_MARGIN,
+             min_seen: int = 20, window: int = WINDOW, prefix: str = "") -> int | None:  # fmt: skip
+    """Requests after the switch at ``start`` until the pooled α of the trailing ``window``
+    requests since the switch is back within ``margin`` of ``reference``; None if never before ``end``."""
+    a, r = f"{prefix}accepted", f"{prefix}rejected"
     for n in range(start + min_seen, end + 1):
-        if statistics.fmean(alphas[max(start, n - WINDOW):n]) >= reference - margin:
+        seg = rows[max(start, n - window):n]
+        if token_alpha(sum(x[a] for x in seg), sum(x[r] for x in seg)) >= reference - margin:
             return n - start
     return None
 
 
-# ---------------------------------------------------------------- 5. report
-def _arms(panel: dict) -> list[tuple[str, dict]]:
-    return [(k, v) for k, v in panel.items() if isinstance(v, dict) and "curve" in v]
+# ---------------------------------------------------------------- 7. workload
+def build_workload(pair: ModelPair, args, model_dir: Path) -> tuple[dict, dict, dict, bool]:
+    """Per domain: the served stream and the probe (with continuations), the router texts; and
+    whether every prompt of the run is distinct (by token ids)."""
+    parts = chat_workload(pair.tokenizer, {"router": args.router_texts, "served": args.requests, "probe": args.probe},
+                          seed=args.seed)  # fmt: skip
+    cache = model_dir / "cache" / "osd-chat"
+    streams, probes = {}, {}
+    everything = [p for d in DOMAINS for part in parts[d].values() for p in part]
+    distinct = len({tuple(p.token_ids) for p in everything}) == len(everything)
+    for d in DOMAINS:
+        served = continuations(pair, parts[d]["served"] + parts[d]["probe"], args.max_new_tokens, cache, args.batch)
+        streams[d], probes[d] = served[:args.requests], served[args.requests:]
+    routers = {d: [pair.tokenizer.decode(p.token_ids) for p in parts[d]["router"]] for d in DOMAINS}
+    return streams, probes, routers, distinct
+
+
+def interleave(streams: dict[str, list[Served]], seed: int) -> list[Served]:
+    """The domains' streams mixed into one arrival order (seeded), each stream's order kept."""
+    import random
+
+    rng = random.Random(f"arrivals:{seed}")
+    left = {d: list(v) for d, v in streams.items()}
+    out = []
+    while any(left.values()):
+        d = rng.choices([d for d in left if left[d]], [len(left[d]) for d in left if left[d]])[0]
+        out.append(left[d].pop(0))
+    return out
+
+
+def route(routers: dict[str, list[str]], texts: list[str], args) -> list[str]:
+    """Cluster of each text by a nearest-centroid router fitted on ``routers`` (serving's router)."""
+    from serving.fleet.router import make_embedder
+    from trainer.router_fit import fit_router
+
+    emb = make_embedder(args.router_embedder)
+    router = fit_router(routers, emb, refine=False)
+    out = []
+    for start in tqdm(range(0, len(texts), 64), desc="routing", unit="batch", leave=False):
+        out += [r.cluster for r in router.route_batch(texts[start:start + 64])]
+    return out
+
+
+# ---------------------------------------------------------------- 8. grid
+GRID_FACTORS: dict[str, list] = {
+    "positions": ["rejected", "all"],
+    "lr": [5e-4, 1e-3, 3e-3],
+    "steps_per_update": [1, 4],
+    "replay": ["clear", "recent"],
+    "loss": ["fkl", "rkl", "jsd"],
+}
+
+
+def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp: Path, model_dir: Path) -> dict:
+    """The recipe grid: one factor at a time around the center (the trainer's current defaults),
+    then the best level of every factor together; and draft depth 2 vs 4 (layers of the target,
+    undistilled, both learning online with the best recipe). Ungated: the recipe is judged on the
+    probe α of the newest version after the traffic."""
+    traffic = [(s, s.prompt.domain) for s in interleave({d: v[:args.grid_requests] for d, v in streams.items()}, args.seed)]
+    center = online_config(args)
+    static = {d: probe(pair.draft, probes[d], args).alpha_token for d in DOMAINS}
+
+    def run(name: str, cfg: OnlineConfig, base=None, bdir=None) -> dict:
+        t0 = time.perf_counter()
+        res = learning_run(pair, bdir or base_dir, base if base is not None else pair.draft, traffic, probes, args, tmp,
+                           label=f"grid-{len(rows)}", ocfg=cfg, gate=False, audit=False)  # fmt: skip
+        alpha = {d: res["final"][d]["ungated"]["alpha_token"] for d in DOMAINS}
+        row = {"name": name, "config": _recipe(cfg), "alpha_token": alpha, "mean": statistics.fmean(alpha.values()),
+               "gain_vs_static": statistics.fmean(alpha[d] - static[d] for d in DOMAINS),
+               "trainer_cpu_s_per_request": res["trainer_cpu_s"] / len(traffic), "seconds": time.perf_counter() - t0}  # fmt: skip
+        rows.append(row)
+        log.warning("grid %-28s α %s mean %.3f (+%.3f vs static) %.2f s/request", name,
+                    " ".join(f"{d}={a:.3f}" for d, a in alpha.items()), row["mean"], row["gain_vs_static"],
+                    row["trainer_cpu_s_per_request"])  # fmt: skip
+        return row
+
+    rows: list[dict] = []
+    center_row = run("center (current defaults)", center)
+    best: dict[str, object] = {}
+    for factor, levels in GRID_FACTORS.items():
+        scores = {_level(center, factor): center_row["mean"]}
+        for level in levels:
+            if level == _level(center, factor):
+                continue
+            scores[level] = run(f"{factor}={level}", _with(center, factor, level))["mean"]
+        best[factor] = max(scores, key=lambda lv: (scores[lv], lv == _level(center, factor)))
+    combined = center
+    for factor, level in best.items():
+        combined = _with(combined, factor, level)
+    chosen = run("best of each factor", combined) if _recipe(combined) != _recipe(center) else center_row
+    depth = {}
+    n_target = int(pair.target.config.num_hidden_layers)
+    for layers in sorted({tuple(range(min(d, n_target))) for d in (2, 4)}):
+        ddir = undistilled_draft(pair, base_dir, layers, tmp)
+        d_model = load_model(ddir)
+        depth[len(layers)] = run(f"depth {len(layers)} (undistilled)", combined, base=d_model, bdir=ddir)
+        depth[len(layers)]["c"] = cost_ratio(pair.target, d_model, probes[DOMAINS[0]][0].prompt.token_ids)
+    costs = positions_cost(pair, streams, args)
+    return {"requests_per_domain": args.grid_requests, "static": static, "rows": rows, "best_levels": best,
+            "chosen": _recipe(combined), "chosen_mean": chosen["mean"], "center": _recipe(center),
+            "depth": {str(k): v for k, v in depth.items()}, "positions_cost": costs}  # fmt: skip
+
+
+def _level_of(recipe: dict, factor: str):
+    """A factor's level in a ``_recipe`` dict."""
+    return recipe[factor]
+
+
+def _level(cfg: OnlineConfig, factor: str):
+    return cfg.replay.policy if factor == "replay" else getattr(cfg, factor)
+
+
+def _with(cfg: OnlineConfig, factor: str, level) -> OnlineConfig:
+    if factor == "replay":
+        return replace(cfg, replay=ReplayConfig(policy=level, capacity=cfg.replay.capacity))
+    return replace(cfg, **{factor: level})
+
+
+def _recipe(cfg: OnlineConfig) -> dict:
+    return {"positions": cfg.positions, "lr": cfg.lr, "steps_per_update": cfg.steps_per_update,
+            "replay": cfg.replay.policy, "capacity": cfg.replay.capacity, "loss": cfg.loss, "interval": cfg.interval}  # fmt: skip
+
+
+def undistilled_draft(pair: ModelPair, base_dir: Path, layers: tuple[int, ...], tmp: Path) -> Path:
+    """A draft of ``layers`` of the target (the bootstrap's construction, before its distillation),
+    with the bootstrap draft's vocabulary and tokenizer files."""
+    from trainer.bootstrap.distill import init_draft
+
+    out = tmp / f"draft-{len(layers)}-layers"
+    if not out.exists():
+        init_draft(pair.target, layers).save_pretrained(out, safe_serialization=True)
+        for f in base_dir.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", "generation_config.json"):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+def positions_cost(pair: ModelPair, streams: dict, args) -> dict:
+    """What training at every position costs: bytes per MissRecord when serving logs every
+    position (against the rejected ones only), and seconds of the trainer's teacher forward."""
+    from serving.fleet.stream_logger import build_records
+    from streams import codec
+    from trainer.data import TargetTeacher
+
+    sample = [s for d in DOMAINS for s in streams[d][:8]]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    rejected_b, all_b = [], []
+    teacher = TargetTeacher(pair.target)
+    for i, s in enumerate(sample):
+        out = serve(pair.draft, s, args.k, args.max_new_tokens)
+        meta = RequestMeta(request_id=f"cost-{i}", cluster="c", draft_version="0")
+        miss, _ = build_records(s.prompt.token_ids, logged_result(s, out, pair.vocab_size), params, meta,
+                                vocab_size=pair.vocab_size)  # fmt: skip
+        rejected_b.append(len(codec.encode(miss)))
+        every = Outcome(out.accepted + len(s.output), out.accepted, out.steps, [(j, (t + 1) % pair.vocab_size, t) for j, t in enumerate(s.output)])
+        miss_all, _ = build_records(s.prompt.token_ids, logged_result(s, every, pair.vocab_size), params, meta,
+                                    vocab_size=pair.vocab_size)  # fmt: skip
+        all_b.append(len(codec.encode(miss_all)))
+        teacher(miss)
+    return {"records": len(sample), "bytes_rejected": statistics.fmean(rejected_b), "bytes_all": statistics.fmean(all_b),
+            "teacher_forward_s": teacher.seconds / max(1, teacher.forwards)}  # fmt: skip
+
+
+# ---------------------------------------------------------------- 9. report
+def summarise(report: dict) -> dict:
+    """The headline numbers (also for ``--replot``)."""
+    main = report["main"]
+    clusters = [d for d in DOMAINS if d in main["final"]]
+    arm = lambda name: {d: main["final"][d][name]["alpha_token"] for d in clusters}  # noqa: E731
+    static = {d: report["static"][d]["alpha_token"] for d in clusters}
+    offline = {d: report["offline"][d]["alpha_token"] for d in clusters}
+    gated, ungated = arm("gated"), arm("ungated")
+    gain = {d: gated[d] - static[d] for d in clusters}
+    frac = {d: (gated[d] - static[d]) / (offline[d] - static[d]) if offline[d] > static[d] else None for d in clusters}
+    promos = main["promotions"]
+    per_cluster = {d: sum(p["cluster"] == d for p in promos) for d in clusters}
+    shift = report.get("shift") or {}
+    out = {
+        "chat": True,
+        "distinct_prompts": bool(report.get("distinct_prompts")),
+        "clusters": clusters,
+        "requests_per_cluster": report["config"]["requests"],
+        "alpha_token_static": static,
+        "alpha_token_gated": gated,
+        "alpha_token_ungated": ungated,
+        "alpha_token_offline": offline,
+        "alpha_drafted_static": {d: report["static"][d]["alpha_drafted"] for d in clusters},
+        "alpha_drafted_gated": {d: main["final"][d]["gated"]["alpha_drafted"] for d in clusters},
+        "gain_gated": gain,
+        "gain_gated_min": min(gain.values()),
+        "gain_ungated_min": min(ungated[d] - static[d] for d in clusters),
+        "offline_fraction": frac,
+        "offline_fraction_min": min((f for f in frac.values() if f is not None), default=None),
+        "promotions": len(promos),
+        "promotions_per_cluster": per_cluster,
+        "worse_promotions": sum(p["worse_beyond_noise"] for p in promos),
+        "gate_candidates": len(main["gates"]),
+        "recovery_requests": shift.get("recovery", {}).get("requests"),
+        "routing_accuracy": report.get("routing", {}).get("accuracy"),
+        "routing_accuracy_user_only": report.get("routing", {}).get("accuracy_user_only"),
+        "engine_checks": {"n": len(report.get("engine_checks", [])),
+                          "identical": sum(c["identical"] for c in report.get("engine_checks", [])),
+                          "alpha_equal": sum(abs(c["alpha_engine"] - c["alpha_replayed"]) < 1e-9
+                                             for c in report.get("engine_checks", []))},
+        "trainer_cpu_s_per_request": main["trainer_cpu_s"] / max(1, len(main["rows"])),
+    }  # fmt: skip
+    if report.get("generic"):
+        g = report["generic"]
+        out["alpha_token_generic"] = {k: {d: g[k][d] for d in clusters} for k in ("static", "gated", "ungated")}
+    if report.get("speed"):
+        out["tokens_per_s_ratio"] = {d: report["speed"][d]["ratio_to_target"] for d in clusters if d in report["speed"]}
+    out["bars"] = {
+        "gain_gated_min >= 0.10": out["gain_gated_min"] >= GAIN_BAR,
+        "offline_fraction_min >= 0.8": (out["offline_fraction_min"] or 0) >= OFFLINE_FRACTION_BAR,
+        ">= 1 promotion per cluster": all(v >= 1 for v in per_cluster.values()),
+        "0 worse promotions": out["worse_promotions"] == 0,
+        "recovery <= 300 requests": out["recovery_requests"] is not None and out["recovery_requests"] <= RECOVERY_BAR,
+    }  # fmt: skip
+    return out
 
 
 def plot(report: dict, path: Path) -> None:
@@ -396,24 +781,44 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(f"{d} (distinct prompts)", report["single_domain"][d]) for d in DOMAINS]
-    panels.append(("shift: code → prose → code", report["shift"]))
-    if report.get("recurring"):
-        panels.append(("recurring prompts (memory), code", report["recurring"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 3.8), sharey=True)
-    for ax, (title, arms) in zip(axes, panels):
-        for name, arm in _arms(arms):
-            ax.plot(range(1, len(arm["curve"]) + 1), arm["curve"], label=name, lw=1.6, color=COLORS.get(name))
-            for p in arm.get("promotions", []):
-                ax.axvline(p["request"] + 1, color=COLORS.get(name, "grey"), alpha=0.15, lw=0.8)
-        for x in arms.get("boundaries", []):
-            ax.axvline(x, color="grey", ls=":", lw=1)
-        ax.set_title(title)
-        ax.set_xlabel("requests served")
+    main, clusters = report["main"], [d for d in DOMAINS if d in report["main"]["final"]]
+    panels = len(clusters) + (1 if report.get("shift") else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.9), sharey=True)
+    axes = list(axes) if panels > 1 else [axes]
+    for ax, d in zip(axes, clusters):
+        curve = main["curves"][d]
+        x = [p["requests"] for p in curve]
+        ax.plot(x, [p["gated"] for p in curve], "-o", ms=3, label="gated (served)", color=COLORS["gated"])
+        ax.plot(x, [p["ungated"] for p in curve], "-s", ms=3, label="ungated", color=COLORS["ungated"])
+        ax.axhline(report["static"][d]["alpha_token"], color=COLORS["static"], ls="--", label="static")
+        ax.axhline(report["offline"][d]["alpha_token"], color=COLORS["offline"], ls=":", label="offline (bound)")
+        if report.get("generic") and report["generic"].get("curves", {}).get(d):
+            gc = report["generic"]["curves"][d]
+            ax.plot([p["requests"] for p in gc], [p["ungated"] for p in gc], "-", color=COLORS["generic_ungated"],
+                    label="generic start, ungated")  # fmt: skip
+        served_idx = {}
+        for i, r in enumerate(main["rows"]):
+            if r["cluster"] == d:
+                served_idx[i] = len(served_idx) + 1
+        for p in main["promotions"]:
+            if p["cluster"] == d:
+                ax.axvline(served_idx.get(p["request"], 0), color=COLORS["gated"], alpha=0.25, lw=0.8)
+        ax.set_title(f"{d}: α on the held-out probe")
+        ax.set_xlabel(f"requests of the cluster served (promotions: {sum(p['cluster'] == d for p in main['promotions'])})")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"α (accepted / drafted, mean of last {WINDOW} requests)")
-    for ax in axes:
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=7, loc="lower right")
+    if report.get("shift"):
+        ax = axes[-1]
+        sh = report["shift"]
+        ax.plot(range(1, len(sh["gated_curve"]) + 1), sh["gated_curve"], label="gated", color=COLORS["gated"])
+        ax.plot(range(1, len(sh["ungated_curve"]) + 1), sh["ungated_curve"], label="ungated", color=COLORS["ungated"])
+        for b in sh["boundaries"]:
+            ax.axvline(b, color="grey", ls=":", lw=1)
+        ax.set_title(" → ".join(sh["domains"]) + " (one draft)")
+        ax.set_xlabel(f"requests served (α over the last {WINDOW})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("per-token α (OSD §3)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -421,127 +826,159 @@ def plot(report: dict, path: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    w = WINDOW
-    lines = [f"| domain | arm | α mean | α first {w} | α last {w} | versions served | promotions (worse beyond noise) |",
-             "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-
-    def row(domain: str, name: str, arm: dict) -> str:
-        s = arm["summary"]
-        promo = arm.get("promotions")
-        cell = "–" if promo is None else f"{len(promo)} ({sum(p['worse_beyond_noise'] for p in promo)})"
-        return (f"| {domain} | {name} | {s['alpha_mean']:.3f} | {s['alpha_first']:.3f} | {s['alpha_last']:.3f} "
-                f"| {s['versions_served']} | {cell} |")  # fmt: skip
-
-    for d in DOMAINS:
-        lines += [row(d, name, arm) for name, arm in _arms(report["single_domain"][d])]
-    lines += [row("shift", name, arm) for name, arm in _arms(report["shift"])]
-    if report.get("recurring"):
-        lines += [row("recurring (code)", name, arm) for name, arm in _arms(report["recurring"])]
-    if report.get("ablation"):
-        n = report["config"]["ablation_requests"]
-        lines += ["", f"Loss ablation (online, first {n} requests of each domain's stream, α over the last "
-                  f"{min(w, n)}; Table 1 style):", "", "| domain | static | online FKL | online RKL | online JSD[0.5] |",
-                  "|---|---:|---:|---:|---:|"]  # fmt: skip
-        for d in DOMAINS:
-            abl = report["ablation"][d]
-            lines.append(f"| {d} | " + " | ".join(f"{abl[k]['summary']['alpha_last']:.3f}"
-                                                  for k in ("static", "fkl", "rkl", "jsd")) + " |")  # fmt: skip
+    s = report["summary"]
+    clusters = s["clusters"]
+    gen = s.get("alpha_token_generic")
+    ratio = s.get("tokens_per_s_ratio", {})
+    head = "| cluster | static | gated | ungated | offline bound | gated gain | of offline gain | promotions |"
+    lines = [head + (" generic start → gated / ungated |" if gen else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gen else "")]  # fmt: skip
+    for d in clusters:
+        f = s["offline_fraction"][d]
+        line = (f"| {d} | {s['alpha_token_static'][d]:.3f} | {s['alpha_token_gated'][d]:.3f} | "
+                f"{s['alpha_token_ungated'][d]:.3f} | {s['alpha_token_offline'][d]:.3f} | {s['gain_gated'][d]:+.3f} | "
+                f"{'–' if f is None else f'{f:.2f}'} | {s['promotions_per_cluster'][d]} |")  # fmt: skip
+        if gen:
+            line += f" {gen['static'][d]:.3f} → {gen['gated'][d]:.3f} / {gen['ungated'][d]:.3f} |"
+        lines.append(line)
+    if ratio:
+        arms = list(next(iter(ratio.values())))
+        lines += ["", "Tokens/s of the draft method with each arm's final draft ÷ target-only (real engine, same probe "
+                  "prompts, interleaved):", "", "| cluster | " + " | ".join(arms) + " |",
+                  "|---|" + "---:|" * len(arms)]  # fmt: skip
+        for d in clusters:
+            lines.append(f"| {d} | " + " | ".join(f"{ratio[d][a]:.2f}x" for a in arms) + " |")
     return "\n".join(lines)
 
 
-def _n(x: int | None) -> str:
-    return "not reached" if x is None else str(x)
+def grid_markdown(g: dict) -> str:
+    lines = [f"Recipe grid: ungated, {g['requests_per_domain']} requests per domain (3 domains interleaved), per-token α "
+             "on the held-out probe after the traffic. Static: " +
+             ", ".join(f"{d} {a:.3f}" for d, a in g["static"].items()) + ".", "",
+             "| run | " + " | ".join(DOMAINS) + " | mean | gain vs static | trainer CPU s / request |",
+             "|---|" + "---:|" * (len(DOMAINS) + 3)]  # fmt: skip
+    for r in g["rows"]:
+        lines.append(f"| {r['name']} | " + " | ".join(f"{r['alpha_token'][d]:.3f}" for d in DOMAINS) +
+                     f" | {r['mean']:.3f} | {r['gain_vs_static']:+.3f} | {r['trainer_cpu_s_per_request']:.3f} |")  # fmt: skip
+    dp = g["depth"]
+    pc = g["positions_cost"]
+    lines += ["", "Chosen: " + ", ".join(f"`{k}={v}`" for k, v in g["chosen"].items()) + ".",
+              "Draft depth, with the chosen recipe from the target's own layers (undistilled): " +
+              "; ".join(f"{k} layers α {v['mean']:.3f}, c = {v['c']:.3f}" for k, v in dp.items()) + ".",
+              f"Training at every position costs, per request: {pc['bytes_all'] / 1024:.1f} KiB logged (against "
+              f"{pc['bytes_rejected'] / 1024:.1f} KiB for the rejected positions), or one target forward of "
+              f"{pc['teacher_forward_s'] * 1000:.0f} ms in the trainer (`trainer.data.TargetTeacher`)."]  # fmt: skip
+    return "\n".join(lines)
 
 
 def doc_section(report: dict, table: str, plot_rel: str) -> str:
     c, env, s = report["config"], report["environment"], report["summary"]
     checks = s["engine_checks"]
+    bars = s["bars"]
+    rec = s["recovery_requests"]
+    sh = report.get("shift") or {}
+    gen_note = (f" Generic start (a draft of the bootstrap's shape trained on hard labels only, never distilled from "
+                f"the target; {c.get('generic_requests')} requests per domain)." if report.get("generic") else "")  # fmt: skip
     return "\n".join([
         DOC_BEGIN,
-        "## Online distillation (`benchmarks/osd.py`)",
+        "## Online distillation on chat traffic (`benchmarks/osd.py`)",
         "",
         "Command:",
         "",
         f"    {report['command']}",
         "",
-        f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {env['threads']} torch threads, no GPU; commit "
-        f"{str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Target {c['target']}, draft "
-        f"`{c['base']}`. {c['requests']} **distinct** held-out prompts per domain, never served before "
-        f"(`distinct_prompts: {str(s['distinct_prompts']).lower()}`), {c['prompt_tokens']}-token prompts, up to "
-        f"{c['max_new_tokens']} new tokens, greedy, k = {c['k']}. Online: the trainer's defaults (I = {c['interval']}, "
-        f"{c['steps']} AdamW steps per update at lr {c['lr']}, replay `{c['replay']}` of {c['capacity']} requests, "
-        f"loss FKL), every version through the promotion gate (metric `{c['gate_metric']}`), promoted versions "
-        f"swapped in between requests; offline: forward KL on the target's top-{TOPK} at every output position, "
-        f"{c['offline_epochs']} epochs. Run time {report['elapsed_s'] / 60:.0f} min.",
+        f"Date {report['date'][:10]}; CPU {env.get('cpu_model', '?')}, {env['cpu_count']} cores, {env['threads']} torch "
+        f"threads, no GPU; commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Target "
+        f"{c['target']}, bootstrap draft. Traffic: **chat** requests (system + user message, chat template) in "
+        f"{len(s['clusters'])} domains the bootstrap never saw ({', '.join(s['clusters'])}), {c['requests']} "
+        f"**distinct** requests per domain (`distinct_prompts: {str(s['distinct_prompts']).lower()}`), arriving "
+        f"interleaved, routed by a MiniLM router fitted on {c['router_texts']} other prompts per domain (routing "
+        f"accuracy {s['routing_accuracy']:.3f}; {s['routing_accuracy_user_only']:.3f} on the user message alone), up "
+        f"to {c['max_new_tokens']} new tokens, greedy, k = {c['k']}. α is the paper's **per-token α** on a held-out "
+        f"probe of {c['probe']} never-served requests per domain. Trainer: {c['recipe']}. Offline bound: the "
+        f"bootstrap draft distilled on the same traffic at every position, {c['offline_epochs']} epochs.{gen_note} "
+        f"Run time {report['elapsed_s'] / 60:.0f} min.",
         "",
-        f"![α over requests]({plot_rel})",
+        f"![per-token α over requests]({plot_rel})",
         "",
         table,
         "",
-        f"On prompts never served before, online distillation moves α over the last {WINDOW} requests from "
-        f"{s['code_static']:.3f} to {s['code_online']:.3f} on code and from {s['prose_static']:.3f} to "
-        f"{s['prose_online']:.3f} on prose (offline upper bound, distilled on a disjoint stream of the same domain: "
-        f"{s['code_upper']:.3f} / {s['prose_upper']:.3f}). The paper reports gains of 0.1–0.65 in α for 7B/3B targets "
-        "with 160M/80M drafts.",
-        "",
         "| summary | value | bar |",
         "|---|---:|---:|",
-        f"| `alpha_gain_vs_static` (smallest over domains, last {WINDOW} requests, same requests) | "
-        f"{s['alpha_gain_vs_static']:+.3f} | ≥ +{GAIN_BAR:.2f} |",
-        f"| `requests_to_gain` (largest over domains: requests until the last {WINDOW} gain {GAIN_BAR:.2f}) | "
-        f"{_n(s['requests_to_gain'])} | ≤ 1000 |",
-        f"| `promotions` / `promotions_worse_beyond_noise` | {s['promotions']} / {s['promotions_worse_beyond_noise']} "
-        "| – / 0 |",
-        f"| `gap_to_offline_bound` (largest over domains) | {s['gap_to_offline_bound']:+.3f} | |",
-        f"| `recovery_requests` (largest over the two shifts) | {_n(s['recovery_requests'])} | |",
-        f"| `recurring_alpha_gain` (memory: 40 prompts served again and again) | "
-        f"{s['recurring_alpha_gain']:+.3f} | |" if s.get("recurring_alpha_gain") is not None else "| recurring | not run | |",
+        f"| `gain_gated_min` (gated − static, smallest over clusters) | {s['gain_gated_min']:+.3f} | ≥ +{GAIN_BAR:.2f} "
+        f"{'met' if bars['gain_gated_min >= 0.10'] else '**not met**'} |",
+        f"| `gain_ungated_min` | {s['gain_ungated_min']:+.3f} | |",
+        f"| `offline_fraction_min` (gated gain ÷ offline gain) | {s['offline_fraction_min'] if s['offline_fraction_min'] is None else round(s['offline_fraction_min'], 3)} "
+        f"| ≥ {OFFLINE_FRACTION_BAR} {'met' if bars['offline_fraction_min >= 0.8'] else '**not met**'} |",
+        f"| `promotions` (per cluster) | {s['promotions']} ({', '.join(f'{d} {n}' for d, n in s['promotions_per_cluster'].items())}) "
+        f"of {s['gate_candidates']} candidates | ≥ 1 per cluster {'met' if bars['>= 1 promotion per cluster'] else '**not met**'} |",
+        f"| `worse_promotions` (audited on the next {c['audit_window']} requests) | {s['worse_promotions']} | 0 "
+        f"{'met' if bars['0 worse promotions'] else '**not met**'} |",
+        f"| `recovery_requests` ({' → '.join(sh.get('domains', []))}: back within {RECOVERY_MARGIN} of the level before "
+        f"the switch) | {'not reached' if rec is None else rec} | ≤ {RECOVERY_BAR} "
+        f"{'met' if bars['recovery <= 300 requests'] else '**not met**'} |",
+        f"| `routing_accuracy` | {s['routing_accuracy']:.3f} | |",
         f"| `trainer_cpu_s_per_request` | {s['trainer_cpu_s_per_request']:.3f} | |",
         "",
-        f"Promotion audit: after each promotion, the promoted version and the one it replaced both served the next "
-        f"{c['audit_window']} requests of the stream (the same requests, paired); a promotion counts as *worse beyond "
-        "noise* when the 95 % interval of its α difference lies below zero. Engine check: every "
-        f"{c['check_every']}-th request of each online arm was also decoded by `SpecEngine`; "
-        f"{checks['identical']}/{checks['n']} outputs were identical to the target's, and the engine's α equalled the "
-        f"replayed one on {checks['alpha_equal']}/{checks['n']}.",
+        f"Engine check: every {c['check_every']}-th request was also decoded by `SpecEngine`; "
+        f"{checks['identical']}/{checks['n']} outputs identical to the target's, the engine's per-token α equal to "
+        f"the replayed one on {checks['alpha_equal']}/{checks['n']}.",
         DOC_END,
     ])  # fmt: skip
 
 
-# ---------------------------------------------------------------- 6. main
+# ---------------------------------------------------------------- 10. main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="Full run: about 1.5 h on 2 cores (target continuations cached after the first).")  # fmt: skip
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir with target/, draft/, manifest.json")
-    p.add_argument("--requests", type=int, default=None, help="distinct requests per domain (default 1000; 120 with --quick)")
-    p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--requests", type=int, default=None, help="distinct chat requests served per domain (default 1000; 120 with --quick)")
+    p.add_argument("--probe", type=int, default=None, help="held-out probe requests per domain (default 100; 40 with --quick)")
+    p.add_argument("--router-texts", type=int, default=None, help="prompts per domain the router is fitted on (default 100; 30 with --quick)")
+    p.add_argument("--router-embedder", default="minilm", help="router embedder (serving's: minilm)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 48; 32 with --quick)")
-    p.add_argument("--base", choices=("bootstrap", "generic"), default="bootstrap",
-                   help="starting draft: bootstrap = the bootstrap's draft/ (distilled on both domains, what serving "
-                   "ships); generic = the toy pair's draft shape on hard labels only (the paper's undistilled start)")  # fmt: skip
-    p.add_argument("--generic-steps", type=int, default=400, help="hard-label training steps of the generic draft")
     p.add_argument("--k", type=int, default=DEFAULT_K["draft"], help="draft tokens per step (the engine's default)")
-    p.add_argument("--interval", type=int, default=None, help="online update interval I (default: the trainer's)")
-    p.add_argument("--lr", type=float, default=None, help="online learning rate (default: the trainer's)")
+    p.add_argument("--interval", type=int, default=None, help="trainer: update interval I (default: the trainer's)")
+    p.add_argument("--lr", type=float, default=None, help="trainer: learning rate (default: the trainer's)")
+    p.add_argument("--steps", type=int, default=None, help="trainer: AdamW steps per update (default: the trainer's)")
+    p.add_argument("--loss", choices=("fkl", "rkl", "jsd"), default=None, help="trainer: loss (default: the trainer's)")
+    p.add_argument("--positions", choices=("rejected", "all"), default=None, help="trainer: positions trained (default: the trainer's)")
+    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default=None, help="trainer: replay policy (default: the trainer's)")
+    p.add_argument("--capacity", type=int, default=None, help="trainer: replay capacity (default: the trainer's)")
+    p.add_argument("--probe-every", type=int, default=None, help="measure the probe every N requests of a cluster (default 100; 40 with --quick)")
     p.add_argument("--offline-epochs", type=int, default=2, help="offline distillation epochs (the paper's 2)")
     p.add_argument("--offline-lr", type=float, default=1e-3, help="offline learning rate")
     p.add_argument("--offline-batch", type=int, default=8, help="sequences per offline step")
-    p.add_argument("--ablation-requests", type=int, default=None,
-                   help="requests per domain of the loss ablation (default 300; 0 with --quick; 0 skips it)")
-    p.add_argument("--recurring", type=int, default=None,
-                   help="requests of the recurring-prompts run, 40 code prompts drawn with replacement (default 300; "
-                   "60 with --quick; 0 skips it)")  # fmt: skip
-    p.add_argument("--audit-window", type=int, default=50, help="requests each promotion is audited on")
-    p.add_argument("--check-every", type=int, default=100, help="decode every N-th online request with the real engine too")
+    p.add_argument("--generic", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the loop from a generic (never distilled) draft (default: on; off with --quick)")
+    p.add_argument("--generic-requests", type=int, default=None, help="requests per domain of the generic run (default 300)")
+    p.add_argument("--generic-steps", type=int, default=400, help="hard-label training steps of the generic draft")
+    p.add_argument("--shift-requests", type=int, default=None,
+                   help="requests per segment of the sql -> math -> sql switch on one draft (default 400; 40 with --quick; 0 skips)")
+    p.add_argument("--audit-window", type=int, default=50, help="requests of its cluster each promotion is audited on")
+    p.add_argument("--check-every", type=int, default=100, help="decode every N-th request with the real engine too")
+    p.add_argument("--speed-prompts", type=int, default=None, help="probe prompts per domain timed with the real engine (default 6; 2 with --quick; 0 skips)")
+    p.add_argument("--grid", action="store_true", help="run the recipe grid (quick size: --grid-requests per domain) instead of the arms")
+    p.add_argument("--grid-requests", type=int, default=None, help="requests per domain of each grid run (default 100)")
     p.add_argument("--batch", type=int, default=16, help="prompts per batched target generation")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--quick", action="store_true", help="120 requests per domain, 32 new tokens, no ablation")
+    p.add_argument("--quick", action="store_true", help="120 requests per domain, 32 new tokens, no generic run")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "osd.png", help="PNG plot of α over requests")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
     p.add_argument("--no-doc", action="store_true", help="do not write the doc")
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",
                    help="re-derive the summary, plot, table and doc section from a saved --json report; runs nothing")  # fmt: skip
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    q = args.quick
+    for name, full, quick in (("requests", 1000, 120), ("probe", 100, 40), ("router_texts", 100, 30),
+                              ("max_new_tokens", 48, 32), ("probe_every", 100, 40), ("generic", True, False),
+                              ("generic_requests", 300, 60), ("shift_requests", 400, 40), ("speed_prompts", 6, 2),
+                              ("grid_requests", 100, 100)):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,147 +988,111 @@ def main(argv: list[str] | None = None) -> int:
         args.json = args.json or args.replot
         return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.requests = args.requests or (120 if args.quick else 1000)
-    args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 48)
-    args.ablation_requests = (0 if args.quick else 300) if args.ablation_requests is None else args.ablation_requests
-    args.recurring = (60 if args.quick else 300) if args.recurring is None else args.recurring
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model_dir = Path(args.model_dir)
-    # Learning is measured in float32, the precision the trainer trains and evaluates in (serving's
-    # bfloat16 draft, serving.engine.models, moves acceptance by less than this benchmark's noise).
+    # Learning is measured in float32, the precision the trainer trains and evaluates in.
     pair = load_model_dir(model_dir, draft_dtype="float32")
     base_dir = model_dir / "draft"
-    if args.base == "generic":  # the paper's setting: a draft never distilled from the target
-        from trainer.bootstrap.generic import build_generic_draft
-
-        base_dir = build_generic_draft(model_dir, steps=args.generic_steps)
-        pair = ModelPair(target=pair.target, draft=load_model(base_dir), tokenizer=pair.tokenizer,
-                         tokenizer_sha256=pair.tokenizer_sha256)  # fmt: skip
-    cache = model_dir / "cache" / "osd"
-
-    # 1. distinct prompts: the served stream, a disjoint twin stream, a recurring pool
-    n, twin_n = args.requests, max(1, args.requests // 2)
-    streams, twins, pools = {}, {}, {}
-    for d in DOMAINS:
-        prompts = distinct_prompts(model_dir, pair.tokenizer, d, n + twin_n + 40, num_tokens=args.prompt_tokens, seed=7)
-        if len(prompts) < n + twin_n + 40:
-            log.warning("%s: only %d distinct held-out prompts; the streams are shorter", d, len(prompts))
-        k_served = max(1, (len(prompts) - 40) * n // (n + twin_n))
-        served = continuations(pair, prompts, args.max_new_tokens, cache, args.batch)
-        streams[d], twins[d], pools[d] = served[:k_served], served[k_served:len(prompts) - 40], served[len(prompts) - 40:]
-    n = min(len(v) for v in streams.values())
-    streams = {d: v[:n] for d, v in streams.items()}
-    everything = [s for d in DOMAINS for s in (*streams[d], *twins[d], *pools[d])]
-    distinct = len({tuple(s.prompt.token_ids) for s in everything}) == len(everything)
-
-    report: dict = {"single_domain": {}, "ablation": {}, "shift": {}, "recurring": {}}
-    checks: list[dict] = []
+    streams, probes, routers, distinct = build_workload(pair, args, model_dir)
+    command = " ".join([".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    env = {**environment(), "cpu_model": _cpu_model()}
     with tempfile.TemporaryDirectory(prefix="specops-osd-") as tmp_s:
         tmp = Path(tmp_s)
-        for d in DOMAINS:  # 2. single domain
-            stream = streams[d]
-            arms: dict[str, dict] = {}
-            static = static_arm(pair.draft, stream, args, f"{d}/static")
-            arms["static"] = arm_stats(static)
-            tenth = stream[:max(1, len(stream) // 10)]
-            arms["offline_10pct"] = arm_stats(static_arm(offline_distill(pair.draft, tenth, args, f"{d}/offline 10%"),
-                                                         stream, args, f"{d}/offline_10pct"))  # fmt: skip
-            on = online_arm(pair, base_dir, stream, args, tmp, label=f"{d}-online", loss="fkl")
-            checks += on["checks"]
-            arms["online"] = arm_stats(on["rows"], promotions=on["promotions"], gates=on["gates"],
-                                       trainer_cpu_s=on["trainer_cpu_s"])  # fmt: skip
-            arms["offline_upper"] = arm_stats(static_arm(offline_distill(pair.draft, twins[d], args, f"{d}/offline twin"),
-                                                         stream, args, f"{d}/offline_upper"))  # fmt: skip
-            report["single_domain"][d] = arms
-            report["single_domain"][d]["requests_to_gain"] = requests_to_gain(
-                [r["alpha"] for r in on["rows"]], [r["alpha"] for r in static])
-            if args.ablation_requests:  # loss ablation on the first requests of the stream
-                sub = stream[:args.ablation_requests]
-                abl = {"static": arm_stats(static[:len(sub)]), "fkl": arm_stats(on["rows"][:len(sub)])}
-                for loss in ("rkl", "jsd"):
-                    run = online_arm(pair, base_dir, sub, args, tmp, label=f"{d}-online_{loss}", loss=loss, audit=False)
-                    abl[loss] = arm_stats(run["rows"])
-                report["ablation"][d] = abl
-        # 3. code -> prose -> code: one draft, the second code segment on other prompts
-        seg = n // 2
-        shifted = streams["code"][:seg] + streams["prose"][:seg] + streams["code"][seg:2 * seg]
-        on = online_arm(pair, base_dir, shifted, args, tmp, label="shift-online", loss="fkl", cluster="shift")
-        checks += on["checks"]
-        report["shift"] = {"static": arm_stats(static_arm(pair.draft, shifted, args, "shift/static")),
-                           "online": arm_stats(on["rows"], promotions=on["promotions"], gates=on["gates"]),
-                           "boundaries": [seg, 2 * seg], "domains": ["code", "prose", "code"]}  # fmt: skip
-        if args.recurring:  # 4. memory: 40 code prompts drawn with replacement
-            rng = random.Random(3)
-            rec = [rng.choice(pools["code"]) for _ in range(args.recurring)]
-            on = online_arm(pair, base_dir, rec, args, tmp, label="recurring-online", loss="fkl", audit=False,
-                            cluster="recurring")  # fmt: skip
-            report["recurring"] = {"static": arm_stats(static_arm(pair.draft, rec, args, "recurring/static")),
-                                   "online": arm_stats(on["rows"])}  # fmt: skip
+        if args.grid:
+            g = grid(pair, base_dir, streams, probes, args, tmp, model_dir)
+            g.update({"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "environment": env, "distinct_prompts": distinct, "elapsed_s": time.perf_counter() - started})  # fmt: skip
+            text = grid_markdown(g)
+            print(text)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(g, indent=1))
+            if not args.no_doc:
+                write_doc_section(args.doc, GRID_BEGIN, GRID_END, "\n".join([
+                    GRID_BEGIN, "### The recipe grid (`benchmarks/osd.py --grid`)", "", "Command:", "", f"    {command}", "",
+                    f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.", "", text, GRID_END]))  # fmt: skip
+            return 0
+        report: dict = {"distinct_prompts": distinct}
+        # routing: every served and probe request by serving's router; the user message alone as a harder check
+        texts = [(pair.tokenizer.decode(s.prompt.token_ids), s.prompt.domain) for d in DOMAINS for s in streams[d] + probes[d]]
+        routed = route(routers, [t for t, _ in texts], args)
+        user_only = route(routers, [s.prompt.text for d in DOMAINS for s in probes[d]], args)
+        truth_user = [d for d in DOMAINS for _ in probes[d]]
+        report["routing"] = {"accuracy": statistics.fmean(r == d for r, (_, d) in zip(routed, texts)),
+                             "accuracy_user_only": statistics.fmean(r == d for r, d in zip(user_only, truth_user)),
+                             "requests": len(texts)}  # fmt: skip
+        cluster_of = {tuple(s.prompt.token_ids): r for (s, r) in zip([s for d in DOMAINS for s in streams[d] + probes[d]], routed)}
+        arrivals = interleave(streams, args.seed)
+        traffic = [(s, cluster_of[tuple(s.prompt.token_ids)]) for s in arrivals]
+        ocfg = online_config(args)
+        report["static"] = {d: probe(pair.draft, probes[d], args).to_dict() for d in DOMAINS}
+        main_run = learning_run(pair, base_dir, pair.draft, traffic, probes, args, tmp, label="main", ocfg=ocfg,
+                                probe_every=args.probe_every)  # fmt: skip
+        report["main"] = {k: v for k, v in main_run.items() if k != "drafts"}
+        report["engine_checks"] = main_run["checks"]
+        offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}
+        report["offline"] = {d: probe(offline[d], probes[d], args).to_dict() for d in DOMAINS}
+        if args.speed_prompts:
+            report["speed"] = {d: speed(pair, {"static": pair.draft, "gated": main_run["drafts"]["gated"][d],
+                                               "ungated": main_run["drafts"]["ungated"][d], "offline": offline[d]},
+                                        probes[d][:args.speed_prompts], args) for d in DOMAINS if d in main_run["drafts"]["gated"]}  # fmt: skip
+        if args.generic:
+            from trainer.bootstrap.generic import build_generic_draft
+
+            gdir = build_generic_draft(model_dir, steps=args.generic_steps)
+            gdraft = load_model(gdir)
+            gtraffic = [(s, s.prompt.domain) for s in interleave({d: v[:args.generic_requests] for d, v in streams.items()},
+                                                                args.seed)]  # fmt: skip
+            grun = learning_run(pair, gdir, gdraft, gtraffic, probes, args, tmp, label="generic", ocfg=ocfg,
+                                probe_every=args.probe_every, audit=False)  # fmt: skip
+            report["generic"] = {"static": {d: probe(gdraft, probes[d], args).alpha_token for d in DOMAINS},
+                                 "gated": {d: grun["final"][d]["gated"]["alpha_token"] for d in DOMAINS},
+                                 "ungated": {d: grun["final"][d]["ungated"]["alpha_token"] for d in DOMAINS},
+                                 "promotions": len(grun["gates"]) and sum(g["promoted"] for g in grun["gates"]),
+                                 "curves": grun["curves"]}  # fmt: skip
+        if args.shift_requests:
+            n = min(args.shift_requests, args.requests // 2)
+            a, b = DOMAINS[0], DOMAINS[1]
+            seq = streams[a][:n] + streams[b][:n] + streams[a][n:2 * n]
+            srun = learning_run(pair, base_dir, pair.draft, [(s, "shift") for s in seq], {}, args, tmp, label="shift",
+                                ocfg=ocfg, audit=False)  # fmt: skip
+            rows = srun["rows"]
+            before = rows[max(0, n - WINDOW):n]
+            ref = pooled(before)
+            report["shift"] = {
+                "domains": [a, b, a], "boundaries": [n, 2 * n], "reference": ref,
+                "gated_curve": moving(rows), "ungated_curve": moving(rows, "u_"),
+                "recovery": {"requests": recovery(rows, 2 * n, 3 * n, ref), "reference": ref,
+                             "ungated_requests": recovery(rows, 2 * n, 3 * n, pooled([{"accepted": r["u_accepted"], "rejected": r["u_rejected"]} for r in before]), prefix="u_")},
+                "promotions": sum(g["promoted"] for g in srun["gates"]),
+            }  # fmt: skip
     report.update({
-        "command": " ".join([".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
+        "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": {"target": target_name(model_dir), "base": args.base, "requests": n, "twin_requests": twin_n,
-                   "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens, "k": args.k,
-                   **_trainer_defaults(args), "offline_epochs": args.offline_epochs, "offline_lr": args.offline_lr,
-                   "ablation_requests": args.ablation_requests, "recurring_requests": args.recurring,
+        "config": {"target": target_name(model_dir), "requests": args.requests, "probe": args.probe,
+                   "router_texts": args.router_texts, "max_new_tokens": args.max_new_tokens, "k": args.k,
+                   "recipe": ", ".join(f"{k} {v}" for k, v in _recipe(ocfg).items()),
+                   "offline_epochs": args.offline_epochs, "offline_lr": args.offline_lr,
+                   "generic_requests": args.generic_requests if args.generic else None,
                    "audit_window": args.audit_window, "check_every": args.check_every, "window": WINDOW,
                    "gate_metric": PromoteConfig().metric},
-        "distinct_prompts": distinct,
-        "engine_checks": checks,
-        "environment": environment(),
+        "environment": env,
         "elapsed_s": time.perf_counter() - started,
     })  # fmt: skip
     return finish(report, args)
 
 
-def _trainer_defaults(args) -> dict:
-    c = OnlineConfig(**({"lr": args.lr} if args.lr else {}), **({"interval": args.interval} if args.interval else {}))
-    return {"interval": c.interval, "steps": c.steps_per_update, "lr": c.lr, "replay": c.replay.policy,
-            "capacity": c.replay.capacity}  # fmt: skip
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
 
-
-def summarise(report: dict) -> dict:
-    """The headline numbers, derived from the per-request α of each arm (also for ``--replot``)."""
-    sd, w = report["single_domain"], WINDOW
-    last = lambda d, arm: sd[d][arm]["summary"]["alpha_last"]  # noqa: E731
-
-    def paired_gain(d: str) -> float:
-        on, st = sd[d]["online"]["alphas"], sd[d]["static"]["alphas"]
-        return statistics.fmean(on[-w:]) - statistics.fmean(st[-w:])
-
-    sh = report["shift"]
-    alphas, (b1, b2) = sh["online"]["alphas"], sh["boundaries"]
-    single = {d: sd[d]["online"]["summary"]["alpha_last"] for d in DOMAINS}
-    code_before = statistics.fmean(alphas[max(0, b1 - w):b1]) if b1 else None
-    rec = [recovery(alphas, b1, b2, single["prose"]), recovery(alphas, b2, len(alphas), code_before or single["code"])]
-    sh["recovery"] = [{"shift_at": b1, "to": "prose", "reference": single["prose"], "requests": rec[0]},
-                      {"shift_at": b2, "to": "code", "reference": code_before, "requests": rec[1]}]  # fmt: skip
-    promos = [p for d in DOMAINS for p in sd[d]["online"].get("promotions", [])] + sh["online"].get("promotions", [])
-    to_gain = [sd[d].get("requests_to_gain") for d in DOMAINS]
-    checks = report.get("engine_checks", [])
-    cpu = sum(sd[d]["online"].get("trainer_cpu_s", 0.0) for d in DOMAINS)
-    reqs = sum(sd[d]["online"]["summary"]["requests"] for d in DOMAINS)
-    recurring = report.get("recurring") or {}
-    return {
-        "distinct_prompts": bool(report.get("distinct_prompts")),
-        "alpha_gain_vs_static": min(paired_gain(d) for d in DOMAINS),
-        "requests_to_gain": None if None in to_gain else max(to_gain),
-        "gain_bar_met": min(paired_gain(d) for d in DOMAINS) >= GAIN_BAR and None not in to_gain,
-        "promotions": len(promos),
-        "promotions_worse_beyond_noise": sum(p["worse_beyond_noise"] for p in promos),
-        "gap_to_offline_bound": max(last(d, "offline_upper") - last(d, "online") for d in DOMAINS),
-        "recovery_requests": None if None in rec else max(rec),
-        "recurring_alpha_gain": (recurring["online"]["summary"]["alpha_last"] - recurring["static"]["summary"]["alpha_last"]
-                                 if recurring else None),
-        "trainer_cpu_s_per_request": cpu / reqs if reqs else 0.0,
-        "engine_checks": {"n": len(checks), "identical": sum(c["identical"] for c in checks),
-                          "alpha_equal": sum(abs(c["alpha_engine"] - c["alpha_replayed"]) < 1e-9 for c in checks)},
-        **{f"{d}_{name}": last(d, arm) for d in DOMAINS for name, arm in
-           (("static", "static"), ("online", "online"), ("offline10", "offline_10pct"), ("upper", "offline_upper"))},
-        "shift_static": sh["static"]["summary"]["alpha_mean"],
-        "shift_online": sh["online"]["summary"]["alpha_mean"],
-    }  # fmt: skip
+    return platform.processor() or "unknown"
 
 
 def finish(report: dict, args: argparse.Namespace) -> int:

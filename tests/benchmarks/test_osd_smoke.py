@@ -1,5 +1,6 @@
-"""The OSD benchmark runs end to end on a tiny bootstrap (α values are never asserted), and its
-replay of a request is the engine's step rule."""
+"""The OSD benchmark runs end to end on a tiny bootstrap with the chat workload (α values are
+never asserted: the tiny models are random), its grid mode runs at tiny size, and its replay
+of a request is the engine's step rule."""
 
 from __future__ import annotations
 
@@ -9,32 +10,59 @@ import pytest
 
 from benchmarks import osd
 
+SUMMARY_KEYS = {"chat", "distinct_prompts", "clusters", "alpha_token_static", "alpha_token_gated", "alpha_token_ungated",
+                "alpha_token_offline", "gain_gated_min", "offline_fraction_min", "promotions", "worse_promotions",
+                "recovery_requests", "routing_accuracy"}  # fmt: skip
+
 
 @pytest.mark.slow
 def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
     out, doc, png = tmp_path / "osd.json", tmp_path / "benchmarks.md", tmp_path / "img" / "osd.png"
-    argv = ["--model-dir", str(tiny_models), "--requests", "8", "--max-new-tokens", "6", "--prompt-tokens", "16",
-            "--interval", "2", "--offline-epochs", "1", "--ablation-requests", "4", "--recurring", "4",
-            "--audit-window", "2", "--check-every", "3", "--json", str(out), "--plot", str(png), "--doc", str(doc)]  # fmt: skip
+    argv = ["--model-dir", str(tiny_models), "--requests", "10", "--probe", "3", "--router-texts", "3",
+            "--max-new-tokens", "6", "--interval", "2", "--probe-every", "5", "--offline-epochs", "1",
+            "--generic-requests", "4", "--generic-steps", "2", "--shift-requests", "5", "--audit-window", "2",
+            "--check-every", "7", "--speed-prompts", "1", "--json", str(out), "--plot", str(png), "--doc", str(doc)]  # fmt: skip
     assert osd.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["distinct_prompts"] is True and report["summary"]["distinct_prompts"] is True
-    for d in osd.DOMAINS:
-        arms = report["single_domain"][d]
-        assert {k for k, v in arms.items() if isinstance(v, dict)} == {"static", "offline_10pct", "online", "offline_upper"}
-        assert set(report["ablation"][d]) == {"static", "fkl", "rkl", "jsd"}
-        assert arms["online"]["gates"], "the trainer produced candidates and the gate judged them"
-        assert len(arms["static"]["curve"]) == report["config"]["requests"]
-    assert report["shift"]["boundaries"] == [4, 8] and len(report["shift"]["recovery"]) == 2
-    assert set(report["recurring"]) == {"static", "online"}
     s = report["summary"]
-    for key in ("alpha_gain_vs_static", "gap_to_offline_bound", "trainer_cpu_s_per_request"):
-        assert isinstance(s[key], float), key
-    assert s["trainer_cpu_s_per_request"] > 0 and "recovery_requests" in s and "requests_to_gain" in s
+    assert SUMMARY_KEYS <= set(s)
+    assert s["chat"] is True and s["distinct_prompts"] is True and s["clusters"] == list(osd.DOMAINS)
+    for key in ("alpha_token_static", "alpha_token_gated", "alpha_token_ungated", "alpha_token_offline"):
+        assert set(s[key]) == set(osd.DOMAINS) and all(0.0 <= v <= 1.0 for v in s[key].values()), key
+    assert 0.0 <= s["routing_accuracy"] <= 1.0 and report["routing"]["requests"] == 3 * (10 + 3)
+    main = report["main"]
+    assert len(main["rows"]) == 30 and main["gates"], "the trainer produced candidates and the gate judged them"
+    for d in osd.DOMAINS:
+        assert [p["requests"] for p in main["curves"][d]][:3] == [0, 5, 10]  # the probe before, and every 5 requests
+    assert report["shift"]["boundaries"] == [5, 10] and report["shift"]["domains"] == ["sql", "math", "sql"]
+    assert set(report["generic"]) >= {"static", "gated", "ungated"}
+    assert set(s["tokens_per_s_ratio"]["sql"]) == {"static", "gated", "ungated", "offline"}
     checks = s["engine_checks"]
-    assert checks["n"] >= 2 and checks["identical"] == checks["n"] and checks["alpha_equal"] == checks["n"]
+    assert checks["n"] >= 3 and checks["identical"] == checks["n"] and checks["alpha_equal"] == checks["n"]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert osd.DOC_BEGIN in doc.read_text() and "img/osd.png" in doc.read_text()
+    # --replot re-derives everything from the JSON alone
+    assert osd.main(["--replot", str(out), "--plot", str(png), "--doc", str(doc)]) == 0
+
+
+@pytest.mark.slow
+def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
+    out, doc = tmp_path / "grid.json", tmp_path / "benchmarks.md"
+    argv = ["--model-dir", str(tiny_models), "--grid", "--grid-requests", "4", "--requests", "4", "--probe", "2",
+            "--router-texts", "1", "--max-new-tokens", "5", "--interval", "2", "--check-every", "0",
+            "--json", str(out), "--doc", str(doc)]  # fmt: skip
+    assert osd.main(argv) == 0
+    g = json.loads(out.read_text())
+    names = [r["name"] for r in g["rows"]]
+    assert names[0].startswith("center")
+    for factor, levels in osd.GRID_FACTORS.items():  # every level of every factor was run (the center's once)
+        for level in levels:
+            assert any(n == f"{factor}={level}" for n in names) or osd._level_of(g["center"], factor) == level, (factor, level)
+    assert set(g["chosen"]) >= {"positions", "lr", "steps_per_update", "replay", "loss"}
+    assert g["depth"] and all(v["c"] > 0 for v in g["depth"].values())
+    pc = g["positions_cost"]
+    assert pc["bytes_all"] > pc["bytes_rejected"] > 0 and pc["teacher_forward_s"] > 0
+    assert osd.GRID_BEGIN in doc.read_text()
 
 
 @pytest.mark.parametrize("pred, output, k, max_new, want", [

@@ -605,33 +605,67 @@ GRID_FACTORS: dict[str, list] = {
     "replay": ["clear", "recent"],
     "loss": ["fkl", "rkl", "jsd"],
 }
+GRID_CENTER = {"positions": "rejected", "lr": 5e-4, "steps_per_update": 1, "replay": "clear", "loss": "fkl"}
+"""The grid's center: OSD Algorithm 1 as the paper runs it (the rejected positions, the buffer
+cleared after each update, one step per update at 5e-4, forward KL). Each other run moves one
+factor from it; the last combines the best level of each."""
+
+
+GRID_BUDGET_S = 0.6
+"""Trainer CPU seconds per request a default recipe may cost. The trainer must keep pace with
+the traffic on the cores it is given (in the demo, one of two): serving a 48-token chat
+request takes 2-3 s of one core on this machine, and a trainer that needs more than about a
+fifth of that per request falls behind as traffic grows."""
 
 
 def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp: Path, model_dir: Path) -> dict:
-    """The recipe grid: one factor at a time around the center (the trainer's current defaults),
-    then the best level of every factor together; and draft depth 2 vs 4 (layers of the target,
-    undistilled, both learning online with the best recipe). Ungated: the recipe is judged on the
-    probe α of the newest version after the traffic."""
+    """The recipe grid: one factor at a time around the center (:data:`GRID_CENTER`), then the
+    best level of every factor together (and, when that exceeds :data:`GRID_BUDGET_S`, the same
+    with the buffer cleared); the chosen recipe is the best probe α within the budget. Then draft
+    depth 2 vs 4 (layers of the target, undistilled) learning online with it, with c. Ungated:
+    a recipe is judged on the probe α of the newest version after the traffic. Rows already in
+    ``--grid-reuse`` (same recipe, same traffic size) are taken from it, not run again."""
     traffic = [(s, s.prompt.domain) for s in interleave({d: v[:args.grid_requests] for d, v in streams.items()}, args.seed)]
     center = online_config(args)
+    for factor, level in GRID_CENTER.items():
+        center = _with(center, factor, level)
     static = {d: probe(pair.draft, probes[d], args).alpha_token for d in DOMAINS}
+    reuse = []
+    if args.grid_reuse and args.grid_reuse.exists():
+        old = json.loads(args.grid_reuse.read_text())
+        if old.get("requests_per_domain") == args.grid_requests:
+            reuse = old.get("rows", [])
+    rows: list[dict] = []
+    out = {"requests_per_domain": args.grid_requests, "static": static, "rows": rows, "center": _recipe(center),
+           "budget_s_per_request": GRID_BUDGET_S}  # fmt: skip
 
-    def run(name: str, cfg: OnlineConfig, base=None, bdir=None) -> dict:
-        t0 = time.perf_counter()
-        res = learning_run(pair, bdir or base_dir, base if base is not None else pair.draft, traffic, probes, args, tmp,
-                           label=f"grid-{len(rows)}", ocfg=cfg, gate=False, audit=False)  # fmt: skip
-        alpha = {d: res["final"][d]["ungated"]["alpha_token"] for d in DOMAINS}
-        row = {"name": name, "config": _recipe(cfg), "alpha_token": alpha, "mean": statistics.fmean(alpha.values()),
-               "gain_vs_static": statistics.fmean(alpha[d] - static[d] for d in DOMAINS),
-               "trainer_cpu_s_per_request": res["trainer_cpu_s"] / len(traffic), "seconds": time.perf_counter() - t0}  # fmt: skip
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({**out, "partial": True}, indent=1))
+
+    def run(name: str, cfg: OnlineConfig, base=None, bdir=None, key: str = "") -> dict:
+        recipe = {**_recipe(cfg), **({"base": key} if key else {})}
+        hit = next((r for r in reuse if r.get("config") == recipe), None)
+        if hit is not None:
+            row = {**hit, "name": name, "reused_from": str(args.grid_reuse)}
+        else:
+            t0 = time.perf_counter()
+            res = learning_run(pair, bdir or base_dir, base if base is not None else pair.draft, traffic, probes, args,
+                               tmp, label=f"grid-{len(rows)}", ocfg=cfg, gate=False, audit=False)  # fmt: skip
+            alpha = {d: res["final"][d]["ungated"]["alpha_token"] for d in DOMAINS}
+            row = {"name": name, "config": recipe, "alpha_token": alpha, "mean": statistics.fmean(alpha.values()),
+                   "gain_vs_static": statistics.fmean(alpha[d] - static[d] for d in DOMAINS),
+                   "trainer_cpu_s_per_request": res["trainer_cpu_s"] / len(traffic),
+                   "seconds": time.perf_counter() - t0}  # fmt: skip
         rows.append(row)
-        log.warning("grid %-28s α %s mean %.3f (+%.3f vs static) %.2f s/request", name,
-                    " ".join(f"{d}={a:.3f}" for d, a in alpha.items()), row["mean"], row["gain_vs_static"],
+        save()
+        log.warning("grid %-34s α %s mean %.3f (%+.3f vs static) %.2f s/request", name,
+                    " ".join(f"{d}={a:.3f}" for d, a in row["alpha_token"].items()), row["mean"], row["gain_vs_static"],
                     row["trainer_cpu_s_per_request"])  # fmt: skip
         return row
 
-    rows: list[dict] = []
-    center_row = run("center (current defaults)", center)
+    center_row = run("center (OSD Algorithm 1)", center)
     best: dict[str, object] = {}
     for factor, levels in GRID_FACTORS.items():
         scores = {_level(center, factor): center_row["mean"]}
@@ -643,18 +677,36 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
     combined = center
     for factor, level in best.items():
         combined = _with(combined, factor, level)
-    chosen = run("best of each factor", combined) if _recipe(combined) != _recipe(center) else center_row
+    candidates = [(center_row, center)]
+    if _recipe(combined) != _recipe(center):
+        candidates.append((run("best of each factor", combined), combined))
+        if candidates[-1][0]["trainer_cpu_s_per_request"] > GRID_BUDGET_S and combined.replay.policy != center.replay.policy:
+            cleared = _with(combined, "replay", center.replay.policy)
+            candidates.append((run(f"best of each factor, replay={center.replay.policy}", cleared), cleared))
+    for r in rows:  # every measured one-factor run is a candidate too
+        if r not in [c[0] for c in candidates] and "config" in r and "base" not in r["config"]:
+            candidates.append((r, _from_recipe(center, r["config"])))
+    within = [c for c in candidates if c[0]["trainer_cpu_s_per_request"] <= GRID_BUDGET_S] or candidates
+    chosen_row, chosen = max(within, key=lambda c: c[0]["mean"])
     depth = {}
     n_target = int(pair.target.config.num_hidden_layers)
     for layers in sorted({tuple(range(min(d, n_target))) for d in (2, 4)}):
         ddir = undistilled_draft(pair, base_dir, layers, tmp)
         d_model = load_model(ddir)
-        depth[len(layers)] = run(f"depth {len(layers)} (undistilled)", combined, base=d_model, bdir=ddir)
+        depth[len(layers)] = run(f"depth {len(layers)} (undistilled)", chosen, base=d_model, bdir=ddir,
+                                 key=f"undistilled-{len(layers)}")  # fmt: skip
         depth[len(layers)]["c"] = cost_ratio(pair.target, d_model, probes[DOMAINS[0]][0].prompt.token_ids)
-    costs = positions_cost(pair, streams, args)
-    return {"requests_per_domain": args.grid_requests, "static": static, "rows": rows, "best_levels": best,
-            "chosen": _recipe(combined), "chosen_mean": chosen["mean"], "center": _recipe(center),
-            "depth": {str(k): v for k, v in depth.items()}, "positions_cost": costs}  # fmt: skip
+    out.update({"best_levels": best, "chosen": _recipe(chosen), "chosen_name": chosen_row["name"],
+                "chosen_mean": chosen_row["mean"], "depth": {str(k): v for k, v in depth.items()},
+                "positions_cost": positions_cost(pair, streams, args)})  # fmt: skip
+    return out
+
+
+def _from_recipe(center: OnlineConfig, recipe: dict) -> OnlineConfig:
+    cfg = center
+    for factor in GRID_FACTORS:
+        cfg = _with(cfg, factor, recipe[factor])
+    return cfg
 
 
 def _level_of(recipe: dict, factor: str):
@@ -862,7 +914,8 @@ def grid_markdown(g: dict) -> str:
                      f" | {r['mean']:.3f} | {r['gain_vs_static']:+.3f} | {r['trainer_cpu_s_per_request']:.3f} |")  # fmt: skip
     dp = g["depth"]
     pc = g["positions_cost"]
-    lines += ["", "Chosen: " + ", ".join(f"`{k}={v}`" for k, v in g["chosen"].items()) + ".",
+    lines += ["", f"Chosen (best probe α within {g['budget_s_per_request']} trainer CPU s per request): "
+              f"{g['chosen_name']}: " + ", ".join(f"`{k}={v}`" for k, v in g["chosen"].items()) + ".",
               "Draft depth, with the chosen recipe from the target's own layers (undistilled): " +
               "; ".join(f"{k} layers α {v['mean']:.3f}, c = {v['c']:.3f}" for k, v in dp.items()) + ".",
               f"Training at every position costs, per request: {pc['bytes_all'] / 1024:.1f} KiB logged (against "
@@ -958,8 +1011,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--audit-window", type=int, default=50, help="requests of its cluster each promotion is audited on")
     p.add_argument("--check-every", type=int, default=100, help="decode every N-th request with the real engine too")
     p.add_argument("--speed-prompts", type=int, default=None, help="probe prompts per domain timed with the real engine (default 6; 2 with --quick; 0 skips)")
+    p.add_argument("--prepare", action="store_true",
+                   help="only build the workload and cache the target's continuations (the slow first step), then exit")
+    p.add_argument("--parts", default="main,offline,speed,generic,shift",
+                   help="which parts to run (comma-separated): two processes can share the work, then --merge their JSONs")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="merge the --json reports of runs of different --parts (the first one's command and config "
+                   "lead), then write the summary, plot, JSON and doc as one run; runs nothing")  # fmt: skip
     p.add_argument("--grid", action="store_true", help="run the recipe grid (quick size: --grid-requests per domain) instead of the arms")
-    p.add_argument("--grid-requests", type=int, default=None, help="requests per domain of each grid run (default 100)")
+    p.add_argument("--grid-reuse", type=Path, default=None, metavar="JSON",
+                   help="a (partial) --grid JSON whose rows are reused where the recipe and traffic size match")
+    p.add_argument("--grid-requests", type=int, default=None, help="requests per domain of each grid run (default 80)")
     p.add_argument("--batch", type=int, default=16, help="prompts per batched target generation")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -975,7 +1037,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, full, quick in (("requests", 1000, 120), ("probe", 100, 40), ("router_texts", 100, 30),
                               ("max_new_tokens", 48, 32), ("probe_every", 100, 40), ("generic", True, False),
                               ("generic_requests", 300, 60), ("shift_requests", 400, 40), ("speed_prompts", 6, 2),
-                              ("grid_requests", 100, 100)):  # fmt: skip
+                              ("grid_requests", 80, 80)):  # fmt: skip
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     return args
@@ -987,6 +1049,16 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(args.replot.read_text())
         args.json = args.json or args.replot
         return finish(report, args)
+    if args.merge:
+        report = {}
+        for path in args.merge:
+            part = json.loads(path.read_text())
+            for key, value in part.items():
+                report.setdefault(key, value)
+            report.setdefault("merged_from", []).append({"file": str(path), "command": part.get("command"),
+                                                        "elapsed_s": part.get("elapsed_s")})  # fmt: skip
+        report["elapsed_s"] = max(m["elapsed_s"] or 0 for m in report["merged_from"])
+        return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -995,6 +1067,10 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_model_dir(model_dir, draft_dtype="float32")
     base_dir = model_dir / "draft"
     streams, probes, routers, distinct = build_workload(pair, args, model_dir)
+    if args.prepare:
+        print(f"cached the target's continuations of {sum(len(v) for v in streams.values())} served and "
+              f"{sum(len(v) for v in probes.values())} probe requests under {model_dir / 'cache' / 'osd-chat'}")
+        return 0
     command = " ".join([".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
     env = {**environment(), "cpu_model": _cpu_model()}
     with tempfile.TemporaryDirectory(prefix="specops-osd-") as tmp_s:
@@ -1014,30 +1090,35 @@ def main(argv: list[str] | None = None) -> int:
                     f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.", "", text, GRID_END]))  # fmt: skip
             return 0
         report: dict = {"distinct_prompts": distinct}
-        # routing: every served and probe request by serving's router; the user message alone as a harder check
-        texts = [(pair.tokenizer.decode(s.prompt.token_ids), s.prompt.domain) for d in DOMAINS for s in streams[d] + probes[d]]
-        routed = route(routers, [t for t, _ in texts], args)
-        user_only = route(routers, [s.prompt.text for d in DOMAINS for s in probes[d]], args)
-        truth_user = [d for d in DOMAINS for _ in probes[d]]
-        report["routing"] = {"accuracy": statistics.fmean(r == d for r, (_, d) in zip(routed, texts)),
-                             "accuracy_user_only": statistics.fmean(r == d for r, d in zip(user_only, truth_user)),
-                             "requests": len(texts)}  # fmt: skip
-        cluster_of = {tuple(s.prompt.token_ids): r for (s, r) in zip([s for d in DOMAINS for s in streams[d] + probes[d]], routed)}
-        arrivals = interleave(streams, args.seed)
-        traffic = [(s, cluster_of[tuple(s.prompt.token_ids)]) for s in arrivals]
+        parts = set(args.parts.split(","))
         ocfg = online_config(args)
         report["static"] = {d: probe(pair.draft, probes[d], args).to_dict() for d in DOMAINS}
-        main_run = learning_run(pair, base_dir, pair.draft, traffic, probes, args, tmp, label="main", ocfg=ocfg,
-                                probe_every=args.probe_every)  # fmt: skip
-        report["main"] = {k: v for k, v in main_run.items() if k != "drafts"}
-        report["engine_checks"] = main_run["checks"]
-        offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}
-        report["offline"] = {d: probe(offline[d], probes[d], args).to_dict() for d in DOMAINS}
-        if args.speed_prompts:
-            report["speed"] = {d: speed(pair, {"static": pair.draft, "gated": main_run["drafts"]["gated"][d],
-                                               "ungated": main_run["drafts"]["ungated"][d], "offline": offline[d]},
-                                        probes[d][:args.speed_prompts], args) for d in DOMAINS if d in main_run["drafts"]["gated"]}  # fmt: skip
-        if args.generic:
+        drafts: dict = {}
+        if "main" in parts:
+            # routing: every served and probe request by serving's router; the user message alone as a harder check
+            texts = [(pair.tokenizer.decode(s.prompt.token_ids), s.prompt.domain) for d in DOMAINS for s in streams[d] + probes[d]]
+            routed = route(routers, [t for t, _ in texts], args)
+            user_only = route(routers, [s.prompt.text for d in DOMAINS for s in probes[d]], args)
+            truth_user = [d for d in DOMAINS for _ in probes[d]]
+            report["routing"] = {"accuracy": statistics.fmean(r == d for r, (_, d) in zip(routed, texts)),
+                                 "accuracy_user_only": statistics.fmean(r == d for r, d in zip(user_only, truth_user)),
+                                 "requests": len(texts)}  # fmt: skip
+            cluster_of = {tuple(s.prompt.token_ids): r for (s, r) in zip([s for d in DOMAINS for s in streams[d] + probes[d]], routed)}
+            traffic = [(s, cluster_of[tuple(s.prompt.token_ids)]) for s in interleave(streams, args.seed)]
+            main_run = learning_run(pair, base_dir, pair.draft, traffic, probes, args, tmp, label="main", ocfg=ocfg,
+                                    probe_every=args.probe_every)  # fmt: skip
+            report["main"] = {k: v for k, v in main_run.items() if k != "drafts"}
+            report["engine_checks"] = main_run["checks"]
+            drafts = {d: {"gated": main_run["drafts"]["gated"][d], "ungated": main_run["drafts"]["ungated"][d]}
+                      for d in main_run["drafts"]["gated"]}  # fmt: skip
+        offline = {}
+        if "offline" in parts:
+            offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}
+            report["offline"] = {d: probe(offline[d], probes[d], args).to_dict() for d in DOMAINS}
+        if args.speed_prompts and "speed" in parts and drafts:
+            report["speed"] = {d: speed(pair, {"static": pair.draft, **drafts[d], **({"offline": offline[d]} if d in offline else {})},
+                                        probes[d][:args.speed_prompts], args) for d in DOMAINS if d in drafts}  # fmt: skip
+        if args.generic and "generic" in parts:
             from trainer.bootstrap.generic import build_generic_draft
 
             gdir = build_generic_draft(model_dir, steps=args.generic_steps)
@@ -1051,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "ungated": {d: grun["final"][d]["ungated"]["alpha_token"] for d in DOMAINS},
                                  "promotions": len(grun["gates"]) and sum(g["promoted"] for g in grun["gates"]),
                                  "curves": grun["curves"]}  # fmt: skip
-        if args.shift_requests:
+        if args.shift_requests and "shift" in parts:
             n = min(args.shift_requests, args.requests // 2)
             a, b = DOMAINS[0], DOMAINS[1]
             seq = streams[a][:n] + streams[b][:n] + streams[a][n:2 * n]
@@ -1097,6 +1178,13 @@ def _cpu_model() -> str:
 
 def finish(report: dict, args: argparse.Namespace) -> int:
     """Summary, plot, table, JSON and doc section of a finished (or reloaded) run."""
+    if "main" not in report or "offline" not in report:  # one process's share of --parts: merged later
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
+        print(f"partial run (parts {sorted(k for k in report if k in ('main', 'offline', 'speed', 'generic', 'shift'))}): "
+              "combine the reports with --merge")  # fmt: skip
+        return 0
     report["summary"] = summarise(report)
     plot(report, args.plot)
     table = markdown(report)

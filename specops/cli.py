@@ -388,14 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "target distributions (needs only the stream); student / mixed = continuations of the logged "
                    "prompts sampled from the draft / from mix*p + (1-mix)*q, scored by the target model, which the "
                    "trainer then loads (--target) (default: %(default)s)")  # fmt: skip
-    p.add_argument("--positions", choices=("rejected", "all"), default="rejected",
+    p.add_argument("--positions", choices=("rejected", "all"), default="all",
                    help="teacher sampling: train at the logged rejected positions only (OSD Algorithm 1), or at every "
                    "output position, the target's distribution there recomputed by one target forward per request "
                    "(loads --target) (default: %(default)s; chosen by benchmarks/osd.py --grid, docs/trainer.md)")  # fmt: skip
     p.add_argument("--mix", type=float, default=0.5, help="--sampling mixed: target weight of the mixture (default: %(default)s)")
     p.add_argument("--target", default=None, help="target model directory for student/mixed sampling and --positions all "
                    "(default: <--model-dir>/target)")  # fmt: skip
-    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="recent",
+    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default="clear",
                    help="replay buffer eviction: clear after each update (OSD), most recent N, or reservoir sample "
                    "(default: %(default)s)")  # fmt: skip
     p.add_argument("--capacity", type=int, default=32, help="replay buffer size per cluster (default: %(default)s)")

@@ -80,7 +80,7 @@ def test_closed_loop_raises_acceptance(tiny_models, sqlite_uri, tmp_path):
         # the trainer: updates, registers, gates (it must beat the base draft on held-out records), promotes
         registry = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(stream_cfg))
         out = tmp_path / "trainer"
-        trainer = OnlineTrainer(stream_cfg, draft_dir, out, OnlineConfig(interval=8, holdout_every=4, lr=5e-4, poll_records=100_000),
+        trainer = OnlineTrainer(stream_cfg, draft_dir, out, OnlineConfig(positions="rejected", interval=8, holdout_every=4, lr=5e-4, poll_records=100_000),
                                 promoter=Promoter(registry, draft_dir, out, PromoteConfig(margin=0.0, min_positions=1),
                                                   tokenizer_dir=tiny_models / "target"))  # fmt: skip
         threads = torch.get_num_threads()

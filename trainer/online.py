@@ -92,29 +92,33 @@ class OnlineConfig:
     tau: float = 1.0
     """Softmax temperature applied to both distributions."""
     lr: float = 1e-3
-    """AdamW learning rate of every draft (OSD uses 5e-4; 1e-3 learned more in benchmarks/osd.py)."""
+    """AdamW learning rate of every draft (OSD uses 5e-4; 1e-3 learned more on chat traffic in
+    ``benchmarks/osd.py --grid``, 3e-3 less: docs/trainer.md)."""
     weight_decay: float = 0.0
     steps_per_update: int = 4
-    """Optimiser steps per update, each over the whole buffer."""
+    """Optimiser steps per update, each over the whole buffer (4 learned clearly more than 1 in the grid)."""
     grad_clip: float = 1.0
     sampling: str = "teacher"
     """Where the loss applies (OSD §4.1): ``teacher`` (the logged rejected positions and
     logged target distributions), ``student`` or ``mixed`` (sequences sampled after the
     logged prompts from the draft, or from ``mix·p + (1-mix)·q``, scored by the target:
     needs the target model)."""
-    positions: str = "rejected"
+    positions: str = "all"
     """Where teacher sampling applies the loss: ``rejected`` (the logged rejected positions,
     OSD Algorithm 1) or ``all`` (every output position of each request). Serving logs the
     target's distribution only where a draft token was rejected, so ``all`` recomputes it by
     one target forward per request (``trainer.data.TargetTeacher``: needs the target model)
-    unless a record already carries every position."""
+    unless a record already carries every position. ``all`` is the default: it learned more
+    than the paper's rejected positions in the grid (docs/trainer.md)."""
     mix: float = 0.5
     """Target weight λ of mixed sampling, ``y_j ~ λ·p + (1-λ)·q``."""
     sample_max_new_tokens: int | None = None
     """Tokens sampled per request under student/mixed sampling (default: the logged output's length)."""
-    replay: ReplayConfig = field(default_factory=lambda: ReplayConfig(policy="recent", capacity=32))
-    """The replay buffer. OSD clears it after every update; keeping the 32 most recent
-    requests trains each one in four updates and learned more in benchmarks/osd.py."""
+    replay: ReplayConfig = field(default_factory=lambda: ReplayConfig(policy="clear", capacity=32))
+    """The replay buffer. Cleared after every update, as OSD does: each request is trained in one
+    update. Keeping the 32 most recent (``recent``) learned more in the grid together with every
+    position and 4 steps, at three times the trainer's CPU per request (docs/trainer.md): the
+    choice for a trainer with a GPU of its own."""
     train_embeddings: bool = False
     """Also train the draft's token embeddings (and an LM head tied to them). Off: the
     default draft's embeddings are the target's, shared by every version; a few hundred

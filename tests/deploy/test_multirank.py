@@ -78,11 +78,11 @@ def runs(chart_argv, logged, tmp_path_factory):
     cfg, draft_dir = logged
     tmp = tmp_path_factory.mktemp("ranks")
     common = dict(stream=cfg.url, draft=str(draft_dir), interval=3, holdout_every=4, steps=3, registry="none",
-                  capacity=32, idle_exit=5)  # fmt: skip
+                  capacity=32, idle_exit=5, positions="rejected", replay="recent")  # fmt: skip
     # one rank: the plain PyTorch update in this process (tests/trainer/test_deepspeed.py shows DeepSpeed
     # in one process makes the same update), with the options the TOML below gives the CLI
     trainer = OnlineTrainer(StreamConfig(url=cfg.url, fsync=False, num_partitions=2), draft_dir, tmp / "one",
-                            OnlineConfig(group="one", interval=3, holdout_every=4, steps_per_update=3,
+                            OnlineConfig(positions="rejected", group="one", interval=3, holdout_every=4, steps_per_update=3,
                                          replay=ReplayConfig(policy="recent", capacity=32)))  # fmt: skip
     assert trainer.run(max_records=N_REQUESTS, max_idle_s=5) == N_REQUESTS
     trainer.close()

@@ -129,7 +129,7 @@ def _main(spec: dict) -> dict:
     out, result = Path(spec["out"]), {"history": {}}
 
     def trainer(ckpt_dir: str, group: str, backend: str) -> OnlineTrainer:
-        ocfg = OnlineConfig(group=group, backend=backend, **TRAIN)
+        ocfg = OnlineConfig(positions="rejected", group=group, backend=backend, **TRAIN)
         return OnlineTrainer(stream, Path(spec["draft"]), out / ckpt_dir, ocfg)
 
     def train(backend: str, group: str) -> OnlineTrainer:

@@ -27,9 +27,13 @@ from trainer import checkpoint as ckpt
 from trainer.acceptance import evaluate_records
 from trainer.data import draft_logits, teacher_example
 from trainer.online import OnlineConfig, OnlineTrainer, _holdout
+from trainer.replay import ReplayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 N_REQUESTS = 40
+
+PAPER_PLUS = {"positions": "rejected", "replay": ReplayConfig(policy="recent", capacity=32), "steps_per_update": 4}
+"""The recipe these tests were written for (the trainer's defaults before benchmarks/osd.py --grid chose others)."""
 
 
 KAFKA_GROUP_TIMINGS = {"session_timeout_s": 2.0, "heartbeat_interval_s": 0.3, "max_poll_interval_s": 60.0}
@@ -72,7 +76,7 @@ def _history(out: Path, cluster: str) -> list[dict]:
 def test_updates_raise_heldout_acceptance_and_commit_everything(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(interval=4, holdout_every=4))
+    trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**PAPER_PLUS, interval=4, holdout_every=4))
     consumed = trainer.run(max_idle_s=_idle_s(cfg))
     trainer.close()
     assert consumed >= N_REQUESTS  # more only if a starved member was expired and records were redelivered
@@ -101,7 +105,7 @@ def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pa
     cfg, draft_dir = log_requests(close_pair, tmp_path, 24, seed=5, cluster_of=lambda i: "code", partitions=1)
     draft_vocab.save(draft_dir, vocab, source="test")
     out = tmp_path / "trainer"
-    trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(interval=4, holdout_every=4))
+    trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**PAPER_PLUS, interval=4, holdout_every=4))
     trainer.run(max_idle_s=1.0)
     trainer.close()
     st = trainer.clusters["code"]
@@ -132,7 +136,7 @@ def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pa
 def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    ocfg = OnlineConfig(group="resume", interval=5, replay=__import__("trainer.replay").replay.ReplayConfig(policy="recent", capacity=50))
+    ocfg = OnlineConfig(positions="rejected", steps_per_update=4, group="resume", interval=5, replay=__import__("trainer.replay").replay.ReplayConfig(policy="recent", capacity=50))
     first = OnlineTrainer(cfg, draft_dir, out, ocfg)
     first.run(max_idle_s=_idle_s(cfg))
     first.close()
@@ -186,7 +190,7 @@ def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_
     n = 12
     cfg, draft_dir = log_requests(close_pair, tmp_path, n, seed=5, cluster_of=lambda i: "code" if i % 2 else "chat",
                                   max_new_tokens=12)  # clusters keyed to partitions 1 and 0
-    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(group="rebal", interval=1000))
+    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**PAPER_PLUS, group="rebal", interval=1000))
     raw, joined = trainer.consumer.consumer, []
 
     def poll_then_rebalance(**kw):
@@ -217,7 +221,7 @@ def test_a_restart_before_the_commit_trains_no_record_twice(close_pair, tmp_path
 
     cfg, draft_dir = log_requests(close_pair, tmp_path, 24, seed=21, cluster_of=lambda i: "c", partitions=1,
                                   greedy_only=True, max_new_tokens=12)  # fmt: skip
-    ocfg = OnlineConfig(group="g", interval=4, holdout_every=1000, poll_records=24,
+    ocfg = OnlineConfig(positions="rejected", steps_per_update=4, group="g", interval=4, holdout_every=1000, poll_records=24,
                         replay=ReplayConfig(policy="recent", capacity=8))  # fmt: skip
     first = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg)
 
@@ -247,7 +251,7 @@ def test_a_kill_between_checkpoint_and_history_line_is_repaired_on_restart(close
     the missing line back from the checkpoint. Every record is then in exactly one line."""
     cfg, draft_dir = log_requests(close_pair, tmp_path, 12, seed=3, cluster_of=lambda i: "c", partitions=1,
                                   greedy_only=True, max_new_tokens=12)  # fmt: skip
-    ocfg = OnlineConfig(group="g", interval=4, holdout_every=1000, poll_records=12)
+    ocfg = OnlineConfig(**PAPER_PLUS, group="g", interval=4, holdout_every=1000, poll_records=12)
     out = tmp_path / "out"
     first = OnlineTrainer(cfg, draft_dir, out, ocfg)
     real_append = ckpt.append_history

@@ -69,3 +69,13 @@ def test_every_position_needs_a_target_or_a_teacher(logged, tmp_path):
         OnlineTrainer(cfg, draft_dir, tmp_path / "out", OnlineConfig(positions="all"))
     with pytest.raises(ValueError, match="positions"):
         OnlineConfig(positions="some")
+
+
+def test_specops_train_defaults_are_the_trainers():
+    """The recipe `specops train` runs with no flags is OnlineConfig's (chosen by benchmarks/osd.py --grid)."""
+    from specops.cli import build_parser
+
+    args = build_parser().parse_args(["train"])
+    cfg = OnlineConfig()
+    assert (args.interval, args.loss, args.lr, args.steps, args.replay, args.capacity, args.positions) == (
+        cfg.interval, cfg.loss, cfg.lr, cfg.steps_per_update, cfg.replay.policy, cfg.replay.capacity, cfg.positions)

@@ -22,11 +22,12 @@ from streams.records import ModelEvent
 from tests.conftest import perturbed, random_prompts
 from tests.registry.mlflow_server import free_port
 from tests.trainer.logged import log_requests
+from trainer.replay import ReplayConfig
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.promote import PromoteConfig, Promoter
 
 N = 32
-CFG = OnlineConfig(interval=6, holdout_every=3, lr=2e-3)
+CFG = OnlineConfig(positions="rejected", replay=ReplayConfig(policy="recent", capacity=32), steps_per_update=4, interval=6, holdout_every=3, lr=2e-3)
 GATE = PromoteConfig(margin=-1.0, min_positions=0)
 """Promote every candidate: these tests are about registration, commits and swaps (the
 gate's refusals are tested below and in tests/registry)."""

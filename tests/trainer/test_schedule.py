@@ -47,7 +47,7 @@ def logged(close_pair, tmp_path_factory):
 
 def _trainer(logged, out: Path, group: str) -> OnlineTrainer:
     cfg, draft_dir = logged
-    ocfg = OnlineConfig(group=group, interval=2, holdout_every=4, steps_per_update=1, poll_records=4,
+    ocfg = OnlineConfig(positions="rejected", group=group, interval=2, holdout_every=4, steps_per_update=1, poll_records=4,
                         poll_timeout_s=0.05)  # fmt: skip
     return OnlineTrainer(cfg, draft_dir, out, ocfg)
 

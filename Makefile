@@ -37,6 +37,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json
 	$(BIN)/python benchmarks/streams.py --json benchmarks/out/streams.json
+	$(BIN)/python benchmarks/osd.py --grid --json benchmarks/out/osd_grid.json
 	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 	$(BIN)/python benchmarks/hotswap.py --json benchmarks/out/hotswap.json
 	$(BIN)/python benchmarks/batching.py --json benchmarks/out/batching.json --doc docs/benchmarks.md

@@ -259,7 +259,7 @@ class Stack:
                        "--stream", self.stream_url, "--registry", self.mlflow_url, "--replica", "faults",
                        "--router", "none", "--poll-s", "2", "--no-auto-rollback", "--max-concurrency", "2"],
             "trainer": [*cli, "train", "--stream", self.stream_url, "--registry", self.mlflow_url, "--draft", str(draft),
-                        "--tokenizer", str(target), "--out", str(work / "trainer"), "--interval", "8",
+                        "--tokenizer", str(target), "--target", str(target), "--out", str(work / "trainer"), "--interval", "8",
                         "--holdout-every", "3", "--gate-margin", "-1", "--gate-min-positions", "0",
                         "--poll-records", "64"],
         }  # fmt: skip

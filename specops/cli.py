@@ -170,6 +170,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     target = None
     if args.sampling != "teacher" or args.positions == "all":
         target = Path(args.target) if args.target else Path(args.model_dir) / "target"
+        if args.draft and not args.target:  # a draft of its own: its target is not the bootstrap's
+            target = Path(args.draft).parent / "target"
+        if not (target / "config.json").is_file():
+            why = f"--sampling {args.sampling}" if args.sampling != "teacher" else "--positions all (the default)"
+            print(f"specops train: error: {why} needs the target model, and {target} has none: pass --target DIR "
+                  "(or --positions rejected, which learns from the stream alone)", file=sys.stderr)  # fmt: skip
+            return 2
     from trainer.ranks import launched_world
 
     rank, world = launched_world()

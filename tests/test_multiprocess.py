@@ -140,7 +140,8 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
             time.sleep(0.5)
 
         trainer = Proc("trainer", ["train", "--stream", stream_url, "--registry", sqlite_uri, "--draft", str(draft_dir),
-                                   "--tokenizer", str(tiny_models / "target"), "--out", str(tmp_path / "trainer"),
+                                   "--tokenizer", str(tiny_models / "target"), "--target", str(tiny_models / "target"),
+                                   "--out", str(tmp_path / "trainer"),
                                    "--interval", "4", "--holdout-every", "3", "--gate-margin", "-1",
                                    "--gate-min-positions", "0", "--idle-exit", "30", "--poll-records", "64",
                                    # each request trained once: with the default recent/32 buffer every update

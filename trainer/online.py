@@ -220,6 +220,10 @@ class OnlineTrainer:
             self.target = target if isinstance(target, torch.nn.Module) else \
                 from_pretrained(AutoModelForCausalLM, target, use_safetensors=True)  # fmt: skip
             self.target.to(self.placement.torch_device).eval().requires_grad_(False)
+            draft_cfg = json.loads((Path(base_draft) / "config.json").read_text()) if (Path(base_draft) / "config.json").is_file() else {}
+            if draft_cfg.get("vocab_size") not in (None, self.target.config.vocab_size):
+                raise ValueError(f"the target's vocabulary ({self.target.config.vocab_size} tokens) is not the draft's "
+                                 f"({draft_cfg['vocab_size']}): pass the draft's own target")  # fmt: skip
             self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
             if self.cfg.positions == "all" and self.teacher is None:
                 self.teacher = TargetTeacher(self.target, cache_size=max(512, 2 * self.cfg.replay.capacity))

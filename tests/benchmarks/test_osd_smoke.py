@@ -78,3 +78,19 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
 def test_replay_follows_the_engine_step_rule(pred, output, k, max_new, want):
     out = osd.replay(pred, output, k, max_new)
     assert (out.drafted, out.accepted, out.steps, out.rejected) == want
+
+
+@pytest.mark.slow
+def test_osd_parts_in_two_processes_merge_into_one_report(tiny_models, tmp_path):
+    common = ["--model-dir", str(tiny_models), "--requests", "6", "--probe", "2", "--router-texts", "2",
+              "--max-new-tokens", "5", "--interval", "2", "--probe-every", "3", "--offline-epochs", "1",
+              "--generic-requests", "2", "--generic-steps", "2", "--shift-requests", "3", "--check-every", "0",
+              "--speed-prompts", "1", "--no-doc"]  # fmt: skip
+    a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "osd.json"
+    assert osd.main([*common, "--parts", "main,speed", "--json", str(a)]) == 0
+    assert osd.main([*common, "--parts", "offline,generic,shift", "--json", str(b)]) == 0
+    assert "main" in json.loads(a.read_text()) and "main" not in json.loads(b.read_text())
+    assert osd.main(["--merge", str(a), str(b), "--json", str(merged), "--plot", str(tmp_path / "osd.png"), "--no-doc"]) == 0
+    report = json.loads(merged.read_text())
+    assert SUMMARY_KEYS <= set(report["summary"]) and {"main", "offline", "generic", "shift", "speed"} <= set(report)
+    assert [m["file"] for m in report["merged_from"]] == [str(a), str(b)]

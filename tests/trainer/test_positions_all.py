@@ -79,3 +79,24 @@ def test_specops_train_defaults_are_the_trainers():
     cfg = OnlineConfig()
     assert (args.interval, args.loss, args.lr, args.steps, args.replay, args.capacity, args.positions) == (
         cfg.interval, cfg.loss, cfg.lr, cfg.steps_per_update, cfg.replay.policy, cfg.replay.capacity, cfg.positions)
+
+
+def test_cli_says_which_target_is_missing(logged, tmp_path, capsys):
+    from specops.cli import main
+
+    cfg, draft_dir = logged
+    rc = main(["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir),
+               "--out", str(tmp_path / "out"), "--idle-exit", "1"])  # fmt: skip
+    assert rc == 2 and "--target DIR" in capsys.readouterr().err
+
+
+def test_a_target_of_another_vocabulary_is_refused(logged, tmp_path, tiny_models):
+    import json
+
+    cfg, draft_dir = logged
+    other = tmp_path / "other-draft"
+    other.mkdir()
+    conf = json.loads((draft_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**conf, "vocab_size": conf["vocab_size"] + 1}))
+    with pytest.raises(ValueError, match="vocabulary"):
+        OnlineTrainer(cfg, other, tmp_path / "out", OnlineConfig(), target=tiny_models / "target")

@@ -189,7 +189,7 @@ def test_specops_train_registers_through_the_cli(weak_pair, tiny_models, sqlite_
         shutil.copy(tiny_models / "target" / f, draft_dir / f)
     rc = main(["--threads", "1", "train", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(tmp_path / "out"),
                "--registry", sqlite_uri, "--interval", "6", "--holdout-every", "3", "--gate-margin", "-1",
-               "--gate-min-positions", "0", "--idle-exit", "1"])  # fmt: skip
+               "--gate-min-positions", "0", "--idle-exit", "1", "--positions", "rejected"])  # fmt: skip
     assert rc == 0
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     versions = reg.versions("code")

@@ -286,7 +286,7 @@ def test_cli_train_schedule(logged, tmp_path, capsys):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
     rc = main(["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
-               "--group", "cli", "--interval", "2", "--steps", "1", "--holdout-every", "4",
+               "--group", "cli", "--interval", "2", "--steps", "1", "--holdout-every", "4", "--positions", "rejected",
                "--schedule", "--tick-seconds", "0.2", "--load-threshold", "0.9", "--idle-exit", "1.5"])  # fmt: skip
     assert rc == 0
     assert f"consumed {N_REQUESTS} records" in capsys.readouterr().out
@@ -302,7 +302,8 @@ def test_cli_train_max_records_stops_at_the_limit(logged, tmp_path, capsys, sche
     cfg, draft_dir = logged
     out, group = tmp_path / "trainer", f"limit-{schedule}"
     args = ["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out",
-            str(out), "--group", group, "--interval", "2", "--steps", "1", "--max-records", "7", "--idle-exit", "5"]  # fmt: skip
+            str(out), "--group", group, "--interval", "2", "--steps", "1", "--max-records", "7", "--idle-exit", "5",
+            "--positions", "rejected"]  # fmt: skip
     if schedule:
         args += ["--schedule", "--tick-seconds", "0.2", "--load-threshold", "0.9"]
     assert main(args) == 0

@@ -162,7 +162,8 @@ def test_killed_trainer_loses_no_record(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
     cmd = [sys.executable, "-m", "specops.cli", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
-           "--group", "killed", "--interval", "1", "--steps", "1", "--holdout-every", "5", "--idle-exit", str(10 + _idle_s(cfg))]  # fmt: skip
+           "--group", "killed", "--interval", "1", "--steps", "1", "--holdout-every", "5", "--idle-exit", str(10 + _idle_s(cfg)),
+           "--positions", "rejected"]  # fmt: skip
     # the killed member keeps its partitions until its session times out: keep that short, below --idle-exit
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECOPS_STREAM_FSYNC": "0", "SPECOPS_STREAM_SESSION_TIMEOUT_S": "2",
            "SPECOPS_STREAM_HEARTBEAT_INTERVAL_S": "0.3", "SPECOPS_STREAM_MAX_POLL_INTERVAL_S": "60"}  # fmt: skip

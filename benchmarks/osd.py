@@ -482,7 +482,6 @@ def audit_promotion(old: torch.nn.Module, new: torch.nn.Module, future: list[Ser
 
 
 # ---------------------------------------------------------------- 5. speed and c
-@torch.inference_mode()
 def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Served], args) -> dict:
     """Tokens/s of target-only and of the draft method with each named draft (in serving's draft
     dtype), on the same prompts through the real engine, arms interleaved per prompt; outputs
@@ -497,7 +496,7 @@ def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Ser
     tokens = {n: 0 for n in ["target", *drafts]}
     seconds = {n: 0.0 for n in tokens}
     identical = True
-    for s in prompts:
+    for s in prompts:  # the engine runs under inference mode itself; the copies above must stay normal tensors
         ref = None
         for name in tokens:
             eng = engines.get(name) or next(iter(engines.values()))
@@ -1111,6 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
             report["engine_checks"] = main_run["checks"]
             drafts = {d: {"gated": main_run["drafts"]["gated"][d], "ungated": main_run["drafts"]["ungated"][d]}
                       for d in main_run["drafts"]["gated"]}  # fmt: skip
+            if args.json:  # kept even if a later part fails: the main part is most of the run's time
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.with_suffix(".main-part.json").write_text(json.dumps({**report, "command": " ".join(sys.argv)}, indent=1))
         offline = {}
         if "offline" in parts:
             offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}

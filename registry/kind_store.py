@@ -36,12 +36,21 @@ class KindStore:
         return self.kind.model_name(key)
 
     # ------------------------------------------------------------ reads
-    def keys(self) -> list[str]:
-        """Every key with a registered model of this kind."""
+    def keys(self, *, alias: str | None = None) -> list[str]:
+        """Every key with a registered model of this kind (with ``alias``: only those whose model
+        has that alias, e.g. the clusters with a champion draft), over every page of the search."""
+        pattern = f"{self.kind.name}-%" if self.kind.keyed else self.kind.name
+        models, token = [], None
         with self.store._call(f"list registered {self.kind.name} models"):
-            pattern = f"{self.kind.name}-%" if self.kind.keyed else self.kind.name
-            models = self.store.client.search_registered_models(filter_string=f"name LIKE '{pattern}'")
-        return sorted(k for m in models if (k := self.kind.key_of(m.name)) is not None)
+            while True:
+                page = self.store.client.search_registered_models(filter_string=f"name LIKE '{pattern}'",
+                                                                  max_results=1000, page_token=token)  # fmt: skip
+                models.extend(page)
+                token = getattr(page, "token", None)
+                if not token:
+                    break
+        return sorted(k for m in models if (k := self.kind.key_of(m.name)) is not None
+                      and (alias is None or alias in (m.aliases or {})))  # fmt: skip
 
     def versions(self, key: str = "", *, include_archived: bool = True) -> list["ArtifactVersion"]:
         """Every version, oldest first ([] before the first registration)."""

@@ -63,6 +63,12 @@ class PermissionDeniedError(SpecOpsError):
     code = "invalid_api_key"
 
 
+class ForbiddenError(SpecOpsError):
+    """A valid API key whose tenant may not do this (send ``cluster``, read ``/v1/policy``)."""
+
+    code = "forbidden"
+
+
 class ModelNotFoundError(SpecOpsError):
     """The request names a model this server does not serve."""
 
@@ -85,6 +91,20 @@ class NotReadyError(SpecOpsError):
     """The server is still loading its models (or failed to)."""
 
     code = "not_ready"
+
+
+class ArtifactUnavailableError(SpecOpsError):
+    """A named artifact the request asks for (``retrieval.kb``, ``knnlm.datastore``) exists but no
+    verified version of it is loaded here: its champion was refused (corrupt, foreign) or the
+    registry is unreachable. Retry later; the server retries the fetch with backoff."""
+
+    code = "artifact_unavailable"
+
+
+class UnavailableError(SpecOpsError):
+    """A part of the server cannot answer now (its state is busy past a short wait): retry later."""
+
+    code = "unavailable"
 
 
 class RequestTimeoutError(SpecOpsError):
@@ -128,10 +148,13 @@ HTTP_STATUS: dict[str, int] = {
     ReadTimeoutError.code: 408,
     AuthenticationError.code: 401,
     PermissionDeniedError.code: 403,
+    ForbiddenError.code: 403,
     ModelNotFoundError.code: 404,
     OverloadedError.code: 429,
     NotReadyError.code: 503,
     QueueTimeoutError.code: 503,
+    UnavailableError.code: 503,
+    ArtifactUnavailableError.code: 503,
     RequestTimeoutError.code: 504,
     ModelConfigError.code: 500,
     TokenizerMismatchError.code: 500,

@@ -164,7 +164,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps_per_update=args.steps, replay=ReplayConfig(policy=args.replay, capacity=args.capacity),
         holdout_every=args.holdout_every, backend=args.backend, sampling=args.sampling, mix=args.mix,
         positions=args.positions, poll_records=args.poll_records, train_embeddings=args.train_embeddings, device=args.device, dtype=args.dtype,
-        deepspeed_zero_stage=args.zero_stage,
+        deepspeed_zero_stage=args.zero_stage, max_loaded_clusters=args.max_loaded_clusters,
+        max_clusters=args.max_clusters,
     )  # fmt: skip
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
@@ -409,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-embeddings", action="store_true",
                    help="also train the draft's token embeddings (default: frozen, as the bootstrap trains it)")
     p.add_argument("--holdout-every", type=int, default=10, help="hold out 1 request in N for evaluation (default: %(default)s)")
+    p.add_argument("--max-loaded-clusters", type=_positive_int, default=8, metavar="N",
+                   help="most clusters whose draft and optimiser are in memory; the least recently used idle one is "
+                   "unloaded (its checkpoint kept) and reloaded when its records come (default: %(default)s)")  # fmt: skip
+    p.add_argument("--max-clusters", type=_positive_int, default=64, metavar="N",
+                   help="most clusters the trainer creates in all (those under --out count); records of a further "
+                   "cluster go to the dead-letter topic (default: %(default)s)")  # fmt: skip
     p.add_argument("--poll-records", type=int, default=256,
                    help="records consumed per pass; each pass ends by registering the newest checkpoints and "
                    "committing, so fewer means promotions reach serving sooner (default: %(default)s)")  # fmt: skip
@@ -474,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every S seconds rebuild each cluster's LLMA past-sessions index (its newest outputs within "
                    "65536 tokens) from its new spec.generations, register it as sessions-<cluster> and promote it "
                    "when its held-out copy hit rate is not worse than the champion's (a scheduled job: implies "
-                   "--schedule; needs a registry; no model runs); 0 = off (default: off)")  # fmt: skip
+                   "--schedule; needs a registry; no model runs). The index mixes every tenant's outputs: only "
+                   "servers with session_sharing = 'shared' follow it; 0 = off (default: off)")  # fmt: skip
     p.add_argument("--sessions-min-new", type=int, default=8,
                    help="new outputs a cluster needs before its past sessions are rebuilt (default: %(default)s)")
     p.add_argument("--router-refit-every", type=float, default=None, metavar="S",
@@ -520,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the OpenAI-compatible API: speculative decoding with per-cluster drafts that follow the registry",
         description="One serving replica: POST /v1/completions and /v1/chat/completions (OpenAI request and response "
         "shapes, stream=true as server-sent events) plus the extension fields `speculation` {method, k} and `cluster`; "
-        "GET /v1/models, /healthz, /readyz, /metrics. Requests without `cluster` are routed by the registered router. "
+        "GET /v1/models, /v1/clusters, /v1/policy, /healthz, /readyz, /metrics. Requests without `cluster` are routed "
+        "by the registered router; API keys name tenants, whose past sessions LLMA keeps apart. "
         "Each cluster's draft follows its registry champion and is hot-swapped; every request is logged to the stream "
         "for the trainer. Settings come from the defaults, then --config FILE (TOML, top level or [serve]), then "
         "SPECOPS_SERVE_<SETTING> environment variables, then these flags. Run several replicas on one stream and "

@@ -110,6 +110,11 @@ class RecordConsumer:
         self.stats.reasons[short] = self.stats.reasons.get(short, 0) + 1
         DEADLETTERS.labels(msg.topic).inc()
 
+    def refuse(self, delivered: Delivered, field: str, reason: str) -> None:
+        """Dead-letter a valid record its consumer will not take (published before the next commit)."""
+        err = RecordValidationError(type(delivered.record).__name__, field, reason)
+        self._dead_letter(delivered.message, err)
+
     def flush_deadletters(self) -> None:
         """Publish queued dead letters (raises StreamUnavailableError if it cannot)."""
         if not self._pending:

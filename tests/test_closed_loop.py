@@ -59,7 +59,8 @@ def test_closed_loop_raises_acceptance(tiny_models, sqlite_uri, tmp_path):
         shutil.copy(tiny_models / "target" / f, draft_dir / f)
     stream_url = f"local://{tmp_path / 'streams'}"
     cfg = ServeConfig(target=str(tiny_models / "target"), draft=str(draft_dir), port=0, stream=stream_url,
-                      registry=sqlite_uri, router="none", poll_s=1.0, auto_rollback=False, max_concurrency=1)  # fmt: skip
+                      registry=sqlite_uri, router="none", clusters=[CLUSTER], poll_s=1.0, auto_rollback=False,
+                      max_concurrency=1)  # fmt: skip
     server = Server(cfg, root=tmp_path).start()
     try:
         server.wait_ready(120)

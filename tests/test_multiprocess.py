@@ -106,7 +106,8 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
         port = free_port()
         proc = Proc(replica, ["serve", "--target", str(tiny_models / "target"), "--draft", str(draft_dir),
                               "--port", str(port), "--stream", stream_url, "--registry", sqlite_uri,
-                              "--replica", replica, "--router", "none", "--poll-s", "1", "--no-auto-rollback"],
+                              "--replica", replica, "--router", "none", "--clusters", CLUSTER, "--poll-s", "1",
+                              "--no-auto-rollback"],
                     tmp_path, env)  # fmt: skip
         procs.append(proc)
         return proc, f"http://127.0.0.1:{port}"
@@ -174,7 +175,8 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
             assert all(p.proc.poll() is None for p in procs), f"a process exited early\n{logs()}"
             dv = registry.by_alias(CLUSTER)
             champion = dv.version if dv is not None else None
-            views = {name: (readyz(url) or {}).get("drafts", {}).get(CLUSTER) for name, url in urls.items()}
+            views = {name: requests.get(url + "/v1/clusters", timeout=10).json().get("drafts", {}).get(CLUSTER)
+                     for name, url in urls.items()}  # fmt: skip
             if champion not in (None, "base") and set(views.values()) == {champion}:
                 break
             assert time.monotonic() < deadline, (f"the replicas did not follow a trainer champion in {SWAP_S:.0f} s "

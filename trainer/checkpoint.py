@@ -162,5 +162,11 @@ def history_version(root: Path, cluster: str) -> int:
     return int(json.loads(lines[-1]).get("version", 0)) if lines else 0
 
 
+def last_written(root: Path, cluster: str) -> float:
+    """When the cluster's checkpoint or buffer was last written (mtime; 0.0 when neither exists)."""
+    times = [p.stat().st_mtime for p in (root / cluster / "LATEST", root / cluster / "buffer.msgpack") if p.exists()]
+    return max(times, default=0.0)
+
+
 def clusters_in(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.exists() else []

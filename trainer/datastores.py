@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 from collections.abc import Sequence
@@ -166,7 +167,21 @@ class RebuildResult:
     def status(self) -> str:
         if not self.clusters:
             return "no_new_records" if not self.consumed else "waiting"
-        return "promoted" if "promoted" in self.clusters.values() else "registered"
+        outcomes = set(self.clusters.values())
+        return "promoted" if "promoted" in outcomes else "registered" if "registered" in outcomes else "unchanged"
+
+
+def inputs_sha256(cluster: str, cfg: DatastoreConfig, tokenizer_sha256: str, train: Sequence[Sequence[int]],
+                  heldout: Sequence[tuple[Sequence[int], int]]) -> str:  # fmt: skip
+    """sha256 of everything a rebuilt datastore and its gate come from: the cluster, the build
+    config, the tokenizer, the training documents and the held-out ones (with their output starts).
+    Equal hashes mean the same version would be built again (the rebuild's lineage check)."""
+    h = hashlib.sha256(f"{cluster}\0{cfg.hash()}\0{tokenizer_sha256}\0{len(train)}\0{len(heldout)}".encode())
+    for doc, start in [(d, -1) for d in train] + list(heldout):
+        ids = np.asarray(doc, dtype=np.int64)
+        h.update(np.asarray([len(ids), start], dtype=np.int64).tobytes())
+        h.update(ids.tobytes())
+    return h.hexdigest()
 
 
 class DatastoreRebuilder:
@@ -178,10 +193,17 @@ class DatastoreRebuilder:
     2. for each cluster with ``min_new`` new generations, **build** a datastore over the
        buffer (the target's hidden states in batches, z-norm and PCA refitted, the index);
     3. **gate**: its MAR replayed on the held-out generations must beat the champion's;
-    4. **register** ``datastore-<cluster>`` (lineage: offsets, sizes, config hash) and
-       **promote** it when the gate passed;
+    4. **register** ``datastore-<cluster>`` (lineage: offsets, sizes, config hash, and the
+       ``inputs_sha256`` of its documents) and **promote** it when the gate passed;
     5. **commit** the offsets, only now, and only once every cluster's new generations are in
        a registered version: a crash before this re-reads the records.
+
+    **Idempotent after a crash.** Killed after step 4 but before step 5, a restarted trainer reads
+    the same generations again. Before building (step 2), the rebuild hashes its inputs
+    (:func:`inputs_sha256`); when the latest version of ``datastore-<cluster>`` carries the same
+    hash, nothing is built or registered (outcome ``unchanged``, logged) and the offsets commit. A
+    version whose gate passed but which was never promoted (killed between register and promote)
+    is promoted then.
     """
 
     def __init__(self, stream_cfg, registry, target, *, tokenizer_sha256: str = "",
@@ -237,6 +259,28 @@ class DatastoreRebuilder:
             self._champions[cluster] = held
         return held[1]
 
+    def _already_registered(self, cluster: str, inputs: str, result: RebuildResult) -> bool:
+        """True when the latest version of ``datastore-<cluster>`` was built from ``inputs`` (its
+        ``inputs_sha256``): nothing to build or register; a gate it passed but a promotion it never
+        got (a crash between the two) is finished here."""
+        kind = self.registry.artifact("datastore")
+        versions = kind.versions(cluster)
+        latest = versions[-1] if versions else None
+        if latest is None or latest.tags.get("inputs_sha256") != inputs:
+            return False
+        outcome = "unchanged"
+        passed = latest.metric("gate_passed") == 1.0
+        if passed and "promoted_at" not in latest.tags and not latest.archived and "champion" not in latest.aliases:
+            kind.promote(cluster, latest.version, reason="rebuild gate passed before a restart; promotion finished")
+            outcome = "promoted"
+        log.info("datastore-%s: version %s was built from these same %d generations (inputs %s): not registering "
+                 "it again%s", cluster, latest.version, len(self.train[cluster]), inputs[:12],
+                 "; promoted it, which the run that registered it did not live to do" if outcome == "promoted" else "")  # fmt: skip
+        self._new[cluster] = 0
+        result.clusters[cluster] = outcome
+        result.versions[cluster] = latest.version
+        return True
+
     def _mar(self, store: Datastore, cluster: str, hidden: dict[int, np.ndarray] | None = None) -> float:
         docs = list(self.heldout.get(cluster, ()))
         if not docs:
@@ -250,6 +294,9 @@ class DatastoreRebuilder:
         result = RebuildResult(consumed)
         for cluster in due:
             docs = [d for d, _ in self.train[cluster]]
+            inputs = inputs_sha256(cluster, self.cfg.datastore, self.tokenizer_sha256, docs, list(self.heldout[cluster]))
+            if self._already_registered(cluster, inputs, result):  # a restart re-read what is registered
+                continue
             champion = self.champion(cluster)
             store, stats = Datastore.build(self.target, docs, self.cfg.datastore,  # 2.
                                            meta={"cluster": cluster, "tokenizer_sha256": self.tokenizer_sha256})  # fmt: skip
@@ -269,7 +316,7 @@ class DatastoreRebuilder:
             v = register_datastore(  # 4.
                 self.registry, cluster, store, stats, lineage=lineage,
                 tags={"mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
-                      "source": "spec.generations", "shape": f"{n}x{k}"},
+                      "source": "spec.generations", "shape": f"{n}x{k}", "inputs_sha256": inputs},
                 metrics={"mar": mar, "gate_passed": float(passed),
                          "shape_speed_vs_target": shapes[f"{n}x{k}"]["speed_vs_target"]})  # fmt: skip
             if passed:

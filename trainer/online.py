@@ -5,7 +5,9 @@ Each pass of :meth:`OnlineTrainer.step` reads top to bottom:
 1. **consume** a batch of MissRecords from ``spec.misses`` as a member of the consumer
    group (invalid records are dead-lettered by ``RecordConsumer``);
 2. **buffer** each record in its cluster's replay buffer, or in the cluster's held-out
-   set (one request in ``holdout_every``, chosen by a hash of its request id);
+   set (one request in ``holdout_every``, chosen by a hash of its request id). The cluster is
+   loaded first if it is not in memory; a record of a cluster beyond ``max_clusters`` is
+   dead-lettered instead (``trainer.clusters``: at most ``max_loaded_clusters`` in memory);
 3. for every cluster with ``interval`` new requests: **update** its draft with the GKD
    loss at the logged rejected positions, using the logged target distributions
    (teacher sampling, OSD §4.1); **evaluate** expected acceptance on the held-out set
@@ -40,7 +42,7 @@ import json
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from collections.abc import Callable
@@ -51,6 +53,7 @@ from prometheus_client import Counter, Gauge
 from transformers import AutoModelForCausalLM
 
 from serving.engine.device import Placement
+from serving.fleet.clusters import cluster_label
 from serving.engine.models import from_pretrained
 from serving.engine import draft_vocab
 from serving.engine.draft_vocab import DraftVocab
@@ -59,6 +62,7 @@ from streams.consumer import RecordConsumer
 from streams.records import MissRecord
 from trainer import checkpoint as ckpt
 from trainer.acceptance import Acceptance, evaluate_records
+from trainer.clusters import ClusterBudget
 from trainer.data import Example, TargetTeacher, draft_logits, every_position_example, logs_every_position, teacher_example
 from trainer.losses import TargetDist
 from trainer.losses import LOSSES, checked_loss
@@ -140,6 +144,13 @@ class OnlineConfig:
     """Where drafts (and the target, for student / mixed sampling) train: cpu, cuda or cuda:N."""
     dtype: str = "float32"
     """Precision of the draft weights being trained (``serving.engine.device``)."""
+    max_loaded_clusters: int = 8
+    """Most clusters whose draft and optimiser state are held in memory; the least recently used
+    idle one is unloaded (its checkpoint kept) and reloaded from it when its records come
+    (``trainer.clusters``). Set it to at least the clusters that get traffic: each reload reads a checkpoint."""
+    max_clusters: int = 64
+    """Most clusters the trainer creates in all (those under ``--out`` count); records of a further
+    cluster go to the dead-letter topic."""
 
     def __post_init__(self) -> None:
         if self.positions not in POSITIONS:
@@ -158,10 +169,15 @@ class OnlineConfig:
             raise ValueError("interval and steps_per_update must be >= 1, holdout_every >= 2")
         if not (0.0 < self.beta < 1.0) or self.tau <= 0 or self.lr <= 0:
             raise ValueError("need 0 < beta < 1, tau > 0 and lr > 0")
+        if self.max_loaded_clusters < 1 or self.max_clusters < 1:
+            raise ValueError(f"max_loaded_clusters and max_clusters must be >= 1, got {self.max_loaded_clusters} and "
+                             f"{self.max_clusters}")  # fmt: skip
 
     def digest(self) -> str:
-        """Hash of everything that changes the trained weights."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+        """Hash of everything that changes the trained weights (not the memory bounds: an unloaded
+        cluster reloads exactly)."""
+        values = {k: v for k, v in asdict(self).items() if k not in ("max_loaded_clusters", "max_clusters")}
+        return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -178,6 +194,8 @@ class ClusterState:
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     version: int = 0
+    saved_version: int = 0
+    """The version of its newest checkpoint (0: none, the base draft): unloadable when equal to ``version``."""
     updates: int = 0
     records_trained: int = 0
     positions_trained: int = 0
@@ -233,7 +251,10 @@ class OnlineTrainer:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.buffers: ReplayBuffers[Held] = ReplayBuffers(self.cfg.replay)
-        self.clusters: dict[str, ClusterState] = {}
+        self.clusters: OrderedDict[str, ClusterState] = OrderedDict()
+        """The clusters in memory, least recently used first (at most ``cfg.max_loaded_clusters``)."""
+        self.budget = ClusterBudget(self.cfg.max_loaded_clusters, self.cfg.max_clusters, ckpt.clusters_in(self.out))
+        """Which clusters exist and which are unloaded (``trainer.clusters``)."""
         self._seen: set[tuple[str, int, int]] = set()
         self._through: dict[str, dict[tuple[str, int], int]] = {}
         """Per cluster and (topic, partition): the highest offset of a training record this
@@ -256,8 +277,12 @@ class OnlineTrainer:
         self.stream = open_stream(stream)
         self.consumer = RecordConsumer(self.stream, self.cfg.group, [stream.topics.misses],
                                        deadletter_topic=stream.topics.deadletter, expect=[MissRecord])  # fmt: skip
-        for cluster in ckpt.clusters_in(self.out):
-            self._restore(cluster)
+        for cluster in sorted(self.budget.known):  # every checkpoint is registered before any commit
+            self._check_registered(cluster)
+        startup = self.budget.startup(self.out)  # the most recently written, oldest first
+        self.budget.unloaded -= set(startup)  # loaded at start: not counted as reloads
+        for cluster in startup:
+            self.state(cluster)
 
     @property
     def world(self) -> int:
@@ -307,6 +332,7 @@ class OnlineTrainer:
         elif opt_files is not None:
             ckpt.optimizer_from_files(opt, *opt_files)
         if saved is not None:
+            st.saved_version = saved["version"]
             if was != now:
                 log.warning("cluster %s: %s has optimiser layout %s, this run uses %s: weights resumed, "
                             "optimiser state starts fresh", cluster, path, was, now)  # fmt: skip
@@ -324,16 +350,53 @@ class OnlineTrainer:
         return st
 
     def state(self, cluster: str) -> ClusterState:
-        if cluster not in self.clusters:
-            self.clusters[cluster] = self._new_state(cluster)
-        return self.clusters[cluster]
+        """The cluster's state in memory: loaded (from its checkpoint and buffers under ``--out``, or
+        new from the base draft) if it is not, after unloading the least recently used idle one
+        when ``cfg.max_loaded_clusters`` are loaded."""
+        st = self.clusters.get(cluster)
+        if st is not None:
+            self.clusters.move_to_end(cluster)  # most recently used
+            return st
+        while len(self.clusters) >= self.cfg.max_loaded_clusters:
+            victim = self.budget.victim(self.clusters, keep=cluster, pinned=self._unpublished.__contains__,
+                                        idle=lambda c: self.clusters[c].version == self.clusters[c].saved_version)  # fmt: skip
+            if victim is None:  # every other cluster has weights not yet checkpointed (cannot happen between steps)
+                log.warning("cluster %s: loaded beyond max_loaded_clusters (%d): no idle cluster to unload", cluster,
+                            self.cfg.max_loaded_clusters)  # fmt: skip
+                break
+            self._unload(victim)
+        st = self.clusters[cluster] = self._new_state(cluster)
+        self._restore(cluster, st)
+        self.budget.loaded(cluster, len(self.clusters))
+        return st
 
-    def _restore(self, cluster: str) -> None:
-        st = self.state(cluster)
-        if self.promoter is not None and st.version and self.promoter.is_registered(cluster, st.version) is None:
+    def _unload(self, cluster: str) -> None:
+        """Drop an idle cluster from memory: its draft and optimiser are in its newest checkpoint
+        already (``saved_version == version``); its buffered and held-out records are written now."""
+        st = self.clusters[cluster]
+        assert st.version == st.saved_version, f"cluster {cluster}: v{st.version} is not checkpointed"
+        self._persist(cluster)
+        del self.clusters[cluster]
+        self.buffers.drop(cluster)
+        self._through.pop(cluster, None)  # restored from the buffer file and the checkpoint's lineage on reload
+        if self.link is not None and self.link.is_root:
+            self.link.send_all({"op": "close", "cluster": cluster})
+        self.budget.dropped(cluster, len(self.clusters))
+        log.info("cluster %s: unloaded (checkpoint v%d kept; %d clusters loaded)", cluster, st.version,
+                 len(self.clusters))  # fmt: skip
+
+    def _check_registered(self, cluster: str) -> None:
+        """At start: queue the cluster's newest checkpoint for registration if it never was (a kill
+        between checkpoint and registration), loaded or not, so it is registered before any commit."""
+        path = ckpt.latest_version(self.out, cluster)
+        version = ckpt.load_state(path).get("version", 0) if path is not None else 0
+        if self.promoter is not None and version and self.promoter.is_registered(cluster, version) is None:
             log.info("cluster %s: checkpoint v%d was never registered; registering it before any commit", cluster,
-                     st.version)  # fmt: skip
-            self._unpublished[cluster] = st.version
+                     version)  # fmt: skip
+            self._unpublished[cluster] = version
+
+    def _restore(self, cluster: str, st: ClusterState) -> None:
+        """The cluster's persisted buffered and held-out records and offsets, back in memory."""
         through = self._through.setdefault(cluster, {})
         for p, (_, hi) in st.lineage.items():  # trained into the checkpoint, maybe not in the saved buffer
             tp = (self.stream_cfg.topics.misses, int(p))
@@ -383,13 +446,18 @@ class OnlineTrainer:
                 continue  # redelivered after a crash: already buffered
             rec = d.record
             assert isinstance(rec, MissRecord)
+            if not self.budget.admits(rec.cluster):  # one cluster more than max_clusters: no draft is made for it
+                self.consumer.refuse(d, "cluster", self.budget.refusal(rec.cluster))
+                continue
+            st = self.state(rec.cluster)  # first: a reloaded cluster brings back its buffered sources and offsets
+            if source in self._seen:
+                continue  # buffered before its cluster was unloaded or the trainer restarted
             heldout = _holdout(rec.request_id, self.cfg.holdout_every)
             through = self._through.setdefault(rec.cluster, {})
             if not heldout and m.offset <= through.get(source[:2], -1):
                 continue  # redelivered after a crash: trained (or evicted) before it, not to be trained twice
             self._seen.add(source)
             held = Held(rec, source, bytes(m.value))
-            st = self.state(rec.cluster)
             touched.add(rec.cluster)
             if heldout:
                 st.holdout.append(held)
@@ -400,7 +468,8 @@ class OnlineTrainer:
             if buf.num_new >= self.cfg.interval:  # 3. every I requests of this cluster
                 self.update(rec.cluster)
         for cluster in sorted(touched):  # 4.
-            self._persist(cluster)
+            if cluster in self.clusters:  # an unloaded one was persisted as it went
+                self._persist(cluster)
         if not self.publish_pending():  # 5.
             return len(delivered)  # not committed: these records come back if the trainer dies now
         if delivered:  # 6.
@@ -461,10 +530,11 @@ class OnlineTrainer:
         state["summary"] = summary
         ckpt.save_version(self.out, cluster, st.version, st.model, self._optimizer_files(st, cluster), state,
                           extra_files=self._carried_files())  # fmt: skip
+        st.saved_version = st.version
         ckpt.append_history(self.out, cluster, summary)
         buf.updated()
-        UPDATES.labels(cluster=cluster).inc()
-        LAST_UPDATE.labels(cluster=cluster).set(time.time())
+        UPDATES.labels(cluster=cluster_label(cluster)).inc()
+        LAST_UPDATE.labels(cluster=cluster_label(cluster)).set(time.time())
         if self.promoter is not None and st.updates % self.promoter.cfg.register_every == 0:
             self._unpublished[cluster] = st.version
         log.info(
@@ -596,6 +666,8 @@ class OnlineTrainer:
             elif op == "step":
                 self._local_step(self.clusters[cmd["cluster"]], unpack_examples(tensors, cmd["request_ids"]))
                 steps += 1
+            elif op == "close":  # rank 0 unloaded the cluster (trainer.clusters)
+                self.clusters.pop(cmd["cluster"], None)
             elif op == "gather":
                 self._optimizer_files(self.clusters[cmd["cluster"]], cmd["cluster"])
             else:

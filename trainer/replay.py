@@ -116,3 +116,7 @@ class ReplayBuffers(Generic[T]):
 
     def clusters(self) -> list[str]:
         return sorted(self._buffers)
+
+    def drop(self, cluster: str) -> None:
+        """Forget the cluster's buffer (the trainer persisted it before unloading the cluster)."""
+        self._buffers.pop(cluster, None)

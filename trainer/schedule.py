@@ -7,7 +7,7 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
   ``trainer.step()`` (consume, buffer, update, persist, commit) until the stream is
   drained or the tick's time budget is used;
 - **evaluate** (every ``eval_seconds``): held-out expected acceptance of every
-  cluster's current draft, logged and exported as a Prometheus gauge;
+  cluster in memory (``OnlineConfig.max_loaded_clusters``), logged and exported as a Prometheus gauge;
 - **router-refit** (every ``router_refit_s``, when set and a
   :class:`~trainer.router_fit.RouterRefitter` is given): refit the prompt router from
   ``spec.generations``, register it and promote it through its gate. It skips under
@@ -33,27 +33,32 @@ so nothing is uncommitted. A skip longer than the stream's ``max_poll_interval_s
 makes this trainer leave its consumer group; the next tick that runs rejoins and
 resumes from the committed offsets (other replicas may own its partitions meanwhile).
 
-**Persistent job store.** Jobs live in an SQLAlchemy job store: SQLite at
-``<trainer out>/schedule.sqlite`` by default, or any ``postgresql://`` URL. A job in a
-persistent store is pickled, so its function must be importable by name and its
-arguments picklable. The live trainer (models, optimisers, an open consumer) cannot be
-pickled, so the jobs are the module-level functions ``trainer.schedule:_tick`` and
-``trainer.schedule:_evaluate``, registered by that textual reference, and their only
-argument is ``trainer_id``, a string key into this module's registry of the
-schedulers running in this process. :meth:`TrainerScheduler.start` registers itself
-under that key before any job can fire; :meth:`TrainerScheduler.shutdown` removes it.
+**A job store that stores no code.** APScheduler's persistent job stores pickle each job and
+unpickle the rows at start, which would let whoever can write the database run code in the
+trainer. Here the jobs are re-registered from configuration at every start, in APScheduler's
+in-memory store, and only their run times persist (:mod:`trainer.runtimes`): one row per job
+id in the table ``jobstore_table`` of ``jobstore_url`` (SQLite at
+``<trainer out>/schedule.sqlite`` by default, or any ``postgresql://`` URL) with its next run
+time, the scheduled time of its last finished run and its interval, as plain numbers. A table
+left by APScheduler's pickling store is converted at start without unpickling anything. The
+jobs are the module-level functions ``trainer.schedule:_tick``, ``trainer.schedule:_evaluate``
+and so on, whose only argument is ``trainer_id``, a string key into this module's registry of
+the schedulers running in this process. :meth:`TrainerScheduler.start` registers itself under
+that key before any job can fire; :meth:`TrainerScheduler.shutdown` removes it.
 
 **The schedule survives a restart.** The jobs have stable ids (``distill-tick``,
-``evaluate``) and are added with ``replace_existing=True``: a restarted trainer on the
-same job store replaces its two rows (never duplicates them) and keeps each job's
-pending next run time unless the new interval fires sooner. Runs missed while the
-trainer was down are *coalesced* into one (``coalesce=True``) and dropped when later
-than ``misfire_grace_s``. Each job has ``max_instances=1``: a tick still running when
-the next is due makes APScheduler skip the new one, never run two updates at once.
-The two jobs also share a lock, so an evaluation never reads a draft mid-update.
+``evaluate``, ...). A restarted trainer on the same table reads each job's row
+(:func:`~trainer.runtimes.next_run_after_restart`): with the same interval it keeps the
+pending next run time, a new interval counts from the last run, and neither is later than
+one interval from now (a shorter interval takes effect at once). Runs missed while the
+trainer was down are *coalesced* into one (``coalesce=True``) and dropped when later than
+``misfire_grace_s``. The rows of jobs switched off since the last run are deleted. Each job
+has ``max_instances=1``: a tick still running when the next is due makes APScheduler skip the
+new one, never run two updates at once. The two jobs also share a lock, so an evaluation
+never reads a draft mid-update.
 
-One job store (URL and table) belongs to one trainer process: APScheduler 3.x does not
-coordinate schedulers sharing a store. Replicas of a consumer group use separate
+One job store (URL and table) belongs to one trainer process: nothing coordinates
+schedulers sharing a table. Replicas of a consumer group use separate
 tables (``jobstore_table``) or databases.
 """
 
@@ -72,13 +77,15 @@ from pathlib import Path
 from typing import Any, Union
 
 from apscheduler.executors.pool import ThreadPoolExecutor
-from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter, Gauge
 
+from serving.fleet.clusters import cluster_label
 from serving.load_signal import read_load_file
 from serving.errors import SpecOpsError
+from trainer.runtimes import RunTimes, RunTimesJobStore, RunTimesTable, next_run_after_restart
 
 log = logging.getLogger(__name__)
 
@@ -322,14 +329,15 @@ class TrainerScheduler:
     def running(self) -> bool:
         return self._scheduler is not None and self._scheduler.running
 
-    def _jobstore(self) -> SQLAlchemyJobStore:
+    def _jobstore(self) -> RunTimesJobStore:
+        """APScheduler's in-memory store over the table of run times (no job is ever pickled)."""
         from sqlalchemy.engine import make_url
 
         url = make_url(self.jobstore_url)
         if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-        return SQLAlchemyJobStore(url=engine_url(self.jobstore_url), tablename=self.cfg.jobstore_table,
-                                  engine_options={"pool_pre_ping": True})  # fmt: skip
+        return RunTimesJobStore(RunTimesTable(engine_url(self.jobstore_url), self.cfg.jobstore_table,
+                                              engine_options={"pool_pre_ping": True}))  # fmt: skip
 
     def start(self) -> None:
         """Register the trainer, open the job store, (re)place both jobs and start running them."""
@@ -343,29 +351,29 @@ class TrainerScheduler:
         self._stop.clear()
         self._last_records_at = time.monotonic()
         try:
+            store = self._jobstore()
             scheduler = BackgroundScheduler(
-                jobstores={"default": self._jobstore()}, executors={"default": ThreadPoolExecutor(3)},
+                jobstores={"default": store}, executors={"default": ThreadPoolExecutor(3)},
                 timezone=timezone.utc, daemon=True,
             )  # fmt: skip
             scheduler.start(paused=True)  # open the store; nothing runs until both jobs are in place
+            saved = store.runs.load()
         except Exception as exc:
             self._unregister()
             raise ScheduleError(f"cannot open the job store {_safe_url(self.jobstore_url)}: {exc}") from exc
         try:
-            self._place_job(scheduler, TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds)
-            self._place_job(scheduler, EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds)
-            if self.cfg.router_refit_s:
-                self._place_job(scheduler, ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s)
-            elif scheduler.get_job(ROUTER_JOB_ID) is not None:
-                scheduler.remove_job(ROUTER_JOB_ID)  # refits were switched off since the last run
-            if self.cfg.datastore_rebuild_s:
-                self._place_job(scheduler, DATASTORE_JOB_ID, DATASTORE_FUNC, self.cfg.datastore_rebuild_s)
-            elif scheduler.get_job(DATASTORE_JOB_ID) is not None:
-                scheduler.remove_job(DATASTORE_JOB_ID)
-            if self.cfg.sessions_rebuild_s:
-                self._place_job(scheduler, SESSIONS_JOB_ID, SESSIONS_FUNC, self.cfg.sessions_rebuild_s)
-            elif scheduler.get_job(SESSIONS_JOB_ID) is not None:
-                scheduler.remove_job(SESSIONS_JOB_ID)
+            jobs = [(TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds), (EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds),
+                    (ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s),
+                    (DATASTORE_JOB_ID, DATASTORE_FUNC, self.cfg.datastore_rebuild_s),
+                    (SESSIONS_JOB_ID, SESSIONS_FUNC, self.cfg.sessions_rebuild_s)]  # fmt: skip
+            for job_id, func, seconds in jobs:
+                if seconds:  # an optional job is None when off
+                    self._place_job(scheduler, job_id, func, seconds, saved.get(job_id))
+            gone = store.runs.prune({job_id for job_id, _, seconds in jobs if seconds})
+            if gone:
+                log.info("jobs switched off since the last run, removed from the job store: %s", ", ".join(gone))
+            scheduler.add_listener(lambda e: store.record_run(e.job_id, e.scheduled_run_time),
+                                   EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)  # fmt: skip
         except Exception:
             scheduler.shutdown(wait=False)
             self._unregister()
@@ -377,20 +385,19 @@ class TrainerScheduler:
                  self.cfg.eval_seconds, f"every {self.cfg.router_refit_s:g}s" if self.cfg.router_refit_s else "off",
                  _safe_url(self.jobstore_url), _describe(self.cfg.load_signal))  # fmt: skip
 
-    def _place_job(self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float) -> None:
+    def _place_job(self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float,
+                   saved: RunTimes | None) -> None:  # fmt: skip
         trigger = IntervalTrigger(seconds=seconds, timezone=timezone.utc)
         kw: dict[str, Any] = {}
-        existing = scheduler.get_job(job_id)
-        if existing is not None and existing.next_run_time is not None:
-            fresh = trigger.get_next_fire_time(None, _now())
-            if fresh is not None and existing.next_run_time <= fresh:
-                kw["next_run_time"] = existing.next_run_time  # the schedule survives the restart
+        at = next_run_after_restart(saved, seconds, _now())
+        if at is not None:
+            kw["next_run_time"] = at  # the schedule survives the restart
         scheduler.add_job(
             func, trigger, kwargs={"trainer_id": self.trainer_id}, id=job_id, name=job_id, replace_existing=True,
             max_instances=1, coalesce=self.cfg.coalesce, misfire_grace_time=self.cfg.misfire_grace_s, **kw,
         )  # fmt: skip
         log.info("job %s: %s every %gs, next run %s", job_id, func, seconds,
-                 f"{kw['next_run_time']} (kept from the job store)" if kw else "in one interval")  # fmt: skip
+                 f"{kw['next_run_time']} (from the job store)" if kw else "in one interval")  # fmt: skip
 
     def jobs(self) -> dict[str, datetime | None]:
         """Id and next run time of every job in the store (while started)."""
@@ -509,8 +516,8 @@ class TrainerScheduler:
                         log.info("cluster %s: no held-out positions yet", cluster)
                         continue
                     results[cluster] = acc.to_dict()
-                    HELDOUT_ACCEPTANCE.labels(cluster=cluster, kind="sampling").set(acc.sampling)
-                    HELDOUT_ACCEPTANCE.labels(cluster=cluster, kind="greedy").set(acc.greedy)
+                    HELDOUT_ACCEPTANCE.labels(cluster=cluster_label(cluster), kind="sampling").set(acc.sampling)
+                    HELDOUT_ACCEPTANCE.labels(cluster=cluster_label(cluster), kind="greedy").set(acc.greedy)
                     log.info("cluster %s: held-out acceptance %.3f (greedy %.3f) over %d positions",
                              cluster, acc.sampling, acc.greedy, acc.num_positions)  # fmt: skip
                 self.evals_run += 1
@@ -526,7 +533,7 @@ class TrainerScheduler:
 
     def rebuild_datastores(self) -> str:
         """One datastore rebuild run unless serving is busy; never raises. Returns the outcome:
-        ``promoted``, ``registered``, ``waiting``, ``no_new_records``, ``skipped_load`` or ``error``."""
+        ``promoted``, ``registered``, ``unchanged``, ``waiting``, ``no_new_records``, ``skipped_load`` or ``error``."""
         return self._guarded("datastore rebuild", self.datastore_rebuilder, self.datastore_rebuilds, DATASTORE_REBUILDS)
 
     def rebuild_sessions(self) -> str:

@@ -3,10 +3,10 @@
 The trainer's only HTTP port is its optional metrics endpoint, which answers as long as the
 process lives, stuck or not; so liveness is read where its work leaves a trace:
 
-- **Scheduled** (``schedule = true``, or any ``*_every`` job in the config): APScheduler moves
-  the ``distill-tick`` job's ``next_run_time`` in the persistent job store every time it
-  dispatches the tick, also when a tick is skipped for serving load or because the previous one
-  is still running. A time more than ``SPECOPS_HEALTH_STALE_S`` seconds (default: the larger of
+- **Scheduled** (``schedule = true``, or any ``*_every`` job in the config): the scheduler moves
+  the ``distill-tick`` job's ``next_run_time`` in the job store's table of run times
+  (``trainer.runtimes``: numbers only, nothing pickled) every time it dispatches the tick, also
+  when a tick is skipped for serving load or because the previous one is still running. A time more than ``SPECOPS_HEALTH_STALE_S`` seconds (default: the larger of
   120 s and 10 ticks) in the past means the scheduler loop is stuck or the job store (PostgreSQL)
   is unreachable: unhealthy.
 - **Unscheduled**: a ``specops train`` process is alive. This is weak (tini ends the container

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from serving.engine.types import DecodeState, Proposals, Verdict
+from serving.errors import UnavailableError, echo
 from serving.proposers.base import Proposer
 
 CANDIDATES = ("draft", "dresd", "llma")
@@ -71,6 +72,9 @@ LOAD_BUCKETS = (1, 2, 4, 8, 16)
 
 MATCH_BUCKETS = (1, 2, 4, 8, 16)
 """LLMA match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for the copy acceptance counts."""
+
+
+TEMP_BUCKETS = ("greedy", "low", "high")
 
 
 def temp_bucket(temperature: float) -> str:
@@ -105,6 +109,64 @@ def expected_tokens(alpha: float, k: int) -> float:
         return 1.0
     alpha = min(max(alpha, 0.0), 1.0)
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+PRIORS_FORMAT = "specops-auto-priors/1"
+MAX_PRIOR_COUNT = 1e12
+"""Largest acceptance count a priors artifact may hold (they are scaled to :data:`PRIOR_TRIALS`)."""
+MAX_PRIOR_MS = 1e7
+"""Largest cost coefficient (ms) a priors artifact may hold."""
+
+
+def check_priors(priors: object) -> tuple[dict[tuple[str, str, str], tuple[float, float]],
+                                          dict[int, tuple[float, float]], dict[str, tuple[float, float]]]:  # fmt: skip
+    """A priors artifact's counts ``{(cluster, key, temperature): (accepted, rejected)}``, verify fits
+    ``{load edge: (a_ms, b_ms)}`` and propose fits ``{method: (a_ms, b_ms)}``, every number checked
+    (finite, in range: a NaN would stall the policy's Beta draws); ``ValueError`` naming the field
+    (``counts[3].accepted``) otherwise."""
+
+    def bad(where: str, what: str, got: object) -> ValueError:
+        return ValueError(f"auto-policy priors: {where} must be {what}, got {echo(got)}")
+
+    def number(obj: dict, name: str, where: str, hi: float) -> float:
+        v = obj.get(name) if isinstance(obj, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= hi):
+            raise bad(f"{where}.{name}", f"a finite number in [0, {hi:g}]", v)
+        return float(v)
+
+    def table(name: str) -> dict:
+        v = priors.get(name, {})
+        if not isinstance(v, dict):
+            raise bad(name, "an object", v)
+        return v
+
+    if not isinstance(priors, dict) or priors.get("format") != PRIORS_FORMAT:
+        fmt = priors.get("format") if isinstance(priors, dict) else type(priors).__name__
+        raise ValueError(f"not an auto-policy priors file (format {echo(fmt)})")
+    rows = priors.get("counts", [])
+    if not isinstance(rows, list):
+        raise bad("counts", "a list", rows)
+    counts = {}
+    for i, row in enumerate(rows):
+        where = f"counts[{i}]"
+        if not isinstance(row, dict):
+            raise bad(where, "an object", row)
+        for name in ("cluster", "key"):
+            if not isinstance(row.get(name), str) or not row[name]:
+                raise bad(f"{where}.{name}", "a non-empty string", row.get(name))
+        if row.get("temperature") not in TEMP_BUCKETS:
+            raise bad(f"{where}.temperature", f"one of {', '.join(TEMP_BUCKETS)}", row.get("temperature"))
+        counts[(row["cluster"], row["key"], row["temperature"])] = (
+            number(row, "accepted", where, MAX_PRIOR_COUNT), number(row, "rejected", where, MAX_PRIOR_COUNT))
+    verify = {}
+    for edge, fit in table("verify").items():
+        if not (isinstance(edge, str) and edge.isdigit() and 1 <= int(edge) <= 1_000_000):
+            raise bad("verify", "keyed by requests in flight (1, 2, 4, ...)", edge)
+        verify[int(edge)] = (number(fit, "a_ms", f"verify.{edge}", MAX_PRIOR_MS),
+                             number(fit, "b_ms", f"verify.{edge}", MAX_PRIOR_MS))  # fmt: skip
+    propose = {str(m): (number(fit, "a_ms", f"propose.{m}", MAX_PRIOR_MS),
+                        number(fit, "b_ms", f"propose.{m}", MAX_PRIOR_MS)) for m, fit in table("propose").items()}  # fmt: skip
+    return counts, verify, propose
 
 
 class CostFit:
@@ -265,30 +327,31 @@ class AutoPolicy:
     def priors(self) -> dict:
         """The acceptance counts and cost fits as a JSON-able artifact (``load_priors`` reads it)."""
         with self.lock:
-            return {"format": "specops-auto-priors/1",
+            return {"format": PRIORS_FORMAT,
                     "counts": [{"cluster": c, "key": k, "temperature": t, "accepted": round(v.accepted, 3),
                                 "rejected": round(v.rejected, 3)} for (c, k, t), v in sorted(self.counts.items())],
                     "verify": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
                     "propose": {m: f.to_dict() for m, f in self.propose.items()}}  # fmt: skip
 
     def load_priors(self, priors: dict) -> None:
-        """Start from a priors artifact (``priors()``, or ``specops policy fit``'s output)."""
-        if priors.get("format") != "specops-auto-priors/1":
-            raise ValueError(f"not an auto-policy priors file (format {priors.get('format')!r})")
+        """Start from a priors artifact (``priors()``, or ``specops policy fit``'s output).
+
+        The whole artifact is checked first (:func:`check_priors`): a bad one raises
+        ``ValueError`` naming the field and changes nothing."""
+        counts, verify, propose = check_priors(priors)
         with self.lock:
-            for row in priors.get("counts", []):
-                c = Counts(float(row["accepted"]), float(row["rejected"]))
+            for (cluster, key, temp), (accepted, rejected) in counts.items():
+                c = Counts(accepted, rejected)
                 scale = min(1.0, self.prior_trials / c.trials) if c.trials else 1.0
-                self.counts[(str(row["cluster"]), str(row["key"]), str(row["temperature"]))] = Counts(
-                    c.accepted * scale, c.rejected * scale)
-            for edge, f in priors.get("verify", {}).items():
-                b = load_bucket(int(edge))
-                self.verify[b] = CostFit(float(f["a_ms"]), float(f["b_ms"]))
-                if b == 0:
-                    self._verify_prior = (float(f["a_ms"]), float(f["b_ms"]))
-            for m, f in priors.get("propose", {}).items():
+                self.counts[(cluster, key, temp)] = Counts(c.accepted * scale, c.rejected * scale)
+            for edge, (a, b) in verify.items():
+                bucket = load_bucket(edge)
+                self.verify[bucket] = CostFit(a, b)
+                if bucket == 0:
+                    self._verify_prior = (a, b)
+            for m, (a, b) in propose.items():
                 if m in self.propose:
-                    self.propose[m] = CostFit(float(f["a_ms"]), float(f["b_ms"]))
+                    self.propose[m] = CostFit(a, b)
 
     # ------------------------------------------------------------------ load
     def load(self) -> int:
@@ -340,6 +403,10 @@ class AutoPolicy:
 
     def _alpha(self, cluster: str, key: str, temp: str, own: Counts | None) -> float:
         a, b = self.posterior(cluster, key, temp, own)
+        if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
+            # betavariate loops forever on NaN: evidence that is not finite counts as none
+            # (the uniform prior's mean); load_priors refuses it, this guards the rest
+            return 0.5
         return self.rng.betavariate(a, b) if self.explore else a / (a + b)
 
     def _others(self, session: int | None, load: int) -> tuple[float, float, float]:
@@ -420,10 +487,13 @@ class AutoPolicy:
                         accepted, 1.0 if accepted < drafted else 0.0, self.decay)
 
     # ------------------------------------------------------------------ observability
-    def snapshot(self, cluster: str | None = None) -> dict:
+    def snapshot(self, cluster: str | None = None, *, timeout_s: float = -1) -> dict:
         """The policy's state, per cluster (only ``cluster``'s when given): acceptance estimates,
-        decisions, the latest choice; and the replica's costs."""
-        with self.lock:
+        decisions, the latest choice; and the replica's costs. With ``timeout_s`` >= 0, waits at
+        most that long for the lock, then raises ``UnavailableError`` (503)."""
+        if not self.lock.acquire(timeout=timeout_s):
+            raise UnavailableError(f"the auto policy is busy (its lock was held for over {timeout_s:g}s); retry")
+        try:
             clusters: dict[str, dict] = {}
             for (c, key, t), v in self.counts.items():
                 if cluster is None or c == cluster:
@@ -444,6 +514,8 @@ class AutoPolicy:
                                    **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict()
                                       for (m, b), f in sorted(self.propose_loaded.items())}},
                     "clusters": clusters}  # fmt: skip
+        finally:
+            self.lock.release()
 
 
 class AutoProposer(Proposer):

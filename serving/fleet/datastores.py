@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge
 from registry import RegistryStore
 from registry.errors import RegistryError
 from serving.errors import DatastoreError
+from serving.fleet.clusters import cluster_label
 from serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
 from serving.retrieval.datastore import Datastore
 
@@ -85,7 +86,7 @@ class DatastoreFollower(AliasFollower):
             due = version != "base" and live.requests - live.reported_at >= self.live_report_every
             if due:
                 live.reported_at = live.requests  # queued once per window
-        LIVE_MAR.labels(cluster, version).set(live.acceptance)
+        LIVE_MAR.labels(cluster_label(cluster), version).set(live.acceptance)
         if due:
             self.enqueue(f"live:{cluster}:{version}")
 
@@ -107,11 +108,9 @@ class DatastoreFollower(AliasFollower):
     def current(self, cluster: str) -> DatastoreHandle:
         """The cluster's datastore now (one dict read); following starts on first use."""
         handle = self._current.get(cluster)
-        if handle is None:
-            if cluster not in self.keys:
-                self.follow(cluster)
-            return self.fallback
-        return handle
+        if cluster not in self.keys:  # new, or no longer followed while it was not a cluster
+            self.follow(cluster)
+        return self.fallback if handle is None else handle
 
     # ------------------------------------------------------------ the follower's steps
     def serving_version(self, key: str) -> str | None:
@@ -136,8 +135,8 @@ class DatastoreFollower(AliasFollower):
             previous = self._current.get(key)
             self._current = {**self._current, key: DatastoreHandle(obj, str(version.version))}  # one assignment
         self.swaps += 1
-        SWAPS.labels(key).inc()
-        VERSION.labels(key).set(float(version.version) if str(version.version).isdigit() else 0)
+        SWAPS.labels(cluster_label(key)).inc()
+        VERSION.labels(cluster_label(key)).set(float(version.version) if str(version.version).isdigit() else 0)
         log.info("datastore %s: swapped %s -> %s (%d entries, %.0f bytes/entry; loaded in %.2fs)", key,
                  previous.version if previous else self.fallback.version or "none", version.version, obj.num_entries,
                  obj.bytes_per_entry, load_s)  # fmt: skip

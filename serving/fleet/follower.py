@@ -25,17 +25,21 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import Counter
 
 from registry import CHAMPION, RegistryError, RegistryStore
 from registry.kinds import KINDS, ArtifactKind
+from serving.fleet.clusters import ClusterLabels
 
 log = logging.getLogger(__name__)
 
 FAILURES = Counter("specops_follower_failures_total", "Follow attempts that kept the current version",
                    ["kind", "key", "reason"])  # fmt: skip
+KEY_LABELS = ClusterLabels()
+"""Bounded ``key`` label values of ``FAILURES`` (clusters and knowledge-base names)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class AliasFollower:
         self.kind: ArtifactKind = KINDS[kind]
         self.follow_cfg = follow or FollowConfig()
         self.keys: set[str] = set()
+        self.allow: Callable[[str], bool] | None = None
+        """Which keys may be followed (serving: clusters that exist, ``serving.fleet.clusters``); None: any.
+        A key it refuses is not followed, and one it stops allowing is no longer polled."""
         self._failures: dict[str, tuple[int, float]] = {}
         """Per key: consecutive failures and when the next queued attempt may run."""
         self._lock = threading.Lock()
@@ -101,7 +108,7 @@ class AliasFollower:
 
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
         """A check kept the current version (``retry_in``: the backoff before the next queued try)."""
-        FAILURES.labels(self.kind.name, key, reason).inc()
+        FAILURES.labels(self.kind.name, KEY_LABELS(key), reason).inc()
         log.warning("%s %s keeps version %s: %s (%s)%s", self.kind.name, key or "-", self.serving_version(key) or "none",
                     exc, reason, f"; retrying in {retry_in:.1f}s" if retry_in else "")  # fmt: skip
 
@@ -125,7 +132,9 @@ class AliasFollower:
                 t.join(timeout_s)
 
     def follow(self, key: str) -> None:
-        """Follow ``key`` from now on (checked at once)."""
+        """Follow ``key`` from now on (checked at once), if ``allow`` lets it."""
+        if self.allow is not None and not self.allow(key):
+            return
         with self._lock:
             new = key not in self.keys
             self.keys.add(key)
@@ -163,6 +172,10 @@ class AliasFollower:
     def _tick(self) -> None:
         while not self._stop.wait(self.follow_cfg.poll_s):
             for key in list(self.keys):
+                if self.allow is not None and not self.allow(key):
+                    with self._lock:
+                        self.keys.discard(key)  # no longer a key a request can use: not polled any more
+                    continue
                 self.request_check(key)
 
     def _work(self) -> None:

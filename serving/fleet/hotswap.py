@@ -24,6 +24,10 @@ to the registry (metric ``live_acceptance``). When the champion has served
 ``rollback_min_requests`` requests and its live acceptance is below the version it
 replaced by more than ``rollback_margin``, the follower rolls ``champion`` back, with the
 numbers as the reason, and swaps to the restored version.
+
+**Which clusters exist.** The follower also lists the clusters with a champion draft
+(:attr:`DraftFollower.champions`: one registry search at start, every ``poll_s``, and when a
+ModelEvent names a draft it does not know); a request may name those (``serving.fleet.clusters``).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ import torch
 from prometheus_client import Counter, Gauge
 from transformers import PreTrainedModel
 
-from registry import DraftVersion, RegistryError, RegistryStore, model_name
+from registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
 from serving.errors import ModelConfigError
+from serving.fleet.clusters import cluster_label
 from serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
 from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
 from serving.engine.types import RequestStats
@@ -58,6 +63,8 @@ SERVED_VERSION = Gauge("specops_draft_version_served", "1 for the version each c
 
 BASE = "base"
 """Version name of the base draft a slot serves before the cluster has a champion."""
+LIST = "list:"
+"""Worker item: list the clusters with a registered champion draft (``DraftFollower.champions``)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,9 @@ class DraftSlot:
             old, self._handle = self._handle, handle
             self.swapped_at = now
             self.history.append((now, handle.version))
-        SERVED_VERSION.labels(handle.cluster, old.version).set(0)
-        SERVED_VERSION.labels(handle.cluster, handle.version).set(1)
+        label = cluster_label(handle.cluster)
+        SERVED_VERSION.labels(label, old.version).set(0)
+        SERVED_VERSION.labels(label, handle.version).set(1)
         return old
 
 
@@ -144,6 +152,32 @@ class DraftFollower(AliasFollower):
         self.swaps: list[dict] = []
         """Every swap: cluster, from, to, at (wall time), load_s; for tests and benchmarks."""
         self._judged: set[tuple[str, str]] = set()
+        self.champions: frozenset[str] = frozenset()
+        """Clusters with a registered champion draft, as last listed (every ``poll_s``, and when a
+        ModelEvent names a draft not in it): clusters that exist (``serving.fleet.clusters``)."""
+
+    def start(self) -> DraftFollower:
+        super().start()
+        if self.registry is not None:
+            self.list_champions()  # at once: a request for a cluster with a champion is served from the start
+            self._schedule_list()
+        return self
+
+    def list_champions(self) -> frozenset[str]:
+        """List the clusters with a champion draft now (one registry search); on failure keep the last list."""
+        if self.registry is None:
+            return self.champions
+        try:
+            self.champions = frozenset(self.registry.artifact("draft").keys(alias=CHAMPION))
+        except RegistryError as exc:  # the next listing retries; the last list stands meanwhile
+            log.warning("could not list the clusters with a champion draft: %s", exc)
+        return self.champions
+
+    def _schedule_list(self) -> None:
+        if not self._stop.is_set():
+            timer = threading.Timer(self.follow_cfg.poll_s, self.enqueue, args=(LIST,))
+            timer.daemon = True
+            timer.start()
 
     # ------------------------------------------------------------ request path
     def slot(self, cluster: str) -> DraftSlot:
@@ -154,7 +188,8 @@ class DraftFollower(AliasFollower):
                 slot = self.slots.get(cluster)
                 if slot is None:
                     slot = self.slots[cluster] = DraftSlot(DraftHandle(cluster, BASE, self.base_draft))
-                    SERVED_VERSION.labels(cluster, BASE).set(1)
+                    SERVED_VERSION.labels(cluster_label(cluster), BASE).set(1)
+        if cluster not in self.keys:  # new, or no longer followed while it was not a cluster
             self.follow(cluster)
         return slot
 
@@ -169,12 +204,16 @@ class DraftFollower(AliasFollower):
             due = live.requests - live.reported_at >= self.cfg.live_report_every
             judge = (self.cfg.auto_rollback and handle.version != BASE and live.requests >= self.cfg.rollback_min_requests
                      and key not in self._judged)  # fmt: skip
-        LIVE_ACCEPTANCE.labels(*key).set(live.acceptance)
+        LIVE_ACCEPTANCE.labels(cluster_label(handle.cluster), handle.version).set(live.acceptance)
         if due or judge:
             self.enqueue(f"live:{handle.cluster}:{handle.version}")
 
     # ------------------------------------------------------------ the follower's steps
     def handle(self, item: str) -> bool:
+        if item == LIST:
+            self.list_champions()
+            self._schedule_list()
+            return True
         if not item.startswith("live:"):
             return False
         _, cluster, version = item.split(":", 2)
@@ -190,6 +229,8 @@ class DraftFollower(AliasFollower):
         key = self.kind.key_of(getattr(event, "model_name", "") or "")
         if key is not None and key in self.slots:
             self.request_check(key)
+        if key is not None and key not in self.champions:
+            self.enqueue(LIST)  # maybe a new cluster's first champion: it exists from now on
 
     def load(self, key: str, version) -> PreTrainedModel:
         return self._load(version)
@@ -198,14 +239,14 @@ class DraftFollower(AliasFollower):
         slot = self.slots[key]
         handle = DraftHandle(key, version.version, obj, previous_champion=version.tags.get("previous_champion", ""))
         old = slot.swap(handle)  # 4.
-        SWAPS.labels(key).inc()
+        SWAPS.labels(cluster_label(key)).inc()
         self.swaps.append({"cluster": key, "from": old.version, "to": version.version, "at": time.time(),
                            "load_s": load_s})  # fmt: skip
         log.info("cluster %s: swapped draft %s -> %s (fetched and validated in %.2fs)", key, old.version,
                  version.version, load_s)  # fmt: skip
 
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
-        FAILURES.labels(key, reason).inc()
+        FAILURES.labels(cluster_label(key), reason).inc()
         log.warning("cluster %s keeps draft version %s: %s (%s); retrying in %.1fs", key,
                     self.serving_version(key), exc, reason, retry_in or 0.0)  # fmt: skip
 
@@ -259,7 +300,7 @@ class DraftFollower(AliasFollower):
                 self.registry.log_metric(cluster, version, "live_requests", snapshot.requests, step=snapshot.requests)
                 live.reported_at = snapshot.requests
             except RegistryError as exc:
-                FAILURES.labels(cluster, "live_report").inc()
+                FAILURES.labels(cluster_label(cluster), "live_report").inc()
                 log.warning("could not report live acceptance of %s version %s: %s", model_name(cluster), version, exc)
         self._maybe_rollback(cluster, version, snapshot)
 
@@ -285,11 +326,11 @@ class DraftFollower(AliasFollower):
             change = self.registry.rollback(cluster, reason=reason, to=prev, expect_current=version)  # type: ignore[union-attr]
         except RegistryError as exc:
             self._judged.discard((cluster, version))  # try again on the next report
-            FAILURES.labels(cluster, "rollback").inc()
+            FAILURES.labels(cluster_label(cluster), "rollback").inc()
             log.warning("cluster %s: wanted to roll back %s but: %s", cluster, version, exc)
             return
         if change is not None:
-            ROLLBACKS.labels(cluster).inc()
+            ROLLBACKS.labels(cluster_label(cluster)).inc()
             self.request_check(cluster)
 
     def _reference_acceptance(self, cluster: str, version: str) -> float | None:

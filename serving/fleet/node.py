@@ -84,7 +84,10 @@ class ServingNode:
                  method: str = "draft", k: int | None = None, n_drafts: int = 0, request_id: str | None = None,
                  on_step: Callable[[list[int]], bool | None] | None = None,
                  references: tuple[tuple[int, ...], ...] = (), llma_min_n: int = 1,
-                 retrieved: tuple[tuple[int, ...], ...] = (), context_spans: tuple = ()) -> ServedResult:  # fmt: skip
+                 retrieved: tuple[tuple[int, ...], ...] = (), context_spans: tuple = (),
+                 session_scope: str = "") -> ServedResult:  # fmt: skip
+        """``session_scope``: whose past outputs of the cluster the request copies from and adds
+        its output to (a tenant id; ``""``: the cluster's shared scope)."""
         started_at = time.time()
         handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
@@ -96,7 +99,7 @@ class ServingNode:
         if datastore is not None and datastore.datastore is not None:
             versions["datastore"] = datastore.version
         copies = method in ("llma", "auto")
-        past = self.sessions.index(cluster) if self.sessions is not None and copies else None
+        past = self.sessions.index(cluster, session_scope) if self.sessions is not None and copies else None
         resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=tuple(references),
                                       retrieved=tuple(retrieved),
                                       reference_indexes=(past,) if past is not None else (),
@@ -115,7 +118,7 @@ class ServingNode:
             if self.batcher is not None:
                 self.batcher.end()
         if self.sessions is not None:
-            self.sessions.add(cluster, result.token_ids)
+            self.sessions.add(cluster, result.token_ids, session_scope)
         if method == "auto":  # 4., for the parts auto drafted with a versioned artifact
             part = result.stats.proposer
             if part.get("drafted_draft"):

@@ -11,7 +11,9 @@ finished after that are added on top as before. A refused or unreachable version
 current cache.
 
 Which clusters: every ``sessions-<cluster>`` registered when serving starts, and again every
-``poll_s`` (a cluster first registered later is found then), and any named by a ModelEvent.
+``poll_s`` (a cluster first registered later is found then), and any named by a ModelEvent;
+in serving, only those that are clusters of the server (``AliasFollower.allow``,
+``serving.fleet.clusters``): a registered index of a name no request can send is not polled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prometheus_client import Counter, Gauge
 
 from registry import RegistryStore
 from registry.errors import RegistryError
+from serving.fleet.clusters import cluster_label
 from serving.fleet.follower import AliasFollower, FollowConfig
 from serving.proposers.session_cache import SessionCache
 from serving.proposers.session_store import SavedSessions, SessionStoreError, load_sessions
@@ -95,7 +98,7 @@ class SessionFollower(AliasFollower):
         kept = self.sessions.seed(key, obj.docs)
         self._versions[key] = str(version.version)
         self.seeds += 1
-        SEEDS.labels(key).inc()
-        VERSION.labels(key).set(float(version.version) if str(version.version).isdigit() else 0)
+        SEEDS.labels(cluster_label(key)).inc()
+        VERSION.labels(cluster_label(key)).set(float(version.version) if str(version.version).isdigit() else 0)
         log.info("past sessions %s: seeded from version %s (%d of %d outputs, %d tokens; loaded in %.2fs)", key,
                  version.version, kept, len(obj.docs), obj.num_tokens, load_s)  # fmt: skip

@@ -7,9 +7,15 @@ Endpoints:
   request fields ``speculation`` (``method``, ``k``) and ``cluster``; every response (the
   last chunk when streaming) carries a ``speculation`` block.
 - ``GET /v1/policy``: the ``auto`` policy's state per cluster (acceptance estimates,
-  decisions, the latest choice and its estimates, measured costs).
+  decisions, the latest choice and its estimates, measured costs); admin tenants only.
+- ``GET /v1/clusters``: the clusters served, the draft version of each and the router's
+  version; tenants that may route (or admin) only.
 - ``GET /v1/models``; ``GET /healthz`` (the process is up); ``GET /readyz`` (models loaded:
-  200, else 503 with the loading step or the error); ``GET /metrics`` (Prometheus).
+  200, else 503 with the loading step or the error; no cluster names); ``GET /metrics`` (Prometheus).
+
+Every request has a tenant (:mod:`serving.http.tenancy`): the owner of its key, resolved by
+:class:`Gate` and kept in the ASGI scope's state; its id goes with the request into
+:meth:`ServingState.prepare <serving.http.server.ServingState.prepare>`.
 
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
 the status from :data:`serving.errors.HTTP_STATUS`. A request is refused before any work
@@ -23,12 +29,11 @@ of the same shape (uvicorn logs its traceback).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -40,6 +45,7 @@ from starlette.requests import ClientDisconnect
 
 from serving.errors import (
     AuthenticationError,
+    ForbiddenError,
     InvalidRequestError,
     ModelNotFoundError,
     NotReadyError,
@@ -50,12 +56,13 @@ from serving.errors import (
     echo,
     http_status,
 )  # fmt: skip
-from serving.http.schema import ChatCompletionRequest, CompletionRequest
+from serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
 from serving.proposers.catalogue import method_spec
 from serving.engine.models import render_chat
 from serving.http.read_timeouts import BodyDeadline
 from serving.http.request_json import parse as parse_json
 from serving.http.server import ClientGone, Job, ServingState
+from serving.http.tenancy import ANONYMOUS, Tenant, Tenants
 from serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,6 +75,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
 OPEN_PATHS = ("/healthz", "/readyz")
+POLICY_WAIT_S = 1.0
+"""Longest ``GET /v1/policy`` waits for the ``auto`` policy's lock (a worker thread holds it) before a 503."""
+TIMEOUT_GRACE_S = 1.0
+"""The API's backstop answers a request ``request_timeout_s`` + this after it started when its decode
+has not ended by then (a step that never returns: the worker only checks the deadline between steps)."""
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 """Engine finish reasons as OpenAI names them."""
@@ -106,11 +118,11 @@ def create_app(state: ServingState) -> FastAPI:
     app = FastAPI(title="specops", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   description="OpenAI-compatible completions with speculative decoding by drafts that learn online.")  # fmt: skip
     app.state.serving = state
-    keys = [k.encode() for k in cfg.api_keys]
+    tenants = Tenants.from_config(cfg)
 
     # ------------------------------------------------------------ gatekeeping, in order
     app.add_middleware(BodyDeadline, timeout_s=cfg.body_timeout_s)
-    app.add_middleware(Gate, cfg=cfg, keys=keys)
+    app.add_middleware(Gate, cfg=cfg, tenants=tenants)
 
     @app.exception_handler(SpecOpsError)
     async def _specops_error(request: Request, err: SpecOpsError):
@@ -155,9 +167,21 @@ def create_app(state: ServingState) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/policy")
-    async def policy():
+    async def policy(request: Request):
+        if not _tenant(request).admin:  # every cluster's decisions: an operator's view
+            raise ForbiddenError("GET /v1/policy is for admin tenants (the server's admin_tenants)")
         _ensure_ready(state)
-        return state.policy.snapshot()
+        # off the event loop, and never waiting on the policy's lock for long (503 then)
+        return await asyncio.to_thread(state.policy.snapshot, timeout_s=POLICY_WAIT_S)
+
+    @app.get("/v1/clusters")
+    async def clusters(request: Request):
+        tenant = _tenant(request)
+        if not (tenant.may_route or tenant.admin):
+            raise ForbiddenError("GET /v1/clusters is for tenants that may send `cluster` (the server's "
+                                 "route_tenants) or admin tenants")  # fmt: skip
+        _ensure_ready(state)
+        return state.clusters()
 
     @app.get("/v1/models")
     async def models():
@@ -187,12 +211,14 @@ def create_app(state: ServingState) -> FastAPI:
 class Gate:
     """Pure ASGI middleware, in front of everything: body size (413) and key (401/403) checks,
     then request counts by status and time to the last byte. Pure ASGI, not Starlette's
-    ``BaseHTTPMiddleware``, so the route still sees the client's disconnect."""
+    ``BaseHTTPMiddleware``, so the route still sees the client's disconnect. The key's
+    :class:`~serving.http.tenancy.Tenant` goes in ``scope["state"]["tenant"]`` (``ANONYMOUS``
+    without keys; none on a path open without a key)."""
 
     ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", *OPEN_PATHS)
 
-    def __init__(self, app, *, cfg, keys: list[bytes]) -> None:
-        self.app, self.cfg, self.keys = app, cfg, keys
+    def __init__(self, app, *, cfg, tenants: Tenants) -> None:
+        self.app, self.cfg, self.tenants = app, cfg, tenants
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -206,8 +232,11 @@ class Gate:
         status = 500
         try:
             _check_size(headers, self.cfg.max_body_bytes)
-            if self.keys and path not in OPEN_PATHS and (path != "/metrics" or self.cfg.auth_metrics):
-                _check_key(headers, self.keys)
+            tenant = None if self.tenants.required else ANONYMOUS
+            if self.tenants.required and path not in OPEN_PATHS and (path != "/metrics" or self.cfg.auth_metrics):
+                tenant = _check_key(headers, self.tenants)
+            if tenant is not None:
+                scope.setdefault("state", {})["tenant"] = tenant
         except SpecOpsError as err:
             response = error_response(err)
             status = response.status_code
@@ -241,14 +270,22 @@ def _check_size(headers: dict[str, str], limit: int) -> None:
         raise RequestTooLargeError(f"request body is {int(length)} bytes; the limit is {limit}")
 
 
-def _check_key(headers: dict[str, str], keys: list[bytes]) -> None:
+def _check_key(headers: dict[str, str], tenants: Tenants) -> Tenant:
     header = headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-    given = token.strip().encode()
-    if not any(hmac.compare_digest(given, k) for k in keys):
+    tenant = tenants.lookup(token.strip().encode())
+    if tenant is None:
         raise PermissionDeniedError("the API key is not valid for this server")
+    return tenant
+
+
+def _tenant(request: Request) -> Tenant:
+    """The request's tenant, as :class:`Gate` resolved it (every route that asks is behind the key check)."""
+    tenant = request.scope.get("state", {}).get("tenant")
+    assert isinstance(tenant, Tenant), "a route that needs a tenant is open without a key"
+    return tenant
 
 
 async def _parse(request: Request, model):
@@ -270,15 +307,21 @@ async def _parse(request: Request, model):
 class _FirstValidationError(InvalidRequestError):
     def __init__(self, errors: list) -> None:
         e = errors[0]
-        param = clip(".".join(str(p) for p in e.get("loc", ())))
+        loc = tuple(e.get("loc", ()))
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldValueError):  # a model-level check: pydantic's location is the model's
+            loc += tuple(cause.field.split("."))
+        param = clip(".".join(str(p) for p in loc))
         msg = e.get("msg", "invalid value")
+        if e.get("type") == "value_error" and isinstance(cause, ValueError):
+            msg = str(cause)  # not pydantic's "Value error, ..."
         if e.get("type") == "extra_forbidden":
             msg = f"unrecognized request argument: {param}"
         elif e.get("type") == "missing":
             msg = f"missing required field: {param}"
         else:  # quote the value, clipped: a 500 KB stop string is not sent back
-            scalar = "input" in e and not isinstance(e["input"], (dict, list))
-            msg = f"{param}: {msg}" + (f" (got {echo(e['input'])})" if scalar else "")
+            scalar = "input" in e and (e["input"] is None or isinstance(e["input"], (str, int, float)))  # JSON's
+            msg = (f"{param}: {msg}" if param else msg) + (f" (got {echo(e['input'])})" if scalar else "")
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         super().__init__(msg + more, param or None)
 
@@ -328,11 +371,13 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
                             top_p=req.top_p if req.top_p is not None else 1.0,
                             max_new_tokens=req.max_tokens or cfg.default_max_tokens, seed=req.seed)  # fmt: skip
     spec = req.speculation
+    tenant = _tenant(request) if request is not None else ANONYMOUS
     job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
                                   k=spec.k if spec else None, cluster=req.cluster, stop=req.stop,
                                   n_drafts=spec.n_drafts if spec else None, retrieval=req.retrieval,
                                   knnlm=req.knnlm, references=req.references, llma_n=spec.n if spec else None,
-                                  turns=[m.text for m in req.messages[:-1]] if chat else None)  # fmt: skip
+                                  turns=[m.text for m in req.messages[:-1]] if chat else None,
+                                  tenant=tenant)  # fmt: skip
     if request_id is not None:
         job.request_id = request_id
     await state.admission.acquire()
@@ -341,9 +386,14 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
         future = loop.run_in_executor(state.executor, state.run, job)
         watch = asyncio.create_task(_cancel_on_disconnect(request, future, job)) if request is not None else None
         try:
-            served = await future
+            served = await asyncio.wait_for(asyncio.shield(future), cfg.request_timeout_s + TIMEOUT_GRACE_S)
         except ClientGone:  # nobody is listening; 499 is nginx's "client closed request", for the access log
             return Response(status_code=499)
+        except TimeoutError:
+            if future.done():  # the decode's own error, not the backstop
+                raise
+            future.add_done_callback(_settle)  # a step that never returned: answer now (504)
+            raise state.abandon(job) from None
         finally:
             if watch is not None:
                 watch.cancel()
@@ -354,13 +404,18 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
     future = loop.run_in_executor(state.executor, state.run, job)
     future.add_done_callback(lambda _: queue.put_nowait(None))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_sse(cfg.served_model_name, job, future, queue, chat=chat, include_usage=include_usage),
+    deadline = loop.time() + cfg.request_timeout_s + TIMEOUT_GRACE_S
+    return StreamingResponse(_sse(cfg.served_model_name, job, future, queue, chat=chat, include_usage=include_usage,
+                                  deadline=(deadline, lambda: state.abandon(job))),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                       "X-Request-Id": job.request_id})  # fmt: skip
 
 
-async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool, include_usage: bool,
+               deadline: tuple[float, Callable[[], SpecOpsError]] | None = None) -> AsyncIterator[str]:
+    """The stream of one request. ``deadline``: the event loop's time at which a decode that has not
+    ended is abandoned, and what abandons it (the error the stream then ends with)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + job.request_id
 
@@ -378,7 +433,16 @@ async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool
     try:
         if chat:
             yield chunk([choice(None, None, role=True)])
-        while (text := await queue.get()) is not None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                text = await asyncio.wait_for(queue.get(), None if deadline is None else deadline[0] - loop.time())
+            except TimeoutError:  # a step that never returned: end the stream with the request timeout
+                err = deadline[1]()
+                yield f"data: {json.dumps(error_body(http_status(err), str(err), err.code, err.param))}\n\n"
+                return
+            if text is None:
+                break
             yield chunk([choice(text, None)])
         outcome_read = True
         try:

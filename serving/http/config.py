@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import tomllib
 from pathlib import Path
@@ -23,8 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from serving.proposers.catalogue import METHODS, describe
 from serving.engine.device import DEVICE_PATTERN
 from serving.errors import ModelConfigError
+from serving.http.tenancy import check_config as check_tenants
 
 ENV_PREFIX = "SPECOPS_SERVE_"
+CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+"""What a request's ``cluster`` may be (``serving.http.schema.ClusterName``), so a configured cluster is one too."""
 
 
 class ServeConfig(BaseModel):
@@ -57,8 +61,15 @@ class ServeConfig(BaseModel):
     # ---- network
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 = any free port)")
-    api_keys: list[str] = Field(default_factory=list, description="bearer keys accepted on /v1/* (none = no auth); "
-                                "also $SPECOPS_API_KEYS, comma-separated")  # fmt: skip
+    api_keys: list[str] = Field(default_factory=list, description="bearer keys accepted on /v1/* (none = no auth), "
+                                "each KEY or NAME:KEY (NAME: the key's tenant; unnamed: a hash of the key); also "
+                                "$SPECOPS_API_KEYS, comma-separated")  # fmt: skip
+    route_tenants: list[str] = Field(default_factory=lambda: ["*"], description="tenants (api_keys NAMEs, or "
+                                     "key-<hash>) whose requests may send `cluster` instead of being routed; '*' = "
+                                     "every tenant, empty = none (403 naming `cluster`)")  # fmt: skip
+    admin_tenants: list[str] = Field(default_factory=list, description="tenants that may read GET /v1/policy (the "
+                                     "auto policy's state of every cluster); '*' = every tenant (without api_keys "
+                                     "everyone is admin)")  # fmt: skip
     auth_metrics: bool = Field(False, description="also require a key on /metrics")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 above)")
     header_timeout_s: float = Field(30.0, gt=0, description="longest a connection may take to send a request's "
@@ -78,6 +89,10 @@ class ServeConfig(BaseModel):
     max_n_drafts: int = Field(16, ge=1, le=64, description="largest `speculation.n_drafts` (rows per step, dresd) a request may ask for")
     session_cache_tokens: int = Field(65536, ge=0, description="tokens of past outputs kept per cluster as LLMA's "
                                       "cache-assisted copy source (0 = off)")  # fmt: skip
+    session_sharing: Literal["tenant", "shared"] = Field(
+        "tenant", description="whose past outputs an LLMA request copies from: 'tenant' (its own tenant's, per "
+        "cluster) or 'shared' (every tenant's of the cluster, and seeded from the registry's sessions-<cluster>: "
+        "a key can then test guesses of another key's outputs, see docs/api.md#tenancy-and-isolation)")  # fmt: skip
     max_references: int = Field(32, ge=0, le=1024, description="most `references` texts (LLMA) a request may send")
     max_reference_tokens: int = Field(32768, ge=0, description="most tokens a request's `references` (and, for LLMA "
                                       "in chat, its earlier turns) may hold together")  # fmt: skip
@@ -113,6 +128,9 @@ class ServeConfig(BaseModel):
         "registry", description="how requests without `cluster` are routed: 'registry' (follow the registered "
         "router's champion; until one exists they go to default_cluster) or 'none'")  # fmt: skip
     default_cluster: str = Field("default", description="cluster of requests without `cluster` when no router decides")
+    clusters: list[str] = Field(default_factory=list, description="clusters a request may name in `cluster`, besides "
+                                "default_cluster, the router's clusters and those with a registered champion draft "
+                                "(any other name: 400 naming `cluster`)")  # fmt: skip
     poll_s: float = Field(10.0, gt=0, description="seconds between registry polls for new champions (events are instant)")
     auto_rollback: bool = Field(True, description="roll a new champion back when its live acceptance falls below "
                                 "its predecessor's")  # fmt: skip
@@ -124,7 +142,7 @@ class ServeConfig(BaseModel):
     log_sample_every: int = Field(1, ge=1, description="log one request in N to the stream")
     log_queue_size: int = Field(2048, ge=2, description="records queued for the stream before the oldest are shed")
 
-    @field_validator("api_keys", "kb_dirs", "knnlm_dirs", mode="before")
+    @field_validator("api_keys", "route_tenants", "admin_tenants", "kb_dirs", "knnlm_dirs", "clusters", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -136,12 +154,15 @@ class ServeConfig(BaseModel):
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_limit "
                              f"({self.max_tokens_limit})")  # fmt: skip
-        if any(len(k) < 8 for k in self.api_keys):
-            raise ValueError("api_keys must be at least 8 characters each")
+        check_tenants(self.api_keys, self.route_tenants, self.admin_tenants)
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device {self.device!r} is not a device: say cpu, cuda or cuda:N")
         if self.device == "cpu" and "float16" in (self.dtype, self.draft_dtype):
             raise ValueError("float16 needs a GPU: on a CPU use bfloat16 (or float32)")
+        bad = [c for c in (self.default_cluster, *self.clusters) if not CLUSTER_NAME.match(c)]
+        if bad:
+            raise ValueError(f"cluster names are letters, digits and _.- (at most 64, a letter or digit first): "
+                             f"{', '.join(map(repr, bad[:5]))} is not one")  # fmt: skip
         return self
 
     # ------------------------------------------------------------ derived
@@ -201,8 +222,12 @@ def add_arguments(parser) -> None:
                                 help=argparse.SUPPRESS)  # fmt: skip
         elif name == "api_keys":
             parser.add_argument(flag, default=None, metavar="KEY[,KEY]", help=help_text)
+        elif name in ("route_tenants", "admin_tenants"):
+            parser.add_argument(flag, default=None, metavar="NAME[,NAME]", help=help_text)
         elif name in ("kb_dirs", "knnlm_dirs"):
             parser.add_argument(flag, default=None, metavar="DIR[,DIR]", help=help_text)
+        elif name == "clusters":
+            parser.add_argument(flag, default=None, metavar="NAME[,NAME]", help=help_text)
         else:
             parser.add_argument(flag, default=None, metavar=name.upper(), help=help_text)
 

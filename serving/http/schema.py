@@ -19,6 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints,
 from serving.proposers.catalogue import METHODS
 from serving.errors import UnsupportedParameterError
 
+class FieldValueError(ValueError):
+    """What a model-level validator (one that compares fields) raises: pydantic gives its error no
+    location, so ``field`` (dotted, relative to the model) names the one to fix, and the API
+    reports it as the error's ``param``. Every model validator here raises this."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 """Every model: unknown fields refused, and no coercion: ``"5"`` and ``true`` are not integers, ``"0.5"`` is not
 a number, ``1`` is not a boolean (an integer is still a valid float: ``"temperature": 1``); no NaN or infinity."""
@@ -225,7 +235,8 @@ class ChatCompletionRequest(_Common):
     def _tokens(self) -> ChatCompletionRequest:
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+                raise FieldValueError("max_completion_tokens", f"{self.max_completion_tokens} disagrees with max_tokens "
+                                      f"({self.max_tokens}); send one of them (max_tokens is its deprecated name)")  # fmt: skip
             self.max_tokens = self.max_completion_tokens
         return self
 

@@ -35,7 +35,11 @@ from serving.http.admission import Admission
 from serving.http.config import ServeConfig
 from serving.engine import limits
 from serving.load_signal import write_load_signal
-from serving.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError, RequestTooLargeError
+from serving.errors import (InvalidRequestError, PromptTooLongError, RequestTimeoutError, RequestTooLargeError,
+                            UnavailableError)  # fmt: skip
+from serving.errors import ForbiddenError
+from serving.http.tenancy import ANONYMOUS, Tenant
+from serving.fleet.clusters import KnownClusters, cluster_label
 from serving.proposers.catalogue import ProposerResources, check_resources, method_spec
 from serving.engine.types import SamplingParams
 
@@ -115,6 +119,8 @@ class Job:
     references: tuple[tuple[int, ...], ...] = ()
     """LLMA's reference texts, tokenized (the request's ``references``, earlier chat turns)."""
     llma_min_n: int = 1
+    tenant: str = ANONYMOUS.id
+    """The id of the tenant that sent it (``serving.http.tenancy``; never the key)."""
     on_delta: Callable[[str], None] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -125,6 +131,8 @@ class Job:
     sent: int = 0
     """Characters of ``text`` already handed to ``on_delta``."""
     stopped: bool = False
+    abandoned: bool = False
+    """The API answered with the request timeout while a step had not returned (``ServingState.abandon``)."""
 
 
 class ServingState:
@@ -150,6 +158,10 @@ class ServingState:
         """The replica's ``auto`` policy (``serving.engine.auto.AutoPolicy``): acceptance per cluster, costs."""
         self.knnlms = None
         """kNN-LM datastores by name, loaded on first use."""
+        self.known_clusters = KnownClusters([cfg.default_cluster, *cfg.clusters],
+                                            router=lambda: self.router.current() if self.router is not None else None,
+                                            champions=lambda: self.follower.champions if self.follower else ())  # fmt: skip
+        """The clusters a request may name (``serving.fleet.clusters``); the followers follow no other."""
         self.kbs = None
         """Knowledge bases by name (``serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
         self.ralm_pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ralm-verify")
@@ -195,7 +207,9 @@ class ServingState:
                              rollback_min_requests=cfg.rollback_min_requests, rollback_margin=cfg.rollback_margin)  # fmt: skip
         self.follower = DraftFollower(self.registry, self.pair.draft, target_vocab=self.pair.vocab_size,
                                       target_tokenizer_sha256=self.pair.tokenizer_sha256,
-                                      cache_dir=self.cache_dir / "drafts", cfg=hcfg).start()  # fmt: skip
+                                      cache_dir=self.cache_dir / "drafts", cfg=hcfg)  # fmt: skip
+        self.follower.allow = self.known_clusters.exists
+        self.follower.start()  # lists the clusters with a champion draft: they exist from the first request
         self.loading_step = "datastores"
         self.datastores = self._datastores()
         self.kbs = self._kbs()
@@ -222,7 +236,7 @@ class ServingState:
             from serving.proposers.session_cache import SessionCache, SessionCacheConfig
 
             sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.session_cache_tokens))
-            if self.registry is not None:
+            if self.registry is not None and cfg.session_sharing == "shared":  # sessions-<cluster> mix tenants
                 self.session_follower = self._session_follower(sessions)
         self.policy = self._policy()
         self.policy.padded_batches = self.batcher is not None
@@ -253,7 +267,10 @@ class ServingState:
         policy = AutoPolicy(max_k=min(self.cfg.auto_max_k, self.cfg.max_k),
                             load=lambda: self.admission.snapshot().running)  # fmt: skip
         if self.cfg.auto_priors:
-            policy.load_priors(json.loads(Path(self.cfg.auto_priors).read_text()))
+            try:  # a bad file stops the start (readyz says why): the operator asked for these priors
+                policy.load_priors(json.loads(Path(self.cfg.auto_priors).read_text()))
+            except ValueError as exc:
+                raise ValueError(f"auto_priors {self.cfg.auto_priors}: {exc}") from None
             log.info("auto policy priors from %s", self.cfg.auto_priors)
         elif self.registry is not None:
             self._load_policy_priors(policy)
@@ -282,9 +299,11 @@ class ServingState:
         from serving.retrieval.datastore import Datastore
 
         fallback = Datastore.load(Path(self.cfg.datastore_dir)) if self.cfg.datastore_dir else None
-        return DatastoreFollower(self.registry, self.pair.target, cache_dir=self.cache_dir / "datastores",
-                                 fallback=fallback, target_tokenizer_sha256=self.pair.tokenizer_sha256,
-                                 vocab_size=self.pair.vocab_size, follow=self._follow_cfg()).start()  # fmt: skip
+        follower = DatastoreFollower(self.registry, self.pair.target, cache_dir=self.cache_dir / "datastores",
+                                     fallback=fallback, target_tokenizer_sha256=self.pair.tokenizer_sha256,
+                                     vocab_size=self.pair.vocab_size, follow=self._follow_cfg())  # fmt: skip
+        follower.allow = self.known_clusters.exists  # a registered datastore of no cluster is not polled
+        return follower.start()
 
     def _follow_cfg(self):
         from serving.fleet.follower import FollowConfig
@@ -297,9 +316,11 @@ class ServingState:
         this target's tokenizer and vocabulary."""
         from serving.fleet.sessions import SessionFollower
 
-        return SessionFollower(self.registry, sessions, cache_dir=self.cache_dir / "sessions",
-                               target_tokenizer_sha256=self.pair.tokenizer_sha256, vocab_size=self.pair.vocab_size,
-                               follow=self._follow_cfg()).start()  # fmt: skip
+        follower = SessionFollower(self.registry, sessions, cache_dir=self.cache_dir / "sessions",
+                                   target_tokenizer_sha256=self.pair.tokenizer_sha256, vocab_size=self.pair.vocab_size,
+                                   follow=self._follow_cfg())  # fmt: skip
+        follower.allow = self.known_clusters.exists  # registered past sessions of no cluster are not polled
+        return follower.start()
 
     def _kbs(self):
         """Knowledge bases: the local ``kb_dirs`` by their own names, then ``kb-<name>@champion``."""
@@ -363,11 +384,17 @@ class ServingState:
         return self.pair.context_size
 
     def status(self) -> dict:
+        """``/readyz``'s body: readiness and load, no cluster names (the probe needs no key)."""
         snap = self.admission.snapshot()
         out = {"ready": self.ready.is_set(), "step": self.loading_step, "running": snap.running,
                "waiting": snap.waiting, "load": round(snap.load, 3)}  # fmt: skip
         if self.load_error:
             out["error"] = self.load_error
+        return out
+
+    def clusters(self) -> dict:
+        """``/v1/clusters``' body: the draft version each cluster serves, and the router's version."""
+        out: dict = {}
         if self.follower is not None:
             out["drafts"] = {c: s.current().version for c, s in sorted(self.follower.slots.items())}
         if self.router is not None:
@@ -393,9 +420,13 @@ class ServingState:
     def prepare(self, prompt: str | list[int], *, params: SamplingParams, method: str | None, k: int | None,
                 cluster: str | None, stop: list[str] | None, n_drafts: int | None = None,
                 retrieval=None, knnlm=None, references: list[str] | None = None, turns: list[str] | None = None,
-                llma_n: int | None = None) -> Job:  # fmt: skip
-        """Tokenize, bound-check and route one request (raises the caller's 4xx errors)."""
+                llma_n: int | None = None, tenant: Tenant = ANONYMOUS) -> Job:  # fmt: skip
+        """Tokenize, bound-check and route one request (raises the caller's 4xx errors).
+        ``tenant``: who sent it (``serving.http.tenancy``; without keys, the one anonymous tenant)."""
         cfg, tok = self.cfg, self.pair.tokenizer
+        if cluster is not None and not tenant.may_route:
+            raise ForbiddenError("this API key may not choose its cluster: leave `cluster` out and the router "
+                                 "decides (the server's route_tenants lists the tenants that may)", "cluster")  # fmt: skip
         limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
         if isinstance(prompt, str):
             if not prompt:
@@ -423,6 +454,16 @@ class ServingState:
         if n_drafts is not None and n_drafts > cfg.max_n_drafts:
             raise InvalidRequestError(f"speculation.n_drafts is {n_drafts}; this server allows at most "
                                       f"{cfg.max_n_drafts}", "speculation.n_drafts")  # fmt: skip
+        if knnlm is not None:
+            _refuse_ignored("knnlm", "kNN-LM decodes with the target and its datastore alone and drafts nothing (its "
+                            "own speculation is knnlm.speculative and knnlm.speculation_stride; knnlm.k counts its "
+                            "neighbours)", method=method, k=k, n_drafts=n_drafts, llma_n=llma_n,
+                            references=references)  # fmt: skip
+            method = "target"
+        elif retrieval is not None and retrieval.mode != "oneshot":
+            _refuse_ignored(f"retrieval.mode {retrieval.mode!r}", "the retrieval loop drafts one chain per step with "
+                            "the method's default settings (retrieval.mode 'oneshot' takes them)",
+                            n_drafts=n_drafts, llma_n=llma_n)  # fmt: skip
         spec = method_spec(method or cfg.default_method)
         method, k = spec.name, k or min(spec.default_k, cfg.max_k)  # a default never exceeds the server's cap
         refs = self._references(references, turns if method in ("llma", "auto") else None, method)
@@ -430,7 +471,9 @@ class ServingState:
             raise InvalidRequestError(f"speculation.n is LLMA's match length; method {method!r} has none",
                                       "speculation.n")  # fmt: skip
         source, router_version = "request", ""
-        if cluster is None:
+        if cluster is not None:
+            self.known_clusters.check(cluster)  # 400 naming `cluster` unless it exists
+        else:
             cluster, source = cfg.default_cluster, "default"
             router = self.router.current() if self.router is not None else None
             if router is not None:
@@ -445,11 +488,11 @@ class ServingState:
                                       "passages through the context; references go with retrieval.mode 'oneshot' "
                                       "or without retrieval", "references")  # fmt: skip
         knn_cfg, knn_store = self._knnlm(knnlm, retrieval)
-        ROUTED.labels(cluster, source).inc()
+        ROUTED.labels(cluster_label(cluster), source).inc()
         return Job(prompt_ids=ids, prompt_text=text or "", params=params, method=method, k=k, cluster=cluster,
                    cluster_source=source, router_version=router_version, stop=stop or [],
                    n_drafts=n_drafts or 0, ralm=ralm, kb=kb, retriever=retriever, knnlm=knn_cfg,
-                   knnlm_store=knn_store, references=refs, llma_min_n=llma_n or 1)  # fmt: skip
+                   knnlm_store=knn_store, references=refs, llma_min_n=llma_n or 1, tenant=tenant.id)  # fmt: skip
 
     def _references(self, texts: list[str] | None, turns: list[str] | None, method: str) -> tuple[tuple[int, ...], ...]:
         """LLMA's references, tokenized: the request's texts, then the earlier chat turns
@@ -524,6 +567,18 @@ class ServingState:
                                       "retrieval.retriever")  # fmt: skip
         return ralm, kb, retriever_kind(retrieval)
 
+    def abandon(self, job: Job) -> RequestTimeoutError:
+        """The API's backstop for a decode that outlived ``request_timeout_s`` inside one step
+        (the worker checks the deadline only between steps): mark ``job`` cancelled, so its
+        worker stops at its next step if it ever reaches one, and return the 504 to answer now.
+        The worker's admission slot comes back only when it returns."""
+        job.abandoned = True
+        job.cancel.set()
+        CANCELLED.labels("timeout").inc()
+        log.warning("request %s is still decoding after request_timeout_s=%gs within one step; answered with the "
+                    "timeout", job.request_id, self.cfg.request_timeout_s)  # fmt: skip
+        return RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
+
     def run(self, job: Job):
         """Decode ``job`` on this (worker) thread; always gives the admission slot back."""
         try:
@@ -537,7 +592,8 @@ class ServingState:
 
         def on_step(emitted: list[int]) -> bool:
             if job.cancel.is_set():
-                CANCELLED.labels("client_gone").inc()
+                if not job.abandoned:  # (an abandoned request was counted as a timeout)
+                    CANCELLED.labels("client_gone").inc()
                 raise ClientGone(job.request_id)
             if time.monotonic() > deadline:
                 CANCELLED.labels("timeout").inc()
@@ -567,7 +623,8 @@ class ServingState:
             served = self.node.generate_oneshot(job.prompt_ids, job.params, kb=job.kb, retriever=job.retriever,
                                                 ralm=job.ralm, cluster=job.cluster, method=job.method, k=job.k,
                                                 n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step,
-                                                references=job.references, llma_min_n=job.llma_min_n)  # fmt: skip
+                                                references=job.references, llma_min_n=job.llma_min_n,
+                                                session_scope=self._session_scope(job))  # fmt: skip
             _count_retrieval(served.retrieval)
         elif job.ralm is not None:
             served = self.node.generate_ralm(job.prompt_ids, job.params, kb=job.kb, retriever=job.retriever, ralm=job.ralm,
@@ -577,51 +634,72 @@ class ServingState:
         else:
             served = self.node.generate(job.prompt_ids, job.params, cluster=job.cluster, method=job.method, k=job.k,
                                         n_drafts=job.n_drafts, request_id=job.request_id, on_step=on_step,
-                                        references=job.references, llma_min_n=job.llma_min_n)  # fmt: skip
+                                        references=job.references, llma_min_n=job.llma_min_n,
+                                        session_scope=self._session_scope(job))  # fmt: skip
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
             if job.on_delta is not None and len(job.text) > job.sent:
                 job.on_delta(job.text[job.sent:])
                 job.sent = len(job.text)
         st = served.result.stats
-        GENERATED.labels(job.cluster).inc(st.num_generated)
+        GENERATED.labels(cluster_label(job.cluster)).inc(st.num_generated)
         if st.method == "llma" and st.proposer:
             _count_llma(job.cluster, st.proposer)
         if self.node.sessions is not None:
-            held = self.node.sessions.stats().get(job.cluster)
+            held = self.node.sessions.stats().get(job.cluster)  # every tenant's together: no tenant label
             if held is not None:
-                SESSION_CACHE_TOKENS.labels(job.cluster).set(held["tokens"])
-                SESSION_CACHE_OUTPUTS.labels(job.cluster).set(held["outputs"])
+                SESSION_CACHE_TOKENS.labels(cluster_label(job.cluster)).set(held["tokens"])
+                SESSION_CACHE_OUTPUTS.labels(cluster_label(job.cluster)).set(held["outputs"])
         if st.method == "auto":
             self._count_auto(job.cluster, served)
         elif st.num_drafted:
             version = served.version_of(st.method) or "none"
-            DRAFTED.labels(job.cluster, st.method, version).inc(st.num_drafted)
-            ACCEPTED.labels(job.cluster, st.method, version).inc(st.num_accepted)
+            DRAFTED.labels(cluster_label(job.cluster), st.method, version).inc(st.num_drafted)
+            ACCEPTED.labels(cluster_label(job.cluster), st.method, version).inc(st.num_accepted)
         with self._recent_lock:
             self._recent.append((time.time(), st.num_generated))
         return served
 
 
+    def _session_scope(self, job: Job) -> str:
+        """Whose past outputs the job copies from and adds to: its tenant's, or with
+        ``session_sharing = "shared"`` the cluster's shared scope (``""``)."""
+        return job.tenant if self.cfg.session_sharing == "tenant" else ""
+
     def _count_auto(self, cluster: str, served) -> None:
         """An ``auto`` request's steps and drafts per chosen method, and the policy's gauges."""
+        label = cluster_label(cluster)
         per = served.result.stats.policy.get("methods", {})
         for method, n in per.items():
-            AUTO_STEPS.labels(cluster, method).inc(n["steps"])
+            AUTO_STEPS.labels(label, method).inc(n["steps"])
             if n["drafted"]:
                 version = served.version_of(method) or "none"
-                DRAFTED.labels(cluster, method, version).inc(n["drafted"])
-                ACCEPTED.labels(cluster, method, version).inc(n["accepted"])
-        snap = self.policy.snapshot(cluster) if self.policy is not None else {}
+                DRAFTED.labels(label, method, version).inc(n["drafted"])
+                ACCEPTED.labels(label, method, version).inc(n["accepted"])
+        try:  # the gauges wait briefly for the policy's lock, the response does not wait on them
+            snap = self.policy.snapshot(cluster, timeout_s=1.0) if self.policy is not None else {}
+        except UnavailableError:
+            snap = {}
         state = snap.get("clusters", {}).get(cluster, {})
         for method, speed in ((state.get("last") or {}).get("estimates") or {}).items():
-            AUTO_ESTIMATE.labels(cluster, method).set(speed)
+            AUTO_ESTIMATE.labels(label, method).set(speed)
         for name, est in state.get("acceptance", {}).items():
             key, temp = name.rsplit("/", 1)
-            AUTO_ACCEPTANCE.labels(cluster, key, temp).set(est["mean"])
+            AUTO_ACCEPTANCE.labels(label, key, temp).set(est["mean"])
         for load, fit in snap.get("verify_ms", {}).items():
             AUTO_VERIFY_MS.labels(load, "a").set(fit["a_ms"])
             AUTO_VERIFY_MS.labels(load, "b").set(fit["b_ms"])
+
+
+def _refuse_ignored(path: str, why: str, *, method: str | None = None, k: int | None = None,
+                    n_drafts: int | None = None, llma_n: int | None = None, references: list[str] | None = None) -> None:
+    """A 400 naming the first field ``path`` (kNN-LM, a retrieval loop) would silently ignore; ``why`` says why."""
+    given = {"speculation.method": method not in (None, "target"), "speculation.k": k is not None,
+             "speculation.n_drafts": n_drafts is not None, "speculation.n": llma_n is not None,
+             "references": bool(references)}  # fmt: skip
+    for name, sent in given.items():
+        if sent:
+            raise InvalidRequestError(f"{name} does not apply to {path}: {why}; leave {name} out", name)
 
 
 def retriever_kind(retrieval) -> str:
@@ -631,10 +709,11 @@ def retriever_kind(retrieval) -> str:
 def _count_llma(cluster: str, counters: dict[str, int]) -> None:
     from serving.proposers.llma import SOURCES
 
-    LLMA_STEPS.labels(cluster).inc(counters["steps"])
-    LLMA_REFERENCE_TOKENS.labels(cluster).inc(counters["reference_tokens"])
+    label = cluster_label(cluster)
+    LLMA_STEPS.labels(label).inc(counters["steps"])
+    LLMA_REFERENCE_TOKENS.labels(label).inc(counters["reference_tokens"])
     for source in SOURCES:
-        LLMA_HITS.labels(cluster, source).inc(counters[f"hits_{source}"])
+        LLMA_HITS.labels(label, source).inc(counters[f"hits_{source}"])
 
 
 def _count_retrieval(block: dict | None) -> None:

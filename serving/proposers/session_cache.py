@@ -1,18 +1,23 @@
 """Past sessions as a copy source (LLMA's cache-assisted generation, fed by live traffic).
 
-Each cluster keeps the outputs of its recent finished requests in one bounded
-:class:`~serving.proposers.llma.NgramIndex`. Serving appends an output when its request
-finishes; an LLMA request of the cluster copies from the index as it stands (one shared
-object, read without a lock: the index only grows, and a position is published after the
-tokens it points at). When an append would pass the token budget, the index is rebuilt
-from the newest outputs that fill half of it and swapped in by one assignment, so memory
-stays within ``max_tokens`` per cluster and a rebuild costs at most once per
-``max_tokens / 2`` appended tokens.
+Each *scope* of a cluster keeps the outputs of its recent finished requests in one bounded
+:class:`~serving.proposers.llma.NgramIndex`. A scope is whose outputs they are: a tenant's id
+(serving's default, ``session_sharing = "tenant"``: a request copies only from its own
+tenant's past outputs, so a key cannot probe another key's text through LLMA's hit counts or
+speed) or ``""``, the cluster's shared scope (``session_sharing = "shared"``, and what the
+registry seeds). Serving appends an output when its request finishes; an LLMA request copies
+from its scope's index as it stands (one shared object, read without a lock: the index only
+grows, and a position is published after the tokens it points at). When an append would pass
+the token budget, the index is rebuilt from the newest outputs that fill half of it and
+swapped in by one assignment, so memory stays within ``max_tokens`` per (scope, cluster), at
+most ``max_clusters`` of them, and a rebuild costs at most once per ``max_tokens / 2``
+appended tokens.
 
 The trainer rebuilds the same bounded set from ``spec.generations`` and versions it as
-``sessions-<cluster>`` (``trainer/sessions.py``); serving replaces a cluster's outputs with
-its champion's (:meth:`SessionCache.seed`, ``serving/fleet/sessions.py``) and keeps adding
-its own finished outputs after them.
+``sessions-<cluster>`` (``trainer/sessions.py``; it mixes tenants, so only a shared server
+uses it); serving replaces a cluster's shared outputs with its champion's
+(:meth:`SessionCache.seed`, ``serving/fleet/sessions.py``) and keeps adding its own finished
+outputs after them.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class SessionCacheConfig:
     min_output_tokens: int = 8
     """Shorter outputs are not worth copying from."""
     max_clusters: int = 256
-    """Clusters kept; the least recently used one goes first."""
+    """(Scope, cluster) indexes kept; the least recently used one goes first."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2 or self.max_n < 1 or self.min_output_tokens < 1 or self.max_clusters < 1:
@@ -72,34 +77,39 @@ def index_of(docs: Iterable[Sequence[int]], cfg: SessionCacheConfig) -> NgramInd
     return index
 
 
+SHARED = ""
+"""The scope every tenant of a cluster shares (``session_sharing = "shared"``; registry seeds)."""
+
+
 class SessionCache:
-    """Per-cluster indexes of past outputs, bounded in tokens and clusters."""
+    """Per-(scope, cluster) indexes of past outputs, bounded in tokens and entries."""
 
     def __init__(self, cfg: SessionCacheConfig | None = None) -> None:
         self.cfg = cfg or SessionCacheConfig()
         self._lock = threading.Lock()
-        self._index: dict[str, NgramIndex] = {}
-        self._docs: dict[str, deque[tuple[int, ...]]] = {}
+        self._index: dict[tuple[str, str], NgramIndex] = {}
+        self._docs: dict[tuple[str, str], deque[tuple[int, ...]]] = {}
         self.num_rebuilds = 0
 
-    def index(self, cluster: str) -> NgramIndex | None:
-        """The cluster's index as it stands (None before its first output)."""
-        return self._index.get(cluster)
+    def index(self, cluster: str, scope: str = SHARED) -> NgramIndex | None:
+        """The index of ``scope``'s outputs in the cluster as it stands (None before the first)."""
+        return self._index.get((scope, cluster))
 
-    def add(self, cluster: str, output: Sequence[int]) -> bool:
-        """Remember one finished request's output; False when it is too short to keep."""
+    def add(self, cluster: str, output: Sequence[int], scope: str = SHARED) -> bool:
+        """Remember one finished request's output in ``scope``; False when it is too short to keep."""
         cfg = self.cfg
         doc = cfg.keepable(output)
         if doc is None:
             return False
+        key = (scope, cluster)
         with self._lock:
-            index, docs = self._index.get(cluster), self._docs.get(cluster)
+            index, docs = self._index.get(key), self._docs.get(key)
             if index is None:
                 self._make_room()
                 index, docs = NgramIndex(max_n=cfg.max_n, max_tokens=cfg.max_tokens), deque()
-                self._docs[cluster] = docs
+                self._docs[key] = docs
             else:  # most recently used last
-                del self._index[cluster]
+                del self._index[key]
             docs.append(doc)
             if index.room(len(doc)):
                 index.add(doc)
@@ -109,38 +119,45 @@ class SessionCache:
                 docs.extend(keep)
                 index = index_of(docs, cfg)
                 self.num_rebuilds += 1
-            self._index[cluster] = index
+            self._index[key] = index
         return True
 
     def seed(self, cluster: str, outputs: Iterable[Sequence[int]]) -> int:
-        """Replace the cluster's outputs with ``outputs`` (oldest first; a registered
+        """Replace the cluster's shared outputs with ``outputs`` (oldest first; a registered
         ``sessions-<cluster>`` version): the newest that fit ``max_tokens``, each cut and
         filtered as :meth:`add` does. The new index is built outside the lock and swapped in
         by one assignment. Returns the outputs kept."""
         cfg = self.cfg
         docs = deque(newest_within([d for o in outputs if (d := cfg.keepable(o)) is not None], cfg.max_tokens))
         index = index_of(docs, cfg)
+        key = (SHARED, cluster)
         with self._lock:
-            if cluster in self._index:
-                del self._index[cluster]
+            if key in self._index:
+                del self._index[key]
             else:
                 self._make_room()
-            self._docs[cluster] = docs
-            self._index[cluster] = index
+            self._docs[key] = docs
+            self._index[key] = index
         return len(docs)
 
-    def export(self, cluster: str) -> list[tuple[int, ...]]:
-        """The cluster's outputs, oldest first ([] when it has none)."""
+    def export(self, cluster: str, scope: str = SHARED) -> list[tuple[int, ...]]:
+        """``scope``'s outputs in the cluster, oldest first ([] when it has none)."""
         with self._lock:
-            return list(self._docs.get(cluster, ()))
+            return list(self._docs.get((scope, cluster), ()))
 
     def _make_room(self) -> None:
-        """Drop the least recently used cluster when a new one would pass ``max_clusters`` (under the lock)."""
+        """Drop the least recently used entry when a new one would pass ``max_clusters`` (under the lock)."""
         if len(self._index) >= self.cfg.max_clusters:
             oldest = next(iter(self._index))
             del self._index[oldest], self._docs[oldest]
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per cluster: outputs and tokens held (for ``/metrics``)."""
+        """Per cluster, every scope together: outputs and tokens held (for ``/metrics``: no
+        tenant's own count is shown, and the labels stay per cluster)."""
+        out: dict[str, dict[str, int]] = {}
         with self._lock:
-            return {c: {"outputs": len(self._docs[c]), "tokens": len(i)} for c, i in self._index.items()}
+            for key, index in self._index.items():
+                held = out.setdefault(key[1], {"outputs": 0, "tokens": 0})
+                held["outputs"] += len(self._docs[key])
+                held["tokens"] += len(index)
+        return out

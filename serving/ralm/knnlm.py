@@ -54,6 +54,7 @@ import torch
 
 from serving.engine.kv import CachedLM
 from serving.engine.limits import context_size
+from serving.engine.sampling import tempered_softmax
 from serving.engine.types import SamplingParams
 from serving.errors import InvalidRequestError, PromptTooLongError
 from serving.ralm.knnlm_search import KEY_BLOCK, Neighbours, search_keys
@@ -257,7 +258,7 @@ def next_token(logits: torch.Tensor, p_knn: torch.Tensor | None, lam: float, par
     assert logits.ndim == 1, logits.shape
     if params.greedy and (lam == 0.0 or p_knn is None):
         return int(logits.argmax())
-    p = torch.softmax(logits.float() / (params.temperature if not params.greedy else 1.0), dim=0)
+    p = tempered_softmax(logits, params.temperature if not params.greedy else 1.0)  # finite for any T > 0
     if p_knn is not None and lam > 0.0:
         p = lam * p_knn + (1.0 - lam) * p
     if params.greedy:

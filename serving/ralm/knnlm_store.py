@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from registry.artifacts import KNNLM_FORMAT as FORMAT
+from registry.artifacts import sha256_file
 from serving.errors import DatastoreError
 from serving.ralm.knnlm_search import ExactSearcher, IvfpqSearcher, Neighbours, build_ivfpq
 
@@ -232,7 +233,7 @@ class KnnDatastore:
         meta = {"format": FORMAT, "config": asdict(self.cfg), "hidden_size": self.hidden_size,
                 "num_entries": self.num_entries, "bytes_per_entry": round(self.bytes_per_entry, 2),
                 "target_sha256": self.target_sha256, "tokenizer_sha256": self.tokenizer_sha256,
-                "files": {name: _sha256(out_dir / name) for name in files}, "meta": self.meta}  # fmt: skip
+                "files": {name: sha256_file(out_dir / name) for name in files}, "meta": self.meta}  # fmt: skip
         meta["json_sha256"] = _json_sha(meta)
         (out_dir / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         return out_dir
@@ -252,7 +253,7 @@ class KnnDatastore:
             for name, want in meta["files"].items():
                 if name not in (DATA_FILE, INDEX_FILE):
                     raise ValueError(f"unexpected file {name!r}")
-                if _sha256(path / name) != want:
+                if sha256_file(path / name) != want:
                     raise ValueError(f"{name} does not match its sha256: corrupt or tampered")
             cfg = KnnBuildConfig(**meta["config"])
             data = load_file(str(path / DATA_FILE))
@@ -286,14 +287,6 @@ class KnnDatastore:
         if target is not None:
             store.check_fits(target, tokenizer_sha256)
         return store
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _json_sha(meta: dict) -> str:

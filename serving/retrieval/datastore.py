@@ -17,7 +17,15 @@ On disk (a registry ``datastore`` artifact, safetensors and JSON only):
   int32, ``znorm_mean``, ``znorm_scale``, ``pca_components``, ``pca_explained``;
 - ``index.safetensors``: one uint8 tensor per index file (FAISS's binary index or ScaNN's
   assets), the raw bytes;
-- ``datastore.json``: config, sizes, lineage, and the sha256 of every index file.
+- ``datastore.json``: config, sizes, lineage, the sha256 of both files above and of every
+  index file, and a sha256 of its own content.
+
+:meth:`Datastore.load` checks all of it before anything is used (a flipped byte anywhere is
+refused, naming the file), then the values: token ids >= 0 (and below the target's vocabulary
+in :meth:`Datastore.check_fits`), documents and entries inside the tokens, sizes as described,
+the projection finite. A datastore of the first format (``specops-dresd/1``, written before
+the files were checksummed) is refused with a message to rebuild it: it cannot be verified, and
+a rebuild is one command (``specops datastore build``) or the trainer's next rebuild.
 """
 
 from __future__ import annotations
@@ -34,13 +42,16 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from registry.artifacts import sha256_file
 from serving.errors import DatastoreError
 from serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
 from serving.retrieval.keys import Projection, target_hidden_states
 
 log = logging.getLogger(__name__)
 
-FORMAT = "specops-dresd/1"
+FORMAT = "specops-dresd/2"
+UNVERIFIABLE_FORMATS = ("specops-dresd/1",)
+"""Formats of datastores whose files carry no checksum: refused, to be rebuilt."""
 DATA_FILE, INDEX_FILE, META_FILE = "datastore.safetensors", "index.safetensors", "datastore.json"
 
 
@@ -205,6 +216,8 @@ class Datastore:
         projection = Projection.fit(sample, cfg.dims)
         keys = projection.apply(hidden)
         del hidden
+        if not np.isfinite(keys).all():
+            raise DatastoreError("the target's hidden states give non-finite keys (NaN or inf): no datastore built")
         stats.fit_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         index = build_index(keys, cfg.index)
@@ -230,39 +243,35 @@ class Datastore:
                 "num_tokens": int(len(self.tokens)), "num_docs": int(len(self.doc_ends)),
                 "bytes_per_entry": round(self.bytes_per_entry, 2),
                 "index_files": {name: hashlib.sha256(blob).hexdigest() for name, blob in self.index.files.items()},
+                "files": {name: sha256_file(out_dir / name) for name in (DATA_FILE, INDEX_FILE)},
                 "meta": self.meta}  # fmt: skip
+        meta["json_sha256"] = _json_sha(meta)
         (out_dir / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         return out_dir
 
     @classmethod
     def load(cls, path: Path) -> "Datastore":
-        """Read a saved datastore; a missing, corrupt or inconsistent file raises DatastoreError."""
+        """Read a saved datastore, verifying every sha256 first; a missing, corrupt, unverifiable
+        or inconsistent file raises DatastoreError naming it."""
         path = Path(path)
         try:
-            meta = json.loads((path / META_FILE).read_text())
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT}")
+            meta = _verified_meta(path)
             cfg = DatastoreConfig.from_dict(meta["config"])
             data = load_file(str(path / DATA_FILE))
             blobs = {name: t.numpy().tobytes() for name, t in load_file(str(path / INDEX_FILE)).items()}
             want = meta["index_files"]
             if set(blobs) != set(want):
-                raise ValueError(f"index files {sorted(blobs)}, the description lists {sorted(want)}")
+                raise ValueError(f"{INDEX_FILE} holds {sorted(blobs)}, {META_FILE} lists {sorted(want)}")
             for name, blob in blobs.items():
                 if hashlib.sha256(blob).hexdigest() != want[name]:
                     raise ValueError(f"index file {name} does not match its sha256: corrupt or tampered")
             projection = Projection.from_tensors(data)
             tokens, doc_ends, entry_pos = (data[n].numpy() for n in ("tokens", "doc_ends", "entry_pos"))
-            if tokens.dtype != np.int32 or entry_pos.dtype != np.int32 or doc_ends.dtype != np.int64:
-                raise ValueError("tokens and entry_pos must be int32, doc_ends int64")
-            if len(doc_ends) and (doc_ends[-1] != len(tokens) or (np.diff(doc_ends) < 0).any()):
-                raise ValueError("doc_ends do not partition the tokens")
-            if len(entry_pos) and (entry_pos.min() < 0 or entry_pos.max() >= len(tokens)):
-                raise ValueError("an entry points outside the tokens")
+            _check_values(meta, projection, tokens, doc_ends, entry_pos)
             index = load_index(cfg.index, blobs, projection.dims, len(entry_pos))
         except DatastoreError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
             raise DatastoreError(f"{path} is not a usable datastore: {exc}") from exc
         return cls(cfg, tokens, doc_ends, entry_pos, projection, index, meta.get("meta", {}))
 
@@ -273,9 +282,9 @@ class Datastore:
             raise DatastoreError(f"datastore keys come from hidden states of size {self.hidden_size}; this target's "
                                  f"are {hidden}: it was built for another model")  # fmt: skip
         vocab = vocab_size or int(target.config.vocab_size)
-        if len(self.tokens) and int(self.tokens.max()) >= vocab:
-            raise DatastoreError(f"datastore holds token id {int(self.tokens.max())}, past this target's vocabulary "
-                                 f"of {vocab}")  # fmt: skip
+        if len(self.tokens) and (int(self.tokens.max()) >= vocab or int(self.tokens.min()) < 0):
+            bad = int(self.tokens.max()) if int(self.tokens.max()) >= vocab else int(self.tokens.min())
+            raise DatastoreError(f"datastore holds token id {bad}, outside this target's vocabulary [0, {vocab})")
 
     def describe(self) -> dict:
         return {"num_entries": self.num_entries, "num_tokens": int(len(self.tokens)), "num_docs": int(len(self.doc_ends)),
@@ -283,3 +292,62 @@ class Datastore:
                 "explained_variance": round(float(self.projection.explained.sum()), 4),
                 "bytes_per_entry": round(self.bytes_per_entry, 1), "index": self.index.describe(),
                 "config_hash": self.cfg.hash(), "meta": self.meta}  # fmt: skip
+
+
+# ---------------------------------------------------------------- verification
+def _json_sha(meta: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "json_sha256"}, sort_keys=True).encode()).hexdigest()
+
+
+def _verified_meta(path: Path) -> dict:
+    """``datastore.json``, after checking its own sha256 and every file's; raises DatastoreError naming the file."""
+    from registry.artifacts import MANIFEST
+
+    meta_path = path / META_FILE
+    try:
+        meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DatastoreError(f"{meta_path} is not readable JSON: {exc}") from exc
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt in UNVERIFIABLE_FORMATS:
+        raise DatastoreError(f"{meta_path} is format {fmt}, which has no checksums of its files, so it cannot be "
+                             f"verified: rebuild it (`specops datastore build`, or the trainer's next rebuild)")  # fmt: skip
+    if fmt != FORMAT:
+        raise DatastoreError(f"{meta_path}: format {fmt!r}, expected {FORMAT}")
+    if meta.get("json_sha256") != _json_sha(meta):
+        raise DatastoreError(f"{meta_path} does not match its own sha256: corrupt or edited")
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != {DATA_FILE, INDEX_FILE}:
+        raise DatastoreError(f"{meta_path} must list the sha256 of exactly {DATA_FILE} and {INDEX_FILE}")
+    present = {p.name for p in path.iterdir()} - {META_FILE, MANIFEST}
+    if present != set(files):
+        raise DatastoreError(f"{path}: files not listed in {META_FILE}: {sorted(present - set(files))}; "
+                             f"missing: {sorted(set(files) - present)}")  # fmt: skip
+    for name, want in files.items():
+        if sha256_file(path / name) != want:
+            raise DatastoreError(f"{path / name} does not match its sha256 in {META_FILE}: corrupt or tampered")
+    return meta
+
+
+def _check_values(meta: dict, projection: Projection, tokens: np.ndarray, doc_ends: np.ndarray,
+                  entry_pos: np.ndarray) -> None:  # fmt: skip
+    """Dtypes, sizes as described, ranges, finite numbers: raises ValueError naming what is wrong."""
+    where = f"{DATA_FILE}:"
+    if tokens.dtype != np.int32 or entry_pos.dtype != np.int32 or doc_ends.dtype != np.int64:
+        raise ValueError(f"{where} tokens and entry_pos must be int32, doc_ends int64")
+    sizes = {"num_tokens": len(tokens), "num_docs": len(doc_ends), "num_entries": len(entry_pos),
+             "hidden_size": projection.hidden_size, "dims": projection.dims}  # fmt: skip
+    wrong = {k: (v, meta.get(k)) for k, v in sizes.items() if meta.get(k) != v}
+    if wrong:
+        raise ValueError(f"{where} sizes differ from {META_FILE}: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in wrong.items()))
+    if len(tokens) and int(tokens.min()) < 0:
+        raise ValueError(f"{where} token id {int(tokens.min())} is negative")
+    if len(doc_ends) and (doc_ends[-1] != len(tokens) or doc_ends[0] < 1 or (np.diff(doc_ends) < 1).any()):
+        raise ValueError(f"{where} doc_ends do not partition the tokens")
+    if len(entry_pos) and (entry_pos.min() < 0 or entry_pos.max() >= len(tokens)):
+        raise ValueError(f"{where} an entry points outside the tokens")
+    arrays = {"znorm_mean": projection.mean, "znorm_scale": projection.scale, "pca_components": projection.components,
+              "pca_explained": projection.explained}  # fmt: skip
+    bad = sorted(n for n, a in arrays.items() if not np.isfinite(a).all())
+    if bad:
+        raise ValueError(f"{where} {', '.join(bad)} hold NaN or infinite numbers")

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from registry.artifacts import KB_FORMAT, MANIFEST
+from registry.artifacts import KB_FORMAT, MANIFEST, sha256_file
 from serving.errors import KBError
 from serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
 from serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
@@ -116,14 +116,6 @@ def _pack(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     return np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _canonical_sha(meta: dict) -> str:
@@ -234,7 +226,7 @@ class KnowledgeBase:
             _save(self._bm25.tensors(), out_dir / BM25_FILE)
             (out_dir / BM25_VOCAB_FILE).write_text(json.dumps({"vocab": self._bm25.vocab, "params": self._bm25.params}))
             written += [BM25_FILE, BM25_VOCAB_FILE]
-        files = {name: _sha256(out_dir / name) for name in written}
+        files = {name: sha256_file(out_dir / name) for name in written}
         total = sum((out_dir / name).stat().st_size for name in written)
         meta = {**self.meta, "format": KB_FORMAT, "name": self.name, "num_passages": self.num_passages,
                 "dims": self.dims, "files": files, "bytes_per_passage": round(total / max(1, self.num_passages), 1)}  # fmt: skip
@@ -269,7 +261,7 @@ class KnowledgeBase:
             raise KBError(f"files not listed in {META_FILE}: {sorted(present - set(files))}; "
                           f"missing: {sorted(set(files) - present)}")  # fmt: skip
         for name, want in files.items():
-            if _sha256(path / name) != want:
+            if sha256_file(path / name) != want:
                 raise KBError(f"{name} does not match its sha256: corrupt or tampered")
         raw = _load(path / PASSAGES_FILE)
         n = int(meta["num_passages"])

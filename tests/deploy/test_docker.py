@@ -331,16 +331,16 @@ def _load_trainer_healthcheck():
 
 
 def _jobstore_with_tick(url: str, next_run: datetime) -> None:
-    """The distill-tick row as a running TrainerScheduler leaves it (APScheduler's own store)."""
-    from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
-    from apscheduler.schedulers.background import BackgroundScheduler
+    """The distill-tick row as a running TrainerScheduler leaves it (``trainer.runtimes``: run times only)."""
+    from trainer.runtimes import RunTimesTable
+    from trainer.schedule import TICK_JOB_ID, ScheduleConfig
 
-    from trainer.schedule import TICK_FUNC, TICK_JOB_ID, ScheduleConfig
-
-    sched = BackgroundScheduler(jobstores={"default": SQLAlchemyJobStore(url=url, tablename=ScheduleConfig.jobstore_table)})
-    sched.start(paused=True)
-    sched.add_job(TICK_FUNC, "interval", seconds=5, id=TICK_JOB_ID, args=["t"], next_run_time=next_run)
-    sched.shutdown(wait=False)
+    table = RunTimesTable(url, ScheduleConfig.jobstore_table)
+    try:
+        table.open()
+        table.write(TICK_JOB_ID, next_run_time=next_run.timestamp(), interval_s=5.0)
+    finally:
+        table.close()
 
 
 def test_trainer_healthcheck_follows_the_distill_tick(tmp_path):

@@ -47,7 +47,7 @@ def noisy_draft(tiny_models, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_models, noisy_draft, tmp_path_factory):
     cfg = serve_config(tiny_models, draft=str(noisy_draft), max_prompt_tokens=MAX_PROMPT_TOKENS,
-                       max_body_bytes=MAX_BODY_BYTES)  # fmt: skip
+                       max_body_bytes=MAX_BODY_BYTES, clusters=["x", "metrics-probe"])  # fmt: skip
     with running(cfg, tmp_path_factory.mktemp("api")) as srv:
         yield srv
 

@@ -30,7 +30,8 @@ FUZZ_SEED, FUZZ_CASES = 14, 240
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     cfg = serve_config(tiny_models, max_prompt_tokens=100_000, default_max_tokens=4, header_timeout_s=READ_TIMEOUT_S,
-                       body_timeout_s=READ_TIMEOUT_S, keep_alive_timeout_s=READ_TIMEOUT_S)  # fmt: skip
+                       body_timeout_s=READ_TIMEOUT_S, keep_alive_timeout_s=READ_TIMEOUT_S,
+                       clusters="code,prose")  # fmt: skip  # GOOD's clusters
     with running(cfg, tmp_path_factory.mktemp("hardening")) as srv:
         yield srv
 

@@ -105,10 +105,11 @@ def test_readyz_is_503_while_loading_and_200_once_loaded(tiny_models, tmp_path):
         srv.wait_ready(60)
         r = requests.get(url + "/readyz")
         assert r.status_code == 200 and r.json()["ready"] is True and r.json()["step"] == "ready"
-        assert r.json()["drafts"] == {}  # no cluster served yet
+        assert "drafts" not in r.json()  # cluster names are on /v1/clusters, behind the key
+        assert requests.get(url + "/v1/clusters").json()["drafts"] == {}  # no cluster served yet
         r = requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert requests.get(url + "/readyz").json()["drafts"] == {"default": "base"}
+        assert requests.get(url + "/v1/clusters").json()["drafts"] == {"default": "base"}
 
 
 def test_a_server_that_cannot_load_says_why(tiny_models, tmp_path):
@@ -184,7 +185,7 @@ def test_serve_help_shows_every_setting():
 def test_served_requests_are_logged_to_the_stream(tiny_models, tmp_path):
     url = f"local://{tmp_path}/streams"
     responses = {}
-    with running(serve_config(tiny_models, stream=url), tmp_path) as srv:
+    with running(serve_config(tiny_models, stream=url, clusters="code,prose"), tmp_path) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         plan = [("code", "draft"), ("prose", "draft"), ("code", "pld"), (None, "draft")]
         for i, (cluster, method) in enumerate(plan):

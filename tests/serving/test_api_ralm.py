@@ -35,6 +35,7 @@ def _post(srv, path="/v1/completions", **body):
 
 def test_retrieval_requests_and_errors(tiny_models, kb_dir, tmp_path):
     with running(serve_config(tiny_models, kb_dirs=[str(kb_dir)]), tmp_path / "srv") as srv:
+        m0 = requests.get(f"{srv.url}/metrics", timeout=30).text  # counters are per process: other tests count too
         prompt = "Question: how do I copy a directory with all its files?\nAnswer:"
         for retriever in ("exact", "bm25"):
             bodies = {}
@@ -64,7 +65,8 @@ def test_retrieval_requests_and_errors(tiny_models, kb_dir, tmp_path):
         assert "[DONE]" in text
         m = requests.get(f"{srv.url}/metrics", timeout=30).text
         assert metric(m, "specops_ralm_requests_total", retriever="exact", mode="ralmspec") >= 1
-        assert metric(m, "specops_ralm_kb_queries_total", retriever="bm25", mode="ralmseq") == 4
+        labels = {"retriever": "bm25", "mode": "ralmseq"}
+        assert metric(m, "specops_ralm_kb_queries_total", **labels) - metric(m0, "specops_ralm_kb_queries_total", **labels) == 4
 
         def bad(retrieval, **extra):
             return _post(srv, prompt="x", max_tokens=2, retrieval=retrieval, **extra)
@@ -83,6 +85,7 @@ def test_oneshot_retrieval_puts_top_passages_before_the_prompt_and_llma_copies_t
     """retrieval.mode 'oneshot' (the LLMA paper's RAG setting): one KB search, the top passages
     before the prompt; LLMA copies from them (source 'retrieved') and answers as target-only does."""
     with running(serve_config(tiny_models, kb_dirs=[str(kb_dir)]), tmp_path / "srv") as srv:
+        m0 = requests.get(f"{srv.url}/metrics", timeout=30).text  # counters are per process: other tests count too
         prompt = "Question: which command copies directories recursively, keeping the tree?\nAnswer:"
         texts = {}
         for method in ("target", "llma", "pld"):  # oneshot is a longer prompt: any method decodes it
@@ -100,8 +103,9 @@ def test_oneshot_retrieval_puts_top_passages_before_the_prompt_and_llma_copies_t
         assert llma["speculation"]["llma"]["reference_tokens"] > 5  # the request's text and the 2 passages
         assert set(llma["speculation"]["llma"]) >= {"hits_retrieved", "hits_request", "hits_context"}
         m = requests.get(f"{srv.url}/metrics", timeout=30).text
-        assert metric(m, "specops_ralm_requests_total", retriever="exact", mode="oneshot") == 3
-        assert metric(m, "specops_ralm_kb_calls_total", retriever="bm25", mode="oneshot") == 1
+        for name, retriever, n in (("requests", "exact", 3), ("kb_calls", "bm25", 1)):
+            labels = {"retriever": retriever, "mode": "oneshot"}
+            assert metric(m, f"specops_ralm_{name}_total", **labels) - metric(m0, f"specops_ralm_{name}_total", **labels) == n
         bad = _post(srv, prompt="x", max_tokens=2, retrieval={"kb": "tools", "mode": "oneshot", "passages": 0})
         assert_error(bad, 400, "invalid_request", "retrieval.passages")
         bad = _post(srv, prompt="x", max_tokens=2, speculation={"method": "llma"}, references=["y"],
@@ -120,6 +124,7 @@ def test_knnlm_requests_and_errors(tiny_models, kb_dir, tmp_path):
     path = store.save(tmp_path / "prose")
     cfg = serve_config(tiny_models, kb_dirs=[str(kb_dir)], knnlm_dirs=[str(path)])
     with running(cfg, tmp_path / "srv") as srv:
+        m0 = requests.get(f"{srv.url}/metrics", timeout=30).text  # counters are per process: other tests count too
         out = {}
         for speculative in (False, True):
             r = _post(srv, prompt="ls lists directory", max_tokens=12,
@@ -132,7 +137,8 @@ def test_knnlm_requests_and_errors(tiny_models, kb_dir, tmp_path):
         assert block["tokens"] == 12 and block["kb_searches"] <= out[False]["knnlm"]["kb_searches"] == 12
         assert out[True]["speculation"]["knnlm_version"] == "local"
         m = requests.get(f"{srv.url}/metrics", timeout=30).text
-        assert metric(m, "specops_knnlm_searches_total", searcher="exact", mode="baseline") == 12
+        labels = {"searcher": "exact", "mode": "baseline"}
+        assert metric(m, "specops_knnlm_searches_total", **labels) - metric(m0, "specops_knnlm_searches_total", **labels) == 12
 
         def bad(knnlm, **extra):
             return _post(srv, prompt="x", max_tokens=2, knnlm=knnlm, **extra)

@@ -15,6 +15,7 @@ from serving.engine.spec import SpecEngine
 from serving.engine.types import SamplingParams
 from serving.errors import DatastoreError, InvalidRequestError
 from serving.proposers.catalogue import ProposerConfig, ProposerResources
+from serving.retrieval import datastore as ds_module
 from serving.retrieval.datastore import DATA_FILE, INDEX_FILE, META_FILE, Datastore, DatastoreConfig
 from serving.retrieval.index import INDEX_KINDS, IndexConfig, build_index, load_index
 from serving.retrieval.keys import Projection, target_hidden_states
@@ -144,13 +145,19 @@ def test_datastore_files_round_trip_and_refuse_corruption(datastore, tmp_path, s
     name = sorted(blobs)[0]
     blobs[name][len(blobs[name]) // 2] ^= 0xFF
     save_file(blobs, str(path / INDEX_FILE))
-    with pytest.raises(DatastoreError, match=f"{name}.*corrupt"):
+    with pytest.raises(DatastoreError, match=f"{INDEX_FILE} does not match its sha256.*corrupt"):
         Datastore.load(path)
-    # Entries pointing past the tokens: refused.
+    # Entries pointing past the tokens: refused, even with checksums rewritten to match.
     datastore.save(tmp_path / "ds2")
     data = load_file(str(tmp_path / "ds2" / DATA_FILE))
     data["entry_pos"][0] = 10**6
     save_file(data, str(tmp_path / "ds2" / DATA_FILE))
+    with pytest.raises(DatastoreError, match=f"{DATA_FILE} does not match its sha256"):
+        Datastore.load(tmp_path / "ds2")
+    rehashed = json.loads((tmp_path / "ds2" / META_FILE).read_text())
+    rehashed["files"][DATA_FILE] = ds_module.sha256_file(tmp_path / "ds2" / DATA_FILE)
+    rehashed["json_sha256"] = ds_module._json_sha(rehashed)
+    (tmp_path / "ds2" / META_FILE).write_text(json.dumps(rehashed))
     with pytest.raises(DatastoreError, match="outside the tokens"):
         Datastore.load(tmp_path / "ds2")
     meta = json.loads((path / META_FILE).read_text())

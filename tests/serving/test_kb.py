@@ -258,7 +258,8 @@ def test_corrupt_foreign_and_unlisted_files_are_refused(passages, tmp_path):
     # A kb.json that lists a pickle (with its true sha256 and its own sha256 redone) is still refused.
     listed = tmp_path / "listed"
     shutil.copytree(extra, listed)
-    from serving.retrieval.kb import _canonical_sha, _sha256
+    from registry.artifacts import sha256_file as _sha256
+    from serving.retrieval.kb import _canonical_sha
 
     meta = json.loads((listed / META_FILE).read_text())
     meta["files"]["scores.pkl"] = _sha256(listed / "scores.pkl")

@@ -58,7 +58,8 @@ def test_the_cache_follows_the_champion_and_keeps_it_on_a_bad_version(sqlite_uri
 
 
 def test_serving_seeds_llma_from_the_champion_at_start(tiny_models, sqlite_uri, tmp_path):
-    """The server's cache starts with the registered outputs, and an LLMA request copies them."""
+    """A server sharing past sessions across tenants starts its cache with the registered outputs,
+    and an LLMA request copies them (a tenant-scoped server does not seed: tests/serving/test_tenancy.py)."""
     pair = load_pair(tiny_models / "target")
     prompt = [5, 17, 23, 9, 41, 3]
     answer = SpecEngine(pair).generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
@@ -67,7 +68,7 @@ def test_serving_seeds_llma_from_the_champion_at_start(tiny_models, sqlite_uri, 
     v = reg.artifact("sessions").register("default", path).version
     reg.artifact("sessions").promote("default", v)
 
-    with running(serve_config(tiny_models, registry=sqlite_uri), tmp_path / "srv") as srv:
+    with running(serve_config(tiny_models, registry=sqlite_uri, session_sharing="shared"), tmp_path / "srv") as srv:
         follower = srv.state.session_follower
         assert follower is not None and wait_until(lambda: follower.serving_version("default") == v, 20)
         r = requests.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 24,

@@ -4,7 +4,6 @@ PostgreSQL job stores across restarts, and a failing job neither raises nor stop
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -166,15 +165,16 @@ def test_a_callable_load_signal(tmp_path):
 
 # ---------------------------------------------------------------- 3./4. persistent job stores
 def _rows(url: str, table: str) -> dict[str, dict]:
+    """The job store's rows: plain numbers per job id (trainer.runtimes), nothing pickled."""
     from sqlalchemy import create_engine, text
 
     engine = create_engine(engine_url(url))
     try:
         with engine.connect() as conn:
-            rows = conn.execute(text(f"SELECT id, next_run_time, job_state FROM {table}")).all()
+            rows = conn.execute(text(f"SELECT id, next_run_time, last_run_time, interval_s FROM {table}")).all()
     finally:
         engine.dispose()
-    return {r[0]: {**pickle.loads(r[2]), "next_run_time": r[1]} for r in rows}  # the column: epoch seconds
+    return {r[0]: {"next_run_time": r[1], "last_run_time": r[2], "interval_s": r[3]} for r in rows}  # epoch seconds
 
 
 def _check_persistence(url: str, table: str, out: Path) -> None:
@@ -183,14 +183,18 @@ def _check_persistence(url: str, table: str, out: Path) -> None:
     first = TrainerScheduler(FakeTrainer(out), cfg)
     t0 = datetime.now(timezone.utc)
     first.start()
-    first.shutdown()
+    try:
+        for job_id, func in ((TICK_JOB_ID, TICK_FUNC), (EVAL_JOB_ID, EVAL_FUNC)):  # registered from configuration
+            job = first._scheduler.get_job(job_id)
+            assert job.func_ref == func and job.kwargs == {"trainer_id": first.trainer_id}
+            assert job.max_instances == 1 and job.coalesce is False and job.misfire_grace_time == 7
+    finally:
+        first.shutdown()
     rows = _rows(url, table)
     assert set(rows) == {TICK_JOB_ID, EVAL_JOB_ID}
-    for job_id, func, seconds in ((TICK_JOB_ID, TICK_FUNC, 3600), (EVAL_JOB_ID, EVAL_FUNC, 7200)):
+    for job_id, seconds in ((TICK_JOB_ID, 3600), (EVAL_JOB_ID, 7200)):
         job = rows[job_id]
-        assert job["func"] == func and job["kwargs"] == {"trainer_id": first.trainer_id}
-        assert job["max_instances"] == 1 and job["coalesce"] is False and job["misfire_grace_time"] == 7
-        assert job["trigger"].interval == timedelta(seconds=seconds)
+        assert job["interval_s"] == seconds and job["last_run_time"] is None
         assert abs(job["next_run_time"] - (t0.timestamp() + seconds)) < 5
 
     # a restarted trainer on the same store finds the same jobs, keeps their next run times, adds no rows
@@ -204,17 +208,20 @@ def _check_persistence(url: str, table: str, out: Path) -> None:
         second.shutdown()
     again = _rows(url, table)
     assert set(again) == set(rows)
-    assert {j: r["next_run_time"] for j, r in again.items()} == {j: r["next_run_time"] for j, r in rows.items()}
+    assert {j: r["next_run_time"] for j, r in again.items()} == pytest.approx({j: r["next_run_time"] for j, r in rows.items()})
 
     # a shorter interval takes effect at once; the untouched job keeps its time
     third = TrainerScheduler(FakeTrainer(out), ScheduleConfig(jobstore_url=url, jobstore_table=table, tick_seconds=60,
                                                               eval_seconds=7200))  # fmt: skip
     third.start()
-    third.shutdown()
+    try:
+        assert third._scheduler.get_job(TICK_JOB_ID).coalesce is True
+    finally:
+        third.shutdown()
     last = _rows(url, table)
-    assert set(last) == set(rows) and last[TICK_JOB_ID]["coalesce"] is True
+    assert set(last) == set(rows) and last[TICK_JOB_ID]["interval_s"] == 60
     assert last[TICK_JOB_ID]["next_run_time"] < rows[TICK_JOB_ID]["next_run_time"] - 3000
-    assert last[EVAL_JOB_ID]["next_run_time"] == rows[EVAL_JOB_ID]["next_run_time"]
+    assert last[EVAL_JOB_ID]["next_run_time"] == pytest.approx(rows[EVAL_JOB_ID]["next_run_time"])
 
 
 def test_sqlite_job_store_survives_restart(tmp_path):

@@ -53,6 +53,13 @@ Definitions:
   idempotency key) or whose training window (``lineage_offsets``: the first and last
   offset trained on per partition, cumulative, so two updates of one trainer differ in it
   unless the second trained on no new record) equals an earlier version's.
+- **Tenant isolation and bounded clusters** (``check_isolation``, on the last server once the
+  load has stopped): the clients take turns between two API keys (tenants) and a third key
+  sends only probes; ``/readyz`` names no cluster; requests naming made-up clusters are 400s
+  naming ``cluster`` and never become metric labels or stream records; and the extraction
+  replay of issue 34 (tenant E probing tenant A's sampled output through LLMA's past
+  sessions, then guessing it token by token) finds nothing, while the same probe by A does
+  (the positive control).
 - **Outputs equal to target-only**: after the run every answered prompt is decoded greedily
   target-only in this process (``SpecEngine``, ``method="target"``) and compared with the
   response text, and token for token with the ``output_ids`` of its GenerationRecord when
@@ -127,6 +134,14 @@ TIE_TOL = 1e-4
 """A served token other than the reference's is still the target's greedy choice when its float64
 logit is within this of the maximum (an exact float32 tie; float32 logits of the tiny models are
 within about 1e-6 of float64, and their top two logits are usually 0.03 or more apart)."""
+TENANTS = {"alice": "faults-alice-key-01", "bob": "faults-bob-key-002", "eve": "faults-eve-key-0003"}
+"""API keys (tenants). The clients take turns between the first two; the isolation checks probe alice's
+output from eve's key, which sends nothing else (so even the size of its past sessions must be 0)."""
+LOAD_TENANTS = 2
+BOGUS_CLUSTERS = 40
+"""Requests naming made-up clusters at the end of the load (each must be a 400 naming ``cluster``)."""
+DECOYS = 11
+"""Wrong guesses per token of the cross-tenant extraction replay (the right one is added to them)."""
 TRAINER_UP = b"registering drafts in"
 """What ``specops train`` logs once its imports are done and its registry is open."""
 
@@ -257,7 +272,9 @@ class Stack:
                        "--port", str(self.mlflow_port), "--workers", "1"],
             "server": [*cli, "serve", "--target", str(target), "--draft", str(draft), "--port", str(self.server_port),
                        "--stream", self.stream_url, "--registry", self.mlflow_url, "--replica", "faults",
-                       "--router", "none", "--poll-s", "2", "--no-auto-rollback", "--max-concurrency", "2"],
+                       "--router", "none", "--clusters", CLUSTER,
+                       "--api-keys", ",".join(f"{name}:{key}" for name, key in TENANTS.items()), "--poll-s", "2", "--no-auto-rollback",
+                       "--max-concurrency", "2"],
             "trainer": [*cli, "train", "--stream", self.stream_url, "--registry", self.mlflow_url, "--draft", str(draft),
                         "--tokenizer", str(target), "--target", str(target), "--out", str(work / "trainer"), "--interval", "8",
                         "--holdout-every", "3", "--gate-margin", "-1", "--gate-min-positions", "0",
@@ -379,8 +396,10 @@ class Load:
             a = Attempt(rid, i, seq, self.stack.epoch, self.now())
             with self._lock:
                 self.in_flight.add(rid)
+            key = list(TENANTS.values())[i % LOAD_TENANTS]  # the clients take turns between alice and bob
             try:  # a new connection per request: no pooled connection outlives a killed server
-                r = requests.post(url, json=body, headers={"X-Request-Id": rid}, timeout=(5, self.args.request_timeout_s))
+                r = requests.post(url, json=body, headers={"X-Request-Id": rid, "Authorization": f"Bearer {key}"},
+                                  timeout=(5, self.args.request_timeout_s))  # fmt: skip
                 a.status = r.status_code
                 if r.status_code == 200:
                     out = r.json()
@@ -550,6 +569,11 @@ class Driver:
                 self.tick()
             self.bar.close()
         load_s = self.load.now()
+        try:  # on the last server, before it stops
+            isolation = check_isolation(stack, self.args)
+        except (requests.RequestException, KeyError, ValueError) as exc:
+            log.error("the isolation checks failed to run: %s", exc)
+            isolation = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         final = scrape(stack.server_url)
         if final is not None:
             self.scrapes[stack.epoch] = final
@@ -561,7 +585,8 @@ class Driver:
         stack.procs["mlflow"].stop(signal.SIGTERM, 30)
         return {"attempts": self.load.attempts, "windows": self.windows, "scrapes": self.scrapes,
                 "final_epoch": stack.epoch, "server_rc": server_rc, "trainer_rc": trainer_rc, "versions": versions,
-                "records": read_stream(stack.stream_url), "setup_s": setup_s, "load_s": load_s}  # fmt: skip
+                "records": read_stream(stack.stream_url), "setup_s": setup_s, "load_s": load_s,
+                "isolation": isolation}  # fmt: skip
 
 
 def read_registry(uri: str) -> list[dict]:
@@ -586,12 +611,133 @@ def read_stream(url: str) -> dict[str, list[dict]]:
             rows = []
             for m in s.read(topic, timeout_s=10):
                 rec = codec.decode(m.value)
-                row = {"partition": m.partition, "offset": m.offset, "rid": rec.request_id}
+                row = {"partition": m.partition, "offset": m.offset, "rid": rec.request_id,
+                       "cluster": getattr(rec, "cluster", None)}  # fmt: skip
                 if hasattr(rec, "output_ids"):
                     row["output_ids"] = [int(t) for t in rec.output_ids]
                 rows.append(row)
             out[topic] = rows
     return out
+
+
+def metric_clusters(url: str) -> set[str]:
+    """Every value of a ``cluster`` label on ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(url + "/metrics", timeout=10)
+    r.raise_for_status()
+    return {s.labels["cluster"] for f in text_string_to_metric_families(r.text) for s in f.samples if "cluster" in s.labels}
+
+
+def check_isolation(stack: Stack, args) -> dict:
+    """Tenant scope and bounded cluster names on the last server, once the load has stopped (issue 34):
+
+    - ``/readyz`` (no key) names no cluster;
+    - ``BOGUS_CLUSTERS`` requests naming made-up clusters each get a 400 naming ``cluster``, and no
+      made-up name becomes a ``cluster`` label on ``/metrics``;
+    - the extraction replay: tenant A generates a sampled output with LLMA (it enters A's past
+      sessions; its token ids are read from its GenerationRecord in the stream); A's probe with 8
+      tokens of it and ``speculation: {method: "llma", n: 8}`` finds it (the positive control), the
+      identical probe of E (a key that sent nothing else) must find nothing (``hits_sessions`` 0, and
+      ``reference_tokens`` 0: not even the cache's size), and E's guess-and-extend attack from a
+      known 8-token prefix must recover no token, while A's does.
+    Probes ask for 4 tokens, under the past-sessions minimum of 8, so they never enter a cache."""
+    url = stack.server_url
+    alice, eve = f"Bearer {TENANTS['alice']}", f"Bearer {TENANTS['eve']}"
+    rng = random.Random(f"{args.seed}-isolation")
+    n_probe = 0
+
+    def post(key: str, rid: str, **body) -> requests.Response:
+        return requests.post(url + "/v1/completions", json={"model": "specops", "cluster": CLUSTER, **body},
+                             headers={"Authorization": key, "X-Request-Id": rid}, timeout=(5, args.request_timeout_s))  # fmt: skip
+
+    def probe(key: str, tail: list[int]) -> dict:
+        nonlocal n_probe
+        n_probe += 1
+        r = post(key, f"isolation-probe-{n_probe}", prompt=tail, max_tokens=4, temperature=0,
+                 speculation={"method": "llma", "n": 8})  # fmt: skip
+        r.raise_for_status()
+        return r.json()["speculation"]["llma"]
+
+    def extend(key: str, known: list[int], truth: list[int]) -> int:
+        """Guess the token after ``known`` among decoys, keep the one whose 8-gram hits past sessions."""
+        recovered: list[int] = []
+        for right in truth:
+            guesses = [c for c in rng.sample(range(1, args.vocab), DECOYS) if c != right] + [right]
+            hits = [c for c in guesses if probe(key, (known + recovered + [c])[-8:])["hits_sessions"]]
+            if len(hits) != 1 or hits[0] != right:
+                break
+            recovered.append(right)
+        return len(recovered)
+
+    out: dict = {"readyz_names_cluster": CLUSTER in requests.get(url + "/readyz", timeout=10).text}
+    before = metric_clusters(url)
+    codes = []
+    for j in range(BOGUS_CLUSTERS):
+        r = post(alice, f"isolation-bogus-{j}", prompt=make_prompt(args.seed, 10_000, j, args.vocab), max_tokens=2,
+                 temperature=0, cluster=f"made-up-{j}")  # fmt: skip
+        param = r.json().get("error", {}).get("param") if r.status_code == 400 else None
+        codes.append((r.status_code, param))
+    after = metric_clusters(url)
+    out["bogus_clusters_sent"] = BOGUS_CLUSTERS
+    out["bogus_clusters_refused"] = sum(c == (400, "cluster") for c in codes)
+    out["bogus_cluster_answers"] = sorted({f"{c} {p}" for c, p in codes})
+    out["metric_cluster_labels"] = {"before": sorted(before), "after": sorted(after)}
+    out["made_up_labels"] = sorted(c for c in after if c.startswith("made-up"))
+
+    secret: list[int] | None = None
+    for attempt in range(3):  # a sampled output long and varied enough to probe
+        rid = f"isolation-secret-{attempt}"
+        r = post(alice, rid, prompt=make_prompt(args.seed, 10_001, attempt, args.vocab), max_tokens=32,
+                 temperature=1.0, seed=7 + attempt, speculation={"method": "llma"})  # fmt: skip
+        if r.status_code != 200:
+            continue
+        deadline = time.monotonic() + 30
+        ids = None
+        while ids is None and time.monotonic() < deadline:  # the logger publishes in the background
+            ids = next((row.get("output_ids") for row in read_stream(stack.stream_url).get("spec.generations", [])
+                        if row["rid"] == rid), None)  # fmt: skip
+            if ids is None:
+                time.sleep(0.5)
+        if ids and len(ids) >= 20 and len(set(ids[:12])) >= 8:
+            secret = ids
+            break
+    out["secret_tokens"] = len(secret) if secret else 0
+    if secret:
+        window = secret[8:16]
+        mine, theirs = probe(alice, window), probe(eve, window)
+        out["control_hits"] = int(mine["hits_sessions"])
+        out["cross_tenant_hits"] = int(theirs["hits_sessions"])
+        out["cross_tenant_reference_tokens"] = int(theirs["reference_tokens"])
+        out["control_tokens_recovered"] = extend(alice, secret[:8], secret[8:12])
+        out["cross_tenant_tokens_recovered"] = extend(eve, secret[:8], secret[8:12])
+    out["probes"] = n_probe
+    return out
+
+
+def isolation_violations(iso: dict, records: dict) -> list[str]:
+    """What the isolation checks found wrong (``check_isolation``), and any stream record of a cluster
+    other than the configured one."""
+    bad = []
+    if iso.get("readyz_names_cluster"):
+        bad.append("/readyz (no key) names a cluster")
+    if iso.get("bogus_clusters_refused") != iso.get("bogus_clusters_sent"):
+        bad.append(f"requests naming made-up clusters were not all 400 naming `cluster`: {iso.get('bogus_cluster_answers')}")
+    if iso.get("made_up_labels"):
+        bad.append(f"made-up clusters became metric labels: {iso['made_up_labels'][:5]}")
+    logged = sorted({r.get("cluster") for rows in records.values() for r in rows} - {CLUSTER, None})
+    if logged:
+        bad.append(f"records of clusters other than {CLUSTER!r} reached the stream: {logged[:5]}")
+    if iso.get("error"):
+        bad.append(f"the isolation checks failed to run: {iso['error']}")
+    elif not iso.get("secret_tokens"):
+        bad.append("the extraction replay could not run: no sampled output of 20+ varied tokens was logged")
+    elif not iso.get("control_hits") or not iso.get("control_tokens_recovered"):
+        bad.append("the extraction replay's positive control failed (the owner's own probe found nothing), so the "
+                   "cross-tenant result proves nothing")  # fmt: skip
+    elif iso.get("cross_tenant_hits") or iso.get("cross_tenant_reference_tokens") or iso.get("cross_tenant_tokens_recovered"):
+        bad.append(f"another tenant's output leaked through LLMA's past sessions: {iso}")
+    return bad
 
 
 # ---------------------------------------------------------------- analysis
@@ -718,6 +864,7 @@ def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args)
 
 def analyse(run: dict, model_dir: Path, args) -> dict:
     attempts: list[Attempt] = run["attempts"]
+    iso = run.get("isolation", {})
     classify(attempts, run["windows"], run["load_s"])
     kinds = {k: sum(a.kind == k for a in attempts) for k in ("answered", "in_flight", "down", "failed")}
     records = check_records(run)
@@ -763,6 +910,10 @@ def analyse(run: dict, model_dir: Path, args) -> dict:
         "output_tokens_checked": outputs["tokens_checked"],
         "server_exit_on_sigterm": run["server_rc"],
         "trainer_exit_on_sigint": run["trainer_rc"],
+        "unknown_clusters_refused": f"{iso.get('bogus_clusters_refused')} / {iso.get('bogus_clusters_sent')}",
+        "cross_tenant_session_hits": iso.get("cross_tenant_hits"),
+        "cross_tenant_tokens_recovered": iso.get("cross_tenant_tokens_recovered"),
+        "own_tenant_tokens_recovered": iso.get("control_tokens_recovered"),
     }  # fmt: skip
     violations = []
     if summary["failed_outside_kill_windows"]:
@@ -781,12 +932,13 @@ def analyse(run: dict, model_dir: Path, args) -> dict:
         violations.append("no request was answered")
     if run["server_rc"] != 0:
         violations.append(f"the server did not exit 0 on SIGTERM (exit {run['server_rc']})")
+    violations += isolation_violations(iso, run["records"])
     summary["violations"] = violations
     summary["invariants_hold"] = not violations
     failures = [{"rid": a.rid, "kind": a.kind, "epoch": a.epoch, "start": round(a.start, 3), "end": round(a.end, 3),
                  "status": a.status, "error": a.error} for a in attempts if a.status != 200]  # fmt: skip
     return {"summary": summary, "components": by_comp, "records": records, "versions": versions,
-            "outputs": outputs, "failures": failures}  # fmt: skip
+            "outputs": outputs, "isolation": iso, "failures": failures}  # fmt: skip
 
 
 # ---------------------------------------------------------------- report
@@ -805,6 +957,10 @@ def tables(report: dict) -> tuple[list[Table], str]:
         ("outputs equal to target-only, token for token", f"{s['outputs_identical']} / {s['outputs_checked']}", "all"),
         ("  … the others: the target's choice at an exact tie", s["outputs_tie_flips"], "counted apart"),
         ("outputs diverged from target-only", s["outputs_diverged"], "0"),
+        ("requests naming a made-up cluster refused (400 `cluster`)", s.get("unknown_clusters_refused"), "all"),
+        ("another tenant's LLMA probe: past-session hits", s.get("cross_tenant_session_hits"), "0"),
+        ("another tenant's extraction: tokens recovered", s.get("cross_tenant_tokens_recovered"), "0"),
+        ("  … the owner's own extraction (positive control)", s.get("own_tenant_tokens_recovered"), "> 0"),
     ]  # fmt: skip
     head = Table(title="Soak under kills: invariants")
     for col in ("measure", "value", "required"):
@@ -846,7 +1002,10 @@ def doc_section(report: dict, table: str) -> str:
         f"{report['load_s']:.0f} s; {sum(s['kills'].values())} SIGKILLs at seeded random points (seed {c['seed']}): "
         f"{kills}. Each killed process was restarted after a random 0-5 s on the same port, store, stream and "
         f"checkpoints; at the end the server got SIGTERM (exit {s['server_exit_on_sigterm']}) and the trainer SIGINT "
-        f"(exit {s['trainer_exit_on_sigint']}). Run time {report['elapsed_s']:.0f} s.",
+        f"(exit {s['trainer_exit_on_sigint']}). Run time {report['elapsed_s']:.0f} s. The clients take turns "
+        f"between two API keys; after the load the driver checks tenant isolation and cluster bounds on the last "
+        f"server (requests naming made-up clusters; the extraction replay of one key's output through LLMA's past "
+        f"sessions by a third key that sends nothing else, with the owner's own probe as the positive control).",
         "",
         table,
         "",
@@ -976,6 +1135,7 @@ def run_and_report(args: argparse.Namespace, argv: list[str] | None) -> int:
         "records": {k: v for k, v in result["records"].items()},
         "versions": result["versions"],
         "outputs": {k: v for k, v in result["outputs"].items()},
+        "isolation": result["isolation"],
         "failures": result["failures"],
         "setup_s": round(run["setup_s"], 1),
         "load_s": run["load_s"],

@@ -116,3 +116,26 @@ def test_kills_keep_the_invariants(tmp_path):
     assert s["outputs_diverged"] == 0 and s["outputs_checked"] == s["answered"]
     assert s["outputs_identical"] + s["outputs_tie_flips"] == s["answered"]  # a tie flip is rare, but the target's
     assert s["server_exit_on_sigterm"] == 0
+    # issue 34: tenants isolated, cluster names bounded (the owner's own extraction is the positive control)
+    iso = report["isolation"]
+    assert iso["bogus_clusters_refused"] == iso["bogus_clusters_sent"] == bench.BOGUS_CLUSTERS
+    assert not iso["made_up_labels"] and not iso["readyz_names_cluster"]
+    assert iso["control_hits"] > 0 and iso["control_tokens_recovered"] > 0
+    assert iso["cross_tenant_hits"] == iso["cross_tenant_reference_tokens"] == iso["cross_tenant_tokens_recovered"] == 0
+
+
+def test_isolation_violations_name_each_breach():
+    """The isolation invariants' judge: a clean report passes; each breach, and a failed positive
+    control (which would make a clean cross-tenant result meaningless), is a violation."""
+    clean = {"readyz_names_cluster": False, "bogus_clusters_sent": 3, "bogus_clusters_refused": 3, "made_up_labels": [],
+             "secret_tokens": 32, "control_hits": 1, "control_tokens_recovered": 4, "cross_tenant_hits": 0,
+             "cross_tenant_reference_tokens": 0, "cross_tenant_tokens_recovered": 0}  # fmt: skip
+    records = {GENERATIONS: [{"rid": "a", "cluster": bench.CLUSTER}]}
+    assert bench.isolation_violations(clean, records) == []
+    breaches = [{"readyz_names_cluster": True}, {"bogus_clusters_refused": 2}, {"made_up_labels": ["made-up-1"]},
+                {"cross_tenant_hits": 1}, {"cross_tenant_reference_tokens": 40}, {"cross_tenant_tokens_recovered": 2},
+                {"control_hits": 0}, {"secret_tokens": 0}, {"error": "ConnectionError"}]  # fmt: skip
+    for breach in breaches:
+        assert len(bench.isolation_violations({**clean, **breach}, records)) == 1, breach
+    stray = {GENERATIONS: [{"rid": "b", "cluster": "made-up-7"}]}
+    assert "made-up-7" in bench.isolation_violations(clean, stray)[0]

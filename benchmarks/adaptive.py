@@ -124,15 +124,15 @@ def rag(args, tok, n: int) -> list[Case]:
 # ---------------------------------------------------------------- running arms
 class Runner:
     def __init__(self, pair, args, policy, datastore=None) -> None:
-        from serving.engine.spec import SpecEngine
+        from specops.serving.engine.spec import SpecEngine
 
         self.pair, self.args, self.policy, self.datastore = pair, args, policy, datastore
         self.engine = SpecEngine(pair)
         self.batcher = None
 
     def generate(self, method: str, k: int | None, case: Case, engine=None) -> dict:
-        from serving.engine.types import SamplingParams
-        from serving.proposers.catalogue import ProposerConfig, ProposerResources
+        from specops.serving.engine.types import SamplingParams
+        from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
 
         a = self.args
         params = SamplingParams(temperature=case.temperature, max_new_tokens=a.max_new_tokens, seed=case.seed)
@@ -151,8 +151,8 @@ class Runner:
 
     def group(self, method: str, k: int | None, cases: list[Case]) -> tuple[float, list[dict]]:
         """``cases`` at once, one thread each, sharing target passes; the group's wall time."""
-        from serving.engine.batching import TargetBatcher
-        from serving.engine.spec import SpecEngine
+        from specops.serving.engine.batching import TargetBatcher
+        from specops.serving.engine.spec import SpecEngine
 
         if self.batcher is None:
             self.batcher = TargetBatcher(self.pair.target, max_batch=len(cases), window_s=0.002)
@@ -405,8 +405,8 @@ def main(argv=None) -> int:
         args.json = args.json or args.replot
         finish(report, args)
         return 0
-    from serving.engine.auto import AutoPolicy
-    from serving.engine.models import load_model_dir
+    from specops.serving.engine.auto import AutoPolicy
+    from specops.serving.engine.models import load_model_dir
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     datastore = None
     if args.datastore:
-        from serving.retrieval.datastore import Datastore
+        from specops.serving.retrieval.datastore import Datastore
 
         datastore = Datastore.load(Path(args.datastore))
     cases = build_cases(args, pair.tokenizer)

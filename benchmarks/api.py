@@ -51,9 +51,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from serving.engine.spec import SpecEngine
-from serving.engine.models import load_model_dir
-from serving.engine.types import SamplingParams
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.models import load_model_dir
+from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
 from specops.prompts import heldout_prompts
 
@@ -114,7 +114,7 @@ class ApiArm:
 
 
 def start_server(model_dir: Path, root: Path, *, clients: int, batch: int):
-    from serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeConfig
     from specops.serve import Server
 
     cfg = ServeConfig(model_dir=str(model_dir), port=0, stream="none", registry="none", router="none",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.batching_baseline import TargetBatcher as Before  # noqa: E402
 from benchmarks.common import environment, write_doc_section  # noqa: E402
-from serving.engine.batching import TargetBatcher as After  # noqa: E402
+from specops.serving.engine.batching import TargetBatcher as After  # noqa: E402
 
 DOC_BEGIN = "<!-- BEGIN batching (written by benchmarks/batching.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END batching -->"
@@ -42,7 +42,7 @@ STEP_TOKENS, ROLLBACK = 4, 2
 
 def load_target(model_dir: Path):
     if (model_dir / "target" / "config.json").is_file():
-        from serving.engine.models import load_model
+        from specops.serving.engine.models import load_model
 
         return load_model(model_dir / "target"), "bootstrapped SmolLM2-135M target"
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from serving.engine.kv import CachedLM
+from specops.serving.engine.kv import CachedLM
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
 def target_name(model_dir: Path) -> str:
     """The target's name in a bootstrap directory's manifest ("toy target" for older ones)."""
     try:
-        from trainer.bootstrap import load_manifest
+        from specops.trainer.bootstrap import load_manifest
 
         m = load_manifest(model_dir)
         return m.get("target", {}).get("name") or f"{m.get('kind', 'toy')} target"

@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_doc_section  # noqa: E402
 from benchmarks.rest_baseline import RestIndex, RestProposer  # noqa: E402
-from serving.engine.models import load_model_dir  # noqa: E402
-from serving.engine.spec import SpecEngine  # noqa: E402
-from serving.engine.types import SamplingParams  # noqa: E402
-from serving.proposers.catalogue import ProposerConfig, ProposerResources  # noqa: E402
-from serving.retrieval.datastore import Datastore, DatastoreConfig  # noqa: E402
-from serving.retrieval.index import IndexConfig, build_index  # noqa: E402
+from specops.serving.engine.models import load_model_dir  # noqa: E402
+from specops.serving.engine.spec import SpecEngine  # noqa: E402
+from specops.serving.engine.types import SamplingParams  # noqa: E402
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources  # noqa: E402
+from specops.serving.retrieval.datastore import Datastore, DatastoreConfig  # noqa: E402
+from specops.serving.retrieval.index import IndexConfig, build_index  # noqa: E402
 
 log = logging.getLogger("benchmarks.dresd")
 DOC_BEGIN = "<!-- BEGIN dresd (written by benchmarks/dresd.py; edits inside are overwritten) -->"
@@ -60,7 +60,7 @@ DOMAINS = ("code", "prose")
 # ---------------------------------------------------------------- data
 def id_documents(pair, model_dir: Path, n: int, prompt_tokens: int, new_tokens: int, batch: int = 16) -> tuple[list, float]:
     """The target's greedy outputs for ``n`` prompts per domain cut from training text; tokens/s."""
-    from trainer.router_fit import bootstrap_texts
+    from specops.trainer.router_fit import bootstrap_texts
 
     tok = pair.tokenizer
     texts = bootstrap_texts(model_dir, per_domain=n, chars=prompt_tokens * 8, per_doc=1, seed=1)
@@ -107,10 +107,10 @@ def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
     job holds out every 10th generation for its gate, so the datastore has 90% of ``docs``."""
     import tempfile
 
-    from registry import RegistryConfig, RegistryStore
-    from streams import OutMessage, StreamConfig, codec, open_stream
-    from streams.records import GenerationRecord
-    from trainer.datastores import DatastoreRebuilder, RebuildConfig
+    from specops.registry import RegistryConfig, RegistryStore
+    from specops.streams import OutMessage, StreamConfig, codec, open_stream
+    from specops.streams.records import GenerationRecord
+    from specops.trainer.datastores import DatastoreRebuilder, RebuildConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="specops-bench-dresd-"))
     cfg = StreamConfig(url=f"local://{tmp / 'streams'}", fsync=False)
@@ -135,7 +135,7 @@ def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
     v = reg.artifact("datastore").by_alias("bench")
     reg.artifact("datastore").fetch(v, tmp / "ds")
     store = Datastore.load(tmp / "ds")
-    from serving.retrieval.datastore import BuildStats
+    from specops.serving.retrieval.datastore import BuildStats
 
     meta = store.meta
     stats = BuildStats(num_docs=meta["num_docs"], num_tokens=meta["num_tokens"], num_entries=meta["num_entries"],
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     pair = load_model_dir(model_dir)
     tok = pair.tokenizer
     from specops.prompts import distinct_prompts
-    from trainer.datastores import corpus_documents, offline_mar
+    from specops.trainer.datastores import corpus_documents, offline_mar
 
     prompts = {d: [p.token_ids for p in distinct_prompts(model_dir, tok, d, n_prompts, num_tokens=64, seed=3)]
                for d in DOMAINS}  # fmt: skip

@@ -117,7 +117,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from streams.tansu import free_port
+from specops.streams.tansu import free_port
 
 log = logging.getLogger("bench.faults")
 
@@ -163,7 +163,7 @@ def tiny_pair(dest: Path, seed: int) -> Path:
     bootstrap's tokenizer."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from trainer.bootstrap import run as bootstrap
+    from specops.trainer.bootstrap import run as bootstrap
 
     boot = dest / "bootstrap"
     bootstrap(boot, tiny=True, seed=seed)
@@ -591,7 +591,7 @@ class Driver:
 
 def read_registry(uri: str) -> list[dict]:
     """Every version of ``draft-faults`` (archived included): version, tags, aliases."""
-    from registry import RegistryConfig, RegistryStore, VersionNotFoundError
+    from specops.registry import RegistryConfig, RegistryStore, VersionNotFoundError
 
     store = RegistryStore(RegistryConfig(uri=uri))
     try:
@@ -603,7 +603,7 @@ def read_registry(uri: str) -> list[dict]:
 
 def read_stream(url: str) -> dict[str, list[dict]]:
     """Per topic, in log order: each record's offset, partition and decoded fields the checks need."""
-    from streams import StreamConfig, codec, open_stream
+    from specops.streams import StreamConfig, codec, open_stream
 
     out: dict[str, list[dict]] = {}
     with open_stream(StreamConfig(url=url)) as s:
@@ -820,9 +820,9 @@ def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args)
     ``serving/engine/batching.py`` documents. Anything else *diverged*."""
     from transformers import AutoModelForCausalLM
 
-    from serving.engine.spec import SpecEngine
-    from serving.engine.models import load_model_dir
-    from serving.engine.types import SamplingParams
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.engine.models import load_model_dir
+    from specops.serving.engine.types import SamplingParams
 
     pair = load_model_dir(model_dir)
     engine, tok = SpecEngine(pair), pair.tokenizer

@@ -85,9 +85,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from serving.engine.spec import SpecEngine
-from serving.engine.models import ModelPair, load_model, load_model_dir
-from serving.engine.types import SamplingParams
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.models import ModelPair, load_model, load_model_dir
+from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
 
 log = logging.getLogger("bench.hotswap")
@@ -206,11 +206,11 @@ def wait_for(cond, timeout_s: float, what: str, step_s: float = 0.01):
 
 # ---------------------------------------------------------------- the run
 def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], args, tmp: Path) -> dict:
-    from registry import RegistryConfig, RegistryStore
-    from serving.fleet.events import EventPublisher, EventWatcher
-    from serving.fleet.hotswap import DraftFollower, HotSwapConfig
-    from serving.fleet.node import ServingNode
-    from streams import StreamConfig
+    from specops.registry import RegistryConfig, RegistryStore
+    from specops.serving.fleet.events import EventPublisher, EventWatcher
+    from specops.serving.fleet.hotswap import DraftFollower, HotSwapConfig
+    from specops.serving.fleet.node import ServingNode
+    from specops.streams import StreamConfig
 
     model_dir = Path(args.model_dir)
     draft_b = perturbed_draft(model_dir / "draft", tmp / "draft-b", args.perturb)

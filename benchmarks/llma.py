@@ -63,10 +63,10 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, finish_report, fmt, target_name  # noqa: E402
 from benchmarks.specbench.methods import ForwardCounter, Outcome, hf_method  # noqa: E402
-from serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
-from serving.engine.types import SamplingParams  # noqa: E402
-from serving.proposers.catalogue import LLMA_MAX_N  # noqa: E402
-from serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, LLMAProposer, NgramIndex, ReferenceSet  # noqa: E402
+from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
+from specops.serving.engine.types import SamplingParams  # noqa: E402
+from specops.serving.proposers.catalogue import LLMA_MAX_N  # noqa: E402
+from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, LLMAProposer, NgramIndex, ReferenceSet  # noqa: E402
 
 log = logging.getLogger("benchmarks.llma")
 DOC_BEGIN = "<!-- BEGIN llma (written by benchmarks/llma.py; edits inside are overwritten) -->"
@@ -99,8 +99,8 @@ class Case:
 # ---------------------------------------------------------------- the sets
 def rag_cases(args, tok, n: int) -> list[Case]:
     from benchmarks import ralm
-    from serving.retrieval.kb import KnowledgeBase, build_kb, token_counter
-    from trainer.kb_sources import default_sources, passages_from_sources
+    from specops.serving.retrieval.kb import KnowledgeBase, build_kb, token_counter
+    from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     path = Path(args.cache_dir) / f"kb-llma-{args.kb_passages}"
     recipe = {"sources": args.source or default_sources(), "max_passages": args.kb_passages, "retrievers": ["bm25"]}
@@ -141,7 +141,7 @@ def cag_questions(args, n: int) -> list[tuple[str, str, list[str]]]:
     """(title, question, 3 rewordings): reworded by a pattern for man / README / licence
     questions, by a prefix or suffix for the others (FAQs)."""
     from benchmarks import ralm
-    from serving.retrieval.kb import KnowledgeBase
+    from specops.serving.retrieval.kb import KnowledgeBase
 
     kb = KnowledgeBase.load(Path(args.cache_dir) / f"kb-llma-{args.kb_passages}")
     out = []
@@ -534,7 +534,7 @@ def main(argv=None) -> int:
         args.json = args.json or args.replot
         finish(report, args)
         return 0
-    from serving.engine.models import load_model_dir
+    from specops.serving.engine.models import load_model_dir
 
     torch.set_num_threads(args.threads)
     args.suffix = suffix_decoding_available()

@@ -80,21 +80,21 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
-from serving.engine import draft_vocab  # noqa: E402
-from serving.engine.models import ModelPair, load_model, load_model_dir  # noqa: E402
-from serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
-from serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams, token_alpha  # noqa: E402
-from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
+from specops.serving.engine import draft_vocab  # noqa: E402
+from specops.serving.engine.models import ModelPair, load_model, load_model_dir  # noqa: E402
+from specops.serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
+from specops.serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams, token_alpha  # noqa: E402
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
 from specops.chat_workload import DOMAINS, chat_workload  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import Prompt  # noqa: E402
-from streams import StreamConfig  # noqa: E402
-from trainer.acceptance import evaluate_records  # noqa: E402
-from trainer.data import Example, draft_logits  # noqa: E402
-from trainer.losses import TargetDist, distill_loss  # noqa: E402
-from trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
-from trainer.promote import PromoteConfig, gate_decision  # noqa: E402
-from trainer.replay import ReplayConfig  # noqa: E402
+from specops.streams import StreamConfig  # noqa: E402
+from specops.trainer.acceptance import evaluate_records  # noqa: E402
+from specops.trainer.data import Example, draft_logits  # noqa: E402
+from specops.trainer.losses import TargetDist, distill_loss  # noqa: E402
+from specops.trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
+from specops.trainer.promote import PromoteConfig, gate_decision  # noqa: E402
+from specops.trainer.replay import ReplayConfig  # noqa: E402
 
 log = logging.getLogger("bench.osd")
 
@@ -488,7 +488,7 @@ def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Ser
     """Tokens/s of target-only and of the draft method with each named draft (in serving's draft
     dtype), on the same prompts through the real engine, arms interleaved per prompt; outputs
     checked identical."""
-    from serving.engine.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
+    from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE)  # serving's draft precision (learning is measured in float32)
@@ -587,8 +587,8 @@ def interleave(streams: dict[str, list[Served]], seed: int) -> list[Served]:
 
 def route(routers: dict[str, list[str]], texts: list[str], args) -> list[str]:
     """Cluster of each text by a nearest-centroid router fitted on ``routers`` (serving's router)."""
-    from serving.fleet.router import make_embedder
-    from trainer.router_fit import fit_router
+    from specops.serving.fleet.router import make_embedder
+    from specops.trainer.router_fit import fit_router
 
     emb = make_embedder(args.router_embedder)
     router = fit_router(routers, emb, refine=False)
@@ -733,7 +733,7 @@ def _recipe(cfg: OnlineConfig) -> dict:
 def undistilled_draft(pair: ModelPair, base_dir: Path, layers: tuple[int, ...], tmp: Path) -> Path:
     """A draft of ``layers`` of the target (the bootstrap's construction, before its distillation),
     with the bootstrap draft's vocabulary and tokenizer files."""
-    from trainer.bootstrap.distill import init_draft
+    from specops.trainer.bootstrap.distill import init_draft
 
     out = tmp / f"draft-{len(layers)}-layers"
     if not out.exists():
@@ -747,9 +747,9 @@ def undistilled_draft(pair: ModelPair, base_dir: Path, layers: tuple[int, ...], 
 def positions_cost(pair: ModelPair, streams: dict, args) -> dict:
     """What training at every position costs: bytes per MissRecord when serving logs every
     position (against the rejected ones only), and seconds of the trainer's teacher forward."""
-    from serving.fleet.stream_logger import build_records
-    from streams import codec
-    from trainer.data import TargetTeacher
+    from specops.serving.fleet.stream_logger import build_records
+    from specops.streams import codec
+    from specops.trainer.data import TargetTeacher
 
     sample = [s for d in DOMAINS for s in streams[d][:8]]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -1146,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
             report["speed"] = {d: speed(pair, {"static": pair.draft, **drafts[d], **({"offline": offline[d]} if d in offline else {})},
                                         probes[d][:args.speed_prompts], args) for d in DOMAINS if d in drafts}  # fmt: skip
         if args.generic and "generic" in parts:
-            from trainer.bootstrap.generic import build_generic_draft
+            from specops.trainer.bootstrap.generic import build_generic_draft
 
             gdir = build_generic_draft(model_dir, steps=args.generic_steps)
             gdraft = load_model(gdir)

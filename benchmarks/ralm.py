@@ -67,11 +67,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, finish_report, fmt, target_name  # noqa: E402
-from serving.engine.spec import SpecEngine  # noqa: E402
-from serving.engine.types import SamplingParams  # noqa: E402
-from serving.ralm.loop import RalmConfig, RalmGenerator  # noqa: E402
-from serving.retrieval.kb import KnowledgeBase, build_kb, indexed_text, token_counter  # noqa: E402
-from serving.retrieval.retriever import Passage  # noqa: E402
+from specops.serving.engine.spec import SpecEngine  # noqa: E402
+from specops.serving.engine.types import SamplingParams  # noqa: E402
+from specops.serving.ralm.loop import RalmConfig, RalmGenerator  # noqa: E402
+from specops.serving.retrieval.kb import KnowledgeBase, build_kb, indexed_text, token_counter  # noqa: E402
+from specops.serving.retrieval.retriever import Passage  # noqa: E402
 
 log = logging.getLogger("benchmarks.ralm")
 DOC_BEGIN = "<!-- BEGIN ralm (written by benchmarks/ralm.py; edits inside are overwritten) -->"
@@ -177,7 +177,7 @@ def cached_kb(path: Path, bench_meta: dict) -> KnowledgeBase | None:
 
 
 def realistic_kb(args, tok) -> tuple[KnowledgeBase, Path]:
-    from trainer.kb_sources import default_sources, passages_from_sources
+    from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     if args.realistic_kb:
         return KnowledgeBase.load(Path(args.realistic_kb)), Path(args.realistic_kb)
@@ -221,7 +221,7 @@ def windows(base: list[Passage], target: int, width: int = 100) -> tuple[list[Pa
 
 
 def scale_kb(args) -> tuple[KnowledgeBase, Path]:
-    from trainer.kb_sources import default_sources, passages_from_sources
+    from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     path = Path(args.cache_dir) / f"kb-scale-{args.scale_passages}"
     base_cap = max(50, args.scale_passages // 5) if args.quick else None
@@ -358,10 +358,10 @@ def knnlm_stores(pair, tok, args) -> dict:
     source text, documents whole), built once into the cache."""
     import faiss
 
-    from serving.engine.models import tokenizer_hash
-    from serving.ralm.knnlm_search import IvfpqSearcher, build_ivfpq
-    from serving.ralm.knnlm_store import KnnDatastore, build_knnlm
-    from trainer.kb_sources import default_sources, passages_from_sources
+    from specops.serving.engine.models import tokenizer_hash
+    from specops.serving.ralm.knnlm_search import IvfpqSearcher, build_ivfpq
+    from specops.serving.ralm.knnlm_store import KnnDatastore, build_knnlm
+    from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     base = Path(args.knnlm_dir) if args.knnlm_dir else Path(args.cache_dir) / f"knnlm-{args.knnlm_tokens}"
     tok_sha = tokenizer_hash(tok)
@@ -402,7 +402,7 @@ def knnlm_stores(pair, tok, args) -> dict:
 
 def knnlm_section(pair, tok, prompts: list[list[int]], args) -> dict:
     """Baseline (a search per token) vs speculative kNN-LM (OS³), per searcher and k, interleaved per prompt."""
-    from serving.ralm.knnlm import KnnConfig, KnnLM
+    from specops.serving.ralm.knnlm import KnnConfig, KnnLM
 
     stores = knnlm_stores(pair, tok, args)
     params = SamplingParams(max_new_tokens=args.knnlm_new_tokens)
@@ -665,7 +665,7 @@ def main(argv=None) -> int:
         args.json = args.json or args.replot
         finish(report, args)
         return 0
-    from serving.engine.models import load_model_dir
+    from specops.serving.engine.models import load_model_dir
 
     pair = load_model_dir(Path(args.model_dir))
     tok, engine = pair.tokenizer, SpecEngine(pair)

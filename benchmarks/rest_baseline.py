@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from serving.engine.types import DecodeState, Proposals
-from serving.proposers.base import Proposer
+from specops.serving.engine.types import DecodeState, Proposals
+from specops.serving.proposers.base import Proposer
 
 
 class RestIndex:

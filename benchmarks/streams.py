@@ -52,13 +52,13 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, fmt, write_doc_section  # noqa: E402
-from serving.engine.spec import SpecEngine  # noqa: E402
-from serving.engine.models import load_model_dir  # noqa: E402
-from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
-from serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
+from specops.serving.engine.spec import SpecEngine  # noqa: E402
+from specops.serving.engine.models import load_model_dir  # noqa: E402
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
+from specops.serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
-from streams import OutMessage, StreamConfig, codec, open_stream  # noqa: E402
+from specops.streams import OutMessage, StreamConfig, codec, open_stream  # noqa: E402
 
 log = logging.getLogger("bench.streams")
 
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="specops-bench-") as tmp:
         urls = {"local": f"local://{tmp}/log"}
         if not args.no_kafka:
-            from streams.tansu import TansuBroker
+            from specops.streams.tansu import TansuBroker
 
             broker = TansuBroker(Path(tmp) / "tansu.log").start()
             urls["kafka"] = broker.url

@@ -27,8 +27,8 @@ from scipy.stats import chisquare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.engine.tree import TokenTree, build  # noqa: E402
-from serving.engine.verifier import decide_tree  # noqa: E402
+from specops.serving.engine.tree import TokenTree, build  # noqa: E402
+from specops.serving.engine.verifier import decide_tree  # noqa: E402
 
 V = 5
 """Vocabulary of the synthetic case."""
@@ -157,10 +157,10 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
     """Tree proposals on a tiny random Llama (or ``pair``) decode exactly what target-only decoding does."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from serving.engine.models import ModelPair
-    from serving.engine.spec import SpecEngine
-    from serving.engine.types import Proposals, SamplingParams
-    from serving.proposers.base import Proposer
+    from specops.serving.engine.models import ModelPair
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.engine.types import Proposals, SamplingParams
+    from specops.serving.proposers.base import Proposer
 
     if pair is None:
         torch.manual_seed(seed)

@@ -123,8 +123,8 @@ BOTTOM_JS = """(() => {
 def populate(data_dir: Path) -> str:
     """Build the demo registry under ``data_dir``; return its store URI."""
     sys.path.insert(0, str(ROOT))
-    from registry import RegistryConfig, RegistryStore, decide
-    from trainer.bootstrap import run as bootstrap
+    from specops.registry import RegistryConfig, RegistryStore, decide
+    from specops.trainer.bootstrap import run as bootstrap
 
     models = data_dir / "bootstrap"
     t0 = time.perf_counter()

@@ -1,16 +1,16 @@
 """The MLflow-backed registry of versioned artifacts: drafts, the router, datastores, knowledge bases
 (``registry.kinds``; a leaf: imports nothing of ours)."""
 
-from registry.config import RegistryConfig
-from registry.errors import (
+from specops.registry.config import RegistryConfig
+from specops.registry.errors import (
     ArtifactFormatError,
     ArtifactIntegrityError,
     RegistryError,
     RegistryUnavailableError,
     VersionNotFoundError,
 )
-from registry.kinds import KINDS, ArtifactKind, kind_of
-from registry.store import (
+from specops.registry.kinds import KINDS, ArtifactKind, kind_of
+from specops.registry.store import (
     CHALLENGER,
     CHAMPION,
     ROUTER,

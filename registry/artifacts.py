@@ -25,7 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
-from registry.errors import ArtifactFormatError, ArtifactIntegrityError
+from specops.registry.errors import ArtifactFormatError, ArtifactIntegrityError
 
 FORMAT = "specops-draft/1"
 ROUTER_FORMAT = "specops-router/1"

@@ -14,12 +14,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from registry import artifacts
-from registry.errors import VersionNotFoundError
-from registry.kinds import ArtifactKind
+from specops.registry import artifacts
+from specops.registry.errors import VersionNotFoundError
+from specops.registry.kinds import ArtifactKind
 
 if TYPE_CHECKING:
-    from registry.store import AliasChange, ArtifactVersion, RegistryStore
+    from specops.registry.store import AliasChange, ArtifactVersion, RegistryStore
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class KindStore:
 
     def promote(self, key: str, version: str, *, reason: str = "manual") -> "AliasChange":
         """Point ``champion`` at ``version`` (recording when, why and what it replaced)."""
-        from registry.store import AliasChange
+        from specops.registry.store import AliasChange
 
         name = self.name(key)
         cluster = key if self.kind.name == "draft" else ""
@@ -127,7 +127,7 @@ class KindStore:
     def rollback(self, key: str = "", *, reason: str, to: str | None = None,
                  expect_current: str | None = None) -> "AliasChange | None":  # fmt: skip
         """Move ``champion`` back to the version it replaced (or to ``to``)."""
-        from registry.store import AliasChange
+        from specops.registry.store import AliasChange
 
         name = self.name(key)
         cluster = key if self.kind.name == "draft" else ""
@@ -153,6 +153,6 @@ class KindStore:
 
 
 def _now() -> str:
-    from registry.store import _now as now
+    from specops.registry.store import _now as now
 
     return now()

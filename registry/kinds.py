@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from registry import artifacts
+from specops.registry import artifacts
 
 
 @dataclass(frozen=True)

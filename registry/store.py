@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from registry import artifacts
-from registry.config import RegistryConfig
-from registry.errors import ArtifactFormatError, RegistryError, RegistryUnavailableError, VersionNotFoundError
-from registry.kinds import KINDS, kind_of
+from specops.registry import artifacts
+from specops.registry.config import RegistryConfig
+from specops.registry.errors import ArtifactFormatError, RegistryError, RegistryUnavailableError, VersionNotFoundError
+from specops.registry.kinds import KINDS, kind_of
 
 if TYPE_CHECKING:
-    from registry.kind_store import KindStore
+    from specops.registry.kind_store import KindStore
 
 log = logging.getLogger(__name__)
 
@@ -669,7 +669,7 @@ class RegistryStore:
 
     def artifact(self, kind: str) -> "KindStore":
         """The registry's operations for one artifact kind (``registry.kinds.KINDS``)."""
-        from registry.kind_store import KindStore
+        from specops.registry.kind_store import KindStore
 
         if kind not in KINDS:
             raise ValueError(f"unknown artifact kind {kind!r}; choose one of {', '.join(KINDS)}")

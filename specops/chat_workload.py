@@ -366,7 +366,7 @@ def chat_workload(tokenizer, sizes: dict[str, int], *, domains: tuple[str, ...] 
     than ``max_prompt_tokens`` are left out. Each ``Prompt`` keeps the user message as
     ``text`` and ``source`` names its origin; :func:`messages_of` gives its messages back.
     Raises ``ValueError`` when a domain has fewer distinct prompts than asked for."""
-    from serving.engine.models import render_chat
+    from specops.serving.engine.models import render_chat
 
     want = sum(sizes.values())
     out: dict[str, dict[str, list[Prompt]]] = {}

@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from serving.proposers.catalogue import METHODS, describe, method_spec
-from serving.engine.device import add_arguments as add_placement_arguments
+from specops.serving.proposers.catalogue import METHODS, describe, method_spec
+from specops.serving.engine.device import add_arguments as add_placement_arguments
 from specops.paths import data_dir, models_dir, streams_url
 
 log = logging.getLogger("specops")
@@ -48,7 +48,7 @@ def _threads(n: int | None) -> None:
 
 # ---------------------------------------------------------------- bootstrap
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from trainer.bootstrap import run
+    from specops.trainer.bootstrap import run
 
     _threads(args.threads)
     kind = "tiny" if args.tiny else "toy" if args.toy else "smollm2"
@@ -72,10 +72,10 @@ def _describe(manifest: dict) -> str:
 
 # ---------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> int:
-    from serving.engine.spec import SpecEngine
-    from serving.proposers.catalogue import ProposerConfig
-    from serving.engine.models import load_model_dir
-    from serving.engine.types import SamplingParams
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.proposers.catalogue import ProposerConfig
+    from specops.serving.engine.models import load_model_dir
+    from specops.serving.engine.types import SamplingParams
 
     _threads(args.threads)
     pair = load_model_dir(Path(args.model_dir), draft_dtype=args.draft_dtype)
@@ -85,18 +85,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = pair.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] if args.prompt else []
     logger = None
     if args.stream:
-        from serving.fleet.stream_logger import StreamLogger
+        from specops.serving.fleet.stream_logger import StreamLogger
 
         logger = StreamLogger(args.stream, vocab_size=pair.vocab_size)
     try:
-        from serving.fleet.stream_logger import RequestMeta
+        from specops.serving.fleet.stream_logger import RequestMeta
 
         meta = RequestMeta(cluster=args.cluster,
                            draft_model="bootstrap-draft" if method_spec(args.method).artifact == "draft" else "")
         resources = None
         if args.datastore:  # dresd: a saved datastore (specops datastore build --out DIR)
-            from serving.proposers.catalogue import ProposerResources
-            from serving.retrieval.datastore import Datastore
+            from specops.serving.proposers.catalogue import ProposerResources
+            from specops.serving.retrieval.datastore import Datastore
 
             store = Datastore.load(Path(args.datastore))
             store.check_fits(pair.target, pair.vocab_size)
@@ -104,8 +104,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.method == "auto":  # one request: the policy starts from the models' measured costs
             from dataclasses import replace
 
-            from serving.engine.auto import AutoPolicy
-            from serving.proposers.catalogue import ProposerResources
+            from specops.serving.engine.auto import AutoPolicy
+            from specops.serving.proposers.catalogue import ProposerResources
 
             policy = AutoPolicy(seed=args.seed)
             policy.calibrate(pair)
@@ -154,9 +154,9 @@ def cmd_streams_topics(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
-    from streams import StreamConfig
-    from trainer.online import OnlineConfig, OnlineTrainer
-    from trainer.replay import ReplayConfig
+    from specops.streams import StreamConfig
+    from specops.trainer.online import OnlineConfig, OnlineTrainer
+    from specops.trainer.replay import ReplayConfig
 
     _threads(args.threads)
     cfg = OnlineConfig(
@@ -178,7 +178,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"specops train: error: {why} needs the target model, and {target} has none: pass --target DIR "
                   "(or --positions rejected, which learns from the stream alone)", file=sys.stderr)  # fmt: skip
             return 2
-    from trainer.ranks import launched_world
+    from specops.trainer.ranks import launched_world
 
     rank, world = launched_world()
     if args.backend == "deepspeed" and rank != 0:  # a gradient rank under DeepSpeed's launcher: rank 0 drives it
@@ -201,7 +201,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     promoter = None
     if args.registry.lower() not in ("none", "off"):
         from specops.registry_cli import open_registry
-        from trainer.promote import PromoteConfig, Promoter
+        from specops.trainer.promote import PromoteConfig, Promoter
 
         pcfg = PromoteConfig(margin=args.gate_margin, metric=args.gate_metric, z=args.gate_z, min_positions=args.gate_min_positions,
                              register_every=args.register_every, keep_versions=args.keep_versions)  # fmt: skip
@@ -224,8 +224,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print("specops train: error: --datastore-rebuild-every registers datastores: it needs a registry, not "
                   "--registry none", file=sys.stderr)  # fmt: skip
             return 2
-        from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
-        from trainer.datastores import DatastoreRebuilder, RebuildConfig
+        from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+        from specops.trainer.datastores import DatastoreRebuilder, RebuildConfig
 
         target_dir = Path(args.target) if args.target else Path(args.model_dir) / "target"
         rebuilder = DatastoreRebuilder(StreamConfig.from_env(url=args.stream), promoter.registry,
@@ -247,7 +247,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                             promoter=promoter)  # fmt: skip
     try:
         if args.schedule or refitter is not None or rebuilder is not None or sessions is not None:  # APScheduler jobs on a persistent job store (trainer/schedule.py)
-            from trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
+            from specops.trainer.schedule import ScheduleConfig, TrainerScheduler, default_jobstore_url
 
             if args.verbose < 1:
                 logging.getLogger("apscheduler").setLevel(logging.WARNING)  # no "Running job" line per tick
@@ -283,7 +283,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- serve
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serving.http.config import ServeConfig, overrides_from_args
+    from specops.serving.http.config import ServeConfig, overrides_from_args
     from specops.serve import Server
 
     cfg = ServeConfig.load(args.config, overrides=overrides_from_args(args))
@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         "registry by giving each its own --port.",
     )
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file with any of the settings below")
-    from serving.http.config import add_arguments as add_serve_arguments
+    from specops.serving.http.config import add_arguments as add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
@@ -613,9 +613,9 @@ def main(argv: list[str] | None = None) -> int:
             sub.error(str(exc))
         args = parser.parse_args(argv)
     _setup_logging(-1 if args.quiet else args.verbose)
-    from registry.errors import RegistryError
-    from serving.errors import SpecOpsError
-    from streams.errors import StreamError
+    from specops.registry.errors import RegistryError
+    from specops.serving.errors import SpecOpsError
+    from specops.streams.errors import StreamError
 
     try:
         return int(args.func(args) or 0)

@@ -15,7 +15,7 @@ from specops.registry_cli import _fmt, add_registry_args, open_registry
 
 def _read_documents(path: Path, tokenizer) -> list[list[int]]:
     """JSON lines: ``{"token_ids": [...]}`` or ``{"prompt_ids": [...], "output_ids": [...]}`` or ``{"text": "..."}``."""
-    from serving.errors import DatastoreError
+    from specops.serving.errors import DatastoreError
 
     docs = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -41,9 +41,9 @@ def _read_documents(path: Path, tokenizer) -> list[list[int]]:
 def cmd_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from serving.engine.models import load_model, load_tokenizer, tokenizer_hash as tokenizer_sha256
-    from serving.retrieval.datastore import Datastore, DatastoreConfig
-    from serving.retrieval.index import IndexConfig
+    from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash as tokenizer_sha256
+    from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
+    from specops.serving.retrieval.index import IndexConfig
 
     model_dir = Path(args.model_dir)
     target = load_model(model_dir / "target")
@@ -51,7 +51,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.documents:
         docs, source = _read_documents(Path(args.documents), tokenizer), f"file:{args.documents}"
     else:
-        from trainer.datastores import corpus_documents
+        from specops.trainer.datastores import corpus_documents
 
         docs, source = corpus_documents(model_dir, tokenizer, per_domain=args.per_domain, chars=args.chars,
                                         seed=args.seed), "bootstrap-corpus"  # fmt: skip
@@ -71,7 +71,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"saved to {args.out} (serve it as the fallback: specops serve --datastore-dir {args.out})")
     if args.register:
         reg = open_registry(args.registry, args.stream)
-        from trainer.datastores import register_datastore
+        from specops.trainer.datastores import register_datastore
 
         v = register_datastore(reg, args.register, store, stats, tags={"source": source})
         print(f"registered datastore-{args.register} version {v.version} (alias challenger)")
@@ -131,8 +131,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from serving.errors import DatastoreError
-    from serving.retrieval.datastore import Datastore
+    from specops.serving.errors import DatastoreError
+    from specops.serving.retrieval.datastore import Datastore
 
     if args.path:
         info = Datastore.load(Path(args.path)).describe()

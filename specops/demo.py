@@ -118,8 +118,8 @@ def free_port(preferred: int) -> int:
 
 def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, ui_port: int = 5000,
              linger: bool = False) -> int:  # fmt: skip
-    from trainer.bootstrap import is_bootstrapped
-    from trainer.bootstrap import run as bootstrap
+    from specops.trainer.bootstrap import is_bootstrapped
+    from specops.trainer.bootstrap import run as bootstrap
 
     console = Console()
     t_start = time.time()
@@ -211,7 +211,7 @@ class Stack:
         self.console.print(f"trainer started (specops train --schedule; log: {demo_dir / 'trainer.log'})")
 
     def api(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str):
-        from serving.http.config import ServeConfig
+        from specops.serving.http.config import ServeConfig
         from specops.serve import Server
 
         scfg = ServeConfig(model_dir=str(model_dir), port=0, stream=stream_url, registry=registry_uri,
@@ -273,7 +273,7 @@ def _registry(uri: str, stream_url: str):
 
 def _workload(console: Console, model_dir: Path, cfg: DemoConfig):
     """The run's workload, built before the server starts (the router is fitted on its router texts)."""
-    from serving.engine.models import load_tokenizer
+    from specops.serving.engine.models import load_tokenizer
     from specops.workload import build_workload
 
     with console.status(f"building the {cfg.workload} workload ..."):
@@ -293,8 +293,8 @@ def _first_router(console: Console, model_dir: Path, registry, workload, cfg: De
     or on the bootstrap's training text (``corpus``); one centroid per domain either way."""
     import tempfile
 
-    from serving.fleet.router import make_embedder
-    from trainer.router_fit import bootstrap_router, fit_router
+    from specops.serving.fleet.router import make_embedder
+    from specops.trainer.router_fit import bootstrap_router, fit_router
 
     if workload.router_texts:
         what, source = "the chat workload's router prompts of each domain, rendered as served", "chat-workload"
@@ -347,7 +347,7 @@ def _traffic(console: Console, server, registry, workload, cfg: DemoConfig) -> D
     if any(r.ok for r in rows) and any(r.ok and r.rejected_steps is None for r in rows):
         notes.append("The server's responses carry no speculation.rejected_steps: the per-token α is unknown for "
                      "this run, the acceptance (accepted / drafted) columns stand in.")  # fmt: skip
-    from serving.proposers.catalogue import DEFAULT_K
+    from specops.serving.proposers.catalogue import DEFAULT_K
 
     chat = workload.name == "chat"
     config = {"workload": workload.name + (" (/v1/chat/completions: sql, math, api)" if chat
@@ -400,7 +400,7 @@ class PromotionWatcher:
         self._thread.start()
 
     def _run(self) -> None:
-        from registry.errors import RegistryError
+        from specops.registry.errors import RegistryError
 
         while not self._stop.wait(self.every_s):
             try:
@@ -426,7 +426,7 @@ class PromotionWatcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
-        from registry.errors import RegistryError
+        from specops.registry.errors import RegistryError
 
         try:
             self.poll()
@@ -443,10 +443,10 @@ def _speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg: DemoC
     champion gained there it learned about the domain, not about the prompts it saw."""
     from tqdm import tqdm
 
-    from serving.engine.spec import SpecEngine
-    from serving.engine.models import ModelPair
-    from serving.engine.types import SamplingParams
-    from serving.proposers.catalogue import ProposerResources
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.engine.models import ModelPair
+    from specops.serving.engine.types import SamplingParams
+    from specops.serving.proposers.catalogue import ProposerResources
 
     state = server.state
     pair, tok = state.pair, state.pair.tokenizer

@@ -16,23 +16,23 @@ SNIPPET_CHARS = 160
 
 def _chunk_tokenizer(args: argparse.Namespace):
     """(tokenizer, what it is): --tokenizer, else the bootstrapped target's, else MiniLM's."""
-    from serving.engine.models import load_tokenizer, tokenizer_hash
+    from specops.serving.engine.models import load_tokenizer, tokenizer_hash
 
     if args.tokenizer:
         tok, name = load_tokenizer(Path(args.tokenizer)), f"--tokenizer {args.tokenizer}"
     elif (Path(args.model_dir) / "target" / "tokenizer.json").is_file():
         tok, name = load_tokenizer(Path(args.model_dir) / "target"), f"the target's ({Path(args.model_dir) / 'target'})"
     else:
-        from serving.fleet.embed import minilm_dir
+        from specops.serving.fleet.embed import minilm_dir
 
         tok, name = load_tokenizer(minilm_dir()), "MiniLM's (no bootstrapped target found; the embedder's own limit)"
     return tok, {"tokenizer": name, "tokenizer_sha256": tokenizer_hash(tok)}
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from serving.errors import KBError
-    from serving.retrieval.kb import build_kb, register_kb, token_counter
-    from trainer.kb_sources import default_sources, passages_from_sources
+    from specops.serving.errors import KBError
+    from specops.serving.retrieval.kb import build_kb, register_kb, token_counter
+    from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
     if args.no_register and not args.out:
@@ -99,8 +99,8 @@ def _int(tag: str | None) -> int | None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from serving.errors import KBError
-    from serving.retrieval.kb import KnowledgeBase, load_kb_from_registry
+    from specops.serving.errors import KBError
+    from specops.serving.retrieval.kb import KnowledgeBase, load_kb_from_registry
 
     if args.kb_dir:
         kb = KnowledgeBase.load(Path(args.kb_dir))

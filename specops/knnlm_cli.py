@@ -30,7 +30,7 @@ def source_files(sources: list[str]) -> list[Path]:
 
 def bootstrap_prose_files(model_dir: Path) -> list[Path]:
     """The bootstrap's prose training files (never its held-out ones: the demo's prompts)."""
-    from trainer.bootstrap import load_manifest
+    from specops.trainer.bootstrap import load_manifest
 
     split = load_manifest(model_dir)["domains"]["prose"]
     heldout = set(split.get("heldout", ()))
@@ -43,7 +43,7 @@ def read_documents(files: list[Path], tokenizer, *, max_tokens: int, seed: int, 
     unreadable files are skipped."""
     from tqdm import tqdm
 
-    from trainer.bootstrap.corpus import read_document
+    from specops.trainer.bootstrap.corpus import read_document
 
     order = list(files)
     random.Random(seed).shuffle(order)
@@ -65,9 +65,9 @@ def read_documents(files: list[Path], tokenizer, *, max_tokens: int, seed: int, 
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
-    from serving.errors import DatastoreError
-    from serving.ralm.knnlm_store import KnnBuildConfig, build_knnlm, register_knnlm
+    from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+    from specops.serving.errors import DatastoreError
+    from specops.serving.ralm.knnlm_store import KnnBuildConfig, build_knnlm, register_knnlm
 
     model_dir = Path(args.model_dir)
     if args.source:

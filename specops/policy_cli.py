@@ -13,10 +13,10 @@ from specops.registry_cli import NONE, add_registry_args, open_registry
 
 def read_generations(url: str):
     """Every decodable GenerationRecord on ``url``'s spec.generations (a read outside any group)."""
-    from streams import StreamConfig, open_stream
-    from streams.codec import decode
-    from streams.errors import RecordValidationError
-    from streams.records import GenerationRecord
+    from specops.streams import StreamConfig, open_stream
+    from specops.streams.codec import decode
+    from specops.streams.errors import RecordValidationError
+    from specops.streams.records import GenerationRecord
 
     cfg = StreamConfig.from_env(url=url)
     with open_stream(cfg) as stream:
@@ -32,8 +32,8 @@ def read_generations(url: str):
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from serving.errors import SpecOpsError
-    from trainer.policy_fit import fit_priors
+    from specops.serving.errors import SpecOpsError
+    from specops.trainer.policy_fit import fit_priors
 
     if args.stream.lower() in NONE:
         raise SpecOpsError("policy fit reads spec.generations: give --stream URL")

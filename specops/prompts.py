@@ -38,8 +38,8 @@ def heldout_prompts(
     so the models have never trained on it; a document gives at most ``per_doc``
     prompts (distinct positions).
     """
-    from trainer.bootstrap import load_manifest
-    from trainer.bootstrap.corpus import read_document
+    from specops.trainer.bootstrap import load_manifest
+    from specops.trainer.bootstrap.corpus import read_document
 
     paths = _heldout_paths(model_dir, domain)
     rng = random.Random(seed)
@@ -71,7 +71,7 @@ def heldout_prompts(
 
 
 def _heldout_paths(model_dir: Path, domain: str) -> list[str]:
-    from trainer.bootstrap import load_manifest
+    from specops.trainer.bootstrap import load_manifest
 
     manifest = load_manifest(Path(model_dir))
     if domain not in manifest["domains"]:
@@ -106,7 +106,7 @@ def distinct_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens
     count for ``spacing``: the next line break after it is tried. Where nothing repeats, the
     prompts are the same as without the filter.
     """
-    from trainer.bootstrap.corpus import read_document
+    from specops.trainer.bootstrap.corpus import read_document
 
     from_ = spacing if spacing is not None else 3 * num_tokens
     if from_ < num_tokens:

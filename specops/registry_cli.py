@@ -16,19 +16,19 @@ NONE = ("none", "off", "")
 
 def registry_config(uri: str | None):
     """The registry at ``uri`` (``default``: $SPECOPS_REGISTRY_URI or SQLite under the data dir)."""
-    from registry import RegistryConfig
+    from specops.registry import RegistryConfig
 
     return RegistryConfig.default(data_dir(), uri=None if uri in (None, "default") else uri)
 
 
 def open_registry(uri: str | None, stream: str | None = None):
     """A RegistryStore that announces alias moves on ``stream``'s spec.events (unless ``none``)."""
-    from registry import RegistryStore
+    from specops.registry import RegistryStore
 
     on_change = None
     if stream and stream.lower() not in NONE:
-        from serving.fleet.events import EventPublisher
-        from streams import StreamConfig
+        from specops.serving.fleet.events import EventPublisher
+        from specops.streams import StreamConfig
 
         on_change = EventPublisher(StreamConfig.from_env(url=stream))
     return RegistryStore(registry_config(uri), on_change=on_change)
@@ -118,7 +118,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     if cfg.is_http:
         print(f"the registry is an MLflow server: open {cfg.uri}")
         return 0
-    from registry import RegistryStore
+    from specops.registry import RegistryStore
 
     RegistryStore(cfg)  # creates the store's tables on first use, so the UI opens on a ready store
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.uri, "--host", args.host,

@@ -17,11 +17,11 @@ EMBEDDERS = ("minilm", "target")
 
 def build_embedder(kind: str, model_dir: Path):
     """The ``kind`` embedder; ``target`` loads ``model_dir/target`` and its tokenizer."""
-    from serving.fleet.embed import make_embedder
+    from specops.serving.fleet.embed import make_embedder
 
     if kind != "target":
         return make_embedder(kind)
-    from serving.engine.models import load_model, load_tokenizer
+    from specops.serving.engine.models import load_model, load_tokenizer
 
     target = Path(model_dir) / "target"
     return make_embedder(kind, model=load_model(target), tokenizer=load_tokenizer(target))
@@ -30,9 +30,9 @@ def build_embedder(kind: str, model_dir: Path):
 def train_refitter(stream: str, registry, model_dir: Path, *, tokenizer_dir: Path | None = None,
                    embedder: str = "minilm", group: str = "router-refit"):  # fmt: skip
     """The RouterRefitter ``specops train --router-refit-every`` schedules."""
-    from serving.engine.models import load_tokenizer
-    from streams import StreamConfig
-    from trainer.router_fit import RefitConfig, RouterRefitter
+    from specops.serving.engine.models import load_tokenizer
+    from specops.streams import StreamConfig
+    from specops.trainer.router_fit import RefitConfig, RouterRefitter
 
     tokenizer = load_tokenizer(Path(tokenizer_dir) if tokenizer_dir else Path(model_dir) / "target")
     return RouterRefitter(StreamConfig.from_env(url=stream), registry, tokenizer, build_embedder(embedder, model_dir),
@@ -40,7 +40,7 @@ def train_refitter(stream: str, registry, model_dir: Path, *, tokenizer_dir: Pat
 
 
 def _load_champion(reg, version: str | None, model_dir: Path):
-    from serving.fleet.router import Router
+    from specops.serving.fleet.router import Router
 
     rv = reg.router_version(version) if version else reg.router_by_alias()
     if rv is None:
@@ -51,7 +51,7 @@ def _load_champion(reg, version: str | None, model_dir: Path):
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from trainer.router_fit import bootstrap_router
+    from specops.trainer.router_fit import bootstrap_router
 
     router = bootstrap_router(Path(args.model_dir), build_embedder(args.embedder, Path(args.model_dir)),
                               per_domain=args.per_domain, seed=args.seed)  # fmt: skip
@@ -72,9 +72,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from serving.engine.models import load_tokenizer
-    from streams import StreamConfig
-    from trainer.router_fit import refit_from_stream
+    from specops.serving.engine.models import load_tokenizer
+    from specops.streams import StreamConfig
+    from specops.trainer.router_fit import refit_from_stream
 
     reg = open_registry(args.registry, args.stream)
     champion = reg.router_by_alias()
@@ -120,8 +120,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from serving.errors import RouterError
-    from serving.fleet.router import Router
+    from specops.serving.errors import RouterError
+    from specops.serving.fleet.router import Router
 
     if args.router_dir:
         router = Router.load(Path(args.router_dir))  # checked before any embedder loads

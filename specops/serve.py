@@ -11,7 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
-from serving.http.config import ServeConfig
+from specops.serving.http.config import ServeConfig
 from specops.paths import data_dir, streams_url
 
 log = logging.getLogger(__name__)
@@ -21,8 +21,8 @@ NONE = ("none", "off", "")
 
 def build_state(cfg: ServeConfig, *, root: Path | None = None):
     """The replica's components from its config (nothing loads until the app starts)."""
-    from serving.http.server import ServingState
-    from streams import StreamConfig
+    from specops.serving.http.server import ServingState
+    from specops.streams import StreamConfig
 
     root = Path(root) if root is not None else data_dir()
     target, draft = cfg.paths(root)
@@ -47,8 +47,8 @@ class Server:
     def __init__(self, cfg: ServeConfig, *, root: Path | None = None, state=None) -> None:
         import uvicorn
 
-        from serving.http.api import create_app
-        from serving.http.read_timeouts import guarded_h11
+        from specops.serving.http.api import create_app
+        from specops.serving.http.read_timeouts import guarded_h11
 
         self.cfg = cfg
         self.state = state or build_state(cfg, root=root)

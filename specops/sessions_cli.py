@@ -13,10 +13,10 @@ from specops.registry_cli import NONE, add_registry_args, open_registry
 def sessions_rebuilder(stream: str, registry, tokenizer_dir: Path, *, min_new: int = 8, max_tokens: int = 65536):
     """The SessionIndexRebuilder ``specops train --sessions-rebuild-every`` schedules (and
     ``specops sessions rebuild`` runs once): stamped with the target's tokenizer hash."""
-    from serving.engine.models import load_tokenizer, tokenizer_hash
-    from serving.proposers.session_cache import SessionCacheConfig
-    from streams import StreamConfig
-    from trainer.sessions import SessionIndexRebuilder, SessionRebuildConfig
+    from specops.serving.engine.models import load_tokenizer, tokenizer_hash
+    from specops.serving.proposers.session_cache import SessionCacheConfig
+    from specops.streams import StreamConfig
+    from specops.trainer.sessions import SessionIndexRebuilder, SessionRebuildConfig
 
     cfg = SessionRebuildConfig(min_new=min_new, cache=SessionCacheConfig(max_tokens=max_tokens))
     return SessionIndexRebuilder(StreamConfig.from_env(url=stream), registry,
@@ -24,7 +24,7 @@ def sessions_rebuilder(stream: str, registry, tokenizer_dir: Path, *, min_new: i
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from serving.errors import SpecOpsError
+    from specops.serving.errors import SpecOpsError
 
     if args.stream.lower() in NONE:
         raise SpecOpsError("sessions rebuild reads spec.generations: give --stream URL")

@@ -11,10 +11,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from streams import Message, StreamConfig, open_stream
-from streams.codec import decode
-from streams.errors import RecordValidationError
-from streams.records import DeadLetter, GenerationRecord, MissRecord, ModelEvent
+from specops.streams import Message, StreamConfig, open_stream
+from specops.streams.codec import decode
+from specops.streams.errors import RecordValidationError
+from specops.streams.records import DeadLetter, GenerationRecord, MissRecord, ModelEvent
 
 
 DAMAGED = 3
@@ -56,7 +56,7 @@ def summarize(msg: Message) -> dict[str, Any]:
         prev = f" (was {rec.previous_version})" if rec.previous_version else ""
         row["summary"] = f"{rec.kind} {rec.model_name}@{rec.alias} -> {rec.version}{prev} {rec.reason}".strip()
     elif isinstance(rec, DeadLetter):
-        from streams.codec import peek_type
+        from specops.streams.codec import peek_type
 
         row.update(
             source=f"{rec.source_topic}[{rec.source_partition}]@{rec.source_offset}",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stream
-from streams.config import StreamConfig, Topics
-from streams.errors import (
+from specops.streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stream
+from specops.streams.config import StreamConfig, Topics
+from specops.streams.errors import (
     CommitFailedError,
     OffsetOutOfRangeError,
     RecordValidationError,
@@ -50,14 +50,14 @@ def open_stream(url_or_cfg: str | StreamConfig | None = None) -> Stream:
         cfg = url_or_cfg
     url = cfg.url
     if url.startswith("local://"):
-        from streams.local import LocalStream
+        from specops.streams.local import LocalStream
 
         rest = url[len("local://") :]
         if not rest:
             raise StreamConfigError("local:// needs a path: local:///abs/path or local://./relative/path")
         return LocalStream(Path(rest), cfg)
     if url.startswith("kafka://"):
-        from streams.kafka import KafkaStream
+        from specops.streams.kafka import KafkaStream
 
         servers = [s for s in url[len("kafka://") :].strip("/").split(",") if s]
         if not servers or any(":" not in s for s in servers):

@@ -26,8 +26,8 @@ import msgpack
 import numpy as np
 import zstandard
 
-from streams.errors import RecordValidationError
-from streams.records import (
+from specops.streams.errors import RecordValidationError
+from specops.streams.records import (
     SCHEMA_VERSION,
     DeadLetter,
     GenerationRecord,

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from streams.errors import StreamConfigError
+from specops.streams.errors import StreamConfigError
 
 ENV_PREFIX = "SPECOPS_STREAM_"
 

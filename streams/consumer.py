@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from streams import codec
-from streams.base import Consumer, Message, OutMessage, Producer, Stream
-from streams.errors import RecordValidationError
-from streams.records import DeadLetter, Record
+from specops.streams import codec
+from specops.streams.base import Consumer, Message, OutMessage, Producer, Stream
+from specops.streams.errors import RecordValidationError
+from specops.streams.records import DeadLetter, Record
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import Any
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka import errors as kerr
 
-from streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stream
-from streams.config import StreamConfig
-from streams.errors import CommitFailedError, StreamConfigError, StreamUnavailableError
+from specops.streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stream
+from specops.streams.config import StreamConfig
+from specops.streams.errors import CommitFailedError, StreamConfigError, StreamUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -61,9 +61,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stream, partition_for_key
-from streams.config import StreamConfig
-from streams.errors import (
+from specops.streams.base import Consumer, Delivery, Message, OutMessage, Producer, Stream, partition_for_key
+from specops.streams.config import StreamConfig
+from specops.streams.errors import (
     CommitFailedError,
     OffsetOutOfRangeError,
     RecordValidationError,
@@ -71,7 +71,7 @@ from streams.errors import (
     StreamError,
     StreamUnavailableError,
 )
-from streams.local_segment import (
+from specops.streams.local_segment import (
     BODY,
     MAX_BODY,
     QUARANTINE,

@@ -50,10 +50,10 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from streams.base import Message
-from streams.errors import OffsetOutOfRangeError
+from specops.streams.base import Message
+from specops.streams.errors import OffsetOutOfRangeError
 
-log = logging.getLogger("streams.local")
+log = logging.getLogger("specops.streams.local")
 
 MAGIC = 0x31474F4C  # b"LOG1"
 PREFIX = struct.Struct("<III")  # magic, body_len, crc32(body)

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from streams.errors import RecordValidationError
+from specops.streams.errors import RecordValidationError
 
 SCHEMA_VERSION = 2
 """Written into every record. Decoders accept this version and older ones.

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serving.engine import draft_vocab
-from serving.engine.draft_vocab import DraftVocab
-from serving.engine.models import ModelPair, prepare_for_decoding
-from trainer.bootstrap import run as bootstrap
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.draft_vocab import DraftVocab
+from specops.serving.engine.models import ModelPair, prepare_for_decoding
+from specops.trainer.bootstrap import run as bootstrap
 
 # Under pytest-xdist (`make test`: one worker per core) a second torch thread per worker would
 # oversubscribe the cores, and the tiny models gain nothing from it. Code that needs both cores

@@ -69,7 +69,7 @@ def test_generate_logs_to_a_stream_and_inspect_shows_it(tiny_dir, tmp_path):
     run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "8",
                   "--stream", url, "--cluster", "code", "--json")  # fmt: skip
     assert run.returncode == 0, run.stderr
-    from streams import OutMessage, open_stream
+    from specops.streams import OutMessage, open_stream
 
     with open_stream(url) as s, s.producer() as p:
         p.publish("spec.misses", [OutMessage(b"code", b"not a record")])

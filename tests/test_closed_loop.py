@@ -14,15 +14,15 @@ import openai
 import pytest
 import torch
 
-from registry import CHAMPION, RegistryConfig, RegistryStore
-from serving.http.config import ServeConfig
-from serving.fleet.events import EventPublisher
-from serving.engine.models import load_model_dir
+from specops.registry import CHAMPION, RegistryConfig, RegistryStore
+from specops.serving.http.config import ServeConfig
+from specops.serving.fleet.events import EventPublisher
+from specops.serving.engine.models import load_model_dir
 from specops.serve import Server
-from streams import StreamConfig, open_stream
+from specops.streams import StreamConfig, open_stream
 from tests.conftest import perturbed, random_prompts
-from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.promote import PromoteConfig, Promoter
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.promote import PromoteConfig, Promoter
 
 pytestmark = pytest.mark.slow  # the whole loop through the API
 

@@ -78,9 +78,9 @@ def test_only_the_servers_windows_excuse_a_failure():
 def test_output_check_tells_the_targets_output_from_another(tmp_path):
     from argparse import Namespace
 
-    from serving.engine.spec import SpecEngine
-    from serving.engine.models import load_model_dir
-    from serving.engine.types import SamplingParams
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.engine.models import load_model_dir
+    from specops.serving.engine.types import SamplingParams
 
     models = bench.tiny_pair(tmp_path / "models", seed=0)
     pair = load_model_dir(models)

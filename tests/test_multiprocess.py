@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from registry import RegistryConfig, RegistryStore
-from serving.engine.models import load_model_dir
-from streams import StreamConfig, codec, open_stream
-from streams.records import GenerationRecord
-from streams.tansu import TansuBroker, free_port
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.engine.models import load_model_dir
+from specops.streams import StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord
+from specops.streams.tansu import TansuBroker, free_port
 from tests.conftest import perturbed, random_prompts
 
 pytestmark = pytest.mark.slow  # serving replicas and a trainer as real processes

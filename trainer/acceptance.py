@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.engine.draft_vocab import DraftVocab, supports_subset_head
-from streams.records import MissRecord
-from trainer.losses import TargetDist
+from specops.serving.engine.draft_vocab import DraftVocab, supports_subset_head
+from specops.streams.records import MissRecord
+from specops.trainer.losses import TargetDist
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def evaluate_records(model: torch.nn.Module, records: Iterable[MissRecord], *,
     """Expected acceptance of ``model`` at every rejected position of ``records``, and its
     greedy agreement at every output position of the greedy ones (``served``); with
     ``vocab``, the draft scores only those tokens, as serving runs it."""
-    from trainer.data import target_dist
+    from specops.trainer.data import target_dist
 
     was_training = model.training
     model.eval()

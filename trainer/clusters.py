@@ -24,7 +24,7 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from trainer import checkpoint as ckpt
+from specops.trainer import checkpoint as ckpt
 
 LOADED = Gauge("specops_trainer_clusters_loaded", "Clusters whose draft and optimiser are in memory")
 KNOWN = Gauge("specops_trainer_clusters", "Clusters the trainer has, loaded or not (at most max_clusters, "

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serving.engine.draft_vocab import DraftVocab
-from streams.records import DIST_TOPK, MissRecord
-from trainer.losses import TargetDist
+from specops.serving.engine.draft_vocab import DraftVocab
+from specops.streams.records import DIST_TOPK, MissRecord
+from specops.trainer.losses import TargetDist
 
 
 def target_dist(rec: MissRecord) -> TargetDist:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.retrieval.datastore import Datastore, DatastoreConfig
-from serving.retrieval.keys import target_hidden_states
-from trainer.generations import GenerationsReader
+from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
+from specops.serving.retrieval.keys import target_hidden_states
+from specops.trainer.generations import GenerationsReader
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def corpus_documents(model_dir: Path, tokenizer, *, per_domain: int = 400, chars: int = 2000,
                      seed: int = 0) -> list[list[int]]:  # fmt: skip
     """Token ids of up to ``per_domain`` snippets of ``chars`` characters per bootstrap domain."""
-    from trainer.router_fit import bootstrap_texts
+    from specops.trainer.router_fit import bootstrap_texts
 
     texts = bootstrap_texts(Path(model_dir), per_domain=per_domain, chars=chars, per_doc=1, seed=seed)
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for domain in sorted(texts) for t in texts[domain]]

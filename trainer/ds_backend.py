@@ -149,7 +149,7 @@ def init_distributed(cfg: DeepSpeedConfig, *, ranks: bool = False):
     if world != 1 and not ranks:
         raise RuntimeError(f"this DeepSpeed engine runs in one process (world size 1), got world size {world}")
     if ranks and _LINK is None:
-        from trainer.ranks import RankLink
+        from specops.trainer.ranks import RankLink
 
         group = torch.distributed.new_group(backend="gloo", timeout=RANK_TIMEOUT) if world > 1 else None
         _LINK = RankLink(torch.distributed.get_rank(), world, group)
@@ -187,7 +187,7 @@ def optimizer_files(engine: Any, link: Any = None) -> tuple[dict[str, torch.Tens
     """The engine's optimiser state as (tensors, JSON layout) for ``trainer.checkpoint``,
     the same for any world size. Under ZeRO 1/2 with several ranks this is a collective
     (``link``, every rank calls it); every rank gets the whole state."""
-    from trainer.checkpoint import optimizer_to_files
+    from specops.trainer.checkpoint import optimizer_to_files
 
     zopt = engine.optimizer
     client = getattr(zopt, "optimizer", zopt)
@@ -207,7 +207,7 @@ def optimizer_files(engine: Any, link: Any = None) -> tuple[dict[str, torch.Tens
 def load_optimizer_files(engine: Any, tensors: dict[str, torch.Tensor], layout: dict, rank: int = 0,
                          world: int = 1) -> None:  # fmt: skip
     """Load state written by ``optimizer_files`` (any world size) into this rank's engine."""
-    from trainer.checkpoint import optimizer_from_files
+    from specops.trainer.checkpoint import optimizer_from_files
 
     zopt = engine.optimizer
     client = getattr(zopt, "optimizer", zopt)

@@ -23,9 +23,9 @@ class GenerationsReader:
 
     def _open(self):
         if self._consumer is None:
-            from streams import open_stream
-            from streams.consumer import RecordConsumer
-            from streams.records import GenerationRecord
+            from specops.streams import open_stream
+            from specops.streams.consumer import RecordConsumer
+            from specops.streams.records import GenerationRecord
 
             self._stream = open_stream(self.stream_cfg)
             self._consumer = RecordConsumer(self._stream, self.group, [self.stream_cfg.topics.generations],

@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.retrieval.kb import CHUNK_WORDS, MAX_PASSAGE_TOKENS, chunk_text
-from serving.retrieval.retriever import Passage
-from trainer.bootstrap.corpus import (MAX_BYTES, MAX_PAGES_PER_FAMILY, list_prose_files, read_document,
+from specops.serving.retrieval.kb import CHUNK_WORDS, MAX_PASSAGE_TOKENS, chunk_text
+from specops.serving.retrieval.retriever import Passage
+from specops.trainer.bootstrap.corpus import (MAX_BYTES, MAX_PAGES_PER_FAMILY, list_prose_files, read_document,
                                       scan_domain, split_files, strip_roff, subsample)  # fmt: skip
 
 log = logging.getLogger(__name__)

@@ -52,24 +52,24 @@ import torch
 from prometheus_client import Counter, Gauge
 from transformers import AutoModelForCausalLM
 
-from serving.engine.device import Placement
-from serving.fleet.clusters import cluster_label
-from serving.engine.models import from_pretrained
-from serving.engine import draft_vocab
-from serving.engine.draft_vocab import DraftVocab
-from streams import CommitFailedError, StreamConfig, codec, open_stream
-from streams.consumer import RecordConsumer
-from streams.records import MissRecord
-from trainer import checkpoint as ckpt
-from trainer.acceptance import Acceptance, evaluate_records
-from trainer.clusters import ClusterBudget
-from trainer.data import Example, TargetTeacher, draft_logits, every_position_example, logs_every_position, teacher_example
-from trainer.losses import TargetDist
-from trainer.losses import LOSSES, checked_loss
-from trainer.promote import Promoter, load_draft_vocab
-from trainer.ranks import launched_world, pack_examples, shard, unpack_examples
-from trainer.replay import ReplayBuffers, ReplayConfig
-from trainer.sampling import SAMPLING, sampled_example
+from specops.serving.engine.device import Placement
+from specops.serving.fleet.clusters import cluster_label
+from specops.serving.engine.models import from_pretrained
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.draft_vocab import DraftVocab
+from specops.streams import CommitFailedError, StreamConfig, codec, open_stream
+from specops.streams.consumer import RecordConsumer
+from specops.streams.records import MissRecord
+from specops.trainer import checkpoint as ckpt
+from specops.trainer.acceptance import Acceptance, evaluate_records
+from specops.trainer.clusters import ClusterBudget
+from specops.trainer.data import Example, TargetTeacher, draft_logits, every_position_example, logs_every_position, teacher_example
+from specops.trainer.losses import TargetDist
+from specops.trainer.losses import LOSSES, checked_loss
+from specops.trainer.promote import Promoter, load_draft_vocab
+from specops.trainer.ranks import launched_world, pack_examples, shard, unpack_examples
+from specops.trainer.replay import ReplayBuffers, ReplayConfig
+from specops.trainer.sampling import SAMPLING, sampled_example
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class OnlineTrainer:
         self.link = None
         """``trainer.ranks.RankLink`` under DeepSpeed's launcher with several ranks, else None."""
         if self.cfg.backend == "deepspeed" and world > 1:
-            from trainer.ds_backend import init_distributed
+            from specops.trainer.ds_backend import init_distributed
 
             self.link = init_distributed(self._ds_config(), ranks=True)
             if not self.link.is_root:  # a gradient worker: rank 0 alone consumes, checkpoints and registers
@@ -289,7 +289,7 @@ class OnlineTrainer:
         return 1 if self.link is None else self.link.world
 
     def _ds_config(self):
-        from trainer.ds_backend import DeepSpeedConfig
+        from specops.trainer.ds_backend import DeepSpeedConfig
 
         return DeepSpeedConfig(zero_stage=self.cfg.deepspeed_zero_stage,
                                dist_backend="gloo" if self.placement.is_cpu else "nccl")  # fmt: skip
@@ -322,7 +322,7 @@ class OnlineTrainer:
             tensors, layout = opt_files or ({}, None)
             self.link.send_all({"op": "open", "cluster": cluster, "layout": layout}, tensors)
         if self.cfg.backend == "deepspeed":  # imported only here: plain PyTorch runs never load deepspeed
-            from trainer.ds_backend import init_engine, load_optimizer_files
+            from specops.trainer.ds_backend import init_engine, load_optimizer_files
 
             # before loading optimiser state: under ZeRO 1/2 ``opt`` then steps ZeRO's flat fp32 partition
             st.engine = init_engine(model, opt, self.cfg.grad_clip, self._ds_config())
@@ -549,7 +549,7 @@ class OnlineTrainer:
     def publish_pending(self) -> bool:
         """Register and gate every cluster's newest unregistered checkpoint. False when the
         registry failed (the caller must not commit)."""
-        from registry import RegistryError
+        from specops.registry import RegistryError
 
         for cluster, version in sorted(self._unpublished.items()):
             st = self.state(cluster)
@@ -644,7 +644,7 @@ class OnlineTrainer:
         """The optimiser state a checkpoint keeps (ZeRO partitions gathered from every rank)."""
         if st.engine is None:
             return ckpt.optimizer_to_files(st.opt)
-        from trainer.ds_backend import optimizer_files
+        from specops.trainer.ds_backend import optimizer_files
 
         if self.link is not None and self.link.is_root and self.cfg.deepspeed_zero_stage > 0:
             self.link.send_all({"op": "gather", "cluster": cluster})  # the other ranks contribute their partitions
@@ -714,7 +714,7 @@ class OnlineTrainer:
 
 def _opt_layout(config: dict) -> str:
     """The optimiser-state layout a stamped config trains with; state resumes only into the same one."""
-    from trainer.ds_backend import optimizer_layout  # no deepspeed import
+    from specops.trainer.ds_backend import optimizer_layout  # no deepspeed import
 
     trained = "all" if config.get("train_embeddings", True) else "no-embeddings"  # older checkpoints trained all
     return f"{optimizer_layout(config.get('backend', 'torch'), config.get('deepspeed_zero_stage', 2))}/{trained}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from serving.engine.auto import key_chain
+from specops.serving.engine.auto import key_chain
 
 PRIORS_FORMAT = "specops-auto-priors/1"
 

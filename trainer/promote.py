@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
-from serving.engine import draft_vocab
-from serving.engine.draft_vocab import DraftVocab
-from serving.engine.models import from_pretrained, load_tokenizer, tokenizer_hash
-from streams.records import MissRecord
-from trainer.acceptance import Acceptance, evaluate_records, paired_gain
+from specops.registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.draft_vocab import DraftVocab
+from specops.serving.engine.models import from_pretrained, load_tokenizer, tokenizer_hash
+from specops.streams.records import MissRecord
+from specops.trainer.acceptance import Acceptance, evaluate_records, paired_gain
 
 log = logging.getLogger(__name__)
 

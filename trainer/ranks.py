@@ -37,8 +37,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from trainer.data import Example
-from trainer.losses import TargetDist
+from specops.trainer.data import Example
+from specops.trainer.losses import TargetDist
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from registry import RegistryStore
-from serving.fleet.embed import Embedder, normalise
-from serving.errors import RouterError
-from serving.fleet.router import LOCAL, Router
-from streams import StreamConfig
-from trainer.generations import GenerationsReader
+from specops.registry import RegistryStore
+from specops.serving.fleet.embed import Embedder, normalise
+from specops.serving.errors import RouterError
+from specops.serving.fleet.router import LOCAL, Router
+from specops.streams import StreamConfig
+from specops.trainer.generations import GenerationsReader
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,8 @@ def bootstrap_texts(model_dir: Path, *, per_domain: int = 200, chars: int = 600,
     """Up to ``per_domain`` snippets of ``chars`` characters per domain, from the bootstrap's
     training documents (never the held-out ones the demo prompts come from), each starting
     at a line break, at most ``per_doc`` per document."""
-    from trainer.bootstrap import load_manifest
-    from trainer.bootstrap.corpus import read_document
+    from specops.trainer.bootstrap import load_manifest
+    from specops.trainer.bootstrap.corpus import read_document
 
     manifest = load_manifest(Path(model_dir))
     rng = random.Random(seed)

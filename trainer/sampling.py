@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from streams.records import MissRecord
-from trainer.data import Example
-from trainer.losses import TargetDist
+from specops.streams.records import MissRecord
+from specops.trainer.data import Example
+from specops.trainer.losses import TargetDist
 
 SAMPLING = ("teacher", "student", "mixed")
 

@@ -82,23 +82,23 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter, Gauge
 
-from serving.fleet.clusters import cluster_label
-from serving.load_signal import read_load_file
-from serving.errors import SpecOpsError
-from trainer.runtimes import RunTimes, RunTimesJobStore, RunTimesTable, next_run_after_restart
+from specops.serving.fleet.clusters import cluster_label
+from specops.serving.load_signal import read_load_file
+from specops.serving.errors import SpecOpsError
+from specops.trainer.runtimes import RunTimes, RunTimesJobStore, RunTimesTable, next_run_after_restart
 
 log = logging.getLogger(__name__)
 
 TICK_JOB_ID = "distill-tick"
 EVAL_JOB_ID = "evaluate"
-TICK_FUNC = "trainer.schedule:_tick"
-EVAL_FUNC = "trainer.schedule:_evaluate"
+TICK_FUNC = "specops.trainer.schedule:_tick"
+EVAL_FUNC = "specops.trainer.schedule:_evaluate"
 ROUTER_JOB_ID = "router-refit"
-ROUTER_FUNC = "trainer.schedule:_refit_router"
+ROUTER_FUNC = "specops.trainer.schedule:_refit_router"
 DATASTORE_JOB_ID = "datastore-rebuild"
-DATASTORE_FUNC = "trainer.schedule:_rebuild_datastores"
+DATASTORE_FUNC = "specops.trainer.schedule:_rebuild_datastores"
 SESSIONS_JOB_ID = "sessions-rebuild"
-SESSIONS_FUNC = "trainer.schedule:_rebuild_sessions"
+SESSIONS_FUNC = "specops.trainer.schedule:_rebuild_sessions"
 
 TICKS = Counter("specops_trainer_ticks_total", "Distillation ticks of the scheduled trainer", ["outcome"])
 ROUTER_REFITS = Counter("specops_router_refits_total", "Router refit job runs", ["outcome"])

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from serving.proposers.llma import MAX_EXTEND, NgramIndex
-from serving.proposers.session_cache import SessionCacheConfig, index_of, newest_within
-from serving.proposers.session_store import load_sessions, save_sessions
-from trainer.generations import GenerationsReader
+from specops.serving.proposers.llma import MAX_EXTEND, NgramIndex
+from specops.serving.proposers.session_cache import SessionCacheConfig, index_of, newest_within
+from specops.serving.proposers.session_store import load_sessions, save_sessions
+from specops.trainer.generations import GenerationsReader
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from serving.engine.models import DEFAULT_DRAFT_DTYPE
-from serving.engine.spec import DEFAULT_K
+from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE
+from specops.serving.engine.spec import DEFAULT_K
 from specops.paths import models_dir
 
 

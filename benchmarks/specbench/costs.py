@@ -11,10 +11,10 @@ import time
 import torch
 
 from benchmarks.specbench.config import BenchConfig
-from serving.engine.cost import step_ms
-from serving.engine.models import ModelPair
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
+from specops.serving.engine.cost import step_ms
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 
 
 # ---------------------------------------------------------------- step costs (c)

@@ -15,10 +15,10 @@ from transformers.generation.utils import GenerationMixin
 import torch
 
 from benchmarks.specbench.config import BenchConfig, HF_PLD_NUM_TOKENS, REFERENCE
-from serving.engine.cpu_linear import stock_linear
-from serving.engine.models import ModelPair
-from serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine
-from serving.engine.types import SamplingParams
+from specops.serving.engine.cpu_linear import stock_linear
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine
+from specops.serving.engine.types import SamplingParams
 
 
 # ---------------------------------------------------------------- counting

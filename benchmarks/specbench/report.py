@@ -13,7 +13,7 @@ from benchmarks.specbench.config import (
     BAR_VS_HF_ASSISTED, BAR_VS_TARGET_CODE, DOC_BEGIN, DOC_END, DOMAINS, HF_PLD_NUM_TOKENS, MODES,
 )
 from benchmarks.specbench.costs import eq2_speedup
-from serving.engine.spec import DEFAULT_K
+from specops.serving.engine.spec import DEFAULT_K
 
 
 # ---------------------------------------------------------------- report

@@ -51,7 +51,7 @@ def is_scheduled(settings: dict) -> bool:
 
 def jobstore_url(settings: dict) -> str:
     """The job store the trainer uses: ``jobstore``, else SQLite under ``out`` (as ``specops train``)."""
-    from trainer.schedule import default_jobstore_url, engine_url
+    from specops.trainer.schedule import default_jobstore_url, engine_url
 
     if settings.get("jobstore"):
         return engine_url(str(settings["jobstore"]))
@@ -63,7 +63,7 @@ def check_schedule(url: str, stale_s: float, now: float | None = None) -> tuple[
     """(healthy, why) from the ``distill-tick`` row of the trainer's job store at ``url``."""
     from sqlalchemy import create_engine, text
 
-    from trainer.schedule import TICK_JOB_ID, ScheduleConfig
+    from specops.trainer.schedule import TICK_JOB_ID, ScheduleConfig
 
     table = ScheduleConfig.jobstore_table  # the default table (a plain identifier, checked there)
     engine = create_engine(url, connect_args={"connect_timeout": 5} if url.startswith("postgresql") else {})

@@ -42,9 +42,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from serving.engine.types import DecodeState, Proposals, Verdict
-from serving.errors import UnavailableError, echo
-from serving.proposers.base import Proposer
+from specops.serving.engine.types import DecodeState, Proposals, Verdict
+from specops.serving.errors import UnavailableError, echo
+from specops.serving.proposers.base import Proposer
 
 CANDIDATES = ("draft", "dresd", "llma")
 """Methods ``auto`` may choose besides ``target``, when the request and the replica have what
@@ -308,7 +308,7 @@ class AutoPolicy:
     def calibrate(self, pair, context_ids: list[int] | None = None, reps: int = 5) -> dict:
         """Measure the target's verify cost at 1 and 9 tokens and the draft's one-token step
         (``serving.engine.cost.step_ms``), as the cost fits' priors. About a second on CPU."""
-        from serving.engine.cost import step_ms
+        from specops.serving.engine.cost import step_ms
 
         ctx = context_ids or list(range(1, 65))
         v1 = step_ms(pair.target, ctx, 1, reps=reps, warmup=2)

@@ -49,9 +49,9 @@ import torch
 from prometheus_client import Histogram
 from transformers import PreTrainedModel
 
-from serving.engine import tree as tree_mod
-from serving.engine.kv import CachedLM
-from serving.engine.tree import TokenTree
+from specops.serving.engine import tree as tree_mod
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import time
 
 from transformers import PreTrainedModel
 
-from serving.engine.kv import CachedLM
+from specops.serving.engine.kv import CachedLM
 
 
 def step_ms(model: PreTrainedModel, context_ids: list[int], n: int = 1, *, reps: int = 50, warmup: int = 5) -> float:

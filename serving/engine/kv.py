@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from serving.engine import draft_vocab, limits
-from serving.engine import tree as tree_mod
-from serving.engine.tree import TokenTree
+from specops.serving.engine import draft_vocab, limits
+from specops.serving.engine import tree as tree_mod
+from specops.serving.engine.tree import TokenTree
 
 
 class CachedLM:

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from serving.engine import draft_vocab
-from serving.engine.cpu_linear import use_small_batch_linear
-from serving.errors import ModelConfigError, TokenizerMismatchError
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.cpu_linear import use_small_batch_linear
+from specops.serving.errors import ModelConfigError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ModelPair:
     @property
     def context_size(self) -> int:
         """The target's context (``serving.engine.limits.context_size``)."""
-        from serving.engine.limits import context_size
+        from specops.serving.engine.limits import context_size
 
         return context_size(self.target.config)
 

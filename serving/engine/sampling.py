@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine.types import SamplingParams
+from specops.serving.engine.types import SamplingParams
 
 
 def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.engine.kv import CachedLM
-from serving.engine.types import (
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.types import (
     ContextSpan, DecodeState, GenerationResult, Proposals, RejectedPosition, RequestStats, SamplingParams, Verdict,
 )  # fmt: skip
-from serving.engine.verifier import Verifier
-from serving.proposers.base import Proposer
+from specops.serving.engine.verifier import Verifier
+from specops.serving.proposers.base import Proposer
 
 FINISH_REASONS = ("eos", "length", "context", "stop")
 

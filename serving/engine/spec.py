@@ -9,18 +9,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from serving.engine import limits
-from serving.engine.kv import CachedLM
-from serving.engine.models import ModelPair
-from serving.engine.session import DecodeSession
-from serving.engine.types import ContextSpan, GenerationResult, SamplingParams
-from serving.proposers.base import Proposer
-from serving.proposers.catalogue import (  # noqa: F401  (re-exported: the engine's public names)
+from specops.serving.engine import limits
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.session import DecodeSession
+from specops.serving.engine.types import ContextSpan, GenerationResult, SamplingParams
+from specops.serving.proposers.base import Proposer
+from specops.serving.proposers.catalogue import (  # noqa: F401  (re-exported: the engine's public names)
     DEFAULT_K, METHODS, ProposerConfig, ProposerResources, build_proposer, method_spec,
 )  # fmt: skip
 
 if TYPE_CHECKING:
-    from serving.fleet.stream_logger import RequestMeta, StreamLogger
+    from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class SpecEngine:
             raise
         result = session.finish(self.pair.tokenizer)
         if self.logger is not None:
-            from serving.fleet.stream_logger import RequestMeta
+            from specops.serving.fleet.stream_logger import RequestMeta
 
             t_log = time.perf_counter()
             self.logger.log(session.state.token_ids[: session.state.num_prompt_tokens], result, params,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.errors import InvalidRequestError
+from specops.serving.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

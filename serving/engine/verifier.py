@@ -53,11 +53,11 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine import tree as tree_mod
-from serving.engine.kv import CachedLM
-from serving.engine.sampling import draw, uniform, warp
-from serving.engine.tree import TokenTree
-from serving.engine.types import DecodeState, Proposals, RejectedPosition, Verdict
+from specops.serving.engine import tree as tree_mod
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.sampling import draw, uniform, warp
+from specops.serving.engine.tree import TokenTree
+from specops.serving.engine.types import DecodeState, Proposals, RejectedPosition, Verdict
 
 
 def decide(

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from serving.errors import ArtifactUnavailableError, InvalidRequestError
+from specops.serving.errors import ArtifactUnavailableError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterable
 
-from serving.errors import InvalidRequestError, echo
+from specops.serving.errors import InvalidRequestError, echo
 
 MAX_LABELLED = 64
 """Distinct cluster names a process's metrics label by name; the rest are ``OTHER``."""

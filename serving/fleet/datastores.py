@@ -27,12 +27,12 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from registry import RegistryStore
-from registry.errors import RegistryError
-from serving.errors import DatastoreError
-from serving.fleet.clusters import cluster_label
-from serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
-from serving.retrieval.datastore import Datastore
+from specops.registry import RegistryStore
+from specops.registry.errors import RegistryError
+from specops.serving.errors import DatastoreError
+from specops.serving.fleet.clusters import cluster_label
+from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
+from specops.serving.retrieval.datastore import Datastore
 
 log = logging.getLogger(__name__)
 

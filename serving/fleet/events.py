@@ -17,11 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from registry import AliasChange
-from streams import OutMessage, StreamConfig, codec, open_stream
-from streams.consumer import RecordConsumer
-from streams.errors import StreamError
-from streams.records import ModelEvent
+from specops.registry import AliasChange
+from specops.streams import OutMessage, StreamConfig, codec, open_stream
+from specops.streams.consumer import RecordConsumer
+from specops.streams.errors import StreamError
+from specops.streams.records import ModelEvent
 
 log = logging.getLogger(__name__)
 

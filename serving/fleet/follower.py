@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from registry import CHAMPION, RegistryError, RegistryStore
-from registry.kinds import KINDS, ArtifactKind
-from serving.fleet.clusters import ClusterLabels
+from specops.registry import CHAMPION, RegistryError, RegistryStore
+from specops.registry.kinds import KINDS, ArtifactKind
+from specops.serving.fleet.clusters import ClusterLabels
 
 log = logging.getLogger(__name__)
 

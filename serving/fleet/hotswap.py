@@ -43,12 +43,12 @@ import torch
 from prometheus_client import Counter, Gauge
 from transformers import PreTrainedModel
 
-from registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
-from serving.errors import ModelConfigError
-from serving.fleet.clusters import cluster_label
-from serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
-from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
-from serving.engine.types import RequestStats
+from specops.registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
+from specops.serving.errors import ModelConfigError
+from specops.serving.fleet.clusters import cluster_label
+from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
+from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+from specops.serving.engine.types import RequestStats
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serving.engine.batching import TargetBatcher
-from serving.engine.spec import SpecEngine
-from serving.fleet.hotswap import DraftFollower, DraftHandle
-from serving.engine.models import ModelPair
-from serving.fleet.stream_logger import RequestMeta, StreamLogger
-from serving.engine.types import GenerationResult, SamplingParams
-from serving.proposers.catalogue import ProposerConfig, ProposerResources, method_spec
+from specops.serving.engine.batching import TargetBatcher
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.fleet.hotswap import DraftFollower, DraftHandle
+from specops.serving.engine.models import ModelPair
+from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
+from specops.serving.engine.types import GenerationResult, SamplingParams
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, method_spec
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class ServingNode:
         elif method_spec(method).artifact == "datastore" and "datastore" in versions:
             self.datastores.record(cluster, versions["datastore"], result.stats)
         if method == "dresd" and resources.datastore is not None:
-            from serving.proposers.dresd import resolve_shape
+            from specops.serving.proposers.dresd import resolve_shape
 
             n_drafts = resolve_shape(resources.datastore, n_drafts)[0]
         return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions,
@@ -143,8 +143,8 @@ class ServingNode:
         """One request through RaLMSeq or RaLMSpec (``serving.ralm.loop``) over ``kb`` (a
         ``serving.fleet.catalog.Loaded`` knowledge base), decoding between retrievals with
         ``method`` and the cluster's current draft. ``on_step(final)`` gets verified output only."""
-        from serving.engine.types import GenerationResult, RequestStats
-        from serving.ralm.loop import RalmGenerator
+        from specops.serving.engine.types import GenerationResult, RequestStats
+        from specops.serving.ralm.loop import RalmGenerator
 
         started_at = time.time()
         handle: DraftHandle = self.follower.slot(cluster).current()
@@ -192,7 +192,7 @@ class ServingNode:
         ``retrieved`` references. The response's ``retrieval`` block names the passages."""
         from dataclasses import replace
 
-        from serving.ralm.loop import oneshot_context
+        from specops.serving.ralm.loop import oneshot_context
 
         knowledge = kb.artifact
         shot = oneshot_context(knowledge.retriever(retriever), lambda ids: [p.text for p in knowledge.passages(ids)],
@@ -212,8 +212,8 @@ class ServingNode:
                        on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:  # fmt: skip
         """One request decoded by kNN-LM (``serving.ralm.knnlm``) over ``store`` (a
         ``serving.fleet.catalog.Loaded`` datastore): baseline or speculative, same output."""
-        from serving.engine.types import GenerationResult, RequestStats
-        from serving.ralm.knnlm import KnnLM
+        from specops.serving.engine.types import GenerationResult, RequestStats
+        from specops.serving.ralm.knnlm import KnnLM
 
         started_at = time.time()
         rid = request_id or uuid.uuid4().hex

@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from registry import RegistryStore
-from serving.fleet.embed import Embedder, make_embedder
-from serving.fleet.follower import AliasFollower, FollowConfig
-from serving.errors import RouterError
+from specops.registry import RegistryStore
+from specops.serving.fleet.embed import Embedder, make_embedder
+from specops.serving.fleet.follower import AliasFollower, FollowConfig
+from specops.serving.errors import RouterError
 
 log = logging.getLogger(__name__)
 

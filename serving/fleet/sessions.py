@@ -25,12 +25,12 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from registry import RegistryStore
-from registry.errors import RegistryError
-from serving.fleet.clusters import cluster_label
-from serving.fleet.follower import AliasFollower, FollowConfig
-from serving.proposers.session_cache import SessionCache
-from serving.proposers.session_store import SavedSessions, SessionStoreError, load_sessions
+from specops.registry import RegistryStore
+from specops.registry.errors import RegistryError
+from specops.serving.fleet.clusters import cluster_label
+from specops.serving.fleet.follower import AliasFollower, FollowConfig
+from specops.serving.proposers.session_cache import SessionCache
+from specops.serving.proposers.session_store import SavedSessions, SessionStoreError, load_sessions
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
-from serving.engine.types import GenerationResult, SamplingParams
-from streams import OutMessage, Producer, Stream, StreamConfig, Topics, open_stream
-from streams import codec
-from streams.records import DIST_FULL, DIST_TOPK, ContextSpan, GenerationRecord, MissRecord, SamplingInfo
+from specops.serving.engine.types import GenerationResult, SamplingParams
+from specops.streams import OutMessage, Producer, Stream, StreamConfig, Topics, open_stream
+from specops.streams import codec
+from specops.streams.records import DIST_FULL, DIST_TOPK, ContextSpan, GenerationRecord, MissRecord, SamplingInfo
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class LoggerStats:
 
 def method_artifacts(method: str) -> tuple[str, ...]:
     """The artifact kinds a method's requests use (the catalogue's, when it knows the method)."""
-    from serving.proposers.catalogue import CATALOGUE
+    from specops.serving.proposers.catalogue import CATALOGUE
 
     spec = CATALOGUE.get(method)
     return (spec.artifact,) if spec is not None and spec.artifact else ()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from serving.errors import OverloadedError, QueueTimeoutError
+from specops.serving.errors import OverloadedError, QueueTimeoutError
 
 RUNNING = Gauge("specops_admission_running", "Requests decoding now")
 WAITING = Gauge("specops_admission_queue_depth", "Requests waiting for a decode worker")

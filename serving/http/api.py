@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from serving.errors import (
+from specops.serving.errors import (
     AuthenticationError,
     ForbiddenError,
     InvalidRequestError,
@@ -56,14 +56,14 @@ from serving.errors import (
     echo,
     http_status,
 )  # fmt: skip
-from serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
-from serving.proposers.catalogue import method_spec
-from serving.engine.models import render_chat
-from serving.http.read_timeouts import BodyDeadline
-from serving.http.request_json import parse as parse_json
-from serving.http.server import ClientGone, Job, ServingState
-from serving.http.tenancy import ANONYMOUS, Tenant, Tenants
-from serving.engine.types import SamplingParams
+from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
+from specops.serving.proposers.catalogue import method_spec
+from specops.serving.engine.models import render_chat
+from specops.serving.http.read_timeouts import BodyDeadline
+from specops.serving.http.request_json import parse as parse_json
+from specops.serving.http.server import ClientGone, Job, ServingState
+from specops.serving.http.tenancy import ANONYMOUS, Tenant, Tenants
+from specops.serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 

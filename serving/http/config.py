@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from serving.proposers.catalogue import METHODS, describe
-from serving.engine.device import DEVICE_PATTERN
-from serving.errors import ModelConfigError
-from serving.http.tenancy import check_config as check_tenants
+from specops.serving.proposers.catalogue import METHODS, describe
+from specops.serving.engine.device import DEVICE_PATTERN
+from specops.serving.errors import ModelConfigError
+from specops.serving.http.tenancy import check_config as check_tenants
 
 ENV_PREFIX = "SPECOPS_SERVE_"
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

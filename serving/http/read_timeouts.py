@@ -30,7 +30,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serving.errors import ReadTimeoutError
+from specops.serving.errors import ReadTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def guarded_h11(header_timeout_s: float, body_timeout_s: float) -> type[GuardedH
 
 def _response_408(message: str) -> bytes:
     """A whole 408 response, written before h11 saw a request (h11 cannot frame a response to none)."""
-    from serving.http.api import error_body
+    from specops.serving.http.api import error_body
 
     body = json.dumps(error_body(408, message, ReadTimeoutError.code)).encode()
     head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"

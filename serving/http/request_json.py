@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from serving.errors import InvalidRequestError, clip
+from specops.serving.errors import InvalidRequestError, clip
 
 MAX_DEPTH = 32
 """Deepest nesting accepted; the request object itself is level 1 (``messages[0].content[0]`` is level 5)."""

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
-from serving.proposers.catalogue import METHODS
-from serving.errors import UnsupportedParameterError
+from specops.serving.proposers.catalogue import METHODS
+from specops.serving.errors import UnsupportedParameterError
 
 class FieldValueError(ValueError):
     """What a model-level validator (one that compares fields) raises: pydantic gives its error no

@@ -31,17 +31,17 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from serving.http.admission import Admission
-from serving.http.config import ServeConfig
-from serving.engine import limits
-from serving.load_signal import write_load_signal
-from serving.errors import (InvalidRequestError, PromptTooLongError, RequestTimeoutError, RequestTooLargeError,
+from specops.serving.http.admission import Admission
+from specops.serving.http.config import ServeConfig
+from specops.serving.engine import limits
+from specops.serving.load_signal import write_load_signal
+from specops.serving.errors import (InvalidRequestError, PromptTooLongError, RequestTimeoutError, RequestTooLargeError,
                             UnavailableError)  # fmt: skip
-from serving.errors import ForbiddenError
-from serving.http.tenancy import ANONYMOUS, Tenant
-from serving.fleet.clusters import KnownClusters, cluster_label
-from serving.proposers.catalogue import ProposerResources, check_resources, method_spec
-from serving.engine.types import SamplingParams
+from specops.serving.errors import ForbiddenError
+from specops.serving.http.tenancy import ANONYMOUS, Tenant
+from specops.serving.fleet.clusters import KnownClusters, cluster_label
+from specops.serving.proposers.catalogue import ProposerResources, check_resources, method_spec
+from specops.serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +185,10 @@ class ServingState:
             log.exception("serving could not start: %s", self.load_error)
 
     def _load_steps(self) -> None:
-        from serving.fleet.hotswap import DraftFollower, HotSwapConfig
-        from serving.engine.device import Placement
-        from serving.engine.models import load_pair
-        from serving.fleet.node import ServingNode
+        from specops.serving.fleet.hotswap import DraftFollower, HotSwapConfig
+        from specops.serving.engine.device import Placement
+        from specops.serving.engine.models import load_pair
+        from specops.serving.fleet.node import ServingNode
 
         cfg = self.cfg
         self.loading_step = "models"  # 1.
@@ -196,7 +196,7 @@ class ServingState:
         self.pair = load_pair(self.target_dir, self.draft_dir, draft_dtype=cfg.draft_dtype, target_dtype=cfg.dtype,
                               device=placement.device)  # fmt: skip
         if self.stream_cfg is not None:  # 2.
-            from serving.fleet.stream_logger import LoggerConfig, StreamLogger
+            from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
 
             self.loading_step = "stream logger"
             self.logger = StreamLogger(self.stream_cfg, LoggerConfig(sample_every=cfg.log_sample_every,
@@ -215,7 +215,7 @@ class ServingState:
         self.kbs = self._kbs()
         self.knnlms = self._knnlms()
         if cfg.router == "registry" and self.registry is not None:  # 4.
-            from serving.fleet.router import RouterFollower, make_embedder
+            from specops.serving.fleet.router import RouterFollower, make_embedder
 
             self.loading_step = "router"
             self.router = RouterFollower(self.registry, cache_dir=self.cache_dir / "router",
@@ -223,17 +223,17 @@ class ServingState:
                                          poll_s=cfg.poll_s)  # fmt: skip
             self.router.start()
         if self.stream_cfg is not None:  # 5.
-            from serving.fleet.events import EventWatcher
+            from specops.serving.fleet.events import EventWatcher
 
             self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
         if cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
-            from serving.engine.batching import TargetBatcher
+            from specops.serving.engine.batching import TargetBatcher
 
             self.batcher = TargetBatcher(self.pair.target, max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
                                          window_s=cfg.batch_window_ms / 1000)  # fmt: skip
         sessions = None
         if cfg.session_cache_tokens:
-            from serving.proposers.session_cache import SessionCache, SessionCacheConfig
+            from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig
 
             sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.session_cache_tokens))
             if self.registry is not None and cfg.session_sharing == "shared":  # sessions-<cluster> mix tenants
@@ -243,7 +243,7 @@ class ServingState:
         self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
                                 datastores=self.datastores, sessions=sessions, policy=self.policy)  # fmt: skip
         self.loading_step = "warm-up"  # 6.
-        from serving.engine.spec import SpecEngine
+        from specops.serving.engine.spec import SpecEngine
 
         SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
         if cfg.auto_calibrate:
@@ -262,7 +262,7 @@ class ServingState:
 
     def _policy(self):
         """The ``auto`` policy: requests in flight from admission, priors from ``auto_priors``."""
-        from serving.engine.auto import AutoPolicy
+        from specops.serving.engine.auto import AutoPolicy
 
         policy = AutoPolicy(max_k=min(self.cfg.auto_max_k, self.cfg.max_k),
                             load=lambda: self.admission.snapshot().running)  # fmt: skip
@@ -295,8 +295,8 @@ class ServingState:
     def _datastores(self):
         """The DReSD datastore follower: ``datastore-<cluster>@champion`` per cluster, and the
         fallback of ``datastore_dir`` (checked to fit this target) for clusters without one."""
-        from serving.fleet.datastores import DatastoreFollower
-        from serving.retrieval.datastore import Datastore
+        from specops.serving.fleet.datastores import DatastoreFollower
+        from specops.serving.retrieval.datastore import Datastore
 
         fallback = Datastore.load(Path(self.cfg.datastore_dir)) if self.cfg.datastore_dir else None
         follower = DatastoreFollower(self.registry, self.pair.target, cache_dir=self.cache_dir / "datastores",
@@ -306,7 +306,7 @@ class ServingState:
         return follower.start()
 
     def _follow_cfg(self):
-        from serving.fleet.follower import FollowConfig
+        from specops.serving.fleet.follower import FollowConfig
 
         return FollowConfig(poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s),
                             backoff_max_s=max(1.0, self.cfg.poll_s))  # fmt: skip
@@ -314,7 +314,7 @@ class ServingState:
     def _session_follower(self, sessions):
         """Past sessions seeded from each cluster's ``sessions-<cluster>@champion``, checked to fit
         this target's tokenizer and vocabulary."""
-        from serving.fleet.sessions import SessionFollower
+        from specops.serving.fleet.sessions import SessionFollower
 
         follower = SessionFollower(self.registry, sessions, cache_dir=self.cache_dir / "sessions",
                                    target_tokenizer_sha256=self.pair.tokenizer_sha256, vocab_size=self.pair.vocab_size,
@@ -324,8 +324,8 @@ class ServingState:
 
     def _kbs(self):
         """Knowledge bases: the local ``kb_dirs`` by their own names, then ``kb-<name>@champion``."""
-        from serving.fleet.catalog import NamedArtifacts
-        from serving.retrieval.kb import KnowledgeBase
+        from specops.serving.fleet.catalog import NamedArtifacts
+        from specops.serving.retrieval.kb import KnowledgeBase
 
         local = {}
         for d in self.cfg.kb_dirs:
@@ -337,8 +337,8 @@ class ServingState:
     def _knnlms(self):
         """kNN-LM datastores: the local ``knnlm_dirs`` by folder name, then ``knnlm-<name>@champion``;
         each checked to fit this target and tokenizer."""
-        from serving.fleet.catalog import NamedArtifacts
-        from serving.ralm.knnlm_store import KnnDatastore
+        from specops.serving.fleet.catalog import NamedArtifacts
+        from specops.serving.ralm.knnlm_store import KnnDatastore
 
         def load(path: Path):
             return KnnDatastore.load(Path(path), target=self.pair.target, tokenizer_sha256=self.pair.tokenizer_sha256)
@@ -533,7 +533,7 @@ class ServingState:
         """The request's kNN-LM config and the datastore it names (4xx naming the field)."""
         if knnlm is None:
             return None, None
-        from serving.ralm.knnlm import KnnConfig
+        from specops.serving.ralm.knnlm import KnnConfig
 
         if retrieval is not None:
             raise InvalidRequestError("send one of retrieval and knnlm, not both", "knnlm")
@@ -547,7 +547,7 @@ class ServingState:
         """The request's retrieval loop: its config, the KB it names and the retriever (4xx naming the field)."""
         if retrieval is None:
             return None, None, ""
-        from serving.ralm.loop import RalmConfig
+        from specops.serving.ralm.loop import RalmConfig
 
         if retrieval.mode != "oneshot" and (method_spec(method).default_n_drafts > 1
                                             or "datastore" in method_spec(method).needs):  # fmt: skip
@@ -707,7 +707,7 @@ def retriever_kind(retrieval) -> str:
 
 
 def _count_llma(cluster: str, counters: dict[str, int]) -> None:
-    from serving.proposers.llma import SOURCES
+    from specops.serving.proposers.llma import SOURCES
 
     label = cluster_label(cluster)
     LLMA_STEPS.labels(label).inc(counters["steps"])

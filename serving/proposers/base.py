@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from serving.engine.types import DecodeState, Proposals, Verdict
+from specops.serving.engine.types import DecodeState, Proposals, Verdict
 
 
 class Proposer(ABC):

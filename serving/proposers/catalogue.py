@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from serving.errors import InvalidRequestError
+from specops.serving.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the catalogue itself stays light: the CLI builds its --help from it without torch
-    from serving.engine.models import ModelPair
-    from serving.proposers.base import Proposer
+    from specops.serving.engine.models import ModelPair
+    from specops.serving.proposers.base import Proposer
 
 NEEDS = ("draft_model", "target_hidden", "references", "datastore")
 """What a method may need: a draft model (the cluster's), the target's last hidden state
@@ -121,30 +121,30 @@ class MethodSpec:
 
 
 def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
-    from serving.proposers.draft_model import DraftModelProposer
+    from specops.serving.proposers.draft_model import DraftModelProposer
 
     return DraftModelProposer(res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k)
 
 
 def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
-    from serving.proposers.prompt_lookup import PromptLookupProposer
+    from specops.serving.proposers.prompt_lookup import PromptLookupProposer
 
     return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
 
 
 def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
-    from serving.proposers.dresd import DReSDProposer
+    from specops.serving.proposers.dresd import DReSDProposer
 
     return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)  # 0: the datastore's shape
 
 
 def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
-    from serving.proposers.llma import LLMAProposer, ReferenceSet
+    from specops.serving.proposers.llma import LLMAProposer, ReferenceSet
 
     refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
     refs = refs.plus(ReferenceSet.from_docs(res.retrieved, max_n=LLMA_MAX_N, source="retrieved"))
     past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
-    from serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT
+    from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT
 
     adaptive = {} if cfg.llma_fixed_k else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET,
                                                 min_agreement=MIN_AGREEMENT)  # fmt: skip
@@ -152,7 +152,7 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
 
 
 def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
-    from serving.engine.auto import AutoProposer, default_policy
+    from specops.serving.engine.auto import AutoProposer, default_policy
 
     policy = res.policy or default_policy()
     subs: dict[str, Proposer] = {}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from serving.engine.kv import CachedLM
-from serving.proposers.base import Proposer
-from serving.engine.sampling import draw, warp
-from serving.engine.types import DecodeState, Proposals, Verdict
+from specops.serving.engine.kv import CachedLM
+from specops.serving.proposers.base import Proposer
+from specops.serving.engine.sampling import draw, warp
+from specops.serving.engine.types import DecodeState, Proposals, Verdict
 
 
 class DraftModelProposer(Proposer):

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from serving.engine.types import DecodeState, Proposals
-from serving.proposers.base import Proposer
+from specops.serving.engine.types import DecodeState, Proposals
+from specops.serving.proposers.base import Proposer
 
 MAX_EXTEND = 32
 """How far back a candidate's match is compared to rank equally long n-gram hits."""

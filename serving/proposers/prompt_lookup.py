@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from serving.proposers.base import Proposer
-from serving.engine.types import DecodeState, Proposals
+from specops.serving.proposers.base import Proposer
+from specops.serving.engine.types import DecodeState, Proposals
 
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from serving.proposers.llma import NgramIndex
+from specops.serving.proposers.llma import NgramIndex
 
 
 @dataclass(frozen=True)

@@ -52,14 +52,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from serving.engine.kv import CachedLM
-from serving.engine.limits import context_size
-from serving.engine.sampling import tempered_softmax
-from serving.engine.types import SamplingParams
-from serving.errors import InvalidRequestError, PromptTooLongError
-from serving.ralm.knnlm_search import KEY_BLOCK, Neighbours, search_keys
-from serving.ralm.knnlm_store import MAX_K, KnnDatastore
-from serving.ralm.os3 import OS3Config, StrideScheduler
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.limits import context_size
+from specops.serving.engine.sampling import tempered_softmax
+from specops.serving.engine.types import SamplingParams
+from specops.serving.errors import InvalidRequestError, PromptTooLongError
+from specops.serving.ralm.knnlm_search import KEY_BLOCK, Neighbours, search_keys
+from specops.serving.ralm.knnlm_store import MAX_K, KnnDatastore
+from specops.serving.ralm.os3 import OS3Config, StrideScheduler
 
 log = logging.getLogger(__name__)
 

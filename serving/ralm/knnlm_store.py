@@ -43,10 +43,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from registry.artifacts import KNNLM_FORMAT as FORMAT
-from registry.artifacts import sha256_file
-from serving.errors import DatastoreError
-from serving.ralm.knnlm_search import ExactSearcher, IvfpqSearcher, Neighbours, build_ivfpq
+from specops.registry.artifacts import KNNLM_FORMAT as FORMAT
+from specops.registry.artifacts import sha256_file
+from specops.serving.errors import DatastoreError
+from specops.serving.ralm.knnlm_search import ExactSearcher, IvfpqSearcher, Neighbours, build_ivfpq
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ def build_knnlm(target, docs: Sequence[Sequence[int]], *, index: str = "exact", 
     document; then the searcher. ``cfg.index`` wins over ``index`` when ``cfg`` is given."""
     from tqdm import tqdm
 
-    from serving.retrieval.keys import target_hidden_states
+    from specops.serving.retrieval.keys import target_hidden_states
 
     cfg = cfg or KnnBuildConfig(index=index)
     t_start = time.perf_counter()

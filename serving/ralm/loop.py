@@ -40,13 +40,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from serving.engine.session import DecodeSession
-from serving.engine.spec import SpecEngine
-from serving.engine.types import ContextSpan, SamplingParams
-from serving.errors import InvalidRequestError
-from serving.proposers.catalogue import ProposerConfig, ProposerResources
-from serving.ralm.os3 import OS3Config, StrideScheduler
-from serving.retrieval.retriever import Query, Retriever
+from specops.serving.engine.session import DecodeSession
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import ContextSpan, SamplingParams
+from specops.serving.errors import InvalidRequestError
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.ralm.os3 import OS3Config, StrideScheduler
+from specops.serving.retrieval.retriever import Query, Retriever
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from registry.artifacts import sha256_file
-from serving.errors import DatastoreError
-from serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
-from serving.retrieval.keys import Projection, target_hidden_states
+from specops.registry.artifacts import sha256_file
+from specops.serving.errors import DatastoreError
+from specops.serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
+from specops.serving.retrieval.keys import Projection, target_hidden_states
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def _json_sha(meta: dict) -> str:
 
 def _verified_meta(path: Path) -> dict:
     """``datastore.json``, after checking its own sha256 and every file's; raises DatastoreError naming the file."""
-    from registry.artifacts import MANIFEST
+    from specops.registry.artifacts import MANIFEST
 
     meta_path = path / META_FILE
     try:

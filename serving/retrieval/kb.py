@@ -43,12 +43,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from registry.artifacts import KB_FORMAT, MANIFEST, sha256_file
-from serving.errors import KBError
-from serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
-from serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
-from serving.retrieval.retrievers import BM25Index, BM25Retriever, DenseRetriever, ExactScorer, build_bm25
-from serving.retrieval.text_embed import HASH, MINILM, HashEmbedder, embed_passages, make_text_embedder
+from specops.registry.artifacts import KB_FORMAT, MANIFEST, sha256_file
+from specops.serving.errors import KBError
+from specops.serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
+from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
+from specops.serving.retrieval.retrievers import BM25Index, BM25Retriever, DenseRetriever, ExactScorer, build_bm25
+from specops.serving.retrieval.text_embed import HASH, MINILM, HashEmbedder, embed_passages, make_text_embedder
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ import threading
 import numpy as np
 import torch
 
-from serving.errors import KBError
-from serving.retrieval.index import KeyIndex
-from serving.retrieval.retriever import Query
+from specops.serving.errors import KBError
+from specops.serving.retrieval.index import KeyIndex
+from specops.serving.retrieval.retriever import Query
 
 QUERY_BLOCK = 8
 """Queries per float32 matrix product in an exact search."""
@@ -120,7 +120,7 @@ class DenseRetriever:
         self.kind, self.scorer, self.embedder, self.index = kind, scorer, embedder, index
 
     def encode(self, texts: list[str]) -> list[Query]:
-        from serving.retrieval.text_embed import embed_each
+        from specops.serving.retrieval.text_embed import embed_each
 
         return [to_query(v) for v in embed_each(self.embedder, texts)]
 

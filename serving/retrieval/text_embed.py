@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from serving.errors import KBError
+from specops.serving.errors import KBError
 
 MINILM, HASH = "minilm", "hash"
 TEXT_EMBEDDER_KINDS = (MINILM, HASH)
@@ -127,7 +127,7 @@ def make_text_embedder(kind: str, *, fit_texts: list[str] | None = None,
                        progress: Callable[[int], None] | None = None):  # fmt: skip
     """The embedder named ``kind``: ``minilm``, or ``hash`` fitted on ``fit_texts``."""
     if kind == MINILM:
-        from serving.fleet.embed import MiniLMEmbedder
+        from specops.serving.fleet.embed import MiniLMEmbedder
 
         return MiniLMEmbedder()
     if kind == HASH:

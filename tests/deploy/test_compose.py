@@ -197,7 +197,7 @@ def test_secrets_are_required_never_defaulted():
 
 # ---------------------------------------------------------------- kafka
 def test_kafka_is_one_kraft_node_and_kafka_init_creates_the_four_topics():
-    from streams.config import StreamConfig, Topics
+    from specops.streams.config import StreamConfig, Topics
 
     kafka = env("kafka")
     assert set(kafka["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
@@ -302,8 +302,8 @@ def test_mlflow_server_uses_postgres_s3_and_serves_artifacts():
 
 # ---------------------------------------------------------------- serving
 def test_serve_toml_loads_and_agrees_with_compose_and_the_gateway():
-    from serving.http.api import OPEN_PATHS
-    from serving.http.config import ServeConfig
+    from specops.serving.http.api import OPEN_PATHS
+    from specops.serving.http.config import ServeConfig
 
     assert mounts("serving")["/etc/specops/serve.toml"] == ("./serve.toml", "ro")
     cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})  # as `specops serve --config` loads it
@@ -363,7 +363,7 @@ def test_train_toml_loads_as_specops_train_config():
     assert args.metrics_port == 9400 and SERVICES["trainer"]["expose"] == [str(args.metrics_port)]
     assert "ports" not in SERVICES["trainer"]
 
-    from trainer.schedule import ScheduleConfig
+    from specops.trainer.schedule import ScheduleConfig
 
     ScheduleConfig(jobstore_url=args.jobstore)  # a job-store URL the scheduler accepts
     store = urlsplit(args.jobstore)

@@ -163,7 +163,7 @@ def test_runtime_layout_env_volumes_workdir_entrypoint():
     assert sorted(exec_form(effective("serving", "VOLUME"))) == ["/data", "/models"]
     assert exec_form(effective("serving", "ENTRYPOINT"))[0].endswith("/tini")  # signals reach specops
     assert effective("serving", "EXPOSE") == "8000"
-    from serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeConfig
 
     assert ServeConfig().port == 8000  # the port the image exposes and its health check uses
 
@@ -332,8 +332,8 @@ def _load_trainer_healthcheck():
 
 def _jobstore_with_tick(url: str, next_run: datetime) -> None:
     """The distill-tick row as a running TrainerScheduler leaves it (``trainer.runtimes``: run times only)."""
-    from trainer.runtimes import RunTimesTable
-    from trainer.schedule import TICK_JOB_ID, ScheduleConfig
+    from specops.trainer.runtimes import RunTimesTable
+    from specops.trainer.schedule import TICK_JOB_ID, ScheduleConfig
 
     table = RunTimesTable(url, ScheduleConfig.jobstore_table)
     try:

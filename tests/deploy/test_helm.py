@@ -20,7 +20,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from serving.http.config import ServeConfig
+from specops.serving.http.config import ServeConfig
 from specops import config_file
 from specops.cli import build_parser
 from tests.deploy import helm_support as hs

@@ -18,12 +18,12 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
-from serving.engine.models import load_model_dir, load_tokenizer, tokenizer_hash
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.fleet.hotswap import BASE, FAILURES, DraftFollower, HotSwapConfig
-from serving.fleet.node import ServingNode
+from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
+from specops.serving.engine.models import load_model_dir, load_tokenizer, tokenizer_hash
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.fleet.hotswap import BASE, FAILURES, DraftFollower, HotSwapConfig
+from specops.serving.fleet.node import ServingNode
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.slow  # starts a server process and an S3 endpoint

@@ -27,12 +27,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from streams import StreamConfig
+from specops.streams import StreamConfig
 from tests.deploy import helm_support
 from tests.registry.mlflow_server import free_port
-from trainer import checkpoint as ckpt
-from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.replay import ReplayConfig
+from specops.trainer import checkpoint as ckpt
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.replay import ReplayConfig
 
 pytestmark = pytest.mark.slow  # DeepSpeed launcher subprocesses
 

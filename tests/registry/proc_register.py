@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from registry import RegistryConfig, RegistryStore
+from specops.registry import RegistryConfig, RegistryStore
 
 
 def main() -> None:

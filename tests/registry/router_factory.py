@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.fleet.embed import normalise
-from serving.fleet.router import Router
+from specops.serving.fleet.embed import normalise
+from specops.serving.fleet.router import Router
 
 DIM = 8
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.artifacts import MANIFEST, pack, verify_dir
-from registry.errors import ArtifactFormatError, ArtifactIntegrityError
+from specops.registry.artifacts import MANIFEST, pack, verify_dir
+from specops.registry.errors import ArtifactFormatError, ArtifactIntegrityError
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from registry import CHAMPION, RegistryConfig, RegistryStore
+from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.cli import main
-from streams import StreamConfig, codec, open_stream
+from specops.streams import StreamConfig, codec, open_stream
 
 
 def test_registry_commands(sqlite_uri, tiny_models, tmp_path, capsys):

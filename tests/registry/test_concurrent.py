@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from registry import RegistryConfig, RegistryStore
+from specops.registry import RegistryConfig, RegistryStore
 
 N = 8
 

@@ -8,8 +8,8 @@ import pytest
 from safetensors.torch import save_file
 import torch
 
-from registry import KINDS, ArtifactFormatError, RegistryConfig, RegistryError, RegistryStore, kind_of
-from registry.errors import ArtifactIntegrityError
+from specops.registry import KINDS, ArtifactFormatError, RegistryConfig, RegistryError, RegistryStore, kind_of
+from specops.registry.errors import ArtifactIntegrityError
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_a_tampered_datastore_is_refused_on_fetch(reg, tmp_path):
     dest = tmp_path / "ok"
     ds.fetch(v, dest)
     (dest / "datastore.json").write_text("{}")
-    from registry.artifacts import verify_dir
+    from specops.registry.artifacts import verify_dir
 
     with pytest.raises(ArtifactIntegrityError):
         verify_dir(dest, v.manifest_sha256, KINDS["datastore"].format)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from registry import CHALLENGER, CHAMPION, ROUTER, ArtifactFormatError, ArtifactIntegrityError, RegistryStore
-from serving.fleet.router import Router
+from specops.registry import CHALLENGER, CHAMPION, ROUTER, ArtifactFormatError, ArtifactIntegrityError, RegistryStore
+from specops.serving.fleet.router import Router
 from tests.registry.router_factory import FakeEmbedder, saved_router, stored_file
 
 LINEAGE = {"topic": "spec.generations", "offsets": {"0": [0, 11], "2": [3, 8]}}

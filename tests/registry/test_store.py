@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from registry import (
+from specops.registry import (
     CHALLENGER,
     CHAMPION,
     ArtifactIntegrityError,
@@ -118,7 +118,7 @@ def test_corrupt_artifact_is_refused(store_cfg, cluster, tiny_models, tmp_path, 
 
 
 def test_gate_with_a_standard_error_promotes_only_wins_beyond_noise():
-    from registry import decide
+    from specops.registry import decide
 
     kw = dict(margin=0.005, num_positions=500, min_positions=32, metric="served")
     assert decide("3", "2", 0.52, 0.50, **kw).promoted  # no stderr: the margin alone decides

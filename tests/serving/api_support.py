@@ -9,7 +9,7 @@ from pathlib import Path
 
 import requests
 
-from serving.http.config import ServeConfig
+from specops.serving.http.config import ServeConfig
 from specops.serve import Server
 
 MODEL = "specops"

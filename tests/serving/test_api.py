@@ -19,8 +19,8 @@ import pytest
 import requests
 import torch
 
-from serving.proposers.catalogue import DEFAULT_K
-from serving.engine.models import load_model
+from specops.serving.proposers.catalogue import DEFAULT_K
+from specops.serving.engine.models import load_model
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 
 MAX_PROMPT_TOKENS = 64

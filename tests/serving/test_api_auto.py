@@ -20,6 +20,9 @@ def test_auto_through_the_api(tiny_models, tmp_path):
         target = _post(srv, prompt=prompt, max_tokens=24, speculation={"method": "target"})
         assert target.status_code == 200, target.text
         answer = target.json()["choices"][0]["text"]
+        # the counters are process-wide: another test in this worker may have counted auto steps
+        # in cluster "default" before, so read them as a delta around this request
+        before = requests.get(f"{srv.url}/metrics", timeout=30).text
         r = _post(srv, prompt=prompt, max_tokens=24, references=[answer], speculation={"method": "auto"})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -43,6 +46,7 @@ def test_auto_through_the_api(tiny_models, tmp_path):
 
         text = requests.get(f"{srv.url}/metrics", timeout=30).text
         steps = sum(metric(text, "specops_auto_steps_total", cluster="default", method=m)
+                    - metric(before, "specops_auto_steps_total", cluster="default", method=m)
                     for m in auto["methods"])  # fmt: skip
         assert steps == sum(m["steps"] for m in auto["methods"].values())
         assert metric(text, "specops_auto_estimate_tokens_per_second", cluster="default", method="target") > 0

@@ -18,9 +18,9 @@ import time
 import pytest
 import requests
 
-from serving.errors import InvalidRequestError, http_status
-from serving.http.schema import ChatCompletionRequest, CompletionRequest
-from serving.engine.types import SamplingParams
+from specops.serving.errors import InvalidRequestError, http_status
+from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest
+from specops.serving.engine.types import SamplingParams
 from tests.serving.api_support import MODEL, assert_error, running, serve_config, wait_until
 
 READ_TIMEOUT_S = 1.0

@@ -13,11 +13,11 @@ import openai
 import pytest
 import requests
 
-from serving.http.config import ServeConfig
-from serving.errors import ModelConfigError
-from serving.http.server import ServingState
-from streams import StreamConfig, codec, open_stream
-from streams.records import GenerationRecord, MissRecord
+from specops.serving.http.config import ServeConfig
+from specops.serving.errors import ModelConfigError
+from specops.serving.http.server import ServingState
+from specops.streams import StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord, MissRecord
 from tests.serving.api_support import MODEL, assert_error, running, serve_config, wait_until
 
 KEY = "test-key-123456"

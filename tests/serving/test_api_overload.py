@@ -11,8 +11,8 @@ import time
 import pytest
 import requests
 
-from serving.http.admission import Admission
-from serving.errors import OverloadedError, QueueTimeoutError
+from specops.serving.http.admission import Admission
+from specops.serving.errors import OverloadedError, QueueTimeoutError
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from serving.retrieval.kb import build_kb
-from serving.retrieval.retriever import Passage
+from specops.serving.retrieval.kb import build_kb
+from specops.serving.retrieval.retriever import Passage
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config
 
 TEXTS = {
@@ -114,9 +114,9 @@ def test_oneshot_retrieval_puts_top_passages_before_the_prompt_and_llma_copies_t
 
 
 def test_knnlm_requests_and_errors(tiny_models, kb_dir, tmp_path):
-    from serving.engine.models import load_model, load_tokenizer
-    from serving.engine.models import tokenizer_hash
-    from serving.ralm.knnlm_store import build_knnlm
+    from specops.serving.engine.models import load_model, load_tokenizer
+    from specops.serving.engine.models import tokenizer_hash
+    from specops.serving.ralm.knnlm_store import build_knnlm
 
     target, tok = load_model(tiny_models / "target"), load_tokenizer(tiny_models / "target")
     docs = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS.values()] * 3

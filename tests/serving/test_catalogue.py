@@ -6,12 +6,12 @@ import typing
 
 import pytest
 
-from serving.engine.models import ModelPair
-from serving.errors import InvalidRequestError
-from serving.http.config import ServeConfig
-from serving.http.schema import Speculation
-from serving.proposers import catalogue
-from serving.proposers.catalogue import (
+from specops.serving.engine.models import ModelPair
+from specops.serving.errors import InvalidRequestError
+from specops.serving.http.config import ServeConfig
+from specops.serving.http.schema import Speculation
+from specops.serving.proposers import catalogue
+from specops.serving.proposers.catalogue import (
     CATALOGUE, DEFAULT_K, METHODS, ProposerConfig, ProposerResources, build_proposer, method_spec,
 )  # fmt: skip
 

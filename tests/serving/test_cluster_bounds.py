@@ -9,13 +9,13 @@ import time
 
 import requests
 
-from registry import RegistryConfig, RegistryStore
-from serving.engine.models import load_tokenizer, tokenizer_hash
-from serving.fleet import clusters
-from serving.fleet.clusters import MAX_LISTED, OTHER, ClusterLabels, KnownClusters
-from serving.fleet.datastores import DatastoreFollower
-from serving.fleet.follower import FollowConfig
-from serving.proposers.session_store import save_sessions
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.engine.models import load_tokenizer, tokenizer_hash
+from specops.serving.fleet import clusters
+from specops.serving.fleet.clusters import MAX_LISTED, OTHER, ClusterLabels, KnownClusters
+from specops.serving.fleet.datastores import DatastoreFollower
+from specops.serving.fleet.follower import FollowConfig
+from specops.serving.proposers.session_store import save_sessions
 from tests.serving.api_support import (
     MODEL,
     assert_error,
@@ -142,8 +142,8 @@ def test_a_key_that_stops_being_a_cluster_is_no_longer_polled(tmp_path):
 
 
 def test_configured_clusters_are_cluster_names():
-    from serving.errors import ModelConfigError
-    from serving.http.config import ServeConfig
+    from specops.serving.errors import ModelConfigError
+    from specops.serving.http.config import ServeConfig
 
     assert ServeConfig.load(env={"SPECOPS_SERVE_CLUSTERS": "code, prose,sql.v2"}).clusters == ["code", "prose", "sql.v2"]
     for bad in ("code,a/b", "two words", "-lead"):

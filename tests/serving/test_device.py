@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from serving.engine.device import Placement
-from serving.engine.models import ModelPair, load_model
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.errors import ModelConfigError
-from serving.http.config import ServeConfig
+from specops.serving.engine.device import Placement
+from specops.serving.engine.models import ModelPair, load_model
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.errors import ModelConfigError
+from specops.serving.http.config import ServeConfig
 from tests.conftest import random_prompts
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from serving.engine import draft_vocab
-from serving.engine.draft_vocab import DraftVocab, DraftVocabError
-from serving.errors import ModelConfigError
-from serving.engine.kv import CachedLM
-from serving.engine.models import load_model
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.draft_vocab import DraftVocab, DraftVocabError
+from specops.serving.errors import ModelConfigError
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.models import load_model
 from tests.conftest import VOCAB, tiny_llama
 from tests.tolerances import assert_f32_close
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from serving.engine.kv import CachedLM
-from serving.engine.sampling import warp
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.errors import DatastoreError, InvalidRequestError
-from serving.proposers.catalogue import ProposerConfig, ProposerResources
-from serving.retrieval import datastore as ds_module
-from serving.retrieval.datastore import DATA_FILE, INDEX_FILE, META_FILE, Datastore, DatastoreConfig
-from serving.retrieval.index import INDEX_KINDS, IndexConfig, build_index, load_index
-from serving.retrieval.keys import Projection, target_hidden_states
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.sampling import warp
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.errors import DatastoreError, InvalidRequestError
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.retrieval import datastore as ds_module
+from specops.serving.retrieval.datastore import DATA_FILE, INDEX_FILE, META_FILE, Datastore, DatastoreConfig
+from specops.serving.retrieval.index import INDEX_KINDS, IndexConfig, build_index, load_index
+from specops.serving.retrieval.keys import Projection, target_hidden_states
 from tests.conftest import random_prompts
 from tests.serving.test_verifier import pooled_chisquare, second_token_counts
 
@@ -29,7 +29,7 @@ def _generations(target, prompts, n=24):
 
 
 def SpecEngine_for(target):
-    from serving.engine.models import ModelPair
+    from specops.serving.engine.models import ModelPair
 
     return SpecEngine(ModelPair(target=target, draft=None, tokenizer=None))
 
@@ -183,7 +183,7 @@ def test_dresd_needs_a_datastore_and_valid_shape(tiny_target):
 def test_dresd_drafts_the_datastores_measured_shape(datastore, tiny_target, served_docs):
     """n_drafts 0 (the API's default) takes the rows and row length the rebuild measured; an
     explicit n_drafts wins; a datastore without a shape drafts the default."""
-    from serving.proposers.dresd import DEFAULT_SHAPE, DReSDProposer
+    from specops.serving.proposers.dresd import DEFAULT_SHAPE, DReSDProposer
 
     assert DReSDProposer(datastore).n_drafts == DEFAULT_SHAPE[0]  # no measured shape
     datastore.meta["shape"] = {"n_drafts": 2, "k": 5}

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 
-from serving.engine.spec import SpecEngine
-from serving.errors import InvalidRequestError, PromptTooLongError, TokenizerMismatchError, http_status
-from serving.engine.models import ModelPair
-from serving.engine.types import SamplingParams
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.errors import InvalidRequestError, PromptTooLongError, TokenizerMismatchError, http_status
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.types import SamplingParams
 from tests.conftest import tiny_llama
 
 

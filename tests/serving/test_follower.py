@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from registry import RegistryConfig, RegistryStore, RegistryUnavailableError
-from serving.fleet.follower import AliasFollower, FollowConfig
-from streams.records import ModelEvent
+from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.serving.fleet.follower import AliasFollower, FollowConfig
+from specops.streams.records import ModelEvent
 from tests.registry.test_kinds import datastore_dir
 
 

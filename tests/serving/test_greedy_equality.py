@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 from tests.conftest import random_prompts
 
 
@@ -86,7 +86,7 @@ def test_pld_copies_repeated_text(tiny_pair):
 def test_lookup_prefers_recent_match_with_full_continuation():
     import numpy as np
 
-    from serving.proposers.prompt_lookup import lookup
+    from specops.serving.proposers.prompt_lookup import lookup
 
     # "7 8" occurs at 0, 4 and 8; the continuation after 8 is short (loop of period 4).
     toks = np.array([7, 8, 1, 2, 7, 8, 3, 4, 7, 8, 5, 7, 8])
@@ -97,8 +97,8 @@ def test_lookup_prefers_recent_match_with_full_continuation():
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens(served_pair):
-    from serving.proposers.draft_model import DraftModelProposer
-    from serving.engine.types import DecodeState
+    from specops.serving.proposers.draft_model import DraftModelProposer
+    from specops.serving.engine.types import DecodeState
     from tests.conftest import SUBSET
 
     for prompt in random_prompts(4, seed=13):

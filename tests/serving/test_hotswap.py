@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from registry import CHAMPION, RegistryConfig, RegistryStore
-from serving.engine.spec import SpecEngine
-from serving.fleet.events import EventPublisher, EventWatcher
-from serving.fleet.hotswap import FAILURES, DraftFollower, HotSwapConfig
-from serving.engine.models import load_model, load_model_dir, load_tokenizer, tokenizer_hash
-from serving.fleet.node import ServingNode
-from serving.engine.types import SamplingParams
-from streams import StreamConfig
-from streams.tansu import TansuBroker
+from specops.registry import CHAMPION, RegistryConfig, RegistryStore
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.fleet.events import EventPublisher, EventWatcher
+from specops.serving.fleet.hotswap import FAILURES, DraftFollower, HotSwapConfig
+from specops.serving.engine.models import load_model, load_model_dir, load_tokenizer, tokenizer_hash
+from specops.serving.fleet.node import ServingNode
+from specops.serving.engine.types import SamplingParams
+from specops.streams import StreamConfig
+from specops.streams.tansu import TansuBroker
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(max_new_tokens=12)

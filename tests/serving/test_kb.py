@@ -12,11 +12,11 @@ import shutil
 import numpy as np
 import pytest
 
-from serving.errors import KBError
-from serving.retrieval.kb import META_FILE, KnowledgeBase, build_kb, chunk_text, token_counter
-from serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
-from serving.retrieval.retrievers import DenseRetriever, ExactScorer
-from trainer.kb_sources import HeldOut, list_source_files, passages_from_sources
+from specops.serving.errors import KBError
+from specops.serving.retrieval.kb import META_FILE, KnowledgeBase, build_kb, chunk_text, token_counter
+from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
+from specops.serving.retrieval.retrievers import DenseRetriever, ExactScorer
+from specops.trainer.kb_sources import HeldOut, list_source_files, passages_from_sources
 
 TOPICS = {
     "aquarium.txt": ("The zebrafish aquarium must be kept at twenty six degrees with a gentle filter.",
@@ -112,7 +112,7 @@ def test_heldout_files_are_excluded_by_path_and_by_text(corpus):
     out, stats = passages_from_sources([str(corpus / "docs")], heldout=by_path, progress=False)
     assert stats.heldout_excluded == 1 and not any(p.title == "comet.txt" for p in out)
     # A held-out document's twin under another path is held out too.
-    from trainer.kb_sources import _digest
+    from specops.trainer.kb_sources import _digest
 
     twin = HeldOut(digests=frozenset([_digest(comet.read_text())]), origin="test")
     assert passages_from_sources([str(corpus / "docs")], heldout=twin, progress=False)[1].heldout_excluded == 1
@@ -130,7 +130,7 @@ def test_man_pages_are_capped_per_family(tmp_path):
 
 
 def test_chunks_are_even_and_fit_the_token_limit(tiny_models):
-    from serving.engine.models import load_tokenizer
+    from specops.serving.engine.models import load_tokenizer
 
     text = " ".join(f"word{i}" for i in range(130))
     chunks = chunk_text(text, 100)
@@ -258,8 +258,8 @@ def test_corrupt_foreign_and_unlisted_files_are_refused(passages, tmp_path):
     # A kb.json that lists a pickle (with its true sha256 and its own sha256 redone) is still refused.
     listed = tmp_path / "listed"
     shutil.copytree(extra, listed)
-    from registry.artifacts import sha256_file as _sha256
-    from serving.retrieval.kb import _canonical_sha
+    from specops.registry.artifacts import sha256_file as _sha256
+    from specops.serving.retrieval.kb import _canonical_sha
 
     meta = json.loads((listed / META_FILE).read_text())
     meta["files"]["scores.pkl"] = _sha256(listed / "scores.pkl")

@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 
-from serving.engine.models import ModelPair
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.errors import InvalidRequestError
-from serving.ralm.knnlm import KnnConfig, KnnLM, LocalKnnCache, knnlm_generate
-from serving.ralm.knnlm_search import search_keys, select_nearest
-from serving.ralm.knnlm_store import (DATA_FILE, INDEX_FILE, META_FILE, KnnBuildConfig, KnnDatastore,
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.errors import InvalidRequestError
+from specops.serving.ralm.knnlm import KnnConfig, KnnLM, LocalKnnCache, knnlm_generate
+from specops.serving.ralm.knnlm_search import search_keys, select_nearest
+from specops.serving.ralm.knnlm_store import (DATA_FILE, INDEX_FILE, META_FILE, KnnBuildConfig, KnnDatastore,
                                       KnnDatastoreError, build_knnlm)  # fmt: skip
 from tests.conftest import random_prompts, tiny_llama
 
@@ -203,7 +203,7 @@ def test_ties_go_to_the_lower_id_however_the_candidates_come():
             assert list(zip(got[0][r].tolist(), got[1][r].tolist())) == want
     # a duplicated key (same hidden state, two documents) is found at the lower entry id first
     keys = torch.cat([torch.randn(3, 4), torch.randn(1, 4).repeat(2, 1)])
-    from serving.ralm.knnlm_search import padded_keys
+    from specops.serving.ralm.knnlm_search import padded_keys
 
     padded, norms = padded_keys(keys)
     nb = search_keys(keys[3:4], padded, norms, torch.arange(padded.shape[0]), 2)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.engine.spec import SpecEngine
-from serving.engine.kv import CachedLM
-from serving.proposers.base import Proposer
-from serving.proposers.draft_model import DraftModelProposer
-from serving.engine.types import DecodeState, Proposals, SamplingParams, Verdict
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.kv import CachedLM
+from specops.serving.proposers.base import Proposer
+from specops.serving.proposers.draft_model import DraftModelProposer
+from specops.serving.engine.types import DecodeState, Proposals, SamplingParams, Verdict
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
@@ -73,7 +73,7 @@ def test_rejection_at_every_draft_position(tiny_pair, wrong_at):
 
 
 def test_verifier_returns_target_hidden_state(tiny_pair):
-    from serving.engine.verifier import Verifier
+    from specops.serving.engine.verifier import Verifier
 
     lm = CachedLM(tiny_pair.target)
     verifier = Verifier(lm, want_hidden=True)

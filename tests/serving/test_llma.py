@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from serving.engine.sampling import warp
-from serving.engine.spec import SpecEngine
-from serving.engine.types import DecodeState, SamplingParams
-from serving.errors import InvalidRequestError
-from serving.proposers.catalogue import ProposerConfig, ProposerResources, build_proposer
-from serving.proposers.llma import LLMAProposer, NgramIndex, ReferenceSet, best_rows
+from specops.serving.engine.sampling import warp
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import DecodeState, SamplingParams
+from specops.serving.errors import InvalidRequestError
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, build_proposer
+from specops.serving.proposers.llma import LLMAProposer, NgramIndex, ReferenceSet, best_rows
 from tests.conftest import random_prompts
 from tests.serving.test_verifier import pooled_chisquare, second_token_counts
 
@@ -190,7 +190,7 @@ def test_bad_settings_are_the_callers_error(tiny_pair):
 
 
 def test_session_cache_is_bounded_and_keeps_the_newest():
-    from serving.proposers.session_cache import SessionCache, SessionCacheConfig
+    from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig
 
     cache = SessionCache(SessionCacheConfig(max_tokens=100, max_n=3, min_output_tokens=4, max_clusters=2))
     assert not cache.add("a", [1, 2, 3])  # too short to copy from
@@ -211,9 +211,9 @@ def test_session_cache_is_bounded_and_keeps_the_newest():
 
 
 def test_past_sessions_feed_llma_through_the_node(tiny_pair, tmp_path):
-    from serving.fleet.hotswap import DraftFollower
-    from serving.fleet.node import ServingNode
-    from serving.proposers.session_cache import SessionCache
+    from specops.serving.fleet.hotswap import DraftFollower
+    from specops.serving.fleet.node import ServingNode
+    from specops.serving.proposers.session_cache import SessionCache
 
     follower = DraftFollower(None, tiny_pair.draft, target_vocab=97, target_tokenizer_sha256="", cache_dir=tmp_path)
     node = ServingNode(tiny_pair, follower, sessions=SessionCache())

@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.errors import InvalidRequestError
-from serving.ralm.loop import LocalCache, RalmConfig, RalmGenerator
-from serving.ralm.os3 import OS3Config, StrideScheduler, best_stride, objective, rate_with_rework, speculation_pays
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.errors import InvalidRequestError
+from specops.serving.ralm.loop import LocalCache, RalmConfig, RalmGenerator
+from specops.serving.ralm.os3 import OS3Config, StrideScheduler, best_stride, objective, rate_with_rework, speculation_pays
 
 TOPICS = ["disk partition table sector", "network socket packet route", "compiler linker object symbol",
           "printer queue spool job", "shell variable quote expand", "mail header recipient smtp"]  # fmt: skip
@@ -66,7 +66,7 @@ class BagRetriever:
 
 @pytest.fixture(scope="module")
 def pair(tiny_models):
-    from serving.engine.models import load_model_dir
+    from specops.serving.engine.models import load_model_dir
 
     return load_model_dir(tiny_models)
 
@@ -256,7 +256,7 @@ def test_speculation_turns_off_when_ralmseq_is_faster():
 def test_unspeculated_rounds_keep_the_output_and_score_guesses(pair, passages, pool, monkeypatch):
     """Rounds where OS³ turns speculation off (forced here on two rounds of three) retrieve from
     the KB first (the others speculate); the output is RaLMSeq's and the guesses still feed γ."""
-    import serving.ralm.loop as loop
+    import specops.serving.ralm.loop as loop
 
     real = loop.StrideScheduler.stride
     seen = []
@@ -279,8 +279,8 @@ def test_unspeculated_rounds_keep_the_output_and_score_guesses(pair, passages, p
 
 @pytest.fixture(scope="module")
 def real_kb(passages):
-    from serving.retrieval.kb import build_kb
-    from serving.retrieval.retriever import Passage
+    from specops.serving.retrieval.kb import build_kb
+    from specops.serving.retrieval.retriever import Passage
 
     docs = [Passage(i, f"doc{i}", text) for i, text in enumerate(passages)]
     return build_kb("loop", docs, embedder="hash", retrievers=("exact", "hnsw", "scann", "bm25"), progress=False)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder, make_embedder
-from serving.errors import RouterError
-from serving.engine.models import ModelPair, load_model, load_tokenizer
-from serving.fleet.router import CENTROIDS_FILE, META_FILE, RouteDecision, Router
+from specops.serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder, make_embedder
+from specops.serving.errors import RouterError
+from specops.serving.engine.models import ModelPair, load_model, load_tokenizer
+from specops.serving.fleet.router import CENTROIDS_FILE, META_FILE, RouteDecision, Router
 from tests.serving.router_texts import HELDOUT, TRAIN
-from trainer.router_fit import fit_router
+from specops.trainer.router_fit import fit_router
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from registry import RegistryConfig, RegistryStore, RegistryUnavailableError
-from serving.fleet.router import RouterFollower
-from streams.records import ModelEvent
+from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.serving.fleet.router import RouterFollower
+from specops.streams.records import ModelEvent
 from tests.registry.router_factory import FakeEmbedder, saved_router, stored_file
 
 

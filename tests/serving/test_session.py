@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine.spec import SpecEngine
-from serving.engine.types import ContextSpan, SamplingParams
-from serving.errors import InvalidRequestError, PromptTooLongError
-from serving.engine import limits
-from serving.proposers.catalogue import DEFAULT_K
-from serving.proposers.prompt_lookup import PromptLookupProposer
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import ContextSpan, SamplingParams
+from specops.serving.errors import InvalidRequestError, PromptTooLongError
+from specops.serving.engine import limits
+from specops.serving.proposers.catalogue import DEFAULT_K
+from specops.serving.proposers.prompt_lookup import PromptLookupProposer
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(max_new_tokens=24)

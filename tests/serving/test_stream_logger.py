@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from serving.engine.spec import SpecEngine
-from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.engine.types import SamplingParams
-from streams import StreamConfig, codec, open_stream
-from streams.records import GenerationRecord, MissRecord
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.engine.types import SamplingParams
+from specops.streams import StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord, MissRecord
 from tests.conftest import random_prompts
 
 

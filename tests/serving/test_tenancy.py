@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import requests
 
-from registry import RegistryConfig, RegistryStore
-from serving.engine.models import load_pair
-from serving.errors import ModelConfigError
-from serving.http.config import ServeConfig
-from serving.http.tenancy import ANONYMOUS, Tenant, Tenants, anonymous_id, split_key
-from serving.proposers.session_cache import SessionCache, SessionCacheConfig
-from serving.proposers.session_store import save_sessions
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.engine.models import load_pair
+from specops.serving.errors import ModelConfigError
+from specops.serving.http.config import ServeConfig
+from specops.serving.http.tenancy import ANONYMOUS, Tenant, Tenants, anonymous_id, split_key
+from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig
+from specops.serving.proposers.session_store import save_sessions
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config
 
 ALICE, BOB, CAROL, OPS = "alice-key-0001", "bob-key-00002", "carol-key-0003", "ops-key-000004"
@@ -203,7 +203,7 @@ def test_tenant_settings_from_file_env_and_flags(tmp_path):
 def test_the_serve_command_has_the_tenant_flags():
     import argparse
 
-    from serving.http.config import add_arguments, overrides_from_args
+    from specops.serving.http.config import add_arguments, overrides_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

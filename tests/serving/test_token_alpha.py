@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from serving.engine.types import RequestStats, token_alpha
+from specops.serving.engine.types import RequestStats, token_alpha
 
 
 def simulate(alpha: float, k: int, steps: int, seed: int) -> tuple[int, int, int]:

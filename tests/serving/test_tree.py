@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from benchmarks.tree_check import Synthetic, biased, chi2_p, greedy_identical, ours, pair_counts
-from serving.engine.kv import CachedLM
-from serving.engine.tree import build
-from serving.engine.types import DecodeState, Proposals, SamplingParams
-from serving.engine.verifier import Verifier
+from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.tree import build
+from specops.serving.engine.types import DecodeState, Proposals, SamplingParams
+from specops.serving.engine.verifier import Verifier
 
 ATOL = 1e-4  # float32 logits of the same model, computed in different shapes (CI CPUs differ)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from serving.engine.spec import SpecEngine
-from serving.engine.sampling import warp
-from serving.engine.types import SamplingParams
-from serving.engine.verifier import decide
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.sampling import warp
+from specops.serving.engine.types import SamplingParams
+from specops.serving.engine.verifier import decide
 
 V = 6
 P = torch.tensor(
@@ -142,7 +142,7 @@ def test_engine_sampling_matches_target_first_token(request, method, pair_name):
     assert pooled_chisquare(counts, expected) > 1e-3
     # Power check: the draft-only distribution (what a broken verifier would emit) is rejected.
     if method == "draft":
-        from serving.engine.kv import CachedLM
+        from specops.serving.engine.kv import CachedLM
 
         q_logits, _ = CachedLM(tiny_pair.draft).forward(prompt, logits_to_keep=1)  # as the engine drafts
         q = warp(q_logits, SamplingParams(**params_kw))[0].double().numpy()

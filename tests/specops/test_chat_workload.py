@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.engine.models import load_tokenizer, render_chat
+from specops.serving.engine.models import load_tokenizer, render_chat
 from specops import chat_workload as cw
-from trainer.bootstrap import corpus
+from specops.trainer.bootstrap import corpus
 
 
 @pytest.fixture(scope="module")

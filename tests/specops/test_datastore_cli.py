@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from registry import RegistryConfig, RegistryStore
+from specops.registry import RegistryConfig, RegistryStore
 from specops.cli import main
 from tests.conftest import random_prompts
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from registry import RegistryConfig, RegistryStore
-from serving.retrieval.kb import load_kb_from_registry
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.retrieval.kb import load_kb_from_registry
 from specops.cli import main
 
 TEXTS = {

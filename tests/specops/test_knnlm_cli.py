@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from registry import RegistryConfig, RegistryStore
-from serving.engine.models import load_model, load_tokenizer, tokenizer_hash
-from serving.ralm.knnlm import KnnConfig, KnnLM
-from serving.ralm.knnlm_store import KnnDatastoreError, load_knnlm
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+from specops.serving.ralm.knnlm import KnnConfig, KnnLM
+from specops.serving.ralm.knnlm_store import KnnDatastoreError, load_knnlm
 from specops.cli import main
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A printer queue holds jobs until the spooler sends them.\n"

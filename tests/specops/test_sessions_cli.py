@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from registry import RegistryConfig, RegistryStore
-from serving.engine.models import load_tokenizer, tokenizer_hash
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.engine.models import load_tokenizer, tokenizer_hash
 from specops.cli import main
-from streams import StreamConfig
+from specops.streams import StreamConfig
 from tests.trainer.test_sessions import _publish, _slice
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving.engine.models import load_tokenizer, render_chat
+from specops.serving.engine.models import load_tokenizer, render_chat
 from specops.chat_workload import SYSTEM, messages_of
 from specops.demo import DemoConfig
 from specops.workload import (
@@ -153,8 +153,8 @@ def test_rejected_steps_is_read_defensively():
 
 # ---------------------------------------------------------------- the first router
 def test_router_fitted_on_router_prompts_routes_served_ones_to_their_domain(chat, tok):
-    from serving.fleet.embed import MiniLMEmbedder
-    from trainer.router_fit import fit_router
+    from specops.serving.fleet.embed import MiniLMEmbedder
+    from specops.trainer.router_fit import fit_router
 
     router = fit_router(chat.router_texts, MiniLMEmbedder(), seed=0, refine=False)
     assert set(router.clusters) == {"sql", "math", "api"}

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from streams import StreamConfig
-from streams.tansu import TansuBroker
+from specops.streams import StreamConfig
+from specops.streams.tansu import TansuBroker
 
 FAST = dict(session_timeout_s=2.0, heartbeat_interval_s=0.3, max_poll_interval_s=10.0, request_timeout_s=5.0)
 """Consumer-group timings short enough that a group joins and rebalances in seconds."""

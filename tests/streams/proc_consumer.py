@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from streams import StreamConfig, open_stream
+from specops.streams import StreamConfig, open_stream
 
 
 def main() -> None:

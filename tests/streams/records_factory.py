@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from streams.records import DIST_FULL, DIST_TOPK, GenerationRecord, MissRecord, ModelEvent, SamplingInfo
+from specops.streams.records import DIST_FULL, DIST_TOPK, GenerationRecord, MissRecord, ModelEvent, SamplingInfo
 
 
 def miss_record(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from streams import StreamConfig, StreamConfigError, open_stream
-from streams.kafka import KafkaStream, client_kwargs
-from streams.local import LocalStream
+from specops.streams import StreamConfig, StreamConfigError, open_stream
+from specops.streams.kafka import KafkaStream, client_kwargs
+from specops.streams.local import LocalStream
 
 
 def test_url_schemes_pick_the_backend(tmp_path):

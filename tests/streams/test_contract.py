@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from streams import OutMessage, StreamConfig, codec, open_stream
-from streams.base import partition_for_key
-from streams.consumer import RecordConsumer
-from streams.records import DeadLetter, MissRecord
+from specops.streams import OutMessage, StreamConfig, codec, open_stream
+from specops.streams.base import partition_for_key
+from specops.streams.consumer import RecordConsumer
+from specops.streams.records import DeadLetter, MissRecord
 from tests.streams.records_factory import assert_same_record, generation_record, miss_record, model_event
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,9 +235,9 @@ def test_events_and_generations_share_the_contract(make_cfg, topic):
 
 
 def _serve(pair, logger, prompts, first: int = 0) -> list[list[int]]:
-    from serving.engine.spec import SpecEngine
-    from serving.fleet.stream_logger import RequestMeta
-    from serving.engine.types import SamplingParams
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.fleet.stream_logger import RequestMeta
+    from specops.serving.engine.types import SamplingParams
 
     engine = SpecEngine(pair, logger=logger)
     outs = []
@@ -251,9 +251,9 @@ def _serve(pair, logger, prompts, first: int = 0) -> list[list[int]]:
 def test_stream_down_while_serving_requests_succeed_and_drops_count(request, make_cfg, close_pair, tmp_path):
     """Stop the stream under a serving loop: every request still succeeds, the logger
     sheds and counts drops, and it reconnects by itself when the stream is back."""
-    from serving.engine.spec import SpecEngine
-    from serving.fleet.stream_logger import LoggerConfig, StreamLogger
-    from serving.engine.types import SamplingParams
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
+    from specops.serving.engine.types import SamplingParams
     from tests.conftest import random_prompts
 
     if make_cfg.backend == "kafka":

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from streams import CommitFailedError, OutMessage, StreamConfig, StreamConfigError, StreamUnavailableError, open_stream
-from streams.base import partition_for_key
-from streams.local import LocalStream
-from streams.errors import OffsetOutOfRangeError
-from streams.local_segment import DAMAGED, encode_frame, list_segments, scan, segment_path
+from specops.streams import CommitFailedError, OutMessage, StreamConfig, StreamConfigError, StreamUnavailableError, open_stream
+from specops.streams.base import partition_for_key
+from specops.streams.local import LocalStream
+from specops.streams.errors import OffsetOutOfRangeError
+from specops.streams.local_segment import DAMAGED, encode_frame, list_segments, scan, segment_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5.0)
@@ -351,8 +351,8 @@ def test_a_record_being_written_is_not_taken_for_damage(tmp_path, caplog):
 PRODUCER_SCRIPT = r"""
 import json, sys, time
 from pathlib import Path
-from streams import OutMessage, StreamConfig
-from streams.local import LocalStream
+from specops.streams import OutMessage, StreamConfig
+from specops.streams.local import LocalStream
 a = json.loads(sys.argv[1])
 cfg = StreamConfig(url="local://" + a["root"], fsync=a["fsync"], segment_bytes=a["segment_bytes"],
                    num_partitions=a["partitions"])
@@ -373,8 +373,8 @@ while a["batches"] < 0 or b < a["batches"]:
 CONSUMER_SCRIPT = r"""
 import sys
 from pathlib import Path
-from streams import StreamConfig
-from streams.local import LocalStream
+from specops.streams import StreamConfig
+from specops.streams.local import LocalStream
 root, group = sys.argv[1:3]
 cfg = StreamConfig(url="local://" + root, fsync=False, session_timeout_s=1.0, heartbeat_interval_s=0.2,
                    max_poll_interval_s=5)
@@ -654,7 +654,7 @@ def test_topic_names_and_concurrent_topic_creation(tmp_path, monkeypatch):
 
 
 def test_retention_deletes_old_sealed_segments_and_consumers_restart_at_the_earliest(tmp_path):
-    from streams import OutMessage, StreamConfig, open_stream
+    from specops.streams import OutMessage, StreamConfig, open_stream
 
     cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=1, segment_bytes=1024,
                        retention_bytes=4096, session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5)  # fmt: skip
@@ -681,7 +681,7 @@ def test_retention_by_age_keeps_the_active_segment(tmp_path):
     import os
     import time
 
-    from streams import OutMessage, StreamConfig, open_stream
+    from specops.streams import OutMessage, StreamConfig, open_stream
 
     cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=1, segment_bytes=1024, retention_s=60)
     stream = open_stream(cfg)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from streams import codec
-from streams.errors import RecordValidationError
-from streams.records import SCHEMA_VERSION, DeadLetter, MissRecord
+from specops.streams import codec
+from specops.streams.errors import RecordValidationError
+from specops.streams.records import SCHEMA_VERSION, DeadLetter, MissRecord
 from tests.streams.records_factory import assert_same_record, generation_record, miss_record, model_event
 
 
@@ -138,7 +138,7 @@ def test_v1_bytes_still_decode():
     """Real schema-1 encodings (kept as fixtures) decode with v2's defaults."""
     from pathlib import Path
 
-    from streams.records import ContextSpan
+    from specops.streams.records import ContextSpan
 
     here = Path(__file__).parent / "fixtures"
     miss = codec.decode((here / "miss_v1.bin").read_bytes())
@@ -154,7 +154,7 @@ def test_v1_bytes_still_decode():
 def test_v2_round_trips_artifacts_and_spans():
     import dataclasses
 
-    from streams.records import SCHEMA_VERSION, ContextSpan
+    from specops.streams.records import SCHEMA_VERSION, ContextSpan
 
     spans = (ContextSpan("reference", 0, 8), ContextSpan("retrieved", 8, 14), ContextSpan("prompt", 14, 20))
     rec = dataclasses.replace(miss_record(), artifact_versions={"draft": "3", "datastore": "2"}, context_spans=spans)
@@ -175,8 +175,8 @@ def test_v2_round_trips_artifacts_and_spans():
 def test_bad_spans_are_refused_with_the_reason(spans, reason):
     import dataclasses
 
-    from streams.errors import RecordValidationError
-    from streams.records import ContextSpan
+    from specops.streams.errors import RecordValidationError
+    from specops.streams.records import ContextSpan
 
     rec = dataclasses.replace(miss_record(), context_spans=tuple(ContextSpan(*s) for s in spans))
     with pytest.raises(RecordValidationError, match=reason):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from streams import codec
+from specops.streams import codec
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "streams.md"
 ROW = re.compile(r"^\| `([^`]+)` \| `([^`]+)` \|")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from serving.engine.spec import SpecEngine
-from serving.engine.models import ModelPair
-from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.engine.types import SamplingParams
-from streams import StreamConfig
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.models import ModelPair
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.engine.types import SamplingParams
+from specops.streams import StreamConfig
 from tests.conftest import random_prompts
 
 

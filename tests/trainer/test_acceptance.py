@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine.spec import SpecEngine
-from serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
-from serving.engine.types import SamplingParams
-from serving.engine.verifier import decide
-from streams import StreamConfig, codec, open_stream
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.engine.types import SamplingParams
+from specops.serving.engine.verifier import decide
+from specops.streams import StreamConfig, codec, open_stream
 from tests.conftest import random_prompts
-from trainer.acceptance import evaluate_records, position_acceptance
-from trainer.losses import TargetDist
+from specops.trainer.acceptance import evaluate_records, position_acceptance
+from specops.trainer.losses import TargetDist
 
 
 def test_sampling_estimate_is_the_verifiers_acceptance_probability():
@@ -97,8 +97,8 @@ def test_rejected_positions_favour_any_other_draft_and_served_does_not(close_pai
     """The gate's old comparison promoted drafts that served worse. Records served by the close
     draft: an unrelated random draft beats it at those rejected positions, yet agrees with the
     target far less often over the requests."""
-    from trainer.acceptance import paired_gain
-    from trainer.promote import PromoteConfig, gate_decision
+    from specops.trainer.acceptance import paired_gain
+    from specops.trainer.promote import PromoteConfig, gate_decision
 
     records, _ = _served_records(close_pair, tmp_path, n=12)
     serving, other = evaluate_records(close_pair.draft, records), evaluate_records(tiny_pair.draft, records)
@@ -115,7 +115,7 @@ def test_rejected_positions_favour_any_other_draft_and_served_does_not(close_pai
 def test_paired_gain_needs_the_same_requests():
     import pytest
 
-    from trainer.acceptance import Acceptance, paired_gain
+    from specops.trainer.acceptance import Acceptance, paired_gain
 
     a = Acceptance(0, 0, 0, 0, served=0.5, served_positions=20, per_request=((5, 10), (5, 10)))
     b = Acceptance(0, 0, 0, 0, served=0.4, served_positions=20, per_request=((4, 10), (4, 10)))

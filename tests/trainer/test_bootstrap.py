@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trainer.bootstrap as bootstrap
-from trainer.bootstrap.corpus import split_files, strip_roff
-from trainer.bootstrap.evaluate import agreement
-from trainer.bootstrap.train import forward_kl_loss
+import specops.trainer.bootstrap as bootstrap
+from specops.trainer.bootstrap.corpus import split_files, strip_roff
+from specops.trainer.bootstrap.evaluate import agreement
+from specops.trainer.bootstrap.train import forward_kl_loss
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_interrupted_run_leaves_previous_output(tmp_path: Path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt("interrupted while saving")
 
-    monkeypatch.setattr("trainer.bootstrap._swap_into_place", boom)
+    monkeypatch.setattr("specops.trainer.bootstrap._swap_into_place", boom)
     with pytest.raises(KeyboardInterrupt):
         bootstrap.run(out, tiny=True, seed=1, force=True)
     assert (out / "manifest.json").read_text() == before
@@ -179,8 +179,8 @@ def test_distill_loss_and_agreement_values():
 
 
 def test_training_loops_and_eval_on_tiny_models():
-    from trainer.bootstrap.evaluate import evaluate
-    from trainer.bootstrap.train import (TINY_DRAFT_SHAPE, TINY_TARGET_SHAPE, MixedBatches, TokenStream,
+    from specops.trainer.bootstrap.evaluate import evaluate
+    from specops.trainer.bootstrap.train import (TINY_DRAFT_SHAPE, TINY_TARGET_SHAPE, MixedBatches, TokenStream,
                                          TrainConfig, build_model, train_draft, train_target)
 
     torch.manual_seed(0)
@@ -208,7 +208,7 @@ def test_training_loops_and_eval_on_tiny_models():
 
 
 def test_locate_checks_the_pinned_sha256(tmp_path, monkeypatch):
-    from trainer.bootstrap import pretrained
+    from specops.trainer.bootstrap import pretrained
 
     pkg = tmp_path / "fake_model_pkg"
     pkg.mkdir()
@@ -239,11 +239,11 @@ def test_recommended_k_maximises_eq2_with_measured_verification_costs():
 def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     """The whole default bootstrap at a toy budget: the wheel's GGUF checked and converted, the draft
     built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
-    from serving.engine import draft_vocab
-    from serving.engine.spec import SpecEngine
-    from serving.engine.models import load_model, load_model_dir
-    from serving.engine.types import SamplingParams
-    from trainer.bootstrap.distill import DraftRecipe
+    from specops.serving.engine import draft_vocab
+    from specops.serving.engine.spec import SpecEngine
+    from specops.serving.engine.models import load_model, load_model_dir
+    from specops.serving.engine.types import SamplingParams
+    from specops.trainer.bootstrap.distill import DraftRecipe
 
     recipe = DraftRecipe(teacher_batches=1, epochs=1, batch_size=2, seq_len=32, vocab_size=1024, eval_windows=1,
                          eval_seq_len=32)  # fmt: skip

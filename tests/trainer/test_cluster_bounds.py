@@ -8,12 +8,12 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from streams import codec, open_stream
-from streams.records import DeadLetter
+from specops.streams import codec, open_stream
+from specops.streams.records import DeadLetter
 from tests.trainer.logged import log_requests
-from trainer import checkpoint as ckpt
-from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.replay import ReplayConfig
+from specops.trainer import checkpoint as ckpt
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.replay import ReplayConfig
 
 N_CLUSTERS = 12
 RECIPE = {"positions": "rejected", "interval": 2, "holdout_every": 5, "steps_per_update": 2,

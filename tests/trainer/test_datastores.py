@@ -9,18 +9,18 @@ import time
 import numpy as np
 import pytest
 
-from registry import RegistryConfig, RegistryStore, RegistryUnavailableError
-from serving.engine.models import ModelPair
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.retrieval.datastore import Datastore, DatastoreConfig
-from serving.retrieval.index import IndexConfig
-from streams import OutMessage, StreamConfig, codec, open_stream
-from streams.records import GenerationRecord
-from streams.tansu import TansuBroker
+from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.serving.engine.models import ModelPair
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
+from specops.serving.retrieval.index import IndexConfig
+from specops.streams import OutMessage, StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord
+from specops.streams.tansu import TansuBroker
 from tests.conftest import random_prompts
-from trainer.datastores import SHAPES, DatastoreRebuilder, RebuildConfig, choose_shape, offline_mar
-from trainer.schedule import DATASTORE_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
+from specops.trainer.datastores import SHAPES, DatastoreRebuilder, RebuildConfig, choose_shape, offline_mar
+from specops.trainer.schedule import DATASTORE_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
 
 GROUP = "datastore-rebuild"
 CFG = RebuildConfig(min_new=8, heldout_every=5, n_drafts=3, k=6, poll_timeout_s=0.3,
@@ -132,7 +132,7 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, sqlite_uri, tiny_ta
     stored = docs[:6]
     starts = [len(d) - 24 for d in stored]
     replay = offline_mar(store, tiny_target, stored, starts, n_drafts=3, k=6)
-    from serving.proposers.catalogue import ProposerConfig, ProposerResources
+    from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
 
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     res = ProposerResources(pair=engine.pair, datastore=store)

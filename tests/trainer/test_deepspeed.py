@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.tolerances import F32_RTOL
-from trainer import checkpoint as ckpt
-from trainer.online import OnlineConfig
+from specops.trainer import checkpoint as ckpt
+from specops.trainer.online import OnlineConfig
 
 pytestmark = pytest.mark.slow  # a DeepSpeed subprocess
 
@@ -120,8 +120,8 @@ def test_backend_is_validated():
 
 # ---------------------------------------------------------------- the subprocess
 def _main(spec: dict) -> dict:
-    from streams import StreamConfig
-    from trainer.online import OnlineTrainer
+    from specops.streams import StreamConfig
+    from specops.trainer.online import OnlineTrainer
 
     torch.set_num_threads(2)
     logging.basicConfig(level=logging.WARNING)
@@ -151,7 +151,7 @@ def _main(spec: dict) -> dict:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("trainer.online").addHandler(handler)
+    logging.getLogger("specops.trainer.online").addHandler(handler)
 
     second = trainer("deepspeed", "ds", "deepspeed")  # a restart: resumes weights, optimiser state, buffers
     result["resumed"] = {}

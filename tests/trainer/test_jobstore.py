@@ -13,8 +13,8 @@ from pathlib import Path
 from sqlalchemy import create_engine, inspect, text
 
 from tests.trainer.test_schedule import FakeTrainer, _wait
-from trainer.runtimes import RunTimes, next_run_after_restart
-from trainer.schedule import (
+from specops.trainer.runtimes import RunTimes, next_run_after_restart
+from specops.trainer.schedule import (
     EVAL_JOB_ID,
     TICK_FUNC,
     TICK_JOB_ID,

@@ -10,7 +10,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from tests.tolerances import assert_f32_close
-from trainer.losses import (
+from specops.trainer.losses import (
     LOSSES,
     RESIDUAL_FLOOR,
     TargetDist,
@@ -298,7 +298,7 @@ def test_checked_loss_skips_nonfinite_inputs(caplog, where, value, reason):
         tensor.view(-1)[2 * V + 1] = value  # and row 2
     target = TargetDist.full(t) if where in ("draft", "full") else TargetDist.topk(ids, lp, res)
     before = _skipped(reason)
-    with caplog.at_level(logging.WARNING, logger="trainer.losses"):
+    with caplog.at_level(logging.WARNING, logger="specops.trainer.losses"):
         loss, why = checked_loss(z, target, "jsd", mask=MASK)
     assert loss is None and why.startswith(reason)
     assert f"{2 if where == 'full' else 1} of 4 positions" in why
@@ -321,7 +321,7 @@ def test_neg_inf_in_full_target_is_probability_zero(caplog):
         assert torch.isfinite(x.grad).all()
     # reverse KL is genuinely infinite there (q > 0 where p = 0): refused as a non-finite loss
     before = _skipped("nonfinite_loss")
-    with caplog.at_level(logging.WARNING, logger="trainer.losses"):
+    with caplog.at_level(logging.WARNING, logger="specops.trainer.losses"):
         loss, why = checked_loss(z, target, "rkl", mask=MASK)
     assert loss is None and why.startswith("nonfinite_loss") and "4 of 4" in why
     assert _skipped("nonfinite_loss") == before + 1 and "nonfinite_loss" in caplog.text
@@ -478,9 +478,9 @@ def test_a_record_with_a_reference_span_trains_on_the_whole_context():
     the prefix it learns to continue, and each example ends exactly at its miss position."""
     import dataclasses
 
-    from streams.records import ContextSpan
+    from specops.streams.records import ContextSpan
     from tests.streams.records_factory import miss_record
-    from trainer.data import teacher_example
+    from specops.trainer.data import teacher_example
 
     rec = miss_record()
     rec = dataclasses.replace(rec, context_spans=(ContextSpan("reference", 0, 12), ContextSpan("prompt", 12, 20)))

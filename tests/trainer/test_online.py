@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from streams import open_stream
-from streams.tansu import TansuBroker
+from specops.streams import open_stream
+from specops.streams.tansu import TansuBroker
 from transformers import AutoModelForCausalLM
 
-from serving.engine import draft_vocab
-from serving.engine.draft_vocab import DraftVocab
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.draft_vocab import DraftVocab
 from tests.conftest import SUBSET, VOCAB
 from tests.tolerances import assert_f32_close
 from tests.trainer.logged import log_requests
-from trainer import checkpoint as ckpt
-from trainer.acceptance import evaluate_records
-from trainer.data import draft_logits, teacher_example
-from trainer.online import OnlineConfig, OnlineTrainer, _holdout
-from trainer.replay import ReplayConfig
+from specops.trainer import checkpoint as ckpt
+from specops.trainer.acceptance import evaluate_records
+from specops.trainer.data import draft_logits, teacher_example
+from specops.trainer.online import OnlineConfig, OnlineTrainer, _holdout
+from specops.trainer.replay import ReplayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 N_REQUESTS = 40
@@ -136,7 +136,7 @@ def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pa
 def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    ocfg = OnlineConfig(positions="rejected", steps_per_update=4, group="resume", interval=5, replay=__import__("trainer.replay").replay.ReplayConfig(policy="recent", capacity=50))
+    ocfg = OnlineConfig(positions="rejected", steps_per_update=4, group="resume", interval=5, replay=__import__("specops.trainer.replay").trainer.replay.ReplayConfig(policy="recent", capacity=50))
     first = OnlineTrainer(cfg, draft_dir, out, ocfg)
     first.run(max_idle_s=_idle_s(cfg))
     first.close()
@@ -202,7 +202,7 @@ def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_
 
     raw.poll = poll_then_rebalance
     try:
-        with caplog.at_level("WARNING", logger="trainer.online"):
+        with caplog.at_level("WARNING", logger="specops.trainer.online"):
             first = trainer.step()
         assert first > 0 and "not committed, the group rebalanced" in caplog.text
         joined[0].close()  # leaves without committing: its partition (and our uncommitted records) come back
@@ -218,7 +218,7 @@ def test_a_restart_before_the_commit_trains_no_record_twice(close_pair, tmp_path
     """Killed after an update was checkpointed but before the commit: the records come back,
     and those already trained (evicted from a small replay buffer, so not recognised by the
     buffer) are skipped instead of trained again into a version of the same window."""
-    from trainer.replay import ReplayConfig
+    from specops.trainer.replay import ReplayConfig
 
     cfg, draft_dir = log_requests(close_pair, tmp_path, 24, seed=21, cluster_of=lambda i: "c", partitions=1,
                                   greedy_only=True, max_new_tokens=12)  # fmt: skip

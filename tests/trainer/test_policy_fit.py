@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 
-from serving.engine.auto import AutoPolicy
-from serving.engine.spec import SpecEngine
-from serving.engine.types import SamplingParams
-from serving.fleet.stream_logger import RequestMeta, StreamLogger
-from serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.engine.auto import AutoPolicy
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
+from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
 from specops.cli import main
 from specops.policy_cli import read_generations
-from streams import StreamConfig
-from streams.codec import decode, encode
+from specops.streams import StreamConfig
+from specops.streams.codec import decode, encode
 from tests.conftest import random_prompts
-from trainer.policy_fit import fit_priors
+from specops.trainer.policy_fit import fit_priors
 
 
 def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path, sqlite_uri, capsys):
@@ -54,7 +54,7 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     fresh.load_priors(json.loads(out.read_text()))
     assert any(c == "code" for c, _, _ in fresh.counts)
 
-    from registry import RegistryConfig, RegistryStore
+    from specops.registry import RegistryConfig, RegistryStore
 
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     v = reg.artifact("policy").by_alias("", "champion")
@@ -64,7 +64,7 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     assert json.loads((dest / "priors.json").read_text())["counts"] == json.loads(out.read_text())["counts"]
 
     # serving's start: policy@champion's priors, fetched into its cache
-    from serving.http.server import ServingState
+    from specops.serving.http.server import ServingState
 
     state = ServingState.__new__(ServingState)
     state.registry, state.cache_dir = reg, tmp_path / "serve-cache"

@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 
-from streams import open_stream
-from streams.consumer import RecordConsumer
+from specops.streams import open_stream
+from specops.streams.consumer import RecordConsumer
 from tests.trainer.logged import log_requests
-from trainer.data import TargetTeacher, every_position_example, logs_every_position
-from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.replay import ReplayConfig
+from specops.trainer.data import TargetTeacher, every_position_example, logs_every_position
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.replay import ReplayConfig
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,22 @@ import time
 
 import pytest
 
-from registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
-from serving.engine.spec import SpecEngine
-from serving.fleet.events import EventPublisher, EventWatcher
-from serving.fleet.hotswap import DraftFollower, HotSwapConfig
-from serving.engine.models import ModelPair, load_model, load_model_dir
-from serving.fleet.node import ServingNode
-from serving.fleet.stream_logger import LoggerConfig, StreamLogger
-from serving.engine.types import SamplingParams
-from streams import StreamConfig, codec, open_stream
-from streams.records import ModelEvent
+from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.fleet.events import EventPublisher, EventWatcher
+from specops.serving.fleet.hotswap import DraftFollower, HotSwapConfig
+from specops.serving.engine.models import ModelPair, load_model, load_model_dir
+from specops.serving.fleet.node import ServingNode
+from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
+from specops.serving.engine.types import SamplingParams
+from specops.streams import StreamConfig, codec, open_stream
+from specops.streams.records import ModelEvent
 from tests.conftest import perturbed, random_prompts
 from tests.registry.mlflow_server import free_port
 from tests.trainer.logged import log_requests
-from trainer.replay import ReplayConfig
-from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.promote import PromoteConfig, Promoter
+from specops.trainer.replay import ReplayConfig
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.promote import PromoteConfig, Promoter
 
 N = 32
 CFG = OnlineConfig(positions="rejected", replay=ReplayConfig(policy="recent", capacity=32), steps_per_update=4, interval=6, holdout_every=3, lr=2e-3)

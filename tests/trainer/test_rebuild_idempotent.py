@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from registry import RegistryConfig, RegistryStore
-from streams import StreamConfig
+from specops.registry import RegistryConfig, RegistryStore
+from specops.streams import StreamConfig
 from tests.conftest import random_prompts
 from tests.trainer.test_datastores import (
     CFG,
@@ -16,7 +16,7 @@ from tests.trainer.test_datastores import (
     _publish,
     _run_until,
 )
-from trainer.datastores import DatastoreRebuilder, inputs_sha256
+from specops.trainer.datastores import DatastoreRebuilder, inputs_sha256
 
 
 class Killed(BaseException):

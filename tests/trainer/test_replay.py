@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.replay import ReplayBuffer, ReplayBuffers, ReplayConfig
+from specops.trainer.replay import ReplayBuffer, ReplayBuffers, ReplayConfig
 
 
 def test_clear_policy_releases_everything_after_an_update():

@@ -11,20 +11,20 @@ import time
 import numpy as np
 import pytest
 
-from registry import ROUTER, RegistryConfig, RegistryStore, RegistryUnavailableError
-from serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder
-from serving.engine.models import load_model, load_tokenizer
-from serving.fleet.router import Router
+from specops.registry import ROUTER, RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder
+from specops.serving.engine.models import load_model, load_tokenizer
+from specops.serving.fleet.router import Router
 from specops.cli import main
-from streams import OutMessage, StreamConfig, codec, open_stream
-from streams.records import GenerationRecord
+from specops.streams import OutMessage, StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord
 from tests.serving.router_texts import HELDOUT, TRAIN
-from trainer.bootstrap import load_manifest
-from trainer.bootstrap.corpus import read_document
-from trainer.router_fit import (
+from specops.trainer.bootstrap import load_manifest
+from specops.trainer.bootstrap.corpus import read_document
+from specops.trainer.router_fit import (
     RefitConfig, RefitResult, RouterRefitter, _match, bootstrap_router, bootstrap_texts, fit_router,
 )  # fmt: skip
-from trainer.schedule import ROUTER_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
+from specops.trainer.schedule import ROUTER_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
 
 GROUP = "router-refit"
 

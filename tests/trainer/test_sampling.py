@@ -10,10 +10,10 @@ import torch
 from scipy import stats
 
 from tests.trainer.logged import log_requests
-from trainer.data import draft_logits, draft_logits_at, teacher_example
-from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.replay import ReplayConfig
-from trainer.sampling import mixture_sample, sampled_example
+from specops.trainer.data import draft_logits, draft_logits_at, teacher_example
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.replay import ReplayConfig
+from specops.trainer.sampling import mixture_sample, sampled_example
 
 
 @pytest.mark.parametrize("mix", [0.0, 0.3, 1.0])
@@ -42,8 +42,8 @@ def logged(close_pair, tmp_path_factory):
 def test_sampled_example_is_scored_by_the_target(close_pair, logged):
     """Every sampled position carries the target's full distribution given the sampled prefix."""
     cfg, _ = logged
-    from streams import open_stream
-    from streams.consumer import RecordConsumer
+    from specops.streams import open_stream
+    from specops.streams.consumer import RecordConsumer
 
     with open_stream(cfg) as s:
         consumer = RecordConsumer(s, "peek", [cfg.topics.misses])
@@ -64,8 +64,8 @@ def test_sampled_example_is_scored_by_the_target(close_pair, logged):
 def test_student_sampling_with_mix_zero_follows_the_draft(close_pair, logged):
     """mix=0 samples from the draft alone: a draft forced onto one token emits only that token."""
     cfg, _ = logged
-    from streams import open_stream
-    from streams.consumer import RecordConsumer
+    from specops.streams import open_stream
+    from specops.streams.consumer import RecordConsumer
 
     with open_stream(cfg) as s:
         rec = RecordConsumer(s, "peek2", [cfg.topics.misses]).poll(max_records=1, timeout_s=5)[0].record

@@ -13,13 +13,13 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from streams import StreamConfig, open_stream
+from specops.streams import StreamConfig, open_stream
 from tests.trainer.logged import log_requests
-from trainer import checkpoint as ckpt
-from trainer.acceptance import Acceptance
-from trainer.online import OnlineConfig, OnlineTrainer
-from serving.load_signal import write_load_signal
-from trainer.schedule import (
+from specops.trainer import checkpoint as ckpt
+from specops.trainer.acceptance import Acceptance
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.serving.load_signal import write_load_signal
+from specops.trainer.schedule import (
     EVAL_FUNC, EVAL_JOB_ID, TICK_FUNC, TICK_JOB_ID, ScheduleConfig, ScheduleConfigError, ScheduleError,
     TrainerScheduler, engine_url,
 )  # fmt: skip
@@ -123,7 +123,7 @@ def test_ticks_consume_train_and_export_evaluation(logged, tmp_path):
 
 # ---------------------------------------------------------------- 2. load-aware skip
 def test_ticks_are_skipped_while_serving_is_busy(logged, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="trainer.schedule")
+    caplog.set_level(logging.INFO, logger="specops.trainer.schedule")
     cfg, _ = logged
     signal = tmp_path / "load.json"
     write_load_signal(signal, 0.95)
@@ -250,7 +250,7 @@ def test_postgres_job_store_survives_restart(tmp_path):
 
 # ---------------------------------------------------------------- 5. failing jobs
 def test_failing_jobs_are_counted_and_do_not_stop_the_scheduler(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="trainer.schedule")
+    caplog.set_level(logging.INFO, logger="specops.trainer.schedule")
     errors0 = _ticks("error")
     trainer = FakeTrainer(tmp_path, fail=2, eval_fails=True)
     sched = TrainerScheduler(trainer, ScheduleConfig(tick_seconds=0.1, eval_seconds=0.1))

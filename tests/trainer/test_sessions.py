@@ -12,15 +12,15 @@ import time
 import numpy as np
 import pytest
 
-from registry import RegistryConfig, RegistryStore
-from registry.artifacts import verify_dir
-from registry.kinds import KINDS
-from serving.proposers.session_cache import SessionCache, SessionCacheConfig, index_of
-from serving.proposers.session_store import DATA_FILE, META_FILE, SessionStoreError, load_sessions, save_sessions
-from streams import OutMessage, StreamConfig, codec, open_stream
-from streams.records import GenerationRecord
-from trainer.schedule import SESSIONS_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
-from trainer.sessions import HitRate, SessionIndexRebuilder, SessionRebuildConfig, copy_hit_rate
+from specops.registry import RegistryConfig, RegistryStore
+from specops.registry.artifacts import verify_dir
+from specops.registry.kinds import KINDS
+from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig, index_of
+from specops.serving.proposers.session_store import DATA_FILE, META_FILE, SessionStoreError, load_sessions, save_sessions
+from specops.streams import OutMessage, StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord
+from specops.trainer.schedule import SESSIONS_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
+from specops.trainer.sessions import HitRate, SessionIndexRebuilder, SessionRebuildConfig, copy_hit_rate
 
 CACHE = SessionCacheConfig(max_tokens=200, max_n=4, min_output_tokens=4)
 CFG = SessionRebuildConfig(min_new=5, poll_timeout_s=0.2, cache=CACHE)

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from serving.engine.device import Placement
-from serving.engine import draft_vocab
-from serving.engine.cost import step_ms
-from serving.engine.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
+from specops.serving.engine.device import Placement
+from specops.serving.engine import draft_vocab
+from specops.serving.engine.cost import step_ms
+from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
 
 from . import pretrained
 from .corpus import DOMAINS, build_corpus, read_document

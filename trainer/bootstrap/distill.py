@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from serving.engine.draft_vocab import DraftVocab
+from specops.serving.engine.draft_vocab import DraftVocab
 
 from .train import TokenStream, lr_at
 

@@ -42,7 +42,7 @@ def _pydantic_type(annotation) -> dict:
 
 
 def serve_config_schema() -> dict:
-    from serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeConfig
 
     props = {name: {**_pydantic_type(f.annotation), "description": f.description}
              for name, f in ServeConfig.model_fields.items() if name not in SERVE_OWNED}  # fmt: skip

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = ("serving", "trainer", "registry", "streams")
+MAPPED = ("serving", "trainer", "registry", "streams", "core")
 PUBLIC_TRAINER = "trainer==0.0.36"  # installed --no-deps by `make venv` beside coqpit, which it imports
 
 

@@ -405,8 +405,9 @@ def main(argv=None) -> int:
         args.json = args.json or args.replot
         finish(report, args)
         return 0
-    from specops.serving.engine.auto import AutoPolicy
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.auto_policy import AutoPolicy
+    from specops.core.models import load_model_dir
+    from specops.serving.proposers.auto import calibrate
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -414,14 +415,14 @@ def main(argv=None) -> int:
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     datastore = None
     if args.datastore:
-        from specops.serving.retrieval.datastore import Datastore
+        from specops.core.datastore import Datastore
 
         datastore = Datastore.load(Path(args.datastore))
     cases = build_cases(args, pair.tokenizer)
     counts = {s: sum(c.slice == s for c in cases) for s in SLICES}
     log.info("workload: %s", ", ".join(f"{s} {n}" for s, n in counts.items()))
     policy = AutoPolicy(seed=args.seed, max_k=max(16, *args.llma_k))
-    costs = policy.calibrate(pair)
+    costs = calibrate(policy, pair)
     log.info("auto calibrated: %s", ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items()))
     runner = Runner(pair, args, policy, datastore)
     warm = Case("warm", "warm", pair.tokenizer.encode("def main():\n    return 0\n", add_special_tokens=False))

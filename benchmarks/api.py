@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
 from specops.serving.engine.spec import SpecEngine
-from specops.serving.engine.models import load_model_dir
+from specops.core.models import load_model_dir
 from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
 from specops.prompts import heldout_prompts

@@ -42,7 +42,7 @@ STEP_TOKENS, ROLLBACK = 4, 2
 
 def load_target(model_dir: Path):
     if (model_dir / "target" / "config.json").is_file():
-        from specops.serving.engine.models import load_model
+        from specops.core.models import load_model
 
         return load_model(model_dir / "target"), "bootstrapped SmolLM2-135M target"
     from transformers import LlamaConfig, LlamaForCausalLM

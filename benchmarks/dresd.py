@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_doc_section  # noqa: E402
 from benchmarks.rest_baseline import RestIndex, RestProposer  # noqa: E402
-from specops.serving.engine.models import load_model_dir  # noqa: E402
+from specops.core.models import load_model_dir  # noqa: E402
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources  # noqa: E402
-from specops.serving.retrieval.datastore import Datastore, DatastoreConfig  # noqa: E402
-from specops.serving.retrieval.index import IndexConfig, build_index  # noqa: E402
+from specops.core.datastore import Datastore, DatastoreConfig  # noqa: E402
+from specops.core.index import IndexConfig, build_index  # noqa: E402
 
 log = logging.getLogger("benchmarks.dresd")
 DOC_BEGIN = "<!-- BEGIN dresd (written by benchmarks/dresd.py; edits inside are overwritten) -->"
@@ -135,7 +135,7 @@ def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
     v = reg.artifact("datastore").by_alias("bench")
     reg.artifact("datastore").fetch(v, tmp / "ds")
     store = Datastore.load(tmp / "ds")
-    from specops.serving.retrieval.datastore import BuildStats
+    from specops.core.datastore import BuildStats
 
     meta = store.meta
     stats = BuildStats(num_docs=meta["num_docs"], num_tokens=meta["num_tokens"], num_entries=meta["num_entries"],

@@ -595,7 +595,7 @@ def read_registry(uri: str) -> list[dict]:
 
     store = RegistryStore(RegistryConfig(uri=uri))
     try:
-        found = store.versions(CLUSTER, include_archived=True)
+        found = store.artifact("draft").versions(CLUSTER, include_archived=True)
     except VersionNotFoundError:
         return []
     return [{"version": v.version, "tags": dict(v.tags), "aliases": list(v.aliases)} for v in found]
@@ -821,7 +821,7 @@ def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args)
     from transformers import AutoModelForCausalLM
 
     from specops.serving.engine.spec import SpecEngine
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.models import load_model_dir
     from specops.serving.engine.types import SamplingParams
 
     pair = load_model_dir(model_dir)

@@ -86,7 +86,7 @@ from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
 from specops.serving.engine.spec import SpecEngine
-from specops.serving.engine.models import ModelPair, load_model, load_model_dir
+from specops.core.models import ModelPair, load_model, load_model_dir
 from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
 
@@ -221,8 +221,8 @@ def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], 
     log.info("creating the MLflow store and registering two draft versions")
     t0 = time.perf_counter()
     reg = RegistryStore(RegistryConfig(uri=f"sqlite:///{db}"), on_change=publisher)
-    a = reg.register_draft(CLUSTER, model_dir / "draft", tokenizer_sha256=pair.tokenizer_sha256).version
-    b = reg.register_draft(CLUSTER, draft_b, tokenizer_sha256=pair.tokenizer_sha256).version
+    a = reg.artifact("draft").register(CLUSTER, model_dir / "draft", tokenizer_sha256=pair.tokenizer_sha256).version
+    b = reg.artifact("draft").register(CLUSTER, draft_b, tokenizer_sha256=pair.tokenizer_sha256).version
     setup_s = time.perf_counter() - t0
     log.info("registry ready in %.1fs: A = version %s (bootstrap draft), B = version %s (perturbed)", setup_s, a, b)
 
@@ -249,7 +249,7 @@ def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], 
 
         def swap_to(version: str) -> dict:
             t_call = time.time()
-            reg.promote(CLUSTER, version, reason="hotswap benchmark")
+            reg.artifact("draft").promote(CLUSTER, version, reason="hotswap benchmark")
             t_prom = time.time()
             t_slot = wait_for(lambda: next((t for t, v in reversed(slot.history) if v == version and t >= t_call), None),
                               timeout, f"the slot swap to version {version}")  # fmt: skip

@@ -66,7 +66,8 @@ from benchmarks.specbench.methods import ForwardCounter, Outcome, hf_method  # n
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.proposers.catalogue import LLMA_MAX_N  # noqa: E402
-from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, LLMAProposer, NgramIndex, ReferenceSet  # noqa: E402
+from specops.core.sessions.ngram import NgramIndex  # noqa: E402
+from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, LLMAProposer, ReferenceSet  # noqa: E402
 
 log = logging.getLogger("benchmarks.llma")
 DOC_BEGIN = "<!-- BEGIN llma (written by benchmarks/llma.py; edits inside are overwritten) -->"
@@ -99,7 +100,8 @@ class Case:
 # ---------------------------------------------------------------- the sets
 def rag_cases(args, tok, n: int) -> list[Case]:
     from benchmarks import ralm
-    from specops.serving.retrieval.kb import KnowledgeBase, build_kb, token_counter
+    from specops.core.passage import token_counter
+    from specops.serving.retrieval.kb import KnowledgeBase, build_kb
     from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     path = Path(args.cache_dir) / f"kb-llma-{args.kb_passages}"
@@ -534,7 +536,7 @@ def main(argv=None) -> int:
         args.json = args.json or args.replot
         finish(report, args)
         return 0
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.models import load_model_dir
 
     torch.set_num_threads(args.threads)
     args.suffix = suffix_decoding_available()

@@ -80,8 +80,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
-from specops.serving.engine import draft_vocab  # noqa: E402
-from specops.serving.engine.models import ModelPair, load_model, load_model_dir  # noqa: E402
+from specops.core import draft_vocab  # noqa: E402
+from specops.core.models import ModelPair, load_model, load_model_dir  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
 from specops.serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams, token_alpha  # noqa: E402
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
@@ -488,7 +488,7 @@ def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Ser
     """Tokens/s of target-only and of the draft method with each named draft (in serving's draft
     dtype), on the same prompts through the real engine, arms interleaved per prompt; outputs
     checked identical."""
-    from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
+    from specops.core.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE)  # serving's draft precision (learning is measured in float32)
@@ -587,7 +587,7 @@ def interleave(streams: dict[str, list[Served]], seed: int) -> list[Served]:
 
 def route(routers: dict[str, list[str]], texts: list[str], args) -> list[str]:
     """Cluster of each text by a nearest-centroid router fitted on ``routers`` (serving's router)."""
-    from specops.serving.fleet.router import make_embedder
+    from specops.core.embed import make_embedder
     from specops.trainer.router_fit import fit_router
 
     emb = make_embedder(args.router_embedder)

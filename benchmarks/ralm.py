@@ -70,8 +70,8 @@ from benchmarks.common import environment, finish_report, fmt, target_name  # no
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.ralm.loop import RalmConfig, RalmGenerator  # noqa: E402
-from specops.serving.retrieval.kb import KnowledgeBase, build_kb, indexed_text, token_counter  # noqa: E402
-from specops.serving.retrieval.retriever import Passage  # noqa: E402
+from specops.core.passage import Passage, indexed_text, token_counter  # noqa: E402
+from specops.serving.retrieval.kb import KnowledgeBase, build_kb  # noqa: E402
 
 log = logging.getLogger("benchmarks.ralm")
 DOC_BEGIN = "<!-- BEGIN ralm (written by benchmarks/ralm.py; edits inside are overwritten) -->"
@@ -358,7 +358,7 @@ def knnlm_stores(pair, tok, args) -> dict:
     source text, documents whole), built once into the cache."""
     import faiss
 
-    from specops.serving.engine.models import tokenizer_hash
+    from specops.core.models import tokenizer_hash
     from specops.serving.ralm.knnlm_search import IvfpqSearcher, build_ivfpq
     from specops.serving.ralm.knnlm_store import KnnDatastore, build_knnlm
     from specops.trainer.kb_sources import default_sources, passages_from_sources
@@ -665,7 +665,7 @@ def main(argv=None) -> int:
         args.json = args.json or args.replot
         finish(report, args)
         return 0
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.models import load_model_dir
 
     pair = load_model_dir(Path(args.model_dir))
     tok, engine = pair.tokenizer, SpecEngine(pair)

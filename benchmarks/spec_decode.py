@@ -55,7 +55,7 @@ from benchmarks.specbench.config import (  # noqa: E402,F401  (the names tests a
 from benchmarks.specbench.costs import alpha_from_tokens_per_step, eq2_speedup, expected_tokens  # noqa: E402,F401
 from benchmarks.specbench.report import doc_section, markdown, write_doc  # noqa: E402,F401
 from benchmarks.specbench.run import run_benchmark  # noqa: E402
-from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPES  # noqa: E402
+from specops.core.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPES  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 
 log = logging.getLogger("benchmarks.spec_decode")

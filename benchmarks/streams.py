@@ -53,7 +53,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, fmt, write_doc_section  # noqa: E402
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
-from specops.serving.engine.models import load_model_dir  # noqa: E402
+from specops.core.models import load_model_dir  # noqa: E402
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
 from specops.serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402

@@ -157,7 +157,7 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
     """Tree proposals on a tiny random Llama (or ``pair``) decode exactly what target-only decoding does."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specops.serving.engine.models import ModelPair
+    from specops.core.models import ModelPair
     from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import Proposals, SamplingParams
     from specops.serving.proposers.base import Proposer

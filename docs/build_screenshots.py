@@ -151,7 +151,7 @@ def populate(data_dir: Path) -> str:
             n = 120 + 40 * i
             offsets = {"0": [offset, offset + n - 1], "1": [offset // 2, offset // 2 + n // 2 - 1]}
             offset += n
-            dv = store.register_draft(
+            dv = store.artifact("draft").register(
                 cluster, draft, tokenizer_sha256=tok_sha,
                 metrics={"offline_acceptance_sampling": sampling, "offline_acceptance_greedy": greedy},
                 lineage={"topic": "spec.misses", "offsets": offsets},
@@ -163,17 +163,18 @@ def populate(data_dir: Path) -> str:
                 continue  # the newest challenger: not gated yet
             result = decide(dv.version, champion[0] if champion else None, sampling,
                             champion[1] if champion else None, margin=0.01, num_positions=300, min_positions=32)  # fmt: skip
-            if store.apply_gate(cluster, result) is not None:
+            if store.artifact("draft").apply_gate(cluster, result) is not None:
                 champion = (dv.version, sampling)
         # live acceptance as reported by serving, for the champion (and prose v4 before its rollback)
         live = {"code": [0.55, 0.56, 0.558, 0.562], "prose": [0.47, 0.468, 0.472, 0.471]}[cluster]
         if cluster == "prose":
             for step, value in enumerate([0.45, 0.43, 0.41]):
-                store.log_metric(cluster, "4", "live_acceptance", value, step=step)
-            store.rollback(cluster, reason=ROLLBACK_REASON)
+                store.artifact("draft").log_metric(cluster, "4", "live_acceptance", value, step=step)
+            store.artifact("draft").rollback(cluster, reason=ROLLBACK_REASON)
         for step, value in enumerate(live):
-            store.log_metric(cluster, "3", "live_acceptance", value, step=step)
-    log.info("demo registry: %s", {c: store.aliases(c) for c in store.clusters()})
+            store.artifact("draft").log_metric(cluster, "3", "live_acceptance", value, step=step)
+    drafts = store.artifact("draft")
+    log.info("demo registry: %s", {c: drafts.aliases(c) for c in drafts.keys()})
     return cfg.uri
 
 

@@ -1,5 +1,7 @@
-"""The MLflow-backed registry of versioned artifacts: drafts, the router, datastores, knowledge bases
-(``registry.kinds``; a leaf: imports nothing of ours)."""
+"""The MLflow-backed registry of versioned artifacts: drafts, the router, datastores, knowledge bases,
+kNN-LM datastores, sessions and the auto policy (``registry.kinds``). One API for all of them:
+``RegistryStore(cfg).artifact(kind)``; one version type, :class:`ArtifactVersion`. A leaf: imports
+nothing of ours above it."""
 
 from specops.registry.config import RegistryConfig
 from specops.registry.errors import (
@@ -9,23 +11,20 @@ from specops.registry.errors import (
     RegistryUnavailableError,
     VersionNotFoundError,
 )
+from specops.registry.kind_store import KindStore
 from specops.registry.kinds import KINDS, ArtifactKind, kind_of
-from specops.registry.store import (
+from specops.registry.store import RegistryStore
+from specops.registry.version import (
     CHALLENGER,
     CHAMPION,
-    ROUTER,
     AliasChange,
     ArtifactVersion,
-    DraftVersion,
     GateResult,
-    RegistryStore,
-    RouterVersion,
     decide,
-    model_name,
 )
 
 __all__ = [
-    "CHALLENGER", "CHAMPION", "KINDS", "AliasChange", "ArtifactKind", "ArtifactVersion", "kind_of", "ArtifactFormatError", "ArtifactIntegrityError", "DraftVersion",
-    "GateResult", "ROUTER", "RegistryConfig", "RegistryError", "RegistryStore", "RegistryUnavailableError",
-    "RouterVersion", "VersionNotFoundError", "decide", "model_name",
+    "CHALLENGER", "CHAMPION", "KINDS", "AliasChange", "ArtifactFormatError", "ArtifactIntegrityError", "ArtifactKind",
+    "ArtifactVersion", "GateResult", "KindStore", "RegistryConfig", "RegistryError", "RegistryStore",
+    "RegistryUnavailableError", "VersionNotFoundError", "decide", "kind_of",
 ]  # fmt: skip

@@ -53,12 +53,20 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def sha256_json(obj, *, without: str | None = None) -> str:
+    """sha256 of a JSON value written canonically (keys sorted); ``without`` leaves one key of a
+    dict out (the key that will hold this very hash)."""
+    if without is not None:
+        obj = {k: v for k, v in obj.items() if k != without}
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
 def config_hash(model_dir: Path) -> str:
     """sha256 of the model config, canonicalised (keys sorted), without volatile fields."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     for volatile in ("_name_or_path", "transformers_version"):
         cfg.pop(volatile, None)
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    return sha256_json(cfg)
 
 
 def pack(model_dir: Path, out_dir: Path, *, tokenizer_dir: Path | None = None, meta: dict | None = None) -> str:

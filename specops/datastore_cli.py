@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+from specops.artifact_cli import add_ls, add_promote, add_registry_args, open_registry
 from specops.paths import models_dir
-from specops.registry_cli import _fmt, add_registry_args, open_registry
 
 
 def _read_documents(path: Path, tokenizer) -> list[list[int]]:
     """JSON lines: ``{"token_ids": [...]}`` or ``{"prompt_ids": [...], "output_ids": [...]}`` or ``{"text": "..."}``."""
-    from specops.serving.errors import DatastoreError
+    from specops.core.errors import DatastoreError
 
     docs = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -41,9 +39,10 @@ def _read_documents(path: Path, tokenizer) -> list[list[int]]:
 def cmd_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash as tokenizer_sha256
-    from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
-    from specops.serving.retrieval.index import IndexConfig
+    from specops.core.datastore import Datastore, DatastoreConfig
+    from specops.core.index import IndexConfig
+    from specops.core.models import load_model, load_tokenizer
+    from specops.core.models import tokenizer_hash as tokenizer_sha256
 
     model_dir = Path(args.model_dir)
     target = load_model(model_dir / "target")
@@ -82,57 +81,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _num(tag: str | None, digits: int = 0) -> float | int | None:
-    """A metric tag (``%.6f`` text) as a number for the listing; None where absent or not a number."""
-    try:
-        value = round(float(tag), digits)
-    except (TypeError, ValueError):
-        return None
-    return int(value) if digits == 0 else value
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    kind = open_registry(args.registry, None).artifact("datastore")
-    keys = [args.cluster] if args.cluster else kind.keys()
-    rows = [{"cluster": key, "version": v.version, "aliases": ",".join(v.aliases),
-             "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
-             "entries": _num(v.tags.get("num_entries")), "bytes_per_entry": _num(v.tags.get("bytes_per_entry"), 1),
-             "mar": _num(v.tags.get("mar"), 4), "live_mar": _num(v.tags.get("live_mar"), 4),
-             "live_requests": _num(v.tags.get("live_requests")), "shape": v.tags.get("shape", ""), "source": v.tags.get("source", ""),
-             "config": v.tags.get("config_hash", "")[:8]}
-            for key in keys for v in kind.versions(key)]  # fmt: skip
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
-    table = Table(title="datastore versions")
-    for col in ("cluster", "version", "aliases", "created", "entries", "bytes/entry", "MAR", "live MAR (requests)",
-                "shape", "source", "config"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["cluster"], r["version"], r["aliases"], r["created"], _fmt(r["entries"], 0),
-                      _fmt(r["bytes_per_entry"], 0), _fmt(r["mar"]),
-                      "-" if r["live_mar"] is None else f"{r['live_mar']:.3f} ({r['live_requests']})",
-                      r["shape"] or "-", r["source"], r["config"])  # fmt: skip
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-    if not rows:
-        print("no datastore registered yet: `specops datastore build --register CLUSTER` builds one")
-    return 0
 
 
-def cmd_promote(args: argparse.Namespace) -> int:
-    change = open_registry(args.registry, args.stream).artifact("datastore").promote(args.cluster, args.version,
-                                                                                     reason=args.reason)  # fmt: skip
-    print(f"datastore-{args.cluster}: champion {change.previous_version or 'none'} -> {change.version}")
-    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from specops.serving.errors import DatastoreError
-    from specops.serving.retrieval.datastore import Datastore
+    from specops.core.datastore import Datastore
+    from specops.core.errors import DatastoreError
 
     if args.path:
         info = Datastore.load(Path(args.path)).describe()
@@ -183,21 +140,11 @@ def add_parser(sub) -> None:
     q.add_argument("--promote", action="store_true", help="with --register: make it the champion")
     q.set_defaults(func=cmd_build)
 
-    q = dsub.add_parser("ls", help="list datastore versions", description="One row per datastore version: cluster, "
-                        "aliases, entries, bytes per entry, offline MAR (rebuilds), live MAR served, draft shape, source, config hash.")  # fmt: skip
-    add_registry_args(q, events=False)
-    q.add_argument("--cluster", default=None, help="only this cluster")
-    q.add_argument("--json", action="store_true", help="one JSON object per version")
-    q.set_defaults(func=cmd_ls)
-
-    q = dsub.add_parser("promote", help="make a version the cluster's champion",
-                        description="Points datastore-CLUSTER@champion at VERSION; serving swaps it in between "
-                        "requests.")  # fmt: skip
-    add_registry_args(q)
-    q.add_argument("cluster")
-    q.add_argument("version")
-    q.add_argument("--reason", default="manual", help="recorded with the alias move (default: %(default)s)")
-    q.set_defaults(func=cmd_promote)
+    add_ls(dsub, "datastore", key_flag="--cluster", archived=False, help="list datastore versions",
+           description="One row per datastore version: cluster, aliases, entries, bytes per entry, offline MAR "
+           "(rebuilds), live MAR served, draft shape, source, config hash.")  # fmt: skip
+    add_promote(dsub, "datastore", key_name="cluster", reason="manual", help="make a version the cluster's champion",
+                description="Points datastore-CLUSTER@champion at VERSION; serving swaps it in between requests.")
 
     q = dsub.add_parser("inspect", help="describe a datastore: sizes, index, projection, lineage",
                         description="Loads a saved datastore (PATH) or a registered version (--cluster, --version; "

@@ -26,19 +26,16 @@
    (and checked identical): the champion's α gain there is learning, not memory.
 8. **Report**: ``report/index.html`` (α over time with promotions, speedups, registry
    versions) and ``report/summary.json``.
+
+This module runs the steps in order and does 1-4; the processes of 5 are
+:mod:`specops.demo_stack`, the traffic of 6 :mod:`specops.demo_traffic`, the comparison of 7 and
+the console summary :mod:`specops.demo_results`, the report of 8 :mod:`specops.report`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -46,8 +43,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specops.prompts import Prompt
-from specops.report import DemoRun, Promotion, SpeedRow, write_report
+from specops.demo_results import compare_speed, print_summary, registry_versions
+from specops.demo_stack import Stack, free_port
+from specops.demo_traffic import replay_traffic
+from specops.report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +104,6 @@ class DemoConfig:
                    gate_min_positions=16, router_refit_s=60.0, router_texts=30)  # fmt: skip
 
 
-def free_port(preferred: int) -> int:
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return int(s.getsockname()[1])
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
 def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, ui_port: int = 5000,
              linger: bool = False) -> int:  # fmt: skip
     from specops.trainer.bootstrap import is_bootstrapped
@@ -145,14 +133,14 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
         ui_url = stack.mlflow_ui(registry, demo_dir, free_port(ui_port))  # 5.
         stack.trainer(model_dir, demo_dir, stream_url, registry_uri, cfg)
         server = stack.api(model_dir, demo_dir, stream_url, registry_uri)
-        run = _traffic(console, server, registry, workload, cfg)  # 6.
+        run = replay_traffic(console, server, registry, workload, cfg)  # 6.
         stack.stop_trainer()
-        run.speed = _speed(console, server, workload.unseen, cfg)  # 7.
-        run.registry_versions = _versions(registry)
+        run.speed = compare_speed(console, server, workload.unseen, cfg)  # 7.
+        run.registry_versions = registry_versions(registry)
         run.started_at, run.duration_s = started_at, time.time() - t_start
         run.mlflow_ui_url, run.api_url = ui_url, server.url + "/v1"
         index = write_report(run, report_dir)  # 8.
-        _print_summary(console, report_dir, index, ui_url, registry_uri, run)
+        print_summary(console, report_dir, index, ui_url, registry_uri, run)
         if linger:
             console.print(f"The MLflow UI ({ui_url}) and the API ({server.url}/v1) stay up until Ctrl-C.")
             try:
@@ -163,86 +151,6 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
         return 1 if sum(not r.ok for r in run.requests) else 0
     finally:
         stack.close()
-
-
-# ---------------------------------------------------------------- the stack
-class Stack:
-    """The processes and threads the demo starts, stopped in reverse order."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.ui: subprocess.Popen | None = None
-        self.train: subprocess.Popen | None = None
-        self.server = None
-        self._logs: list = []
-
-    def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
-        f = open(log_path, "w")  # noqa: SIM115 (kept open for the child's lifetime)
-        self._logs.append(f)
-        env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def mlflow_ui(self, registry, demo_dir: Path, port: int) -> str:
-        cfg = registry.cfg
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.uri, "--host", "127.0.0.1",
-               "--port", str(port), "--workers", "1"]  # fmt: skip
-        if cfg.resolved_artifact_root:
-            cmd += ["--default-artifact-root", cfg.resolved_artifact_root]
-        self.ui = self._spawn(cmd, demo_dir / "mlflow-ui.log")
-        url = f"http://127.0.0.1:{port}"
-        self.console.print(f"MLflow UI starting on [link={url}]{url}[/link] (log: {demo_dir / 'mlflow-ui.log'})")
-        return url
-
-    def trainer(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str, cfg: DemoConfig) -> None:
-        """``specops train --schedule``: the demo's plumbing (stream, registry, ticks, load signal,
-        scheduled jobs) and its cadence (``--interval``, ``--holdout-every``, ``--gate-min-positions``);
-        no recipe flag (``--lr``, ``--steps``, ``--replay``, ``--positions``, ...): those are the
-        trainer's defaults."""
-        cmd = [sys.executable, "-m", "specops.cli", "--threads", "1", "train", "--stream", stream_url,
-               "--registry", registry_uri, "--model-dir", str(model_dir), "--out", str(demo_dir / "trainer"),
-               "--schedule", "--tick-seconds", "2", "--interval", str(cfg.interval),
-               "--poll-records", "64", "--holdout-every", str(cfg.holdout_every),
-               "--gate-min-positions", str(cfg.gate_min_positions), "--keep-versions", "50",
-               "--load-signal", str(demo_dir / "serving-load.json"), "--load-threshold", "0.95",
-               "--router-refit-every", str(cfg.router_refit_s),
-               "--datastore-rebuild-every", str(cfg.datastore_rebuild_s),
-               "--datastore-min-new", str(cfg.datastore_min_new)]  # fmt: skip
-        self.train = self._spawn(cmd, demo_dir / "trainer.log")
-        self.console.print(f"trainer started (specops train --schedule; log: {demo_dir / 'trainer.log'})")
-
-    def api(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str):
-        from specops.serving.http.config import ServeConfig
-        from specops.serve import Server
-
-        scfg = ServeConfig(model_dir=str(model_dir), port=0, stream=stream_url, registry=registry_uri,
-                           replica="demo", cache_dir=str(demo_dir / "serve"), poll_s=5.0, max_concurrency=2,
-                           max_queue=16, load_signal=str(demo_dir / "serving-load.json"))  # fmt: skip
-        self.server = Server(scfg, root=demo_dir).start()
-        self.console.print(f"API server on {self.server.url}/v1, loading models ...")
-        self.server.wait_ready()
-        return self.server
-
-    def stop_trainer(self, timeout_s: float = 60.0) -> None:
-        if self.train is not None and self.train.poll() is None:
-            self.train.send_signal(signal.SIGINT)  # checkpoints and commits what it has, then exits
-            try:
-                self.train.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.train.kill()
-        self.train = None
-
-    def close(self) -> None:
-        self.stop_trainer()
-        if self.server is not None:
-            self.server.stop()
-        if self.ui is not None and self.ui.poll() is None:
-            os.killpg(self.ui.pid, signal.SIGTERM)
-            try:
-                self.ui.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.ui.pid, signal.SIGKILL)
-        for f in self._logs:
-            f.close()
 
 
 def _quiet_logs(path: Path) -> None:
@@ -266,14 +174,14 @@ def _quiet_logs(path: Path) -> None:
 
 
 def _registry(uri: str, stream_url: str):
-    from specops.registry_cli import open_registry
+    from specops.artifact_cli import open_registry
 
     return open_registry(uri, stream_url)
 
 
 def _workload(console: Console, model_dir: Path, cfg: DemoConfig):
     """The run's workload, built before the server starts (the router is fitted on its router texts)."""
-    from specops.serving.engine.models import load_tokenizer
+    from specops.core.models import load_tokenizer
     from specops.workload import build_workload
 
     with console.status(f"building the {cfg.workload} workload ..."):
@@ -293,7 +201,7 @@ def _first_router(console: Console, model_dir: Path, registry, workload, cfg: De
     or on the bootstrap's training text (``corpus``); one centroid per domain either way."""
     import tempfile
 
-    from specops.serving.fleet.router import make_embedder
+    from specops.core.embed import make_embedder
     from specops.trainer.router_fit import bootstrap_router, fit_router
 
     if workload.router_texts:
@@ -305,219 +213,10 @@ def _first_router(console: Console, model_dir: Path, registry, workload, cfg: De
             router = fit_router(workload.router_texts, make_embedder("minilm"), seed=cfg.seed, refine=False)
         else:
             router = bootstrap_router(model_dir, make_embedder("minilm"), per_domain=cfg.router_texts)
+        routers = registry.artifact("router")
         with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
-            rv = registry.register_router(router.save(Path(tmp) / "router"), metrics=router.metrics,
-                                          params={"source": source, "fitted_on": str(router.fitted_on)})  # fmt: skip
-        registry.promote_router(rv.version, reason=f"{source} router")
+            rv = routers.register("", router.save(Path(tmp) / "router"), metrics=router.metrics,
+                                  params={"source": source, "fitted_on": str(router.fitted_on)})  # fmt: skip
+        routers.promote("", rv.version, reason=f"{source} router")
     console.print(f"router v{rv.version} registered and promoted: clusters {', '.join(router.clusters)}, fitted on "
                   f"{router.fitted_on} ({what})")  # fmt: skip
-
-
-# ---------------------------------------------------------------- traffic
-def _traffic(console: Console, server, registry, workload, cfg: DemoConfig) -> DemoRun:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from specops.workload import Replayer, describe
-
-    schedule = workload.schedule
-    replayer = Replayer(server.url + "/v1", server.cfg.served_model_name, clients=cfg.clients, max_tokens=cfg.max_tokens)
-    watcher = PromotionWatcher(registry, console)
-    rows, routed_ok, lock = [], [0, 0], threading.Lock()
-    with Progress(TextColumn("[bold]traffic"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, refresh_per_second=4) as progress:  # fmt: skip
-        task = progress.add_task("", total=len(schedule))
-        watcher.start(lambda: replayer.t0)
-
-        def on_outcome(o) -> None:
-            with lock:
-                rows.append(o.row)
-                if o.row.ok:
-                    routed_ok[0] += o.row.cluster == o.planned.domain
-                    routed_ok[1] += 1
-                else:
-                    console.print(f"[red]request {o.planned.index} failed: {o.error}[/]")
-                progress.update(task, advance=1, description=_live(rows, watcher))
-
-        replayer.run(schedule, on_outcome)
-        watcher.stop()
-    notes = []
-    if routed_ok[1]:
-        notes.append(f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
-                     f"({routed_ok[0] / routed_ok[1]:.0%}).")  # fmt: skip
-    if any(r.ok for r in rows) and any(r.ok and r.rejected_steps is None for r in rows):
-        notes.append("The server's responses carry no speculation.rejected_steps: the per-token α is unknown for "
-                     "this run, the acceptance (accepted / drafted) columns stand in.")  # fmt: skip
-    from specops.serving.proposers.catalogue import DEFAULT_K
-
-    chat = workload.name == "chat"
-    config = {"workload": workload.name + (" (/v1/chat/completions: sql, math, api)" if chat
-                                           else " (/v1/completions: held-out code and prose files)"),
-              "requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
-              **({} if chat else {"prompt_tokens": cfg.prompt_tokens}), "trainer_interval": cfg.interval,
-              "trainer_holdout_every": cfg.holdout_every, "gate_min_positions": cfg.gate_min_positions,
-              "prompts": f"recurring: {cfg.recurring} per domain, drawn with replacement" if cfg.recurring
-              else "distinct: every request a prompt never served before",
-              "phases": describe(workload.phases),
-              "router": "fitted on each domain's router prompts (disjoint from served and eval prompts)" if chat
-              else "fitted on the bootstrap's training text",
-              "speculation": f"draft, k={DEFAULT_K['draft']}"}  # fmt: skip
-    rows.sort(key=lambda r: r.t)
-    return DemoRun(started_at="", duration_s=0.0, config=config, requests=rows, promotions=watcher.events, speed=[],
-                   registry_versions=[], mlflow_ui_url=None, api_url=None, notes=notes)  # fmt: skip
-
-
-def _live(rows, watcher) -> str:
-    """α per cluster over its last 20 requests (the OSD per-token α; accepted / drafted, as
-    ``acc``, from a server that does not report rejected steps), its version, promotions."""
-    from specops.report import acceptance, token_alpha
-
-    parts = []
-    for cluster in sorted({r.cluster for r in rows if r.ok}):
-        recent = [r for r in rows if r.ok and r.cluster == cluster][-20:]
-        alpha, name = token_alpha(recent), "α"
-        if alpha is None and any(r.rejected_steps is None for r in recent):
-            alpha, name = acceptance(recent), "acc"
-        parts.append(f"{cluster} {name} {float('nan') if alpha is None else alpha:.2f} (v{recent[-1].draft_version})")
-    promos = sum(e.kind == "promote" for e in watcher.events)
-    return " | ".join(parts) + f" | promotions {promos}"
-
-
-class PromotionWatcher:
-    """Polls the registry's champions and records every move (the report's markers)."""
-
-    def __init__(self, registry, console: Console, every_s: float = 2.0) -> None:
-        self.registry = registry
-        self.console = console
-        self.every_s = every_s
-        self.events: list[Promotion] = []
-        self._seen: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, t0) -> None:
-        self._t0 = t0
-        self._thread = threading.Thread(target=self._run, name="promotions", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from specops.registry.errors import RegistryError
-
-        while not self._stop.wait(self.every_s):
-            try:
-                self.poll()
-            except RegistryError as exc:
-                log.warning("could not read the registry: %s", exc)
-
-    def poll(self) -> None:
-        for cluster in self.registry.clusters():
-            champ = self.registry.by_alias(cluster)
-            if champ is None or self._seen.get(cluster) == champ.version:
-                continue
-            prev = self._seen.get(cluster)
-            self._seen[cluster] = champ.version
-            kind = "rollback" if prev is not None and int(champ.version) < int(prev) else "promote"
-            reason = champ.tags.get("gate_reason", "") if kind == "promote" else "rolled back"
-            t = time.monotonic() - self._t0()
-            self.events.append(Promotion(t=t, cluster=cluster, version=champ.version, kind=kind, reason=reason))
-            self.console.print(f"[green]{time.strftime('%H:%M:%S')} {kind} draft-{cluster} → v{champ.version}[/]"
-                               f" [dim]{reason[:100]}[/]")  # fmt: skip
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        from specops.registry.errors import RegistryError
-
-        try:
-            self.poll()
-        except RegistryError as exc:  # the last look is best effort
-            log.warning("could not read the registry's last champions: %s", exc)
-
-
-# ---------------------------------------------------------------- speed, versions, summary
-def _speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg: DemoConfig) -> list[SpeedRow]:
-    """Target-only vs the static draft vs each cluster's champion, greedy, one request at a time.
-
-    On prompts of the cluster's domain that the workload never served (their token ids as
-    the server would see them: a chat prompt rendered with the chat template): what the
-    champion gained there it learned about the domain, not about the prompts it saw."""
-    from tqdm import tqdm
-
-    from specops.serving.engine.spec import SpecEngine
-    from specops.serving.engine.models import ModelPair
-    from specops.serving.engine.types import SamplingParams
-    from specops.serving.proposers.catalogue import ProposerResources
-
-    state = server.state
-    pair, tok = state.pair, state.pair.tokenizer
-    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_tokens)
-    out: list[SpeedRow] = []
-    for cluster in sorted(set(unseen) & set(state.follower.slots)):
-        handle = state.follower.slot(cluster).current()
-        arms = {"target-only": (pair.draft, "target", ""), "static draft": (pair.draft, "draft", "base"),
-                "online draft": (handle.model, "draft", handle.version)}  # fmt: skip
-        datastore = state.datastores.current(cluster) if state.datastores is not None else None
-        if datastore is not None and datastore.datastore is not None:  # rebuilt from this cluster's traffic
-            arms["dresd (served traffic)"] = (pair.draft, "dresd", datastore.version)
-        results = {a: [] for a in arms}
-        for prompt in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
-            ids = list(prompt.token_ids)
-            for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
-                engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))
-                resources = ProposerResources(pair=engine.pair, cluster=cluster,
-                                              datastore=datastore.datastore if method == "dresd" else None)  # fmt: skip
-                results[arm].append(engine.generate(ids, params, method=method, resources=resources))
-        ref = [r.token_ids for r in results["target-only"]]
-        for arm, (_, method, version) in arms.items():
-            res = results[arm]
-            drafted = sum(r.stats.num_drafted for r in res)
-            accepted = sum(r.stats.num_accepted for r in res)
-            rejected = [getattr(r.stats, "num_rejected_steps", None) for r in res]  # None: an engine without it
-            tried = None if None in rejected else accepted + sum(rejected)
-            out.append(SpeedRow(cluster=cluster, method=arm, draft_version=version,
-                                tokens_per_s=statistics.median(r.stats.tokens_per_s for r in res),
-                                acceptance=accepted / drafted if drafted else float("nan"),
-                                num_prompts=len(res), identical=[r.token_ids for r in res] == ref,
-                                alpha=accepted / tried if drafted and tried else float("nan")))  # fmt: skip
-    return out
-
-
-def _versions(registry) -> list[dict]:
-    rows = []
-    for cluster in registry.clusters():
-        for v in registry.versions(cluster):
-            t = v.tags
-            rows.append({"cluster": cluster, "version": v.version, "aliases": list(v.aliases),
-                         "registered_at": t.get("registered_at", ""), "gate_decision": t.get("gate_decision", ""),
-                         "gate_reason": t.get("gate_reason", "")[:160],
-                         "offline acceptance": t.get("gate_candidate_acceptance", t.get("sampling", "")),
-                         "live_acceptance": t.get("live_acceptance", ""), "archived": v.archived})  # fmt: skip
-    return rows
-
-
-def _print_summary(console: Console, report_dir: Path, index: Path, ui_url: str, registry_uri: str, run: DemoRun) -> None:
-    import json
-
-    from rich.table import Table
-
-    summary = json.loads((report_dir / "summary.json").read_text())
-    table = Table(title="closed loop: α per cluster")
-    # halves, not fixed windows of 100: a cluster of the default run serves about 20 requests
-    for col in ("cluster", "requests", "α first half", "α last half", "acc. first→last", "promotions",
-                "versions served", "speedup vs target", "vs static"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "cluster" else "right")
-
-    def f(x, spec=".3f", suffix=""):
-        return "-" if x is None else f"{x:{spec}}{suffix}"
-
-    for name, c in sorted(summary["clusters"].items()):
-        table.add_row(name, str(c["requests"]), f(c["alpha_first_half"]), f(c["alpha_last_half"]),
-                      f"{f(c['acceptance_first_half'], '.2f')}→{f(c['acceptance_last_half'], '.2f')}", str(c["promotions"]),
-                      ", ".join(c["draft_versions"]), f(c.get("speedup_vs_target"), ".2f", "x"),
-                      f(c.get("speedup_vs_static"), ".2f", "x"))  # fmt: skip
-    console.print(table)
-    console.print(f"[dim]{summary['alpha_definition']}[/]")
-    console.print(f"failed requests: {summary['failed_requests']} of {summary['requests']}")
-    console.print(f"[bold]Report:[/] {index.resolve()}  (summary: {(report_dir / 'summary.json').resolve()})")
-    console.print(f"[bold]MLflow UI:[/] {ui_url} while the demo runs; afterwards: "
-                  f"specops registry ui --registry {registry_uri}")  # fmt: skip

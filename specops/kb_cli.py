@@ -3,35 +3,34 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
+from specops.artifact_cli import add_ls, add_registry_args, open_registry
 from specops.paths import models_dir
-from specops.registry_cli import _fmt, add_registry_args, open_registry
 
 SNIPPET_CHARS = 160
 
 
 def _chunk_tokenizer(args: argparse.Namespace):
     """(tokenizer, what it is): --tokenizer, else the bootstrapped target's, else MiniLM's."""
-    from specops.serving.engine.models import load_tokenizer, tokenizer_hash
+    from specops.core.models import load_tokenizer, tokenizer_hash
 
     if args.tokenizer:
         tok, name = load_tokenizer(Path(args.tokenizer)), f"--tokenizer {args.tokenizer}"
     elif (Path(args.model_dir) / "target" / "tokenizer.json").is_file():
         tok, name = load_tokenizer(Path(args.model_dir) / "target"), f"the target's ({Path(args.model_dir) / 'target'})"
     else:
-        from specops.serving.fleet.embed import minilm_dir
+        from specops.core.embed import minilm_dir
 
         tok, name = load_tokenizer(minilm_dir()), "MiniLM's (no bootstrapped target found; the embedder's own limit)"
     return tok, {"tokenizer": name, "tokenizer_sha256": tokenizer_hash(tok)}
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from specops.serving.errors import KBError
-    from specops.serving.retrieval.kb import build_kb, register_kb, token_counter
+    from specops.core.errors import KBError
+    from specops.core.passage import token_counter
+    from specops.serving.retrieval.kb import build_kb, register_kb
     from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -64,42 +63,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    kind = open_registry(args.registry, None).artifact("kb")
-    names = [args.name] if args.name else kind.keys()
-    rows = [{"name": name, "version": v.version, "aliases": ",".join(v.aliases),
-             "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
-             "passages": _int(v.tags.get("num_passages")), "retrievers": v.tags.get("retrievers", ""),
-             "bytes_per_passage": _int(v.tags.get("bytes_per_passage")), "embedder": v.tags.get("embedder", "")}
-            for name in names for v in kind.versions(name)]  # fmt: skip
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
-    table = Table(title="knowledge bases")
-    for col in ("name", "version", "aliases", "created", "passages", "retrievers", "bytes/passage", "embedder"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], r["version"], r["aliases"], r["created"], _fmt(r["passages"], 0), r["retrievers"],
-                      _fmt(r["bytes_per_passage"], 0), r["embedder"])  # fmt: skip
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-    if not rows:
-        print("no knowledge base registered yet: `specops kb build --name NAME` builds one from this machine's docs")
-    return 0
 
 
-def _int(tag: str | None) -> int | None:
-    try:
-        return int(round(float(tag)))
-    except (TypeError, ValueError):
-        return None
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from specops.serving.errors import KBError
+    from specops.core.errors import KBError
     from specops.serving.retrieval.kb import KnowledgeBase, load_kb_from_registry
 
     if args.kb_dir:
@@ -179,13 +148,9 @@ def add_parser(sub) -> None:
     q.add_argument("--no-promote", action="store_true", help="register it as the challenger, leaving the champion")
     q.set_defaults(func=cmd_build)
 
-    q = ksub.add_parser("ls", help="list knowledge base versions",
-                        description="One row per registered version: name, version, aliases, passages, retrievers "
-                        "built, bytes per passage (all files) and embedder.")  # fmt: skip
-    add_registry_args(q, events=False)
-    q.add_argument("--name", default=None, help="only this knowledge base")
-    q.add_argument("--json", action="store_true", help="one JSON object per version")
-    q.set_defaults(func=cmd_ls)
+    add_ls(ksub, "kb", key_flag="--name", archived=False, help="list knowledge base versions",
+           description="One row per registered version: name, version, aliases, passages, retrievers built, bytes "
+           "per passage (all files) and embedder.")  # fmt: skip
 
     q = ksub.add_parser("search", help="search a knowledge base",
                         description="Encodes QUERY as the retriever does for RaLMSpec and prints the top -k passages: "

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import random
-import sys
-import time
 from pathlib import Path
 
+from specops.artifact_cli import add_ls, add_registry_args, open_registry
 from specops.paths import models_dir
-from specops.registry_cli import _fmt, add_registry_args, open_registry
 
 
 def source_files(sources: list[str]) -> list[Path]:
@@ -65,9 +62,13 @@ def read_documents(files: list[Path], tokenizer, *, max_tokens: int, seed: int, 
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
-    from specops.serving.errors import DatastoreError
-    from specops.serving.ralm.knnlm_store import KnnBuildConfig, build_knnlm, register_knnlm
+    from specops.core.errors import DatastoreError
+    from specops.core.models import load_model, load_tokenizer, tokenizer_hash
+    from specops.serving.ralm.knnlm_store import (
+        KnnBuildConfig,
+        build_knnlm,
+        register_knnlm,
+    )
 
     model_dir = Path(args.model_dir)
     if args.source:
@@ -100,41 +101,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _num(tag: str | None, digits: int = 0) -> float | int | None:
-    try:
-        value = round(float(tag), digits)
-    except (TypeError, ValueError):
-        return None
-    return int(value) if digits == 0 else value
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    kind = open_registry(args.registry, None).artifact("knnlm")
-    names = [args.name] if args.name else kind.keys()
-    rows = [{"name": key, "version": v.version, "aliases": ",".join(v.aliases),
-             "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
-             "searcher": v.tags.get("searcher", ""), "entries": _num(v.tags.get("num_entries")),
-             "bytes_per_entry": _num(v.tags.get("bytes_per_entry"), 1), "build_s": _num(v.tags.get("build_s"), 1),
-             "source": v.tags.get("source", ""), "target": v.tags.get("target_sha256", "")[:8]}
-            for key in names for v in kind.versions(key)]  # fmt: skip
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
-    table = Table(title="kNN-LM datastore versions")
-    for col in ("name", "version", "aliases", "created", "searcher", "entries", "bytes/entry", "build s", "source",
-                "target"):  # fmt: skip
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], r["version"], r["aliases"], r["created"], r["searcher"], _fmt(r["entries"], 0),
-                      _fmt(r["bytes_per_entry"], 0), _fmt(r["build_s"], 1), r["source"], r["target"])  # fmt: skip
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-    if not rows:
-        print("no kNN-LM datastore registered yet: `specops knnlm build --name NAME` builds one")
-    return 0
 
 
 def _registry_uri_alias(p: argparse.ArgumentParser) -> None:
@@ -180,11 +148,7 @@ def add_parser(sub) -> None:
     q.add_argument("--no-register", action="store_true", help="only build (and --out); leave the registry alone")
     q.set_defaults(func=cmd_build)
 
-    q = ksub.add_parser("ls", help="list kNN-LM datastore versions",
-                        description="One row per version: name, aliases, searcher, entries, bytes per entry, build "
-                        "time, source, target fingerprint.")  # fmt: skip
-    add_registry_args(q, events=False)
+    q = add_ls(ksub, "knnlm", key_flag="--name", archived=False, help="list kNN-LM datastore versions",
+               description="One row per version: name, aliases, searcher, entries, bytes per entry, build time, "
+               "source, target fingerprint.")  # fmt: skip
     _registry_uri_alias(q)
-    q.add_argument("--name", default=None, help="only knnlm-NAME")
-    q.add_argument("--json", action="store_true", help="one JSON object per version")
-    q.set_defaults(func=cmd_ls)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
-from specops.registry_cli import NONE, add_registry_args, open_registry
+from specops.artifact_cli import NONE, add_registry_args, open_registry
 
 
 def read_generations(url: str):
@@ -32,27 +31,21 @@ def read_generations(url: str):
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from specops.serving.errors import SpecOpsError
-    from specops.trainer.policy_fit import fit_priors
+    from specops.core.errors import SpecOpsError
+    from specops.trainer.policy_fit import PolicyFitter
 
     if args.stream.lower() in NONE:
         raise SpecOpsError("policy fit reads spec.generations: give --stream URL")
-    priors, report, used = fit_priors(read_generations(args.stream), max_trials=args.max_trials)
-    out = {"requests": used, "clusters": {c: r.to_dict() for c, r in sorted(report.items())}}
+    registry = open_registry(args.registry, args.stream) if args.register else None
+    fitter = PolicyFitter(read_generations(args.stream), registry, max_trials=args.max_trials, promote=args.promote)
+    registered = fitter.run_once()  # registers (and promotes) only with a registry and auto requests to fit
+    used = fitter.used
+    out = {"requests": used, "clusters": {c: r.to_dict() for c, r in sorted(fitter.report.items())}}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(priors, indent=1))
+        Path(args.out).write_text(json.dumps(fitter.priors, indent=1))
         out["priors"] = str(args.out)
-    if args.register and used:
-        reg = open_registry(args.registry, args.stream)
-        with tempfile.TemporaryDirectory(prefix="specops-policy-") as d:
-            (Path(d) / "priors.json").write_text(json.dumps(priors))
-            v = reg.artifact("policy").register("", Path(d), meta={"requests": used},
-                                                metrics={"requests": float(used)})  # fmt: skip
-        out["version"] = v.version
-        if args.promote:
-            reg.artifact("policy").promote("", v.version, reason=f"fitted from {used} auto requests")
-            out["promoted"] = True
+    out.update(registered)
     if args.json:
         print(json.dumps(out))
         return 0

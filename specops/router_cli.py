@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+from specops.artifact_cli import add_ls, add_promote, add_registry_args, open_registry
 from specops.paths import models_dir
-from specops.registry_cli import _fmt, add_registry_args, open_registry
 
 EMBEDDERS = ("minilm", "target")
 
 
 def build_embedder(kind: str, model_dir: Path):
     """The ``kind`` embedder; ``target`` loads ``model_dir/target`` and its tokenizer."""
-    from specops.serving.fleet.embed import make_embedder
+    from specops.core.embed import make_embedder
 
     if kind != "target":
         return make_embedder(kind)
-    from specops.serving.engine.models import load_model, load_tokenizer
+    from specops.core.models import load_model, load_tokenizer
 
     target = Path(model_dir) / "target"
     return make_embedder(kind, model=load_model(target), tokenizer=load_tokenizer(target))
@@ -30,7 +28,7 @@ def build_embedder(kind: str, model_dir: Path):
 def train_refitter(stream: str, registry, model_dir: Path, *, tokenizer_dir: Path | None = None,
                    embedder: str = "minilm", group: str = "router-refit"):  # fmt: skip
     """The RouterRefitter ``specops train --router-refit-every`` schedules."""
-    from specops.serving.engine.models import load_tokenizer
+    from specops.core.models import load_tokenizer
     from specops.streams import StreamConfig
     from specops.trainer.router_fit import RefitConfig, RouterRefitter
 
@@ -40,13 +38,14 @@ def train_refitter(stream: str, registry, model_dir: Path, *, tokenizer_dir: Pat
 
 
 def _load_champion(reg, version: str | None, model_dir: Path):
-    from specops.serving.fleet.router import Router
+    from specops.core.router import Router
 
-    rv = reg.router_version(version) if version else reg.router_by_alias()
+    routers = reg.artifact("router")
+    rv = routers.get("", version) if version else routers.by_alias()
     if rv is None:
         return None
     with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
-        reg.fetch(rv, Path(tmp) / "router")
+        routers.fetch(rv, Path(tmp) / "router")
         return Router.load(Path(tmp) / "router", build_embedder(rv.embedder_kind, model_dir), version=rv.version)
 
 
@@ -55,14 +54,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     router = bootstrap_router(Path(args.model_dir), build_embedder(args.embedder, Path(args.model_dir)),
                               per_domain=args.per_domain, seed=args.seed)  # fmt: skip
-    reg = open_registry(args.registry, args.stream)
+    routers = open_registry(args.registry, args.stream).artifact("router")
     with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
-        rv = reg.register_router(router.save(Path(tmp) / "router"), metrics=router.metrics,
-                                 params={"source": "bootstrap", "model_dir": str(Path(args.model_dir).resolve()),
-                                         "fitted_on": json.dumps(router.fitted_on), "seed": args.seed})  # fmt: skip
-    champion = reg.router_by_alias()
+        rv = routers.register("", router.save(Path(tmp) / "router"), metrics=router.metrics,
+                              params={"source": "bootstrap", "model_dir": str(Path(args.model_dir).resolve()),
+                                      "fitted_on": json.dumps(router.fitted_on), "seed": args.seed})  # fmt: skip
+    champion = routers.by_alias()
     if champion is None or args.promote:
-        reg.promote_router(rv.version, reason="bootstrap router")
+        routers.promote("", rv.version, reason="bootstrap router")
         state = "champion"
     else:
         state = f"challenger (champion stays {champion.version}; --promote replaces it)"
@@ -72,12 +71,12 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from specops.serving.engine.models import load_tokenizer
+    from specops.core.models import load_tokenizer
     from specops.streams import StreamConfig
     from specops.trainer.router_fit import refit_from_stream
 
     reg = open_registry(args.registry, args.stream)
-    champion = reg.router_by_alias()
+    champion = reg.artifact("router").by_alias()
     kind = args.embedder or (champion.embedder_kind if champion is not None else "minilm")
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else Path(args.model_dir) / "target")
     result = refit_from_stream(StreamConfig.from_env(url=args.stream), reg, tokenizer,
@@ -90,38 +89,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    reg = open_registry(args.registry, None)
-    rows = [{"version": v.version, "aliases": ",".join(v.aliases), "clusters": ",".join(v.clusters),
-             "created": time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)),
-             "embedder": v.embedder_kind, "mean_distance": v.metric("mean_distance"),
-             "agreement": v.metric("agreement"), "records": v.metric("records_used") or v.metric("num_texts"),
-             "gate": {1.0: "passed", 0.0: "failed"}.get(v.metric("gate_passed"), ""),
-             "parent": v.tags.get("parent_version", ""), "lineage": v.tags.get("lineage_offsets", "")}
-            for v in reg.router_versions()]  # fmt: skip
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
-    table = Table(title=f"router versions in {reg.cfg.uri}")
-    for col in ("version", "aliases", "clusters", "created", "embedder", "mean distance", "agreement", "texts",
-                "gate", "lineage offsets"):  # fmt: skip
-        table.add_column(col, justify="right" if col in ("version", "mean distance", "agreement", "texts") else "left")
-    for r in rows:
-        table.add_row(r["version"], r["aliases"], r["clusters"], r["created"], r["embedder"], _fmt(r["mean_distance"]),
-                      _fmt(r["agreement"]), _fmt(r["records"], 0), r["gate"], r["lineage"])  # fmt: skip
-    Console(width=None if sys.stdout.isatty() else 220).print(table)
-    if not rows:
-        print("no router registered yet: `specops router bootstrap` fits the first one")
-    return 0
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from specops.serving.errors import RouterError
-    from specops.serving.fleet.router import Router
+    from specops.core.errors import RouterError
+    from specops.core.router import Router
 
     if args.router_dir:
         router = Router.load(Path(args.router_dir))  # checked before any embedder loads
@@ -140,10 +112,6 @@ def cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_promote(args: argparse.Namespace) -> int:
-    change = open_registry(args.registry, args.stream).promote_router(args.version, reason=args.reason)
-    print(f"router: champion {change.previous_version or 'none'} -> {change.version}")
-    return 0
 
 
 def add_parser(sub) -> None:
@@ -184,13 +152,9 @@ def add_parser(sub) -> None:
                    help="promote only if this fraction of prompts keep their cluster (default: %(default)s)")
     q.set_defaults(func=cmd_fit)
 
-    q = rsub.add_parser("ls", help="list router versions with aliases, clusters and fit metrics",
-                        description="One row per router version: aliases, clusters, embedder, mean cosine "
-                        "distance of the fitted prompts, agreement with the previous router, the gate, lineage "
-                        "offsets.")  # fmt: skip
-    add_registry_args(q, events=False)
-    q.add_argument("--json", action="store_true", help="one JSON object per version")
-    q.set_defaults(func=cmd_ls)
+    add_ls(rsub, "router", archived=False, help="list router versions with aliases, clusters and fit metrics",
+           description="One row per router version: aliases, clusters, embedder, mean cosine distance of the fitted "
+           "prompts, agreement with the previous router, the gate, lineage offsets.")  # fmt: skip
 
     q = rsub.add_parser("route", help="print the cluster a prompt is routed to",
                         description="Routes TEXT with the champion router (or --version, or a saved "
@@ -204,11 +168,6 @@ def add_parser(sub) -> None:
     q.add_argument("--json", action="store_true", help='print {"cluster", "distance", "router_version"}')
     q.set_defaults(func=cmd_route)
 
-    q = rsub.add_parser("promote", help="point the router's champion at a version (also how to roll back)",
-                        description="Moves alias champion of 'router' to VERSION and announces it on spec.events; "
-                        "serving swaps it in.")  # fmt: skip
-    add_registry_args(q)
-    q.add_argument("version")
-    q.add_argument("--reason", default="manual promotion", help="recorded on the version")
-    q.set_defaults(func=cmd_promote)
-
+    add_promote(rsub, "router", help="point the router's champion at a version (also how to roll back)",
+                description="Moves alias champion of 'router' to VERSION and announces it on spec.events; serving "
+                "swaps it in.")  # fmt: skip

@@ -11,8 +11,8 @@ import signal
 import threading
 from pathlib import Path
 
-from specops.serving.http.config import ServeConfig
 from specops.paths import data_dir, streams_url
+from specops.serving.http.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,14 @@ def build_state(cfg: ServeConfig, *, root: Path | None = None):
     def registry():
         if cfg.registry.lower() in NONE:
             return None
-        from specops.registry_cli import open_registry
+        from specops.artifact_cli import open_registry
 
         return open_registry(cfg.registry, None)  # serving follows; it never publishes alias moves itself
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else root / "serve" / cfg.replica_name
-    return ServingState(cfg, target_dir=target, draft_dir=draft, cache_dir=cache, registry_factory=registry,
-                        stream_cfg=stream_cfg)  # fmt: skip
+    return ServingState(
+        cfg, target_dir=target, draft_dir=draft, cache_dir=cache, registry_factory=registry, stream_cfg=stream_cfg
+    )
 
 
 class Server:
@@ -53,12 +54,21 @@ class Server:
         self.cfg = cfg
         self.state = state or build_state(cfg, root=root)
         self.app = create_app(self.state)
-        # h11 with a header and unread-body timer; the API itself bounds the body it reads (serving/http/read_timeouts.py)
-        self.uv = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
-                                                access_log=False, timeout_graceful_shutdown=30,
-                                                timeout_keep_alive=cfg.keep_alive_timeout_s,
-                                                http=guarded_h11(cfg.header_timeout_s, cfg.body_timeout_s),
-                                                lifespan="on"))  # fmt: skip
+        # h11 with a header and unread-body timer; the API itself bounds the body it reads
+        # (serving/http/read_timeouts.py)
+        self.uv = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host=cfg.host,
+                port=cfg.port,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=30,
+                timeout_keep_alive=cfg.keep_alive_timeout_s,
+                http=guarded_h11(cfg.header_timeout_s, cfg.body_timeout_s),
+                lifespan="on",
+            )
+        )
         self._thread: threading.Thread | None = None
 
     @property
@@ -106,8 +116,11 @@ class Server:
         uvicorn handles the signal and, once shut down, raises it again for the handler it found
         installed. That handler is ours: it asks for the same graceful stop (a signal before uvicorn
         listens) and otherwise does nothing, so a stopped replica exits 0 instead of dying of the signal."""
-        log.info("serving the OpenAI API on http://%s:%d/v1 (health: /healthz, ready: /readyz, metrics: /metrics)",
-                 self.cfg.host, self.cfg.port)  # fmt: skip
+        log.info(
+            "serving the OpenAI API on http://%s:%d/v1 (health: /healthz, ready: /readyz, metrics: /metrics)",
+            self.cfg.host,
+            self.cfg.port,
+        )
 
         def stop(sig: int, frame) -> None:
             self.uv.should_exit = True

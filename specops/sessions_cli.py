@@ -6,15 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
+from specops.artifact_cli import NONE, add_registry_args, open_registry
 from specops.paths import models_dir
-from specops.registry_cli import NONE, add_registry_args, open_registry
 
 
 def sessions_rebuilder(stream: str, registry, tokenizer_dir: Path, *, min_new: int = 8, max_tokens: int = 65536):
     """The SessionIndexRebuilder ``specops train --sessions-rebuild-every`` schedules (and
     ``specops sessions rebuild`` runs once): stamped with the target's tokenizer hash."""
-    from specops.serving.engine.models import load_tokenizer, tokenizer_hash
-    from specops.serving.proposers.session_cache import SessionCacheConfig
+    from specops.core.models import load_tokenizer, tokenizer_hash
+    from specops.core.sessions.cache import SessionCacheConfig
     from specops.streams import StreamConfig
     from specops.trainer.sessions import SessionIndexRebuilder, SessionRebuildConfig
 
@@ -24,7 +24,7 @@ def sessions_rebuilder(stream: str, registry, tokenizer_dir: Path, *, min_new: i
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from specops.serving.errors import SpecOpsError
+    from specops.core.errors import SpecOpsError
 
     if args.stream.lower() in NONE:
         raise SpecOpsError("sessions rebuild reads spec.generations: give --stream URL")

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from specops.prompts import Prompt
-from specops.report import RequestRow
+from specops.report_data import RequestRow
 
 T = TypeVar("T")
 
@@ -166,7 +166,7 @@ def build_chat_schedule(tokenizer, *, num_requests: int, seed: int = 0, recurrin
 
     The parts are made in the order unseen, router, served, so the never-served prompts stay
     the same whatever the request count."""
-    from specops.serving.engine.models import render_chat
+    from specops.core.models import render_chat
     from specops.chat_workload import chat_workload, messages_of
 
     domains = tuple(sorted({d for p in phases for d in p.share}))

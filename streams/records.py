@@ -331,7 +331,7 @@ class GenerationRecord:
     context_spans: tuple[ContextSpan, ...] = ()
     """The parts of ``prompt_ids`` (the whole context the target saw; v2; empty: all prompt)."""
     policy: dict = field(default_factory=dict)
-    """What ``auto`` chose for the request (``serving.engine.auto.AutoProposer.summary``: steps,
+    """What ``auto`` chose for the request (``serving.proposers.auto.AutoProposer.summary``: steps,
     drafted and accepted per method, the latest decision); empty for fixed methods. An optional
     wire field: consumers that predate it ignore it, so it needs no schema bump."""
     schema: int = SCHEMA_VERSION

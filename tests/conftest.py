@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specops.serving.engine import draft_vocab
-from specops.serving.engine.draft_vocab import DraftVocab
-from specops.serving.engine.models import ModelPair, prepare_for_decoding
+from specops.core import draft_vocab
+from specops.core.draft_vocab import DraftVocab
+from specops.core.models import ModelPair, prepare_for_decoding
 from specops.trainer.bootstrap import run as bootstrap
 
 # Under pytest-xdist (`make test`: one worker per core) a second torch thread per worker would
@@ -82,9 +82,9 @@ SUBSET = sorted(random.Random(0).sample(range(VOCAB), 48))
 
 @pytest.fixture(scope="session")
 def served_pair(tiny_target) -> ModelPair:
-    """``close_pair`` as serving loads it: few-row products as ``W @ xᵀ`` (``serving.engine.cpu_linear``) in
+    """``close_pair`` as serving loads it: few-row products as ``W @ xᵀ`` (``core.cpu_linear``) in
     both models, a draft in bfloat16 (serving's default draft precision) that scores only the
-    ``SUBSET`` of its vocabulary (``serving.engine.draft_vocab``)."""
+    ``SUBSET`` of its vocabulary (``core.draft_vocab``)."""
     target = prepare_for_decoding(copy.deepcopy(tiny_target))
     draft = prepare_for_decoding(perturbed(tiny_target, 0.05, seed=3).to(torch.bfloat16))
     draft_vocab.attach(draft, DraftVocab(torch.tensor(SUBSET), VOCAB))

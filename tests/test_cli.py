@@ -21,7 +21,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def specops(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specops.cli", "-q", *args], capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "specops.cli", "-q", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -42,7 +43,8 @@ def test_generate_json_is_identical_across_methods(tiny_dir):
 
 @pytest.mark.slow
 def test_generate_sampling_is_seeded(tiny_dir):
-    args = ["generate", "--model-dir", str(tiny_dir), "--prompt", "the", "--temperature", "0.9", "--seed", "3", "--json"]
+    sampled = ["--temperature", "0.9", "--seed", "3"]
+    args = ["generate", "--model-dir", str(tiny_dir), "--prompt", "the", *sampled, "--json"]
     a, b = json.loads(specops(*args).stdout), json.loads(specops(*args).stdout)
     assert a["token_ids"] == b["token_ids"]
 
@@ -63,11 +65,47 @@ def test_every_subcommand_has_help():
         assert run.returncode == 0 and "usage: specops" in run.stdout
 
 
+def test_every_command_module_adds_commands_whose_subcommands_all_run_something():
+    """cli.COMMANDS is the one list of command groups: each module adds its command(s), and every
+    leaf subcommand sets the ``func`` that main() runs."""
+    import argparse
+
+    from specops.cli import COMMANDS, build_parser
+
+    def subparsers(parser):
+        return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+    for module in COMMANDS:
+        sub = argparse.ArgumentParser().add_subparsers()
+        module.add_parser(sub)
+        assert sub.choices, f"{module.__name__}.add_parser added no command"
+    leaves, todo = [], list(subparsers(build_parser()).choices.items())
+    while todo:
+        name, parser = todo.pop()
+        sub = subparsers(parser)
+        if sub is None:
+            leaves.append(name)
+            assert callable(parser.get_default("func")), f"`specops {name}` sets no func"
+        else:
+            todo += [(f"{name} {child}", p) for child, p in sub.choices.items()]
+    assert {"generate", "streams inspect", "train"} <= set(leaves)
+
+
+def test_building_the_parser_loads_no_model_library():
+    """`specops --help` stays fast: command modules import torch, transformers and numpy when a command runs."""
+    code = ("import sys\nfrom specops.cli import build_parser\nbuild_parser()\n"
+            "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
 @pytest.mark.slow
 def test_generate_logs_to_a_stream_and_inspect_shows_it(tiny_dir, tmp_path):
     url = f"local://{tmp_path}/streams"
-    run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "8",
-                  "--stream", url, "--cluster", "code", "--json")  # fmt: skip
+    run = specops(
+        "generate", "--model-dir", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "8", "--stream", url,
+        "--cluster", "code", "--json",
+    )
     assert run.returncode == 0, run.stderr
     from specops.streams import OutMessage, open_stream
 

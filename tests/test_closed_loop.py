@@ -17,7 +17,7 @@ import torch
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.serving.http.config import ServeConfig
 from specops.serving.fleet.events import EventPublisher
-from specops.serving.engine.models import load_model_dir
+from specops.core.models import load_model_dir
 from specops.serve import Server
 from specops.streams import StreamConfig, open_stream
 from tests.conftest import perturbed, random_prompts
@@ -91,8 +91,8 @@ def test_closed_loop_raises_acceptance(tiny_models, sqlite_uri, tmp_path):
         finally:
             torch.set_num_threads(threads)
             trainer.close()
-        champion = registry.by_alias(CLUSTER, CHAMPION)
-        gates = [(v.version, v.tags.get("gate_reason")) for v in registry.versions(CLUSTER)]
+        champion = registry.artifact("draft").by_alias(CLUSTER, CHAMPION)
+        gates = [(v.version, v.tags.get("gate_reason")) for v in registry.artifact("draft").versions(CLUSTER)]
         assert champion is not None, f"the gate promoted nothing: {gates}"
         assert champion.tags["gate_decision"] == "promoted"
 

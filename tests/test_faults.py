@@ -79,7 +79,7 @@ def test_output_check_tells_the_targets_output_from_another(tmp_path):
     from argparse import Namespace
 
     from specops.serving.engine.spec import SpecEngine
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.models import load_model_dir
     from specops.serving.engine.types import SamplingParams
 
     models = bench.tiny_pair(tmp_path / "models", seed=0)

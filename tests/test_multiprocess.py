@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_model_dir
+from specops.core.models import load_model_dir
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.streams.tansu import TansuBroker, free_port
@@ -173,7 +173,7 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
         while True:
             round_of_requests(len(served))
             assert all(p.proc.poll() is None for p in procs), f"a process exited early\n{logs()}"
-            dv = registry.by_alias(CLUSTER)
+            dv = registry.artifact("draft").by_alias(CLUSTER)
             champion = dv.version if dv is not None else None
             views = {name: requests.get(url + "/v1/clusters", timeout=10).json().get("drafts", {}).get(CLUSTER)
                      for name, url in urls.items()}  # fmt: skip

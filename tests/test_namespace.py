@@ -4,6 +4,7 @@ public ``trainer`` package (and any ``registry`` or ``streams``) without breakin
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -59,9 +60,17 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
         version("trainer")
     except Exception:  # noqa: BLE001
         pytest.skip(f"the public {PUBLIC_TRAINER} is not installed here; `make venv` installs it")
+    # build from a copy of the sources: an in-tree build would reuse build/lib, where a module
+    # deleted since the last build still lies, and put it in the wheel
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for top in ("specops", *MAPPED):
+        shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(wheels), str(ROOT)], check=True, timeout=300, cwd=tmp_path)  # fmt: skip
+                    "-w", str(wheels), str(src)], check=True, timeout=300, cwd=tmp_path)  # fmt: skip
     (wheel,) = wheels.glob("specops-*.whl")
     env = tmp_path / "clean"
     venv.EnvBuilder(with_pip=True).create(env)

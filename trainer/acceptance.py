@@ -24,7 +24,7 @@ promotion gate compares drafts on it, pairing them request by request
 (:func:`paired_gain`).
 
 Every estimate is taken as serving runs the draft: restricted to its draft vocabulary
-when it has one (``serving.engine.draft_vocab``).
+when it has one (``core.draft_vocab``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specops.serving.engine.draft_vocab import DraftVocab, supports_subset_head
+from specops.core.draft_vocab import DraftVocab, supports_subset_head
 from specops.streams.records import MissRecord
 from specops.trainer.losses import TargetDist
 

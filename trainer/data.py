@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specops.serving.engine.draft_vocab import DraftVocab
+from specops.core.draft_vocab import DraftVocab
 from specops.streams.records import DIST_TOPK, MissRecord
 from specops.trainer.losses import TargetDist
 

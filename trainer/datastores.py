@@ -13,15 +13,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
-from specops.serving.retrieval.keys import target_hidden_states
-from specops.trainer.generations import GenerationsReader
+from specops.core.datastore import Datastore, DatastoreConfig
+from specops.core.keys import target_hidden_states
+from specops.registry import ArtifactVersion
+from specops.trainer.rebuild import Candidate, Rebuilder
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +185,9 @@ def inputs_sha256(cluster: str, cfg: DatastoreConfig, tokenizer_sha256: str, tra
     return h.hexdigest()
 
 
-class DatastoreRebuilder:
+class DatastoreRebuilder(Rebuilder[Datastore]):
     """Rebuilds each cluster's DReSD datastore from its served generations. :meth:`run_once`
-    reads top to bottom:
+    (``trainer.rebuild.Rebuilder``) reads top to bottom:
 
     1. **consume** GenerationRecords in its own consumer group; each (context + output) goes
        to its cluster's training buffer, every ``heldout_every``-th to its held-out set;
@@ -194,11 +195,11 @@ class DatastoreRebuilder:
        buffer (the target's hidden states in batches, z-norm and PCA refitted, the index);
     3. **gate**: its MAR replayed on the held-out generations must beat the champion's;
     4. **register** ``datastore-<cluster>`` (lineage: offsets, sizes, config hash, and the
-       ``inputs_sha256`` of its documents) and **promote** it when the gate passed;
-    5. **commit** the offsets, only now, and only once every cluster's new generations are in
+       ``inputs_sha256`` of its documents) and 5. **promote** it when the gate passed;
+    6. **commit** the offsets, only now, and only once every cluster's new generations are in
        a registered version: a crash before this re-reads the records.
 
-    **Idempotent after a crash.** Killed after step 4 but before step 5, a restarted trainer reads
+    **Idempotent after a crash.** Killed after step 4 but before step 6, a restarted trainer reads
     the same generations again. Before building (step 2), the rebuild hashes its inputs
     (:func:`inputs_sha256`); when the latest version of ``datastore-<cluster>`` carries the same
     hash, nothing is built or registered (outcome ``unchanged``, logged) and the offsets commit. A
@@ -206,26 +207,18 @@ class DatastoreRebuilder:
     is promoted then.
     """
 
+    kind = "datastore"
+
     def __init__(self, stream_cfg, registry, target, *, tokenizer_sha256: str = "",
                  cfg: RebuildConfig | None = None) -> None:  # fmt: skip
-        from collections import deque
-
-        self.stream_cfg, self.registry, self.target = stream_cfg, registry, target
+        super().__init__(stream_cfg, registry, cfg or RebuildConfig())
+        self.target = target
         self.tokenizer_sha256 = tokenizer_sha256
-        self.cfg = cfg or RebuildConfig()
-        self._deque = deque
         self.train: dict[str, deque] = {}
         self.heldout: dict[str, deque] = {}
         self._count: dict[str, int] = {}
         self._new: dict[str, int] = {}
         self._seen: set[tuple[str, int, int]] = set()
-        self._champions: dict[str, tuple[str, Datastore]] = {}
-        self.reader = GenerationsReader(stream_cfg, self.cfg.group, poll_records=self.cfg.poll_records,
-                                        poll_timeout_s=self.cfg.poll_timeout_s, max_polls=self.cfg.max_polls)  # fmt: skip
-
-    def close(self) -> None:
-        """Leave the group without committing (uncommitted records come back)."""
-        self.reader.close()
 
     def consume(self) -> int:
         """Step 1; returns the records consumed."""
@@ -240,46 +233,52 @@ class DatastoreRebuilder:
             c = rec.cluster
             self._count[c] = self._count.get(c, 0) + 1
             if self._count[c] % self.cfg.heldout_every == 0:
-                self.heldout.setdefault(c, self._deque(maxlen=self.cfg.max_heldout)).append(doc)
+                self.heldout.setdefault(c, deque(maxlen=self.cfg.max_heldout)).append(doc)
             else:
-                self.train.setdefault(c, self._deque(maxlen=self.cfg.max_docs)).append(doc)
+                self.train.setdefault(c, deque(maxlen=self.cfg.max_docs)).append(doc)
                 self._new[c] = self._new.get(c, 0) + 1
         return n
 
-    def champion(self, cluster: str) -> Datastore | None:
-        kind = self.registry.artifact("datastore")
-        v = kind.by_alias(cluster)
-        if v is None:
-            return None
-        held = self._champions.get(cluster)
-        if held is None or held[0] != v.version:
-            with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
-                kind.fetch(v, Path(tmp) / "ds")
-                held = (v.version, Datastore.load(Path(tmp) / "ds"))
-            self._champions[cluster] = held
-        return held[1]
+    def start(self, consumed: int) -> RebuildResult:
+        return RebuildResult(consumed)
 
-    def _already_registered(self, cluster: str, inputs: str, result: RebuildResult) -> bool:
-        """True when the latest version of ``datastore-<cluster>`` was built from ``inputs`` (its
+    def due(self) -> list[str]:
+        return sorted(c for c, n in self._new.items() if n >= self.cfg.min_new and self.heldout.get(c))
+
+    def _inputs(self, cluster: str) -> str:
+        docs = [d for d, _ in self.train[cluster]]
+        return inputs_sha256(cluster, self.cfg.datastore, self.tokenizer_sha256, docs, list(self.heldout[cluster]))
+
+    def already_registered(self, cluster: str, result: RebuildResult) -> bool:
+        """True when the latest version of ``datastore-<cluster>`` was built from these inputs (its
         ``inputs_sha256``): nothing to build or register; a gate it passed but a promotion it never
         got (a crash between the two) is finished here."""
-        kind = self.registry.artifact("datastore")
-        versions = kind.versions(cluster)
+        inputs = self._inputs(cluster)
+        versions = self.artifacts.versions(cluster)
         latest = versions[-1] if versions else None
         if latest is None or latest.tags.get("inputs_sha256") != inputs:
             return False
         outcome = "unchanged"
         passed = latest.metric("gate_passed") == 1.0
         if passed and "promoted_at" not in latest.tags and not latest.archived and "champion" not in latest.aliases:
-            kind.promote(cluster, latest.version, reason="rebuild gate passed before a restart; promotion finished")
+            reason = "rebuild gate passed before a restart; promotion finished"
+            self.artifacts.promote(cluster, latest.version, reason=reason)
             outcome = "promoted"
+        finished = "; promoted it, which the run that registered it did not live to do" if outcome == "promoted" else ""
         log.info("datastore-%s: version %s was built from these same %d generations (inputs %s): not registering "
-                 "it again%s", cluster, latest.version, len(self.train[cluster]), inputs[:12],
-                 "; promoted it, which the run that registered it did not live to do" if outcome == "promoted" else "")  # fmt: skip
+                 "it again%s", cluster, latest.version, len(self.train[cluster]), inputs[:12], finished)
         self._new[cluster] = 0
         result.clusters[cluster] = outcome
         result.versions[cluster] = latest.version
         return True
+
+    def build(self, cluster: str) -> Candidate:
+        docs = [d for d, _ in self.train[cluster]]
+        champion = self.champion(cluster, lambda path, _version: Datastore.load(path))
+        meta = {"cluster": cluster, "tokenizer_sha256": self.tokenizer_sha256}
+        store, stats = Datastore.build(self.target, docs, self.cfg.datastore, meta=meta)
+        return Candidate(store, {"stats": stats, "docs": len(docs), "inputs": self._inputs(cluster),
+                                 "champion": champion[1] if champion else None})
 
     def _mar(self, store: Datastore, cluster: str, hidden: dict[int, np.ndarray] | None = None) -> float:
         docs = list(self.heldout.get(cluster, ()))
@@ -288,51 +287,49 @@ class DatastoreRebuilder:
         return offline_mar(store, self.target, [d for d, _ in docs], [s for _, s in docs], n_drafts=self.cfg.n_drafts,
                            k=self.cfg.k, hidden=hidden).mar  # fmt: skip
 
-    def run_once(self) -> RebuildResult:
-        consumed = self.consume()  # 1.
-        due = sorted(c for c, n in self._new.items() if n >= self.cfg.min_new and self.heldout.get(c))
-        result = RebuildResult(consumed)
-        for cluster in due:
-            docs = [d for d, _ in self.train[cluster]]
-            inputs = inputs_sha256(cluster, self.cfg.datastore, self.tokenizer_sha256, docs, list(self.heldout[cluster]))
-            if self._already_registered(cluster, inputs, result):  # a restart re-read what is registered
-                continue
-            champion = self.champion(cluster)
-            store, stats = Datastore.build(self.target, docs, self.cfg.datastore,  # 2.
-                                           meta={"cluster": cluster, "tokenizer_sha256": self.tokenizer_sha256})  # fmt: skip
-            held = list(self.heldout[cluster])
-            hidden = dict(target_hidden_states(self.target, [d for d, _ in held]))  # one target pass, three replays
-            mar = self._mar(store, cluster, hidden)  # 3.
-            champ_mar = self._mar(champion, cluster, hidden) if champion is not None else None
-            (n, k), shapes = choose_shape(store, self.target, [d for d, _ in held], [s for _, s in held],
-                                          node_cost=self.cfg.node_cost, hidden=hidden)  # fmt: skip
-            store.meta["shape"] = {"n_drafts": n, "k": k, "node_cost": self.cfg.node_cost, "replayed": shapes}
-            if shapes[f"{n}x{k}"]["speed_vs_target"] < 1.0:
-                log.warning("datastore-%s: even its best draft shape (%dx%d) replays at %.2fx target-only speed at "
-                            "node_cost %.3f: on this hardware target-only (or another method) serves this cluster "
-                            "faster", cluster, n, k, shapes[f"{n}x{k}"]["speed_vs_target"], self.cfg.node_cost)  # fmt: skip
-            passed = champ_mar is None or mar > champ_mar + self.cfg.margin
-            lineage = {**self.reader.lineage(), "docs": len(docs), "heldout": len(self.heldout[cluster])}
-            v = register_datastore(  # 4.
-                self.registry, cluster, store, stats, lineage=lineage,
-                tags={"mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
-                      "source": "spec.generations", "shape": f"{n}x{k}", "inputs_sha256": inputs},
-                metrics={"mar": mar, "gate_passed": float(passed),
-                         "shape_speed_vs_target": shapes[f"{n}x{k}"]["speed_vs_target"]})  # fmt: skip
-            if passed:
-                self.registry.artifact("datastore").promote(cluster, v.version, reason=(
-                    f"rebuild gate: held-out MAR {mar:.3f} vs {'none' if champ_mar is None else f'{champ_mar:.3f}'}"))  # fmt: skip
-            self._new[cluster] = 0
-            result.clusters[cluster] = "promoted" if passed else "registered"
-            result.versions[cluster] = v.version
-            result.mar[cluster] = (mar, champ_mar)
-            log.info("datastore-%s: version %s from %d generations (%d entries, keys at %.0f tokens/s), held-out MAR "
-                     "%.3f vs champion %s: %s", cluster, v.version, len(docs), store.num_entries,
-                     stats.embed_tokens_per_s, mar, "none" if champ_mar is None else f"{champ_mar:.3f}",
-                     "promoted" if passed else "kept the champion")  # fmt: skip
-        if due and not any(self._new.values()):
-            # 5. Only when every consumed generation is in a registered version (or held out): a
-            # cluster still short of min_new holds the commit back, so a crash re-reads its records.
-            self.reader.commit()
-            self._seen.clear()
-        return result
+    def gate(self, cluster: str, c: Candidate) -> tuple[bool, str]:
+        """Held-out MAR against the champion's (one target pass, three replays), and the draft shape."""
+        store, champion = c.artifact, c.info["champion"]
+        held = list(self.heldout[cluster])
+        hidden = dict(target_hidden_states(self.target, [d for d, _ in held]))
+        mar = self._mar(store, cluster, hidden)
+        champ_mar = self._mar(champion, cluster, hidden) if champion is not None else None
+        (n, k), shapes = choose_shape(store, self.target, [d for d, _ in held], [s for _, s in held],
+                                      node_cost=self.cfg.node_cost, hidden=hidden)  # fmt: skip
+        store.meta["shape"] = {"n_drafts": n, "k": k, "node_cost": self.cfg.node_cost, "replayed": shapes}
+        if shapes[f"{n}x{k}"]["speed_vs_target"] < 1.0:
+            log.warning("datastore-%s: even its best draft shape (%dx%d) replays at %.2fx target-only speed at "
+                        "node_cost %.3f: on this hardware target-only (or another method) serves this cluster "
+                        "faster", cluster, n, k, shapes[f"{n}x{k}"]["speed_vs_target"], self.cfg.node_cost)  # fmt: skip
+        c.info.update(mar=mar, champ_mar=champ_mar, shape=f"{n}x{k}", speed=shapes[f"{n}x{k}"]["speed_vs_target"])
+        passed = champ_mar is None or mar > champ_mar + self.cfg.margin
+        return passed, f"held-out MAR {mar:.3f} vs {'none' if champ_mar is None else f'{champ_mar:.3f}'}"
+
+    def register(self, cluster: str, c: Candidate) -> ArtifactVersion:
+        mar, champ_mar = c.info["mar"], c.info["champ_mar"]
+        lineage = {**self.reader.lineage(), "docs": c.info["docs"], "heldout": len(self.heldout[cluster])}
+        return register_datastore(
+            self.registry, cluster, c.artifact, c.info["stats"], lineage=lineage,
+            tags={"mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
+                  "source": "spec.generations", "shape": c.info["shape"], "inputs_sha256": c.info["inputs"]},
+            metrics={"mar": mar, "gate_passed": float(c.passed), "shape_speed_vs_target": c.info["speed"]})  # fmt: skip
+
+    def record(self, cluster: str, c: Candidate, result: RebuildResult) -> None:
+        mar, champ_mar = c.info["mar"], c.info["champ_mar"]
+        self._new[cluster] = 0
+        result.clusters[cluster] = c.outcome
+        result.versions[cluster] = c.version.version
+        result.mar[cluster] = (mar, champ_mar)
+        log.info("datastore-%s: version %s from %d generations (%d entries, keys at %.0f tokens/s), held-out MAR "
+                 "%.3f vs champion %s: %s", cluster, c.version.version, c.info["docs"], c.artifact.num_entries,
+                 c.info["stats"].embed_tokens_per_s, mar, "none" if champ_mar is None else f"{champ_mar:.3f}",
+                 "promoted" if c.passed else "kept the champion")  # fmt: skip
+
+    def may_commit(self) -> bool:
+        # Only when every consumed generation is in a registered version (or held out): a cluster
+        # still short of min_new holds the commit back, so a crash re-reads its records.
+        return not any(self._new.values())
+
+    def commit(self) -> None:
+        self.reader.commit()
+        self._seen.clear()

@@ -5,7 +5,7 @@ directory is a man page: roff (plain or gzip) rendered to text by the bootstrap'
 :func:`~trainer.bootstrap.corpus.strip_roff` and titled like ``ls(1)``; any other file is
 text (plain or gzip) titled by its path below the source's root (``bash/README``). Binary,
 non-UTF-8, huge (over ``MAX_BYTES``) and near-empty files are skipped. Each document is cut
-into ~100-word passages by :func:`serving.retrieval.kb.chunk_text`.
+into ~100-word passages by :func:`core.passage.chunk_text`.
 
 Man pages are capped per name family as the bootstrap caps them (``gcloud_*`` alone is
 16,000 near-identical pages on this machine); ``max_pages_per_family=0`` keeps every page.
@@ -33,8 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specops.serving.retrieval.kb import CHUNK_WORDS, MAX_PASSAGE_TOKENS, chunk_text
-from specops.serving.retrieval.retriever import Passage
+from specops.core.passage import CHUNK_WORDS, MAX_PASSAGE_TOKENS, Passage, chunk_text
 from specops.trainer.bootstrap.corpus import (MAX_BYTES, MAX_PAGES_PER_FAMILY, list_prose_files, read_document,
                                       scan_domain, split_files, strip_roff, subsample)  # fmt: skip
 

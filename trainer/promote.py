@@ -32,14 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-
-from specops.registry import CHAMPION, DraftVersion, GateResult, RegistryStore, decide
-from specops.serving.engine import draft_vocab
-from specops.serving.engine.draft_vocab import DraftVocab
-from specops.serving.engine.models import from_pretrained, load_tokenizer, tokenizer_hash
+from specops.core import draft_vocab
+from specops.core.draft_vocab import DraftVocab
+from specops.core.models import from_pretrained, load_tokenizer, tokenizer_hash
+from specops.registry import (
+    CHAMPION,
+    ArtifactVersion,
+    GateResult,
+    RegistryStore,
+    decide,
+)
 from specops.streams.records import MissRecord
 from specops.trainer.acceptance import Acceptance, evaluate_records, paired_gain
+from transformers import AutoModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ class Promoter:
     def __init__(self, registry: RegistryStore, base_draft: Path, out_dir: Path, cfg: PromoteConfig | None = None,
                  *, tokenizer_dir: Path | None = None) -> None:  # fmt: skip
         self.registry = registry
+        self.drafts = registry.artifact("draft")
         self.cfg = cfg or PromoteConfig()
         self.base_draft = Path(base_draft)
         self.tokenizer_dir = Path(tokenizer_dir or base_draft)
@@ -97,14 +103,14 @@ class Promoter:
     def source_id(self, cluster: str, checkpoint_version: int) -> str:
         return f"{self.trainer_id}/{cluster}/v{checkpoint_version:06d}"
 
-    def is_registered(self, cluster: str, checkpoint_version: int) -> DraftVersion | None:
-        return self.registry.find_source(cluster, self.source_id(cluster, checkpoint_version))
+    def is_registered(self, cluster: str, checkpoint_version: int) -> ArtifactVersion | None:
+        return self.drafts.find_source(cluster, self.source_id(cluster, checkpoint_version))
 
     def publish(self, cluster: str, checkpoint: Path, checkpoint_version: int, state: dict,
                 candidate: torch.nn.Module, holdout: list[MissRecord], after: Acceptance) -> GateResult:  # fmt: skip
         """Register the checkpoint (1.), gate it (2.), apply retention (3.)."""
         lineage = state.get("lineage", {})
-        dv = self.registry.register_draft(  # 1.
+        dv = self.drafts.register(  # 1.
             cluster, checkpoint, tokenizer_sha256=self.tokenizer_sha256, tokenizer_dir=self.tokenizer_dir,
             metrics={"offline_acceptance_sampling": after.sampling, "offline_acceptance_greedy": after.greedy,
                      "offline_positions": after.num_positions},
@@ -116,21 +122,21 @@ class Promoter:
         )  # fmt: skip
         self.last_registered[cluster] = dv.version
         result = self.gate(cluster, dv.version, candidate, holdout, after)  # 2.
-        self.registry.apply_gate(cluster, result)
+        self.drafts.apply_gate(cluster, result)
         if self.cfg.keep_versions:  # 3.
-            self.registry.retain(cluster, keep_last=self.cfg.keep_versions)
+            self.drafts.retain(cluster, keep_last=self.cfg.keep_versions)
         return result
 
     def gate(self, cluster: str, version: str, candidate: torch.nn.Module, holdout: list[MissRecord],
              candidate_acc: Acceptance | None = None) -> GateResult:  # fmt: skip
         """Candidate vs champion (or base) on the same held-out records."""
         cand = candidate_acc or evaluate_records(candidate, holdout, vocab=self.vocab)
-        champion = self.registry.by_alias(cluster, CHAMPION)
+        champion = self.drafts.by_alias(cluster, CHAMPION)
         ref_version, ref_model = self._reference_model(cluster, champion)
         ref = evaluate_records(ref_model, holdout, vocab=self.vocab)
         return gate_decision(version, ref_version, cand, ref, self.cfg)
 
-    def _reference_model(self, cluster: str, champion: DraftVersion | None) -> tuple[str, torch.nn.Module]:
+    def _reference_model(self, cluster: str, champion: ArtifactVersion | None) -> tuple[str, torch.nn.Module]:
         """The champion's weights (fetched and verified once per version), or the base draft."""
         want = champion.version if champion is not None else "base"
         cached = self._reference.get(cluster)
@@ -140,7 +146,7 @@ class Promoter:
             model = from_pretrained(AutoModelForCausalLM, self.base_draft, use_safetensors=True)
         else:
             with tempfile.TemporaryDirectory(prefix="specops-gate-") as tmp:
-                self.registry.fetch(champion, Path(tmp) / "draft")
+                self.drafts.fetch(champion, Path(tmp) / "draft")
                 model = from_pretrained(AutoModelForCausalLM, Path(tmp) / "draft", use_safetensors=True)
         model.eval()
         self._reference[cluster] = (want, model)

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -29,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from specops.registry import RegistryStore
-from specops.serving.fleet.embed import Embedder, normalise
-from specops.serving.errors import RouterError
-from specops.serving.fleet.router import LOCAL, Router
+from specops.core.embed import Embedder, normalise
+from specops.core.errors import RouterError
+from specops.core.router import LOCAL, Router
+from specops.registry import ArtifactVersion, RegistryStore
+from specops.registry.artifacts import sha256_json
 from specops.streams import StreamConfig
-from specops.trainer.generations import GenerationsReader
+from specops.trainer.rebuild import Candidate, Rebuilder
 
 log = logging.getLogger(__name__)
 
@@ -267,37 +266,32 @@ class RefitResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class RouterRefitter:
-    """Refits the router from served prompts. One :meth:`run_once` reads top to bottom:
+class RouterRefitter(Rebuilder[Router]):
+    """Refits the router from served prompts. One :meth:`run_once` (``trainer.rebuild.Rebuilder``)
+    reads top to bottom:
 
     1. **consume** GenerationRecords from ``spec.generations`` in its own consumer group;
        decode each prompt with the target's tokenizer into a bounded buffer;
-    2. **fit** on the buffer, seeded from ``router@champion`` (names stay stable);
+    2. **build**: fit on the buffer, seeded from ``router@champion`` (names stay stable);
     3. **gate**: finite unit centroids, every champion cluster kept, agreement with the
        champion's assignments >= ``min_agreement`` (or no champion yet);
     4. **register** the new version (lineage: offsets consumed since the last commit;
-       metrics) and **promote** it when the gate passed;
-    5. **commit** the offsets, only now: a crash before this re-reads the records.
+       metrics) and 5. **promote** it when the gate passed;
+    6. **commit** the offsets, only now: a crash before this re-reads the records.
     """
+
+    kind = "router"
+    gate_name = "refit gate"
 
     def __init__(self, stream_cfg: StreamConfig, registry: RegistryStore, tokenizer, embedder: Embedder,
                  cfg: RefitConfig | None = None) -> None:  # fmt: skip
-        self.stream_cfg = stream_cfg
-        self.registry = registry
+        super().__init__(stream_cfg, registry, cfg or RefitConfig())
         self.tokenizer = tokenizer
         self.embedder = embedder
-        self.cfg = cfg or RefitConfig()
         self.buffer: deque[tuple[str, str, tuple[str, int, int]]] = deque(maxlen=self.cfg.buffer_size)
         """(prompt text, record cluster, (topic, partition, offset)), oldest first."""
         self._in_buffer: set[tuple[str, int, int]] = set()
-        self.reader = GenerationsReader(stream_cfg, self.cfg.group, poll_records=self.cfg.poll_records,
-                                        poll_timeout_s=self.cfg.poll_timeout_s, max_polls=self.cfg.max_polls)  # fmt: skip
         self._new = 0
-        self._champion: tuple[str, Router] | None = None
-
-    def close(self) -> None:
-        """Leave the group without committing (uncommitted records come back to the next refitter)."""
-        self.reader.close()
 
     def consume(self) -> int:
         """Step 1: buffer every new prompt; returns the records consumed."""
@@ -315,49 +309,58 @@ class RouterRefitter:
             self._new += 1
         return n
 
-    def champion(self) -> Router | None:
+    def champion(self) -> Router | None:  # type: ignore[override]
         """``router@champion``, fetched, verified and loaded once per version (None before the first)."""
-        rv = self.registry.router_by_alias()
-        if rv is None:
-            return None
-        if self._champion is None or self._champion[0] != rv.version:
-            with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
-                self.registry.fetch(rv, Path(tmp) / "router")
-                router = Router.load(Path(tmp) / "router", version=rv.version)
-            self._champion = (rv.version, router)
-        return self._champion[1]
+        held = super().champion("", lambda path, version: Router.load(path, version=version))
+        return held[1] if held is not None else None
 
-    def run_once(self) -> RefitResult:
-        consumed = self.consume()  # 1.
+    def start(self, consumed: int) -> dict:
+        return {"consumed": consumed}
+
+    def due(self) -> list[str]:
         if not self._new:
-            return RefitResult("no_new_records", consumed, len(self.buffer))
+            return []
         if len(self.buffer) < self.cfg.min_records:
             log.info("router refit: %d prompts buffered, waiting for %d", len(self.buffer), self.cfg.min_records)
-            return RefitResult("waiting", consumed, len(self.buffer))
+            return []
+        return [""]
+
+    def build(self, key: str) -> Candidate:
         init = self.champion()
         texts, labels = [b[0] for b in self.buffer], [b[1] for b in self.buffer]
         router = fit_router(texts, self.embedder, self.cfg.k, init=init, labels=labels, seed=self.cfg.seed,
-                            ignore_labels=self.cfg.ignore_labels)  # 2. fmt: skip
-        passed, reason = gate(router, init, self.cfg.min_agreement)  # 3.
+                            ignore_labels=self.cfg.ignore_labels)  # fmt: skip
+        return Candidate(router, {"init": init, "records_used": len(texts)})
+
+    def gate(self, key: str, c: Candidate) -> tuple[bool, str]:
+        return gate(c.artifact, c.info["init"], self.cfg.min_agreement)
+
+    def register(self, key: str, c: Candidate) -> ArtifactVersion:
+        router, init = c.artifact, c.info["init"]
         lineage = self.reader.lineage()
-        source_id = f"{self.cfg.group}/" + hashlib.sha256(json.dumps(lineage, sort_keys=True).encode()).hexdigest()[:16]
-        metrics = {**router.metrics, "records_used": float(len(texts)), "gate_passed": float(passed)}
-        with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:  # 4.
-            rv = self.registry.register_router(
-                router.save(Path(tmp) / "router"), metrics=metrics, lineage=lineage, source_id=source_id,
+        source_id = f"{self.cfg.group}/" + sha256_json(lineage)[:16]
+        c.info["metrics"] = metrics = {**router.metrics, "records_used": float(c.info["records_used"]),
+                                       "gate_passed": float(c.passed)}  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
+            return self.artifacts.register(
+                "", router.save(Path(tmp) / "router"), metrics=metrics, lineage=lineage, source_id=source_id,
                 parent_version=init.version if init is not None else None,
-                params={"gate_reason": reason, "k": router.k, "clusters": ",".join(router.clusters),
+                params={"gate_reason": c.reason, "k": router.k, "clusters": ",".join(router.clusters),
                         "fitted_on": json.dumps(router.fitted_on, sort_keys=True), "embedder": self.embedder.kind,
                         "min_agreement": self.cfg.min_agreement, "buffer_size": self.cfg.buffer_size},
             )  # fmt: skip
-        if passed:
-            self.registry.promote_router(rv.version, reason=f"refit gate: {reason}")
-        self.reader.commit()  # 5. only after the version is registered
+
+    def record(self, key: str, c: Candidate, result: dict) -> None:
         self._new = 0
-        log.info("router refit: version %s %s (%s); clusters %s", rv.version,
-                 "promoted" if passed else "registered, not promoted", reason, router.fitted_on)  # fmt: skip
-        return RefitResult("promoted" if passed else "registered", consumed, len(self.buffer), rv.version, reason,
-                           metrics)  # fmt: skip
+        result["candidate"] = c
+        log.info("router refit: version %s %s (%s); clusters %s", c.version.version,
+                 "promoted" if c.passed else "registered, not promoted", c.reason, c.artifact.fitted_on)  # fmt: skip
+
+    def finish(self, result: dict) -> RefitResult:
+        consumed, c = result["consumed"], result.get("candidate")
+        if c is None:
+            return RefitResult("waiting" if self._new else "no_new_records", consumed, len(self.buffer))
+        return RefitResult(c.outcome, consumed, len(self.buffer), c.version.version, c.reason, c.info["metrics"])
 
 
 def gate(candidate: Router, champion: Router | None, min_agreement: float) -> tuple[bool, str]:

@@ -24,7 +24,7 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
 
 **Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
 serving leaves idle. Serving writes its load to a small JSON file
-(``{"load": 0.42, "time": <epoch seconds>}``, see ``serving.load_signal``); a tick is
+(``{"load": 0.42, "time": <epoch seconds>}``, see ``core.load_signal``); a tick is
 skipped while that load is above ``load_threshold``, logged at INFO and counted in
 ``specops_trainer_ticks_total{outcome="skipped_load"}``. A missing, unreadable or stale
 signal (older than ``load_stale_s``) is *unknown* and never causes a skip: a crashed
@@ -60,21 +60,19 @@ never reads a draft mid-update.
 One job store (URL and table) belongs to one trainer process: nothing coordinates
 schedulers sharing a table. Replicas of a consumer group use separate
 tables (``jobstore_table``) or databases.
+
+The settings (:class:`ScheduleConfig`), the errors and the job store URL helpers are in
+:mod:`specops.trainer.schedule_config`; they are importable from here too.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
-import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED
@@ -82,10 +80,11 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter, Gauge
 
-from specops.serving.fleet.clusters import cluster_label
-from specops.serving.load_signal import read_load_file
-from specops.serving.errors import SpecOpsError
+from specops.core.clusters import cluster_label
+from specops.core.load_signal import read_load_file
 from specops.trainer.runtimes import RunTimes, RunTimesJobStore, RunTimesTable, next_run_after_restart
+from specops.trainer.schedule_config import (ScheduleConfig, ScheduleConfigError, ScheduleError, check_url,
+                                             default_jobstore_url, describe_signal, engine_url, safe_url)
 
 log = logging.getLogger(__name__)
 
@@ -107,127 +106,6 @@ SESSIONS_REBUILDS = Counter("specops_sessions_rebuilds_total", "Past-sessions in
 HELDOUT_ACCEPTANCE = Gauge(
     "specops_trainer_heldout_acceptance", "Held-out expected acceptance of each cluster's draft", ["cluster", "kind"]
 )
-
-LoadSignal = Union[str, os.PathLike, Callable[[], Union[float, None]], None]
-
-_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
-
-class ScheduleError(SpecOpsError):
-    """The scheduled trainer cannot start (job store unreachable, trainer already scheduled)."""
-
-
-class ScheduleConfigError(ScheduleError, ValueError):
-    """A schedule setting is invalid. The message says what to change."""
-
-
-@dataclass
-class ScheduleConfig:
-    """When the trainer's jobs run and when a tick is skipped for serving load."""
-
-    jobstore_url: str | None = None
-    """SQLAlchemy URL of the persistent job store; None = ``sqlite:///<trainer out>/schedule.sqlite``."""
-    jobstore_table: str = "specops_trainer_jobs"
-    """Table holding the jobs; one table per trainer process (replicas use their own)."""
-    tick_seconds: float = 5.0
-    """Interval of the distillation tick, in seconds."""
-    tick_budget_s: float | None = None
-    """Seconds a tick keeps calling ``trainer.step()``; None = 0.8 * tick_seconds (one step may overrun it)."""
-    eval_seconds: float = 60.0
-    """Interval of the held-out evaluation job, in seconds."""
-    misfire_grace_s: int = 30
-    """How late a run may start and still run: covers a tick delayed by a long update or a short restart;
-    runs later than this are dropped, since the next one is at most one interval away."""
-    coalesce: bool = True
-    """After downtime run a missed job once, not once per missed interval (a tick drains the backlog anyway)."""
-    load_threshold: float = 0.8
-    """Skip a tick while the serving load signal is above this value."""
-    load_signal: LoadSignal = None
-    """Serving load: a path to a JSON file ``{"load": float, "time": epoch}``, or a callable returning the load
-    (None = unknown); None = never skip."""
-    load_stale_s: float = 30.0
-    """A file signal older than this is unknown and does not cause a skip (serving may have died)."""
-    router_refit_s: float | None = None
-    """Interval of the router refit job, in seconds; None (or 0) = no router refits."""
-    datastore_rebuild_s: float | None = None
-    """Interval of the DReSD datastore rebuild job, in seconds; None (or 0) = no rebuilds."""
-    sessions_rebuild_s: float | None = None
-    """Interval of the LLMA past-sessions rebuild job, in seconds; None (or 0) = no rebuilds."""
-
-    def __post_init__(self) -> None:
-        grace = self.misfire_grace_s
-        if isinstance(grace, bool) or not isinstance(grace, int) or grace < 1:  # APScheduler takes whole seconds
-            raise ScheduleConfigError(f"misfire_grace_s must be a whole number of seconds >= 1, got {grace!r}")
-        if not self.router_refit_s:
-            self.router_refit_s = None  # 0 means off, as on the command line
-        if not self.datastore_rebuild_s:
-            self.datastore_rebuild_s = None
-        if not self.sessions_rebuild_s:
-            self.sessions_rebuild_s = None
-        optional = tuple(n for n in ("router_refit_s", "datastore_rebuild_s", "sessions_rebuild_s") if getattr(self, n))
-        for name in ("tick_seconds", "eval_seconds", "load_stale_s", *optional):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ScheduleConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.tick_budget_s is not None and not (0 < self.tick_budget_s < math.inf):
-            raise ScheduleConfigError(
-                f"tick_budget_s must be > 0 (got {self.tick_budget_s!r}); leave it None for 0.8 * tick_seconds"
-            )
-        if not isinstance(self.load_threshold, int | float) or not math.isfinite(self.load_threshold):
-            raise ScheduleConfigError(f"load_threshold must be a finite number (got {self.load_threshold!r}), e.g. 0.8")
-        if not isinstance(self.coalesce, bool):
-            raise ScheduleConfigError(f"coalesce must be True or False, got {self.coalesce!r}")
-        signal = self.load_signal
-        if signal is not None and not isinstance(signal, str | os.PathLike) and not callable(signal):
-            raise ScheduleConfigError(
-                f"load_signal must be a path to a JSON file written by serving, a callable returning the load, "
-                f"or None to never skip; got {type(signal).__name__}"
-            )
-        if not _TABLE_NAME.match(self.jobstore_table):
-            raise ScheduleConfigError(
-                f"jobstore_table must be a plain SQL identifier (letters, digits, _), got {self.jobstore_table!r}"
-            )
-        if self.jobstore_url is not None:
-            _check_url(self.jobstore_url)
-
-    @property
-    def budget_s(self) -> float:
-        """The tick's time budget in seconds."""
-        return self.tick_budget_s if self.tick_budget_s is not None else 0.8 * self.tick_seconds
-
-
-def _check_url(url: str) -> None:
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise ScheduleConfigError(
-            f"jobstore URL {url!r} is not an SQLAlchemy URL: use sqlite:///path/schedule.sqlite "
-            f"or postgresql://user@host:5432/db ({exc})"
-        ) from exc
-    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ScheduleConfigError(
-            f"jobstore URL must be sqlite:///... or postgresql://..., got {parsed.get_backend_name()!r}"
-        )
-
-
-def engine_url(url: str) -> str:
-    """``url`` with a driver SQLAlchemy can load here: ``postgresql://`` means psycopg2 (SQLAlchemy 2.1's
-    default PostgreSQL driver is psycopg 3, which is not a dependency)."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if parsed.drivername == "postgresql":
-        parsed = parsed.set(drivername="postgresql+psycopg2")
-    return parsed.render_as_string(hide_password=False)
-
-
-def default_jobstore_url(out_dir: str | os.PathLike) -> str:
-    """``sqlite:///<out_dir>/schedule.sqlite`` (absolute path)."""
-    return f"sqlite:///{Path(out_dir).resolve() / 'schedule.sqlite'}"
-
 
 # ---------------------------------------------------------------- the jobs (picklable references)
 _LIVE: dict[str, TrainerScheduler] = {}
@@ -343,7 +221,7 @@ class TrainerScheduler:
         """Register the trainer, open the job store, (re)place both jobs and start running them."""
         if self._scheduler is not None:
             raise ScheduleError("this TrainerScheduler is already started")
-        _check_url(self.jobstore_url)
+        check_url(self.jobstore_url)
         with _LIVE_LOCK:
             if self.trainer_id in _LIVE:
                 raise ScheduleError(f"trainer {self.trainer_id} is already scheduled in this process")
@@ -360,7 +238,7 @@ class TrainerScheduler:
             saved = store.runs.load()
         except Exception as exc:
             self._unregister()
-            raise ScheduleError(f"cannot open the job store {_safe_url(self.jobstore_url)}: {exc}") from exc
+            raise ScheduleError(f"cannot open the job store {safe_url(self.jobstore_url)}: {exc}") from exc
         try:
             jobs = [(TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds), (EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds),
                     (ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s),
@@ -383,7 +261,7 @@ class TrainerScheduler:
         log.info("scheduled trainer %s: tick every %gs (budget %gs), evaluation every %gs, router refit %s, "
                  "job store %s, load signal %s", self.trainer_id, self.cfg.tick_seconds, self.cfg.budget_s,
                  self.cfg.eval_seconds, f"every {self.cfg.router_refit_s:g}s" if self.cfg.router_refit_s else "off",
-                 _safe_url(self.jobstore_url), _describe(self.cfg.load_signal))  # fmt: skip
+                 safe_url(self.jobstore_url), describe_signal(self.cfg.load_signal))  # fmt: skip
 
     def _place_job(self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float,
                    saved: RunTimes | None) -> None:  # fmt: skip
@@ -560,15 +438,3 @@ class TrainerScheduler:
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def _safe_url(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
-def _describe(signal: LoadSignal) -> str:
-    if signal is None:
-        return "none (never skip)"
-    return getattr(signal, "__name__", "callable") + "()" if callable(signal) else str(signal)

@@ -10,18 +10,18 @@ Serving seeds each cluster's :class:`~serving.proposers.session_cache.SessionCac
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specops.serving.proposers.llma import MAX_EXTEND, NgramIndex
-from specops.serving.proposers.session_cache import SessionCacheConfig, index_of, newest_within
-from specops.serving.proposers.session_store import load_sessions, save_sessions
-from specops.trainer.generations import GenerationsReader
+from specops.core.sessions.cache import SessionCacheConfig, index_of, newest_within
+from specops.core.sessions.ngram import MAX_EXTEND, NgramIndex
+from specops.core.sessions.store import load_sessions, save_sessions
+from specops.registry import ArtifactVersion
+from specops.registry.artifacts import sha256_json
+from specops.trainer.rebuild import Candidate, Rebuilder
 
 log = logging.getLogger(__name__)
 
@@ -109,44 +109,38 @@ class SessionRebuildResult:
         return "promoted" if "promoted" in outcomes else "registered" if "registered" in outcomes else "unchanged"
 
 
-class SessionIndexRebuilder:
+class SessionIndexRebuilder(Rebuilder[list[tuple[int, ...]]]):
     """Rebuilds each cluster's past-sessions index from its served outputs. :meth:`run_once`
-    reads top to bottom:
+    (``trainer.rebuild.Rebuilder``) reads top to bottom:
 
     1. **consume** GenerationRecords in its own consumer group; an output shorter than
        ``min_output_tokens`` is skipped, a repeat of one held moves to the newest place;
-    2. for each cluster with ``min_new`` new outputs, **keep** the newest that fit the token
-       budget, after the champion's (a restarted rebuilder carries the champion's outputs on:
-       committed records are not read again);
+    2. for each cluster with ``min_new`` new outputs, **build**: keep the newest that fit the
+       token budget, after the champion's (a restarted rebuilder carries the champion's outputs
+       on: committed records are not read again);
     3. **gate**: hold out the newest ``heldout_fraction``; the candidate (the rest) and the
        champion (without the held-out outputs) are scored with :func:`copy_hit_rate`;
     4. **register** ``sessions-<cluster>`` with every kept output (the held-out ones too; metrics
-       ``hit_rate``, ``num_outputs``, ``num_tokens``) and **promote** it when not worse; the same
+       ``hit_rate``, ``num_outputs``, ``num_tokens``) and 5. **promote** it when not worse; the same
        outputs (and config) register once: read again, they name the version they are in;
-    5. **commit** the offsets, only once every cluster's new outputs are in a registered
+    6. **commit** the offsets, only once every cluster's new outputs are in a registered
        version: a crash before this re-reads the records.
     """
 
+    kind = "sessions"
+
     def __init__(self, stream_cfg, registry, *, tokenizer_sha256: str = "",
                  cfg: SessionRebuildConfig | None = None) -> None:  # fmt: skip
-        self.stream_cfg, self.registry = stream_cfg, registry
+        super().__init__(stream_cfg, registry, cfg or SessionRebuildConfig())
         self.tokenizer_sha256 = tokenizer_sha256
-        self.cfg = cfg or SessionRebuildConfig()
         self.outputs: dict[str, dict[tuple[int, ...], None]] = {}
         """Per cluster, the outputs held, oldest first (a dict: ordered and deduplicated)."""
         self._tokens: dict[str, int] = {}
         self._new: dict[str, int] = {}
         self._from_champion: set[str] = set()
         self._seen: set[tuple[str, int, int]] = set()
-        self._champions: dict[str, tuple[str, list[tuple[int, ...]]]] = {}
         self.num_skipped = 0
         """Outputs too short to keep."""
-        self.reader = GenerationsReader(stream_cfg, self.cfg.group, poll_records=self.cfg.poll_records,
-                                        poll_timeout_s=self.cfg.poll_timeout_s, max_polls=self.cfg.max_polls)  # fmt: skip
-
-    def close(self) -> None:
-        """Leave the group without committing (uncommitted records come back)."""
-        self.reader.close()
 
     @property
     def waiting(self) -> list[str]:
@@ -182,72 +176,75 @@ class SessionIndexRebuilder:
         self._tokens[cluster] = sum(len(d) for d in kept)
         return kept
 
-    def champion(self, cluster: str) -> tuple[str, list[tuple[int, ...]]] | None:
-        """The champion's version and outputs (fetched once per version), or None."""
-        kind = self.registry.artifact("sessions")
-        v = kind.by_alias(cluster)
-        if v is None:
-            return None
-        held = self._champions.get(cluster)
-        if held is None or held[0] != v.version:
-            with tempfile.TemporaryDirectory(prefix="specops-sessions-") as tmp:
-                kind.fetch(v, Path(tmp) / "s")
-                held = (v.version, load_sessions(Path(tmp) / "s").docs)
-            self._champions[cluster] = held
-        return held
+    def start(self, consumed: int) -> SessionRebuildResult:
+        return SessionRebuildResult(consumed)
 
-    def run_once(self) -> SessionRebuildResult:
-        consumed = self.consume()  # 1.
-        cfg = self.cfg
-        due = sorted(c for c, n in self._new.items() if n >= cfg.min_new)
-        result = SessionRebuildResult(consumed)
-        for cluster in due:
-            champion = self.champion(cluster)
-            if champion is not None and cluster not in self._from_champion:  # 2.
-                new = self.outputs[cluster]
-                self.outputs[cluster] = {**dict.fromkeys(d for d in champion[1] if d not in new), **new}
-            self._from_champion.add(cluster)
-            docs = self._trim(cluster, cfg.cache.max_tokens)
-            num_heldout = max(1, round(cfg.heldout_fraction * len(docs)))  # 3.
-            heldout = docs[-num_heldout:]
-            held_set = set(heldout)
-            hit = copy_hit_rate(index_of(docs[:-num_heldout], cfg.cache), heldout, k=cfg.k, min_n=cfg.min_n).rate
-            champ_hit = None
-            if champion is not None:
-                champ_hit = copy_hit_rate(index_of([d for d in champion[1] if d not in held_set], cfg.cache), heldout,
-                                          k=cfg.k, min_n=cfg.min_n).rate  # fmt: skip
-            passed = champ_hit is None or hit >= champ_hit - cfg.margin
-            num_tokens = sum(len(d) for d in docs)
-            lineage = {**self.reader.lineage(), "outputs": len(docs), "heldout": num_heldout}
-            with tempfile.TemporaryDirectory(prefix="specops-sessions-") as tmp:  # 4.
-                path = save_sessions(Path(tmp) / "s", cluster, docs, self.tokenizer_sha256, extra={
-                    "config": asdict(cfg.cache), "config_hash": cfg.cache.hash(), "lineage": lineage,
-                    "gate": {"hit_rate": hit, "champion_hit_rate": champ_hit, "heldout_outputs": num_heldout,
-                             "champion_version": champion[0] if champion else None}})  # fmt: skip
-                content = hashlib.sha256(json.dumps([cfg.cache.hash(), docs]).encode()).hexdigest()
-                v = self.registry.artifact("sessions").register(
-                    cluster, path, meta={"config_hash": cfg.cache.hash()}, lineage=lineage, source_id=content,
-                    tags={"config_hash": cfg.cache.hash(), "tokenizer_sha256": self.tokenizer_sha256,
-                          "champion_hit_rate": "" if champ_hit is None else f"{champ_hit:.6f}",
-                          "source": "spec.generations"},
-                    metrics={"hit_rate": hit, "num_outputs": float(len(docs)), "num_tokens": float(num_tokens),
-                             "gate_passed": float(passed)})  # fmt: skip
-            unchanged = champion is not None and v.version == champion[0]
-            if passed and not unchanged:
-                self.registry.artifact("sessions").promote(cluster, v.version, reason=(
-                    f"rebuild gate: held-out copy hit rate {hit:.3f} vs "
-                    f"{'none' if champ_hit is None else f'{champ_hit:.3f}'}"))  # fmt: skip
-            self._new[cluster] = 0
-            result.clusters[cluster] = "unchanged" if unchanged else "promoted" if passed else "registered"
-            result.versions[cluster] = v.version
-            result.hit_rate[cluster] = (hit, champ_hit)
-            result.sizes[cluster] = (len(docs), num_tokens)
-            log.info("sessions-%s: version %s, %d outputs (%d tokens), held-out copy hit rate %.3f vs champion %s: %s",
-                     cluster, v.version, len(docs), num_tokens, hit, "none" if champ_hit is None else f"{champ_hit:.3f}",
-                     "unchanged" if unchanged else "promoted" if passed else "kept the champion")  # fmt: skip
-        if due and not any(self._new.values()):
-            # 5. Only when every kept output is in a registered version: a cluster still short of
-            # min_new holds the commit back, so a crash re-reads its records.
-            self.reader.commit()
-            self._seen.clear()
-        return result
+    def due(self) -> list[str]:
+        return sorted(c for c, n in self._new.items() if n >= self.cfg.min_new)
+
+    def build(self, cluster: str) -> Candidate:
+        champion = self.champion(cluster, lambda path, _version: load_sessions(path).docs)
+        if champion is not None and cluster not in self._from_champion:
+            new = self.outputs[cluster]
+            self.outputs[cluster] = {**dict.fromkeys(d for d in champion[1] if d not in new), **new}
+        self._from_champion.add(cluster)
+        return Candidate(self._trim(cluster, self.cfg.cache.max_tokens), {"champion": champion})
+
+    def gate(self, cluster: str, c: Candidate) -> tuple[bool, str]:
+        cfg, docs, champion = self.cfg, c.artifact, c.info["champion"]
+        num_heldout = max(1, round(cfg.heldout_fraction * len(docs)))
+        heldout = docs[-num_heldout:]
+        held_set = set(heldout)
+        hit = copy_hit_rate(index_of(docs[:-num_heldout], cfg.cache), heldout, k=cfg.k, min_n=cfg.min_n).rate
+        champ_hit = None
+        if champion is not None:
+            champ_hit = copy_hit_rate(index_of([d for d in champion[1] if d not in held_set], cfg.cache), heldout,
+                                      k=cfg.k, min_n=cfg.min_n).rate  # fmt: skip
+        c.info.update(hit=hit, champ_hit=champ_hit, num_heldout=num_heldout)
+        passed = champ_hit is None or hit >= champ_hit - cfg.margin
+        return passed, f"held-out copy hit rate {hit:.3f} vs {'none' if champ_hit is None else f'{champ_hit:.3f}'}"
+
+    def register(self, cluster: str, c: Candidate) -> ArtifactVersion:
+        cfg, docs, champion = self.cfg, c.artifact, c.info["champion"]
+        hit, champ_hit = c.info["hit"], c.info["champ_hit"]
+        c.info["num_tokens"] = num_tokens = sum(len(d) for d in docs)
+        lineage = {**self.reader.lineage(), "outputs": len(docs), "heldout": c.info["num_heldout"]}
+        with tempfile.TemporaryDirectory(prefix="specops-sessions-") as tmp:
+            path = save_sessions(Path(tmp) / "s", cluster, docs, self.tokenizer_sha256, extra={
+                "config": asdict(cfg.cache), "config_hash": cfg.cache.hash(), "lineage": lineage,
+                "gate": {"hit_rate": hit, "champion_hit_rate": champ_hit, "heldout_outputs": c.info["num_heldout"],
+                         "champion_version": champion[0] if champion else None}})  # fmt: skip
+            content = sha256_json([cfg.cache.hash(), docs])
+            return self.artifacts.register(
+                cluster, path, meta={"config_hash": cfg.cache.hash()}, lineage=lineage, source_id=content,
+                tags={"config_hash": cfg.cache.hash(), "tokenizer_sha256": self.tokenizer_sha256,
+                      "champion_hit_rate": "" if champ_hit is None else f"{champ_hit:.6f}",
+                      "source": "spec.generations"},
+                metrics={"hit_rate": hit, "num_outputs": float(len(docs)), "num_tokens": float(num_tokens),
+                         "gate_passed": float(c.passed)})  # fmt: skip
+
+    def outcome(self, cluster: str, c: Candidate) -> str:
+        champion = c.info["champion"]
+        unchanged = champion is not None and c.version.version == champion[0]
+        return "unchanged" if unchanged else "promoted" if c.passed else "registered"
+
+    def record(self, cluster: str, c: Candidate, result: SessionRebuildResult) -> None:
+        hit, champ_hit, docs = c.info["hit"], c.info["champ_hit"], c.artifact
+        self._new[cluster] = 0
+        result.clusters[cluster] = c.outcome
+        result.versions[cluster] = c.version.version
+        result.hit_rate[cluster] = (hit, champ_hit)
+        result.sizes[cluster] = (len(docs), c.info["num_tokens"])
+        log.info("sessions-%s: version %s, %d outputs (%d tokens), held-out copy hit rate %.3f vs champion %s: %s",
+                 cluster, c.version.version, len(docs), c.info["num_tokens"], hit,
+                 "none" if champ_hit is None else f"{champ_hit:.3f}",
+                 "kept the champion" if c.outcome == "registered" else c.outcome)  # fmt: skip
+
+    def may_commit(self) -> bool:
+        # Only when every kept output is in a registered version: a cluster still short of
+        # min_new holds the commit back, so a crash re-reads its records.
+        return not any(self._new.values())
+
+    def commit(self) -> None:
+        self.reader.commit()
+        self._seen.clear()

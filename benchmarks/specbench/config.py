@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE
+from specops.core.models import DEFAULT_DRAFT_DTYPE
 from specops.serving.engine.spec import DEFAULT_K
 from specops.paths import models_dir
 

@@ -11,8 +11,8 @@ import time
 import torch
 
 from benchmarks.specbench.config import BenchConfig
-from specops.serving.engine.cost import step_ms
-from specops.serving.engine.models import ModelPair
+from specops.core.cost import step_ms
+from specops.core.models import ModelPair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 
@@ -21,7 +21,7 @@ from specops.serving.engine.types import SamplingParams
 def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig, draft32=None) -> dict:
     """Median wall time of one cached forward of n new tokens on top of the prompt, for
     the draft (n=1) and the target (n=1 and n=k+1, a verification step), through the
-    engine's ``CachedLM`` (``serving.engine.cost.step_ms``). c = draft(1) / target(1)."""
+    engine's ``CachedLM`` (``core.cost.step_ms``). c = draft(1) / target(1)."""
     ks = sorted({cfg.k, *cfg.sweep})
     out: dict = {"reps": cfg.cost_reps, "context_tokens": len(prompt_ids)}
     out["target_1_ms"] = step_ms(pair.target, prompt_ids, 1, reps=cfg.cost_reps)

@@ -15,8 +15,8 @@ from transformers.generation.utils import GenerationMixin
 import torch
 
 from benchmarks.specbench.config import BenchConfig, HF_PLD_NUM_TOKENS, REFERENCE
-from specops.serving.engine.cpu_linear import stock_linear
-from specops.serving.engine.models import ModelPair
+from specops.core.cpu_linear import stock_linear
+from specops.core.models import ModelPair
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine
 from specops.serving.engine.types import SamplingParams
 
@@ -128,7 +128,7 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
             kwargs.update(do_sample=False)
         n0 = counter.n
         # HF's loop on the models as from_pretrained loads them (plain nn.Linear): the baseline a
-        # user of HF gets. Our arms run on the served models (serving.engine.cpu_linear's few-row products).
+        # user of HF gets. Our arms run on the served models (core.cpu_linear's few-row products).
         with hf_spec_counting() as counts, torch.inference_mode(), stock_linear(pair.target, pair.draft):
             t0 = time.perf_counter()
             out = pair.target.generate(ids, **kwargs)

@@ -27,7 +27,7 @@ from benchmarks.specbench.costs import (
     alpha_from_tokens_per_step, eq2_speedup, measure_loop_overhead, measure_step_costs,
 )
 from benchmarks.specbench.methods import ForwardCounter, Method, Outcome, build_methods, hf_assisted_settings
-from specops.serving.engine.models import load_model, load_model_dir
+from specops.core.models import load_model, load_model_dir
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig
 from specops.prompts import heldout_prompts
 

@@ -4,7 +4,7 @@ Every model in the engine (target and draft) runs through ``CachedLM``: a forwar
 pass feeds only tokens that are not cached yet, so no step recomputes the prefix, and
 ``rollback`` drops cached positions after a rejection.
 
-A model that carries a draft vocabulary (``serving.engine.draft_vocab``) scores only those rows
+A model that carries a draft vocabulary (``core.draft_vocab``) scores only those rows
 of its LM head; its logits are ``-inf`` elsewhere.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specops.serving.engine import draft_vocab, limits
+from specops.core import draft_vocab, limits
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.tree import TokenTree
 

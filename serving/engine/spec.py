@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from specops.serving.engine import limits
+from specops.core import limits
 from specops.serving.engine.kv import CachedLM
-from specops.serving.engine.models import ModelPair
+from specops.core.models import ModelPair
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.types import ContextSpan, GenerationResult, SamplingParams
 from specops.serving.proposers.base import Proposer
@@ -19,8 +19,18 @@ from specops.serving.proposers.catalogue import (  # noqa: F401  (re-exported: t
     DEFAULT_K, METHODS, ProposerConfig, ProposerResources, build_proposer, method_spec,
 )  # fmt: skip
 
-if TYPE_CHECKING:
-    from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
+
+class ResultSink(Protocol):
+    """Where a bare engine hands each finished request (``serving.fleet.stream_logger.StreamLogger``
+    is one). The serving node does not give its engines one: it hands results over itself, for
+    every decoding mode (``serving.fleet.node.ServingNode.serve``)."""
+
+    cfg: object
+    """Its ``enabled`` says whether records are kept (then rejections are collected for them)."""
+
+    def log(self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams, meta: object = None) -> bool:
+        ...
+
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +43,7 @@ class SpecEngine:
     """
 
     def __init__(
-        self, pair: ModelPair, *, collect_rejections: bool = False, logger: "StreamLogger | None" = None,
+        self, pair: ModelPair, *, collect_rejections: bool = False, logger: ResultSink | None = None,
         target_lm: Callable[[], CachedLM] | None = None,
     ) -> None:
         self.pair = pair
@@ -94,7 +104,7 @@ class SpecEngine:
         proposer: Proposer | None = None,
         resources: ProposerResources | None = None,
         context_spans: tuple[ContextSpan, ...] = (),
-        meta: "RequestMeta | None" = None,
+        meta: object | None = None,
         on_step: Callable[[list[int]], bool | None] | None = None,
     ) -> GenerationResult:
         """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``).
@@ -106,8 +116,9 @@ class SpecEngine:
         ``stop`` (a stop sequence was seen), and an exception it raises (the client went
         away) ends it without logging.
 
-        With a stream logger, the finished request is handed to it (``meta`` names the
-        request, its cluster and the artifact versions); that never blocks or raises.
+        With a ``logger`` (a bare engine's :class:`ResultSink`), the finished request is handed
+        to it (``meta`` names the request); that never blocks or raises. The serving node hands
+        its requests over itself.
         """
         session = self.session(prompt_ids, params, method=method, k=k, proposer_cfg=proposer_cfg, proposer=proposer,
                                resources=resources, context_spans=context_spans)  # fmt: skip
@@ -121,10 +132,8 @@ class SpecEngine:
             raise
         result = session.finish(self.pair.tokenizer)
         if self.logger is not None:
-            from specops.serving.fleet.stream_logger import RequestMeta
-
             t_log = time.perf_counter()
             self.logger.log(session.state.token_ids[: session.state.num_prompt_tokens], result, params,
-                            meta or RequestMeta())  # fmt: skip
+                            meta)  # fmt: skip
             result.stats.time_s["log"] = time.perf_counter() - t_log
         return result

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specops.serving.errors import InvalidRequestError
+from specops.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class RequestStats:
     proposer: dict[str, int] = field(default_factory=dict)
     """The proposer's own counters (``Proposer.counters``; LLMA: steps, hits per copy source)."""
     policy: dict = field(default_factory=dict)
-    """What ``auto`` chose (``serving.engine.auto.AutoProposer.summary``): steps, drafted and
+    """What ``auto`` chose (``serving.proposers.auto.AutoProposer.summary``): steps, drafted and
     accepted per method, and the latest decision with its estimates; empty for fixed methods."""
     time_s: dict[str, float] = field(
         default_factory=lambda: {"first_step": 0.0, "propose": 0.0, "verify": 0.0, "total": 0.0}

@@ -29,10 +29,10 @@ from prometheus_client import Counter, Gauge
 
 from specops.registry import RegistryStore
 from specops.registry.errors import RegistryError
-from specops.serving.errors import DatastoreError
-from specops.serving.fleet.clusters import cluster_label
+from specops.core.errors import DatastoreError
+from specops.core.clusters import cluster_label
 from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
-from specops.serving.retrieval.datastore import Datastore
+from specops.core.datastore import Datastore
 
 log = logging.getLogger(__name__)
 

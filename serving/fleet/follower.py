@@ -32,7 +32,7 @@ from prometheus_client import Counter
 
 from specops.registry import CHAMPION, RegistryError, RegistryStore
 from specops.registry.kinds import KINDS, ArtifactKind
-from specops.serving.fleet.clusters import ClusterLabels
+from specops.core.clusters import ClusterLabels
 
 log = logging.getLogger(__name__)
 

@@ -41,14 +41,19 @@ from pathlib import Path
 
 import torch
 from prometheus_client import Counter, Gauge
-from transformers import PreTrainedModel
-
-from specops.registry import CHAMPION, DraftVersion, RegistryError, RegistryStore, model_name
-from specops.serving.errors import ModelConfigError
-from specops.serving.fleet.clusters import cluster_label
-from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
-from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+from specops.core.clusters import cluster_label
+from specops.core.errors import ModelConfigError
+from specops.core.models import load_model, load_tokenizer, tokenizer_hash
+from specops.registry import (
+    CHAMPION,
+    KINDS,
+    ArtifactVersion,
+    RegistryError,
+    RegistryStore,
+)
 from specops.serving.engine.types import RequestStats
+from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
+from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ class DraftHandle:
 
     @property
     def model_name(self) -> str:
-        return model_name(self.cluster)
+        return KINDS["draft"].model_name(self.cluster)
 
 
 class DraftSlot:
@@ -250,21 +255,21 @@ class DraftFollower(AliasFollower):
         log.warning("cluster %s keeps draft version %s: %s (%s); retrying in %.1fs", key,
                     self.serving_version(key), exc, reason, retry_in or 0.0)  # fmt: skip
 
-    def _load(self, dv: DraftVersion) -> PreTrainedModel:
+    def _load(self, dv: ArtifactVersion) -> PreTrainedModel:
         """Fetch, verify and validate one version; raises on anything wrong."""
         if dv.tokenizer_sha256 and dv.tokenizer_sha256 != self.target_tokenizer_sha256:
             raise ModelConfigError(f"{dv.name} version {dv.version} was trained with tokenizer "
                                    f"{dv.tokenizer_sha256[:12]}, serving's target uses "
                                    f"{self.target_tokenizer_sha256[:12]}")  # fmt: skip
         dest = self.cache_dir / dv.cluster / f"v{dv.version}"
-        self.registry.fetch(dv, dest)  # checksums  # type: ignore[union-attr]
+        self.registry.artifact("draft").fetch(dv, dest)  # checksums  # type: ignore[union-attr]
         try:
             return self._validate(dv, dest)
         except Exception:
             shutil.rmtree(dest, ignore_errors=True)
             raise
 
-    def _validate(self, dv: DraftVersion, path: Path) -> PreTrainedModel:
+    def _validate(self, dv: ArtifactVersion, path: Path) -> PreTrainedModel:
         got = tokenizer_hash(load_tokenizer(path))
         if got != self.target_tokenizer_sha256:
             raise ModelConfigError(f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
@@ -296,12 +301,13 @@ class DraftFollower(AliasFollower):
             return
         if snapshot.requests - live.reported_at >= self.cfg.live_report_every:
             try:
-                self.registry.log_metric(cluster, version, "live_acceptance", snapshot.acceptance, step=snapshot.requests)
-                self.registry.log_metric(cluster, version, "live_requests", snapshot.requests, step=snapshot.requests)
+                drafts = self.registry.artifact("draft")
+                drafts.log_metric(cluster, version, "live_acceptance", snapshot.acceptance, step=snapshot.requests)
+                drafts.log_metric(cluster, version, "live_requests", snapshot.requests, step=snapshot.requests)
                 live.reported_at = snapshot.requests
             except RegistryError as exc:
                 FAILURES.labels(cluster_label(cluster), "live_report").inc()
-                log.warning("could not report live acceptance of %s version %s: %s", model_name(cluster), version, exc)
+                log.warning("could not report live acceptance of draft-%s version %s: %s", cluster, version, exc)
         self._maybe_rollback(cluster, version, snapshot)
 
     def _maybe_rollback(self, cluster: str, version: str, live: LiveStats) -> None:
@@ -323,7 +329,8 @@ class DraftFollower(AliasFollower):
         reason = (f"auto-rollback: live acceptance {live.acceptance:.3f} over {live.requests} requests < version "
                   f"{prev}'s {reference:.3f} - margin {cfg.rollback_margin}")  # fmt: skip
         try:
-            change = self.registry.rollback(cluster, reason=reason, to=prev, expect_current=version)  # type: ignore[union-attr]
+            change = self.registry.artifact("draft").rollback(  # type: ignore[union-attr]
+                cluster, reason=reason, to=prev, expect_current=version)
         except RegistryError as exc:
             self._judged.discard((cluster, version))  # try again on the next report
             FAILURES.labels(cluster_label(cluster), "rollback").inc()
@@ -340,7 +347,7 @@ class DraftFollower(AliasFollower):
         if mine is not None and mine.requests >= self.cfg.rollback_min_requests:
             return mine.acceptance
         try:
-            dv = self.registry.get(cluster, version)  # type: ignore[union-attr]
+            dv = self.registry.artifact("draft").get(cluster, version)  # type: ignore[union-attr]
         except RegistryError:
             return None
         requests, acceptance = dv.metric("live_requests"), dv.metric("live_acceptance")

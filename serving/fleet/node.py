@@ -1,78 +1,61 @@
 """A serving node: one target, one hot-swappable draft per cluster, concurrent requests.
 
-``ServingNode.generate`` is what the HTTP API (and the hot-swap benchmark's load
-generator) calls from many threads at once:
+``ServingNode.serve(plan)`` is what the replica (``serving.replica``) calls from many
+threads at once, for one request's :class:`~serving.plan.DecodePlan`:
 
-1. take the cluster's current :class:`~serving.fleet.hotswap.DraftHandle`, once;
-2. decode the whole request with that draft (``SpecEngine``, a fresh KV cache per
-   request; model weights are only read, so requests share them safely);
-3. name the version used in the result and in the logged ``MissRecord``;
-4. count the request's drafted and accepted tokens on that version (live feedback), for a
-   method whose artifact is the draft (``serving.proposers.catalogue``).
+1. dispatch once over the mode catalogue (``serving.modes``): plain, one-shot RAG, RaLM or
+   kNN-LM; a mode decodes with the cluster's current :class:`~serving.fleet.hotswap.DraftHandle`,
+   taken once (:meth:`decode`: a fresh KV cache per request; model weights are only read, so
+   requests share them safely), and names the versions used in the result;
+2. count the request's drafted and accepted tokens on the artifact version that drafted them
+   (live feedback, :meth:`record`), as the method's catalogue entry says;
+3. hand the finished request to the stream logger, here and only here, for every mode.
 
 A swap that lands while a request runs changes nothing for that request.
+``ServingNode.generate`` is the same plain decode for callers without a plan (benchmarks, tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from specops.core.models import ModelPair
 from specops.serving.engine.batching import TargetBatcher
 from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import ContextSpan, SamplingParams
 from specops.serving.fleet.hotswap import DraftFollower, DraftHandle
-from specops.serving.engine.models import ModelPair
 from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
-from specops.serving.engine.types import GenerationResult, SamplingParams
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, method_spec
-
-
-@dataclass(frozen=True)
-class ServedResult:
-    """A finished request and the draft that served it."""
-
-    request_id: str
-    cluster: str
-    draft_model: str
-    draft_version: str
-    """The registry version decoded with (``base`` before the cluster had a champion)."""
-    result: GenerationResult
-    started_at: float = 0.0
-    """Wall time just before the request took its draft handle."""
-    versions: dict[str, str] = field(default_factory=dict)
-    """Artifact kind -> version the request could use (``{"draft": ...}``)."""
-    n_drafts: int = 0
-    """Rows drafted per step by a multi-draft method (DReSD; 0 for the others)."""
-    retrieval: dict | None = None
-    """What a retrieval loop did (RaLMSeq/RaLMSpec or kNN-LM): the response's ``retrieval`` block."""
-
-    def version_of(self, method: str) -> str:
-        """The version of ``method``'s artifact that served this request ("" if it has none)."""
-        artifact = method_spec(method).artifact
-        return self.versions.get(artifact, "") if artifact else ""
+from specops.serving.modes import Decoded, ServedResult, mode_spec
+from specops.serving.plan import DecodePlan
+from specops.serving.proposers.catalogue import (
+    CATALOGUE,
+    ProposerResources,
+    check_resources,
+)
 
 
 @dataclass(frozen=True)
 class _Part:
-    """The drafted and accepted tokens of one method within an ``auto`` request (live acceptance)."""
+    """The drafted and accepted tokens of one method within a request (live acceptance)."""
 
     num_drafted: int
     num_accepted: int
 
 
 class ServingNode:
-    """Thread-safe ``generate`` over a target and the follower's per-cluster drafts."""
+    """Thread-safe ``serve`` over a target and the follower's per-cluster drafts."""
 
     def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None,
                  batcher: TargetBatcher | None = None, datastores=None, sessions=None, policy=None) -> None:  # fmt: skip
         self.pair = pair
         self.policy = policy
-        """The replica's ``auto`` policy (``serving.engine.auto.AutoPolicy``; None: the process default)."""
+        """The replica's ``auto`` policy (None: the process default)."""
         self.sessions = sessions
-        """``serving.proposers.session_cache.SessionCache``: each cluster's past outputs, LLMA's
-        cache-assisted copy source (or None: off)."""
+        """``serving.proposers.session_cache.SessionCache``: each cluster's past outputs, the copy
+        source of methods that copy references (or None: off)."""
         self.follower = follower
         self.datastores = datastores
         """``serving.fleet.datastores.DatastoreFollower``: the cluster's DReSD datastore (or None)."""
@@ -80,149 +63,114 @@ class ServingNode:
         self.batcher = batcher
         """When set, concurrent requests share target forward passes (``serving.engine.batching``)."""
 
+    # ------------------------------------------------------------ one request
+    def serve(self, plan: DecodePlan, *, on_step: Callable[[list[int]], bool | None] | None = None,
+              pool=None) -> ServedResult:  # fmt: skip
+        """Decode ``plan`` in its mode (1., 2.), then hand it to the stream logger (3.).
+        ``on_step(final)`` gets the tokens that became final after each step; returning True
+        ends the request (a stop sequence), and an exception it raises ends it unlogged."""
+        decoded = mode_spec(plan.mode).run(self, plan, on_step, pool)
+        if self.logger is not None and decoded.logged_prompt is not None:  # 3.: never blocks or raises
+            t_log = time.perf_counter()
+            result = decoded.served.result
+            self.logger.log(list(decoded.logged_prompt), result, plan.params, decoded.meta or RequestMeta())
+            result.stats.time_s["log"] = time.perf_counter() - t_log
+        return decoded.served
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
                  method: str = "draft", k: int | None = None, n_drafts: int = 0, request_id: str | None = None,
                  on_step: Callable[[list[int]], bool | None] | None = None,
                  references: tuple[tuple[int, ...], ...] = (), llma_min_n: int = 1,
-                 retrieved: tuple[tuple[int, ...], ...] = (), context_spans: tuple = (),
                  session_scope: str = "") -> ServedResult:  # fmt: skip
-        """``session_scope``: whose past outputs of the cluster the request copies from and adds
-        its output to (a tenant id; ``""``: the cluster's shared scope)."""
-        started_at = time.time()
-        handle: DraftHandle = self.follower.slot(cluster).current()  # 1.
-        pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
-                         tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
-        engine = SpecEngine(pair, logger=self.logger, target_lm=self.batcher.lm if self.batcher else None)
-        rid = request_id or uuid.uuid4().hex
-        versions = {"draft": handle.version}
-        datastore = self.datastores.current(cluster) if self.datastores is not None else None  # 1. (once, too)
-        if datastore is not None and datastore.datastore is not None:
-            versions["datastore"] = datastore.version
-        copies = method in ("llma", "auto")
-        past = self.sessions.index(cluster, session_scope) if self.sessions is not None and copies else None
-        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=tuple(references),
-                                      retrieved=tuple(retrieved),
-                                      reference_indexes=(past,) if past is not None else (),
-                                      datastore=datastore.datastore if datastore is not None else None,
-                                      policy=self.policy)  # fmt: skip
-        meta = RequestMeta(request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version,
-                           artifact_versions={k: v for k, v in versions.items()
-                                              if k == method_spec(method).artifact or method == "auto"})  # fmt: skip
-        if self.batcher is not None:
-            self.batcher.begin()
-        try:
-            cfg = ProposerConfig(method=method, n_drafts=n_drafts, llma_min_n=llma_min_n)
-            result = engine.generate(prompt_ids, params, proposer_cfg=cfg, k=k, resources=resources, meta=meta,
-                                     on_step=on_step, context_spans=tuple(context_spans))  # 2. + 3.  # fmt: skip
-        finally:
-            if self.batcher is not None:
-                self.batcher.end()
-        if self.sessions is not None:
-            self.sessions.add(cluster, result.token_ids, session_scope)
-        if method == "auto":  # 4., for the parts auto drafted with a versioned artifact
-            part = result.stats.proposer
-            if part.get("drafted_draft"):
-                self.follower.record(handle, _Part(part["drafted_draft"], part["accepted_draft"]))
-            if part.get("drafted_dresd") and "datastore" in versions:
-                self.datastores.record(cluster, versions["datastore"], _Part(part["drafted_dresd"], part["accepted_dresd"]))
-        elif method_spec(method).artifact == "draft":
-            self.follower.record(handle, result.stats)  # 4.
-        elif method_spec(method).artifact == "datastore" and "datastore" in versions:
-            self.datastores.record(cluster, versions["datastore"], result.stats)
-        if method == "dresd" and resources.datastore is not None:
-            from specops.serving.proposers.dresd import resolve_shape
+        """A plain decode without an HTTP request: the plan built here (the method's resources
+        checked here, as the HTTP layer does). ``session_scope``: whose past outputs of the
+        cluster the request copies from and adds to (a tenant id; ``""``: the shared scope)."""
+        plan = DecodePlan.plain(prompt_ids, params, method=method, k=k, cluster=cluster, n_drafts=n_drafts,
+                                references=tuple(references), llma_min_n=llma_min_n, session_scope=session_scope,
+                                **({"request_id": request_id} if request_id else {}))  # fmt: skip
+        datastore = self.datastores.current(cluster).datastore if self.datastores is not None else None
+        check_resources(plan.spec, ProposerResources(pair=self.draft_pair(cluster)[1], cluster=cluster,
+                                                     datastore=datastore, references=plan.references))  # fmt: skip
+        return self.serve(plan, on_step=on_step)
 
-            n_drafts = resolve_shape(resources.datastore, n_drafts)[0]
-        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions,
-                            n_drafts if method_spec(method).default_n_drafts else 0)  # fmt: skip
-
-    def generate_ralm(self, prompt_ids: list[int], params: SamplingParams, *, kb, retriever: str, ralm,
-                      cluster: str = "default", method: str = "draft", k: int | None = None,
-                      request_id: str | None = None,
-                      on_step: Callable[[list[int]], bool | None] | None = None, pool=None) -> ServedResult:  # fmt: skip
-        """One request through RaLMSeq or RaLMSpec (``serving.ralm.loop``) over ``kb`` (a
-        ``serving.fleet.catalog.Loaded`` knowledge base), decoding between retrievals with
-        ``method`` and the cluster's current draft. ``on_step(final)`` gets verified output only."""
-        from specops.serving.engine.types import GenerationResult, RequestStats
-        from specops.serving.ralm.loop import RalmGenerator
-
-        started_at = time.time()
+    # ------------------------------------------------------------ what the modes use
+    def draft_pair(self, cluster: str) -> tuple[DraftHandle, ModelPair]:
+        """The cluster's current draft handle, taken once, and the pair it makes with the target."""
         handle: DraftHandle = self.follower.slot(cluster).current()
         pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
                          tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
-        engine = SpecEngine(pair, target_lm=self.batcher.lm if self.batcher else None)
-        rid = request_id or uuid.uuid4().hex
-        versions = {"draft": handle.version, "kb": kb.version}
-        knowledge = kb.artifact
-        gen = RalmGenerator(engine, knowledge.retriever(retriever), lambda ids: [p.text for p in knowledge.passages(ids)],
-                            pair.tokenizer, ralm, method=method, k=k,
-                            resources=ProposerResources(pair=pair, cluster=cluster, versions=versions), pool=pool)  # fmt: skip
+        return handle, pair
+
+    def engine(self, pair: ModelPair, *, logged: bool) -> SpecEngine:
+        """An engine over ``pair`` (sharing target passes with the batcher, when on); ``logged``:
+        keep the target's distributions at rejections, for the stream logger's records."""
+        collect = logged and self.logger is not None and self.logger.cfg.enabled
+        return SpecEngine(pair, collect_rejections=collect, target_lm=self.batcher.lm if self.batcher else None)
+
+    @contextlib.contextmanager
+    def batched(self):
+        """Counts the request among the batcher's running ones while it decodes."""
         if self.batcher is not None:
             self.batcher.begin()
         try:
-            out = gen.generate(prompt_ids, params, on_final=on_step)
+            yield
         finally:
             if self.batcher is not None:
                 self.batcher.end()
-        stats = RequestStats(method=method, num_prompt_tokens=len(prompt_ids), num_generated=len(out.token_ids),
-                             num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-                             num_target_forwards=out.num_target_forwards, finish_reason=out.finish_reason)  # fmt: skip
-        stats.time_s["total"] = out.stats.time_s["total"]
-        result = GenerationResult(token_ids=out.token_ids, stats=stats, text=out.text)
-        if method_spec(method).artifact == "draft" and out.num_drafted:
-            self.follower.record(handle, stats)
-        if self.logger is not None:  # the finished generation feeds the trainer like any other
-            self.logger.log(list(prompt_ids), result, params, RequestMeta(
-                request_id=rid, cluster=cluster, draft_model=handle.model_name, draft_version=handle.version))
-        used, seen = [], set()
-        for pid in out.passages:
-            if pid not in seen:
-                seen.add(pid)
-                used.append(pid)
-        cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(used)]
-        block = {"kb": kb.name, "kb_version": kb.version, "retriever": retriever, "passages": cited,
-                 "interval_passages": list(out.passages), **out.stats.to_dict()}  # fmt: skip
-        return ServedResult(rid, cluster, handle.model_name, handle.version, result, started_at, versions, 0, block)
 
-    def generate_oneshot(self, prompt_ids: list[int], params: SamplingParams, *, kb, retriever: str, ralm,
-                         method: str = "draft", **kw) -> ServedResult:  # fmt: skip
-        """One-shot retrieval-augmented generation: the top ``ralm.passages`` passages of ``kb``
-        for the prompt are put before it (``serving.ralm.loop.oneshot_context``), then the request
-        decodes as :meth:`generate` does (``kw``); with ``llma`` the passages are also its
-        ``retrieved`` references. The response's ``retrieval`` block names the passages."""
-        from dataclasses import replace
+    def meta(self, plan: DecodePlan, handle: DraftHandle, versions: dict[str, str]) -> RequestMeta:
+        """The logged records' names: the request, its cluster, the draft and the artifact versions
+        its method used (all of them for a method that drafts with others)."""
+        spec = plan.spec
+        used = {k: v for k, v in versions.items() if k == spec.artifact or spec.parts is not None}
+        return RequestMeta(request_id=plan.request_id, cluster=plan.cluster, draft_model=handle.model_name,
+                           draft_version=handle.version, artifact_versions=used)  # fmt: skip
 
-        from specops.serving.ralm.loop import oneshot_context
+    def record(self, plan: DecodePlan, handle: DraftHandle, versions: dict[str, str], stats) -> None:
+        """2.: the drafted and accepted tokens go to the artifact version that drafted them."""
+        if plan.spec.parts is None:
+            self._record(plan.spec.artifact, plan.cluster, handle, versions, stats)
+            return
+        for method, (drafted, accepted) in plan.spec.parts(stats).items():
+            spec = CATALOGUE.get(method)
+            if drafted and spec is not None:
+                self._record(spec.artifact, plan.cluster, handle, versions, _Part(drafted, accepted))
 
-        knowledge = kb.artifact
-        shot = oneshot_context(knowledge.retriever(retriever), lambda ids: [p.text for p in knowledge.passages(ids)],
-                               self.pair.tokenizer, list(prompt_ids), ralm)  # fmt: skip
-        served = self.generate(shot.context_ids, params, method=method, context_spans=shot.spans,
-                               retrieved=shot.passage_tokens if method in ("llma", "auto") else (), **kw)  # fmt: skip
-        cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(shot.passage_ids)]
-        block = {"kb": kb.name, "kb_version": kb.version, "retriever": retriever, "mode": "oneshot", "passages": cited,
-                 "kb_calls": 1, "kb_queries": 1, "speculations": 0, "mismatches": 0,
-                 "context_tokens": len(shot.context_ids) - len(prompt_ids),
-                 "time_s": {"embed": 0.0, "cache": 0.0, "kb_wait": round(shot.search_s, 6),
-                            "generate": round(served.result.stats.time_s.get("total", 0.0), 6), "async_overlap": 0.0}}  # fmt: skip
-        return replace(served, versions={**served.versions, "kb": kb.version}, retrieval=block)
+    def _record(self, artifact: str | None, cluster: str, handle: DraftHandle, versions: dict[str, str], counts) -> None:
+        if artifact == "draft":
+            self.follower.record(handle, counts)
+        elif artifact == "datastore" and "datastore" in versions:
+            self.datastores.record(cluster, versions["datastore"], counts)
 
-    def generate_knnlm(self, prompt_ids: list[int], params: SamplingParams, *, store, knn, cluster: str = "default",
-                       request_id: str | None = None,
-                       on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:  # fmt: skip
-        """One request decoded by kNN-LM (``serving.ralm.knnlm``) over ``store`` (a
-        ``serving.fleet.catalog.Loaded`` datastore): baseline or speculative, same output."""
-        from specops.serving.engine.types import GenerationResult, RequestStats
-        from specops.serving.ralm.knnlm import KnnLM
-
+    def decode(self, plan: DecodePlan, prompt_ids, *, on_step=None, retrieved: tuple[tuple[int, ...], ...] = (),
+               context_spans: tuple[ContextSpan, ...] = ()) -> Decoded:  # fmt: skip
+        """The plain decode of ``prompt_ids`` (the prompt, or a context built around it) with the
+        plan's method, over the cluster's current draft and datastore."""
         started_at = time.time()
-        rid = request_id or uuid.uuid4().hex
-        out = KnnLM(self.pair.target, store.artifact, knn, eos_token_ids=self.pair.eos_token_ids,
-                    tokenizer=self.pair.tokenizer).generate(prompt_ids, params, on_final=on_step)  # fmt: skip
-        reason = "eos" if out.finish_reason == "stop" else out.finish_reason
-        stats = RequestStats(method="target", num_prompt_tokens=len(prompt_ids), num_generated=len(out.token_ids),
-                             finish_reason=reason)  # fmt: skip
-        stats.time_s["total"] = out.stats.total_s
-        result = GenerationResult(token_ids=out.token_ids, stats=stats, text=out.text)
-        block = {"datastore": store.name, "version": store.version, "lambda": knn.lam, **out.stats.to_dict()}
-        return ServedResult(rid, cluster, "", "", result, started_at, {"knnlm": store.version}, 0, block)
+        handle, pair = self.draft_pair(plan.cluster)
+        engine = self.engine(pair, logged=True)
+        spec, cluster = plan.spec, plan.cluster
+        versions = {"draft": handle.version}
+        datastore = self.datastores.current(cluster) if self.datastores is not None else None  # once, too
+        if datastore is not None and datastore.datastore is not None:
+            versions["datastore"] = datastore.version
+        copies = spec.copies_references
+        past = self.sessions.index(cluster, plan.session_scope) if self.sessions is not None and copies else None
+        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=plan.references,
+                                      retrieved=tuple(retrieved), reference_indexes=(past,) if past is not None else (),
+                                      datastore=datastore.datastore if datastore is not None else None,
+                                      policy=self.policy)  # fmt: skip
+        cfg = plan.proposer_config()
+        with self.batched():
+            result = engine.generate(list(prompt_ids), plan.params, proposer_cfg=cfg, k=plan.k, resources=resources,
+                                     proposer=spec.build(cfg, resources), on_step=on_step,
+                                     context_spans=tuple(context_spans))  # fmt: skip
+        if self.sessions is not None:
+            self.sessions.add(cluster, result.token_ids, plan.session_scope)
+        self.record(plan, handle, versions, result.stats)
+        n_drafts = plan.n_drafts
+        if spec.served_n_drafts is not None:
+            n_drafts = spec.served_n_drafts(resources, n_drafts)
+        served = ServedResult(plan.request_id, cluster, handle.model_name, handle.version, result, started_at, versions,
+                              n_drafts)  # fmt: skip
+        return Decoded(served, tuple(int(t) for t in prompt_ids), self.meta(plan, handle, versions))

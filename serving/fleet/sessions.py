@@ -27,10 +27,10 @@ from prometheus_client import Counter, Gauge
 
 from specops.registry import RegistryStore
 from specops.registry.errors import RegistryError
-from specops.serving.fleet.clusters import cluster_label
+from specops.core.clusters import cluster_label
 from specops.serving.fleet.follower import AliasFollower, FollowConfig
 from specops.serving.proposers.session_cache import SessionCache
-from specops.serving.proposers.session_store import SavedSessions, SessionStoreError, load_sessions
+from specops.core.sessions.store import SavedSessions, SessionStoreError, load_sessions
 
 log = logging.getLogger(__name__)
 

@@ -215,14 +215,17 @@ class StreamLogger:
             self._thread.start()
 
     # ------------------------------------------------------------ request side
-    def log(self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams, meta: RequestMeta) -> bool:
-        """Queue the records of one finished request; returns whether it was queued.
+    def log(self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams,
+            meta: RequestMeta | None = None) -> bool:  # fmt: skip
+        """Queue the records of one finished request; returns whether it was queued
+        (``meta`` names it; None: an unnamed request, as a bare engine's are).
 
         Never blocks on the stream and never raises: a failure to build the records is
         logged and counted as a drop.
         """
         if not self.cfg.enabled or self._stop:
             return False
+        meta = meta if meta is not None else RequestMeta()
         if next(self._counter) % self.cfg.sample_every:
             self.stats.sampled_out += 1
             return False

@@ -5,7 +5,7 @@ A request is admitted in one of three ways:
 - a worker is free: it runs now;
 - every worker is busy but the queue has room: it waits, at most ``queue_timeout_s``
   (then 503), in arrival order;
-- the queue is full too: :class:`~serving.errors.OverloadedError` at once (429 with a
+- the queue is full too: :class:`~core.errors.OverloadedError` at once (429 with a
   ``Retry-After``), so the server never hangs and its memory stays bounded by
   ``max_running + max_queue`` requests of bounded size.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from specops.serving.errors import OverloadedError, QueueTimeoutError
+from specops.core.errors import OverloadedError, QueueTimeoutError
 
 RUNNING = Gauge("specops_admission_running", "Requests decoding now")
 WAITING = Gauge("specops_admission_queue_depth", "Requests waiting for a decode worker")

@@ -15,10 +15,10 @@ Endpoints:
 
 Every request has a tenant (:mod:`serving.http.tenancy`): the owner of its key, resolved by
 :class:`Gate` and kept in the ASGI scope's state; its id goes with the request into
-:meth:`ServingState.prepare <serving.http.server.ServingState.prepare>`.
+:meth:`ServingState.plan <serving.http.server.ServingState.plan>`.
 
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
-the status from :data:`serving.errors.HTTP_STATUS`. A request is refused before any work
+the status from :data:`core.errors.HTTP_STATUS`. A request is refused before any work
 when its body is too large (413), its key is missing (401) or wrong (403), or admission
 is full (429, ``Retry-After``); then it is validated (400 naming the field to fix) and
 only then queued for a decode worker. A body must arrive within ``body_timeout_s`` (408,
@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from specops.serving.errors import (
+from specops.core.errors import (
     AuthenticationError,
     ForbiddenError,
     InvalidRequestError,
@@ -57,13 +57,13 @@ from specops.serving.errors import (
     http_status,
 )  # fmt: skip
 from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
-from specops.serving.proposers.catalogue import method_spec
-from specops.serving.engine.models import render_chat
+from specops.serving.proposers.catalogue import CATALOGUE
+from specops.core.models import render_chat
+from specops.serving.http.errors import error_body
 from specops.serving.http.read_timeouts import BodyDeadline
 from specops.serving.http.request_json import parse as parse_json
 from specops.serving.http.server import ClientGone, Job, ServingState
 from specops.serving.http.tenancy import ANONYMOUS, Tenant, Tenants
-from specops.serving.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,6 @@ API_REQUESTS = Counter("specops_api_requests_total", "HTTP requests by endpoint 
 API_SECONDS = Histogram("specops_api_request_seconds", "HTTP request time (to the last byte for streams)",
                         ["endpoint"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
 OPEN_PATHS = ("/healthz", "/readyz")
 POLICY_WAIT_S = 1.0
 """Longest ``GET /v1/policy`` waits for the ``auto`` policy's lock (a worker thread holds it) before a 503."""
@@ -83,16 +80,6 @@ has not ended by then (a step that never returns: the worker only checks the dea
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 """Engine finish reasons as OpenAI names them."""
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
-    return {"error": {"message": _printable(message, 1000), "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": None if param is None else _printable(param, 200), "code": code}}  # fmt: skip
-
-
-def _printable(text: str, limit: int) -> str:
-    """A backstop for what an error quotes: bounded, and encodable (a lone surrogate is written as ``\\udXXX``)."""
-    return clip(text, limit).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(err: SpecOpsError) -> JSONResponse:
@@ -366,20 +353,9 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
     _ensure_ready(state)
     if req.model != cfg.served_model_name:
         raise ModelNotFoundError(f"model {echo(req.model)} is not served here; use {cfg.served_model_name!r}", "model")
-    # OpenAI's defaults: temperature 1, top_p 1 (send temperature=0 for greedy decoding)
-    params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                            top_p=req.top_p if req.top_p is not None else 1.0,
-                            max_new_tokens=req.max_tokens or cfg.default_max_tokens, seed=req.seed)  # fmt: skip
-    spec = req.speculation
     tenant = _tenant(request) if request is not None else ANONYMOUS
-    job = await asyncio.to_thread(state.prepare, prompt, params=params, method=spec.method if spec else None,
-                                  k=spec.k if spec else None, cluster=req.cluster, stop=req.stop,
-                                  n_drafts=spec.n_drafts if spec else None, retrieval=req.retrieval,
-                                  knnlm=req.knnlm, references=req.references, llma_n=spec.n if spec else None,
-                                  turns=[m.text for m in req.messages[:-1]] if chat else None,
-                                  tenant=tenant)  # fmt: skip
-    if request_id is not None:
-        job.request_id = request_id
+    plan = await asyncio.to_thread(state.plan, prompt, req, chat=chat, tenant=tenant, request_id=request_id)
+    job = Job(plan)
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
     if not req.stream:
@@ -475,16 +451,18 @@ def _settle(future) -> None:
 
 
 def _response(model: str, job: Job, served, *, chat: bool) -> dict:
-    st = served.result.stats
+    plan, st = job.plan, served.result.stats
     finish = "stop" if job.stopped else FINISH.get(st.finish_reason, st.finish_reason)
-    usage = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": st.num_generated,
-             "total_tokens": len(job.prompt_ids) + st.num_generated}  # fmt: skip
+    usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": st.num_generated,
+             "total_tokens": len(plan.prompt_ids) + st.num_generated}  # fmt: skip
+    # the artifacts of the method, or of the methods it decoded with (auto's steps)
+    artifacts = {CATALOGUE[m].artifact for m in plan.spec.split(st) if m in CATALOGUE}
     speculation = {
-        "method": st.method, "k": job.k, "cluster": job.cluster, "cluster_source": job.cluster_source,
-        "router_version": job.router_version or None,
-        "draft_model": served.draft_model if method_spec(st.method).artifact == "draft" else None,
-        "draft_version": served.draft_version if method_spec(st.method).artifact == "draft" else None,
-        "datastore_version": served.versions.get("datastore") if method_spec(st.method).artifact == "datastore" else None,
+        "method": st.method, "k": plan.k, "cluster": plan.cluster, "cluster_source": plan.cluster_source,
+        "router_version": plan.router_version or None,
+        "draft_model": served.draft_model if "draft" in artifacts else None,
+        "draft_version": served.draft_version if "draft" in artifacts else None,
+        "datastore_version": served.versions.get("datastore") if "datastore" in artifacts else None,
         "n_drafts": served.n_drafts or None,  # the rows drafted: asked for, or the datastore's measured shape
         "drafted": st.num_drafted,
         "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
@@ -492,15 +470,9 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }  # fmt: skip
-    if st.method == "llma" and st.proposer:
-        speculation["llma"] = dict(st.proposer)  # steps, hits (per source), reference tokens
-    if st.method == "auto" and st.policy:
-        speculation["auto"] = st.policy  # steps, drafted, accepted per method; the latest decision and its estimates
-        used = st.policy.get("methods", {})
-        if "draft" in used:
-            speculation["draft_model"], speculation["draft_version"] = served.draft_model, served.draft_version
-        if "dresd" in used:
-            speculation["datastore_version"] = served.versions.get("datastore")
+    block = plan.spec.stats_block(st)  # the method's own: LLMA's copies, auto's choices
+    if block:
+        speculation[plan.spec.name] = block
     if served.retrieval is not None and "kb" in served.versions:
         speculation["kb_version"] = served.versions.get("kb")
     if served.retrieval is not None and "knnlm" in served.versions:

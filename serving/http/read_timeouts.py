@@ -30,7 +30,8 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specops.serving.errors import ReadTimeoutError
+from specops.core.errors import ReadTimeoutError
+from specops.serving.http.errors import error_body
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,6 @@ def guarded_h11(header_timeout_s: float, body_timeout_s: float) -> type[GuardedH
 
 def _response_408(message: str) -> bytes:
     """A whole 408 response, written before h11 saw a request (h11 cannot frame a response to none)."""
-    from specops.serving.http.api import error_body
-
     body = json.dumps(error_body(408, message, ReadTimeoutError.code)).encode()
     head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n" % len(body))  # fmt: skip

@@ -2,7 +2,7 @@
 
 :func:`parse` decodes the text (UTF-8, or the UTF-16/32 that JSON detection allows), parses
 standard JSON and walks the result once. It refuses, as
-:class:`~serving.errors.InvalidRequestError` with ``param`` set to the field:
+:class:`~core.errors.InvalidRequestError` with ``param`` set to the field:
 
 - JSON that does not parse: a syntax error; ``NaN`` or ``Infinity`` (not JSON); a number
   longer than Python's integer digit limit (``sys.get_int_max_str_digits()``, 4300);
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from specops.serving.errors import InvalidRequestError, clip
+from specops.core.errors import InvalidRequestError, clip
 
 MAX_DEPTH = 32
 """Deepest nesting accepted; the request object itself is level 1 (``messages[0].content[0]`` is level 5)."""

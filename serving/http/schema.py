@@ -16,8 +16,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
-from specops.serving.proposers.catalogue import METHODS
-from specops.serving.errors import UnsupportedParameterError
+from specops.serving.proposers.catalogue import CATALOGUE, methods
+from specops.core.errors import UnsupportedParameterError
+
+
+def _choices() -> str:
+    """The catalogue's methods as pydantic words a Literal's choices: ``'a', 'b' or 'c'``."""
+    names = [repr(n) for n in methods()]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _method_enum(schema: dict) -> None:
+    """A method field's JSON schema: the catalogue's names now (the schema is built when asked)."""
+    schema.clear()
+    schema.update({"enum": list(methods()), "type": "string"})
+
 
 class FieldValueError(ValueError):
     """What a model-level validator (one that compares fields) raises: pydantic gives its error no
@@ -42,9 +55,9 @@ class Speculation(BaseModel):
 
     model_config = STRICT
 
-    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
-    """One of the catalogue's methods (``serving.proposers.catalogue``): draft = the cluster's draft model;
-    pld = prompt lookup; target = target-only (no speculation)."""
+    method: str | None = Field(None, json_schema_extra=lambda schema: _method_enum(schema["anyOf"][0]))
+    """One of the catalogue's methods (``serving.proposers.catalogue``), as registered when the request
+    comes: draft = the cluster's draft model; pld = prompt lookup; target = target-only (no speculation)."""
     k: int | None = Field(None, ge=1)
     """Tokens drafted per verification step (bounded by the server's max_k)."""
     n_drafts: int | None = Field(None, ge=1)
@@ -52,6 +65,13 @@ class Speculation(BaseModel):
     (bounded by the server's max_n_drafts)."""
     n: int | None = Field(None, ge=1, le=8)
     """LLMA: the shortest trailing match (in tokens) that triggers a copy; 1 by default (the paper's best)."""
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _known(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, str) and v in CATALOGUE):
+            raise ValueError(f"Input should be {_choices()}")
+        return v
 
 
 KBName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]

@@ -16,7 +16,7 @@ Permissions, by tenant id (``*``: every tenant):
 With no keys configured there is no authentication and one tenant, :data:`ANONYMOUS`, that
 may route and is admin (the single-user, loopback case). The HTTP layer resolves the tenant
 once, in ``serving.http.api.Gate``, puts it in the ASGI scope's state and passes its id down
-to :meth:`serving.http.server.ServingState.prepare`; nothing below reads the key.
+to :meth:`serving.http.server.ServingState.plan`; nothing below reads the key.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """The one catalogue of decoding methods: each method's name, default k, what it needs, and
 how to build its proposer.
 
-Everything that names a method derives from :data:`CATALOGUE`: the API's and config's
-allowed values (``serving.http.schema``, ``serving.http.config``), the CLI's ``--method``
-choices, the metrics labels, which artifact's live acceptance a request feeds, and the
-engine's default k. Adding a method is one :class:`MethodSpec` here plus its proposer module.
+Everything that names a method derives from :data:`CATALOGUE`, read when asked (so a method
+:func:`register`-ed at run time is everywhere at once): the API's and config's allowed values
+(``serving.http.schema``, ``serving.http.config``), the CLI's ``--method`` choices, the
+metrics labels, ``auto``'s candidates (:attr:`MethodSpec.joins_auto`), which artifact's live
+acceptance a request feeds, and the engine's default k. What differs between methods is a
+capability on its :class:`MethodSpec`, never a test of its name. Adding a method is one
+:class:`MethodSpec` (here, or :func:`register` from anywhere) plus its proposer module.
 
 A proposer is built per request from a :class:`ProposerResources`: the model pair with the
 cluster's current draft, and whatever else the method needs (a datastore, references).
@@ -12,14 +15,15 @@ cluster's current draft, and whatever else the method needs (a datastore, refere
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specops.serving.errors import InvalidRequestError
+from specops.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the catalogue itself stays light: the CLI builds its --help from it without torch
-    from specops.serving.engine.models import ModelPair
+    from specops.core.models import ModelPair
+    from specops.serving.engine.types import RequestStats
     from specops.serving.proposers.base import Proposer
 
 NEEDS = ("draft_model", "target_hidden", "references", "datastore")
@@ -42,12 +46,12 @@ class ProposerResources:
     retrieved: tuple[tuple[int, ...], ...] = ()
     """Passages a one-shot retrieval put before the prompt (copy sources labelled ``retrieved``)."""
     reference_indexes: tuple[object, ...] = ()
-    """Prebuilt, shared copy sources (``serving.proposers.llma.NgramIndex``): the cluster's
+    """Prebuilt, shared copy sources (``core.sessions.ngram.NgramIndex``): the cluster's
     past sessions."""
     versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
     policy: object | None = None
-    """The replica's ``serving.engine.auto.AutoPolicy`` for method ``auto`` (None: the process's
+    """The replica's ``core.auto_policy.AutoPolicy`` for method ``auto`` (None: the process's
     default policy)."""
 
 
@@ -114,10 +118,38 @@ class MethodSpec:
     default_n_drafts: int = 1
     """Rows per step when the request does not say (1: a chain)."""
     build: Callable[[ProposerConfig, ProposerResources], "Proposer | None"] = lambda cfg, res: None
+    drafts: bool = True
+    """False for target-only decoding: a request's ``speculation`` knobs then mean nothing."""
+    copies_references: bool = False
+    """It copies from reference texts: the request's ``references``, earlier chat turns, one-shot
+    retrieved passages and the cluster's past sessions reach it, and ``speculation.n`` applies."""
+    joins_auto: bool = False
+    """``auto`` may choose it per step (``auto``'s candidates are the methods with this set)."""
+    stats_block: Callable[["RequestStats"], dict | None] = lambda stats: None
+    """The method's own block of the response's ``speculation`` (under its name), or None."""
+    parts: Callable[["RequestStats"], dict[str, tuple[int, int]]] | None = None
+    """For a method that decodes with other methods step by step (``auto``): (drafted, accepted)
+    of each method it used, so artifacts, metrics and live acceptance go to the one that drafted."""
+    count: Callable[[str, "RequestStats", object], None] | None = None
+    """The method's own Prometheus metrics for one request: ``count(cluster, stats, policy)``
+    (``policy``: the replica's ``auto`` policy)."""
+    served_n_drafts: Callable[[ProposerResources, int], int] | None = None
+    """Rows per step it actually drafted, given the resources and the rows asked for (0: its default)."""
 
     def __post_init__(self) -> None:
         assert self.needs <= set(NEEDS), self.needs
         assert self.default_k >= 1, self.default_k
+
+    @property
+    def retrieval_loop(self) -> bool:
+        """It can decode between the retrievals of a RaLM loop: one chain, no cluster datastore."""
+        return self.default_n_drafts <= 1 and "datastore" not in self.needs
+
+    def split(self, stats: "RequestStats") -> dict[str, tuple[int, int]]:
+        """(drafted, accepted) per method used in this request (itself, or its parts)."""
+        if self.parts is not None:
+            return self.parts(stats)
+        return {self.name: (stats.num_drafted, stats.num_accepted)}
 
 
 def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
@@ -151,18 +183,56 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1, **adaptive)
 
 
+def _llma_stats(stats: "RequestStats") -> dict | None:
+    return dict(stats.proposer) if stats.proposer else None  # steps, hits (per source), reference tokens
+
+
+def _auto_stats(stats: "RequestStats") -> dict | None:
+    return stats.policy or None  # steps, drafted, accepted per method; the latest decision and its estimates
+
+
+def _auto_parts(stats: "RequestStats") -> dict[str, tuple[int, int]]:
+    per = (stats.policy or {}).get("methods", {})
+    return {m: (n["drafted"], n["accepted"]) for m, n in per.items()}
+
+
+def _count_llma(cluster: str, stats: "RequestStats", policy) -> None:
+    from specops.serving.metrics import count_llma
+
+    count_llma(cluster, stats)
+
+
+def _count_auto(cluster: str, stats: "RequestStats", policy) -> None:
+    from specops.serving.metrics import count_auto
+
+    count_auto(cluster, stats, policy)
+
+
+def _dresd_rows(res: ProposerResources, n_drafts: int) -> int:
+    from specops.serving.proposers.dresd import resolve_shape
+
+    return resolve_shape(res.datastore, n_drafts)[0] if res.datastore is not None else n_drafts
+
+
 def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
-    from specops.serving.engine.auto import AutoProposer, default_policy
+    """``auto`` over its candidates: the methods with ``joins_auto`` (those in the policy's
+    ``candidates`` when it restricts them), each built by its own ``build`` when ``res`` has
+    what it needs."""
+    from specops.serving.proposers.auto import AutoProposer, default_policy
 
     policy = res.policy or default_policy()
+    allowed = getattr(policy, "candidates", None)
+    specs = [s for s in CATALOGUE.values() if s.joins_auto and (allowed is None or s.name in allowed)]
     subs: dict[str, Proposer] = {}
-    if "draft" in policy.candidates and res.pair.draft is not None:
-        subs["draft"] = _build_draft(cfg, res)
-    if "dresd" in policy.candidates and res.datastore is not None:
-        subs["dresd"] = _build_dresd(cfg, res)
-    if "llma" in policy.candidates:
-        subs["llma"] = _build_llma(cfg, res)
-    return AutoProposer(policy, subs, cluster=res.cluster)
+    for spec in specs:
+        try:
+            check_resources(spec, res)
+        except InvalidRequestError:  # not for this request (no draft model, no datastore): not a candidate
+            continue
+        sub = spec.build(cfg, res)
+        if sub is not None:
+            subs[spec.name] = sub
+    return AutoProposer(policy, subs, {s.name: s for s in specs}, cluster=res.cluster)
 
 
 # Default k: a model draft pays one draft forward per token, so it drafts few; a lookup copy
@@ -174,30 +244,91 @@ def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
 CATALOGUE: dict[str, MethodSpec] = {
     spec.name: spec
     for spec in (
-        MethodSpec("target", "target-only decoding, the reference every method must equal", 1, frozenset(), None),
+        MethodSpec("target", "target-only decoding, the reference every method must equal", 1, frozenset(), None,
+                   drafts=False),
         MethodSpec("draft", "speculative decoding with the cluster's draft model (OSD)", 3,
-                   frozenset({"draft_model"}), "draft", build=_build_draft),
+                   frozenset({"draft_model"}), "draft", build=_build_draft, joins_auto=True),
         MethodSpec("pld", "prompt-lookup decoding: copy what followed the trailing n-gram in the context", 10,
                    frozenset(), None, build=_build_pld),
         MethodSpec("dresd", "DReSD: drafts retrieved from the cluster's datastore by the target's hidden state",
-                   10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd),
+                   10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd,
+                   joins_auto=True, served_n_drafts=_dresd_rows),
         MethodSpec("llma", "LLMA: copy from references, retrieved passages, past sessions and the context", 16,
-                   frozenset(), None, build=_build_llma),
+                   frozenset(), None, build=_build_llma, copies_references=True, joins_auto=True,
+                   stats_block=_llma_stats, count=_count_llma),
         MethodSpec("auto", "choose per step among target-only, the draft model, DReSD and LLMA copying (and "
                    "k) by measured speed; speculation off when nothing pays", 16, frozenset(), None,
-                   build=_build_auto),
+                   build=_build_auto, copies_references=True, stats_block=_auto_stats,
+                   parts=_auto_parts, count=_count_auto),
     )
 }  # fmt: skip
 
-METHODS: tuple[str, ...] = tuple(CATALOGUE)
-DEFAULT_K: dict[str, int] = {name: spec.default_k for name, spec in CATALOGUE.items()}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` to the catalogue at run time (a plugin, a test); its name must be new."""
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"register takes a MethodSpec, got {type(spec).__name__}")
+    if spec.name in CATALOGUE:
+        raise ValueError(f"method {spec.name!r} is already in the catalogue")
+    CATALOGUE[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Take a :func:`register`-ed method out again (unknown names are ignored)."""
+    CATALOGUE.pop(name, None)
+
+
+def methods() -> tuple[str, ...]:
+    """The method names, in catalogue order, as of now."""
+    return tuple(CATALOGUE)
+
+
+class _Names(Sequence):
+    """:data:`METHODS`: the catalogue's names, read on every use (compares equal to the tuple)."""
+
+    def __getitem__(self, i):
+        return methods()[i]
+
+    def __len__(self) -> int:
+        return len(CATALOGUE)
+
+    def __contains__(self, name) -> bool:
+        return name in CATALOGUE
+
+    def __eq__(self, other) -> bool:
+        return methods() == (tuple(other) if isinstance(other, (tuple, list, _Names)) else other)
+
+    def __hash__(self) -> int:
+        return hash(methods())
+
+    def __repr__(self) -> str:
+        return repr(methods())
+
+
+class _DefaultK(Mapping):
+    """:data:`DEFAULT_K`: each method's default k, read from the catalogue on every use."""
+
+    def __getitem__(self, name: str) -> int:
+        return CATALOGUE[name].default_k
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(methods())
+
+    def __len__(self) -> int:
+        return len(CATALOGUE)
+
+
+METHODS: Sequence[str] = _Names()
+DEFAULT_K: Mapping[str, int] = _DefaultK()
 
 
 def method_spec(name: str) -> MethodSpec:
     """The catalogue entry of ``name``; an unknown name is the caller's error, naming the choices."""
     spec = CATALOGUE.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise InvalidRequestError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}",
+        raise InvalidRequestError(f"unknown method {name!r}; choose one of {', '.join(methods())}",
                                   "speculation.method")  # fmt: skip
     return spec
 

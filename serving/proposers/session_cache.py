@@ -1,7 +1,7 @@
 """Past sessions as a copy source (LLMA's cache-assisted generation, fed by live traffic).
 
 Each *scope* of a cluster keeps the outputs of its recent finished requests in one bounded
-:class:`~serving.proposers.llma.NgramIndex`. A scope is whose outputs they are: a tenant's id
+:class:`~core.sessions.ngram.NgramIndex`. A scope is whose outputs they are: a tenant's id
 (serving's default, ``session_sharing = "tenant"``: a request copies only from its own
 tenant's past outputs, so a key cannot probe another key's text through LLMA's hit counts or
 speed) or ``""``, the cluster's shared scope (``session_sharing = "shared"``, and what the
@@ -22,60 +22,12 @@ outputs after them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
 
-from specops.serving.proposers.llma import NgramIndex
-
-
-@dataclass(frozen=True)
-class SessionCacheConfig:
-    max_tokens: int = 65536
-    """Tokens kept per cluster (n-gram entries are ``max_n`` per token)."""
-    max_n: int = 8
-    min_output_tokens: int = 8
-    """Shorter outputs are not worth copying from."""
-    max_clusters: int = 256
-    """(Scope, cluster) indexes kept; the least recently used one goes first."""
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 2 or self.max_n < 1 or self.min_output_tokens < 1 or self.max_clusters < 1:
-            raise ValueError("need max_tokens >= 2 and max_n, min_output_tokens, max_clusters >= 1")
-
-    def hash(self) -> str:
-        """What changes the set of outputs kept and how they are matched (stamped on registered versions)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-    def keepable(self, output: Sequence[int]) -> tuple[int, ...] | None:
-        """The part of one output that is kept (its last ``max_tokens / 2`` tokens), or None
-        when it is shorter than ``min_output_tokens``."""
-        doc = tuple(int(t) for t in output[-(self.max_tokens // 2) :])
-        return doc if len(doc) >= self.min_output_tokens else None
-
-
-def newest_within(docs: Sequence[tuple[int, ...]], budget: int) -> list[tuple[int, ...]]:
-    """The newest of ``docs`` (oldest first) whose tokens fit ``budget``, oldest first: the
-    first one that does not fit, going back from the newest, ends the set."""
-    keep, total = [], 0
-    for d in reversed(docs):
-        if total + len(d) > budget:
-            break
-        keep.append(d)
-        total += len(d)
-    return keep[::-1]
-
-
-def index_of(docs: Iterable[Sequence[int]], cfg: SessionCacheConfig) -> NgramIndex:
-    """A cluster's index over ``docs`` (which fit ``cfg.max_tokens``), as serving builds it."""
-    index = NgramIndex(max_n=cfg.max_n, max_tokens=cfg.max_tokens)
-    for d in docs:
-        index.add(d)
-    return index
-
+from specops.core.sessions.cache import SessionCacheConfig, index_of, newest_within
+from specops.core.sessions.ngram import NgramIndex
 
 SHARED = ""
 """The scope every tenant of a cluster shares (``session_sharing = "shared"``; registry seeds)."""

@@ -53,10 +53,10 @@ import numpy as np
 import torch
 
 from specops.serving.engine.kv import CachedLM
-from specops.serving.engine.limits import context_size
+from specops.core.limits import context_size
 from specops.serving.engine.sampling import tempered_softmax
 from specops.serving.engine.types import SamplingParams
-from specops.serving.errors import InvalidRequestError, PromptTooLongError
+from specops.core.errors import InvalidRequestError, PromptTooLongError
 from specops.serving.ralm.knnlm_search import KEY_BLOCK, Neighbours, search_keys
 from specops.serving.ralm.knnlm_store import MAX_K, KnnDatastore
 from specops.serving.ralm.os3 import OS3Config, StrideScheduler

@@ -44,8 +44,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specops.registry.artifacts import KNNLM_FORMAT as FORMAT
-from specops.registry.artifacts import sha256_file
-from specops.serving.errors import DatastoreError
+from specops.registry.artifacts import sha256_file, sha256_json
+from specops.core.errors import DatastoreError
 from specops.serving.ralm.knnlm_search import ExactSearcher, IvfpqSearcher, Neighbours, build_ivfpq
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class KnnDatastore:
 
 
 def _json_sha(meta: dict) -> str:
-    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    return sha256_json(meta)
 
 
 # ---------------------------------------------------------------- build
@@ -311,7 +311,7 @@ def build_knnlm(target, docs: Sequence[Sequence[int]], *, index: str = "exact", 
     document; then the searcher. ``cfg.index`` wins over ``index`` when ``cfg`` is given."""
     from tqdm import tqdm
 
-    from specops.serving.retrieval.keys import target_hidden_states
+    from specops.core.keys import target_hidden_states
 
     cfg = cfg or KnnBuildConfig(index=index)
     t_start = time.perf_counter()

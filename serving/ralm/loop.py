@@ -43,7 +43,7 @@ import numpy as np
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
-from specops.serving.errors import InvalidRequestError
+from specops.core.errors import InvalidRequestError
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
 from specops.serving.ralm.os3 import OS3Config, StrideScheduler
 from specops.serving.retrieval.retriever import Query, Retriever

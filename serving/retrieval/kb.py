@@ -1,9 +1,9 @@
 """Knowledge bases for retrieval-augmented generation (RaLMSpec, kNN-LM): passages, their
 vectors and the indexes of four retrievers (``serving.retrieval.retrievers``).
 
-A passage is about 100 words (the paper's DPR-style chunks, :func:`chunk_text`) and at
-most :data:`MAX_PASSAGE_TOKENS` target tokens (RaLMSeq prepends a chunk of at most 256).
-Exact duplicates (same words) are dropped at build: two passages with the same text would
+A passage (``core.passage``) is about 100 words (the paper's DPR-style chunks,
+``core.passage.chunk_text``) and at most ``MAX_PASSAGE_TOKENS`` target tokens (RaLMSeq prepends a
+chunk of at most 256). Exact duplicates (same words) are dropped at build: two passages with the same text would
 tie for every query, and the winner would be decided by nothing but their ids. What is
 embedded and indexed is the passage's title, a newline, and its text.
 
@@ -15,7 +15,7 @@ ever unpickled):
 - ``embeddings.safetensors``: ``embeddings`` float16 [N, dims] (unit vectors);
 - ``hash_embedder.safetensors``: the ``hash`` embedder's idf, when it is the embedder;
 - ``hnsw.safetensors``, ``scann.safetensors``: each index's files as raw bytes (uint8),
-  from ``serving.retrieval.index``;
+  from ``core.index``;
 - ``bm25.safetensors`` (``data`` float32, ``indices`` int32, ``indptr`` int64: the CSC
   score matrix) and ``bm25.json`` (its vocabulary and parameters);
 - ``kb.json``: format ``specops-kb/1``, name, embedder kind and config hash, sizes,
@@ -29,13 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import re
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,10 +42,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from specops.registry.artifacts import KB_FORMAT, MANIFEST, sha256_file
-from specops.serving.errors import KBError
-from specops.serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
-from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
+from specops.registry.artifacts import KB_FORMAT, MANIFEST, sha256_file, sha256_json
+from specops.core.errors import KBError
+from specops.core.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
+from specops.core.passage import Passage, indexed_text
+from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Retriever
 from specops.serving.retrieval.retrievers import BM25Index, BM25Retriever, DenseRetriever, ExactScorer, build_bm25
 from specops.serving.retrieval.text_embed import HASH, MINILM, HashEmbedder, embed_passages, make_text_embedder
 
@@ -55,59 +55,10 @@ log = logging.getLogger(__name__)
 META_FILE, PASSAGES_FILE, EMBEDDINGS_FILE = "kb.json", "passages.safetensors", "embeddings.safetensors"
 HASH_FILE, BM25_FILE, BM25_VOCAB_FILE = "hash_embedder.safetensors", "bm25.safetensors", "bm25.json"
 ANN_KINDS = ("hnsw", "scann")
-CHUNK_WORDS = 100
-MAX_PASSAGE_TOKENS = 256
 ANN_CONFIGS = {"hnsw": IndexConfig(kind="hnsw", quantizer="sq8"), "scann": IndexConfig(kind="scann")}
 """HNSW keeps 8-bit keys: it only proposes candidates, which are rescored exactly from the embeddings."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _STRING_FIELDS = ("text", "title", "source")
-
-
-# ---------------------------------------------------------------- chunking
-def chunk_text(text: str, words: int = CHUNK_WORDS, *, max_tokens: int = MAX_PASSAGE_TOKENS,
-               count_tokens: Callable[[str], int] | None = None) -> list[str]:  # fmt: skip
-    """``text`` cut into chunks of at most ``words`` words, as even as possible (130 words
-    make two of 65, never 100 and 30), each a slice of the original (line breaks kept).
-    With ``count_tokens`` (a tokenizer's length), a chunk over ``max_tokens`` is halved by
-    words until it fits, and a single over-long word by characters."""
-    spans = [m.span() for m in re.finditer(r"\S+", text)]
-    if not spans:
-        return []
-    n_chunks = math.ceil(len(spans) / words)
-    size = math.ceil(len(spans) / n_chunks)
-    out: list[str] = []
-
-    def emit(lo: int, hi: int) -> None:  # words [lo, hi)
-        chunk = text[spans[lo][0] : spans[hi - 1][1]]
-        if count_tokens is None or count_tokens(chunk) <= max_tokens:
-            out.append(chunk)
-        elif hi - lo > 1:
-            emit(lo, (lo + hi) // 2)
-            emit((lo + hi) // 2, hi)
-        else:
-            _split_word(chunk, max_tokens, count_tokens, out)
-
-    for lo in range(0, len(spans), size):
-        emit(lo, min(lo + size, len(spans)))
-    return out
-
-
-def _split_word(word: str, max_tokens: int, count_tokens: Callable[[str], int], out: list[str]) -> None:
-    if count_tokens(word) <= max_tokens or len(word) == 1:
-        out.append(word)
-        return
-    _split_word(word[: len(word) // 2], max_tokens, count_tokens, out)
-    _split_word(word[len(word) // 2 :], max_tokens, count_tokens, out)
-
-
-def token_counter(tokenizer) -> Callable[[str], int]:
-    """A Hugging Face tokenizer's length of a text (no special tokens), for :func:`chunk_text`."""
-    return lambda text: len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-
-def indexed_text(p: Passage) -> str:
-    """What is embedded and indexed: the title (a man page's ``ls(1)``) then the text."""
-    return f"{p.title}\n{p.text}" if p.title else p.text
 
 
 # ---------------------------------------------------------------- strings as blobs
@@ -119,7 +70,7 @@ def _pack(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _canonical_sha(meta: dict) -> str:
-    return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}, sort_keys=True).encode()).hexdigest()
+    return sha256_json(meta, without="meta_sha256")
 
 
 def _save(tensors: dict[str, np.ndarray], path: Path) -> None:

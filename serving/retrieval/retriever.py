@@ -21,25 +21,11 @@ approximate), ``bm25`` (sparse, global corpus statistics).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 RETRIEVER_KINDS = ("exact", "hnsw", "scann", "bm25")
-
-
-@dataclass(frozen=True)
-class Passage:
-    """One passage of a knowledge base."""
-
-    id: int
-    """Row in the KB (0..num_passages-1); stable within a KB version."""
-    title: str
-    """What a client cites: the source's name (a man page ``ls(1)``, a file's path)."""
-    text: str
-    source: str = ""
-    """Where the text came from (a path)."""
 
 
 Query = np.ndarray

@@ -37,8 +37,8 @@ import threading
 import numpy as np
 import torch
 
-from specops.serving.errors import KBError
-from specops.serving.retrieval.index import KeyIndex
+from specops.core.errors import KBError
+from specops.core.index import KeyIndex
 from specops.serving.retrieval.retriever import Query
 
 QUERY_BLOCK = 8

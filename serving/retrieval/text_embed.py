@@ -4,7 +4,7 @@ Both map a text to a unit vector of 384 dimensions and name themselves by ``kind
 ``config_sha256`` (a KB records both and refuses an embedder that differs: its stored
 vectors only mean something in the space they were made in).
 
-- ``minilm``: :class:`serving.fleet.embed.MiniLMEmbedder` (all-MiniLM-L6-v2, shipped as a
+- ``minilm``: :class:`core.embed.MiniLMEmbedder` (all-MiniLM-L6-v2, shipped as a
   wheel, no hub download). Its ``embed`` pads a batch to its longest text, and padding
   changes the floats a little, so a *query* is always embedded on its own
   (:func:`embed_each`); passages are embedded in length-sorted batches (:func:`embed_passages`),
@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from specops.serving.errors import KBError
+from specops.core.errors import KBError
 
 MINILM, HASH = "minilm", "hash"
 TEXT_EMBEDDER_KINDS = (MINILM, HASH)
@@ -127,7 +127,7 @@ def make_text_embedder(kind: str, *, fit_texts: list[str] | None = None,
                        progress: Callable[[int], None] | None = None):  # fmt: skip
     """The embedder named ``kind``: ``minilm``, or ``hash`` fitted on ``fit_texts``."""
     if kind == MINILM:
-        from specops.serving.fleet.embed import MiniLMEmbedder
+        from specops.core.embed import MiniLMEmbedder
 
         return MiniLMEmbedder()
     if kind == HASH:

@@ -19,7 +19,7 @@ import psycopg2
 import pytest
 
 from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_model_dir, load_tokenizer, tokenizer_hash
+from specops.core.models import load_model_dir, load_tokenizer, tokenizer_hash
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.hotswap import BASE, FAILURES, DraftFollower, HotSwapConfig
@@ -35,7 +35,7 @@ PICKLED = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt", ".joblib")
 def _register(reg: RegistryStore, tiny_models: Path, cluster: str, which: str = "draft"):
     """Register ``tiny_models/<which>`` (with the target's tokenizer) as a new version of ``draft-<cluster>``."""
     tok = tiny_models / "target"
-    return reg.register_draft(cluster, tiny_models / which, tokenizer_dir=tok,
+    return reg.artifact("draft").register(cluster, tiny_models / which, tokenizer_dir=tok,
                               tokenizer_sha256=tokenizer_hash(load_tokenizer(tok)))  # fmt: skip
 
 
@@ -63,14 +63,15 @@ def test_draft_lives_in_postgres_and_s3(pg_s3_server, pg_database, s3_bucket, ti
     dv = _register(reg, tiny_models, cluster)
     assert dv.version == "1" and dv.aliases == (CHALLENGER,)
     assert dv.source.startswith("mlflow-artifacts:"), dv.source  # served: clients never see the bucket
-    change = reg.promote(cluster, dv.version, reason="deploy test")
+    change = reg.artifact("draft").promote(cluster, dv.version, reason="deploy test")
     assert (change.kind, change.version, change.previous_version) == ("promotion", "1", "")
-    assert reg.by_alias(cluster, CHAMPION).version == "1" and reg.aliases(cluster) == {CHALLENGER: "1", CHAMPION: "1"}
+    drafts = reg.artifact("draft")
+    assert drafts.by_alias(cluster, CHAMPION).version == "1" and drafts.aliases(cluster) == {CHALLENGER: "1", CHAMPION: "1"}
 
     # fetched through the server from S3, checksums verified: exactly the files registered
     fetched = tmp_path / "cache" / "v1"
     fetched.parent.mkdir()
-    manifest = reg.fetch(reg.by_alias(cluster, CHAMPION), fetched)
+    manifest = drafts.fetch(drafts.by_alias(cluster, CHAMPION), fetched)
     names = set(manifest["files"])
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= names
     for name in names:
@@ -131,7 +132,7 @@ def test_hot_swap_follows_the_pg_s3_registry_with_no_failed_request(pg_s3_server
     try:
         _wait(lambda: len(results) >= 2, 30, "requests on the base draft")
         for v in (v1, v2):
-            reg.promote(cluster, v, reason="deploy hot-swap")
+            reg.artifact("draft").promote(cluster, v, reason="deploy hot-swap")
             _wait(lambda v=v: follower.slot(cluster).current().version == v, 30, f"the swap to {v}")
             _wait(lambda v=v: any(s.draft_version == v for s, _ in results), 30, f"a request on version {v}")
     finally:
@@ -161,11 +162,11 @@ def test_both_postgresql_spellings_reach_the_same_store(pg_database, s3_bucket, 
     cluster = f"dr{uuid.uuid4().hex[:6]}"
     dv = _register(RegistryStore(bare), tiny_models, cluster)
     assert dv.source.startswith(f"s3://{s3_bucket.bucket}/direct/"), dv.source
-    through_explicit = RegistryStore(explicit).versions(cluster)
-    through_server = RegistryStore(RegistryConfig(uri=pg_s3_server.uri)).versions(cluster)
+    through_explicit = RegistryStore(explicit).artifact("draft").versions(cluster)
+    through_server = RegistryStore(RegistryConfig(uri=pg_s3_server.uri)).artifact("draft").versions(cluster)
     assert [(v.version, v.run_id, v.source) for v in through_explicit] == [(dv.version, dv.run_id, dv.source)]
     assert [(v.version, v.run_id, v.source) for v in through_server] == [(dv.version, dv.run_id, dv.source)]
-    RegistryStore(explicit).fetch(through_explicit[0], tmp_path / "fetched")
+    RegistryStore(explicit).artifact("draft").fetch(through_explicit[0], tmp_path / "fetched")
     assert (tmp_path / "fetched" / "model.safetensors").read_bytes() == \
         (tiny_models / "draft" / "model.safetensors").read_bytes()  # fmt: skip
     direct = s3_bucket.keys("direct/")

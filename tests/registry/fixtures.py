@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from specops.registry import RegistryConfig, RegistryStore
+
 from tests.registry.mlflow_server import MlflowServer
 
 PG = "postgresql://postgres@127.0.0.1:5432"
@@ -40,7 +40,7 @@ def pg_available() -> str | None:
 def sqlite_template(tmp_path_factory) -> Path:
     """An MLflow SQLite store with its tables created once (migrations take seconds); tests copy it."""
     db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    RegistryStore(RegistryConfig(uri=f"sqlite:///{db}")).clusters()
+    RegistryStore(RegistryConfig(uri=f"sqlite:///{db}")).artifact("draft").keys()
     return db
 
 

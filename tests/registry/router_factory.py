@@ -6,9 +6,8 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
-
-from specops.serving.fleet.embed import normalise
-from specops.serving.fleet.router import Router
+from specops.core.embed import normalise
+from specops.core.router import Router
 
 DIM = 8
 

@@ -5,22 +5,23 @@ from __future__ import annotations
 import json
 
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore
-from specops.cli import main
 from specops.streams import StreamConfig, codec, open_stream
+
+from specops.cli import main
 
 
 def test_registry_commands(sqlite_uri, tiny_models, tmp_path, capsys):
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     for score in (0.3, 0.4, 0.5):
-        reg.register_draft("code", tiny_models / "draft", tokenizer_sha256="t",
+        reg.artifact("draft").register("code", tiny_models / "draft", tokenizer_sha256="t",
                            metrics={"offline_acceptance_sampling": score})  # fmt: skip
     stream = f"local://{tmp_path}/log"
     common = ["--registry", sqlite_uri]
     assert main(["registry", "promote", "code", "1", *common, "--stream", stream]) == 0
     assert main(["registry", "promote", "code", "3", *common, "--stream", stream, "--reason", "canary ok"]) == 0
     assert main(["registry", "rollback", "code", *common, "--stream", stream, "--reason", "p99 regressed"]) == 0
-    assert reg.aliases("code")[CHAMPION] == "1"
-    assert reg.get("code", "3").tags["rolled_back"] == "p99 regressed"
+    assert reg.artifact("draft").aliases("code")[CHAMPION] == "1"
+    assert reg.artifact("draft").get("code", "3").tags["rolled_back"] == "p99 regressed"
     capsys.readouterr()
     assert main(["registry", "ls", *common, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

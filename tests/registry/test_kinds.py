@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import save_file
 import torch
-
-from specops.registry import KINDS, ArtifactFormatError, RegistryConfig, RegistryError, RegistryStore, kind_of
+from safetensors.torch import save_file
+from specops.registry import (
+    KINDS,
+    ArtifactFormatError,
+    RegistryConfig,
+    RegistryError,
+    RegistryStore,
+    kind_of,
+)
 from specops.registry.errors import ArtifactIntegrityError
 
 
@@ -55,7 +61,7 @@ def test_a_datastore_is_registered_promoted_rolled_back_retained_and_described(r
     assert versions[0] in archived and versions[1] not in archived  # the champion stays
     desc = ds.describe("sql")
     assert desc["aliases"]["champion"] == versions[1] and len(desc["versions"]) == 4
-    assert ds.keys() == ["sql"] and reg.clusters() == []  # drafts are listed on their own
+    assert ds.keys() == ["sql"] and reg.artifact("draft").keys() == []  # drafts are listed on their own
     dest = tmp_path / "fetched"
     manifest = ds.fetch(ds.get("sql", versions[1]), dest)
     assert manifest["format"] == "specops-datastore/1" and (dest / "datastore.safetensors").is_file()
@@ -87,8 +93,8 @@ def test_a_tampered_datastore_is_refused_on_fetch(reg, tmp_path):
 def test_drafts_and_routers_are_kinds_too(reg, tmp_path):
     from tests.registry.router_factory import saved_router
 
-    rv = reg.register_router(saved_router(tmp_path / "r", ("a", "b")))
+    rv = reg.artifact("router").register("", saved_router(tmp_path / "r", ("a", "b")))
     router = reg.artifact("router")
     router.promote("", rv.version, reason="generic")
-    assert reg.router_by_alias().version == rv.version == router.by_alias().version
+    assert reg.artifact("router").by_alias().version == rv.version == router.by_alias().version
     assert router.describe()["model"] == "router"

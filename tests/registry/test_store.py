@@ -7,7 +7,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from specops.registry import (
     CHALLENGER,
     CHAMPION,
@@ -26,7 +25,7 @@ def cluster() -> str:
 
 
 def _register(reg: RegistryStore, cluster: str, model_dir: Path, score: float, **kw):
-    return reg.register_draft(cluster, model_dir, tokenizer_sha256="tok" * 8, lineage=LINEAGE,
+    return reg.artifact("draft").register(cluster, model_dir, tokenizer_sha256="tok" * 8, lineage=LINEAGE,
                               metrics={"offline_acceptance_sampling": score, "offline_acceptance_greedy": score / 2},
                               params={"lr": 1e-3}, **kw)  # fmt: skip
 
@@ -34,52 +33,55 @@ def _register(reg: RegistryStore, cluster: str, model_dir: Path, score: float, *
 def test_register_version_carries_tags_metrics_and_verified_weights(store_cfg, cluster, tiny_models, tmp_path):
     changes = []
     reg = RegistryStore(store_cfg, on_change=changes.append)
+    drafts = reg.artifact("draft")
     v1 = _register(reg, cluster, tiny_models / "draft", 0.40, source_id="t/v1")
     assert v1.version == "1" and v1.aliases == (CHALLENGER,)
     for key in ("tokenizer_sha256", "config_sha256", "manifest_sha256", "lineage_topic", "lineage_offsets"):
         assert v1.tags[key], key
     assert v1.tags["lineage_partitions"] == "0,3" and json.loads(v1.tags["lineage_offsets"]) == LINEAGE["offsets"]
     assert v1.metric("offline_acceptance_sampling") == pytest.approx(0.40)
-    run = reg.client.get_run(v1.run_id)
+    run = reg.models.client.get_run(v1.run_id)
     assert run.data.metrics["offline_acceptance_greedy"] == pytest.approx(0.20) and run.data.params["lr"] == "0.001"
     # idempotent by source: a trainer re-registering the same checkpoint after a crash gets the same version
     assert _register(reg, cluster, tiny_models / "draft", 0.40, source_id="t/v1").version == "1"
     v2 = _register(reg, cluster, tiny_models / "draft", 0.50, source_id="t/v2", parent_version="1")
     assert v2.version == "2" and v2.tags["parent_version"] == "1"
-    assert reg.aliases(cluster) == {CHALLENGER: "2"}
-    manifest = reg.fetch(v2, tmp_path / "fetched")
+    assert drafts.aliases(cluster) == {CHALLENGER: "2"}
+    manifest = drafts.fetch(v2, tmp_path / "fetched")
     assert (tmp_path / "fetched" / "model.safetensors").read_bytes() == (tiny_models / "draft" / "model.safetensors").read_bytes()
     assert manifest["meta"]["cluster"] == cluster
-    assert cluster in reg.clusters() and not changes
+    listed = drafts.keys()
+    assert cluster in listed and not changes
 
 
 def test_gate_promote_rollback_chain(store_cfg, cluster, tiny_models):
     changes = []
     reg = RegistryStore(store_cfg, on_change=changes.append)
+    drafts = reg.artifact("draft")
     for score in (0.40, 0.50, 0.45, 0.60):
         _register(reg, cluster, tiny_models / "draft", score)
-    assert reg.by_alias(cluster, CHAMPION) is None
+    assert drafts.by_alias(cluster, CHAMPION) is None
     first = decide("1", None, 0.40, None, margin=0.01, num_positions=100, min_positions=10)
-    assert first.promoted and reg.apply_gate(cluster, first).version == "1"
+    assert first.promoted and drafts.apply_gate(cluster, first).version == "1"
     # a worse candidate is refused, and the decision with its numbers is recorded on it
     worse = decide("3", "1", 0.39, 0.40, margin=0.01, num_positions=100, min_positions=10)
-    assert not worse.promoted and reg.apply_gate(cluster, worse) is None
-    v3 = reg.get(cluster, "3")
+    assert not worse.promoted and drafts.apply_gate(cluster, worse) is None
+    v3 = drafts.get(cluster, "3")
     assert v3.tags["gate_decision"] == "rejected" and float(v3.tags["gate_champion_acceptance"]) == pytest.approx(0.40)
-    assert reg.aliases(cluster)[CHAMPION] == "1"
+    assert drafts.aliases(cluster)[CHAMPION] == "1"
     # too little evidence is refused too, whatever the scores
     assert not decide("2", "1", 0.9, 0.4, margin=0.01, num_positions=5, min_positions=10).promoted
     better = decide("2", "1", 0.50, 0.40, margin=0.01, num_positions=100, min_positions=10)
-    assert reg.apply_gate(cluster, better).previous_version == "1"
-    reg.promote(cluster, "4", reason="operator")
-    assert reg.get(cluster, "4").tags["previous_champion"] == "2"
+    assert drafts.apply_gate(cluster, better).previous_version == "1"
+    drafts.promote(cluster, "4", reason="operator")
+    assert drafts.get(cluster, "4").tags["previous_champion"] == "2"
     # rollback walks back the promotion history, skipping versions already rolled back
-    assert reg.rollback(cluster, reason="bad live").version == "2"
-    assert reg.get(cluster, "4").tags["rolled_back"] == "bad live"
-    assert reg.rollback(cluster, reason="again").version == "1"
+    assert drafts.rollback(cluster, reason="bad live").version == "2"
+    assert drafts.get(cluster, "4").tags["rolled_back"] == "bad live"
+    assert drafts.rollback(cluster, reason="again").version == "1"
     with pytest.raises(VersionNotFoundError):
-        reg.rollback(cluster, reason="nothing before 1")
-    assert reg.rollback(cluster, reason="x", expect_current="4") is None  # the champion moved on: no-op
+        drafts.rollback(cluster, reason="nothing before 1")
+    assert drafts.rollback(cluster, reason="x", expect_current="4") is None  # the champion moved on: no-op
     assert [(c.kind, c.version, c.previous_version) for c in changes] == [
         ("promotion", "1", ""), ("promotion", "2", "1"), ("promotion", "4", "2"), ("rollback", "2", "4"),
         ("rollback", "1", "2")]  # fmt: skip
@@ -87,22 +89,24 @@ def test_gate_promote_rollback_chain(store_cfg, cluster, tiny_models):
 
 def test_retention_archives_old_unaliased_versions(store_cfg, cluster, tiny_models, tmp_path):
     reg = RegistryStore(store_cfg)
+    drafts = reg.artifact("draft")
     for i in range(6):
         _register(reg, cluster, tiny_models / "draft", 0.1 * i)
-    reg.promote(cluster, "2")
-    reg.promote(cluster, "3")
-    archived = reg.retain(cluster, keep_last=2)
+    drafts.promote(cluster, "2")
+    drafts.promote(cluster, "3")
+    archived = drafts.retain(cluster, keep_last=2)
     # kept: 5, 6 (newest), 3 (champion), 2 (its rollback target); 6 is also the challenger
     assert archived == ["1", "4"]
-    assert [v.version for v in reg.versions(cluster, include_archived=False)] == ["2", "3", "5", "6"]
-    assert reg.get(cluster, "1").archived
+    assert [v.version for v in drafts.versions(cluster, include_archived=False)] == ["2", "3", "5", "6"]
+    assert drafts.get(cluster, "1").archived
     with pytest.raises(Exception, match="archived"):
-        reg.fetch(reg.get(cluster, "1"), tmp_path / "gone")
-    assert reg.retain(cluster, keep_last=2) == []  # idempotent
+        drafts.fetch(drafts.get(cluster, "1"), tmp_path / "gone")
+    assert drafts.retain(cluster, keep_last=2) == []  # idempotent
 
 
 def test_corrupt_artifact_is_refused(store_cfg, cluster, tiny_models, tmp_path, request):
     reg = RegistryStore(store_cfg)
+    drafts = reg.artifact("draft")
     dv = _register(reg, cluster, tiny_models / "draft", 0.4)
     if store_cfg.is_http:
         server = request.getfixturevalue("mlflow_server")
@@ -113,7 +117,7 @@ def test_corrupt_artifact_is_refused(store_cfg, cluster, tiny_models, tmp_path, 
     data[len(data) // 2] ^= 0xFF
     stored.write_bytes(bytes(data))
     with pytest.raises(ArtifactIntegrityError, match="sha256"):
-        reg.fetch(dv, tmp_path / "bad")
+        drafts.fetch(dv, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 
 

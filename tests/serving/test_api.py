@@ -20,7 +20,7 @@ import requests
 import torch
 
 from specops.serving.proposers.catalogue import DEFAULT_K
-from specops.serving.engine.models import load_model
+from specops.core.models import load_model
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 
 MAX_PROMPT_TOKENS = 64

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import requests
 
-from specops.serving.engine.models import load_model, load_tokenizer
-from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
-from specops.serving.retrieval.index import IndexConfig
+from specops.core.models import load_model, load_tokenizer
+from specops.core.datastore import Datastore, DatastoreConfig
+from specops.core.index import IndexConfig
 from tests.serving.api_support import MODEL, assert_error, running, serve_config
 
 

@@ -18,9 +18,8 @@ import time
 import pytest
 import requests
 
-from specops.serving.errors import InvalidRequestError, http_status
+from specops.core.errors import InvalidRequestError, http_status
 from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest
-from specops.serving.engine.types import SamplingParams
 from tests.serving.api_support import MODEL, assert_error, running, serve_config, wait_until
 
 READ_TIMEOUT_S = 1.0
@@ -87,10 +86,12 @@ def test_a_surrogate_in_a_field_name_is_a_400_and_a_surrogate_pair_is_text(serve
 
 
 def test_text_the_tokenizer_refuses_is_the_callers_error(server):
-    """Behind the API's own check: ServingState.prepare turns the tokenizer's TypeError into a 400."""
+    """Behind the API's own check: ServingState.plan turns the tokenizer's TypeError into a 400."""
+    from specops.serving.http.schema import CompletionRequest
+
+    body = CompletionRequest.model_validate({"model": "specops", "prompt": "a", "max_tokens": 2})
     with pytest.raises(InvalidRequestError) as exc:
-        server.state.prepare("a\ud800b", params=SamplingParams(max_new_tokens=2), method=None, k=None, cluster=None,
-                             stop=None)  # fmt: skip
+        server.state.plan("a\ud800b", body)
     assert exc.value.param == "prompt" and http_status(exc.value) == 400
 
 
@@ -169,7 +170,7 @@ def test_a_bug_is_an_openai_shaped_500(server, monkeypatch):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(server.state, "prepare", broken)
+    monkeypatch.setattr(server.state, "plan", broken)
     r = requests.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
     err = assert_error(r, 500, "internal")
     assert err["type"] == "server_error" and "ZeroDivisionError" in err["message"] and "a bug" not in err["message"]
@@ -371,7 +372,7 @@ def test_a_client_gone_mid_body_is_one_info_line(server, caplog):
     uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to the root logger caplog watches
     uvicorn_log.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.INFO, logger="serving"):
+        with caplog.at_level(logging.INFO, logger="specops.serving"):
             sock = connect(server)
             sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": ')
             time.sleep(0.2)

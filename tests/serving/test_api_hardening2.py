@@ -23,7 +23,7 @@ import pytest
 import requests
 from pydantic import BaseModel, ValidationError
 
-from specops.serving.engine.auto import AutoPolicy, Counts
+from specops.core.auto_policy import AutoPolicy, Counts
 from specops.serving.http import schema
 from specops.serving.http.api import _FirstValidationError
 from specops.serving.proposers.catalogue import METHODS
@@ -44,12 +44,12 @@ TEXTS = ["ls lists directory contents. With -l it shows permissions, owners, siz
 @pytest.fixture(scope="module")
 def artifacts(tiny_models, tmp_path_factory):
     """A DReSD datastore, a knowledge base ``tools`` and a kNN-LM datastore ``prose``, all tiny."""
-    from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+    from specops.core.models import load_model, load_tokenizer, tokenizer_hash
     from specops.serving.ralm.knnlm_store import build_knnlm
-    from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
-    from specops.serving.retrieval.index import IndexConfig
+    from specops.core.datastore import Datastore, DatastoreConfig
+    from specops.core.index import IndexConfig
     from specops.serving.retrieval.kb import build_kb
-    from specops.serving.retrieval.retriever import Passage
+    from specops.core.passage import Passage
 
     root = tmp_path_factory.mktemp("artifacts")
     target, tok = load_model(tiny_models / "target"), load_tokenizer(tiny_models / "target")
@@ -202,7 +202,7 @@ def test_policy_champion_with_nan_is_refused_and_the_policy_kept(sqlite_uri, tmp
     policy = AutoPolicy()
     policy.load_priors(GOOD_PRIORS)
     before = policy.priors()
-    with caplog.at_level(logging.WARNING, logger="specops.serving.http.server"):
+    with caplog.at_level(logging.WARNING, logger="specops.serving.replica"):
         state._load_policy_priors(policy)
     assert policy.priors() == before
     assert "counts[0].rejected" in caplog.text and "finite" in caplog.text

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from specops.serving.http.config import ServeConfig
-from specops.serving.errors import ModelConfigError
+from specops.core.errors import ModelConfigError
 from specops.serving.http.server import ServingState
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord, MissRecord

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from specops.serving.http.admission import Admission
-from specops.serving.errors import OverloadedError, QueueTimeoutError
+from specops.core.errors import OverloadedError, QueueTimeoutError
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config, wait_until
 
 

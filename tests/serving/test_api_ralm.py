@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from specops.serving.retrieval.kb import build_kb
-from specops.serving.retrieval.retriever import Passage
+from specops.core.passage import Passage
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config
 
 TEXTS = {
@@ -114,8 +114,8 @@ def test_oneshot_retrieval_puts_top_passages_before_the_prompt_and_llma_copies_t
 
 
 def test_knnlm_requests_and_errors(tiny_models, kb_dir, tmp_path):
-    from specops.serving.engine.models import load_model, load_tokenizer
-    from specops.serving.engine.models import tokenizer_hash
+    from specops.core.models import load_model, load_tokenizer
+    from specops.core.models import tokenizer_hash
     from specops.serving.ralm.knnlm_store import build_knnlm
 
     target, tok = load_model(tiny_models / "target"), load_tokenizer(tiny_models / "target")

@@ -21,19 +21,19 @@ from safetensors.torch import load_file, save_file
 
 from specops.registry import RegistryConfig, RegistryStore
 from specops.registry.artifacts import sha256_file
-from specops.serving.errors import ArtifactUnavailableError, DatastoreError
+from specops.core.errors import ArtifactUnavailableError, DatastoreError
 from specops.serving.fleet.catalog import NamedArtifacts
-from specops.serving.retrieval import datastore as ds
-from specops.serving.retrieval.datastore import (
+from specops.core import datastore as ds
+from specops.core.datastore import (
     DATA_FILE,
     INDEX_FILE,
     META_FILE,
     Datastore,
     DatastoreConfig,
 )
-from specops.serving.retrieval.index import IndexConfig
+from specops.core.index import IndexConfig
 from specops.serving.retrieval.kb import KnowledgeBase, build_kb, register_kb
-from specops.serving.retrieval.retriever import Passage
+from specops.core.passage import Passage
 from tests.serving.api_support import MODEL, assert_error, running, serve_config
 
 TEXTS = {

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from specops.serving.engine.auto import AutoPolicy, CostFit, Counts, expected_tokens, temp_bucket
-from specops.serving.engine.models import ModelPair
+from specops.core.auto_policy import AutoPolicy, CostFit, Counts, expected_tokens, temp_bucket
+from specops.core.datastore import Datastore, DatastoreConfig
+from specops.core.models import ModelPair
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.proposers.auto import calibrate
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
-from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
 from tests.conftest import random_prompts
 from tests.serving.test_verifier import pooled_chisquare
 
@@ -24,7 +25,7 @@ AUTO = ProposerConfig(method="auto")
 
 def synthetic(counts: dict, *, verify=(20.0, 1.0), draft=(0.2, 2.0), explore=False, seed=0, load=None) -> AutoPolicy:
     """A policy with set costs (ms: a + b * tokens) and set acceptance counts per key."""
-    policy = AutoPolicy(verify_ms=verify, draft_ms=draft, explore=explore, seed=seed, load=load)
+    policy = AutoPolicy(verify_ms=verify, propose_ms={"draft": draft}, explore=explore, seed=seed, load=load)
     for key, (acc, rej) in counts.items():
         policy.counts[("c", key, "greedy")] = Counts(acc, rej)
     return policy
@@ -221,9 +222,30 @@ def test_priors_round_trip_and_bad_files_are_refused(close_pair):
         fresh.load_priors({"format": "something else"})
 
 
+def test_a_candidate_joins_with_the_newest_of_its_loaded_and_calibrated_cost_priors():
+    """Candidates join the policy when ``auto`` builds them: a method's loaded prior and its
+    kind's calibration wait for it, and the newer one wins (serving loads, then calibrates)."""
+    propose = {"draft": {"a_ms": 7.0, "b_ms": 7.0}, "llma": {"a_ms": 0.5, "b_ms": 0.0}}
+    priors = {"format": "specops-auto-priors/1", "counts": [], "propose": propose}
+    policy = AutoPolicy()
+    policy.load_priors(priors)
+    policy.calibrated((10.0, 1.0), {"draft_model": (1.0, 1.0)})
+    policy.join("draft", (2.0, 4.0), kind="draft_model")
+    policy.join("llma", (0.05, 0.0), kind="copy")
+    policy.join("toy", (1.0, 0.0), kind="search")
+    assert [policy.propose[m].a for m in ("draft", "llma", "toy")] == [1.0, 0.5, 1.0]
+    later = AutoPolicy()
+    later.calibrated((10.0, 1.0), {"draft_model": (1.0, 1.0)})
+    later.load_priors(priors)
+    later.join("draft", (2.0, 4.0), kind="draft_model")
+    assert later.propose["draft"].a == 7.0
+    later.calibrated((10.0, 1.0), {"draft_model": (3.0, 1.0)})  # a joined method of the kind starts over
+    assert later.propose["draft"].a == 3.0
+
+
 def test_calibration_measures_the_models_and_the_snapshot_shows_the_state(close_pair):
     policy = AutoPolicy(seed=0)
-    costs = policy.calibrate(close_pair, reps=2)
+    costs = calibrate(policy, close_pair, reps=2)
     assert costs["verify_ms_1"] > 0 and costs["draft_ms_1"] > 0
     SpecEngine(close_pair).generate([1, 2, 3], SamplingParams(max_new_tokens=12), proposer_cfg=AUTO,
                                     resources=ProposerResources(pair=close_pair, policy=policy, cluster="code"))

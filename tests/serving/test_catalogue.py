@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import typing
-
 import pytest
 
-from specops.serving.engine.models import ModelPair
-from specops.serving.errors import InvalidRequestError
+from specops.core.models import ModelPair
+from specops.core.errors import InvalidRequestError
 from specops.serving.http.config import ServeConfig
 from specops.serving.http.schema import Speculation
 from specops.serving.proposers import catalogue
@@ -46,7 +44,7 @@ def test_unknown_names_list_the_choices():
 def test_api_config_and_cli_derive_their_choices_from_it():
     enum = Speculation.model_json_schema()["properties"]["method"]["anyOf"][0]["enum"]
     assert tuple(enum) == METHODS
-    assert typing.get_args(ServeConfig.model_fields["default_method"].annotation) == METHODS
+    assert tuple(ServeConfig.model_json_schema()["properties"]["default_method"]["enum"]) == METHODS
     from specops.cli import build_parser
 
     gen = next(a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions

@@ -10,12 +10,13 @@ import time
 import requests
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_tokenizer, tokenizer_hash
-from specops.serving.fleet import clusters
-from specops.serving.fleet.clusters import MAX_LISTED, OTHER, ClusterLabels, KnownClusters
+from specops.core.models import load_tokenizer, tokenizer_hash
+from specops.core import clusters
+from specops.core.clusters import OTHER, ClusterLabels
+from specops.serving.fleet.clusters import MAX_LISTED, KnownClusters
 from specops.serving.fleet.datastores import DatastoreFollower
 from specops.serving.fleet.follower import FollowConfig
-from specops.serving.proposers.session_store import save_sessions
+from specops.core.sessions.store import save_sessions
 from tests.serving.api_support import (
     MODEL,
     assert_error,
@@ -100,9 +101,9 @@ def test_registry_champions_exist_and_no_other_registered_name_is_followed(tiny_
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     draft = tiny_models / "draft"
     sha = tokenizer_hash(load_tokenizer(draft))
-    v = reg.register_draft("champ", draft, tokenizer_sha256=sha)
-    reg.promote("champ", v.version)
-    reg.register_draft("challenged", draft, tokenizer_sha256=sha)  # a challenger only: not a cluster
+    v = reg.artifact("draft").register("champ", draft, tokenizer_sha256=sha)
+    reg.artifact("draft").promote("champ", v.version)
+    reg.artifact("draft").register("challenged", draft, tokenizer_sha256=sha)  # a challenger only: not a cluster
     ghost = reg.artifact("sessions")  # past sessions of a name no request may send
     saved = save_sessions(tmp_path / "ghost", "ghost", [tuple(range(8))], sha)
     ghost.promote("ghost", ghost.register("ghost", saved).version)
@@ -116,7 +117,8 @@ def test_registry_champions_exist_and_no_other_registered_name_is_followed(tiny_
         time.sleep(1.0)  # several listings and polls of the sessions follower
         assert "ghost" not in state.session_follower.keys
         assert_error(_complete(srv.url, "ghost"), 400, "invalid_request", "cluster")
-        reg.promote("challenged", reg.by_alias("challenged", "challenger").version)  # now it is a cluster
+        drafts = reg.artifact("draft")
+        drafts.promote("challenged", drafts.by_alias("challenged", "challenger").version)  # now it is a cluster
         assert wait_until(lambda: "challenged" in state.follower.champions, 20)
         assert _complete(srv.url, "challenged").status_code == 200
 
@@ -142,7 +144,7 @@ def test_a_key_that_stops_being_a_cluster_is_no_longer_polled(tmp_path):
 
 
 def test_configured_clusters_are_cluster_names():
-    from specops.serving.errors import ModelConfigError
+    from specops.core.errors import ModelConfigError
     from specops.serving.http.config import ServeConfig
 
     assert ServeConfig.load(env={"SPECOPS_SERVE_CLUSTERS": "code, prose,sql.v2"}).clusters == ["code", "prose", "sql.v2"]

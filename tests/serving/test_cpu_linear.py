@@ -1,4 +1,4 @@
-"""Few-row linear products as W @ xᵀ (serving/engine/cpu_linear.py): same values at float32 precision,
+"""Few-row linear products as W @ xᵀ (core/cpu_linear.py): same values at float32 precision,
 training untouched, and every plain nn.Linear of a loaded model switched."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from specops.serving.engine import cpu_linear
-from specops.serving.engine.cpu_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
+from specops.core import cpu_linear
+from specops.core.cpu_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
 from tests.conftest import tiny_llama
 from tests.tolerances import assert_f32_close
 
@@ -53,7 +53,7 @@ def test_a_model_is_switched_once_and_stays_loadable(tmp_path):
 
 
 def test_stock_linear_switches_back_for_the_block_only():
-    from specops.serving.engine.cpu_linear import stock_linear
+    from specops.core.cpu_linear import stock_linear
 
     model = tiny_llama(32, 2, seed=1)
     use_small_batch_linear(model)

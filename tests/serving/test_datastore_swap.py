@@ -12,15 +12,15 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import ModelPair
+from specops.core.models import ModelPair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.datastores import DatastoreFollower
 from specops.serving.fleet.follower import FollowConfig
 from specops.serving.fleet.hotswap import DraftFollower
 from specops.serving.fleet.node import ServingNode
-from specops.serving.retrieval.datastore import INDEX_FILE, Datastore, DatastoreConfig
-from specops.serving.retrieval.index import IndexConfig
+from specops.core.datastore import INDEX_FILE, Datastore, DatastoreConfig
+from specops.core.index import IndexConfig
 from tests.conftest import random_prompts
 
 CFG = DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat"))

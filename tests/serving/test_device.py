@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from specops.serving.engine.device import Placement
-from specops.serving.engine.models import ModelPair, load_model
+from specops.core.device import Placement
+from specops.core.models import ModelPair, load_model
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.errors import ModelConfigError
+from specops.core.errors import ModelConfigError
 from specops.serving.http.config import ServeConfig
 from tests.conftest import random_prompts
 

@@ -1,4 +1,4 @@
-"""A draft's vocabulary subset (serving/engine/draft_vocab.py): the file, the logits, the cache of head
+"""A draft's vocabulary subset (core/draft_vocab.py): the file, the logits, the cache of head
 rows, loading from a model directory, and CachedLM's restricted forward."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from specops.serving.engine import draft_vocab
-from specops.serving.engine.draft_vocab import DraftVocab, DraftVocabError
-from specops.serving.errors import ModelConfigError
+from specops.core import draft_vocab
+from specops.core.draft_vocab import DraftVocab, DraftVocabError
+from specops.core.errors import ModelConfigError
 from specops.serving.engine.kv import CachedLM
-from specops.serving.engine.models import load_model
+from specops.core.models import load_model
 from tests.conftest import VOCAB, tiny_llama
 from tests.tolerances import assert_f32_close
 

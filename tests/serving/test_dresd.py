@@ -13,12 +13,12 @@ from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.errors import DatastoreError, InvalidRequestError
+from specops.core.errors import DatastoreError, InvalidRequestError
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
-from specops.serving.retrieval import datastore as ds_module
-from specops.serving.retrieval.datastore import DATA_FILE, INDEX_FILE, META_FILE, Datastore, DatastoreConfig
-from specops.serving.retrieval.index import INDEX_KINDS, IndexConfig, build_index, load_index
-from specops.serving.retrieval.keys import Projection, target_hidden_states
+from specops.core import datastore as ds_module
+from specops.core.datastore import DATA_FILE, INDEX_FILE, META_FILE, Datastore, DatastoreConfig
+from specops.core.index import INDEX_KINDS, IndexConfig, build_index, load_index
+from specops.core.keys import Projection, target_hidden_states
 from tests.conftest import random_prompts
 from tests.serving.test_verifier import pooled_chisquare, second_token_counts
 
@@ -29,7 +29,7 @@ def _generations(target, prompts, n=24):
 
 
 def SpecEngine_for(target):
-    from specops.serving.engine.models import ModelPair
+    from specops.core.models import ModelPair
 
     return SpecEngine(ModelPair(target=target, draft=None, tokenizer=None))
 

@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from specops.serving.engine.spec import SpecEngine
-from specops.serving.errors import InvalidRequestError, PromptTooLongError, TokenizerMismatchError, http_status
-from specops.serving.engine.models import ModelPair
+from specops.core.errors import InvalidRequestError, PromptTooLongError, TokenizerMismatchError, http_status
+from specops.core.models import ModelPair
 from specops.serving.engine.types import SamplingParams
 from tests.conftest import tiny_llama
 

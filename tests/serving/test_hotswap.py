@@ -20,7 +20,7 @@ from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.fleet.events import EventPublisher, EventWatcher
 from specops.serving.fleet.hotswap import FAILURES, DraftFollower, HotSwapConfig
-from specops.serving.engine.models import load_model, load_model_dir, load_tokenizer, tokenizer_hash
+from specops.core.models import load_model, load_model_dir, load_tokenizer, tokenizer_hash
 from specops.serving.fleet.node import ServingNode
 from specops.serving.engine.types import SamplingParams
 from specops.streams import StreamConfig
@@ -65,7 +65,7 @@ def _follower(pair, registry, tmp_path, **cfg) -> DraftFollower:
 
 
 def _register(reg: RegistryStore, path: Path, cluster: str = "code"):
-    return reg.register_draft(cluster, path, tokenizer_sha256=tokenizer_hash(load_tokenizer(path)))
+    return reg.artifact("draft").register(cluster, path, tokenizer_sha256=tokenizer_hash(load_tokenizer(path)))
 
 
 def _wait(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
@@ -92,7 +92,7 @@ def test_event_triggers_swap_without_polling(backend, pair, drafts, prompts, sql
         follower.wait_idle()
         time.sleep(1.0 if broker is None else 6.0)  # the watcher's group has joined
         dv = _register(reg, drafts["good"])
-        reg.promote("code", dv.version, reason="test")
+        reg.artifact("draft").promote("code", dv.version, reason="test")
         _wait(lambda: follower.slot("code").current().version == dv.version, 20, "the event-driven swap")
         assert watcher.num_events >= 1
         served = node.generate(prompts[1][0], GREEDY, cluster="code")
@@ -134,7 +134,7 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
         order = [versions[i % 3] for i in range(6)]
         for v in order:
             served_before = len(results)
-            reg.promote("code", v, reason="load test")
+            reg.artifact("draft").promote("code", v, reason="load test")
             _wait(lambda v=v: follower.slot("code").current().version == v, 30, f"swap to {v}")
             _wait(lambda n=served_before: len(results) >= n + 6, 60, "requests after the swap")
             # ... and one that began after it (the six may all have begun on the old version)
@@ -165,7 +165,7 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
     reg = RegistryStore(RegistryConfig(uri=mlflow_server.uri, experiment="outage"))
     cluster = "outage"
     v1 = _register(reg, drafts["good"], cluster).version
-    reg.promote(cluster, v1)
+    reg.artifact("draft").promote(cluster, v1)
     follower = _follower(pair, reg, tmp_path, auto_rollback=False)
     node = ServingNode(pair, follower)
     try:
@@ -179,14 +179,14 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
             assert served.draft_version == v1 and served.result.token_ids == want
         mlflow_server.start()
         v2 = _register(reg, drafts["good"], cluster).version
-        reg.promote(cluster, v2)
+        reg.artifact("draft").promote(cluster, v2)
         _wait(lambda: follower.slot(cluster).current().version == v2, 60, "the swap after the outage")
         # a corrupt artifact is refused and the previous version stays
         v3 = _register(reg, drafts["good"], cluster)
         stored = next(mlflow_server.artifacts.rglob(f"*{v3.run_id}*/**/model.safetensors"))
         stored.write_bytes(stored.read_bytes()[:-64] + bytes(64))
         refused = FAILURES.labels(cluster, "artifact_integrity")._value.get()
-        reg.promote(cluster, v3.version)
+        reg.artifact("draft").promote(cluster, v3.version)
         _wait(lambda: FAILURES.labels(cluster, "artifact_integrity")._value.get() > refused, 30, "the refusal")
         served = node.generate(prompts[1][0], GREEDY, cluster=cluster)
         assert served.draft_version == v2 and served.result.token_ids == prompts[1][1]
@@ -199,7 +199,7 @@ def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlit
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     good = _register(reg, drafts["good"]).version
     bad = _register(reg, drafts["bad"]).version
-    reg.promote("code", good)
+    reg.artifact("draft").promote("code", good)
     follower = _follower(pair, reg, tmp_path)
     node = ServingNode(pair, follower)
     try:
@@ -207,7 +207,7 @@ def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlit
         _wait(lambda: follower.slot("code").current().version == good, 30, "swap to the good draft")
         for i in range(25):
             node.generate(prompts[i % len(prompts)][0], GREEDY, cluster="code")
-        reg.promote("code", bad, reason="looks fine offline")
+        reg.artifact("draft").promote("code", bad, reason="looks fine offline")
         _wait(lambda: follower.slot("code").current().version == bad, 30, "swap to the bad draft")
         for i in range(25):
             assert node.generate(prompts[i % len(prompts)][0], GREEDY, cluster="code").result.token_ids == \
@@ -216,7 +216,7 @@ def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlit
         _wait(lambda: follower.slot("code").current().version == good, 30, "the automatic rollback")
     finally:
         follower.stop()
-    assert reg.aliases("code")[CHAMPION] == good
-    tags = reg.get("code", bad).tags
+    assert reg.artifact("draft").aliases("code")[CHAMPION] == good
+    tags = reg.artifact("draft").get("code", bad).tags
     assert tags["rolled_back"].startswith("auto-rollback: live acceptance") and "over 2" in tags["rolled_back"]
-    assert reg.get("code", good).metric("live_acceptance") == pytest.approx(1.0)
+    assert reg.artifact("draft").get("code", good).metric("live_acceptance") == pytest.approx(1.0)

@@ -12,9 +12,10 @@ import shutil
 import numpy as np
 import pytest
 
-from specops.serving.errors import KBError
-from specops.serving.retrieval.kb import META_FILE, KnowledgeBase, build_kb, chunk_text, token_counter
-from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Passage, Retriever
+from specops.core.errors import KBError
+from specops.core.passage import chunk_text, token_counter
+from specops.serving.retrieval.kb import META_FILE, KnowledgeBase, build_kb
+from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Retriever
 from specops.serving.retrieval.retrievers import DenseRetriever, ExactScorer
 from specops.trainer.kb_sources import HeldOut, list_source_files, passages_from_sources
 
@@ -130,7 +131,7 @@ def test_man_pages_are_capped_per_family(tmp_path):
 
 
 def test_chunks_are_even_and_fit_the_token_limit(tiny_models):
-    from specops.serving.engine.models import load_tokenizer
+    from specops.core.models import load_tokenizer
 
     text = " ".join(f"word{i}" for i in range(130))
     chunks = chunk_text(text, 100)

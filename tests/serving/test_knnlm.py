@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from specops.serving.engine.models import ModelPair
+from specops.core.models import ModelPair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.errors import InvalidRequestError
+from specops.core.errors import InvalidRequestError
 from specops.serving.ralm.knnlm import KnnConfig, KnnLM, LocalKnnCache, knnlm_generate
 from specops.serving.ralm.knnlm_search import search_keys, select_nearest
 from specops.serving.ralm.knnlm_store import (DATA_FILE, INDEX_FILE, META_FILE, KnnBuildConfig, KnnDatastore,

@@ -12,9 +12,10 @@ import torch
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, SamplingParams
-from specops.serving.errors import InvalidRequestError
+from specops.core.errors import InvalidRequestError
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, build_proposer
-from specops.serving.proposers.llma import LLMAProposer, NgramIndex, ReferenceSet, best_rows
+from specops.core.sessions.ngram import NgramIndex
+from specops.serving.proposers.llma import LLMAProposer, ReferenceSet, best_rows
 from tests.conftest import random_prompts
 from tests.serving.test_verifier import pooled_chisquare, second_token_counts
 
@@ -190,7 +191,8 @@ def test_bad_settings_are_the_callers_error(tiny_pair):
 
 
 def test_session_cache_is_bounded_and_keeps_the_newest():
-    from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig
+    from specops.core.sessions.cache import SessionCacheConfig
+    from specops.serving.proposers.session_cache import SessionCache
 
     cache = SessionCache(SessionCacheConfig(max_tokens=100, max_n=3, min_output_tokens=4, max_clusters=2))
     assert not cache.add("a", [1, 2, 3])  # too short to copy from

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from specops.serving.load_signal import read_load_file, write_load_signal
+from specops.core.load_signal import read_load_file, write_load_signal
 
 
 def test_written_signals_read_back_until_stale(tmp_path):
@@ -29,7 +29,7 @@ def test_the_module_is_a_leaf():
     import ast
     from pathlib import Path
 
-    import specops.serving.load_signal as mod
+    import specops.core.load_signal as mod
 
     tree = ast.parse(Path(mod.__file__).read_text())
     imported = {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

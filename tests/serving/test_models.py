@@ -7,8 +7,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from specops.serving.errors import ModelConfigError, TokenizerMismatchError
-from specops.serving.engine.models import load_model, load_model_dir, load_pair, tokenizer_hash
+from specops.core.errors import ModelConfigError, TokenizerMismatchError
+from specops.core.models import load_model, load_model_dir, load_pair, tokenizer_hash
 from tests.conftest import VOCAB, tiny_llama
 
 
@@ -49,7 +49,7 @@ def test_the_draft_runs_in_bfloat16_by_default_and_the_target_in_float32(tmp_pat
 def test_loading_a_bfloat16_draft_leaves_the_default_dtype_alone(tmp_path, words, monkeypatch):
     """A hot-swap loads a draft while other threads serve: torch's process-wide default dtype
     must stay float32 throughout (a request finishing meanwhile built its records in bfloat16)."""
-    from specops.serving.engine.models import load_model, prepare_for_decoding
+    from specops.core.models import load_model, prepare_for_decoding
 
     seen: list[torch.dtype] = []
     init = torch.nn.Embedding.__init__

@@ -19,7 +19,7 @@ import pytest
 
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.errors import InvalidRequestError
+from specops.core.errors import InvalidRequestError
 from specops.serving.ralm.loop import LocalCache, RalmConfig, RalmGenerator
 from specops.serving.ralm.os3 import OS3Config, StrideScheduler, best_stride, objective, rate_with_rework, speculation_pays
 
@@ -66,7 +66,7 @@ class BagRetriever:
 
 @pytest.fixture(scope="module")
 def pair(tiny_models):
-    from specops.serving.engine.models import load_model_dir
+    from specops.core.models import load_model_dir
 
     return load_model_dir(tiny_models)
 
@@ -280,7 +280,7 @@ def test_unspeculated_rounds_keep_the_output_and_score_guesses(pair, passages, p
 @pytest.fixture(scope="module")
 def real_kb(passages):
     from specops.serving.retrieval.kb import build_kb
-    from specops.serving.retrieval.retriever import Passage
+    from specops.core.passage import Passage
 
     docs = [Passage(i, f"doc{i}", text) for i, text in enumerate(passages)]
     return build_kb("loop", docs, embedder="hash", retrievers=("exact", "hnsw", "scann", "bm25"), progress=False)

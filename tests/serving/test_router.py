@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from specops.serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder, make_embedder
-from specops.serving.errors import RouterError
-from specops.serving.engine.models import ModelPair, load_model, load_tokenizer
-from specops.serving.fleet.router import CENTROIDS_FILE, META_FILE, RouteDecision, Router
+from specops.core.embed import MiniLMEmbedder, TargetHiddenEmbedder, make_embedder
+from specops.core.errors import RouterError
+from specops.core.models import ModelPair, load_model, load_tokenizer
+from specops.core.router import CENTROIDS_FILE, META_FILE, RouteDecision, Router
 from tests.serving.router_texts import HELDOUT, TRAIN
 from specops.trainer.router_fit import fit_router
 

@@ -30,15 +30,15 @@ class Counting:
                     raise RegistryUnavailableError("registry down (test)")
                 return view.by_alias(key, alias)
 
-        return Counted()
+            def fetch(self, rv, dest):
+                return view.fetch(rv, dest)
 
-    def fetch(self, rv, dest):
-        return self.reg.fetch(rv, dest)
+        return Counted()
 
 
 def _publish(reg: RegistryStore, tmp_path, name: str, clusters=("code", "prose"), **kw) -> str:
-    rv = reg.register_router(saved_router(tmp_path / name, clusters, **kw))
-    reg.promote_router(rv.version, reason=name)
+    rv = reg.artifact("router").register("", saved_router(tmp_path / name, clusters, **kw))
+    reg.artifact("router").promote("", rv.version, reason=name)
     return rv.version
 
 
@@ -111,12 +111,12 @@ def test_outage_and_corrupt_artifact_keep_the_router(reg, tmp_path, request, sql
     assert _failures("registry_unavailable") == before + 1
     registry.down = False
 
-    rv = reg.register_router(saved_router(tmp_path / "r2", seed=5))  # 2. a corrupt artifact is promoted
+    rv = reg.artifact("router").register("", saved_router(tmp_path / "r2", seed=5))  # 2. a corrupt artifact is promoted
     stored = stored_file(rv, "router.safetensors", request, RegistryConfig(uri=sqlite_uri))
     data = bytearray(stored.read_bytes())
     data[-5] ^= 0xFF
     stored.write_bytes(bytes(data))
-    reg.promote_router(rv.version)
+    reg.artifact("router").promote("", rv.version)
     before = _failures("artifact_integrity")
     assert not follower.check() and follower.current() is kept and follower.failures == 2
     assert _failures("artifact_integrity") == before + 1

@@ -7,8 +7,8 @@ import pytest
 
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
-from specops.serving.errors import InvalidRequestError, PromptTooLongError
-from specops.serving.engine import limits
+from specops.core.errors import InvalidRequestError, PromptTooLongError
+from specops.core import limits
 from specops.serving.proposers.catalogue import DEFAULT_K
 from specops.serving.proposers.prompt_lookup import PromptLookupProposer
 from tests.conftest import random_prompts

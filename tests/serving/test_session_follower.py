@@ -6,13 +6,14 @@ from __future__ import annotations
 import requests
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_pair
+from specops.core.models import load_pair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.follower import FollowConfig
 from specops.serving.fleet.sessions import SessionFollower
-from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig
-from specops.serving.proposers.session_store import DATA_FILE, save_sessions
+from specops.core.sessions.cache import SessionCacheConfig
+from specops.serving.proposers.session_cache import SessionCache
+from specops.core.sessions.store import DATA_FILE, save_sessions
 from tests.serving.api_support import MODEL, metric, running, serve_config, wait_until
 
 FAST = FollowConfig(poll_s=0.2, backoff_initial_s=0.05, backoff_max_s=0.1)

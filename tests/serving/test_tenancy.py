@@ -15,12 +15,13 @@ import pytest
 import requests
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_pair
-from specops.serving.errors import ModelConfigError
+from specops.core.models import load_pair
+from specops.core.errors import ModelConfigError
 from specops.serving.http.config import ServeConfig
 from specops.serving.http.tenancy import ANONYMOUS, Tenant, Tenants, anonymous_id, split_key
-from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig
-from specops.serving.proposers.session_store import save_sessions
+from specops.core.sessions.cache import SessionCacheConfig
+from specops.serving.proposers.session_cache import SessionCache
+from specops.core.sessions.store import save_sessions
 from tests.serving.api_support import MODEL, assert_error, metric, running, serve_config
 
 ALICE, BOB, CAROL, OPS = "alice-key-0001", "bob-key-00002", "carol-key-0003", "ops-key-000004"

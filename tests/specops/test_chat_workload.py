@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.serving.engine.models import load_tokenizer, render_chat
+from specops.core.models import load_tokenizer, render_chat
 from specops import chat_workload as cw
 from specops.trainer.bootstrap import corpus
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_model, load_tokenizer, tokenizer_hash
+from specops.core.models import load_model, load_tokenizer, tokenizer_hash
 from specops.serving.ralm.knnlm import KnnConfig, KnnLM
 from specops.serving.ralm.knnlm_store import KnnDatastoreError, load_knnlm
 from specops.cli import main

@@ -7,16 +7,15 @@ import math
 
 import pytest
 
-from specops.report import (
+from specops.report import main, write_report
+from specops.report_data import (
     DemoRun,
     Promotion,
     RequestRow,
     SpeedRow,
     load_run,
-    main,
     phase_spans,
     summarize,
-    write_report,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -145,7 +144,7 @@ def test_write_report_files_and_html(tmp_path):
 def test_alpha_is_per_token_and_the_report_plots_it(tmp_path):
     """α = Σ accepted / (Σ accepted + Σ rejected steps), beside accepted / drafted; a run whose every
     request reported its rejected steps plots α and carries no missing-field note."""
-    from specops.report import acceptance, has_alpha, token_alpha
+    from specops.report_data import acceptance, has_alpha, token_alpha
 
     rows = [RequestRow(t=float(i), cluster="sql", phase="p", drafted=9, accepted=4, draft_version="base",
                        latency_s=0.1, num_generated=12, rejected_steps=2) for i in range(4)]

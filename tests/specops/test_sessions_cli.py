@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from specops.registry import RegistryConfig, RegistryStore
-from specops.serving.engine.models import load_tokenizer, tokenizer_hash
+from specops.core.models import load_tokenizer, tokenizer_hash
 from specops.cli import main
 from specops.streams import StreamConfig
 from tests.trainer.test_sessions import _publish, _slice

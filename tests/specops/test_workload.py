@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specops.serving.engine.models import load_tokenizer, render_chat
+from specops.core.models import load_tokenizer, render_chat
 from specops.chat_workload import SYSTEM, messages_of
 from specops.demo import DemoConfig
 from specops.workload import (
@@ -153,7 +153,7 @@ def test_rejected_steps_is_read_defensively():
 
 # ---------------------------------------------------------------- the first router
 def test_router_fitted_on_router_prompts_routes_served_ones_to_their_domain(chat, tok):
-    from specops.serving.fleet.embed import MiniLMEmbedder
+    from specops.core.embed import MiniLMEmbedder
     from specops.trainer.router_fit import fit_router
 
     router = fit_router(chat.router_texts, MiniLMEmbedder(), seed=0, refine=False)

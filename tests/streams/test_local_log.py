@@ -22,7 +22,8 @@ from specops.streams import CommitFailedError, OutMessage, StreamConfig, StreamC
 from specops.streams.base import partition_for_key
 from specops.streams.local import LocalStream
 from specops.streams.errors import OffsetOutOfRangeError
-from specops.streams.local_segment import DAMAGED, encode_frame, list_segments, scan, segment_path
+from specops.streams.local_damage import DAMAGED
+from specops.streams.local_frames import encode_frame, list_segments, scan, segment_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5.0)
@@ -316,7 +317,7 @@ def test_committed_offset_beyond_the_log_is_an_error_naming_the_partition(tmp_pa
 
 
 def test_streams_inspect_shows_damage_and_exits_3(tmp_path, capsys, monkeypatch):
-    from specops.streams_cli import DAMAGED, inspect
+    from specops.commands.streams import DAMAGED, inspect
 
     monkeypatch.setenv("COLUMNS", "400")
     stream, bases = damaged_log(tmp_path / "log")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specops.serving.engine.spec import SpecEngine
-from specops.serving.engine.models import ModelPair
+from specops.core.models import ModelPair
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
 from specops.serving.engine.types import SamplingParams
 from specops.streams import StreamConfig

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 import specops.trainer.bootstrap as bootstrap
-from specops.trainer.bootstrap.corpus import split_files, strip_roff
+from specops.trainer.bootstrap.corpus import split_files
+from specops.trainer.bootstrap.roff import strip_roff
 from specops.trainer.bootstrap.evaluate import agreement
 from specops.trainer.bootstrap.train import forward_kl_loss
 
@@ -239,9 +240,9 @@ def test_recommended_k_maximises_eq2_with_measured_verification_costs():
 def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     """The whole default bootstrap at a toy budget: the wheel's GGUF checked and converted, the draft
     built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
-    from specops.serving.engine import draft_vocab
+    from specops.core import draft_vocab
     from specops.serving.engine.spec import SpecEngine
-    from specops.serving.engine.models import load_model, load_model_dir
+    from specops.core.models import load_model, load_model_dir
     from specops.serving.engine.types import SamplingParams
     from specops.trainer.bootstrap.distill import DraftRecipe
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
-from specops.serving.engine.models import ModelPair
+from specops.core.models import ModelPair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.retrieval.datastore import Datastore, DatastoreConfig
-from specops.serving.retrieval.index import IndexConfig
+from specops.core.datastore import Datastore, DatastoreConfig
+from specops.core.index import IndexConfig
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.streams.tansu import TansuBroker

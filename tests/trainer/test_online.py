@@ -18,8 +18,8 @@ from specops.streams import open_stream
 from specops.streams.tansu import TansuBroker
 from transformers import AutoModelForCausalLM
 
-from specops.serving.engine import draft_vocab
-from specops.serving.engine.draft_vocab import DraftVocab
+from specops.core import draft_vocab
+from specops.core.draft_vocab import DraftVocab
 from tests.conftest import SUBSET, VOCAB
 from tests.tolerances import assert_f32_close
 from tests.trainer.logged import log_requests

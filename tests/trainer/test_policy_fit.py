@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from specops.serving.engine.auto import AutoPolicy
+from specops.core.auto_policy import AutoPolicy
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
@@ -60,7 +60,7 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     v = reg.artifact("policy").by_alias("", "champion")
     assert v is not None and v.version == "1"
     dest = tmp_path / "fetched"
-    reg.fetch(v, dest)
+    reg.artifact("policy").fetch(v, dest)
     assert json.loads((dest / "priors.json").read_text())["counts"] == json.loads(out.read_text())["counts"]
 
     # serving's start: policy@champion's priors, fetched into its cache

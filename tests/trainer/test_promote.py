@@ -13,7 +13,7 @@ from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.fleet.events import EventPublisher, EventWatcher
 from specops.serving.fleet.hotswap import DraftFollower, HotSwapConfig
-from specops.serving.engine.models import ModelPair, load_model, load_model_dir
+from specops.core.models import ModelPair, load_model, load_model_dir
 from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
 from specops.serving.engine.types import SamplingParams
@@ -70,11 +70,11 @@ def test_registration_before_commit_and_recovery(weak_pair, tiny_models, sqlite_
         assert {p: s.committed(CFG.group, cfg.topics.misses).get(p, 0) for p in ends} == ends
     promoted = 0
     for cluster, version in checkpointed.items():
-        versions = reg.versions(cluster)
+        versions = reg.artifact("draft").versions(cluster)
         # the checkpoint left unregistered by the outage is registered, or superseded by a later one that is
         registered = [int(v.tags["source_id"].rsplit("/v", 1)[1]) for v in versions]
         assert max(registered) >= version and registered == sorted(registered)
-        assert versions and reg.aliases(cluster)[CHALLENGER] == versions[-1].version
+        assert versions and reg.artifact("draft").aliases(cluster)[CHALLENGER] == versions[-1].version
         for v in versions:
             assert v.tags["gate_decision"] in ("promoted", "rejected") and v.tags["gate_reason"]
             assert v.tags["lineage_topic"] == cfg.topics.misses and v.tags["lineage_offsets"].startswith("{")
@@ -84,7 +84,7 @@ def test_registration_before_commit_and_recovery(weak_pair, tiny_models, sqlite_
         assert [v.tags["parent_version"] for v in versions][1:] == [v.version for v in versions][:-1]
         wins = [v for v in versions if v.tags["gate_decision"] == "promoted"]
         assert wins, f"no promotion in {cluster}"
-        assert reg.aliases(cluster)[CHAMPION] == wins[-1].version
+        assert reg.artifact("draft").aliases(cluster)[CHAMPION] == wins[-1].version
         promoted += len(wins)
     events = _events(cfg)
     assert len(events) == promoted and {e.kind for e in events} == {"promotion"}
@@ -98,18 +98,18 @@ def test_gate_refuses_a_worse_candidate(weak_pair, tiny_models, sqlite_uri, tmp_
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     promoter = Promoter(reg, draft_dir, tmp_path / "out", PromoteConfig(margin=0.005, min_positions=1),
                         tokenizer_dir=tiny_models / "target")  # fmt: skip
-    champion = reg.register_draft("code", good, tokenizer_sha256=promoter.tokenizer_sha256)
-    reg.promote("code", champion.version)
+    champion = reg.artifact("draft").register("code", good, tokenizer_sha256=promoter.tokenizer_sha256)
+    reg.artifact("draft").promote("code", champion.version)
     with open_stream(cfg) as s:
         records = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]
-    worse = reg.register_draft("code", draft_dir, tokenizer_dir=tiny_models / "target",
+    worse = reg.artifact("draft").register("code", draft_dir, tokenizer_dir=tiny_models / "target",
                                tokenizer_sha256=promoter.tokenizer_sha256)  # fmt: skip
     result = promoter.gate("code", worse.version, load_model(draft_dir), records)
     assert not result.promoted and result.champion == champion.version
     assert result.champion_score > result.candidate_score and result.num_positions > 0
-    assert reg.apply_gate("code", result) is None
-    assert reg.aliases("code")[CHAMPION] == champion.version
-    assert reg.get("code", worse.version).tags["gate_decision"] == "rejected"
+    assert reg.artifact("draft").apply_gate("code", result) is None
+    assert reg.artifact("draft").aliases("code")[CHAMPION] == champion.version
+    assert reg.artifact("draft").get("code", worse.version).tags["gate_decision"] == "rejected"
 
 
 @pytest.mark.slow
@@ -173,7 +173,8 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     # version seen above, so that one need not be among them), each promoted by the gate
     trained = {v for v, _ in served} - {"base"}
     assert "base" in {v for v, _ in served} and trained
-    assert all(reg.get("code", v).tags["gate_decision"] == "promoted" for v in trained | {swapped_to})
+    drafts = reg.artifact("draft")
+    assert all(drafts.get("code", v).tags["gate_decision"] == "promoted" for v in trained | {swapped_to})
     # the logged MissRecords name the draft each request actually used
     with open_stream(cfg) as s:
         logged = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]
@@ -192,6 +193,7 @@ def test_specops_train_registers_through_the_cli(weak_pair, tiny_models, sqlite_
                "--gate-min-positions", "0", "--idle-exit", "1", "--positions", "rejected"])  # fmt: skip
     assert rc == 0
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
-    versions = reg.versions("code")
-    assert versions and reg.aliases("code") == {CHALLENGER: versions[-1].version, CHAMPION: versions[-1].version}
+    versions = reg.artifact("draft").versions("code")
+    assert versions and reg.artifact("draft").aliases("code") == {CHALLENGER: versions[-1].version,
+                                                                   CHAMPION: versions[-1].version}
     assert {e.kind for e in _events(cfg)} == {"promotion"}  # announced on the trainer's stream

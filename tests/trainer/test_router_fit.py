@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from specops.registry import ROUTER, RegistryConfig, RegistryStore, RegistryUnavailableError
-from specops.serving.fleet.embed import MiniLMEmbedder, TargetHiddenEmbedder
-from specops.serving.engine.models import load_model, load_tokenizer
-from specops.serving.fleet.router import Router
+from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.core.embed import MiniLMEmbedder, TargetHiddenEmbedder
+from specops.core.models import load_model, load_tokenizer
+from specops.core.router import Router
 from specops.cli import main
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
@@ -80,11 +80,17 @@ class DownOnRegister:
     def __init__(self, reg: RegistryStore) -> None:
         self.reg = reg
 
-    def __getattr__(self, name):
-        return getattr(self.reg, name)
+    def artifact(self, kind: str):
+        view = self.reg.artifact(kind)
 
-    def register_router(self, *a, **kw):
-        raise RegistryUnavailableError("registry down (test)")
+        class Down:
+            def __getattr__(self, name):
+                return getattr(view, name)
+
+            def register(self, *a, **kw):
+                raise RegistryUnavailableError("registry down (test)")
+
+        return Down()
 
 
 def _publish(cfg: StreamConfig, tokenizer, items: list[tuple[str, str]]) -> None:
@@ -126,22 +132,22 @@ def test_refit_from_stream_registers_promotes_then_commits(minilm, tiny_models, 
     with pytest.raises(RegistryUnavailableError):
         down.run_once()
     down.close()
-    assert _committed(cfg) == {} and reg.router_versions() == []  # not registered: nothing committed
+    assert _committed(cfg) == {} and reg.artifact("router").versions() == []  # not registered: nothing committed
 
     refitter = RouterRefitter(cfg, reg, tokenizer, minilm, RefitConfig(min_records=10, poll_timeout_s=0.2))
     try:
         r1 = refitter.run_once()  # the uncommitted records came back
         assert (r1.status, r1.consumed, r1.version) == ("promoted", 15, "1") and r1.reason == "no champion yet"
         assert _committed(cfg) == _end(cfg)
-        v1 = reg.router_by_alias()
+        v1 = reg.artifact("router").by_alias()
         assert v1.version == "1" and v1.clusters == ("code", "prose", "sql") and v1.metric("records_used") == 15
-        assert [(c.model_name, c.version) for c in changes] == [(ROUTER, "1")]
+        assert [(c.model_name, c.version) for c in changes] == [("router", "1")]
 
         # new prompts from the fallback cluster: they seed no name; the refit keeps the names and routes them right
         _publish(cfg, tokenizer, [(t, "default") for texts in HELDOUT.values() for t in texts])
         r2 = refitter.run_once()
         assert (r2.status, r2.consumed, r2.version) == ("promoted", 9, "2") and r2.metrics["agreement"] >= 0.9
-        v2 = reg.router_by_alias()
+        v2 = reg.artifact("router").by_alias()
         assert v2.version == "2" and v2.clusters == v1.clusters and v2.tags["parent_version"] == "1"
         offsets = json.loads(v2.tags["lineage_offsets"])
         assert sum(hi - lo + 1 for lo, hi in offsets.values()) == 9  # lineage: the records since the last commit
@@ -152,7 +158,7 @@ def test_refit_from_stream_registers_promotes_then_commits(minilm, tiny_models, 
         heldout = [t for ts in HELDOUT.values() for t in ts]
         assert [d.cluster for d in champion.bind(minilm).route_batch(heldout)] == [truth[t] for t in heldout]
 
-        assert refitter.run_once().status == "no_new_records" and len(reg.router_versions()) == 2
+        assert refitter.run_once().status == "no_new_records" and len(reg.artifact("router").versions()) == 2
     finally:
         refitter.close()
 

@@ -18,7 +18,7 @@ from tests.trainer.logged import log_requests
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import Acceptance
 from specops.trainer.online import OnlineConfig, OnlineTrainer
-from specops.serving.load_signal import write_load_signal
+from specops.core.load_signal import write_load_signal
 from specops.trainer.schedule import (
     EVAL_FUNC, EVAL_JOB_ID, TICK_FUNC, TICK_JOB_ID, ScheduleConfig, ScheduleConfigError, ScheduleError,
     TrainerScheduler, engine_url,

@@ -15,8 +15,9 @@ import pytest
 from specops.registry import RegistryConfig, RegistryStore
 from specops.registry.artifacts import verify_dir
 from specops.registry.kinds import KINDS
-from specops.serving.proposers.session_cache import SessionCache, SessionCacheConfig, index_of
-from specops.serving.proposers.session_store import DATA_FILE, META_FILE, SessionStoreError, load_sessions, save_sessions
+from specops.core.sessions.cache import SessionCacheConfig, index_of
+from specops.serving.proposers.session_cache import SessionCache
+from specops.core.sessions.store import DATA_FILE, META_FILE, SessionStoreError, load_sessions, save_sessions
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.trainer.schedule import SESSIONS_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
@@ -154,7 +155,7 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, reg, tmp_path):
         assert v.tags["tokenizer_sha256"] == "abc" and v.tags["config_hash"] == CACHE.hash()
         hit = first.hit_rate["code"][0]
         assert hit > 0.9 and float(v.tags["hit_rate"]) == pytest.approx(hit, abs=1e-6)  # slice 15 is in 10 and 20
-        metrics = reg.client.get_run(v.run_id).data.metrics  # what the MLflow UI plots
+        metrics = reg.models.client.get_run(v.run_id).data.metrics  # what the MLflow UI plots
         assert metrics["hit_rate"] == pytest.approx(hit) and metrics["num_outputs"] == 10 and metrics["num_tokens"] == 200
         assert saved.manifest["extra"]["lineage"]["offsets"] and saved.manifest["extra"]["gate"]["heldout_outputs"] == 1
 

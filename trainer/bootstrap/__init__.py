@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from specops.serving.engine.device import Placement
-from specops.serving.engine import draft_vocab
-from specops.serving.engine.cost import step_ms
-from specops.serving.engine.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
+from specops.core.device import Placement
+from specops.core import draft_vocab
+from specops.core.cost import step_ms
+from specops.core.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
 
 from . import pretrained
 from .corpus import DOMAINS, build_corpus, read_document
@@ -114,7 +114,7 @@ def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int
     ``recipe`` (the draft's distillation), ``max_files_per_domain`` (a seeded subsample of
     the corpus files) and ``cost_reps`` (timed forwards per cost measurement) apply to the
     ``smollm2`` build; smaller values make a quick smoke build (the tests use one).
-    ``device`` and ``dtype`` (``serving.engine.device.Placement``) are where the ``smollm2``
+    ``device`` and ``dtype`` (``core.device.Placement``) are where the ``smollm2``
     draft's distillation and evaluation run, under autocast to ``dtype``; the saved weights
     are float32 whatever they are, and the cost ratio c is measured on the CPU as CI serves.
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specops.serving.engine.models import from_pretrained
+from specops.core.models import from_pretrained
 
 from .corpus import DOMAINS, read_document
 from .train import MixedBatches, TokenStream, _optimizer, _step, lr_at, next_token_loss

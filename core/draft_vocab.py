@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specops.serving.engine.cpu_linear import few_rows_linear
+from specops.core.cpu_linear import few_rows_linear
 
 FILE = "draft_vocab.json"
 FORMAT = "specops-draft-vocab/1"

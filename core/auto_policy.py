@@ -1,37 +1,32 @@
-"""``speculation.method = "auto"``: choose the drafter and k per step from measured speed.
+"""The ``auto`` policy: which drafting method and k to run each step, from measured speed.
 
-Every step, the policy estimates each candidate's **tokens per second** and runs the fastest:
+Shared by serving (``specops.serving.proposers.auto`` asks it every step) and the trainer's
+policy fit (``specops.trainer.policy_fit`` writes its priors): the acceptance estimates, the
+cost fits, the decision, and the priors format (:data:`PRIORS_FORMAT`, :func:`check_priors`,
+:func:`key_chain`). Pure Python; it names no method but ``target`` (no draft, always an
+option): the candidates, their keys and cost priors come from serving's method catalogue.
+
+Every step, the policy estimates each option's **tokens per second** and runs the fastest:
 
     speed(m, k) = (E_m(k) + (B - 1) * e) / (P_m(k) + V_B(n_m(k)))
 
 - ``E_m(k) = 1 + a + a^2 + ... + a^k``: expected tokens one step emits when method ``m``
   drafts a chain of ``k`` (accepted drafts + the bonus), with ``a`` the per-token acceptance
   (OSD Eq. 2's numerator). ``a`` is a draw from a Beta posterior (Thompson sampling): the
-  cluster's decayed counts for ``m`` at the request's temperature bucket (capped at
+  cluster's decayed counts for ``m``'s key at the request's temperature bucket (capped at
   :data:`PRIOR_TRIALS` trials, so the request's own evidence soon outweighs them) plus the
-  request's own counts. Copy drafts (LLMA) keep separate counts per current match length:
-  a long match is evidence the next tokens copy too.
-- ``P_m(k)``: the measured cost of the proposer call (draft: ``a + b * k`` ms, fitted online);
-  ``V_B(n)``: the measured cost of a target pass verifying ``n`` tokens at ``B`` requests in
-  flight (``a_B + b_B * n`` ms, one decayed least-squares fit per load bucket). OSD's ``c``
-  is ``P(1) / V(1)``; here both sides are measured, and verification is not free under load.
+  request's own counts. A key may be specific (``llma.context@m8``: a copy from the context at
+  match length 8-15); a key with no record borrows from its parents (:func:`key_chain`).
+- ``P_m(k)``: the measured cost of the proposer call (``a + b * k`` ms, fitted online per
+  method); ``V_B(n)``: the measured cost of a target pass verifying ``n`` tokens at ``B``
+  requests in flight (``a_B + b_B * n`` ms, one decayed least-squares fit per load bucket).
+  OSD's ``c`` is ``P(1) / V(1)``; here both are measured, and verifying is not free under load.
 - ``(B - 1) * e``: the tokens the other in-flight requests emit per step (``e`` is the
   replica's running mean). With ``B`` requests sharing a pass, a longer draft slows all of
   them; the additive term makes extra draft tokens pay only when they raise the whole
-  batch's throughput. At ``B = 1`` the formula is Eq. 2 with measured costs. Under load it
-  lowers ``k`` and turns speculation off once no draft pays (vLLM's disable-by-queue idea,
-  from measured costs instead of a fixed queue threshold).
-- ``target`` (no draft) is always a candidate: ``(1 + (B - 1) e) / V_B(1)``.
-
-Per-step switching: the copy proposer (LLMA: references, past sessions, the context) is
-asked first every step (it costs microseconds); its match length picks its acceptance
-counts, so the policy copies while a long match holds and drafts with the model otherwise.
-DReSD is asked only when chosen; an empty retrieval falls back to the next best option in
-the same step.
-
-Lossless by construction: the policy only chooses what to *propose*; every step is verified
-by the same verifier as a fixed method, so greedy output equals target-only decoding and
-sampling keeps the target's distribution (tested).
+  batch's throughput. At ``B = 1`` it is Eq. 2 with measured costs. Under load it lowers ``k``
+  and turns speculation off once no draft pays (vLLM's disable-by-queue, from measured costs).
+- ``target`` (no draft) is always an option: ``(1 + (B - 1) e) / V_B(1)``.
 """
 
 from __future__ import annotations
@@ -40,15 +35,13 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from specops.serving.engine.types import DecodeState, Proposals, Verdict
-from specops.serving.errors import UnavailableError, echo
-from specops.serving.proposers.base import Proposer
+from specops.core.errors import UnavailableError, echo
 
-CANDIDATES = ("draft", "dresd", "llma")
-"""Methods ``auto`` may choose besides ``target``, when the request and the replica have what
-each needs (a draft model, a datastore; LLMA always: it copies from the context too)."""
+TARGET = "target"
+"""Target-only decoding: the option that drafts nothing, always available."""
 
 PRIOR_TRIALS = 24.0
 """Most trials of a cluster's acceptance counts a request starts from (its own evidence adds)."""
@@ -56,6 +49,10 @@ PRIOR_TRIALS = 24.0
 DECAY = 0.995
 """Per-step decay of the cluster's acceptance counts (about 200 steps of memory): traffic
 and drafts change, and a method that was bad once is retried as its counts fade."""
+
+DEFAULT_PROPOSE_MS = (2.0, 4.0)
+"""Cost prior (ms: ``a + b * k``) of a method's call when nothing better is known: a draft
+model's, a forward per token (a method must then earn its place by measurement)."""
 
 HALF_LIFE_S = 600.0
 """A cluster's counts for a method lose half their weight per this many seconds without news:
@@ -71,7 +68,7 @@ LOAD_BUCKETS = (1, 2, 4, 8, 16)
 """Requests in flight are bucketed (1, 2, 3-4, 5-8, 9-16, 17+) for the verify-cost fits."""
 
 MATCH_BUCKETS = (1, 2, 4, 8, 16)
-"""LLMA match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for the copy acceptance counts."""
+"""A copy's match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for its acceptance counts."""
 
 
 TEMP_BUCKETS = ("greedy", "low", "high")
@@ -91,6 +88,12 @@ def _bucket(x: int, edges: tuple[int, ...]) -> int:
 
 def load_bucket(n: int) -> int:
     return _bucket(max(1, n), LOAD_BUCKETS)
+
+
+def copy_key(method: str, source: str, match: int) -> str:
+    """The acceptance key of a copy by ``method`` from ``source`` at match length ``match``:
+    ``copy_key("llma", "request", 9) == "llma.request@m8"``."""
+    return f"{method}.{source}@m{MATCH_BUCKETS[_bucket(match, MATCH_BUCKETS)]}"
 
 
 def key_chain(key: str) -> list[str]:
@@ -118,8 +121,11 @@ MAX_PRIOR_MS = 1e7
 """Largest cost coefficient (ms) a priors artifact may hold."""
 
 
-def check_priors(priors: object) -> tuple[dict[tuple[str, str, str], tuple[float, float]],
-                                          dict[int, tuple[float, float]], dict[str, tuple[float, float]]]:  # fmt: skip
+def check_priors(
+    priors: object,
+) -> tuple[
+    dict[tuple[str, str, str], tuple[float, float]], dict[int, tuple[float, float]], dict[str, tuple[float, float]]
+]:
     """A priors artifact's counts ``{(cluster, key, temperature): (accepted, rejected)}``, verify fits
     ``{load edge: (a_ms, b_ms)}`` and propose fits ``{method: (a_ms, b_ms)}``, every number checked
     (finite, in range: a NaN would stall the policy's Beta draws); ``ValueError`` naming the field
@@ -157,15 +163,21 @@ def check_priors(priors: object) -> tuple[dict[tuple[str, str, str], tuple[float
         if row.get("temperature") not in TEMP_BUCKETS:
             raise bad(f"{where}.temperature", f"one of {', '.join(TEMP_BUCKETS)}", row.get("temperature"))
         counts[(row["cluster"], row["key"], row["temperature"])] = (
-            number(row, "accepted", where, MAX_PRIOR_COUNT), number(row, "rejected", where, MAX_PRIOR_COUNT))
+            number(row, "accepted", where, MAX_PRIOR_COUNT),
+            number(row, "rejected", where, MAX_PRIOR_COUNT),
+        )
     verify = {}
     for edge, fit in table("verify").items():
         if not (isinstance(edge, str) and edge.isdigit() and 1 <= int(edge) <= 1_000_000):
             raise bad("verify", "keyed by requests in flight (1, 2, 4, ...)", edge)
-        verify[int(edge)] = (number(fit, "a_ms", f"verify.{edge}", MAX_PRIOR_MS),
-                             number(fit, "b_ms", f"verify.{edge}", MAX_PRIOR_MS))  # fmt: skip
-    propose = {str(m): (number(fit, "a_ms", f"propose.{m}", MAX_PRIOR_MS),
-                        number(fit, "b_ms", f"propose.{m}", MAX_PRIOR_MS)) for m, fit in table("propose").items()}  # fmt: skip
+        verify[int(edge)] = (
+            number(fit, "a_ms", f"verify.{edge}", MAX_PRIOR_MS),
+            number(fit, "b_ms", f"verify.{edge}", MAX_PRIOR_MS),
+        )
+    propose = {
+        str(m): (number(fit, "a_ms", f"propose.{m}", MAX_PRIOR_MS), number(fit, "b_ms", f"propose.{m}", MAX_PRIOR_MS))
+        for m, fit in table("propose").items()
+    }
     return counts, verify, propose
 
 
@@ -266,27 +278,44 @@ class AutoPolicy:
     flight (the batcher's, in serving); by default the policy counts its own sessions.
     """
 
-    def __init__(self, *, max_k: int = 8, draft_max_k: int = 8, verify_ms: tuple[float, float] = (20.0, 1.0),
-                 draft_ms: tuple[float, float] = (2.0, 4.0), copy_ms: float = 0.05, dresd_ms: float = 1.0,
-                 candidates: tuple[str, ...] = CANDIDATES, seed: int | None = None, load=None,
-                 decay: float = DECAY, prior_trials: float = PRIOR_TRIALS, explore: bool = True,
-                 padded_batches: bool = False) -> None:  # fmt: skip
-        unknown = set(candidates) - set(CANDIDATES)
-        if unknown:
-            raise ValueError(f"auto candidates must be of {CANDIDATES}, got {sorted(unknown)}")
+    def __init__(
+        self,
+        *,
+        max_k: int = 8,
+        draft_max_k: int = 8,
+        verify_ms: tuple[float, float] = (20.0, 1.0),
+        propose_ms: Mapping[str, tuple[float, float]] | None = None,
+        candidates: tuple[str, ...] | None = None,
+        seed: int | None = None,
+        load: Callable[[], int] | None = None,
+        decay: float = DECAY,
+        prior_trials: float = PRIOR_TRIALS,
+        explore: bool = True,
+        padded_batches: bool = False,
+    ) -> None:
+        """``propose_ms``: method -> the calibration prior of its call's cost (ms: ``a + b * k``);
+        a method may also :meth:`join` later. ``candidates``: the methods ``auto`` may run
+        besides ``target`` (None: every method serving's catalogue lets join ``auto``)."""
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)
+        """The longest draft of any option, and of a draft model's chain."""
         self.padded_batches = padded_batches
         """Concurrent requests share right-padded target passes (serving's ``TargetBatcher``): a pass
         costs its rows times its widest row, so a draft as long as the others' is nearly free and
         a longer one widens every row. False: requests run their own passes on shared cores, and
         a pass's cost follows the tokens of all of them."""
-        self.candidates = tuple(candidates)
+        self.candidates = None if candidates is None else tuple(candidates)
         self.decay, self.prior_trials, self.explore = decay, prior_trials, explore
         self._verify_prior = verify_ms
         self.verify: dict[int, CostFit] = {}
-        self.propose: dict[str, CostFit] = {"draft": CostFit(*draft_ms), "llma": CostFit(copy_ms, 0.0),
-                                            "dresd": CostFit(dresd_ms, 0.0)}  # fmt: skip
-        """Proposer cost fits at one request in flight (ms: ``a + b * k``)."""
+        self.propose: dict[str, CostFit] = {m: CostFit(a, b) for m, (a, b) in (propose_ms or {}).items()}
+        """Proposer cost fits at one request in flight (ms: ``a + b * k``), per method."""
+        self.kinds: dict[str, str] = {}
+        """Method -> its cost kind (:meth:`join`), which a calibration may start over."""
+        self._loaded: dict[str, tuple[int, tuple[float, float]]] = {}
+        self._by_kind: dict[str, tuple[int, tuple[float, float]]] = {}
+        """Cost priors of methods that have not joined yet: loaded per method, measured per kind,
+        each with its order (:meth:`join` takes the newer)."""
+        self._seq = 0
         self.propose_loaded: dict[tuple[str, int], CostFit] = {}
         """The same at higher loads (a draft's forwards share the cores with the other requests)."""
         self.counts: dict[tuple[str, str, str], Counts] = {}
@@ -305,33 +334,51 @@ class AutoPolicy:
         """cluster -> the latest decision (``/v1/policy``)."""
 
     # ------------------------------------------------------------------ calibration and priors
-    def calibrate(self, pair, context_ids: list[int] | None = None, reps: int = 5) -> dict:
-        """Measure the target's verify cost at 1 and 9 tokens and the draft's one-token step
-        (``serving.engine.cost.step_ms``), as the cost fits' priors. About a second on CPU."""
-        from specops.serving.engine.cost import step_ms
-
-        ctx = context_ids or list(range(1, 65))
-        v1 = step_ms(pair.target, ctx, 1, reps=reps, warmup=2)
-        v9 = step_ms(pair.target, ctx, 9, reps=reps, warmup=2)
-        b = max((v9 - v1) / 8.0, 0.0)
-        out = {"verify_ms_1": v1, "verify_ms_9": v9}
+    def join(self, method: str, prior_ms: tuple[float, float], *, kind: str = "") -> None:
+        """``method`` is an option from now on. Its call's cost fit starts from the newer of a
+        loaded prior of ``method`` (:meth:`load_priors`) and a calibration of its ``kind``
+        (:meth:`calibrated`; e.g. every method that drafts with the draft model), else from
+        ``prior_ms``. A method that already has a fit keeps it."""
         with self.lock:
-            self._verify_prior = (max(v1 - b, 1e-3), b)
+            self.kinds[method] = kind
+            if method not in self.propose:
+                waiting = [w for w in (self._loaded.pop(method, None), self._by_kind.get(kind)) if w is not None]
+                self.propose[method] = CostFit(*(max(waiting)[1] if waiting else prior_ms))
+
+    def calibrated(self, verify_ms: tuple[float, float], kinds: Mapping[str, tuple[float, float]]) -> None:
+        """Start the cost fits over from measured costs (serving measures them at load): the
+        verify fits from ``verify_ms``, and the call of every method of a kind in ``kinds``
+        (joined already, or joining later) from that kind's cost."""
+        with self.lock:
+            self._verify_prior = verify_ms
             self.verify.clear()
-            if pair.draft is not None:
-                d1 = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2)
-                self.propose["draft"] = CostFit(d1 * 0.1, d1 * 0.9)  # a call: little fixed cost, one forward per token
-                out["draft_ms_1"] = d1
-        return out
+            for kind, (a, b) in kinds.items():
+                self._by_kind[kind] = (self._next(), (a, b))
+                for method in [m for m, k in self.kinds.items() if k == kind]:
+                    self.propose[method] = CostFit(a, b)
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def priors(self) -> dict:
         """The acceptance counts and cost fits as a JSON-able artifact (``load_priors`` reads it)."""
         with self.lock:
-            return {"format": PRIORS_FORMAT,
-                    "counts": [{"cluster": c, "key": k, "temperature": t, "accepted": round(v.accepted, 3),
-                                "rejected": round(v.rejected, 3)} for (c, k, t), v in sorted(self.counts.items())],
-                    "verify": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
-                    "propose": {m: f.to_dict() for m, f in self.propose.items()}}  # fmt: skip
+            return {
+                "format": PRIORS_FORMAT,
+                "counts": [
+                    {
+                        "cluster": c,
+                        "key": k,
+                        "temperature": t,
+                        "accepted": round(v.accepted, 3),
+                        "rejected": round(v.rejected, 3),
+                    }
+                    for (c, k, t), v in sorted(self.counts.items())
+                ],
+                "verify": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
+                "propose": {m: f.to_dict() for m, f in self.propose.items()},
+            }
 
     def load_priors(self, priors: dict) -> None:
         """Start from a priors artifact (``priors()``, or ``specops policy fit``'s output).
@@ -352,6 +399,8 @@ class AutoPolicy:
             for m, (a, b) in propose.items():
                 if m in self.propose:
                     self.propose[m] = CostFit(a, b)
+                else:  # a method that has not joined yet: its fit starts here when it does
+                    self._loaded[m] = (self._next(), (a, b))
 
     # ------------------------------------------------------------------ load
     def load(self) -> int:
@@ -372,6 +421,8 @@ class AutoPolicy:
         return fit
 
     def _propose_fit(self, method: str, bucket: int) -> CostFit:
+        if method not in self.propose:  # an option that never joined: priced as a draft model until measured
+            self.propose[method] = CostFit(*self._loaded.pop(method, (0, DEFAULT_PROPOSE_MS))[1])
         if bucket == 0:
             return self.propose[method]
         fit = self.propose_loaded.get((method, bucket))
@@ -416,8 +467,11 @@ class AutoPolicy:
         mine = [v for sid, v in self.active.items() if sid != session]
         unknown = max(0, load - 1 - len(mine))
         widest = max([n for n, _ in mine] + ([self.verified_per_step] if unknown else []), default=0.0)
-        return (sum(n for n, _ in mine) + unknown * self.verified_per_step, widest,
-                sum(e for _, e in mine) + unknown * self.emitted_per_step)
+        return (
+            sum(n for n, _ in mine) + unknown * self.verified_per_step,
+            widest,
+            sum(e for _, e in mine) + unknown * self.emitted_per_step,
+        )
 
     def pass_tokens(self, n_mine: float, n_others: float, widest_other: float, rows: int) -> float:
         """The cost regressor of a pass: its tokens, or with padded batches rows x widest row."""
@@ -425,8 +479,16 @@ class AutoPolicy:
             return rows * max(n_mine, widest_other)
         return n_others + n_mine
 
-    def choose(self, cluster: str, temp: str, *, available: dict[str, dict], own: dict[str, Counts],
-               k_cap: int, session: int | None = None) -> Choice:  # fmt: skip
+    def choose(
+        self,
+        cluster: str,
+        temp: str,
+        *,
+        available: dict[str, dict],
+        own: dict[str, Counts],
+        k_cap: int,
+        session: int | None = None,
+    ) -> Choice:
         """The fastest option this step. ``available``: method -> ``{"key": counts key, "max_k":
         longest draft it can give, "rows": rows per step}``; ``own``: the request's counts per key;
         ``session``: the asking session (its own previous choice is not one of the others')."""
@@ -436,9 +498,9 @@ class AutoPolicy:
             vfit = self._verify_fit(bucket)
             n_o, wide, others = self._others(session, load)
             x1 = self.pass_tokens(1, n_o, wide, load)
-            best = Choice("target", 0, (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0, n_verify=1,
-                          n_others=n_o, widest_other=wide, rows=load)  # fmt: skip
-            alts = {"target": round(best.speed, 2)}
+            shared = {"n_others": n_o, "widest_other": wide, "rows": load}
+            best = Choice(TARGET, 0, (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0, n_verify=1, **shared)
+            alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
                 alpha = self._alpha(cluster, key, temp, own.get(key))
@@ -452,8 +514,7 @@ class AutoPolicy:
                     e = expected_tokens(alpha, k)
                     speed = (e + others) / max(ms, 1e-6) * 1000.0
                     if m_best is None or speed > m_best.speed:
-                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, n_others=n_o,
-                                        widest_other=wide, rows=load)  # fmt: skip
+                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, **shared)
                 if m_best is not None:
                     alts[method] = round(m_best.speed, 2)
                     if m_best.speed > best.speed:
@@ -469,8 +530,19 @@ class AutoPolicy:
         with self.lock:
             self.decisions[(cluster, choice.method)] = self.decisions.get((cluster, choice.method), 0) + 1
 
-    def record(self, cluster: str, temp: str, choice: Choice, *, accepted: int, drafted: int, emitted: int,
-               n_verified: int, verify_ms: float | None, propose_ms: float | None) -> None:  # fmt: skip
+    def record(
+        self,
+        cluster: str,
+        temp: str,
+        choice: Choice,
+        *,
+        accepted: int,
+        drafted: int,
+        emitted: int,
+        n_verified: int,
+        verify_ms: float | None,
+        propose_ms: float | None,
+    ) -> None:
         """One step's outcome: the acceptance counts of what was tried and the costs measured."""
         with self.lock:
             load = self.load()
@@ -484,7 +556,8 @@ class AutoPolicy:
             if drafted > 0:  # the key and its parents (the fallbacks of keys not seen yet)
                 for k in key_chain(choice.key):
                     self.counts.setdefault((cluster, k, temp), Counts()).add(
-                        accepted, 1.0 if accepted < drafted else 0.0, self.decay)
+                        accepted, 1.0 if accepted < drafted else 0.0, self.decay
+                    )
 
     # ------------------------------------------------------------------ observability
     def snapshot(self, cluster: str | None = None, *, timeout_s: float = -1) -> dict:
@@ -495,193 +568,30 @@ class AutoPolicy:
             raise UnavailableError(f"the auto policy is busy (its lock was held for over {timeout_s:g}s); retry")
         try:
             clusters: dict[str, dict] = {}
+
+            def of(c: str) -> dict | None:
+                return clusters.setdefault(c, {"acceptance": {}, "decisions": {}}) if cluster in (None, c) else None
+
             for (c, key, t), v in self.counts.items():
-                if cluster is None or c == cluster:
-                    clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["acceptance"][f"{key}/{t}"] = {
-                        "mean": round(v.mean, 4), "trials": round(v.trials, 1)}
+                if entry := of(c):
+                    entry["acceptance"][f"{key}/{t}"] = {"mean": round(v.mean, 4), "trials": round(v.trials, 1)}
             for (c, m), n in self.decisions.items():
-                if cluster is None or c == cluster:
-                    clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["decisions"][m] = n
+                if entry := of(c):
+                    entry["decisions"][m] = n
             for c, ch in self.last.items():
-                if cluster is not None and c != cluster:
-                    continue
-                clusters.setdefault(c, {"acceptance": {}, "decisions": {}})["last"] = {
-                    "method": ch.method, "k": ch.k, "tokens_per_s": round(ch.speed, 2), "estimates": ch.alternatives}
-            return {"in_flight": self.in_flight, "load": self.load(),
-                    "emitted_per_step": round(self.emitted_per_step, 3),
-                    "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
-                    "propose_ms": {**{m: f.to_dict() for m, f in self.propose.items()},
-                                   **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict()
-                                      for (m, b), f in sorted(self.propose_loaded.items())}},
-                    "clusters": clusters}  # fmt: skip
+                if entry := of(c):
+                    last = {"method": ch.method, "k": ch.k, "tokens_per_s": round(ch.speed, 2)}
+                    entry["last"] = {**last, "estimates": ch.alternatives}
+            return {
+                "in_flight": self.in_flight,
+                "load": self.load(),
+                "emitted_per_step": round(self.emitted_per_step, 3),
+                "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
+                "propose_ms": {
+                    **{m: f.to_dict() for m, f in self.propose.items()},
+                    **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict() for (m, b), f in sorted(self.propose_loaded.items())},
+                },
+                "clusters": clusters,
+            }
         finally:
             self.lock.release()
-
-
-class AutoProposer(Proposer):
-    """One request under ``auto``: asks the policy each step and runs the chosen sub-proposer.
-
-    Every sub-proposer sees every step (``observe``, ``rollback``): the draft model's cache
-    catches up with the tokens it did not draft on its next call, DReSD keeps the latest
-    hidden state, LLMA's context index grows. Which one drafted is this class's business only.
-    """
-
-    name = "auto"
-
-    def __init__(self, policy: AutoPolicy, subs: dict[str, Proposer], *, cluster: str = "default") -> None:
-        self.policy, self.subs, self.cluster = policy, dict(subs), cluster
-        self.own: dict[str, Counts] = {}
-        self.steps: dict[str, int] = {}
-        self.drafted: dict[str, int] = {}
-        self.accepted: dict[str, int] = {}
-        self.k_sum: dict[str, int] = {}
-        self.last: Choice | None = None
-        self._pending: tuple[Choice, float, float | None, str] | None = None
-        self._started = False
-        self._temp = "greedy"
-        self._observed = False
-
-    @property
-    def needs_hidden(self) -> bool:
-        """DReSD keys on the target's hidden state: the verifier must return it every step."""
-        return "dresd" in self.subs
-
-    @property
-    def num_forwards(self) -> int:  # type: ignore[override]
-        return sum(p.num_forwards for p in self.subs.values())
-
-    def start(self, state: DecodeState) -> None:
-        for p in self.subs.values():
-            p.start(state)
-        self._temp = temp_bucket(state.params.temperature)
-        self._observed = False
-        if not self._started:
-            self._started = True
-            with self.policy.lock:
-                self.policy.in_flight += 1
-
-    def propose(self, state: DecodeState, k: int) -> Proposals:
-        if k <= 0:
-            self._pending = None
-            return Proposals.empty()
-        available: dict[str, dict] = {}
-        copy: Proposals | None = None
-        if "llma" in self.subs:
-            t0 = time.perf_counter()
-            copy = self.subs["llma"].propose(state, k)
-            copy_ms = (time.perf_counter() - t0) * 1000.0
-            if copy.k > 0:
-                m = getattr(self.subs["llma"], "last_match", 1) or 1
-                source = getattr(self.subs["llma"], "last_source", "") or "context"
-                available["llma"] = {"key": f"llma.{source}@m{MATCH_BUCKETS[_bucket(m, MATCH_BUCKETS)]}",
-                                     "max_k": copy.k, "rows": 1, "sunk": True}  # fmt: skip
-            with self.policy.lock:
-                self.policy.propose["llma"].observe(1, copy_ms)
-        if "draft" in self.subs:
-            available["draft"] = {"key": "draft", "max_k": min(k, self.policy.draft_max_k), "rows": 1}
-        if "dresd" in self.subs and getattr(self.subs["dresd"], "_hidden", None) is not None:
-            available["dresd"] = {"key": "dresd", "max_k": k, "rows": getattr(self.subs["dresd"], "n_drafts", 1)}
-        cap = min(k, self.policy.max_k)
-        while True:
-            choice = self.policy.choose(self.cluster, self._temp, available=available, own=self.own, k_cap=cap,
-                                        session=id(self))  # fmt: skip
-            sub = self.subs.get(choice.method)
-            lm = getattr(sub, "lm", None)
-            # a draft that sat out steps first catches up on their tokens: a prefill, not its per-step cost
-            in_sync = lm is None or len(state.token_ids) - lm.num_cached <= 2
-            t0 = time.perf_counter()
-            if choice.method == "target":
-                props = Proposals.empty()
-            elif choice.method == "llma":
-                assert copy is not None
-                rows = [r[: choice.k] for r in copy.rows()]
-                props = Proposals.from_rows(rows[:1])
-            else:
-                props = self.subs[choice.method].propose(state, choice.k)
-            propose_ms = (time.perf_counter() - t0) * 1000.0
-            if props.k > 0 or choice.method == "target":
-                break
-            available.pop(choice.method)  # nothing retrieved: the next best option, this same step
-        self.policy.decided(self.cluster, choice)
-        self.last = choice
-        timed = choice.method not in ("target", "llma") and in_sync
-        self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key)
-        return props
-
-    def observe(self, state: DecodeState, verdict: Verdict) -> None:
-        self._account(verdict)
-        for p in self.subs.values():
-            p.observe(state, verdict)
-
-    def observe_final(self, state: DecodeState, verdict: Verdict) -> None:
-        self._account(verdict)
-
-    def _account(self, verdict: Verdict) -> None:
-        if self._pending is None:  # the session ran the step without asking (no room for a draft)
-            self.steps["target"] = self.steps.get("target", 0) + 1
-            return
-        choice, t_end, propose_ms, key = self._pending
-        self._pending = None
-        verify_ms = (time.perf_counter() - t_end) * 1000.0
-        acc, drafted = len(verdict.accepted), verdict.num_drafted
-        m = choice.method
-        self.steps[m] = self.steps.get(m, 0) + 1
-        if drafted:
-            self.drafted[m] = self.drafted.get(m, 0) + drafted
-            self.accepted[m] = self.accepted.get(m, 0) + acc
-            self.k_sum[m] = self.k_sum.get(m, 0) + drafted
-            self.own.setdefault(key, Counts()).add(acc, 1.0 if acc < drafted else 0.0)
-        n_verified = 1 + (verdict.num_nodes or drafted)
-        first = not self._observed  # the first pass is the prompt's prefill: not a verify step's cost
-        self._observed = True
-        self.policy.record(self.cluster, self._temp, choice, accepted=acc, drafted=drafted,
-                           emitted=len(verdict.emitted), n_verified=n_verified,
-                           verify_ms=None if first else verify_ms, propose_ms=propose_ms)  # fmt: skip
-
-    def rollback(self, state: DecodeState, position: int) -> None:
-        self._pending = None
-        for p in self.subs.values():
-            p.rollback(state, position)
-
-    def counters(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in ("target", *CANDIDATES):
-            if self.steps.get(m):
-                out[f"steps_{m}"] = self.steps[m]
-                out[f"drafted_{m}"] = self.drafted.get(m, 0)
-                out[f"accepted_{m}"] = self.accepted.get(m, 0)
-        return out
-
-    def summary(self) -> dict:
-        """The response's ``speculation.auto`` block: steps, drafted and accepted per method, and
-        the latest decision with the estimates that decided it."""
-        per = {m: {"steps": n, "drafted": self.drafted.get(m, 0), "accepted": self.accepted.get(m, 0),
-                   "mean_k": round(self.k_sum.get(m, 0) / n, 2)} for m, n in self.steps.items()}  # fmt: skip
-        last = self.last
-        return {"methods": per, "chosen": max(self.steps, key=self.steps.get) if self.steps else "target",
-                "temperature": self._temp,
-                "counts": {key: [round(c.accepted, 3), round(c.rejected, 3)] for key, c in sorted(self.own.items())},
-                "last": {"method": last.method, "k": last.k, "tokens_per_s": round(last.speed, 2),
-                         "estimates": last.alternatives} if last else None}  # fmt: skip
-
-    def finish(self) -> None:
-        for p in self.subs.values():
-            p.finish()
-        if self._started:
-            self._started = False
-            with self.policy.lock:
-                self.policy.in_flight -= 1
-                self.policy.active.pop(id(self), None)
-
-
-_DEFAULT: AutoPolicy | None = None
-_DEFAULT_LOCK = threading.Lock()
-
-
-def default_policy() -> AutoPolicy:
-    """The process's policy for engines built without one (serving passes its replica's own)."""
-    global _DEFAULT
-    with _DEFAULT_LOCK:
-        if _DEFAULT is None:
-            _DEFAULT = AutoPolicy()
-        return _DEFAULT

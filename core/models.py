@@ -4,8 +4,8 @@ Nothing is fetched from a hub (``local_files_only``), and weights load from safe
 only (``use_safetensors=True``), so nothing is ever unpickled.
 
 A loaded model is prepared for decoding: its linear layers take the few-row route of
-``serving.engine.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
-(``serving.engine.draft_vocab``).
+``core.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
+(``core.draft_vocab``).
 
 The target always runs in float32: its distribution is the output. The draft runs in
 ``DEFAULT_DRAFT_DTYPE`` (bfloat16) unless asked otherwise: a draft token costs reading the
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specops.serving.engine import draft_vocab
-from specops.serving.engine.cpu_linear import use_small_batch_linear
-from specops.serving.errors import ModelConfigError, TokenizerMismatchError
+from specops.core import draft_vocab
+from specops.core.cpu_linear import use_small_batch_linear
+from specops.core.errors import ModelConfigError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class ModelPair:
 
     @property
     def context_size(self) -> int:
-        """The target's context (``serving.engine.limits.context_size``)."""
-        from specops.serving.engine.limits import context_size
+        """The target's context (``core.limits.context_size``)."""
+        from specops.core.limits import context_size
 
         return context_size(self.target.config)
 
@@ -117,7 +117,7 @@ def check_model_dir(path: Path) -> Path:
 
 DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                                         "float16": torch.float16}
-"""Precisions a model can be served in, by name (float16: GPU only, ``serving.engine.device``)."""
+"""Precisions a model can be served in, by name (float16: GPU only, ``core.device``)."""
 DEFAULT_DRAFT_DTYPE = "bfloat16"
 
 
@@ -163,7 +163,7 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, device: 
 
 
 def prepare_for_decoding(model: PreTrainedModel) -> PreTrainedModel:
-    """Few-row linear products as ``W @ xᵀ`` on a CPU (``serving.engine.cpu_linear``); in place."""
+    """Few-row linear products as ``W @ xᵀ`` on a CPU (``core.cpu_linear``); in place."""
     if next(model.parameters()).device.type == "cpu":
         use_small_batch_linear(model)
     return model

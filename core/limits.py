@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specops.serving.errors import InvalidRequestError, PromptTooLongError
+from specops.core.errors import InvalidRequestError, PromptTooLongError
 
 UNBOUNDED = 1 << 30
 """The context size of a model whose config states none."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from specops.registry.artifacts import sha256_file
-from specops.serving.errors import DatastoreError
+from specops.core.errors import DatastoreError
 
 FORMAT = "specops-llma-sessions/1"
 DATA_FILE, META_FILE = "sessions.safetensors", "sessions.json"

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specops.serving.errors import ModelConfigError
+from specops.core.errors import ModelConfigError
 
 if TYPE_CHECKING:  # torch is imported where a placement is used, not where flags are parsed
     import torch

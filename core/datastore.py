@@ -2,7 +2,7 @@
 
 Entries: every position ``t`` of every document (a prompt and the target's output, or
 corpus text) that has a next token. Its key is the target's hidden state at ``t`` through
-the :class:`~serving.retrieval.keys.Projection`; its value is ``x_{t+1} .. x_{t+N}``, cut at
+the :class:`~core.keys.Projection`; its value is ``x_{t+1} .. x_{t+N}``, cut at
 the document's end (``N = value_len``, 20). Values are not stored per entry: the documents'
 tokens are stored once (4 bytes a token) and an entry is its position (4 bytes).
 
@@ -42,10 +42,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from specops.registry.artifacts import sha256_file
-from specops.serving.errors import DatastoreError
-from specops.serving.retrieval.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
-from specops.serving.retrieval.keys import Projection, target_hidden_states
+from specops.registry.artifacts import sha256_file, sha256_json
+from specops.core.errors import DatastoreError
+from specops.core.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
+from specops.core.keys import Projection, target_hidden_states
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class Datastore:
 
 # ---------------------------------------------------------------- verification
 def _json_sha(meta: dict) -> str:
-    return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "json_sha256"}, sort_keys=True).encode()).hexdigest()
+    return sha256_json(meta, without="json_sha256")
 
 
 def _verified_meta(path: Path) -> dict:

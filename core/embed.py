@@ -27,8 +27,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from specops.serving.engine.models import from_pretrained
-from specops.serving.errors import RouterError
+from specops.core.models import from_pretrained
+from specops.core.errors import RouterError
 
 MINILM, TARGET = "minilm", "target"
 EMBEDDER_KINDS = (MINILM, TARGET)
@@ -171,7 +171,7 @@ class TargetHiddenEmbedder:
         """Target architecture, tokenizer, truncation, and a fingerprint of the weights (the first
         256 values of every tensor: cheap even for a large target, different for any retrained one)."""
         if self._sha is None:
-            from specops.serving.engine.models import tokenizer_hash
+            from specops.core.models import tokenizer_hash
 
             h = hashlib.sha256()
             cfg = self.model.config

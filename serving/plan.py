@@ -1,0 +1,87 @@
+"""One request's :class:`DecodePlan`: everything decided about it, once, at the edge.
+
+The HTTP layer (``serving.http.server.ServingState.plan``) validates the body and builds
+the plan: the method's :class:`~serving.proposers.catalogue.MethodSpec` (looked up and its
+resources checked there, once), the decoding mode (a key of :data:`serving.modes.MODES`),
+sampling and limits, LLMA's references, the retrieval or kNN-LM block with the artifact it
+names, the cluster and the tenant. Every layer below (the replica, the serving node, the
+retrieval loop, kNN-LM) reads the plan; none re-reads the body, re-looks-up the method or
+tests its name.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from specops.serving.engine.types import SamplingParams
+from specops.serving.proposers.catalogue import MethodSpec, ProposerConfig, method_spec
+
+
+@dataclass(frozen=True)
+class RetrievalPlan:
+    """A retrieval-augmented request: the loop's settings and the knowledge base it names."""
+
+    cfg: object
+    """``serving.ralm.loop.RalmConfig`` (its ``mode``: ``oneshot``, ``ralmseq`` or ``ralmspec``)."""
+    kb: object
+    """The knowledge base (``serving.fleet.catalog.Loaded``: name, version, artifact)."""
+    retriever: str
+    """The kind of the knowledge base's retriever to search with (``exact``, ``hnsw``, ...)."""
+
+
+@dataclass(frozen=True)
+class KnnPlan:
+    """A kNN-LM request: its settings and the datastore it names."""
+
+    cfg: object
+    """``serving.ralm.knnlm.KnnConfig``."""
+    store: object
+    """The kNN-LM datastore (``serving.fleet.catalog.Loaded``)."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What to decode and how: immutable, built once per request."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    spec: MethodSpec
+    """The decoding method, resolved from the catalogue (its resources already checked)."""
+    k: int | None = None
+    """Tokens drafted per step (None: the method's default)."""
+    mode: str = "plain"
+    """A key of ``serving.modes.MODES``: ``plain``, ``oneshot``, ``ralm`` or ``knnlm``."""
+    cluster: str = "default"
+    cluster_source: str = "default"
+    """``request`` (the request's field), ``router`` or ``default``."""
+    router_version: str = ""
+    n_drafts: int = 0
+    """Rows per step for a multi-draft method (0: the method's default)."""
+    llma_min_n: int = 1
+    """The shortest trailing match that copies (methods that copy references)."""
+    references: tuple[tuple[int, ...], ...] = ()
+    """Reference texts, tokenized (the request's ``references``, earlier chat turns)."""
+    retrieval: RetrievalPlan | None = None
+    knnlm: KnnPlan | None = None
+    prompt_text: str = ""
+    stop: tuple[str, ...] = ()
+    """Stop sequences (the HTTP layer ends the stream at the first)."""
+    tenant: str = "anonymous"
+    """The id of the tenant that sent it (``serving.http.tenancy``; never the key)."""
+    session_scope: str = ""
+    """Whose past outputs of the cluster it copies from and adds to (a tenant id; ``""``: shared)."""
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def method(self) -> str:
+        return self.spec.name
+
+    def proposer_config(self) -> ProposerConfig:
+        """The per-request method settings for the proposer."""
+        return ProposerConfig(method=self.spec.name, n_drafts=self.n_drafts, llma_min_n=self.llma_min_n)
+
+    @classmethod
+    def plain(cls, prompt_ids, params: SamplingParams, *, method: str = "draft", **fields) -> DecodePlan:
+        """A plan for callers without an HTTP body (benchmarks, tests): ``method`` looked up here."""
+        return cls(tuple(int(t) for t in prompt_ids), params, method_spec(method), **fields)

@@ -1,0 +1,54 @@
+"""What several command groups share: argparse types, argument blocks, the torch thread count.
+
+Light on purpose: every command module imports it while ``specops --help`` builds the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specops.paths import models_dir
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def set_threads(n: int | None) -> None:
+    """``--threads``: torch CPU threads (default: all cores, at most 8)."""
+    import torch
+
+    torch.set_num_threads(n or min(os.cpu_count() or 1, 8))
+
+
+def add_group(sub, name: str, *, help: str, description: str) -> argparse._SubParsersAction:
+    """A command group ``specops NAME SUBCOMMAND``: its parser, and the subparsers to add its subcommands to.
+
+    The chosen subcommand's name lands in ``args.<NAME>_command``."""
+    p = sub.add_parser(name, help=help, description=description)
+    return p.add_subparsers(dest=f"{name}_command", required=True, metavar="SUBCOMMAND")
+
+
+def add_model_dir(p: argparse.ArgumentParser, what: str) -> None:
+    """``--model-dir``, a bootstrap's models (``specops bootstrap --out``)."""
+    p.add_argument("--model-dir", default=str(models_dir()), help=f"{what} (default: %(default)s)")
+
+
+def fail(command: str, message: str) -> int:
+    """Say why ``specops COMMAND`` cannot run, the way argparse does, and return its exit status 2."""
+    print(f"specops {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def prose(text: str) -> str:
+    """A help text written as a paragraph in the source: its line breaks and indentation become single spaces."""
+    return " ".join(text.split())

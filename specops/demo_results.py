@@ -1,0 +1,105 @@
+"""``specops demo``'s closing measurements and console summary: target-only vs the static draft vs
+each cluster's champion on never-served prompts, the registry's versions, and the α table."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from specops.prompts import Prompt
+from specops.report_data import DemoRun, SpeedRow
+
+if TYPE_CHECKING:
+    from specops.demo import DemoConfig
+
+
+def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg: DemoConfig) -> list[SpeedRow]:
+    """Target-only vs the static draft vs each cluster's champion, greedy, one request at a time.
+
+    On prompts of the cluster's domain that the workload never served (their token ids as
+    the server would see them: a chat prompt rendered with the chat template): what the
+    champion gained there it learned about the domain, not about the prompts it saw."""
+    from tqdm import tqdm
+
+    from specops.serving.engine.spec import SpecEngine
+    from specops.core.models import ModelPair
+    from specops.serving.engine.types import SamplingParams
+    from specops.serving.proposers.catalogue import ProposerResources
+
+    state = server.state
+    pair, tok = state.pair, state.pair.tokenizer
+    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_tokens)
+    out: list[SpeedRow] = []
+    for cluster in sorted(set(unseen) & set(state.follower.slots)):
+        handle = state.follower.slot(cluster).current()
+        arms = {"target-only": (pair.draft, "target", ""), "static draft": (pair.draft, "draft", "base"),
+                "online draft": (handle.model, "draft", handle.version)}  # fmt: skip
+        datastore = state.datastores.current(cluster) if state.datastores is not None else None
+        if datastore is not None and datastore.datastore is not None:  # rebuilt from this cluster's traffic
+            arms["dresd (served traffic)"] = (pair.draft, "dresd", datastore.version)
+        results = {a: [] for a in arms}
+        for prompt in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
+            ids = list(prompt.token_ids)
+            for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
+                engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))
+                resources = ProposerResources(pair=engine.pair, cluster=cluster,
+                                              datastore=datastore.datastore if method == "dresd" else None)  # fmt: skip
+                results[arm].append(engine.generate(ids, params, method=method, resources=resources))
+        ref = [r.token_ids for r in results["target-only"]]
+        for arm, (_, method, version) in arms.items():
+            res = results[arm]
+            drafted = sum(r.stats.num_drafted for r in res)
+            accepted = sum(r.stats.num_accepted for r in res)
+            rejected = [getattr(r.stats, "num_rejected_steps", None) for r in res]  # None: an engine without it
+            tried = None if None in rejected else accepted + sum(rejected)
+            out.append(SpeedRow(cluster=cluster, method=arm, draft_version=version,
+                                tokens_per_s=statistics.median(r.stats.tokens_per_s for r in res),
+                                acceptance=accepted / drafted if drafted else float("nan"),
+                                num_prompts=len(res), identical=[r.token_ids for r in res] == ref,
+                                alpha=accepted / tried if drafted and tried else float("nan")))  # fmt: skip
+    return out
+
+
+def registry_versions(registry) -> list[dict]:
+    rows = []
+    drafts = registry.artifact("draft")
+    for cluster in drafts.keys():
+        for v in drafts.versions(cluster):
+            t = v.tags
+            rows.append({"cluster": cluster, "version": v.version, "aliases": list(v.aliases),
+                         "registered_at": t.get("registered_at", ""), "gate_decision": t.get("gate_decision", ""),
+                         "gate_reason": t.get("gate_reason", "")[:160],
+                         "offline acceptance": t.get("gate_candidate_acceptance", t.get("sampling", "")),
+                         "live_acceptance": t.get("live_acceptance", ""), "archived": v.archived})  # fmt: skip
+    return rows
+
+
+def print_summary(console: Console, report_dir: Path, index: Path, ui_url: str, registry_uri: str, run: DemoRun) -> None:
+    import json
+
+    from rich.table import Table
+
+    summary = json.loads((report_dir / "summary.json").read_text())
+    table = Table(title="closed loop: α per cluster")
+    # halves, not fixed windows of 100: a cluster of the default run serves about 20 requests
+    for col in ("cluster", "requests", "α first half", "α last half", "acc. first→last", "promotions",
+                "versions served", "speedup vs target", "vs static"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "cluster" else "right")
+
+    def f(x, spec=".3f", suffix=""):
+        return "-" if x is None else f"{x:{spec}}{suffix}"
+
+    for name, c in sorted(summary["clusters"].items()):
+        table.add_row(name, str(c["requests"]), f(c["alpha_first_half"]), f(c["alpha_last_half"]),
+                      f"{f(c['acceptance_first_half'], '.2f')}→{f(c['acceptance_last_half'], '.2f')}", str(c["promotions"]),
+                      ", ".join(c["draft_versions"]), f(c.get("speedup_vs_target"), ".2f", "x"),
+                      f(c.get("speedup_vs_static"), ".2f", "x"))  # fmt: skip
+    console.print(table)
+    console.print(f"[dim]{summary['alpha_definition']}[/]")
+    console.print(f"failed requests: {summary['failed_requests']} of {summary['requests']}")
+    console.print(f"[bold]Report:[/] {index.resolve()}  (summary: {(report_dir / 'summary.json').resolve()})")
+    console.print(f"[bold]MLflow UI:[/] {ui_url} while the demo runs; afterwards: "
+                  f"specops registry ui --registry {registry_uri}")  # fmt: skip

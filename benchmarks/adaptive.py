@@ -101,8 +101,10 @@ def build_cases(args, tok) -> list[Case]:
     for p in prose[n : 2 * n]:
         half = p.token_ids[: len(p.token_ids) // 2]
         cases.append(Case("repetition", p.source, p.token_ids + p.token_ids + half))
-    cases += [Case("creative", p.source, p.token_ids, temperature=CREATIVE_T, seed=args.seed + i)
-              for i, p in enumerate(prose[2 * n : 3 * n])]  # fmt: skip
+    cases += [
+        Case("creative", p.source, p.token_ids, temperature=CREATIVE_T, seed=args.seed + i)
+        for i, p in enumerate(prose[2 * n : 3 * n])
+    ]
     cases += rag(args, tok, n)
     rng = random.Random(f"adaptive:{args.seed}")
     rng.shuffle(cases)  # one mixed stream: the policy is never told the slice
@@ -112,8 +114,13 @@ def build_cases(args, tok) -> list[Case]:
 def rag(args, tok, n: int) -> list[Case]:
     from benchmarks import llma
 
-    ns = argparse.Namespace(cache_dir=args.cache_dir, kb_passages=args.kb_passages, source=args.source,
-                            model_dir=args.model_dir, seed=args.seed)  # fmt: skip
+    ns = argparse.Namespace(
+        cache_dir=args.cache_dir,
+        kb_passages=args.kb_passages,
+        source=args.source,
+        model_dir=args.model_dir,
+        seed=args.seed,
+    )
     out = []
     for c in llma.rag_cases(ns, tok, n):
         ids = tok.encode(c.prompt, add_special_tokens=False)[-args.max_prompt_tokens :]
@@ -139,12 +146,19 @@ class Runner:
         refs = tuple(tuple(r) for r in case.references) if method in ("llma", "auto") else ()
         res = ProposerResources(pair=self.pair, references=refs, datastore=self.datastore, policy=self.policy)
         t0 = time.perf_counter()
-        out = (engine or self.engine).generate(case.prompt_ids, params, proposer_cfg=ProposerConfig(method=method),
-                                               k=k, resources=res)  # fmt: skip
+        out = (engine or self.engine).generate(
+            case.prompt_ids, params, proposer_cfg=ProposerConfig(method=method), k=k, resources=res
+        )
         wall = time.perf_counter() - t0
         s = out.stats
-        row = {"tokens": list(out.token_ids), "wall_s": wall, "generated": s.num_generated,
-               "drafted": s.num_drafted, "accepted": s.num_accepted, "target_forwards": s.num_target_forwards}  # fmt: skip
+        row = {
+            "tokens": list(out.token_ids),
+            "wall_s": wall,
+            "generated": s.num_generated,
+            "drafted": s.num_drafted,
+            "accepted": s.num_accepted,
+            "target_forwards": s.num_target_forwards,
+        }
         if s.policy:
             row["policy"] = {m: v["steps"] for m, v in s.policy["methods"].items()}
         return row
@@ -196,18 +210,19 @@ def run(cases: list[Case], runner: Runner, args) -> dict:
     total = len(cases) * len(arms) * (2 if args.concurrency4 else 1)
     with tqdm(total=total, desc="adaptive", unit="req") as bar:
         for i, case in enumerate(cases):  # concurrency 1: one request at a time, arms rotating
-            order = arms[i % len(arms):] + arms[: i % len(arms)]
+            order = arms[i % len(arms) :] + arms[: i % len(arms)]
             for name, method, k in order:
                 per["1"][name].append({"case": i, **runner.generate(method, k, case)})
                 bar.update(1)
         if args.concurrency4:
             for gi, block in enumerate(conc_groups(cases)):
-                order = arms[gi % len(arms):] + arms[: gi % len(arms)]
+                order = arms[gi % len(arms) :] + arms[: gi % len(arms)]
                 for name, method, k in order:
                     wall, rows = runner.group(method, k, [cases[i] for i in block])
                     groups[name].append(wall)
-                    per["4"][name] += [{"case": i, **r, "group_wall_s": wall, "group_size": len(block)}
-                                       for i, r in zip(block, rows)]  # fmt: skip
+                    per["4"][name] += [
+                        {"case": i, **r, "group_wall_s": wall, "group_size": len(block)} for i, r in zip(block, rows)
+                    ]
                     bar.update(len(block))
     return {"per_case": per, "group_wall_s": groups, "arms": [a[0] for a in arms]}
 
@@ -242,17 +257,20 @@ def analyse(report: dict) -> dict:
                     mix[m] = mix.get(m, 0) + n
             steps = sum(mix.values()) or 1
             slices[s] = {
-                "cases": len(ids), "total_s": {a: round(tot[a], 3) for a in arms},
+                "cases": len(ids),
+                "total_s": {a: round(tot[a], 3) for a in arms},
                 "tokens_per_s": {a: round(toks[a] / tot[a], 2) if tot[a] else None for a in arms},
                 "speedup": {a: round(tot["target"] / tot[a], 3) for a in arms},
-                "median_ratio_vs_target": {a: round(statistics.median(time_of["target"][i] / time_of[a][i]
-                                                                      for i in ids), 3) for a in arms},
-                "best_fixed": best, "oracle_s": round(oracle, 3),
+                "median_ratio_vs_target": {
+                    a: round(statistics.median(time_of["target"][i] / time_of[a][i] for i in ids), 3) for a in arms
+                },
+                "best_fixed": best,
+                "oracle_s": round(oracle, 3),
                 "auto_vs_best_fixed": round(tot[best] / tot["auto"], 3),
                 "auto_vs_oracle": round(oracle / tot["auto"], 3),
                 "auto_vs_target": round(tot["target"] / tot["auto"], 3),
                 "auto_mix": {m: round(n / steps, 3) for m, n in sorted(mix.items())},
-            }  # fmt: skip
+            }
         out[conc] = slices
     return out
 
@@ -279,18 +297,26 @@ def summary(report: dict) -> dict:
         "cases": len(report["cases"]),
         "best_fixed": {c: res[c]["all"]["best_fixed"] for c in concs},
         "bars": BARS,
-    }  # fmt: skip
+    }
 
 
 def markdown(report: dict, plot_rel: str | None) -> str:
     s, res = report["summary"], report["results"]
     a = report["args"]
-    lines = [DOC_BEGIN, "", "### `auto`: the drafter and k chosen per step (benchmarks/adaptive.py)", "",
-             f"Command: `{report['command']}`", "",
-             f"Target {report.get('target', '?')}; {s['cases']} distinct held-out requests ({a['cases']} per slice), "
-             f"{a['max_new_tokens']} new tokens each, one mixed stream, arms interleaved; "
-             f"{report.get('environment', {}).get('cpu_count', '?')} CPUs.", "",
-             "| summary | value | bar |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        DOC_BEGIN,
+        "",
+        "### `auto`: the drafter and k chosen per step (benchmarks/adaptive.py)",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Target {report.get('target', '?')}; {s['cases']} distinct held-out requests ({a['cases']} per slice), "
+        f"{a['max_new_tokens']} new tokens each, one mixed stream, arms interleaved; "
+        f"{report.get('environment', {}).get('cpu_count', '?')} CPUs.",
+        "",
+        "| summary | value | bar |",
+        "|---|---|---|",
+    ]
     for key in SUMMARY_KEYS:
         bar = BARS.get(key)
         lines.append(f"| `{key}` | {s[key]} | {'>= ' + str(bar) if bar is not None else 'true'} |")
@@ -298,20 +324,30 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         if conc not in res:
             continue
         arms = report["arms"]
-        lines += ["", f"**Concurrency {conc}**: speed-up over target-only (total time; per slice)", "",
-                  "| slice | " + " | ".join(arms) + " | oracle | best fixed | auto's steps |",
-                  "|---|" + "---|" * (len(arms) + 3)]  # fmt: skip
+        lines += [
+            "",
+            f"**Concurrency {conc}**: speed-up over target-only (total time; per slice)",
+            "",
+            "| slice | " + " | ".join(arms) + " | oracle | best fixed | auto's steps |",
+            "|---|" + "---|" * (len(arms) + 3),
+        ]
         for sl, v in res[conc].items():
             sp = v["speedup"]
             oracle = v["total_s"]["target"] / v["oracle_s"] if v["oracle_s"] else None
             cells = [f"**{fmt(sp[x])}**" if x == "auto" else fmt(sp[x]) for x in arms]
             mix = ", ".join(f"{m} {100 * p:.0f}%" for m, p in v["auto_mix"].items())
-            lines.append(f"| {sl} ({v['cases']}) | " + " | ".join(cells) + f" | {fmt(oracle)} | {v['best_fixed']} | {mix} |")
+            lines.append(
+                f"| {sl} ({v['cases']}) | " + " | ".join(cells) + f" | {fmt(oracle)} | {v['best_fixed']} | {mix} |"
+            )
     if plot_rel:
         lines += ["", f"![auto against fixed methods]({plot_rel})"]
-    lines += ["", "Oracle: per request (per group of 4 at concurrency 4) the fastest fixed arm, known after the "
-              "fact. Times are wall clock on a shared 2-core machine; ratios of totals over the same requests.",
-              "", DOC_END]  # fmt: skip
+    lines += [
+        "",
+        "Oracle: per request (per group of 4 at concurrency 4) the fastest fixed arm, known after the "
+        "fact. Times are wall clock on a shared 2-core machine; ratios of totals over the same requests.",
+        "",
+        DOC_END,
+    ]
     return "\n".join(lines)
 
 
@@ -351,8 +387,16 @@ def plot(report: dict, path: Path) -> bool:
 
 def finish(report: dict, args) -> None:
     report["results"] = analyse(report)
-    finish_report(report, args, summary=summary, markdown=markdown, plot=plot, png_name="adaptive.png",
-                  begin=DOC_BEGIN, end=DOC_END)  # fmt: skip
+    finish_report(
+        report,
+        args,
+        summary=summary,
+        markdown=markdown,
+        plot=plot,
+        png_name="adaptive.png",
+        begin=DOC_BEGIN,
+        end=DOC_END,
+    )
     s = report["summary"]
     missed = [k for k, bar in BARS.items() if s[k] < bar] + ([] if s["greedy_identical"] else ["greedy_identical"])
     log.info("bars %s", "all met" if not missed else "missed: " + ", ".join(missed))
@@ -361,17 +405,28 @@ def finish(report: dict, args) -> None:
 def parse(argv) -> argparse.Namespace:
     from specops.paths import models_dir
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Slices, arms and measures: see the module docstring (benchmarks/adaptive.py).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Slices, arms and measures: see the module docstring (benchmarks/adaptive.py).",
+    )
     p.add_argument("--quick", action="store_true", help="2 cases per slice, 24 new tokens, fewer arms")
     p.add_argument("--json", type=Path, help="write the results (with a `summary`) here")
     p.add_argument("--doc", type=Path, help="write the tables into this markdown file (docs/benchmarks.md)")
     p.add_argument("--plot", type=Path, help="PNG of the speed-ups (default: img/adaptive.png beside --doc)")
-    p.add_argument("--replot", type=Path, metavar="JSON", help="re-derive summary, table, plot and doc from a saved --json")
-    p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap-style target/ + draft/ (default: %(default)s)")
+    p.add_argument(
+        "--replot", type=Path, metavar="JSON", help="re-derive summary, table, plot and doc from a saved --json"
+    )
+    p.add_argument(
+        "--model-dir", default=str(models_dir()), help="bootstrap-style target/ + draft/ (default: %(default)s)"
+    )
     p.add_argument("--cache-dir", default=".specops/bench/llma", help="the RAG knowledge base is kept here")
-    p.add_argument("--datastore", default="", help="a DReSD datastore directory (`specops datastore build`) for "
-                   "the dresd arm and auto's dresd candidate; default: none")  # fmt: skip
+    p.add_argument(
+        "--datastore",
+        default="",
+        help="a DReSD datastore directory (`specops datastore build`) for "
+        "the dresd arm and auto's dresd candidate; default: none",
+    )
     p.add_argument("--cases", type=int, default=None, help="requests per slice (default 8, quick 2)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, quick 24")
     p.add_argument("--prompt-tokens", type=int, default=96, help="held-out window length (code, prose, creative)")
@@ -429,12 +484,26 @@ def main(argv=None) -> int:
     for _, method, k in fixed_arms(args):  # not auto: its policy starts from the calibration alone
         runner.generate(method, k, warm)
     command = ".venv/bin/python benchmarks/adaptive.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = {"command": command, "target": target_name(Path(args.model_dir)),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                       if k not in ("json", "doc", "plot", "replot")},
-              "cases": [{"slice": c.slice, "name": c.name, "temperature": c.temperature,
-                         "prompt_tokens": len(c.prompt_ids), "references": len(c.references)} for c in cases],
-              "calibration_ms": costs}  # fmt: skip
+    report = {
+        "command": command,
+        "target": target_name(Path(args.model_dir)),
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("json", "doc", "plot", "replot")
+        },
+        "cases": [
+            {
+                "slice": c.slice,
+                "name": c.name,
+                "temperature": c.temperature,
+                "prompt_tokens": len(c.prompt_ids),
+                "references": len(c.references),
+            }
+            for c in cases
+        ],
+        "calibration_ms": costs,
+    }
     report.update(run(cases, runner, args))
     report["policy_end"] = policy.snapshot()
     report["wall_s"] = time.perf_counter() - t0

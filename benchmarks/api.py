@@ -51,11 +51,11 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from specops.serving.engine.spec import SpecEngine
 from specops.core.models import load_model_dir
-from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
 from specops.prompts import heldout_prompts
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 
 DOC_BEGIN = "<!-- BEGIN api (written by benchmarks/api.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END api -->"
@@ -71,9 +71,15 @@ class EngineArm:
         out = []
         for p in prompts:
             r = self.engine.generate(p.token_ids, params, method=self.method)
-            out.append({"tokens": r.stats.num_generated, "latency": r.stats.time_s["total"],
-                        "text": self.tok.decode(r.token_ids, skip_special_tokens=True),
-                        "drafted": r.stats.num_drafted, "accepted": r.stats.num_accepted})  # fmt: skip
+            out.append(
+                {
+                    "tokens": r.stats.num_generated,
+                    "latency": r.stats.time_s["total"],
+                    "text": self.tok.decode(r.token_ids, skip_special_tokens=True),
+                    "drafted": r.stats.num_drafted,
+                    "accepted": r.stats.num_accepted,
+                }
+            )
         return out
 
 
@@ -98,12 +104,21 @@ class ApiArm:
                 if i is None:
                     return
                 t = time.perf_counter()
-                r = self.client.completions.create(model="specops", prompt=prompts[i].token_ids, temperature=0,
-                                                   max_tokens=params.max_new_tokens,
-                                                   extra_body={"speculation": {"method": self.method}})  # fmt: skip
+                r = self.client.completions.create(
+                    model="specops",
+                    prompt=prompts[i].token_ids,
+                    temperature=0,
+                    max_tokens=params.max_new_tokens,
+                    extra_body={"speculation": {"method": self.method}},
+                )
                 spec = r.model_extra["speculation"]
-                results[i] = {"tokens": r.usage.completion_tokens, "latency": time.perf_counter() - t,
-                              "text": r.choices[0].text, "drafted": spec["drafted"], "accepted": spec["accepted"]}  # fmt: skip
+                results[i] = {
+                    "tokens": r.usage.completion_tokens,
+                    "latency": time.perf_counter() - t,
+                    "text": r.choices[0].text,
+                    "drafted": spec["drafted"],
+                    "accepted": spec["accepted"],
+                }
 
         threads = [threading.Thread(target=worker) for _ in range(self.clients)]
         for th in threads:
@@ -114,32 +129,52 @@ class ApiArm:
 
 
 def start_server(model_dir: Path, root: Path, *, clients: int, batch: int):
-    from specops.serving.http.config import ServeConfig
     from specops.serve import Server
+    from specops.serving.http.config import ServeConfig
 
-    cfg = ServeConfig(model_dir=str(model_dir), port=0, stream="none", registry="none", router="none",
-                      max_concurrency=clients, batch_max_size=batch, max_queue=256)  # fmt: skip
+    cfg = ServeConfig(
+        model_dir=str(model_dir),
+        port=0,
+        stream="none",
+        registry="none",
+        router="none",
+        max_concurrency=clients,
+        batch_max_size=batch,
+        max_queue=256,
+    )
     server = Server(cfg, root=root).start()
     server.wait_ready(300)
     return server
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrapped models (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per domain (default 16; 4 with --quick)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per request (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4, help="clients, and requests decoded at once (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds the prompts are split into (default: %(default)s)")
+    p.add_argument(
+        "--concurrency", type=int, default=4, help="clients, and requests decoded at once (default: %(default)s)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=4, help="interleaved rounds the prompts are split into (default: %(default)s)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="4 prompts per domain (about a minute)")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
     p.add_argument("--no-doc", action="store_true", help="do not write the doc")
-    p.add_argument("--doc-from", type=Path, default=None, metavar="JSON",
-                   help="only rewrite the doc section from a saved --json report")  # fmt: skip
+    p.add_argument(
+        "--doc-from",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only rewrite the doc section from a saved --json report",
+    )
     args = p.parse_args(argv)
     if args.doc_from:
         write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(json.loads(args.doc_from.read_text())))
@@ -151,20 +186,28 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
     pair = load_model_dir(model_dir)
-    prompts = [q for d in ("code", "prose") for q in heldout_prompts(model_dir, pair.tokenizer, d, n,
-                                                                     num_tokens=args.prompt_tokens, seed=5)]  # fmt: skip
+    prompts = [
+        q
+        for d in ("code", "prose")
+        for q in heldout_prompts(model_dir, pair.tokenizer, d, n, num_tokens=args.prompt_tokens, seed=5)
+    ]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     started = time.perf_counter()
     c = args.concurrency
     with tempfile.TemporaryDirectory(prefix="specops-bench-api-") as tmp:
-        servers = {key: start_server(model_dir, Path(tmp), clients=cl, batch=b)
-                   for key, cl, b in (("c1", 1, 1), ("off", c, 1), ("on", c, c))}  # fmt: skip
+        servers = {
+            key: start_server(model_dir, Path(tmp), clients=cl, batch=b)
+            for key, cl, b in (("c1", 1, 1), ("off", c, 1), ("on", c, c))
+        }
         try:
-            runners = {"engine target": EngineArm(pair, "target"), "engine draft": EngineArm(pair, "draft"),
-                       "api draft c=1": ApiArm(servers["c1"], "draft", 1),
-                       f"api target c={c}": ApiArm(servers["off"], "target", c),
-                       f"api draft c={c}, batching off": ApiArm(servers["off"], "draft", c),
-                       f"api draft c={c}, batching on": ApiArm(servers["on"], "draft", c)}  # fmt: skip
+            runners = {
+                "engine target": EngineArm(pair, "target"),
+                "engine draft": EngineArm(pair, "draft"),
+                "api draft c=1": ApiArm(servers["c1"], "draft", 1),
+                f"api target c={c}": ApiArm(servers["off"], "target", c),
+                f"api draft c={c}, batching off": ApiArm(servers["off"], "draft", c),
+                f"api draft c={c}, batching on": ApiArm(servers["on"], "draft", c),
+            }
             for r in runners.values():  # warm-up
                 r.run(prompts[:1], SamplingParams(max_new_tokens=4))
             arms = {name: {"wall_s": 0.0, "rows": [None] * len(prompts)} for name in runners}
@@ -174,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in tqdm(range(args.rounds), desc="rounds", unit="round"):
                 idx = list(range(rnd, len(prompts), args.rounds))
                 chunk = [prompts[i] for i in idx]
-                for name in order[rnd % len(order):] + order[: rnd % len(order)]:
+                for name in order[rnd % len(order) :] + order[: rnd % len(order)]:
                     t0 = time.perf_counter()
                     got = runners[name].run(chunk, params)
                     arms[name]["wall_s"] += time.perf_counter() - t0
@@ -200,31 +243,56 @@ def main(argv: list[str] | None = None) -> int:
     for name, a in arms.items():
         tps = a["tokens"] / a["wall_s"]
         same = a["texts"] == ref_texts
-        rows.append({"arm": name, "throughput_tok_s": round(tps, 1), "vs_engine_target": round(tps / ref_tps, 3),
-                     "latency_p50_s": round(statistics.median(a["latencies"]), 3),
-                     "acceptance": None if a["acceptance"] is None else round(a["acceptance"], 3),
-                     "mean_batch": round(a.get("mean_batch", 1.0), 2), "identical_to_target": same})  # fmt: skip
+        rows.append(
+            {
+                "arm": name,
+                "throughput_tok_s": round(tps, 1),
+                "vs_engine_target": round(tps / ref_tps, 3),
+                "latency_p50_s": round(statistics.median(a["latencies"]), 3),
+                "acceptance": None if a["acceptance"] is None else round(a["acceptance"], 3),
+                "mean_batch": round(a.get("mean_batch", 1.0), 2),
+                "identical_to_target": same,
+            }
+        )
     by = {r["arm"]: r for r in rows}
     summary = {
         "api_overhead_c1": round(by["engine draft"]["throughput_tok_s"] / by["api draft c=1"]["throughput_tok_s"], 3),
-        "batching_gain": round(by[f"api draft c={c}, batching on"]["throughput_tok_s"]
-                               / by[f"api draft c={c}, batching off"]["throughput_tok_s"], 3),
+        "batching_gain": round(
+            by[f"api draft c={c}, batching on"]["throughput_tok_s"]
+            / by[f"api draft c={c}, batching off"]["throughput_tok_s"],
+            3,
+        ),
         "all_identical": all(r["identical_to_target"] for r in rows),
-    }  # fmt: skip
+    }
     argv_s = argv if argv is not None else sys.argv[1:]
-    report = {"command": " ".join([".venv/bin/python", "benchmarks/api.py", *map(shlex.quote, argv_s)]),
-              "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "config": {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
-                         "concurrency": c, "threads": args.threads},
-              "summary": summary, "arms": rows, "environment": environment(),
-              "elapsed_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    report = {
+        "command": " ".join([".venv/bin/python", "benchmarks/api.py", *map(shlex.quote, argv_s)]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": {
+            "prompts": len(prompts),
+            "prompt_tokens": args.prompt_tokens,
+            "max_new_tokens": args.max_new_tokens,
+            "concurrency": c,
+            "threads": args.threads,
+        },
+        "summary": summary,
+        "arms": rows,
+        "environment": environment(),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
     table = Table(title=f"HTTP API, {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, greedy")
     for col in ("arm", "tokens/s", "vs engine target", "p50 latency", "acceptance", "mean batch", "identical"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     for r in rows:
-        table.add_row(r["arm"], f"{r['throughput_tok_s']:.1f}", f"{r['vs_engine_target']:.2f}x",
-                      f"{r['latency_p50_s']:.2f}s", fmt(r["acceptance"], ".3f"), f"{r['mean_batch']:.2f}",
-                      "yes" if r["identical_to_target"] else "NO")  # fmt: skip
+        table.add_row(
+            r["arm"],
+            f"{r['throughput_tok_s']:.1f}",
+            f"{r['vs_engine_target']:.2f}x",
+            f"{r['latency_p50_s']:.2f}s",
+            fmt(r["acceptance"], ".3f"),
+            f"{r['mean_batch']:.2f}",
+            "yes" if r["identical_to_target"] else "NO",
+        )
     Console().print(table)
     print(json.dumps(summary))
     if args.json:
@@ -237,26 +305,41 @@ def main(argv: list[str] | None = None) -> int:
 
 def doc_section(report: dict) -> str:
     s = report["summary"]
-    lines = [DOC_BEGIN, "## HTTP API (`benchmarks/api.py`)", "", "    " + report["command"], "",
-             f"{report['date']}; {report['config']['prompts']} held-out prompts (code and prose), "
-             f"{report['config']['max_new_tokens']} new tokens, greedy; {report['environment']['cpu_count']} CPUs, "
-             f"{report['config']['threads']} torch threads. Throughput = generated tokens ÷ the arm's wall time.", "",
-             "| arm | tokens/s | vs engine target | p50 latency | acceptance | mean batch | identical to target |",
-             "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [
+        DOC_BEGIN,
+        "## HTTP API (`benchmarks/api.py`)",
+        "",
+        "    " + report["command"],
+        "",
+        f"{report['date']}; {report['config']['prompts']} held-out prompts (code and prose), "
+        f"{report['config']['max_new_tokens']} new tokens, greedy; {report['environment']['cpu_count']} CPUs, "
+        f"{report['config']['threads']} torch threads. Throughput = generated tokens ÷ the arm's wall time.",
+        "",
+        "| arm | tokens/s | vs engine target | p50 latency | acceptance | mean batch | identical to target |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in report["arms"]:
-        lines.append(f"| {r['arm']} | {r['throughput_tok_s']:.1f} | {r['vs_engine_target']:.2f}x | "
-                     f"{r['latency_p50_s']:.2f} s | {fmt(r['acceptance'], '.3f')} | {r['mean_batch']:.2f} | "
-                     f"{'yes' if r['identical_to_target'] else 'NO'} |")  # fmt: skip
-    lines += ["", f"API overhead at one client (engine draft ÷ API draft throughput): {s['api_overhead_c1']:.2f}x. "
-              f"Cross-request batching at c={report['config']['concurrency']}: {s['batching_gain']:.2f}x the "
-              f"throughput without it. Every output identical to target-only: {s['all_identical']}.", "",
-              "What is batched is the target's forward passes (verify steps and prefills) of requests decoding at "
-              "the same time; draft forwards and the per-step Python work are not. A 5-token target pass over a "
-              "100-token context costs 1.12x for 2 requests and 1.39x for 4 compared with one on this CPU, so the "
-              "verify share of the work nearly halves at a mean batch of 2, while the draft's four 1-token forwards "
-              "per step and the loop itself are unchanged, which is why the whole-request gain is smaller. The draft's "
-              "own speedup depends on its acceptance on these prompts (see the spec_decode section for it on code "
-              "and prose separately).", "", DOC_END]  # fmt: skip
+        lines.append(
+            f"| {r['arm']} | {r['throughput_tok_s']:.1f} | {r['vs_engine_target']:.2f}x | "
+            f"{r['latency_p50_s']:.2f} s | {fmt(r['acceptance'], '.3f')} | {r['mean_batch']:.2f} | "
+            f"{'yes' if r['identical_to_target'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        f"API overhead at one client (engine draft ÷ API draft throughput): {s['api_overhead_c1']:.2f}x. "
+        f"Cross-request batching at c={report['config']['concurrency']}: {s['batching_gain']:.2f}x the "
+        f"throughput without it. Every output identical to target-only: {s['all_identical']}.",
+        "",
+        "What is batched is the target's forward passes (verify steps and prefills) of requests decoding at "
+        "the same time; draft forwards and the per-step Python work are not. A 5-token target pass over a "
+        "100-token context costs 1.12x for 2 requests and 1.39x for 4 compared with one on this CPU, so the "
+        "verify share of the work nearly halves at a mean batch of 2, while the draft's four 1-token forwards "
+        "per step and the loop itself are unchanged, which is why the whole-request gain is smaller. The draft's "
+        "own speedup depends on its acceptance on these prompts (see the spec_decode section for it on code "
+        "and prose separately).",
+        "",
+        DOC_END,
+    ]
     return "\n".join(lines)
 
 

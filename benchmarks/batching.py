@@ -48,8 +48,15 @@ def load_target(model_dir: Path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+    )
     return LlamaForCausalLM(cfg).eval(), "random model of SmolLM2-135M's shape"
 
 
@@ -58,8 +65,9 @@ def run_case(batcher_cls, model, clients: int, context: int, steps: int, seed: i
     batcher = batcher_cls(model, max_batch=clients, window_s=0.05)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist() for _ in range(clients)]
-    feeds = [torch.randint(0, model.config.vocab_size, (steps, STEP_TOKENS), generator=gen).tolist()
-             for _ in range(clients)]  # fmt: skip
+    feeds = [
+        torch.randint(0, model.config.vocab_size, (steps, STEP_TOKENS), generator=gen).tolist() for _ in range(clients)
+    ]
     lms = [batcher.lm() for _ in range(clients)]
     barrier = threading.Barrier(clients + 1)
     first: list = [None]
@@ -98,10 +106,14 @@ def run_case(batcher_cls, model, clients: int, context: int, steps: int, seed: i
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description="Batching: the slot-pool target batcher against the copy-per-step one "
-                                 "it replaced, at 4 and 8 concurrent clients and several context lengths.")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description="Batching: the slot-pool target batcher against the copy-per-step one "
+        "it replaced, at 4 and 8 concurrent clients and several context lengths."
+    )
     ap.add_argument("--quick", action="store_true", help="contexts 128 and 512, 2 repetitions, 6 steps (a minute)")
-    ap.add_argument("--model-dir", type=Path, default=Path(".specops/models"), help="bootstrap dir (default: %(default)s)")
+    ap.add_argument(
+        "--model-dir", type=Path, default=Path(".specops/models"), help="bootstrap dir (default: %(default)s)"
+    )
     ap.add_argument("--json", type=Path, help="write the results and a summary here")
     ap.add_argument("--doc", type=Path, help="rewrite this file's batching section (docs/benchmarks.md)")
     args = ap.parse_args(argv)
@@ -119,46 +131,77 @@ def main(argv: list[str] | None = None) -> dict:
                     order = ("before", "after") if rep % 2 == 0 else ("after", "before")  # interleaved arms
                     firsts = {}
                     for arm in order:
-                        t, (logits, _) = run_case(Before if arm == "before" else After, model, clients, context, steps,
-                                                  seed=rep)  # fmt: skip
+                        t, (logits, _) = run_case(
+                            Before if arm == "before" else After, model, clients, context, steps, seed=rep
+                        )
                         ms[arm].append(t)
                         firsts[arm] = logits
                     same &= bool(torch.allclose(firsts["before"], firsts["after"], atol=1e-3, rtol=1e-3))
                 before, after = statistics.median(ms["before"]), statistics.median(ms["after"])
                 key = f"c{clients}_ctx{context}"
-                results[key] = {"clients": clients, "context": context, "ms_per_step_before": round(before, 2),
-                                "ms_per_step_after": round(after, 2), "ratio_after_over_before": round(after / before, 3),
-                                "tok_s_before": round(clients * STEP_TOKENS / before * 1e3, 1),
-                                "tok_s_after": round(clients * STEP_TOKENS / after * 1e3, 1), "same_logits": same,
-                                "runs": {k: [round(x, 2) for x in v] for k, v in ms.items()}}  # fmt: skip
+                results[key] = {
+                    "clients": clients,
+                    "context": context,
+                    "ms_per_step_before": round(before, 2),
+                    "ms_per_step_after": round(after, 2),
+                    "ratio_after_over_before": round(after / before, 3),
+                    "tok_s_before": round(clients * STEP_TOKENS / before * 1e3, 1),
+                    "tok_s_after": round(clients * STEP_TOKENS / after * 1e3, 1),
+                    "same_logits": same,
+                    "runs": {k: [round(x, 2) for x in v] for k, v in ms.items()},
+                }
                 rows.append(results[key])
-                print(f"clients {clients} context {context}: {before:.1f} -> {after:.1f} ms/step ({after / before:.2f}x)",
-                      file=sys.stderr)  # fmt: skip
-    table = ["| clients | context | ms/step before | ms/step after | after/before | tok/s before | tok/s after | same logits |",
-             "|---:|---:|---:|---:|---:|---:|---:|:---:|"]  # fmt: skip
+                print(
+                    f"clients {clients} context {context}: {before:.1f} -> {after:.1f} ms/step ({after / before:.2f}x)",
+                    file=sys.stderr,
+                )
+    table = [
+        "| clients | context | ms/step before | ms/step after | after/before | tok/s before | tok/s after | same logits |",
+        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
     for r in rows:
-        table.append(f"| {r['clients']} | {r['context']} | {r['ms_per_step_before']} | {r['ms_per_step_after']} | "
-                     f"{r['ratio_after_over_before']} | {r['tok_s_before']} | {r['tok_s_after']} | "
-                     f"{'yes' if r['same_logits'] else 'NO'} |")  # fmt: skip
+        table.append(
+            f"| {r['clients']} | {r['context']} | {r['ms_per_step_before']} | {r['ms_per_step_after']} | "
+            f"{r['ratio_after_over_before']} | {r['tok_s_before']} | {r['tok_s_after']} | "
+            f"{'yes' if r['same_logits'] else 'NO'} |"
+        )
     print("\n".join(table))
-    summary = {"model": model_name, "ratio_median": round(statistics.median(r["ratio_after_over_before"] for r in rows), 3),
-               "ratio_at_longest_context": {str(r["clients"]): r["ratio_after_over_before"] for r in rows
-                                            if r["context"] == contexts[-1]},
-               "same_logits": all(r["same_logits"] for r in rows), "repetitions": reps, "decode_steps": steps}  # fmt: skip
-    report = {"summary": summary, "results": results, "environment": environment(),
-              "command": " ".join(["python", "benchmarks/batching.py", *(argv if argv is not None else sys.argv[1:])])}
+    summary = {
+        "model": model_name,
+        "ratio_median": round(statistics.median(r["ratio_after_over_before"] for r in rows), 3),
+        "ratio_at_longest_context": {
+            str(r["clients"]): r["ratio_after_over_before"] for r in rows if r["context"] == contexts[-1]
+        },
+        "same_logits": all(r["same_logits"] for r in rows),
+        "repetitions": reps,
+        "decode_steps": steps,
+    }
+    report = {
+        "summary": summary,
+        "results": results,
+        "environment": environment(),
+        "command": " ".join(["python", "benchmarks/batching.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     if args.doc:
-        section = "\n".join([
-            DOC_BEGIN, "## Batching: slot pool vs copy-per-step", "",
-            f"`{report['command']}` ({model_name}, {reps} repetitions interleaved, {steps} decode steps of "
-            f"{STEP_TOKENS} tokens with {ROLLBACK} rolled back; medians; a shared 2-core CPU, so read the ratios):", "",
-            *table, "",
-            "`before` copies every request's whole cache into a new padded cache on each batched step and appends "
-            "back by concatenation; `after` writes new keys/values in place into a preallocated slot pool and attends "
-            "over a view of it (`serving/engine/batching.py`).", DOC_END])  # fmt: skip
+        section = "\n".join(
+            [
+                DOC_BEGIN,
+                "## Batching: slot pool vs copy-per-step",
+                "",
+                f"`{report['command']}` ({model_name}, {reps} repetitions interleaved, {steps} decode steps of "
+                f"{STEP_TOKENS} tokens with {ROLLBACK} rolled back; medians; a shared 2-core CPU, so read the ratios):",
+                "",
+                *table,
+                "",
+                "`before` copies every request's whole cache into a new padded cache on each batched step and appends "
+                "back by concatenation; `after` writes new keys/values in place into a preallocated slot pool and attends "
+                "over a view of it (`serving/engine/batching.py`).",
+                DOC_END,
+            ]
+        )
         write_doc_section(args.doc, DOC_BEGIN, DOC_END, section)
     return report
 

@@ -96,8 +96,9 @@ class TargetBatcher:
             try:
                 if len(batch) == 1:
                     s = first
-                    s.logits, s.hidden = CachedLM.forward(s.lm, s.input_ids, logits_to_keep=s.logits_to_keep,
-                                                          want_hidden=s.want_hidden)  # fmt: skip
+                    s.logits, s.hidden = CachedLM.forward(
+                        s.lm, s.input_ids, logits_to_keep=s.logits_to_keep, want_hidden=s.want_hidden
+                    )
                 else:
                     self._forward_batch(batch)
             except BaseException as exc:  # every waiting request gets the error, none hangs
@@ -139,8 +140,14 @@ class TargetBatcher:
             mask[i, p_max : p_max + new[i]] = 1
         # 2. one forward pass
         want_hidden = any(s.want_hidden for s in batch)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
-                         output_hidden_states=want_hidden)  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
         # 3. split: own logits, own new keys/values appended to the request's own cache
         for i, s in enumerate(batch):
             keep = s.logits_to_keep or new[i]
@@ -162,8 +169,9 @@ class BatchedCachedLM(CachedLM):
         super().__init__(model)
         self.batcher = batcher
 
-    def forward(self, input_ids: list[int], *, logits_to_keep: int = 0,
-                want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward(
+        self, input_ids: list[int], *, logits_to_keep: int = 0, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert len(input_ids) > 0, "forward needs at least one token"
         assert self.num_cached + len(input_ids) <= self.context_size, (self.num_cached, len(input_ids))
         step = _Step(self, list(input_ids), logits_to_keep, want_hidden)

@@ -17,8 +17,12 @@ def environment() -> dict:
 
     def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10, check=True).stdout.strip() or None  # fmt: skip
+            return (
+                subprocess.run(
+                    ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+                ).stdout.strip()
+                or None
+            )
         except (OSError, subprocess.SubprocessError):
             return None
 
@@ -60,8 +64,9 @@ def finish_report(report: dict, args, *, summary, markdown, plot, png_name: str,
     import json
 
     report["summary"] = summary(report)
-    plot_path = args.plot or ((args.doc.parent / "img" / png_name) if args.doc else
-                              args.json.with_suffix(".png") if args.json else None)  # fmt: skip
+    plot_path = args.plot or (
+        (args.doc.parent / "img" / png_name) if args.doc else args.json.with_suffix(".png") if args.json else None
+    )
     plot_rel = None
     if plot_path is not None and plot(report, plot_path):
         plot_rel = os.path.relpath(plot_path, args.doc.parent) if args.doc else str(plot_path)

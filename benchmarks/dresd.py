@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_doc_section  # noqa: E402
 from benchmarks.rest_baseline import RestIndex, RestProposer  # noqa: E402
+from specops.core.datastore import Datastore, DatastoreConfig  # noqa: E402
+from specops.core.index import IndexConfig, build_index  # noqa: E402
 from specops.core.models import load_model_dir  # noqa: E402
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources  # noqa: E402
-from specops.core.datastore import Datastore, DatastoreConfig  # noqa: E402
-from specops.core.index import IndexConfig, build_index  # noqa: E402
 
 log = logging.getLogger("benchmarks.dresd")
 DOC_BEGIN = "<!-- BEGIN dresd (written by benchmarks/dresd.py; edits inside are overwritten) -->"
@@ -58,14 +58,20 @@ DOMAINS = ("code", "prose")
 
 
 # ---------------------------------------------------------------- data
-def id_documents(pair, model_dir: Path, n: int, prompt_tokens: int, new_tokens: int, batch: int = 16) -> tuple[list, float]:
+def id_documents(
+    pair, model_dir: Path, n: int, prompt_tokens: int, new_tokens: int, batch: int = 16
+) -> tuple[list, float]:
     """The target's greedy outputs for ``n`` prompts per domain cut from training text; tokens/s."""
     from specops.trainer.router_fit import bootstrap_texts
 
     tok = pair.tokenizer
     texts = bootstrap_texts(model_dir, per_domain=n, chars=prompt_tokens * 8, per_doc=1, seed=1)
-    prompts = [ids[:prompt_tokens] for d in DOMAINS for t in texts.get(d, [])
-               if len(ids := tok(t, add_special_tokens=False)["input_ids"]) >= prompt_tokens // 2]  # fmt: skip
+    prompts = [
+        ids[:prompt_tokens]
+        for d in DOMAINS
+        for t in texts.get(d, [])
+        if len(ids := tok(t, add_special_tokens=False)["input_ids"]) >= prompt_tokens // 2
+    ]
     docs, made, t0 = [], 0, time.perf_counter()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     for i in tqdm(range(0, len(prompts), batch), desc="ID datastore: target generations", unit="batch"):
@@ -74,11 +80,12 @@ def id_documents(pair, model_dir: Path, n: int, prompt_tokens: int, new_tokens: 
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, p in enumerate(chunk):  # left padding, as HF generate wants for decoder-only models
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         with torch.no_grad():
-            out = pair.target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                       pad_token_id=pad)  # fmt: skip
+            out = pair.target.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad
+            )
         for r, p in enumerate(chunk):
             gen = out[r, width:].tolist()
             if tok.eos_token_id in gen:
@@ -116,17 +123,25 @@ def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
     cfg = StreamConfig(url=f"local://{tmp / 'streams'}", fsync=False)
     msgs = []
     for i, d in enumerate(docs):
-        rec = GenerationRecord(request_id=f"bench-{i}", cluster="bench", method="target", draft_model="",
-                               draft_version="", prompt_ids=np.asarray(d[:prompt_tokens], np.int32),
-                               output_ids=np.asarray(d[prompt_tokens:], np.int32), vocab_size=pair.vocab_size,
-                               finish_reason="length")  # fmt: skip
+        rec = GenerationRecord(
+            request_id=f"bench-{i}",
+            cluster="bench",
+            method="target",
+            draft_model="",
+            draft_version="",
+            prompt_ids=np.asarray(d[:prompt_tokens], np.int32),
+            output_ids=np.asarray(d[prompt_tokens:], np.int32),
+            vocab_size=pair.vocab_size,
+            finish_reason="length",
+        )
         msgs.append(OutMessage(key=rec.key, value=codec.encode(rec)))
     with open_stream(cfg) as stream, stream.producer() as producer:
         producer.publish(cfg.topics.generations, msgs)
     reg = RegistryStore(RegistryConfig(uri=f"sqlite:///{tmp / 'mlflow.db'}", artifact_root=str(tmp / "artifacts")))
     every = 10 if len(docs) >= 20 else 2  # a tiny run still holds some out for the gate
-    rebuilder = DatastoreRebuilder(cfg, reg, pair.target, cfg=RebuildConfig(min_new=1, heldout_every=every,
-                                                                            poll_timeout_s=0.5))  # fmt: skip
+    rebuilder = DatastoreRebuilder(
+        cfg, reg, pair.target, cfg=RebuildConfig(min_new=1, heldout_every=every, poll_timeout_s=0.5)
+    )
     try:
         result = rebuilder.run_once()
     finally:
@@ -138,8 +153,14 @@ def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
     from specops.core.datastore import BuildStats
 
     meta = store.meta
-    stats = BuildStats(num_docs=meta["num_docs"], num_tokens=meta["num_tokens"], num_entries=meta["num_entries"],
-                       embed_s=meta["embed_s"], fit_s=meta["fit_s"], index_s=meta["index_s"])  # fmt: skip
+    stats = BuildStats(
+        num_docs=meta["num_docs"],
+        num_tokens=meta["num_tokens"],
+        num_entries=meta["num_entries"],
+        embed_s=meta["embed_s"],
+        fit_s=meta["fit_s"],
+        index_s=meta["index_s"],
+    )
     return store, stats
 
 
@@ -182,9 +203,13 @@ def scale_budgets(store: Datastore, entries: int, queries: int = 200) -> dict:
     base = store.index._impl.reconstruct_n(0, store.num_entries) if store.cfg.index.kind != "scann" else None
     if base is None:
         base = rng.standard_normal((store.num_entries, store.projection.dims)).astype(np.float32)
-    keys = base[rng.integers(0, len(base), entries)] + 0.05 * rng.standard_normal((entries, base.shape[1])).astype(np.float32)
+    keys = base[rng.integers(0, len(base), entries)] + 0.05 * rng.standard_normal((entries, base.shape[1])).astype(
+        np.float32
+    )
     keys /= np.linalg.norm(keys, axis=1, keepdims=True)
-    q = keys[rng.integers(0, entries, queries)] + 0.05 * rng.standard_normal((queries, base.shape[1])).astype(np.float32)
+    q = keys[rng.integers(0, entries, queries)] + 0.05 * rng.standard_normal((queries, base.shape[1])).astype(
+        np.float32
+    )
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     out = {}
     for kind in ("hnsw", "scann"):
@@ -196,29 +221,44 @@ def scale_budgets(store: Datastore, entries: int, queries: int = 200) -> dict:
             t = time.perf_counter()
             index.search(q[i : i + 1], 64)
             lat.append((time.perf_counter() - t) * 1000)
-        out[kind] = {"entries": entries, "build_s": round(build_s, 1), "search_p50_ms": round(statistics.median(lat), 3),
-                     "search_p90_ms": round(float(np.percentile(lat, 90)), 3),
-                     "bytes_per_entry": round((index.num_bytes + 8 * entries) / entries, 1)}  # fmt: skip
+        out[kind] = {
+            "entries": entries,
+            "build_s": round(build_s, 1),
+            "search_p50_ms": round(statistics.median(lat), 3),
+            "search_p90_ms": round(float(np.percentile(lat, 90)), 3),
+            "bytes_per_entry": round((index.num_bytes + 8 * entries) / entries, 1),
+        }
         del index
     return out
 
 
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="8 prompts per domain, 100k entries for the budgets")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the report (with a summary) here")
     ap.add_argument("--doc", default=None, metavar="PATH", help="write the table into this markdown file")
     ap.add_argument("--model-dir", default=".specops/models", help="bootstrap directory (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts per domain (default 100, quick 8)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="tokens per completion (default 64, quick 48)")
-    ap.add_argument("--id-prompts", type=int, default=None,
-                    help="training prompts per domain whose target outputs make the ID datastore (default 400, quick 64)")
-    ap.add_argument("--id-new-tokens", type=int, default=128, help="tokens generated per ID prompt (default: %(default)s)")
+    ap.add_argument(
+        "--id-prompts",
+        type=int,
+        default=None,
+        help="training prompts per domain whose target outputs make the ID datastore (default 400, quick 64)",
+    )
+    ap.add_argument(
+        "--id-new-tokens", type=int, default=128, help="tokens generated per ID prompt (default: %(default)s)"
+    )
     ap.add_argument("--scale", type=int, default=None, help="entries for the budgets (default 1M, quick 100k)")
-    ap.add_argument("--no-paper-shapes", action="store_true",
-                    help="skip the dresd-id 3x20 and 3x10 arms (the rebuild job replays them offline anyway; its "
-                    "measured shape stays an arm): a third less time")
+    ap.add_argument(
+        "--no-paper-shapes",
+        action="store_true",
+        help="skip the dresd-id 3x20 and 3x10 arms (the rebuild job replays them offline anyway; its "
+        "measured shape stays an arm): a third less time",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     n_prompts = args.prompts or (8 if args.quick else 100)
@@ -233,8 +273,9 @@ def main(argv=None) -> int:
     from specops.prompts import distinct_prompts
     from specops.trainer.datastores import corpus_documents, offline_mar
 
-    prompts = {d: [p.token_ids for p in distinct_prompts(model_dir, tok, d, n_prompts, num_tokens=64, seed=3)]
-               for d in DOMAINS}  # fmt: skip
+    prompts = {
+        d: [p.token_ids for p in distinct_prompts(model_dir, tok, d, n_prompts, num_tokens=64, seed=3)] for d in DOMAINS
+    }
 
     # 1. Datastores: OOD (corpus) and ID (the target's own outputs), DReSD and REST over the same documents.
     ood_docs = corpus_documents(model_dir, tok, per_domain=id_prompts, chars=2000)
@@ -248,11 +289,17 @@ def main(argv=None) -> int:
         # REST indexes exactly the documents the datastore holds (the rebuild holds some out).
         held = np.split(store.tokens, store.doc_ends[:-1])
         stores[name], rests[name] = store, RestIndex([h.tolist() for h in held], pair.vocab_size)
-        builds[name] = {"docs": st.num_docs, "tokens": st.num_tokens, "entries": st.num_entries,
-                        "keys_tokens_per_s": round(st.embed_tokens_per_s), "fit_s": round(st.fit_s, 2),
-                        "index_s": round(st.index_s, 2), "bytes_per_entry": round(store.bytes_per_entry, 1),
-                        "rest_bytes_per_token": round(rests[name].num_bytes / rests[name].num_tokens, 1),
-                        "explained_variance": round(float(store.projection.explained.sum()), 3)}  # fmt: skip
+        builds[name] = {
+            "docs": st.num_docs,
+            "tokens": st.num_tokens,
+            "entries": st.num_entries,
+            "keys_tokens_per_s": round(st.embed_tokens_per_s),
+            "fit_s": round(st.fit_s, 2),
+            "index_s": round(st.index_s, 2),
+            "bytes_per_entry": round(store.bytes_per_entry, 1),
+            "rest_bytes_per_token": round(rests[name].num_bytes / rests[name].num_tokens, 1),
+            "explained_variance": round(float(store.projection.explained.sum()), 3),
+        }
         if store.meta.get("shape"):
             builds[name]["shape"] = store.meta["shape"]
         log.info("%s datastore: %s", name, builds[name])
@@ -268,7 +315,7 @@ def main(argv=None) -> int:
         for d in DOMAINS:
             for i, prompt in enumerate(prompts[d]):
                 order = list(arm_specs)
-                order = order[i % len(order):] + order[: i % len(order)]  # rotate who goes first
+                order = order[i % len(order) :] + order[: i % len(order)]  # rotate who goes first
                 outs = {}
                 for a in order:
                     outs[a] = run_arm(engine, arm_specs[a], prompt, new_tokens)
@@ -277,27 +324,42 @@ def main(argv=None) -> int:
                 rep = repetition(prompt, ref)
                 for a, r in outs.items():
                     s = r.stats
-                    rows[a][d].append({"mar": s.acceptance_rate, "drafted": s.num_drafted, "accepted": s.num_accepted,
-                                       "steps": s.num_verify_steps, "tokens": s.num_generated,
-                                       "forwards": s.num_target_forwards, "tps": s.tokens_per_s,
-                                       "identical": r.token_ids == ref, "rep": rep})  # fmt: skip
+                    rows[a][d].append(
+                        {
+                            "mar": s.acceptance_rate,
+                            "drafted": s.num_drafted,
+                            "accepted": s.num_accepted,
+                            "steps": s.num_verify_steps,
+                            "tokens": s.num_generated,
+                            "forwards": s.num_target_forwards,
+                            "tps": s.tokens_per_s,
+                            "identical": r.token_ids == ref,
+                            "rep": rep,
+                        }
+                    )
 
     def agg(items: list[dict]) -> dict:
         if not items:
             return {}
-        return {"prompts": len(items), "mar": round(float(np.mean([x["mar"] for x in items])), 4),
-                "accepted_per_step": round(sum(x["accepted"] for x in items) / max(1, sum(x["steps"] for x in items)), 3),
-                "tokens_per_forward": round(sum(x["tokens"] for x in items) / max(1, sum(x["forwards"] for x in items)), 3),
-                "tokens_per_s": round(statistics.median(x["tps"] for x in items), 2),
-                "greedy_identical": all(x["identical"] for x in items)}  # fmt: skip
+        return {
+            "prompts": len(items),
+            "mar": round(float(np.mean([x["mar"] for x in items])), 4),
+            "accepted_per_step": round(sum(x["accepted"] for x in items) / max(1, sum(x["steps"] for x in items)), 3),
+            "tokens_per_forward": round(sum(x["tokens"] for x in items) / max(1, sum(x["forwards"] for x in items)), 3),
+            "tokens_per_s": round(statistics.median(x["tps"] for x in items), 2),
+            "greedy_identical": all(x["identical"] for x in items),
+        }
 
     results = {}
     for a in arm_specs:
         both = rows[a]["code"] + rows[a]["prose"]
         reps = sorted(x["rep"] for x in rows["target"]["code"] + rows["target"]["prose"])
         cut = reps[len(reps) // 2] if reps else 0
-        results[a] = {**{d: agg(rows[a][d]) for d in DOMAINS}, "all": agg(both),
-                      "low_repetition": agg([x for x in both if x["rep"] <= cut])}  # fmt: skip
+        results[a] = {
+            **{d: agg(rows[a][d]) for d in DOMAINS},
+            "all": agg(both),
+            "low_repetition": agg([x for x in both if x["rep"] <= cut]),
+        }
 
     # 3. PCA sweep, replayed offline on the target's own outputs (greedy: exact accepted lengths).
     ref_docs, starts = [], []
@@ -310,8 +372,11 @@ def main(argv=None) -> int:
     for dims in (32, 64, 128):
         store, _ = Datastore.build(pair.target, id_docs, DatastoreConfig(dims=dims, value_len=21))
         m = offline_mar(store, pair.target, ref_docs, starts, n_drafts=10, k=6)
-        sweep[dims] = {"mar": round(m.mar, 4), "accepted_per_step": round(m.accepted_per_step, 3),
-                       "explained_variance": round(float(store.projection.explained.sum()), 3)}  # fmt: skip
+        sweep[dims] = {
+            "mar": round(m.mar, 4),
+            "accepted_per_step": round(m.accepted_per_step, 3),
+            "explained_variance": round(float(store.projection.explained.sum()), 3),
+        }
         log.info("PCA %d dims: %s", dims, sweep[dims])
 
     # 4. Budgets at scale.
@@ -327,19 +392,25 @@ def main(argv=None) -> int:
     summary = {
         "mar_ratio_vs_rest": ratio("dresd-id 10x6", "rest-id 10x6", "mar"),
         "accepted_length_ratio_vs_rest": ratio("dresd-id 10x6", "rest-id 10x6", "accepted_per_step"),
-        "tokens_per_s_ratio_vs_rest": round(results[best_dresd]["all"]["tokens_per_s"]
-                                            / results[best_rest]["all"]["tokens_per_s"], 3),
+        "tokens_per_s_ratio_vs_rest": round(
+            results[best_dresd]["all"]["tokens_per_s"] / results[best_rest]["all"]["tokens_per_s"], 3
+        ),
         "live_vs_ood_mar_ratio": ratio("dresd-id 10x6", "dresd-ood 10x6", "mar"),
         "greedy_identical": all(r["all"]["greedy_identical"] for r in results.values()),
         "bytes_per_entry": budgets["hnsw"]["bytes_per_entry"],
         "search_p50_ms": budgets["hnsw"]["search_p50_ms"],
-        "best_dresd": best_dresd, "best_rest": best_rest,
-        "low_repetition_mar_ratio_vs_rest": round(results["dresd-id 10x6"]["low_repetition"]["mar"]
-                                                  / max(1e-9, results["rest-id 10x6"]["low_repetition"]["mar"]), 3),
-        "vs_target_tokens_per_s": round(results[best_dresd]["all"]["tokens_per_s"]
-                                        / results["target"]["all"]["tokens_per_s"], 3),
+        "best_dresd": best_dresd,
+        "best_rest": best_rest,
+        "low_repetition_mar_ratio_vs_rest": round(
+            results["dresd-id 10x6"]["low_repetition"]["mar"]
+            / max(1e-9, results["rest-id 10x6"]["low_repetition"]["mar"]),
+            3,
+        ),
+        "vs_target_tokens_per_s": round(
+            results[best_dresd]["all"]["tokens_per_s"] / results["target"]["all"]["tokens_per_s"], 3
+        ),
         "rebuild_shape": next((a.split()[1] for a in results if a.endswith("(rebuild's)")), None),
-    }  # fmt: skip
+    }
     # The first step drafts nothing (no hidden state before the prefill): its share of a request's
     # target passes, and what drafting there at the arm's mean rate could at most have saved.
     first = {}
@@ -348,14 +419,29 @@ def main(argv=None) -> int:
             items = rows[a]["code"] + rows[a]["prose"]
             share = float(np.mean([1 / max(1, x["forwards"]) for x in items]))
             aps = results[a]["all"]["accepted_per_step"]
-            first[a] = {"first_step_share_of_passes": round(share, 4),
-                        "passes_saved_at_most": round(share * aps / (1 + aps), 4)}  # fmt: skip
+            first[a] = {
+                "first_step_share_of_passes": round(share, 4),
+                "passes_saved_at_most": round(share * aps / (1 + aps), 4),
+            }
     summary["first_step_passes_saved_at_most"] = max((v["passes_saved_at_most"] for v in first.values()), default=None)
     command = " ".join(["python benchmarks/dresd.py", *(sys.argv[1:] if argv is None else argv)])
-    report = {"command": command, "config": {"prompts_per_domain": n_prompts, "max_new_tokens": new_tokens,
-              "id_prompts_per_domain": id_prompts, "scale_entries": scale, "id_generation_tokens_per_s": round(gen_tps)},
-              "datastores": builds, "results": results, "first_step": first, "pca_sweep": sweep, "budgets": budgets, "summary": summary,
-              "environment": environment()}  # fmt: skip
+    report = {
+        "command": command,
+        "config": {
+            "prompts_per_domain": n_prompts,
+            "max_new_tokens": new_tokens,
+            "id_prompts_per_domain": id_prompts,
+            "scale_entries": scale,
+            "id_generation_tokens_per_s": round(gen_tps),
+        },
+        "datastores": builds,
+        "results": results,
+        "first_step": first,
+        "pca_sweep": sweep,
+        "budgets": budgets,
+        "summary": summary,
+        "environment": environment(),
+    }
     table = markdown(report)
     print(table)
     if args.json:
@@ -368,38 +454,66 @@ def main(argv=None) -> int:
 
 def markdown(report: dict) -> str:
     cfg, s = report["config"], report["summary"]
-    lines = [f"## DReSD vs REST, prompt lookup and the draft model\n",
-             f"`{report['command']}`: {cfg['prompts_per_domain']} held-out prompts per domain (code, prose), "
-             f"{cfg['max_new_tokens']} new tokens, greedy, arms interleaved per prompt, one verifier (exact token "
-             f"trees). ID datastore: the target's outputs for {cfg['id_prompts_per_domain']} training prompts per "
-             f"domain (generated at {cfg['id_generation_tokens_per_s']} tokens/s); OOD: corpus snippets.\n",
-             "| arm | MAR code | MAR prose | MAR low-repetition half | accepted / step | tokens / target forward | "
-             "tokens/s (median) | = target |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "## DReSD vs REST, prompt lookup and the draft model\n",
+        f"`{report['command']}`: {cfg['prompts_per_domain']} held-out prompts per domain (code, prose), "
+        f"{cfg['max_new_tokens']} new tokens, greedy, arms interleaved per prompt, one verifier (exact token "
+        f"trees). ID datastore: the target's outputs for {cfg['id_prompts_per_domain']} training prompts per "
+        f"domain (generated at {cfg['id_generation_tokens_per_s']} tokens/s); OOD: corpus snippets.\n",
+        "| arm | MAR code | MAR prose | MAR low-repetition half | accepted / step | tokens / target forward | "
+        "tokens/s (median) | = target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for a, r in report["results"].items():
-        lines.append(f"| {a} | {r['code'].get('mar', 0):.3f} | {r['prose'].get('mar', 0):.3f} | "
-                     f"{r['low_repetition'].get('mar', 0):.3f} | {r['all']['accepted_per_step']:.2f} | "
-                     f"{r['all']['tokens_per_forward']:.2f} | {r['all']['tokens_per_s']:.1f} | "
-                     f"{'yes' if r['all']['greedy_identical'] else 'NO'} |")  # fmt: skip
-    lines.append("\nDatastores: " + "; ".join(
-        f"{n}: {b['docs']} docs, {b['entries']} entries, {b['bytes_per_entry']} B/entry (REST {b['rest_bytes_per_token']} "
-        f"B/token), keys at {b['keys_tokens_per_s']} tokens/s, explained variance {b['explained_variance']}"
-        for n, b in report["datastores"].items()) + ".")  # fmt: skip
+        lines.append(
+            f"| {a} | {r['code'].get('mar', 0):.3f} | {r['prose'].get('mar', 0):.3f} | "
+            f"{r['low_repetition'].get('mar', 0):.3f} | {r['all']['accepted_per_step']:.2f} | "
+            f"{r['all']['tokens_per_forward']:.2f} | {r['all']['tokens_per_s']:.1f} | "
+            f"{'yes' if r['all']['greedy_identical'] else 'NO'} |"
+        )
+    lines.append(
+        "\nDatastores: "
+        + "; ".join(
+            f"{n}: {b['docs']} docs, {b['entries']} entries, {b['bytes_per_entry']} B/entry (REST {b['rest_bytes_per_token']} "
+            f"B/token), keys at {b['keys_tokens_per_s']} tokens/s, explained variance {b['explained_variance']}"
+            for n, b in report["datastores"].items()
+        )
+        + "."
+    )
     shape = report["datastores"].get("id", {}).get("shape")
     if shape:
-        lines.append(f"\nDraft shape chosen by the rebuild job on its held-out generations (node_cost {shape['node_cost']}): "
-                     f"{shape['n_drafts']}x{shape['k']}; replayed: " + ", ".join(
-                         f"{k} {v['accepted_per_step']} accepted/step, {v['nodes_per_step']} nodes/step, "
-                         f"{v['speed_vs_target']}x" for k, v in shape["replayed"].items()) + ".")  # fmt: skip
+        lines.append(
+            f"\nDraft shape chosen by the rebuild job on its held-out generations (node_cost {shape['node_cost']}): "
+            f"{shape['n_drafts']}x{shape['k']}; replayed: "
+            + ", ".join(
+                f"{k} {v['accepted_per_step']} accepted/step, {v['nodes_per_step']} nodes/step, {v['speed_vs_target']}x"
+                for k, v in shape["replayed"].items()
+            )
+            + "."
+        )
     if report.get("first_step"):
         worst = max(report["first_step"].items(), key=lambda kv: kv[1]["passes_saved_at_most"])
-        lines.append(f"\nFirst step (the prefill, no drafts): {worst[1]['first_step_share_of_passes']:.1%} of a request's "
-                     f"target passes for {worst[0]}; drafting there at its mean rate would save at most "
-                     f"{worst[1]['passes_saved_at_most']:.2%} of them.")  # fmt: skip
-    lines.append("\nPCA sweep (ID datastore, 10x6, replayed on the target's outputs): " + ", ".join(
-        f"{d} dims MAR {v['mar']:.3f} (explained {v['explained_variance']})" for d, v in report["pca_sweep"].items()) + ".")
-    lines.append("\nBudgets at " + ", ".join(
-        f"{k}: {v['entries']} entries, build {v['build_s']} s, search p50 {v['search_p50_ms']} ms "
-        f"(p90 {v['search_p90_ms']}), {v['bytes_per_entry']} B/entry" for k, v in report["budgets"].items()) + ".")
+        lines.append(
+            f"\nFirst step (the prefill, no drafts): {worst[1]['first_step_share_of_passes']:.1%} of a request's "
+            f"target passes for {worst[0]}; drafting there at its mean rate would save at most "
+            f"{worst[1]['passes_saved_at_most']:.2%} of them."
+        )
+    lines.append(
+        "\nPCA sweep (ID datastore, 10x6, replayed on the target's outputs): "
+        + ", ".join(
+            f"{d} dims MAR {v['mar']:.3f} (explained {v['explained_variance']})" for d, v in report["pca_sweep"].items()
+        )
+        + "."
+    )
+    lines.append(
+        "\nBudgets at "
+        + ", ".join(
+            f"{k}: {v['entries']} entries, build {v['build_s']} s, search p50 {v['search_p50_ms']} ms "
+            f"(p90 {v['search_p90_ms']}), {v['bytes_per_entry']} B/entry"
+            for k, v in report["budgets"].items()
+        )
+        + "."
+    )
     lines.append("\nSummary: " + ", ".join(f"`{k}` {v}" for k, v in s.items()) + ".")
     return "\n".join(lines)
 

@@ -194,8 +194,9 @@ class Proc:
 
     def start(self) -> Proc:
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return self
 
     @property
@@ -260,26 +261,89 @@ class Stack:
         self.mlflow_port, self.server_port = free_port(), free_port()
         (work / "registry").mkdir(parents=True, exist_ok=True)
         (work / "logs").mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "SPECOPS_DATA_DIR": str(work / "data"), "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1",
-               "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-               "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner process: the registry needs none  # fmt: skip
+        env = {
+            **os.environ,
+            "SPECOPS_DATA_DIR": str(work / "data"),
+            "PYTHONUNBUFFERED": "1",
+            "TQDM_DISABLE": "1",
+            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        }  # no job-runner process: the registry needs none
         for var in ("SPECOPS_STREAM_URL", "SPECOPS_REGISTRY_URI"):
             env.pop(var, None)
         py, cli = sys.executable, [sys.executable, "-m", "specops.cli", "--threads", str(args.threads)]
         self.cmds = {
-            "mlflow": [py, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work / 'registry' / 'mlflow.db'}",
-                       "--artifacts-destination", str(work / "registry" / "artifacts"), "--host", "127.0.0.1",
-                       "--port", str(self.mlflow_port), "--workers", "1"],
-            "server": [*cli, "serve", "--target", str(target), "--draft", str(draft), "--port", str(self.server_port),
-                       "--stream", self.stream_url, "--registry", self.mlflow_url, "--replica", "faults",
-                       "--router", "none", "--clusters", CLUSTER,
-                       "--api-keys", ",".join(f"{name}:{key}" for name, key in TENANTS.items()), "--poll-s", "2", "--no-auto-rollback",
-                       "--max-concurrency", "2"],
-            "trainer": [*cli, "train", "--stream", self.stream_url, "--registry", self.mlflow_url, "--draft", str(draft),
-                        "--tokenizer", str(target), "--target", str(target), "--out", str(work / "trainer"), "--interval", "8",
-                        "--holdout-every", "3", "--gate-margin", "-1", "--gate-min-positions", "0",
-                        "--poll-records", "64"],
-        }  # fmt: skip
+            "mlflow": [
+                py,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{work / 'registry' / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(work / "registry" / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.mlflow_port),
+                "--workers",
+                "1",
+            ],
+            "server": [
+                *cli,
+                "serve",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--port",
+                str(self.server_port),
+                "--stream",
+                self.stream_url,
+                "--registry",
+                self.mlflow_url,
+                "--replica",
+                "faults",
+                "--router",
+                "none",
+                "--clusters",
+                CLUSTER,
+                "--api-keys",
+                ",".join(f"{name}:{key}" for name, key in TENANTS.items()),
+                "--poll-s",
+                "2",
+                "--no-auto-rollback",
+                "--max-concurrency",
+                "2",
+            ],
+            "trainer": [
+                *cli,
+                "train",
+                "--stream",
+                self.stream_url,
+                "--registry",
+                self.mlflow_url,
+                "--draft",
+                str(draft),
+                "--tokenizer",
+                str(target),
+                "--target",
+                str(target),
+                "--out",
+                str(work / "trainer"),
+                "--interval",
+                "8",
+                "--holdout-every",
+                "3",
+                "--gate-margin",
+                "-1",
+                "--gate-min-positions",
+                "0",
+                "--poll-records",
+                "64",
+            ],
+        }
         self.env = env
         self.procs: dict[str, Proc] = {}
         self.log_mark: dict[str, int] = {}
@@ -379,8 +443,10 @@ class Load:
         self.in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), name=f"client-{i}", daemon=True)
-                         for i in range(args.clients)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), name=f"client-{i}", daemon=True)
+            for i in range(args.clients)
+        ]
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -390,16 +456,25 @@ class Load:
         url = self.stack.server_url + "/v1/completions"
         while not self._stop.is_set():
             rid = f"fault-c{i}-{seq:06d}"
-            body = {"model": "specops", "prompt": make_prompt(self.args.seed, i, seq, self.vocab),
-                    "max_tokens": self.args.max_tokens, "temperature": 0, "cluster": CLUSTER,
-                    "speculation": {"method": "draft"}}  # fmt: skip
+            body = {
+                "model": "specops",
+                "prompt": make_prompt(self.args.seed, i, seq, self.vocab),
+                "max_tokens": self.args.max_tokens,
+                "temperature": 0,
+                "cluster": CLUSTER,
+                "speculation": {"method": "draft"},
+            }
             a = Attempt(rid, i, seq, self.stack.epoch, self.now())
             with self._lock:
                 self.in_flight.add(rid)
             key = list(TENANTS.values())[i % LOAD_TENANTS]  # the clients take turns between alice and bob
             try:  # a new connection per request: no pooled connection outlives a killed server
-                r = requests.post(url, json=body, headers={"X-Request-Id": rid, "Authorization": f"Bearer {key}"},
-                                  timeout=(5, self.args.request_timeout_s))  # fmt: skip
+                r = requests.post(
+                    url,
+                    json=body,
+                    headers={"X-Request-Id": rid, "Authorization": f"Bearer {key}"},
+                    timeout=(5, self.args.request_timeout_s),
+                )
                 a.status = r.status_code
                 if r.status_code == 200:
                     out = r.json()
@@ -453,8 +528,10 @@ class Driver:
             self.rng.shuffle(turn)
             order += turn
         slot = self.args.duration_s / max(1, self.args.kills)
-        return [(c, (i + self.rng.uniform(0.2, 0.8)) * slot, self.rng.uniform(*DOWN_S[c]))
-                for i, c in enumerate(order[: self.args.kills])]  # fmt: skip
+        return [
+            (c, (i + self.rng.uniform(0.2, 0.8)) * slot, self.rng.uniform(*DOWN_S[c]))
+            for i, c in enumerate(order[: self.args.kills])
+        ]
 
     def tick(self) -> None:
         if self.errors:
@@ -464,8 +541,12 @@ class Driver:
         second = min(int(self.load.now()), self.bar.total)
         if second > self.bar.n:
             done = list(self.load.attempts)
-            self.bar.set_postfix(answered=sum(a.status == 200 for a in done), failed=sum(a.status != 200 for a in done),
-                                 kills=len(self.windows), refresh=False)  # fmt: skip
+            self.bar.set_postfix(
+                answered=sum(a.status == 200 for a in done),
+                failed=sum(a.status != 200 for a in done),
+                kills=len(self.windows),
+                refresh=False,
+            )
             self.bar.update(second - self.bar.n)
 
     def wait(self, cond, timeout_s: float, what: str) -> None:
@@ -513,10 +594,18 @@ class Driver:
         if name == "server":
             stack.epoch += 1
         self.windows.append(w)
-        log.info("kill %d/%d at %.1f s: SIGKILL %s (pid %d)%s; restarting in %.1f s", len(self.windows),
-                 self.args.kills, w.killed_at, name, w.pid,
-                 f", {w.in_flight} request(s) in flight, accepted before the kill: {w.published}" if name == "server"
-                 else "", down_s)  # fmt: skip
+        log.info(
+            "kill %d/%d at %.1f s: SIGKILL %s (pid %d)%s; restarting in %.1f s",
+            len(self.windows),
+            self.args.kills,
+            w.killed_at,
+            name,
+            w.pid,
+            f", {w.in_flight} request(s) in flight, accepted before the kill: {w.published}"
+            if name == "server"
+            else "",
+            down_s,
+        )
 
         def restart() -> None:
             try:
@@ -524,9 +613,13 @@ class Driver:
                     return
                 stack.spawn(name)
                 w.back_at = self.wait_back(name)
-                log.info("%s back at %.1f s (%s), %.1f s after the kill", name, w.back_at,
-                         {"server": "/readyz 200", "mlflow": "/health 200", "trainer": "started up"}[name],
-                         w.back_at - w.killed_at)  # fmt: skip
+                log.info(
+                    "%s back at %.1f s (%s), %.1f s after the kill",
+                    name,
+                    w.back_at,
+                    {"server": "/readyz 200", "mlflow": "/health 200", "trainer": "started up"}[name],
+                    w.back_at - w.killed_at,
+                )
             except BaseException as exc:  # noqa: BLE001 - the main thread raises it
                 self.errors.append(exc)
 
@@ -543,8 +636,13 @@ class Driver:
         for name in ("mlflow", "server"):
             self.wait_back(name)
         setup_s = time.monotonic() - t_setup
-        log.info("stack up in %.1f s: MLflow %s, server %s, stream %s", setup_s, stack.mlflow_url, stack.server_url,
-                 stack.stream_url)  # fmt: skip
+        log.info(
+            "stack up in %.1f s: MLflow %s, server %s, stream %s",
+            setup_s,
+            stack.mlflow_url,
+            stack.server_url,
+            stack.stream_url,
+        )
         self.load = Load(stack, time.monotonic(), args.vocab, args).start()
         monitor = threading.Thread(target=self._monitor, name="monitor", daemon=True)
         monitor.start()
@@ -557,8 +655,11 @@ class Driver:
                     at = max(at, prev.back_at + args.min_gap_s)
                 self.wait_until(at)
                 self.kill(name, down_s)
-            self.wait(lambda: all(w.back_at is not None for w in self.windows), args.ready_timeout_s + 60,
-                      "every killed component to come back")  # fmt: skip
+            self.wait(
+                lambda: all(w.back_at is not None for w in self.windows),
+                args.ready_timeout_s + 60,
+                "every killed component to come back",
+            )
             self.wait_until(max([args.duration_s] + [w.back_at + args.tail_s for w in self.windows]))
         finally:
             self.load.stop()
@@ -583,10 +684,19 @@ class Driver:
         log.info("server exited %s, trainer exited %s", server_rc, trainer_rc)
         versions = read_registry(stack.mlflow_url)
         stack.procs["mlflow"].stop(signal.SIGTERM, 30)
-        return {"attempts": self.load.attempts, "windows": self.windows, "scrapes": self.scrapes,
-                "final_epoch": stack.epoch, "server_rc": server_rc, "trainer_rc": trainer_rc, "versions": versions,
-                "records": read_stream(stack.stream_url), "setup_s": setup_s, "load_s": load_s,
-                "isolation": isolation}  # fmt: skip
+        return {
+            "attempts": self.load.attempts,
+            "windows": self.windows,
+            "scrapes": self.scrapes,
+            "final_epoch": stack.epoch,
+            "server_rc": server_rc,
+            "trainer_rc": trainer_rc,
+            "versions": versions,
+            "records": read_stream(stack.stream_url),
+            "setup_s": setup_s,
+            "load_s": load_s,
+            "isolation": isolation,
+        }
 
 
 def read_registry(uri: str) -> list[dict]:
@@ -611,8 +721,12 @@ def read_stream(url: str) -> dict[str, list[dict]]:
             rows = []
             for m in s.read(topic, timeout_s=10):
                 rec = codec.decode(m.value)
-                row = {"partition": m.partition, "offset": m.offset, "rid": rec.request_id,
-                       "cluster": getattr(rec, "cluster", None)}  # fmt: skip
+                row = {
+                    "partition": m.partition,
+                    "offset": m.offset,
+                    "rid": rec.request_id,
+                    "cluster": getattr(rec, "cluster", None),
+                }
                 if hasattr(rec, "output_ids"):
                     row["output_ids"] = [int(t) for t in rec.output_ids]
                 rows.append(row)
@@ -626,7 +740,9 @@ def metric_clusters(url: str) -> set[str]:
 
     r = requests.get(url + "/metrics", timeout=10)
     r.raise_for_status()
-    return {s.labels["cluster"] for f in text_string_to_metric_families(r.text) for s in f.samples if "cluster" in s.labels}
+    return {
+        s.labels["cluster"] for f in text_string_to_metric_families(r.text) for s in f.samples if "cluster" in s.labels
+    }
 
 
 def check_isolation(stack: Stack, args) -> dict:
@@ -648,14 +764,24 @@ def check_isolation(stack: Stack, args) -> dict:
     n_probe = 0
 
     def post(key: str, rid: str, **body) -> requests.Response:
-        return requests.post(url + "/v1/completions", json={"model": "specops", "cluster": CLUSTER, **body},
-                             headers={"Authorization": key, "X-Request-Id": rid}, timeout=(5, args.request_timeout_s))  # fmt: skip
+        return requests.post(
+            url + "/v1/completions",
+            json={"model": "specops", "cluster": CLUSTER, **body},
+            headers={"Authorization": key, "X-Request-Id": rid},
+            timeout=(5, args.request_timeout_s),
+        )
 
     def probe(key: str, tail: list[int]) -> dict:
         nonlocal n_probe
         n_probe += 1
-        r = post(key, f"isolation-probe-{n_probe}", prompt=tail, max_tokens=4, temperature=0,
-                 speculation={"method": "llma", "n": 8})  # fmt: skip
+        r = post(
+            key,
+            f"isolation-probe-{n_probe}",
+            prompt=tail,
+            max_tokens=4,
+            temperature=0,
+            speculation={"method": "llma", "n": 8},
+        )
         r.raise_for_status()
         return r.json()["speculation"]["llma"]
 
@@ -674,8 +800,14 @@ def check_isolation(stack: Stack, args) -> dict:
     before = metric_clusters(url)
     codes = []
     for j in range(BOGUS_CLUSTERS):
-        r = post(alice, f"isolation-bogus-{j}", prompt=make_prompt(args.seed, 10_000, j, args.vocab), max_tokens=2,
-                 temperature=0, cluster=f"made-up-{j}")  # fmt: skip
+        r = post(
+            alice,
+            f"isolation-bogus-{j}",
+            prompt=make_prompt(args.seed, 10_000, j, args.vocab),
+            max_tokens=2,
+            temperature=0,
+            cluster=f"made-up-{j}",
+        )
         param = r.json().get("error", {}).get("param") if r.status_code == 400 else None
         codes.append((r.status_code, param))
     after = metric_clusters(url)
@@ -688,15 +820,28 @@ def check_isolation(stack: Stack, args) -> dict:
     secret: list[int] | None = None
     for attempt in range(3):  # a sampled output long and varied enough to probe
         rid = f"isolation-secret-{attempt}"
-        r = post(alice, rid, prompt=make_prompt(args.seed, 10_001, attempt, args.vocab), max_tokens=32,
-                 temperature=1.0, seed=7 + attempt, speculation={"method": "llma"})  # fmt: skip
+        r = post(
+            alice,
+            rid,
+            prompt=make_prompt(args.seed, 10_001, attempt, args.vocab),
+            max_tokens=32,
+            temperature=1.0,
+            seed=7 + attempt,
+            speculation={"method": "llma"},
+        )
         if r.status_code != 200:
             continue
         deadline = time.monotonic() + 30
         ids = None
         while ids is None and time.monotonic() < deadline:  # the logger publishes in the background
-            ids = next((row.get("output_ids") for row in read_stream(stack.stream_url).get("spec.generations", [])
-                        if row["rid"] == rid), None)  # fmt: skip
+            ids = next(
+                (
+                    row.get("output_ids")
+                    for row in read_stream(stack.stream_url).get("spec.generations", [])
+                    if row["rid"] == rid
+                ),
+                None,
+            )
             if ids is None:
                 time.sleep(0.5)
         if ids and len(ids) >= 20 and len(set(ids[:12])) >= 8:
@@ -722,7 +867,9 @@ def isolation_violations(iso: dict, records: dict) -> list[str]:
     if iso.get("readyz_names_cluster"):
         bad.append("/readyz (no key) names a cluster")
     if iso.get("bogus_clusters_refused") != iso.get("bogus_clusters_sent"):
-        bad.append(f"requests naming made-up clusters were not all 400 naming `cluster`: {iso.get('bogus_cluster_answers')}")
+        bad.append(
+            f"requests naming made-up clusters were not all 400 naming `cluster`: {iso.get('bogus_cluster_answers')}"
+        )
     if iso.get("made_up_labels"):
         bad.append(f"made-up clusters became metric labels: {iso['made_up_labels'][:5]}")
     logged = sorted({r.get("cluster") for rows in records.values() for r in rows} - {CLUSTER, None})
@@ -733,9 +880,15 @@ def isolation_violations(iso: dict, records: dict) -> list[str]:
     elif not iso.get("secret_tokens"):
         bad.append("the extraction replay could not run: no sampled output of 20+ varied tokens was logged")
     elif not iso.get("control_hits") or not iso.get("control_tokens_recovered"):
-        bad.append("the extraction replay's positive control failed (the owner's own probe found nothing), so the "
-                   "cross-tenant result proves nothing")  # fmt: skip
-    elif iso.get("cross_tenant_hits") or iso.get("cross_tenant_reference_tokens") or iso.get("cross_tenant_tokens_recovered"):
+        bad.append(
+            "the extraction replay's positive control failed (the owner's own probe found nothing), so the "
+            "cross-tenant result proves nothing"
+        )
+    elif (
+        iso.get("cross_tenant_hits")
+        or iso.get("cross_tenant_reference_tokens")
+        or iso.get("cross_tenant_tokens_recovered")
+    ):
         bad.append(f"another tenant's output leaked through LLMA's past sessions: {iso}")
     return bad
 
@@ -760,8 +913,15 @@ def check_records(run: dict) -> dict:
     by_rid = {a.rid: a for a in attempts}
     killed = {w.epoch: w for w in run["windows"] if w.component == "server"}
     dropped = {e: sum(got.get("dropped", {}).values()) for e, got in run.get("scrapes", {}).items()}
-    out = {"lost": 0, "lost_detail": [], "unaccepted_at_kill": 0, "duplicates": 0, "unanswered_logged": 0,
-           "checked": 0, "dropped": sum(dropped.values())}  # fmt: skip
+    out = {
+        "lost": 0,
+        "lost_detail": [],
+        "unaccepted_at_kill": 0,
+        "duplicates": 0,
+        "unanswered_logged": 0,
+        "checked": 0,
+        "dropped": sum(dropped.values()),
+    }
     for topic in TOPICS:
         rows = run["records"].get(topic, [])
         counts: dict[str, int] = {}
@@ -785,11 +945,14 @@ def check_records(run: dict) -> dict:
                 on_disk = sum(counts[a.rid] for a in present)
                 lost = max(len(holes) - refused, accepted - on_disk, 0)
                 out["unaccepted_at_kill"] += max(0, len(missing) - lost - refused)
-                why = (f"{len(holes)} hole(s) before a later record, {refused} refused; {accepted} accepted before "
-                       f"the kill, {on_disk} in the stream")  # fmt: skip
+                why = (
+                    f"{len(holes)} hole(s) before a later record, {refused} refused; {accepted} accepted before "
+                    f"the kill, {on_disk} in the stream"
+                )
             if lost:
-                out["lost_detail"].append({"topic": topic, "epoch": epoch, "lost": lost, "why": why,
-                                           "missing": [a.rid for a in missing][:20]})  # fmt: skip
+                out["lost_detail"].append(
+                    {"topic": topic, "epoch": epoch, "lost": lost, "why": why, "missing": [a.rid for a in missing][:20]}
+                )
             out["lost"] += lost
     return out
 
@@ -806,8 +969,13 @@ def check_versions(versions: list[dict]) -> dict:
         seen_window.add(window)
     promoted = [v for v in versions if v["tags"].get("gate_decision") == "promoted"]
     champion = next((v["version"] for v in versions if "champion" in v["aliases"]), None)
-    return {"registered": len(versions), "duplicated": len(dups), "duplicates": dups, "promoted": len(promoted),
-            "champion": champion}  # fmt: skip
+    return {
+        "registered": len(versions),
+        "duplicated": len(dups),
+        "duplicates": dups,
+        "promoted": len(promoted),
+        "champion": champion,
+    }
 
 
 def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args) -> dict:
@@ -820,8 +988,8 @@ def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args)
     ``serving/engine/batching.py`` documents. Anything else *diverged*."""
     from transformers import AutoModelForCausalLM
 
-    from specops.serving.engine.spec import SpecEngine
     from specops.core.models import load_model_dir
+    from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import SamplingParams
 
     pair = load_model_dir(model_dir)
@@ -849,17 +1017,29 @@ def check_outputs(attempts: list[Attempt], records: dict, model_dir: Path, args)
         if a.text == tok.decode(ref, skip_special_tokens=True) and out in (None, ref):
             identical += 1
             continue
-        row = {"rid": a.rid, "draft_version": a.draft_version, "text": a.text, "output_ids": out, "target_only": ref,
-               "first_difference": next((i for i, (x, y) in enumerate(zip(out or [], ref)) if x != y), None)}  # fmt: skip
+        row = {
+            "rid": a.rid,
+            "draft_version": a.draft_version,
+            "text": a.text,
+            "output_ids": out,
+            "target_only": ref,
+            "first_difference": next((i for i, (x, y) in enumerate(zip(out or [], ref)) if x != y), None),
+        }
         if out is not None and a.text == tok.decode(out, skip_special_tokens=True):
             row["worst_gap"] = worst_gap(prompt, out)
             if row["worst_gap"] <= TIE_TOL:
                 ties.append(row)
                 continue
         diverged.append(row)
-    return {"checked": len(answered), "identical": identical, "ties": len(ties), "diverged": len(diverged),
-            "tokens_checked": sum(a.rid in logged for a in answered), "tie_detail": ties[:10],
-            "diverged_detail": diverged[:10]}  # fmt: skip
+    return {
+        "checked": len(answered),
+        "identical": identical,
+        "ties": len(ties),
+        "diverged": len(diverged),
+        "tokens_checked": sum(a.rid in logged for a in answered),
+        "tie_detail": ties[:10],
+        "diverged_detail": diverged[:10],
+    }
 
 
 def analyse(run: dict, model_dir: Path, args) -> dict:
@@ -881,9 +1061,13 @@ def analyse(run: dict, model_dir: Path, args) -> dict:
         spans = [(w.killed_at, w.back_at if w.back_at is not None else run["load_s"]) for w in ws]
         over = [a for a in attempts if any(a.start < b and a.end > k for k, b in spans)]
         lengths = [b - k for k, b in spans]
-        by_comp[c] = {"kills": len(ws), "window_s_median": statistics.median(lengths) if ws else None,
-                      "window_s_max": max(lengths, default=None), "requests_overlapping": len(over),
-                      "answered_overlapping": sum(a.status == 200 for a in over)}  # fmt: skip
+        by_comp[c] = {
+            "kills": len(ws),
+            "window_s_median": statistics.median(lengths) if ws else None,
+            "window_s_max": max(lengths, default=None),
+            "requests_overlapping": len(over),
+            "answered_overlapping": sum(a.status == 200 for a in over),
+        }
     summary = {
         "requests": len(attempts),
         "answered": kinds["answered"],
@@ -901,8 +1085,10 @@ def analyse(run: dict, model_dir: Path, args) -> dict:
         "versions_registered": versions["registered"],
         "versions_duplicated": versions["duplicated"],
         "promotions": versions["promoted"],
-        "draft_versions_served": sorted({a.draft_version for a in attempts if a.status == 200},
-                                        key=lambda v: (v != "base", int(v) if v.isdigit() else 0)),
+        "draft_versions_served": sorted(
+            {a.draft_version for a in attempts if a.status == 200},
+            key=lambda v: (v != "base", int(v) if v.isdigit() else 0),
+        ),
         "outputs_checked": outputs["checked"],
         "outputs_identical": outputs["identical"],
         "outputs_tie_flips": outputs["ties"],
@@ -914,20 +1100,25 @@ def analyse(run: dict, model_dir: Path, args) -> dict:
         "cross_tenant_session_hits": iso.get("cross_tenant_hits"),
         "cross_tenant_tokens_recovered": iso.get("cross_tenant_tokens_recovered"),
         "own_tenant_tokens_recovered": iso.get("control_tokens_recovered"),
-    }  # fmt: skip
+    }
     violations = []
     if summary["failed_outside_kill_windows"]:
-        violations.append(f"{summary['failed_outside_kill_windows']} request(s) failed outside the server's kill windows")
+        violations.append(
+            f"{summary['failed_outside_kill_windows']} request(s) failed outside the server's kill windows"
+        )
     if summary["accepted_records_lost"]:
         violations.append(f"{summary['accepted_records_lost']} accepted record(s) lost: {records['lost_detail']}")
     if summary["logger_dropped_records"]:
-        violations.append(f"the serving logger dropped {summary['logger_dropped_records']} record(s): {dropped} "
-                          "(the server log says why)")  # fmt: skip
+        violations.append(
+            f"the serving logger dropped {summary['logger_dropped_records']} record(s): {dropped} "
+            "(the server log says why)"
+        )
     if summary["versions_duplicated"]:
         violations.append(f"{summary['versions_duplicated']} duplicated version(s): {versions['duplicates']}")
     if summary["outputs_diverged"]:
-        violations.append(f"{summary['outputs_diverged']} output(s) diverged from target-only: "
-                          f"{outputs['diverged_detail'][:3]}")  # fmt: skip
+        violations.append(
+            f"{summary['outputs_diverged']} output(s) diverged from target-only: {outputs['diverged_detail'][:3]}"
+        )
     if not summary["answered"]:
         violations.append("no request was answered")
     if run["server_rc"] != 0:
@@ -935,10 +1126,28 @@ def analyse(run: dict, model_dir: Path, args) -> dict:
     violations += isolation_violations(iso, run["records"])
     summary["violations"] = violations
     summary["invariants_hold"] = not violations
-    failures = [{"rid": a.rid, "kind": a.kind, "epoch": a.epoch, "start": round(a.start, 3), "end": round(a.end, 3),
-                 "status": a.status, "error": a.error} for a in attempts if a.status != 200]  # fmt: skip
-    return {"summary": summary, "components": by_comp, "records": records, "versions": versions,
-            "outputs": outputs, "isolation": iso, "failures": failures}  # fmt: skip
+    failures = [
+        {
+            "rid": a.rid,
+            "kind": a.kind,
+            "epoch": a.epoch,
+            "start": round(a.start, 3),
+            "end": round(a.end, 3),
+            "status": a.status,
+            "error": a.error,
+        }
+        for a in attempts
+        if a.status != 200
+    ]
+    return {
+        "summary": summary,
+        "components": by_comp,
+        "records": records,
+        "versions": versions,
+        "outputs": outputs,
+        "isolation": iso,
+        "failures": failures,
+    }
 
 
 # ---------------------------------------------------------------- report
@@ -953,7 +1162,11 @@ def tables(report: dict) -> tuple[list[Table], str]:
         ("accepted records lost (misses + generations)", s["accepted_records_lost"], "0"),
         ("records of answered requests still queued at a kill", s["answered_unaccepted_at_kill"], "counted apart"),
         ("records the serving logger dropped (never accepted)", s["logger_dropped_records"], "0"),
-        ("versions registered / duplicated", f"{s['versions_registered']} / {s['versions_duplicated']}", "0 duplicated"),
+        (
+            "versions registered / duplicated",
+            f"{s['versions_registered']} / {s['versions_duplicated']}",
+            "0 duplicated",
+        ),
         ("outputs equal to target-only, token for token", f"{s['outputs_identical']} / {s['outputs_checked']}", "all"),
         ("  … the others: the target's choice at an exact tie", s["outputs_tie_flips"], "counted apart"),
         ("outputs diverged from target-only", s["outputs_diverged"], "0"),
@@ -961,7 +1174,7 @@ def tables(report: dict) -> tuple[list[Table], str]:
         ("another tenant's LLMA probe: past-session hits", s.get("cross_tenant_session_hits"), "0"),
         ("another tenant's extraction: tokens recovered", s.get("cross_tenant_tokens_recovered"), "0"),
         ("  … the owner's own extraction (positive control)", s.get("own_tenant_tokens_recovered"), "> 0"),
-    ]  # fmt: skip
+    ]
     head = Table(title="Soak under kills: invariants")
     for col in ("measure", "value", "required"):
         head.add_column(col, justify="left" if col != "value" else "right")
@@ -973,11 +1186,20 @@ def tables(report: dict) -> tuple[list[Table], str]:
     cols = ("component", "kills", "window median", "window max", "requests overlapping", "answered overlapping")
     for col in cols:
         kt.add_column(col, justify="left" if col == "component" else "right")
-    md += ["", "| component | kills | window median | window max | requests overlapping | answered overlapping |",
-           "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    md += [
+        "",
+        "| component | kills | window median | window max | requests overlapping | answered overlapping |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for c, v in comp.items():
-        cells = (c, str(v["kills"]), fmt(v["window_s_median"], ".1f", " s"), fmt(v["window_s_max"], ".1f", " s"),
-                 str(v["requests_overlapping"]), str(v["answered_overlapping"]))  # fmt: skip
+        cells = (
+            c,
+            str(v["kills"]),
+            fmt(v["window_s_median"], ".1f", " s"),
+            fmt(v["window_s_max"], ".1f", " s"),
+            str(v["requests_overlapping"]),
+            str(v["answered_overlapping"]),
+        )
         kt.add_row(*cells)
         md.append(f"| {' | '.join(cells)} |")
     return [head, kt], "\n".join(md)
@@ -986,84 +1208,105 @@ def tables(report: dict) -> tuple[list[Table], str]:
 def doc_section(report: dict, table: str) -> str:
     c, env, s = report["config"], report["environment"], report["summary"]
     kills = ", ".join(f"{w['component']} at {w['killed_at']:.0f} s" for w in report["kills"])
-    return "\n".join([
-        DOC_BEGIN,
-        "## Soak and faults (`benchmarks/faults.py`)",
-        "",
-        "Command:",
-        "",
-        f"    {report['command']}",
-        "",
-        f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {c['threads']} torch thread(s) per process, no GPU; "
-        f"commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Models: {c['models']}. "
-        f"`mlflow server` (SQLite store, served artifacts), `specops serve` (local stream log, registry over HTTP) "
-        f"and `specops train` (`--gate-margin -1`: every update is registered and promoted) as separate processes; "
-        f"{c['clients']} clients sending distinct greedy requests ({c['max_tokens']} new tokens, draft method) for "
-        f"{report['load_s']:.0f} s; {sum(s['kills'].values())} SIGKILLs at seeded random points (seed {c['seed']}): "
-        f"{kills}. Each killed process was restarted after a random 0-5 s on the same port, store, stream and "
-        f"checkpoints; at the end the server got SIGTERM (exit {s['server_exit_on_sigterm']}) and the trainer SIGINT "
-        f"(exit {s['trainer_exit_on_sigint']}). Run time {report['elapsed_s']:.0f} s. The clients take turns "
-        f"between two API keys; after the load the driver checks tenant isolation and cluster bounds on the last "
-        f"server (requests naming made-up clusters; the extraction replay of one key's output through LLMA's past "
-        f"sessions by a third key that sends nothing else, with the owner's own probe as the positive control).",
-        "",
-        table,
-        "",
-        f"The trainer registered {s['versions_registered']} versions and promoted {s['promotions']}; requests were "
-        f"served by {len(s['draft_versions_served'])} draft versions (base included). Logger drops: "
-        f"{s['logger_dropped'] or 'none'}; duplicate records in the stream: {s['duplicate_records']}. Invariants: "
-        f"{'all hold' if s['invariants_hold'] else 'VIOLATED: ' + '; '.join(s['violations'])}.",
-        "",
-        "A *kill window* runs from the SIGKILL to the restarted process being back (`/readyz` 200 for the server, "
-        "`/health` 200 for MLflow, the restarted trainer's startup line in its log); windows of different components "
-        "may overlap, and a component is killed again only once it is back. *Answered overlapping* a server window "
-        "are requests the restarted server answered before the driver's next `/readyz` poll. Only the server's "
-        "windows excuse a failed request: a failure overlapping one is an *in-flight* request of the killed server "
-        "(sent before the kill) or was *sent while it was down*; the trainer and the registry are off the request path, so a request "
-        "that failed anywhere else counts as *failed outside the kill windows*. A record is *accepted* once the "
-        "serving stream logger's publish returned; *lost* counts, for the server stopped with SIGTERM, every "
-        "answered request's missing record, and for each killed server the larger of its last scraped "
-        "`specops_stream_logger_published_total` minus its records in the stream and the records missing before "
-        "a later record of the same server (one cluster is one partition, published in order). Answered requests "
-        "whose records were still queued in a killed server's memory are the documented limit and are counted "
-        "apart. A version is *duplicated* when its `source_id` (trainer / cluster / checkpoint) or its training "
-        "window (`lineage_offsets`) repeats an earlier version's. Outputs are compared with target-only greedy "
-        f"decoding of every answered prompt in the benchmark's process ({s['output_tokens_checked']} of them also "
-        "token for token with their GenerationRecord); an output that differs only where the target's top two "
-        f"logits tie (every served token within {TIE_TOL:g} of the target's float64 maximum given the served "
-        "prefix) is the target's output with a float32 tie broken the other way by a batched verification "
-        "(`serving/engine/batching.py`), counted apart; any other difference is *diverged*.",
-        DOC_END,
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## Soak and faults (`benchmarks/faults.py`)",
+            "",
+            "Command:",
+            "",
+            f"    {report['command']}",
+            "",
+            f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {c['threads']} torch thread(s) per process, no GPU; "
+            f"commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Models: {c['models']}. "
+            f"`mlflow server` (SQLite store, served artifacts), `specops serve` (local stream log, registry over HTTP) "
+            f"and `specops train` (`--gate-margin -1`: every update is registered and promoted) as separate processes; "
+            f"{c['clients']} clients sending distinct greedy requests ({c['max_tokens']} new tokens, draft method) for "
+            f"{report['load_s']:.0f} s; {sum(s['kills'].values())} SIGKILLs at seeded random points (seed {c['seed']}): "
+            f"{kills}. Each killed process was restarted after a random 0-5 s on the same port, store, stream and "
+            f"checkpoints; at the end the server got SIGTERM (exit {s['server_exit_on_sigterm']}) and the trainer SIGINT "
+            f"(exit {s['trainer_exit_on_sigint']}). Run time {report['elapsed_s']:.0f} s. The clients take turns "
+            f"between two API keys; after the load the driver checks tenant isolation and cluster bounds on the last "
+            f"server (requests naming made-up clusters; the extraction replay of one key's output through LLMA's past "
+            f"sessions by a third key that sends nothing else, with the owner's own probe as the positive control).",
+            "",
+            table,
+            "",
+            f"The trainer registered {s['versions_registered']} versions and promoted {s['promotions']}; requests were "
+            f"served by {len(s['draft_versions_served'])} draft versions (base included). Logger drops: "
+            f"{s['logger_dropped'] or 'none'}; duplicate records in the stream: {s['duplicate_records']}. Invariants: "
+            f"{'all hold' if s['invariants_hold'] else 'VIOLATED: ' + '; '.join(s['violations'])}.",
+            "",
+            "A *kill window* runs from the SIGKILL to the restarted process being back (`/readyz` 200 for the server, "
+            "`/health` 200 for MLflow, the restarted trainer's startup line in its log); windows of different components "
+            "may overlap, and a component is killed again only once it is back. *Answered overlapping* a server window "
+            "are requests the restarted server answered before the driver's next `/readyz` poll. Only the server's "
+            "windows excuse a failed request: a failure overlapping one is an *in-flight* request of the killed server "
+            "(sent before the kill) or was *sent while it was down*; the trainer and the registry are off the request path, so a request "
+            "that failed anywhere else counts as *failed outside the kill windows*. A record is *accepted* once the "
+            "serving stream logger's publish returned; *lost* counts, for the server stopped with SIGTERM, every "
+            "answered request's missing record, and for each killed server the larger of its last scraped "
+            "`specops_stream_logger_published_total` minus its records in the stream and the records missing before "
+            "a later record of the same server (one cluster is one partition, published in order). Answered requests "
+            "whose records were still queued in a killed server's memory are the documented limit and are counted "
+            "apart. A version is *duplicated* when its `source_id` (trainer / cluster / checkpoint) or its training "
+            "window (`lineage_offsets`) repeats an earlier version's. Outputs are compared with target-only greedy "
+            f"decoding of every answered prompt in the benchmark's process ({s['output_tokens_checked']} of them also "
+            "token for token with their GenerationRecord); an output that differs only where the target's top two "
+            f"logits tie (every served token within {TIE_TOL:g} of the target's float64 maximum given the served "
+            "prefix) is the target's output with a float32 tie broken the other way by a batched verification "
+            "(`serving/engine/batching.py`), counted apart; any other difference is *diverged*.",
+            DOC_END,
+        ]
+    )
 
 
 # ---------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--models", type=Path, default=None,
-                   help="directory with target/ and draft/ (default: a tiny random pair built in the work directory)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        help="directory with target/ and draft/ (default: a tiny random pair built in the work directory)",
+    )
     p.add_argument("--duration-s", type=float, default=None, help="seconds of load (default 240; 75 with --quick)")
-    p.add_argument("--kills", type=int, default=None,
-                   help="SIGKILLs, the components taking turns (default 9; 3 with --quick)")  # fmt: skip
-    p.add_argument("--components", default=",".join(COMPONENTS),
-                   help="comma-separated components to kill, taking turns")  # fmt: skip
+    p.add_argument(
+        "--kills", type=int, default=None, help="SIGKILLs, the components taking turns (default 9; 3 with --quick)"
+    )
+    p.add_argument(
+        "--components", default=",".join(COMPONENTS), help="comma-separated components to kill, taking turns"
+    )
     p.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     p.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill plan, the prompts and the tiny models")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each process")
-    p.add_argument("--min-gap-s", type=float, default=3.0, help="least steady load between one window and the next kill")
+    p.add_argument(
+        "--min-gap-s", type=float, default=3.0, help="least steady load between one window and the next kill"
+    )
     p.add_argument("--tail-s", type=float, default=5.0, help="least steady load after the last window")
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="give up on a (re)start after this long")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="client read timeout per request")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the stream, registry, checkpoints and process logs here (default: a temporary "
-                   "directory, removed unless an invariant is violated)")  # fmt: skip
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the stream, registry, checkpoints and process logs here (default: a temporary "
+        "directory, removed unless an invariant is violated)",
+    )
     p.add_argument("--quick", action="store_true", help="75 s of load, one kill of each component")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
     p.add_argument("--no-doc", action="store_true", help="do not write the doc")
-    p.add_argument("--doc-from", type=Path, default=None, metavar="JSON",
-                   help="only rewrite the doc section from a saved --json report")  # fmt: skip
+    p.add_argument(
+        "--doc-from",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only rewrite the doc section from a saved --json report",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
     args.duration_s = args.duration_s if args.duration_s is not None else (75.0 if args.quick else 240.0)
@@ -1082,8 +1325,10 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(args.doc_from.read_text())
         write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report, tables(report)[1]))
         return 0
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     levels = {name: logging.getLogger(name).level for name in (log.name, *NOISY)}
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     for name in NOISY:
@@ -1122,15 +1367,31 @@ def run_and_report(args: argparse.Namespace, argv: list[str] | None) -> int:
     result = analyse(run, model_dir, args)
     s = result["summary"]
     report = {
-        "command": " ".join([".venv/bin/python", "benchmarks/faults.py",
-                             *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            [".venv/bin/python", "benchmarks/faults.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+        ),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": {"models": models, "clients": args.clients, "max_tokens": args.max_tokens, "seed": args.seed,
-                   "threads": args.threads, "duration_s": args.duration_s, "kills": args.kills,
-                   "components": args.components, "cluster": CLUSTER},
+        "config": {
+            "models": models,
+            "clients": args.clients,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+            "threads": args.threads,
+            "duration_s": args.duration_s,
+            "kills": args.kills,
+            "components": args.components,
+            "cluster": CLUSTER,
+        },
         "summary": s,
-        "kills": [{**asdict(w), "killed_at": round(w.killed_at, 2), "back_at": w.back_at and round(w.back_at, 2),
-                   "down_s": round(w.down_s, 2)} for w in run["windows"]],
+        "kills": [
+            {
+                **asdict(w),
+                "killed_at": round(w.killed_at, 2),
+                "back_at": w.back_at and round(w.back_at, 2),
+                "down_s": round(w.down_s, 2),
+            }
+            for w in run["windows"]
+        ],
         "components": result["components"],
         "records": {k: v for k, v in result["records"].items()},
         "versions": result["versions"],
@@ -1142,7 +1403,7 @@ def run_and_report(args: argparse.Namespace, argv: list[str] | None) -> int:
         "environment": environment(),
         "elapsed_s": time.perf_counter() - started,
         "workdir": str(work),
-    }  # fmt: skip
+    }
     rich_tables, table = tables(report)
     console = Console()
     if not console.is_terminal:

@@ -85,10 +85,10 @@ from rich.table import Table
 from tqdm import tqdm
 
 from benchmarks.common import environment, fmt, write_doc_section
-from specops.serving.engine.spec import SpecEngine
 from specops.core.models import ModelPair, load_model, load_model_dir
-from specops.serving.engine.types import SamplingParams
 from specops.paths import models_dir
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 
 log = logging.getLogger("bench.hotswap")
 
@@ -152,13 +152,16 @@ class Request:
 class Load:
     """``concurrency`` client threads sending the prompts back to back through the node."""
 
-    def __init__(self, node, prompts: list[list[int]], refs: list[list[int]], params: SamplingParams,
-                 concurrency: int) -> None:  # fmt: skip
+    def __init__(
+        self, node, prompts: list[list[int]], refs: list[list[int]], params: SamplingParams, concurrency: int
+    ) -> None:
         self.node, self.prompts, self.refs, self.params = node, prompts, refs, params
         self.requests: list[Request] = []  # list.append is atomic: the clients share it
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), name=f"client-{i}", daemon=True)
-                         for i in range(concurrency)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), name=f"client-{i}", daemon=True)
+            for i in range(concurrency)
+        ]
 
     def _client(self, i: int) -> None:
         n = i * 7  # clients start on different prompts
@@ -172,9 +175,20 @@ class Load:
                 self.requests.append(Request(i, j, start, time.time(), time.perf_counter() - t0, error=repr(exc)))
                 continue
             st = served.result.stats
-            self.requests.append(Request(i, j, start, time.time(), time.perf_counter() - t0, served.draft_version,
-                                         served.started_at, served.result.token_ids == self.refs[j], st.num_drafted,
-                                         st.num_accepted))  # fmt: skip
+            self.requests.append(
+                Request(
+                    i,
+                    j,
+                    start,
+                    time.time(),
+                    time.perf_counter() - t0,
+                    served.draft_version,
+                    served.started_at,
+                    served.result.token_ids == self.refs[j],
+                    st.num_drafted,
+                    st.num_accepted,
+                )
+            )
 
     def start(self) -> Load:
         for t in self._threads:
@@ -227,8 +241,14 @@ def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], 
     log.info("registry ready in %.1fs: A = version %s (bootstrap draft), B = version %s (perturbed)", setup_s, a, b)
 
     cfg = HotSwapConfig(poll_s=args.poll_s, auto_rollback=False)
-    follower = DraftFollower(reg, pair.draft, target_vocab=pair.vocab_size, target_tokenizer_sha256=pair.tokenizer_sha256,
-                             cache_dir=tmp / "cache", cfg=cfg).start()  # fmt: skip
+    follower = DraftFollower(
+        reg,
+        pair.draft,
+        target_vocab=pair.vocab_size,
+        target_tokenizer_sha256=pair.tokenizer_sha256,
+        cache_dir=tmp / "cache",
+        cfg=cfg,
+    ).start()
     events_at: list[float] = []
 
     def on_event(event) -> None:
@@ -251,15 +271,26 @@ def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], 
             t_call = time.time()
             reg.artifact("draft").promote(CLUSTER, version, reason="hotswap benchmark")
             t_prom = time.time()
-            t_slot = wait_for(lambda: next((t for t, v in reversed(slot.history) if v == version and t >= t_call), None),
-                              timeout, f"the slot swap to version {version}")  # fmt: skip
+            t_slot = wait_for(
+                lambda: next((t for t, v in reversed(slot.history) if v == version and t >= t_call), None),
+                timeout,
+                f"the slot swap to version {version}",
+            )
             first = wait_for(lambda: load.first_on(version, t_slot), timeout, f"a request served on version {version}")
             ev = next((t for t in events_at if t >= t_call), None)
             rec = next((s for s in reversed(follower.swaps) if s["to"] == version and s["at"] >= t_call), {})
-            return {"to": version, "promote_call_s": t_prom - t_call, "promoted_at": t_prom, "slot_swap_at": t_slot,
-                    "first_served_at": first.end, "window": (t_prom, first.end + args.tail_s),
-                    "slot_swap_latency_s": t_slot - t_prom, "swap_latency_s": first.end - t_prom,
-                    "event_latency_s": None if ev is None else ev - t_prom, "load_s": rec.get("load_s")}  # fmt: skip
+            return {
+                "to": version,
+                "promote_call_s": t_prom - t_call,
+                "promoted_at": t_prom,
+                "slot_swap_at": t_slot,
+                "first_served_at": first.end,
+                "window": (t_prom, first.end + args.tail_s),
+                "slot_swap_latency_s": t_slot - t_prom,
+                "swap_latency_s": first.end - t_prom,
+                "event_latency_s": None if ev is None else ev - t_prom,
+                "load_s": rec.get("load_s"),
+            }
 
         log.info("warm-up: promote A (version %s) and let the load settle", a)
         warm = swap_to(a)
@@ -286,9 +317,16 @@ def run_swaps(pair: ModelPair, prompts: list[list[int]], refs: list[list[int]], 
         follower.stop()
         if publisher is not None:
             publisher.close()
-    return {"swaps": swaps, "steady_windows": steady, "measured_from": measured_from, "requests": load.requests,
-            "versions": {"A": a, "B": b}, "registry_setup_s": setup_s,
-            "events_received": len(events_at), "warmup": warm}  # fmt: skip
+    return {
+        "swaps": swaps,
+        "steady_windows": steady,
+        "measured_from": measured_from,
+        "requests": load.requests,
+        "versions": {"A": a, "B": b},
+        "registry_setup_s": setup_s,
+        "events_received": len(events_at),
+        "warmup": warm,
+    }
 
 
 # ---------------------------------------------------------------- metrics
@@ -323,21 +361,34 @@ def analyse(run: dict) -> dict:
         mine = [r for r in ok if r.version == v]
         steady_v = [r.latency_s for r in in_steady if r.version == v]
         drafted = sum(r.drafted for r in mine)
-        by_version[v] = {"requests": len(mine), "acceptance": sum(r.accepted for r in mine) / drafted if drafted else None,
-                         "p50_steady_s": pct(steady_v, 50), "requests_steady": len(steady_v)}  # fmt: skip
+        by_version[v] = {
+            "requests": len(mine),
+            "acceptance": sum(r.accepted for r in mine) / drafted if drafted else None,
+            "p50_steady_s": pct(steady_v, 50),
+            "requests_steady": len(steady_v),
+        }
     # slowdown: latency / steady median of the same prompt on the same version (prompts differ in length and acceptance)
     ref: dict[tuple[int, str], list[float]] = {}
     for r in in_steady:
         ref.setdefault((r.prompt, r.version), []).append(r.latency_s)
     base = {k: statistics.median(v) for k, v in ref.items()}
-    slow = {c: [r.latency_s / base[(r.prompt, r.version)] for r in rs if (r.prompt, r.version) in base]
-            for c, rs in (("swap", in_swap), ("steady", in_steady))}  # fmt: skip
+    slow = {
+        c: [r.latency_s / base[(r.prompt, r.version)] for r in rs if (r.prompt, r.version) in base]
+        for c, rs in (("swap", in_swap), ("steady", in_steady))
+    }
     per_swap = []
     for i, s in enumerate(run["swaps"]):
         in_w = [r.latency_s for r in ok if inside(r, s["window"])]
-        per_swap.append({**{k: v for k, v in s.items() if k != "window"}, "index": i + 1,
-                         "window_s": s["window"][1] - s["window"][0], "requests": len(in_w),
-                         "p50_s": pct(in_w, 50), "max_s": max(in_w, default=None)})  # fmt: skip
+        per_swap.append(
+            {
+                **{k: v for k, v in s.items() if k != "window"},
+                "index": i + 1,
+                "window_s": s["window"][1] - s["window"][0],
+                "requests": len(in_w),
+                "p50_s": pct(in_w, 50),
+                "max_s": max(in_w, default=None),
+            }
+        )
     steady_counts = [sum(1 for r in in_steady if w0 <= r.end < w1) for w0, w1 in run["steady_windows"]]
     failed = [r for r in run["requests"] if r.error]
     served = [r for r in run["requests"] if not r.error]
@@ -367,12 +418,30 @@ def analyse(run: dict) -> dict:
         "versions_served": sorted({r.version for r in reqs if not r.error}),
     }
     classes = {id(r): "swap" for r in in_swap} | {id(r): "steady" for r in in_steady}
-    requests = [{"client": r.client, "prompt": r.prompt, "start": round(r.start - t0, 4), "end": round(r.end - t0, 4),
-                 "latency_s": round(r.latency_s, 4), "version": r.version, "class": classes.get(id(r), "warmup"),
-                 "drafted": r.drafted, "accepted": r.accepted, "identical": r.identical, "error": r.error}
-                for r in run["requests"]]  # fmt: skip
-    return {"summary": summary, "per_swap": per_swap, "steady_window_requests": steady_counts,
-            "by_version": by_version, "errors": sorted({r.error for r in failed})[:10], "requests": requests}  # fmt: skip
+    requests = [
+        {
+            "client": r.client,
+            "prompt": r.prompt,
+            "start": round(r.start - t0, 4),
+            "end": round(r.end - t0, 4),
+            "latency_s": round(r.latency_s, 4),
+            "version": r.version,
+            "class": classes.get(id(r), "warmup"),
+            "drafted": r.drafted,
+            "accepted": r.accepted,
+            "identical": r.identical,
+            "error": r.error,
+        }
+        for r in run["requests"]
+    ]
+    return {
+        "summary": summary,
+        "per_swap": per_swap,
+        "steady_window_requests": steady_counts,
+        "by_version": by_version,
+        "errors": sorted({r.error for r in failed})[:10],
+        "requests": requests,
+    }
 
 
 # ---------------------------------------------------------------- report
@@ -390,27 +459,58 @@ def tables(report: dict) -> tuple[list[Table], str]:
     head = Table(title="Request latency: steady state vs during swaps")
     for col in ("requests", "count", "p50", "p99", "slowdown p50", "slowdown p99"):
         head.add_column(col, justify="left" if col == "requests" else "right")
-    rows = [("steady", s["requests_steady"], _ms(s["p50_steady_s"]), _ms(s["p99_steady_s"]), "1.00×",
-             fmt(s["slowdown_p99_steady"], ".2f", "×")),
-            ("during swaps", s["requests_swap"], _ms(s["p50_swap_s"]), _ms(s["p99_swap_s"]),
-             fmt(s["slowdown_p50_swap"], ".2f", "×"), fmt(s["slowdown_p99_swap"], ".2f", "×")),
-            ("swap / steady", "", fmt(s["p50_swap_over_steady"], ".2f", "×"),
-             fmt(s["p99_swap_over_steady"], ".2f", "×"), "", "")]  # fmt: skip
+    rows = [
+        (
+            "steady",
+            s["requests_steady"],
+            _ms(s["p50_steady_s"]),
+            _ms(s["p99_steady_s"]),
+            "1.00×",
+            fmt(s["slowdown_p99_steady"], ".2f", "×"),
+        ),
+        (
+            "during swaps",
+            s["requests_swap"],
+            _ms(s["p50_swap_s"]),
+            _ms(s["p99_swap_s"]),
+            fmt(s["slowdown_p50_swap"], ".2f", "×"),
+            fmt(s["slowdown_p99_swap"], ".2f", "×"),
+        ),
+        (
+            "swap / steady",
+            "",
+            fmt(s["p50_swap_over_steady"], ".2f", "×"),
+            fmt(s["p99_swap_over_steady"], ".2f", "×"),
+            "",
+            "",
+        ),
+    ]
     for r in rows:
         head.add_row(*map(str, r))
     per = Table(title="Swaps (latencies from promotion)")
-    cols = ("#", "versions", "event", "slot swap", "first served", "fetch+validate", "window", "requests", "p50",
-            "max")  # fmt: skip
+    cols = ("#", "versions", "event", "slot swap", "first served", "fetch+validate", "window", "requests", "p50", "max")
     for col in cols:
         per.add_column(col, justify="right")
     md = ["| requests | count | p50 | p99 | slowdown p50 | slowdown p99 |", "|---|---:|---:|---:|---:|---:|"]
     md += [f"| {' | '.join(map(str, r))} |" for r in rows]
-    md += ["", "| # | versions | event | slot swap | first request served | fetch + validate | window | requests | p50 | max |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    md += [
+        "",
+        "| # | versions | event | slot swap | first request served | fetch + validate | window | requests | p50 | max |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for w in report["per_swap"]:
-        cells = (str(w["index"]), f"{w['from']} → {w['to']}", _s(w["event_latency_s"]), _s(w["slot_swap_latency_s"]),
-                 _s(w["swap_latency_s"]), _s(w["load_s"]), _s(w["window_s"]), str(w["requests"]), _ms(w["p50_s"]),
-                 _ms(w["max_s"]))  # fmt: skip
+        cells = (
+            str(w["index"]),
+            f"{w['from']} → {w['to']}",
+            _s(w["event_latency_s"]),
+            _s(w["slot_swap_latency_s"]),
+            _s(w["swap_latency_s"]),
+            _s(w["load_s"]),
+            _s(w["window_s"]),
+            str(w["requests"]),
+            _ms(w["p50_s"]),
+            _ms(w["max_s"]),
+        )
         per.add_row(*cells)
         md.append(f"| {' | '.join(cells)} |")
     ver = Table(title="Draft versions (A: bootstrap draft, B: perturbed copy)")
@@ -419,73 +519,104 @@ def tables(report: dict) -> tuple[list[Table], str]:
     names = {v: k for k, v in report["config"]["versions"].items()}
     md += ["", "| version | requests | acceptance | steady requests | steady p50 |", "|---|---:|---:|---:|---:|"]
     for v, r in report["by_version"].items():
-        cells = (f"{v} ({names.get(v, v)})", str(r["requests"]), fmt(r["acceptance"], ".3f"), str(r["requests_steady"]),
-                 _ms(r["p50_steady_s"]))  # fmt: skip
+        cells = (
+            f"{v} ({names.get(v, v)})",
+            str(r["requests"]),
+            fmt(r["acceptance"], ".3f"),
+            str(r["requests_steady"]),
+            _ms(r["p50_steady_s"]),
+        )
         ver.add_row(*cells)
         md.append(f"| {' | '.join(cells)} |")
-    md += ["", f"Median over swaps: slot swap {_s(s['slot_swap_latency_s'])}, first request served on the new "
-               f"version {_s(s['swap_latency_s'])} (max {_s(s['swap_latency_max_s'])}); failed requests "
-               f"{s['failed_requests']}; greedy outputs identical to target-only decoding: "
-               f"{'yes' if s['identical_outputs'] else 'NO'}."]  # fmt: skip
+    md += [
+        "",
+        f"Median over swaps: slot swap {_s(s['slot_swap_latency_s'])}, first request served on the new "
+        f"version {_s(s['swap_latency_s'])} (max {_s(s['swap_latency_max_s'])}); failed requests "
+        f"{s['failed_requests']}; greedy outputs identical to target-only decoding: "
+        f"{'yes' if s['identical_outputs'] else 'NO'}.",
+    ]
     return [head, per, ver], "\n".join(md)
 
 
 def doc_section(report: dict, table: str) -> str:
     c, env, s = report["config"], report["environment"], report["summary"]
-    push = (f"promotions pushed as ModelEvents on `spec.events` (local log), registry polled every {c['poll_s']:g} s"
-            if c["events"] else f"no events: serving polls the registry every {c['poll_s']:g} s")
-    return "\n".join([
-        DOC_BEGIN,
-        "## Hot-swap (`benchmarks/hotswap.py`)",
-        "",
-        "Command:",
-        "",
-        f"    {report['command']}",
-        "",
-        f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {env['threads']} torch threads, no GPU; commit "
-        f"{str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. One serving node, cluster "
-        f"`{CLUSTER}`, {c['concurrency']} client threads sending {c['prompts']} {c['prompt_kind']} prompts of "
-        f"{c['prompt_tokens']} tokens back to back ({c['max_new_tokens']} new tokens, greedy, draft method); "
-        f"MLflow registry on SQLite; {push}. {s['swaps']} promotions alternating between the bootstrap draft and a "
-        f"perturbed copy, {c['steady_s']:g} s of steady load between swaps. Run time {report['elapsed_s']:.0f} s.",
-        "",
-        table,
-        "",
-        "Latencies are measured from the moment `promote()` returned (the alias has moved). *Slot swap*: the "
-        "follower has fetched, checksummed and validated the version and assigned it to the slot; *first request "
-        "served*: the first request that took the new version has finished (`swap_latency_s`). A swap window runs "
-        f"from the promotion to {c['tail_s']:g} s after that first request; a request that finished inside a swap "
-        "window counts as *during swaps*, any other as *steady* (classifying by the finish time, one point per "
-        "request, keeps long requests from piling up in the swap class). *Slowdown*: a request's latency over the "
-        "steady median of the same prompt on the same draft version (prompts differ in length and acceptance, "
-        "so this removes the prompt mix from the comparison; the steady median is 1.00× by construction). The fetch and validation run on the follower's thread and "
-        "compete with decoding for the CPU; the swap/steady ratios show what that costs the requests served meanwhile. "
-        "With few requests per window the p99 is close to the maximum.",
-        DOC_END,
-    ])  # fmt: skip
+    push = (
+        f"promotions pushed as ModelEvents on `spec.events` (local log), registry polled every {c['poll_s']:g} s"
+        if c["events"]
+        else f"no events: serving polls the registry every {c['poll_s']:g} s"
+    )
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## Hot-swap (`benchmarks/hotswap.py`)",
+            "",
+            "Command:",
+            "",
+            f"    {report['command']}",
+            "",
+            f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores, {env['threads']} torch threads, no GPU; commit "
+            f"{str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. One serving node, cluster "
+            f"`{CLUSTER}`, {c['concurrency']} client threads sending {c['prompts']} {c['prompt_kind']} prompts of "
+            f"{c['prompt_tokens']} tokens back to back ({c['max_new_tokens']} new tokens, greedy, draft method); "
+            f"MLflow registry on SQLite; {push}. {s['swaps']} promotions alternating between the bootstrap draft and a "
+            f"perturbed copy, {c['steady_s']:g} s of steady load between swaps. Run time {report['elapsed_s']:.0f} s.",
+            "",
+            table,
+            "",
+            "Latencies are measured from the moment `promote()` returned (the alias has moved). *Slot swap*: the "
+            "follower has fetched, checksummed and validated the version and assigned it to the slot; *first request "
+            "served*: the first request that took the new version has finished (`swap_latency_s`). A swap window runs "
+            f"from the promotion to {c['tail_s']:g} s after that first request; a request that finished inside a swap "
+            "window counts as *during swaps*, any other as *steady* (classifying by the finish time, one point per "
+            "request, keeps long requests from piling up in the swap class). *Slowdown*: a request's latency over the "
+            "steady median of the same prompt on the same draft version (prompts differ in length and acceptance, "
+            "so this removes the prompt mix from the comparison; the steady median is 1.00× by construction). The fetch and validation run on the follower's thread and "
+            "compete with decoding for the CPU; the swap/steady ratios show what that costs the requests served meanwhile. "
+            "With few requests per window the p99 is close to the maximum.",
+            DOC_END,
+        ]
+    )
 
 
 # ---------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir with target/, draft/, manifest.json")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
     p.add_argument("--swaps", type=int, default=None, help="measured promotions (default 10; 5 with --quick)")
-    p.add_argument("--steady-s", type=float, default=None,
-                   help="seconds of steady load between swaps (default 10; 4 with --quick)")  # fmt: skip
-    p.add_argument("--tail-s", type=float, default=1.0,
-                   help="a swap window ends this long after the first request on the new version finished")  # fmt: skip
-    p.add_argument("--events", action=argparse.BooleanOptionalAction, default=True,
-                   help="push promotions to serving as ModelEvents (spec.events); --no-events: polling only")  # fmt: skip
+    p.add_argument(
+        "--steady-s", type=float, default=None, help="seconds of steady load between swaps (default 10; 4 with --quick)"
+    )
+    p.add_argument(
+        "--tail-s",
+        type=float,
+        default=1.0,
+        help="a swap window ends this long after the first request on the new version finished",
+    )
+    p.add_argument(
+        "--events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="push promotions to serving as ModelEvents (spec.events); --no-events: polling only",
+    )
     p.add_argument("--poll-s", type=float, default=10.0, help="seconds between the follower's registry polls")
-    p.add_argument("--prompts", type=int, default=None,
-                   help="held-out code prompts cycled by the clients (default 32; 8 with --quick)")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="held-out code prompts cycled by the clients (default 32; 8 with --quick)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request")
-    p.add_argument("--perturb", type=float, default=0.02, help="noise (× each tensor's std) of the second draft version")
+    p.add_argument(
+        "--perturb", type=float, default=0.02, help="noise (× each tensor's std) of the second draft version"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--timeout-s", type=float, default=120.0,
-                   help="give up on a swap after this long (plus one --poll-s)")  # fmt: skip
+    p.add_argument(
+        "--timeout-s", type=float, default=120.0, help="give up on a swap after this long (plus one --poll-s)"
+    )
     p.add_argument("--quick", action="store_true", help="5 swaps, 4 s steady windows, 8 prompts (about a minute)")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
@@ -502,8 +633,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     for noisy in ("alembic", "mlflow", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING if args.verbose else logging.ERROR)
@@ -516,18 +649,34 @@ def main(argv: list[str] | None = None) -> int:
     prompts, prompt_kind = load_prompts(model_dir, pair, args.prompts, args.prompt_tokens)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     ref_engine = SpecEngine(pair)
-    refs = [ref_engine.generate(p, params, method="target").token_ids
-            for p in tqdm(prompts, desc="target-only references", unit="prompt")]  # fmt: skip
+    refs = [
+        ref_engine.generate(p, params, method="target").token_ids
+        for p in tqdm(prompts, desc="target-only references", unit="prompt")
+    ]
     with tempfile.TemporaryDirectory(prefix="specops-hotswap-") as tmp:
         run = run_swaps(pair, prompts, refs, args, Path(tmp))
     result = analyse(run)
     report = {
-        "command": " ".join([".venv/bin/python", "benchmarks/hotswap.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            [".venv/bin/python", "benchmarks/hotswap.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+        ),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": {"model_dir": str(model_dir), "cluster": CLUSTER, "concurrency": args.concurrency, "swaps": args.swaps,
-                   "steady_s": args.steady_s, "tail_s": args.tail_s, "events": args.events, "poll_s": args.poll_s,
-                   "prompts": len(prompts), "prompt_kind": prompt_kind, "prompt_tokens": args.prompt_tokens,
-                   "max_new_tokens": args.max_new_tokens, "perturb": args.perturb, "versions": run["versions"]},
+        "config": {
+            "model_dir": str(model_dir),
+            "cluster": CLUSTER,
+            "concurrency": args.concurrency,
+            "swaps": args.swaps,
+            "steady_s": args.steady_s,
+            "tail_s": args.tail_s,
+            "events": args.events,
+            "poll_s": args.poll_s,
+            "prompts": len(prompts),
+            "prompt_kind": prompt_kind,
+            "prompt_tokens": args.prompt_tokens,
+            "max_new_tokens": args.max_new_tokens,
+            "perturb": args.perturb,
+            "versions": run["versions"],
+        },
         "summary": result["summary"],
         "per_swap": result["per_swap"],
         "steady_window_requests": result["steady_window_requests"],
@@ -540,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - started,
         "requests": result["requests"],
         "requests_note": "times in s from the start of the first steady window; class by finish time",
-    }  # fmt: skip
+    }
     rich_tables, table = tables(report)
     console = Console()
     if not console.is_terminal:

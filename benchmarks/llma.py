@@ -26,7 +26,7 @@ matches disagree) and ``suffix`` (SuffixDecoding from ``arctic-inference``, when
 A subset also runs LLMA with the paper's rule (copy k at every match) at every k of
 ``--sweep``, and the target and LLMA at temperature 0.7 (the
 sampled outputs are not compared: the one-hot rule is exact in distribution, tested by the
-chi-square test in ``tests/serving/test_llma.py``).
+chi-square test in ``tests/serving/proposers/test_llma.py``).
 
 Reported per set and arm: total and median wall time, speed-up over target-only (ratio of
 total times, the paper's Table 3/4 measure, and the median of per-case ratios), tokens per
@@ -63,26 +63,35 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, finish_report, fmt, target_name  # noqa: E402
 from benchmarks.specbench.methods import ForwardCounter, Outcome, hf_method  # noqa: E402
+from specops.core.sessions.ngram import NgramIndex  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.proposers.catalogue import LLMA_MAX_N  # noqa: E402
-from specops.core.sessions.ngram import NgramIndex  # noqa: E402
 from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, LLMAProposer, ReferenceSet  # noqa: E402
 
 log = logging.getLogger("benchmarks.llma")
 DOC_BEGIN = "<!-- BEGIN llma (written by benchmarks/llma.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END llma -->"
 SETS = ("rag", "cag", "overlap")
-SET_LABELS = {"rag": "RAG (top-5 BM25 passages in the prompt)", "cag": "cache-assisted (own answers to 3 rewordings)",
-              "overlap": "natural overlap (copyright files quoting a licence)"}  # fmt: skip
+SET_LABELS = {
+    "rag": "RAG (top-5 BM25 passages in the prompt)",
+    "cag": "cache-assisted (own answers to 3 rewordings)",
+    "overlap": "natural overlap (copyright files quoting a licence)",
+}
 RAG_TEMPLATE = "docs:\n{docs}\nquery: {query}\nanswer:"
 """The paper's Figure 6."""
 CAG_TEMPLATE = "query: {query}\nanswer:"
 TARGETS = ("hf_target", "target")
 GREEDY_ARMS = ("hf_target", "target", "hf_pld", "pld", "draft", "llma", "suffix")
 SAMPLING_T = 0.7
-SUMMARY_KEYS = ("speedup_rag", "speedup_cag", "speedup_overlap", "min_ratio_vs_hf_pld", "speedup_sampling",
-                "greedy_identical")  # fmt: skip
+SUMMARY_KEYS = (
+    "speedup_rag",
+    "speedup_cag",
+    "speedup_overlap",
+    "min_ratio_vs_hf_pld",
+    "speedup_sampling",
+    "greedy_identical",
+)
 BARS = {"speedup_rag": 2.0, "speedup_cag": 2.0, "min_ratio_vs_hf_pld": 1.0, "speedup_sampling": 1.0}
 
 
@@ -101,15 +110,16 @@ class Case:
 def rag_cases(args, tok, n: int) -> list[Case]:
     from benchmarks import ralm
     from specops.core.passage import token_counter
-    from specops.serving.retrieval.kb import KnowledgeBase, build_kb
+    from specops.serving.retrieval.kb import build_kb
     from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     path = Path(args.cache_dir) / f"kb-llma-{args.kb_passages}"
     recipe = {"sources": args.source or default_sources(), "max_passages": args.kb_passages, "retrievers": ["bm25"]}
     kb = ralm.cached_kb(path, recipe)
     if kb is None:
-        passages, stats = passages_from_sources(recipe["sources"], count_tokens=token_counter(tok),
-                                                max_passages=args.kb_passages, model_dir=args.model_dir)  # fmt: skip
+        passages, stats = passages_from_sources(
+            recipe["sources"], count_tokens=token_counter(tok), max_passages=args.kb_passages, model_dir=args.model_dir
+        )
         kb = build_kb("llma-rag", passages, embedder="hash", retrievers=["bm25"], meta={"bench": recipe})
         kb.save(path)
     per = -(-n // 3) + 2
@@ -129,14 +139,24 @@ def rag_cases(args, tok, n: int) -> list[Case]:
 
 
 REWORDINGS = [
-    (re.compile(r"What does the `(.+)` command do\?"),
-     ["What is the `{0}` command used for?", "Explain what the `{0}` command does.", "What does the command `{0}` do?"]),
-    (re.compile(r"What is (.+) and what is it for\?"),
-     ["What is {0} used for?", "Describe {0} and what it is for.", "What is the {0} package?"]),
-    (re.compile(r"Under which license is (.+) distributed\?"),
-     ["What license does {0} use?", "Which license covers {0}?", "Under what license is {0} released?"]),
+    (
+        re.compile(r"What does the `(.+)` command do\?"),
+        [
+            "What is the `{0}` command used for?",
+            "Explain what the `{0}` command does.",
+            "What does the command `{0}` do?",
+        ],
+    ),
+    (
+        re.compile(r"What is (.+) and what is it for\?"),
+        ["What is {0} used for?", "Describe {0} and what it is for.", "What is the {0} package?"],
+    ),
+    (
+        re.compile(r"Under which license is (.+) distributed\?"),
+        ["What license does {0} use?", "Which license covers {0}?", "Under what license is {0} released?"],
+    ),
     (re.compile(r"(.+)"), ["{0} Answer briefly.", "Tell me: {0}", "A user asks: {0}"]),  # FAQs and others
-]  # fmt: skip
+]
 
 
 def cag_questions(args, n: int) -> list[tuple[str, str, list[str]]]:
@@ -164,15 +184,18 @@ def cag_cases(args, pair, n: int) -> list[Case]:
 
     tok = pair.tokenizer
     questions = cag_questions(args, n)
-    key = hashlib.sha256(json.dumps([pair.tokenizer_sha256, args.model_dir, args.max_new_tokens]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([pair.tokenizer_sha256, args.model_dir, args.max_new_tokens]).encode()).hexdigest()[
+        :12
+    ]
     cache_path = Path(args.cache_dir) / f"cag-answers-{key}.json"
     answers: dict[str, str] = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     todo = sorted({CAG_TEMPLATE.format(query=r) for _, _, rs in questions for r in rs} - set(answers))
     if todo:
         tok.padding_side = "left"
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad,
-                               eos_token_id=tok.eos_token_id)  # fmt: skip
+        gen = GenerationConfig(
+            max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=tok.eos_token_id
+        )
         for i in tqdm(range(0, len(todo), 8), desc="cag: the target answers the rewordings", unit="batch"):
             batch = todo[i : i + 8]
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -182,8 +205,10 @@ def cag_cases(args, pair, n: int) -> list[Case]:
                 answers[prompt] = tok.decode(row, skip_special_tokens=True)
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps(answers, indent=0))
-    return [Case("cag", title, CAG_TEMPLATE.format(query=q), [answers[CAG_TEMPLATE.format(query=r)] for r in rs])
-            for title, q, rs in questions]  # fmt: skip
+    return [
+        Case("cag", title, CAG_TEMPLATE.format(query=q), [answers[CAG_TEMPLATE.format(query=r)] for r in rs])
+        for title, q, rs in questions
+    ]
 
 
 def licence_texts(licenses_dir: Path) -> dict[str, str]:
@@ -253,8 +278,10 @@ class Runner:
         self.pair, self.args, self.shared, self.shared_docs = pair, args, shared, shared_docs
         self.engine = SpecEngine(pair)
         self.counter = ForwardCounter(pair.target)
-        self.hf = {"hf_target": hf_method("hf_target", pair, self.counter),
-                   "hf_pld": hf_method("hf_pld", pair, self.counter, prompt_lookup_num_tokens=args.pld_k)}  # fmt: skip
+        self.hf = {
+            "hf_target": hf_method("hf_target", pair, self.counter),
+            "hf_pld": hf_method("hf_pld", pair, self.counter, prompt_lookup_num_tokens=args.pld_k),
+        }
         self.tok = pair.tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -271,8 +298,11 @@ class Runner:
         if arm.startswith("llma"):
             # the headline arm copies as serving does (the length grows with the match, at most
             # k); the sweep arms (k given) copy k at every match, the paper's rule
-            rule = {} if k is not None else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET,
-                                                 min_agreement=MIN_AGREEMENT)  # fmt: skip
+            rule = (
+                {}
+                if k is not None
+                else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET, min_agreement=MIN_AGREEMENT)
+            )
             k = k or a.k
             t_index = time.perf_counter()
             if case.shared:
@@ -297,14 +327,29 @@ class Runner:
         wall = time.perf_counter() - t0
         s = res.stats
         spec = arm != "target"
-        return {**outcome_row(Outcome(list(res.token_ids), wall, s.num_target_forwards,
-                                      s.num_drafted if spec else None, s.num_accepted if spec else None,
-                                      s.num_verify_steps if spec else None)), **extra}  # fmt: skip
+        return {
+            **outcome_row(
+                Outcome(
+                    list(res.token_ids),
+                    wall,
+                    s.num_target_forwards,
+                    s.num_drafted if spec else None,
+                    s.num_accepted if spec else None,
+                    s.num_verify_steps if spec else None,
+                )
+            ),
+            **extra,
+        }
 
 
 def outcome_row(o: Outcome) -> dict:
-    return {"tokens": o.token_ids, "wall_s": o.wall_s, "forwards": o.num_target_forwards,
-            "drafted": o.num_drafted, "accepted": o.num_accepted}  # fmt: skip
+    return {
+        "tokens": o.token_ids,
+        "wall_s": o.wall_s,
+        "forwards": o.num_target_forwards,
+        "drafted": o.num_drafted,
+        "accepted": o.num_accepted,
+    }
 
 
 # ---------------------------------------------------------------- aggregation
@@ -344,13 +389,22 @@ def set_report(rows: dict[str, list[dict]], sweep: dict[int, list[dict]], sample
     if sweep:
         n = len(next(iter(sweep.values())))
         t_sub = sum(r["wall_s"] for r in rows[base][:n])
-        out["sweep"] = {k: {**arm_stats(rs, [r["tokens"] for r in rows["target"][:n]]),
-                            "speedup": t_sub / sum(r["wall_s"] for r in rs)} for k, rs in sorted(sweep.items())}  # fmt: skip
+        out["sweep"] = {
+            k: {
+                **arm_stats(rs, [r["tokens"] for r in rows["target"][:n]]),
+                "speedup": t_sub / sum(r["wall_s"] for r in rs),
+            }
+            for k, rs in sorted(sweep.items())
+        }
         out["sweep_llma_speedup"] = t_sub / sum(r["wall_s"] for r in rows["llma"][:n])  # serving's rule, same cases
     if sampled:
-        t, l = sampled["target"], sampled["llma"]
-        out["sampling"] = {"cases": len(t), "target": arm_stats(t, None), "llma": arm_stats(l, None),
-                           "speedup": sum(r["wall_s"] for r in t) / sum(r["wall_s"] for r in l)}  # fmt: skip
+        t, lm = sampled["target"], sampled["llma"]
+        out["sampling"] = {
+            "cases": len(t),
+            "target": arm_stats(t, None),
+            "llma": arm_stats(lm, None),
+            "speedup": sum(r["wall_s"] for r in t) / sum(r["wall_s"] for r in lm),
+        }
     return out
 
 
@@ -360,40 +414,63 @@ def summary(report: dict) -> dict:
     vs_hf = [st["arms"]["hf_pld"]["total_s"] / st["arms"]["llma"]["total_s"] for st in sets.values()]
     sampled = [st["sampling"] for st in sets.values() if "sampling" in st]
     t = sum(x["target"]["total_s"] for x in sampled)
-    l = sum(x["llma"]["total_s"] for x in sampled)
+    lm = sum(x["llma"]["total_s"] for x in sampled)
     ident = [st["arms"][a]["identical"] for st in sets.values() for a in st["arms"]]
-    return {"speedup_rag": sp["rag"], "speedup_cag": sp["cag"], "speedup_overlap": sp["overlap"],
-            "min_ratio_vs_hf_pld": min(vs_hf) if vs_hf else None,
-            "speedup_sampling": t / l if sampled and l else None,
-            "greedy_identical": bool(ident) and all(x == 1.0 for x in ident)}  # fmt: skip
+    return {
+        "speedup_rag": sp["rag"],
+        "speedup_cag": sp["cag"],
+        "speedup_overlap": sp["overlap"],
+        "min_ratio_vs_hf_pld": min(vs_hf) if vs_hf else None,
+        "speedup_sampling": t / lm if sampled and lm else None,
+        "greedy_identical": bool(ident) and all(x == 1.0 for x in ident),
+    }
 
 
 # ---------------------------------------------------------------- report
 def markdown(report: dict, plot_rel: str | None) -> str:
     s, a = report["summary"], report["args"]
-    lines = [DOC_BEGIN, "## LLMA", "",
-             f"Command: `{report['command']}`  ", f"Target {report['target']}, {a['threads']} threads, "
-             f"{a['max_new_tokens']} new tokens; `llma`: n = {a['n']}, copies 1 + match/2 tokens, at most k = {a['k']}, "
-             f"cut where equally good matches disagree; `pld` and `hf_pld`: k = {a.get('pld_k', a['k'])}; `draft`: k = "
-             f"{DEFAULT_K['draft']}. Cases interleaved, arms rotated per case. Speed-up = total time of the faster target-only loop / the arm's (the paper's measure); "
-             "`med` = median of per-case ratios. Identical = greedy output equal to target-only.", ""]  # fmt: skip
+    lines = [
+        DOC_BEGIN,
+        "## LLMA",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Target {report['target']}, {a['threads']} threads, "
+        f"{a['max_new_tokens']} new tokens; `llma`: n = {a['n']}, copies 1 + match/2 tokens, at most k = {a['k']}, "
+        f"cut where equally good matches disagree; `pld` and `hf_pld`: k = {a.get('pld_k', a['k'])}; `draft`: k = "
+        f"{DEFAULT_K['draft']}. Cases interleaved, arms rotated per case. Speed-up = total time of the faster target-only loop / the arm's (the paper's measure); "
+        "`med` = median of per-case ratios. Identical = greedy output equal to target-only.",
+        "",
+    ]
     for name, st in report["sets"].items():
-        lines += [f"### {SET_LABELS.get(name, name)}: {st['cases']} cases (baseline {st['baseline']})", "",
-                  "| arm | speed-up | med | tokens/s | tokens/forward | acceptance | identical | match µs/step |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"### {SET_LABELS.get(name, name)}: {st['cases']} cases (baseline {st['baseline']})",
+            "",
+            "| arm | speed-up | med | tokens/s | tokens/forward | acceptance | identical | match µs/step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for arm, x in st["arms"].items():
-            lines.append(f"| {arm} | {x['speedup']:.2f}x | {x['median_case_speedup']:.2f}x | {x['tokens_per_s']:.1f} | "
-                         f"{x['tokens_per_forward']:.2f} | {fmt(x['acceptance'])} | {x['identical']:.2f} | "
-                         f"{fmt(x.get('propose_us_per_step'), '.0f')} |")  # fmt: skip
+            lines.append(
+                f"| {arm} | {x['speedup']:.2f}x | {x['median_case_speedup']:.2f}x | {x['tokens_per_s']:.1f} | "
+                f"{x['tokens_per_forward']:.2f} | {fmt(x['acceptance'])} | {x['identical']:.2f} | "
+                f"{fmt(x.get('propose_us_per_step'), '.0f')} |"
+            )
         if "sweep" in st:
             n = next(iter(st["sweep"].values()))["cases"]
-            lines += ["", f"LLMA with the paper's rule (copy k at every match), k sweep ({n} cases): " + ", ".join(
-                f"k={k} {x['speedup']:.2f}x ({x['tokens_per_forward']:.2f} tok/fwd)" for k, x in st["sweep"].items())
-                + f"; serving's rule on the same cases: {st['sweep_llma_speedup']:.2f}x"]
+            lines += [
+                "",
+                f"LLMA with the paper's rule (copy k at every match), k sweep ({n} cases): "
+                + ", ".join(
+                    f"k={k} {x['speedup']:.2f}x ({x['tokens_per_forward']:.2f} tok/fwd)" for k, x in st["sweep"].items()
+                )
+                + f"; serving's rule on the same cases: {st['sweep_llma_speedup']:.2f}x",
+            ]
         if "sampling" in st:
             x = st["sampling"]
-            lines += ["", f"T = {SAMPLING_T} ({x['cases']} cases): LLMA {x['speedup']:.2f}x target-only, "
-                      f"{x['llma']['tokens_per_forward']:.2f} tokens/forward"]  # fmt: skip
+            lines += [
+                "",
+                f"T = {SAMPLING_T} ({x['cases']} cases): LLMA {x['speedup']:.2f}x target-only, "
+                f"{x['llma']['tokens_per_forward']:.2f} tokens/forward",
+            ]
         lines.append("")
     if plot_rel:
         lines += [f"![LLMA speed-up against k]({plot_rel})", ""]
@@ -427,10 +504,17 @@ def plot(report: dict, path: Path) -> bool:
     for name, st in sets.items():
         sw = st["sweep"]
         ks = sorted(sw, key=int)
-        line = ax.plot([int(k) for k in ks], [sw[k]["speedup"] for k in ks], marker="o", label=f"{name}: copy k (paper)")
+        line = ax.plot(
+            [int(k) for k in ks], [sw[k]["speedup"] for k in ks], marker="o", label=f"{name}: copy k (paper)"
+        )
         if "sweep_llma_speedup" in st:
-            ax.axhline(st["sweep_llma_speedup"], color=line[0].get_color(), ls="--", lw=1,
-                       label=f"{name}: 1 + match/2, at most {report['args']['k']}")
+            ax.axhline(
+                st["sweep_llma_speedup"],
+                color=line[0].get_color(),
+                ls="--",
+                lw=1,
+                label=f"{name}: 1 + match/2, at most {report['args']['k']}",
+            )
     ax.axhline(1.0, color="#888888", lw=0.8)
     ax.set_xlabel("copy length k")
     ax.set_ylabel("speed-up over target-only")
@@ -447,25 +531,42 @@ def plot(report: dict, path: Path) -> bool:
 def parse(argv) -> argparse.Namespace:
     from specops.paths import models_dir
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Sets, arms and measures: see the module docstring (benchmarks/llma.py).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Sets, arms and measures: see the module docstring (benchmarks/llma.py).",
+    )
     p.add_argument("--quick", action="store_true", help="4 cases per set, 32 new tokens, 2-case sweep and sampling")
     p.add_argument("--json", type=Path, help="write the results (with a `summary`) here")
     p.add_argument("--doc", type=Path, help="write the tables into this markdown file (docs/benchmarks.md)")
     p.add_argument("--plot", type=Path, help="PNG of speed-up against k (default: img/llma.png beside --doc)")
-    p.add_argument("--replot", type=Path, metavar="JSON", help="re-derive summary, table, plot and doc from a saved --json")
-    p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap-style target/ + draft/ (default: %(default)s)")
+    p.add_argument(
+        "--replot", type=Path, metavar="JSON", help="re-derive summary, table, plot and doc from a saved --json"
+    )
+    p.add_argument(
+        "--model-dir", default=str(models_dir()), help="bootstrap-style target/ + draft/ (default: %(default)s)"
+    )
     p.add_argument("--cache-dir", default=".specops/bench/llma", help="the RAG KB and the cag answers are kept here")
     p.add_argument("--sets", default=",".join(SETS), help="comma-separated: rag, cag, overlap")
     p.add_argument("--cases", type=int, default=None, help="cases per set (default 100, quick 4)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128, quick 32")
-    p.add_argument("--k", type=int, default=DEFAULT_K["llma"],
-                   help="LLMA's longest copy (serving's rule: 1 + match/2 tokens, at most k)")
-    p.add_argument("--pld-k", type=int, default=DEFAULT_K["pld"],
-                   help="prompt lookup's copy length, ours and HF's (HF's default prompt_lookup_num_tokens)")
+    p.add_argument(
+        "--k",
+        type=int,
+        default=DEFAULT_K["llma"],
+        help="LLMA's longest copy (serving's rule: 1 + match/2 tokens, at most k)",
+    )
+    p.add_argument(
+        "--pld-k",
+        type=int,
+        default=DEFAULT_K["pld"],
+        help="prompt lookup's copy length, ours and HF's (HF's default prompt_lookup_num_tokens)",
+    )
     p.add_argument("--n", type=int, default=1, help="LLMA's shortest match (the paper's best: 1)")
     p.add_argument("--sweep", default="4,8,12,16,20", help="LLMA k values run on the sweep subset")
-    p.add_argument("--sweep-cases", type=int, default=None, help="cases per set that run the sweep (default 20, quick 2)")
+    p.add_argument(
+        "--sweep-cases", type=int, default=None, help="cases per set that run the sweep (default 20, quick 2)"
+    )
     p.add_argument("--sampling-cases", type=int, default=None, help="cases per set run at T=0.7 (default 20, quick 2)")
     p.add_argument("--no-draft", action="store_true", help="skip the draft-model arm")
     p.add_argument("--kb-passages", type=int, default=None, help="passages of the RAG KB (default 20000, quick 2000)")
@@ -511,19 +612,26 @@ def run_set(name: str, cases: list[Case], runner: Runner, args) -> tuple[dict, l
             else:
                 rows[arm].append(row)
         if i < 2:
-            examples.append({"case": case.name, "prompt_tail": case.prompt[-300:],
-                             "output": runner.tok.decode(rows["target"][-1]["tokens"])})  # fmt: skip
+            examples.append(
+                {
+                    "case": case.name,
+                    "prompt_tail": case.prompt[-300:],
+                    "output": runner.tok.decode(rows["target"][-1]["tokens"]),
+                }
+            )
     rep = set_report(rows, sweep, sampled)
     rep["prompt_tokens_median"] = statistics.median(len(runner.encode(c.prompt)) for c in cases)
     rep["reference_tokens_median"] = statistics.median(
-        sum(len(runner.encode(r)) for r in c.references) if not c.shared else len(runner.shared[name]) for c in cases)
+        sum(len(runner.encode(r)) for r in c.references) if not c.shared else len(runner.shared[name]) for c in cases
+    )
     rep["examples"] = examples
     return rep, [{"case": c.name, **{a: round(rows[a][j]["wall_s"], 4) for a in rows}} for j, c in enumerate(cases)]
 
 
 def finish(report: dict, args) -> None:
-    finish_report(report, args, summary=summary, markdown=markdown, plot=plot, png_name="llma.png",
-                  begin=DOC_BEGIN, end=DOC_END)  # fmt: skip
+    finish_report(
+        report, args, summary=summary, markdown=markdown, plot=plot, png_name="llma.png", begin=DOC_BEGIN, end=DOC_END
+    )
 
 
 def main(argv=None) -> int:
@@ -540,7 +648,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     args.suffix = suffix_decoding_available()
-    log.info("SuffixDecoding (arctic-inference): %s", "available" if args.suffix else "not importable here; arm skipped")
+    log.info(
+        "SuffixDecoding (arctic-inference): %s", "available" if args.suffix else "not importable here; arm skipped"
+    )
     pair = load_model_dir(Path(args.model_dir))
     tok = pair.tokenizer
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
@@ -563,19 +673,38 @@ def main(argv=None) -> int:
         for doc in shared_docs["overlap"]:
             index.add(doc)
         shared["overlap"] = index
-        log.info("overlap: %d licence texts, %d tokens indexed in %.2fs", len(licences), len(index),
-                 time.perf_counter() - t_index)  # fmt: skip
+        log.info(
+            "overlap: %d licence texts, %d tokens indexed in %.2fs",
+            len(licences),
+            len(index),
+            time.perf_counter() - t_index,
+        )
     for name, cs in cases.items():
         log.info("%s: %d cases", name, len(cs))
     runner = Runner(pair, args, shared, shared_docs)
     warm = runner.encode("query: warm up\nanswer:")
-    for arm in ("hf_target", "target", "hf_pld", "pld", "llma", *(() if args.no_draft else ("draft",)),
-                *(("suffix",) if args.suffix else ())):
+    for arm in (
+        "hf_target",
+        "target",
+        "hf_pld",
+        "pld",
+        "llma",
+        *(() if args.no_draft else ("draft",)),
+        *(("suffix",) if args.suffix else ()),
+    ):
         runner.run(arm, Case("warm", "warm", "", ["warm up"]), warm)
     command = ".venv/bin/python benchmarks/llma.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = {"command": command, "target": target_name(Path(args.model_dir)),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                       if k not in ("json", "doc", "plot", "replot")}, "sets": {}, "per_case": {}}  # fmt: skip
+    report = {
+        "command": command,
+        "target": target_name(Path(args.model_dir)),
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("json", "doc", "plot", "replot")
+        },
+        "sets": {},
+        "per_case": {},
+    }
     if "overlap" in shared:
         report["overlap_index"] = {"licences": len(licences), "tokens": len(shared["overlap"])}
     for name, cs in cases.items():

@@ -42,4 +42,6 @@ class SuffixProposer(Proposer):
         return Proposals.from_rows([list(draft.token_ids)]) if draft.token_ids else Proposals.empty()
 
     def rollback(self, state: DecodeState, position: int) -> None:
-        self._seen = min(self._seen, position)  # the local tree keeps the withdrawn tokens (a rare, harmless extra match)
+        self._seen = min(
+            self._seen, position
+        )  # the local tree keeps the withdrawn tokens (a rare, harmless extra match)

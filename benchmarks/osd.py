@@ -65,7 +65,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +80,14 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
+from specops.chat_workload import DOMAINS, chat_workload  # noqa: E402
 from specops.core import draft_vocab  # noqa: E402
 from specops.core.models import ModelPair, load_model, load_model_dir  # noqa: E402
+from specops.paths import models_dir  # noqa: E402
+from specops.prompts import Prompt  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
 from specops.serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams, token_alpha  # noqa: E402
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
-from specops.chat_workload import DOMAINS, chat_workload  # noqa: E402
-from specops.paths import models_dir  # noqa: E402
-from specops.prompts import Prompt  # noqa: E402
 from specops.streams import StreamConfig  # noqa: E402
 from specops.trainer.acceptance import evaluate_records  # noqa: E402
 from specops.trainer.data import Example, draft_logits  # noqa: E402
@@ -112,8 +112,15 @@ GAIN_BAR = 0.10
 OFFLINE_FRACTION_BAR = 0.8
 RECOVERY_MARGIN = 0.02
 RECOVERY_BAR = 300
-COLORS = {"static": "tab:blue", "gated": "tab:green", "ungated": "tab:olive", "offline": "tab:red",
-          "generic_gated": "tab:purple", "generic_ungated": "tab:pink", "generic_static": "tab:gray"}  # fmt: skip
+COLORS = {
+    "static": "tab:blue",
+    "gated": "tab:green",
+    "ungated": "tab:olive",
+    "offline": "tab:red",
+    "generic_gated": "tab:purple",
+    "generic_ungated": "tab:pink",
+    "generic_static": "tab:gray",
+}
 
 
 # ---------------------------------------------------------------- 1. target continuations
@@ -129,9 +136,19 @@ class Served:
 
 def _model_key(pair: ModelPair, max_new: int) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"target": pair.target.config.to_dict(), "tokenizer": pair.tokenizer_sha256,
-                         "eos": pair.eos_token_ids, "max_new": max_new, "topk": TOPK}, sort_keys=True,
-                        default=str).encode())  # fmt: skip
+    h.update(
+        json.dumps(
+            {
+                "target": pair.target.config.to_dict(),
+                "tokenizer": pair.tokenizer_sha256,
+                "eos": pair.eos_token_ids,
+                "max_new": max_new,
+                "topk": TOPK,
+            },
+            sort_keys=True,
+            default=str,
+        ).encode()
+    )
     h.update(next(iter(pair.target.state_dict().values())).flatten()[:64].numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -152,16 +169,25 @@ def continuations(pair: ModelPair, prompts: list[Prompt], max_new: int, cache_di
     by_len: dict[int, list[int]] = {}
     for i in todo:
         by_len.setdefault(len(prompts[i].token_ids), []).append(i)
-    chunks = [idx[s:s + batch] for _, idx in sorted(by_len.items()) for s in range(0, len(idx), batch)]
+    chunks = [idx[s : s + batch] for _, idx in sorted(by_len.items()) for s in range(0, len(idx), batch)]
     eos = set(pair.eos_token_ids)
     (cache_dir / mkey).mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="target continuations", unit="prompt", leave=False)
     for idx in chunks:
         ids = torch.tensor([prompts[i].token_ids for i in idx])  # [b, P] (equal lengths)
-        gen = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                   output_logits=True, return_dict_in_generate=True, top_k=None, top_p=None,
-                                   temperature=None, pad_token_id=pair.eos_token_ids[0] if eos else 0)  # fmt: skip
-        tokens = gen.sequences[:, ids.shape[1]:]  # [b, n]
+        gen = pair.target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            pad_token_id=pair.eos_token_ids[0] if eos else 0,
+        )
+        tokens = gen.sequences[:, ids.shape[1] :]  # [b, n]
         logp = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1)  # [b, n, V]
         vals, tids = logp.topk(TOPK, dim=-1)
         for j, (i, row) in enumerate(zip(idx, tokens.tolist())):
@@ -170,8 +196,14 @@ def continuations(pair: ModelPair, prompts: list[Prompt], max_new: int, cache_di
                 if tok in eos:
                     n = t + 1
                     break
-            save_file({"tokens": tokens[j, :n].to(torch.int32).contiguous(), "topk_ids": tids[j, :n].to(torch.int32).contiguous(),
-                       "topk_logprobs": vals[j, :n].contiguous()}, str(paths[i]))  # fmt: skip
+            save_file(
+                {
+                    "tokens": tokens[j, :n].to(torch.int32).contiguous(),
+                    "topk_ids": tids[j, :n].to(torch.int32).contiguous(),
+                    "topk_logprobs": vals[j, :n].contiguous(),
+                },
+                str(paths[i]),
+            )
         bar.update(len(idx))
     bar.close()
     out = []
@@ -254,11 +286,19 @@ def logged_result(served: Served, outcome: Outcome, vocab_size: int) -> Generati
         rest = max(1e-12, 1.0 - float(lp.double().exp().sum()))
         logits = torch.full((vocab_size,), math.log(rest / max(1, vocab_size - TOPK)))  # the residual, spread
         logits[ids] = lp
-        rejections.append(RejectedPosition(index=P + idx, drafted_token=drafted, emitted_token=emitted,
-                                           target_logits=logits))  # fmt: skip
-    stats = RequestStats(method="draft", num_prompt_tokens=P, num_generated=len(served.output),
-                         num_drafted=outcome.drafted, num_accepted=outcome.accepted, num_verify_steps=outcome.steps,
-                         num_rejected_steps=len(rejections), finish_reason="length")  # fmt: skip
+        rejections.append(
+            RejectedPosition(index=P + idx, drafted_token=drafted, emitted_token=emitted, target_logits=logits)
+        )
+    stats = RequestStats(
+        method="draft",
+        num_prompt_tokens=P,
+        num_generated=len(served.output),
+        num_drafted=outcome.drafted,
+        num_accepted=outcome.accepted,
+        num_verify_steps=outcome.steps,
+        num_rejected_steps=len(rejections),
+        finish_reason="length",
+    )
     return GenerationResult(token_ids=list(served.output), stats=stats, rejections=rejections)
 
 
@@ -284,14 +324,19 @@ class ProbeResult:
     per_request: list[tuple[int, int, int]]  # (accepted, rejected steps, drafted)
 
     def to_dict(self) -> dict:
-        return {"alpha_token": self.alpha_token, "alpha_drafted": self.alpha_drafted,
-                "se": ratio_se([(a, a + r) for a, r, _ in self.per_request])}  # fmt: skip
+        return {
+            "alpha_token": self.alpha_token,
+            "alpha_drafted": self.alpha_drafted,
+            "se": ratio_se([(a, a + r) for a, r, _ in self.per_request]),
+        }
 
 
 def probe(draft: torch.nn.Module, probe_set: list[Served], args) -> ProbeResult:
     outs = [serve(draft, s, args.k, args.max_new_tokens) for s in probe_set]
     acc, rej, dr = sum(o.accepted for o in outs), sum(len(o.rejected) for o in outs), sum(o.drafted for o in outs)
-    return ProbeResult(token_alpha(acc, rej), acc / dr if dr else 0.0, [(o.accepted, len(o.rejected), o.drafted) for o in outs])
+    return ProbeResult(
+        token_alpha(acc, rej), acc / dr if dr else 0.0, [(o.accepted, len(o.rejected), o.drafted) for o in outs]
+    )
 
 
 def ratio_se(pairs: list[tuple[int, int]]) -> float:
@@ -323,7 +368,7 @@ def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: s
         for start in tqdm(range(0, len(order), args.offline_batch), desc=label, unit="batch", leave=False):
             opt.zero_grad(set_to_none=True)
             total, count = None, 0
-            for j in order[start:start + args.offline_batch]:
+            for j in order[start : start + args.offline_batch]:
                 s = stream[j]
                 P = len(s.prompt.token_ids)
                 ids = torch.tensor(s.prompt.token_ids + s.output[:-1])
@@ -349,18 +394,39 @@ def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: s
 def online_config(args, **over) -> OnlineConfig:
     """The trainer's defaults, with this run's overrides (``--lr`` ...) and then ``over``."""
     base = OnlineConfig()
-    fields = {"interval": args.interval, "lr": args.lr, "steps_per_update": args.steps, "loss": args.loss,
-              "positions": args.positions}  # fmt: skip
+    fields = {
+        "interval": args.interval,
+        "lr": args.lr,
+        "steps_per_update": args.steps,
+        "loss": args.loss,
+        "positions": args.positions,
+    }
     cfg = replace(base, poll_timeout_s=0.01, **{k: v for k, v in fields.items() if v is not None})
     if args.replay or args.capacity:
-        cfg = replace(cfg, replay=ReplayConfig(policy=args.replay or base.replay.policy,
-                                               capacity=args.capacity or base.replay.capacity))  # fmt: skip
+        cfg = replace(
+            cfg,
+            replay=ReplayConfig(
+                policy=args.replay or base.replay.policy, capacity=args.capacity or base.replay.capacity
+            ),
+        )
     return replace(cfg, **over)
 
 
-def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic: list[tuple[Served, str]],
-                 probes: dict[str, list[Served]], args, tmp: Path, *, label: str, ocfg: OnlineConfig,
-                 gate: bool = True, audit: bool = True, probe_every: int | None = None) -> dict:  # fmt: skip
+def learning_run(
+    pair: ModelPair,
+    base_dir: Path,
+    base: torch.nn.Module,
+    traffic: list[tuple[Served, str]],
+    probes: dict[str, list[Served]],
+    args,
+    tmp: Path,
+    *,
+    label: str,
+    ocfg: OnlineConfig,
+    gate: bool = True,
+    audit: bool = True,
+    probe_every: int | None = None,
+) -> dict:
     """Serve ``traffic`` ((request, cluster) in order) while one OnlineTrainer learns from it.
 
     Per cluster, ``gated`` serves the champion (promoted through the gate) and logs the
@@ -369,8 +435,9 @@ def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic
     cfg = StreamConfig(url=f"local://{tmp}/{label}/log", fsync=False, num_partitions=1)
     logger = StreamLogger(cfg, LoggerConfig(), vocab_size=pair.vocab_size)
     teacher = CachedTeacher()
-    trainer = OnlineTrainer(cfg, base_dir, tmp / label / "trainer", ocfg,
-                            teacher=teacher if ocfg.positions == "all" else None)  # fmt: skip
+    trainer = OnlineTrainer(
+        cfg, base_dir, tmp / label / "trainer", ocfg, teacher=teacher if ocfg.positions == "all" else None
+    )
     pcfg = PromoteConfig()
     clusters = sorted({c for _, c in traffic})
     gated = {c: copy.deepcopy(base) for c in clusters}
@@ -397,8 +464,15 @@ def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic
         if c not in probes:
             return
         g, u = measure(c, "gated", gated[c], version[c]), measure(c, "ungated", latest[c], latest_v[c])
-        curves[c].append({"requests": served_n[c], "gated": g.alpha_token, "ungated": u.alpha_token,
-                          "gated_version": version[c], "ungated_version": latest_v[c]})  # fmt: skip
+        curves[c].append(
+            {
+                "requests": served_n[c],
+                "gated": g.alpha_token,
+                "ungated": u.alpha_token,
+                "gated_version": version[c],
+                "ungated_version": latest_v[c],
+            }
+        )
 
     for c in clusters:
         checkpoint(c)
@@ -406,19 +480,46 @@ def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic
         for i, (s, c) in enumerate(tqdm(traffic, desc=label, unit="req", leave=False)):
             out = serve(gated[c], s, args.k, args.max_new_tokens)
             out_u = out if latest_v[c] == version[c] else serve(latest[c], s, args.k, args.max_new_tokens)
-            rows.append({"cluster": c, "domain": s.prompt.domain, "accepted": out.accepted, "rejected": len(out.rejected),
-                         "drafted": out.drafted, "version": version[c], "u_accepted": out_u.accepted,
-                         "u_rejected": len(out_u.rejected), "u_drafted": out_u.drafted, "u_version": latest_v[c]})  # fmt: skip
+            rows.append(
+                {
+                    "cluster": c,
+                    "domain": s.prompt.domain,
+                    "accepted": out.accepted,
+                    "rejected": len(out.rejected),
+                    "drafted": out.drafted,
+                    "version": version[c],
+                    "u_accepted": out_u.accepted,
+                    "u_rejected": len(out_u.rejected),
+                    "u_drafted": out_u.drafted,
+                    "u_version": latest_v[c],
+                }
+            )
             if args.check_every and i % args.check_every == args.check_every - 1:  # the real engine agrees
-                engine = SpecEngine(ModelPair(target=pair.target, draft=gated[c], tokenizer=pair.tokenizer,
-                                              tokenizer_sha256=pair.tokenizer_sha256))  # fmt: skip
+                engine = SpecEngine(
+                    ModelPair(
+                        target=pair.target,
+                        draft=gated[c],
+                        tokenizer=pair.tokenizer,
+                        tokenizer_sha256=pair.tokenizer_sha256,
+                    )
+                )
                 res = engine.generate(s.prompt.token_ids, params, method="draft", k=args.k)
-                checks.append({"request": i, "identical": res.token_ids == s.output,
-                               "alpha_engine": res.stats.alpha_token, "alpha_replayed": out.alpha_token})  # fmt: skip
+                checks.append(
+                    {
+                        "request": i,
+                        "identical": res.token_ids == s.output,
+                        "alpha_engine": res.stats.alpha_token,
+                        "alpha_replayed": out.alpha_token,
+                    }
+                )
             rid = f"{label}-{i}"
             teacher.by_request[rid] = s
-            logger.log(s.prompt.token_ids, logged_result(s, out, pair.vocab_size), params,
-                       RequestMeta(request_id=rid, cluster=c, draft_version=str(version[c])))  # fmt: skip
+            logger.log(
+                s.prompt.token_ids,
+                logged_result(s, out, pair.vocab_size),
+                params,
+                RequestMeta(request_id=rid, cluster=c, draft_version=str(version[c])),
+            )
             logger.flush(30)
             c0 = time.process_time()
             while trainer.step():
@@ -434,13 +535,30 @@ def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic
                     if c not in ref_cache or ref_cache[c][0] != key:  # the champion on this held-out set
                         ref_cache[c] = (key, evaluate_records(gated[c], holdout, vocab=trainer.vocab))
                     result = gate_decision(str(st.version), str(version[c]), cand, ref_cache[c][1], pcfg)
-                    gates.append({"request": i, "cluster": c, "candidate": st.version, "promoted": result.promoted,
-                                  "reason": result.reason})  # fmt: skip
+                    gates.append(
+                        {
+                            "request": i,
+                            "cluster": c,
+                            "candidate": st.version,
+                            "promoted": result.promoted,
+                            "reason": result.reason,
+                        }
+                    )
                     if result.promoted:
                         if audit:
-                            nxt = [traffic[j][0] for j in future[c] if j > i][:args.audit_window]
-                            promotions.append(audit_promotion(gated[c], latest[c], nxt, args, request=i, cluster=c,
-                                                              old_version=version[c], new_version=st.version))  # fmt: skip
+                            nxt = [traffic[j][0] for j in future[c] if j > i][: args.audit_window]
+                            promotions.append(
+                                audit_promotion(
+                                    gated[c],
+                                    latest[c],
+                                    nxt,
+                                    args,
+                                    request=i,
+                                    cluster=c,
+                                    old_version=version[c],
+                                    new_version=st.version,
+                                )
+                            )
                         gated[c].load_state_dict(st.model.state_dict())  # the hot-swap, between requests
                         version[c] = st.version
             cpu += time.process_time() - c0
@@ -453,34 +571,77 @@ def learning_run(pair: ModelPair, base_dir: Path, base: torch.nn.Module, traffic
     for c in clusters:
         if not curves[c] or curves[c][-1]["requests"] != served_n[c]:
             checkpoint(c)
-    final = {c: {"gated": measure(c, "gated", gated[c], version[c]).to_dict(),
-                 "ungated": measure(c, "ungated", latest[c], latest_v[c]).to_dict(),
-                 "gated_version": version[c], "ungated_version": latest_v[c]} for c in clusters if c in probes}  # fmt: skip
-    return {"rows": rows, "curves": curves, "final": final, "promotions": promotions, "gates": gates, "checks": checks,
-            "trainer_cpu_s": cpu, "drafts": {"gated": gated, "ungated": latest},
-            "teacher_forwards": getattr(trainer.teacher, "forwards", 0)}  # fmt: skip
+    final = {
+        c: {
+            "gated": measure(c, "gated", gated[c], version[c]).to_dict(),
+            "ungated": measure(c, "ungated", latest[c], latest_v[c]).to_dict(),
+            "gated_version": version[c],
+            "ungated_version": latest_v[c],
+        }
+        for c in clusters
+        if c in probes
+    }
+    return {
+        "rows": rows,
+        "curves": curves,
+        "final": final,
+        "promotions": promotions,
+        "gates": gates,
+        "checks": checks,
+        "trainer_cpu_s": cpu,
+        "drafts": {"gated": gated, "ungated": latest},
+        "teacher_forwards": getattr(trainer.teacher, "forwards", 0),
+    }
 
 
-def audit_promotion(old: torch.nn.Module, new: torch.nn.Module, future: list[Served], args, *, request: int,
-                    cluster: str, old_version: int, new_version: int) -> dict:  # fmt: skip
+def audit_promotion(
+    old: torch.nn.Module,
+    new: torch.nn.Module,
+    future: list[Served],
+    args,
+    *,
+    request: int,
+    cluster: str,
+    old_version: int,
+    new_version: int,
+) -> dict:
     """The promoted version and the one it replaces, both serving the cluster's next requests
     (paired): the per-token α difference and its 95 % interval (requests are the units)."""
     a = [serve(new, s, args.k, args.max_new_tokens) for s in future]
     b = [serve(old, s, args.k, args.max_new_tokens) for s in future]
     if not future:
-        return {"request": request, "cluster": cluster, "from": old_version, "to": new_version, "requests": 0,
-                "delta_alpha": 0.0, "ci95": float("inf"), "worse_beyond_noise": False}  # fmt: skip
+        return {
+            "request": request,
+            "cluster": cluster,
+            "from": old_version,
+            "to": new_version,
+            "requests": 0,
+            "delta_alpha": 0.0,
+            "ci95": float("inf"),
+            "worse_beyond_noise": False,
+        }
     na = token_alpha(sum(o.accepted for o in a), sum(len(o.rejected) for o in a))
     nb = token_alpha(sum(o.accepted for o in b), sum(len(o.rejected) for o in b))
     # paired, per request: the difference of the two ratio estimators, linearised
     ta = sum(o.accepted + len(o.rejected) for o in a) or 1
     tb = sum(o.accepted + len(o.rejected) for o in b) or 1
-    d = [(x.accepted - na * (x.accepted + len(x.rejected))) / ta - (y.accepted - nb * (y.accepted + len(y.rejected))) / tb
-         for x, y in zip(a, b)]  # fmt: skip
+    d = [
+        (x.accepted - na * (x.accepted + len(x.rejected))) / ta
+        - (y.accepted - nb * (y.accepted + len(y.rejected))) / tb
+        for x, y in zip(a, b)
+    ]
     half = 1.96 * math.sqrt(sum(v * v for v in d) * len(d) / max(1, len(d) - 1)) if len(d) > 1 else float("inf")
     delta = na - nb
-    return {"request": request, "cluster": cluster, "from": old_version, "to": new_version, "requests": len(d),
-            "delta_alpha": delta, "ci95": half, "worse_beyond_noise": bool(d) and delta + half < 0}  # fmt: skip
+    return {
+        "request": request,
+        "cluster": cluster,
+        "from": old_version,
+        "to": new_version,
+        "requests": len(d),
+        "delta_alpha": delta,
+        "ci95": half,
+        "worse_beyond_noise": bool(d) and delta + half < 0,
+    }
 
 
 # ---------------------------------------------------------------- 5. speed and c
@@ -493,8 +654,12 @@ def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Ser
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE)  # serving's draft precision (learning is measured in float32)
     drafts = {name: copy.deepcopy(d).to(dtype).eval() for name, d in drafts.items()}
-    engines = {name: SpecEngine(ModelPair(target=pair.target, draft=d, tokenizer=pair.tokenizer,
-                                          tokenizer_sha256=pair.tokenizer_sha256)) for name, d in drafts.items()}  # fmt: skip
+    engines = {
+        name: SpecEngine(
+            ModelPair(target=pair.target, draft=d, tokenizer=pair.tokenizer, tokenizer_sha256=pair.tokenizer_sha256)
+        )
+        for name, d in drafts.items()
+    }
     tokens = {n: 0 for n in ["target", *drafts]}
     seconds = {n: 0.0 for n in tokens}
     identical = True
@@ -509,13 +674,18 @@ def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Ser
             ref = res.token_ids if ref is None else ref
             identical &= res.token_ids == ref
     tps = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in tokens}
-    return {"tokens_per_s": tps, "ratio_to_target": {n: tps[n] / tps["target"] for n in drafts},
-            "prompts": len(prompts), "identical": identical}  # fmt: skip
+    return {
+        "tokens_per_s": tps,
+        "ratio_to_target": {n: tps[n] / tps["target"] for n in drafts},
+        "prompts": len(prompts),
+        "identical": identical,
+    }
 
 
 @torch.inference_mode()
 def cost_ratio(target: torch.nn.Module, draft: torch.nn.Module, context: list[int], steps: int = 12) -> float:
     """c: seconds of one cached one-token step of the draft over the target's, after a shared prefill."""
+
     def step_time(model) -> float:
         ids = torch.tensor([context])
         out = model(input_ids=ids, use_cache=True)
@@ -543,13 +713,22 @@ def moving(rows: list[dict], prefix: str = "", window: int = WINDOW) -> list[flo
     return out
 
 
-def recovery(rows: list[dict], start: int, end: int, reference: float, *, margin: float = RECOVERY_MARGIN,
-             min_seen: int = 20, window: int = WINDOW, prefix: str = "") -> int | None:  # fmt: skip
+def recovery(
+    rows: list[dict],
+    start: int,
+    end: int,
+    reference: float,
+    *,
+    margin: float = RECOVERY_MARGIN,
+    min_seen: int = 20,
+    window: int = WINDOW,
+    prefix: str = "",
+) -> int | None:
     """Requests after the switch at ``start`` until the pooled α of the trailing ``window``
     requests since the switch is back within ``margin`` of ``reference``; None if never before ``end``."""
     a, r = f"{prefix}accepted", f"{prefix}rejected"
     for n in range(start + min_seen, end + 1):
-        seg = rows[max(start, n - window):n]
+        seg = rows[max(start, n - window) : n]
         if token_alpha(sum(x[a] for x in seg), sum(x[r] for x in seg)) >= reference - margin:
             return n - start
     return None
@@ -559,15 +738,16 @@ def recovery(rows: list[dict], start: int, end: int, reference: float, *, margin
 def build_workload(pair: ModelPair, args, model_dir: Path) -> tuple[dict, dict, dict, bool]:
     """Per domain: the served stream and the probe (with continuations), the router texts; and
     whether every prompt of the run is distinct (by token ids)."""
-    parts = chat_workload(pair.tokenizer, {"router": args.router_texts, "served": args.requests, "probe": args.probe},
-                          seed=args.seed)  # fmt: skip
+    parts = chat_workload(
+        pair.tokenizer, {"router": args.router_texts, "served": args.requests, "probe": args.probe}, seed=args.seed
+    )
     cache = model_dir / "cache" / "osd-chat"
     streams, probes = {}, {}
     everything = [p for d in DOMAINS for part in parts[d].values() for p in part]
     distinct = len({tuple(p.token_ids) for p in everything}) == len(everything)
     for d in DOMAINS:
         served = continuations(pair, parts[d]["served"] + parts[d]["probe"], args.max_new_tokens, cache, args.batch)
-        streams[d], probes[d] = served[:args.requests], served[args.requests:]
+        streams[d], probes[d] = served[: args.requests], served[args.requests :]
     routers = {d: [pair.tokenizer.decode(p.token_ids) for p in parts[d]["router"]] for d in DOMAINS}
     return streams, probes, routers, distinct
 
@@ -594,7 +774,7 @@ def route(routers: dict[str, list[str]], texts: list[str], args) -> list[str]:
     router = fit_router(routers, emb, refine=False)
     out = []
     for start in tqdm(range(0, len(texts), 64), desc="routing", unit="batch", leave=False):
-        out += [r.cluster for r in router.route_batch(texts[start:start + 64])]
+        out += [r.cluster for r in router.route_batch(texts[start : start + 64])]
     return out
 
 
@@ -626,7 +806,9 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
     depth 2 vs 4 (layers of the target, undistilled) learning online with it, with c. Ungated:
     a recipe is judged on the probe α of the newest version after the traffic. Rows already in
     ``--grid-reuse`` (same recipe, same traffic size) are taken from it, not run again."""
-    traffic = [(s, s.prompt.domain) for s in interleave({d: v[:args.grid_requests] for d, v in streams.items()}, args.seed)]
+    traffic = [
+        (s, s.prompt.domain) for s in interleave({d: v[: args.grid_requests] for d, v in streams.items()}, args.seed)
+    ]
     center = online_config(args)
     for factor, level in GRID_CENTER.items():
         center = _with(center, factor, level)
@@ -637,8 +819,13 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
         if old.get("requests_per_domain") == args.grid_requests:
             reuse = old.get("rows", [])
     rows: list[dict] = []
-    out = {"requests_per_domain": args.grid_requests, "static": static, "rows": rows, "center": _recipe(center),
-           "budget_s_per_request": GRID_BUDGET_S}  # fmt: skip
+    out = {
+        "requests_per_domain": args.grid_requests,
+        "static": static,
+        "rows": rows,
+        "center": _recipe(center),
+        "budget_s_per_request": GRID_BUDGET_S,
+    }
 
     def save() -> None:
         if args.json:
@@ -652,18 +839,39 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
             row = {**hit, "name": name, "reused_from": str(args.grid_reuse)}
         else:
             t0 = time.perf_counter()
-            res = learning_run(pair, bdir or base_dir, base if base is not None else pair.draft, traffic, probes, args,
-                               tmp, label=f"grid-{len(rows)}", ocfg=cfg, gate=False, audit=False)  # fmt: skip
+            res = learning_run(
+                pair,
+                bdir or base_dir,
+                base if base is not None else pair.draft,
+                traffic,
+                probes,
+                args,
+                tmp,
+                label=f"grid-{len(rows)}",
+                ocfg=cfg,
+                gate=False,
+                audit=False,
+            )
             alpha = {d: res["final"][d]["ungated"]["alpha_token"] for d in DOMAINS}
-            row = {"name": name, "config": recipe, "alpha_token": alpha, "mean": statistics.fmean(alpha.values()),
-                   "gain_vs_static": statistics.fmean(alpha[d] - static[d] for d in DOMAINS),
-                   "trainer_cpu_s_per_request": res["trainer_cpu_s"] / len(traffic),
-                   "seconds": time.perf_counter() - t0}  # fmt: skip
+            row = {
+                "name": name,
+                "config": recipe,
+                "alpha_token": alpha,
+                "mean": statistics.fmean(alpha.values()),
+                "gain_vs_static": statistics.fmean(alpha[d] - static[d] for d in DOMAINS),
+                "trainer_cpu_s_per_request": res["trainer_cpu_s"] / len(traffic),
+                "seconds": time.perf_counter() - t0,
+            }
         rows.append(row)
         save()
-        log.warning("grid %-34s α %s mean %.3f (%+.3f vs static) %.2f s/request", name,
-                    " ".join(f"{d}={a:.3f}" for d, a in row["alpha_token"].items()), row["mean"], row["gain_vs_static"],
-                    row["trainer_cpu_s_per_request"])  # fmt: skip
+        log.warning(
+            "grid %-34s α %s mean %.3f (%+.3f vs static) %.2f s/request",
+            name,
+            " ".join(f"{d}={a:.3f}" for d, a in row["alpha_token"].items()),
+            row["mean"],
+            row["gain_vs_static"],
+            row["trainer_cpu_s_per_request"],
+        )
         return row
 
     center_row = run("center (OSD Algorithm 1)", center)
@@ -681,7 +889,10 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
     candidates = [(center_row, center)]
     if _recipe(combined) != _recipe(center):
         candidates.append((run("best of each factor", combined), combined))
-        if candidates[-1][0]["trainer_cpu_s_per_request"] > GRID_BUDGET_S and combined.replay.policy != center.replay.policy:
+        if (
+            candidates[-1][0]["trainer_cpu_s_per_request"] > GRID_BUDGET_S
+            and combined.replay.policy != center.replay.policy
+        ):
             cleared = _with(combined, "replay", center.replay.policy)
             candidates.append((run(f"best of each factor, replay={center.replay.policy}", cleared), cleared))
     for r in rows:  # every measured one-factor run is a candidate too
@@ -694,12 +905,20 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
     for layers in sorted({tuple(range(min(d, n_target))) for d in (2, 4)}):
         ddir = undistilled_draft(pair, base_dir, layers, tmp)
         d_model = load_model(ddir)
-        depth[len(layers)] = run(f"depth {len(layers)} (undistilled)", chosen, base=d_model, bdir=ddir,
-                                 key=f"undistilled-{len(layers)}")  # fmt: skip
+        depth[len(layers)] = run(
+            f"depth {len(layers)} (undistilled)", chosen, base=d_model, bdir=ddir, key=f"undistilled-{len(layers)}"
+        )
         depth[len(layers)]["c"] = cost_ratio(pair.target, d_model, probes[DOMAINS[0]][0].prompt.token_ids)
-    out.update({"best_levels": best, "chosen": _recipe(chosen), "chosen_name": chosen_row["name"],
-                "chosen_mean": chosen_row["mean"], "depth": {str(k): v for k, v in depth.items()},
-                "positions_cost": positions_cost(pair, streams, args)})  # fmt: skip
+    out.update(
+        {
+            "best_levels": best,
+            "chosen": _recipe(chosen),
+            "chosen_name": chosen_row["name"],
+            "chosen_mean": chosen_row["mean"],
+            "depth": {str(k): v for k, v in depth.items()},
+            "positions_cost": positions_cost(pair, streams, args),
+        }
+    )
     return out
 
 
@@ -726,8 +945,15 @@ def _with(cfg: OnlineConfig, factor: str, level) -> OnlineConfig:
 
 
 def _recipe(cfg: OnlineConfig) -> dict:
-    return {"positions": cfg.positions, "lr": cfg.lr, "steps_per_update": cfg.steps_per_update,
-            "replay": cfg.replay.policy, "capacity": cfg.replay.capacity, "loss": cfg.loss, "interval": cfg.interval}  # fmt: skip
+    return {
+        "positions": cfg.positions,
+        "lr": cfg.lr,
+        "steps_per_update": cfg.steps_per_update,
+        "replay": cfg.replay.policy,
+        "capacity": cfg.replay.capacity,
+        "loss": cfg.loss,
+        "interval": cfg.interval,
+    }
 
 
 def undistilled_draft(pair: ModelPair, base_dir: Path, layers: tuple[int, ...], tmp: Path) -> Path:
@@ -739,7 +965,11 @@ def undistilled_draft(pair: ModelPair, base_dir: Path, layers: tuple[int, ...], 
     if not out.exists():
         init_draft(pair.target, layers).save_pretrained(out, safe_serialization=True)
         for f in base_dir.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", "generation_config.json"):
+            if (
+                f.is_file()
+                and not f.name.endswith(".safetensors")
+                and f.name not in ("config.json", "generation_config.json")
+            ):
                 shutil.copy(f, out / f.name)
     return out
 
@@ -758,16 +988,27 @@ def positions_cost(pair: ModelPair, streams: dict, args) -> dict:
     for i, s in enumerate(sample):
         out = serve(pair.draft, s, args.k, args.max_new_tokens)
         meta = RequestMeta(request_id=f"cost-{i}", cluster="c", draft_version="0")
-        miss, _ = build_records(s.prompt.token_ids, logged_result(s, out, pair.vocab_size), params, meta,
-                                vocab_size=pair.vocab_size)  # fmt: skip
+        miss, _ = build_records(
+            s.prompt.token_ids, logged_result(s, out, pair.vocab_size), params, meta, vocab_size=pair.vocab_size
+        )
         rejected_b.append(len(codec.encode(miss)))
-        every = Outcome(out.accepted + len(s.output), out.accepted, out.steps, [(j, (t + 1) % pair.vocab_size, t) for j, t in enumerate(s.output)])
-        miss_all, _ = build_records(s.prompt.token_ids, logged_result(s, every, pair.vocab_size), params, meta,
-                                    vocab_size=pair.vocab_size)  # fmt: skip
+        every = Outcome(
+            out.accepted + len(s.output),
+            out.accepted,
+            out.steps,
+            [(j, (t + 1) % pair.vocab_size, t) for j, t in enumerate(s.output)],
+        )
+        miss_all, _ = build_records(
+            s.prompt.token_ids, logged_result(s, every, pair.vocab_size), params, meta, vocab_size=pair.vocab_size
+        )
         all_b.append(len(codec.encode(miss_all)))
         teacher(miss)
-    return {"records": len(sample), "bytes_rejected": statistics.fmean(rejected_b), "bytes_all": statistics.fmean(all_b),
-            "teacher_forward_s": teacher.seconds / max(1, teacher.forwards)}  # fmt: skip
+    return {
+        "records": len(sample),
+        "bytes_rejected": statistics.fmean(rejected_b),
+        "bytes_all": statistics.fmean(all_b),
+        "teacher_forward_s": teacher.seconds / max(1, teacher.forwards),
+    }
 
 
 # ---------------------------------------------------------------- 9. report
@@ -807,12 +1048,15 @@ def summarise(report: dict) -> dict:
         "recovery_requests": shift.get("recovery", {}).get("requests"),
         "routing_accuracy": report.get("routing", {}).get("accuracy"),
         "routing_accuracy_user_only": report.get("routing", {}).get("accuracy_user_only"),
-        "engine_checks": {"n": len(report.get("engine_checks", [])),
-                          "identical": sum(c["identical"] for c in report.get("engine_checks", [])),
-                          "alpha_equal": sum(abs(c["alpha_engine"] - c["alpha_replayed"]) < 1e-9
-                                             for c in report.get("engine_checks", []))},
+        "engine_checks": {
+            "n": len(report.get("engine_checks", [])),
+            "identical": sum(c["identical"] for c in report.get("engine_checks", [])),
+            "alpha_equal": sum(
+                abs(c["alpha_engine"] - c["alpha_replayed"]) < 1e-9 for c in report.get("engine_checks", [])
+            ),
+        },
         "trainer_cpu_s_per_request": main["trainer_cpu_s"] / max(1, len(main["rows"])),
-    }  # fmt: skip
+    }
     if report.get("generic"):
         g = report["generic"]
         out["alpha_token_generic"] = {k: {d: g[k][d] for d in clusters} for k in ("static", "gated", "ungated")}
@@ -824,7 +1068,7 @@ def summarise(report: dict) -> dict:
         ">= 1 promotion per cluster": all(v >= 1 for v in per_cluster.values()),
         "0 worse promotions": out["worse_promotions"] == 0,
         "recovery <= 300 requests": out["recovery_requests"] is not None and out["recovery_requests"] <= RECOVERY_BAR,
-    }  # fmt: skip
+    }
     return out
 
 
@@ -847,8 +1091,13 @@ def plot(report: dict, path: Path) -> None:
         ax.axhline(report["offline"][d]["alpha_token"], color=COLORS["offline"], ls=":", label="offline (bound)")
         if report.get("generic") and report["generic"].get("curves", {}).get(d):
             gc = report["generic"]["curves"][d]
-            ax.plot([p["requests"] for p in gc], [p["ungated"] for p in gc], "-", color=COLORS["generic_ungated"],
-                    label="generic start, ungated")  # fmt: skip
+            ax.plot(
+                [p["requests"] for p in gc],
+                [p["ungated"] for p in gc],
+                "-",
+                color=COLORS["generic_ungated"],
+                label="generic start, ungated",
+            )
         served_idx = {}
         for i, r in enumerate(main["rows"]):
             if r["cluster"] == d:
@@ -857,7 +1106,9 @@ def plot(report: dict, path: Path) -> None:
             if p["cluster"] == d:
                 ax.axvline(served_idx.get(p["request"], 0), color=COLORS["gated"], alpha=0.25, lw=0.8)
         ax.set_title(f"{d}: α on the held-out probe")
-        ax.set_xlabel(f"requests of the cluster served (promotions: {sum(p['cluster'] == d for p in main['promotions'])})")
+        ax.set_xlabel(
+            f"requests of the cluster served (promotions: {sum(p['cluster'] == d for p in main['promotions'])})"
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     if report.get("shift"):
@@ -884,44 +1135,64 @@ def markdown(report: dict) -> str:
     gen = s.get("alpha_token_generic")
     ratio = s.get("tokens_per_s_ratio", {})
     head = "| cluster | static | gated | ungated | offline bound | gated gain | of offline gain | promotions |"
-    lines = [head + (" generic start → gated / ungated |" if gen else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gen else "")]  # fmt: skip
+    lines = [
+        head + (" generic start → gated / ungated |" if gen else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gen else ""),
+    ]
     for d in clusters:
         f = s["offline_fraction"][d]
-        line = (f"| {d} | {s['alpha_token_static'][d]:.3f} | {s['alpha_token_gated'][d]:.3f} | "
-                f"{s['alpha_token_ungated'][d]:.3f} | {s['alpha_token_offline'][d]:.3f} | {s['gain_gated'][d]:+.3f} | "
-                f"{'–' if f is None else f'{f:.2f}'} | {s['promotions_per_cluster'][d]} |")  # fmt: skip
+        line = (
+            f"| {d} | {s['alpha_token_static'][d]:.3f} | {s['alpha_token_gated'][d]:.3f} | "
+            f"{s['alpha_token_ungated'][d]:.3f} | {s['alpha_token_offline'][d]:.3f} | {s['gain_gated'][d]:+.3f} | "
+            f"{'–' if f is None else f'{f:.2f}'} | {s['promotions_per_cluster'][d]} |"
+        )
         if gen:
             line += f" {gen['static'][d]:.3f} → {gen['gated'][d]:.3f} / {gen['ungated'][d]:.3f} |"
         lines.append(line)
     if ratio:
         arms = list(next(iter(ratio.values())))
-        lines += ["", "Tokens/s of the draft method with each arm's final draft ÷ target-only (real engine, same probe "
-                  "prompts, interleaved):", "", "| cluster | " + " | ".join(arms) + " |",
-                  "|---|" + "---:|" * len(arms)]  # fmt: skip
+        lines += [
+            "",
+            "Tokens/s of the draft method with each arm's final draft ÷ target-only (real engine, same probe "
+            "prompts, interleaved):",
+            "",
+            "| cluster | " + " | ".join(arms) + " |",
+            "|---|" + "---:|" * len(arms),
+        ]
         for d in clusters:
             lines.append(f"| {d} | " + " | ".join(f"{ratio[d][a]:.2f}x" for a in arms) + " |")
     return "\n".join(lines)
 
 
 def grid_markdown(g: dict) -> str:
-    lines = [f"Recipe grid: ungated, {g['requests_per_domain']} requests per domain (3 domains interleaved), per-token α "
-             "on the held-out probe after the traffic. Static: " +
-             ", ".join(f"{d} {a:.3f}" for d, a in g["static"].items()) + ".", "",
-             "| run | " + " | ".join(DOMAINS) + " | mean | gain vs static | trainer CPU s / request |",
-             "|---|" + "---:|" * (len(DOMAINS) + 3)]  # fmt: skip
+    lines = [
+        f"Recipe grid: ungated, {g['requests_per_domain']} requests per domain (3 domains interleaved), per-token α "
+        "on the held-out probe after the traffic. Static: "
+        + ", ".join(f"{d} {a:.3f}" for d, a in g["static"].items())
+        + ".",
+        "",
+        "| run | " + " | ".join(DOMAINS) + " | mean | gain vs static | trainer CPU s / request |",
+        "|---|" + "---:|" * (len(DOMAINS) + 3),
+    ]
     for r in g["rows"]:
-        lines.append(f"| {r['name']} | " + " | ".join(f"{r['alpha_token'][d]:.3f}" for d in DOMAINS) +
-                     f" | {r['mean']:.3f} | {r['gain_vs_static']:+.3f} | {r['trainer_cpu_s_per_request']:.3f} |")  # fmt: skip
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(f"{r['alpha_token'][d]:.3f}" for d in DOMAINS)
+            + f" | {r['mean']:.3f} | {r['gain_vs_static']:+.3f} | {r['trainer_cpu_s_per_request']:.3f} |"
+        )
     dp = g["depth"]
     pc = g["positions_cost"]
-    lines += ["", f"Chosen (best probe α within {g['budget_s_per_request']} trainer CPU s per request): "
-              f"{g['chosen_name']}: " + ", ".join(f"`{k}={v}`" for k, v in g["chosen"].items()) + ".",
-              "Draft depth, with the chosen recipe from the target's own layers (undistilled): " +
-              "; ".join(f"{k} layers α {v['mean']:.3f}, c = {v['c']:.3f}" for k, v in dp.items()) + ".",
-              f"Training at every position costs, per request: {pc['bytes_all'] / 1024:.1f} KiB logged (against "
-              f"{pc['bytes_rejected'] / 1024:.1f} KiB for the rejected positions), or one target forward of "
-              f"{pc['teacher_forward_s'] * 1000:.0f} ms in the trainer (`trainer.data.TargetTeacher`)."]  # fmt: skip
+    lines += [
+        "",
+        f"Chosen (best probe α within {g['budget_s_per_request']} trainer CPU s per request): "
+        f"{g['chosen_name']}: " + ", ".join(f"`{k}={v}`" for k, v in g["chosen"].items()) + ".",
+        "Draft depth, with the chosen recipe from the target's own layers (undistilled): "
+        + "; ".join(f"{k} layers α {v['mean']:.3f}, c = {v['c']:.3f}" for k, v in dp.items())
+        + ".",
+        f"Training at every position costs, per request: {pc['bytes_all'] / 1024:.1f} KiB logged (against "
+        f"{pc['bytes_rejected'] / 1024:.1f} KiB for the rejected positions), or one target forward of "
+        f"{pc['teacher_forward_s'] * 1000:.0f} ms in the trainer (`trainer.data.TargetTeacher`).",
+    ]
     return "\n".join(lines)
 
 
@@ -939,124 +1210,221 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
     sh = report.get("shift") or {}
     merged = report.get("merged_from") or []
     gc = next((m["config"] for m in merged if "generic" in m.get("parts", []) and m.get("config")), c)
-    steps = gc.get("generic_steps") or _flag(next((m["command"] for m in merged if "generic" in m.get("parts", [])), ""),
-                                             "--generic-steps")  # fmt: skip
-    gen_note = (f" Generic start (a draft of the bootstrap's shape trained on hard labels only"
-                f"{f' for {steps} steps' if steps else ''}, never distilled from the target; "
-                f"{gc.get('generic_requests')} requests per domain)." if report.get("generic") else "")  # fmt: skip
+    steps = gc.get("generic_steps") or _flag(
+        next((m["command"] for m in merged if "generic" in m.get("parts", [])), ""), "--generic-steps"
+    )
+    gen_note = (
+        f" Generic start (a draft of the bootstrap's shape trained on hard labels only"
+        f"{f' for {steps} steps' if steps else ''}, never distilled from the target; "
+        f"{gc.get('generic_requests')} requests per domain)."
+        if report.get("generic")
+        else ""
+    )
     if merged:  # one process per share of the parts, merged: every command, and where and when each ran
         commands = [f"    {m['command']}" for m in merged] + [f"    {report.get('merge_command', '')}"]
-        commands += ["", "Parts (each its own process, 1 torch thread, on the same prepared workload): " + "; ".join(
-            f"{', '.join(m['parts'])} on {str(m.get('date'))[:10]}, {m.get('cpu_model') or '?'}, commit "
-            f"{str(m.get('git_commit'))[:10]}, {(m.get('elapsed_s') or 0) / 60:.0f} min" for m in merged) + "."]
+        commands += [
+            "",
+            "Parts (each its own process, 1 torch thread, on the same prepared workload): "
+            + "; ".join(
+                f"{', '.join(m['parts'])} on {str(m.get('date'))[:10]}, {m.get('cpu_model') or '?'}, commit "
+                f"{str(m.get('git_commit'))[:10]}, {(m.get('elapsed_s') or 0) / 60:.0f} min"
+                for m in merged
+            )
+            + ".",
+        ]
     else:
         commands = [f"    {report['command']}"]
-    return "\n".join([
-        DOC_BEGIN,
-        "## Online distillation on chat traffic (`benchmarks/osd.py`)",
-        "",
-        "Command:" if not merged else "Commands:",
-        "",
-        *commands,
-        "",
-        f"{'Main part: ' if merged else ''}Date {report['date'][:10]}; CPU {env.get('cpu_model', '?')}, {env['cpu_count']} cores, {env['threads']} torch "
-        f"threads, no GPU; commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Target "
-        f"{c['target']}, bootstrap draft. Traffic: **chat** requests (system + user message, chat template) in "
-        f"{len(s['clusters'])} domains the bootstrap never saw ({', '.join(s['clusters'])}), {c['requests']} "
-        f"**distinct** requests per domain (`distinct_prompts: {str(s['distinct_prompts']).lower()}`), arriving "
-        f"interleaved, routed by a MiniLM router fitted on {c['router_texts']} other prompts per domain (routing "
-        f"accuracy {s['routing_accuracy']:.3f}; {s['routing_accuracy_user_only']:.3f} on the user message alone), up "
-        f"to {c['max_new_tokens']} new tokens, greedy, k = {c['k']}. α is the paper's **per-token α** on a held-out "
-        f"probe of {c['probe']} never-served requests per domain. Trainer: {c['recipe']}. Offline bound: the "
-        f"bootstrap draft distilled on the same traffic at every position, {c['offline_epochs']} epochs.{gen_note} "
-        f"Run time {report['elapsed_s'] / 60:.0f} min.",
-        "",
-        f"![per-token α over requests]({plot_rel})",
-        "",
-        table,
-        "",
-        "| summary | value | bar |",
-        "|---|---:|---:|",
-        f"| `gain_gated_min` (gated − static, smallest over clusters) | {s['gain_gated_min']:+.3f} | ≥ +{GAIN_BAR:.2f} "
-        f"{'met' if bars['gain_gated_min >= 0.10'] else '**not met**'} |",
-        f"| `gain_ungated_min` | {s['gain_ungated_min']:+.3f} | |",
-        f"| `offline_fraction_min` (gated gain ÷ offline gain) | {s['offline_fraction_min'] if s['offline_fraction_min'] is None else round(s['offline_fraction_min'], 3)} "
-        f"| ≥ {OFFLINE_FRACTION_BAR} {'met' if bars['offline_fraction_min >= 0.8'] else '**not met**'} |",
-        f"| `promotions` (per cluster) | {s['promotions']} ({', '.join(f'{d} {n}' for d, n in s['promotions_per_cluster'].items())}) "
-        f"of {s['gate_candidates']} candidates | ≥ 1 per cluster {'met' if bars['>= 1 promotion per cluster'] else '**not met**'} |",
-        f"| `worse_promotions` (audited on the next {c['audit_window']} requests) | {s['worse_promotions']} | 0 "
-        f"{'met' if bars['0 worse promotions'] else '**not met**'} |",
-        f"| `recovery_requests` ({' → '.join(sh.get('domains', []))}: back within {RECOVERY_MARGIN} of the level before "
-        f"the switch) | {'not reached' if rec is None else rec} | ≤ {RECOVERY_BAR} "
-        f"{'met' if bars['recovery <= 300 requests'] else '**not met**'} |",
-        f"| `routing_accuracy` | {s['routing_accuracy']:.3f} | |",
-        f"| `trainer_cpu_s_per_request` | {s['trainer_cpu_s_per_request']:.3f} | |",
-        "",
-        f"Engine check: every {c['check_every']}-th request was also decoded by `SpecEngine`; "
-        f"{checks['identical']}/{checks['n']} outputs identical to the target's, the engine's per-token α equal to "
-        f"the replayed one on {checks['alpha_equal']}/{checks['n']}.",
-        DOC_END,
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## Online distillation on chat traffic (`benchmarks/osd.py`)",
+            "",
+            "Command:" if not merged else "Commands:",
+            "",
+            *commands,
+            "",
+            f"{'Main part: ' if merged else ''}Date {report['date'][:10]}; CPU {env.get('cpu_model', '?')}, {env['cpu_count']} cores, {env['threads']} torch "
+            f"threads, no GPU; commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. Target "
+            f"{c['target']}, bootstrap draft. Traffic: **chat** requests (system + user message, chat template) in "
+            f"{len(s['clusters'])} domains the bootstrap never saw ({', '.join(s['clusters'])}), {c['requests']} "
+            f"**distinct** requests per domain (`distinct_prompts: {str(s['distinct_prompts']).lower()}`), arriving "
+            f"interleaved, routed by a MiniLM router fitted on {c['router_texts']} other prompts per domain (routing "
+            f"accuracy {s['routing_accuracy']:.3f}; {s['routing_accuracy_user_only']:.3f} on the user message alone), up "
+            f"to {c['max_new_tokens']} new tokens, greedy, k = {c['k']}. α is the paper's **per-token α** on a held-out "
+            f"probe of {c['probe']} never-served requests per domain. Trainer: {c['recipe']}. Offline bound: the "
+            f"bootstrap draft distilled on the same traffic at every position, {c['offline_epochs']} epochs.{gen_note} "
+            f"Run time {report['elapsed_s'] / 60:.0f} min.",
+            "",
+            f"![per-token α over requests]({plot_rel})",
+            "",
+            table,
+            "",
+            "| summary | value | bar |",
+            "|---|---:|---:|",
+            f"| `gain_gated_min` (gated − static, smallest over clusters) | {s['gain_gated_min']:+.3f} | ≥ +{GAIN_BAR:.2f} "
+            f"{'met' if bars['gain_gated_min >= 0.10'] else '**not met**'} |",
+            f"| `gain_ungated_min` | {s['gain_ungated_min']:+.3f} | |",
+            f"| `offline_fraction_min` (gated gain ÷ offline gain) | {s['offline_fraction_min'] if s['offline_fraction_min'] is None else round(s['offline_fraction_min'], 3)} "
+            f"| ≥ {OFFLINE_FRACTION_BAR} {'met' if bars['offline_fraction_min >= 0.8'] else '**not met**'} |",
+            f"| `promotions` (per cluster) | {s['promotions']} ({', '.join(f'{d} {n}' for d, n in s['promotions_per_cluster'].items())}) "
+            f"of {s['gate_candidates']} candidates | ≥ 1 per cluster {'met' if bars['>= 1 promotion per cluster'] else '**not met**'} |",
+            f"| `worse_promotions` (audited on the next {c['audit_window']} requests) | {s['worse_promotions']} | 0 "
+            f"{'met' if bars['0 worse promotions'] else '**not met**'} |",
+            f"| `recovery_requests` ({' → '.join(sh.get('domains', []))}: back within {RECOVERY_MARGIN} of the level before "
+            f"the switch) | {'not reached' if rec is None else rec} | ≤ {RECOVERY_BAR} "
+            f"{'met' if bars['recovery <= 300 requests'] else '**not met**'} |",
+            f"| `routing_accuracy` | {s['routing_accuracy']:.3f} | |",
+            f"| `trainer_cpu_s_per_request` | {s['trainer_cpu_s_per_request']:.3f} | |",
+            "",
+            f"Engine check: every {c['check_every']}-th request was also decoded by `SpecEngine`; "
+            f"{checks['identical']}/{checks['n']} outputs identical to the target's, the engine's per-token α equal to "
+            f"the replayed one on {checks['alpha_equal']}/{checks['n']}.",
+            DOC_END,
+        ]
+    )
 
 
 # ---------------------------------------------------------------- 10. main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog="Full run: about 1.5 h on 2 cores (target continuations cached after the first).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Full run: about 1.5 h on 2 cores (target continuations cached after the first).",
+    )
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir with target/, draft/, manifest.json")
-    p.add_argument("--requests", type=int, default=None, help="distinct chat requests served per domain (default 1000; 120 with --quick)")
-    p.add_argument("--probe", type=int, default=None, help="held-out probe requests per domain (default 100; 40 with --quick)")
-    p.add_argument("--router-texts", type=int, default=None, help="prompts per domain the router is fitted on (default 100; 30 with --quick)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="distinct chat requests served per domain (default 1000; 120 with --quick)",
+    )
+    p.add_argument(
+        "--probe", type=int, default=None, help="held-out probe requests per domain (default 100; 40 with --quick)"
+    )
+    p.add_argument(
+        "--router-texts",
+        type=int,
+        default=None,
+        help="prompts per domain the router is fitted on (default 100; 30 with --quick)",
+    )
     p.add_argument("--router-embedder", default="minilm", help="router embedder (serving's: minilm)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 48; 32 with --quick)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="new tokens per request (default 48; 32 with --quick)"
+    )
     p.add_argument("--k", type=int, default=DEFAULT_K["draft"], help="draft tokens per step (the engine's default)")
     p.add_argument("--interval", type=int, default=None, help="trainer: update interval I (default: the trainer's)")
     p.add_argument("--lr", type=float, default=None, help="trainer: learning rate (default: the trainer's)")
     p.add_argument("--steps", type=int, default=None, help="trainer: AdamW steps per update (default: the trainer's)")
     p.add_argument("--loss", choices=("fkl", "rkl", "jsd"), default=None, help="trainer: loss (default: the trainer's)")
-    p.add_argument("--positions", choices=("rejected", "all"), default=None, help="trainer: positions trained (default: the trainer's)")
-    p.add_argument("--replay", choices=("clear", "recent", "reservoir"), default=None, help="trainer: replay policy (default: the trainer's)")
+    p.add_argument(
+        "--positions",
+        choices=("rejected", "all"),
+        default=None,
+        help="trainer: positions trained (default: the trainer's)",
+    )
+    p.add_argument(
+        "--replay",
+        choices=("clear", "recent", "reservoir"),
+        default=None,
+        help="trainer: replay policy (default: the trainer's)",
+    )
     p.add_argument("--capacity", type=int, default=None, help="trainer: replay capacity (default: the trainer's)")
-    p.add_argument("--probe-every", type=int, default=None, help="measure the probe every N requests of a cluster (default 100; 40 with --quick)")
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        default=None,
+        help="measure the probe every N requests of a cluster (default 100; 40 with --quick)",
+    )
     p.add_argument("--offline-epochs", type=int, default=2, help="offline distillation epochs (the paper's 2)")
     p.add_argument("--offline-lr", type=float, default=1e-3, help="offline learning rate")
     p.add_argument("--offline-batch", type=int, default=8, help="sequences per offline step")
-    p.add_argument("--generic", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the loop from a generic (never distilled) draft (default: on; off with --quick)")
-    p.add_argument("--generic-requests", type=int, default=None, help="requests per domain of the generic run (default 300)")
+    p.add_argument(
+        "--generic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the loop from a generic (never distilled) draft (default: on; off with --quick)",
+    )
+    p.add_argument(
+        "--generic-requests", type=int, default=None, help="requests per domain of the generic run (default 300)"
+    )
     p.add_argument("--generic-steps", type=int, default=400, help="hard-label training steps of the generic draft")
-    p.add_argument("--shift-requests", type=int, default=None,
-                   help="requests per segment of the sql -> math -> sql switch on one draft (default 400; 40 with --quick; 0 skips)")
+    p.add_argument(
+        "--shift-requests",
+        type=int,
+        default=None,
+        help="requests per segment of the sql -> math -> sql switch on one draft (default 400; 40 with --quick; 0 skips)",
+    )
     p.add_argument("--audit-window", type=int, default=50, help="requests of its cluster each promotion is audited on")
     p.add_argument("--check-every", type=int, default=100, help="decode every N-th request with the real engine too")
-    p.add_argument("--speed-prompts", type=int, default=None, help="probe prompts per domain timed with the real engine (default 6; 2 with --quick; 0 skips)")
-    p.add_argument("--prepare", action="store_true",
-                   help="only build the workload and cache the target's continuations (the slow first step), then exit")
-    p.add_argument("--parts", default=",".join(PARTS),
-                   help="which parts to run (comma-separated): two processes can share the work, then --merge their JSONs")
-    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="merge the --json reports of runs of different --parts (the first one's command and config "
-                   "lead), then write the summary, plot, JSON and doc as one run; runs nothing")  # fmt: skip
-    p.add_argument("--grid", action="store_true", help="run the recipe grid (quick size: --grid-requests per domain) instead of the arms")
-    p.add_argument("--grid-reuse", type=Path, default=None, metavar="JSON",
-                   help="a (partial) --grid JSON whose rows are reused where the recipe and traffic size match")
+    p.add_argument(
+        "--speed-prompts",
+        type=int,
+        default=None,
+        help="probe prompts per domain timed with the real engine (default 6; 2 with --quick; 0 skips)",
+    )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="only build the workload and cache the target's continuations (the slow first step), then exit",
+    )
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="which parts to run (comma-separated): two processes can share the work, then --merge their JSONs",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="merge the --json reports of runs of different --parts (the first one's command and config "
+        "lead), then write the summary, plot, JSON and doc as one run; runs nothing",
+    )
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="run the recipe grid (quick size: --grid-requests per domain) instead of the arms",
+    )
+    p.add_argument(
+        "--grid-reuse",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="a (partial) --grid JSON whose rows are reused where the recipe and traffic size match",
+    )
     p.add_argument("--grid-requests", type=int, default=None, help="requests per domain of each grid run (default 80)")
     p.add_argument("--batch", type=int, default=16, help="prompts per batched target generation")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--quick", action="store_true", help="120 requests per domain, 32 new tokens, no generic run")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
-    p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "osd.png", help="PNG plot of α over requests")
+    p.add_argument(
+        "--plot", type=Path, default=REPO_ROOT / "docs" / "img" / "osd.png", help="PNG plot of α over requests"
+    )
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
     p.add_argument("--no-doc", action="store_true", help="do not write the doc")
-    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                   help="re-derive the summary, plot, table and doc section from a saved --json report; runs nothing")  # fmt: skip
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="re-derive the summary, plot, table and doc section from a saved --json report; runs nothing",
+    )
     args = p.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("requests", 1000, 120), ("probe", 100, 40), ("router_texts", 100, 30),
-                              ("max_new_tokens", 48, 32), ("probe_every", 100, 40), ("generic", True, False),
-                              ("generic_requests", 300, 60), ("shift_requests", 400, 40), ("speed_prompts", 6, 2),
-                              ("grid_requests", 80, 80)):  # fmt: skip
+    for name, full, quick in (
+        ("requests", 1000, 120),
+        ("probe", 100, 40),
+        ("router_texts", 100, 30),
+        ("max_new_tokens", 48, 32),
+        ("probe_every", 100, 40),
+        ("generic", True, False),
+        ("generic_requests", 300, 60),
+        ("shift_requests", 400, 40),
+        ("speed_prompts", 6, 2),
+        ("grid_requests", 80, 80),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     return args
@@ -1075,12 +1443,21 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in part.items():
                 report.setdefault(key, value)
             env = part.get("environment") or {}
-            report.setdefault("merged_from", []).append({
-                "file": str(path), "command": part.get("command"), "elapsed_s": part.get("elapsed_s"),
-                "date": part.get("date"), "cpu_model": env.get("cpu_model"), "git_commit": env.get("git_commit"),
-                "parts": [k for k in PARTS if k in part], "config": part.get("config")})  # fmt: skip
-        report["merge_command"] = " ".join([".venv/bin/python", "benchmarks/osd.py",
-                                            *map(shlex.quote, argv if argv is not None else sys.argv[1:])])  # fmt: skip
+            report.setdefault("merged_from", []).append(
+                {
+                    "file": str(path),
+                    "command": part.get("command"),
+                    "elapsed_s": part.get("elapsed_s"),
+                    "date": part.get("date"),
+                    "cpu_model": env.get("cpu_model"),
+                    "git_commit": env.get("git_commit"),
+                    "parts": [k for k in PARTS if k in part],
+                    "config": part.get("config"),
+                }
+            )
+        report["merge_command"] = " ".join(
+            [".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+        )
         report["elapsed_s"] = max(m["elapsed_s"] or 0 for m in report["merged_from"])
         return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -1092,26 +1469,54 @@ def main(argv: list[str] | None = None) -> int:
     base_dir = model_dir / "draft"
     streams, probes, routers, distinct = build_workload(pair, args, model_dir)
     if args.prepare:
-        print(f"cached the target's continuations of {sum(len(v) for v in streams.values())} served and "
-              f"{sum(len(v) for v in probes.values())} probe requests under {model_dir / 'cache' / 'osd-chat'}")
+        print(
+            f"cached the target's continuations of {sum(len(v) for v in streams.values())} served and "
+            f"{sum(len(v) for v in probes.values())} probe requests under {model_dir / 'cache' / 'osd-chat'}"
+        )
         return 0
-    command = " ".join([".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        [".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+    )
     env = {**environment(), "cpu_model": _cpu_model()}
     with tempfile.TemporaryDirectory(prefix="specops-osd-") as tmp_s:
         tmp = Path(tmp_s)
         if args.grid:
             g = grid(pair, base_dir, streams, probes, args, tmp, model_dir)
-            g.update({"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "environment": env, "distinct_prompts": distinct, "elapsed_s": time.perf_counter() - started})  # fmt: skip
+            g.update(
+                {
+                    "command": command,
+                    "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "environment": env,
+                    "distinct_prompts": distinct,
+                    "elapsed_s": time.perf_counter() - started,
+                }
+            )
             text = grid_markdown(g)
             print(text)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(g, indent=1))
             if not args.no_doc:
-                write_doc_section(args.doc, GRID_BEGIN, GRID_END, "\n".join([
-                    GRID_BEGIN, "### The recipe grid (`benchmarks/osd.py --grid`)", "", "Command:", "", f"    {command}", "",
-                    f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.", "", text, GRID_END]))  # fmt: skip
+                write_doc_section(
+                    args.doc,
+                    GRID_BEGIN,
+                    GRID_END,
+                    "\n".join(
+                        [
+                            GRID_BEGIN,
+                            "### The recipe grid (`benchmarks/osd.py --grid`)",
+                            "",
+                            "Command:",
+                            "",
+                            f"    {command}",
+                            "",
+                            f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.",
+                            "",
+                            text,
+                            GRID_END,
+                        ]
+                    ),
+                )
             return 0
         report: dict = {"distinct_prompts": distinct}
         parts = set(args.parts.split(","))
@@ -1120,75 +1525,155 @@ def main(argv: list[str] | None = None) -> int:
         drafts: dict = {}
         if "main" in parts:
             # routing: every served and probe request by serving's router; the user message alone as a harder check
-            texts = [(pair.tokenizer.decode(s.prompt.token_ids), s.prompt.domain) for d in DOMAINS for s in streams[d] + probes[d]]
+            texts = [
+                (pair.tokenizer.decode(s.prompt.token_ids), s.prompt.domain)
+                for d in DOMAINS
+                for s in streams[d] + probes[d]
+            ]
             routed = route(routers, [t for t, _ in texts], args)
             user_only = route(routers, [s.prompt.text for d in DOMAINS for s in probes[d]], args)
             truth_user = [d for d in DOMAINS for _ in probes[d]]
-            report["routing"] = {"accuracy": statistics.fmean(r == d for r, (_, d) in zip(routed, texts)),
-                                 "accuracy_user_only": statistics.fmean(r == d for r, d in zip(user_only, truth_user)),
-                                 "requests": len(texts)}  # fmt: skip
-            cluster_of = {tuple(s.prompt.token_ids): r for (s, r) in zip([s for d in DOMAINS for s in streams[d] + probes[d]], routed)}
+            report["routing"] = {
+                "accuracy": statistics.fmean(r == d for r, (_, d) in zip(routed, texts)),
+                "accuracy_user_only": statistics.fmean(r == d for r, d in zip(user_only, truth_user)),
+                "requests": len(texts),
+            }
+            cluster_of = {
+                tuple(s.prompt.token_ids): r
+                for (s, r) in zip([s for d in DOMAINS for s in streams[d] + probes[d]], routed)
+            }
             traffic = [(s, cluster_of[tuple(s.prompt.token_ids)]) for s in interleave(streams, args.seed)]
-            main_run = learning_run(pair, base_dir, pair.draft, traffic, probes, args, tmp, label="main", ocfg=ocfg,
-                                    probe_every=args.probe_every)  # fmt: skip
+            main_run = learning_run(
+                pair,
+                base_dir,
+                pair.draft,
+                traffic,
+                probes,
+                args,
+                tmp,
+                label="main",
+                ocfg=ocfg,
+                probe_every=args.probe_every,
+            )
             report["main"] = {k: v for k, v in main_run.items() if k != "drafts"}
             report["engine_checks"] = main_run["checks"]
-            drafts = {d: {"gated": main_run["drafts"]["gated"][d], "ungated": main_run["drafts"]["ungated"][d]}
-                      for d in main_run["drafts"]["gated"]}  # fmt: skip
+            drafts = {
+                d: {"gated": main_run["drafts"]["gated"][d], "ungated": main_run["drafts"]["ungated"][d]}
+                for d in main_run["drafts"]["gated"]
+            }
             if args.json:  # kept even if a later part fails: the main part is most of the run's time
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.with_suffix(".main-part.json").write_text(json.dumps({**report, "command": " ".join(sys.argv)}, indent=1))
+                args.json.with_suffix(".main-part.json").write_text(
+                    json.dumps({**report, "command": " ".join(sys.argv)}, indent=1)
+                )
         offline = {}
         if "offline" in parts:
             offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}
             report["offline"] = {d: probe(offline[d], probes[d], args).to_dict() for d in DOMAINS}
         if args.speed_prompts and "speed" in parts and drafts:
-            report["speed"] = {d: speed(pair, {"static": pair.draft, **drafts[d], **({"offline": offline[d]} if d in offline else {})},
-                                        probes[d][:args.speed_prompts], args) for d in DOMAINS if d in drafts}  # fmt: skip
+            report["speed"] = {
+                d: speed(
+                    pair,
+                    {"static": pair.draft, **drafts[d], **({"offline": offline[d]} if d in offline else {})},
+                    probes[d][: args.speed_prompts],
+                    args,
+                )
+                for d in DOMAINS
+                if d in drafts
+            }
         if args.generic and "generic" in parts:
             from specops.trainer.bootstrap.generic import build_generic_draft
 
             gdir = build_generic_draft(model_dir, steps=args.generic_steps)
             gdraft = load_model(gdir)
-            gtraffic = [(s, s.prompt.domain) for s in interleave({d: v[:args.generic_requests] for d, v in streams.items()},
-                                                                args.seed)]  # fmt: skip
-            grun = learning_run(pair, gdir, gdraft, gtraffic, probes, args, tmp, label="generic", ocfg=ocfg,
-                                probe_every=args.probe_every, audit=False)  # fmt: skip
-            report["generic"] = {"static": {d: probe(gdraft, probes[d], args).alpha_token for d in DOMAINS},
-                                 "gated": {d: grun["final"][d]["gated"]["alpha_token"] for d in DOMAINS},
-                                 "ungated": {d: grun["final"][d]["ungated"]["alpha_token"] for d in DOMAINS},
-                                 "promotions": len(grun["gates"]) and sum(g["promoted"] for g in grun["gates"]),
-                                 "curves": grun["curves"]}  # fmt: skip
+            gtraffic = [
+                (s, s.prompt.domain)
+                for s in interleave({d: v[: args.generic_requests] for d, v in streams.items()}, args.seed)
+            ]
+            grun = learning_run(
+                pair,
+                gdir,
+                gdraft,
+                gtraffic,
+                probes,
+                args,
+                tmp,
+                label="generic",
+                ocfg=ocfg,
+                probe_every=args.probe_every,
+                audit=False,
+            )
+            report["generic"] = {
+                "static": {d: probe(gdraft, probes[d], args).alpha_token for d in DOMAINS},
+                "gated": {d: grun["final"][d]["gated"]["alpha_token"] for d in DOMAINS},
+                "ungated": {d: grun["final"][d]["ungated"]["alpha_token"] for d in DOMAINS},
+                "promotions": len(grun["gates"]) and sum(g["promoted"] for g in grun["gates"]),
+                "curves": grun["curves"],
+            }
         if args.shift_requests and "shift" in parts:
             n = min(args.shift_requests, args.requests // 2)
             a, b = DOMAINS[0], DOMAINS[1]
-            seq = streams[a][:n] + streams[b][:n] + streams[a][n:2 * n]
-            srun = learning_run(pair, base_dir, pair.draft, [(s, "shift") for s in seq], {}, args, tmp, label="shift",
-                                ocfg=ocfg, audit=False)  # fmt: skip
+            seq = streams[a][:n] + streams[b][:n] + streams[a][n : 2 * n]
+            srun = learning_run(
+                pair,
+                base_dir,
+                pair.draft,
+                [(s, "shift") for s in seq],
+                {},
+                args,
+                tmp,
+                label="shift",
+                ocfg=ocfg,
+                audit=False,
+            )
             rows = srun["rows"]
-            before = rows[max(0, n - WINDOW):n]
+            before = rows[max(0, n - WINDOW) : n]
             ref = pooled(before)
             report["shift"] = {
-                "domains": [a, b, a], "boundaries": [n, 2 * n], "reference": ref,
-                "gated_curve": moving(rows), "ungated_curve": moving(rows, "u_"),
-                "recovery": {"requests": recovery(rows, 2 * n, 3 * n, ref), "reference": ref,
-                             "ungated_requests": recovery(rows, 2 * n, 3 * n, pooled([{"accepted": r["u_accepted"], "rejected": r["u_rejected"]} for r in before]), prefix="u_")},
+                "domains": [a, b, a],
+                "boundaries": [n, 2 * n],
+                "reference": ref,
+                "gated_curve": moving(rows),
+                "ungated_curve": moving(rows, "u_"),
+                "recovery": {
+                    "requests": recovery(rows, 2 * n, 3 * n, ref),
+                    "reference": ref,
+                    "ungated_requests": recovery(
+                        rows,
+                        2 * n,
+                        3 * n,
+                        pooled([{"accepted": r["u_accepted"], "rejected": r["u_rejected"]} for r in before]),
+                        prefix="u_",
+                    ),
+                },
                 "promotions": sum(g["promoted"] for g in srun["gates"]),
-            }  # fmt: skip
-    report.update({
-        "command": command,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": {"target": target_name(model_dir), "requests": args.requests, "probe": args.probe,
-                   "router_texts": args.router_texts, "max_new_tokens": args.max_new_tokens, "k": args.k,
-                   "recipe": ", ".join(f"{k} {v}" for k, v in _recipe(ocfg).items()),
-                   "offline_epochs": args.offline_epochs, "offline_lr": args.offline_lr,
-                   "generic_requests": args.generic_requests if args.generic else None,
-                   "generic_steps": args.generic_steps if args.generic else None, "shift_requests": args.shift_requests,
-                   "audit_window": args.audit_window, "check_every": args.check_every, "window": WINDOW,
-                   "gate_metric": PromoteConfig().metric},
-        "environment": env,
-        "elapsed_s": time.perf_counter() - started,
-    })  # fmt: skip
+            }
+    report.update(
+        {
+            "command": command,
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "config": {
+                "target": target_name(model_dir),
+                "requests": args.requests,
+                "probe": args.probe,
+                "router_texts": args.router_texts,
+                "max_new_tokens": args.max_new_tokens,
+                "k": args.k,
+                "recipe": ", ".join(f"{k} {v}" for k, v in _recipe(ocfg).items()),
+                "offline_epochs": args.offline_epochs,
+                "offline_lr": args.offline_lr,
+                "generic_requests": args.generic_requests if args.generic else None,
+                "generic_steps": args.generic_steps if args.generic else None,
+                "shift_requests": args.shift_requests,
+                "audit_window": args.audit_window,
+                "check_every": args.check_every,
+                "window": WINDOW,
+                "gate_metric": PromoteConfig().metric,
+            },
+            "environment": env,
+            "elapsed_s": time.perf_counter() - started,
+        }
+    )
     return finish(report, args)
 
 
@@ -1210,8 +1695,7 @@ def finish(report: dict, args: argparse.Namespace) -> int:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
-        print(f"partial run (parts {sorted(k for k in report if k in PARTS)}): "
-              "combine the reports with --merge")  # fmt: skip
+        print(f"partial run (parts {sorted(k for k in report if k in PARTS)}): combine the reports with --merge")
         return 0
     report["summary"] = summarise(report)
     plot(report, args.plot)

@@ -50,7 +50,14 @@ import transformers  # noqa: E402
 
 from benchmarks import tree_check  # noqa: E402
 from benchmarks.specbench.config import (  # noqa: E402,F401  (the names tests and tools read here)
-    DOC_BEGIN, DOC_END, DOMAINS, HEADLINE_K, K_SWEEP, MODES, SUMMARY_KEYS, BenchConfig,
+    DOC_BEGIN,
+    DOC_END,
+    DOMAINS,
+    HEADLINE_K,
+    K_SWEEP,
+    MODES,
+    SUMMARY_KEYS,
+    BenchConfig,
 )
 from benchmarks.specbench.costs import alpha_from_tokens_per_step, eq2_speedup, expected_tokens  # noqa: E402,F401
 from benchmarks.specbench.report import doc_section, markdown, write_doc  # noqa: E402,F401
@@ -63,22 +70,38 @@ log = logging.getLogger("benchmarks.spec_decode")
 
 # ---------------------------------------------------------------- CLI
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir with target/, draft/, manifest.json")
     p.add_argument("--prompts", type=int, default=None, help="prompts per domain (default 8; 2 with --quick)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 128; 48 with --quick)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="new tokens per request (default 128; 48 with --quick)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=96, help="tokens per prompt")
     p.add_argument("--k", type=int, default=HEADLINE_K, help="headline draft k (the engine's default)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed")
-    p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per model for c (default 200; 50 with --quick)")
-    p.add_argument("--min-cpu-share", type=float, default=0.6,
-                   help="measure a prompt again when a run got less CPU than this share of its wall time (0 = off)")
-    p.add_argument("--draft-dtype", choices=tuple(DRAFT_DTYPES), default=DEFAULT_DRAFT_DTYPE,
-                   help="precision the draft runs in, ours and HF's assistant alike (serving's default: %(default)s)")
-    p.add_argument("--no-float32-arm", action="store_true",
-                   help="with a bfloat16 draft, skip the side-by-side draft_float32 arm (the same draft in float32)")
+    p.add_argument(
+        "--cost-reps", type=int, default=None, help="timed forwards per model for c (default 200; 50 with --quick)"
+    )
+    p.add_argument(
+        "--min-cpu-share",
+        type=float,
+        default=0.6,
+        help="measure a prompt again when a run got less CPU than this share of its wall time (0 = off)",
+    )
+    p.add_argument(
+        "--draft-dtype",
+        choices=tuple(DRAFT_DTYPES),
+        default=DEFAULT_DRAFT_DTYPE,
+        help="precision the draft runs in, ours and HF's assistant alike (serving's default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-float32-arm",
+        action="store_true",
+        help="with a bfloat16 draft, skip the side-by-side draft_float32 arm (the same draft in float32)",
+    )
     p.add_argument("--quick", action="store_true", help="2 prompts/domain, 48 new tokens, no k sweep (< 3 min)")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
@@ -111,8 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the report (also written to --json and the doc)."""
     args = parse_args(argv)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+        )
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()

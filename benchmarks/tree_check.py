@@ -1,5 +1,5 @@
 """Exactness checks of the token-tree verifier, for ``benchmarks/spec_decode.py``'s summary
-and for ``tests/serving/test_tree.py``.
+and for ``tests/serving/engine/test_tree.py``.
 
 - ``tree_greedy_identical``: on a tiny random model, greedy decoding with many candidate
   rows per step (the right continuation corrupted at random places, its siblings,
@@ -75,7 +75,9 @@ def finish_pair(syn: Synthetic, out: list[int], gen: torch.Generator) -> tuple[i
     return out[0], out[1]
 
 
-def sample_rows(syn: Synthetic, m: int, depth: int, gen: torch.Generator) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def sample_rows(
+    syn: Synthetic, m: int, depth: int, gen: torch.Generator
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """``m`` rows drawn independently from the draft, with the q each token was drawn from."""
     rows, qs = [], []
     for _ in range(m):
@@ -148,8 +150,10 @@ def sampling_p_values(n: int, seed: int = 0) -> dict[str, float]:
     expected = syn.expected_pairs()
     out = {}
     for name, rule in (("ours", ours), ("biased", biased)):
-        out[name] = min(chi2_p(pair_counts(rule, syn, n, case, seed + i), expected)
-                        for i, case in enumerate(("identical", "mixed", "sampled")))  # fmt: skip
+        out[name] = min(
+            chi2_p(pair_counts(rule, syn, n, case, seed + i), expected)
+            for i, case in enumerate(("identical", "mixed", "sampled"))
+        )
     return out
 
 
@@ -164,8 +168,15 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
 
     if pair is None:
         torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
         pair = ModelPair(target=LlamaForCausalLM(cfg).eval(), draft=None, tokenizer=None)
     engine = SpecEngine(pair)
     vocab = pair.vocab_size
@@ -181,7 +192,7 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
 
         def propose(self, state, k):
             n = state.num_generated
-            true = self.truth[n: n + k]
+            true = self.truth[n : n + k]
             if not true:
                 return Proposals.empty()
             rows = [list(true), list(true)]
@@ -206,13 +217,18 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
 def run(quick: bool = False) -> dict:
     """The three summary keys."""
     ps = sampling_p_values(3000 if quick else 20000)
-    return {"tree_greedy_identical": greedy_identical(2 if quick else 6),
-            "tree_chi2_p": round(ps["ours"], 6), "biased_rule_chi2_p": float(f"{ps['biased']:.3g}")}  # fmt: skip
+    return {
+        "tree_greedy_identical": greedy_identical(2 if quick else 6),
+        "tree_chi2_p": round(ps["ours"], 6),
+        "biased_rule_chi2_p": float(f"{ps['biased']:.3g}"),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description="Exactness checks of the token-tree verifier (greedy equality on a "
-                                 "tiny model; chi-square of the tree sampler and of the biased negative control).")
+    ap = argparse.ArgumentParser(
+        description="Exactness checks of the token-tree verifier (greedy equality on a "
+        "tiny model; chi-square of the tree sampler and of the biased negative control)."
+    )
     ap.add_argument("--quick", action="store_true", help="fewer samples (seconds)")
     ap.add_argument("--json", type=Path, help="write {'summary': ...} here")
     args = ap.parse_args(argv)

@@ -42,8 +42,13 @@ class CachedForward:
             hidden = out.last_hidden_state[0, -logits_to_keep:]  # [n_keep, hidden]
             logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float().cpu()
         else:
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=logits_to_keep)
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
             logits = out.logits[0].float().cpu()  # [n_keep, vocab]
         self.num_cached += n
         return logits

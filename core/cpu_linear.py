@@ -65,15 +65,21 @@ ALL_ROWS = frozenset(range(1, MAX_ROWS + 1))
 log = logging.getLogger(__name__)
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    wx_rows: frozenset[int] = ALL_ROWS) -> torch.Tensor:  # fmt: skip
+def few_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, wx_rows: frozenset[int] = ALL_ROWS
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, as ``W @ xᵀ`` when ``x`` has a number of rows in
     ``wx_rows`` (1..MAX_ROWS) of float32 on a CPU outside autograd (the module docstring says
     why). x ``[..., in]``."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     rows = x.numel() // in_features if in_features else 0
-    if not (rows in wx_rows and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and not torch.is_grad_enabled()):
+    if not (
+        rows in wx_rows
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not torch.is_grad_enabled()
+    ):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, in_features)
     if rows == 1:
@@ -118,13 +124,16 @@ def _measure(route: str, modules: list[nn.Linear], x: torch.Tensor, reps: int = 
     """Best of ``reps`` seconds to run ``x`` through every module by ``route`` (``stock``:
     ``nn.Linear``'s kernel; ``wx``: ``W @ xᵀ``), after one warm-up run."""
     if route == "stock":
+
         def run() -> None:
             for m in modules:
                 F.linear(x, m.weight, m.bias)
     else:
+
         def run() -> None:
             for m in modules:
                 few_rows_linear(x, m.weight, m.bias)
+
     run()
     best = float("inf")
     for _ in range(reps):
@@ -164,8 +173,11 @@ def calibrate(modules: list[nn.Linear]) -> dict[tuple[int, int], frozenset[int]]
             chosen[shape] = frozenset(r for r in ALL_ROWS if bucket[r] in won)
             for m in ms:
                 m.wx_rows = chosen[shape]
-    log.info("cpu linear: W @ xT for rows %s per weight shape, nn.Linear otherwise (timed in %.1fs)",
-             {f"{o}x{i}": sorted(r) for (o, i), r in chosen.items()}, time.perf_counter() - t0)
+    log.info(
+        "cpu linear: W @ xT for rows %s per weight shape, nn.Linear otherwise (timed in %.1fs)",
+        {f"{o}x{i}": sorted(r) for (o, i), r in chosen.items()},
+        time.perf_counter() - t0,
+    )
     log.debug("cpu linear: nn.Linear / W @ xT ms: %s", ", ".join(report))
     return chosen
 

@@ -42,10 +42,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from specops.registry.artifacts import sha256_file, sha256_json
 from specops.core.errors import DatastoreError
 from specops.core.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
 from specops.core.keys import Projection, target_hidden_states
+from specops.registry.artifacts import sha256_file, sha256_json
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class DatastoreConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DatastoreConfig":
+    def from_dict(cls, data: dict) -> DatastoreConfig:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     def hash(self) -> str:
@@ -108,8 +108,16 @@ class BuildStats:
 class Datastore:
     """Keys, values and an index; immutable once built (a rebuild makes a new one)."""
 
-    def __init__(self, cfg: DatastoreConfig, tokens: np.ndarray, doc_ends: np.ndarray, entry_pos: np.ndarray,
-                 projection: Projection, index: KeyIndex, meta: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: DatastoreConfig,
+        tokens: np.ndarray,
+        doc_ends: np.ndarray,
+        entry_pos: np.ndarray,
+        projection: Projection,
+        index: KeyIndex,
+        meta: dict | None = None,
+    ) -> None:
         assert tokens.ndim == doc_ends.ndim == entry_pos.ndim == 1
         assert index.size == len(entry_pos) and index.dims == projection.dims, (index.size, len(entry_pos))
         self.cfg, self.tokens, self.doc_ends, self.entry_pos = cfg, tokens, doc_ends, entry_pos
@@ -130,8 +138,15 @@ class Datastore:
     @property
     def num_bytes(self) -> int:
         """Bytes of everything the artifact stores (tokens, positions, projection, index)."""
-        arrays = (self.tokens, self.doc_ends, self.entry_pos, self.projection.mean, self.projection.scale,
-                  self.projection.components, self.projection.explained)  # fmt: skip
+        arrays = (
+            self.tokens,
+            self.doc_ends,
+            self.entry_pos,
+            self.projection.mean,
+            self.projection.scale,
+            self.projection.components,
+            self.projection.explained,
+        )
         return int(sum(a.nbytes for a in arrays)) + self.index.num_bytes
 
     @property
@@ -155,14 +170,24 @@ class Datastore:
         and their cosine similarities [n, k]."""
         return self.index.search(self.projection.apply(hidden), k)
 
-    def drafts(self, hidden: np.ndarray | torch.Tensor, next_token: int, *, n_drafts: int, length: int,
-               search_k: int = 0, min_similarity: float = -1.0) -> list[list[int]]:  # fmt: skip
+    def drafts(
+        self,
+        hidden: np.ndarray | torch.Tensor,
+        next_token: int,
+        *,
+        n_drafts: int,
+        length: int,
+        search_k: int = 0,
+        min_similarity: float = -1.0,
+    ) -> list[list[int]]:
         """Up to ``n_drafts`` distinct draft rows of up to ``length`` tokens to follow
         ``next_token``, the target's token after the state ``hidden`` [hidden] (DReSD's
         first-token filter), from neighbours at least ``min_similarity`` close. Nearest first;
         rows that are a prefix of a nearer row are dropped (the token tree would merge them)."""
         search_k = search_k or max(32, 8 * n_drafts)
-        query = hidden.reshape(1, -1) if isinstance(hidden, torch.Tensor) else np.asarray(hidden, np.float32).reshape(1, -1)
+        query = (
+            hidden.reshape(1, -1) if isinstance(hidden, torch.Tensor) else np.asarray(hidden, np.float32).reshape(1, -1)
+        )
         ids, sims = self.search(query, search_k)
         ids = ids[0][sims[0] >= min_similarity]
         rows: list[list[int]] = []
@@ -181,8 +206,15 @@ class Datastore:
 
     # ------------------------------------------------------------ build
     @classmethod
-    def build(cls, target, docs: Sequence[Sequence[int]], cfg: DatastoreConfig | None = None, *,
-              meta: dict | None = None, progress: Callable[[int], None] | None = None) -> tuple["Datastore", BuildStats]:  # fmt: skip
+    def build(
+        cls,
+        target,
+        docs: Sequence[Sequence[int]],
+        cfg: DatastoreConfig | None = None,
+        *,
+        meta: dict | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[Datastore, BuildStats]:
         """Embed ``docs`` (token-id lists) with ``target``, fit the projection, index the keys.
         ``progress(n_tokens)`` is called after each embedded batch."""
         cfg = cfg or DatastoreConfig()
@@ -212,7 +244,11 @@ class Datastore:
         # 2. z-norm and PCA on a bounded sample; 3. keys; 4. the index.
         t0 = time.perf_counter()
         rng = np.random.default_rng(cfg.seed)
-        sample = hidden if n_entries <= cfg.fit_sample else hidden[np.sort(rng.choice(n_entries, cfg.fit_sample, replace=False))]
+        sample = (
+            hidden
+            if n_entries <= cfg.fit_sample
+            else hidden[np.sort(rng.choice(n_entries, cfg.fit_sample, replace=False))]
+        )
         projection = Projection.fit(sample, cfg.dims)
         keys = projection.apply(hidden)
         del hidden
@@ -223,9 +259,16 @@ class Datastore:
         index = build_index(keys, cfg.index)
         stats.index_s = time.perf_counter() - t0
         stats.num_entries = n_entries
-        info = {"num_docs": stats.num_docs, "num_tokens": stats.num_tokens, "num_entries": n_entries,
-                "explained_variance": float(projection.explained.sum()), "embed_s": round(stats.embed_s, 3),
-                "fit_s": round(stats.fit_s, 3), "index_s": round(stats.index_s, 3), **(meta or {})}  # fmt: skip
+        info = {
+            "num_docs": stats.num_docs,
+            "num_tokens": stats.num_tokens,
+            "num_entries": n_entries,
+            "explained_variance": float(projection.explained.sum()),
+            "embed_s": round(stats.embed_s, 3),
+            "fit_s": round(stats.fit_s, 3),
+            "index_s": round(stats.index_s, 3),
+            **(meta or {}),
+        }
         return cls(cfg, tokens, doc_ends, entry_pos, projection, index, info), stats
 
     # ------------------------------------------------------------ files
@@ -233,24 +276,39 @@ class Datastore:
         """Write the three files into ``out_dir`` (created); return it."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({"tokens": torch.from_numpy(self.tokens), "doc_ends": torch.from_numpy(self.doc_ends),
-                   "entry_pos": torch.from_numpy(self.entry_pos), **self.projection.tensors()},
-                  str(out_dir / DATA_FILE))  # fmt: skip
-        save_file({name: torch.frombuffer(bytearray(blob), dtype=torch.uint8) for name, blob in self.index.files.items()},
-                  str(out_dir / INDEX_FILE))  # fmt: skip
-        meta = {"format": FORMAT, "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(),
-                "hidden_size": self.hidden_size, "dims": self.projection.dims, "num_entries": self.num_entries,
-                "num_tokens": int(len(self.tokens)), "num_docs": int(len(self.doc_ends)),
-                "bytes_per_entry": round(self.bytes_per_entry, 2),
-                "index_files": {name: hashlib.sha256(blob).hexdigest() for name, blob in self.index.files.items()},
-                "files": {name: sha256_file(out_dir / name) for name in (DATA_FILE, INDEX_FILE)},
-                "meta": self.meta}  # fmt: skip
+        save_file(
+            {
+                "tokens": torch.from_numpy(self.tokens),
+                "doc_ends": torch.from_numpy(self.doc_ends),
+                "entry_pos": torch.from_numpy(self.entry_pos),
+                **self.projection.tensors(),
+            },
+            str(out_dir / DATA_FILE),
+        )
+        save_file(
+            {name: torch.frombuffer(bytearray(blob), dtype=torch.uint8) for name, blob in self.index.files.items()},
+            str(out_dir / INDEX_FILE),
+        )
+        meta = {
+            "format": FORMAT,
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.hash(),
+            "hidden_size": self.hidden_size,
+            "dims": self.projection.dims,
+            "num_entries": self.num_entries,
+            "num_tokens": int(len(self.tokens)),
+            "num_docs": int(len(self.doc_ends)),
+            "bytes_per_entry": round(self.bytes_per_entry, 2),
+            "index_files": {name: hashlib.sha256(blob).hexdigest() for name, blob in self.index.files.items()},
+            "files": {name: sha256_file(out_dir / name) for name in (DATA_FILE, INDEX_FILE)},
+            "meta": self.meta,
+        }
         meta["json_sha256"] = _json_sha(meta)
         (out_dir / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         return out_dir
 
     @classmethod
-    def load(cls, path: Path) -> "Datastore":
+    def load(cls, path: Path) -> Datastore:
         """Read a saved datastore, verifying every sha256 first; a missing, corrupt, unverifiable
         or inconsistent file raises DatastoreError naming it."""
         path = Path(path)
@@ -279,19 +337,28 @@ class Datastore:
         """Refuse a datastore built for another target (hidden size, vocabulary)."""
         hidden = int(target.config.hidden_size)
         if hidden != self.hidden_size:
-            raise DatastoreError(f"datastore keys come from hidden states of size {self.hidden_size}; this target's "
-                                 f"are {hidden}: it was built for another model")  # fmt: skip
+            raise DatastoreError(
+                f"datastore keys come from hidden states of size {self.hidden_size}; this target's "
+                f"are {hidden}: it was built for another model"
+            )
         vocab = vocab_size or int(target.config.vocab_size)
         if len(self.tokens) and (int(self.tokens.max()) >= vocab or int(self.tokens.min()) < 0):
             bad = int(self.tokens.max()) if int(self.tokens.max()) >= vocab else int(self.tokens.min())
             raise DatastoreError(f"datastore holds token id {bad}, outside this target's vocabulary [0, {vocab})")
 
     def describe(self) -> dict:
-        return {"num_entries": self.num_entries, "num_tokens": int(len(self.tokens)), "num_docs": int(len(self.doc_ends)),
-                "dims": self.projection.dims, "hidden_size": self.hidden_size,
-                "explained_variance": round(float(self.projection.explained.sum()), 4),
-                "bytes_per_entry": round(self.bytes_per_entry, 1), "index": self.index.describe(),
-                "config_hash": self.cfg.hash(), "meta": self.meta}  # fmt: skip
+        return {
+            "num_entries": self.num_entries,
+            "num_tokens": int(len(self.tokens)),
+            "num_docs": int(len(self.doc_ends)),
+            "dims": self.projection.dims,
+            "hidden_size": self.hidden_size,
+            "explained_variance": round(float(self.projection.explained.sum()), 4),
+            "bytes_per_entry": round(self.bytes_per_entry, 1),
+            "index": self.index.describe(),
+            "config_hash": self.cfg.hash(),
+            "meta": self.meta,
+        }
 
 
 # ---------------------------------------------------------------- verification
@@ -310,8 +377,10 @@ def _verified_meta(path: Path) -> dict:
         raise DatastoreError(f"{meta_path} is not readable JSON: {exc}") from exc
     fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt in UNVERIFIABLE_FORMATS:
-        raise DatastoreError(f"{meta_path} is format {fmt}, which has no checksums of its files, so it cannot be "
-                             f"verified: rebuild it (`specops datastore build`, or the trainer's next rebuild)")  # fmt: skip
+        raise DatastoreError(
+            f"{meta_path} is format {fmt}, which has no checksums of its files, so it cannot be "
+            f"verified: rebuild it (`specops datastore build`, or the trainer's next rebuild)"
+        )
     if fmt != FORMAT:
         raise DatastoreError(f"{meta_path}: format {fmt!r}, expected {FORMAT}")
     if meta.get("json_sha256") != _json_sha(meta):
@@ -321,33 +390,47 @@ def _verified_meta(path: Path) -> dict:
         raise DatastoreError(f"{meta_path} must list the sha256 of exactly {DATA_FILE} and {INDEX_FILE}")
     present = {p.name for p in path.iterdir()} - {META_FILE, MANIFEST}
     if present != set(files):
-        raise DatastoreError(f"{path}: files not listed in {META_FILE}: {sorted(present - set(files))}; "
-                             f"missing: {sorted(set(files) - present)}")  # fmt: skip
+        raise DatastoreError(
+            f"{path}: files not listed in {META_FILE}: {sorted(present - set(files))}; "
+            f"missing: {sorted(set(files) - present)}"
+        )
     for name, want in files.items():
         if sha256_file(path / name) != want:
             raise DatastoreError(f"{path / name} does not match its sha256 in {META_FILE}: corrupt or tampered")
     return meta
 
 
-def _check_values(meta: dict, projection: Projection, tokens: np.ndarray, doc_ends: np.ndarray,
-                  entry_pos: np.ndarray) -> None:  # fmt: skip
+def _check_values(
+    meta: dict, projection: Projection, tokens: np.ndarray, doc_ends: np.ndarray, entry_pos: np.ndarray
+) -> None:
     """Dtypes, sizes as described, ranges, finite numbers: raises ValueError naming what is wrong."""
     where = f"{DATA_FILE}:"
     if tokens.dtype != np.int32 or entry_pos.dtype != np.int32 or doc_ends.dtype != np.int64:
         raise ValueError(f"{where} tokens and entry_pos must be int32, doc_ends int64")
-    sizes = {"num_tokens": len(tokens), "num_docs": len(doc_ends), "num_entries": len(entry_pos),
-             "hidden_size": projection.hidden_size, "dims": projection.dims}  # fmt: skip
+    sizes = {
+        "num_tokens": len(tokens),
+        "num_docs": len(doc_ends),
+        "num_entries": len(entry_pos),
+        "hidden_size": projection.hidden_size,
+        "dims": projection.dims,
+    }
     wrong = {k: (v, meta.get(k)) for k, v in sizes.items() if meta.get(k) != v}
     if wrong:
-        raise ValueError(f"{where} sizes differ from {META_FILE}: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in wrong.items()))
+        raise ValueError(
+            f"{where} sizes differ from {META_FILE}: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in wrong.items())
+        )
     if len(tokens) and int(tokens.min()) < 0:
         raise ValueError(f"{where} token id {int(tokens.min())} is negative")
     if len(doc_ends) and (doc_ends[-1] != len(tokens) or doc_ends[0] < 1 or (np.diff(doc_ends) < 1).any()):
         raise ValueError(f"{where} doc_ends do not partition the tokens")
     if len(entry_pos) and (entry_pos.min() < 0 or entry_pos.max() >= len(tokens)):
         raise ValueError(f"{where} an entry points outside the tokens")
-    arrays = {"znorm_mean": projection.mean, "znorm_scale": projection.scale, "pca_components": projection.components,
-              "pca_explained": projection.explained}  # fmt: skip
+    arrays = {
+        "znorm_mean": projection.mean,
+        "znorm_scale": projection.scale,
+        "pca_components": projection.components,
+        "pca_explained": projection.explained,
+    }
     bad = sorted(n for n, a in arrays.items() if not np.isfinite(a).all())
     if bad:
         raise ValueError(f"{where} {', '.join(bad)} hold NaN or infinite numbers")

@@ -52,8 +52,10 @@ class Placement:
             import torch
 
             if not torch.cuda.is_available():
-                raise ModelConfigError(f"--device {self.device}: no CUDA GPU is visible to this process (torch "
-                                       f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu")  # fmt: skip
+                raise ModelConfigError(
+                    f"--device {self.device}: no CUDA GPU is visible to this process (torch "
+                    f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu"
+                )
             index = int(self.device.split(":")[1]) if ":" in self.device else 0
             if index >= torch.cuda.device_count():
                 raise ModelConfigError(f"--device {self.device}: only {torch.cuda.device_count()} GPU(s) visible")
@@ -61,13 +63,13 @@ class Placement:
             raise ModelConfigError("--dtype float16 needs a GPU: on a CPU use bfloat16 (or float32)")
 
     @property
-    def torch_device(self) -> "torch.device":
+    def torch_device(self) -> torch.device:
         import torch
 
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> "torch.dtype":
+    def torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.dtype)
@@ -79,6 +81,12 @@ class Placement:
 
 def add_arguments(parser: argparse.ArgumentParser, *, dtype_help: str) -> None:
     """``--device`` and ``--dtype`` with help that says what they change here."""
-    parser.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]",
-                        help="where the models run: cpu (default), cuda (the current GPU) or cuda:N (GPU number N)")  # fmt: skip
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help=dtype_help + " (default: %(default)s)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="cpu|cuda[:N]",
+        help="where the models run: cpu (default), cuda (the current GPU) or cuda:N (GPU number N)",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=tuple(DTYPES), help=dtype_help + " (default: %(default)s)"
+    )

@@ -105,15 +105,21 @@ def supports_subset_head(model: nn.Module) -> bool:
     """True when the model's logits are a plain linear map of its last hidden state."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cfg = getattr(model, "config", None)
-    return (isinstance(head, nn.Linear) and hasattr(model, "base_model") and model.base_model is not model
-            and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", None) in (None, 1, 1.0))
+    return (
+        isinstance(head, nn.Linear)
+        and hasattr(model, "base_model")
+        and model.base_model is not model
+        and not getattr(cfg, "final_logit_softcapping", None)
+        and getattr(cfg, "logit_scale", None) in (None, 1, 1.0)
+    )
 
 
 def attach(model: nn.Module, vocab: DraftVocab | None) -> None:
     """Store ``vocab`` on ``model`` (None removes it)."""
     if vocab is not None and not supports_subset_head(model):
-        raise DraftVocabError(f"{type(model).__name__} does not compute logits as a plain linear head; "
-                              f"remove {FILE} from its directory")
+        raise DraftVocabError(
+            f"{type(model).__name__} does not compute logits as a plain linear head; remove {FILE} from its directory"
+        )
     setattr(model, ATTR, vocab)
 
 

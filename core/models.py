@@ -115,8 +115,7 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
-DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32,
-                                        "float16": torch.float16}
+DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 """Precisions a model can be served in, by name (float16: GPU only, ``core.device``)."""
 DEFAULT_DRAFT_DTYPE = "bfloat16"
 
@@ -133,8 +132,13 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ModelConfigError(f"unknown draft dtype {name!r}; choose one of {', '.join(DRAFT_DTYPES)}") from None
 
 
-def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               loading_info: bool = False):  # fmt: skip
+def load_model(
+    path: Path,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    loading_info: bool = False,
+):
     """A model from a local directory (safetensors only), in ``dtype`` on ``device``, in eval
     mode, prepared for decoding. With ``loading_info``, also the dict of
     missing/unexpected/mismatched keys."""
@@ -144,7 +148,11 @@ def load_model(path: Path, *, dtype: str | torch.dtype = torch.float32, device: 
     # during a hot-swap would build its tensors in bfloat16. Buffers (rotary frequencies) stay
     # float32, as from_pretrained(dtype=...) leaves them; model.to(dtype) would round them.
     model, info = from_pretrained(
-        AutoModelForCausalLM, path, local_files_only=True, use_safetensors=True, dtype=torch.float32,
+        AutoModelForCausalLM,
+        path,
+        local_files_only=True,
+        use_safetensors=True,
+        dtype=torch.float32,
         output_loading_info=True,
     )
     if resolve_dtype(dtype) != torch.float32:
@@ -183,9 +191,14 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
 
 
-def load_pair(target_dir: Path, draft_dir: Path | None = None, *,
-              draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE, target_dtype: str | torch.dtype = torch.float32,
-              device: str = "cpu") -> ModelPair:  # fmt: skip
+def load_pair(
+    target_dir: Path,
+    draft_dir: Path | None = None,
+    *,
+    draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE,
+    target_dtype: str | torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> ModelPair:
     """Load a target (``target_dtype``, float32 by default) and optionally a draft (in
     ``draft_dtype``), both on ``device``; fail clearly if their tokenizers differ."""
     check_model_dir(target_dir)
@@ -211,15 +224,26 @@ def load_pair(target_dir: Path, draft_dir: Path | None = None, *,
         target.dtype,
         device,
         f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {draft.dtype})"
-        if draft else "",
+        if draft
+        else "",
     )
     return pair
 
 
-def load_model_dir(model_dir: Path, *, draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE,
-                   target_dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> ModelPair:  # fmt: skip
+def load_model_dir(
+    model_dir: Path,
+    *,
+    draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE,
+    target_dtype: str | torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> ModelPair:
     """Load the pair under a bootstrap-style directory: ``model_dir/target`` and ``model_dir/draft``."""
     model_dir = Path(model_dir)
     draft_dir = model_dir / "draft"
-    return load_pair(model_dir / "target", draft_dir if draft_dir.is_dir() else None, draft_dtype=draft_dtype,
-                     target_dtype=target_dtype, device=device)  # fmt: skip
+    return load_pair(
+        model_dir / "target",
+        draft_dir if draft_dir.is_dir() else None,
+        draft_dtype=draft_dtype,
+        target_dtype=target_dtype,
+        device=device,
+    )

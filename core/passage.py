@@ -31,8 +31,13 @@ class Passage:
     """Where the text came from (a path)."""
 
 
-def chunk_text(text: str, words: int = CHUNK_WORDS, *, max_tokens: int = MAX_PASSAGE_TOKENS,
-               count_tokens: Callable[[str], int] | None = None) -> list[str]:  # fmt: skip
+def chunk_text(
+    text: str,
+    words: int = CHUNK_WORDS,
+    *,
+    max_tokens: int = MAX_PASSAGE_TOKENS,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[str]:
     """``text`` cut into chunks of at most ``words`` words, as even as possible (130 words
     make two of 65, never 100 and 30), each a slice of the original (line breaks kept).
     With ``count_tokens`` (a tokenizer's length), a chunk over ``max_tokens`` is halved by

@@ -75,8 +75,10 @@ class Router:
     def __post_init__(self) -> None:
         c, names = self.centroids, self.clusters
         if not isinstance(c, np.ndarray) or c.dtype != np.float32 or c.ndim != 2:
-            raise RouterError(f"router centroids must be a [K, dim] float32 array, got "
-                              f"{getattr(c, 'dtype', type(c).__name__)} {getattr(c, 'shape', '')}")  # fmt: skip
+            raise RouterError(
+                f"router centroids must be a [K, dim] float32 array, got "
+                f"{getattr(c, 'dtype', type(c).__name__)} {getattr(c, 'shape', '')}"
+            )
         if not names or c.shape[0] != len(names):
             raise RouterError(f"router has {c.shape[0]} centroids for {len(names)} cluster names {list(names)}")
         if len(set(names)) != len(names) or any(not isinstance(n, str) or not n or "," in n for n in names):
@@ -99,12 +101,16 @@ class Router:
 
     def _check_embedder(self, embedder: Embedder) -> None:
         if embedder.kind != self.embedder_kind or embedder.config_sha256 != self.embedder_sha256:
-            raise RouterError(f"router {self.version} was fitted with embedder {self.embedder_kind} "
-                              f"(config {self.embedder_sha256[:12]}), not {embedder.kind} "
-                              f"(config {embedder.config_sha256[:12]}): refit it with this embedder")  # fmt: skip
+            raise RouterError(
+                f"router {self.version} was fitted with embedder {self.embedder_kind} "
+                f"(config {self.embedder_sha256[:12]}), not {embedder.kind} "
+                f"(config {embedder.config_sha256[:12]}): refit it with this embedder"
+            )
         if embedder.dim != self.dim:
-            raise RouterError(f"router {self.version} has {self.dim}-dimensional centroids, the {embedder.kind} "
-                              f"embedder gives {embedder.dim}")  # fmt: skip
+            raise RouterError(
+                f"router {self.version} has {self.dim}-dimensional centroids, the {embedder.kind} "
+                f"embedder gives {embedder.dim}"
+            )
 
     def bind(self, embedder: Embedder) -> Router:
         """This router routing with ``embedder`` (which must be the one it was fitted with)."""
@@ -133,13 +139,19 @@ class Router:
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file({"centroids": np.ascontiguousarray(self.centroids)}, str(path / CENTROIDS_FILE),
-                  metadata={"format": FORMAT})  # fmt: skip
-        meta = {"format": FORMAT, "clusters": list(self.clusters), "dim": self.dim,
-                "embedder": {"kind": self.embedder_kind, "config_sha256": self.embedder_sha256},
-                "fitted_on": {k: int(v) for k, v in self.fitted_on.items()},
-                "metrics": {k: float(v) for k, v in self.metrics.items()},
-                "created_at": self.created_at or _now(), "version": self.version}  # fmt: skip
+        save_file(
+            {"centroids": np.ascontiguousarray(self.centroids)}, str(path / CENTROIDS_FILE), metadata={"format": FORMAT}
+        )
+        meta = {
+            "format": FORMAT,
+            "clusters": list(self.clusters),
+            "dim": self.dim,
+            "embedder": {"kind": self.embedder_kind, "config_sha256": self.embedder_sha256},
+            "fitted_on": {k: int(v) for k, v in self.fitted_on.items()},
+            "metrics": {k: float(v) for k, v in self.metrics.items()},
+            "created_at": self.created_at or _now(),
+            "version": self.version,
+        }
         (path / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
         return path
 
@@ -170,15 +182,25 @@ class Router:
         except (SafetensorError, OSError, ValueError) as exc:
             raise RouterError(f"{path / CENTROIDS_FILE} is not a readable safetensors file: {exc}") from exc
         if set(tensors) != {"centroids"}:
-            raise RouterError(f"{path / CENTROIDS_FILE} must hold exactly one tensor 'centroids', "
-                              f"has {sorted(tensors)}")  # fmt: skip
+            raise RouterError(
+                f"{path / CENTROIDS_FILE} must hold exactly one tensor 'centroids', has {sorted(tensors)}"
+            )
         centroids = tensors["centroids"]
         if centroids.ndim != 2 or centroids.shape[1] != dim:
-            raise RouterError(f"{path / CENTROIDS_FILE}: centroids of shape {centroids.shape}, router.json says "
-                              f"dim {dim}")  # fmt: skip
-        return cls(centroids=centroids, clusters=clusters, embedder_kind=kind, embedder_sha256=sha,
-                   version=str(version or meta.get("version") or LOCAL), fitted_on=fitted_on, metrics=metrics,
-                   created_at=str(meta.get("created_at", "")), embedder=embedder)  # fmt: skip
+            raise RouterError(
+                f"{path / CENTROIDS_FILE}: centroids of shape {centroids.shape}, router.json says dim {dim}"
+            )
+        return cls(
+            centroids=centroids,
+            clusters=clusters,
+            embedder_kind=kind,
+            embedder_sha256=sha,
+            version=str(version or meta.get("version") or LOCAL),
+            fitted_on=fitted_on,
+            metrics=metrics,
+            created_at=str(meta.get("created_at", "")),
+            embedder=embedder,
+        )
 
 
 def _now() -> str:

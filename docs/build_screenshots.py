@@ -43,7 +43,6 @@ DEFAULT_OUT = ROOT / "docs" / "img"
 MAX_BYTES = 400_000
 
 
-
 @dataclass(frozen=True)
 class Page:
     """One screenshot: a UI route (MLflow's UI is a hash-routed React app), a JS condition that
@@ -61,15 +60,29 @@ def _section_header(title: str) -> str:
 
 PAGES = [
     # the models list shows one alias per model and a "+N" menu for the others: open the last one
-    Page("registry_models.png", "#/models", "document.querySelector('a[href*=\"/models/{model}\"]')",
-         ("[...document.querySelectorAll('button[aria-haspopup=menu]')].filter(b => /^\\+\\d+$/.test(b.innerText.trim())).pop()",)),
+    Page(
+        "registry_models.png",
+        "#/models",
+        "document.querySelector('a[href*=\"/models/{model}\"]')",
+        (
+            "[...document.querySelectorAll('button[aria-haspopup=menu]')].filter(b => /^\\+\\d+$/.test(b.innerText.trim())).pop()",
+        ),
+    ),
     # a model's page: fold its description and tags so the versions table comes first
-    Page("registry_versions.png", "#/models/{model}", "document.querySelector('a[href*=\"/versions/1\"]')",
-         (_section_header("Description"), _section_header("Tags"))),
+    Page(
+        "registry_versions.png",
+        "#/models/{model}",
+        "document.querySelector('a[href*=\"/versions/1\"]')",
+        (_section_header("Description"), _section_header("Tags")),
+    ),
     # a version's page: its tags (the schema section below them is always empty for drafts)
-    Page("registry_version.png", "#/models/{model}/versions/{version}",
-         "document.body.innerText.includes('tokenizer_sha256')", (_section_header("Schema"),)),
-]  # fmt: skip
+    Page(
+        "registry_version.png",
+        "#/models/{model}/versions/{version}",
+        "document.body.innerText.includes('tokenizer_sha256')",
+        (_section_header("Schema"),),
+    ),
+]
 
 ROLLBACK_REASON = "live acceptance 0.41 < 0.47 - 0.02 over 200 requests"
 
@@ -152,17 +165,26 @@ def populate(data_dir: Path) -> str:
             offsets = {"0": [offset, offset + n - 1], "1": [offset // 2, offset // 2 + n // 2 - 1]}
             offset += n
             dv = store.artifact("draft").register(
-                cluster, draft, tokenizer_sha256=tok_sha,
+                cluster,
+                draft,
+                tokenizer_sha256=tok_sha,
                 metrics={"offline_acceptance_sampling": sampling, "offline_acceptance_greedy": greedy},
                 lineage={"topic": "spec.misses", "offsets": offsets},
                 parent_version=champion[0] if champion else None,
                 source_id=f"online-{cluster}-step{500 * i}",
                 params={"lr": 2e-4, "steps": 500, "batch_size": 16, "loss": "kl+ce", "cluster": cluster},
-            )  # fmt: skip
+            )
             if cluster == "code" and i == 4:
                 continue  # the newest challenger: not gated yet
-            result = decide(dv.version, champion[0] if champion else None, sampling,
-                            champion[1] if champion else None, margin=0.01, num_positions=300, min_positions=32)  # fmt: skip
+            result = decide(
+                dv.version,
+                champion[0] if champion else None,
+                sampling,
+                champion[1] if champion else None,
+                margin=0.01,
+                num_positions=300,
+                min_positions=32,
+            )
             if store.artifact("draft").apply_gate(cluster, result) is not None:
                 champion = (dv.version, sampling)
         # live acceptance as reported by serving, for the champion (and prose v4 before its rollback)
@@ -198,14 +220,26 @@ def mlflow_exe() -> str:
 @contextlib.contextmanager
 def mlflow_server(uri: str, port: int, workdir: Path, timeout_s: float) -> Iterator[str]:
     """``mlflow server`` on ``uri``; yields its base URL once /health answers OK. Always stopped."""
-    cmd = [mlflow_exe(), "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1", "--no-serve-artifacts", "--default-artifact-root", str(workdir / "server-artifacts")]  # fmt: skip
+    cmd = [
+        mlflow_exe(),
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--no-serve-artifacts",
+        "--default-artifact-root",
+        str(workdir / "server-artifacts"),
+    ]
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true")
     logfile = workdir / "mlflow-server.log"
     log.info("starting %s", " ".join(cmd))
     with open(logfile, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -245,12 +279,14 @@ def _tail(path: Path, n: int = 30) -> str:
 
 # ---------------------------------------------------------------- chromium
 def find_chromium(arg: str | None) -> str:
-    for cand in ([arg] if arg else ["chromium", "chromium-browser", "google-chrome"]):
+    for cand in [arg] if arg else ["chromium", "chromium-browser", "google-chrome"]:
         path = shutil.which(cand) or (cand if Path(cand).is_file() and os.access(cand, os.X_OK) else None)
         if path:
             return path
-    sys.exit(f"error: Chromium not found ({arg or 'chromium'}). Install it (Debian/Ubuntu: "
-             "`sudo apt-get install chromium`) or pass --chromium /path/to/chromium")  # fmt: skip
+    sys.exit(
+        f"error: Chromium not found ({arg or 'chromium'}). Install it (Debian/Ubuntu: "
+        "`sudo apt-get install chromium`) or pass --chromium /path/to/chromium"
+    )
 
 
 class Browser:
@@ -259,11 +295,25 @@ class Browser:
     and no Selenium/Playwright are needed."""
 
     def __init__(self, chromium: str, profile: Path, size: tuple[int, int]) -> None:
-        cmd = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-               "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-sync",
-               "--disable-background-networking", "--disable-component-update", "--mute-audio",
-               "--force-device-scale-factor=1", "--remote-debugging-pipe", f"--user-data-dir={profile}",
-               f"--window-size={size[0]},{size[1]}", "about:blank"]  # fmt: skip
+        cmd = [
+            chromium,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            "--disable-sync",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--mute-audio",
+            "--force-device-scale-factor=1",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            f"--window-size={size[0]},{size[1]}",
+            "about:blank",
+        ]
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
 
@@ -273,8 +323,15 @@ class Browser:
 
         self.log = profile.parent / "chromium.log"
         with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=(3, 4),
-                                         preexec_fn=fds, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+                pass_fds=(3, 4),
+                preexec_fn=fds,
+                start_new_session=True,
+            )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buf = b""
@@ -283,8 +340,9 @@ class Browser:
         try:
             targets = self.send("Target.getTargets")["targetInfos"]
             page = next(t for t in targets if t["type"] == "page")
-            self.session = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True,
-                                     _session=False)["sessionId"]  # fmt: skip
+            self.session = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True, _session=False)[
+                "sessionId"
+            ]
             self.send("Page.enable")
             self.resize(*size)
         except BaseException:
@@ -321,8 +379,7 @@ class Browser:
         return res["result"].get("value")
 
     def resize(self, width: int, height: int) -> None:
-        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                  mobile=False)  # fmt: skip
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
     def goto(self, url: str) -> None:
         self.send("Page.navigate", url="about:blank")
@@ -338,8 +395,10 @@ class Browser:
     def click(self, target: str) -> bool:
         """A real mouse click (React/Radix menus ignore element.click()) on the centre of the
         element ``target`` (a JS expression) evaluates to; False when there is none."""
-        pos = self.eval(f"(() => {{ const el = {target}; if (!el) return null; el.scrollIntoView({{block: 'center'}});"
-                        " const r = el.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        pos = self.eval(
+            f"(() => {{ const el = {target}; if (!el) return null; el.scrollIntoView({{block: 'center'}});"
+            " const r = el.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         if not pos:
             return False
         x, y = pos
@@ -376,16 +435,16 @@ def shrink(path: Path, max_bytes: int) -> None:
         from PIL import Image
     except ImportError:
         if size > max_bytes:
-            log.warning("%s is %d KB (> %d KB) and Pillow is not installed to shrink it", path, size // 1000,
-                        max_bytes // 1000)  # fmt: skip
+            log.warning(
+                "%s is %d KB (> %d KB) and Pillow is not installed to shrink it", path, size // 1000, max_bytes // 1000
+            )
         return
     with Image.open(path) as im:
         im.load()
         rgb = im.convert("RGB")
     tmp = path.with_suffix(".tmp.png")
     for colors in (256, 128, 64):
-        rgb.quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(
-            tmp, optimize=True)  # fmt: skip
+        rgb.quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(tmp, optimize=True)
         if tmp.stat().st_size <= max_bytes:
             break
     if tmp.stat().st_size < size:
@@ -397,8 +456,9 @@ def shrink(path: Path, max_bytes: int) -> None:
 
 def shoot(browser: Browser, base: str, args: argparse.Namespace, size: tuple[int, int]) -> list[Path]:
     browser.goto(f"{base}/")
-    browser.eval(";".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(json.dumps(v))})"
-                          for k, v in UI_STATE.items()))  # fmt: skip
+    browser.eval(
+        ";".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(json.dumps(v))})" for k, v in UI_STATE.items())
+    )
     written = []
     for page in PAGES:
         out = args.out_dir / page.name
@@ -428,37 +488,66 @@ def shoot(browser: Browser, base: str, args: argparse.Namespace, size: tuple[int
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--data-dir", type=Path,
-                     help="where to build the demo registry, kept and reused by later runs "
-                          "(default: a temp dir, removed afterwards)")  # fmt: skip
-    src.add_argument("--store-uri",
-                     help="screenshot this existing MLflow store instead of a demo (e.g. sqlite:////abs/mlflow.db); "
-                          "this script writes nothing to it")  # fmt: skip
+    src.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where to build the demo registry, kept and reused by later runs "
+        "(default: a temp dir, removed afterwards)",
+    )
+    src.add_argument(
+        "--store-uri",
+        help="screenshot this existing MLflow store instead of a demo (e.g. sqlite:////abs/mlflow.db); "
+        "this script writes nothing to it",
+    )
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help=f"where the PNGs go (default: {DEFAULT_OUT})")
-    p.add_argument("--model", default="draft-code", help="registered model for the versions page (default: %(default)s)")
+    p.add_argument(
+        "--model", default="draft-code", help="registered model for the versions page (default: %(default)s)"
+    )
     p.add_argument("--version", default="3", help="version of --model for the version page (default: %(default)s)")
     p.add_argument("--chromium", help="Chromium binary (default: `chromium` on PATH)")
     p.add_argument("--port", type=int, default=0, help="port for mlflow server (default: a free one)")
     p.add_argument("--window-size", default="1440,900", help="browser viewport W,H (default: %(default)s)")
-    p.add_argument("--max-height", type=int, default=3200,
-                   help="grow the viewport to fit a long page, up to this height (default: %(default)s)")
-    p.add_argument("--render-timeout", type=float, default=60.0,
-                   help="seconds a page gets to render its content (default: %(default)s)")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="seconds to wait after content appears, before the screenshot (default: %(default)s)")
-    p.add_argument("--server-timeout", type=float, default=90.0,
-                   help="seconds to wait for mlflow server's /health (default: %(default)s)")
-    p.add_argument("--max-kb", type=int, default=MAX_BYTES // 1000, help="shrink PNGs above this (default: %(default)s)")
+    p.add_argument(
+        "--max-height",
+        type=int,
+        default=3200,
+        help="grow the viewport to fit a long page, up to this height (default: %(default)s)",
+    )
+    p.add_argument(
+        "--render-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a page gets to render its content (default: %(default)s)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds to wait after content appears, before the screenshot (default: %(default)s)",
+    )
+    p.add_argument(
+        "--server-timeout",
+        type=float,
+        default=90.0,
+        help="seconds to wait for mlflow server's /health (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-kb", type=int, default=MAX_BYTES // 1000, help="shrink PNGs above this (default: %(default)s)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     for noisy in ("alembic", "mlflow", "urllib3", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     chromium = find_chromium(args.chromium)

@@ -24,7 +24,21 @@ from specops.registry.version import (
 )
 
 __all__ = [
-    "CHALLENGER", "CHAMPION", "KINDS", "AliasChange", "ArtifactFormatError", "ArtifactIntegrityError", "ArtifactKind",
-    "ArtifactVersion", "GateResult", "KindStore", "RegistryConfig", "RegistryError", "RegistryStore",
-    "RegistryUnavailableError", "VersionNotFoundError", "decide", "kind_of",
-]  # fmt: skip
+    "CHALLENGER",
+    "CHAMPION",
+    "KINDS",
+    "AliasChange",
+    "ArtifactFormatError",
+    "ArtifactIntegrityError",
+    "ArtifactKind",
+    "ArtifactVersion",
+    "GateResult",
+    "KindStore",
+    "RegistryConfig",
+    "RegistryError",
+    "RegistryStore",
+    "RegistryUnavailableError",
+    "VersionNotFoundError",
+    "decide",
+    "kind_of",
+]

@@ -41,8 +41,14 @@ ALLOWED_SUFFIXES = (".safetensors", ".json", ".jinja")
 """Weights, JSON, and a tokenizer's chat template (Jinja text, rendered in transformers' sandbox)."""
 SKIP = {"optimizer.safetensors", "state.json", MANIFEST}
 """Files of a trainer checkpoint that are not part of the served draft."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.json", "chat_template.jinja")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -93,11 +99,15 @@ def pack(model_dir: Path, out_dir: Path, *, tokenizer_dir: Path | None = None, m
                 sources[name] = Path(tokenizer_dir) / name
     refused = [n for n in sources if not n.endswith(ALLOWED_SUFFIXES)]
     if refused:
-        raise ArtifactFormatError(f"refusing to register {refused} from {model_dir}: the registry carries "
-                                  f"only {', '.join(ALLOWED_SUFFIXES)} files")  # fmt: skip
+        raise ArtifactFormatError(
+            f"refusing to register {refused} from {model_dir}: the registry carries "
+            f"only {', '.join(ALLOWED_SUFFIXES)} files"
+        )
     if "tokenizer.json" not in sources:
-        raise ArtifactFormatError(f"no tokenizer.json with {model_dir}: pass tokenizer_dir (the target's "
-                                  "directory); serving checks the draft's tokenizer against the target's")  # fmt: skip
+        raise ArtifactFormatError(
+            f"no tokenizer.json with {model_dir}: pass tokenizer_dir (the target's "
+            "directory); serving checks the draft's tokenizer against the target's"
+        )
     return _write(sources, out_dir, FORMAT, lambda: {"config_sha256": config_hash(out_dir), **(meta or {})})
 
 
@@ -105,12 +115,17 @@ def pack_router(router_dir: Path, out_dir: Path, *, meta: dict | None = None) ->
     """Copy a saved router (``router.safetensors`` + ``router.json``) into ``out_dir`` with a
     manifest; return the manifest's sha256. Any other file in ``router_dir`` is refused."""
     router_dir, out_dir = Path(router_dir), Path(out_dir)
-    present = {p.name for p in router_dir.iterdir() if p.is_file() and not p.name.startswith(".")} \
-        if router_dir.is_dir() else set()  # fmt: skip
+    present = (
+        {p.name for p in router_dir.iterdir() if p.is_file() and not p.name.startswith(".")}
+        if router_dir.is_dir()
+        else set()
+    )
     missing, extra = set(ROUTER_FILES) - present, present - set(ROUTER_FILES) - {MANIFEST}
     if missing or extra:
-        raise ArtifactFormatError(f"{router_dir} is not a saved router: missing {sorted(missing)}, unexpected "
-                                  f"{sorted(extra)} (a router is exactly {' and '.join(ROUTER_FILES)})")  # fmt: skip
+        raise ArtifactFormatError(
+            f"{router_dir} is not a saved router: missing {sorted(missing)}, unexpected "
+            f"{sorted(extra)} (a router is exactly {' and '.join(ROUTER_FILES)})"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     return _write({n: router_dir / n for n in ROUTER_FILES}, out_dir, ROUTER_FORMAT, lambda: dict(meta or {}))
 
@@ -122,12 +137,17 @@ def pack_files(src_dir: Path, out_dir: Path, fmt: str, *, meta: dict | None = No
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     if not src_dir.is_dir():
         raise ArtifactFormatError(f"{src_dir} is not a directory")
-    files = {p.name: p for p in sorted(src_dir.iterdir()) if p.is_file() and p.name != MANIFEST
-             and not p.name.startswith(".")}  # fmt: skip
+    files = {
+        p.name: p
+        for p in sorted(src_dir.iterdir())
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    }
     bad = sorted(n for n in files if not n.endswith((".safetensors", ".json")))
     if bad or not files:
-        raise ArtifactFormatError(f"{src_dir}: a {fmt} artifact is safetensors and JSON files only; "
-                                  f"{'refused ' + str(bad) if bad else 'found none'}")  # fmt: skip
+        raise ArtifactFormatError(
+            f"{src_dir}: a {fmt} artifact is safetensors and JSON files only; "
+            f"{'refused ' + str(bad) if bad else 'found none'}"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     return _write(files, out_dir, fmt, lambda: dict(meta or {}))
 
@@ -176,6 +196,7 @@ def verify_dir(path: Path, manifest_sha256: str | None, fmt: str = FORMAT) -> di
             raise ArtifactIntegrityError(f"{path / name} has {size} bytes, the manifest says {want['bytes']}")
         digest = sha256_file(path / name)
         if digest != want["sha256"]:
-            raise ArtifactIntegrityError(f"{path / name} has sha256 {digest[:12]}, the manifest says "
-                                         f"{want['sha256'][:12]}: corrupt or tampered")  # fmt: skip
+            raise ArtifactIntegrityError(
+                f"{path / name} has sha256 {digest[:12]}, the manifest says {want['sha256'][:12]}: corrupt or tampered"
+            )
     return manifest

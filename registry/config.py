@@ -37,7 +37,7 @@ class RegistryConfig:
     def __post_init__(self) -> None:
         if self.uri.startswith("postgresql://"):
             # SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; the driver installed is psycopg2
-            object.__setattr__(self, "uri", "postgresql+psycopg2://" + self.uri[len("postgresql://"):])
+            object.__setattr__(self, "uri", "postgresql+psycopg2://" + self.uri[len("postgresql://") :])
         scheme = self.uri.split(":", 1)[0].split("+", 1)[0]
         if scheme not in SCHEMES:
             raise ValueError(
@@ -57,13 +57,14 @@ class RegistryConfig:
             root = self.artifact_root
             return root if "://" in root else Path(root).expanduser().resolve().as_uri()
         if self.uri.startswith("sqlite:///"):
-            db = Path(self.uri[len("sqlite:///"):])
+            db = Path(self.uri[len("sqlite:///") :])
             return (db.parent / "artifacts").resolve().as_uri()
         return None
 
     @classmethod
-    def default(cls, data_dir: Path | str = ".specops", uri: str | None = None, artifact_root: str | None = None,
-                **kw) -> RegistryConfig:  # fmt: skip
+    def default(
+        cls, data_dir: Path | str = ".specops", uri: str | None = None, artifact_root: str | None = None, **kw
+    ) -> RegistryConfig:
         """``uri``, else ``$SPECOPS_REGISTRY_URI``, else SQLite under ``data_dir/registry``."""
         uri = uri or os.environ.get(REGISTRY_URI_ENV)
         artifact_root = artifact_root or os.environ.get(ARTIFACT_ROOT_ENV)

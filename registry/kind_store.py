@@ -45,8 +45,11 @@ class KindStore:
         """Every key with a registered model of this kind (with ``alias``: only those whose model
         has that alias, e.g. the clusters with a champion draft), over every page of the search."""
         pattern = f"{self.kind.name}-%" if self.kind.keyed else self.kind.name
-        return sorted(k for m in self.models.model_names(pattern) if (k := self.kind.key_of(m.name)) is not None
-                      and (alias is None or alias in (m.aliases or {})))  # fmt: skip
+        return sorted(
+            k
+            for m in self.models.model_names(pattern)
+            if (k := self.kind.key_of(m.name)) is not None and (alias is None or alias in (m.aliases or {}))
+        )
 
     def aliases(self, key: str = "") -> dict[str, str]:
         """``{alias: version}`` of ``key``'s model (raises VersionNotFoundError when there is none)."""
@@ -79,15 +82,35 @@ class KindStore:
             "key": key,
             "model": self.name(key),
             "aliases": {a: v.version for v in versions for a in v.aliases},
-            "versions": [{"version": v.version, "aliases": list(v.aliases), "archived": v.archived,
-                          "created_ms": v.created_ms, "tags": dict(v.tags)} for v in versions],
+            "versions": [
+                {
+                    "version": v.version,
+                    "aliases": list(v.aliases),
+                    "archived": v.archived,
+                    "created_ms": v.created_ms,
+                    "tags": dict(v.tags),
+                }
+                for v in versions
+            ],
         }
 
     # ------------------------------------------------------------ writes
-    def register(self, key: str, src_dir: Path, *, meta: dict | None = None, tags: dict[str, str] | None = None,
-                 metrics: dict[str, float] | None = None, params: dict[str, object] | None = None,
-                 lineage: dict | None = None, parent_version: str | None = None, source_id: str | None = None,
-                 alias: str | None = CHALLENGER, retries: int = 5, **pack_options) -> ArtifactVersion:  # fmt: skip
+    def register(
+        self,
+        key: str,
+        src_dir: Path,
+        *,
+        meta: dict | None = None,
+        tags: dict[str, str] | None = None,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, object] | None = None,
+        lineage: dict | None = None,
+        parent_version: str | None = None,
+        source_id: str | None = None,
+        alias: str | None = CHALLENGER,
+        retries: int = 5,
+        **pack_options,
+    ) -> ArtifactVersion:
         """Register the artifact in ``src_dir`` as a new version of ``key``'s model.
 
         The kind's packer (``registry.packers``) checks and copies the directory; a draft takes
@@ -106,18 +129,37 @@ class KindStore:
                 manifest_sha, kind_tags, model_tags = pack_any(self.kind, key, src_dir, staging, meta, **pack_options)
             else:
                 manifest_sha, kind_tags, model_tags = pack(self.kind, key, src_dir, staging, meta, **pack_options)
-            all_tags = {**(tags or {}), **kind_tags, "manifest_sha256": manifest_sha,
-                        "parent_version": parent_version or "", "registered_at": now()}  # fmt: skip
-            mv = self.models.register(name, staging, self.kind.artifact_path, all_tags, metrics=metrics, params=params,
-                                      lineage=lineage, source_id=source_id, retries=retries, model_tags=model_tags,
-                                      description=self.kind.description.format(key=key))  # fmt: skip
+            all_tags = {
+                **(tags or {}),
+                **kind_tags,
+                "manifest_sha256": manifest_sha,
+                "parent_version": parent_version or "",
+                "registered_at": now(),
+            }
+            mv = self.models.register(
+                name,
+                staging,
+                self.kind.artifact_path,
+                all_tags,
+                metrics=metrics,
+                params=params,
+                lineage=lineage,
+                source_id=source_id,
+                retries=retries,
+                model_tags=model_tags,
+                description=self.kind.description.format(key=key),
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if alias:
             self.models.set_alias(name, alias, mv.version)
             mv = self.get(key, mv.version)
-        log.info("%s: registered version %s (%s)", name, mv.version,
-                 ", ".join(f"{k}={v:.4f}" for k, v in (metrics or {}).items()) or "no metrics")  # fmt: skip
+        log.info(
+            "%s: registered version %s (%s)",
+            name,
+            mv.version,
+            ", ".join(f"{k}={v:.4f}" for k, v in (metrics or {}).items()) or "no metrics",
+        )
         return mv
 
     def set_alias(self, key: str, alias: str, version: str) -> None:
@@ -136,19 +178,23 @@ class KindStore:
         """Point ``champion`` at ``version`` (recording when, why and what it replaced); announced
         through the store's ``on_change``. Also a way back to any earlier version."""
         version = str(version)
-        return self.models.promote(self.name(key), version, reason,
-                                   lambda prev: self._change("promotion", key, version, prev, reason))  # fmt: skip
+        return self.models.promote(
+            self.name(key), version, reason, lambda prev: self._change("promotion", key, version, prev, reason)
+        )
 
-    def rollback(self, key: str = "", *, reason: str, to: str | None = None,
-                 expect_current: str | None = None) -> AliasChange | None:  # fmt: skip
+    def rollback(
+        self, key: str = "", *, reason: str, to: str | None = None, expect_current: str | None = None
+    ) -> AliasChange | None:
         """Move ``champion`` back to the version it replaced (or to ``to``), and mark the current
         one rolled back. With ``expect_current``, do nothing (return None) unless the champion is
         still that version (a concurrent promotion wins)."""
+
         def change(version: str, previous: str) -> AliasChange:
             return self._change("rollback", key, version, previous, reason)
 
-        return self.models.rollback(self.name(key), reason=reason, to=to, expect_current=expect_current,
-                                    change_from=change)
+        return self.models.rollback(
+            self.name(key), reason=reason, to=to, expect_current=expect_current, change_from=change
+        )
 
     def retain(self, key: str = "", *, keep_last: int = 10, delete_artifacts: bool = True) -> list[str]:
         """Archive old unaliased versions, keeping the newest ``keep_last``, every aliased one and

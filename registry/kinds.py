@@ -45,31 +45,68 @@ class ArtifactKind:
         """The key of a registered model of this kind; None if it is not of this kind."""
         if self.keyed:
             prefix = f"{self.name}-"
-            return model_name[len(prefix):] if model_name.startswith(prefix) and len(model_name) > len(prefix) else None
+            return (
+                model_name[len(prefix) :] if model_name.startswith(prefix) and len(model_name) > len(prefix) else None
+            )
         return "" if model_name == self.name else None
 
 
 KINDS: dict[str, ArtifactKind] = {
     k.name: k
     for k in (
-        ArtifactKind("draft", True, "draft", artifacts.FORMAT,
-                     "Speculative-decoding draft of cluster '{key}'. Alias 'champion' is served; 'challenger' is the "
-                     "latest candidate."),
-        ArtifactKind("router", False, "router", artifacts.ROUTER_FORMAT,
-                     "Prompt router: centroids of the clusters and the embedder they were fitted with."),
-        ArtifactKind("datastore", True, "datastore", artifacts.DATASTORE_FORMAT,
-                     "Retrieval datastore of cluster '{key}' (DReSD): keys, next tokens, index."),
-        ArtifactKind("kb", True, "kb", artifacts.KB_FORMAT,
-                     "Knowledge base '{key}' (RaLMSpec, kNN-LM): passages and their index."),
-        ArtifactKind("knnlm", True, "knnlm", artifacts.KNNLM_FORMAT,
-                     "kNN-LM datastore '{key}': target hidden states and next tokens."),
-        ArtifactKind("sessions", True, "sessions", artifacts.SESSIONS_FORMAT,
-                     "Past sessions of cluster '{key}' (LLMA, cache-assisted): its recent outputs to copy from."),
-        ArtifactKind("policy", False, "policy", artifacts.POLICY_FORMAT,
-                     "Priors of speculation.method 'auto': acceptance per cluster, method and temperature, fitted "
-                     "from its logged decisions (priors.json)."),
+        ArtifactKind(
+            "draft",
+            True,
+            "draft",
+            artifacts.FORMAT,
+            "Speculative-decoding draft of cluster '{key}'. Alias 'champion' is served; 'challenger' is the "
+            "latest candidate.",
+        ),
+        ArtifactKind(
+            "router",
+            False,
+            "router",
+            artifacts.ROUTER_FORMAT,
+            "Prompt router: centroids of the clusters and the embedder they were fitted with.",
+        ),
+        ArtifactKind(
+            "datastore",
+            True,
+            "datastore",
+            artifacts.DATASTORE_FORMAT,
+            "Retrieval datastore of cluster '{key}' (DReSD): keys, next tokens, index.",
+        ),
+        ArtifactKind(
+            "kb",
+            True,
+            "kb",
+            artifacts.KB_FORMAT,
+            "Knowledge base '{key}' (RaLMSpec, kNN-LM): passages and their index.",
+        ),
+        ArtifactKind(
+            "knnlm",
+            True,
+            "knnlm",
+            artifacts.KNNLM_FORMAT,
+            "kNN-LM datastore '{key}': target hidden states and next tokens.",
+        ),
+        ArtifactKind(
+            "sessions",
+            True,
+            "sessions",
+            artifacts.SESSIONS_FORMAT,
+            "Past sessions of cluster '{key}' (LLMA, cache-assisted): its recent outputs to copy from.",
+        ),
+        ArtifactKind(
+            "policy",
+            False,
+            "policy",
+            artifacts.POLICY_FORMAT,
+            "Priors of speculation.method 'auto': acceptance per cluster, method and temperature, fitted "
+            "from its logged decisions (priors.json).",
+        ),
     )
-}  # fmt: skip
+}
 
 
 def kind_of(model_name: str) -> tuple[ArtifactKind, str] | None:

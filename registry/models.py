@@ -86,8 +86,10 @@ class ModelStore:
             if exp is None:
                 try:
                     self._experiment_id = self.client.create_experiment(
-                        self.cfg.experiment, artifact_location=self.cfg.resolved_artifact_root,
-                        tags={"specops": "draft versions, one run per registered version"})  # fmt: skip
+                        self.cfg.experiment,
+                        artifact_location=self.cfg.resolved_artifact_root,
+                        tags={"specops": "draft versions, one run per registered version"},
+                    )
                 except MlflowException:  # created by a concurrent process
                     exp = self.client.get_experiment_by_name(self.cfg.experiment)
                     if exp is None:
@@ -114,9 +116,16 @@ class ModelStore:
         else:
             names = tuple(sorted(a for a, v in aliases.items() if str(v) == str(mv.version)))
         kind, key = kind_of(mv.name) or (KINDS["draft"], mv.name.removeprefix("draft-"))
-        return ArtifactVersion(kind=kind.name, key=key, version=str(mv.version), run_id=mv.run_id or "",
-                               source=mv.source, tags=dict(mv.tags or {}), aliases=names,
-                               created_ms=int(mv.creation_timestamp or 0))  # fmt: skip
+        return ArtifactVersion(
+            kind=kind.name,
+            key=key,
+            version=str(mv.version),
+            run_id=mv.run_id or "",
+            source=mv.source,
+            tags=dict(mv.tags or {}),
+            aliases=names,
+            created_ms=int(mv.creation_timestamp or 0),
+        )
 
     # ------------------------------------------------------------ reads
     def model_names(self, pattern: str) -> list:
@@ -124,8 +133,9 @@ class ModelStore:
         models, token = [], None
         with self.call(f"list registered models {pattern}"):
             while True:
-                page = self.client.search_registered_models(filter_string=f"name LIKE '{pattern}'",
-                                                            max_results=1000, page_token=token)  # fmt: skip
+                page = self.client.search_registered_models(
+                    filter_string=f"name LIKE '{pattern}'", max_results=1000, page_token=token
+                )
                 models.extend(page)
                 token = getattr(page, "token", None)
                 if not token:
@@ -165,10 +175,21 @@ class ModelStore:
         return None
 
     # ------------------------------------------------------------ writes
-    def register(self, name: str, staging: Path, artifact_path: str, tags: dict[str, str], *,
-                 metrics: dict[str, float] | None, params: dict[str, object] | None, lineage: dict | None,
-                 source_id: str | None, retries: int, model_tags: dict[str, str],
-                 description: str) -> ArtifactVersion:  # fmt: skip
+    def register(
+        self,
+        name: str,
+        staging: Path,
+        artifact_path: str,
+        tags: dict[str, str],
+        *,
+        metrics: dict[str, float] | None,
+        params: dict[str, object] | None,
+        lineage: dict | None,
+        source_id: str | None,
+        retries: int,
+        model_tags: dict[str, str],
+        description: str,
+    ) -> ArtifactVersion:
         """One run holding the packed artifact in ``staging``, params and metrics; then a new
         version of ``name`` pointing at it, tagged with ``tags``, lineage and metrics."""
         tags = dict(tags)
@@ -193,8 +214,9 @@ class ModelStore:
             self._ensure_model(name, model_tags, description)
         return self._create_version(name, f"{run.info.artifact_uri}/{artifact_path}", rid, tags, source_id, retries)
 
-    def _create_version(self, name: str, source: str, run_id: str, tags: dict, source_id: str | None,
-                        retries: int) -> ArtifactVersion:  # fmt: skip
+    def _create_version(
+        self, name: str, source: str, run_id: str, tags: dict, source_id: str | None, retries: int
+    ) -> ArtifactVersion:
         """create_model_version, retried on a version-number race with another writer. Before
         each retry, look for the version by ``source_id``: a call that failed on the way back
         may have created it."""
@@ -202,8 +224,9 @@ class ModelStore:
         for attempt in range(retries + 1):
             try:
                 with self.call(f"create a version of {name}"):
-                    return self._to_version(self.client.create_model_version(
-                        name, source=source, run_id=run_id, tags=tags))  # fmt: skip
+                    return self._to_version(
+                        self.client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+                    )
             except RegistryUnavailableError as exc:
                 if attempt == retries:
                     raise
@@ -231,8 +254,7 @@ class ModelStore:
             self.client.set_model_version_tag(v.name, v.version, metric, f"{float(value):.6f}")
 
     # ------------------------------------------------------------ champion moves
-    def promote(self, name: str, version: str, reason: str,
-                change_from: Callable[[str], AliasChange]) -> AliasChange:  # fmt: skip
+    def promote(self, name: str, version: str, reason: str, change_from: Callable[[str], AliasChange]) -> AliasChange:
         """Move ``name@champion`` to ``version``; ``change_from(previous_version)`` makes the announcement."""
         if self.get(name, version).archived:
             raise RegistryError(f"{name} version {version} is archived; its weights are gone")
@@ -242,15 +264,30 @@ class ModelStore:
         if prev == version:
             log.info("%s: version %s is already the champion", name, version)
             return change
-        self.set_tags(name, version, {"promoted_at": now(), "promoted_ts": f"{time.time():.6f}",
-                                      "previous_champion": prev, "promotion_reason": reason})  # fmt: skip
+        self.set_tags(
+            name,
+            version,
+            {
+                "promoted_at": now(),
+                "promoted_ts": f"{time.time():.6f}",
+                "previous_champion": prev,
+                "promotion_reason": reason,
+            },
+        )
         self.set_alias(name, CHAMPION, version)
         log.info("%s: champion %s -> %s (%s)", name, prev or "none", version, reason)
         self._notify(change)
         return change
 
-    def rollback(self, name: str, *, reason: str, to: str | None, expect_current: str | None,
-                 change_from: Callable[[str, str], AliasChange]) -> AliasChange | None:  # fmt: skip
+    def rollback(
+        self,
+        name: str,
+        *,
+        reason: str,
+        to: str | None,
+        expect_current: str | None,
+        change_from: Callable[[str, str], AliasChange],
+    ) -> AliasChange | None:
         """Move ``champion`` back to the version it replaced (or to ``to``), and mark the
         current one rolled back. With ``expect_current``, do nothing (return None) unless
         the champion is still that version (a concurrent promotion wins)."""
@@ -262,8 +299,9 @@ class ModelStore:
             return None
         target = str(to) if to else self.previous_champion(name, current)
         if target is None:
-            raise VersionNotFoundError(f"{name} version {current.version} has no earlier champion "
-                                       "to roll back to; name one with --to")  # fmt: skip
+            raise VersionNotFoundError(
+                f"{name} version {current.version} has no earlier champion to roll back to; name one with --to"
+            )
         if self.get(name, target).archived:
             raise RegistryError(f"cannot roll back to archived version {target} of {name}")
         self.set_tags(name, current.version, {"rolled_back": reason, "rolled_back_at": now()})
@@ -308,8 +346,12 @@ class ModelStore:
                 self._delete_artifacts(v)
             archived.append(v.version)
         if archived:
-            log.info("%s: archived versions %s (keeping the last %d and every aliased one)", name,
-                     ", ".join(archived), keep_last)  # fmt: skip
+            log.info(
+                "%s: archived versions %s (keeping the last %d and every aliased one)",
+                name,
+                ", ".join(archived),
+                keep_last,
+            )
         return archived
 
     def _delete_artifacts(self, v: ArtifactVersion) -> None:

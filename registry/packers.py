@@ -26,14 +26,29 @@ def pack_any(kind: ArtifactKind, key: str, src_dir: Path, staging: Path, meta: d
     return sha, {"kind": kind.name, "key": key}, {"kind": kind.name, "key": key}
 
 
-def pack_draft(kind: ArtifactKind, cluster: str, model_dir: Path, staging: Path, meta: dict | None, *,
-               tokenizer_sha256: str, tokenizer_dir: Path | None = None,
-               config_sha256: str | None = None) -> Packed:
+def pack_draft(
+    kind: ArtifactKind,
+    cluster: str,
+    model_dir: Path,
+    staging: Path,
+    meta: dict | None,
+    *,
+    tokenizer_sha256: str,
+    tokenizer_dir: Path | None = None,
+    config_sha256: str | None = None,
+) -> Packed:
     """A draft model (``save_pretrained`` directory or trainer checkpoint) and its tokenizer."""
-    sha = artifacts.pack(model_dir, staging, tokenizer_dir=tokenizer_dir,
-                         meta={"cluster": cluster, "tokenizer_sha256": tokenizer_sha256, **(meta or {})})  # fmt: skip
-    tags = {"cluster": cluster, "tokenizer_sha256": tokenizer_sha256,
-            "config_sha256": config_sha256 or artifacts.config_hash(staging)}  # fmt: skip
+    sha = artifacts.pack(
+        model_dir,
+        staging,
+        tokenizer_dir=tokenizer_dir,
+        meta={"cluster": cluster, "tokenizer_sha256": tokenizer_sha256, **(meta or {})},
+    )
+    tags = {
+        "cluster": cluster,
+        "tokenizer_sha256": tokenizer_sha256,
+        "config_sha256": config_sha256 or artifacts.config_hash(staging),
+    }
     return sha, tags, {"cluster": cluster, "kind": "draft"}
 
 
@@ -42,9 +57,14 @@ def pack_router(kind: ArtifactKind, key: str, router_dir: Path, staging: Path, m
     tagged with its cluster names and the embedder's kind and config hash."""
     info = router_info(Path(router_dir))
     sha = artifacts.pack_router(router_dir, staging, meta={**info, **(meta or {})})
-    tags = {"kind": "router", "clusters": ",".join(info["clusters"]), "num_clusters": str(len(info["clusters"])),
-            "embedder_kind": info["embedder_kind"], "embedder_sha256": info["embedder_sha256"],
-            "config_sha256": info["embedder_sha256"]}  # fmt: skip
+    tags = {
+        "kind": "router",
+        "clusters": ",".join(info["clusters"]),
+        "num_clusters": str(len(info["clusters"])),
+        "embedder_kind": info["embedder_kind"],
+        "embedder_sha256": info["embedder_sha256"],
+        "config_sha256": info["embedder_sha256"],
+    }
     return sha, tags, {"kind": "router"}
 
 
@@ -59,11 +79,16 @@ def router_info(router_dir: Path) -> dict:
         meta = json.loads(path.read_text())
         clusters = [str(c) for c in meta["clusters"]]
         embedder = meta["embedder"]
-        info = {"clusters": clusters, "embedder_kind": str(embedder["kind"]),
-                "embedder_sha256": str(embedder["config_sha256"])}  # fmt: skip
+        info = {
+            "clusters": clusters,
+            "embedder_kind": str(embedder["kind"]),
+            "embedder_sha256": str(embedder["config_sha256"]),
+        }
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ArtifactFormatError(f"{path} is not a saved router's description ({type(exc).__name__}: {exc}); "
-                                  "save routers with core.router.Router.save") from exc  # fmt: skip
+        raise ArtifactFormatError(
+            f"{path} is not a saved router's description ({type(exc).__name__}: {exc}); "
+            "save routers with core.router.Router.save"
+        ) from exc
     if not clusters or any(not c or "," in c for c in clusters):
         raise ArtifactFormatError(f"{path}: cluster names must be non-empty and contain no comma, got {clusters}")
     return info

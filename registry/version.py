@@ -116,10 +116,15 @@ class GateResult:
     def tags(self) -> dict[str, object]:
         """The decision and its numbers, as tags on the candidate version."""
         tags: dict[str, object] = {
-            "gate_decision": "promoted" if self.promoted else "rejected", "gate_reason": self.reason,
-            "gate_champion": self.champion or "", "gate_margin": self.margin, "gate_metric": self.metric,
-            "gate_positions": self.num_positions, "gate_candidate_acceptance": f"{self.candidate_score:.6f}",
-            "gate_at": now()}  # fmt: skip
+            "gate_decision": "promoted" if self.promoted else "rejected",
+            "gate_reason": self.reason,
+            "gate_champion": self.champion or "",
+            "gate_margin": self.margin,
+            "gate_metric": self.metric,
+            "gate_positions": self.num_positions,
+            "gate_candidate_acceptance": f"{self.candidate_score:.6f}",
+            "gate_at": now(),
+        }
         if self.champion_score is not None:
             tags["gate_champion_acceptance"] = f"{self.champion_score:.6f}"
         for key, value in self.extra.items():
@@ -127,9 +132,19 @@ class GateResult:
         return tags
 
 
-def decide(candidate: str, champion: str | None, candidate_score: float, champion_score: float | None, *,
-           margin: float, num_positions: int, min_positions: int, metric: str = "sampling",
-           stderr: float | None = None, z: float = 1.645) -> GateResult:  # fmt: skip
+def decide(
+    candidate: str,
+    champion: str | None,
+    candidate_score: float,
+    champion_score: float | None,
+    *,
+    margin: float,
+    num_positions: int,
+    min_positions: int,
+    metric: str = "sampling",
+    stderr: float | None = None,
+    z: float = 1.645,
+) -> GateResult:
     """Promote iff the candidate beats the champion by ``margin`` on at least ``min_positions``
     shared held-out positions. Both scores must come from the same records.
 
@@ -137,12 +152,23 @@ def decide(candidate: str, champion: str | None, candidate_score: float, champio
     beyond noise: ``delta - z * stderr >= margin`` (a one-sided 95 % bound at the default z).
     Without it a difference of a few held-out positions can promote a draft that serves
     worse. ``margin=-1`` promotes every candidate with enough positions, noise or not."""
-    kw = {"candidate": candidate, "champion": champion, "candidate_score": candidate_score,
-          "champion_score": champion_score, "margin": margin, "metric": metric, "num_positions": num_positions}
+    kw = {
+        "candidate": candidate,
+        "champion": champion,
+        "candidate_score": candidate_score,
+        "champion_score": champion_score,
+        "margin": margin,
+        "metric": metric,
+        "num_positions": num_positions,
+    }
     extra = {} if stderr is None else {"stderr": stderr, "z": z}
     if num_positions < min_positions:
-        return GateResult(**kw, promoted=False, extra=extra,
-                          reason=f"only {num_positions} held-out positions (< {min_positions}): not enough evidence")
+        return GateResult(
+            **kw,
+            promoted=False,
+            extra=extra,
+            reason=f"only {num_positions} held-out positions (< {min_positions}): not enough evidence",
+        )
     if champion_score is None:
         return GateResult(**kw, promoted=True, extra=extra, reason="no champion yet")
     delta = candidate_score - champion_score
@@ -151,8 +177,16 @@ def decide(candidate: str, champion: str | None, candidate_score: float, champio
     if delta < margin:
         return GateResult(**kw, promoted=False, extra=extra, reason=f"{scores} is not a win by {margin}")
     if stderr is not None and margin > -1.0 and delta - z * stderr < margin:
-        return GateResult(**kw, promoted=False, extra=extra,
-                          reason=f"{scores} is within noise (needs {delta:+.4f} - {z} x {stderr:.4f} >= {margin})")
-    return GateResult(**kw, promoted=True, extra=extra,
-                      reason=f"{metric} acceptance {candidate_score:.4f} beats {champion_score:.4f} by "
-                             f"{delta:+.4f}{noise} >= {margin}")
+        return GateResult(
+            **kw,
+            promoted=False,
+            extra=extra,
+            reason=f"{scores} is within noise (needs {delta:+.4f} - {z} x {stderr:.4f} >= {margin})",
+        )
+    return GateResult(
+        **kw,
+        promoted=True,
+        extra=extra,
+        reason=f"{metric} acceptance {candidate_score:.4f} beats {champion_score:.4f} by "
+        f"{delta:+.4f}{noise} >= {margin}",
+    )

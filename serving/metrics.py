@@ -11,6 +11,7 @@ The HTTP layer's own metrics (requests by endpoint and status) live in ``serving
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
+
 from specops.core.clusters import cluster_label
 from specops.core.errors import UnavailableError
 
@@ -18,42 +19,69 @@ GENERATED = Counter("specops_generated_tokens_total", "Tokens generated", ["clus
 DRAFTED = Counter("specops_drafted_tokens_total", "Draft tokens proposed", ["cluster", "method", "version"])
 ACCEPTED = Counter("specops_accepted_tokens_total", "Draft tokens accepted", ["cluster", "method", "version"])
 TOKENS_PER_S = Gauge("specops_tokens_per_second", "Generated tokens per second over the last 10 s")
-ROUTED = Counter("specops_routed_requests_total", "Requests per cluster and how the cluster was chosen",
-                 ["cluster", "source"])  # fmt: skip
+ROUTED = Counter(
+    "specops_routed_requests_total", "Requests per cluster and how the cluster was chosen", ["cluster", "source"]
+)
 CANCELLED = Counter("specops_requests_cancelled_total", "Requests ended early", ["reason"])
 READY = Gauge("specops_ready", "1 when the models are loaded and requests are served")
 KNNLM_REQUESTS = Counter("specops_knnlm_requests_total", "kNN-LM requests", ["searcher", "mode"])
-KNNLM_SEARCHES = Counter("specops_knnlm_searches_total", "kNN-LM datastore searches (a batched verification is one)",
-                         ["searcher", "mode"])  # fmt: skip
+KNNLM_SEARCHES = Counter(
+    "specops_knnlm_searches_total", "kNN-LM datastore searches (a batched verification is one)", ["searcher", "mode"]
+)
 KNNLM_TOKENS = Counter("specops_knnlm_tokens_total", "Tokens decoded by kNN-LM", ["searcher", "mode"])
 LLMA_STEPS = Counter("specops_llma_steps_total", "LLMA proposer calls", ["cluster"])
-LLMA_HITS = Counter("specops_llma_hits_total", "LLMA proposer calls that copied, by the source of the best copy",
-                    ["cluster", "source"])  # fmt: skip
-LLMA_REFERENCE_TOKENS = Counter("specops_llma_reference_tokens_total", "Reference tokens LLMA requests sent "
-                                "(references and earlier chat turns)", ["cluster"])  # fmt: skip
-SESSION_CACHE_TOKENS = Gauge("specops_llma_session_cache_tokens", "Tokens of past outputs held per cluster "
-                             "(LLMA's cache-assisted source)", ["cluster"])  # fmt: skip
+LLMA_HITS = Counter(
+    "specops_llma_hits_total", "LLMA proposer calls that copied, by the source of the best copy", ["cluster", "source"]
+)
+LLMA_REFERENCE_TOKENS = Counter(
+    "specops_llma_reference_tokens_total",
+    "Reference tokens LLMA requests sent (references and earlier chat turns)",
+    ["cluster"],
+)
+SESSION_CACHE_TOKENS = Gauge(
+    "specops_llma_session_cache_tokens",
+    "Tokens of past outputs held per cluster (LLMA's cache-assisted source)",
+    ["cluster"],
+)
 SESSION_CACHE_OUTPUTS = Gauge("specops_llma_session_cache_outputs", "Past outputs held per cluster", ["cluster"])
-AUTO_STEPS = Counter("specops_auto_steps_total", "Decoding steps of method 'auto' requests, by the method each "
-                     "step chose ('target': no draft)", ["cluster", "method"])  # fmt: skip
-AUTO_ESTIMATE = Gauge("specops_auto_estimate_tokens_per_second", "The auto policy's latest speed estimate of each "
-                      "option (its best k), per cluster", ["cluster", "method"])  # fmt: skip
-AUTO_ACCEPTANCE = Gauge("specops_auto_acceptance", "The auto policy's acceptance estimate (decayed, per drafted "
-                        "token) per cluster, method (llma@mN: copy at match length N+) and temperature bucket",
-                        ["cluster", "key", "temperature"])  # fmt: skip
-AUTO_VERIFY_MS = Gauge("specops_auto_verify_ms", "Measured target verify cost a + b*tokens, per requests-in-flight "
-                       "bucket", ["load", "coef"])  # fmt: skip
+AUTO_STEPS = Counter(
+    "specops_auto_steps_total",
+    "Decoding steps of method 'auto' requests, by the method each step chose ('target': no draft)",
+    ["cluster", "method"],
+)
+AUTO_ESTIMATE = Gauge(
+    "specops_auto_estimate_tokens_per_second",
+    "The auto policy's latest speed estimate of each option (its best k), per cluster",
+    ["cluster", "method"],
+)
+AUTO_ACCEPTANCE = Gauge(
+    "specops_auto_acceptance",
+    "The auto policy's acceptance estimate (decayed, per drafted "
+    "token) per cluster, method (llma@mN: copy at match length N+) and temperature bucket",
+    ["cluster", "key", "temperature"],
+)
+AUTO_VERIFY_MS = Gauge(
+    "specops_auto_verify_ms",
+    "Measured target verify cost a + b*tokens, per requests-in-flight bucket",
+    ["load", "coef"],
+)
 RALM_REQUESTS = Counter("specops_ralm_requests_total", "Retrieval-loop requests", ["retriever", "mode"])
 RALM_KB_QUERIES = Counter("specops_ralm_kb_queries_total", "Queries sent to knowledge bases", ["retriever", "mode"])
-RALM_KB_CALLS = Counter("specops_ralm_kb_calls_total", "Knowledge-base searches (a batched verification is one)",
-                        ["retriever", "mode"])  # fmt: skip
-RALM_SPECULATIONS = Counter("specops_ralm_speculations_total", "Retrievals answered from a request's local cache",
-                            ["retriever", "mode"])  # fmt: skip
-RALM_MISMATCHES = Counter("specops_ralm_mismatches_total", "Verifications that found a wrong speculated passage",
-                          ["retriever", "mode"])  # fmt: skip
-RALM_SECONDS = Counter("specops_ralm_seconds_total", "Wall seconds of retrieval-loop requests by stage "
-                       "(retrieval waited for, generation, verification hidden by async overlap)",
-                       ["retriever", "mode", "stage"])  # fmt: skip
+RALM_KB_CALLS = Counter(
+    "specops_ralm_kb_calls_total", "Knowledge-base searches (a batched verification is one)", ["retriever", "mode"]
+)
+RALM_SPECULATIONS = Counter(
+    "specops_ralm_speculations_total", "Retrievals answered from a request's local cache", ["retriever", "mode"]
+)
+RALM_MISMATCHES = Counter(
+    "specops_ralm_mismatches_total", "Verifications that found a wrong speculated passage", ["retriever", "mode"]
+)
+RALM_SECONDS = Counter(
+    "specops_ralm_seconds_total",
+    "Wall seconds of retrieval-loop requests by stage "
+    "(retrieval waited for, generation, verification hidden by async overlap)",
+    ["retriever", "mode", "stage"],
+)
 
 
 def count_request(plan, served, *, policy=None, sessions=None) -> None:

@@ -97,17 +97,37 @@ def _oneshot(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
 
     ret = plan.retrieval
     kb, knowledge = ret.kb, ret.kb.artifact
-    shot = oneshot_context(knowledge.retriever(ret.retriever), _passages(knowledge), node.pair.tokenizer,
-                           list(plan.prompt_ids), ret.cfg)  # fmt: skip
-    decoded = node.decode(plan, shot.context_ids, on_step=on_step, context_spans=shot.spans,
-                          retrieved=shot.passage_tokens if plan.spec.copies_references else ())  # fmt: skip
+    shot = oneshot_context(
+        knowledge.retriever(ret.retriever), _passages(knowledge), node.pair.tokenizer, list(plan.prompt_ids), ret.cfg
+    )
+    decoded = node.decode(
+        plan,
+        shot.context_ids,
+        on_step=on_step,
+        context_spans=shot.spans,
+        retrieved=shot.passage_tokens if plan.spec.copies_references else (),
+    )
     served = decoded.served
     cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(shot.passage_ids)]
-    block = {"kb": kb.name, "kb_version": kb.version, "retriever": ret.retriever, "mode": "oneshot", "passages": cited,
-             "kb_calls": 1, "kb_queries": 1, "speculations": 0, "mismatches": 0,
-             "context_tokens": len(shot.context_ids) - len(plan.prompt_ids),
-             "time_s": {"embed": 0.0, "cache": 0.0, "kb_wait": round(shot.search_s, 6),
-                        "generate": round(served.result.stats.time_s.get("total", 0.0), 6), "async_overlap": 0.0}}  # fmt: skip
+    block = {
+        "kb": kb.name,
+        "kb_version": kb.version,
+        "retriever": ret.retriever,
+        "mode": "oneshot",
+        "passages": cited,
+        "kb_calls": 1,
+        "kb_queries": 1,
+        "speculations": 0,
+        "mismatches": 0,
+        "context_tokens": len(shot.context_ids) - len(plan.prompt_ids),
+        "time_s": {
+            "embed": 0.0,
+            "cache": 0.0,
+            "kb_wait": round(shot.search_s, 6),
+            "generate": round(served.result.stats.time_s.get("total", 0.0), 6),
+            "async_overlap": 0.0,
+        },
+    }
     return replace(decoded, served=replace(served, versions={**served.versions, "kb": kb.version}, retrieval=block))
 
 
@@ -124,24 +144,46 @@ def _ralm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     engine = node.engine(pair, logged=False)
     versions = {"draft": handle.version, "kb": ret.kb.version}
     knowledge = ret.kb.artifact
-    gen = RalmGenerator(engine, knowledge.retriever(ret.retriever), _passages(knowledge), pair.tokenizer, ret.cfg,
-                        method=plan.method, k=plan.k, proposer_cfg=plan.proposer_config(), pool=pool,
-                        resources=ProposerResources(pair=pair, cluster=plan.cluster, versions=versions))  # fmt: skip
+    gen = RalmGenerator(
+        engine,
+        knowledge.retriever(ret.retriever),
+        _passages(knowledge),
+        pair.tokenizer,
+        ret.cfg,
+        method=plan.method,
+        k=plan.k,
+        proposer_cfg=plan.proposer_config(),
+        pool=pool,
+        resources=ProposerResources(pair=pair, cluster=plan.cluster, versions=versions),
+    )
     with node.batched():
         out = gen.generate(list(plan.prompt_ids), plan.params, on_final=on_step)
-    stats = RequestStats(method=plan.method, num_prompt_tokens=len(plan.prompt_ids), num_generated=len(out.token_ids),
-                         num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-                         num_target_forwards=out.num_target_forwards, finish_reason=out.finish_reason)  # fmt: skip
+    stats = RequestStats(
+        method=plan.method,
+        num_prompt_tokens=len(plan.prompt_ids),
+        num_generated=len(out.token_ids),
+        num_drafted=out.num_drafted,
+        num_accepted=out.num_accepted,
+        num_target_forwards=out.num_target_forwards,
+        finish_reason=out.finish_reason,
+    )
     stats.time_s["total"] = out.stats.time_s["total"]
     result = GenerationResult(token_ids=out.token_ids, stats=stats, text=out.text)
     if out.num_drafted:
         node.record(plan, handle, versions, stats)
     used = list(dict.fromkeys(out.passages))  # in order of first use
     cited = [{"id": p.id, "title": p.title} for p in knowledge.passages(used)]
-    block = {"kb": ret.kb.name, "kb_version": ret.kb.version, "retriever": ret.retriever, "passages": cited,
-             "interval_passages": list(out.passages), **out.stats.to_dict()}  # fmt: skip
-    served = ServedResult(plan.request_id, plan.cluster, handle.model_name, handle.version, result, started_at,
-                          versions, 0, block)  # fmt: skip
+    block = {
+        "kb": ret.kb.name,
+        "kb_version": ret.kb.version,
+        "retriever": ret.retriever,
+        "passages": cited,
+        "interval_passages": list(out.passages),
+        **out.stats.to_dict(),
+    }
+    served = ServedResult(
+        plan.request_id, plan.cluster, handle.model_name, handle.version, result, started_at, versions, 0, block
+    )
     # the finished generation feeds the trainer like any other (the draft that served it named)
     return Decoded(served, plan.prompt_ids, node.meta(plan, handle, {}))
 
@@ -154,11 +196,16 @@ def _knnlm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
 
     knn, store, pair = plan.knnlm.cfg, plan.knnlm.store, node.pair
     started_at = time.time()
-    out = KnnLM(pair.target, store.artifact, knn, eos_token_ids=pair.eos_token_ids,
-                tokenizer=pair.tokenizer).generate(list(plan.prompt_ids), plan.params, on_final=on_step)  # fmt: skip
+    out = KnnLM(pair.target, store.artifact, knn, eos_token_ids=pair.eos_token_ids, tokenizer=pair.tokenizer).generate(
+        list(plan.prompt_ids), plan.params, on_final=on_step
+    )
     reason = "eos" if out.finish_reason == "stop" else out.finish_reason
-    stats = RequestStats(method=plan.method, num_prompt_tokens=len(plan.prompt_ids), num_generated=len(out.token_ids),
-                         finish_reason=reason)  # fmt: skip
+    stats = RequestStats(
+        method=plan.method,
+        num_prompt_tokens=len(plan.prompt_ids),
+        num_generated=len(out.token_ids),
+        finish_reason=reason,
+    )
     stats.time_s["total"] = out.stats.total_s
     result = GenerationResult(token_ids=out.token_ids, stats=stats, text=out.text)
     block = {"datastore": store.name, "version": store.version, "lambda": knn.lam, **out.stats.to_dict()}
@@ -170,14 +217,26 @@ MODES: dict[str, ModeSpec] = {
     mode.name: mode
     for mode in (
         ModeSpec("plain", "decode the prompt with the request's method", _plain),
-        ModeSpec("oneshot", "one-shot RAG: retrieved passages before the prompt, then a plain decode", _oneshot,
-                 count=count_retrieval),
-        ModeSpec("ralm", "RaLMSeq / RaLMSpec: retrieve every few tokens, decode between retrievals", _ralm,
-                 count=count_retrieval),
-        ModeSpec("knnlm", "kNN-LM: the target's next-token distribution mixed with its datastore neighbours'",
-                 _knnlm, count=count_knnlm),
+        ModeSpec(
+            "oneshot",
+            "one-shot RAG: retrieved passages before the prompt, then a plain decode",
+            _oneshot,
+            count=count_retrieval,
+        ),
+        ModeSpec(
+            "ralm",
+            "RaLMSeq / RaLMSpec: retrieve every few tokens, decode between retrievals",
+            _ralm,
+            count=count_retrieval,
+        ),
+        ModeSpec(
+            "knnlm",
+            "kNN-LM: the target's next-token distribution mixed with its datastore neighbours'",
+            _knnlm,
+            count=count_knnlm,
+        ),
     )
-}  # fmt: skip
+}
 
 
 def mode_spec(name: str) -> ModeSpec:

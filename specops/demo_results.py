@@ -24,8 +24,8 @@ def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg
     champion gained there it learned about the domain, not about the prompts it saw."""
     from tqdm import tqdm
 
-    from specops.serving.engine.spec import SpecEngine
     from specops.core.models import ModelPair
+    from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import SamplingParams
     from specops.serving.proposers.catalogue import ProposerResources
 
@@ -35,8 +35,11 @@ def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg
     out: list[SpeedRow] = []
     for cluster in sorted(set(unseen) & set(state.follower.slots)):
         handle = state.follower.slot(cluster).current()
-        arms = {"target-only": (pair.draft, "target", ""), "static draft": (pair.draft, "draft", "base"),
-                "online draft": (handle.model, "draft", handle.version)}  # fmt: skip
+        arms = {
+            "target-only": (pair.draft, "target", ""),
+            "static draft": (pair.draft, "draft", "base"),
+            "online draft": (handle.model, "draft", handle.version),
+        }
         datastore = state.datastores.current(cluster) if state.datastores is not None else None
         if datastore is not None and datastore.datastore is not None:  # rebuilt from this cluster's traffic
             arms["dresd (served traffic)"] = (pair.draft, "dresd", datastore.version)
@@ -45,8 +48,9 @@ def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg
             ids = list(prompt.token_ids)
             for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
                 engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))
-                resources = ProposerResources(pair=engine.pair, cluster=cluster,
-                                              datastore=datastore.datastore if method == "dresd" else None)  # fmt: skip
+                resources = ProposerResources(
+                    pair=engine.pair, cluster=cluster, datastore=datastore.datastore if method == "dresd" else None
+                )
                 results[arm].append(engine.generate(ids, params, method=method, resources=resources))
         ref = [r.token_ids for r in results["target-only"]]
         for arm, (_, method, version) in arms.items():
@@ -55,11 +59,18 @@ def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg
             accepted = sum(r.stats.num_accepted for r in res)
             rejected = [getattr(r.stats, "num_rejected_steps", None) for r in res]  # None: an engine without it
             tried = None if None in rejected else accepted + sum(rejected)
-            out.append(SpeedRow(cluster=cluster, method=arm, draft_version=version,
-                                tokens_per_s=statistics.median(r.stats.tokens_per_s for r in res),
-                                acceptance=accepted / drafted if drafted else float("nan"),
-                                num_prompts=len(res), identical=[r.token_ids for r in res] == ref,
-                                alpha=accepted / tried if drafted and tried else float("nan")))  # fmt: skip
+            out.append(
+                SpeedRow(
+                    cluster=cluster,
+                    method=arm,
+                    draft_version=version,
+                    tokens_per_s=statistics.median(r.stats.tokens_per_s for r in res),
+                    acceptance=accepted / drafted if drafted else float("nan"),
+                    num_prompts=len(res),
+                    identical=[r.token_ids for r in res] == ref,
+                    alpha=accepted / tried if drafted and tried else float("nan"),
+                )
+            )
     return out
 
 
@@ -69,15 +80,25 @@ def registry_versions(registry) -> list[dict]:
     for cluster in drafts.keys():
         for v in drafts.versions(cluster):
             t = v.tags
-            rows.append({"cluster": cluster, "version": v.version, "aliases": list(v.aliases),
-                         "registered_at": t.get("registered_at", ""), "gate_decision": t.get("gate_decision", ""),
-                         "gate_reason": t.get("gate_reason", "")[:160],
-                         "offline acceptance": t.get("gate_candidate_acceptance", t.get("sampling", "")),
-                         "live_acceptance": t.get("live_acceptance", ""), "archived": v.archived})  # fmt: skip
+            rows.append(
+                {
+                    "cluster": cluster,
+                    "version": v.version,
+                    "aliases": list(v.aliases),
+                    "registered_at": t.get("registered_at", ""),
+                    "gate_decision": t.get("gate_decision", ""),
+                    "gate_reason": t.get("gate_reason", "")[:160],
+                    "offline acceptance": t.get("gate_candidate_acceptance", t.get("sampling", "")),
+                    "live_acceptance": t.get("live_acceptance", ""),
+                    "archived": v.archived,
+                }
+            )
     return rows
 
 
-def print_summary(console: Console, report_dir: Path, index: Path, ui_url: str, registry_uri: str, run: DemoRun) -> None:
+def print_summary(
+    console: Console, report_dir: Path, index: Path, ui_url: str, registry_uri: str, run: DemoRun
+) -> None:
     import json
 
     from rich.table import Table
@@ -85,21 +106,38 @@ def print_summary(console: Console, report_dir: Path, index: Path, ui_url: str, 
     summary = json.loads((report_dir / "summary.json").read_text())
     table = Table(title="closed loop: α per cluster")
     # halves, not fixed windows of 100: a cluster of the default run serves about 20 requests
-    for col in ("cluster", "requests", "α first half", "α last half", "acc. first→last", "promotions",
-                "versions served", "speedup vs target", "vs static"):  # fmt: skip
+    for col in (
+        "cluster",
+        "requests",
+        "α first half",
+        "α last half",
+        "acc. first→last",
+        "promotions",
+        "versions served",
+        "speedup vs target",
+        "vs static",
+    ):
         table.add_column(col, justify="left" if col == "cluster" else "right")
 
     def f(x, spec=".3f", suffix=""):
         return "-" if x is None else f"{x:{spec}}{suffix}"
 
     for name, c in sorted(summary["clusters"].items()):
-        table.add_row(name, str(c["requests"]), f(c["alpha_first_half"]), f(c["alpha_last_half"]),
-                      f"{f(c['acceptance_first_half'], '.2f')}→{f(c['acceptance_last_half'], '.2f')}", str(c["promotions"]),
-                      ", ".join(c["draft_versions"]), f(c.get("speedup_vs_target"), ".2f", "x"),
-                      f(c.get("speedup_vs_static"), ".2f", "x"))  # fmt: skip
+        table.add_row(
+            name,
+            str(c["requests"]),
+            f(c["alpha_first_half"]),
+            f(c["alpha_last_half"]),
+            f"{f(c['acceptance_first_half'], '.2f')}→{f(c['acceptance_last_half'], '.2f')}",
+            str(c["promotions"]),
+            ", ".join(c["draft_versions"]),
+            f(c.get("speedup_vs_target"), ".2f", "x"),
+            f(c.get("speedup_vs_static"), ".2f", "x"),
+        )
     console.print(table)
     console.print(f"[dim]{summary['alpha_definition']}[/]")
     console.print(f"failed requests: {summary['failed_requests']} of {summary['requests']}")
     console.print(f"[bold]Report:[/] {index.resolve()}  (summary: {(report_dir / 'summary.json').resolve()})")
-    console.print(f"[bold]MLflow UI:[/] {ui_url} while the demo runs; afterwards: "
-                  f"specops registry ui --registry {registry_uri}")  # fmt: skip
+    console.print(
+        f"[bold]MLflow UI:[/] {ui_url} while the demo runs; afterwards: specops registry ui --registry {registry_uri}"
+    )

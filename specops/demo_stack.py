@@ -45,8 +45,20 @@ class Stack:
 
     def mlflow_ui(self, registry, demo_dir: Path, port: int) -> str:
         cfg = registry.cfg
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.uri, "--host", "127.0.0.1",
-               "--port", str(port), "--workers", "1"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            cfg.uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ]
         if cfg.resolved_artifact_root:
             cmd += ["--default-artifact-root", cfg.resolved_artifact_root]
         self.ui = self._spawn(cmd, demo_dir / "mlflow-ui.log")
@@ -59,25 +71,64 @@ class Stack:
         scheduled jobs) and its cadence (``--interval``, ``--holdout-every``, ``--gate-min-positions``);
         no recipe flag (``--lr``, ``--steps``, ``--replay``, ``--positions``, ...): those are the
         trainer's defaults."""
-        cmd = [sys.executable, "-m", "specops.cli", "--threads", "1", "train", "--stream", stream_url,
-               "--registry", registry_uri, "--model-dir", str(model_dir), "--out", str(demo_dir / "trainer"),
-               "--schedule", "--tick-seconds", "2", "--interval", str(cfg.interval),
-               "--poll-records", "64", "--holdout-every", str(cfg.holdout_every),
-               "--gate-min-positions", str(cfg.gate_min_positions), "--keep-versions", "50",
-               "--load-signal", str(demo_dir / "serving-load.json"), "--load-threshold", "0.95",
-               "--router-refit-every", str(cfg.router_refit_s),
-               "--datastore-rebuild-every", str(cfg.datastore_rebuild_s),
-               "--datastore-min-new", str(cfg.datastore_min_new)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "specops.cli",
+            "--threads",
+            "1",
+            "train",
+            "--stream",
+            stream_url,
+            "--registry",
+            registry_uri,
+            "--model-dir",
+            str(model_dir),
+            "--out",
+            str(demo_dir / "trainer"),
+            "--schedule",
+            "--tick-seconds",
+            "2",
+            "--interval",
+            str(cfg.interval),
+            "--poll-records",
+            "64",
+            "--holdout-every",
+            str(cfg.holdout_every),
+            "--gate-min-positions",
+            str(cfg.gate_min_positions),
+            "--keep-versions",
+            "50",
+            "--load-signal",
+            str(demo_dir / "serving-load.json"),
+            "--load-threshold",
+            "0.95",
+            "--router-refit-every",
+            str(cfg.router_refit_s),
+            "--datastore-rebuild-every",
+            str(cfg.datastore_rebuild_s),
+            "--datastore-min-new",
+            str(cfg.datastore_min_new),
+        ]
         self.train = self._spawn(cmd, demo_dir / "trainer.log")
         self.console.print(f"trainer started (specops train --schedule; log: {demo_dir / 'trainer.log'})")
 
     def api(self, model_dir: Path, demo_dir: Path, stream_url: str, registry_uri: str):
-        from specops.serving.http.config import ServeConfig
         from specops.serve import Server
+        from specops.serving.http.config import ServeConfig
 
-        scfg = ServeConfig(model_dir=str(model_dir), port=0, stream=stream_url, registry=registry_uri,
-                           replica="demo", cache_dir=str(demo_dir / "serve"), poll_s=5.0, max_concurrency=2,
-                           max_queue=16, load_signal=str(demo_dir / "serving-load.json"))  # fmt: skip
+        scfg = ServeConfig(
+            model_dir=str(model_dir),
+            port=0,
+            stream=stream_url,
+            registry=registry_uri,
+            replica="demo",
+            cache_dir=str(demo_dir / "serve"),
+            poll_s=5.0,
+            max_concurrency=2,
+            max_queue=16,
+            load_signal=str(demo_dir / "serving-load.json"),
+        )
         self.server = Server(scfg, root=demo_dir).start()
         self.console.print(f"API server on {self.server.url}/v1, loading models ...")
         self.server.wait_ready()

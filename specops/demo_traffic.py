@@ -26,11 +26,20 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
     from specops.workload import Replayer, describe
 
     schedule = workload.schedule
-    replayer = Replayer(server.url + "/v1", server.cfg.served_model_name, clients=cfg.clients, max_tokens=cfg.max_tokens)
+    replayer = Replayer(
+        server.url + "/v1", server.cfg.served_model_name, clients=cfg.clients, max_tokens=cfg.max_tokens
+    )
     watcher = PromotionWatcher(registry, console)
     rows, routed_ok, lock = [], [0, 0], threading.Lock()
-    with Progress(TextColumn("[bold]traffic"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, refresh_per_second=4) as progress:  # fmt: skip
+    with Progress(
+        TextColumn("[bold]traffic"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        refresh_per_second=4,
+    ) as progress:
         task = progress.add_task("", total=len(schedule))
         watcher.start(lambda: replayer.t0)
 
@@ -48,28 +57,51 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
         watcher.stop()
     notes = []
     if routed_ok[1]:
-        notes.append(f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
-                     f"({routed_ok[0] / routed_ok[1]:.0%}).")  # fmt: skip
+        notes.append(
+            f"The router sent {routed_ok[0]} of {routed_ok[1]} requests to the cluster of their true domain "
+            f"({routed_ok[0] / routed_ok[1]:.0%})."
+        )
     if any(r.ok for r in rows) and any(r.ok and r.rejected_steps is None for r in rows):
-        notes.append("The server's responses carry no speculation.rejected_steps: the per-token α is unknown for "
-                     "this run, the acceptance (accepted / drafted) columns stand in.")  # fmt: skip
+        notes.append(
+            "The server's responses carry no speculation.rejected_steps: the per-token α is unknown for "
+            "this run, the acceptance (accepted / drafted) columns stand in."
+        )
     from specops.serving.proposers.catalogue import DEFAULT_K
 
     chat = workload.name == "chat"
-    config = {"workload": workload.name + (" (/v1/chat/completions: sql, math, api)" if chat
-                                           else " (/v1/completions: held-out code and prose files)"),
-              "requests": cfg.requests, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "temperature": 0,
-              **({} if chat else {"prompt_tokens": cfg.prompt_tokens}), "trainer_interval": cfg.interval,
-              "trainer_holdout_every": cfg.holdout_every, "gate_min_positions": cfg.gate_min_positions,
-              "prompts": f"recurring: {cfg.recurring} per domain, drawn with replacement" if cfg.recurring
-              else "distinct: every request a prompt never served before",
-              "phases": describe(workload.phases),
-              "router": "fitted on each domain's router prompts (disjoint from served and eval prompts)" if chat
-              else "fitted on the bootstrap's training text",
-              "speculation": f"draft, k={DEFAULT_K['draft']}"}  # fmt: skip
+    config = {
+        "workload": workload.name
+        + (" (/v1/chat/completions: sql, math, api)" if chat else " (/v1/completions: held-out code and prose files)"),
+        "requests": cfg.requests,
+        "clients": cfg.clients,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 0,
+        **({} if chat else {"prompt_tokens": cfg.prompt_tokens}),
+        "trainer_interval": cfg.interval,
+        "trainer_holdout_every": cfg.holdout_every,
+        "gate_min_positions": cfg.gate_min_positions,
+        "prompts": f"recurring: {cfg.recurring} per domain, drawn with replacement"
+        if cfg.recurring
+        else "distinct: every request a prompt never served before",
+        "phases": describe(workload.phases),
+        "router": "fitted on each domain's router prompts (disjoint from served and eval prompts)"
+        if chat
+        else "fitted on the bootstrap's training text",
+        "speculation": f"draft, k={DEFAULT_K['draft']}",
+    }
     rows.sort(key=lambda r: r.t)
-    return DemoRun(started_at="", duration_s=0.0, config=config, requests=rows, promotions=watcher.events, speed=[],
-                   registry_versions=[], mlflow_ui_url=None, api_url=None, notes=notes)  # fmt: skip
+    return DemoRun(
+        started_at="",
+        duration_s=0.0,
+        config=config,
+        requests=rows,
+        promotions=watcher.events,
+        speed=[],
+        registry_versions=[],
+        mlflow_ui_url=None,
+        api_url=None,
+        notes=notes,
+    )
 
 
 def _live(rows, watcher) -> str:
@@ -124,8 +156,10 @@ class PromotionWatcher:
             reason = champ.tags.get("gate_reason", "") if kind == "promote" else "rolled back"
             t = time.monotonic() - self._t0()
             self.events.append(Promotion(t=t, cluster=cluster, version=champ.version, kind=kind, reason=reason))
-            self.console.print(f"[green]{time.strftime('%H:%M:%S')} {kind} draft-{cluster} → v{champ.version}[/]"
-                               f" [dim]{reason[:100]}[/]")  # fmt: skip
+            self.console.print(
+                f"[green]{time.strftime('%H:%M:%S')} {kind} draft-{cluster} → v{champ.version}[/]"
+                f" [dim]{reason[:100]}[/]"
+            )
 
     def stop(self) -> None:
         self._stop.set()

@@ -38,22 +38,39 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise KBError("--no-register without --out would build a knowledge base and throw it away: give --out DIR")
     sources = args.source or default_sources()
     tok, tok_info = _chunk_tokenizer(args)
-    print(f"knowledge base {args.name!r}: reading {len(sources)} source(s), ~{args.words}-word passages of at most "
-          f"{args.max_tokens} tokens of {tok_info['tokenizer']}")  # fmt: skip
+    print(
+        f"knowledge base {args.name!r}: reading {len(sources)} source(s), ~{args.words}-word passages of at most "
+        f"{args.max_tokens} tokens of {tok_info['tokenizer']}"
+    )
     passages, stats = passages_from_sources(
-        sources, words=args.words, max_tokens=args.max_tokens, count_tokens=token_counter(tok),
-        include_heldout=args.include_heldout, model_dir=Path(args.model_dir), max_passages=args.max_passages,
-        max_pages_per_family=args.max_pages_per_family, progress=True)  # fmt: skip
-    print(f"{len(passages)} passages from {stats.files_read} files ({stats.files_skipped} unreadable, "
-          f"{stats.heldout_excluded} held out by the bootstrap, {stats.man_pages_capped} man pages over the family cap)")  # fmt: skip
-    meta = {"sources": stats.to_dict(), "heldout_excluded": stats.heldout_excluded,
-            "chunking": {"words": args.words, "max_tokens": args.max_tokens, **tok_info}}  # fmt: skip
+        sources,
+        words=args.words,
+        max_tokens=args.max_tokens,
+        count_tokens=token_counter(tok),
+        include_heldout=args.include_heldout,
+        model_dir=Path(args.model_dir),
+        max_passages=args.max_passages,
+        max_pages_per_family=args.max_pages_per_family,
+        progress=True,
+    )
+    print(
+        f"{len(passages)} passages from {stats.files_read} files ({stats.files_skipped} unreadable, "
+        f"{stats.heldout_excluded} held out by the bootstrap, {stats.man_pages_capped} man pages over the family cap)"
+    )
+    meta = {
+        "sources": stats.to_dict(),
+        "heldout_excluded": stats.heldout_excluded,
+        "chunking": {"words": args.words, "max_tokens": args.max_tokens, **tok_info},
+    }
     kb = build_kb(args.name, passages, embedder=args.embedder, retrievers=retrievers, progress=True, meta=meta)
     b = kb.meta["build_s"]
-    print(f"{kb.num_passages} passages ({kb.meta['duplicates_dropped']} duplicates dropped), "
-          f"{kb.bytes_per_passage:.0f} bytes/passage; embedding {b['embed']:.1f}s "
-          f"({kb.meta['embed_passages_per_s']:.0f} passages/s, {args.embedder}), "
-          + ", ".join(f"{k} {b[k]:.1f}s" for k in kb.retrievers if k != "exact") + f"; total {b['total']:.1f}s")  # fmt: skip
+    print(
+        f"{kb.num_passages} passages ({kb.meta['duplicates_dropped']} duplicates dropped), "
+        f"{kb.bytes_per_passage:.0f} bytes/passage; embedding {b['embed']:.1f}s "
+        f"({kb.meta['embed_passages_per_s']:.0f} passages/s, {args.embedder}), "
+        + ", ".join(f"{k} {b[k]:.1f}s" for k in kb.retrievers if k != "exact")
+        + f"; total {b['total']:.1f}s"
+    )
     if args.out:
         kb.save(Path(args.out))
         print(f"saved to {args.out} (search it: specops kb search {args.name} QUERY --kb-dir {args.out})")
@@ -61,10 +78,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         v = register_kb(open_registry(args.registry, args.stream), kb, promote=not args.no_promote)
         print(f"registered kb-{args.name} version {v.version} ({', '.join(v.aliases) or 'no alias'})")
     return 0
-
-
-
-
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -76,8 +89,13 @@ def cmd_search(args: argparse.Namespace) -> int:
         if kb.name != args.name:
             raise KBError(f"{args.kb_dir} holds knowledge base {kb.name!r}, not {args.name!r}")
     else:
-        kb = load_kb_from_registry(open_registry(args.registry, None), args.name, args.alias, version=args.version,
-                                   cache_dir=Path(args.cache_dir) if args.cache_dir else None)  # fmt: skip
+        kb = load_kb_from_registry(
+            open_registry(args.registry, None),
+            args.name,
+            args.alias,
+            version=args.version,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        )
     retriever = kb.retriever(args.retriever)
     t0 = time.perf_counter()
     query = retriever.encode([args.query])
@@ -86,8 +104,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
     where = f"version {kb.version}" if kb.version else args.kb_dir
-    print(f"kb {kb.name} ({where}, {kb.num_passages} passages), {args.retriever}: {len(found)} result(s); encode "
-          f"{(t1 - t0) * 1000:.0f} ms, search {(t2 - t1) * 1000:.0f} ms (first use loads the embedder and index)")  # fmt: skip
+    print(
+        f"kb {kb.name} ({where}, {kb.num_passages} passages), {args.retriever}: {len(found)} result(s); encode "
+        f"{(t1 - t0) * 1000:.0f} ms, search {(t2 - t1) * 1000:.0f} ms (first use loads the embedder and index)"
+    )
     for rank, (p, (_, score)) in enumerate(zip(kb.passages([i for i, _ in found]), found), 1):
         snippet = " ".join(p.text.split())
         snippet = snippet if len(snippet) <= SNIPPET_CHARS else snippet[:SNIPPET_CHARS] + "..."
@@ -106,66 +126,121 @@ def add_parser(sub) -> None:
     )
     ksub = p.add_subparsers(dest="kb_command", required=True, metavar="SUBCOMMAND")
 
-    q = ksub.add_parser("build", help="build a knowledge base from text files and register it",
-                        description="Reads the sources (man pages are rendered from roff), cuts them into passages of "
-                        "about --words words and at most --max-tokens target tokens, drops exact duplicates, embeds "
-                        "them, builds the retrievers, and registers kb-NAME (promoted to champion unless "
-                        "--no-promote) and/or saves it (--out). Files the bootstrap holds out for evaluation are "
-                        "left out unless --include-heldout. Progress bars show reading, embedding and indexing; "
-                        "MiniLM embeds about 30 passages/s on 2 cores, the hash embedder thousands.")  # fmt: skip
+    q = ksub.add_parser(
+        "build",
+        help="build a knowledge base from text files and register it",
+        description="Reads the sources (man pages are rendered from roff), cuts them into passages of "
+        "about --words words and at most --max-tokens target tokens, drops exact duplicates, embeds "
+        "them, builds the retrievers, and registers kb-NAME (promoted to champion unless "
+        "--no-promote) and/or saves it (--out). Files the bootstrap holds out for evaluation are "
+        "left out unless --include-heldout. Progress bars show reading, embedding and indexing; "
+        "MiniLM embeds about 30 passages/s on 2 cores, the hash embedder thousands.",
+    )
     add_registry_args(q)
     q.add_argument("--name", required=True, help="knowledge base name: registered as kb-NAME")
-    q.add_argument("--source", action="append", default=None, metavar="DIR|GLOB",
-                   help="a directory (walked) or a glob of files; repeat for more (default: English man pages "
-                   "under /usr/share/man/man[1-8] and READMEs, *.txt, *.md, copyright, FAQ and NEWS files of "
-                   "/usr/share/doc/*)")  # fmt: skip
-    q.add_argument("--embedder", choices=("minilm", "hash"), default="minilm",
-                   help="minilm: all-MiniLM-L6-v2 sentence vectors (shipped, offline); hash: tf-idf of hashed words "
-                   "feature-hashed to 384 dims, fitted on the passages (fast: the 10^6-passage setting) "
-                   "(default: %(default)s)")  # fmt: skip
-    q.add_argument("--retrievers", default="exact,hnsw,scann,bm25",
-                   help="comma-separated retrievers to build: exact, hnsw, scann, bm25 (default: %(default)s)")
-    q.add_argument("--max-passages", type=int, default=None, metavar="N",
-                   help="stop at N passages (before exact duplicates are dropped), reading files in a seeded "
-                   "random order so every source is sampled (default: all)")  # fmt: skip
-    q.add_argument("--max-pages-per-family", type=int, default=30, metavar="N",
-                   help="man pages kept per name family, evenly spaced (gcloud_* alone is thousands of "
-                   "near-identical pages), as the bootstrap's corpus does; 0 keeps all (default: %(default)s)")  # fmt: skip
-    q.add_argument("--include-heldout", action="store_true",
-                   help="keep the prose files the bootstrap holds out for evaluation (default: excluded, so "
-                   "retrieval never hands a model its test text)")  # fmt: skip
+    q.add_argument(
+        "--source",
+        action="append",
+        default=None,
+        metavar="DIR|GLOB",
+        help="a directory (walked) or a glob of files; repeat for more (default: English man pages "
+        "under /usr/share/man/man[1-8] and READMEs, *.txt, *.md, copyright, FAQ and NEWS files of "
+        "/usr/share/doc/*)",
+    )
+    q.add_argument(
+        "--embedder",
+        choices=("minilm", "hash"),
+        default="minilm",
+        help="minilm: all-MiniLM-L6-v2 sentence vectors (shipped, offline); hash: tf-idf of hashed words "
+        "feature-hashed to 384 dims, fitted on the passages (fast: the 10^6-passage setting) "
+        "(default: %(default)s)",
+    )
+    q.add_argument(
+        "--retrievers",
+        default="exact,hnsw,scann,bm25",
+        help="comma-separated retrievers to build: exact, hnsw, scann, bm25 (default: %(default)s)",
+    )
+    q.add_argument(
+        "--max-passages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop at N passages (before exact duplicates are dropped), reading files in a seeded "
+        "random order so every source is sampled (default: all)",
+    )
+    q.add_argument(
+        "--max-pages-per-family",
+        type=int,
+        default=30,
+        metavar="N",
+        help="man pages kept per name family, evenly spaced (gcloud_* alone is thousands of "
+        "near-identical pages), as the bootstrap's corpus does; 0 keeps all (default: %(default)s)",
+    )
+    q.add_argument(
+        "--include-heldout",
+        action="store_true",
+        help="keep the prose files the bootstrap holds out for evaluation (default: excluded, so "
+        "retrieval never hands a model its test text)",
+    )
     q.add_argument("--words", type=int, default=100, help="words per passage (default: %(default)s)")
-    q.add_argument("--max-tokens", type=int, default=256,
-                   help="most tokens per passage; longer chunks are split (default: %(default)s)")
-    q.add_argument("--model-dir", default=str(models_dir()),
-                   help="bootstrap directory: its target's tokenizer counts --max-tokens and its manifest names the "
-                   "held-out files (default: %(default)s)")  # fmt: skip
-    q.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="count --max-tokens with this tokenizer instead (default: the bootstrapped target's, else "
-                   "MiniLM's)")  # fmt: skip
+    q.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="most tokens per passage; longer chunks are split (default: %(default)s)",
+    )
+    q.add_argument(
+        "--model-dir",
+        default=str(models_dir()),
+        help="bootstrap directory: its target's tokenizer counts --max-tokens and its manifest names the "
+        "held-out files (default: %(default)s)",
+    )
+    q.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="count --max-tokens with this tokenizer instead (default: the bootstrapped target's, else MiniLM's)",
+    )
     q.add_argument("--out", default=None, metavar="DIR", help="also save the knowledge base here")
     q.add_argument("--no-register", action="store_true", help="do not register it (needs --out)")
     q.add_argument("--no-promote", action="store_true", help="register it as the challenger, leaving the champion")
     q.set_defaults(func=cmd_build)
 
-    add_ls(ksub, "kb", key_flag="--name", archived=False, help="list knowledge base versions",
-           description="One row per registered version: name, version, aliases, passages, retrievers built, bytes "
-           "per passage (all files) and embedder.")  # fmt: skip
+    add_ls(
+        ksub,
+        "kb",
+        key_flag="--name",
+        archived=False,
+        help="list knowledge base versions",
+        description="One row per registered version: name, version, aliases, passages, retrievers built, bytes "
+        "per passage (all files) and embedder.",
+    )
 
-    q = ksub.add_parser("search", help="search a knowledge base",
-                        description="Encodes QUERY as the retriever does for RaLMSpec and prints the top -k passages: "
-                        "rank, passage id, score (inner product for dense retrievers, BM25 for bm25), title and a "
-                        "snippet. Loads the registered champion (or --version / --alias), verifying every file, or "
-                        "a saved directory (--kb-dir).")  # fmt: skip
+    q = ksub.add_parser(
+        "search",
+        help="search a knowledge base",
+        description="Encodes QUERY as the retriever does for RaLMSpec and prints the top -k passages: "
+        "rank, passage id, score (inner product for dense retrievers, BM25 for bm25), title and a "
+        "snippet. Loads the registered champion (or --version / --alias), verifying every file, or "
+        "a saved directory (--kb-dir).",
+    )
     add_registry_args(q, events=False)
     q.add_argument("name", help="knowledge base name (kb-NAME)")
     q.add_argument("query", help="the text to search for")
-    q.add_argument("--retriever", choices=("exact", "hnsw", "scann", "bm25"), default="exact",
-                   help="which built retriever searches (default: %(default)s)")
+    q.add_argument(
+        "--retriever",
+        choices=("exact", "hnsw", "scann", "bm25"),
+        default="exact",
+        help="which built retriever searches (default: %(default)s)",
+    )
     q.add_argument("-k", type=int, default=5, help="passages to show (default: %(default)s)")
     q.add_argument("--kb-dir", default=None, metavar="DIR", help="a saved knowledge base instead of the registry's")
     q.add_argument("--alias", default="champion", help="registry alias to load (default: %(default)s)")
     q.add_argument("--version", default=None, help="registry version to load (default: the alias's)")
-    q.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="keep fetched versions here and reuse them (default: fetch into a temporary directory)")
+    q.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep fetched versions here and reuse them (default: fetch into a temporary directory)",
+    )
     q.set_defaults(func=cmd_search)

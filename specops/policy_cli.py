@@ -73,13 +73,16 @@ def add_parser(sub) -> None:
         "acceptance priors new replicas start from.",
     )
     psub = p.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
-    q = psub.add_parser("fit", help="read spec.generations, report per cluster, write/register the priors",
-                        description="Reads every GenerationRecord of an 'auto' request on --stream (outside any "
-                        "consumer group: nothing is committed), sums its acceptance counts per cluster, method "
-                        "(llma per match length) and temperature bucket, prints per cluster the share of steps "
-                        "each method got and its acceptance, and writes the priors (--out) and/or registers them "
-                        "as the 'policy' kind (--register; --promote makes it policy@champion, which serving loads "
-                        "at start when --auto-priors is not given).")  # fmt: skip
+    q = psub.add_parser(
+        "fit",
+        help="read spec.generations, report per cluster, write/register the priors",
+        description="Reads every GenerationRecord of an 'auto' request on --stream (outside any "
+        "consumer group: nothing is committed), sums its acceptance counts per cluster, method "
+        "(llma per match length) and temperature bucket, prints per cluster the share of steps "
+        "each method got and its acceptance, and writes the priors (--out) and/or registers them "
+        "as the 'policy' kind (--register; --promote makes it policy@champion, which serving loads "
+        "at start when --auto-priors is not given).",
+    )
     add_registry_args(q)
     q.add_argument("--out", help="write the priors JSON here (serve --auto-priors PATH)")
     q.add_argument("--register", action="store_true", help="register the priors as a new 'policy' version")

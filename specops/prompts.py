@@ -38,7 +38,6 @@ def heldout_prompts(
     so the models have never trained on it; a document gives at most ``per_doc``
     prompts (distinct positions).
     """
-    from specops.trainer.bootstrap import load_manifest
     from specops.trainer.bootstrap.corpus import read_document
 
     paths = _heldout_paths(model_dir, domain)
@@ -85,9 +84,17 @@ def newline_token_ids(tokenizer) -> set[int]:
     return {i for i, text in zip(ids, tokenizer.batch_decode([[i] for i in ids])) if "\n" in text}
 
 
-def distinct_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens: int = 64, seed: int = 0,
-                     *, spacing: int | None = None,
-                     near_duplicate: float | None = NEAR_DUPLICATE) -> list[Prompt]:  # fmt: skip
+def distinct_prompts(
+    model_dir: Path,
+    tokenizer,
+    domain: str,
+    n: int,
+    num_tokens: int = 64,
+    seed: int = 0,
+    *,
+    spacing: int | None = None,
+    near_duplicate: float | None = NEAR_DUPLICATE,
+) -> list[Prompt]:
     """``n`` prompts of ``num_tokens`` tokens from held-out files of ``domain``, pairwise distinct.
 
     Each prompt starts right after a line break. Within a document, two prompts start at
@@ -132,8 +139,9 @@ def distinct_prompts(model_dir: Path, tokenizer, domain: str, n: int, num_tokens
             if not seen.add(window):  # the same text, or nearly, is already a prompt: try the next line
                 start = nl + 1
                 continue
-            out.append(Prompt(domain=domain, source=f"{paths[i]}@{nl + 1}", text=tokenizer.decode(window),
-                              token_ids=window))  # fmt: skip
+            out.append(
+                Prompt(domain=domain, source=f"{paths[i]}@{nl + 1}", text=tokenizer.decode(window), token_ids=window)
+            )
             start = nl + 1 + from_
         if len(out) >= n:
             break

@@ -28,8 +28,20 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from specops.registry import RegistryStore
 
     RegistryStore(cfg)  # creates the store's tables on first use, so the UI opens on a ready store
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.uri, "--host", args.host,
-           "--port", str(args.port), "--workers", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        cfg.uri,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--workers",
+        "1",
+    ]
     if cfg.resolved_artifact_root:
         cmd += ["--default-artifact-root", cfg.resolved_artifact_root]
     print(f"MLflow UI on http://{args.host}:{args.port}  (store {cfg.uri}; Ctrl-C stops it)", flush=True)
@@ -49,23 +61,42 @@ def add_parser(sub) -> None:
         "spec.events. The same commands for every artifact kind: `specops artifact KIND ...`.",
     )
     rsub = p.add_subparsers(dest="registry_command", required=True, metavar="SUBCOMMAND")
-    add_ls(rsub, "draft", key_flag="--cluster",
-           help="list draft versions with aliases, acceptance, gate decisions and lineage",
-           description="One row per version: aliases, offline acceptance (held-out, sampling and greedy), the "
-           "gate's decision, live acceptance reported by serving, and the stream offsets it trained on. Archived "
-           "versions are hidden unless --all.")  # fmt: skip
-    add_promote(rsub, "draft", key_name="cluster",
-                description="Moves alias champion of draft-CLUSTER to VERSION, records when, why and which version "
-                "it replaced (the rollback target), and announces it on spec.events.")  # fmt: skip
-    add_rollback(rsub, "draft", key_name="cluster",
-                 description="Marks the current champion rolled back (with --reason) and points champion at the "
-                 "version it replaced, skipping versions rolled back before; or at --to.")  # fmt: skip
-    add_retain(rsub, "draft", key_flag="--cluster",
-               description="Tags old versions archived and deletes their weights. Aliased versions and the "
-               "champion's rollback target are always kept.")  # fmt: skip
-    q = rsub.add_parser("ui", help="start the MLflow UI on the registry's store",
-                        description="Runs `mlflow server` on the configured store (SQLite or PostgreSQL) so operators "
-                        "can browse registered drafts, versions, aliases, metrics and lineage tags.")  # fmt: skip
+    add_ls(
+        rsub,
+        "draft",
+        key_flag="--cluster",
+        help="list draft versions with aliases, acceptance, gate decisions and lineage",
+        description="One row per version: aliases, offline acceptance (held-out, sampling and greedy), the "
+        "gate's decision, live acceptance reported by serving, and the stream offsets it trained on. Archived "
+        "versions are hidden unless --all.",
+    )
+    add_promote(
+        rsub,
+        "draft",
+        key_name="cluster",
+        description="Moves alias champion of draft-CLUSTER to VERSION, records when, why and which version "
+        "it replaced (the rollback target), and announces it on spec.events.",
+    )
+    add_rollback(
+        rsub,
+        "draft",
+        key_name="cluster",
+        description="Marks the current champion rolled back (with --reason) and points champion at the "
+        "version it replaced, skipping versions rolled back before; or at --to.",
+    )
+    add_retain(
+        rsub,
+        "draft",
+        key_flag="--cluster",
+        description="Tags old versions archived and deletes their weights. Aliased versions and the "
+        "champion's rollback target are always kept.",
+    )
+    q = rsub.add_parser(
+        "ui",
+        help="start the MLflow UI on the registry's store",
+        description="Runs `mlflow server` on the configured store (SQLite or PostgreSQL) so operators "
+        "can browse registered drafts, versions, aliases, metrics and lineage tags.",
+    )
     add_registry_args(q, events=False)
     q.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     q.add_argument("--port", type=int, default=5000, help="port (default: %(default)s)")

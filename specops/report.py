@@ -21,8 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specops.report_data import (WINDOW, DemoRun, dump_json, has_alpha, load_run, phase_spans, speed_ratio,
-                                 speeds_of, strict_json, summarize, version_label)
+from specops.report_data import (
+    WINDOW,
+    DemoRun,
+    dump_json,
+    has_alpha,
+    load_run,
+    phase_spans,
+    speed_ratio,
+    speeds_of,
+    strict_json,
+    summarize,
+    version_label,
+)
 from specops.report_plots import METHODS, plot_alpha, plot_speedup
 
 logger = logging.getLogger(__name__)
@@ -101,14 +112,17 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
     s = summary
     links = "".join(
         f'<li>{label}: <a href="{_e(url)}">{_e(url)}</a></li>'
-        for label, url in (("MLflow UI", run.mlflow_ui_url), ("API", run.api_url)) if url
+        for label, url in (("MLflow UI", run.mlflow_ui_url), ("API", run.api_url))
+        if url
     )
     parts = [
         "<!doctype html><html lang=en><head><meta charset=utf-8><title>specops closed-loop demo</title>",
         f"<style>{CSS}</style></head><body><h1>specops closed-loop demo</h1>",
-        (f"<p class=meta>started {_e(run.started_at)} · duration {run.duration_s:.1f} s · "
-         f"{s['requests']} requests · <span class=\"{'bad' if s['failed_requests'] else ''}\">"
-         f"{s['failed_requests']} failed</span></p>"),
+        (
+            f"<p class=meta>started {_e(run.started_at)} · duration {run.duration_s:.1f} s · "
+            f'{s["requests"]} requests · <span class="{"bad" if s["failed_requests"] else ""}">'
+            f"{s['failed_requests']} failed</span></p>"
+        ),
     ]
     if links:
         parts.append(f"<ul>{links}</ul><p class=meta>These links only work while the demo is running.</p>")
@@ -118,49 +132,130 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
     for name, c in s["clusters"].items():
         d = c["alpha_delta"]
         delta = _Raw(f"{d:+.3f}", "num up" if d > 0 else "num down" if d < 0 else "num") if d is not None else None
-        rows.append([name, c["requests"], c["alpha_first_100"], c["alpha_last_100"], delta, c["alpha_first_half"],
-                     c["alpha_last_half"], c["acceptance_first_half"], c["acceptance_last_half"], c["alpha_by_phase"],
-                     c["promotions"], c["rollbacks"], c["draft_versions"],
-                     _num(c["speedup_vs_target"], ".2f", "×"), _num(c["speedup_vs_static"], ".2f", "×")])
-    missing = "" if has_alpha(run) or not run.requests else (
-        " <b>The server did not report rejected steps (<code>speculation.rejected_steps</code>), so α is not "
-        "known here: read the acceptance columns.</b>")
+        rows.append(
+            [
+                name,
+                c["requests"],
+                c["alpha_first_100"],
+                c["alpha_last_100"],
+                delta,
+                c["alpha_first_half"],
+                c["alpha_last_half"],
+                c["acceptance_first_half"],
+                c["acceptance_last_half"],
+                c["alpha_by_phase"],
+                c["promotions"],
+                c["rollbacks"],
+                c["draft_versions"],
+                _num(c["speedup_vs_target"], ".2f", "×"),
+                _num(c["speedup_vs_static"], ".2f", "×"),
+            ]
+        )
+    missing = (
+        ""
+        if has_alpha(run) or not run.requests
+        else (
+            " <b>The server did not report rejected steps (<code>speculation.rejected_steps</code>), so α is not "
+            "known here: read the acceptance columns.</b>"
+        )
+    )
     parts += [
         "<h2>Summary per cluster</h2>",
-        _table(["cluster", "requests", f"α first {WINDOW}", f"α last {WINDOW}", "Δα", "α first half",
-                "α last half", "acceptance first half", "acceptance last half", "α by phase", "promotions",
-                "rollbacks", "draft versions served", "speedup vs target-only", "speedup vs static draft"], rows),
-        (f"<p class=meta>α = Σ accepted / (Σ accepted + Σ rejected steps) over a cluster's first / last {WINDOW} "
-         "successful requests (windows overlap when a cluster has fewer than 200): the OSD paper's per-token "
-         "acceptance rate, a rejected step being a verification step that ended in a rejection. Acceptance = "
-         "Σ accepted / Σ drafted over the same requests (smaller: it also counts the tokens drafted after a "
-         "rejection, never tried). Speedups are online-draft tokens/s over target-only / static-draft tokens/s on "
-         f"the eval prompts.{missing}</p>"),
-        "<h2>Acceptance over time</h2>", _img(out_dir / "alpha.png", "α over time per cluster"),
-        "<h2>Speed</h2>", _img(out_dir / "speedup.png", "tokens/s per method and cluster"),
+        _table(
+            [
+                "cluster",
+                "requests",
+                f"α first {WINDOW}",
+                f"α last {WINDOW}",
+                "Δα",
+                "α first half",
+                "α last half",
+                "acceptance first half",
+                "acceptance last half",
+                "α by phase",
+                "promotions",
+                "rollbacks",
+                "draft versions served",
+                "speedup vs target-only",
+                "speedup vs static draft",
+            ],
+            rows,
+        ),
+        (
+            f"<p class=meta>α = Σ accepted / (Σ accepted + Σ rejected steps) over a cluster's first / last {WINDOW} "
+            "successful requests (windows overlap when a cluster has fewer than 200): the OSD paper's per-token "
+            "acceptance rate, a rejected step being a verification step that ended in a rejection. Acceptance = "
+            "Σ accepted / Σ drafted over the same requests (smaller: it also counts the tokens drafted after a "
+            "rejection, never tried). Speedups are online-draft tokens/s over target-only / static-draft tokens/s on "
+            f"the eval prompts.{missing}</p>"
+        ),
+        "<h2>Acceptance over time</h2>",
+        _img(out_dir / "alpha.png", "α over time per cluster"),
+        "<h2>Speed</h2>",
+        _img(out_dir / "speedup.png", "tokens/s per method and cluster"),
     ]
     speed_rows = []
     for r in sorted(run.speed, key=lambda r: (r.cluster, METHODS.index(r.method) if r.method in METHODS else 9)):
         ratio = speed_ratio(r, speeds_of(run, r.cluster).get("target-only"))
         ident = _Raw("yes") if r.identical else _Raw("NO", "bad")
-        speed_rows.append([r.cluster, r.method, r.draft_version, _num(r.tokens_per_s, ".1f"), _num(ratio, ".2f", "×"),
-                           _num(r.alpha), _num(r.acceptance), r.num_prompts, ident])
-    parts.append(_table(["cluster", "method", "draft version", "tokens/s", "× target-only", "α", "acceptance",
-                         "prompts", "identical to target-only (greedy)"], speed_rows))
+        speed_rows.append(
+            [
+                r.cluster,
+                r.method,
+                r.draft_version,
+                _num(r.tokens_per_s, ".1f"),
+                _num(ratio, ".2f", "×"),
+                _num(r.alpha),
+                _num(r.acceptance),
+                r.num_prompts,
+                ident,
+            ]
+        )
+    parts.append(
+        _table(
+            [
+                "cluster",
+                "method",
+                "draft version",
+                "tokens/s",
+                "× target-only",
+                "α",
+                "acceptance",
+                "prompts",
+                "identical to target-only (greedy)",
+            ],
+            speed_rows,
+        )
+    )
 
     keys = list(dict.fromkeys(k for v in run.registry_versions for k in v))
     champion = ["champion" if "champion" in (v.get("aliases") or []) else "" for v in run.registry_versions]
-    parts += ["<h2>Registry versions</h2>",
-              _table(keys, [[v.get(k) for k in keys] for v in run.registry_versions], champion)]
-    parts += ["<h2>Promotions and rollbacks</h2>",
-              _table(["t (s)", "cluster", "kind", "version", "reason"],
-                     [[_num(p.t, ".1f"), p.cluster, p.kind, version_label(p.version), p.reason]
-                      for p in sorted(run.promotions, key=lambda p: p.t)])]
-    parts += ["<h2>Workload phases</h2>",
-              _table(["phase", "start (s)", "end (s)"], [[p, _num(a, ".1f"), _num(b, ".1f")] for p, a, b in phase_spans(run)])]
-    parts += ["<h2>Config</h2>", _table(["setting", "value"], [[k, v] for k, v in run.config.items()]),
-              "<p class=meta>Full data: <a href=run.json>run.json</a> · <a href=summary.json>summary.json</a></p>",
-              "</body></html>"]
+    parts += [
+        "<h2>Registry versions</h2>",
+        _table(keys, [[v.get(k) for k in keys] for v in run.registry_versions], champion),
+    ]
+    parts += [
+        "<h2>Promotions and rollbacks</h2>",
+        _table(
+            ["t (s)", "cluster", "kind", "version", "reason"],
+            [
+                [_num(p.t, ".1f"), p.cluster, p.kind, version_label(p.version), p.reason]
+                for p in sorted(run.promotions, key=lambda p: p.t)
+            ],
+        ),
+    ]
+    parts += [
+        "<h2>Workload phases</h2>",
+        _table(
+            ["phase", "start (s)", "end (s)"], [[p, _num(a, ".1f"), _num(b, ".1f")] for p, a, b in phase_spans(run)]
+        ),
+    ]
+    parts += [
+        "<h2>Config</h2>",
+        _table(["setting", "value"], [[k, v] for k, v in run.config.items()]),
+        "<p class=meta>Full data: <a href=run.json>run.json</a> · <a href=summary.json>summary.json</a></p>",
+        "</body></html>",
+    ]
     return "\n".join(parts)
 
 
@@ -176,14 +271,14 @@ def write_report(run: DemoRun, out_dir: Path) -> Path:
     plot_speedup(run, out_dir / "speedup.png")
     index = out_dir / "index.html"
     index.write_text(render_html(run, summary, out_dir), encoding="utf-8")
-    logger.info("report written to %s (%d requests, %d failed)", index, summary["requests"],
-                summary["failed_requests"])
+    logger.info("report written to %s (%d requests, %d failed)", index, summary["requests"], summary["failed_requests"])
     return index
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specops.report",
-                                     description="Re-render the closed-loop demo report from a saved run.json.")
+    parser = argparse.ArgumentParser(
+        prog="python -m specops.report", description="Re-render the closed-loop demo report from a saved run.json."
+    )
     parser.add_argument("run_json", type=Path, help="run.json written by `specops demo`")
     parser.add_argument("out_dir", type=Path, help="directory for index.html, summary.json and the PNGs")
     args = parser.parse_args(argv)

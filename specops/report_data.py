@@ -119,9 +119,11 @@ class DemoRun:
 # ---------------------------------------------------------------------------------------------- numbers
 
 
-ALPHA_DEFINITION = ("α = Σ accepted / (Σ accepted + Σ rejected steps), the OSD paper's per-token acceptance rate "
-                    "(a rejected step: a verification step that ended in a rejection); acceptance = Σ accepted / "
-                    "Σ drafted")
+ALPHA_DEFINITION = (
+    "α = Σ accepted / (Σ accepted + Σ rejected steps), the OSD paper's per-token acceptance rate "
+    "(a rejected step: a verification step that ended in a rejection); acceptance = Σ accepted / "
+    "Σ drafted"
+)
 
 
 def token_alpha(rows: list[RequestRow]) -> float | None:

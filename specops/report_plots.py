@@ -5,8 +5,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from specops.report_data import (DemoRun, acceptance, clusters_of, has_alpha, phase_spans, served, speed_ratio,
-                                 speeds_of, token_alpha, version_label)
+from specops.report_data import (
+    DemoRun,
+    acceptance,
+    clusters_of,
+    has_alpha,
+    phase_spans,
+    served,
+    speed_ratio,
+    speeds_of,
+    token_alpha,
+    version_label,
+)
 
 ROLLING = 20  # requests in the rolling α line of alpha.png
 METHODS = ("target-only", "static draft", "online draft")
@@ -24,8 +34,11 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
     names = clusters_of(run) or ["(no requests)"]
     spans = phase_spans(run)
     # α where the server reported rejected steps; accepted / drafted otherwise (an older server)
-    alpha_of, row_alpha, what = ((token_alpha, lambda r: r.alpha, "α (per token, OSD)") if has_alpha(run)
-                                 else (acceptance, lambda r: r.acceptance, "acceptance (accepted / drafted)"))
+    alpha_of, row_alpha, what = (
+        (token_alpha, lambda r: r.alpha, "α (per token, OSD)")
+        if has_alpha(run)
+        else (acceptance, lambda r: r.acceptance, "acceptance (accepted / drafted)")
+    )
     short = what.split(" (")[0]
     # the workload's clock: duration_s also covers start-up and the closing speed runs
     t_end = max([r.t for r in run.requests] + [p.t for p in run.promotions]) if run.requests else run.duration_s
@@ -38,9 +51,10 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
             ax.axvspan(s / scale, e / scale, color=phase_color[p], alpha=0.8, lw=0, zorder=0)
         rows = [r for r in served(run, name) if r.drafted]
         if rows:
-            ax.scatter([r.t / scale for r in rows], [row_alpha(r) for r in rows], s=9, alpha=0.35, color="#1f77b4",
-                       lw=0)
-            rolling = [alpha_of(rows[max(0, i - ROLLING + 1): i + 1]) for i in range(len(rows))]
+            ax.scatter(
+                [r.t / scale for r in rows], [row_alpha(r) for r in rows], s=9, alpha=0.35, color="#1f77b4", lw=0
+            )
+            rolling = [alpha_of(rows[max(0, i - ROLLING + 1) : i + 1]) for i in range(len(rows))]
             rolling = [math.nan if a is None else a for a in rolling]
             ax.plot([r.t / scale for r in rows], rolling, color="#d62728", lw=1.8)
         else:
@@ -50,8 +64,17 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
         for p in (p for p in run.promotions if p.cluster == name):
             color = "#2ca02c" if p.kind == "promote" else "#9467bd"
             ax.axvline(p.t / scale, color=color, ls="--", lw=1.3, zorder=3)
-            ax.text(p.t / scale, 1.03, version_label(p.version), color=color, fontsize=8, rotation=90,
-                    ha="right", va="top", zorder=5)
+            ax.text(
+                p.t / scale,
+                1.03,
+                version_label(p.version),
+                color=color,
+                fontsize=8,
+                rotation=90,
+                ha="right",
+                va="top",
+                zorder=5,
+            )
         ax.set_ylim(0, 1.05)
         ax.set_ylabel(what)
         ax.set_title(f"cluster {name}", loc="left", fontsize=11)
@@ -65,8 +88,12 @@ def plot_alpha(run: DemoRun, path: Path) -> None:
         Line2D([], [], color="#9467bd", ls="--", label="rollback (version)"),
         Line2D([], [], marker="x", ls="", color="black", label="failed request"),
     ] + [Patch(color=c, label=f"phase: {p}") for p, c in phase_color.items()]
-    fig.suptitle("α over time (per token, OSD)" if alpha_of is token_alpha
-                 else "Acceptance over time (accepted / drafted: the server reported no rejected steps)", fontsize=12)
+    fig.suptitle(
+        "α over time (per token, OSD)"
+        if alpha_of is token_alpha
+        else "Acceptance over time (accepted / drafted: the server reported no rejected steps)",
+        fontsize=12,
+    )
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     fig.savefig(path, dpi=DPI)
 
@@ -92,8 +119,13 @@ def plot_speedup(run: DemoRun, path: Path) -> None:
             if row is None:
                 continue
             x = i + (j - (len(methods) - 1) / 2) * width
-            ax.bar(x, row.tokens_per_s, width * 0.92, color=METHOD_COLORS.get(method, "#bcbd22"),
-                   label=None if method in labelled else method)
+            ax.bar(
+                x,
+                row.tokens_per_s,
+                width * 0.92,
+                color=METHOD_COLORS.get(method, "#bcbd22"),
+                label=None if method in labelled else method,
+            )
             labelled.add(method)
             label = f"{row.tokens_per_s:.1f}"
             vs_target = speed_ratio(row, sp.get("target-only"))
@@ -108,7 +140,8 @@ def plot_speedup(run: DemoRun, path: Path) -> None:
         ax.set_ylabel("tokens/s (median over eval prompts)")
         ax.legend(fontsize=8, loc="upper left", ncol=len(methods))
         ax.grid(axis="y", alpha=0.3)
-    ax.set_title("Decoding speed: target-only vs static draft vs online draft (× = speedup over target-only)",
-                 fontsize=10)
+    ax.set_title(
+        "Decoding speed: target-only vs static draft vs online draft (× = speedup over target-only)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

@@ -109,8 +109,9 @@ class Workload:
     is fitted on the bootstrap's training text (``trainer.router_fit.bootstrap_router``)."""
 
 
-def _draw(phases: Sequence[Phase], pools: dict[str, list[T]], num_requests: int, rng: random.Random,
-          recurring: bool) -> list[tuple[str, str, T]]:  # fmt: skip
+def _draw(
+    phases: Sequence[Phase], pools: dict[str, list[T]], num_requests: int, rng: random.Random, recurring: bool
+) -> list[tuple[str, str, T]]:
     """``(phase, domain, item)`` per request: the phase's domain mix drawn with ``rng``; each
     domain's pool taken in order (each item once) or, with ``recurring``, with replacement."""
     nxt = {d: 0 for d in pools}
@@ -124,16 +125,26 @@ def _draw(phases: Sequence[Phase], pools: dict[str, list[T]], num_requests: int,
                 item = rng.choice(pools[d])
             else:
                 if nxt[d] >= len(pools[d]):
-                    raise ValueError(f"only {len(pools[d])} distinct prompts of domain {d!r}: "
-                                     "lower the request count or use a recurring workload")  # fmt: skip
+                    raise ValueError(
+                        f"only {len(pools[d])} distinct prompts of domain {d!r}: "
+                        "lower the request count or use a recurring workload"
+                    )
                 item, nxt[d] = pools[d][nxt[d]], nxt[d] + 1
             out.append((phase.name, d, item))
     return out
 
 
-def build_schedule(model_dir: Path, tokenizer, *, num_requests: int, prompt_tokens: int, seed: int = 0,
-                   recurring: int = 0, phases: tuple[Phase, ...] = CORPUS_PHASES,
-                   extra: int = 0) -> tuple[list[Planned], dict[str, list[Prompt]]]:  # fmt: skip
+def build_schedule(
+    model_dir: Path,
+    tokenizer,
+    *,
+    num_requests: int,
+    prompt_tokens: int,
+    seed: int = 0,
+    recurring: int = 0,
+    phases: tuple[Phase, ...] = CORPUS_PHASES,
+    extra: int = 0,
+) -> tuple[list[Planned], dict[str, list[Prompt]]]:
     """The ``corpus`` workload: ``num_requests`` completions of held-out corpus text over
     ``phases``, and ``extra`` more distinct prompts per domain that the schedule never uses
     (the closing comparison's never-served prompts).
@@ -156,9 +167,16 @@ def build_schedule(model_dir: Path, tokenizer, *, num_requests: int, prompt_toke
     return schedule, unseen
 
 
-def build_chat_schedule(tokenizer, *, num_requests: int, seed: int = 0, recurring: int = 0,
-                        phases: tuple[Phase, ...] = CHAT_PHASES, extra: int = 0,
-                        router: int = 0) -> Workload:  # fmt: skip
+def build_chat_schedule(
+    tokenizer,
+    *,
+    num_requests: int,
+    seed: int = 0,
+    recurring: int = 0,
+    phases: tuple[Phase, ...] = CHAT_PHASES,
+    extra: int = 0,
+    router: int = 0,
+) -> Workload:
     """The ``chat`` workload: ``num_requests`` chat requests over ``phases``, each a distinct
     prompt of its domain's ``served`` part (or, with ``recurring`` N, drawn with replacement
     from its first N); ``extra`` never-served prompts per domain (``unseen``) and ``router``
@@ -166,31 +184,62 @@ def build_chat_schedule(tokenizer, *, num_requests: int, seed: int = 0, recurrin
 
     The parts are made in the order unseen, router, served, so the never-served prompts stay
     the same whatever the request count."""
-    from specops.core.models import render_chat
     from specops.chat_workload import chat_workload, messages_of
+    from specops.core.models import render_chat
 
     domains = tuple(sorted({d for p in phases for d in p.share}))
     want = recurring if recurring else num_requests  # at most every request from one domain
     parts = chat_workload(tokenizer, {"unseen": extra, "router": router, "served": want}, domains=domains, seed=seed)
     pools = {d: parts[d]["served"] for d in domains}
     drawn = _draw(phases, pools, num_requests, random.Random(seed), bool(recurring))
-    schedule = [Planned(i, phase, d, p.text, messages=tuple((m["role"], m["content"]) for m in messages_of(p)),
-                        token_ids=tuple(p.token_ids)) for i, (phase, d, p) in enumerate(drawn)]  # fmt: skip
-    return Workload(name="chat", schedule=schedule, unseen={d: parts[d]["unseen"] for d in domains}, phases=phases,
-                    router_texts={d: [render_chat(tokenizer, messages_of(p)) for p in parts[d]["router"]]
-                                  for d in domains})  # fmt: skip
+    schedule = [
+        Planned(
+            i,
+            phase,
+            d,
+            p.text,
+            messages=tuple((m["role"], m["content"]) for m in messages_of(p)),
+            token_ids=tuple(p.token_ids),
+        )
+        for i, (phase, d, p) in enumerate(drawn)
+    ]
+    return Workload(
+        name="chat",
+        schedule=schedule,
+        unseen={d: parts[d]["unseen"] for d in domains},
+        phases=phases,
+        router_texts={d: [render_chat(tokenizer, messages_of(p)) for p in parts[d]["router"]] for d in domains},
+    )
 
 
-def build_workload(name: str, model_dir: Path, tokenizer, *, num_requests: int, prompt_tokens: int = 64,
-                   seed: int = 0, recurring: int = 0, extra: int = 0, router: int = 0) -> Workload:  # fmt: skip
+def build_workload(
+    name: str,
+    model_dir: Path,
+    tokenizer,
+    *,
+    num_requests: int,
+    prompt_tokens: int = 64,
+    seed: int = 0,
+    recurring: int = 0,
+    extra: int = 0,
+    router: int = 0,
+) -> Workload:
     """The workload ``name`` (:data:`WORKLOADS`): ``chat`` (``prompt_tokens`` unused) or
     ``corpus`` (``router`` unused: its router comes from the bootstrap's training text)."""
     if name == "chat":
-        return build_chat_schedule(tokenizer, num_requests=num_requests, seed=seed, recurring=recurring, extra=extra,
-                                   router=router)  # fmt: skip
+        return build_chat_schedule(
+            tokenizer, num_requests=num_requests, seed=seed, recurring=recurring, extra=extra, router=router
+        )
     if name == "corpus":
-        schedule, unseen = build_schedule(model_dir, tokenizer, num_requests=num_requests, prompt_tokens=prompt_tokens,
-                                          seed=seed, recurring=recurring, extra=extra)  # fmt: skip
+        schedule, unseen = build_schedule(
+            model_dir,
+            tokenizer,
+            num_requests=num_requests,
+            prompt_tokens=prompt_tokens,
+            seed=seed,
+            recurring=recurring,
+            extra=extra,
+        )
         return Workload(name="corpus", schedule=schedule, unseen=unseen, phases=CORPUS_PHASES)
     raise ValueError(f"unknown workload {name!r}; one of {WORKLOADS}")
 
@@ -218,8 +267,16 @@ class Replayer:
     ``client.completions.create``; both ask for draft speculation and read the response's
     ``speculation`` block."""
 
-    def __init__(self, base_url: str, model: str, *, clients: int, max_tokens: int, api_key: str = "specops-demo",
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        clients: int,
+        max_tokens: int,
+        api_key: str = "specops-demo",
+        timeout_s: float = 300.0,
+    ) -> None:
         import openai
 
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
@@ -231,11 +288,16 @@ class Replayer:
     def request(self, p: Planned):
         extra_body = {"speculation": {"method": "draft"}}
         if p.chat:
-            return self.client.chat.completions.create(model=self.model, messages=p.as_messages(),
-                                                       max_tokens=self.max_tokens, temperature=0,
-                                                       extra_body=extra_body)  # fmt: skip
-        return self.client.completions.create(model=self.model, prompt=p.text, max_tokens=self.max_tokens,
-                                              temperature=0, extra_body=extra_body)  # fmt: skip
+            return self.client.chat.completions.create(
+                model=self.model,
+                messages=p.as_messages(),
+                max_tokens=self.max_tokens,
+                temperature=0,
+                extra_body=extra_body,
+            )
+        return self.client.completions.create(
+            model=self.model, prompt=p.text, max_tokens=self.max_tokens, temperature=0, extra_body=extra_body
+        )
 
     def one(self, p: Planned) -> Outcome:
         import openai
@@ -245,19 +307,38 @@ class Replayer:
             r = self.request(p)
             spec = (r.model_extra or {})["speculation"]
             end = time.monotonic()
-            row = RequestRow(t=end - self.t0, cluster=spec["cluster"], phase=p.phase, drafted=spec["drafted"],
-                             accepted=spec["accepted"], draft_version=str(spec["draft_version"]),
-                             latency_s=end - start, num_generated=r.usage.completion_tokens,
-                             rejected_steps=rejected_steps(spec), domain=p.domain)  # fmt: skip
+            row = RequestRow(
+                t=end - self.t0,
+                cluster=spec["cluster"],
+                phase=p.phase,
+                drafted=spec["drafted"],
+                accepted=spec["accepted"],
+                draft_version=str(spec["draft_version"]),
+                latency_s=end - start,
+                num_generated=r.usage.completion_tokens,
+                rejected_steps=rejected_steps(spec),
+                domain=p.domain,
+            )
             return Outcome(p, row)
         except (openai.OpenAIError, KeyError, TypeError) as exc:
             end = time.monotonic()
-            row = RequestRow(t=end - self.t0, cluster="", phase=p.phase, drafted=0, accepted=0, draft_version="",
-                             latency_s=end - start, num_generated=0, ok=False, domain=p.domain)  # fmt: skip
+            row = RequestRow(
+                t=end - self.t0,
+                cluster="",
+                phase=p.phase,
+                drafted=0,
+                accepted=0,
+                draft_version="",
+                latency_s=end - start,
+                num_generated=0,
+                ok=False,
+                domain=p.domain,
+            )
             return Outcome(p, row, error=f"{type(exc).__name__}: {exc}"[:300])
 
-    def run(self, schedule: list[Planned], on_outcome: Callable[[Outcome], None],
-            stop: threading.Event | None = None) -> list[Outcome]:  # fmt: skip
+    def run(
+        self, schedule: list[Planned], on_outcome: Callable[[Outcome], None], stop: threading.Event | None = None
+    ) -> list[Outcome]:
         self.t0 = time.monotonic()
         lock = threading.Lock()
         todo = iter(schedule)

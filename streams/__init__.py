@@ -61,6 +61,8 @@ def open_stream(url_or_cfg: str | StreamConfig | None = None) -> Stream:
 
         servers = [s for s in url[len("kafka://") :].strip("/").split(",") if s]
         if not servers or any(":" not in s for s in servers):
-            raise StreamConfigError(f"kafka url needs host:port pairs, got {url!r} (for example kafka://127.0.0.1:9092)")
+            raise StreamConfigError(
+                f"kafka url needs host:port pairs, got {url!r} (for example kafka://127.0.0.1:9092)"
+            )
         return KafkaStream(servers, cfg)
     raise StreamConfigError(f"unknown stream url scheme in {url!r}: use local:// or kafka://")

@@ -68,7 +68,7 @@ class Producer(ABC):
     def close(self) -> None:
         """Release connections and files. Idempotent."""
 
-    def __enter__(self) -> "Producer":
+    def __enter__(self) -> Producer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -101,7 +101,7 @@ class Consumer(ABC):
     def close(self) -> None:
         """Leave the group without committing. Idempotent."""
 
-    def __enter__(self) -> "Consumer":
+    def __enter__(self) -> Consumer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -155,7 +155,7 @@ class Stream(ABC):
     def close(self) -> None:
         """Release shared clients. Idempotent."""
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:

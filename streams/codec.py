@@ -29,12 +29,12 @@ import zstandard
 from specops.streams.errors import RecordValidationError
 from specops.streams.records import (
     SCHEMA_VERSION,
+    ContextSpan,
     DeadLetter,
     GenerationRecord,
     MissRecord,
     ModelEvent,
     Record,
-    ContextSpan,
     SamplingInfo,
 )
 
@@ -51,25 +51,62 @@ _DTYPE_CODES = {np.dtype(np.int32): 1, np.dtype(np.float32): 2, np.dtype(np.floa
 
 # record type code, class, {wire name: attribute}
 _MISS_FIELDS = {
-    "rid": "request_id", "cl": "cluster", "m": "method", "dm": "draft_model", "dv": "draft_version",
-    "sp": "sampling", "tok": "token_ids", "np": "num_prompt_tokens", "V": "vocab_size",
-    "pos": "positions", "dt": "drafted_tokens", "dk": "dist_kind", "lp": "logprobs",
-    "ti": "topk_ids", "res": "residual", "nd": "num_drafted", "na": "num_accepted", "ts": "timestamp",
-    "av": "artifact_versions", "cs": "context_spans",
-}  # fmt: skip
+    "rid": "request_id",
+    "cl": "cluster",
+    "m": "method",
+    "dm": "draft_model",
+    "dv": "draft_version",
+    "sp": "sampling",
+    "tok": "token_ids",
+    "np": "num_prompt_tokens",
+    "V": "vocab_size",
+    "pos": "positions",
+    "dt": "drafted_tokens",
+    "dk": "dist_kind",
+    "lp": "logprobs",
+    "ti": "topk_ids",
+    "res": "residual",
+    "nd": "num_drafted",
+    "na": "num_accepted",
+    "ts": "timestamp",
+    "av": "artifact_versions",
+    "cs": "context_spans",
+}
 _GEN_FIELDS = {
-    "rid": "request_id", "cl": "cluster", "m": "method", "dm": "draft_model", "dv": "draft_version",
-    "p": "prompt_ids", "o": "output_ids", "V": "vocab_size", "fr": "finish_reason", "ts": "timestamp",
-    "av": "artifact_versions", "cs": "context_spans", "pol": "policy",
-}  # fmt: skip
+    "rid": "request_id",
+    "cl": "cluster",
+    "m": "method",
+    "dm": "draft_model",
+    "dv": "draft_version",
+    "p": "prompt_ids",
+    "o": "output_ids",
+    "V": "vocab_size",
+    "fr": "finish_reason",
+    "ts": "timestamp",
+    "av": "artifact_versions",
+    "cs": "context_spans",
+    "pol": "policy",
+}
 _EVENT_FIELDS = {
-    "k": "kind", "n": "model_name", "v": "version", "pv": "previous_version", "a": "alias",
-    "r": "reason", "ts": "timestamp",
-}  # fmt: skip
+    "k": "kind",
+    "n": "model_name",
+    "v": "version",
+    "pv": "previous_version",
+    "a": "alias",
+    "r": "reason",
+    "ts": "timestamp",
+}
 _DEAD_FIELDS = {
-    "st": "source_topic", "sp": "source_partition", "so": "source_offset", "key": "key", "val": "value",
-    "r": "reason", "et": "error_type", "g": "consumer_group", "ts": "timestamp",
-}  # fmt: skip
+    "st": "source_topic",
+    "sp": "source_partition",
+    "so": "source_offset",
+    "key": "key",
+    "val": "value",
+    "r": "reason",
+    "et": "error_type",
+    "g": "consumer_group",
+    "ts": "timestamp",
+}
 _TYPES: dict[int, tuple[type, dict[str, str]]] = {
     1: (MissRecord, _MISS_FIELDS),
     2: (GenerationRecord, _GEN_FIELDS),
@@ -128,8 +165,11 @@ def encode(record: Record, *, compress: bool = True) -> bytes:
     record.validate()
     code = _CODES[type(record)]
     fields = _TYPES[code][1]
-    body = {wire: _to_wire(getattr(record, attr)) for wire, attr in fields.items()
-            if wire not in _ABSENT_OK or getattr(record, attr)}  # an empty optional field is left out
+    body = {
+        wire: _to_wire(getattr(record, attr))
+        for wire, attr in fields.items()
+        if wire not in _ABSENT_OK or getattr(record, attr)
+    }  # an empty optional field is left out
     raw = msgpack.packb(body, use_bin_type=True)
     method = COMPRESS_NONE
     if compress and len(raw) >= COMPRESS_MIN_BYTES:
@@ -152,24 +192,32 @@ def decode(data: bytes) -> Record:
         raise RecordValidationError("record", "header", f"expected bytes, got {type(data).__name__}")
     data = bytes(data)
     if len(data) < HEADER.size:
-        raise RecordValidationError("record", "header", f"{len(data)} bytes is shorter than the {HEADER.size}-byte header")
+        raise RecordValidationError(
+            "record", "header", f"{len(data)} bytes is shorter than the {HEADER.size}-byte header"
+        )
     magic, code, method, schema = HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise RecordValidationError("record", "header", f"bad magic {magic!r} (expected {MAGIC!r}): not a specops record")
+        raise RecordValidationError(
+            "record", "header", f"bad magic {magic!r} (expected {MAGIC!r}): not a specops record"
+        )
     if code not in _TYPES:
         raise RecordValidationError("record", "header", f"unknown record type {code}")
     cls, fields = _TYPES[code]
     name = cls.__name__
     if schema < 1 or schema > SCHEMA_VERSION:
         raise RecordValidationError(
-            name, "schema", f"version {schema} is not readable by this build (reads 1..{SCHEMA_VERSION}); upgrade the consumer"
+            name,
+            "schema",
+            f"version {schema} is not readable by this build (reads 1..{SCHEMA_VERSION}); upgrade the consumer",
         )
     body = data[HEADER.size :]
     if method == COMPRESS_ZSTD:
         try:
             declared = zstandard.frame_content_size(body)  # -1 when the frame does not say
             if declared > MAX_BODY_BYTES:
-                raise RecordValidationError(name, "body", f"zstd frame inflates to {declared} bytes, over the {MAX_BODY_BYTES}-byte limit")
+                raise RecordValidationError(
+                    name, "body", f"zstd frame inflates to {declared} bytes, over the {MAX_BODY_BYTES}-byte limit"
+                )
             body = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY_BYTES)
         except zstandard.ZstdError as e:
             raise RecordValidationError(name, "body", f"zstd decompression failed: {e}") from None

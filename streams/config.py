@@ -111,7 +111,7 @@ class StreamConfig:
             raise StreamConfigError(f"unknown security_protocol {self.security_protocol!r}")
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "StreamConfig":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> StreamConfig:
         """Defaults, then ``SPECOPS_STREAM_<FIELD>`` variables, then ``overrides``."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}

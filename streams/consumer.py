@@ -79,7 +79,9 @@ class RecordConsumer:
                 record = codec.decode(msg.value)
                 if self.expect and not isinstance(record, self.expect):
                     names = ", ".join(t.__name__ for t in self.expect)
-                    raise RecordValidationError(type(record).__name__, "type", f"topic {msg.topic} carries {names} only")
+                    raise RecordValidationError(
+                        type(record).__name__, "type", f"topic {msg.topic} carries {names} only"
+                    )
             except RecordValidationError as e:
                 self._dead_letter(msg, e)
                 continue
@@ -141,7 +143,7 @@ class RecordConsumer:
             self._dlq_producer.close()
             self._dlq_producer = None
 
-    def __enter__(self) -> "RecordConsumer":
+    def __enter__(self) -> RecordConsumer:
         return self
 
     def __exit__(self, *exc: object) -> None:

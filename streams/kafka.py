@@ -115,7 +115,9 @@ class KafkaStream(Stream):
                 log.info("created kafka topics %s", ", ".join(f"{t} ({n} partitions)" for t, n in missing.items()))
                 return
             time.sleep(0.1)
-        raise StreamUnavailableError(f"kafka topics {sorted(missing)} did not appear within {self.cfg.request_timeout_s}s")
+        raise StreamUnavailableError(
+            f"kafka topics {sorted(missing)} did not appear within {self.cfg.request_timeout_s}s"
+        )
 
     def _drop_admin(self) -> None:
         if self._admin is not None:
@@ -162,7 +164,9 @@ class KafkaStream(Stream):
             reader.close()
 
     @staticmethod
-    def _true_ends(reader: KafkaConsumer, tps: list[TopicPartition], timeout_s: float = 2.0) -> dict[TopicPartition, int]:
+    def _true_ends(
+        reader: KafkaConsumer, tps: list[TopicPartition], timeout_s: float = 2.0
+    ) -> dict[TopicPartition, int]:
         """End offsets per partition, confirmed by a fetch's high watermark.
 
         Some Kafka-protocol brokers (tansu 0.6) answer ListOffsets with the base offset

@@ -14,7 +14,6 @@ distribution at exactly those positions.
 from __future__ import annotations
 
 import json
-
 import math
 import time
 from dataclasses import dataclass, field
@@ -90,7 +89,7 @@ def _check_time(record: str, value: object) -> None:
         _fail(record, "timestamp", f"expected finite seconds since the epoch, got {value!r}")
 
 
-def _check_request(record: str, rec: "MissRecord | GenerationRecord") -> None:
+def _check_request(record: str, rec: MissRecord | GenerationRecord) -> None:
     """Fields every per-request record shares: schema, ids, method, drafter."""
     _check_int(record, "schema", rec.schema, 1, SCHEMA_VERSION)
     for name in ("request_id", "cluster", "method"):
@@ -129,7 +128,7 @@ class ContextSpan:
     end: int
 
 
-def _check_context(record: str, rec: "MissRecord | GenerationRecord", num_context: int) -> None:
+def _check_context(record: str, rec: MissRecord | GenerationRecord, num_context: int) -> None:
     """``artifact_versions`` is a small str -> str map; ``context_spans`` are sorted,
     non-overlapping spans of known kinds inside the context, one of them the prompt."""
     av = rec.artifact_versions
@@ -156,7 +155,7 @@ def _check_context(record: str, rec: "MissRecord | GenerationRecord", num_contex
         _fail(record, "context_spans", "no span is the prompt")
 
 
-def _spans(rec: "MissRecord | GenerationRecord", num_context: int) -> tuple[ContextSpan, ...]:
+def _spans(rec: MissRecord | GenerationRecord, num_context: int) -> tuple[ContextSpan, ...]:
     return rec.context_spans or (ContextSpan("prompt", 0, num_context),)
 
 
@@ -244,7 +243,11 @@ class MissRecord:
         pos = _check_array(r, "positions", self.positions, (np.dtype(np.int32),), 1)
         m = pos.shape[0]
         if m and (int(pos[0]) < self.num_prompt_tokens or int(pos[-1]) >= n):
-            _fail(r, "positions", f"must lie in the output, [{self.num_prompt_tokens}, {n}); got [{int(pos[0])}, {int(pos[-1])}]")
+            _fail(
+                r,
+                "positions",
+                f"must lie in the output, [{self.num_prompt_tokens}, {n}); got [{int(pos[0])}, {int(pos[-1])}]",
+            )
         if m > 1 and not bool(np.all(np.diff(pos) > 0)):
             _fail(r, "positions", "must be strictly increasing")
         drafted = _check_array(r, "drafted_tokens", self.drafted_tokens, (np.dtype(np.int32),), 1)
@@ -253,11 +256,19 @@ class MissRecord:
         _check_ids(r, "drafted_tokens", drafted, self.vocab_size)
         if m and bool(np.any(drafted == ids[pos])):
             i = int(np.flatnonzero(drafted == ids[pos])[0])
-            _fail(r, "drafted_tokens", f"entry {i} equals the emitted token at position {int(pos[i])}; a rejected draft must differ")
+            _fail(
+                r,
+                "drafted_tokens",
+                f"entry {i} equals the emitted token at position {int(pos[i])}; a rejected draft must differ",
+            )
         _check_int(r, "num_drafted", self.num_drafted, 0)
         _check_int(r, "num_accepted", self.num_accepted, 0, self.num_drafted)
         if m > self.num_drafted - self.num_accepted:
-            _fail(r, "positions", f"{m} rejected positions but only {self.num_drafted - self.num_accepted} drafted tokens were not accepted")
+            _fail(
+                r,
+                "positions",
+                f"{m} rejected positions but only {self.num_drafted - self.num_accepted} drafted tokens were not accepted",
+            )
         _check_time(r, self.timestamp)
         self._validate_distribution(m)
 
@@ -304,7 +315,11 @@ class MissRecord:
         if m:
             worst = int(np.argmax(np.abs(mass - 1.0)))
             if abs(float(mass[worst]) - 1.0) > tol:
-                _fail(r, "logprobs", f"row {worst} is not normalised: total mass {float(mass[worst]):.6f} (expected 1 +- {tol})")
+                _fail(
+                    r,
+                    "logprobs",
+                    f"row {worst} is not normalised: total mass {float(mass[worst]):.6f} (expected 1 +- {tol})",
+                )
 
 
 @dataclass(frozen=True)
@@ -344,7 +359,7 @@ class GenerationRecord:
     def request_prompt_ids(self) -> np.ndarray:
         """The prompt's own tokens: ``prompt_ids`` without reference texts or retrieved passages
         (what routing embeds; the whole context is what the target saw)."""
-        parts = [self.prompt_ids[s.start: s.end] for s in self.spans if s.kind == "prompt"]
+        parts = [self.prompt_ids[s.start : s.end] for s in self.spans if s.kind == "prompt"]
         return np.concatenate(parts) if parts else self.prompt_ids[:0]
 
     @property

@@ -31,10 +31,18 @@ class TansuBroker:
     def url(self) -> str:
         return f"kafka://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> "TansuBroker":
+    def start(self, timeout_s: float = 20.0) -> TansuBroker:
         addr = f"tcp://127.0.0.1:{self.port}"
-        cmd = [self.binary, "broker", "--listener-url", addr, "--advertised-listener-url", addr,
-               "--storage-engine", "memory://tansu/"]  # fmt: skip
+        cmd = [
+            self.binary,
+            "broker",
+            "--listener-url",
+            addr,
+            "--advertised-listener-url",
+            addr,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -18,7 +18,9 @@ from specops.trainer.bootstrap import run as bootstrap
 # Under pytest-xdist (`make test`: one worker per core) a second torch thread per worker would
 # oversubscribe the cores, and the tiny models gain nothing from it. Code that needs both cores
 # (the bootstrap, subprocesses) sets its own thread count. SPECOPS_TEST_THREADS=N overrides.
-torch.set_num_threads(int(os.environ.get("SPECOPS_TEST_THREADS") or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)))
+torch.set_num_threads(
+    int(os.environ.get("SPECOPS_TEST_THREADS") or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2))
+)
 
 pytest_plugins = ["tests.registry.fixtures"]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
 

@@ -14,7 +14,9 @@ def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("models")
     run = subprocess.run(
         [sys.executable, "-m", "specops.cli", "-q", "bootstrap", "--tiny", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     return out
@@ -29,15 +31,33 @@ def specops(*args: str) -> subprocess.CompletedProcess:
 def test_generate_json_is_identical_across_methods(tiny_dir):
     outs = {}
     for method in ("target", "draft", "pld"):
-        run = specops("generate", "--model-dir", str(tiny_dir), "--method", method, "--prompt", "def main():\n    ",
-                      "--max-new-tokens", "12", "--k", "3", "--json")
+        run = specops(
+            "generate",
+            "--model-dir",
+            str(tiny_dir),
+            "--method",
+            method,
+            "--prompt",
+            "def main():\n    ",
+            "--max-new-tokens",
+            "12",
+            "--k",
+            "3",
+            "--json",
+        )
         assert run.returncode == 0, run.stderr
         outs[method] = json.loads(run.stdout)
     assert outs["draft"]["token_ids"] == outs["pld"]["token_ids"] == outs["target"]["token_ids"]
     assert len(outs["target"]["token_ids"]) == outs["target"]["stats"]["num_generated"] > 0
     stats = outs["draft"]["stats"]
-    assert set(stats) >= {"num_drafted", "num_accepted", "num_target_forwards", "acceptance_rate",
-                          "mean_accepted_length", "time_s"}
+    assert set(stats) >= {
+        "num_drafted",
+        "num_accepted",
+        "num_target_forwards",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "time_s",
+    }
     assert isinstance(outs["draft"]["text"], str)
 
 
@@ -93,8 +113,10 @@ def test_every_command_module_adds_commands_whose_subcommands_all_run_something(
 
 def test_building_the_parser_loads_no_model_library():
     """`specops --help` stays fast: command modules import torch, transformers and numpy when a command runs."""
-    code = ("import sys\nfrom specops.cli import build_parser\nbuild_parser()\n"
-            "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    code = (
+        "import sys\nfrom specops.cli import build_parser\nbuild_parser()\n"
+        "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 
@@ -103,8 +125,18 @@ def test_building_the_parser_loads_no_model_library():
 def test_generate_logs_to_a_stream_and_inspect_shows_it(tiny_dir, tmp_path):
     url = f"local://{tmp_path}/streams"
     run = specops(
-        "generate", "--model-dir", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "8", "--stream", url,
-        "--cluster", "code", "--json",
+        "generate",
+        "--model-dir",
+        str(tiny_dir),
+        "--prompt",
+        "def f(x):",
+        "--max-new-tokens",
+        "8",
+        "--stream",
+        url,
+        "--cluster",
+        "code",
+        "--json",
     )
     assert run.returncode == 0, run.stderr
     from specops.streams import OutMessage, open_stream

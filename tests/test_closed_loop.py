@@ -14,15 +14,15 @@ import openai
 import pytest
 import torch
 
-from specops.registry import CHAMPION, RegistryConfig, RegistryStore
-from specops.serving.http.config import ServeConfig
-from specops.serving.fleet.events import EventPublisher
 from specops.core.models import load_model_dir
+from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.serve import Server
+from specops.serving.fleet.events import EventPublisher
+from specops.serving.http.config import ServeConfig
 from specops.streams import StreamConfig, open_stream
-from tests.conftest import perturbed, random_prompts
 from specops.trainer.online import OnlineConfig, OnlineTrainer
 from specops.trainer.promote import PromoteConfig, Promoter
+from tests.conftest import perturbed, random_prompts
 
 pytestmark = pytest.mark.slow  # the whole loop through the API
 
@@ -39,9 +39,14 @@ def _alpha(client: openai.OpenAI, prompts: list[list[int]], rnd: int) -> tuple[f
     drafted = accepted = 0
     versions, texts = set(), []
     for i, p in enumerate(prompts):
-        r = client.completions.create(model="specops", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"cluster": CLUSTER, "speculation": {"method": "draft", "k": 4}},
-                                      extra_headers={"X-Request-Id": f"loop-{rnd}-{i}"})  # fmt: skip
+        r = client.completions.create(
+            model="specops",
+            prompt=p,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"cluster": CLUSTER, "speculation": {"method": "draft", "k": 4}},
+            extra_headers={"X-Request-Id": f"loop-{rnd}-{i}"},
+        )
         spec = r.model_extra["speculation"]
         drafted += spec["drafted"]
         accepted += spec["accepted"]
@@ -58,9 +63,18 @@ def test_closed_loop_raises_acceptance(tiny_models, sqlite_uri, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_models / "target" / f, draft_dir / f)
     stream_url = f"local://{tmp_path / 'streams'}"
-    cfg = ServeConfig(target=str(tiny_models / "target"), draft=str(draft_dir), port=0, stream=stream_url,
-                      registry=sqlite_uri, router="none", clusters=[CLUSTER], poll_s=1.0, auto_rollback=False,
-                      max_concurrency=1)  # fmt: skip
+    cfg = ServeConfig(
+        target=str(tiny_models / "target"),
+        draft=str(draft_dir),
+        port=0,
+        stream=stream_url,
+        registry=sqlite_uri,
+        router="none",
+        clusters=[CLUSTER],
+        poll_s=1.0,
+        auto_rollback=False,
+        max_concurrency=1,
+    )
     server = Server(cfg, root=tmp_path).start()
     try:
         server.wait_ready(120)
@@ -81,9 +95,19 @@ def test_closed_loop_raises_acceptance(tiny_models, sqlite_uri, tmp_path):
         # the trainer: updates, registers, gates (it must beat the base draft on held-out records), promotes
         registry = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(stream_cfg))
         out = tmp_path / "trainer"
-        trainer = OnlineTrainer(stream_cfg, draft_dir, out, OnlineConfig(positions="rejected", interval=8, holdout_every=4, lr=5e-4, poll_records=100_000),
-                                promoter=Promoter(registry, draft_dir, out, PromoteConfig(margin=0.0, min_positions=1),
-                                                  tokenizer_dir=tiny_models / "target"))  # fmt: skip
+        trainer = OnlineTrainer(
+            stream_cfg,
+            draft_dir,
+            out,
+            OnlineConfig(positions="rejected", interval=8, holdout_every=4, lr=5e-4, poll_records=100_000),
+            promoter=Promoter(
+                registry,
+                draft_dir,
+                out,
+                PromoteConfig(margin=0.0, min_positions=1),
+                tokenizer_dir=tiny_models / "target",
+            ),
+        )
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the same float reduction order on every run: a reproducible update
         try:
@@ -109,4 +133,3 @@ def test_closed_loop_raises_acceptance(tiny_models, sqlite_uri, tmp_path):
         assert alpha_after >= alpha_before + 0.08, (alpha_before, alpha_after)  # 0.411 -> 0.532 here
     finally:
         server.stop()
-

@@ -28,8 +28,12 @@ def _run(attempts: list[Attempt], logged: list[str], *, published: int, final_ep
     topic, and whose stream holds ``logged`` request ids (both topics, in this order)."""
     rows = [{"partition": 0, "offset": i, "rid": rid} for i, rid in enumerate(logged)]
     kill = Window("server", 10.0, 1.0, back_at=20.0, epoch=0, published={MISSES: published, GENERATIONS: published})
-    return {"attempts": attempts, "windows": [kill], "records": {MISSES: rows, GENERATIONS: rows},
-            "final_epoch": final_epoch}  # fmt: skip
+    return {
+        "attempts": attempts,
+        "windows": [kill],
+        "records": {MISSES: rows, GENERATIONS: rows},
+        "final_epoch": final_epoch,
+    }
 
 
 def test_record_check_counts_only_provable_losses():
@@ -49,7 +53,9 @@ def test_record_check_counts_only_provable_losses():
     dup = bench.check_records(_run(a, ["a0", "a0", "a1", "b0"], published=3))
     assert (dup["lost"], dup["duplicates"]) == (0, 2)
     # the final server refused b0's two records (a build error): never accepted, counted as dropped
-    refused = bench.check_records({**_run(a, ["a0", "a1"], published=2), "scrapes": {1: {"dropped": {"build_error": 2}}}})
+    refused = bench.check_records(
+        {**_run(a, ["a0", "a1"], published=2), "scrapes": {1: {"dropped": {"build_error": 2}}}}
+    )
     assert (refused["lost"], refused["dropped"]) == (0, 2)
 
 
@@ -67,9 +73,14 @@ def test_version_check_finds_a_repeated_source_or_training_window():
 
 def test_only_the_servers_windows_excuse_a_failure():
     windows = [Window("server", 10.0, 1.0, back_at=20.0), Window("mlflow", 30.0, 1.0, back_at=40.0)]
-    attempts = [Attempt("in-flight", 0, 0, 0, 9.0, 10.1), Attempt("down", 0, 1, 1, 12.0, 12.1),
-                Attempt("503", 0, 2, 1, 19.5, 19.6, status=503), Attempt("registry-down", 0, 3, 1, 31.0, 31.5),
-                Attempt("after", 0, 4, 1, 21.0, 21.5, status=500), _answered("ok", 1, 35.0, 36.0)]  # fmt: skip
+    attempts = [
+        Attempt("in-flight", 0, 0, 0, 9.0, 10.1),
+        Attempt("down", 0, 1, 1, 12.0, 12.1),
+        Attempt("503", 0, 2, 1, 19.5, 19.6, status=503),
+        Attempt("registry-down", 0, 3, 1, 31.0, 31.5),
+        Attempt("after", 0, 4, 1, 21.0, 21.5, status=500),
+        _answered("ok", 1, 35.0, 36.0),
+    ]
     bench.classify(attempts, windows, 50.0)
     assert [a.kind for a in attempts] == ["in_flight", "down", "down", "failed", "failed", "answered"]
 
@@ -78,20 +89,25 @@ def test_only_the_servers_windows_excuse_a_failure():
 def test_output_check_tells_the_targets_output_from_another(tmp_path):
     from argparse import Namespace
 
-    from specops.serving.engine.spec import SpecEngine
     from specops.core.models import load_model_dir
+    from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import SamplingParams
 
     models = bench.tiny_pair(tmp_path / "models", seed=0)
     pair = load_model_dir(models)
     args = Namespace(seed=0, max_tokens=8, vocab=pair.vocab_size)
-    ref = SpecEngine(pair).generate(bench.make_prompt(0, 0, 0, args.vocab), SamplingParams(max_new_tokens=8),
-                                    method="target").token_ids  # fmt: skip
+    ref = (
+        SpecEngine(pair)
+        .generate(bench.make_prompt(0, 0, 0, args.vocab), SamplingParams(max_new_tokens=8), method="target")
+        .token_ids
+    )
     other = [(t + 1) % args.vocab or 1 for t in ref]  # not the target's choice anywhere
     text = pair.tokenizer.decode
-    served = [Attempt("same", 0, 0, 0, 0, 1, status=200, text=text(ref, skip_special_tokens=True)),
-              Attempt("other", 0, 0, 0, 1, 2, status=200, text=text(other, skip_special_tokens=True)),
-              Attempt("unlogged", 0, 0, 0, 2, 3, status=200, text=text(other, skip_special_tokens=True))]  # fmt: skip
+    served = [
+        Attempt("same", 0, 0, 0, 0, 1, status=200, text=text(ref, skip_special_tokens=True)),
+        Attempt("other", 0, 0, 0, 1, 2, status=200, text=text(other, skip_special_tokens=True)),
+        Attempt("unlogged", 0, 0, 0, 2, 3, status=200, text=text(other, skip_special_tokens=True)),
+    ]
     logged = {GENERATIONS: [{"rid": "same", "output_ids": list(ref)}, {"rid": "other", "output_ids": other}]}
     got = bench.check_outputs(served, logged, models, args)
     assert (got["checked"], got["identical"], got["ties"], got["diverged"], got["tokens_checked"]) == (3, 1, 0, 2, 2)
@@ -101,8 +117,25 @@ def test_output_check_tells_the_targets_output_from_another(tmp_path):
 @pytest.mark.slow  # three processes killed and restarted: about two minutes on 2 busy cores
 def test_kills_keep_the_invariants(tmp_path):
     out, work = tmp_path / "faults.json", tmp_path / "work"
-    argv = ["--duration-s", "15", "--kills", "3", "--clients", "2", "--min-gap-s", "1", "--tail-s", "3",
-            "--ready-timeout-s", "400", "--workdir", str(work), "--json", str(out), "--no-doc"]  # fmt: skip
+    argv = [
+        "--duration-s",
+        "15",
+        "--kills",
+        "3",
+        "--clients",
+        "2",
+        "--min-gap-s",
+        "1",
+        "--tail-s",
+        "3",
+        "--ready-timeout-s",
+        "400",
+        "--workdir",
+        str(work),
+        "--json",
+        str(out),
+        "--no-doc",
+    ]
     rc = bench.main(argv)
     report = json.loads(out.read_text())
     s = report["summary"]
@@ -127,14 +160,31 @@ def test_kills_keep_the_invariants(tmp_path):
 def test_isolation_violations_name_each_breach():
     """The isolation invariants' judge: a clean report passes; each breach, and a failed positive
     control (which would make a clean cross-tenant result meaningless), is a violation."""
-    clean = {"readyz_names_cluster": False, "bogus_clusters_sent": 3, "bogus_clusters_refused": 3, "made_up_labels": [],
-             "secret_tokens": 32, "control_hits": 1, "control_tokens_recovered": 4, "cross_tenant_hits": 0,
-             "cross_tenant_reference_tokens": 0, "cross_tenant_tokens_recovered": 0}  # fmt: skip
+    clean = {
+        "readyz_names_cluster": False,
+        "bogus_clusters_sent": 3,
+        "bogus_clusters_refused": 3,
+        "made_up_labels": [],
+        "secret_tokens": 32,
+        "control_hits": 1,
+        "control_tokens_recovered": 4,
+        "cross_tenant_hits": 0,
+        "cross_tenant_reference_tokens": 0,
+        "cross_tenant_tokens_recovered": 0,
+    }
     records = {GENERATIONS: [{"rid": "a", "cluster": bench.CLUSTER}]}
     assert bench.isolation_violations(clean, records) == []
-    breaches = [{"readyz_names_cluster": True}, {"bogus_clusters_refused": 2}, {"made_up_labels": ["made-up-1"]},
-                {"cross_tenant_hits": 1}, {"cross_tenant_reference_tokens": 40}, {"cross_tenant_tokens_recovered": 2},
-                {"control_hits": 0}, {"secret_tokens": 0}, {"error": "ConnectionError"}]  # fmt: skip
+    breaches = [
+        {"readyz_names_cluster": True},
+        {"bogus_clusters_refused": 2},
+        {"made_up_labels": ["made-up-1"]},
+        {"cross_tenant_hits": 1},
+        {"cross_tenant_reference_tokens": 40},
+        {"cross_tenant_tokens_recovered": 2},
+        {"control_hits": 0},
+        {"secret_tokens": 0},
+        {"error": "ConnectionError"},
+    ]
     for breach in breaches:
         assert len(bench.isolation_violations({**clean, **breach}, records)) == 1, breach
     stray = {GENERATIONS: [{"rid": "b", "cluster": "made-up-7"}]}

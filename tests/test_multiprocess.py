@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from specops.registry import RegistryConfig, RegistryStore
 from specops.core.models import load_model_dir
+from specops.registry import RegistryConfig, RegistryStore
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.streams.tansu import TansuBroker, free_port
@@ -67,8 +67,13 @@ class Proc:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the child's lifetime
-        self.proc = subprocess.Popen([sys.executable, "-m", "specops.cli", "--threads", "1", *args], cwd=ROOT,
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specops.cli", "--threads", "1", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def tail(self, chars: int = 6000) -> str:
         text = self.log_path.read_text(errors="replace")
@@ -92,9 +97,15 @@ class Proc:
 
 def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_draft, tiny_models, sqlite_uri, tmp_path):
     draft_dir, vocab = weak_draft
-    env = {**os.environ, "SPECOPS_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1",
-           "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "SPECOPS_STREAM_FSYNC": "0",
-           "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "SPECOPS_DATA_DIR": str(tmp_path / "data"),
+        "PYTHONUNBUFFERED": "1",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "SPECOPS_STREAM_FSYNC": "0",
+        "TQDM_DISABLE": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
     for var in ("SPECOPS_STREAM_URL", "SPECOPS_REGISTRY_URI"):
         env.pop(var, None)
     procs: list[Proc] = []
@@ -104,11 +115,33 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
 
     def serve(replica: str) -> tuple[Proc, str]:
         port = free_port()
-        proc = Proc(replica, ["serve", "--target", str(tiny_models / "target"), "--draft", str(draft_dir),
-                              "--port", str(port), "--stream", stream_url, "--registry", sqlite_uri,
-                              "--replica", replica, "--router", "none", "--clusters", CLUSTER, "--poll-s", "1",
-                              "--no-auto-rollback"],
-                    tmp_path, env)  # fmt: skip
+        proc = Proc(
+            replica,
+            [
+                "serve",
+                "--target",
+                str(tiny_models / "target"),
+                "--draft",
+                str(draft_dir),
+                "--port",
+                str(port),
+                "--stream",
+                stream_url,
+                "--registry",
+                sqlite_uri,
+                "--replica",
+                replica,
+                "--router",
+                "none",
+                "--clusters",
+                CLUSTER,
+                "--poll-s",
+                "1",
+                "--no-auto-rollback",
+            ],
+            tmp_path,
+            env,
+        )
         procs.append(proc)
         return proc, f"http://127.0.0.1:{port}"
 
@@ -121,9 +154,18 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
         return r.json() if r.status_code == 200 else None
 
     def complete(url: str, prompt: list[int], method: str) -> dict:
-        r = requests.post(url + "/v1/completions", timeout=120,
-                          json={"model": "specops", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                "cluster": CLUSTER, "speculation": {"method": method}})  # fmt: skip
+        r = requests.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "specops",
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "cluster": CLUSTER,
+                "speculation": {"method": method},
+            },
+        )
         assert r.status_code == 200, f"{url}: {r.status_code} {r.text}\n{logs()}"
         return r.json()
 
@@ -140,15 +182,42 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
             assert time.monotonic() < deadline, f"{sorted(pending)} not ready in {READY_S:.0f} s\n{logs()}"
             time.sleep(0.5)
 
-        trainer = Proc("trainer", ["train", "--stream", stream_url, "--registry", sqlite_uri, "--draft", str(draft_dir),
-                                   "--tokenizer", str(tiny_models / "target"), "--target", str(tiny_models / "target"),
-                                   "--out", str(tmp_path / "trainer"),
-                                   "--interval", "4", "--holdout-every", "3", "--gate-margin", "-1",
-                                   "--gate-min-positions", "0", "--idle-exit", "30", "--poll-records", "64",
-                                   # each request trained once: with the default recent/32 buffer every update
-                                   # retrains 32 requests, and on 2 busy cores the SIGINT exit below ran past 60 s
-                                   "--replay", "clear"],
-                       tmp_path, env)  # fmt: skip
+        trainer = Proc(
+            "trainer",
+            [
+                "train",
+                "--stream",
+                stream_url,
+                "--registry",
+                sqlite_uri,
+                "--draft",
+                str(draft_dir),
+                "--tokenizer",
+                str(tiny_models / "target"),
+                "--target",
+                str(tiny_models / "target"),
+                "--out",
+                str(tmp_path / "trainer"),
+                "--interval",
+                "4",
+                "--holdout-every",
+                "3",
+                "--gate-margin",
+                "-1",
+                "--gate-min-positions",
+                "0",
+                "--idle-exit",
+                "30",
+                "--poll-records",
+                "64",
+                # each request trained once: with the default recent/32 buffer every update
+                # retrains 32 requests, and on 2 busy cores the SIGINT exit below ran past 60 s
+                "--replay",
+                "clear",
+            ],
+            tmp_path,
+            env,
+        )
         procs.append(trainer)
         registry = RegistryStore(RegistryConfig(uri=sqlite_uri))
 
@@ -175,19 +244,25 @@ def test_replicas_and_trainer_as_processes_share_one_stream(stream_url, weak_dra
             assert all(p.proc.poll() is None for p in procs), f"a process exited early\n{logs()}"
             dv = registry.artifact("draft").by_alias(CLUSTER)
             champion = dv.version if dv is not None else None
-            views = {name: requests.get(url + "/v1/clusters", timeout=10).json().get("drafts", {}).get(CLUSTER)
-                     for name, url in urls.items()}  # fmt: skip
+            views = {
+                name: requests.get(url + "/v1/clusters", timeout=10).json().get("drafts", {}).get(CLUSTER)
+                for name, url in urls.items()
+            }
             if champion not in (None, "base") and set(views.values()) == {champion}:
                 break
-            assert time.monotonic() < deadline, (f"the replicas did not follow a trainer champion in {SWAP_S:.0f} s "
-                                                 f"(champion {champion}, replicas {views})\n{logs()}")  # fmt: skip
+            assert time.monotonic() < deadline, (
+                f"the replicas did not follow a trainer champion in {SWAP_S:.0f} s "
+                f"(champion {champion}, replicas {views})\n{logs()}"
+            )
         round_of_requests(len(served))  # both replicas now decode with a trainer version
 
         # 4. lossless and swapped on both replicas
         for name, i, body in served:
             assert body["choices"][0]["text"] == want[i], f"{name} diverged from target-only on prompt {i}: {body}"
         trained = {name for name, _, body in served if body["speculation"]["draft_version"] != "base"}
-        assert trained == {"r1", "r2"}, f"served versions: {[(n, b['speculation']['draft_version']) for n, _, b in served]}"
+        assert trained == {"r1", "r2"}, (
+            f"served versions: {[(n, b['speculation']['draft_version']) for n, _, b in served]}"
+        )
 
         # 5. graceful shutdown: the replicas flush the stream and exit 0; the trainer checkpoints and exits 0
         for proc in (r1, r2):

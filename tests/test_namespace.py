@@ -23,8 +23,11 @@ def _setuptools() -> dict:
 
 
 def _folder_packages() -> set[str]:
-    found = {"specops"} | {f"specops.{d.relative_to(ROOT / 'specops').as_posix().replace('/', '.')}"
-                           for d in (ROOT / "specops").rglob("*") if (d / "__init__.py").is_file()}  # fmt: skip
+    found = {"specops"} | {
+        f"specops.{d.relative_to(ROOT / 'specops').as_posix().replace('/', '.')}"
+        for d in (ROOT / "specops").rglob("*")
+        if (d / "__init__.py").is_file()
+    }
     for top in MAPPED:
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT).as_posix().replace("/", ".")
@@ -41,11 +44,13 @@ def test_the_package_list_names_every_folder_and_maps_each_top_level_one():
 def test_no_module_is_imported_under_a_bare_top_level_name():
     """From the repository root a bare ``import serving`` would work and load every module twice
     (two Prometheus registries, two model caches); nothing may do it."""
-    code = ("import sys, pkgutil, importlib, specops\n"
-            "import specops.cli, specops.serving.http.server, specops.trainer.schedule, specops.trainer.online\n"
-            "import specops.registry.store, specops.streams.kafka, specops.streams.local, specops.serving.ralm.loop\n"
-            f"bare = sorted(m for m in sys.modules if m.split('.')[0] in {MAPPED!r})\n"
-            "print(bare); sys.exit(1 if bare else 0)\n")  # fmt: skip
+    code = (
+        "import sys, pkgutil, importlib, specops\n"
+        "import specops.cli, specops.serving.http.server, specops.trainer.schedule, specops.trainer.online\n"
+        "import specops.registry.store, specops.streams.kafka, specops.streams.local, specops.serving.ralm.loop\n"
+        f"bare = sorted(m for m in sys.modules if m.split('.')[0] in {MAPPED!r})\n"
+        "print(bare); sys.exit(1 if bare else 0)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -69,23 +74,48 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
     for top in ("specops", *MAPPED):
         shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(wheels), str(src)], check=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     (wheel,) = wheels.glob("specops-*.whl")
     env = tmp_path / "clean"
     venv.EnvBuilder(with_pip=True).create(env)
     py = env / "bin" / "python"
-    subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
-                   check=True, timeout=300, cwd=tmp_path)  # fmt: skip
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    subprocess.run(
+        [py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     deps = next(p for p in sys.path if p.endswith("site-packages"))  # torch, transformers, ... and the public trainer
     (Path(site) / "zz_dev_deps.pth").write_text(deps + "\n")  # after the clean venv's own packages
-    code = ("import trainer, specops, specops.trainer.online, specops.serving.http.server, specops.registry.store\n"
-            "import specops.streams.kafka, os, sys\n"
-            "assert hasattr(trainer, 'Trainer') and not trainer.__file__.startswith(os.path.dirname(specops.__file__))\n"
-            "assert specops.trainer.online.__file__.startswith(sys.argv[1]), specops.trainer.online.__file__\n"
-            "print('ok', trainer.__file__, specops.trainer.online.__file__)\n")  # fmt: skip
+    code = (
+        "import trainer, specops, specops.trainer.online, specops.serving.http.server, specops.registry.store\n"
+        "import specops.streams.kafka, os, sys\n"
+        "assert hasattr(trainer, 'Trainer') and not trainer.__file__.startswith(os.path.dirname(specops.__file__))\n"
+        "assert specops.trainer.online.__file__.startswith(sys.argv[1]), specops.trainer.online.__file__\n"
+        "print('ok', trainer.__file__, specops.trainer.online.__file__)\n"
+    )
     done = subprocess.run([py, "-c", code, site], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
     members = subprocess.run([py, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True).stdout

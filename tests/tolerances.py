@@ -19,9 +19,11 @@ F32_ATOL = 1e-6
 """Absolute tolerance, for results near zero."""
 
 
-def assert_f32_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = F32_RTOL,
-                     atol: float = F32_ATOL) -> None:
+def assert_f32_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = F32_RTOL, atol: float = F32_ATOL
+) -> None:
     """``actual`` (computed in float32) equals ``expected`` (any float dtype) to float32 precision."""
     assert actual.dtype in (torch.float32, torch.float16, torch.bfloat16) or expected.dtype == torch.float32, (
-        "assert_f32_close is for float32 results; compare float64 results at float64 tolerance")
+        "assert_f32_close is for float32 results; compare float64 results at float64 tolerance"
+    )
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)

@@ -56,9 +56,15 @@ class Acceptance:
     """(agreeing positions, output positions) of each greedy held-out request, in order."""
 
     def to_dict(self) -> dict:
-        return {"sampling": self.sampling, "sampling_upper": self.sampling_upper, "greedy": self.greedy,
-                "num_positions": self.num_positions, "served": self.served,
-                "served_positions": self.served_positions, "served_requests": len(self.per_request)}  # fmt: skip
+        return {
+            "sampling": self.sampling,
+            "sampling_upper": self.sampling_upper,
+            "greedy": self.greedy,
+            "num_positions": self.num_positions,
+            "served": self.served,
+            "served_positions": self.served_positions,
+            "served_requests": len(self.per_request),
+        }
 
 
 def paired_gain(candidate: Acceptance, reference: Acceptance) -> tuple[float, float]:
@@ -82,7 +88,9 @@ def paired_gain(candidate: Acceptance, reference: Acceptance) -> tuple[float, fl
     return delta, math.sqrt(resid * len(pairs) / (len(pairs) - 1)) / n
 
 
-def position_acceptance(draft_logits: torch.Tensor, target: TargetDist) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def position_acceptance(
+    draft_logits: torch.Tensor, target: TargetDist
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per position: (sampling lower bound, sampling upper bound, greedy agreement), each [N]."""
     assert draft_logits.ndim == 2, draft_logits.shape
     logq = torch.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
@@ -105,8 +113,9 @@ def position_acceptance(draft_logits: torch.Tensor, target: TargetDist) -> tuple
 
 
 @torch.no_grad()
-def evaluate_records(model: torch.nn.Module, records: Iterable[MissRecord], *,
-                     vocab: DraftVocab | None = None) -> Acceptance:  # fmt: skip
+def evaluate_records(
+    model: torch.nn.Module, records: Iterable[MissRecord], *, vocab: DraftVocab | None = None
+) -> Acceptance:
     """Expected acceptance of ``model`` at every rejected position of ``records``, and its
     greedy agreement at every output position of the greedy ones (``served``); with
     ``vocab``, the draft scores only those tokens, as serving runs it."""
@@ -132,7 +141,9 @@ def evaluate_records(model: torch.nn.Module, records: Iterable[MissRecord], *,
             ids = torch.from_numpy(rec.token_ids).long()
             keep = torch.arange(first - 1, len(ids) - 1)  # predicting positions first .. len - 1
             if subset:  # only the draft vocabulary's head rows run: -inf elsewhere, as serving scores it
-                hidden = model.base_model(input_ids=ids[:-1].unsqueeze(0).to(device)).last_hidden_state[0, keep.to(device)]
+                hidden = model.base_model(input_ids=ids[:-1].unsqueeze(0).to(device)).last_hidden_state[
+                    0, keep.to(device)
+                ]
                 logits = vocab.logits(model.get_output_embeddings(), hidden)  # [n_out, V]
             else:
                 logits = model(input_ids=ids[:-1].unsqueeze(0).to(device), logits_to_keep=keep.to(device)).logits[0]
@@ -150,8 +161,9 @@ def evaluate_records(model: torch.nn.Module, records: Iterable[MissRecord], *,
     finally:
         model.train(was_training)
     matched, served_n = sum(m for m, _ in per_request), sum(n for _, n in per_request)
-    served = dict(served=matched / served_n if served_n else 0.0, served_positions=served_n,
-                  per_request=tuple(per_request))  # fmt: skip
+    served = dict(
+        served=matched / served_n if served_n else 0.0, served_positions=served_n, per_request=tuple(per_request)
+    )
     if not lows:
         return Acceptance(0.0, 0.0, 0.0, 0, **served)
     low, high, greedy = torch.cat(lows), torch.cat(highs), torch.cat(greedys)

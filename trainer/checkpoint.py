@@ -75,9 +75,15 @@ def optimizer_from_files(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
     opt.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
 
 
-def save_version(root: Path, cluster: str, version: int, model: Any,
-                 opt: torch.optim.Optimizer | tuple[dict[str, torch.Tensor], dict[str, Any]], state: dict,
-                 extra_files: dict[str, Path] | None = None) -> Path:  # fmt: skip
+def save_version(
+    root: Path,
+    cluster: str,
+    version: int,
+    model: Any,
+    opt: torch.optim.Optimizer | tuple[dict[str, torch.Tensor], dict[str, Any]],
+    state: dict,
+    extra_files: dict[str, Path] | None = None,
+) -> Path:
     """Write draft + optimiser + state as version ``version`` of ``cluster`` and point LATEST at it.
 
     ``opt`` is the optimiser, or its state already split by ``optimizer_to_files`` (a
@@ -104,7 +110,7 @@ def save_version(root: Path, cluster: str, version: int, model: Any,
     os.replace(tmp, final)
     _fsync_dir(cdir)
     write_atomic(cdir / "LATEST", name.encode())
-    for old in sorted(p for p in cdir.glob("v??????") if p.name != name)[:-(KEEP_VERSIONS - 1) or None]:
+    for old in sorted(p for p in cdir.glob("v??????") if p.name != name)[: -(KEEP_VERSIONS - 1) or None]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

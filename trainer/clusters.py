@@ -27,13 +27,19 @@ from prometheus_client import Counter, Gauge
 from specops.trainer import checkpoint as ckpt
 
 LOADED = Gauge("specops_trainer_clusters_loaded", "Clusters whose draft and optimiser are in memory")
-KNOWN = Gauge("specops_trainer_clusters", "Clusters the trainer has, loaded or not (at most max_clusters, "
-              "plus any found under --out beyond it)")  # fmt: skip
-UNLOADS = Counter("specops_trainer_cluster_unloads_total", "Idle clusters unloaded (their checkpoint kept) to stay "
-                  "within max_loaded_clusters")  # fmt: skip
+KNOWN = Gauge(
+    "specops_trainer_clusters",
+    "Clusters the trainer has, loaded or not (at most max_clusters, plus any found under --out beyond it)",
+)
+UNLOADS = Counter(
+    "specops_trainer_cluster_unloads_total",
+    "Idle clusters unloaded (their checkpoint kept) to stay within max_loaded_clusters",
+)
 RELOADS = Counter("specops_trainer_cluster_reloads_total", "Clusters loaded back from their checkpoint")
-REFUSED = Counter("specops_trainer_cluster_refused_records_total", "Records dead-lettered because their cluster "
-                  "would be one more than max_clusters")  # fmt: skip
+REFUSED = Counter(
+    "specops_trainer_cluster_refused_records_total",
+    "Records dead-lettered because their cluster would be one more than max_clusters",
+)
 
 
 class ClusterBudget:
@@ -60,8 +66,10 @@ class ClusterBudget:
 
     def refusal(self, cluster: str) -> str:
         """The dead letter's reason for a record of ``cluster``."""
-        return (f"cluster {cluster[:80]!r} would be one more than the trainer's max_clusters ({self.max_clusters}): "
-                "raise --max-clusters, or remove clusters no longer served from --out")  # fmt: skip
+        return (
+            f"cluster {cluster[:80]!r} would be one more than the trainer's max_clusters ({self.max_clusters}): "
+            "raise --max-clusters, or remove clusters no longer served from --out"
+        )
 
     def loaded(self, cluster: str, num_loaded: int) -> None:
         """``cluster`` is in memory now (created, or reloaded from its checkpoint)."""
@@ -80,8 +88,9 @@ class ClusterBudget:
         UNLOADS.inc()
         LOADED.set(num_loaded)
 
-    def victim(self, loaded: Iterable[str], *, keep: str, idle: Callable[[str], bool],
-               pinned: Callable[[str], bool]) -> str | None:  # fmt: skip
+    def victim(
+        self, loaded: Iterable[str], *, keep: str, idle: Callable[[str], bool], pinned: Callable[[str], bool]
+    ) -> str | None:
         """The least recently used cluster to unload (``loaded`` oldest first), never ``keep`` nor
         one that is not ``idle``; a ``pinned`` one (waiting to be registered) only if nothing else can go."""
         candidates = [c for c in loaded if c != keep and idle(c)]
@@ -89,4 +98,4 @@ class ClusterBudget:
 
     def startup(self, root: Path) -> list[str]:
         """The clusters under ``root`` to load at start: the ``max_loaded`` most recently written."""
-        return sorted(self.known, key=lambda c: (ckpt.last_written(root, c), c))[-self.max_loaded:]
+        return sorted(self.known, key=lambda c: (ckpt.last_written(root, c), c))[-self.max_loaded :]

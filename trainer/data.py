@@ -89,8 +89,9 @@ def every_position_example(rec: MissRecord, target: TargetDist) -> Example:
     first, n = rec.num_prompt_tokens, len(rec.token_ids)
     positions = torch.arange(first, n, dtype=torch.long)
     if target.logprobs.shape[0] != positions.numel():
-        raise ValueError(f"request {rec.request_id}: {target.logprobs.shape[0]} target rows for "
-                         f"{positions.numel()} output positions")  # fmt: skip
+        raise ValueError(
+            f"request {rec.request_id}: {target.logprobs.shape[0]} target rows for {positions.numel()} output positions"
+        )
     return Example(torch.from_numpy(rec.token_ids[: n - 1]).long(), positions, target, rec.request_id)
 
 

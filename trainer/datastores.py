@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from specops.core.datastore import Datastore, DatastoreConfig
 from specops.core.keys import target_hidden_states
 from specops.registry import ArtifactVersion
@@ -27,8 +28,9 @@ from specops.trainer.rebuild import Candidate, Rebuilder
 log = logging.getLogger(__name__)
 
 
-def corpus_documents(model_dir: Path, tokenizer, *, per_domain: int = 400, chars: int = 2000,
-                     seed: int = 0) -> list[list[int]]:  # fmt: skip
+def corpus_documents(
+    model_dir: Path, tokenizer, *, per_domain: int = 400, chars: int = 2000, seed: int = 0
+) -> list[list[int]]:
     """Token ids of up to ``per_domain`` snippets of ``chars`` characters per bootstrap domain."""
     from specops.trainer.router_fit import bootstrap_texts
 
@@ -50,8 +52,17 @@ class MarResult:
     """Distinct drafted tokens (token-tree nodes) per verification step."""
 
 
-def offline_mar(store: Datastore, target, docs: Sequence[Sequence[int]], starts: Sequence[int], *, n_drafts: int = 3,
-                k: int = 10, batch_tokens: int = 4096, hidden: dict[int, np.ndarray] | None = None) -> MarResult:  # fmt: skip
+def offline_mar(
+    store: Datastore,
+    target,
+    docs: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    *,
+    n_drafts: int = 3,
+    k: int = 10,
+    batch_tokens: int = 4096,
+    hidden: dict[int, np.ndarray] | None = None,
+) -> MarResult:
     """Replay greedy DReSD over each document's output (positions ``starts[i]`` on): at each
     step the drafts come from the hidden state before the step's first token, the accepted
     length is the longest prefix of any row that matches the document, and the step emits
@@ -78,17 +89,30 @@ def offline_mar(store: Datastore, target, docs: Sequence[Sequence[int]], starts:
             t += best + 1
         accepted_total += accepted
         per_doc.append(accepted / drafted if drafted else 0.0)
-    return MarResult(float(np.mean(per_doc)) if per_doc else 0.0, accepted_total / steps if steps else 0.0,
-                     len(per_doc), steps, nodes / steps if steps else 0.0)  # fmt: skip
+    return MarResult(
+        float(np.mean(per_doc)) if per_doc else 0.0,
+        accepted_total / steps if steps else 0.0,
+        len(per_doc),
+        steps,
+        nodes / steps if steps else 0.0,
+    )
 
 
 SHAPES = ((1, 4), (3, 6), (3, 10), (3, 20), (10, 6), (10, 10))
 """Draft shapes (rows, tokens per row) a rebuild tries: the paper's 3x20 and 10x10 among them."""
 
 
-def choose_shape(store: Datastore, target, docs: Sequence[Sequence[int]], starts: Sequence[int], *,
-                 node_cost: float, step_overhead: float = 0.04, shapes: Sequence[tuple[int, int]] = SHAPES,
-                 hidden: dict[int, np.ndarray] | None = None) -> tuple[tuple[int, int], dict]:  # fmt: skip
+def choose_shape(
+    store: Datastore,
+    target,
+    docs: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    *,
+    node_cost: float,
+    step_overhead: float = 0.04,
+    shapes: Sequence[tuple[int, int]] = SHAPES,
+    hidden: dict[int, np.ndarray] | None = None,
+) -> tuple[tuple[int, int], dict]:
     """The shape with the most tokens per unit of step time, replayed on ``docs``: a step
     emits ``accepted + 1`` tokens and costs ``1 + step_overhead + node_cost * nodes`` target
     steps (one target pass plus its drafted tree nodes; ``node_cost`` is what one more token in
@@ -99,14 +123,26 @@ def choose_shape(store: Datastore, target, docs: Sequence[Sequence[int]], starts
     for n, k in shapes:
         m = offline_mar(store, target, docs, starts, n_drafts=n, k=k, hidden=hidden)
         speed = (m.accepted_per_step + 1) / (1 + step_overhead + node_cost * m.nodes_per_step)
-        scores[f"{n}x{k}"] = {"mar": round(m.mar, 4), "accepted_per_step": round(m.accepted_per_step, 3),
-                              "nodes_per_step": round(m.nodes_per_step, 1), "speed_vs_target": round(speed, 3)}  # fmt: skip
+        scores[f"{n}x{k}"] = {
+            "mar": round(m.mar, 4),
+            "accepted_per_step": round(m.accepted_per_step, 3),
+            "nodes_per_step": round(m.nodes_per_step, 1),
+            "speed_vs_target": round(speed, 3),
+        }
     best = max(shapes, key=lambda s: scores[f"{s[0]}x{s[1]}"]["speed_vs_target"])
     return best, scores
 
 
-def register_datastore(registry, cluster: str, store: Datastore, stats, *, tags: dict | None = None,
-                       metrics: dict | None = None, lineage: dict | None = None):  # fmt: skip
+def register_datastore(
+    registry,
+    cluster: str,
+    store: Datastore,
+    stats,
+    *,
+    tags: dict | None = None,
+    metrics: dict | None = None,
+    lineage: dict | None = None,
+):
     """Register ``store`` as a new version of ``datastore-<cluster>`` (alias ``challenger``) with
     its sizes, config hash and tokenizer hash; returns the version. Metrics are also tags (the
     registry writes each as a ``%.6f`` tag), so sizes are not repeated as tags."""
@@ -114,11 +150,18 @@ def register_datastore(registry, cluster: str, store: Datastore, stats, *, tags:
     with tempfile.TemporaryDirectory(prefix="specops-datastore-") as tmp:
         store.save(Path(tmp) / "ds")
         return registry.artifact("datastore").register(
-            cluster, Path(tmp) / "ds", meta={"config_hash": cfg_hash},
+            cluster,
+            Path(tmp) / "ds",
+            meta={"config_hash": cfg_hash},
             tags={"config_hash": cfg_hash, "tokenizer_sha256": store.meta.get("tokenizer_sha256", ""), **(tags or {})},
-            metrics={"num_entries": float(store.num_entries), "bytes_per_entry": store.bytes_per_entry,
-                     "embed_tokens_per_s": stats.embed_tokens_per_s, **(metrics or {})},
-            lineage=lineage)  # fmt: skip
+            metrics={
+                "num_entries": float(store.num_entries),
+                "bytes_per_entry": store.bytes_per_entry,
+                "embed_tokens_per_s": stats.embed_tokens_per_s,
+                **(metrics or {}),
+            },
+            lineage=lineage,
+        )
 
 
 # ---------------------------------------------------------------- rebuilds from served traffic
@@ -172,8 +215,13 @@ class RebuildResult:
         return "promoted" if "promoted" in outcomes else "registered" if "registered" in outcomes else "unchanged"
 
 
-def inputs_sha256(cluster: str, cfg: DatastoreConfig, tokenizer_sha256: str, train: Sequence[Sequence[int]],
-                  heldout: Sequence[tuple[Sequence[int], int]]) -> str:  # fmt: skip
+def inputs_sha256(
+    cluster: str,
+    cfg: DatastoreConfig,
+    tokenizer_sha256: str,
+    train: Sequence[Sequence[int]],
+    heldout: Sequence[tuple[Sequence[int], int]],
+) -> str:
     """sha256 of everything a rebuilt datastore and its gate come from: the cluster, the build
     config, the tokenizer, the training documents and the held-out ones (with their output starts).
     Equal hashes mean the same version would be built again (the rebuild's lineage check)."""
@@ -209,8 +257,9 @@ class DatastoreRebuilder(Rebuilder[Datastore]):
 
     kind = "datastore"
 
-    def __init__(self, stream_cfg, registry, target, *, tokenizer_sha256: str = "",
-                 cfg: RebuildConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, stream_cfg, registry, target, *, tokenizer_sha256: str = "", cfg: RebuildConfig | None = None
+    ) -> None:
         super().__init__(stream_cfg, registry, cfg or RebuildConfig())
         self.target = target
         self.tokenizer_sha256 = tokenizer_sha256
@@ -265,8 +314,14 @@ class DatastoreRebuilder(Rebuilder[Datastore]):
             self.artifacts.promote(cluster, latest.version, reason=reason)
             outcome = "promoted"
         finished = "; promoted it, which the run that registered it did not live to do" if outcome == "promoted" else ""
-        log.info("datastore-%s: version %s was built from these same %d generations (inputs %s): not registering "
-                 "it again%s", cluster, latest.version, len(self.train[cluster]), inputs[:12], finished)
+        log.info(
+            "datastore-%s: version %s was built from these same %d generations (inputs %s): not registering it again%s",
+            cluster,
+            latest.version,
+            len(self.train[cluster]),
+            inputs[:12],
+            finished,
+        )
         self._new[cluster] = 0
         result.clusters[cluster] = outcome
         result.versions[cluster] = latest.version
@@ -277,15 +332,29 @@ class DatastoreRebuilder(Rebuilder[Datastore]):
         champion = self.champion(cluster, lambda path, _version: Datastore.load(path))
         meta = {"cluster": cluster, "tokenizer_sha256": self.tokenizer_sha256}
         store, stats = Datastore.build(self.target, docs, self.cfg.datastore, meta=meta)
-        return Candidate(store, {"stats": stats, "docs": len(docs), "inputs": self._inputs(cluster),
-                                 "champion": champion[1] if champion else None})
+        return Candidate(
+            store,
+            {
+                "stats": stats,
+                "docs": len(docs),
+                "inputs": self._inputs(cluster),
+                "champion": champion[1] if champion else None,
+            },
+        )
 
     def _mar(self, store: Datastore, cluster: str, hidden: dict[int, np.ndarray] | None = None) -> float:
         docs = list(self.heldout.get(cluster, ()))
         if not docs:
             return 0.0
-        return offline_mar(store, self.target, [d for d, _ in docs], [s for _, s in docs], n_drafts=self.cfg.n_drafts,
-                           k=self.cfg.k, hidden=hidden).mar  # fmt: skip
+        return offline_mar(
+            store,
+            self.target,
+            [d for d, _ in docs],
+            [s for _, s in docs],
+            n_drafts=self.cfg.n_drafts,
+            k=self.cfg.k,
+            hidden=hidden,
+        ).mar
 
     def gate(self, cluster: str, c: Candidate) -> tuple[bool, str]:
         """Held-out MAR against the champion's (one target pass, three replays), and the draft shape."""
@@ -294,13 +363,21 @@ class DatastoreRebuilder(Rebuilder[Datastore]):
         hidden = dict(target_hidden_states(self.target, [d for d, _ in held]))
         mar = self._mar(store, cluster, hidden)
         champ_mar = self._mar(champion, cluster, hidden) if champion is not None else None
-        (n, k), shapes = choose_shape(store, self.target, [d for d, _ in held], [s for _, s in held],
-                                      node_cost=self.cfg.node_cost, hidden=hidden)  # fmt: skip
+        (n, k), shapes = choose_shape(
+            store, self.target, [d for d, _ in held], [s for _, s in held], node_cost=self.cfg.node_cost, hidden=hidden
+        )
         store.meta["shape"] = {"n_drafts": n, "k": k, "node_cost": self.cfg.node_cost, "replayed": shapes}
         if shapes[f"{n}x{k}"]["speed_vs_target"] < 1.0:
-            log.warning("datastore-%s: even its best draft shape (%dx%d) replays at %.2fx target-only speed at "
-                        "node_cost %.3f: on this hardware target-only (or another method) serves this cluster "
-                        "faster", cluster, n, k, shapes[f"{n}x{k}"]["speed_vs_target"], self.cfg.node_cost)  # fmt: skip
+            log.warning(
+                "datastore-%s: even its best draft shape (%dx%d) replays at %.2fx target-only speed at "
+                "node_cost %.3f: on this hardware target-only (or another method) serves this cluster "
+                "faster",
+                cluster,
+                n,
+                k,
+                shapes[f"{n}x{k}"]["speed_vs_target"],
+                self.cfg.node_cost,
+            )
         c.info.update(mar=mar, champ_mar=champ_mar, shape=f"{n}x{k}", speed=shapes[f"{n}x{k}"]["speed_vs_target"])
         passed = champ_mar is None or mar > champ_mar + self.cfg.margin
         return passed, f"held-out MAR {mar:.3f} vs {'none' if champ_mar is None else f'{champ_mar:.3f}'}"
@@ -309,10 +386,20 @@ class DatastoreRebuilder(Rebuilder[Datastore]):
         mar, champ_mar = c.info["mar"], c.info["champ_mar"]
         lineage = {**self.reader.lineage(), "docs": c.info["docs"], "heldout": len(self.heldout[cluster])}
         return register_datastore(
-            self.registry, cluster, c.artifact, c.info["stats"], lineage=lineage,
-            tags={"mar": f"{mar:.6f}", "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
-                  "source": "spec.generations", "shape": c.info["shape"], "inputs_sha256": c.info["inputs"]},
-            metrics={"mar": mar, "gate_passed": float(c.passed), "shape_speed_vs_target": c.info["speed"]})  # fmt: skip
+            self.registry,
+            cluster,
+            c.artifact,
+            c.info["stats"],
+            lineage=lineage,
+            tags={
+                "mar": f"{mar:.6f}",
+                "champion_mar": "" if champ_mar is None else f"{champ_mar:.6f}",
+                "source": "spec.generations",
+                "shape": c.info["shape"],
+                "inputs_sha256": c.info["inputs"],
+            },
+            metrics={"mar": mar, "gate_passed": float(c.passed), "shape_speed_vs_target": c.info["speed"]},
+        )
 
     def record(self, cluster: str, c: Candidate, result: RebuildResult) -> None:
         mar, champ_mar = c.info["mar"], c.info["champ_mar"]
@@ -320,10 +407,18 @@ class DatastoreRebuilder(Rebuilder[Datastore]):
         result.clusters[cluster] = c.outcome
         result.versions[cluster] = c.version.version
         result.mar[cluster] = (mar, champ_mar)
-        log.info("datastore-%s: version %s from %d generations (%d entries, keys at %.0f tokens/s), held-out MAR "
-                 "%.3f vs champion %s: %s", cluster, c.version.version, c.info["docs"], c.artifact.num_entries,
-                 c.info["stats"].embed_tokens_per_s, mar, "none" if champ_mar is None else f"{champ_mar:.3f}",
-                 "promoted" if c.passed else "kept the champion")  # fmt: skip
+        log.info(
+            "datastore-%s: version %s from %d generations (%d entries, keys at %.0f tokens/s), held-out MAR "
+            "%.3f vs champion %s: %s",
+            cluster,
+            c.version.version,
+            c.info["docs"],
+            c.artifact.num_entries,
+            c.info["stats"].embed_tokens_per_s,
+            mar,
+            "none" if champ_mar is None else f"{champ_mar:.3f}",
+            "promoted" if c.passed else "kept the champion",
+        )
 
     def may_commit(self) -> bool:
         # Only when every consumed generation is in a registered version (or held out): a cluster

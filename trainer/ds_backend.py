@@ -156,8 +156,9 @@ def init_distributed(cfg: DeepSpeedConfig, *, ranks: bool = False):
     return _LINK
 
 
-def init_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                cfg: DeepSpeedConfig | None = None) -> Any:  # fmt: skip
+def init_engine(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, cfg: DeepSpeedConfig | None = None
+) -> Any:
     """Wrap ``model`` and its client ``optimizer`` in a DeepSpeed engine (a collective over the
     ranks: every rank calls it for the same draft, and rank 0's weights are broadcast).
 
@@ -171,8 +172,13 @@ def init_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_c
         init_distributed(cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg.ds_config(grad_clip))
     assert engine.module is model
-    log.info("DeepSpeed engine: ZeRO stage %d, %s process group of %d, client %s", cfg.zero_stage, cfg.dist_backend,
-             torch.distributed.get_world_size(), type(optimizer).__name__)  # fmt: skip
+    log.info(
+        "DeepSpeed engine: ZeRO stage %d, %s process group of %d, client %s",
+        cfg.zero_stage,
+        cfg.dist_backend,
+        torch.distributed.get_world_size(),
+        type(optimizer).__name__,
+    )
     return engine
 
 
@@ -200,12 +206,13 @@ def optimizer_files(engine: Any, link: Any = None) -> tuple[dict[str, torch.Tens
         if t.ndim != 1 or t.numel() != int(zopt.partition_size[group]):
             continue  # a scalar (step)
         full = link.gather_flat(t) if link is not None and link.world > 1 else t
-        tensors[key] = full[:_group_numel(zopt, group)].clone()
+        tensors[key] = full[: _group_numel(zopt, group)].clone()
     return tensors, layout
 
 
-def load_optimizer_files(engine: Any, tensors: dict[str, torch.Tensor], layout: dict, rank: int = 0,
-                         world: int = 1) -> None:  # fmt: skip
+def load_optimizer_files(
+    engine: Any, tensors: dict[str, torch.Tensor], layout: dict, rank: int = 0, world: int = 1
+) -> None:
     """Load state written by ``optimizer_files`` (any world size) into this rank's engine."""
     from specops.trainer.checkpoint import optimizer_from_files
 
@@ -224,5 +231,5 @@ def load_optimizer_files(engine: Any, tensors: dict[str, torch.Tensor], layout: 
         full = torch.zeros(size * world, dtype=t.dtype)
         full[:n] = t[:n]  # older single-rank checkpoints kept their alignment padding: cut it
         device = zopt.single_partition_of_fp32_groups[group].device
-        mine[key] = full[rank * size:(rank + 1) * size].to(device)
+        mine[key] = full[rank * size : (rank + 1) * size].to(device)
     optimizer_from_files(client, mine, layout)

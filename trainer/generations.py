@@ -13,8 +13,9 @@ from collections.abc import Iterator
 class GenerationsReader:
     """``spec.generations`` in consumer group ``group``; call :meth:`commit` after registering."""
 
-    def __init__(self, stream_cfg, group: str, *, poll_records: int = 500, poll_timeout_s: float = 1.0,
-                 max_polls: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self, stream_cfg, group: str, *, poll_records: int = 500, poll_timeout_s: float = 1.0, max_polls: int = 100
+    ) -> None:
         self.stream_cfg, self.group = stream_cfg, group
         self.poll_records, self.poll_timeout_s, self.max_polls = poll_records, poll_timeout_s, max_polls
         self.pending: dict[str, list[int]] = {}
@@ -28,9 +29,13 @@ class GenerationsReader:
             from specops.streams.records import GenerationRecord
 
             self._stream = open_stream(self.stream_cfg)
-            self._consumer = RecordConsumer(self._stream, self.group, [self.stream_cfg.topics.generations],
-                                            deadletter_topic=self.stream_cfg.topics.deadletter,
-                                            expect=[GenerationRecord])  # fmt: skip
+            self._consumer = RecordConsumer(
+                self._stream,
+                self.group,
+                [self.stream_cfg.topics.generations],
+                deadletter_topic=self.stream_cfg.topics.deadletter,
+                expect=[GenerationRecord],
+            )
         return self._consumer
 
     def records(self) -> Iterator[tuple[tuple[str, int, int], object]]:

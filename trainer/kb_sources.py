@@ -34,8 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specops.core.passage import CHUNK_WORDS, MAX_PASSAGE_TOKENS, Passage, chunk_text
-from specops.trainer.bootstrap.corpus import (MAX_BYTES, MAX_PAGES_PER_FAMILY, list_prose_files, read_document,
-                                      scan_domain, split_files, strip_roff, subsample)  # fmt: skip
+from specops.trainer.bootstrap.corpus import (
+    MAX_BYTES,
+    MAX_PAGES_PER_FAMILY,
+    list_prose_files,
+    read_document,
+    scan_domain,
+    split_files,
+    strip_roff,
+    subsample,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +135,9 @@ def _glob_root(pattern: str) -> Path:
     return Path(*parts[:first]) if first else Path(".")
 
 
-def list_source_files(sources: list[str], *, max_pages_per_family: int = MAX_PAGES_PER_FAMILY,
-                      stats: SourceStats | None = None) -> list[tuple[Path, str]]:  # fmt: skip
+def list_source_files(
+    sources: list[str], *, max_pages_per_family: int = MAX_PAGES_PER_FAMILY, stats: SourceStats | None = None
+) -> list[tuple[Path, str]]:
     """(path, title) of every file of ``sources``, in source order then path order, each once."""
     found: list[tuple[Path, Path]] = []  # (path, root)
     for source in sources:
@@ -189,11 +198,20 @@ def read_source_file(path: Path) -> str | None:
     return text + "\n" if len(text) >= MIN_CHARS else None
 
 
-def passages_from_sources(sources: list[str], *, words: int = CHUNK_WORDS, max_tokens: int = MAX_PASSAGE_TOKENS,
-                          count_tokens: Callable[[str], int] | None = None, include_heldout: bool = False,
-                          heldout: HeldOut | None = None, model_dir: Path | None = None,
-                          max_passages: int | None = None, max_pages_per_family: int = MAX_PAGES_PER_FAMILY,
-                          seed: int = 0, progress: bool = True) -> tuple[list[Passage], SourceStats]:  # fmt: skip
+def passages_from_sources(
+    sources: list[str],
+    *,
+    words: int = CHUNK_WORDS,
+    max_tokens: int = MAX_PASSAGE_TOKENS,
+    count_tokens: Callable[[str], int] | None = None,
+    include_heldout: bool = False,
+    heldout: HeldOut | None = None,
+    model_dir: Path | None = None,
+    max_passages: int | None = None,
+    max_pages_per_family: int = MAX_PAGES_PER_FAMILY,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[Passage], SourceStats]:
     """Passages (ids in order, 0..) of every readable file of ``sources``, and what was read.
 
     Held-out files are excluded unless ``include_heldout``: ``heldout`` when given, else the
@@ -209,8 +227,13 @@ def passages_from_sources(sources: list[str], *, words: int = CHUNK_WORDS, max_t
         heldout = bootstrap_heldout(model_dir)
     if include_heldout:
         heldout = None
-    stats.heldout_origin = (heldout.origin if heldout is not None else "none: held-out files included"
-                            if include_heldout else "none needed: no file under /usr/share")  # fmt: skip
+    stats.heldout_origin = (
+        heldout.origin
+        if heldout is not None
+        else "none: held-out files included"
+        if include_heldout
+        else "none needed: no file under /usr/share"
+    )
     order = list(range(len(files)))
     if max_passages is not None:
         random.Random(f"kb-sources:{seed}").shuffle(order)
@@ -235,10 +258,19 @@ def passages_from_sources(sources: list[str], *, words: int = CHUNK_WORDS, max_t
             bar.set_postfix(passages=total, refresh=False)
             if max_passages is not None and total >= max_passages:
                 break
-    out = [Passage(id=-1, title=files[i][1], text=t, source=str(files[i][0].absolute()))
-           for i in sorted(chunks) for t in chunks[i]]  # fmt: skip
+    out = [
+        Passage(id=-1, title=files[i][1], text=t, source=str(files[i][0].absolute()))
+        for i in sorted(chunks)
+        for t in chunks[i]
+    ]
     out = [Passage(id=n, title=p.title, text=p.text, source=p.source) for n, p in enumerate(out)]
     stats.passages = len(out)
-    log.info("%d passages from %d files (%d skipped, %d held out, %d man pages over the family cap)", len(out),
-             stats.files_read, stats.files_skipped, stats.heldout_excluded, stats.man_pages_capped)
+    log.info(
+        "%d passages from %d files (%d skipped, %d held out, %d man pages over the family cap)",
+        len(out),
+        stats.files_read,
+        stats.files_skipped,
+        stats.heldout_excluded,
+        stats.man_pages_capped,
+    )
     return out, stats

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
 from specops.core import draft_vocab
 from specops.core.draft_vocab import DraftVocab
 from specops.core.models import from_pretrained, load_tokenizer, tokenizer_hash
@@ -44,7 +46,6 @@ from specops.registry import (
 )
 from specops.streams.records import MissRecord
 from specops.trainer.acceptance import Acceptance, evaluate_records, paired_gain
-from transformers import AutoModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,12 @@ class PromoteConfig:
     def __post_init__(self) -> None:
         if self.metric not in GATE_METRICS:
             raise ValueError(f"metric must be one of {GATE_METRICS}, got {self.metric!r}")
-        if not -1.0 <= self.margin <= 1.0 or self.min_positions < 0 or self.register_every < 1 or self.keep_versions < 0:
+        if (
+            not -1.0 <= self.margin <= 1.0
+            or self.min_positions < 0
+            or self.register_every < 1
+            or self.keep_versions < 0
+        ):
             raise ValueError("need -1 <= margin <= 1, min_positions >= 0, register_every >= 1, keep_versions >= 0")
         if not self.z >= 0:
             raise ValueError(f"z must be >= 0, got {self.z!r}")
@@ -85,8 +91,15 @@ class PromoteConfig:
 class Promoter:
     """The trainer's side of the registry."""
 
-    def __init__(self, registry: RegistryStore, base_draft: Path, out_dir: Path, cfg: PromoteConfig | None = None,
-                 *, tokenizer_dir: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        registry: RegistryStore,
+        base_draft: Path,
+        out_dir: Path,
+        cfg: PromoteConfig | None = None,
+        *,
+        tokenizer_dir: Path | None = None,
+    ) -> None:
         self.registry = registry
         self.drafts = registry.artifact("draft")
         self.cfg = cfg or PromoteConfig()
@@ -106,20 +119,41 @@ class Promoter:
     def is_registered(self, cluster: str, checkpoint_version: int) -> ArtifactVersion | None:
         return self.drafts.find_source(cluster, self.source_id(cluster, checkpoint_version))
 
-    def publish(self, cluster: str, checkpoint: Path, checkpoint_version: int, state: dict,
-                candidate: torch.nn.Module, holdout: list[MissRecord], after: Acceptance) -> GateResult:  # fmt: skip
+    def publish(
+        self,
+        cluster: str,
+        checkpoint: Path,
+        checkpoint_version: int,
+        state: dict,
+        candidate: torch.nn.Module,
+        holdout: list[MissRecord],
+        after: Acceptance,
+    ) -> GateResult:
         """Register the checkpoint (1.), gate it (2.), apply retention (3.)."""
         lineage = state.get("lineage", {})
         dv = self.drafts.register(  # 1.
-            cluster, checkpoint, tokenizer_sha256=self.tokenizer_sha256, tokenizer_dir=self.tokenizer_dir,
-            metrics={"offline_acceptance_sampling": after.sampling, "offline_acceptance_greedy": after.greedy,
-                     "offline_positions": after.num_positions},
-            params={"checkpoint_version": checkpoint_version, "updates": state.get("updates"),
-                    "records_trained": state.get("records_trained"), "config_hash": state.get("config_hash"),
-                    "base_draft": str(self.base_draft), **_flat(state.get("config", {}))},
-            lineage=lineage, parent_version=self.last_registered.get(cluster),
-            config_sha256=state.get("config_hash"), source_id=self.source_id(cluster, checkpoint_version),
-        )  # fmt: skip
+            cluster,
+            checkpoint,
+            tokenizer_sha256=self.tokenizer_sha256,
+            tokenizer_dir=self.tokenizer_dir,
+            metrics={
+                "offline_acceptance_sampling": after.sampling,
+                "offline_acceptance_greedy": after.greedy,
+                "offline_positions": after.num_positions,
+            },
+            params={
+                "checkpoint_version": checkpoint_version,
+                "updates": state.get("updates"),
+                "records_trained": state.get("records_trained"),
+                "config_hash": state.get("config_hash"),
+                "base_draft": str(self.base_draft),
+                **_flat(state.get("config", {})),
+            },
+            lineage=lineage,
+            parent_version=self.last_registered.get(cluster),
+            config_sha256=state.get("config_hash"),
+            source_id=self.source_id(cluster, checkpoint_version),
+        )
         self.last_registered[cluster] = dv.version
         result = self.gate(cluster, dv.version, candidate, holdout, after)  # 2.
         self.drafts.apply_gate(cluster, result)
@@ -127,8 +161,14 @@ class Promoter:
             self.drafts.retain(cluster, keep_last=self.cfg.keep_versions)
         return result
 
-    def gate(self, cluster: str, version: str, candidate: torch.nn.Module, holdout: list[MissRecord],
-             candidate_acc: Acceptance | None = None) -> GateResult:  # fmt: skip
+    def gate(
+        self,
+        cluster: str,
+        version: str,
+        candidate: torch.nn.Module,
+        holdout: list[MissRecord],
+        candidate_acc: Acceptance | None = None,
+    ) -> GateResult:
         """Candidate vs champion (or base) on the same held-out records."""
         cand = candidate_acc or evaluate_records(candidate, holdout, vocab=self.vocab)
         champion = self.drafts.by_alias(cluster, CHAMPION)
@@ -153,8 +193,9 @@ class Promoter:
         return want, model
 
 
-def gate_decision(candidate: str, reference: str | None, cand: Acceptance, ref: Acceptance,
-                  cfg: PromoteConfig) -> GateResult:  # fmt: skip
+def gate_decision(
+    candidate: str, reference: str | None, cand: Acceptance, ref: Acceptance, cfg: PromoteConfig
+) -> GateResult:
     """The gate's rule on two evaluations of the same held-out records (the candidate's and
     the champion's, or the base draft's)."""
     metric, note = cfg.metric, ""
@@ -162,12 +203,29 @@ def gate_decision(candidate: str, reference: str | None, cand: Acceptance, ref: 
         metric, note = "sampling", "no greedy held-out requests, compared at rejected positions: "
     if metric == "served":
         _, stderr = paired_gain(cand, ref)
-        result = decide(candidate, reference, cand.served, ref.served, margin=cfg.margin,
-                        num_positions=cand.served_positions, min_positions=cfg.min_positions, metric="served",
-                        stderr=stderr, z=cfg.z)  # fmt: skip
+        result = decide(
+            candidate,
+            reference,
+            cand.served,
+            ref.served,
+            margin=cfg.margin,
+            num_positions=cand.served_positions,
+            min_positions=cfg.min_positions,
+            metric="served",
+            stderr=stderr,
+            z=cfg.z,
+        )
     else:
-        result = decide(candidate, reference, getattr(cand, metric), getattr(ref, metric), margin=cfg.margin,
-                        num_positions=cand.num_positions, min_positions=cfg.min_positions, metric=metric)  # fmt: skip
+        result = decide(
+            candidate,
+            reference,
+            getattr(cand, metric),
+            getattr(ref, metric),
+            margin=cfg.margin,
+            num_positions=cand.num_positions,
+            min_positions=cfg.min_positions,
+            metric=metric,
+        )
     for other in ("served", "sampling", "greedy"):
         if other != metric:
             result.extra.update({f"candidate_{other}": getattr(cand, other), f"champion_{other}": getattr(ref, other)})

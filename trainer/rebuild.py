@@ -63,8 +63,13 @@ class Rebuilder(Generic[T]):
     def __init__(self, stream_cfg, registry, cfg, *, reader=None) -> None:
         """``reader``: where records come from; by default ``spec.generations`` in ``cfg.group``."""
         self.stream_cfg, self.registry, self.cfg = stream_cfg, registry, cfg
-        self.reader = reader or GenerationsReader(stream_cfg, cfg.group, poll_records=cfg.poll_records,
-                                                  poll_timeout_s=cfg.poll_timeout_s, max_polls=cfg.max_polls)
+        self.reader = reader or GenerationsReader(
+            stream_cfg,
+            cfg.group,
+            poll_records=cfg.poll_records,
+            poll_timeout_s=cfg.poll_timeout_s,
+            max_polls=cfg.max_polls,
+        )
         self._champions: dict[str, tuple[str, T]] = {}
 
     @property

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from specops.core.embed import Embedder, normalise
 from specops.core.errors import RouterError
 from specops.core.router import LOCAL, Router
@@ -42,9 +43,18 @@ EXACT_MATCH_LIMIT = 40_320
 """Name matchings tried exhaustively up to this many (8 clusters); greedy beyond."""
 
 
-def fit_router(data: Mapping[str, Sequence[str]] | Sequence[str], embedder: Embedder, k: int | None = None, *,
-               init: Router | None = None, labels: Sequence[str | None] | None = None, seed: int = 0,
-               iters: int = 50, refine: bool = True, ignore_labels: Sequence[str] = ()) -> Router:  # fmt: skip
+def fit_router(
+    data: Mapping[str, Sequence[str]] | Sequence[str],
+    embedder: Embedder,
+    k: int | None = None,
+    *,
+    init: Router | None = None,
+    labels: Sequence[str | None] | None = None,
+    seed: int = 0,
+    iters: int = 50,
+    refine: bool = True,
+    ignore_labels: Sequence[str] = (),
+) -> Router:
     """A router with ``k`` centroids fitted on ``data`` (texts, or texts by cluster label).
 
     ``init``: the current router; its centroids seed the fit and its names are kept.
@@ -67,9 +77,11 @@ def fit_router(data: Mapping[str, Sequence[str]] | Sequence[str], embedder: Embe
     if not len(x):
         raise ValueError("no non-empty texts to fit a router on")
     if init is not None and (init.embedder_kind != embedder.kind or init.embedder_sha256 != embedder.config_sha256):
-        raise RouterError(f"the current router (version {init.version}) was fitted with embedder {init.embedder_kind} "
-                          f"(config {init.embedder_sha256[:12]}), this fit uses {embedder.kind} "
-                          f"(config {embedder.config_sha256[:12]}): fit with the same embedder")  # fmt: skip
+        raise RouterError(
+            f"the current router (version {init.version}) was fitted with embedder {init.embedder_kind} "
+            f"(config {init.embedder_sha256[:12]}), this fit uses {embedder.kind} "
+            f"(config {embedder.config_sha256[:12]}): fit with the same embedder"
+        )
     rng = np.random.default_rng(seed)
 
     # 1. starting centroids: the current router's, then new labelled names, then fresh ones
@@ -79,8 +91,10 @@ def fit_router(data: Mapping[str, Sequence[str]] | Sequence[str], embedder: Embe
     new_labels = [lab for lab, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     k = k if k is not None else len(names) + len(new_labels)
     if k < max(1, len(names)):
-        raise ValueError(f"k={k}: a refit keeps every cluster of the current router ({len(names)}: {names}), "
-                         "each has a draft lineage")  # fmt: skip
+        raise ValueError(
+            f"k={k}: a refit keeps every cluster of the current router ({len(names)}: {names}), "
+            "each has a draft lineage"
+        )
     if k > len(x):
         raise ValueError(f"k={k} centroids need at least {k} non-empty texts, got {len(x)}")
     for lab in new_labels[: k - len(names)]:
@@ -115,9 +129,17 @@ def fit_router(data: Mapping[str, Sequence[str]] | Sequence[str], embedder: Embe
         old = np.asarray(init.clusters)[(x @ init.centroids.T).argmax(axis=1)]
         metrics["agreement"] = float((np.asarray(names)[assign] == old).mean())
     fitted_on = {name: int((assign == j).sum()) for j, name in enumerate(names)}
-    return Router(centroids=normalise(centroids), clusters=tuple(names), embedder_kind=embedder.kind,
-                  embedder_sha256=embedder.config_sha256, version=LOCAL, fitted_on=fitted_on, metrics=metrics,
-                  created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), embedder=embedder)  # fmt: skip
+    return Router(
+        centroids=normalise(centroids),
+        clusters=tuple(names),
+        embedder_kind=embedder.kind,
+        embedder_sha256=embedder.config_sha256,
+        version=LOCAL,
+        fitted_on=fitted_on,
+        metrics=metrics,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        embedder=embedder,
+    )
 
 
 def _kmeans(x: np.ndarray, centroids: np.ndarray, iters: int) -> np.ndarray:
@@ -167,8 +189,9 @@ def _far_point(x: np.ndarray, centroids: np.ndarray | None, rng: np.random.Gener
 
 
 # ---------------------------------------------------------------- the first router
-def bootstrap_texts(model_dir: Path, *, per_domain: int = 200, chars: int = 600, per_doc: int = 2,
-                    seed: int = 0) -> dict[str, list[str]]:  # fmt: skip
+def bootstrap_texts(
+    model_dir: Path, *, per_domain: int = 200, chars: int = 600, per_doc: int = 2, seed: int = 0
+) -> dict[str, list[str]]:
     """Up to ``per_domain`` snippets of ``chars`` characters per domain, from the bootstrap's
     training documents (never the held-out ones the demo prompts come from), each starting
     at a line break, at most ``per_doc`` per document."""
@@ -203,13 +226,18 @@ def bootstrap_texts(model_dir: Path, *, per_domain: int = 200, chars: int = 600,
     return out
 
 
-def bootstrap_router(model_dir: Path, embedder: Embedder, *, per_domain: int = 200, chars: int = 600,
-                     seed: int = 0) -> Router:  # fmt: skip
+def bootstrap_router(
+    model_dir: Path, embedder: Embedder, *, per_domain: int = 200, chars: int = 600, seed: int = 0
+) -> Router:
     """The first router: one centroid per bootstrap domain, the mean of its training snippets."""
     data = bootstrap_texts(model_dir, per_domain=per_domain, chars=chars, seed=seed)
     router = fit_router(data, embedder, seed=seed, refine=False)
-    log.info("bootstrap router: clusters %s from %s training snippets (mean distance %.3f)", ",".join(router.clusters),
-             {d: len(t) for d, t in data.items()}, router.metrics["mean_distance"])  # fmt: skip
+    log.info(
+        "bootstrap router: clusters %s from %s training snippets (mean distance %.3f)",
+        ",".join(router.clusters),
+        {d: len(t) for d, t in data.items()},
+        router.metrics["mean_distance"],
+    )
     return router
 
 
@@ -283,8 +311,14 @@ class RouterRefitter(Rebuilder[Router]):
     kind = "router"
     gate_name = "refit gate"
 
-    def __init__(self, stream_cfg: StreamConfig, registry: RegistryStore, tokenizer, embedder: Embedder,
-                 cfg: RefitConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stream_cfg: StreamConfig,
+        registry: RegistryStore,
+        tokenizer,
+        embedder: Embedder,
+        cfg: RefitConfig | None = None,
+    ) -> None:
         super().__init__(stream_cfg, registry, cfg or RefitConfig())
         self.tokenizer = tokenizer
         self.embedder = embedder
@@ -328,8 +362,15 @@ class RouterRefitter(Rebuilder[Router]):
     def build(self, key: str) -> Candidate:
         init = self.champion()
         texts, labels = [b[0] for b in self.buffer], [b[1] for b in self.buffer]
-        router = fit_router(texts, self.embedder, self.cfg.k, init=init, labels=labels, seed=self.cfg.seed,
-                            ignore_labels=self.cfg.ignore_labels)  # fmt: skip
+        router = fit_router(
+            texts,
+            self.embedder,
+            self.cfg.k,
+            init=init,
+            labels=labels,
+            seed=self.cfg.seed,
+            ignore_labels=self.cfg.ignore_labels,
+        )
         return Candidate(router, {"init": init, "records_used": len(texts)})
 
     def gate(self, key: str, c: Candidate) -> tuple[bool, str]:
@@ -339,22 +380,40 @@ class RouterRefitter(Rebuilder[Router]):
         router, init = c.artifact, c.info["init"]
         lineage = self.reader.lineage()
         source_id = f"{self.cfg.group}/" + sha256_json(lineage)[:16]
-        c.info["metrics"] = metrics = {**router.metrics, "records_used": float(c.info["records_used"]),
-                                       "gate_passed": float(c.passed)}  # fmt: skip
+        c.info["metrics"] = metrics = {
+            **router.metrics,
+            "records_used": float(c.info["records_used"]),
+            "gate_passed": float(c.passed),
+        }
         with tempfile.TemporaryDirectory(prefix="specops-router-") as tmp:
             return self.artifacts.register(
-                "", router.save(Path(tmp) / "router"), metrics=metrics, lineage=lineage, source_id=source_id,
+                "",
+                router.save(Path(tmp) / "router"),
+                metrics=metrics,
+                lineage=lineage,
+                source_id=source_id,
                 parent_version=init.version if init is not None else None,
-                params={"gate_reason": c.reason, "k": router.k, "clusters": ",".join(router.clusters),
-                        "fitted_on": json.dumps(router.fitted_on, sort_keys=True), "embedder": self.embedder.kind,
-                        "min_agreement": self.cfg.min_agreement, "buffer_size": self.cfg.buffer_size},
-            )  # fmt: skip
+                params={
+                    "gate_reason": c.reason,
+                    "k": router.k,
+                    "clusters": ",".join(router.clusters),
+                    "fitted_on": json.dumps(router.fitted_on, sort_keys=True),
+                    "embedder": self.embedder.kind,
+                    "min_agreement": self.cfg.min_agreement,
+                    "buffer_size": self.cfg.buffer_size,
+                },
+            )
 
     def record(self, key: str, c: Candidate, result: dict) -> None:
         self._new = 0
         result["candidate"] = c
-        log.info("router refit: version %s %s (%s); clusters %s", c.version.version,
-                 "promoted" if c.passed else "registered, not promoted", c.reason, c.artifact.fitted_on)  # fmt: skip
+        log.info(
+            "router refit: version %s %s (%s); clusters %s",
+            c.version.version,
+            "promoted" if c.passed else "registered, not promoted",
+            c.reason,
+            c.artifact.fitted_on,
+        )
 
     def finish(self, result: dict) -> RefitResult:
         consumed, c = result["consumed"], result.get("candidate")
@@ -378,12 +437,21 @@ def gate(candidate: Router, champion: Router | None, min_agreement: float) -> tu
     return True, f"{agreement:.2f} of the prompts keep their cluster (>= {min_agreement})"
 
 
-def refit_from_stream(stream_cfg: StreamConfig, registry: RegistryStore, tokenizer, embedder: Embedder, *,
-                      group: str = "router-refit", min_records: int = 50, k: int | None = None,
-                      **kw) -> RefitResult:  # fmt: skip
+def refit_from_stream(
+    stream_cfg: StreamConfig,
+    registry: RegistryStore,
+    tokenizer,
+    embedder: Embedder,
+    *,
+    group: str = "router-refit",
+    min_records: int = 50,
+    k: int | None = None,
+    **kw,
+) -> RefitResult:
     """One refit now (``specops router fit``): consume, fit, gate, register, promote, commit."""
-    refitter = RouterRefitter(stream_cfg, registry, tokenizer, embedder,
-                              RefitConfig(group=group, min_records=min_records, k=k, **kw))  # fmt: skip
+    refitter = RouterRefitter(
+        stream_cfg, registry, tokenizer, embedder, RefitConfig(group=group, min_records=min_records, k=k, **kw)
+    )
     try:
         return refitter.run_once()
     finally:

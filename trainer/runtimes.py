@@ -53,16 +53,25 @@ class RunTimesTable:
 
         self.engine = create_engine(url, **(engine_options or {}))
         self.name = table
-        self.table = Table(table, MetaData(), Column("id", String(191), primary_key=True),
-                           Column("next_run_time", Float(25), index=True), Column("last_run_time", Float(25)),
-                           Column("interval_s", Float(25)), Column("updated_at", Float(25)))  # fmt: skip
+        self.table = Table(
+            table,
+            MetaData(),
+            Column("id", String(191), primary_key=True),
+            Column("next_run_time", Float(25), index=True),
+            Column("last_run_time", Float(25)),
+            Column("interval_s", Float(25)),
+            Column("updated_at", Float(25)),
+        )
 
     def open(self) -> None:
         """Create the table, converting one left by APScheduler's pickling job store."""
         from sqlalchemy import inspect, select
 
-        columns = {c["name"] for c in inspect(self.engine).get_columns(self.name)} \
-            if inspect(self.engine).has_table(self.name) else set()  # fmt: skip
+        columns = (
+            {c["name"] for c in inspect(self.engine).get_columns(self.name)}
+            if inspect(self.engine).has_table(self.name)
+            else set()
+        )
         if columns and "job_state" in columns:
             from sqlalchemy import Column, Float, MetaData, Table, Unicode
 
@@ -73,8 +82,13 @@ class RunTimesTable:
                 self.table.create(conn)
                 for job_id, next_run in kept:
                     conn.execute(self.table.insert().values(id=job_id, next_run_time=next_run, updated_at=time.time()))
-            log.warning("job store table %s held APScheduler's pickled jobs; converted it to run times only (%d jobs: "
-                        "%s), nothing was unpickled", self.name, len(kept), ", ".join(j for j, _ in kept) or "none")  # fmt: skip
+            log.warning(
+                "job store table %s held APScheduler's pickled jobs; converted it to run times only (%d jobs: "
+                "%s), nothing was unpickled",
+                self.name,
+                len(kept),
+                ", ".join(j for j, _ in kept) or "none",
+            )
         else:
             self.table.create(self.engine, checkfirst=True)
 
@@ -146,8 +160,12 @@ class RunTimesJobStore(MemoryJobStore):
 
     def _write(self, job) -> None:
         interval = getattr(job.trigger, "interval", None)
-        self._persist(self.runs.write, job.id, next_run_time=datetime_to_utc_timestamp(job.next_run_time),
-                      interval_s=interval.total_seconds() if interval is not None else None)  # fmt: skip
+        self._persist(
+            self.runs.write,
+            job.id,
+            next_run_time=datetime_to_utc_timestamp(job.next_run_time),
+            interval_s=interval.total_seconds() if interval is not None else None,
+        )
 
     def _persist(self, write, *args, **kwargs) -> None:
         """A write that may fail (the database is down) without stopping the scheduler: the jobs

@@ -29,8 +29,9 @@ from specops.trainer.losses import TargetDist
 SAMPLING = ("teacher", "student", "mixed")
 
 
-def mixture_sample(target_logits: torch.Tensor, draft_logits_: torch.Tensor, mix: float,
-                   generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+def mixture_sample(
+    target_logits: torch.Tensor, draft_logits_: torch.Tensor, mix: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One token per row from ``mix·softmax(target) + (1-mix)·softmax(draft)``: [N, V], [N, V] -> [N]."""
     if not 0.0 <= mix <= 1.0:
         raise ValueError(f"mix must be in [0, 1], got {mix}")
@@ -41,8 +42,15 @@ def mixture_sample(target_logits: torch.Tensor, draft_logits_: torch.Tensor, mix
 
 
 @torch.no_grad()
-def sampled_example(target: torch.nn.Module, draft: torch.nn.Module, rec: MissRecord, *, mix: float,
-                    max_new_tokens: int | None = None, generator: torch.Generator | None = None) -> Example:  # fmt: skip
+def sampled_example(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    rec: MissRecord,
+    *,
+    mix: float,
+    max_new_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Example:
     """Sample a continuation of ``rec``'s prompt from ``mix·p + (1-mix)·q``; score it with the target.
 
     ``max_new_tokens`` defaults to the length of the logged output (at least 1). Both
@@ -73,4 +81,4 @@ def sampled_example(target: torch.nn.Module, draft: torch.nn.Module, rec: MissRe
         draft.train(was_training)
     start = prompt.shape[1]
     positions = torch.arange(start, seq.shape[0], device=device)
-    return Example(seq[:-1].cpu(), positions.cpu(), TargetDist.full(logp[start - 1:].cpu()), rec.request_id)
+    return Example(seq[:-1].cpu(), positions.cpu(), TargetDist.full(logp[start - 1 :].cpu()), rec.request_id)

@@ -70,12 +70,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED
+from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter, Gauge
@@ -83,8 +83,16 @@ from prometheus_client import Counter, Gauge
 from specops.core.clusters import cluster_label
 from specops.core.load_signal import read_load_file
 from specops.trainer.runtimes import RunTimes, RunTimesJobStore, RunTimesTable, next_run_after_restart
-from specops.trainer.schedule_config import (ScheduleConfig, ScheduleConfigError, ScheduleError, check_url,
-                                             default_jobstore_url, describe_signal, engine_url, safe_url)
+from specops.trainer.schedule_config import (
+    ScheduleConfig,
+    ScheduleConfigError,
+    ScheduleError,
+    check_url,
+    default_jobstore_url,
+    describe_signal,
+    engine_url,
+    safe_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,24 +178,37 @@ class TrainerScheduler:
     ``router_refits`` (outcome -> runs).
     """
 
-    def __init__(self, trainer: Any, cfg: ScheduleConfig | None = None, *, trainer_id: str | None = None,
-                 router_refitter: Any = None, datastore_rebuilder: Any = None,
-                 sessions_rebuilder: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trainer: Any,
+        cfg: ScheduleConfig | None = None,
+        *,
+        trainer_id: str | None = None,
+        router_refitter: Any = None,
+        datastore_rebuilder: Any = None,
+        sessions_rebuilder: Any = None,
+    ) -> None:
         self.trainer = trainer
         self.cfg = cfg or ScheduleConfig()
         if self.cfg.datastore_rebuild_s and datastore_rebuilder is None:
-            raise ScheduleConfigError("datastore_rebuild_s is set but no datastore rebuilder was given: pass "
-                                      "datastore_rebuilder= (specops train --datastore-rebuild-every S builds one)")  # fmt: skip
+            raise ScheduleConfigError(
+                "datastore_rebuild_s is set but no datastore rebuilder was given: pass "
+                "datastore_rebuilder= (specops train --datastore-rebuild-every S builds one)"
+            )
         self.datastore_rebuilder = datastore_rebuilder
         self.datastore_rebuilds: dict[str, int] = {}
         if self.cfg.sessions_rebuild_s and sessions_rebuilder is None:
-            raise ScheduleConfigError("sessions_rebuild_s is set but no sessions rebuilder was given: pass "
-                                      "sessions_rebuilder= (specops train --sessions-rebuild-every S builds one)")  # fmt: skip
+            raise ScheduleConfigError(
+                "sessions_rebuild_s is set but no sessions rebuilder was given: pass "
+                "sessions_rebuilder= (specops train --sessions-rebuild-every S builds one)"
+            )
         self.sessions_rebuilder = sessions_rebuilder
         self.sessions_rebuilds: dict[str, int] = {}
         if self.cfg.router_refit_s and router_refitter is None:
-            raise ScheduleConfigError("router_refit_s is set but no router refitter was given: pass router_refitter= "
-                                      "(specops train --router-refit-every S builds one)")  # fmt: skip
+            raise ScheduleConfigError(
+                "router_refit_s is set but no router refitter was given: pass router_refitter= "
+                "(specops train --router-refit-every S builds one)"
+            )
         self.router_refitter = router_refitter
         self.router_refits: dict[str, int] = {}
         self.trainer_id = trainer_id or str(Path(trainer.out).resolve())
@@ -214,8 +235,11 @@ class TrainerScheduler:
         url = make_url(self.jobstore_url)
         if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-        return RunTimesJobStore(RunTimesTable(engine_url(self.jobstore_url), self.cfg.jobstore_table,
-                                              engine_options={"pool_pre_ping": True}))  # fmt: skip
+        return RunTimesJobStore(
+            RunTimesTable(
+                engine_url(self.jobstore_url), self.cfg.jobstore_table, engine_options={"pool_pre_ping": True}
+            )
+        )
 
     def start(self) -> None:
         """Register the trainer, open the job store, (re)place both jobs and start running them."""
@@ -231,51 +255,78 @@ class TrainerScheduler:
         try:
             store = self._jobstore()
             scheduler = BackgroundScheduler(
-                jobstores={"default": store}, executors={"default": ThreadPoolExecutor(3)},
-                timezone=timezone.utc, daemon=True,
-            )  # fmt: skip
+                jobstores={"default": store},
+                executors={"default": ThreadPoolExecutor(3)},
+                timezone=UTC,
+                daemon=True,
+            )
             scheduler.start(paused=True)  # open the store; nothing runs until both jobs are in place
             saved = store.runs.load()
         except Exception as exc:
             self._unregister()
             raise ScheduleError(f"cannot open the job store {safe_url(self.jobstore_url)}: {exc}") from exc
         try:
-            jobs = [(TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds), (EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds),
-                    (ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s),
-                    (DATASTORE_JOB_ID, DATASTORE_FUNC, self.cfg.datastore_rebuild_s),
-                    (SESSIONS_JOB_ID, SESSIONS_FUNC, self.cfg.sessions_rebuild_s)]  # fmt: skip
+            jobs = [
+                (TICK_JOB_ID, TICK_FUNC, self.cfg.tick_seconds),
+                (EVAL_JOB_ID, EVAL_FUNC, self.cfg.eval_seconds),
+                (ROUTER_JOB_ID, ROUTER_FUNC, self.cfg.router_refit_s),
+                (DATASTORE_JOB_ID, DATASTORE_FUNC, self.cfg.datastore_rebuild_s),
+                (SESSIONS_JOB_ID, SESSIONS_FUNC, self.cfg.sessions_rebuild_s),
+            ]
             for job_id, func, seconds in jobs:
                 if seconds:  # an optional job is None when off
                     self._place_job(scheduler, job_id, func, seconds, saved.get(job_id))
             gone = store.runs.prune({job_id for job_id, _, seconds in jobs if seconds})
             if gone:
                 log.info("jobs switched off since the last run, removed from the job store: %s", ", ".join(gone))
-            scheduler.add_listener(lambda e: store.record_run(e.job_id, e.scheduled_run_time),
-                                   EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)  # fmt: skip
+            scheduler.add_listener(
+                lambda e: store.record_run(e.job_id, e.scheduled_run_time), EVENT_JOB_EXECUTED | EVENT_JOB_ERROR
+            )
         except Exception:
             scheduler.shutdown(wait=False)
             self._unregister()
             raise
         self._scheduler = scheduler
         scheduler.resume()
-        log.info("scheduled trainer %s: tick every %gs (budget %gs), evaluation every %gs, router refit %s, "
-                 "job store %s, load signal %s", self.trainer_id, self.cfg.tick_seconds, self.cfg.budget_s,
-                 self.cfg.eval_seconds, f"every {self.cfg.router_refit_s:g}s" if self.cfg.router_refit_s else "off",
-                 safe_url(self.jobstore_url), describe_signal(self.cfg.load_signal))  # fmt: skip
+        log.info(
+            "scheduled trainer %s: tick every %gs (budget %gs), evaluation every %gs, router refit %s, "
+            "job store %s, load signal %s",
+            self.trainer_id,
+            self.cfg.tick_seconds,
+            self.cfg.budget_s,
+            self.cfg.eval_seconds,
+            f"every {self.cfg.router_refit_s:g}s" if self.cfg.router_refit_s else "off",
+            safe_url(self.jobstore_url),
+            describe_signal(self.cfg.load_signal),
+        )
 
-    def _place_job(self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float,
-                   saved: RunTimes | None) -> None:  # fmt: skip
-        trigger = IntervalTrigger(seconds=seconds, timezone=timezone.utc)
+    def _place_job(
+        self, scheduler: BackgroundScheduler, job_id: str, func: str, seconds: float, saved: RunTimes | None
+    ) -> None:
+        trigger = IntervalTrigger(seconds=seconds, timezone=UTC)
         kw: dict[str, Any] = {}
         at = next_run_after_restart(saved, seconds, _now())
         if at is not None:
             kw["next_run_time"] = at  # the schedule survives the restart
         scheduler.add_job(
-            func, trigger, kwargs={"trainer_id": self.trainer_id}, id=job_id, name=job_id, replace_existing=True,
-            max_instances=1, coalesce=self.cfg.coalesce, misfire_grace_time=self.cfg.misfire_grace_s, **kw,
-        )  # fmt: skip
-        log.info("job %s: %s every %gs, next run %s", job_id, func, seconds,
-                 f"{kw['next_run_time']} (from the job store)" if kw else "in one interval")  # fmt: skip
+            func,
+            trigger,
+            kwargs={"trainer_id": self.trainer_id},
+            id=job_id,
+            name=job_id,
+            replace_existing=True,
+            max_instances=1,
+            coalesce=self.cfg.coalesce,
+            misfire_grace_time=self.cfg.misfire_grace_s,
+            **kw,
+        )
+        log.info(
+            "job %s: %s every %gs, next run %s",
+            job_id,
+            func,
+            seconds,
+            f"{kw['next_run_time']} (from the job store)" if kw else "in one interval",
+        )
 
     def jobs(self) -> dict[str, datetime | None]:
         """Id and next run time of every job in the store (while started)."""
@@ -299,8 +350,14 @@ class TrainerScheduler:
             if _LIVE.get(self.trainer_id) is self:
                 del _LIVE[self.trainer_id]
 
-    def run_forever(self, stop_event: threading.Event | None = None, *, max_idle_s: float | None = None,
-                    max_records: int | None = None, check_s: float = 0.5) -> int:  # fmt: skip
+    def run_forever(
+        self,
+        stop_event: threading.Event | None = None,
+        *,
+        max_idle_s: float | None = None,
+        max_records: int | None = None,
+        check_s: float = 0.5,
+    ) -> int:
         """Run until ``stop_event`` is set, ``max_records`` were consumed (exactly: ticks poll only what is
         left) or nothing came for ``max_idle_s``
         (or Ctrl-C); then shut down, finishing the running tick. Returns the records consumed."""
@@ -370,8 +427,9 @@ class TrainerScheduler:
                         break
                     busy = self._too_busy()
                     if busy is not None:
-                        log.info("distillation tick stopped early: serving load %.2f > %.2f",
-                                 busy, self.cfg.load_threshold)  # fmt: skip
+                        log.info(
+                            "distillation tick stopped early: serving load %.2f > %.2f", busy, self.cfg.load_threshold
+                        )
                         break
             log.debug("distillation tick: %d records in %.2fs", consumed, time.monotonic() - t0)
             self.ticks_run += 1
@@ -396,13 +454,17 @@ class TrainerScheduler:
                     results[cluster] = acc.to_dict()
                     HELDOUT_ACCEPTANCE.labels(cluster=cluster_label(cluster), kind="sampling").set(acc.sampling)
                     HELDOUT_ACCEPTANCE.labels(cluster=cluster_label(cluster), kind="greedy").set(acc.greedy)
-                    log.info("cluster %s: held-out acceptance %.3f (greedy %.3f) over %d positions",
-                             cluster, acc.sampling, acc.greedy, acc.num_positions)  # fmt: skip
+                    log.info(
+                        "cluster %s: held-out acceptance %.3f (greedy %.3f) over %d positions",
+                        cluster,
+                        acc.sampling,
+                        acc.greedy,
+                        acc.num_positions,
+                    )
                 self.evals_run += 1
         except Exception:
             log.exception("evaluation job failed (the next run retries)")
         return results
-
 
     def refit_router(self) -> str:
         """One router refit unless serving is busy; never raises. Returns the outcome: the refit's
@@ -437,4 +499,4 @@ class TrainerScheduler:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)

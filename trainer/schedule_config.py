@@ -9,11 +9,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from specops.core.errors import SpecOpsError
 
-LoadSignal = Union[str, os.PathLike, Callable[[], Union[float, None]], None]
+LoadSignal = str | os.PathLike | Callable[[], float | None] | None
 
 _TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 

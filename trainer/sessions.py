@@ -38,8 +38,9 @@ class HitRate:
         return self.hits / self.positions if self.positions else 0.0
 
 
-def copy_hit_rate(index: NgramIndex | None, outputs: Sequence[Sequence[int]], *, k: int = 10,
-                  min_n: int = 1) -> HitRate:  # fmt: skip
+def copy_hit_rate(
+    index: NgramIndex | None, outputs: Sequence[Sequence[int]], *, k: int = 10, min_n: int = 1
+) -> HitRate:
     """The copy hit rate of ``index`` on ``outputs``: over every position ``t >= 1`` of every
     output ``o``, the fraction where LLMA's best match for the trailing tokens ``o[:t]`` (the
     last ``MAX_EXTEND``; :meth:`NgramIndex.matches`, longest n-gram from ``max_n`` down to
@@ -129,8 +130,9 @@ class SessionIndexRebuilder(Rebuilder[list[tuple[int, ...]]]):
 
     kind = "sessions"
 
-    def __init__(self, stream_cfg, registry, *, tokenizer_sha256: str = "",
-                 cfg: SessionRebuildConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, stream_cfg, registry, *, tokenizer_sha256: str = "", cfg: SessionRebuildConfig | None = None
+    ) -> None:
         super().__init__(stream_cfg, registry, cfg or SessionRebuildConfig())
         self.tokenizer_sha256 = tokenizer_sha256
         self.outputs: dict[str, dict[tuple[int, ...], None]] = {}
@@ -198,8 +200,9 @@ class SessionIndexRebuilder(Rebuilder[list[tuple[int, ...]]]):
         hit = copy_hit_rate(index_of(docs[:-num_heldout], cfg.cache), heldout, k=cfg.k, min_n=cfg.min_n).rate
         champ_hit = None
         if champion is not None:
-            champ_hit = copy_hit_rate(index_of([d for d in champion[1] if d not in held_set], cfg.cache), heldout,
-                                      k=cfg.k, min_n=cfg.min_n).rate  # fmt: skip
+            champ_hit = copy_hit_rate(
+                index_of([d for d in champion[1] if d not in held_set], cfg.cache), heldout, k=cfg.k, min_n=cfg.min_n
+            ).rate
         c.info.update(hit=hit, champ_hit=champ_hit, num_heldout=num_heldout)
         passed = champ_hit is None or hit >= champ_hit - cfg.margin
         return passed, f"held-out copy hit rate {hit:.3f} vs {'none' if champ_hit is None else f'{champ_hit:.3f}'}"
@@ -210,18 +213,43 @@ class SessionIndexRebuilder(Rebuilder[list[tuple[int, ...]]]):
         c.info["num_tokens"] = num_tokens = sum(len(d) for d in docs)
         lineage = {**self.reader.lineage(), "outputs": len(docs), "heldout": c.info["num_heldout"]}
         with tempfile.TemporaryDirectory(prefix="specops-sessions-") as tmp:
-            path = save_sessions(Path(tmp) / "s", cluster, docs, self.tokenizer_sha256, extra={
-                "config": asdict(cfg.cache), "config_hash": cfg.cache.hash(), "lineage": lineage,
-                "gate": {"hit_rate": hit, "champion_hit_rate": champ_hit, "heldout_outputs": c.info["num_heldout"],
-                         "champion_version": champion[0] if champion else None}})  # fmt: skip
+            path = save_sessions(
+                Path(tmp) / "s",
+                cluster,
+                docs,
+                self.tokenizer_sha256,
+                extra={
+                    "config": asdict(cfg.cache),
+                    "config_hash": cfg.cache.hash(),
+                    "lineage": lineage,
+                    "gate": {
+                        "hit_rate": hit,
+                        "champion_hit_rate": champ_hit,
+                        "heldout_outputs": c.info["num_heldout"],
+                        "champion_version": champion[0] if champion else None,
+                    },
+                },
+            )
             content = sha256_json([cfg.cache.hash(), docs])
             return self.artifacts.register(
-                cluster, path, meta={"config_hash": cfg.cache.hash()}, lineage=lineage, source_id=content,
-                tags={"config_hash": cfg.cache.hash(), "tokenizer_sha256": self.tokenizer_sha256,
-                      "champion_hit_rate": "" if champ_hit is None else f"{champ_hit:.6f}",
-                      "source": "spec.generations"},
-                metrics={"hit_rate": hit, "num_outputs": float(len(docs)), "num_tokens": float(num_tokens),
-                         "gate_passed": float(c.passed)})  # fmt: skip
+                cluster,
+                path,
+                meta={"config_hash": cfg.cache.hash()},
+                lineage=lineage,
+                source_id=content,
+                tags={
+                    "config_hash": cfg.cache.hash(),
+                    "tokenizer_sha256": self.tokenizer_sha256,
+                    "champion_hit_rate": "" if champ_hit is None else f"{champ_hit:.6f}",
+                    "source": "spec.generations",
+                },
+                metrics={
+                    "hit_rate": hit,
+                    "num_outputs": float(len(docs)),
+                    "num_tokens": float(num_tokens),
+                    "gate_passed": float(c.passed),
+                },
+            )
 
     def outcome(self, cluster: str, c: Candidate) -> str:
         champion = c.info["champion"]
@@ -235,10 +263,16 @@ class SessionIndexRebuilder(Rebuilder[list[tuple[int, ...]]]):
         result.versions[cluster] = c.version.version
         result.hit_rate[cluster] = (hit, champ_hit)
         result.sizes[cluster] = (len(docs), c.info["num_tokens"])
-        log.info("sessions-%s: version %s, %d outputs (%d tokens), held-out copy hit rate %.3f vs champion %s: %s",
-                 cluster, c.version.version, len(docs), c.info["num_tokens"], hit,
-                 "none" if champ_hit is None else f"{champ_hit:.3f}",
-                 "kept the champion" if c.outcome == "registered" else c.outcome)  # fmt: skip
+        log.info(
+            "sessions-%s: version %s, %d outputs (%d tokens), held-out copy hit rate %.3f vs champion %s: %s",
+            cluster,
+            c.version.version,
+            len(docs),
+            c.info["num_tokens"],
+            hit,
+            "none" if champ_hit is None else f"{champ_hit:.3f}",
+            "kept the champion" if c.outcome == "registered" else c.outcome,
+        )
 
     def may_commit(self) -> bool:
         # Only when every kept output is in a registered version: a cluster still short of

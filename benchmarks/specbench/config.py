@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from specops.core.models import DEFAULT_DRAFT_DTYPE
-from specops.serving.engine.spec import DEFAULT_K
 from specops.paths import models_dir
-
+from specops.serving.engine.spec import DEFAULT_K
 
 DOMAINS = ("code", "prose")
 MODES = {"greedy": 0.0, "t0.7": 0.7}
@@ -23,8 +21,16 @@ HEADLINE_K: int = DEFAULT_K["draft"]
 HF_PLD_NUM_TOKENS = 10
 """``prompt_lookup_num_tokens`` for HF prompt lookup (the value HF's docs use)."""
 REFERENCE = "hf_target"
-SUMMARY_KEYS = ("draft_vs_hf_assisted", "draft_vs_target_code", "greedy_identical", "target_vs_hf_target", "model",
-                "tree_greedy_identical", "tree_chi2_p", "biased_rule_chi2_p")
+SUMMARY_KEYS = (
+    "draft_vs_hf_assisted",
+    "draft_vs_target_code",
+    "greedy_identical",
+    "target_vs_hf_target",
+    "model",
+    "tree_greedy_identical",
+    "tree_chi2_p",
+    "biased_rule_chi2_p",
+)
 DOC_BEGIN = "<!-- BEGIN spec_decode (written by benchmarks/spec_decode.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END spec_decode -->"
 BAR_VS_HF_ASSISTED = 1.1

@@ -51,8 +51,10 @@ def measure_loop_overhead(pair: ModelPair, prompt_ids: list[int], tokens: int = 
     def post(module, args, kwargs, output):
         inside[0] += time.perf_counter() - t_in.pop()
 
-    handles = [pair.target.register_forward_pre_hook(pre, with_kwargs=True),
-               pair.target.register_forward_hook(post, with_kwargs=True)]
+    handles = [
+        pair.target.register_forward_pre_hook(pre, with_kwargs=True),
+        pair.target.register_forward_hook(post, with_kwargs=True),
+    ]
     engine = SpecEngine(pair)
     ids = torch.tensor([prompt_ids], dtype=torch.long)
 
@@ -62,8 +64,14 @@ def measure_loop_overhead(pair: ModelPair, prompt_ids: list[int], tokens: int = 
 
     def hf() -> float:
         with torch.inference_mode():
-            out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                       min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+            out = pair.target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return out.shape[1] - ids.shape[1]
 
     per: dict[str, list[float]] = {"ours": [], "hf": []}
@@ -77,8 +85,13 @@ def measure_loop_overhead(pair: ModelPair, prompt_ids: list[int], tokens: int = 
     finally:
         for h in handles:
             h.remove()
-    return {"ours_ms_per_step": statistics.median(per["ours"]), "hf_ms_per_step": statistics.median(per["hf"]),
-            "tokens": tokens, "reps": reps, "runs_ms_per_step": per}
+    return {
+        "ours_ms_per_step": statistics.median(per["ours"]),
+        "hf_ms_per_step": statistics.median(per["hf"]),
+        "tokens": tokens,
+        "reps": reps,
+        "runs_ms_per_step": per,
+    }
 
 
 # ---------------------------------------------------------------- Eq. 2

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from transformers.generation.utils import GenerationMixin
 import torch
+from transformers.generation.utils import GenerationMixin
 
-from benchmarks.specbench.config import BenchConfig, HF_PLD_NUM_TOKENS, REFERENCE
+from benchmarks.specbench.config import HF_PLD_NUM_TOKENS, REFERENCE, BenchConfig
 from specops.core.cpu_linear import stock_linear
 from specops.core.models import ModelPair
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine
@@ -133,7 +133,7 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
             t0 = time.perf_counter()
             out = pair.target.generate(ids, **kwargs)
             wall = time.perf_counter() - t0
-        new = out[0, len(prompt_ids):].tolist()
+        new = out[0, len(prompt_ids) :].tolist()
         finish = "eos" if new and eos_id is not None and new[-1] == eos_id else "length"
         return Outcome(
             token_ids=new,
@@ -182,17 +182,26 @@ def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter, dr
         our_method("pld", engine, ProposerConfig(method="pld"), DEFAULT_K["pld"]),
     ]
     if draft32 is not None:
-        pair32 = ModelPair(target=pair.target, draft=draft32, tokenizer=pair.tokenizer,
-                           tokenizer_sha256=pair.tokenizer_sha256)  # fmt: skip
-        methods.append(our_method("draft_float32", SpecEngine(pair32), ProposerConfig(method="draft"), cfg.k,
-                                  headline=False))  # fmt: skip
+        pair32 = ModelPair(
+            target=pair.target, draft=draft32, tokenizer=pair.tokenizer, tokenizer_sha256=pair.tokenizer_sha256
+        )
+        methods.append(
+            our_method("draft_float32", SpecEngine(pair32), ProposerConfig(method="draft"), cfg.k, headline=False)
+        )
     for k in cfg.sweep:
         if k != cfg.k:
             methods.append(our_method(f"draft_k{k}", engine, ProposerConfig(method="draft"), k, headline=False))
     if cfg.adaptive and cfg.sweep:
         k_max = max(cfg.sweep)
-        methods.append(our_method(f"draft_adaptive_k{k_max}", engine,
-                                  ProposerConfig(method="draft", adaptive_k=True), k_max, headline=False))
+        methods.append(
+            our_method(
+                f"draft_adaptive_k{k_max}",
+                engine,
+                ProposerConfig(method="draft", adaptive_k=True),
+                k_max,
+                headline=False,
+            )
+        )
     return methods
 
 

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from benchmarks.common import fmt, write_doc_section
 from benchmarks.specbench.config import (
-    BAR_VS_HF_ASSISTED, BAR_VS_TARGET_CODE, DOC_BEGIN, DOC_END, DOMAINS, HF_PLD_NUM_TOKENS, MODES,
+    BAR_VS_HF_ASSISTED,
+    BAR_VS_TARGET_CODE,
+    DOC_BEGIN,
+    DOC_END,
+    DOMAINS,
+    HF_PLD_NUM_TOKENS,
+    MODES,
 )
 from benchmarks.specbench.costs import eq2_speedup
 from specops.serving.engine.spec import DEFAULT_K
@@ -37,7 +42,11 @@ def markdown(report: dict) -> str:
         f"Step costs (median of {costs['reps']} cached forwards after a {costs['context_tokens']}-token prompt): "
         f"target {costs['target_1_ms']:.2f} ms, draft {costs['draft_1_ms']:.2f} ms per 1-token forward, "
         f"**c = {costs['c']:.3f}** (draft in {costs.get('draft_dtype') or 'float32'}"
-        + (f"; in float32 {costs['draft_float32_1_ms']:.2f} ms, c = {costs['c_float32']:.3f}" if costs.get("c_float32") else "")
+        + (
+            f"; in float32 {costs['draft_float32_1_ms']:.2f} ms, c = {costs['c_float32']:.3f}"
+            if costs.get("c_float32")
+            else ""
+        )
         + "); a verification forward of k+1 tokens costs "
         + ", ".join(f"{v:.2f}× (k={k})" for k, v in costs["verify_ratio"].items())
         + " a 1-token one.",
@@ -53,13 +62,18 @@ def markdown(report: dict) -> str:
             f"| {fmt(e['measured_vs_our_target'], '.2f', '×')} | {fmt(e['measured_vs_hf_target'], '.2f', '×')} |"
         )
     if len(s["speedup_by_k"]) > 1:
-        lines += ["", "Draft k sweep (greedy, pooled over both domains, median per-prompt speedup vs hf_target): "
-                  + ", ".join(f"k={k}: {fmt(v, '.2f', '×')}" for k, v in s["speedup_by_k"].items())
-                  + f"; best k = {s['best_k']}."]
+        lines += [
+            "",
+            "Draft k sweep (greedy, pooled over both domains, median per-prompt speedup vs hf_target): "
+            + ", ".join(f"k={k}: {fmt(v, '.2f', '×')}" for k, v in s["speedup_by_k"].items())
+            + f"; best k = {s['best_k']}.",
+        ]
         adaptive = [(n, r) for n, r in res["code"]["greedy"].items() if "adaptive" in n]
         for n, _ in adaptive:
-            lines.append(f"`{n}` (adaptive k): code {fmt(res['code']['greedy'][n]['speedup'], '.2f', '×')}, "
-                         f"prose {fmt(res['prose']['greedy'][n]['speedup'], '.2f', '×')} vs hf_target (greedy).")
+            lines.append(
+                f"`{n}` (adaptive k): code {fmt(res['code']['greedy'][n]['speedup'], '.2f', '×')}, "
+                f"prose {fmt(res['prose']['greedy'][n]['speedup'], '.2f', '×')} vs hf_target (greedy)."
+            )
     lines += [
         "",
         f"**Headline** (greedy, k = {s['headline_k']}): our draft ÷ HF assisted = "
@@ -80,64 +94,71 @@ def doc_section(report: dict, table: str) -> str:
     date = report["created"][:10]
     commit = env["git_commit"][:10] + (" (dirty)" if env["git_dirty"] else "") if env["git_commit"] else "no commit yet"
     reading = reading_paragraph(report)
-    return "\n".join([
-        DOC_BEGIN,
-        "## Speculative decoding (`benchmarks/spec_decode.py`)",
-        "",
-        "Command:",
-        "",
-        f"    {report['command']}",
-        "",
-        f"Date {date}; {env['cpu_count']} CPU cores ({env['machine']}), {env['threads']} torch threads, no GPU; "
-        f"torch {env['torch']}, transformers {env['transformers']}; commit {commit}. "
-        f"Models: target {report['models']['target']:,} params, draft {report['models']['draft']:,} params"
-        + (" (tiny random bootstrap)" if report["bootstrap_tiny"] else "") + ". "
-        f"{cfg['prompts']} held-out prompts of {cfg['prompt_tokens']} tokens per domain, up to "
-        f"{cfg['max_new_tokens']} new tokens, greedy and temperature 0.7 (seeded; HF's top_k turned off), "
-        f"all methods interleaved per prompt in one run ({report['wall_s']:.0f} s).",
-        "",
-        "How to read the columns: *tokens/s* is the median over prompts of generated tokens ÷ request wall time "
-        "(prefill included). *speedup* is the median over prompts of the per-prompt ratio to `hf_target` "
-        "(`target.generate`, target-only) on the same prompt. *acceptance* is accepted ÷ drafted tokens "
-        "(HF's counted from the `num_matches` its candidate generator reports each step). *tokens / target fwd* "
-        "counts calls of `target.forward` with a hook, the same for every method. *greedy = ref* is the share "
-        "of prompts whose output equals the target-only output of the method's own family token for token "
-        "over the common length (ours against our `target`, HF's against `hf_target`).",
-        "",
-        "Kernels: HF's methods run on the models as `from_pretrained` loads them (plain `nn.Linear`, what a user "
-        "of HF runs); ours on the served models, whose few-row products go through `core.cpu_linear` "
-        "(1 row as a 2-column `W @ xᵀ` that uses both cores, 2-16 rows as `W @ xᵀ`). The two compute the same "
-        "products in another summation order, so `target` and `hf_target` may part on a near tie: "
-        f"they agreed on {fmt(s['target_identical_to_hf_target'], '.0%')} of greedy prompts here. "
-        f"The loop alone, on identical modules: ours spends {report['loop_overhead']['ours_ms_per_step']:.2f} ms "
-        f"per token outside the target's forward, HF's `generate` {report['loop_overhead']['hf_ms_per_step']:.2f} ms "
-        f"(target-only, {report['loop_overhead']['tokens']} tokens x {report['loop_overhead']['reps']} runs each).",
-        "",
-        f"Settings: `hf_assisted` uses HF's defaults: num_assistant_tokens={hf['num_assistant_tokens']}, "
-        f"schedule={hf['num_assistant_tokens_schedule']!s}, assistant_confidence_threshold="
-        f"{hf['assistant_confidence_threshold']}"
-        + ("" if hf["confidence_threshold_adapted"] else " (fixed: HF only adapts it when scikit-learn is "
-           "installed, and it is not)") + ". "
-        f"`hf_pld`: prompt_lookup_num_tokens={HF_PLD_NUM_TOKENS}, max_matching_ngram_size=2 (HF default). "
-        f"Ours: `draft` at the headline k = {s['headline_k']}, fixed by rule as the engine's default draft k "
-        f"(`serving.engine.spec.DEFAULT_K`), not chosen from these results; `pld` at its default k = {DEFAULT_K['pld']} "
-        f"(as many tokens as `hf_pld` copies), matching n-grams of 3 down to 1.",
-        "",
-        table,
-        "",
-        "### Reading the numbers",
-        "",
-        reading,
-        "",
-        "Where the methods differ by design, not by engine quality: HF assisted drafts up to 20 tokens per step "
-        "and stops drafting when the draft's top probability falls below 0.4, ours drafts exactly k; HF prompt "
-        "lookup copies 10 tokens after the *earliest* match of the trailing 2-gram, ours copies k after the "
-        "*most recent* match of the trailing 3..1-gram that still has k tokens after it (in a repetition loop "
-        "the latest match is one period back and would leave fewer). At T = 0.7 outputs are samples, so only speed and acceptance are compared there. "
-        f"Runs in which the process got under {report['config']['min_cpu_share']:.0%} of a core "
-        f"(paused or starved by another job) were measured again: {report['remeasured_prompt_modes']} time(s).",
-        DOC_END,
-    ])
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## Speculative decoding (`benchmarks/spec_decode.py`)",
+            "",
+            "Command:",
+            "",
+            f"    {report['command']}",
+            "",
+            f"Date {date}; {env['cpu_count']} CPU cores ({env['machine']}), {env['threads']} torch threads, no GPU; "
+            f"torch {env['torch']}, transformers {env['transformers']}; commit {commit}. "
+            f"Models: target {report['models']['target']:,} params, draft {report['models']['draft']:,} params"
+            + (" (tiny random bootstrap)" if report["bootstrap_tiny"] else "")
+            + ". "
+            f"{cfg['prompts']} held-out prompts of {cfg['prompt_tokens']} tokens per domain, up to "
+            f"{cfg['max_new_tokens']} new tokens, greedy and temperature 0.7 (seeded; HF's top_k turned off), "
+            f"all methods interleaved per prompt in one run ({report['wall_s']:.0f} s).",
+            "",
+            "How to read the columns: *tokens/s* is the median over prompts of generated tokens ÷ request wall time "
+            "(prefill included). *speedup* is the median over prompts of the per-prompt ratio to `hf_target` "
+            "(`target.generate`, target-only) on the same prompt. *acceptance* is accepted ÷ drafted tokens "
+            "(HF's counted from the `num_matches` its candidate generator reports each step). *tokens / target fwd* "
+            "counts calls of `target.forward` with a hook, the same for every method. *greedy = ref* is the share "
+            "of prompts whose output equals the target-only output of the method's own family token for token "
+            "over the common length (ours against our `target`, HF's against `hf_target`).",
+            "",
+            "Kernels: HF's methods run on the models as `from_pretrained` loads them (plain `nn.Linear`, what a user "
+            "of HF runs); ours on the served models, whose few-row products go through `core.cpu_linear` "
+            "(1 row as a 2-column `W @ xᵀ` that uses both cores, 2-16 rows as `W @ xᵀ`). The two compute the same "
+            "products in another summation order, so `target` and `hf_target` may part on a near tie: "
+            f"they agreed on {fmt(s['target_identical_to_hf_target'], '.0%')} of greedy prompts here. "
+            f"The loop alone, on identical modules: ours spends {report['loop_overhead']['ours_ms_per_step']:.2f} ms "
+            f"per token outside the target's forward, HF's `generate` {report['loop_overhead']['hf_ms_per_step']:.2f} ms "
+            f"(target-only, {report['loop_overhead']['tokens']} tokens x {report['loop_overhead']['reps']} runs each).",
+            "",
+            f"Settings: `hf_assisted` uses HF's defaults: num_assistant_tokens={hf['num_assistant_tokens']}, "
+            f"schedule={hf['num_assistant_tokens_schedule']!s}, assistant_confidence_threshold="
+            f"{hf['assistant_confidence_threshold']}"
+            + (
+                ""
+                if hf["confidence_threshold_adapted"]
+                else " (fixed: HF only adapts it when scikit-learn is installed, and it is not)"
+            )
+            + ". "
+            f"`hf_pld`: prompt_lookup_num_tokens={HF_PLD_NUM_TOKENS}, max_matching_ngram_size=2 (HF default). "
+            f"Ours: `draft` at the headline k = {s['headline_k']}, fixed by rule as the engine's default draft k "
+            f"(`serving.engine.spec.DEFAULT_K`), not chosen from these results; `pld` at its default k = {DEFAULT_K['pld']} "
+            f"(as many tokens as `hf_pld` copies), matching n-grams of 3 down to 1.",
+            "",
+            table,
+            "",
+            "### Reading the numbers",
+            "",
+            reading,
+            "",
+            "Where the methods differ by design, not by engine quality: HF assisted drafts up to 20 tokens per step "
+            "and stops drafting when the draft's top probability falls below 0.4, ours drafts exactly k; HF prompt "
+            "lookup copies 10 tokens after the *earliest* match of the trailing 2-gram, ours copies k after the "
+            "*most recent* match of the trailing 3..1-gram that still has k tokens after it (in a repetition loop "
+            "the latest match is one period back and would leave fewer). At T = 0.7 outputs are samples, so only speed and acceptance are compared there. "
+            f"Runs in which the process got under {report['config']['min_cpu_share']:.0%} of a core "
+            f"(paused or starved by another job) were measured again: {report['remeasured_prompt_modes']} time(s).",
+            DOC_END,
+        ]
+    )
 
 
 def reading_paragraph(report: dict) -> str:
@@ -150,10 +171,12 @@ def reading_paragraph(report: dict) -> str:
         f"{fmt(s['draft_vs_target_code'], '.2f', '×')}, {'met' if s['bar_vs_target_code_met'] else 'missed'}.",
         f"With the measured c = {costs['c']:.3f} and k = {k}, Eq. 2 "
         f"((1 − α^(k+1)) / ((1 − α)(kc + 1))) predicts "
-        + "; ".join(f"{d}: α = {e[d]['alpha']:.2f} → {e[d]['eq2_speedup']:.2f}× "
-                    f"({e[d]['eq2_speedup_measured_verify']:.2f}× once the measured cost of a {k + 1}-token "
-                    f"verification, {e[d]['verify_ratio']:.2f}× a 1-token forward, replaces Eq. 2's 1)"
-                    for d in DOMAINS)
+        + "; ".join(
+            f"{d}: α = {e[d]['alpha']:.2f} → {e[d]['eq2_speedup']:.2f}× "
+            f"({e[d]['eq2_speedup_measured_verify']:.2f}× once the measured cost of a {k + 1}-token "
+            f"verification, {e[d]['verify_ratio']:.2f}× a 1-token forward, replaces Eq. 2's 1)"
+            for d in DOMAINS
+        )
         + ". Measured against our own target-only loop the draft gives "
         + ", ".join(f"{e[d]['measured_vs_our_target']:.2f}× on {d}" for d in DOMAINS)
         + "; against `hf_target` "

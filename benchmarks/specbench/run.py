@@ -11,26 +11,34 @@ import shlex
 import statistics
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
 import torch
+from tqdm import tqdm
 
 from benchmarks.common import environment as common_environment
 from benchmarks.common import target_name
 from benchmarks.specbench.config import (
-    BAR_VS_HF_ASSISTED, BAR_VS_TARGET_CODE, BenchConfig, DOMAINS, HEADLINE_K, HF_PLD_NUM_TOKENS, MODES,
+    BAR_VS_HF_ASSISTED,
+    BAR_VS_TARGET_CODE,
+    DOMAINS,
+    HEADLINE_K,
+    HF_PLD_NUM_TOKENS,
+    MODES,
     REFERENCE,
+    BenchConfig,
 )
 from benchmarks.specbench.costs import (
-    alpha_from_tokens_per_step, eq2_speedup, measure_loop_overhead, measure_step_costs,
+    alpha_from_tokens_per_step,
+    eq2_speedup,
+    measure_loop_overhead,
+    measure_step_costs,
 )
 from benchmarks.specbench.methods import ForwardCounter, Method, Outcome, build_methods, hf_assisted_settings
 from specops.core.models import load_model, load_model_dir
-from specops.serving.engine.spec import DEFAULT_K, ProposerConfig
 from specops.prompts import heldout_prompts
-
+from specops.serving.engine.spec import DEFAULT_K, ProposerConfig
 
 log = logging.getLogger("benchmarks.spec_decode")
 
@@ -66,8 +74,10 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
     if pair.draft is None or pair.tokenizer is None:
         raise SystemExit(f"{cfg.model_dir} needs target/, draft/ and a tokenizer; run `specops bootstrap` first")
     manifest = json.loads((Path(cfg.model_dir) / "manifest.json").read_text())
-    prompts = {d: heldout_prompts(Path(cfg.model_dir), pair.tokenizer, d, cfg.prompts, cfg.prompt_tokens, cfg.seed)
-               for d in DOMAINS}
+    prompts = {
+        d: heldout_prompts(Path(cfg.model_dir), pair.tokenizer, d, cfg.prompts, cfg.prompt_tokens, cfg.seed)
+        for d in DOMAINS
+    }
     for d, ps in prompts.items():
         if not ps:
             raise SystemExit(f"no held-out {d} prompt of {cfg.prompt_tokens} tokens in {cfg.model_dir}")
@@ -85,18 +95,25 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
     warm_up(methods, first)
     log.info("measuring step costs (c)")
     costs = measure_step_costs(pair, first, cfg, draft32)
-    log.info("c = %.3f (draft %.3f ms, target %.3f ms per cached 1-token forward)",
-             costs["c"], costs["draft_1_ms"], costs["target_1_ms"])
+    log.info(
+        "c = %.3f (draft %.3f ms, target %.3f ms per cached 1-token forward)",
+        costs["c"],
+        costs["draft_1_ms"],
+        costs["target_1_ms"],
+    )
     loop_overhead = measure_loop_overhead(pair, first)
-    log.info("time outside the target's forward per token: ours %.2f ms, HF generate %.2f ms",
-             loop_overhead["ours_ms_per_step"], loop_overhead["hf_ms_per_step"])
+    log.info(
+        "time outside the target's forward per token: ours %.2f ms, HF generate %.2f ms",
+        loop_overhead["ours_ms_per_step"],
+        loop_overhead["hf_ms_per_step"],
+    )
 
     # records[domain][mode][method] -> list of per-prompt dicts
     records: dict = {d: {mode: {m.name: [] for m in methods} for mode in MODES} for d in DOMAINS}
     retries = 0
     units = [(d, i, p) for d in DOMAINS for i, p in enumerate(prompts[d])]
     for d, i, p in tqdm(units, desc="prompts", unit="prompt", disable=None):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate: no method always first
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotate: no method always first
         for mode, temp in MODES.items():
             seed = cfg.seed + i
             for attempt in range(1, cfg.max_attempts + 1):
@@ -104,8 +121,13 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
                 worst = min(o.cpu_share or 0.0 for o in outs.values())
                 if worst >= cfg.min_cpu_share or attempt == cfg.max_attempts:
                     break
-                log.warning("%s %s prompt %d: a run got %.0f%% of a core (paused or starved); measuring again",
-                            d, mode, i, 100 * worst)
+                log.warning(
+                    "%s %s prompt %d: a run got %.0f%% of a core (paused or starved); measuring again",
+                    d,
+                    mode,
+                    i,
+                    100 * worst,
+                )
                 retries += 1
                 time.sleep(cfg.retry_wait_s)
             # Losslessness is checked within a family, on the same kernels: our methods against our
@@ -136,11 +158,15 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
                     if not rec["identical"]:
                         j = next(j for j, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b)
                         rec["first_divergence"] = j
-                        log.warning("%s %s prompt %d: %s differs from %s at token %d",
-                                    d, mode, i, m.name, REFERENCE, j)
+                        log.warning("%s %s prompt %d: %s differs from %s at token %d", d, mode, i, m.name, REFERENCE, j)
                 records[d][mode][m.name].append(rec)
-            log.debug("%s prompt %d %s: %s", d, i, mode,
-                      ", ".join(f"{n} {len(o.token_ids) / o.wall_s:.0f} tok/s" for n, o in outs.items()))
+            log.debug(
+                "%s prompt %d %s: %s",
+                d,
+                i,
+                mode,
+                ", ".join(f"{n} {len(o.token_ids) / o.wall_s:.0f} tok/s" for n, o in outs.items()),
+            )
     counter.close()
 
     results = aggregate(records, methods)
@@ -148,7 +174,7 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
     summary = {"model": target_name(Path(cfg.model_dir)), **summarize(records, results, eq2, costs, cfg, methods)}
     return {
         "benchmark": "spec_decode",
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": shlex.join(command),
         "config": {**asdict(cfg), "sweep": list(cfg.sweep)},
         "headline_k_rule": f"k = the engine's default draft k (serving.engine.spec.DEFAULT_K['draft'] = {HEADLINE_K}), fixed before measuring; pld uses its default k ({DEFAULT_K['pld']})",
@@ -160,12 +186,15 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
             "hf_pld": {"prompt_lookup_num_tokens": HF_PLD_NUM_TOKENS, "max_matching_ngram_size": 2},
             "sampling": {"top_k": 0, "top_p": 1.0, "note": "HF's default top_k=50 turned off to match our engine"},
         },
-        "our_settings": {"pld_max_ngram": ProposerConfig().pld_max_ngram, "pld_min_ngram": ProposerConfig().pld_min_ngram,
-                         "pld_k": DEFAULT_K["pld"]},
+        "our_settings": {
+            "pld_max_ngram": ProposerConfig().pld_max_ngram,
+            "pld_min_ngram": ProposerConfig().pld_min_ngram,
+            "pld_k": DEFAULT_K["pld"],
+        },
         "definitions": {
             "tokens_per_s": "median over prompts of generated tokens / wall time of the whole request (prefill included)",
             "speedup": "median over prompts of the per-prompt ratio tokens/s(method) / tokens/s(hf_target) "
-                       "(paired: both ran on the same prompt, interleaved)",
+            "(paired: both ran on the same prompt, interleaved)",
             "speedup_ratio_of_medians": "median tokens/s(method) / median tokens/s(hf_target)",
             "acceptance_rate": "sum accepted / sum drafted over prompts",
             "tokens_per_target_forward": "sum generated / sum target forward calls (hook on target.forward)",
@@ -173,7 +202,7 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
             "alpha": "per-token acceptance of Eq. 2 (ours): accepted / (accepted + steps that rejected a draft)",
             "alpha_from_tokens_per_step": "cross-check: the α for which Eq. 2's E|y| equals the measured tokens per step",
             "identical": "greedy output equals the target-only output of its own family (ours: our target "
-                         "loop; HF: hf_target) token for token over their common length",
+            "loop; HF: hf_target) token for token over their common length",
             "identical_to_hf_target": "greedy output equals hf_target's (stock nn.Linear) token for token",
         },
         "step_costs": costs,
@@ -263,23 +292,45 @@ def pooled_ratio(greedy: dict, a: str, b: str) -> float | None:
     """Median over the greedy prompts of both domains of ``a``'s tokens/s over ``b``'s (None without ``b``)."""
     if any(b not in greedy[d] for d in DOMAINS):
         return None
-    return median([x["tokens_per_s"] / y["tokens_per_s"] for d in DOMAINS
-                   for x, y in zip(greedy[d][a], greedy[d][b]) if y["tokens_per_s"] > 0])  # fmt: skip
+    return median(
+        [
+            x["tokens_per_s"] / y["tokens_per_s"]
+            for d in DOMAINS
+            for x, y in zip(greedy[d][a], greedy[d][b])
+            if y["tokens_per_s"] > 0
+        ]
+    )
 
 
 def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchConfig, methods: list[Method]) -> dict:
     greedy = {d: records[d]["greedy"] for d in DOMAINS}
     # Pooled over both domains: median of the per-prompt ratios of all greedy prompts.
-    pooled = [a["tokens_per_s"] / b["tokens_per_s"]
-              for d in DOMAINS for a, b in zip(greedy[d]["draft"], greedy[d]["hf_assisted"]) if b["tokens_per_s"] > 0]
-    checked = [r["identical"] for d in DOMAINS for name, rs in greedy[d].items()
-               if name not in (REFERENCE, "target") for r in rs]
-    draft_names = [m.name for m in methods if m.family == "ours" and m.name.startswith("draft")
-                   and "adaptive" not in m.name and m.name != "draft_float32"]  # fmt: skip
+    pooled = [
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for d in DOMAINS
+        for a, b in zip(greedy[d]["draft"], greedy[d]["hf_assisted"])
+        if b["tokens_per_s"] > 0
+    ]
+    checked = [
+        r["identical"]
+        for d in DOMAINS
+        for name, rs in greedy[d].items()
+        if name not in (REFERENCE, "target")
+        for r in rs
+    ]
+    draft_names = [
+        m.name
+        for m in methods
+        if m.family == "ours" and m.name.startswith("draft") and "adaptive" not in m.name and m.name != "draft_float32"
+    ]
 
     def pooled_speedup(name: str) -> float | None:
-        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
-                  for a, b in zip(greedy[d][name], greedy[d][REFERENCE]) if b["tokens_per_s"] > 0]
+        ratios = [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for d in DOMAINS
+            for a, b in zip(greedy[d][name], greedy[d][REFERENCE])
+            if b["tokens_per_s"] > 0
+        ]
         return median(ratios)
 
     sweep = {({m.name: m.k for m in methods}[n]): pooled_speedup(n) for n in draft_names}
@@ -288,16 +339,35 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
         "draft_vs_hf_assisted": median(pooled),
         "draft_vs_target_code": results["code"]["greedy"]["draft"]["speedup"],
         "greedy_identical": sum(checked) / len(checked) if checked else None,
-        "target_identical_to_hf_target": (sum(r["identical_to_hf_target"] for d in DOMAINS for r in greedy[d]["target"])
-                                          / sum(len(greedy[d]["target"]) for d in DOMAINS)),
+        "target_identical_to_hf_target": (
+            sum(r["identical_to_hf_target"] for d in DOMAINS for r in greedy[d]["target"])
+            / sum(len(greedy[d]["target"]) for d in DOMAINS)
+        ),
         "draft_vs_target_prose": results["prose"]["greedy"]["draft"]["speedup"],
         "target_vs_hf_target": pooled_speedup("target"),
-        "draft_vs_our_target": median([a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
-                                       for a, b in zip(greedy[d]["draft"], greedy[d]["target"]) if b["tokens_per_s"] > 0]),
-        "draft_vs_our_target_code": median([a["tokens_per_s"] / b["tokens_per_s"] for a, b in
-                                            zip(greedy["code"]["draft"], greedy["code"]["target"]) if b["tokens_per_s"] > 0]),
-        "pld_vs_hf_pld": median([a["tokens_per_s"] / b["tokens_per_s"] for d in DOMAINS
-                                 for a, b in zip(greedy[d]["pld"], greedy[d]["hf_pld"]) if b["tokens_per_s"] > 0]),
+        "draft_vs_our_target": median(
+            [
+                a["tokens_per_s"] / b["tokens_per_s"]
+                for d in DOMAINS
+                for a, b in zip(greedy[d]["draft"], greedy[d]["target"])
+                if b["tokens_per_s"] > 0
+            ]
+        ),
+        "draft_vs_our_target_code": median(
+            [
+                a["tokens_per_s"] / b["tokens_per_s"]
+                for a, b in zip(greedy["code"]["draft"], greedy["code"]["target"])
+                if b["tokens_per_s"] > 0
+            ]
+        ),
+        "pld_vs_hf_pld": median(
+            [
+                a["tokens_per_s"] / b["tokens_per_s"]
+                for d in DOMAINS
+                for a, b in zip(greedy[d]["pld"], greedy[d]["hf_pld"])
+                if b["tokens_per_s"] > 0
+            ]
+        ),
         "draft_dtype": cfg.draft_dtype,
         "draft_vs_draft_float32": pooled_ratio(greedy, "draft", "draft_float32"),
         "headline_k": cfg.k,
@@ -308,9 +378,9 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
         "acceptance_rate": {d: eq2[d]["acceptance_rate"] for d in DOMAINS},
         "eq2_speedup": {d: eq2[d]["eq2_speedup"] for d in DOMAINS},
         "pooling": "draft_vs_hf_assisted, target_vs_hf_target, draft_vs_our_target and speedup_by_k: median of "
-                   "per-prompt ratios over the greedy prompts "
-                   "of both domains; greedy_identical: every greedy output of a speculative method against the target-only "
-                   "output of its own family (ours vs our target, HF's vs hf_target: the same kernels)",
+        "per-prompt ratios over the greedy prompts "
+        "of both domains; greedy_identical: every greedy output of a speculative method against the target-only "
+        "output of its own family (ours vs our target, HF's vs hf_target: the same kernels)",
     }
     s["bar_vs_hf_assisted_met"] = bool(s["draft_vs_hf_assisted"] and s["draft_vs_hf_assisted"] >= BAR_VS_HF_ASSISTED)
     s["bar_vs_target_code_met"] = bool(s["draft_vs_target_code"] and s["draft_vs_target_code"] > BAR_VS_TARGET_CODE)

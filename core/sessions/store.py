@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specops.registry.artifacts import sha256_file
 from specops.core.errors import DatastoreError
+from specops.registry.artifacts import sha256_file
 
 FORMAT = "specops-llma-sessions/1"
 DATA_FILE, META_FILE = "sessions.safetensors", "sessions.json"
@@ -49,8 +49,9 @@ class SavedSessions:
         return sum(len(d) for d in self.docs)
 
 
-def save_sessions(out_dir: Path, cluster: str, docs: Sequence[Sequence[int]], tokenizer_sha256: str = "",
-                  extra: dict | None = None) -> Path:  # fmt: skip
+def save_sessions(
+    out_dir: Path, cluster: str, docs: Sequence[Sequence[int]], tokenizer_sha256: str = "", extra: dict | None = None
+) -> Path:
     """Write ``docs`` (token ids, oldest first) into ``out_dir`` (created); return it."""
     from safetensors.numpy import save_file
 
@@ -62,9 +63,16 @@ def save_sessions(out_dir: Path, cluster: str, docs: Sequence[Sequence[int]], to
     if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
         raise SessionStoreError(f"sessions of {cluster}: token ids must be non-negative int32 values")
     save_file({"tokens": tokens.astype(np.int32), "offsets": offsets}, str(out_dir / DATA_FILE))
-    meta = {"format": FORMAT, "cluster": cluster, "num_outputs": len(docs), "num_tokens": int(offsets[-1]),
-            "tokenizer_sha256": tokenizer_sha256, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "files": {DATA_FILE: sha256_file(out_dir / DATA_FILE)}, "extra": dict(extra or {})}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "cluster": cluster,
+        "num_outputs": len(docs),
+        "num_tokens": int(offsets[-1]),
+        "tokenizer_sha256": tokenizer_sha256,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": {DATA_FILE: sha256_file(out_dir / DATA_FILE)},
+        "extra": dict(extra or {}),
+    }
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
     return out_dir
 
@@ -82,8 +90,9 @@ def load_sessions(path: Path, *, vocab_size: int | None = None) -> SavedSessions
         want = meta["files"][DATA_FILE]
         got = sha256_file(path / DATA_FILE)
         if got != want:
-            raise ValueError(f"{DATA_FILE} has sha256 {got[:12]}, the description says {str(want)[:12]}: "
-                             "corrupt or tampered")  # fmt: skip
+            raise ValueError(
+                f"{DATA_FILE} has sha256 {got[:12]}, the description says {str(want)[:12]}: corrupt or tampered"
+            )
         data = load_file(str(path / DATA_FILE))
         if set(data) != {"tokens", "offsets"}:
             raise ValueError(f"tensors {sorted(data)}, expected offsets and tokens")
@@ -91,8 +100,10 @@ def load_sessions(path: Path, *, vocab_size: int | None = None) -> SavedSessions
         if tokens.dtype != np.int32 or offsets.dtype != np.int64 or tokens.ndim != 1 or offsets.ndim != 1:
             raise ValueError("tokens must be a 1-d int32 tensor and offsets a 1-d int64 tensor")
         if len(offsets) != int(meta["num_outputs"]) + 1 or len(tokens) != int(meta["num_tokens"]):
-            raise ValueError(f"{len(offsets) - 1} outputs of {len(tokens)} tokens, the description says "
-                             f"{meta['num_outputs']} of {meta['num_tokens']}")  # fmt: skip
+            raise ValueError(
+                f"{len(offsets) - 1} outputs of {len(tokens)} tokens, the description says "
+                f"{meta['num_outputs']} of {meta['num_tokens']}"
+            )
         if offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():
             raise ValueError("offsets do not partition the tokens")
         if len(tokens) and (tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size)):

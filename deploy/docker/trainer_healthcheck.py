@@ -90,7 +90,7 @@ def trainer_process_alive(proc: Path = Path("/proc")) -> bool:
         except OSError:
             continue
         names = [Path(a).name for a in args]
-        if "specops" in names and "train" in args[names.index("specops") + 1:]:
+        if "specops" in names and "train" in args[names.index("specops") + 1 :]:
             return True
     return False
 

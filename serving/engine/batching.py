@@ -55,8 +55,9 @@ from specops.serving.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZE = Histogram("specops_target_batch_size", "Requests per target forward pass",
-                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))  # fmt: skip
+BATCH_SIZE = Histogram(
+    "specops_target_batch_size", "Requests per target forward pass", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32)
+)
 
 
 class SlotPool:
@@ -142,13 +143,15 @@ class _SlotCache:
         k_buf, v_buf = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         n = key_states.shape[2]
         for i, (slot, start) in enumerate(zip(self.slots, self.lengths)):
-            k_buf[slot, :, start:start + n] = key_states[i]
-            v_buf[slot, :, start:start + n] = value_states[i]
+            k_buf[slot, :, start : start + n] = key_states[i]
+            v_buf[slot, :, start : start + n] = value_states[i]
         if self.view:
             first = self.slots[0]
             rows = slice(first, first + len(self.slots))
             return k_buf[rows, :, : self.span], v_buf[rows, :, : self.span]
-        return k_buf.index_select(0, self.index)[:, :, : self.span], v_buf.index_select(0, self.index)[:, :, : self.span]
+        return k_buf.index_select(0, self.index)[:, :, : self.span], v_buf.index_select(0, self.index)[
+            :, :, : self.span
+        ]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
@@ -174,8 +177,9 @@ class _Step:
 class TargetBatcher:
     """Owns the target's forward passes, and its KV cache pool, for every request of a replica."""
 
-    def __init__(self, model: PreTrainedModel, *, max_batch: int = 8, window_s: float = 0.002,
-                 capacity: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self, model: PreTrainedModel, *, max_batch: int = 8, window_s: float = 0.002, capacity: int = 256
+    ) -> None:
         assert max_batch >= 1 and window_s >= 0
         self.model = model
         self.max_batch = max_batch
@@ -273,7 +277,7 @@ class TargetBatcher:
                 ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
                 pos[i] = torch.arange(p, p + n_max)
                 allow[i, 0, :, :p] = True
-                allow[i, 0, :n, p: p + n] = torch.ones((n, n), dtype=torch.bool, device=device).tril()
+                allow[i, 0, :n, p : p + n] = torch.ones((n, n), dtype=torch.bool, device=device).tril()
             else:  # alone in its batch: committed tokens causal, then the tree's nodes
                 c = len(s.input_ids)
                 ids[i, :n] = torch.tensor(s.input_ids + s.tree.tokens[1:], dtype=torch.long)
@@ -283,13 +287,19 @@ class TargetBatcher:
         cache = _SlotCache(pool, slots, past, span)
         self.num_gathers += int(b > 1 and not cache.view)
         want_hidden = any(s.want_hidden for s in batch)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=allow, past_key_values=cache,
-                         use_cache=True, output_hidden_states=want_hidden)  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=allow,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
         for i, s in enumerate(batch):
             keep = s.logits_to_keep or new[i]
-            s.logits = out.logits[i, new[i] - keep: new[i]].float().cpu()  # [keep, vocab]
+            s.logits = out.logits[i, new[i] - keep : new[i]].float().cpu()  # [keep, vocab]
             if s.want_hidden:
-                s.hidden = out.hidden_states[-1][i, new[i] - keep: new[i]].float().cpu()
+                s.hidden = out.hidden_states[-1][i, new[i] - keep : new[i]].float().cpu()
             s.lm.num_cached += new[i]
             s.lm.num_forwards += 1
 
@@ -302,11 +312,11 @@ class _RowView:
 
     @property
     def keys(self) -> torch.Tensor:
-        return self.lm.batcher.pool.keys[self.layer][self.lm.slot: self.lm.slot + 1, :, : self.lm.num_cached]
+        return self.lm.batcher.pool.keys[self.layer][self.lm.slot : self.lm.slot + 1, :, : self.lm.num_cached]
 
     @property
     def values(self) -> torch.Tensor:
-        return self.lm.batcher.pool.values[self.layer][self.lm.slot: self.lm.slot + 1, :, : self.lm.num_cached]
+        return self.lm.batcher.pool.values[self.layer][self.lm.slot : self.lm.slot + 1, :, : self.lm.num_cached]
 
 
 class _SlotView:
@@ -329,8 +339,9 @@ class BatchedCachedLM(CachedLM):
         self.cache = _SlotView(self)  # type: ignore[assignment]
         self._closed = False
 
-    def forward(self, input_ids: list[int], *, logits_to_keep: int = 0,
-                want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward(
+        self, input_ids: list[int], *, logits_to_keep: int = 0, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert len(input_ids) > 0, "forward needs at least one token"
         assert self.num_cached + len(input_ids) <= self.context_size, (self.num_cached, len(input_ids))
         assert self.vocab is None, "a batched target scores its whole vocabulary"
@@ -338,8 +349,9 @@ class BatchedCachedLM(CachedLM):
         self.batcher.submit(step)
         return step.logits, step.hidden
 
-    def forward_tree(self, committed: list[int], tree: TokenTree, *,
-                     want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward_tree(
+        self, committed: list[int], tree: TokenTree, *, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert committed, "the last committed token is fed with the tree"
         assert self.num_cached + len(committed) + tree.max_depth <= self.context_size
         step = _Step(self, list(committed), tree.num_nodes + 1, want_hidden, tree=tree)

@@ -74,8 +74,9 @@ class CachedLM:
             hidden = out.hidden_states[-1][0, -keep:].float().cpu()  # [n_keep, hidden]
         return logits, hidden
 
-    def _forward_subset(self, ids: torch.Tensor, pos: torch.Tensor, keep: int,
-                        want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_subset(
+        self, ids: torch.Tensor, pos: torch.Tensor, keep: int, want_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base model's last hidden states, then only the draft vocabulary's head rows."""
         out = self.model.base_model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
         self.num_cached += ids.shape[1]
@@ -85,8 +86,9 @@ class CachedLM:
         return logits, hidden.float().cpu() if want_hidden else None
 
     @torch.inference_mode()
-    def forward_tree(self, committed: list[int], tree: TokenTree, *,
-                     want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward_tree(
+        self, committed: list[int], tree: TokenTree, *, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append the uncached ``committed`` tokens, then every node of ``tree``, in one pass.
 
         Each node sits at its own position (``serving.engine.tree.positions``) and attends
@@ -105,13 +107,21 @@ class CachedLM:
         mask = tree_mod.attention_mask(self.num_cached, c, tree, self.model.dtype, device)  # [1, 1, c+n, cached+c+n]
         keep = n + 1
         if self.vocab is not None:
-            out = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                        past_key_values=self.cache, use_cache=True)  # fmt: skip
+            out = self.model.base_model(
+                input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache, use_cache=True
+            )
             hidden = out.last_hidden_state[0, -keep:]  # [1 + n, hidden]
             logits = self.vocab.logits(self.model.get_output_embeddings(), hidden).float().cpu()
         else:
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=keep, output_hidden_states=want_hidden)  # fmt: skip
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+                output_hidden_states=want_hidden,
+            )
             logits = out.logits[0].float().cpu()  # [1 + n, vocab]
             hidden = out.hidden_states[-1][0, -keep:] if want_hidden else None
         self.num_cached += c + n

@@ -24,8 +24,15 @@ import torch
 
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.types import (
-    ContextSpan, DecodeState, GenerationResult, Proposals, RejectedPosition, RequestStats, SamplingParams, Verdict,
-)  # fmt: skip
+    ContextSpan,
+    DecodeState,
+    GenerationResult,
+    Proposals,
+    RejectedPosition,
+    RequestStats,
+    SamplingParams,
+    Verdict,
+)
 from specops.serving.engine.verifier import Verifier
 from specops.serving.proposers.base import Proposer
 
@@ -59,10 +66,22 @@ class DecodeSession:
     ``target`` is the request's own ``CachedLM`` (or a batcher's ``BatchedCachedLM``).
     """
 
-    def __init__(self, target: CachedLM, proposer: Proposer | None, context_ids: list[int], params: SamplingParams,
-                 *, k: int, method: str, eos_token_ids: tuple[int, ...] | list[int] = (), context_size: int,
-                 context_spans: tuple[ContextSpan, ...] = (), collect_rejections: bool = False,
-                 want_hidden: bool = False, hold_back: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: CachedLM,
+        proposer: Proposer | None,
+        context_ids: list[int],
+        params: SamplingParams,
+        *,
+        k: int,
+        method: str,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        context_size: int,
+        context_spans: tuple[ContextSpan, ...] = (),
+        collect_rejections: bool = False,
+        want_hidden: bool = False,
+        hold_back: bool = False,
+    ) -> None:
         self.target = target
         self.proposer = proposer
         self.k = k
@@ -73,8 +92,13 @@ class DecodeSession:
         gen = None
         if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
-        self.state = DecodeState(token_ids=list(context_ids), num_prompt_tokens=len(context_ids), params=params,
-                                 generator=gen, context_spans=tuple(context_spans))  # fmt: skip
+        self.state = DecodeState(
+            token_ids=list(context_ids),
+            num_prompt_tokens=len(context_ids),
+            params=params,
+            generator=gen,
+            context_spans=tuple(context_spans),
+        )
         self.stats = RequestStats(method=method, num_prompt_tokens=len(context_ids))
         self.rejections: list[RejectedPosition] = []
         self.verifier = Verifier(target, collect_rejections=collect_rejections, want_hidden=want_hidden)
@@ -207,8 +231,9 @@ class DecodeSession:
             stats.finish_reason = self.finish_reason
         out_ids = state.output_ids
         text = tokenizer.decode(out_ids) if tokenizer is not None else None
-        return GenerationResult(token_ids=out_ids, stats=stats, rejections=self.rejections, text=text,
-                                context_spans=state.context_spans)  # fmt: skip
+        return GenerationResult(
+            token_ids=out_ids, stats=stats, rejections=self.rejections, text=text, context_spans=state.context_spans
+        )
 
     def abort(self) -> None:
         """Release the proposer without a result (the caller went away)."""

@@ -10,14 +10,19 @@ from collections.abc import Callable
 from typing import Protocol
 
 from specops.core import limits
-from specops.serving.engine.kv import CachedLM
 from specops.core.models import ModelPair
+from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.types import ContextSpan, GenerationResult, SamplingParams
 from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.catalogue import (  # noqa: F401  (re-exported: the engine's public names)
-    DEFAULT_K, METHODS, ProposerConfig, ProposerResources, build_proposer, method_spec,
-)  # fmt: skip
+    DEFAULT_K,
+    METHODS,
+    ProposerConfig,
+    ProposerResources,
+    build_proposer,
+    method_spec,
+)
 
 
 class ResultSink(Protocol):
@@ -28,8 +33,9 @@ class ResultSink(Protocol):
     cfg: object
     """Its ``enabled`` says whether records are kept (then rejections are collected for them)."""
 
-    def log(self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams, meta: object = None) -> bool:
-        ...
+    def log(
+        self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams, meta: object = None
+    ) -> bool: ...
 
 
 log = logging.getLogger(__name__)
@@ -43,7 +49,11 @@ class SpecEngine:
     """
 
     def __init__(
-        self, pair: ModelPair, *, collect_rejections: bool = False, logger: ResultSink | None = None,
+        self,
+        pair: ModelPair,
+        *,
+        collect_rejections: bool = False,
+        logger: ResultSink | None = None,
         target_lm: Callable[[], CachedLM] | None = None,
     ) -> None:
         self.pair = pair
@@ -87,11 +97,20 @@ class SpecEngine:
         spec = method_spec(method) if method in METHODS else None
         target = self.target_lm() if self.target_lm is not None else CachedLM(self.pair.target)
         return DecodeSession(
-            target, proposer, prompt_ids, params, k=k, method=method, eos_token_ids=self.pair.eos_token_ids,
-            context_size=self.context_size, context_spans=context_spans, collect_rejections=self.collect_rejections,
-            want_hidden=(spec is not None and "target_hidden" in spec.needs) or bool(getattr(proposer, "needs_hidden", False)),
+            target,
+            proposer,
+            prompt_ids,
+            params,
+            k=k,
+            method=method,
+            eos_token_ids=self.pair.eos_token_ids,
+            context_size=self.context_size,
+            context_spans=context_spans,
+            collect_rejections=self.collect_rejections,
+            want_hidden=(spec is not None and "target_hidden" in spec.needs)
+            or bool(getattr(proposer, "needs_hidden", False)),
             hold_back=hold_back,
-        ).start()  # fmt: skip
+        ).start()
 
     def generate(
         self,
@@ -120,8 +139,16 @@ class SpecEngine:
         to it (``meta`` names the request); that never blocks or raises. The serving node hands
         its requests over itself.
         """
-        session = self.session(prompt_ids, params, method=method, k=k, proposer_cfg=proposer_cfg, proposer=proposer,
-                               resources=resources, context_spans=context_spans)  # fmt: skip
+        session = self.session(
+            prompt_ids,
+            params,
+            method=method,
+            k=k,
+            proposer_cfg=proposer_cfg,
+            proposer=proposer,
+            resources=resources,
+            context_spans=context_spans,
+        )
         try:
             while not session.finished:
                 outcome = session.step()
@@ -133,7 +160,6 @@ class SpecEngine:
         result = session.finish(self.pair.tokenizer)
         if self.logger is not None:
             t_log = time.perf_counter()
-            self.logger.log(session.state.token_ids[: session.state.num_prompt_tokens], result, params,
-                            meta)  # fmt: skip
+            self.logger.log(session.state.token_ids[: session.state.num_prompt_tokens], result, params, meta)
             result.stats.time_s["log"] = time.perf_counter() - t_log
         return result

@@ -94,17 +94,18 @@ def ancestors_mask(tree: TokenTree) -> torch.Tensor:
     return allow
 
 
-def attention_mask(num_cached: int, num_fed_committed: int, tree: TokenTree, dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
+def attention_mask(
+    num_cached: int, num_fed_committed: int, tree: TokenTree, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The 4D additive mask ``[1, 1, q, num_cached + q]`` (0 = attend, dtype min = masked) for
     a pass that feeds ``num_fed_committed`` committed tokens (causal) then the tree's nodes."""
     c, n = num_fed_committed, tree.num_nodes
     q = c + n
     allow = torch.zeros((q, num_cached + q), dtype=torch.bool)
     allow[:, :num_cached] = True
-    allow[:c, num_cached: num_cached + c] = torch.ones((c, c), dtype=torch.bool).tril()
-    allow[c:, num_cached: num_cached + c] = True
-    allow[c:, num_cached + c:] = ancestors_mask(tree)
+    allow[:c, num_cached : num_cached + c] = torch.ones((c, c), dtype=torch.bool).tril()
+    allow[c:, num_cached : num_cached + c] = True
+    allow[c:, num_cached + c :] = ancestors_mask(tree)
     mask = torch.zeros(allow.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allow.to(device), torch.finfo(dtype).min)
     return mask[None, None]

@@ -102,7 +102,7 @@ class DecodeState:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tentative(self) -> int:
@@ -155,11 +155,11 @@ class Proposals:
         return [self.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
 
     @classmethod
-    def empty(cls) -> "Proposals":
+    def empty(cls) -> Proposals:
         return cls(tokens=torch.zeros((1, 0), dtype=torch.long))
 
     @classmethod
-    def from_rows(cls, rows: list[list[int]], draft_probs: torch.Tensor | None = None) -> "Proposals":
+    def from_rows(cls, rows: list[list[int]], draft_probs: torch.Tensor | None = None) -> Proposals:
         """Candidate rows of any lengths (at least one row)."""
         assert rows, "at least one row"
         k = max(len(r) for r in rows)
@@ -215,7 +215,7 @@ def token_alpha(accepted: int, rejected_steps: int) -> float:
     failure or at the end of the run (k tokens, or the request's end): Σ accepted successes
     and one failure per step that ended in a rejection. Their ratio,
     ``accepted / (accepted + rejected_steps)``, is the maximum-likelihood α of that
-    truncated geometric process (``tests/serving/test_token_alpha.py`` recovers a known α).
+    truncated geometric process (``tests/serving/engine/test_token_alpha.py`` recovers a known α).
     Accepted ÷ drafted is smaller: it also counts the tokens drafted after a rejection,
     which were never tried. 0 when nothing was tried."""
     tried = accepted + rejected_steps

@@ -160,7 +160,7 @@ class Verifier:
         k = len(drafts)
         base = len(state.token_ids)  # absolute position of d_1
 
-        feed = [*state.token_ids[self.target.num_cached:], *drafts]
+        feed = [*state.token_ids[self.target.num_cached :], *drafts]
         logits, hidden = self.target.forward(feed, logits_to_keep=k + 1, want_hidden=self.want_hidden)  # [k+1, vocab]
         probs = warp(logits, state.params)  # [k+1, vocab]
         q = proposals.draft_probs[0] if proposals.draft_probs is not None else None  # [k, vocab]
@@ -192,7 +192,7 @@ class Verifier:
         base = len(state.token_ids)
         if tree.num_nodes == 0:
             return self.verify(state, Proposals.empty())
-        committed = state.token_ids[self.target.num_cached:]
+        committed = state.token_ids[self.target.num_cached :]
         logits, hidden = self.target.forward_tree(committed, tree, want_hidden=self.want_hidden)  # [1 + n, vocab]
         probs = warp(logits, state.params)  # [1 + n, vocab]
         node_q = None
@@ -208,8 +208,9 @@ class Verifier:
         rejected = None
         if self.collect_rejections and tree.samples[last]:  # a drafted token was turned down after `last`
             drafted = tree.tokens[tree.samples[last][0]]
-            rejected = RejectedPosition(index=base + len(path), drafted_token=drafted, emitted_token=bonus,
-                                        target_logits=logits[last].clone())  # fmt: skip
+            rejected = RejectedPosition(
+                index=base + len(path), drafted_token=drafted, emitted_token=bonus, target_logits=logits[last].clone()
+            )
         self.target.keep_path(base, path)
         return Verdict(
             accepted=accepted,

@@ -40,8 +40,11 @@ from specops.core.errors import ArtifactUnavailableError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-REFUSALS = Counter("specops_named_artifact_refusals_total",
-                   "Champions of named artifacts (kb, knnlm) refused or not fetched, per failed attempt", ["kind"])  # fmt: skip
+REFUSALS = Counter(
+    "specops_named_artifact_refusals_total",
+    "Champions of named artifacts (kb, knnlm) refused or not fetched, per failed attempt",
+    ["kind"],
+)
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,28 @@ class Refusal:
 class NamedArtifacts:
     """``get(name) -> Loaded`` for one artifact kind, loading on first use."""
 
-    def __init__(self, kind: str, load_dir: Callable[[Path], object], *, registry=None, cache_dir: Path,
-                 local: dict[str, object] | None = None, field: str, poll_s: float = 10.0,
-                 backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kind: str,
+        load_dir: Callable[[Path], object],
+        *,
+        registry=None,
+        cache_dir: Path,
+        local: dict[str, object] | None = None,
+        field: str,
+        poll_s: float = 10.0,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+    ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError(f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}")
-        self.kind, self.load_dir, self.registry, self.cache_dir, self.field = kind, load_dir, registry, Path(cache_dir), field
+        self.kind, self.load_dir, self.registry, self.cache_dir, self.field = (
+            kind,
+            load_dir,
+            registry,
+            Path(cache_dir),
+            field,
+        )
         self.poll_s = poll_s
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.refused: dict[str, Refusal] = {}
@@ -110,8 +129,9 @@ class NamedArtifacts:
                 loaded = self._try_champion(name)
                 if loaded is None:
                     known = ", ".join(self.names()) or "none"
-                    raise InvalidRequestError(f"{self.field} {name!r}: no such {self.kind} here (available: {known})",
-                                              self.field)  # fmt: skip
+                    raise InvalidRequestError(
+                        f"{self.field} {name!r}: no such {self.kind} here (available: {known})", self.field
+                    )
                 self._loaded[name] = loaded
         return loaded
 
@@ -120,14 +140,18 @@ class NamedArtifacts:
         wait = max(0.0, refusal.retry_at - time.monotonic())
         return ArtifactUnavailableError(
             f"{self.field} {name!r}: {which} could not be loaded ({refusal.reason}) and no earlier version is loaded "
-            f"here; the server retries in {wait:.0f}s (its log has the details)", self.field)  # fmt: skip
+            f"here; the server retries in {wait:.0f}s (its log has the details)",
+            self.field,
+        )
 
     def _try_champion(self, name: str) -> Loaded | None:
         """The champion loaded, None when the name has none; a failure is refused (logged once,
         retried with backoff) and raised as a 503 naming the field."""
         version = ""
         try:
-            champion = self.registry.artifact(self.kind).by_alias(name, "champion") if self.registry is not None else None
+            champion = (
+                self.registry.artifact(self.kind).by_alias(name, "champion") if self.registry is not None else None
+            )
             if champion is None:
                 return None
             version = str(champion.version)
@@ -148,11 +172,28 @@ class NamedArtifacts:
         serving = self._loaded.get(name)
         keeps = f"keeping version {serving.version}" if serving is not None else "nothing else loaded: requests get 503"
         if attempts == 1:
-            log.error("%s-%s version %s refused: %s: %s (%s; retrying in %.0fs, backing off to %.0fs)", self.kind,
-                      name, version or "?", type(exc).__name__, exc, keeps, delay, self.backoff_max_s)  # fmt: skip
+            log.error(
+                "%s-%s version %s refused: %s: %s (%s; retrying in %.0fs, backing off to %.0fs)",
+                self.kind,
+                name,
+                version or "?",
+                type(exc).__name__,
+                exc,
+                keeps,
+                delay,
+                self.backoff_max_s,
+            )
         else:
-            log.warning("%s-%s version %s refused again (attempt %d): %s: %s; next try in %.0fs", self.kind, name,
-                        version or "?", attempts, type(exc).__name__, exc, delay)  # fmt: skip
+            log.warning(
+                "%s-%s version %s refused again (attempt %d): %s: %s; next try in %.0fs",
+                self.kind,
+                name,
+                version or "?",
+                attempts,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
         return refusal
 
     def _load_version(self, name: str, version) -> Loaded:
@@ -179,7 +220,7 @@ class NamedArtifacts:
         return Loaded(name, str(version.version), artifact)
 
     # ------------------------------------------------------------------ following champions
-    def start(self) -> "NamedArtifacts":
+    def start(self) -> NamedArtifacts:
         if self.registry is not None and self._thread is None:
             self._thread = threading.Thread(target=self._follow, name=f"follow-{self.kind}", daemon=True)
             self._thread.start()

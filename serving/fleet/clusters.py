@@ -34,8 +34,13 @@ MAX_LISTED = 20
 class KnownClusters:
     """The clusters a request may name (see the module docstring); cheap enough for every request."""
 
-    def __init__(self, configured: Iterable[str], *, router: Callable[[], object | None] = lambda: None,
-                 champions: Callable[[], Collection[str]] = frozenset) -> None:  # fmt: skip
+    def __init__(
+        self,
+        configured: Iterable[str],
+        *,
+        router: Callable[[], object | None] = lambda: None,
+        champions: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
         self.configured = frozenset(c for c in configured if c)
         """``default_cluster`` and ``clusters`` of the server's config."""
         self._router = router
@@ -61,6 +66,9 @@ class KnownClusters:
         names = self.names()
         more = len(names) - MAX_LISTED
         listed = ", ".join(names[:MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
-        raise InvalidRequestError(f"cluster {echo(cluster)} is not a cluster of this server: leave cluster out to be "
-                                  f"routed, or name one of: {listed} (an operator adds clusters with the serve "
-                                  "setting `clusters`)", "cluster")  # fmt: skip
+        raise InvalidRequestError(
+            f"cluster {echo(cluster)} is not a cluster of this server: leave cluster out to be "
+            f"routed, or name one of: {listed} (an operator adds clusters with the serve "
+            "setting `clusters`)",
+            "cluster",
+        )

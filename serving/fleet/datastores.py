@@ -27,19 +27,22 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
+from specops.core.clusters import cluster_label
+from specops.core.datastore import Datastore
+from specops.core.errors import DatastoreError
 from specops.registry import RegistryStore
 from specops.registry.errors import RegistryError
-from specops.core.errors import DatastoreError
-from specops.core.clusters import cluster_label
 from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
-from specops.core.datastore import Datastore
 
 log = logging.getLogger(__name__)
 
 SWAPS = Counter("specops_datastore_swaps_total", "Datastores swapped in", ["cluster"])
 VERSION = Gauge("specops_datastore_version", "Registry version of the datastore serving (0 = fallback)", ["cluster"])
-LIVE_MAR = Gauge("specops_datastore_live_mar", "Live DReSD acceptance (accepted / drafted) per datastore version served",
-                 ["cluster", "version"])  # fmt: skip
+LIVE_MAR = Gauge(
+    "specops_datastore_live_mar",
+    "Live DReSD acceptance (accepted / drafted) per datastore version served",
+    ["cluster", "version"],
+)
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,18 @@ class DatastoreHandle:
 class DatastoreFollower(AliasFollower):
     """Per-cluster datastores on ``datastore-<cluster>@champion``, with a fallback."""
 
-    def __init__(self, registry: RegistryStore | None, target, *, cache_dir: Path, fallback: Datastore | None = None,
-                 target_tokenizer_sha256: str = "", vocab_size: int | None = None,
-                 follow: FollowConfig | None = None, live_report_every: int = 50) -> None:  # fmt: skip
+    def __init__(
+        self,
+        registry: RegistryStore | None,
+        target,
+        *,
+        cache_dir: Path,
+        fallback: Datastore | None = None,
+        target_tokenizer_sha256: str = "",
+        vocab_size: int | None = None,
+        follow: FollowConfig | None = None,
+        live_report_every: int = 50,
+    ) -> None:
         if live_report_every < 1:
             raise ValueError(f"live_report_every must be >= 1, got {live_report_every}")
         super().__init__(registry, "datastore", follow)
@@ -126,8 +138,10 @@ class DatastoreFollower(AliasFollower):
         store.check_fits(self.target, self.vocab_size)
         made_with = store.meta.get("tokenizer_sha256", "")
         if made_with and self.target_tokenizer_sha256 and made_with != self.target_tokenizer_sha256:
-            raise DatastoreError(f"datastore-{key} version {version.version} was built with tokenizer "
-                                 f"{made_with[:12]}; this target's is {self.target_tokenizer_sha256[:12]}")  # fmt: skip
+            raise DatastoreError(
+                f"datastore-{key} version {version.version} was built with tokenizer "
+                f"{made_with[:12]}; this target's is {self.target_tokenizer_sha256[:12]}"
+            )
         return store
 
     def install(self, key: str, version, obj: Datastore, load_s: float) -> None:
@@ -137,9 +151,15 @@ class DatastoreFollower(AliasFollower):
         self.swaps += 1
         SWAPS.labels(cluster_label(key)).inc()
         VERSION.labels(cluster_label(key)).set(float(version.version) if str(version.version).isdigit() else 0)
-        log.info("datastore %s: swapped %s -> %s (%d entries, %.0f bytes/entry; loaded in %.2fs)", key,
-                 previous.version if previous else self.fallback.version or "none", version.version, obj.num_entries,
-                 obj.bytes_per_entry, load_s)  # fmt: skip
+        log.info(
+            "datastore %s: swapped %s -> %s (%d entries, %.0f bytes/entry; loaded in %.2fs)",
+            key,
+            previous.version if previous else self.fallback.version or "none",
+            version.version,
+            obj.num_entries,
+            obj.bytes_per_entry,
+            load_s,
+        )
         # Older cached versions are not needed: running requests hold the object, not the files.
         for old in (self.cache_dir / key).glob("*"):
             if old.name != str(version.version):

@@ -36,15 +36,27 @@ class EventPublisher:
         self._producer = None
 
     def __call__(self, change: AliasChange) -> None:
-        event = ModelEvent(kind=change.kind, model_name=change.model_name, version=change.version,
-                           previous_version=change.previous_version, reason=change.reason[:4096])  # fmt: skip
+        event = ModelEvent(
+            kind=change.kind,
+            model_name=change.model_name,
+            version=change.version,
+            previous_version=change.previous_version,
+            reason=change.reason[:4096],
+        )
         with self._lock:
             if self._producer is None:
                 self._stream = open_stream(self.stream_cfg)
                 self._producer = self._stream.producer()
-            self._producer.publish(self.stream_cfg.topics.events, [OutMessage(key=event.key, value=codec.encode(event))])
-        log.info("published %s of %s version %s on %s", change.kind, change.model_name, change.version,
-                 self.stream_cfg.topics.events)  # fmt: skip
+            self._producer.publish(
+                self.stream_cfg.topics.events, [OutMessage(key=event.key, value=codec.encode(event))]
+            )
+        log.info(
+            "published %s of %s version %s on %s",
+            change.kind,
+            change.model_name,
+            change.version,
+            self.stream_cfg.topics.events,
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -58,8 +70,15 @@ class EventPublisher:
 class EventWatcher:
     """Calls ``on_event(ModelEvent)`` for each event published after it started."""
 
-    def __init__(self, stream_cfg: StreamConfig, replica: str, on_event: Callable[[ModelEvent], None], *,
-                 poll_timeout_s: float = 0.5, retry_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stream_cfg: StreamConfig,
+        replica: str,
+        on_event: Callable[[ModelEvent], None],
+        *,
+        poll_timeout_s: float = 0.5,
+        retry_s: float = 2.0,
+    ) -> None:
         self.stream_cfg = stream_cfg
         self.group = f"serving-events-{replica}"
         self.on_event = on_event
@@ -77,14 +96,24 @@ class EventWatcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                with open_stream(self.stream_cfg) as stream, \
-                        RecordConsumer(stream, self.group, [self.stream_cfg.topics.events],
-                                       deadletter_topic=self.stream_cfg.topics.deadletter,
-                                       expect=[ModelEvent]) as consumer:  # fmt: skip
+                with (
+                    open_stream(self.stream_cfg) as stream,
+                    RecordConsumer(
+                        stream,
+                        self.group,
+                        [self.stream_cfg.topics.events],
+                        deadletter_topic=self.stream_cfg.topics.deadletter,
+                        expect=[ModelEvent],
+                    ) as consumer,
+                ):
                     self._consume(consumer)
             except StreamError as exc:
-                log.warning("event watcher %s: %s; retrying in %.0fs (polling still follows the registry)",
-                            self.group, exc, self.retry_s)  # fmt: skip
+                log.warning(
+                    "event watcher %s: %s; retrying in %.0fs (polling still follows the registry)",
+                    self.group,
+                    exc,
+                    self.retry_s,
+                )
                 self._stop.wait(self.retry_s)
 
     def _consume(self, consumer: RecordConsumer) -> None:

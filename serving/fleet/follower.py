@@ -30,14 +30,15 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from specops.core.clusters import ClusterLabels
 from specops.registry import CHAMPION, RegistryError, RegistryStore
 from specops.registry.kinds import KINDS, ArtifactKind
-from specops.core.clusters import ClusterLabels
 
 log = logging.getLogger(__name__)
 
-FAILURES = Counter("specops_follower_failures_total", "Follow attempts that kept the current version",
-                   ["kind", "key", "reason"])  # fmt: skip
+FAILURES = Counter(
+    "specops_follower_failures_total", "Follow attempts that kept the current version", ["kind", "key", "reason"]
+)
 KEY_LABELS = ClusterLabels()
 """Bounded ``key`` label values of ``FAILURES`` (clusters and knowledge-base names)."""
 
@@ -60,7 +61,6 @@ class FollowConfig:
 @dataclass
 class LiveStats:
     """What one served version did live: requests, drafted and accepted tokens."""
-
 
     requests: int = 0
     drafted: int = 0
@@ -109,8 +109,15 @@ class AliasFollower:
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
         """A check kept the current version (``retry_in``: the backoff before the next queued try)."""
         FAILURES.labels(self.kind.name, KEY_LABELS(key), reason).inc()
-        log.warning("%s %s keeps version %s: %s (%s)%s", self.kind.name, key or "-", self.serving_version(key) or "none",
-                    exc, reason, f"; retrying in {retry_in:.1f}s" if retry_in else "")  # fmt: skip
+        log.warning(
+            "%s %s keeps version %s: %s (%s)%s",
+            self.kind.name,
+            key or "-",
+            self.serving_version(key) or "none",
+            exc,
+            reason,
+            f"; retrying in {retry_in:.1f}s" if retry_in else "",
+        )
 
     def handle(self, item: str) -> bool:
         """Worker items other than key checks (a subclass's own queued work); True if handled."""

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 from prometheus_client import Counter, Gauge
+from transformers import PreTrainedModel
+
 from specops.core.clusters import cluster_label
 from specops.core.errors import ModelConfigError
 from specops.core.models import load_model, load_tokenizer, tokenizer_hash
@@ -53,18 +55,20 @@ from specops.registry import (
 )
 from specops.serving.engine.types import RequestStats
 from specops.serving.fleet.follower import AliasFollower, FollowConfig, LiveStats
-from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
 SWAPS = Counter("specops_hotswap_swaps_total", "Draft versions swapped into a cluster slot", ["cluster"])
-FAILURES = Counter("specops_hotswap_failures_total", "Failed follow attempts (the current version kept serving)",
-                   ["cluster", "reason"])  # fmt: skip
+FAILURES = Counter(
+    "specops_hotswap_failures_total", "Failed follow attempts (the current version kept serving)", ["cluster", "reason"]
+)
 ROLLBACKS = Counter("specops_hotswap_auto_rollbacks_total", "Champions rolled back on live acceptance", ["cluster"])
-LIVE_ACCEPTANCE = Gauge("specops_live_acceptance", "Live acceptance rate per draft version served",
-                        ["cluster", "version"])  # fmt: skip
-SERVED_VERSION = Gauge("specops_draft_version_served", "1 for the version each cluster slot serves now",
-                       ["cluster", "version"])  # fmt: skip
+LIVE_ACCEPTANCE = Gauge(
+    "specops_live_acceptance", "Live acceptance rate per draft version served", ["cluster", "version"]
+)
+SERVED_VERSION = Gauge(
+    "specops_draft_version_served", "1 for the version each cluster slot serves now", ["cluster", "version"]
+)
 
 BASE = "base"
 """Version name of the base draft a slot serves before the cluster has a champion."""
@@ -142,11 +146,20 @@ class HotSwapConfig:
 class DraftFollower(AliasFollower):
     """Keeps one :class:`DraftSlot` per cluster on the registry's champion."""
 
-    def __init__(self, registry: RegistryStore | None, base_draft: PreTrainedModel, *, target_vocab: int,
-                 target_tokenizer_sha256: str, cache_dir: Path, cfg: HotSwapConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        registry: RegistryStore | None,
+        base_draft: PreTrainedModel,
+        *,
+        target_vocab: int,
+        target_tokenizer_sha256: str,
+        cache_dir: Path,
+        cfg: HotSwapConfig | None = None,
+    ) -> None:
         self.cfg = cfg or HotSwapConfig()
-        super().__init__(registry, "draft", FollowConfig(self.cfg.poll_s, self.cfg.backoff_initial_s,
-                                                         self.cfg.backoff_max_s))  # fmt: skip
+        super().__init__(
+            registry, "draft", FollowConfig(self.cfg.poll_s, self.cfg.backoff_initial_s, self.cfg.backoff_max_s)
+        )
         self.base_draft = base_draft
         self.target_vocab = target_vocab
         self.target_tokenizer_sha256 = target_tokenizer_sha256
@@ -207,8 +220,12 @@ class DraftFollower(AliasFollower):
             live.drafted += stats.num_drafted
             live.accepted += stats.num_accepted
             due = live.requests - live.reported_at >= self.cfg.live_report_every
-            judge = (self.cfg.auto_rollback and handle.version != BASE and live.requests >= self.cfg.rollback_min_requests
-                     and key not in self._judged)  # fmt: skip
+            judge = (
+                self.cfg.auto_rollback
+                and handle.version != BASE
+                and live.requests >= self.cfg.rollback_min_requests
+                and key not in self._judged
+            )
         LIVE_ACCEPTANCE.labels(cluster_label(handle.cluster), handle.version).set(live.acceptance)
         if due or judge:
             self.enqueue(f"live:{handle.cluster}:{handle.version}")
@@ -245,22 +262,36 @@ class DraftFollower(AliasFollower):
         handle = DraftHandle(key, version.version, obj, previous_champion=version.tags.get("previous_champion", ""))
         old = slot.swap(handle)  # 4.
         SWAPS.labels(cluster_label(key)).inc()
-        self.swaps.append({"cluster": key, "from": old.version, "to": version.version, "at": time.time(),
-                           "load_s": load_s})  # fmt: skip
-        log.info("cluster %s: swapped draft %s -> %s (fetched and validated in %.2fs)", key, old.version,
-                 version.version, load_s)  # fmt: skip
+        self.swaps.append(
+            {"cluster": key, "from": old.version, "to": version.version, "at": time.time(), "load_s": load_s}
+        )
+        log.info(
+            "cluster %s: swapped draft %s -> %s (fetched and validated in %.2fs)",
+            key,
+            old.version,
+            version.version,
+            load_s,
+        )
 
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
         FAILURES.labels(cluster_label(key), reason).inc()
-        log.warning("cluster %s keeps draft version %s: %s (%s); retrying in %.1fs", key,
-                    self.serving_version(key), exc, reason, retry_in or 0.0)  # fmt: skip
+        log.warning(
+            "cluster %s keeps draft version %s: %s (%s); retrying in %.1fs",
+            key,
+            self.serving_version(key),
+            exc,
+            reason,
+            retry_in or 0.0,
+        )
 
     def _load(self, dv: ArtifactVersion) -> PreTrainedModel:
         """Fetch, verify and validate one version; raises on anything wrong."""
         if dv.tokenizer_sha256 and dv.tokenizer_sha256 != self.target_tokenizer_sha256:
-            raise ModelConfigError(f"{dv.name} version {dv.version} was trained with tokenizer "
-                                   f"{dv.tokenizer_sha256[:12]}, serving's target uses "
-                                   f"{self.target_tokenizer_sha256[:12]}")  # fmt: skip
+            raise ModelConfigError(
+                f"{dv.name} version {dv.version} was trained with tokenizer "
+                f"{dv.tokenizer_sha256[:12]}, serving's target uses "
+                f"{self.target_tokenizer_sha256[:12]}"
+            )
         dest = self.cache_dir / dv.cluster / f"v{dv.version}"
         self.registry.artifact("draft").fetch(dv, dest)  # checksums  # type: ignore[union-attr]
         try:
@@ -272,23 +303,29 @@ class DraftFollower(AliasFollower):
     def _validate(self, dv: ArtifactVersion, path: Path) -> PreTrainedModel:
         got = tokenizer_hash(load_tokenizer(path))
         if got != self.target_tokenizer_sha256:
-            raise ModelConfigError(f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
-                                   f"target's ({self.target_tokenizer_sha256[:12]})")  # fmt: skip
-        model, info = load_model(path, dtype=self.base_draft.dtype, device=self.base_draft.device,
-                                 loading_info=True)  # served as the base draft is  # fmt: skip
+            raise ModelConfigError(
+                f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
+                f"target's ({self.target_tokenizer_sha256[:12]})"
+            )
+        model, info = load_model(
+            path, dtype=self.base_draft.dtype, device=self.base_draft.device, loading_info=True
+        )  # served as the base draft is
         bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if bad:
             raise ModelConfigError(f"{dv.name} version {dv.version}: weights do not fit its config: {bad}")
         if int(model.config.vocab_size) != self.target_vocab:
-            raise ModelConfigError(f"{dv.name} version {dv.version} has vocabulary {model.config.vocab_size}, "
-                                   f"the target {self.target_vocab}")  # fmt: skip
+            raise ModelConfigError(
+                f"{dv.name} version {dv.version} has vocabulary {model.config.vocab_size}, "
+                f"the target {self.target_vocab}"
+            )
         n = self.cfg.validate_tokens
         with torch.no_grad():
             ids = torch.arange(n, device=model.device).remainder(self.target_vocab)[None]  # [1, n]
             logits = model(input_ids=ids).logits  # [1, n, vocab]
         if tuple(logits.shape) != (1, n, self.target_vocab) or not torch.isfinite(logits).all():
-            raise ModelConfigError(f"{dv.name} version {dv.version}: smoke forward gave {tuple(logits.shape)} "
-                                   "logits or non-finite values")  # fmt: skip
+            raise ModelConfigError(
+                f"{dv.name} version {dv.version}: smoke forward gave {tuple(logits.shape)} logits or non-finite values"
+            )
         return model
 
     # ------------------------------------------------------------ live feedback
@@ -323,14 +360,24 @@ class DraftFollower(AliasFollower):
             return  # nothing to compare with yet: judge again after more requests
         self._judged.add((cluster, version))
         if live.acceptance >= reference - cfg.rollback_margin:
-            log.info("cluster %s: champion %s holds live acceptance %.3f (version %s: %.3f) over %d requests", cluster,
-                     version, live.acceptance, prev, reference, live.requests)  # fmt: skip
+            log.info(
+                "cluster %s: champion %s holds live acceptance %.3f (version %s: %.3f) over %d requests",
+                cluster,
+                version,
+                live.acceptance,
+                prev,
+                reference,
+                live.requests,
+            )
             return
-        reason = (f"auto-rollback: live acceptance {live.acceptance:.3f} over {live.requests} requests < version "
-                  f"{prev}'s {reference:.3f} - margin {cfg.rollback_margin}")  # fmt: skip
+        reason = (
+            f"auto-rollback: live acceptance {live.acceptance:.3f} over {live.requests} requests < version "
+            f"{prev}'s {reference:.3f} - margin {cfg.rollback_margin}"
+        )
         try:
             change = self.registry.artifact("draft").rollback(  # type: ignore[union-attr]
-                cluster, reason=reason, to=prev, expect_current=version)
+                cluster, reason=reason, to=prev, expect_current=version
+            )
         except RegistryError as exc:
             self._judged.discard((cluster, version))  # try again on the next report
             FAILURES.labels(cluster_label(cluster), "rollback").inc()

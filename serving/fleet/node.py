@@ -48,8 +48,17 @@ class _Part:
 class ServingNode:
     """Thread-safe ``serve`` over a target and the follower's per-cluster drafts."""
 
-    def __init__(self, pair: ModelPair, follower: DraftFollower, *, logger: StreamLogger | None = None,
-                 batcher: TargetBatcher | None = None, datastores=None, sessions=None, policy=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pair: ModelPair,
+        follower: DraftFollower,
+        *,
+        logger: StreamLogger | None = None,
+        batcher: TargetBatcher | None = None,
+        datastores=None,
+        sessions=None,
+        policy=None,
+    ) -> None:
         self.pair = pair
         self.policy = policy
         """The replica's ``auto`` policy (None: the process default)."""
@@ -64,8 +73,9 @@ class ServingNode:
         """When set, concurrent requests share target forward passes (``serving.engine.batching``)."""
 
     # ------------------------------------------------------------ one request
-    def serve(self, plan: DecodePlan, *, on_step: Callable[[list[int]], bool | None] | None = None,
-              pool=None) -> ServedResult:  # fmt: skip
+    def serve(
+        self, plan: DecodePlan, *, on_step: Callable[[list[int]], bool | None] | None = None, pool=None
+    ) -> ServedResult:
         """Decode ``plan`` in its mode (1., 2.), then hand it to the stream logger (3.).
         ``on_step(final)`` gets the tokens that became final after each step; returning True
         ends the request (a stop sequence), and an exception it raises ends it unlogged."""
@@ -77,28 +87,55 @@ class ServingNode:
             result.stats.time_s["log"] = time.perf_counter() - t_log
         return decoded.served
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, *, cluster: str = "default",
-                 method: str = "draft", k: int | None = None, n_drafts: int = 0, request_id: str | None = None,
-                 on_step: Callable[[list[int]], bool | None] | None = None,
-                 references: tuple[tuple[int, ...], ...] = (), llma_min_n: int = 1,
-                 session_scope: str = "") -> ServedResult:  # fmt: skip
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        cluster: str = "default",
+        method: str = "draft",
+        k: int | None = None,
+        n_drafts: int = 0,
+        request_id: str | None = None,
+        on_step: Callable[[list[int]], bool | None] | None = None,
+        references: tuple[tuple[int, ...], ...] = (),
+        llma_min_n: int = 1,
+        session_scope: str = "",
+    ) -> ServedResult:
         """A plain decode without an HTTP request: the plan built here (the method's resources
         checked here, as the HTTP layer does). ``session_scope``: whose past outputs of the
         cluster the request copies from and adds to (a tenant id; ``""``: the shared scope)."""
-        plan = DecodePlan.plain(prompt_ids, params, method=method, k=k, cluster=cluster, n_drafts=n_drafts,
-                                references=tuple(references), llma_min_n=llma_min_n, session_scope=session_scope,
-                                **({"request_id": request_id} if request_id else {}))  # fmt: skip
+        plan = DecodePlan.plain(
+            prompt_ids,
+            params,
+            method=method,
+            k=k,
+            cluster=cluster,
+            n_drafts=n_drafts,
+            references=tuple(references),
+            llma_min_n=llma_min_n,
+            session_scope=session_scope,
+            **({"request_id": request_id} if request_id else {}),
+        )
         datastore = self.datastores.current(cluster).datastore if self.datastores is not None else None
-        check_resources(plan.spec, ProposerResources(pair=self.draft_pair(cluster)[1], cluster=cluster,
-                                                     datastore=datastore, references=plan.references))  # fmt: skip
+        check_resources(
+            plan.spec,
+            ProposerResources(
+                pair=self.draft_pair(cluster)[1], cluster=cluster, datastore=datastore, references=plan.references
+            ),
+        )
         return self.serve(plan, on_step=on_step)
 
     # ------------------------------------------------------------ what the modes use
     def draft_pair(self, cluster: str) -> tuple[DraftHandle, ModelPair]:
         """The cluster's current draft handle, taken once, and the pair it makes with the target."""
         handle: DraftHandle = self.follower.slot(cluster).current()
-        pair = ModelPair(target=self.pair.target, draft=handle.model, tokenizer=self.pair.tokenizer,
-                         tokenizer_sha256=self.pair.tokenizer_sha256)  # fmt: skip
+        pair = ModelPair(
+            target=self.pair.target,
+            draft=handle.model,
+            tokenizer=self.pair.tokenizer,
+            tokenizer_sha256=self.pair.tokenizer_sha256,
+        )
         return handle, pair
 
     def engine(self, pair: ModelPair, *, logged: bool) -> SpecEngine:
@@ -123,8 +160,13 @@ class ServingNode:
         its method used (all of them for a method that drafts with others)."""
         spec = plan.spec
         used = {k: v for k, v in versions.items() if k == spec.artifact or spec.parts is not None}
-        return RequestMeta(request_id=plan.request_id, cluster=plan.cluster, draft_model=handle.model_name,
-                           draft_version=handle.version, artifact_versions=used)  # fmt: skip
+        return RequestMeta(
+            request_id=plan.request_id,
+            cluster=plan.cluster,
+            draft_model=handle.model_name,
+            draft_version=handle.version,
+            artifact_versions=used,
+        )
 
     def record(self, plan: DecodePlan, handle: DraftHandle, versions: dict[str, str], stats) -> None:
         """2.: the drafted and accepted tokens go to the artifact version that drafted them."""
@@ -136,14 +178,23 @@ class ServingNode:
             if drafted and spec is not None:
                 self._record(spec.artifact, plan.cluster, handle, versions, _Part(drafted, accepted))
 
-    def _record(self, artifact: str | None, cluster: str, handle: DraftHandle, versions: dict[str, str], counts) -> None:
+    def _record(
+        self, artifact: str | None, cluster: str, handle: DraftHandle, versions: dict[str, str], counts
+    ) -> None:
         if artifact == "draft":
             self.follower.record(handle, counts)
         elif artifact == "datastore" and "datastore" in versions:
             self.datastores.record(cluster, versions["datastore"], counts)
 
-    def decode(self, plan: DecodePlan, prompt_ids, *, on_step=None, retrieved: tuple[tuple[int, ...], ...] = (),
-               context_spans: tuple[ContextSpan, ...] = ()) -> Decoded:  # fmt: skip
+    def decode(
+        self,
+        plan: DecodePlan,
+        prompt_ids,
+        *,
+        on_step=None,
+        retrieved: tuple[tuple[int, ...], ...] = (),
+        context_spans: tuple[ContextSpan, ...] = (),
+    ) -> Decoded:
         """The plain decode of ``prompt_ids`` (the prompt, or a context built around it) with the
         plan's method, over the cluster's current draft and datastore."""
         started_at = time.time()
@@ -156,21 +207,35 @@ class ServingNode:
             versions["datastore"] = datastore.version
         copies = spec.copies_references
         past = self.sessions.index(cluster, plan.session_scope) if self.sessions is not None and copies else None
-        resources = ProposerResources(pair=pair, cluster=cluster, versions=versions, references=plan.references,
-                                      retrieved=tuple(retrieved), reference_indexes=(past,) if past is not None else (),
-                                      datastore=datastore.datastore if datastore is not None else None,
-                                      policy=self.policy)  # fmt: skip
+        resources = ProposerResources(
+            pair=pair,
+            cluster=cluster,
+            versions=versions,
+            references=plan.references,
+            retrieved=tuple(retrieved),
+            reference_indexes=(past,) if past is not None else (),
+            datastore=datastore.datastore if datastore is not None else None,
+            policy=self.policy,
+        )
         cfg = plan.proposer_config()
         with self.batched():
-            result = engine.generate(list(prompt_ids), plan.params, proposer_cfg=cfg, k=plan.k, resources=resources,
-                                     proposer=spec.build(cfg, resources), on_step=on_step,
-                                     context_spans=tuple(context_spans))  # fmt: skip
+            result = engine.generate(
+                list(prompt_ids),
+                plan.params,
+                proposer_cfg=cfg,
+                k=plan.k,
+                resources=resources,
+                proposer=spec.build(cfg, resources),
+                on_step=on_step,
+                context_spans=tuple(context_spans),
+            )
         if self.sessions is not None:
             self.sessions.add(cluster, result.token_ids, plan.session_scope)
         self.record(plan, handle, versions, result.stats)
         n_drafts = plan.n_drafts
         if spec.served_n_drafts is not None:
             n_drafts = spec.served_n_drafts(resources, n_drafts)
-        served = ServedResult(plan.request_id, cluster, handle.model_name, handle.version, result, started_at, versions,
-                              n_drafts)  # fmt: skip
+        served = ServedResult(
+            plan.request_id, cluster, handle.model_name, handle.version, result, started_at, versions, n_drafts
+        )
         return Decoded(served, tuple(int(t) for t in prompt_ids), self.meta(plan, handle, versions))

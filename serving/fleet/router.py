@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 ROUTER_VERSION = Gauge("specops_router_version", "Registry version of the router serving now (0: none or unregistered)")
 ROUTER_SWAPS = Counter("specops_router_swaps_total", "Router versions swapped in")
-ROUTER_SWAP_FAILURES = Counter("specops_router_swap_failures_total",
-                               "Failed router follow attempts (the current router kept routing)",
-                               ["reason"])  # fmt: skip
+ROUTER_SWAP_FAILURES = Counter(
+    "specops_router_swap_failures_total", "Failed router follow attempts (the current router kept routing)", ["reason"]
+)
 
 KEY = ""
 """The router kind is not keyed: one router for the deployment."""
@@ -47,13 +47,20 @@ class RouterFollower(AliasFollower):
     (serving passes one that knows its target for ``target``); one per kind is kept.
     """
 
-    def __init__(self, registry: RegistryStore | None, *, cache_dir: Path,
-                 embedder_factory: Callable[[str], Embedder] = make_embedder, initial: Router | None = None,
-                 poll_s: float = 30.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        registry: RegistryStore | None,
+        *,
+        cache_dir: Path,
+        embedder_factory: Callable[[str], Embedder] = make_embedder,
+        initial: Router | None = None,
+        poll_s: float = 30.0,
+    ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s must be > 0, got {poll_s}")
-        super().__init__(registry, "router", FollowConfig(poll_s=poll_s, backoff_initial_s=min(1.0, poll_s),
-                                                          backoff_max_s=poll_s))  # fmt: skip
+        super().__init__(
+            registry, "router", FollowConfig(poll_s=poll_s, backoff_initial_s=min(1.0, poll_s), backoff_max_s=poll_s)
+        )
         self.cache_dir = Path(cache_dir)
         self.embedder_factory = embedder_factory
         self.poll_s = poll_s
@@ -99,8 +106,13 @@ class RouterFollower(AliasFollower):
         self.history.append((time.time(), obj.version))
         ROUTER_SWAPS.inc()
         ROUTER_VERSION.set(_version_number(obj.version))
-        log.info("router: swapped %s -> %s (clusters %s; fetched and validated in %.2fs)",
-                 current.version if current else "none", obj.version, ",".join(obj.clusters), load_s)  # fmt: skip
+        log.info(
+            "router: swapped %s -> %s (clusters %s; fetched and validated in %.2fs)",
+            current.version if current else "none",
+            obj.version,
+            ",".join(obj.clusters),
+            load_s,
+        )
         self._prune(keep=obj.version)
 
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
@@ -117,16 +129,20 @@ class RouterFollower(AliasFollower):
     def _load(self, rv) -> Router:
         embedder = self._embedder(rv.embedder_kind)
         if rv.embedder_sha256 and rv.embedder_sha256 != embedder.config_sha256:  # before downloading anything
-            raise RouterError(f"router version {rv.version} was fitted with {rv.embedder_kind} config "
-                              f"{rv.embedder_sha256[:12]}, this server's is {embedder.config_sha256[:12]}")  # fmt: skip
+            raise RouterError(
+                f"router version {rv.version} was fitted with {rv.embedder_kind} config "
+                f"{rv.embedder_sha256[:12]}, this server's is {embedder.config_sha256[:12]}"
+            )
         dest = self.cache_dir / f"v{rv.version}"
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.registry.artifact("router").fetch(rv, dest)  # checksums against the manifest and the version's tag  # type: ignore[union-attr]
         try:
             router = Router.load(dest, embedder, version=rv.version)
             if tuple(rv.clusters) and tuple(rv.clusters) != router.clusters:
-                raise RouterError(f"router version {rv.version}: router.json names clusters {list(router.clusters)}, "
-                                  f"the registry {list(rv.clusters)}")  # fmt: skip
+                raise RouterError(
+                    f"router version {rv.version}: router.json names clusters {list(router.clusters)}, "
+                    f"the registry {list(rv.clusters)}"
+                )
             decision = router.route("def main():\n    return 0")  # smoke: the embedder runs, dimensions fit
             if not np.isfinite(decision.distance):
                 raise RouterError(f"router version {rv.version}: a smoke route gave distance {decision.distance}")

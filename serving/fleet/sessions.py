@@ -25,18 +25,21 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
+from specops.core.clusters import cluster_label
+from specops.core.sessions.store import SavedSessions, SessionStoreError, load_sessions
 from specops.registry import RegistryStore
 from specops.registry.errors import RegistryError
-from specops.core.clusters import cluster_label
 from specops.serving.fleet.follower import AliasFollower, FollowConfig
 from specops.serving.proposers.session_cache import SessionCache
-from specops.core.sessions.store import SavedSessions, SessionStoreError, load_sessions
 
 log = logging.getLogger(__name__)
 
-SEEDS = Counter("specops_llma_session_seeds_total", "Past-sessions caches seeded from a registered version", ["cluster"])
-VERSION = Gauge("specops_llma_session_version", "Registry version the cluster's past sessions were seeded from",
-                ["cluster"])  # fmt: skip
+SEEDS = Counter(
+    "specops_llma_session_seeds_total", "Past-sessions caches seeded from a registered version", ["cluster"]
+)
+VERSION = Gauge(
+    "specops_llma_session_version", "Registry version the cluster's past sessions were seeded from", ["cluster"]
+)
 
 LIST = "list:"
 """Worker item: look for clusters with a registered past-sessions index."""
@@ -45,9 +48,16 @@ LIST = "list:"
 class SessionFollower(AliasFollower):
     """Seeds each cluster's past sessions from ``sessions-<cluster>@champion``."""
 
-    def __init__(self, registry: RegistryStore | None, sessions: SessionCache, *, cache_dir: Path,
-                 target_tokenizer_sha256: str = "", vocab_size: int | None = None,
-                 follow: FollowConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        registry: RegistryStore | None,
+        sessions: SessionCache,
+        *,
+        cache_dir: Path,
+        target_tokenizer_sha256: str = "",
+        vocab_size: int | None = None,
+        follow: FollowConfig | None = None,
+    ) -> None:
         super().__init__(registry, "sessions", follow)
         self.sessions = sessions
         self.cache_dir = Path(cache_dir)
@@ -90,8 +100,10 @@ class SessionFollower(AliasFollower):
             shutil.rmtree(dest, ignore_errors=True)  # held in memory from here on
         made_with = saved.tokenizer_sha256
         if made_with and self.target_tokenizer_sha256 and made_with != self.target_tokenizer_sha256:
-            raise SessionStoreError(f"sessions-{key} version {version.version} was built with tokenizer "
-                                    f"{made_with[:12]}; this target's is {self.target_tokenizer_sha256[:12]}")  # fmt: skip
+            raise SessionStoreError(
+                f"sessions-{key} version {version.version} was built with tokenizer "
+                f"{made_with[:12]}; this target's is {self.target_tokenizer_sha256[:12]}"
+            )
         return saved
 
     def install(self, key: str, version, obj: SavedSessions, load_s: float) -> None:
@@ -100,5 +112,12 @@ class SessionFollower(AliasFollower):
         self.seeds += 1
         SEEDS.labels(cluster_label(key)).inc()
         VERSION.labels(cluster_label(key)).set(float(version.version) if str(version.version).isdigit() else 0)
-        log.info("past sessions %s: seeded from version %s (%d of %d outputs, %d tokens; loaded in %.2fs)", key,
-                 version.version, kept, len(obj.docs), obj.num_tokens, load_s)  # fmt: skip
+        log.info(
+            "past sessions %s: seeded from version %s (%d of %d outputs, %d tokens; loaded in %.2fs)",
+            key,
+            version.version,
+            kept,
+            len(obj.docs),
+            obj.num_tokens,
+            load_s,
+        )

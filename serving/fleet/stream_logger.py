@@ -35,8 +35,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from specops.serving.engine.types import GenerationResult, SamplingParams
-from specops.streams import OutMessage, Producer, Stream, StreamConfig, Topics, open_stream
-from specops.streams import codec
+from specops.streams import OutMessage, Producer, Stream, StreamConfig, Topics, codec, open_stream
 from specops.streams.records import DIST_FULL, DIST_TOPK, ContextSpan, GenerationRecord, MissRecord, SamplingInfo
 
 log = logging.getLogger(__name__)
@@ -167,18 +166,40 @@ def build_records(
         spans = ()  # the default: all prompt
     context = {"artifact_versions": versions, "context_spans": spans}
     miss = MissRecord(
-        request_id=meta.request_id, cluster=meta.cluster, method=stats.method, draft_model=meta.draft_model,
-        draft_version=meta.draft_version, sampling=sampling, token_ids=tokens, num_prompt_tokens=len(prompt_ids),
-        vocab_size=vocab_size, positions=positions, drafted_tokens=drafted, dist_kind=kind, logprobs=logprobs,
-        topk_ids=topk_ids, residual=residual, num_drafted=stats.num_drafted, num_accepted=stats.num_accepted,
-        timestamp=now, **context,
-    )  # fmt: skip
+        request_id=meta.request_id,
+        cluster=meta.cluster,
+        method=stats.method,
+        draft_model=meta.draft_model,
+        draft_version=meta.draft_version,
+        sampling=sampling,
+        token_ids=tokens,
+        num_prompt_tokens=len(prompt_ids),
+        vocab_size=vocab_size,
+        positions=positions,
+        drafted_tokens=drafted,
+        dist_kind=kind,
+        logprobs=logprobs,
+        topk_ids=topk_ids,
+        residual=residual,
+        num_drafted=stats.num_drafted,
+        num_accepted=stats.num_accepted,
+        timestamp=now,
+        **context,
+    )
     gen = GenerationRecord(
-        request_id=meta.request_id, cluster=meta.cluster, method=stats.method, draft_model=meta.draft_model,
-        draft_version=meta.draft_version, prompt_ids=tokens[: len(prompt_ids)].copy(),
-        output_ids=tokens[len(prompt_ids) :].copy(), vocab_size=vocab_size, finish_reason=stats.finish_reason,
-        timestamp=now, policy=dict(stats.policy), **context,
-    )  # fmt: skip
+        request_id=meta.request_id,
+        cluster=meta.cluster,
+        method=stats.method,
+        draft_model=meta.draft_model,
+        draft_version=meta.draft_version,
+        prompt_ids=tokens[: len(prompt_ids)].copy(),
+        output_ids=tokens[len(prompt_ids) :].copy(),
+        vocab_size=vocab_size,
+        finish_reason=stats.finish_reason,
+        timestamp=now,
+        policy=dict(stats.policy),
+        **context,
+    )
     return miss, gen
 
 
@@ -215,8 +236,9 @@ class StreamLogger:
             self._thread.start()
 
     # ------------------------------------------------------------ request side
-    def log(self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams,
-            meta: RequestMeta | None = None) -> bool:  # fmt: skip
+    def log(
+        self, prompt_ids: list[int], result: GenerationResult, params: SamplingParams, meta: RequestMeta | None = None
+    ) -> bool:
         """Queue the records of one finished request; returns whether it was queued
         (``meta`` names it; None: an unnamed request, as a bare engine's are).
 
@@ -231,9 +253,15 @@ class StreamLogger:
             return False
         try:
             miss, gen = build_records(
-                prompt_ids, result, params, meta, vocab_size=self.vocab_size, topk=self.cfg.topk,
-                full_distribution=self.cfg.full_distribution, logprob_dtype=self.cfg.logprob_dtype,
-            )  # fmt: skip
+                prompt_ids,
+                result,
+                params,
+                meta,
+                vocab_size=self.vocab_size,
+                topk=self.cfg.topk,
+                full_distribution=self.cfg.full_distribution,
+                logprob_dtype=self.cfg.logprob_dtype,
+            )
         except Exception:  # noqa: BLE001 - logging must never fail a request
             log.exception("could not build stream records for request %s; dropped", meta.request_id)
             self._count_drop("build_error", 2)
@@ -324,7 +352,11 @@ class StreamLogger:
                 delay = min(delay * 2, self.cfg.retry_max_s)
                 continue
             if failures:
-                log.warning("stream is back after %d failed attempt(s); %d record(s) dropped so far", failures, self.stats.num_dropped)
+                log.warning(
+                    "stream is back after %d failed attempt(s); %d record(s) dropped so far",
+                    failures,
+                    self.stats.num_dropped,
+                )
             failures, delay = 0, self.cfg.retry_initial_s
             with self._cond:
                 self._busy = False

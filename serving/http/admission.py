@@ -28,8 +28,11 @@ from specops.core.errors import OverloadedError, QueueTimeoutError
 RUNNING = Gauge("specops_admission_running", "Requests decoding now")
 WAITING = Gauge("specops_admission_queue_depth", "Requests waiting for a decode worker")
 REJECTED = Counter("specops_admission_rejected_total", "Requests refused by admission", ["reason"])
-WAIT_S = Histogram("specops_admission_wait_seconds", "Time requests waited for a worker",
-                   buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
+WAIT_S = Histogram(
+    "specops_admission_wait_seconds",
+    "Time requests waited for a worker",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 
 
 @dataclass(frozen=True)

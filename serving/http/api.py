@@ -55,21 +55,25 @@ from specops.core.errors import (
     clip,
     echo,
     http_status,
-)  # fmt: skip
-from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
-from specops.serving.proposers.catalogue import CATALOGUE
+)
 from specops.core.models import render_chat
 from specops.serving.http.errors import error_body
 from specops.serving.http.read_timeouts import BodyDeadline
 from specops.serving.http.request_json import parse as parse_json
+from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
 from specops.serving.http.server import ClientGone, Job, ServingState
 from specops.serving.http.tenancy import ANONYMOUS, Tenant, Tenants
+from specops.serving.proposers.catalogue import CATALOGUE
 
 log = logging.getLogger(__name__)
 
 API_REQUESTS = Counter("specops_api_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
-API_SECONDS = Histogram("specops_api_request_seconds", "HTTP request time (to the last byte for streams)",
-                        ["endpoint"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
+API_SECONDS = Histogram(
+    "specops_api_request_seconds",
+    "HTTP request time (to the last byte for streams)",
+    ["endpoint"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
+)
 
 OPEN_PATHS = ("/healthz", "/readyz")
 POLICY_WAIT_S = 1.0
@@ -102,8 +106,14 @@ def create_app(state: ServingState) -> FastAPI:
         yield
         await asyncio.to_thread(state.close)
 
-    app = FastAPI(title="specops", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None,
-                  description="OpenAI-compatible completions with speculative decoding by drafts that learn online.")  # fmt: skip
+    app = FastAPI(
+        title="specops",
+        version="1",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+        description="OpenAI-compatible completions with speculative decoding by drafts that learn online.",
+    )
     app.state.serving = state
     tenants = Tenants.from_config(cfg)
 
@@ -117,14 +127,16 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(request: Request, exc: ClientDisconnect):
-        client = "%s:%d" % tuple(request.client) if request.client else "a client"
+        client = "{}:{}".format(*request.client) if request.client else "a client"
         log.info("%s went away while sending the body of %s %s", client, request.method, clip(request.url.path))
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request", for the metrics
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):  # uvicorn still logs the traceback: it is a bug
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}; the server log has the details",
-                                       "internal"), status_code=500)  # fmt: skip
+        return JSONResponse(
+            error_body(500, f"internal error: {type(exc).__name__}; the server log has the details", "internal"),
+            status_code=500,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -136,8 +148,9 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, exc):
-        return JSONResponse(error_body(405, f"{request.method} is not allowed on {clip(request.url.path)}",
-                                       "method_not_allowed"), 405)  # fmt: skip
+        return JSONResponse(
+            error_body(405, f"{request.method} is not allowed on {clip(request.url.path)}", "method_not_allowed"), 405
+        )
 
     # ------------------------------------------------------------ probes and metrics
     @app.get("/healthz")
@@ -165,15 +178,18 @@ def create_app(state: ServingState) -> FastAPI:
     async def clusters(request: Request):
         tenant = _tenant(request)
         if not (tenant.may_route or tenant.admin):
-            raise ForbiddenError("GET /v1/clusters is for tenants that may send `cluster` (the server's "
-                                 "route_tenants) or admin tenants")  # fmt: skip
+            raise ForbiddenError(
+                "GET /v1/clusters is for tenants that may send `cluster` (the server's route_tenants) or admin tenants"
+            )
         _ensure_ready(state)
         return state.clusters()
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "specops"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "specops"}],
+        }
 
     # ------------------------------------------------------------ completions
     @app.post("/v1/completions")
@@ -347,8 +363,9 @@ async def _cancel_on_disconnect(request: Request, future, job: Job, every_s: flo
         await asyncio.sleep(every_s)
 
 
-async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: str | None = None,
-                 request: Request | None = None):
+async def _serve(
+    state: ServingState, req, prompt, *, chat: bool, request_id: str | None = None, request: Request | None = None
+):
     cfg = state.cfg
     _ensure_ready(state)
     if req.model != cfg.served_model_name:
@@ -373,23 +390,40 @@ async def _serve(state: ServingState, req, prompt, *, chat: bool, request_id: st
         finally:
             if watch is not None:
                 watch.cancel()
-        return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat),
-                            headers={"X-Request-Id": job.request_id})
+        return JSONResponse(
+            _response(cfg.served_model_name, job, served, chat=chat), headers={"X-Request-Id": job.request_id}
+        )
     queue: asyncio.Queue = asyncio.Queue()
     job.on_delta = lambda text: loop.call_soon_threadsafe(queue.put_nowait, text)
     future = loop.run_in_executor(state.executor, state.run, job)
     future.add_done_callback(lambda _: queue.put_nowait(None))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     deadline = loop.time() + cfg.request_timeout_s + TIMEOUT_GRACE_S
-    return StreamingResponse(_sse(cfg.served_model_name, job, future, queue, chat=chat, include_usage=include_usage,
-                                  deadline=(deadline, lambda: state.abandon(job))),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      "X-Request-Id": job.request_id})  # fmt: skip
+    return StreamingResponse(
+        _sse(
+            cfg.served_model_name,
+            job,
+            future,
+            queue,
+            chat=chat,
+            include_usage=include_usage,
+            deadline=(deadline, lambda: state.abandon(job)),
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
+    )
 
 
-async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool, include_usage: bool,
-               deadline: tuple[float, Callable[[], SpecOpsError]] | None = None) -> AsyncIterator[str]:
+async def _sse(
+    model: str,
+    job: Job,
+    future,
+    queue: asyncio.Queue,
+    *,
+    chat: bool,
+    include_usage: bool,
+    deadline: tuple[float, Callable[[], SpecOpsError]] | None = None,
+) -> AsyncIterator[str]:
     """The stream of one request. ``deadline``: the event loop's time at which a decode that has not
     ended is abandoned, and what abandons it (the error the stream then ends with)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -432,8 +466,9 @@ async def _sse(model: str, job: Job, future, queue: asyncio.Queue, *, chat: bool
             yield f"data: {json.dumps(error_body(500, f'internal error: {type(err).__name__}', 'internal'))}\n\n"
             return
         body = _response(model, job, served, chat=chat)
-        yield chunk([choice(None if chat else "", body["choices"][0]["finish_reason"])],
-                    speculation=body["speculation"])  # fmt: skip
+        yield chunk(
+            [choice(None if chat else "", body["choices"][0]["finish_reason"])], speculation=body["speculation"]
+        )
         if include_usage:
             yield chunk([], usage=body["usage"])
         yield "data: [DONE]\n\n"
@@ -453,23 +488,32 @@ def _settle(future) -> None:
 def _response(model: str, job: Job, served, *, chat: bool) -> dict:
     plan, st = job.plan, served.result.stats
     finish = "stop" if job.stopped else FINISH.get(st.finish_reason, st.finish_reason)
-    usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": st.num_generated,
-             "total_tokens": len(plan.prompt_ids) + st.num_generated}  # fmt: skip
+    usage = {
+        "prompt_tokens": len(plan.prompt_ids),
+        "completion_tokens": st.num_generated,
+        "total_tokens": len(plan.prompt_ids) + st.num_generated,
+    }
     # the artifacts of the method, or of the methods it decoded with (auto's steps)
     artifacts = {CATALOGUE[m].artifact for m in plan.spec.split(st) if m in CATALOGUE}
     speculation = {
-        "method": st.method, "k": plan.k, "cluster": plan.cluster, "cluster_source": plan.cluster_source,
+        "method": st.method,
+        "k": plan.k,
+        "cluster": plan.cluster,
+        "cluster_source": plan.cluster_source,
         "router_version": plan.router_version or None,
         "draft_model": served.draft_model if "draft" in artifacts else None,
         "draft_version": served.draft_version if "draft" in artifacts else None,
         "datastore_version": served.versions.get("datastore") if "datastore" in artifacts else None,
         "n_drafts": served.n_drafts or None,  # the rows drafted: asked for, or the datastore's measured shape
         "drafted": st.num_drafted,
-        "accepted": st.num_accepted, "acceptance_rate": round(st.acceptance_rate, 4),
-        "rejected_steps": st.num_rejected_steps, "alpha_token": round(st.alpha_token, 4),
-        "target_forwards": st.num_target_forwards, "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
+        "accepted": st.num_accepted,
+        "acceptance_rate": round(st.acceptance_rate, 4),
+        "rejected_steps": st.num_rejected_steps,
+        "alpha_token": round(st.alpha_token, 4),
+        "target_forwards": st.num_target_forwards,
+        "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
-    }  # fmt: skip
+    }
     block = plan.spec.stats_block(st)  # the method's own: LLMA's copies, auto's choices
     if block:
         speculation[plan.spec.name] = block
@@ -478,14 +522,25 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
     if served.retrieval is not None and "knnlm" in served.versions:
         speculation["knnlm_version"] = served.versions.get("knnlm")
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": job.text}, "logprobs": None,
-                  "finish_reason": finish}  # fmt: skip
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": job.text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         obj, rid = "chat.completion", "chatcmpl-" + job.request_id
     else:
         choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": finish}
         obj, rid = "text_completion", "cmpl-" + job.request_id
-    body = {"id": rid, "object": obj, "created": job.created, "model": model, "choices": [choice], "usage": usage,
-            "speculation": speculation}  # fmt: skip
+    body = {
+        "id": rid,
+        "object": obj,
+        "created": job.created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+        "speculation": speculation,
+    }
     if served.retrieval is not None:
         body["knnlm" if "knnlm" in served.versions else "retrieval"] = served.retrieval
     return body

@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specops.serving.proposers.catalogue import CATALOGUE, describe, methods
 from specops.core.device import DEVICE_PATTERN
 from specops.core.errors import ModelConfigError
 from specops.serving.http.tenancy import check_config as check_tenants
+from specops.serving.proposers.catalogue import CATALOGUE, describe, methods
 
 ENV_PREFIX = "SPECOPS_SERVE_"
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -37,103 +37,188 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # ---- where things are
-    model_dir: str = Field("", description="bootstrap-style directory holding target/ and draft/ "
-                           "(default: the data directory's models/)")  # fmt: skip
+    model_dir: str = Field(
+        "", description="bootstrap-style directory holding target/ and draft/ (default: the data directory's models/)"
+    )
     target: str = Field("", description="target model directory (overrides <model_dir>/target)")
-    draft: str = Field("", description="base draft directory every new cluster starts from (overrides <model_dir>/draft)")
+    draft: str = Field(
+        "", description="base draft directory every new cluster starts from (overrides <model_dir>/draft)"
+    )
     draft_dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16", description="precision the drafts run in (the target's --dtype decides the outputs, not this): "
-        "bfloat16 halves a draft token's weight reads; float16 needs a GPU")  # fmt: skip
+        "bfloat16",
+        description="precision the drafts run in (the target's --dtype decides the outputs, not this): "
+        "bfloat16 halves a draft token's weight reads; float16 needs a GPU",
+    )
     device: str = Field("cpu", description="where the target and drafts run: cpu, cuda (the current GPU) or cuda:N")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="precision the target runs in; outputs are the target's in this precision "
-        "(float32 on a CPU; bfloat16 or float16 on a GPU)")  # fmt: skip
+        "float32",
+        description="precision the target runs in; outputs are the target's in this precision "
+        "(float32 on a CPU; bfloat16 or float16 on a GPU)",
+    )
     served_model_name: str = Field("specops", description="model id clients send as `model` and /v1/models lists")
-    stream: str = Field("default", description="stream the requests are logged to: local://DIR, kafka://HOST:PORT, "
-                        "'default' ($SPECOPS_STREAM_URL, else the local log under the data directory) or 'none'")  # fmt: skip
-    registry: str = Field("default", description="registry the drafts and the router follow: sqlite:////abs/mlflow.db, "
-                          "postgresql://..., http://host:port, 'default' ($SPECOPS_REGISTRY_URI, else SQLite under the "
-                          "data directory) or 'none' (serve the base draft only)")  # fmt: skip
-    replica: str = Field("", description="this replica's name: its own event consumer group and cache directory "
-                         "(default: <hostname>-<port>)")  # fmt: skip
-    cache_dir: str = Field("", description="where fetched drafts and routers are kept (default: <data>/serve/<replica>)")
+    stream: str = Field(
+        "default",
+        description="stream the requests are logged to: local://DIR, kafka://HOST:PORT, "
+        "'default' ($SPECOPS_STREAM_URL, else the local log under the data directory) or 'none'",
+    )
+    registry: str = Field(
+        "default",
+        description="registry the drafts and the router follow: sqlite:////abs/mlflow.db, "
+        "postgresql://..., http://host:port, 'default' ($SPECOPS_REGISTRY_URI, else SQLite under the "
+        "data directory) or 'none' (serve the base draft only)",
+    )
+    replica: str = Field(
+        "",
+        description="this replica's name: its own event consumer group and cache directory "
+        "(default: <hostname>-<port>)",
+    )
+    cache_dir: str = Field(
+        "", description="where fetched drafts and routers are kept (default: <data>/serve/<replica>)"
+    )
 
     # ---- network
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 = any free port)")
-    api_keys: list[str] = Field(default_factory=list, description="bearer keys accepted on /v1/* (none = no auth), "
-                                "each KEY or NAME:KEY (NAME: the key's tenant; unnamed: a hash of the key); also "
-                                "$SPECOPS_API_KEYS, comma-separated")  # fmt: skip
-    route_tenants: list[str] = Field(default_factory=lambda: ["*"], description="tenants (api_keys NAMEs, or "
-                                     "key-<hash>) whose requests may send `cluster` instead of being routed; '*' = "
-                                     "every tenant, empty = none (403 naming `cluster`)")  # fmt: skip
-    admin_tenants: list[str] = Field(default_factory=list, description="tenants that may read GET /v1/policy (the "
-                                     "auto policy's state of every cluster); '*' = every tenant (without api_keys "
-                                     "everyone is admin)")  # fmt: skip
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="bearer keys accepted on /v1/* (none = no auth), "
+        "each KEY or NAME:KEY (NAME: the key's tenant; unnamed: a hash of the key); also "
+        "$SPECOPS_API_KEYS, comma-separated",
+    )
+    route_tenants: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="tenants (api_keys NAMEs, or "
+        "key-<hash>) whose requests may send `cluster` instead of being routed; '*' = "
+        "every tenant, empty = none (403 naming `cluster`)",
+    )
+    admin_tenants: list[str] = Field(
+        default_factory=list,
+        description="tenants that may read GET /v1/policy (the "
+        "auto policy's state of every cluster); '*' = every tenant (without api_keys "
+        "everyone is admin)",
+    )
     auth_metrics: bool = Field(False, description="also require a key on /metrics")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 above)")
-    header_timeout_s: float = Field(30.0, gt=0, description="longest a connection may take to send a request's "
-                                    "headers, from connecting or from the request's first byte (408, then "
-                                    "closed)")  # fmt: skip
-    body_timeout_s: float = Field(30.0, gt=0, description="longest a request's body may take to arrive after its "
-                                  "headers (408, then closed)")  # fmt: skip
-    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this "
-                                        "many seconds")  # fmt: skip
+    header_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest a connection may take to send a request's "
+        "headers, from connecting or from the request's first byte (408, then "
+        "closed)",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="longest a request's body may take to arrive after its headers (408, then closed)"
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="an idle kept-alive connection is closed after this many seconds"
+    )
 
     # ---- request limits
-    max_prompt_tokens: int = Field(2048, ge=1, description="longest prompt accepted, in tokens (also capped by the "
-                                   "target's context)")  # fmt: skip
+    max_prompt_tokens: int = Field(
+        2048, ge=1, description="longest prompt accepted, in tokens (also capped by the target's context)"
+    )
     max_tokens_limit: int = Field(1024, ge=1, description="largest `max_tokens` a request may ask for")
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request does not say")
-    max_k: int = Field(16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for")
-    max_n_drafts: int = Field(16, ge=1, le=64, description="largest `speculation.n_drafts` (rows per step, dresd) a request may ask for")
-    session_cache_tokens: int = Field(65536, ge=0, description="tokens of past outputs kept per cluster as LLMA's "
-                                      "cache-assisted copy source (0 = off)")  # fmt: skip
+    max_k: int = Field(
+        16, ge=1, le=64, description="largest `speculation.k` (tokens drafted per step) a request may ask for"
+    )
+    max_n_drafts: int = Field(
+        16, ge=1, le=64, description="largest `speculation.n_drafts` (rows per step, dresd) a request may ask for"
+    )
+    session_cache_tokens: int = Field(
+        65536,
+        ge=0,
+        description="tokens of past outputs kept per cluster as LLMA's cache-assisted copy source (0 = off)",
+    )
     session_sharing: Literal["tenant", "shared"] = Field(
-        "tenant", description="whose past outputs an LLMA request copies from: 'tenant' (its own tenant's, per "
+        "tenant",
+        description="whose past outputs an LLMA request copies from: 'tenant' (its own tenant's, per "
         "cluster) or 'shared' (every tenant's of the cluster, and seeded from the registry's sessions-<cluster>: "
-        "a key can then test guesses of another key's outputs, see docs/api.md#tenancy-and-isolation)")  # fmt: skip
+        "a key can then test guesses of another key's outputs, see docs/api.md#tenancy-and-isolation)",
+    )
     max_references: int = Field(32, ge=0, le=1024, description="most `references` texts (LLMA) a request may send")
-    max_reference_tokens: int = Field(32768, ge=0, description="most tokens a request's `references` (and, for LLMA "
-                                      "in chat, its earlier turns) may hold together")  # fmt: skip
-    kb_dirs: list[str] = Field(default_factory=list, description="knowledge-base directories (`specops kb build "
-                               "--out`) served by their names before the registry's `kb-<name>@champion`")  # fmt: skip
-    knnlm_dirs: list[str] = Field(default_factory=list, description="kNN-LM datastore directories (`specops knnlm "
-                                  "build --out`) served by their folder names before the registry's "
-                                  "`knnlm-<name>@champion`")  # fmt: skip
-    datastore_dir: str = Field("", description="fallback DReSD datastore for clusters with no `datastore-<cluster>@champion` yet (`specops datastore build`); empty: none")
-    default_method: str = Field("draft", json_schema_extra=lambda schema: schema.update(enum=list(methods())),
-                                description="decoding when a request does not say, one of the method catalogue's")
-    auto_priors: str = Field("", description="JSON priors of the `auto` policy (`specops policy fit --out`): "
-                             "acceptance per cluster and method, measured costs; empty: start from calibration")
-    auto_calibrate: bool = Field(True, description="measure the target's verify cost and the draft's step at load, "
-                                 "as the `auto` policy's cost priors (about a second)")  # fmt: skip
-    auto_max_k: int = Field(16, ge=1, le=64, description="longest draft `auto` may choose (copies; a draft model's "
-                            "chain stops at 8)")  # fmt: skip
+    max_reference_tokens: int = Field(
+        32768,
+        ge=0,
+        description="most tokens a request's `references` (and, for LLMA in chat, its earlier turns) may hold together",
+    )
+    kb_dirs: list[str] = Field(
+        default_factory=list,
+        description="knowledge-base directories (`specops kb build "
+        "--out`) served by their names before the registry's `kb-<name>@champion`",
+    )
+    knnlm_dirs: list[str] = Field(
+        default_factory=list,
+        description="kNN-LM datastore directories (`specops knnlm "
+        "build --out`) served by their folder names before the registry's "
+        "`knnlm-<name>@champion`",
+    )
+    datastore_dir: str = Field(
+        "",
+        description="fallback DReSD datastore for clusters with no `datastore-<cluster>@champion` yet (`specops datastore build`); empty: none",
+    )
+    default_method: str = Field(
+        "draft",
+        json_schema_extra=lambda schema: schema.update(enum=list(methods())),
+        description="decoding when a request does not say, one of the method catalogue's",
+    )
+    auto_priors: str = Field(
+        "",
+        description="JSON priors of the `auto` policy (`specops policy fit --out`): "
+        "acceptance per cluster and method, measured costs; empty: start from calibration",
+    )
+    auto_calibrate: bool = Field(
+        True,
+        description="measure the target's verify cost and the draft's step at load, "
+        "as the `auto` policy's cost priors (about a second)",
+    )
+    auto_max_k: int = Field(
+        16, ge=1, le=64, description="longest draft `auto` may choose (copies; a draft model's chain stops at 8)"
+    )
 
     # ---- concurrency
     max_concurrency: int = Field(2, ge=1, le=256, description="requests decoded at once (decode worker threads)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a worker; beyond it requests get 429 at once")
-    batch_max_size: int = Field(8, ge=1, le=64, description="most concurrent requests sharing one target forward "
-                                "pass (1 = no cross-request batching)")  # fmt: skip
-    batch_window_ms: float = Field(2.0, ge=0, le=100, description="how long a target step waits for other requests' "
-                                   "steps to batch with (only while other requests are decoding)")  # fmt: skip
+    batch_max_size: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="most concurrent requests sharing one target forward pass (1 = no cross-request batching)",
+    )
+    batch_window_ms: float = Field(
+        2.0,
+        ge=0,
+        le=100,
+        description="how long a target step waits for other requests' "
+        "steps to batch with (only while other requests are decoding)",
+    )
     queue_timeout_s: float = Field(60.0, gt=0, description="longest a request waits for a worker before a 503")
     request_timeout_s: float = Field(600.0, gt=0, description="longest one request may decode before it is stopped")
-    load_signal: str = Field("", description="write {'load', 'time'} JSON here every second (the trainer's "
-                             "--load-signal: it skips work while serving is busy)")  # fmt: skip
+    load_signal: str = Field(
+        "",
+        description="write {'load', 'time'} JSON here every second (the trainer's "
+        "--load-signal: it skips work while serving is busy)",
+    )
 
     # ---- routing and hot-swap
     router: Literal["registry", "none"] = Field(
-        "registry", description="how requests without `cluster` are routed: 'registry' (follow the registered "
-        "router's champion; until one exists they go to default_cluster) or 'none'")  # fmt: skip
+        "registry",
+        description="how requests without `cluster` are routed: 'registry' (follow the registered "
+        "router's champion; until one exists they go to default_cluster) or 'none'",
+    )
     default_cluster: str = Field("default", description="cluster of requests without `cluster` when no router decides")
-    clusters: list[str] = Field(default_factory=list, description="clusters a request may name in `cluster`, besides "
-                                "default_cluster, the router's clusters and those with a registered champion draft "
-                                "(any other name: 400 naming `cluster`)")  # fmt: skip
-    poll_s: float = Field(10.0, gt=0, description="seconds between registry polls for new champions (events are instant)")
-    auto_rollback: bool = Field(True, description="roll a new champion back when its live acceptance falls below "
-                                "its predecessor's")  # fmt: skip
+    clusters: list[str] = Field(
+        default_factory=list,
+        description="clusters a request may name in `cluster`, besides "
+        "default_cluster, the router's clusters and those with a registered champion draft "
+        "(any other name: 400 naming `cluster`)",
+    )
+    poll_s: float = Field(
+        10.0, gt=0, description="seconds between registry polls for new champions (events are instant)"
+    )
+    auto_rollback: bool = Field(
+        True, description="roll a new champion back when its live acceptance falls below its predecessor's"
+    )
     rollback_min_requests: int = Field(200, ge=1, description="requests a champion serves before it is judged")
     rollback_margin: float = Field(0.05, ge=0, description="live acceptance drop that triggers a rollback")
     live_report_every: int = Field(50, ge=1, description="requests between live-acceptance reports to the registry")
@@ -159,8 +244,9 @@ class ServeConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_limit "
-                             f"({self.max_tokens_limit})")  # fmt: skip
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) is above max_tokens_limit ({self.max_tokens_limit})"
+            )
         check_tenants(self.api_keys, self.route_tenants, self.admin_tenants)
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device {self.device!r} is not a device: say cpu, cuda or cuda:N")
@@ -168,8 +254,10 @@ class ServeConfig(BaseModel):
             raise ValueError("float16 needs a GPU: on a CPU use bfloat16 (or float32)")
         bad = [c for c in (self.default_cluster, *self.clusters) if not CLUSTER_NAME.match(c)]
         if bad:
-            raise ValueError(f"cluster names are letters, digits and _.- (at most 64, a letter or digit first): "
-                             f"{', '.join(map(repr, bad[:5]))} is not one")  # fmt: skip
+            raise ValueError(
+                f"cluster names are letters, digits and _.- (at most 64, a letter or digit first): "
+                f"{', '.join(map(repr, bad[:5]))} is not one"
+            )
         return self
 
     # ------------------------------------------------------------ derived
@@ -186,8 +274,13 @@ class ServeConfig(BaseModel):
 
     # ------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str | Path | None = None, *, env: dict[str, str] | None = None,
-             overrides: dict[str, Any] | None = None) -> ServeConfig:  # fmt: skip
+    def load(
+        cls,
+        path: str | Path | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> ServeConfig:
         """Defaults, then the TOML file, then ``SPECOPS_SERVE_*`` variables, then ``overrides``."""
         values: dict[str, Any] = {}
         if path:
@@ -226,8 +319,9 @@ def add_arguments(parser) -> None:
         help_text = f"{described}{shown}".replace("%", "%%")
         if info.annotation is bool:
             parser.add_argument(flag, default=None, action="store_true", help=help_text)
-            parser.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false", default=None,
-                                help=argparse.SUPPRESS)  # fmt: skip
+            parser.add_argument(
+                "--no-" + name.replace("_", "-"), dest=name, action="store_false", default=None, help=argparse.SUPPRESS
+            )
         elif name == "api_keys":
             parser.add_argument(flag, default=None, metavar="KEY[,KEY]", help=help_text)
         elif name in ("route_tenants", "admin_tenants"):

@@ -60,8 +60,10 @@ class BodyDeadline:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                raise ReadTimeoutError(f"the request body did not arrive within {self.timeout_s:g}s of its headers; "
-                                       "send the whole body at once") from None  # fmt: skip
+                raise ReadTimeoutError(
+                    f"the request body did not arrive within {self.timeout_s:g}s of its headers; "
+                    "send the whole body at once"
+                ) from None
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
@@ -124,22 +126,30 @@ class GuardedH11Protocol(H11Protocol):
         partial = phase == "headers" and bool(self.conn.trailing_data[0])
         if partial:
             self.transport.write(_response_408(f"the request headers did not arrive within {timeout:g}s"))
-        client = "%s:%d" % self.client if self.client else "a client"
-        log.info("closed the connection from %s: %s within %gs", client,
-                 "no complete request headers" if phase == "headers" else "the rest of an unread body not sent",
-                 timeout)  # fmt: skip
+        client = "{}:{}".format(*self.client) if self.client else "a client"
+        log.info(
+            "closed the connection from %s: %s within %gs",
+            client,
+            "no complete request headers" if phase == "headers" else "the rest of an unread body not sent",
+            timeout,
+        )
         self.transport.close()
 
 
 def guarded_h11(header_timeout_s: float, body_timeout_s: float) -> type[GuardedH11Protocol]:
     """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) with these timeouts."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})  # fmt: skip
+    return type(
+        "GuardedH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+    )
 
 
 def _response_408(message: str) -> bytes:
     """A whole 408 response, written before h11 saw a request (h11 cannot frame a response to none)."""
     body = json.dumps(error_body(408, message, ReadTimeoutError.code)).encode()
-    head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n" % len(body))  # fmt: skip
+    head = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    )
     return head + body

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
-from specops.serving.proposers.catalogue import CATALOGUE, methods
 from specops.core.errors import UnsupportedParameterError
+from specops.serving.proposers.catalogue import CATALOGUE, methods
 
 
 def _choices() -> str:
@@ -174,7 +174,9 @@ class _Common(BaseModel):
         if self.presence_penalty or self.frequency_penalty:
             raise UnsupportedParameterError(
                 "presence_penalty / frequency_penalty are not supported: penalties change the target distribution "
-                "the output is guaranteed to follow", "presence_penalty")  # fmt: skip
+                "the output is guaranteed to follow",
+                "presence_penalty",
+            )
         if self.logit_bias:
             raise UnsupportedParameterError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -255,8 +257,11 @@ class ChatCompletionRequest(_Common):
     def _tokens(self) -> ChatCompletionRequest:
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise FieldValueError("max_completion_tokens", f"{self.max_completion_tokens} disagrees with max_tokens "
-                                      f"({self.max_tokens}); send one of them (max_tokens is its deprecated name)")  # fmt: skip
+                raise FieldValueError(
+                    "max_completion_tokens",
+                    f"{self.max_completion_tokens} disagrees with max_tokens "
+                    f"({self.max_tokens}); send one of them (max_tokens is its deprecated name)",
+                )
             self.max_tokens = self.max_completion_tokens
         return self
 

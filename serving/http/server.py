@@ -26,8 +26,13 @@ from pathlib import Path
 
 from specops.core import limits
 from specops.core.clusters import cluster_label
-from specops.core.errors import (ForbiddenError, InvalidRequestError, PromptTooLongError, RequestTimeoutError,
-                                 RequestTooLargeError)  # fmt: skip
+from specops.core.errors import (
+    ForbiddenError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+)
 from specops.serving.engine.types import SamplingParams
 from specops.serving.http.admission import Admission
 from specops.serving.http.config import ServeConfig
@@ -72,13 +77,27 @@ class Job:
 class ServingState(Replica):
     """One replica behind the API. ``start_loading`` returns at once; ``ready`` tells when done."""
 
-    def __init__(self, cfg: ServeConfig, *, target_dir: Path, draft_dir: Path, cache_dir: Path,
-                 registry_factory: Callable[[], object | None] = lambda: None, stream_cfg=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        *,
+        target_dir: Path,
+        draft_dir: Path,
+        cache_dir: Path,
+        registry_factory: Callable[[], object | None] = lambda: None,
+        stream_cfg=None,
+    ) -> None:
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
         self.executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="decode")
-        super().__init__(cfg, target_dir=target_dir, draft_dir=draft_dir, cache_dir=cache_dir,
-                         registry_factory=registry_factory, stream_cfg=stream_cfg,
-                         load_snapshot=self.admission.snapshot)  # fmt: skip
+        super().__init__(
+            cfg,
+            target_dir=target_dir,
+            draft_dir=draft_dir,
+            cache_dir=cache_dir,
+            registry_factory=registry_factory,
+            stream_cfg=stream_cfg,
+            load_snapshot=self.admission.snapshot,
+        )
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking work, finish what runs, flush the stream (accepted records are not lost)."""
@@ -90,15 +109,27 @@ class ServingState(Replica):
     def status(self) -> dict:
         """``/readyz``'s body: readiness and load, no cluster names (the probe needs no key)."""
         snap = self.admission.snapshot()
-        out = {"ready": self.ready.is_set(), "step": self.loading_step, "running": snap.running,
-               "waiting": snap.waiting, "load": round(snap.load, 3)}  # fmt: skip
+        out = {
+            "ready": self.ready.is_set(),
+            "step": self.loading_step,
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "load": round(snap.load, 3),
+        }
         if self.load_error:
             out["error"] = self.load_error
         return out
 
     # ------------------------------------------------------------ 1. the plan
-    def plan(self, prompt: str | list[int], req, *, chat: bool = False, tenant: Tenant = ANONYMOUS,
-             request_id: str | None = None) -> DecodePlan:
+    def plan(
+        self,
+        prompt: str | list[int],
+        req,
+        *,
+        chat: bool = False,
+        tenant: Tenant = ANONYMOUS,
+        request_id: str | None = None,
+    ) -> DecodePlan:
         """Validate one request (``req``: the parsed ``serving.http.schema`` body; ``prompt``: its
         prompt, the rendered chat for chat) into its plan; raises the caller's 4xx errors.
         ``tenant``: who sent it (``serving.http.tenancy``; without keys, the one anonymous tenant)."""
@@ -108,38 +139,60 @@ class ServingState(Replica):
         n_drafts, llma_n = (sp.n_drafts, sp.n) if sp else (None, None)
         retrieval, knnlm, references, cluster = req.retrieval, req.knnlm, req.references, req.cluster
         # OpenAI's defaults: temperature 1, top_p 1 (send temperature=0 for greedy decoding)
-        params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=req.top_p if req.top_p is not None else 1.0,
-                                max_new_tokens=req.max_tokens or cfg.default_max_tokens, seed=req.seed)  # fmt: skip
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=req.top_p if req.top_p is not None else 1.0,
+            max_new_tokens=req.max_tokens or cfg.default_max_tokens,
+            seed=req.seed,
+        )
         if cluster is not None and not tenant.may_route:
-            raise ForbiddenError("this API key may not choose its cluster: leave `cluster` out and the router "
-                                 "decides (the server's route_tenants lists the tenants that may)", "cluster")  # fmt: skip
+            raise ForbiddenError(
+                "this API key may not choose its cluster: leave `cluster` out and the router "
+                "decides (the server's route_tenants lists the tenants that may)",
+                "cluster",
+            )
         ids, text = self._prompt_ids(prompt)
         if params.max_new_tokens > cfg.max_tokens_limit:
-            raise InvalidRequestError(f"max_tokens is {params.max_new_tokens}; this server allows at most "
-                                      f"{cfg.max_tokens_limit}", "max_tokens")  # fmt: skip
+            raise InvalidRequestError(
+                f"max_tokens is {params.max_new_tokens}; this server allows at most {cfg.max_tokens_limit}",
+                "max_tokens",
+            )
         if k is not None and k > cfg.max_k:
             raise InvalidRequestError(f"speculation.k is {k}; this server allows at most {cfg.max_k}", "speculation.k")
         if n_drafts is not None and n_drafts > cfg.max_n_drafts:
-            raise InvalidRequestError(f"speculation.n_drafts is {n_drafts}; this server allows at most "
-                                      f"{cfg.max_n_drafts}", "speculation.n_drafts")  # fmt: skip
+            raise InvalidRequestError(
+                f"speculation.n_drafts is {n_drafts}; this server allows at most {cfg.max_n_drafts}",
+                "speculation.n_drafts",
+            )
         if knnlm is not None:
-            _refuse_ignored("knnlm", "kNN-LM decodes with the target and its datastore alone and drafts nothing (its "
-                            "own speculation is knnlm.speculative and knnlm.speculation_stride; knnlm.k counts its "
-                            "neighbours)", method=method, k=k, n_drafts=n_drafts, llma_n=llma_n,
-                            references=references)  # fmt: skip
+            _refuse_ignored(
+                "knnlm",
+                "kNN-LM decodes with the target and its datastore alone and drafts nothing (its "
+                "own speculation is knnlm.speculative and knnlm.speculation_stride; knnlm.k counts its "
+                "neighbours)",
+                method=method,
+                k=k,
+                n_drafts=n_drafts,
+                llma_n=llma_n,
+                references=references,
+            )
             method = "target"
         elif retrieval is not None and retrieval.mode != "oneshot":
-            _refuse_ignored(f"retrieval.mode {retrieval.mode!r}", "the retrieval loop drafts one chain per step with "
-                            "the method's default settings (retrieval.mode 'oneshot' takes them)",
-                            n_drafts=n_drafts, llma_n=llma_n)  # fmt: skip
+            _refuse_ignored(
+                f"retrieval.mode {retrieval.mode!r}",
+                "the retrieval loop drafts one chain per step with "
+                "the method's default settings (retrieval.mode 'oneshot' takes them)",
+                n_drafts=n_drafts,
+                llma_n=llma_n,
+            )
         spec = method_spec(method or cfg.default_method)  # the one catalogue look-up of the request
         k = k or min(spec.default_k, cfg.max_k)  # a default never exceeds the server's cap
         turns = [m.text for m in req.messages[:-1]] if chat else None
         refs = self._references(references, turns if spec.copies_references else None, spec)
         if llma_n is not None and not spec.copies_references:
-            raise InvalidRequestError(f"speculation.n is LLMA's match length; method {spec.name!r} has none",
-                                      "speculation.n")  # fmt: skip
+            raise InvalidRequestError(
+                f"speculation.n is LLMA's match length; method {spec.name!r} has none", "speculation.n"
+            )
         source, router_version = "request", ""
         if cluster is not None:
             self.known_clusters.check(cluster)  # 400 naming `cluster` unless it exists
@@ -150,21 +203,45 @@ class ServingState(Replica):
                 decision = router.route(text if text is not None else tok.decode(ids))
                 cluster, source, router_version = decision.cluster, "router", decision.router_version
         datastores = self.datastores
-        check_resources(spec, ProposerResources(pair=self.pair, cluster=cluster, datastore=(
-            datastores.current(cluster).datastore if datastores is not None else None)))  # the one check  # fmt: skip
+        check_resources(
+            spec,
+            ProposerResources(
+                pair=self.pair,
+                cluster=cluster,
+                datastore=(datastores.current(cluster).datastore if datastores is not None else None),
+            ),
+        )  # the one check
         rag = self._retrieval(retrieval, spec)
         if rag is not None and rag.cfg.mode != "oneshot" and references:
-            raise InvalidRequestError(f"retrieval.mode {rag.cfg.mode!r} re-retrieves as it decodes and copies from its "
-                                      "passages through the context; references go with retrieval.mode 'oneshot' "
-                                      "or without retrieval", "references")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.mode {rag.cfg.mode!r} re-retrieves as it decodes and copies from its "
+                "passages through the context; references go with retrieval.mode 'oneshot' "
+                "or without retrieval",
+                "references",
+            )
         knn = self._knnlm(knnlm, retrieval)
         ROUTED.labels(cluster_label(cluster), source).inc()
         scope = tenant.id if cfg.session_sharing == "tenant" else ""  # "shared": the cluster's one scope
-        return DecodePlan(tuple(ids), params, spec, k=k, mode=mode_of(retrieval and retrieval.mode, knn is not None),
-                          cluster=cluster, cluster_source=source, router_version=router_version,
-                          n_drafts=n_drafts or 0, llma_min_n=llma_n or 1, references=refs, retrieval=rag, knnlm=knn,
-                          prompt_text=text or "", stop=tuple(req.stop or ()), tenant=tenant.id, session_scope=scope,
-                          **({"request_id": request_id} if request_id is not None else {}))  # fmt: skip
+        return DecodePlan(
+            tuple(ids),
+            params,
+            spec,
+            k=k,
+            mode=mode_of(retrieval and retrieval.mode, knn is not None),
+            cluster=cluster,
+            cluster_source=source,
+            router_version=router_version,
+            n_drafts=n_drafts or 0,
+            llma_min_n=llma_n or 1,
+            references=refs,
+            retrieval=rag,
+            knnlm=knn,
+            prompt_text=text or "",
+            stop=tuple(req.stop or ()),
+            tenant=tenant.id,
+            session_scope=scope,
+            **({"request_id": request_id} if request_id is not None else {}),
+        )
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """The prompt's token ids (and its text, when it came as text), within the server's limits."""
@@ -174,38 +251,42 @@ class ServingState(Replica):
             if not prompt:
                 raise InvalidRequestError("prompt is empty: give at least one character", "prompt")
             if len(prompt) > limit * 32:  # refuse before tokenizing megabytes
-                raise PromptTooLongError(f"prompt has {len(prompt)} characters; the limit is {limit} tokens",
-                                         "prompt")  # fmt: skip
+                raise PromptTooLongError(f"prompt has {len(prompt)} characters; the limit is {limit} tokens", "prompt")
             try:
                 ids = tok(prompt, add_special_tokens=False, verbose=False)["input_ids"]
             except (TypeError, ValueError) as exc:  # text the tokenizer refuses is the caller's to fix
-                raise InvalidRequestError(f"prompt cannot be tokenized ({type(exc).__name__}): send valid "
-                                          "Unicode text", "prompt") from None  # fmt: skip
+                raise InvalidRequestError(
+                    f"prompt cannot be tokenized ({type(exc).__name__}): send valid Unicode text", "prompt"
+                ) from None
             text = prompt
         else:
             ids, text = list(prompt), None
         if not ids and text is not None:
             raise InvalidRequestError("prompt tokenizes to nothing: give at least one token", "prompt")
-        limits.check_prompt(ids, vocab_size=self.pair.vocab_size, context=self.context_size,
-                            limit=cfg.max_prompt_tokens)  # fmt: skip
+        limits.check_prompt(
+            ids, vocab_size=self.pair.vocab_size, context=self.context_size, limit=cfg.max_prompt_tokens
+        )
         return ids, text
 
-
-    def _references(self, texts: list[str] | None, turns: list[str] | None,
-                    spec: MethodSpec) -> tuple[tuple[int, ...], ...]:  # fmt: skip
+    def _references(
+        self, texts: list[str] | None, turns: list[str] | None, spec: MethodSpec
+    ) -> tuple[tuple[int, ...], ...]:
         """The references to copy, tokenized: the request's texts, then the earlier chat turns
         (400 when the method does not copy, 413 beyond the server's limits, naming the field)."""
         cfg, tok = self.cfg, self.pair.tokenizer
         if texts and not spec.copies_references:
             copiers = " or ".join(repr(n) for n, s in CATALOGUE.items() if s.copies_references)
-            raise InvalidRequestError(f"references are copied by speculation.method {copiers} only; method "
-                                      f"{spec.name!r} ignores them: set speculation.method to {copiers}, or "
-                                      "leave references out",
-                                      "references")  # fmt: skip
+            raise InvalidRequestError(
+                f"references are copied by speculation.method {copiers} only; method "
+                f"{spec.name!r} ignores them: set speculation.method to {copiers}, or "
+                "leave references out",
+                "references",
+            )
         texts = list(texts or [])
         if len(texts) > cfg.max_references:
-            raise RequestTooLargeError(f"references has {len(texts)} texts; this server allows at most "
-                                       f"{cfg.max_references}", "references")  # fmt: skip
+            raise RequestTooLargeError(
+                f"references has {len(texts)} texts; this server allows at most {cfg.max_references}", "references"
+            )
         budget, out = cfg.max_reference_tokens, []
         for i, text in enumerate(texts + [t for t in (turns or []) if t]):
             where = f"references[{i}]" if i < len(texts) else "messages"
@@ -217,13 +298,17 @@ class ServingState(Replica):
                 try:
                     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
                 except (TypeError, ValueError) as exc:
-                    raise InvalidRequestError(f"{where} cannot be tokenized ({type(exc).__name__}): send valid "
-                                              "Unicode text", where) from None  # fmt: skip
+                    raise InvalidRequestError(
+                        f"{where} cannot be tokenized ({type(exc).__name__}): send valid Unicode text", where
+                    ) from None
             if ids is None or len(ids) > budget:
                 if i >= len(texts):
                     break  # earlier turns beyond the budget are not copied from; the request is still served
-                raise RequestTooLargeError(f"references hold more than {cfg.max_reference_tokens} tokens together "
-                                           f"(at {where}); send fewer or shorter texts", "references")  # fmt: skip
+                raise RequestTooLargeError(
+                    f"references hold more than {cfg.max_reference_tokens} tokens together "
+                    f"(at {where}); send fewer or shorter texts",
+                    "references",
+                )
             budget -= len(ids)
             out.append(tuple(ids))
         return tuple(out)
@@ -236,8 +321,12 @@ class ServingState(Replica):
 
         if retrieval is not None:
             raise InvalidRequestError("send one of retrieval and knnlm, not both", "knnlm")
-        cfg = KnnConfig(mode="speculative" if knnlm.speculative else "baseline", k=knnlm.k, lam=knnlm.lam,
-                        speculation_stride=knnlm.speculation_stride)  # fmt: skip
+        cfg = KnnConfig(
+            mode="speculative" if knnlm.speculative else "baseline",
+            k=knnlm.k,
+            lam=knnlm.lam,
+            speculation_stride=knnlm.speculation_stride,
+        )
         if self.knnlms is None:
             raise InvalidRequestError("knnlm: this server has no kNN-LM datastores", "knnlm.datastore")
         return KnnPlan(cfg, self.knnlms.get(knnlm.datastore))
@@ -251,22 +340,31 @@ class ServingState(Replica):
         if retrieval.mode != "oneshot" and not spec.retrieval_loop:
             usable = [n for n, s in CATALOGUE.items() if s.retrieval_loop and s.parts is None]
             usable = ", ".join(usable[:-1]) + " or " + usable[-1]
-            raise InvalidRequestError(f"speculation.method {spec.name!r} drafts from the cluster's datastore, which "
-                                      f"the retrieval loop does not support yet; use {usable}",
-                                      "speculation.method")  # fmt: skip
-        ralm = RalmConfig(mode=retrieval.mode, interval=retrieval.stride, query_tokens=retrieval.query_tokens,
-                          speculation_stride=retrieval.speculation_stride, prefetch=retrieval.prefetch,
-                          asynchronous=retrieval.asynchronous, speculation_off=retrieval.speculation_off,
-                          passages=retrieval.passages)  # fmt: skip
+            raise InvalidRequestError(
+                f"speculation.method {spec.name!r} drafts from the cluster's datastore, which "
+                f"the retrieval loop does not support yet; use {usable}",
+                "speculation.method",
+            )
+        ralm = RalmConfig(
+            mode=retrieval.mode,
+            interval=retrieval.stride,
+            query_tokens=retrieval.query_tokens,
+            speculation_stride=retrieval.speculation_stride,
+            prefetch=retrieval.prefetch,
+            asynchronous=retrieval.asynchronous,
+            speculation_off=retrieval.speculation_off,
+            passages=retrieval.passages,
+        )
         if self.kbs is None:
             raise InvalidRequestError("retrieval: this server has no knowledge bases", "retrieval.kb")
         kb = self.kbs.get(retrieval.kb)
         if retrieval.retriever not in kb.artifact.retrievers:
-            raise InvalidRequestError(f"retrieval.retriever {retrieval.retriever!r} is not built for knowledge base "
-                                      f"{retrieval.kb!r} (built: {', '.join(kb.artifact.retrievers)})",
-                                      "retrieval.retriever")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.retriever {retrieval.retriever!r} is not built for knowledge base "
+                f"{retrieval.kb!r} (built: {', '.join(kb.artifact.retrievers)})",
+                "retrieval.retriever",
+            )
         return RetrievalPlan(ralm, kb, retrieval.retriever)
-
 
     # ------------------------------------------------------------ 2. the decode
     def abandon(self, job: Job) -> RequestTimeoutError:
@@ -277,8 +375,11 @@ class ServingState(Replica):
         job.abandoned = True
         job.cancel.set()
         CANCELLED.labels("timeout").inc()
-        log.warning("request %s is still decoding after request_timeout_s=%gs within one step; answered with the "
-                    "timeout", job.request_id, self.cfg.request_timeout_s)  # fmt: skip
+        log.warning(
+            "request %s is still decoding after request_timeout_s=%gs within one step; answered with the timeout",
+            job.request_id,
+            self.cfg.request_timeout_s,
+        )
         return RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
 
     def run(self, job: Job):
@@ -311,7 +412,7 @@ class ServingState(Replica):
             else:
                 job.text = text[: len(text) - _held_back(text, stops)]
             if job.on_delta is not None and len(job.text) > job.sent:
-                job.on_delta(job.text[job.sent:])
+                job.on_delta(job.text[job.sent :])
                 job.sent = len(job.text)
             return job.stopped
 
@@ -319,18 +420,30 @@ class ServingState(Replica):
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
             if job.on_delta is not None and len(job.text) > job.sent:
-                job.on_delta(job.text[job.sent:])
+                job.on_delta(job.text[job.sent :])
                 job.sent = len(job.text)
         return served
 
 
-def _refuse_ignored(path: str, why: str, *, method: str | None = None, k: int | None = None,
-                    n_drafts: int | None = None, llma_n: int | None = None, references: list[str] | None = None) -> None:
+def _refuse_ignored(
+    path: str,
+    why: str,
+    *,
+    method: str | None = None,
+    k: int | None = None,
+    n_drafts: int | None = None,
+    llma_n: int | None = None,
+    references: list[str] | None = None,
+) -> None:
     """A 400 naming the first field ``path`` (kNN-LM, a retrieval loop) would silently ignore; ``why`` says why."""
     drafts = method is not None and (method not in CATALOGUE or CATALOGUE[method].drafts)
-    given = {"speculation.method": drafts, "speculation.k": k is not None,
-             "speculation.n_drafts": n_drafts is not None, "speculation.n": llma_n is not None,
-             "references": bool(references)}  # fmt: skip
+    given = {
+        "speculation.method": drafts,
+        "speculation.k": k is not None,
+        "speculation.n_drafts": n_drafts is not None,
+        "speculation.n": llma_n is not None,
+        "references": bool(references),
+    }
     for name, sent in given.items():
         if sent:
             raise InvalidRequestError(f"{name} does not apply to {path}: {why}; leave {name} out", name)

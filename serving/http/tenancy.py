@@ -65,13 +65,16 @@ def anonymous_id(key: str) -> str:
 class Tenants:
     """The key -> tenant table of one server (built once from the config)."""
 
-    def __init__(self, api_keys: Iterable[str] = (), route_tenants: Iterable[str] = (EVERY,),
-                 admin_tenants: Iterable[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, api_keys: Iterable[str] = (), route_tenants: Iterable[str] = (EVERY,), admin_tenants: Iterable[str] = ()
+    ) -> None:
         self._keys = [(key.encode(), tid) for tid, key in map(split_key, api_keys)]
         self.ids = frozenset(tid for _, tid in self._keys)
         route, admin = frozenset(route_tenants), frozenset(admin_tenants)
-        self._tenants = {tid: Tenant(tid, may_route=EVERY in route or tid in route,
-                                     admin=EVERY in admin or tid in admin) for tid in self.ids}  # fmt: skip
+        self._tenants = {
+            tid: Tenant(tid, may_route=EVERY in route or tid in route, admin=EVERY in admin or tid in admin)
+            for tid in self.ids
+        }
 
     @classmethod
     def from_config(cls, cfg) -> Tenants:
@@ -97,13 +100,14 @@ def check_config(api_keys: list[str], route_tenants: list[str], admin_tenants: l
     """Refuse an ``api_keys`` entry whose key is too short, and a permission list naming a
     tenant no key belongs to (a typo there would silently deny). ``ValueError`` says what to change."""
     if any(len(split_key(e)[1]) < MIN_KEY_CHARS for e in api_keys):
-        raise ValueError(f"api_keys must be at least {MIN_KEY_CHARS} characters each (the key after NAME: when "
-                         "named)")  # fmt: skip
+        raise ValueError(f"api_keys must be at least {MIN_KEY_CHARS} characters each (the key after NAME: when named)")
     if not api_keys:
         return
     ids = {split_key(e)[0] for e in api_keys}
     for field, names in (("route_tenants", route_tenants), ("admin_tenants", admin_tenants)):
         unknown = sorted(set(names) - ids - {EVERY})
         if unknown:
-            raise ValueError(f"{field} names {', '.join(map(repr, unknown))}, which no api_keys entry names: name a "
-                             "key's tenant as NAME:KEY in api_keys, or use '*' for every tenant")  # fmt: skip
+            raise ValueError(
+                f"{field} names {', '.join(map(repr, unknown))}, which no api_keys entry names: name a "
+                "key's tenant as NAME:KEY in api_keys, or use '*' for every tenant"
+            )

@@ -35,7 +35,7 @@ after each step (retrieval keyed on it), reference texts given with the request,
 class ProposerResources:
     """What one request's proposer may draw on (the serving node builds one per request)."""
 
-    pair: "ModelPair"
+    pair: ModelPair
     """The target, and the cluster's current draft model (or None)."""
     cluster: str = "default"
     datastore: object | None = None
@@ -91,14 +91,17 @@ class ProposerConfig:
     def __post_init__(self) -> None:
         method_spec(self.method)
         if not isinstance(self.n_drafts, int) or not 0 <= self.n_drafts <= MAX_DRAFTS:
-            raise InvalidRequestError(f"n_drafts must be an integer in 0..{MAX_DRAFTS}, got {self.n_drafts!r}",
-                                      "speculation.n_drafts")  # fmt: skip
+            raise InvalidRequestError(
+                f"n_drafts must be an integer in 0..{MAX_DRAFTS}, got {self.n_drafts!r}", "speculation.n_drafts"
+            )
         if not isinstance(self.search_k, int) or not 0 <= self.search_k <= 4096:
-            raise InvalidRequestError(f"search_k must be an integer in 0..4096, got {self.search_k!r}",
-                                      "speculation.search_k")  # fmt: skip
+            raise InvalidRequestError(
+                f"search_k must be an integer in 0..4096, got {self.search_k!r}", "speculation.search_k"
+            )
         if not isinstance(self.llma_min_n, int) or not 1 <= self.llma_min_n <= LLMA_MAX_N:
-            raise InvalidRequestError(f"n must be an integer in 1..{LLMA_MAX_N}, got {self.llma_min_n!r}",
-                                      "speculation.n")  # fmt: skip
+            raise InvalidRequestError(
+                f"n must be an integer in 1..{LLMA_MAX_N}, got {self.llma_min_n!r}", "speculation.n"
+            )
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ class MethodSpec:
     live acceptance (``draft`` for the draft model); None when the method has no artifact."""
     default_n_drafts: int = 1
     """Rows per step when the request does not say (1: a chain)."""
-    build: Callable[[ProposerConfig, ProposerResources], "Proposer | None"] = lambda cfg, res: None
+    build: Callable[[ProposerConfig, ProposerResources], Proposer | None] = lambda cfg, res: None
     drafts: bool = True
     """False for target-only decoding: a request's ``speculation`` knobs then mean nothing."""
     copies_references: bool = False
@@ -125,12 +128,12 @@ class MethodSpec:
     retrieved passages and the cluster's past sessions reach it, and ``speculation.n`` applies."""
     joins_auto: bool = False
     """``auto`` may choose it per step (``auto``'s candidates are the methods with this set)."""
-    stats_block: Callable[["RequestStats"], dict | None] = lambda stats: None
+    stats_block: Callable[[RequestStats], dict | None] = lambda stats: None
     """The method's own block of the response's ``speculation`` (under its name), or None."""
-    parts: Callable[["RequestStats"], dict[str, tuple[int, int]]] | None = None
+    parts: Callable[[RequestStats], dict[str, tuple[int, int]]] | None = None
     """For a method that decodes with other methods step by step (``auto``): (drafted, accepted)
     of each method it used, so artifacts, metrics and live acceptance go to the one that drafted."""
-    count: Callable[[str, "RequestStats", object], None] | None = None
+    count: Callable[[str, RequestStats, object], None] | None = None
     """The method's own Prometheus metrics for one request: ``count(cluster, stats, policy)``
     (``policy``: the replica's ``auto`` policy)."""
     served_n_drafts: Callable[[ProposerResources, int], int] | None = None
@@ -145,32 +148,32 @@ class MethodSpec:
         """It can decode between the retrievals of a RaLM loop: one chain, no cluster datastore."""
         return self.default_n_drafts <= 1 and "datastore" not in self.needs
 
-    def split(self, stats: "RequestStats") -> dict[str, tuple[int, int]]:
+    def split(self, stats: RequestStats) -> dict[str, tuple[int, int]]:
         """(drafted, accepted) per method used in this request (itself, or its parts)."""
         if self.parts is not None:
             return self.parts(stats)
         return {self.name: (stats.num_drafted, stats.num_accepted)}
 
 
-def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.draft_model import DraftModelProposer
 
     return DraftModelProposer(res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k)
 
 
-def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.prompt_lookup import PromptLookupProposer
 
     return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
 
 
-def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.dresd import DReSDProposer
 
     return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)  # 0: the datastore's shape
 
 
-def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.llma import LLMAProposer, ReferenceSet
 
     refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
@@ -178,31 +181,32 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
     past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
     from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT
 
-    adaptive = {} if cfg.llma_fixed_k else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET,
-                                                min_agreement=MIN_AGREEMENT)  # fmt: skip
+    adaptive = (
+        {} if cfg.llma_fixed_k else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET, min_agreement=MIN_AGREEMENT)
+    )
     return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1, **adaptive)
 
 
-def _llma_stats(stats: "RequestStats") -> dict | None:
+def _llma_stats(stats: RequestStats) -> dict | None:
     return dict(stats.proposer) if stats.proposer else None  # steps, hits (per source), reference tokens
 
 
-def _auto_stats(stats: "RequestStats") -> dict | None:
+def _auto_stats(stats: RequestStats) -> dict | None:
     return stats.policy or None  # steps, drafted, accepted per method; the latest decision and its estimates
 
 
-def _auto_parts(stats: "RequestStats") -> dict[str, tuple[int, int]]:
+def _auto_parts(stats: RequestStats) -> dict[str, tuple[int, int]]:
     per = (stats.policy or {}).get("methods", {})
     return {m: (n["drafted"], n["accepted"]) for m, n in per.items()}
 
 
-def _count_llma(cluster: str, stats: "RequestStats", policy) -> None:
+def _count_llma(cluster: str, stats: RequestStats, policy) -> None:
     from specops.serving.metrics import count_llma
 
     count_llma(cluster, stats)
 
 
-def _count_auto(cluster: str, stats: "RequestStats", policy) -> None:
+def _count_auto(cluster: str, stats: RequestStats, policy) -> None:
     from specops.serving.metrics import count_auto
 
     count_auto(cluster, stats, policy)
@@ -214,7 +218,7 @@ def _dresd_rows(res: ProposerResources, n_drafts: int) -> int:
     return resolve_shape(res.datastore, n_drafts)[0] if res.datastore is not None else n_drafts
 
 
-def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
+def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     """``auto`` over its candidates: the methods with ``joins_auto`` (those in the policy's
     ``candidates`` when it restricts them), each built by its own ``build`` when ``res`` has
     what it needs."""
@@ -244,25 +248,64 @@ def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> "Proposer":
 CATALOGUE: dict[str, MethodSpec] = {
     spec.name: spec
     for spec in (
-        MethodSpec("target", "target-only decoding, the reference every method must equal", 1, frozenset(), None,
-                   drafts=False),
-        MethodSpec("draft", "speculative decoding with the cluster's draft model (OSD)", 3,
-                   frozenset({"draft_model"}), "draft", build=_build_draft, joins_auto=True),
-        MethodSpec("pld", "prompt-lookup decoding: copy what followed the trailing n-gram in the context", 10,
-                   frozenset(), None, build=_build_pld),
-        MethodSpec("dresd", "DReSD: drafts retrieved from the cluster's datastore by the target's hidden state",
-                   10, frozenset({"datastore", "target_hidden"}), "datastore", default_n_drafts=3, build=_build_dresd,
-                   joins_auto=True, served_n_drafts=_dresd_rows),
-        MethodSpec("llma", "LLMA: copy from references, retrieved passages, past sessions and the context", 16,
-                   frozenset(), None, build=_build_llma, copies_references=True, joins_auto=True,
-                   stats_block=_llma_stats, count=_count_llma),
-        MethodSpec("auto", "choose per step among target-only, the draft model, DReSD and LLMA copying (and "
-                   "k) by measured speed; speculation off when nothing pays", 16, frozenset(), None,
-                   build=_build_auto, copies_references=True, stats_block=_auto_stats,
-                   parts=_auto_parts, count=_count_auto),
+        MethodSpec(
+            "target", "target-only decoding, the reference every method must equal", 1, frozenset(), None, drafts=False
+        ),
+        MethodSpec(
+            "draft",
+            "speculative decoding with the cluster's draft model (OSD)",
+            3,
+            frozenset({"draft_model"}),
+            "draft",
+            build=_build_draft,
+            joins_auto=True,
+        ),
+        MethodSpec(
+            "pld",
+            "prompt-lookup decoding: copy what followed the trailing n-gram in the context",
+            10,
+            frozenset(),
+            None,
+            build=_build_pld,
+        ),
+        MethodSpec(
+            "dresd",
+            "DReSD: drafts retrieved from the cluster's datastore by the target's hidden state",
+            10,
+            frozenset({"datastore", "target_hidden"}),
+            "datastore",
+            default_n_drafts=3,
+            build=_build_dresd,
+            joins_auto=True,
+            served_n_drafts=_dresd_rows,
+        ),
+        MethodSpec(
+            "llma",
+            "LLMA: copy from references, retrieved passages, past sessions and the context",
+            16,
+            frozenset(),
+            None,
+            build=_build_llma,
+            copies_references=True,
+            joins_auto=True,
+            stats_block=_llma_stats,
+            count=_count_llma,
+        ),
+        MethodSpec(
+            "auto",
+            "choose per step among target-only, the draft model, DReSD and LLMA copying (and "
+            "k) by measured speed; speculation off when nothing pays",
+            16,
+            frozenset(),
+            None,
+            build=_build_auto,
+            copies_references=True,
+            stats_block=_auto_stats,
+            parts=_auto_parts,
+            count=_count_auto,
+        ),
     )
-}  # fmt: skip
-
+}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
@@ -328,8 +371,9 @@ def method_spec(name: str) -> MethodSpec:
     """The catalogue entry of ``name``; an unknown name is the caller's error, naming the choices."""
     spec = CATALOGUE.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise InvalidRequestError(f"unknown method {name!r}; choose one of {', '.join(methods())}",
-                                  "speculation.method")  # fmt: skip
+        raise InvalidRequestError(
+            f"unknown method {name!r}; choose one of {', '.join(methods())}", "speculation.method"
+        )
     return spec
 
 
@@ -338,14 +382,16 @@ def check_resources(spec: MethodSpec, res: ProposerResources) -> None:
     if "draft_model" in spec.needs and res.pair.draft is None:
         raise InvalidRequestError(f"method {spec.name!r} needs a draft model; none is loaded", "speculation.method")
     if "datastore" in spec.needs and res.datastore is None:
-        raise InvalidRequestError(f"method {spec.name!r} needs a datastore for cluster {res.cluster!r}; none is "
-                                  "loaded", "speculation.method")  # fmt: skip
+        raise InvalidRequestError(
+            f"method {spec.name!r} needs a datastore for cluster {res.cluster!r}; none is loaded", "speculation.method"
+        )
     if "references" in spec.needs and not res.references:
-        raise InvalidRequestError(f"method {spec.name!r} needs reference texts; the request gives none",
-                                  "speculation.references")  # fmt: skip
+        raise InvalidRequestError(
+            f"method {spec.name!r} needs reference texts; the request gives none", "speculation.references"
+        )
 
 
-def build_proposer(cfg: ProposerConfig, res: ProposerResources) -> "Proposer | None":
+def build_proposer(cfg: ProposerConfig, res: ProposerResources) -> Proposer | None:
     """The proposer for ``cfg.method`` over ``res``, or None for target-only decoding."""
     spec = method_spec(cfg.method)
     check_resources(spec, res)

@@ -6,9 +6,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specops.serving.engine.kv import CachedLM
-from specops.serving.proposers.base import Proposer
 from specops.serving.engine.sampling import draw, warp
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
+from specops.serving.proposers.base import Proposer
 
 
 class DraftModelProposer(Proposer):
@@ -52,7 +52,7 @@ class DraftModelProposer(Proposer):
         k = min(k, room)
         if k <= 0:
             return Proposals.empty()
-        pending = state.token_ids[lm.num_cached:]  # committed tokens not in the draft cache
+        pending = state.token_ids[lm.num_cached :]  # committed tokens not in the draft cache
         assert pending, "the draft cache never holds the last committed token"
         tokens: list[int] = []
         dists: list[torch.Tensor] = []

@@ -23,7 +23,6 @@ import torch
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
 from specops.serving.proposers.base import Proposer
 
-
 DEFAULT_SHAPE = (3, 10)
 """Rows and tokens per row when neither the request nor the datastore says."""
 
@@ -65,8 +64,9 @@ class DReSDProposer(Proposer):
             return Proposals.empty()
         self.num_searches += 1
         length = min(k, self.max_row) if self.max_row else k
-        rows = self.datastore.drafts(self._hidden, int(state.token_ids[-1]), n_drafts=self.n_drafts, length=length,
-                                     search_k=self.search_k)  # fmt: skip
+        rows = self.datastore.drafts(
+            self._hidden, int(state.token_ids[-1]), n_drafts=self.n_drafts, length=length, search_k=self.search_k
+        )
         if not rows:
             self.num_empty += 1
             return Proposals.empty()

@@ -92,15 +92,16 @@ class ReferenceSet:
         self.sources = tuple(s for _, s in kept)
 
     @classmethod
-    def from_docs(cls, docs: Iterable[Sequence[int]], max_n: int = 4, max_positions: int = 8,
-                  source: str = "request") -> "ReferenceSet":  # fmt: skip
+    def from_docs(
+        cls, docs: Iterable[Sequence[int]], max_n: int = 4, max_positions: int = 8, source: str = "request"
+    ) -> ReferenceSet:
         index = NgramIndex(max_n=max_n, max_positions=max_positions)
         for d in docs:
             if len(d):
                 index.add(d)
         return cls([index], [source])
 
-    def plus(self, other: "ReferenceSet") -> "ReferenceSet":
+    def plus(self, other: ReferenceSet) -> ReferenceSet:
         return ReferenceSet(self.indexes + other.indexes, self.sources + other.sources)
 
     def __len__(self) -> int:
@@ -112,9 +113,18 @@ class LLMAProposer(Proposer):
 
     name = "llma"
 
-    def __init__(self, references: ReferenceSet | None = None, *, min_n: int = 1, max_n: int = 4,
-                 n_drafts: int = 1, use_context: bool = True, copy_factor: float | None = None,
-                 copy_offset: float = 0.0, min_agreement: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        references: ReferenceSet | None = None,
+        *,
+        min_n: int = 1,
+        max_n: int = 4,
+        n_drafts: int = 1,
+        use_context: bool = True,
+        copy_factor: float | None = None,
+        copy_offset: float = 0.0,
+        min_agreement: float | None = None,
+    ) -> None:
         if not (1 <= min_n <= max_n):
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if n_drafts < 1:
@@ -141,9 +151,12 @@ class LLMAProposer(Proposer):
         self.hits_by_source = dict.fromkeys(SOURCES, 0)
 
     def counters(self) -> dict[str, int]:
-        return {"steps": self.num_steps, "hits": self.num_hits,
-                **{f"hits_{s}": n for s, n in self.hits_by_source.items()},
-                "reference_tokens": len(self.references)}  # fmt: skip
+        return {
+            "steps": self.num_steps,
+            "hits": self.num_hits,
+            **{f"hits_{s}": n for s, n in self.hits_by_source.items()},
+            "reference_tokens": len(self.references),
+        }
 
     def _context_index(self, state: DecodeState) -> NgramIndex:
         idx = self._context

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specops.serving.proposers.base import Proposer
 from specops.serving.engine.types import DecodeState, Proposals
+from specops.serving.proposers.base import Proposer
 
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
@@ -19,7 +19,7 @@ def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> li
     the most recent occurrence is one period back and leaves fewer than ``k`` tokens.)"""
     n_tok = len(tokens)
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
-        tail = tokens[n_tok - n:]
+        tail = tokens[n_tok - n :]
         # Candidate start positions i of earlier windows tokens[i:i+n] (i + n < n_tok).
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # [n_tok-n, n]
         hits = np.flatnonzero((windows == tail).all(axis=1))

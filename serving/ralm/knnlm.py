@@ -52,11 +52,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from specops.serving.engine.kv import CachedLM
+from specops.core.errors import InvalidRequestError, PromptTooLongError
 from specops.core.limits import context_size
+from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import tempered_softmax
 from specops.serving.engine.types import SamplingParams
-from specops.core.errors import InvalidRequestError, PromptTooLongError
 from specops.serving.ralm.knnlm_search import KEY_BLOCK, Neighbours, search_keys
 from specops.serving.ralm.knnlm_store import MAX_K, KnnDatastore
 from specops.serving.ralm.os3 import OS3Config, StrideScheduler
@@ -251,8 +251,7 @@ def knn_probs(nb: Neighbours, values: torch.Tensor, vocab: int, temperature: flo
     return torch.zeros(vocab, dtype=torch.float32).scatter_add_(0, values[ids[ok]], w)
 
 
-def next_token(logits: torch.Tensor, p_knn: torch.Tensor | None, lam: float, params: SamplingParams,
-               u: float) -> int:  # fmt: skip
+def next_token(logits: torch.Tensor, p_knn: torch.Tensor | None, lam: float, params: SamplingParams, u: float) -> int:
     """The token of ``p = λ·p_kNN + (1-λ)·softmax(logits / temperature)``: its argmax (greedy)
     or its inverse-CDF token at ``u`` in [0, 1), after top-p."""
     assert logits.ndim == 1, logits.shape
@@ -289,12 +288,21 @@ class _Speculation:
 class KnnLM:
     """kNN-LM over a target (a transformers causal LM) and a :class:`KnnDatastore`."""
 
-    def __init__(self, target, store: KnnDatastore, cfg: KnnConfig | None = None, *,
-                 eos_token_ids: tuple[int, ...] | list[int] = (), tokenizer=None,
-                 os3: OS3Config | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target,
+        store: KnnDatastore,
+        cfg: KnnConfig | None = None,
+        *,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        tokenizer=None,
+        os3: OS3Config | None = None,
+    ) -> None:
         if int(target.config.hidden_size) != store.hidden_size:
-            raise InvalidRequestError(f"the kNN-LM datastore's keys have {store.hidden_size} dims, the target's hidden "
-                                      f"states {target.config.hidden_size}")  # fmt: skip
+            raise InvalidRequestError(
+                f"the kNN-LM datastore's keys have {store.hidden_size} dims, the target's hidden "
+                f"states {target.config.hidden_size}"
+            )
         self.target, self.store, self.cfg = target, store, cfg or KnnConfig()
         self.eos = frozenset(int(e) for e in eos_token_ids)
         self.tokenizer, self.os3 = tokenizer, os3 or KNN_OS3
@@ -324,8 +332,12 @@ class KnnLM:
         return len(out) >= limit or (bool(out) and out[-1] in self.eos)
 
     # ------------------------------------------------------------------ the loops
-    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                 on_final: Callable[[list[int]], bool | None] | None = None) -> KnnResult:  # fmt: skip
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        on_final: Callable[[list[int]], bool | None] | None = None,
+    ) -> KnnResult:
         """Decode one request. ``on_final(tokens)`` receives output as it becomes final (every
         token for the baseline, every verified run for the speculative mode); returning True ends
         the request there (finish reason ``stop``: a stop sequence was seen), and an exception it
@@ -359,8 +371,17 @@ class KnnLM:
         st.tokens = len(out)
         st.total_s = time.perf_counter() - t0
         reason = "stop" if stopped or (out and out[-1] in self.eos) else "length"
-        log.debug("knnlm %s %s k=%d: %d tokens, %d searches, %d mismatches, strides %s, %.1f ms/token", st.mode,
-                  st.searcher, st.k, st.tokens, st.kb_searches, st.mismatches, st.strides, st.ms_per_token)  # fmt: skip
+        log.debug(
+            "knnlm %s %s k=%d: %d tokens, %d searches, %d mismatches, strides %s, %.1f ms/token",
+            st.mode,
+            st.searcher,
+            st.k,
+            st.tokens,
+            st.kb_searches,
+            st.mismatches,
+            st.strides,
+            st.ms_per_token,
+        )
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return KnnResult(out, st, reason, text)
 
@@ -401,7 +422,9 @@ class KnnLM:
                 t1 = time.perf_counter()
                 nb = cache.search(hidden, cfg.k)
                 st.cache_search_s += time.perf_counter() - t1
-                pending.append(_Speculation(len(out), hidden[0], logits, self._token(logits, nb, len(out), params, seed)))
+                pending.append(
+                    _Speculation(len(out), hidden[0], logits, self._token(logits, nb, len(out), params, seed))
+                )
                 out.append(pending[-1].token)
                 sched.observe_speculation(time.perf_counter() - t0)
             st.speculations += len(pending)
@@ -437,9 +460,17 @@ class KnnLM:
         st.cache_update_s += time.perf_counter() - t0
 
 
-def knnlm_generate(target, store: KnnDatastore, prompt_ids: list[int], params: SamplingParams | None = None, *,
-                   cfg: KnnConfig | None = None, eos_token_ids: tuple[int, ...] | list[int] = (), tokenizer=None,
-                   on_final: Callable[[list[int]], bool | None] | None = None) -> KnnResult:  # fmt: skip
+def knnlm_generate(
+    target,
+    store: KnnDatastore,
+    prompt_ids: list[int],
+    params: SamplingParams | None = None,
+    *,
+    cfg: KnnConfig | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+    tokenizer=None,
+    on_final: Callable[[list[int]], bool | None] | None = None,
+) -> KnnResult:
     """One request: ``KnnLM(target, store, cfg, ...).generate(prompt_ids, params)``."""
     lm = KnnLM(target, store, cfg, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
     return lm.generate(prompt_ids, params, on_final=on_final)

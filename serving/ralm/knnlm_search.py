@@ -37,7 +37,7 @@ class Neighbours:
     ids: torch.Tensor
     dists: torch.Tensor
 
-    def row(self, i: int) -> "Neighbours":
+    def row(self, i: int) -> Neighbours:
         return Neighbours(self.ids[i : i + 1], self.dists[i : i + 1])
 
 
@@ -100,13 +100,21 @@ def blocked_l2(queries: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor, n
     per key block, so a distance never depends on the other queries or keys."""
     assert queries.shape[0] == QUERY_BLOCK and num_rows % KEY_BLOCK == 0, (queries.shape, num_rows)
     qn = (queries * queries).sum(1, keepdim=True)  # [Q, 1]
-    out = [torch.addmm(norms[b : b + KEY_BLOCK][None], queries, keys[b : b + KEY_BLOCK].T, alpha=-2.0)
-           for b in range(0, num_rows, KEY_BLOCK)]  # fmt: skip
+    out = [
+        torch.addmm(norms[b : b + KEY_BLOCK][None], queries, keys[b : b + KEY_BLOCK].T, alpha=-2.0)
+        for b in range(0, num_rows, KEY_BLOCK)
+    ]
     return (torch.cat(out, dim=1) + qn).clamp_(min=0.0)  # [Q, num_rows]
 
 
-def search_keys(queries: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor, ids: torch.Tensor, k: int,
-                mask: torch.Tensor | None = None) -> Neighbours:  # fmt: skip
+def search_keys(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    norms: torch.Tensor,
+    ids: torch.Tensor,
+    k: int,
+    mask: torch.Tensor | None = None,
+) -> Neighbours:
     """The ``k`` nearest of padded ``keys`` (entry ``ids`` [rows], -1 on padding) to ``queries``
     [n, d], in query blocks; ``mask`` [n, rows] bool (optional) hides a key from a query."""
     n, rows = queries.shape[0], keys.shape[0]
@@ -214,8 +222,16 @@ def _pq_m(hidden: int) -> int:
     return max(m for m in range(1, target + 1) if hidden % m == 0)
 
 
-def build_ivfpq(keys: np.ndarray, *, nlist: int = 0, pq_m: int = 0, pq_bits: int = 8, nprobe: int = 16,
-                train_sample: int = 65_536, seed: int = 0):  # fmt: skip
+def build_ivfpq(
+    keys: np.ndarray,
+    *,
+    nlist: int = 0,
+    pq_m: int = 0,
+    pq_bits: int = 8,
+    nprobe: int = 16,
+    train_sample: int = 65_536,
+    seed: int = 0,
+):
     """A trained, filled IndexIVFPQ over ``keys`` [n, d] float32: ``nlist`` lists (0: about
     sqrt(n)), ``pq_m`` sub-quantizers of ``pq_bits`` bits (0: d/8, a divisor of d), trained on
     at most ``train_sample`` keys (seeded). Lists and codebooks shrink to what the keys can

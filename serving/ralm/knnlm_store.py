@@ -9,7 +9,7 @@ into another document. Entries of one document are consecutive. Documents longer
 
 **Keys are stored float16** (2 bytes a dimension, half of float32) and searched in float32
 (the float16 values, widened): the searcher never depends on how a key was rounded, only on
-the stored value. ``tests/serving/test_knnlm.py`` checks that float16 and float32 keys give
+the stored value. ``tests/serving/ralm/test_knnlm.py`` checks that float16 and float32 keys give
 the same greedy outputs on the tiny model. On the bootstrapped SmolLM2-135M target (6,172
 keys of prose, 300 other positions as queries) float16 keys found the float32 nearest
 neighbour for every query and 99.94 % of the top 16, the nearest squared distance moving by
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from specops.core.errors import DatastoreError
 from specops.registry.artifacts import KNNLM_FORMAT as FORMAT
 from specops.registry.artifacts import sha256_file, sha256_json
-from specops.core.errors import DatastoreError
 from specops.serving.ralm.knnlm_search import ExactSearcher, IvfpqSearcher, Neighbours, build_ivfpq
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,16 @@ def target_fingerprint(target) -> str:
     strided sample of its final norm and LM head, rounded to bfloat16 so that a float32 and a
     bfloat16 load of one checkpoint agree (hashing every weight would take seconds)."""
     cfg = target.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "output_hidden_states",
-                     "output_attentions", "return_dict"):
+    for volatile in (
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+    ):
         cfg.pop(volatile, None)
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
     tensors = [target.get_output_embeddings().weight]
@@ -193,26 +201,39 @@ class KnnDatastore:
         """Refuse a datastore built for another target or tokenizer."""
         hidden = int(target.config.hidden_size)
         if hidden != self.hidden_size:
-            raise KnnDatastoreError(f"kNN-LM keys are hidden states of size {self.hidden_size}; this target's are "
-                                    f"{hidden}: the datastore was built for another model")  # fmt: skip
+            raise KnnDatastoreError(
+                f"kNN-LM keys are hidden states of size {self.hidden_size}; this target's are "
+                f"{hidden}: the datastore was built for another model"
+            )
         got = target_fingerprint(target)
         if self.target_sha256 and got != self.target_sha256:
-            raise KnnDatastoreError(f"kNN-LM datastore was built with target {self.target_sha256[:12]}, this target is "
-                                    f"{got[:12]}: rebuild it with `specops knnlm build` for this model")  # fmt: skip
+            raise KnnDatastoreError(
+                f"kNN-LM datastore was built with target {self.target_sha256[:12]}, this target is "
+                f"{got[:12]}: rebuild it with `specops knnlm build` for this model"
+            )
         if tokenizer_sha256 and self.tokenizer_sha256 and tokenizer_sha256 != self.tokenizer_sha256:
-            raise KnnDatastoreError(f"kNN-LM datastore was built with tokenizer {self.tokenizer_sha256[:12]}, this "
-                                    f"target's is {tokenizer_sha256[:12]}")  # fmt: skip
+            raise KnnDatastoreError(
+                f"kNN-LM datastore was built with tokenizer {self.tokenizer_sha256[:12]}, this "
+                f"target's is {tokenizer_sha256[:12]}"
+            )
         vocab = int(target.config.vocab_size)
         if self.num_entries and int(self.values.max()) >= vocab:
-            raise KnnDatastoreError(f"kNN-LM datastore holds token {int(self.values.max())}, past the vocabulary "
-                                    f"of {vocab}")  # fmt: skip
+            raise KnnDatastoreError(
+                f"kNN-LM datastore holds token {int(self.values.max())}, past the vocabulary of {vocab}"
+            )
 
     def describe(self) -> dict:
-        out = {"searcher": self.searcher.kind, "num_entries": self.num_entries, "hidden_size": self.hidden_size,
-               "num_docs": int(self.entry_doc.max()) + 1 if self.num_entries else 0,
-               "bytes_per_entry": round(self.bytes_per_entry, 1), "config": asdict(self.cfg),
-               "target_sha256": self.target_sha256, "tokenizer_sha256": self.tokenizer_sha256,
-               "meta": self.meta}  # fmt: skip
+        out = {
+            "searcher": self.searcher.kind,
+            "num_entries": self.num_entries,
+            "hidden_size": self.hidden_size,
+            "num_docs": int(self.entry_doc.max()) + 1 if self.num_entries else 0,
+            "bytes_per_entry": round(self.bytes_per_entry, 1),
+            "config": asdict(self.cfg),
+            "target_sha256": self.target_sha256,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "meta": self.meta,
+        }
         if self.searcher.kind == "ivfpq":
             out["nprobe"] = self.searcher.nprobe
         return out
@@ -227,27 +248,45 @@ class KnnDatastore:
         save_file(tensors, str(out_dir / DATA_FILE))
         files = [DATA_FILE]
         if self.index_bytes:
-            save_file({"faiss.index": torch.frombuffer(bytearray(self.index_bytes), dtype=torch.uint8)},
-                      str(out_dir / INDEX_FILE))  # fmt: skip
+            save_file(
+                {"faiss.index": torch.frombuffer(bytearray(self.index_bytes), dtype=torch.uint8)},
+                str(out_dir / INDEX_FILE),
+            )
             files.append(INDEX_FILE)
-        meta = {"format": FORMAT, "config": asdict(self.cfg), "hidden_size": self.hidden_size,
-                "num_entries": self.num_entries, "bytes_per_entry": round(self.bytes_per_entry, 2),
-                "target_sha256": self.target_sha256, "tokenizer_sha256": self.tokenizer_sha256,
-                "files": {name: sha256_file(out_dir / name) for name in files}, "meta": self.meta}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "config": asdict(self.cfg),
+            "hidden_size": self.hidden_size,
+            "num_entries": self.num_entries,
+            "bytes_per_entry": round(self.bytes_per_entry, 2),
+            "target_sha256": self.target_sha256,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "files": {name: sha256_file(out_dir / name) for name in files},
+            "meta": self.meta,
+        }
         meta["json_sha256"] = _json_sha(meta)
         (out_dir / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         return out_dir
 
     @classmethod
-    def load(cls, path: Path, *, target=None, tokenizer_sha256: str | None = None, nprobe: int | None = None,
-             device: str | torch.device = "cpu") -> "KnnDatastore":  # fmt: skip
+    def load(
+        cls,
+        path: Path,
+        *,
+        target=None,
+        tokenizer_sha256: str | None = None,
+        nprobe: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> KnnDatastore:
         """Read a saved datastore, checking every sha256; with ``target``, refuse one built for
         another target (or tokenizer). Raises KnnDatastoreError."""
         path = Path(path)
         try:
             meta = json.loads((path / META_FILE).read_text())
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT}")
+                raise ValueError(
+                    f"format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT}"
+                )
             if meta.get("json_sha256") != _json_sha({k: v for k, v in meta.items() if k != "json_sha256"}):
                 raise ValueError(f"{META_FILE} does not match its own sha256: corrupt or edited")
             for name, want in meta["files"].items():
@@ -267,8 +306,9 @@ class KnnDatastore:
             if cfg.index == "exact":
                 stored_keys = data.pop("keys")
                 if stored_keys.shape != (n, hidden) or stored_keys.dtype != KEY_DTYPES[cfg.key_dtype]:
-                    raise ValueError(f"keys {tuple(stored_keys.shape)} {stored_keys.dtype}, expected ({n}, {hidden}) "
-                                     f"{cfg.key_dtype}")  # fmt: skip
+                    raise ValueError(
+                        f"keys {tuple(stored_keys.shape)} {stored_keys.dtype}, expected ({n}, {hidden}) {cfg.key_dtype}"
+                    )
                 searcher = ExactSearcher(stored_keys, device)
             else:
                 import faiss
@@ -282,8 +322,17 @@ class KnnDatastore:
             raise
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise KnnDatastoreError(f"{path} is not a usable kNN-LM datastore: {exc}") from exc
-        store = cls(cfg, values, entry_doc, hidden, searcher, meta.get("target_sha256", ""),
-                    meta.get("tokenizer_sha256", ""), blob, meta.get("meta", {}))  # fmt: skip
+        store = cls(
+            cfg,
+            values,
+            entry_doc,
+            hidden,
+            searcher,
+            meta.get("target_sha256", ""),
+            meta.get("tokenizer_sha256", ""),
+            blob,
+            meta.get("meta", {}),
+        )
         if target is not None:
             store.check_fits(target, tokenizer_sha256)
         return store
@@ -303,9 +352,17 @@ def split_documents(docs: Sequence[Sequence[int]], max_len: int) -> list[list[in
     return out
 
 
-def build_knnlm(target, docs: Sequence[Sequence[int]], *, index: str = "exact", cfg: KnnBuildConfig | None = None,
-                tokenizer_sha256: str = "", meta: dict | None = None, progress: bool = True,
-                device: str | torch.device = "cpu") -> KnnDatastore:  # fmt: skip
+def build_knnlm(
+    target,
+    docs: Sequence[Sequence[int]],
+    *,
+    index: str = "exact",
+    cfg: KnnBuildConfig | None = None,
+    tokenizer_sha256: str = "",
+    meta: dict | None = None,
+    progress: bool = True,
+    device: str | torch.device = "cpu",
+) -> KnnDatastore:
     """A datastore over ``docs`` (token-id lists): the target's hidden state at each position
     but a document's last (batched forwards, a tqdm bar counting tokens), the next token, the
     document; then the searcher. ``cfg.index`` wins over ``index`` when ``cfg`` is given."""
@@ -337,8 +394,9 @@ def build_knnlm(target, docs: Sequence[Sequence[int]], *, index: str = "exact", 
             keys[starts[i] : starts[i + 1]] = torch.from_numpy(h[:-1]).to(store_dtype)
             bar.update(len(docs[i]))
     if not bool(torch.isfinite(keys).all()):
-        raise KnnDatastoreError(f"a hidden state does not fit {store_dtype} (overflow or NaN); build with "
-                                "key_dtype=float32")  # fmt: skip
+        raise KnnDatastoreError(
+            f"a hidden state does not fit {store_dtype} (overflow or NaN); build with key_dtype=float32"
+        )
     stats.embed_s = time.perf_counter() - t0
 
     # 2. the searcher
@@ -349,52 +407,99 @@ def build_knnlm(target, docs: Sequence[Sequence[int]], *, index: str = "exact", 
     else:
         import faiss
 
-        ivf = build_ivfpq(keys.numpy(), nlist=cfg.nlist, pq_m=cfg.pq_m, pq_bits=cfg.pq_bits, nprobe=cfg.nprobe,
-                          train_sample=cfg.train_sample, seed=cfg.seed)  # fmt: skip
+        ivf = build_ivfpq(
+            keys.numpy(),
+            nlist=cfg.nlist,
+            pq_m=cfg.pq_m,
+            pq_bits=cfg.pq_bits,
+            nprobe=cfg.nprobe,
+            train_sample=cfg.train_sample,
+            seed=cfg.seed,
+        )
         blob = faiss.serialize_index(ivf).tobytes()
         searcher = IvfpqSearcher(ivf, cfg.nprobe)
     del keys
     stats.index_s = time.perf_counter() - t0
     stats.total_s = time.perf_counter() - t_start
-    info = {"num_docs": stats.num_docs, "num_tokens": stats.num_tokens, "embed_s": round(stats.embed_s, 3),
-            "index_s": round(stats.index_s, 3), **(meta or {})}  # fmt: skip
-    store = KnnDatastore(cfg, values, entry_doc, hidden_size, searcher, target_fingerprint(target),
-                         tokenizer_sha256, blob, info, stats)  # fmt: skip
-    log.info("kNN-LM datastore: %d entries from %d documents, %s, %.0f bytes/entry; keys %.1fs, index %.1fs",
-             n, stats.num_docs, cfg.index, store.bytes_per_entry, stats.embed_s, stats.index_s)  # fmt: skip
+    info = {
+        "num_docs": stats.num_docs,
+        "num_tokens": stats.num_tokens,
+        "embed_s": round(stats.embed_s, 3),
+        "index_s": round(stats.index_s, 3),
+        **(meta or {}),
+    }
+    store = KnnDatastore(
+        cfg, values, entry_doc, hidden_size, searcher, target_fingerprint(target), tokenizer_sha256, blob, info, stats
+    )
+    log.info(
+        "kNN-LM datastore: %d entries from %d documents, %s, %.0f bytes/entry; keys %.1fs, index %.1fs",
+        n,
+        stats.num_docs,
+        cfg.index,
+        store.bytes_per_entry,
+        stats.embed_s,
+        stats.index_s,
+    )
     return store
 
 
 # ---------------------------------------------------------------- registry
-def register_knnlm(registry, name: str, store: KnnDatastore, *, tags: dict | None = None,
-                   metrics: dict | None = None, lineage: dict | None = None):  # fmt: skip
+def register_knnlm(
+    registry,
+    name: str,
+    store: KnnDatastore,
+    *,
+    tags: dict | None = None,
+    metrics: dict | None = None,
+    lineage: dict | None = None,
+):
     """Register ``store`` as a new version of ``knnlm-<name>`` (alias ``challenger``), stamped
     with its searcher, sizes and the target's and tokenizer's fingerprints; returns the version."""
     with tempfile.TemporaryDirectory(prefix="specops-knnlm-") as tmp:
         store.save(Path(tmp) / "knnlm")
         return registry.artifact("knnlm").register(
-            name, Path(tmp) / "knnlm", meta={"searcher": store.cfg.index, "target_sha256": store.target_sha256},
-            tags={"searcher": store.cfg.index, "target_sha256": store.target_sha256,
-                  "tokenizer_sha256": store.tokenizer_sha256, **(tags or {})},
-            metrics={"num_entries": float(store.num_entries), "bytes_per_entry": store.bytes_per_entry,
-                     **({"embed_tokens_per_s": store.build_stats.embed_tokens_per_s} if store.build_stats else {}),
-                     **(metrics or {})},
-            lineage=lineage)  # fmt: skip
+            name,
+            Path(tmp) / "knnlm",
+            meta={"searcher": store.cfg.index, "target_sha256": store.target_sha256},
+            tags={
+                "searcher": store.cfg.index,
+                "target_sha256": store.target_sha256,
+                "tokenizer_sha256": store.tokenizer_sha256,
+                **(tags or {}),
+            },
+            metrics={
+                "num_entries": float(store.num_entries),
+                "bytes_per_entry": store.bytes_per_entry,
+                **({"embed_tokens_per_s": store.build_stats.embed_tokens_per_s} if store.build_stats else {}),
+                **(metrics or {}),
+            },
+            lineage=lineage,
+        )
 
 
-def load_knnlm(registry, name: str, *, alias: str = "champion", version: str | None = None, target=None,
-               tokenizer_sha256: str | None = None, nprobe: int | None = None,
-               device: str | torch.device = "cpu"):  # fmt: skip
+def load_knnlm(
+    registry,
+    name: str,
+    *,
+    alias: str = "champion",
+    version: str | None = None,
+    target=None,
+    tokenizer_sha256: str | None = None,
+    nprobe: int | None = None,
+    device: str | torch.device = "cpu",
+):
     """``(store, version)``: ``knnlm-<name>`` at ``version`` (or ``alias``), fetched, verified
     (the registry's manifest, then every sha256 of the datastore) and checked against
     ``target``. Raises KnnDatastoreError when there is no such version."""
     kind = registry.artifact("knnlm")
     v = kind.get(name, version) if version else kind.by_alias(name, alias)
     if v is None:
-        raise KnnDatastoreError(f"knnlm-{name} has no version with alias {alias!r}; build one with "
-                                f"`specops knnlm build --name {name}`")  # fmt: skip
+        raise KnnDatastoreError(
+            f"knnlm-{name} has no version with alias {alias!r}; build one with `specops knnlm build --name {name}`"
+        )
     with tempfile.TemporaryDirectory(prefix="specops-knnlm-") as tmp:
         kind.fetch(v, Path(tmp) / "knnlm")
-        store = KnnDatastore.load(Path(tmp) / "knnlm", target=target, tokenizer_sha256=tokenizer_sha256,
-                                  nprobe=nprobe, device=device)  # fmt: skip
+        store = KnnDatastore.load(
+            Path(tmp) / "knnlm", target=target, tokenizer_sha256=tokenizer_sha256, nprobe=nprobe, device=device
+        )
     return store, v

@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from specops.core.errors import InvalidRequestError
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
-from specops.core.errors import InvalidRequestError
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
 from specops.serving.ralm.os3 import OS3Config, StrideScheduler
 from specops.serving.retrieval.retriever import Query, Retriever
@@ -84,23 +84,33 @@ class RalmConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise InvalidRequestError(f"retrieval.mode must be one of {', '.join(MODES)}, got {self.mode!r}",
-                                      "retrieval.mode")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.mode must be one of {', '.join(MODES)}, got {self.mode!r}", "retrieval.mode"
+            )
         if not isinstance(self.interval, int) or not 1 <= self.interval <= MAX_INTERVAL:
-            raise InvalidRequestError(f"retrieval.stride must be an integer in 1..{MAX_INTERVAL}, got {self.interval!r}",
-                                      "retrieval.stride")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.stride must be an integer in 1..{MAX_INTERVAL}, got {self.interval!r}", "retrieval.stride"
+            )
         if not isinstance(self.query_tokens, int) or not 1 <= self.query_tokens <= 512:
-            raise InvalidRequestError(f"retrieval.query_tokens must be an integer in 1..512, got {self.query_tokens!r}",
-                                      "retrieval.query_tokens")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.query_tokens must be an integer in 1..512, got {self.query_tokens!r}",
+                "retrieval.query_tokens",
+            )
         if not isinstance(self.speculation_stride, int) or not 0 <= self.speculation_stride <= 32:
-            raise InvalidRequestError("retrieval.speculation_stride must be an integer in 0..32 (0 = OS³), got "
-                                      f"{self.speculation_stride!r}", "retrieval.speculation_stride")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.speculation_stride must be an integer in 0..32 (0 = OS³), got {self.speculation_stride!r}",
+                "retrieval.speculation_stride",
+            )
         if not isinstance(self.prefetch, int) or not 1 <= self.prefetch <= MAX_PREFETCH:
-            raise InvalidRequestError(f"retrieval.prefetch must be an integer in 1..{MAX_PREFETCH}, got {self.prefetch!r}",
-                                      "retrieval.prefetch")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.prefetch must be an integer in 1..{MAX_PREFETCH}, got {self.prefetch!r}",
+                "retrieval.prefetch",
+            )
         if not isinstance(self.passages, int) or not 1 <= self.passages <= MAX_ONESHOT_PASSAGES:
-            raise InvalidRequestError(f"retrieval.passages must be an integer in 1..{MAX_ONESHOT_PASSAGES}, got "
-                                      f"{self.passages!r}", "retrieval.passages")  # fmt: skip
+            raise InvalidRequestError(
+                f"retrieval.passages must be an integer in 1..{MAX_ONESHOT_PASSAGES}, got {self.passages!r}",
+                "retrieval.passages",
+            )
         if self.max_passage_tokens < 1 or self.cache_size < 1:
             raise ValueError("max_passage_tokens and cache_size must be >= 1")
 
@@ -131,9 +141,18 @@ class RalmStats:
     cache_passages: int = 0
     gamma: float = 0.0
     """OS³'s last estimate of the speculation accuracy."""
-    time_s: dict[str, float] = field(default_factory=lambda: {
-        "total": 0.0, "generate": 0.0, "embed": 0.0, "cache": 0.0, "kb_search": 0.0, "kb_wait": 0.0,
-        "async_overlap": 0.0, "async_overlap_simulated": 0.0})  # fmt: skip
+    time_s: dict[str, float] = field(
+        default_factory=lambda: {
+            "total": 0.0,
+            "generate": 0.0,
+            "embed": 0.0,
+            "cache": 0.0,
+            "kb_search": 0.0,
+            "kb_wait": 0.0,
+            "async_overlap": 0.0,
+            "async_overlap_simulated": 0.0,
+        }
+    )
     """``generate``: decoding; ``embed``: query encoding; ``kb_search``: time inside KB searches;
     ``kb_wait``: time the loop waited for them (less than ``kb_search`` when verification
     overlapped generation); ``async_overlap``: the measured difference; ``async_overlap_simulated``:
@@ -234,11 +253,28 @@ class RalmGenerator:
     decodes queries. ``method``/``k``/``proposer_cfg``/``resources`` choose the speculative
     decoding between retrievals, as for ``SpecEngine.session``."""
 
-    def __init__(self, engine: SpecEngine, retriever: Retriever, passages: Callable[[list[int]], list[str]],
-                 tokenizer, cfg: RalmConfig, *, method: str = "target", k: int | None = None,
-                 proposer_cfg: ProposerConfig | None = None, resources: ProposerResources | None = None,
-                 pool: ThreadPoolExecutor | None = None, os3: OS3Config | None = None) -> None:  # fmt: skip
-        self.engine, self.retriever, self.passage_texts, self.tokenizer, self.cfg = engine, retriever, passages, tokenizer, cfg
+    def __init__(
+        self,
+        engine: SpecEngine,
+        retriever: Retriever,
+        passages: Callable[[list[int]], list[str]],
+        tokenizer,
+        cfg: RalmConfig,
+        *,
+        method: str = "target",
+        k: int | None = None,
+        proposer_cfg: ProposerConfig | None = None,
+        resources: ProposerResources | None = None,
+        pool: ThreadPoolExecutor | None = None,
+        os3: OS3Config | None = None,
+    ) -> None:
+        self.engine, self.retriever, self.passage_texts, self.tokenizer, self.cfg = (
+            engine,
+            retriever,
+            passages,
+            tokenizer,
+            cfg,
+        )
         self.method, self.k, self.proposer_cfg, self.resources = method, k, proposer_cfg, resources
         self.pool = pool
         self.os3 = os3
@@ -249,12 +285,14 @@ class RalmGenerator:
     def _passage_tokens(self, pid: int) -> list[int]:
         if pid not in self._passage_ids:
             text = self.passage_texts([pid])[0]
-            self._passage_ids[pid] = list(self.tokenizer.encode(text, add_special_tokens=False))[: self.cfg.max_passage_tokens]
+            self._passage_ids[pid] = list(self.tokenizer.encode(text, add_special_tokens=False))[
+                : self.cfg.max_passage_tokens
+            ]
         return self._passage_ids[pid]
 
     def _encode_query(self, prompt: list[int], out: list[int], stats: RalmStats) -> Query:
         t0 = time.perf_counter()
-        ids = (prompt + out)[-self.cfg.query_tokens:]
+        ids = (prompt + out)[-self.cfg.query_tokens :]
         q = self.retriever.encode([self.tokenizer.decode(ids)])[0]
         stats.time_s["embed"] += time.perf_counter() - t0
         return q
@@ -272,10 +310,19 @@ class RalmGenerator:
         if p_ids:
             spans.insert(0, ContextSpan("retrieved", 0, len(p_ids)))
         seed = None if params.seed is None else params.seed + start  # reproducible sampling per interval start
-        seg_params = SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                    max_new_tokens=params.max_new_tokens - start, seed=seed)  # fmt: skip
-        session = self.engine.session(context, seg_params, method=self.method, k=self.k, proposer_cfg=self.proposer_cfg,
-                                      resources=self.resources, context_spans=tuple(spans), hold_back=True)  # fmt: skip
+        seg_params = SamplingParams(
+            temperature=params.temperature, top_p=params.top_p, max_new_tokens=params.max_new_tokens - start, seed=seed
+        )
+        session = self.engine.session(
+            context,
+            seg_params,
+            method=self.method,
+            k=self.k,
+            proposer_cfg=self.proposer_cfg,
+            resources=self.resources,
+            context_spans=tuple(spans),
+            hold_back=True,
+        )
         return _Segment(session, passage, start, len(context))
 
     def _interval(self, seg: _Segment, out: list[int], stats: RalmStats) -> str:
@@ -292,8 +339,17 @@ class RalmGenerator:
         stats.time_s["generate"] += time.perf_counter() - t0
         return session.finish_reason
 
-    def _run_step(self, steps: list[_Step], passage: int, query: Query, verified: bool, prompt: list[int],
-                  out: list[int], params: SamplingParams, stats: RalmStats) -> _Step:  # fmt: skip
+    def _run_step(
+        self,
+        steps: list[_Step],
+        passage: int,
+        query: Query,
+        verified: bool,
+        prompt: list[int],
+        out: list[int],
+        params: SamplingParams,
+        stats: RalmStats,
+    ) -> _Step:
         """Generate one interval with ``passage``: continue the previous step's session when the
         passage is the same, else open a new one."""
         t0 = time.perf_counter()
@@ -311,8 +367,9 @@ class RalmGenerator:
         return step
 
     # ------------------------------------------------------------------ the loops
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 on_final: Callable[[list[int]], None] | None = None) -> RalmResult:  # fmt: skip
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_final: Callable[[list[int]], None] | None = None
+    ) -> RalmResult:
         """Decode one request; ``on_final(tokens)`` receives output as it becomes final (verified);
         returning True ends the request there (finish reason ``stop``: a stop sequence was seen)."""
         cfg = self.cfg
@@ -333,7 +390,7 @@ class RalmGenerator:
                 else:
                     self._ralmspec(prompt, out, steps, params, stats, final)
             except _Stopped:
-                del out[self._final:]
+                del out[self._final :]
                 while steps and steps[-1].start >= len(out):
                     steps.pop().segment.close()
                 result = self._result(out, steps, stats, t0)
@@ -504,8 +561,9 @@ class OneShot:
     search_s: float
 
 
-def oneshot_context(retriever: Retriever, passages: Callable[[list[int]], list[str]], tokenizer, prompt_ids: list[int],
-                    cfg: RalmConfig) -> OneShot:  # fmt: skip
+def oneshot_context(
+    retriever: Retriever, passages: Callable[[list[int]], list[str]], tokenizer, prompt_ids: list[int], cfg: RalmConfig
+) -> OneShot:
     """Retrieve the top ``cfg.passages`` passages once, for the last ``cfg.query_tokens`` tokens
     of the prompt, and put them before it (best first, each cut to ``max_passage_tokens``, separated
     as the retrieval loop separates its passage from the prompt). The LLMA paper's RAG setting."""

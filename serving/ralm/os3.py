@@ -62,8 +62,10 @@ def rate_with_rework(s: int, gamma: float, a: float, b: float, *, asynchronous: 
 def speculation_pays(gamma: float, a: float, bs: list[float], *, asynchronous: bool) -> bool:
     """Whether some stride's rate with rework beats RaLMSeq's ``1 / (a + b(1))``."""
     sequential = 1.0 / max(a + bs[0], 1e-12)
-    return max(rate_with_rework(s, gamma, a, bs[s - 1], asynchronous=asynchronous)
-               for s in range(1, len(bs) + 1)) > sequential  # fmt: skip
+    return (
+        max(rate_with_rework(s, gamma, a, bs[s - 1], asynchronous=asynchronous) for s in range(1, len(bs) + 1))
+        > sequential
+    )
 
 
 def best_stride(gamma: float, a: float, b: float | list[float], *, asynchronous: bool, s_max: int = 16) -> int:
@@ -174,8 +176,9 @@ class StrideScheduler:
         else:
             bs = [self.b(n) for n in range(1, self.cfg.s_max + 1)]
             s = best_stride(self.gamma, self.a, bs, asynchronous=self.asynchronous, s_max=self.cfg.s_max)
-            if self.cfg.allow_off and not speculation_pays(self.gamma_uncapped, self.a, bs,
-                                                           asynchronous=self.asynchronous):  # fmt: skip
+            if self.cfg.allow_off and not speculation_pays(
+                self.gamma_uncapped, self.a, bs, asynchronous=self.asynchronous
+            ):
                 s = 0
         if remaining is not None and s:
             s = max(1, min(s, remaining))
@@ -183,5 +186,10 @@ class StrideScheduler:
         return s
 
     def snapshot(self) -> dict:
-        return {"gamma": round(self.gamma, 4), "a_s": round(self.a, 6), "b1_s": round(self.b(1), 6),
-                "strides": list(self.chosen), "off_rounds": self.chosen.count(0)}  # fmt: skip
+        return {
+            "gamma": round(self.gamma, 4),
+            "a_s": round(self.a, 6),
+            "b1_s": round(self.b(1), 6),
+            "strides": list(self.chosen),
+            "off_rounds": self.chosen.count(0),
+        }

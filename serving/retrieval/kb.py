@@ -42,10 +42,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from specops.registry.artifacts import KB_FORMAT, MANIFEST, sha256_file, sha256_json
 from specops.core.errors import KBError
 from specops.core.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
 from specops.core.passage import Passage, indexed_text
+from specops.registry.artifacts import KB_FORMAT, MANIFEST, sha256_file, sha256_json
 from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Retriever
 from specops.serving.retrieval.retrievers import BM25Index, BM25Retriever, DenseRetriever, ExactScorer, build_bm25
 from specops.serving.retrieval.text_embed import HASH, MINILM, HashEmbedder, embed_passages, make_text_embedder
@@ -84,8 +84,17 @@ def _load(path: Path) -> dict[str, np.ndarray]:
 class KnowledgeBase:
     """Passages, their vectors and built retrievers; immutable once built (a rebuild makes a new one)."""
 
-    def __init__(self, name: str, strings: dict[str, tuple[np.ndarray, np.ndarray]], embeddings: np.ndarray,
-                 embedder, *, ann: dict[str, KeyIndex], bm25: BM25Index | None, meta: dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        strings: dict[str, tuple[np.ndarray, np.ndarray]],
+        embeddings: np.ndarray,
+        embedder,
+        *,
+        ann: dict[str, KeyIndex],
+        bm25: BM25Index | None,
+        meta: dict,
+    ) -> None:
         assert embeddings.dtype == np.float16 and embeddings.ndim == 2, (embeddings.dtype, embeddings.shape)
         self.name, self.embeddings, self.embedder = name, embeddings, embedder
         self._strings, self._ann, self._bm25 = strings, ann, bm25
@@ -137,8 +146,10 @@ class KnowledgeBase:
     def retriever(self, kind: str) -> Retriever:
         """The retriever ``kind`` (built once per KB object and shared: it is thread-safe)."""
         if kind not in self._built:
-            raise KBError(f"knowledge base {self.name!r} has no {kind!r} retriever; it was built with "
-                          f"{', '.join(self._built) or 'none'} (rebuild with --retrievers to add one)")  # fmt: skip
+            raise KBError(
+                f"knowledge base {self.name!r} has no {kind!r} retriever; it was built with "
+                f"{', '.join(self._built) or 'none'} (rebuild with --retrievers to add one)"
+            )
         with self._lock:
             if kind not in self._retrievers:
                 if kind == "bm25":
@@ -151,9 +162,14 @@ class KnowledgeBase:
 
     def describe(self) -> dict:
         keep = ("embedder", "retrievers", "build_s", "sources", "heldout_excluded", "chunking", "index_configs")
-        return {"name": self.name, "version": self.version, "num_passages": self.num_passages, "dims": self.dims,
-                "bytes_per_passage": round(self.bytes_per_passage, 1),
-                **{k: self.meta[k] for k in keep if k in self.meta}}  # fmt: skip
+        return {
+            "name": self.name,
+            "version": self.version,
+            "num_passages": self.num_passages,
+            "dims": self.dims,
+            "bytes_per_passage": round(self.bytes_per_passage, 1),
+            **{k: self.meta[k] for k in keep if k in self.meta},
+        }
 
     # ------------------------------------------------------------ files
     def save(self, out_dir: Path) -> Path:
@@ -170,8 +186,10 @@ class KnowledgeBase:
             _save(self.embedder.tensors(), out_dir / HASH_FILE)
             written.append(HASH_FILE)
         for kind, index in self._ann.items():
-            _save({n: np.frombuffer(bytearray(b), dtype=np.uint8) for n, b in index.files.items()},
-                  out_dir / f"{kind}.safetensors")
+            _save(
+                {n: np.frombuffer(bytearray(b), dtype=np.uint8) for n, b in index.files.items()},
+                out_dir / f"{kind}.safetensors",
+            )
             written.append(f"{kind}.safetensors")
         if self._bm25 is not None:
             _save(self._bm25.tensors(), out_dir / BM25_FILE)
@@ -179,14 +197,21 @@ class KnowledgeBase:
             written += [BM25_FILE, BM25_VOCAB_FILE]
         files = {name: sha256_file(out_dir / name) for name in written}
         total = sum((out_dir / name).stat().st_size for name in written)
-        meta = {**self.meta, "format": KB_FORMAT, "name": self.name, "num_passages": self.num_passages,
-                "dims": self.dims, "files": files, "bytes_per_passage": round(total / max(1, self.num_passages), 1)}  # fmt: skip
+        meta = {
+            **self.meta,
+            "format": KB_FORMAT,
+            "name": self.name,
+            "num_passages": self.num_passages,
+            "dims": self.dims,
+            "files": files,
+            "bytes_per_passage": round(total / max(1, self.num_passages), 1),
+        }
         meta["meta_sha256"] = _canonical_sha(meta)
         (out_dir / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         return out_dir
 
     @classmethod
-    def load(cls, path: Path) -> "KnowledgeBase":
+    def load(cls, path: Path) -> KnowledgeBase:
         """Read a saved KB, verifying every file; a missing, unlisted, corrupt or foreign file raises KBError."""
         path = Path(path)
         try:
@@ -197,20 +222,24 @@ class KnowledgeBase:
             raise KBError(f"{path} is not a usable knowledge base: {exc}") from exc
 
     @classmethod
-    def _load(cls, path: Path) -> "KnowledgeBase":
+    def _load(cls, path: Path) -> KnowledgeBase:
         meta = json.loads((path / META_FILE).read_bytes().decode("utf-8"))
         if not isinstance(meta, dict) or meta.get("format") != KB_FORMAT:
             raise KBError(f"format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {KB_FORMAT}")
         if meta.get("meta_sha256") != _canonical_sha(meta):
             raise KBError(f"{META_FILE} does not match its own sha256: corrupt or edited")
         files = meta["files"]
-        bad = sorted(n for n in files if "/" in n or "\\" in n or n.startswith(".") or not n.endswith((".safetensors", ".json")))
+        bad = sorted(
+            n for n in files if "/" in n or "\\" in n or n.startswith(".") or not n.endswith((".safetensors", ".json"))
+        )
         if bad:
             raise KBError(f"{META_FILE} lists files a KB never holds: {bad} (only safetensors and JSON)")
         present = {p.name for p in path.iterdir()} - {META_FILE, MANIFEST}
         if present != set(files):
-            raise KBError(f"files not listed in {META_FILE}: {sorted(present - set(files))}; "
-                          f"missing: {sorted(set(files) - present)}")  # fmt: skip
+            raise KBError(
+                f"files not listed in {META_FILE}: {sorted(present - set(files))}; "
+                f"missing: {sorted(set(files) - present)}"
+            )
         for name, want in files.items():
             if sha256_file(path / name) != want:
                 raise KBError(f"{name} does not match its sha256: corrupt or tampered")
@@ -219,8 +248,14 @@ class KnowledgeBase:
         strings = {}
         for f in _STRING_FIELDS:
             blob, off = raw[f], raw[f"{f}_offsets"]
-            if blob.dtype != np.uint8 or off.dtype != np.int64 or off.shape != (n + 1,) or off[0] != 0 \
-                    or off[-1] != len(blob) or (np.diff(off) < 0).any():  # fmt: skip
+            if (
+                blob.dtype != np.uint8
+                or off.dtype != np.int64
+                or off.shape != (n + 1,)
+                or off[0] != 0
+                or off[-1] != len(blob)
+                or (np.diff(off) < 0).any()
+            ):
                 raise KBError(f"passage {f}s are not {n} UTF-8 strings with rising offsets")
             strings[f] = (blob, off)
         emb = _load(path / EMBEDDINGS_FILE)["embeddings"]
@@ -239,7 +274,9 @@ class KnowledgeBase:
         if "bm25" in meta["retrievers"]:
             arrays = _load(path / BM25_FILE)
             vocab = json.loads((path / BM25_VOCAB_FILE).read_text())
-            bm25 = BM25Index(arrays["data"], arrays["indices"], arrays["indptr"], list(vocab["vocab"]), n, vocab["params"])
+            bm25 = BM25Index(
+                arrays["data"], arrays["indices"], arrays["indptr"], list(vocab["vocab"]), n, vocab["params"]
+            )
         return cls(meta["name"], strings, emb, embedder, ann=ann, bm25=bm25, meta=meta)
 
 
@@ -253,20 +290,31 @@ def _embedder_for(meta: dict, path: Path, dims: int):
     else:
         raise KBError(f"unknown embedder {spec['kind']!r}")
     if embedder.config_sha256 != spec["config_sha256"] or embedder.dim != dims:
-        raise KBError(f"built with a {spec['kind']} embedder of config {spec['config_sha256'][:12]}; this one is "
-                      f"{embedder.config_sha256[:12]} ({embedder.dim} dims): its vectors would not match the KB's")  # fmt: skip
+        raise KBError(
+            f"built with a {spec['kind']} embedder of config {spec['config_sha256'][:12]}; this one is "
+            f"{embedder.config_sha256[:12]} ({embedder.dim} dims): its vectors would not match the KB's"
+        )
     return embedder
 
 
 # ---------------------------------------------------------------- build
-def build_kb(name: str, passages: Sequence[Passage], *, embedder="minilm", retrievers: Sequence[str] = RETRIEVER_KINDS,
-             progress: bool = True, meta: dict | None = None,
-             index_configs: dict[str, IndexConfig] | None = None) -> KnowledgeBase:  # fmt: skip
+def build_kb(
+    name: str,
+    passages: Sequence[Passage],
+    *,
+    embedder="minilm",
+    retrievers: Sequence[str] = RETRIEVER_KINDS,
+    progress: bool = True,
+    meta: dict | None = None,
+    index_configs: dict[str, IndexConfig] | None = None,
+) -> KnowledgeBase:
     """Build KB ``name`` from ``passages`` (their ids are ignored: passages are renumbered
     0..N-1 in order after exact duplicates are dropped). ``embedder`` is ``minilm``,
     ``hash`` (fitted here on the passages) or an embedder object; ``meta`` is stored in kb.json."""
     if not NAME_RE.match(name):
-        raise KBError(f"knowledge base name {name!r}: letters, digits, '_', '.', '-' (up to 64, not starting with a symbol)")
+        raise KBError(
+            f"knowledge base name {name!r}: letters, digits, '_', '.', '-' (up to 64, not starting with a symbol)"
+        )
     unknown = [k for k in retrievers if k not in RETRIEVER_KINDS]
     if unknown or not retrievers:
         raise KBError(f"retrievers {list(retrievers)}: choose from {', '.join(RETRIEVER_KINDS)}")
@@ -287,7 +335,9 @@ def build_kb(name: str, passages: Sequence[Passage], *, embedder="minilm", retri
 
     # 1. Embed (fitting the hash embedder's idf first).
     t0 = time.perf_counter()
-    with tqdm(total=len(docs) * (2 if embedder == HASH else 1), unit="passage", desc="embedding", disable=not progress) as bar:
+    with tqdm(
+        total=len(docs) * (2 if embedder == HASH else 1), unit="passage", desc="embedding", disable=not progress
+    ) as bar:
         if isinstance(embedder, str):
             embedder = make_text_embedder(embedder, fit_texts=docs, progress=bar.update)
         vectors = embed_passages(embedder, docs, progress=bar.update)  # [N, dims] float32
@@ -310,10 +360,15 @@ def build_kb(name: str, passages: Sequence[Passage], *, embedder="minilm", retri
                 bm25 = build_bm25(docs, progress=False)
             build_s[kind] = time.perf_counter() - t0
     build_s["total"] = time.perf_counter() - t_start
-    info = {**(meta or {}), "retrievers": kinds, "build_s": {k: round(v, 3) for k, v in build_s.items()},
-            "embedder": {"kind": embedder.kind, "config_sha256": embedder.config_sha256, "dim": int(embedder.dim)},
-            "index_configs": {k: asdict(configs[k]) for k in ann}, "duplicates_dropped": len(passages) - len(kept),
-            "embed_passages_per_s": round(len(docs) / max(build_s["embed"], 1e-9), 1)}  # fmt: skip
+    info = {
+        **(meta or {}),
+        "retrievers": kinds,
+        "build_s": {k: round(v, 3) for k, v in build_s.items()},
+        "embedder": {"kind": embedder.kind, "config_sha256": embedder.config_sha256, "dim": int(embedder.dim)},
+        "index_configs": {k: asdict(configs[k]) for k in ann},
+        "duplicates_dropped": len(passages) - len(kept),
+        "embed_passages_per_s": round(len(docs) / max(build_s["embed"], 1e-9), 1),
+    }
     strings = {f: _pack([getattr(p, f) for p in kept]) for f in _STRING_FIELDS}
     return KnowledgeBase(name, strings, embeddings, embedder, ann=ann, bm25=bm25, meta=info)
 
@@ -328,16 +383,34 @@ def register_kb(registry, kb: KnowledgeBase, *, promote: bool = True, tags: dict
     with tempfile.TemporaryDirectory(prefix="specops-kb-") as tmp:
         path = kb.save(Path(tmp) / "kb")
         meta = json.loads((path / META_FILE).read_text())
-        content = hashlib.sha256(json.dumps({"passages": meta["files"][PASSAGES_FILE], "embeddings":
-                                             meta["files"][EMBEDDINGS_FILE], "retrievers": list(kb.retrievers)},
-                                            sort_keys=True).encode()).hexdigest()  # fmt: skip
+        content = hashlib.sha256(
+            json.dumps(
+                {
+                    "passages": meta["files"][PASSAGES_FILE],
+                    "embeddings": meta["files"][EMBEDDINGS_FILE],
+                    "retrievers": list(kb.retrievers),
+                },
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()
         v = kind.register(
-            kb.name, path, meta={"name": kb.name, "num_passages": kb.num_passages},
-            tags={"embedder": kb.embedder.kind, "embedder_sha256": kb.embedder.config_sha256,
-                  "retrievers": ",".join(kb.retrievers), "content_sha256": content, **(tags or {})},
-            metrics={"num_passages": float(kb.num_passages), "bytes_per_passage": float(meta["bytes_per_passage"]),
-                     "build_s": float(kb.meta.get("build_s", {}).get("total", 0.0))},
-            source_id=f"kb:{content}")  # fmt: skip
+            kb.name,
+            path,
+            meta={"name": kb.name, "num_passages": kb.num_passages},
+            tags={
+                "embedder": kb.embedder.kind,
+                "embedder_sha256": kb.embedder.config_sha256,
+                "retrievers": ",".join(kb.retrievers),
+                "content_sha256": content,
+                **(tags or {}),
+            },
+            metrics={
+                "num_passages": float(kb.num_passages),
+                "bytes_per_passage": float(meta["bytes_per_passage"]),
+                "build_s": float(kb.meta.get("build_s", {}).get("total", 0.0)),
+            },
+            source_id=f"kb:{content}",
+        )
     if promote:
         kind.promote(kb.name, v.version, reason="specops kb build")
         v = kind.get(kb.name, v.version)
@@ -345,8 +418,9 @@ def register_kb(registry, kb: KnowledgeBase, *, promote: bool = True, tags: dict
     return v
 
 
-def load_kb_from_registry(registry, name: str, alias: str = "champion", *, version: str | None = None,
-                          cache_dir: Path | None = None) -> KnowledgeBase:  # fmt: skip
+def load_kb_from_registry(
+    registry, name: str, alias: str = "champion", *, version: str | None = None, cache_dir: Path | None = None
+) -> KnowledgeBase:
     """The KB ``kb-<name>`` at ``alias`` (or ``version``), fetched, verified and loaded, with
     ``.version`` set. With ``cache_dir`` the files stay there (``<cache_dir>/kb-<name>/<version>``)
     and a later call loads them without downloading (still verifying every sha256)."""

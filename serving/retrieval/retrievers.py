@@ -186,8 +186,15 @@ class DenseRetriever:
 class BM25Index:
     """BM25 scores of every (passage, word) over the KB, as a CSC matrix (a column per word)."""
 
-    def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, vocab: list[str],
-                 num_passages: int, params: dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data: np.ndarray,
+        indices: np.ndarray,
+        indptr: np.ndarray,
+        vocab: list[str],
+        num_passages: int,
+        params: dict,
+    ) -> None:
         self.data, self.indices, self.indptr = data, indices, indptr
         self.vocab, self.num_passages, self.params = vocab, num_passages, dict(params)
         self.column = {word: i for i, word in enumerate(vocab)}
@@ -214,7 +221,9 @@ class BM25Index:
 
     @property
     def num_bytes(self) -> int:
-        return int(self.data.nbytes + self.indices.nbytes + self.indptr.nbytes + sum(len(w.encode()) + 1 for w in self.vocab))
+        return int(
+            self.data.nbytes + self.indices.nbytes + self.indptr.nbytes + sum(len(w.encode()) + 1 for w in self.vocab)
+        )
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {"data": self.data, "indices": self.indices, "indptr": self.indptr}
@@ -240,8 +249,9 @@ def bm25_tokens(text: str) -> list[str]:
     return [w for w in pattern.findall(text.lower()) if w not in stop]
 
 
-def build_bm25(texts: list[str], *, k1: float = 1.5, b: float = 0.75, method: str = "lucene",
-               progress: bool = False) -> BM25Index:  # fmt: skip
+def build_bm25(
+    texts: list[str], *, k1: float = 1.5, b: float = 0.75, method: str = "lucene", progress: bool = False
+) -> BM25Index:
     """Index ``texts`` (the KB's passages) with bm25s; its arrays are copied out (its own
     save/load is not used: the KB stores them in safetensors)."""
     bm25s = _bm25s()
@@ -260,8 +270,15 @@ def build_bm25(texts: list[str], *, k1: float = 1.5, b: float = 0.75, method: st
     words = [""] * len(vocab)
     for w, i in vocab.items():
         words[i] = w
-    params = {"k1": k1, "b": b, "method": method, "token_pattern": BM25_TOKEN_PATTERN, "stopwords": "en",
-              "stemmer": None, "library": f"bm25s=={bm25s.__version__}"}  # fmt: skip
+    params = {
+        "k1": k1,
+        "b": b,
+        "method": method,
+        "token_pattern": BM25_TOKEN_PATTERN,
+        "stopwords": "en",
+        "stemmer": None,
+        "library": f"bm25s=={bm25s.__version__}",
+    }
     return BM25Index(data[order], indices[order], indptr, words, len(texts), params)
 
 

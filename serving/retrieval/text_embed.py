@@ -71,8 +71,14 @@ class HashEmbedder:
         self._sha: str | None = None
 
     @classmethod
-    def fit(cls, texts: list[str], *, buckets: int = HASH_BUCKETS, dim: int = HASH_DIM,
-            progress: Callable[[int], None] | None = None) -> "HashEmbedder":  # fmt: skip
+    def fit(
+        cls,
+        texts: list[str],
+        *,
+        buckets: int = HASH_BUCKETS,
+        dim: int = HASH_DIM,
+        progress: Callable[[int], None] | None = None,
+    ) -> HashEmbedder:
         """Fit the idf on ``texts`` (the KB's passages); ``progress(n)`` after each 1,000 texts."""
         df = np.zeros(buckets, dtype=np.int64)
         for i, text in enumerate(texts):
@@ -87,8 +93,11 @@ class HashEmbedder:
     @property
     def config_sha256(self) -> str:
         if self._sha is None:
-            h = hashlib.sha256(json.dumps({"kind": self.kind, "scheme": HASH_SCHEME, "dim": self.dim,
-                                           "buckets": self.buckets}, sort_keys=True).encode())  # fmt: skip
+            h = hashlib.sha256(
+                json.dumps(
+                    {"kind": self.kind, "scheme": HASH_SCHEME, "dim": self.dim, "buckets": self.buckets}, sort_keys=True
+                ).encode()
+            )
             h.update(self.idf.tobytes())
             self._sha = h.hexdigest()
         return self._sha
@@ -116,15 +125,14 @@ class HashEmbedder:
         return {"idf": self.idf}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, np.ndarray], dim: int) -> "HashEmbedder":
+    def from_tensors(cls, tensors: dict[str, np.ndarray], dim: int) -> HashEmbedder:
         idf = tensors.get("idf")
         if idf is None or idf.ndim != 1 or idf.dtype != np.float32 or not np.isfinite(idf).all():
             raise KBError("the hash embedder's idf must be a finite float32 vector")
         return cls(idf, dim=dim)
 
 
-def make_text_embedder(kind: str, *, fit_texts: list[str] | None = None,
-                       progress: Callable[[int], None] | None = None):  # fmt: skip
+def make_text_embedder(kind: str, *, fit_texts: list[str] | None = None, progress: Callable[[int], None] | None = None):
     """The embedder named ``kind``: ``minilm``, or ``hash`` fitted on ``fit_texts``."""
     if kind == MINILM:
         from specops.core.embed import MiniLMEmbedder
@@ -146,8 +154,9 @@ def embed_each(embedder, texts: list[str]) -> np.ndarray:
     return out
 
 
-def embed_passages(embedder, texts: list[str], *, batch_size: int = 64,
-                   progress: Callable[[int], None] | None = None) -> np.ndarray:  # fmt: skip
+def embed_passages(
+    embedder, texts: list[str], *, batch_size: int = 64, progress: Callable[[int], None] | None = None
+) -> np.ndarray:
     """[len(texts), dim] float32 passage vectors, in length-sorted batches (little padding);
     ``progress(n)`` after each batch."""
     out = np.zeros((len(texts), embedder.dim), dtype=np.float32)

@@ -18,9 +18,27 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
     for i in range(12):
         (src / f"tool{i}.txt").write_text(TEXT.format(n=i) * 4)
     out, doc = tmp_path / "adaptive.json", tmp_path / "benchmarks.md"
-    argv = ["--model-dir", str(tiny_models), "--quick", "--source", str(src), "--cache-dir", str(tmp_path / "c"),
-            "--cases", "1", "--max-new-tokens", "8", "--prompt-tokens", "24", "--threads", "1",
-            "--json", str(out), "--doc", str(doc)]  # fmt: skip
+    argv = [
+        "--model-dir",
+        str(tiny_models),
+        "--quick",
+        "--source",
+        str(src),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--cases",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--prompt-tokens",
+        "24",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+        "--doc",
+        str(doc),
+    ]
     assert adaptive.main(argv) == 0
     report = json.loads(out.read_text())
     s = report["summary"]

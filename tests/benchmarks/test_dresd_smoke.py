@@ -10,14 +10,43 @@ from benchmarks import dresd
 
 pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
-SUMMARY_KEYS = ("mar_ratio_vs_rest", "accepted_length_ratio_vs_rest", "tokens_per_s_ratio_vs_rest",
-                "live_vs_ood_mar_ratio", "greedy_identical", "bytes_per_entry", "search_p50_ms")  # fmt: skip
+SUMMARY_KEYS = (
+    "mar_ratio_vs_rest",
+    "accepted_length_ratio_vs_rest",
+    "tokens_per_s_ratio_vs_rest",
+    "live_vs_ood_mar_ratio",
+    "greedy_identical",
+    "bytes_per_entry",
+    "search_p50_ms",
+)
 
 
 def test_dresd_benchmark_writes_summary_json_and_doc(tiny_models, tmp_path):
     out, doc = tmp_path / "dresd.json", tmp_path / "benchmarks.md"
-    assert dresd.main(["--model-dir", str(tiny_models), "--quick", "--prompts", "1", "--max-new-tokens", "6",
-                       "--id-prompts", "4", "--id-new-tokens", "8", "--scale", "3000", "--json", str(out), "--doc", str(doc)]) == 0
+    assert (
+        dresd.main(
+            [
+                "--model-dir",
+                str(tiny_models),
+                "--quick",
+                "--prompts",
+                "1",
+                "--max-new-tokens",
+                "6",
+                "--id-prompts",
+                "4",
+                "--id-new-tokens",
+                "8",
+                "--scale",
+                "3000",
+                "--json",
+                str(out),
+                "--doc",
+                str(doc),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     s = report["summary"]
     for key in SUMMARY_KEYS:

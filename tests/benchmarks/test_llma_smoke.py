@@ -10,11 +10,15 @@ from benchmarks import llma
 
 pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
-TEXT = ("The {n} tool reads a configuration file, checks every entry, and writes a report of what it found. "
-        "It runs every night from cron and mails the report to the administrator of host {n}. ")
-LICENCE = ("Permission is granted to copy, distribute and modify this program under the terms below.\n"
-           "The program is provided as is, without warranty of any kind, express or implied.\n"
-           "In no event shall the authors be liable for any claim, damages or other liability.\n")
+TEXT = (
+    "The {n} tool reads a configuration file, checks every entry, and writes a report of what it found. "
+    "It runs every night from cron and mails the report to the administrator of host {n}. "
+)
+LICENCE = (
+    "Permission is granted to copy, distribute and modify this program under the terms below.\n"
+    "The program is provided as is, without warranty of any kind, express or implied.\n"
+    "In no event shall the authors be liable for any claim, damages or other liability.\n"
+)
 
 
 def test_llma_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path):
@@ -26,12 +30,39 @@ def test_llma_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path):
     (lic / "TOY-1").write_text(LICENCE * 3)
     for i in range(3):
         (docs / f"pkg{i}").mkdir()
-        (docs / f"pkg{i}" / "copyright").write_text(f"Files: *\nCopyright: 20{i:02d} Someone {i}\nLicense: toy\n " + LICENCE)
+        (docs / f"pkg{i}" / "copyright").write_text(
+            f"Files: *\nCopyright: 20{i:02d} Someone {i}\nLicense: toy\n " + LICENCE
+        )
     out, doc = tmp_path / "llma.json", tmp_path / "benchmarks.md"
-    argv = ["--model-dir", str(tiny_models), "--quick", "--source", str(src), "--cache-dir", str(tmp_path / "c"),
-            "--cases", "2", "--max-new-tokens", "12", "--sweep", "4,8", "--sweep-cases", "1", "--sampling-cases", "1",
-            "--licenses-dir", str(lic), "--copyright-glob", str(docs / "*" / "copyright"), "--threads", "1",
-            "--json", str(out), "--doc", str(doc)]  # fmt: skip
+    argv = [
+        "--model-dir",
+        str(tiny_models),
+        "--quick",
+        "--source",
+        str(src),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--cases",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--sweep",
+        "4,8",
+        "--sweep-cases",
+        "1",
+        "--sampling-cases",
+        "1",
+        "--licenses-dir",
+        str(lic),
+        "--copyright-glob",
+        str(docs / "*" / "copyright"),
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+        "--doc",
+        str(doc),
+    ]
     assert llma.main(argv) == 0
     report = json.loads(out.read_text())
     s = report["summary"]

@@ -10,18 +10,62 @@ import pytest
 
 from benchmarks import osd
 
-SUMMARY_KEYS = {"chat", "distinct_prompts", "clusters", "alpha_token_static", "alpha_token_gated", "alpha_token_ungated",
-                "alpha_token_offline", "gain_gated_min", "offline_fraction_min", "promotions", "worse_promotions",
-                "recovery_requests", "routing_accuracy"}  # fmt: skip
+SUMMARY_KEYS = {
+    "chat",
+    "distinct_prompts",
+    "clusters",
+    "alpha_token_static",
+    "alpha_token_gated",
+    "alpha_token_ungated",
+    "alpha_token_offline",
+    "gain_gated_min",
+    "offline_fraction_min",
+    "promotions",
+    "worse_promotions",
+    "recovery_requests",
+    "routing_accuracy",
+}
 
 
 @pytest.mark.slow
 def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
     out, doc, png = tmp_path / "osd.json", tmp_path / "benchmarks.md", tmp_path / "img" / "osd.png"
-    argv = ["--model-dir", str(tiny_models), "--requests", "10", "--probe", "3", "--router-texts", "3",
-            "--max-new-tokens", "6", "--interval", "2", "--probe-every", "5", "--offline-epochs", "1",
-            "--generic-requests", "4", "--generic-steps", "2", "--shift-requests", "5", "--audit-window", "2",
-            "--check-every", "7", "--speed-prompts", "1", "--json", str(out), "--plot", str(png), "--doc", str(doc)]  # fmt: skip
+    argv = [
+        "--model-dir",
+        str(tiny_models),
+        "--requests",
+        "10",
+        "--probe",
+        "3",
+        "--router-texts",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--interval",
+        "2",
+        "--probe-every",
+        "5",
+        "--offline-epochs",
+        "1",
+        "--generic-requests",
+        "4",
+        "--generic-steps",
+        "2",
+        "--shift-requests",
+        "5",
+        "--audit-window",
+        "2",
+        "--check-every",
+        "7",
+        "--speed-prompts",
+        "1",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        "--doc",
+        str(doc),
+    ]
     assert osd.main(argv) == 0
     report = json.loads(out.read_text())
     s = report["summary"]
@@ -48,16 +92,39 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
 @pytest.mark.slow
 def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
     out, doc = tmp_path / "grid.json", tmp_path / "benchmarks.md"
-    argv = ["--model-dir", str(tiny_models), "--grid", "--grid-requests", "4", "--requests", "4", "--probe", "2",
-            "--router-texts", "1", "--max-new-tokens", "5", "--interval", "2", "--check-every", "0",
-            "--json", str(out), "--doc", str(doc)]  # fmt: skip
+    argv = [
+        "--model-dir",
+        str(tiny_models),
+        "--grid",
+        "--grid-requests",
+        "4",
+        "--requests",
+        "4",
+        "--probe",
+        "2",
+        "--router-texts",
+        "1",
+        "--max-new-tokens",
+        "5",
+        "--interval",
+        "2",
+        "--check-every",
+        "0",
+        "--json",
+        str(out),
+        "--doc",
+        str(doc),
+    ]
     assert osd.main(argv) == 0
     g = json.loads(out.read_text())
     names = [r["name"] for r in g["rows"]]
     assert names[0].startswith("center")
     for factor, levels in osd.GRID_FACTORS.items():  # every level of every factor was run (the center's once)
         for level in levels:
-            assert any(n == f"{factor}={level}" for n in names) or osd._level_of(g["center"], factor) == level, (factor, level)
+            assert any(n == f"{factor}={level}" for n in names) or osd._level_of(g["center"], factor) == level, (
+                factor,
+                level,
+            )
     assert set(g["chosen"]) >= {"positions", "lr", "steps_per_update", "replay", "loss"}
     assert g["depth"] and all(v["c"] > 0 for v in g["depth"].values())
     pc = g["positions_cost"]
@@ -65,16 +132,19 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
     assert osd.GRID_BEGIN in doc.read_text()
 
 
-@pytest.mark.parametrize("pred, output, k, max_new, want", [
-    # all agree: steps of k accepted + 1 bonus; the last step drafts only what fits
-    ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], 2, 6, (2 + 2 + 0, 4, 2, [])),
-    # a disagreement at output index 1: 1 accepted, the rejected position is 1
-    ([1, 9, 3, 4], [1, 2, 3, 4], 3, 4, (3 + 1, 1 + 1, 2, [(1, 9, 2)])),
-    # ends at an EOS before max_new: accepted drafts past its end do not count
-    ([7, 8, 5], [7, 8], 4, 10, (4, 2, 1, [])),
-    # k larger than what is left: k_step = max_new - j - 1
-    ([5, 5, 5], [5, 6, 5], 8, 3, (2 + 0, 1, 2, [(1, 5, 6)])),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pred, output, k, max_new, want",
+    [
+        # all agree: steps of k accepted + 1 bonus; the last step drafts only what fits
+        ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], 2, 6, (2 + 2 + 0, 4, 2, [])),
+        # a disagreement at output index 1: 1 accepted, the rejected position is 1
+        ([1, 9, 3, 4], [1, 2, 3, 4], 3, 4, (3 + 1, 1 + 1, 2, [(1, 9, 2)])),
+        # ends at an EOS before max_new: accepted drafts past its end do not count
+        ([7, 8, 5], [7, 8], 4, 10, (4, 2, 1, [])),
+        # k larger than what is left: k_step = max_new - j - 1
+        ([5, 5, 5], [5, 6, 5], 8, 3, (2 + 0, 1, 2, [(1, 5, 6)])),
+    ],
+)
 def test_replay_follows_the_engine_step_rule(pred, output, k, max_new, want):
     out = osd.replay(pred, output, k, max_new)
     assert (out.drafted, out.accepted, out.steps, out.rejected) == want
@@ -82,15 +152,43 @@ def test_replay_follows_the_engine_step_rule(pred, output, k, max_new, want):
 
 @pytest.mark.slow
 def test_osd_parts_in_two_processes_merge_into_one_report(tiny_models, tmp_path):
-    common = ["--model-dir", str(tiny_models), "--requests", "6", "--probe", "2", "--router-texts", "2",
-              "--max-new-tokens", "5", "--interval", "2", "--probe-every", "3", "--offline-epochs", "1",
-              "--generic-requests", "2", "--generic-steps", "2", "--shift-requests", "3", "--check-every", "0",
-              "--speed-prompts", "1", "--no-doc"]  # fmt: skip
+    common = [
+        "--model-dir",
+        str(tiny_models),
+        "--requests",
+        "6",
+        "--probe",
+        "2",
+        "--router-texts",
+        "2",
+        "--max-new-tokens",
+        "5",
+        "--interval",
+        "2",
+        "--probe-every",
+        "3",
+        "--offline-epochs",
+        "1",
+        "--generic-requests",
+        "2",
+        "--generic-steps",
+        "2",
+        "--shift-requests",
+        "3",
+        "--check-every",
+        "0",
+        "--speed-prompts",
+        "1",
+        "--no-doc",
+    ]
     a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "osd.json"
     assert osd.main([*common, "--parts", "main,speed", "--json", str(a)]) == 0
     assert osd.main([*common, "--parts", "offline,generic,shift", "--json", str(b)]) == 0
     assert "main" in json.loads(a.read_text()) and "main" not in json.loads(b.read_text())
-    assert osd.main(["--merge", str(a), str(b), "--json", str(merged), "--plot", str(tmp_path / "osd.png"), "--no-doc"]) == 0
+    assert (
+        osd.main(["--merge", str(a), str(b), "--json", str(merged), "--plot", str(tmp_path / "osd.png"), "--no-doc"])
+        == 0
+    )
     report = json.loads(merged.read_text())
     assert SUMMARY_KEYS <= set(report["summary"]) and {"main", "offline", "generic", "shift", "speed"} <= set(report)
     assert [m["file"] for m in report["merged_from"]] == [str(a), str(b)]

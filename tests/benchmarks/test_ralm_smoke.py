@@ -11,10 +11,20 @@ from benchmarks import ralm
 
 pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
-SUMMARY_KEYS = ("speedup_edr", "speedup_adr", "speedup_sr", "retrieval_share_edr", "amdahl_fraction_min",
-                "speedup_knnlm", "outputs_identical", "async_overlap_s")  # fmt: skip
-TEXT = ("The {n} tool reads a configuration file, checks every entry, and writes a report of what it found. "
-        "It runs every night from cron and mails the report to the administrator of host {n}. ")
+SUMMARY_KEYS = (
+    "speedup_edr",
+    "speedup_adr",
+    "speedup_sr",
+    "retrieval_share_edr",
+    "amdahl_fraction_min",
+    "speedup_knnlm",
+    "outputs_identical",
+    "async_overlap_s",
+)
+TEXT = (
+    "The {n} tool reads a configuration file, checks every entry, and writes a report of what it found. "
+    "It runs every night from cron and mails the report to the administrator of host {n}. "
+)
 
 
 @pytest.fixture
@@ -33,9 +43,31 @@ def test_ralm_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path, 
     for i in range(12):
         (src / f"tool{i}.txt").write_text(TEXT.format(n=i) * 4)
     out, doc = tmp_path / "ralm.json", tmp_path / "benchmarks.md"
-    argv = ["--model-dir", str(tiny_models), "--quick", "--source", str(src), "--cache-dir", str(tmp_path / "c"),
-            "--questions", "2", "--ablation-questions", "1", "--max-new-tokens", "12", "--scale-passages", "300",
-            "--retrievers", "exact,hnsw,bm25", "--knnlm-k", "4", "--json", str(out), "--doc", str(doc)]  # fmt: skip
+    argv = [
+        "--model-dir",
+        str(tiny_models),
+        "--quick",
+        "--source",
+        str(src),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--questions",
+        "2",
+        "--ablation-questions",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--scale-passages",
+        "300",
+        "--retrievers",
+        "exact,hnsw,bm25",
+        "--knnlm-k",
+        "4",
+        "--json",
+        str(out),
+        "--doc",
+        str(doc),
+    ]
     assert ralm.main(argv) == 0
     report = json.loads(out.read_text())
     s = report["summary"]
@@ -46,11 +78,16 @@ def test_ralm_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path, 
     assert scale["kb"]["embedder"] == "hash" and scale["kb"]["window_step"] >= 1 and scale["kb"]["passages"] > 12
     exact = scale["retrievers"]["exact"]
     assert set(ralm.ARMS) == set(exact["arms"])  # RaLMSeq, PSA and every ablation ran on the subset
-    assert exact["rows"][0]["arms"].keys() == ralm.ARMS.keys() and exact["rows"][1]["arms"].keys() == ralm.MAIN_ARMS.keys()
+    assert (
+        exact["rows"][0]["arms"].keys() == ralm.ARMS.keys() and exact["rows"][1]["arms"].keys() == ralm.MAIN_ARMS.keys()
+    )
     assert 0 <= exact["r"] <= 1 and exact["em"] >= 1 and exact["amdahl_bound"] >= 1
     assert s["speedup_edr"] > 0 and s["speedup_adr"] > 0 and s["speedup_sr"] > 0
     knn = report["knnlm"]
-    assert set(knn["bytes_per_entry"]) == {"exact", "ivfpq"} and {v["searcher"] for v in knn["runs"].values()} == {"exact", "ivfpq"}
+    assert set(knn["bytes_per_entry"]) == {"exact", "ivfpq"} and {v["searcher"] for v in knn["runs"].values()} == {
+        "exact",
+        "ivfpq",
+    }
     assert all(v > 0 for v in scale["kb"]["bytes_per_passage"].values())
     text = doc.read_text()
     assert ralm.DOC_BEGIN in text and "Amdahl" in text and "kNN-LM" in text and "img/ralm.png" in text

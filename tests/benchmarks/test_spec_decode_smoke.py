@@ -15,8 +15,24 @@ pytestmark = pytest.mark.slow  # benchmark scripts end to end
 @pytest.fixture(scope="module")
 def report(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_out") / "spec_decode.json"
-    argv = ["--model-dir", str(tiny_models), "--quick", "--prompts", "1", "--max-new-tokens", "8",
-            "--prompt-tokens", "24", "--cost-reps", "5", "--min-cpu-share", "0", "--no-doc", "--json", str(out)]
+    argv = [
+        "--model-dir",
+        str(tiny_models),
+        "--quick",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--prompt-tokens",
+        "24",
+        "--cost-reps",
+        "5",
+        "--min-cpu-share",
+        "0",
+        "--no-doc",
+        "--json",
+        str(out),
+    ]
     spec_decode.main(argv)
     return json.loads(out.read_text())
 
@@ -63,7 +79,7 @@ def test_eq2_alpha_round_trips():
             m = spec_decode.expected_tokens(alpha, k)
             assert spec_decode.alpha_from_tokens_per_step(m, k) == pytest.approx(alpha, abs=1e-6)
     # Eq. 2 at α = 0.8, k = 4, c = 0.1: (1 - 0.8^5) / (0.2 * 1.4)
-    assert spec_decode.eq2_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
+    assert spec_decode.eq2_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
 
 
 def test_doc_section_replaced_in_place(tmp_path):

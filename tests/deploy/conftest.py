@@ -60,9 +60,13 @@ def s3_bucket():
     server.start()
     try:
         endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client("s3", endpoint_url=endpoint, region_name=AWS_ENV["AWS_DEFAULT_REGION"],
-                              aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=AWS_ENV["AWS_DEFAULT_REGION"],
+            aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+        )
         bucket = f"specops-{uuid.uuid4().hex[:8]}"
         client.create_bucket(Bucket=bucket)
         yield S3Bucket(endpoint=endpoint, bucket=bucket, client=client)
@@ -74,14 +78,22 @@ def s3_bucket():
 def pg_s3_server(pg_database, s3_bucket, tmp_path_factory):
     """``mlflow db upgrade`` on the fresh database, then ``mlflow server`` on PostgreSQL with its artifacts
     in ``s3://<bucket>/mlflow`` (served: clients never see the bucket), as the chart runs them."""
-    upgrade = subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", pg_database], capture_output=True,
-                             text=True, timeout=120, env={**os.environ, **s3_bucket.env})  # fmt: skip
+    upgrade = subprocess.run(
+        [sys.executable, "-m", "mlflow", "db", "upgrade", pg_database],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **s3_bucket.env},
+    )
     assert upgrade.returncode == 0, f"mlflow db upgrade failed ({upgrade.returncode}): {upgrade.stderr[-2000:]}"
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-pg-s3"), backend_store_uri=pg_database,
-                          artifacts_destination=f"s3://{s3_bucket.bucket}/mlflow", env=s3_bucket.env)  # fmt: skip
+    server = MlflowServer(
+        tmp_path_factory.mktemp("mlflow-pg-s3"),
+        backend_store_uri=pg_database,
+        artifacts_destination=f"s3://{s3_bucket.bucket}/mlflow",
+        env=s3_bucket.env,
+    )
     server.start(timeout_s=60)
     try:
         yield server
     finally:
         server.kill()
-

@@ -51,7 +51,9 @@ KUBE_VERSION = "1.33"
 # kubernetes_validate re-reads its 1.4 MB definitions file for every object; reading each file once
 # makes validating a render ~5x faster. The parsed schemas are only read, never changed.
 if not hasattr(kubernetes_validate.utils.schema_contents, "cache_info"):
-    kubernetes_validate.utils.schema_contents = functools.lru_cache(maxsize=None)(kubernetes_validate.utils.schema_contents)
+    kubernetes_validate.utils.schema_contents = functools.lru_cache(maxsize=None)(
+        kubernetes_validate.utils.schema_contents
+    )
 
 RenderError = helm.HelmError
 """What a rejected value set raises: ``HelmValuesError`` (schema) or ``HelmRenderError`` (a template's ``fail``)."""
@@ -165,23 +167,51 @@ def literal_env(c: dict) -> dict[str, str]:
 # ------------------------------------------------------------------ validation
 _NAME = {"type": "string", "maxLength": 253, "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"}
 _LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
-_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
-_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": r"^[0-9.]+([eE][-+]?[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$"}]}
-_LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
-    "matchLabels": {"type": "object", "additionalProperties": _LABEL_VALUE}, "matchExpressions": {"type": "array"}}}
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_QUANTITY = {
+    "anyOf": [
+        {"type": "integer"},
+        {"type": "string", "pattern": r"^[0-9.]+([eE][-+]?[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$"},
+    ]
+}
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": _LABEL_VALUE},
+        "matchExpressions": {"type": "array"},
+    },
+}
 _INT32 = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
 
 
-def _crd(api_version: str, kind: str, spec: dict, *, cluster_label: bool = False, annotations: dict | None = None) -> dict:
-    metadata: dict = {"type": "object", "required": ["name", "labels"], "properties": {
-        "name": _NAME, "labels": {"type": "object", "additionalProperties": _LABEL_VALUE}}}
+def _crd(
+    api_version: str, kind: str, spec: dict, *, cluster_label: bool = False, annotations: dict | None = None
+) -> dict:
+    metadata: dict = {
+        "type": "object",
+        "required": ["name", "labels"],
+        "properties": {"name": _NAME, "labels": {"type": "object", "additionalProperties": _LABEL_VALUE}},
+    }
     if cluster_label:
         metadata["properties"]["labels"]["required"] = ["strimzi.io/cluster"]
     if annotations:
         metadata["required"].append("annotations")
         metadata["properties"]["annotations"] = annotations
-    return {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
-            "properties": {"apiVersion": {"const": api_version}, "kind": {"const": kind}, "metadata": metadata, "spec": spec}}  # fmt: skip
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": metadata,
+            "spec": spec,
+        },
+    }
 
 
 def _obj(properties: dict, required: list[str] | None = None, *, extra: tuple[str, ...] = ()) -> dict:
@@ -190,92 +220,283 @@ def _obj(properties: dict, required: list[str] | None = None, *, extra: tuple[st
     return {"type": "object", "additionalProperties": False, "required": required or [], "properties": props}
 
 
-SERVICE_MONITOR = _crd("monitoring.coreos.com/v1", "ServiceMonitor", _obj({
-    "selector": _LABEL_SELECTOR,
-    "namespaceSelector": _obj({"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}),
-    "endpoints": {"type": "array", "minItems": 1, "items": _obj({
-        "port": {"type": "string", "minLength": 1}, "path": {"type": "string", "pattern": "^/"},
-        "interval": _DURATION, "scrapeTimeout": _DURATION, "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
-        "honorLabels": {"type": "boolean"},
-    }, extra=("authorization", "basicAuth", "bearerTokenSecret", "enableHttp2", "filterRunning", "followRedirects",
-              "honorTimestamps", "metricRelabelings", "oauth2", "params", "proxyUrl", "relabelings", "targetPort",
-              "tlsConfig", "trackTimestampsStaleness"))},  # fmt: skip
-}, ["selector", "endpoints"], extra=("attachMetadata", "jobLabel", "podTargetLabels", "sampleLimit", "scrapeClass",
-                                    "scrapeProtocols", "targetLabels", "targetLimit", "labelLimit", "keepDroppedTargets")))  # fmt: skip
+SERVICE_MONITOR = _crd(
+    "monitoring.coreos.com/v1",
+    "ServiceMonitor",
+    _obj(
+        {
+            "selector": _LABEL_SELECTOR,
+            "namespaceSelector": _obj(
+                {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}
+            ),
+            "endpoints": {
+                "type": "array",
+                "minItems": 1,
+                "items": _obj(
+                    {
+                        "port": {"type": "string", "minLength": 1},
+                        "path": {"type": "string", "pattern": "^/"},
+                        "interval": _DURATION,
+                        "scrapeTimeout": _DURATION,
+                        "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                        "honorLabels": {"type": "boolean"},
+                    },
+                    extra=(
+                        "authorization",
+                        "basicAuth",
+                        "bearerTokenSecret",
+                        "enableHttp2",
+                        "filterRunning",
+                        "followRedirects",
+                        "honorTimestamps",
+                        "metricRelabelings",
+                        "oauth2",
+                        "params",
+                        "proxyUrl",
+                        "relabelings",
+                        "targetPort",
+                        "tlsConfig",
+                        "trackTimestampsStaleness",
+                    ),
+                ),
+            },
+        },
+        ["selector", "endpoints"],
+        extra=(
+            "attachMetadata",
+            "jobLabel",
+            "podTargetLabels",
+            "sampleLimit",
+            "scrapeClass",
+            "scrapeProtocols",
+            "targetLabels",
+            "targetLimit",
+            "labelLimit",
+            "keepDroppedTargets",
+        ),
+    ),
+)
 
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
-_RULE = {**_obj({
-    "alert": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
-    "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
-    "expr": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "integer"}]},  # IntOrString upstream
-    "for": _DURATION, "keep_firing_for": _DURATION,
-    "labels": {**_STRINGS, "propertyNames": {"pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}},
-    "annotations": _STRINGS,
-}, ["expr"]), "oneOf": [{"required": ["alert"], "not": {"required": ["record"]}},
-                        {"required": ["record"], "not": {"anyOf": [{"required": ["for"]}, {"required": ["annotations"]}]}}]}
-PROMETHEUS_RULE = _crd("monitoring.coreos.com/v1", "PrometheusRule", _obj({
-    "groups": {"type": "array", "minItems": 1, "items": _obj({
-        "name": {"type": "string", "minLength": 1}, "interval": _DURATION,
-        "rules": {"type": "array", "minItems": 1, "items": _RULE},
-    }, ["name", "rules"], extra=("labels", "limit", "partial_response_strategy", "query_offset"))},
-}, ["groups"]))  # fmt: skip
+_RULE = {
+    **_obj(
+        {
+            "alert": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+            "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+            "expr": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "integer"}]},  # IntOrString upstream
+            "for": _DURATION,
+            "keep_firing_for": _DURATION,
+            "labels": {**_STRINGS, "propertyNames": {"pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+            "annotations": _STRINGS,
+        },
+        ["expr"],
+    ),
+    "oneOf": [
+        {"required": ["alert"], "not": {"required": ["record"]}},
+        {"required": ["record"], "not": {"anyOf": [{"required": ["for"]}, {"required": ["annotations"]}]}},
+    ],
+}
+PROMETHEUS_RULE = _crd(
+    "monitoring.coreos.com/v1",
+    "PrometheusRule",
+    _obj(
+        {
+            "groups": {
+                "type": "array",
+                "minItems": 1,
+                "items": _obj(
+                    {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": _DURATION,
+                        "rules": {"type": "array", "minItems": 1, "items": _RULE},
+                    },
+                    ["name", "rules"],
+                    extra=("labels", "limit", "partial_response_strategy", "query_offset"),
+                ),
+            },
+        },
+        ["groups"],
+    ),
+)
 
-_PROMETHEUS_TRIGGER = {"if": {"properties": {"type": {"const": "prometheus"}}},
-                       "then": {"properties": {"metadata": {"required": ["serverAddress", "query", "threshold"]}}}}
-SCALED_OBJECT = _crd("keda.sh/v1alpha1", "ScaledObject", _obj({
-    "scaleTargetRef": _obj({"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "name": {"type": "string", "minLength": 1},
-                            "envSourceContainerName": {"type": "string"}}, ["name"]),  # fmt: skip
-    "minReplicaCount": _INT32, "maxReplicaCount": _INT32, "idleReplicaCount": _INT32,
-    "pollingInterval": _INT32, "cooldownPeriod": _INT32, "initialCooldownPeriod": _INT32,
-    "triggers": {"type": "array", "minItems": 1, "items": {**_obj({
-        "type": {"type": "string", "minLength": 1}, "name": {"type": "string"},
-        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},  # KEDA refuses non-string values
-        "metricType": {"enum": ["AverageValue", "Value", "Utilization"]}, "useCachedMetrics": {"type": "boolean"},
-        "authenticationRef": _obj({"name": {"type": "string"}, "kind": {"enum": ["TriggerAuthentication", "ClusterTriggerAuthentication"]}}, ["name"]),
-    }, ["type", "metadata"]), **_PROMETHEUS_TRIGGER}},
-}, ["scaleTargetRef", "triggers"], extra=("advanced", "fallback")))  # fmt: skip
+_PROMETHEUS_TRIGGER = {
+    "if": {"properties": {"type": {"const": "prometheus"}}},
+    "then": {"properties": {"metadata": {"required": ["serverAddress", "query", "threshold"]}}},
+}
+SCALED_OBJECT = _crd(
+    "keda.sh/v1alpha1",
+    "ScaledObject",
+    _obj(
+        {
+            "scaleTargetRef": _obj(
+                {
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "name": {"type": "string", "minLength": 1},
+                    "envSourceContainerName": {"type": "string"},
+                },
+                ["name"],
+            ),
+            "minReplicaCount": _INT32,
+            "maxReplicaCount": _INT32,
+            "idleReplicaCount": _INT32,
+            "pollingInterval": _INT32,
+            "cooldownPeriod": _INT32,
+            "initialCooldownPeriod": _INT32,
+            "triggers": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    **_obj(
+                        {
+                            "type": {"type": "string", "minLength": 1},
+                            "name": {"type": "string"},
+                            "metadata": {
+                                "type": "object",
+                                "additionalProperties": {"type": "string"},
+                            },  # KEDA refuses non-string values
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "useCachedMetrics": {"type": "boolean"},
+                            "authenticationRef": _obj(
+                                {
+                                    "name": {"type": "string"},
+                                    "kind": {"enum": ["TriggerAuthentication", "ClusterTriggerAuthentication"]},
+                                },
+                                ["name"],
+                            ),
+                        },
+                        ["type", "metadata"],
+                    ),
+                    **_PROMETHEUS_TRIGGER,
+                },
+            },
+        },
+        ["scaleTargetRef", "triggers"],
+        extra=("advanced", "fallback"),
+    ),
+)
 
 _STRIMZI = "kafka.strimzi.io/v1beta2"
 _ENABLED = {"type": "string", "enum": ["enabled", "disabled"]}
-KAFKA = _crd(_STRIMZI, "Kafka", _obj({
-    "kafka": _obj({
-        "version": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+$"}, "metadataVersion": {"type": "string"},
-        "listeners": {"type": "array", "minItems": 1, "items": _obj({
-            "name": {"type": "string", "pattern": "^[a-z0-9]{1,11}$"}, "port": {"type": "integer", "minimum": 9092},
-            "type": {"enum": ["internal", "route", "loadbalancer", "nodeport", "ingress", "cluster-ip"]},
-            "tls": {"type": "boolean"},
-        }, ["name", "port", "type", "tls"], extra=("authentication", "configuration", "networkPolicyPeers"))},
-        "config": {"type": "object", "additionalProperties": {"type": ["string", "integer", "number", "boolean"]}},
-        "resources": {"type": "object"},
-    }, ["listeners"], extra=("authorization", "rack", "jvmOptions", "jmxOptions", "logging", "metricsConfig",
-                             "template", "livenessProbe", "readinessProbe", "tieredStorage", "quotas", "image",
-                             "brokerRackInitImage")),  # fmt: skip
-    "entityOperator": _obj({"topicOperator": {"type": "object"}, "userOperator": {"type": "object"}}, extra=("template", "tlsSidecar")),
-}, ["kafka"], extra=("clusterCa", "clientsCa", "cruiseControl", "kafkaExporter", "maintenanceTimeWindows")),
-    annotations={"type": "object", "required": ["strimzi.io/node-pools", "strimzi.io/kraft"],
-                 "properties": {"strimzi.io/node-pools": {"const": "enabled"}, "strimzi.io/kraft": _ENABLED}})  # fmt: skip
+KAFKA = _crd(
+    _STRIMZI,
+    "Kafka",
+    _obj(
+        {
+            "kafka": _obj(
+                {
+                    "version": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+$"},
+                    "metadataVersion": {"type": "string"},
+                    "listeners": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": _obj(
+                            {
+                                "name": {"type": "string", "pattern": "^[a-z0-9]{1,11}$"},
+                                "port": {"type": "integer", "minimum": 9092},
+                                "type": {
+                                    "enum": ["internal", "route", "loadbalancer", "nodeport", "ingress", "cluster-ip"]
+                                },
+                                "tls": {"type": "boolean"},
+                            },
+                            ["name", "port", "type", "tls"],
+                            extra=("authentication", "configuration", "networkPolicyPeers"),
+                        ),
+                    },
+                    "config": {
+                        "type": "object",
+                        "additionalProperties": {"type": ["string", "integer", "number", "boolean"]},
+                    },
+                    "resources": {"type": "object"},
+                },
+                ["listeners"],
+                extra=(
+                    "authorization",
+                    "rack",
+                    "jvmOptions",
+                    "jmxOptions",
+                    "logging",
+                    "metricsConfig",
+                    "template",
+                    "livenessProbe",
+                    "readinessProbe",
+                    "tieredStorage",
+                    "quotas",
+                    "image",
+                    "brokerRackInitImage",
+                ),
+            ),
+            "entityOperator": _obj(
+                {"topicOperator": {"type": "object"}, "userOperator": {"type": "object"}},
+                extra=("template", "tlsSidecar"),
+            ),
+        },
+        ["kafka"],
+        extra=("clusterCa", "clientsCa", "cruiseControl", "kafkaExporter", "maintenanceTimeWindows"),
+    ),
+    annotations={
+        "type": "object",
+        "required": ["strimzi.io/node-pools", "strimzi.io/kraft"],
+        "properties": {"strimzi.io/node-pools": {"const": "enabled"}, "strimzi.io/kraft": _ENABLED},
+    },
+)
 
-KAFKA_NODE_POOL = _crd(_STRIMZI, "KafkaNodePool", _obj({
-    "replicas": {"type": "integer", "minimum": 0},
-    "roles": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"enum": ["controller", "broker"]}},
-    "storage": {**_obj({
-        "type": {"enum": ["ephemeral", "persistent-claim", "jbod"]},
-        "volumes": {"type": "array", "minItems": 1, "items": _obj({
-            "id": {"type": "integer", "minimum": 0}, "type": {"enum": ["ephemeral", "persistent-claim"]},
-            "size": _QUANTITY, "class": {"type": "string"}, "deleteClaim": {"type": "boolean"},
-            "kraftMetadata": {"enum": ["shared"]},
-        }, ["type"], extra=("selector", "overrides", "sizeLimit"))},
-    }, ["type"], extra=("size", "class", "deleteClaim", "selector", "sizeLimit")),
-        "if": {"properties": {"type": {"const": "jbod"}}}, "then": {"required": ["volumes"]}},
-    "resources": {"type": "object"},
-}, ["replicas", "roles", "storage"], extra=("jvmOptions", "template")), cluster_label=True)  # fmt: skip
+KAFKA_NODE_POOL = _crd(
+    _STRIMZI,
+    "KafkaNodePool",
+    _obj(
+        {
+            "replicas": {"type": "integer", "minimum": 0},
+            "roles": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"enum": ["controller", "broker"]}},
+            "storage": {
+                **_obj(
+                    {
+                        "type": {"enum": ["ephemeral", "persistent-claim", "jbod"]},
+                        "volumes": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": _obj(
+                                {
+                                    "id": {"type": "integer", "minimum": 0},
+                                    "type": {"enum": ["ephemeral", "persistent-claim"]},
+                                    "size": _QUANTITY,
+                                    "class": {"type": "string"},
+                                    "deleteClaim": {"type": "boolean"},
+                                    "kraftMetadata": {"enum": ["shared"]},
+                                },
+                                ["type"],
+                                extra=("selector", "overrides", "sizeLimit"),
+                            ),
+                        },
+                    },
+                    ["type"],
+                    extra=("size", "class", "deleteClaim", "selector", "sizeLimit"),
+                ),
+                "if": {"properties": {"type": {"const": "jbod"}}},
+                "then": {"required": ["volumes"]},
+            },
+            "resources": {"type": "object"},
+        },
+        ["replicas", "roles", "storage"],
+        extra=("jvmOptions", "template"),
+    ),
+    cluster_label=True,
+)
 
-KAFKA_TOPIC = _crd(_STRIMZI, "KafkaTopic", _obj({
-    "topicName": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},
-    "partitions": {"type": "integer", "minimum": 1},
-    "replicas": {"type": "integer", "minimum": 1, "maximum": 32767},
-    "config": {"type": "object", "additionalProperties": {"type": ["string", "integer", "number", "boolean"]}},
-}, ["partitions", "replicas"]), cluster_label=True)  # fmt: skip
+KAFKA_TOPIC = _crd(
+    _STRIMZI,
+    "KafkaTopic",
+    _obj(
+        {
+            "topicName": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},
+            "partitions": {"type": "integer", "minimum": 1},
+            "replicas": {"type": "integer", "minimum": 1, "maximum": 32767},
+            "config": {"type": "object", "additionalProperties": {"type": ["string", "integer", "number", "boolean"]}},
+        },
+        ["partitions", "replicas"],
+    ),
+    cluster_label=True,
+)
 
 CRD_SCHEMAS: dict[tuple[str, str], dict] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
@@ -304,5 +525,7 @@ def validate_object(obj: dict) -> str:
         if obj["kind"] == "PrometheusRule":
             names = [g["name"] for g in obj["spec"]["groups"]]
             if len(set(names)) != len(names):
-                raise jsonschema.ValidationError(f"PrometheusRule {obj['metadata']['name']}: duplicate group names {names}")
+                raise jsonschema.ValidationError(
+                    f"PrometheusRule {obj['metadata']['name']}: duplicate group names {names}"
+                )
         return "crd"

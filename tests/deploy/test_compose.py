@@ -48,8 +48,8 @@ def interpolations(text: str) -> list[tuple[str, str, str]]:
             continue
         if text.startswith("${", i):
             end = text.index("}", i)
-            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?", text[i + 2:end], re.S)
-            assert m, f"cannot parse {text[i:end + 1]!r}"
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?", text[i + 2 : end], re.S)
+            assert m, f"cannot parse {text[i : end + 1]!r}"
             found.append((m.group(1), m.group(2) or "", m.group(3) or ""))
             i = end + 1
             continue
@@ -64,8 +64,9 @@ def interpolations(text: str) -> list[tuple[str, str, str]]:
 
 def resolve(text: str) -> str:
     """``text`` with each ``${VAR:-default}`` replaced by its default (what an empty .env gives)."""
+
     def sub(m: re.Match) -> str:
-        (name, op, arg), = interpolations(m.group(0))
+        ((name, op, arg),) = interpolations(m.group(0))
         return arg if op in (":-", "-") else f"<{name}>"
 
     return re.sub(r"(?<!\$)\$\{[^}]*\}", sub, text).replace("$$", "$")
@@ -101,7 +102,7 @@ def option(argv: list[str], name: str) -> str:
         if arg == name:
             return argv[i + 1]
         if arg.startswith(name + "="):
-            return arg[len(name) + 1:]
+            return arg[len(name) + 1 :]
     raise AssertionError(f"{name} not in {argv}")
 
 
@@ -148,8 +149,12 @@ def env(service: str) -> dict[str, str]:
 def _check_jsonschema(*files: Path) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("check-jsonschema")
     assert exe.exists(), f"{exe} is missing: check-jsonschema is a dev dependency (pip install -e '.[dev]')"
-    return subprocess.run([str(exe), "--builtin-schema", "vendor.compose-spec", *map(str, files)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [str(exe), "--builtin-schema", "vendor.compose-spec", *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_compose_file_matches_the_compose_spec(tmp_path):
@@ -167,8 +172,10 @@ def test_env_example_documents_every_variable_and_its_default():
     used = [i for s in strings(COMPOSE) for i in interpolations(s)]
     documented = env_example()
     names = {name for name, _, _ in used}
-    assert names == set(documented), (f"in compose.yaml only: {sorted(names - set(documented))}; "
-                                      f"in .env.example only: {sorted(set(documented) - names)}")  # fmt: skip
+    assert names == set(documented), (
+        f"in compose.yaml only: {sorted(names - set(documented))}; "
+        f"in .env.example only: {sorted(set(documented) - names)}"
+    )
     for name, (value, comment) in documented.items():
         assert comment.strip("# \n"), f"{name} has no comment in .env.example"
     for name, op, arg in used:
@@ -223,7 +230,7 @@ def test_kafka_is_one_kraft_node_and_kafka_init_creates_the_four_topics():
         assert {"--create", "--if-not-exists"} <= set(argv)
         assert option(argv, "--bootstrap-server") == stream.netloc
         assert option(argv, "--replication-factor") == "1"
-        (name, op, default), = interpolations(option(argv, "--partitions"))
+        ((name, op, default),) = interpolations(option(argv, "--partitions"))
         assert op == ":-" and int(default) >= 1 and documented[name][0] == default, topic
     assert SERVICES["kafka-init"]["image"] == SERVICES["kafka"]["image"]
 
@@ -253,7 +260,9 @@ def test_long_running_services_have_healthchecks_and_depends_on_uses_conditions(
                 assert cond["condition"] == "service_completed_successfully" and dep in ONE_SHOTS, (name, dep, cond)
     # mlflow runs in the trainer image: it must not inherit the trainer's health check
     assert build_target("mlflow") == "trainer" and "/health" in " ".join(SERVICES["mlflow"]["healthcheck"]["test"])
-    assert all(SERVICES[s].get("depends_on") for s in ("serving", "trainer", "mlflow", "gateway", "kafka-init", "s3-init"))
+    assert all(
+        SERVICES[s].get("depends_on") for s in ("serving", "trainer", "mlflow", "gateway", "kafka-init", "s3-init")
+    )
 
 
 def test_images_are_pinned_and_volumes_declared():
@@ -321,7 +330,9 @@ def test_serve_toml_loads_and_agrees_with_compose_and_the_gateway():
     probe = re.search(r"http-check send meth GET uri (\S+)", haproxy).group(1)
     assert probe == "/readyz" and probe in OPEN_PATHS  # readiness, and reachable without an API key
     monitor_port = re.search(r"frontend health\s+bind :(\d+)\s+monitor-uri (\S+)", haproxy)
-    assert f"http://127.0.0.1:{monitor_port.group(1)}{monitor_port.group(2)}" in SERVICES["gateway"]["healthcheck"]["test"]
+    assert (
+        f"http://127.0.0.1:{monitor_port.group(1)}{monitor_port.group(2)}" in SERVICES["gateway"]["healthcheck"]["test"]
+    )
     published = resolve(SERVICES["gateway"]["ports"][0]).split(":")
     assert published[-1] == re.search(r"frontend api\s+bind :(\d+)", haproxy).group(1)
 
@@ -369,5 +380,7 @@ def test_train_toml_loads_as_specops_train_config():
     store = urlsplit(args.jobstore)
     assert (store.hostname, store.port, store.username, store.password) == ("postgres", 5432, None, None)
     assert {"PGUSER", "PGPASSWORD"} <= set(env("trainer"))  # libpq's credentials for that URL
-    created = re.findall(r"CREATE DATABASE (\w+)", "".join(p.read_text() for p in (COMPOSE_DIR / "postgres-init").glob("*.sql")))
+    created = re.findall(
+        r"CREATE DATABASE (\w+)", "".join(p.read_text() for p in (COMPOSE_DIR / "postgres-init").glob("*.sql"))
+    )
     assert store.path.lstrip("/") in created and store.path.lstrip("/") != resolve(env("postgres")["POSTGRES_DB"])

@@ -15,7 +15,7 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
@@ -120,8 +120,13 @@ def constraint_pin(name: str) -> str:
 
 
 def pip_installs() -> list[str]:
-    return [cmd for s in STAGES for run in s.all("RUN") for cmd in re.split(r"&&|;", run)
-            if re.search(r"\bpip install\b", cmd)]  # fmt: skip
+    return [
+        cmd
+        for s in STAGES
+        for run in s.all("RUN")
+        for cmd in re.split(r"&&|;", run)
+        if re.search(r"\bpip install\b", cmd)
+    ]
 
 
 # ---------------------------------------------------------------- structure
@@ -143,7 +148,9 @@ def test_stages_targets_and_the_builder_split():
 
 def test_final_stages_run_as_the_unprivileged_user_before_their_command():
     runtime = " ".join(BY_NAME["runtime"].all("RUN"))
-    assert re.search(r"groupadd --gid 10001 specops", runtime) and re.search(r"useradd --uid 10001 --gid 10001", runtime)
+    assert re.search(r"groupadd --gid 10001 specops", runtime) and re.search(
+        r"useradd --uid 10001 --gid 10001", runtime
+    )
     for target in FINAL_TARGETS:
         instructions = [kw_args for s in chain(target) for kw_args in s.instructions]
         keywords = [kw for kw, _ in instructions]
@@ -153,7 +160,7 @@ def test_final_stages_run_as_the_unprivileged_user_before_their_command():
         user = instructions[last_user][1].split(":")[0]
         assert user not in ("root", "0") and user == "10001", f"{target} runs as {user!r}"
         # nothing after the USER switch runs as root again
-        assert "USER" not in keywords[last_user + 1:]
+        assert "USER" not in keywords[last_user + 1 :]
 
 
 def test_runtime_layout_env_volumes_workdir_entrypoint():
@@ -205,8 +212,11 @@ def test_default_commands_are_the_documented_ones_and_parse():
 
 
 def test_no_model_or_data_directory_enters_the_image():
-    ignore = [ln.strip() for ln in (DOCKER_DIR / "Dockerfile.dockerignore").read_text().splitlines()
-              if ln.strip() and not ln.startswith("#")]  # fmt: skip
+    ignore = [
+        ln.strip()
+        for ln in (DOCKER_DIR / "Dockerfile.dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert ignore[0] == "*", "the ignore file must be an allowlist: everything out, then what is COPYed"
     allowed = [p[1:].rstrip("/") for p in ignore if p.startswith("!")]
     for stage in STAGES:
@@ -222,9 +232,9 @@ def test_no_model_or_data_directory_enters_the_image():
 
 
 def test_every_package_of_the_project_is_copied_into_the_builder():
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
     copied = {args.split()[0].rstrip("/") for args in BY_NAME["builder"].all("COPY") if "--from=" not in args}
-    missing = [p.rstrip("*") for p in packages if p.rstrip("*") not in copied]
+    missing = [f for f in folders if f not in copied]
     assert not missing, f"a non-editable install would lack {missing}"
 
 
@@ -358,7 +368,7 @@ def test_trainer_healthcheck_follows_the_distill_tick(tmp_path):
     healthy, why = hc.check_schedule(url, stale_s=120)
     assert not healthy and "cannot read the job store" in why  # no table yet: the scheduler never ran
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     _jobstore_with_tick(url, now + timedelta(seconds=5))
     healthy, why = hc.check_schedule(url, stale_s=120)
     assert healthy, why
@@ -367,8 +377,13 @@ def test_trainer_healthcheck_follows_the_distill_tick(tmp_path):
 
     # the script end to end, as the HEALTHCHECK runs it
     env = {"SPECOPS_TRAIN_CONFIG": str(config), "PATH": ""}
-    done = subprocess.run([sys.executable, str(REPO / "deploy/docker/trainer_healthcheck.py")], env=env,
-                          capture_output=True, timeout=60, cwd=REPO)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "deploy/docker/trainer_healthcheck.py")],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr.decode()[-800:]
 
 

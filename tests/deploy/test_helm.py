@@ -20,9 +20,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from specops.serving.http.config import ServeConfig
 from specops import config_file
 from specops.cli import build_parser
+from specops.serving.http.config import ServeConfig
 from tests.deploy import helm_support as hs
 
 CI = {path.name: path for path in hs.ci_value_files()}
@@ -30,17 +30,33 @@ DEFAULT = CI["default-values.yaml"]
 GPU = CI["gpu-keda-strimzi-values.yaml"]
 HPA = CI["hpa-values.yaml"]
 MULTIGPU = CI["trainer-multigpu-values.yaml"]
-LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
-          "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by", "app.kubernetes.io/version", "helm.sh/chart")  # fmt: skip
-SPECOPS_CONTAINERS = (("Deployment", "serving", "serving"), ("Deployment", "trainer", "trainer"),
-                      ("CronJob", "registry-retain", "registry-retain"), ("CronJob", "policy-fit", "policy-fit"))  # fmt: skip
+LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/version",
+    "helm.sh/chart",
+)
+SPECOPS_CONTAINERS = (
+    ("Deployment", "serving", "serving"),
+    ("Deployment", "trainer", "trainer"),
+    ("CronJob", "registry-retain", "registry-retain"),
+    ("CronJob", "policy-fit", "policy-fit"),
+)
 TOPICS = ("spec.misses", "spec.generations", "spec.events", "spec.deadletter")
 SERVE_OWNED = {"host", "port", "model_dir", "api_keys"}
 TRAIN_OWNED = {"out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage"}
 
 
 def test_ci_has_the_value_sets_the_deployments_use():
-    assert set(CI) >= {"default-values.yaml", "gpu-keda-strimzi-values.yaml", "hpa-values.yaml", "trainer-multigpu-values.yaml"}
+    assert set(CI) >= {
+        "default-values.yaml",
+        "gpu-keda-strimzi-values.yaml",
+        "hpa-values.yaml",
+        "trainer-multigpu-values.yaml",
+    }
 
 
 @pytest.mark.parametrize("values_file", [None, *CI.values()], ids=["chart-defaults", *CI])
@@ -78,10 +94,12 @@ def test_strict_validation_catches_typos():
     with pytest.raises(jsonschema.ValidationError):
         hs.validate_object(topic)
     rule = hs.one(objects, "PrometheusRule")
-    for mutate in (lambda r: r["spec"]["groups"][0]["rules"][0].update({"for": "5 minutes"}),
-                   lambda r: r["spec"]["groups"][0]["rules"][0].update({"record": "specops:ready"}),
-                   lambda r: r["spec"]["groups"][0]["rules"][0]["labels"].update({"threshold": 4}),
-                   lambda r: r["spec"]["groups"][1].update({"name": r["spec"]["groups"][0]["name"]})):  # fmt: skip
+    for mutate in (
+        lambda r: r["spec"]["groups"][0]["rules"][0].update({"for": "5 minutes"}),
+        lambda r: r["spec"]["groups"][0]["rules"][0].update({"record": "specops:ready"}),
+        lambda r: r["spec"]["groups"][0]["rules"][0]["labels"].update({"threshold": 4}),
+        lambda r: r["spec"]["groups"][1].update({"name": r["spec"]["groups"][0]["name"]}),
+    ):
         broken = json.loads(json.dumps(rule))
         mutate(broken)
         with pytest.raises(jsonschema.ValidationError):
@@ -97,14 +115,19 @@ def test_every_object_and_pod_carries_the_standard_labels(values_file):
         assert all(labels.get(k) for k in LABELS), f"{obj['kind']} {obj['metadata']['name']}: {labels}"
         assert labels["app.kubernetes.io/part-of"] == "specops" and labels["app.kubernetes.io/instance"] == hs.RELEASE
         if obj["kind"] in ("Deployment", "CronJob"):
-            template = obj["spec"]["jobTemplate"]["spec"]["template"] if obj["kind"] == "CronJob" else obj["spec"]["template"]
+            template = (
+                obj["spec"]["jobTemplate"]["spec"]["template"] if obj["kind"] == "CronJob" else obj["spec"]["template"]
+            )
             assert all(template["metadata"]["labels"].get(k) for k in LABELS)
 
 
 def test_serving_deployment_rolls_without_losing_capacity_and_probes_the_app():
     objects = hs.render(DEFAULT)
     deployment = hs.one(objects, "Deployment", "serving")
-    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     assert deployment["spec"]["replicas"] == 2
     pod = hs.pod_spec(deployment)
     c = hs.container(deployment, "serving")
@@ -118,14 +141,20 @@ def test_serving_deployment_rolls_without_losing_capacity_and_probes_the_app():
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 10}}
     assert pod["terminationGracePeriodSeconds"] == 120
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert (
+        c["securityContext"]["readOnlyRootFilesystem"] is True
+        and c["securityContext"]["allowPrivilegeEscalation"] is False
+    )
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert mounts["/models"]["readOnly"] is True
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "specops-models", "readOnly": True}
     assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
     assert "emptyDir" in volumes[mounts["/tmp"]["name"]] and "emptyDir" in volumes[mounts["/data"]["name"]]
-    assert volumes[mounts["/etc/specops"]["name"]]["configMap"]["name"] == hs.one(objects, "ConfigMap", "serving")["metadata"]["name"]
+    assert (
+        volumes[mounts["/etc/specops"]["name"]]["configMap"]["name"]
+        == hs.one(objects, "ConfigMap", "serving")["metadata"]["name"]
+    )
     env = {e["name"]: e for e in c["env"]}
     assert env["SPECOPS_SERVE_REPLICA"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
@@ -152,7 +181,9 @@ def test_pdb_service_and_monitor_select_exactly_the_serving_pods():
 def _monitored_services(objects, monitor) -> set[str]:
     """Names of the Services a ServiceMonitor's selector picks in the render."""
     wanted = monitor["spec"]["selector"]["matchLabels"]
-    return {s["metadata"]["name"] for s in hs.find(objects, "Service") if wanted.items() <= s["metadata"]["labels"].items()}
+    return {
+        s["metadata"]["name"] for s in hs.find(objects, "Service") if wanted.items() <= s["metadata"]["labels"].items()
+    }
 
 
 def test_trainer_serves_metrics_on_a_named_port_behind_a_headless_service():
@@ -168,7 +199,9 @@ def test_trainer_serves_metrics_on_a_named_port_behind_a_headless_service():
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"}]
     monitor = hs.one(objects, "ServiceMonitor", "trainer")
     assert _monitored_services(objects, monitor) == {service["metadata"]["name"]}
-    assert _monitored_services(objects, hs.one(objects, "ServiceMonitor", "serving")) == {f"{hs.RELEASE}-specops-serving"}
+    assert _monitored_services(objects, hs.one(objects, "ServiceMonitor", "serving")) == {
+        f"{hs.RELEASE}-specops-serving"
+    }
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert hs.find(hs.render(DEFAULT), "ServiceMonitor") == [], "off by default"
@@ -198,15 +231,25 @@ def test_autoscaler_is_chosen_by_value():
     assert query.startswith("sum(specops_admission_queue_depth{") and f'namespace="{hs.NAMESPACE}"' in query
     assert 'service="prod-specops-serving"' in query, "the label the ServiceMonitor's targets carry"
     custom = hs.render(GPU, {"serving": {"autoscaling": {"keda": {"query": "sum(specops_admission_queue_depth)"}}}})
-    assert hs.one(custom, "ScaledObject")["spec"]["triggers"][0]["metadata"]["query"] == "sum(specops_admission_queue_depth)"
+    assert (
+        hs.one(custom, "ScaledObject")["spec"]["triggers"][0]["metadata"]["query"]
+        == "sum(specops_admission_queue_depth)"
+    )
 
     hpa_objects = hs.render(HPA)
     hpa = hs.one(hpa_objects, "HorizontalPodAutoscaler")
     assert hs.find(hpa_objects, "ScaledObject") == []
     assert "replicas" not in hs.one(hpa_objects, "Deployment", "serving")["spec"]
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
-    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "specops_admission_queue_depth"},
-                                                                "target": {"type": "AverageValue", "averageValue": "2"}}}]  # fmt: skip
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "specops_admission_queue_depth"},
+                "target": {"type": "AverageValue", "averageValue": "2"},
+            },
+        }
+    ]
 
     plain = hs.render(DEFAULT)
     assert hs.find(plain, "ScaledObject") == [] and hs.find(plain, "HorizontalPodAutoscaler") == []
@@ -218,7 +261,10 @@ def test_gpus_requested_and_limited_under_a_configurable_resource_name():
         resources = hs.container(hs.one(objects, "Deployment", name), name)["resources"]
         assert resources["requests"]["nvidia.com/gpu"] == gpus == resources["limits"]["nvidia.com/gpu"]
         assert resources["requests"]["cpu"] == ("4" if name == "serving" else "2")
-    assert hs.container(hs.one(objects, "Deployment", "serving"), "serving")["image"] == "ghcr.io/specops/specops-serving:0.1.0-cuda"
+    assert (
+        hs.container(hs.one(objects, "Deployment", "serving"), "serving")["image"]
+        == "ghcr.io/specops/specops-serving:0.1.0-cuda"
+    )
 
     amd = hs.render(GPU, {"gpuResourceName": "amd.com/gpu"})
     resources = hs.container(hs.one(amd, "Deployment", "serving"), "serving")["resources"]
@@ -255,11 +301,22 @@ def test_trainer_is_one_recreated_scheduler_with_its_own_volume():
 def test_multi_gpu_trainer_runs_under_the_deepspeed_launcher():
     objects = hs.render(MULTIGPU)
     argv = hs.trainer_launch_argv(objects)
-    assert argv == ["deepspeed", "--num_gpus", "2", "--no_local_rank", "--module", "specops", "train",
-                    "--config", "/etc/specops/train.toml", "--backend", "deepspeed"]  # fmt: skip
+    assert argv == [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--no_local_rank",
+        "--module",
+        "specops",
+        "train",
+        "--config",
+        "/etc/specops/train.toml",
+        "--backend",
+        "deepspeed",
+    ]
     trainer = hs.container(hs.one(objects, "Deployment", "trainer"), "trainer")
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 2 == trainer["resources"]["requests"]["nvidia.com/gpu"]
-    rank = build_parser().parse_args(argv[argv.index("--module") + 2:])  # what each rank's `python -m specops` parses
+    rank = build_parser().parse_args(argv[argv.index("--module") + 2 :])  # what each rank's `python -m specops` parses
     assert (rank.command, rank.config, rank.backend) == ("train", "/etc/specops/train.toml", "deepspeed")
     train = _toml(objects, "trainer", "train.toml")["train"]
     assert train["backend"] == "deepspeed" and train["device"] == "cuda" and train["zero_stage"] == 2
@@ -312,8 +369,10 @@ def test_mlflow_migrates_its_database_first_and_keeps_secrets_out_of_its_args():
         assert password["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "postgres-password"}
     assert secret["stringData"]["postgres-password"] == "change-me"
     s3_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in server["env"] if e["name"].startswith("AWS_")}
-    assert s3_env == {"AWS_ACCESS_KEY_ID": {"name": secret["metadata"]["name"], "key": "AWS_ACCESS_KEY_ID"},
-                      "AWS_SECRET_ACCESS_KEY": {"name": secret["metadata"]["name"], "key": "AWS_SECRET_ACCESS_KEY"}}  # fmt: skip
+    assert s3_env == {
+        "AWS_ACCESS_KEY_ID": {"name": secret["metadata"]["name"], "key": "AWS_ACCESS_KEY_ID"},
+        "AWS_SECRET_ACCESS_KEY": {"name": secret["metadata"]["name"], "key": "AWS_SECRET_ACCESS_KEY"},
+    }
     config = hs.one(objects, "ConfigMap", "mlflow")["data"]
     assert config["MLFLOW_S3_ENDPOINT_URL"] == "http://minio.storage.svc:9000"
     rendered = json.dumps([o for o in objects if o["kind"] != "Secret"])
@@ -324,7 +383,9 @@ def test_existing_secrets_are_honoured():
     objects = hs.render(GPU)
     assert hs.find(objects, "Secret") == [], "every credential comes from an existing Secret"
     mlflow = hs.one(objects, "Deployment", "mlflow")
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in hs.container(mlflow, "mlflow")["env"] if "valueFrom" in e}
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"] for e in hs.container(mlflow, "mlflow")["env"] if "valueFrom" in e
+    }
     assert refs["PGPASSWORD"] == {"name": "specops-postgres", "key": "password"}
     assert refs["AWS_ACCESS_KEY_ID"] == {"name": "specops-s3", "key": "AWS_ACCESS_KEY_ID"}
     assert refs["AWS_SECRET_ACCESS_KEY"] == {"name": "specops-s3", "key": "AWS_SECRET_ACCESS_KEY"}
@@ -337,7 +398,10 @@ def test_existing_secrets_are_honoured():
     secret = hs.one(keyed, "Secret")
     assert secret["stringData"]["api-keys"] == "key-one-12345,key-two-12345"
     env = {e["name"]: e for e in hs.container(hs.one(keyed, "Deployment", "serving"), "serving")["env"]}
-    assert env["SPECOPS_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-keys"}
+    assert env["SPECOPS_API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"],
+        "key": "api-keys",
+    }
     assert "SPECOPS_API_KEYS" not in json.dumps(hs.render(DEFAULT)), "no keys: no auth"
 
 
@@ -403,28 +467,57 @@ def test_prometheus_rule_alerts_on_metrics_the_app_exports():
         "SpecopsStreamPublishErrors": (f"rate(specops_stream_logger_publish_errors_total{{{serving}}}[5m]) > 0", "10m"),
         "SpecopsHotSwapFailures": (f"increase(specops_hotswap_failures_total{{{serving}}}[15m]) > 0", None),
         "SpecopsDraftAutoRollback": (f"increase(specops_hotswap_auto_rollbacks_total{{{serving}}}[1h]) > 0", None),
-        "SpecopsTrainerStalled": (f"(time() - max(specops_trainer_last_update_timestamp_seconds{{{trainer}}}) > 7200) "
-                                  f"and on() (sum(rate(specops_stream_logger_published_total{{{serving}}}[30m])) > 0)", None),
-        "SpecopsTrainerTickErrors": (f'increase(specops_trainer_ticks_total{{{trainer},outcome="error"}}[15m]) > 0', None),
-    }  # fmt: skip
+        "SpecopsTrainerStalled": (
+            f"(time() - max(specops_trainer_last_update_timestamp_seconds{{{trainer}}}) > 7200) "
+            f"and on() (sum(rate(specops_stream_logger_published_total{{{serving}}}[30m])) > 0)",
+            None,
+        ),
+        "SpecopsTrainerTickErrors": (
+            f'increase(specops_trainer_ticks_total{{{trainer},outcome="error"}}[15m]) > 0',
+            None,
+        ),
+    }
     alerts = _alerts(rule)
     assert {name: (r["expr"], r.get("for")) for name, r in alerts.items()} == expected
-    source = "".join(path.read_text() for d in ("serving", "streams", "trainer") for path in (hs.REPO / d).rglob("*.py"))
+    source = "".join(
+        path.read_text() for d in ("serving", "streams", "trainer") for path in (hs.REPO / d).rglob("*.py")
+    )
     for name, r in alerts.items():
         assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
         for metric in re.findall(r"\b(specops_\w+)\{", r["expr"]):
             assert f'"{metric}"' in source, f"{name}: the app exports no {metric}"
     assert hs.find(hs.render(DEFAULT), "PrometheusRule") == [], "off by default"
 
-    custom = hs.render(DEFAULT, {"prometheusRule": {"enabled": True, "servingSelector": 'job="serving"', "trainerSelector": 'job="trainer"',
-                                                    "alertLabels": {"team": "ml", "severity": "page"}}})  # fmt: skip
+    custom = hs.render(
+        DEFAULT,
+        {
+            "prometheusRule": {
+                "enabled": True,
+                "servingSelector": 'job="serving"',
+                "trainerSelector": 'job="trainer"',
+                "alertLabels": {"team": "ml", "severity": "page"},
+            }
+        },
+    )
     alerts = _alerts(hs.one(custom, "PrometheusRule"))
     assert alerts["SpecopsServingNotReady"]["expr"] == 'specops_ready{job="serving"} == 0'
-    assert alerts["SpecopsTrainerTickErrors"]["expr"] == 'increase(specops_trainer_ticks_total{job="trainer",outcome="error"}[15m]) > 0'
+    assert (
+        alerts["SpecopsTrainerTickErrors"]["expr"]
+        == 'increase(specops_trainer_ticks_total{job="trainer",outcome="error"}[15m]) > 0'
+    )
     assert {r["labels"]["team"] for r in alerts.values()} == {"ml"}
     assert alerts["SpecopsServingNotReady"]["labels"]["severity"] == "critical", "the chart's severity stays"
-    assert "PrometheusRule's" not in hs.notes(DEFAULT, {"prometheusRule": {"enabled": True, "servingSelector": 'job="serving"', "trainerSelector": 'job="trainer"',
-                                                                          "alertLabels": {"team": "ml", "severity": "page"}}})  # fmt: skip
+    assert "PrometheusRule's" not in hs.notes(
+        DEFAULT,
+        {
+            "prometheusRule": {
+                "enabled": True,
+                "servingSelector": 'job="serving"',
+                "trainerSelector": 'job="trainer"',
+                "alertLabels": {"team": "ml", "severity": "page"},
+            }
+        },
+    )
     unscraped = hs.notes(DEFAULT, {"prometheusRule": {"enabled": True}})
     assert "serving.serviceMonitor is off" in unscraped and "trainer.serviceMonitor is off" in unscraped
 
@@ -462,7 +555,9 @@ def test_serve_toml_loads_as_the_cli_loads_it(values_file, tmp_path):
     cfg = ServeConfig.load(path, env=env)
     assert (cfg.host, cfg.port, cfg.model_dir) == ("0.0.0.0", 8000, "/models")
     assert cfg.replica_name == "prod-specops-serving-7d9f-abcde"
-    assert (cfg.stream, cfg.registry) == ("default", "default"), "resolved from SPECOPS_STREAM_URL / SPECOPS_REGISTRY_URI"
+    assert (cfg.stream, cfg.registry) == ("default", "default"), (
+        "resolved from SPECOPS_STREAM_URL / SPECOPS_REGISTRY_URI"
+    )
     cuda = hs.load_values(values_file).get("image", {}).get("variant") == "cuda"
     assert cfg.device == ("cuda" if cuda else "cpu")
     if values_file == GPU:
@@ -532,9 +627,23 @@ def test_schema_config_fields_track_the_app():
         ({"trainer": {"zeroStage": 3}}, "/trainer/zeroStage"),
         ({"trainer": {"config": {"metrics_port": 9000}}}, "'metrics_port'"),
     ],
-    ids=["bad-enum", "bad-kafka-mode", "bad-variant", "negative-replicas", "zero-partitions", "typo-key",
-         "typo-serve-field", "api-keys-in-configmap", "chart-owned-train-key", "wrong-type", "wrong-type-serve-field",
-         "bad-loss", "no-models-claim", "bad-zero-stage", "chart-owned-metrics-port"],  # fmt: skip
+    ids=[
+        "bad-enum",
+        "bad-kafka-mode",
+        "bad-variant",
+        "negative-replicas",
+        "zero-partitions",
+        "typo-key",
+        "typo-serve-field",
+        "api-keys-in-configmap",
+        "chart-owned-train-key",
+        "wrong-type",
+        "wrong-type-serve-field",
+        "bad-loss",
+        "no-models-claim",
+        "bad-zero-stage",
+        "chart-owned-metrics-port",
+    ],
 )
 def test_invalid_values_are_refused_naming_the_field(values, field):
     with pytest.raises(hs.RenderError) as caught:
@@ -547,13 +656,28 @@ def test_invalid_values_are_refused_naming_the_field(values, field):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"kafka": {"topics": {"minInsyncReplicas": 4}}}, "kafka.topics.minInsyncReplicas (4) is above kafka.topics.replicas (3)"),
-        ({"kafka": {"mode": "strimzi", "strimzi": {"replicas": 1}}}, "kafka.topics.replicas (3) is above kafka.strimzi.replicas"),
+        (
+            {"kafka": {"topics": {"minInsyncReplicas": 4}}},
+            "kafka.topics.minInsyncReplicas (4) is above kafka.topics.replicas (3)",
+        ),
+        (
+            {"kafka": {"mode": "strimzi", "strimzi": {"replicas": 1}}},
+            "kafka.topics.replicas (3) is above kafka.strimzi.replicas",
+        ),
         ({"serving": {"gpus": 1}}, "need image.variant cuda"),
         ({"serving": {"autoscaling": {"mode": "hpa", "minReplicas": 5, "maxReplicas": 2}}}, "minReplicas (5) is above"),
-        ({"trainer": {"metrics": {"enabled": False}, "serviceMonitor": {"enabled": True}}}, "trainer.serviceMonitor.enabled needs trainer.metrics.enabled"),
+        (
+            {"trainer": {"metrics": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
+            "trainer.serviceMonitor.enabled needs trainer.metrics.enabled",
+        ),
     ],
-    ids=["insync-above-replicas", "topic-replicas-above-brokers", "gpu-on-cpu-image", "min-above-max", "monitor-without-metrics"],
+    ids=[
+        "insync-above-replicas",
+        "topic-replicas-above-brokers",
+        "gpu-on-cpu-image",
+        "min-above-max",
+        "monitor-without-metrics",
+    ],
 )
 def test_inconsistent_values_fail_with_what_to_change(values, message):
     with pytest.raises(hs.RenderError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -18,8 +18,8 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
 from specops.core.models import load_model_dir, load_tokenizer, tokenizer_hash
+from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.hotswap import BASE, FAILURES, DraftFollower, HotSwapConfig
@@ -35,8 +35,9 @@ PICKLED = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt", ".joblib")
 def _register(reg: RegistryStore, tiny_models: Path, cluster: str, which: str = "draft"):
     """Register ``tiny_models/<which>`` (with the target's tokenizer) as a new version of ``draft-<cluster>``."""
     tok = tiny_models / "target"
-    return reg.artifact("draft").register(cluster, tiny_models / which, tokenizer_dir=tok,
-                              tokenizer_sha256=tokenizer_hash(load_tokenizer(tok)))  # fmt: skip
+    return reg.artifact("draft").register(
+        cluster, tiny_models / which, tokenizer_dir=tok, tokenizer_sha256=tokenizer_hash(load_tokenizer(tok))
+    )
 
 
 def _wait(cond, timeout_s: float, what: str) -> None:
@@ -66,7 +67,10 @@ def test_draft_lives_in_postgres_and_s3(pg_s3_server, pg_database, s3_bucket, ti
     change = reg.artifact("draft").promote(cluster, dv.version, reason="deploy test")
     assert (change.kind, change.version, change.previous_version) == ("promotion", "1", "")
     drafts = reg.artifact("draft")
-    assert drafts.by_alias(cluster, CHAMPION).version == "1" and drafts.aliases(cluster) == {CHALLENGER: "1", CHAMPION: "1"}
+    assert drafts.by_alias(cluster, CHAMPION).version == "1" and drafts.aliases(cluster) == {
+        CHALLENGER: "1",
+        CHAMPION: "1",
+    }
 
     # fetched through the server from S3, checksums verified: exactly the files registered
     fetched = tmp_path / "cache" / "v1"
@@ -91,8 +95,9 @@ def test_draft_lives_in_postgres_and_s3(pg_s3_server, pg_database, s3_bucket, ti
     # the database holds the model, the version (pointing at the served artifact) and the aliases
     name = f"draft-{cluster}"
     assert _query(pg_database, "SELECT name FROM registered_models WHERE name = %s", name) == [(name,)]
-    assert _query(pg_database, "SELECT version, run_id, source FROM model_versions WHERE name = %s", name) == \
-        [(1, dv.run_id, dv.source)]  # fmt: skip
+    assert _query(pg_database, "SELECT version, run_id, source FROM model_versions WHERE name = %s", name) == [
+        (1, dv.run_id, dv.source)
+    ]
     aliases = _query(pg_database, "SELECT alias, version FROM registered_model_aliases WHERE name = %s", name)
     assert sorted(aliases) == [(CHALLENGER, 1), (CHAMPION, 1)]
     tags = dict(_query(pg_database, "SELECT key, value FROM model_version_tags WHERE name = %s AND version = 1", name))
@@ -104,16 +109,22 @@ def test_hot_swap_follows_the_pg_s3_registry_with_no_failed_request(pg_s3_server
     output, and the slot ends on the last champion, each version fetched from S3 through the server."""
     pair = load_model_dir(tiny_models)
     ref = SpecEngine(pair)
-    prompts = [(p, ref.generate(p, GREEDY, method="target").token_ids)
-               for p in random_prompts(4, seed=11, lo=4, hi=10, vocab=pair.vocab_size)]  # fmt: skip
+    prompts = [
+        (p, ref.generate(p, GREEDY, method="target").token_ids)
+        for p in random_prompts(4, seed=11, lo=4, hi=10, vocab=pair.vocab_size)
+    ]
     reg = RegistryStore(RegistryConfig(uri=pg_s3_server.uri, experiment="deploy-hotswap"))
     cluster = f"hs{uuid.uuid4().hex[:6]}"
     v1 = _register(reg, tiny_models, cluster, "target").version  # the target's own weights as draft
     v2 = _register(reg, tiny_models, cluster, "draft").version
-    follower = DraftFollower(reg, pair.draft, target_vocab=pair.vocab_size,
-                             target_tokenizer_sha256=pair.tokenizer_sha256, cache_dir=tmp_path / "cache",
-                             cfg=HotSwapConfig(poll_s=0.5, backoff_initial_s=0.5, backoff_max_s=1.0,
-                                               auto_rollback=False)).start()  # fmt: skip
+    follower = DraftFollower(
+        reg,
+        pair.draft,
+        target_vocab=pair.vocab_size,
+        target_tokenizer_sha256=pair.tokenizer_sha256,
+        cache_dir=tmp_path / "cache",
+        cfg=HotSwapConfig(poll_s=0.5, backoff_initial_s=0.5, backoff_max_s=1.0, auto_rollback=False),
+    ).start()
     node = ServingNode(pair, follower)
     stop, results, errors = threading.Event(), [], []
 
@@ -143,13 +154,18 @@ def test_hot_swap_follows_the_pg_s3_registry_with_no_failed_request(pg_s3_server
     assert [v for _, v in follower.slot(cluster).history] == [BASE, v1, v2]
     assert all(served.result.token_ids == want for served, want in results)
     assert {s.draft_version for s, _ in results} >= {BASE, v1, v2}
-    failures = [s for m in FAILURES.collect() for s in m.samples
-                if s.labels.get("cluster") == cluster and s.name.endswith("_total")]  # fmt: skip
+    failures = [
+        s
+        for m in FAILURES.collect()
+        for s in m.samples
+        if s.labels.get("cluster") == cluster and s.name.endswith("_total")
+    ]
     assert sum(s.value for s in failures) == 0, failures
 
 
-def test_both_postgresql_spellings_reach_the_same_store(pg_database, s3_bucket, pg_s3_server, tiny_models, tmp_path,
-                                                         monkeypatch):  # fmt: skip
+def test_both_postgresql_spellings_reach_the_same_store(
+    pg_database, s3_bucket, pg_s3_server, tiny_models, tmp_path, monkeypatch
+):
     """A bare ``postgresql://`` (rewritten for psycopg2) and ``postgresql+psycopg2://`` are one store: a draft
     registered straight into PostgreSQL + S3 through one spelling (a trainer without the server) is listed
     and fetched through the other, and seen by the server."""
@@ -167,8 +183,9 @@ def test_both_postgresql_spellings_reach_the_same_store(pg_database, s3_bucket, 
     assert [(v.version, v.run_id, v.source) for v in through_explicit] == [(dv.version, dv.run_id, dv.source)]
     assert [(v.version, v.run_id, v.source) for v in through_server] == [(dv.version, dv.run_id, dv.source)]
     RegistryStore(explicit).artifact("draft").fetch(through_explicit[0], tmp_path / "fetched")
-    assert (tmp_path / "fetched" / "model.safetensors").read_bytes() == \
-        (tiny_models / "draft" / "model.safetensors").read_bytes()  # fmt: skip
+    assert (tmp_path / "fetched" / "model.safetensors").read_bytes() == (
+        tiny_models / "draft" / "model.safetensors"
+    ).read_bytes()
     direct = s3_bucket.keys("direct/")
     assert any(k.endswith("/draft/model.safetensors") for k in direct)
     assert not [k for k in direct if k.lower().endswith(PICKLED)]

@@ -28,11 +28,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from specops.streams import StreamConfig
-from tests.deploy import helm_support
-from tests.registry.mlflow_server import free_port
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.online import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
+from tests.deploy import helm_support
+from tests.registry.mlflow_server import free_port
 
 pytestmark = pytest.mark.slow  # DeepSpeed launcher subprocesses
 
@@ -52,8 +52,9 @@ def chart_argv() -> list[str]:
 def logged(close_pair, tmp_path_factory):
     from tests.trainer.logged import log_requests
 
-    return log_requests(close_pair, tmp_path_factory.mktemp("multirank"), N_REQUESTS, seed=11,
-                        cluster_of=lambda i: CLUSTERS[i % 2])  # fmt: skip
+    return log_requests(
+        close_pair, tmp_path_factory.mktemp("multirank"), N_REQUESTS, seed=11, cluster_of=lambda i: CLUSTERS[i % 2]
+    )
 
 
 def _toml(path: Path, **values) -> Path:
@@ -63,9 +64,15 @@ def _toml(path: Path, **values) -> Path:
 
 
 def _run(argv: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
-           "SPECOPS_STREAM_FSYNC": "0", "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "DS_ACCELERATOR": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+        "SPECOPS_STREAM_FSYNC": "0",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     run = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
@@ -77,13 +84,33 @@ def _run(argv: list[str], tmp: Path) -> subprocess.CompletedProcess:
 def runs(chart_argv, logged, tmp_path_factory):
     cfg, draft_dir = logged
     tmp = tmp_path_factory.mktemp("ranks")
-    common = dict(stream=cfg.url, draft=str(draft_dir), interval=3, holdout_every=4, steps=3, registry="none",
-                  capacity=32, idle_exit=5, positions="rejected", replay="recent")  # fmt: skip
+    common = dict(
+        stream=cfg.url,
+        draft=str(draft_dir),
+        interval=3,
+        holdout_every=4,
+        steps=3,
+        registry="none",
+        capacity=32,
+        idle_exit=5,
+        positions="rejected",
+        replay="recent",
+    )
     # one rank: the plain PyTorch update in this process (tests/trainer/test_deepspeed.py shows DeepSpeed
     # in one process makes the same update), with the options the TOML below gives the CLI
-    trainer = OnlineTrainer(StreamConfig(url=cfg.url, fsync=False, num_partitions=2), draft_dir, tmp / "one",
-                            OnlineConfig(positions="rejected", group="one", interval=3, holdout_every=4, steps_per_update=3,
-                                         replay=ReplayConfig(policy="recent", capacity=32)))  # fmt: skip
+    trainer = OnlineTrainer(
+        StreamConfig(url=cfg.url, fsync=False, num_partitions=2),
+        draft_dir,
+        tmp / "one",
+        OnlineConfig(
+            positions="rejected",
+            group="one",
+            interval=3,
+            holdout_every=4,
+            steps_per_update=3,
+            replay=ReplayConfig(policy="recent", capacity=32),
+        ),
+    )
     assert trainer.run(max_records=N_REQUESTS, max_idle_s=5) == N_REQUESTS
     trainer.close()
     # two ranks, the chart's command, in two halves

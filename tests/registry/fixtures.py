@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from specops.registry import RegistryConfig, RegistryStore
 
+from specops.registry import RegistryConfig, RegistryStore
 from tests.registry.mlflow_server import MlflowServer
 
 PG = "postgresql://postgres@127.0.0.1:5432"

@@ -26,8 +26,15 @@ class MlflowServer:
     on the same port and store.
     """
 
-    def __init__(self, root: Path, port: int | None = None, *, backend_store_uri: str | None = None,
-                 artifacts_destination: str | None = None, env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        *,
+        backend_store_uri: str | None = None,
+        artifacts_destination: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -46,17 +53,33 @@ class MlflowServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> MlflowServer:
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend_store_uri,
-               "--artifacts-destination", self.artifacts_destination, "--serve-artifacts", "--host", "127.0.0.1",
-               "--port", str(self.port), "--workers", "1"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.backend_store_uri,
+            "--artifacts-destination",
+            self.artifacts_destination,
+            "--serve-artifacts",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         log = open(self.root / "server.log", "ab")
         env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", **self.env}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: "
-                                   f"{(self.root / 'server.log').read_text()[-2000:]}")  # fmt: skip
+                raise RuntimeError(
+                    f"mlflow server exited with {self.proc.returncode}: "
+                    f"{(self.root / 'server.log').read_text()[-2000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
@@ -64,8 +87,10 @@ class MlflowServer:
             except OSError:
                 time.sleep(0.3)
         self.kill()
-        raise TimeoutError(f"mlflow server on {self.uri} not healthy after {timeout_s}s: "
-                           f"{(self.root / 'server.log').read_text()[-2000:]}")  # fmt: skip
+        raise TimeoutError(
+            f"mlflow server on {self.uri} not healthy after {timeout_s}s: "
+            f"{(self.root / 'server.log').read_text()[-2000:]}"
+        )
 
     def kill(self) -> None:
         """SIGKILL the whole server process group (uvicorn workers included)."""

@@ -14,8 +14,13 @@ def main() -> None:
     reg = RegistryStore(RegistryConfig(uri=uri, artifact_root=artifacts))
     out = []
     for i in range(int(n)):
-        dv = reg.artifact("draft").register(cluster, Path(model_dir), tokenizer_sha256="t", source_id=f"{writer}/{i}",
-                                metrics={"offline_acceptance_sampling": i / 100})  # fmt: skip
+        dv = reg.artifact("draft").register(
+            cluster,
+            Path(model_dir),
+            tokenizer_sha256="t",
+            source_id=f"{writer}/{i}",
+            metrics={"offline_acceptance_sampling": i / 100},
+        )
         out.append(dv.version)
     print(json.dumps(out))
 

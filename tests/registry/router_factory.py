@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+
 from specops.core.embed import normalise
 from specops.core.router import Router
 
@@ -31,17 +32,24 @@ class FakeEmbedder:
         return normalise(out)
 
 
-def make_router(clusters: tuple[str, ...] = ("code", "prose"), *, seed: int = 0,
-                embedder: FakeEmbedder | None = None) -> Router:  # fmt: skip
+def make_router(
+    clusters: tuple[str, ...] = ("code", "prose"), *, seed: int = 0, embedder: FakeEmbedder | None = None
+) -> Router:
     embedder = embedder or FakeEmbedder()
     centroids = normalise(np.random.default_rng(seed).normal(size=(len(clusters), DIM)).astype(np.float32))
-    return Router(centroids=centroids, clusters=tuple(clusters), embedder_kind=embedder.kind,
-                  embedder_sha256=embedder.config_sha256, fitted_on={c: 10 for c in clusters},
-                  metrics={"mean_distance": 0.25, "num_texts": 10.0 * len(clusters)})  # fmt: skip
+    return Router(
+        centroids=centroids,
+        clusters=tuple(clusters),
+        embedder_kind=embedder.kind,
+        embedder_sha256=embedder.config_sha256,
+        fitted_on={c: 10 for c in clusters},
+        metrics={"mean_distance": 0.25, "num_texts": 10.0 * len(clusters)},
+    )
 
 
-def saved_router(path: Path, clusters: tuple[str, ...] = ("code", "prose"), *, seed: int = 0,
-                 embedder: FakeEmbedder | None = None) -> Path:  # fmt: skip
+def saved_router(
+    path: Path, clusters: tuple[str, ...] = ("code", "prose"), *, seed: int = 0, embedder: FakeEmbedder | None = None
+) -> Path:
     return make_router(clusters, seed=seed, embedder=embedder).save(path)
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from specops.registry.artifacts import MANIFEST, pack, verify_dir
 from specops.registry.errors import ArtifactFormatError, ArtifactIntegrityError
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 
+from specops.cli import main
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.streams import StreamConfig, codec, open_stream
-
-from specops.cli import main
 
 
 def test_registry_commands(sqlite_uri, tiny_models, tmp_path, capsys):
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     for score in (0.3, 0.4, 0.5):
-        reg.artifact("draft").register("code", tiny_models / "draft", tokenizer_sha256="t",
-                           metrics={"offline_acceptance_sampling": score})  # fmt: skip
+        reg.artifact("draft").register(
+            "code", tiny_models / "draft", tokenizer_sha256="t", metrics={"offline_acceptance_sampling": score}
+        )
     stream = f"local://{tmp_path}/log"
     common = ["--registry", sqlite_uri]
     assert main(["registry", "promote", "code", "1", *common, "--stream", stream]) == 0
@@ -26,7 +26,10 @@ def test_registry_commands(sqlite_uri, tiny_models, tmp_path, capsys):
     assert main(["registry", "ls", *common, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["version"], r["aliases"], r["status"]) for r in rows] == [
-        ("1", "champion", ""), ("2", "", ""), ("3", "challenger", "rolled back")]
+        ("1", "champion", ""),
+        ("2", "", ""),
+        ("3", "challenger", "rolled back"),
+    ]
     assert rows[2]["offline_sampling"] == 0.5
     assert main(["registry", "retain", *common, "--keep", "1"]) == 0
     assert "archived 2" in capsys.readouterr().out
@@ -36,4 +39,7 @@ def test_registry_commands(sqlite_uri, tiny_models, tmp_path, capsys):
     with open_stream(StreamConfig.from_env(url=stream)) as s:
         events = [codec.decode(m.value) for m in s.read("spec.events", timeout_s=1.0)]
     assert [(e.kind, e.version, e.previous_version) for e in events] == [
-        ("promotion", "1", ""), ("promotion", "3", "1"), ("rollback", "1", "3")]
+        ("promotion", "1", ""),
+        ("promotion", "3", "1"),
+        ("rollback", "1", "3"),
+    ]

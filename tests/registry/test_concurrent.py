@@ -14,12 +14,28 @@ N = 8
 
 def test_two_writers_lose_and_duplicate_nothing(pg_uri, tiny_models, tmp_path):
     artifacts = str(tmp_path / "artifacts")
-    RegistryStore(RegistryConfig(uri=pg_uri, artifact_root=artifacts)).artifact("draft").keys()  # tables, before the race
+    RegistryStore(RegistryConfig(uri=pg_uri, artifact_root=artifacts)).artifact(
+        "draft"
+    ).keys()  # tables, before the race
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.registry.proc_register", pg_uri, artifacts, "shared", str(N),
-                          writer, str(tiny_models / "draft")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.registry.proc_register",
+                pg_uri,
+                artifacts,
+                "shared",
+                str(N),
+                writer,
+                str(tiny_models / "draft"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for writer in ("a", "b")
-    ]  # fmt: skip
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from specops.registry import (
     KINDS,
     ArtifactFormatError,
@@ -42,14 +43,25 @@ def test_kinds_name_their_models_and_read_names_back():
 
 def test_a_datastore_is_registered_promoted_rolled_back_retained_and_described(reg, tmp_path):
     ds = reg.artifact("datastore")
-    versions = [ds.register("sql", datastore_dir(tmp_path / f"d{i}", 8 + i), tags={"config_sha256": f"c{i}"},
-                            metrics={"offline_acceptance": 0.1 * i}, source_id=f"build-{i}").version
-                for i in range(4)]  # fmt: skip
+    versions = [
+        ds.register(
+            "sql",
+            datastore_dir(tmp_path / f"d{i}", 8 + i),
+            tags={"config_sha256": f"c{i}"},
+            metrics={"offline_acceptance": 0.1 * i},
+            source_id=f"build-{i}",
+        ).version
+        for i in range(4)
+    ]
     assert ds.register("sql", tmp_path / "d0", source_id="build-0").version == versions[0]  # idempotent
     assert ds.by_alias("sql") is None and ds.by_alias("sql", "challenger").version == versions[-1]
     ds.promote("sql", versions[1], reason="first")
     change = ds.promote("sql", versions[2], reason="better")
-    assert change.artifact == "datastore" and change.model_name == "datastore-sql" and change.previous_version == versions[1]
+    assert (
+        change.artifact == "datastore"
+        and change.model_name == "datastore-sql"
+        and change.previous_version == versions[1]
+    )
     assert ds.by_alias("sql").version == versions[2]
     back = ds.rollback("sql", reason="worse live")
     assert back.kind == "rollback" and back.version == versions[1] and ds.by_alias("sql").version == versions[1]

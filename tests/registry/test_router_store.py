@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from specops.core.router import Router
 from specops.registry import (
     CHALLENGER,
@@ -14,7 +15,6 @@ from specops.registry import (
     ArtifactIntegrityError,
     RegistryStore,
 )
-
 from tests.registry.router_factory import FakeEmbedder, saved_router, stored_file
 
 LINEAGE = {"topic": "spec.generations", "offsets": {"0": [0, 11], "2": [3, 8]}}
@@ -26,8 +26,14 @@ def test_register_promote_fetch_router(store_cfg, tiny_models, tmp_path):
     router = reg.artifact("router")
     first = router.versions()
     src = saved_router(tmp_path / "r1", ("code", "prose", "sql"))
-    rv = router.register("", src, metrics={"mean_distance": 0.31, "agreement": 0.9}, lineage=LINEAGE,
-                             params={"k": 3}, source_id=f"test/{tmp_path.name}")  # fmt: skip
+    rv = router.register(
+        "",
+        src,
+        metrics={"mean_distance": 0.31, "agreement": 0.9},
+        lineage=LINEAGE,
+        params={"k": 3},
+        source_id=f"test/{tmp_path.name}",
+    )
     assert rv.name == "router" and rv.kind == "router" and rv.aliases == (CHALLENGER,)
     assert rv.clusters == ("code", "prose", "sql")
     assert rv.embedder_kind == "fake" and rv.embedder_sha256 == FakeEmbedder().config_sha256
@@ -48,8 +54,11 @@ def test_register_promote_fetch_router(store_cfg, tiny_models, tmp_path):
 
     manifest = router.fetch(champion, tmp_path / "fetched")
     assert manifest["format"] == "specops-router/1" and manifest["meta"]["clusters"] == ["code", "prose", "sql"]
-    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == ["manifest.json", "router.json",
-                                                                       "router.safetensors"]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == [
+        "manifest.json",
+        "router.json",
+        "router.safetensors",
+    ]
     loaded = Router.load(tmp_path / "fetched", FakeEmbedder(), version=champion.version)
     assert loaded.clusters == ("code", "prose", "sql") and loaded.route("def f(): pass").router_version == rv.version
 

@@ -7,13 +7,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from specops.registry import (
     CHALLENGER,
     CHAMPION,
     ArtifactIntegrityError,
     RegistryStore,
     VersionNotFoundError,
-    decide,  # fmt: skip
+    decide,
 )
 
 LINEAGE = {"topic": "spec.misses", "offsets": {"0": [0, 41], "3": [7, 19]}}
@@ -25,9 +26,15 @@ def cluster() -> str:
 
 
 def _register(reg: RegistryStore, cluster: str, model_dir: Path, score: float, **kw):
-    return reg.artifact("draft").register(cluster, model_dir, tokenizer_sha256="tok" * 8, lineage=LINEAGE,
-                              metrics={"offline_acceptance_sampling": score, "offline_acceptance_greedy": score / 2},
-                              params={"lr": 1e-3}, **kw)  # fmt: skip
+    return reg.artifact("draft").register(
+        cluster,
+        model_dir,
+        tokenizer_sha256="tok" * 8,
+        lineage=LINEAGE,
+        metrics={"offline_acceptance_sampling": score, "offline_acceptance_greedy": score / 2},
+        params={"lr": 1e-3},
+        **kw,
+    )
 
 
 def test_register_version_carries_tags_metrics_and_verified_weights(store_cfg, cluster, tiny_models, tmp_path):
@@ -48,7 +55,9 @@ def test_register_version_carries_tags_metrics_and_verified_weights(store_cfg, c
     assert v2.version == "2" and v2.tags["parent_version"] == "1"
     assert drafts.aliases(cluster) == {CHALLENGER: "2"}
     manifest = drafts.fetch(v2, tmp_path / "fetched")
-    assert (tmp_path / "fetched" / "model.safetensors").read_bytes() == (tiny_models / "draft" / "model.safetensors").read_bytes()
+    assert (tmp_path / "fetched" / "model.safetensors").read_bytes() == (
+        tiny_models / "draft" / "model.safetensors"
+    ).read_bytes()
     assert manifest["meta"]["cluster"] == cluster
     listed = drafts.keys()
     assert cluster in listed and not changes
@@ -83,8 +92,12 @@ def test_gate_promote_rollback_chain(store_cfg, cluster, tiny_models):
         drafts.rollback(cluster, reason="nothing before 1")
     assert drafts.rollback(cluster, reason="x", expect_current="4") is None  # the champion moved on: no-op
     assert [(c.kind, c.version, c.previous_version) for c in changes] == [
-        ("promotion", "1", ""), ("promotion", "2", "1"), ("promotion", "4", "2"), ("rollback", "2", "4"),
-        ("rollback", "1", "2")]  # fmt: skip
+        ("promotion", "1", ""),
+        ("promotion", "2", "1"),
+        ("promotion", "4", "2"),
+        ("rollback", "2", "4"),
+        ("rollback", "1", "2"),
+    ]
 
 
 def test_retention_archives_old_unaliased_versions(store_cfg, cluster, tiny_models, tmp_path):

@@ -26,11 +26,19 @@ TRAIN = {
     ],
 }
 HELDOUT = {
-    "code": ["while x < 10:\n    x += 1", "def main():\n    return sorted(items, key=len)",
-             "with open(path) as f:\n    lines = f.readlines()"],
-    "prose": ["It was a dark and stormy night, and the rain fell in torrents.",
-              "My grandmother loved gardening in the spring.",
-              "The children laughed as the kite rose above the hills."],
-    "sql": ["SELECT count(*) FROM orders GROUP BY customer_id;", "DELETE FROM sessions WHERE expires < now();",
-            "ALTER TABLE users ADD COLUMN email TEXT;"],
-}  # fmt: skip
+    "code": [
+        "while x < 10:\n    x += 1",
+        "def main():\n    return sorted(items, key=len)",
+        "with open(path) as f:\n    lines = f.readlines()",
+    ],
+    "prose": [
+        "It was a dark and stormy night, and the rain fell in torrents.",
+        "My grandmother loved gardening in the spring.",
+        "The children laughed as the kite rose above the hills.",
+    ],
+    "sql": [
+        "SELECT count(*) FROM orders GROUP BY customer_id;",
+        "DELETE FROM sessions WHERE expires < now();",
+        "ALTER TABLE users ADD COLUMN email TEXT;",
+    ],
+}

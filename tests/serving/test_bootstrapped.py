@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from specops.paths import models_dir
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.paths import models_dir
 
 MODEL_DIR = models_dir()
 
@@ -60,7 +60,10 @@ def test_the_default_pair_is_what_the_manifest_says(engine):
     if manifest.get("kind") != "smollm2":
         pytest.skip(f"the bootstrap in {MODEL_DIR} is a {manifest.get('kind', 'toy')} pair, not the default")
     pair = engine.pair
-    assert manifest["target"]["source"]["gguf_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert (
+        manifest["target"]["source"]["gguf_sha256"]
+        == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    )
     assert manifest["target"]["num_parameters"] == sum(p.numel() for p in pair.target.parameters())
     assert manifest["draft"]["num_parameters"] == sum(p.numel() for p in pair.draft.parameters())
     assert 0 < manifest["cost_ratio_c"] < 1
@@ -68,7 +71,8 @@ def test_the_default_pair_is_what_the_manifest_says(engine):
     vocab = draft_vocab.of(pair.draft)
     assert vocab is not None and vocab.size == manifest["draft"]["vocab_size"]
     assert engine.context_size == pair.target.config.max_position_embeddings == 8192
-    text = pair.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                              add_generation_prompt=True)  # fmt: skip
+    text = pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
     assert set(pair.eos_token_ids) == {0, 2}  # <|endoftext|> and <|im_end|>

@@ -17,7 +17,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_target_method_equals_full_recompute(tiny_pair):
@@ -34,7 +34,7 @@ def test_target_method_equals_hf_generate(tiny_pair):
         out = engine.generate(prompt, SamplingParams(max_new_tokens=16), method="target")
         hf = tiny_pair.target.generate(
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == hf
 
 
@@ -97,8 +97,8 @@ def test_lookup_prefers_recent_match_with_full_continuation():
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens(served_pair):
-    from specops.serving.proposers.draft_model import DraftModelProposer
     from specops.serving.engine.types import DecodeState
+    from specops.serving.proposers.draft_model import DraftModelProposer
     from tests.conftest import SUBSET
 
     for prompt in random_prompts(4, seed=13):
@@ -107,5 +107,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens(served_pair):
         proposer.start(state)
         drafted = proposer.propose(state, 6).tokens[0].tolist()
         assert len(drafted) == 6 and set(drafted) <= set(SUBSET)
-    out = SpecEngine(served_pair).generate(random_prompts(1, seed=14)[0], SamplingParams(max_new_tokens=24), method="draft")
+    out = SpecEngine(served_pair).generate(
+        random_prompts(1, seed=14)[0], SamplingParams(max_new_tokens=24), method="draft"
+    )
     assert out.stats.num_accepted > 0  # the subset still drafts what the target says, often

@@ -7,7 +7,6 @@ import json
 
 import torch
 from safetensors.torch import save_file
-from specops.registry import CHAMPION, KINDS, RegistryConfig, RegistryStore
 
 from specops import (
     artifact_cli,
@@ -18,6 +17,7 @@ from specops import (
     router_cli,
 )
 from specops.cli import build_parser, main
+from specops.registry import CHAMPION, KINDS, RegistryConfig, RegistryStore
 from tests.registry.router_factory import saved_router
 
 
@@ -28,8 +28,9 @@ def _json_rows(capsys) -> list[dict]:
 def test_artifact_commands_on_drafts(sqlite_uri, tiny_models, capsys):
     drafts = RegistryStore(RegistryConfig(uri=sqlite_uri)).artifact("draft")
     for score in (0.3, 0.4, 0.5):
-        drafts.register("code", tiny_models / "draft", tokenizer_sha256="t",
-                        metrics={"offline_acceptance_sampling": score})  # fmt: skip
+        drafts.register(
+            "code", tiny_models / "draft", tokenizer_sha256="t", metrics={"offline_acceptance_sampling": score}
+        )
     reg, events = ["--registry", sqlite_uri], ["--registry", sqlite_uri, "--stream", "none"]
     assert main(["artifact", "draft", "promote", "code", "1", *events]) == 0
     assert capsys.readouterr().out.strip() == "draft-code: champion none -> 1"
@@ -38,7 +39,10 @@ def test_artifact_commands_on_drafts(sqlite_uri, tiny_models, capsys):
     assert main(["artifact", "draft", "ls", *reg, "--json"]) == 0
     rows = _json_rows(capsys)
     assert [(r["model"], r["version"], r["aliases"]) for r in rows] == [
-        ("draft-code", "1", ""), ("draft-code", "2", ""), ("draft-code", "3", "challenger,champion")]
+        ("draft-code", "1", ""),
+        ("draft-code", "2", ""),
+        ("draft-code", "3", "challenger,champion"),
+    ]
     assert rows[2]["offline_sampling"] == 0.5
     assert main(["artifact", "draft", "rollback", "code", *events, "--reason", "p99 regressed"]) == 0
     assert "champion 3 -> 1 (rolled back)" in capsys.readouterr().out
@@ -71,7 +75,9 @@ def test_artifact_commands_on_datastores_and_the_router(sqlite_uri, tmp_path, ca
     assert main(["artifact", "datastore", "ls", *reg, "--json"]) == 0
     rows = _json_rows(capsys)
     assert [(r["cluster"], r["version"], r["aliases"], r["entries"]) for r in rows] == [
-        ("sql", "1", "", 4), ("sql", "2", "challenger,champion", 5)]
+        ("sql", "1", "", 4),
+        ("sql", "2", "challenger,champion", 5),
+    ]
     assert main(["datastore", "ls", *reg, "--json"]) == 0  # the alias prints the same rows
     assert _json_rows(capsys) == rows
     assert main(["artifact", "datastore", "rollback", "sql", *events]) == 0
@@ -98,13 +104,23 @@ def test_every_kind_has_the_five_commands_and_the_aliases_share_their_code():
     parser = build_parser()
     for kind in KINDS:
         for command in ("ls", "describe", "promote", "rollback", "retain"):
-            argv = ["artifact", kind, command] + (["k"] if KINDS[kind].keyed and command in ("describe", "promote",
-                                                                                            "rollback") else [])
+            argv = ["artifact", kind, command] + (
+                ["k"] if KINDS[kind].keyed and command in ("describe", "promote", "rollback") else []
+            )
             argv += ["7"] if command == "promote" else []
             assert parser.parse_args(argv).func.__module__ == "specops.artifact_cli", argv
-    for argv in (["registry", "ls"], ["registry", "promote", "c", "1"], ["registry", "rollback", "c"],
-                 ["registry", "retain"], ["datastore", "ls"], ["datastore", "promote", "c", "1"], ["router", "ls"],
-                 ["router", "promote", "1"], ["kb", "ls"], ["knnlm", "ls"]):  # fmt: skip
+    for argv in (
+        ["registry", "ls"],
+        ["registry", "promote", "c", "1"],
+        ["registry", "rollback", "c"],
+        ["registry", "retain"],
+        ["datastore", "ls"],
+        ["datastore", "promote", "c", "1"],
+        ["router", "ls"],
+        ["router", "promote", "1"],
+        ["kb", "ls"],
+        ["knnlm", "ls"],
+    ):
         assert parser.parse_args(argv).func.__module__ == "specops.artifact_cli", argv
     args = parser.parse_args(["registry", "retain", "--cluster", "code", "--keep", "3"])
     assert (args.registry_command, args.kind, args.key, args.keep) == ("retain", "draft", "code", 3)

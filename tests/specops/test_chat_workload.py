@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from specops.core.models import load_tokenizer, render_chat
 from specops import chat_workload as cw
+from specops.core.models import load_tokenizer, render_chat
 from specops.trainer.bootstrap import corpus
 
 
@@ -55,7 +55,11 @@ def test_the_domains_look_like_their_names():
     assert all("CREATE TABLE" in p.user and "Question:" in p.user for p in sql)
     assert all(any(ch.isdigit() for ch in p.user) for p in math_)
     assert all("`" in p.user and p.source.startswith("api:") for p in api)
-    assert {p.source.split(":")[1].split(".")[0] for p in cw.chat_prompts("api", 2000)} >= {"numpy", "pandas", "networkx"}
+    assert {p.source.split(":")[1].split(".")[0] for p in cw.chat_prompts("api", 2000)} >= {
+        "numpy",
+        "pandas",
+        "networkx",
+    }
 
 
 def test_unknown_domain_and_too_many_prompts_are_clear_errors(tokenizer):
@@ -72,8 +76,12 @@ def test_the_bootstrap_corpus_never_lists_the_workloads_sources(tmp_path):
     sources = cw.source_files()
     assert sources and all(corpus.excluded(f) for f in sources)
     root = tmp_path / "lib" / "python3.11"
-    for rel in ("json/decoder.py", "site-packages/numpy/linalg.py", "dist-packages/pandas/core.py",
-                "encodings/site-packages/x.py"):  # fmt: skip
+    for rel in (
+        "json/decoder.py",
+        "site-packages/numpy/linalg.py",
+        "dist-packages/pandas/core.py",
+        "encodings/site-packages/x.py",
+    ):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("def f():\n    return 1\n")
     assert [p.relative_to(root).as_posix() for p in corpus.list_code_files(root)] == ["json/decoder.py"]

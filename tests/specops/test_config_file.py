@@ -38,16 +38,19 @@ def test_top_level_keys_work_too(tmp_path):
     assert (args.poll_records, args.max_records, args.registry) == (64, 10, "none")
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("intervall = 3\n", "unknown key 'intervall'"),
-    ('interval = "often"\n', "interval: invalid literal"),
-    ('loss = "kl"\n', "loss must be one of"),
-    ("schedule = 1\n", "schedule must be true or false"),
-    ("interval = true\n", "interval must be a int"),
-    ("max_records = 0\n", "max_records"),
-    ('zero_stage = 3\n', "zero_stage must be one of"),
-    ('[train]\ninterval = 3\n[serve]\nport = 1\n', "outside the [train] table"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("intervall = 3\n", "unknown key 'intervall'"),
+        ('interval = "often"\n', "interval: invalid literal"),
+        ('loss = "kl"\n', "loss must be one of"),
+        ("schedule = 1\n", "schedule must be true or false"),
+        ("interval = true\n", "interval must be a int"),
+        ("max_records = 0\n", "max_records"),
+        ("zero_stage = 3\n", "zero_stage must be one of"),
+        ("[train]\ninterval = 3\n[serve]\nport = 1\n", "outside the [train] table"),
+    ],
+)
 def test_bad_keys_and_values_name_the_key(tmp_path, text, message):
     path = tmp_path / "train.toml"
     path.write_text(text)

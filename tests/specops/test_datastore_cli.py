@@ -6,19 +6,36 @@ import json
 
 import pytest
 
-from specops.registry import RegistryConfig, RegistryStore
 from specops.cli import main
+from specops.registry import RegistryConfig, RegistryStore
 from tests.conftest import random_prompts
 
 
 def test_datastore_commands(sqlite_uri, tiny_models, tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("\n".join([json.dumps({"token_ids": p * 3}) for p in random_prompts(8, seed=3)]
-                              + [json.dumps({"prompt_ids": [5, 6, 7], "output_ids": [8, 9, 10, 11]}),
-                                 json.dumps({"text": "def add(a, b):\n    return a + b\n"})]))  # fmt: skip
+    docs.write_text(
+        "\n".join(
+            [json.dumps({"token_ids": p * 3}) for p in random_prompts(8, seed=3)]
+            + [
+                json.dumps({"prompt_ids": [5, 6, 7], "output_ids": [8, 9, 10, 11]}),
+                json.dumps({"text": "def add(a, b):\n    return a + b\n"}),
+            ]
+        )
+    )
     common = ["--registry", sqlite_uri, "--stream", "none"]
-    build = ["datastore", "build", "--model-dir", str(tiny_models), "--documents", str(docs), "--dims", "8",
-             "--index", "flat", *common]  # fmt: skip
+    build = [
+        "datastore",
+        "build",
+        "--model-dir",
+        str(tiny_models),
+        "--documents",
+        str(docs),
+        "--dims",
+        "8",
+        "--index",
+        "flat",
+        *common,
+    ]
     assert main([*build, "--out", str(tmp_path / "ds"), "--register", "code"]) == 0
     out = capsys.readouterr().out
     assert "registered datastore-code version 1" in out and "champion -> 1" in out  # first one: promoted

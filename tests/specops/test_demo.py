@@ -19,9 +19,26 @@ pytestmark = pytest.mark.slow  # the demo end to end
 def test_demo_runs_end_to_end_and_writes_the_report(tiny_models, tmp_path):
     report = tmp_path / "report"
     env = {**os.environ, "SPECOPS_DATA_DIR": str(tmp_path / "data")}
-    cmd = [sys.executable, "-m", "specops.cli", "--threads", "1", "demo", "--model-dir", str(tiny_models), "--quick",
-           "--requests", "24", "--max-tokens", "8", "--report", str(report), "--ui-port", str(free_port()),
-           "--no-linger"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specops.cli",
+        "--threads",
+        "1",
+        "demo",
+        "--model-dir",
+        str(tiny_models),
+        "--quick",
+        "--requests",
+        "24",
+        "--max-tokens",
+        "8",
+        "--report",
+        str(report),
+        "--ui-port",
+        str(free_port()),
+        "--no-linger",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

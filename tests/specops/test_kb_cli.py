@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from specops.cli import main
 from specops.registry import RegistryConfig, RegistryStore
 from specops.serving.retrieval.kb import load_kb_from_registry
-from specops.cli import main
 
 TEXTS = {
     "otters.txt": "Sea otters hold hands while they sleep so that they do not drift apart on the ocean currents. ",
@@ -21,8 +21,19 @@ def test_kb_build_ls_search(sqlite_uri, tiny_models, tmp_path, capsys):
     for name, text in TEXTS.items():
         (src / name).write_text(text * 4)
     common = ["--registry", sqlite_uri, "--stream", "none"]
-    build = ["kb", "build", "--name", "facts", "--source", str(src), "--embedder", "hash",
-             "--model-dir", str(tiny_models), *common]  # fmt: skip
+    build = [
+        "kb",
+        "build",
+        "--name",
+        "facts",
+        "--source",
+        str(src),
+        "--embedder",
+        "hash",
+        "--model-dir",
+        str(tiny_models),
+        *common,
+    ]
     assert main([*build, "--out", str(tmp_path / "kb")]) == 0
     out = capsys.readouterr().out
     assert "3 passages from 3 files" in out and "registered kb-facts version 1 (challenger, champion)" in out
@@ -38,14 +49,30 @@ def test_kb_build_ls_search(sqlite_uri, tiny_models, tmp_path, capsys):
 
     assert main(["kb", "ls", "--registry", sqlite_uri, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["name"], r["version"], r["aliases"], r["passages"], r["retrievers"]) for r in rows] == \
-        [("facts", "1", "challenger,champion", 3, "exact,hnsw,scann,bm25")]  # fmt: skip
+    assert [(r["name"], r["version"], r["aliases"], r["passages"], r["retrievers"]) for r in rows] == [
+        ("facts", "1", "challenger,champion", 3, "exact,hnsw,scann,bm25")
+    ]
     assert rows[0]["bytes_per_passage"] > 0
     assert main(["kb", "ls", "--registry", sqlite_uri]) == 0 and "knowledge bases" in capsys.readouterr().out
 
     for retriever in ("exact", "bm25", "hnsw"):
-        assert main(["kb", "search", "facts", "why do sea otters hold hands", "--retriever", retriever, "-k", "2",
-                     "--registry", sqlite_uri]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "kb",
+                    "search",
+                    "facts",
+                    "why do sea otters hold hands",
+                    "--retriever",
+                    retriever,
+                    "-k",
+                    "2",
+                    "--registry",
+                    sqlite_uri,
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out.splitlines()
         assert "kb facts (version 1, 3 passages)" in out[0] and out[1].split()[-1] == "otters.txt", (retriever, out)
         assert "Sea otters hold hands" in out[2]
@@ -57,8 +84,28 @@ def test_kb_errors_name_what_to_fix(sqlite_uri, tiny_models, tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text(TEXTS["otters.txt"] * 3)
-    assert main(["kb", "build", "--name", "small", "--source", str(src), "--embedder", "hash", "--retrievers",
-                 "exact,bm25", "--model-dir", str(tiny_models), "--out", str(tmp_path / "kb"), "--no-register"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "kb",
+                "build",
+                "--name",
+                "small",
+                "--source",
+                str(src),
+                "--embedder",
+                "hash",
+                "--retrievers",
+                "exact,bm25",
+                "--model-dir",
+                str(tiny_models),
+                "--out",
+                str(tmp_path / "kb"),
+                "--no-register",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["kb", "search", "small", "otters", "--retriever", "scann", "--kb-dir", str(tmp_path / "kb")]) == 2
     assert "no 'scann' retriever; it was built with exact, bm25" in capsys.readouterr().err

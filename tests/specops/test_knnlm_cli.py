@@ -6,14 +6,16 @@ import json
 
 import pytest
 
-from specops.registry import RegistryConfig, RegistryStore
+from specops.cli import main
 from specops.core.models import load_model, load_tokenizer, tokenizer_hash
+from specops.registry import RegistryConfig, RegistryStore
 from specops.serving.ralm.knnlm import KnnConfig, KnnLM
 from specops.serving.ralm.knnlm_store import KnnDatastoreError, load_knnlm
-from specops.cli import main
 
-TEXT = ("The quick brown fox jumps over the lazy dog. A printer queue holds jobs until the spooler sends them.\n"
-        "Partition tables describe the sectors of a disk; the shell expands variables before a command.\n")
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. A printer queue holds jobs until the spooler sends them.\n"
+    "Partition tables describe the sectors of a disk; the shell expands variables before a command.\n"
+)
 
 
 def test_knnlm_build_and_ls(sqlite_uri, tiny_models, tmp_path, capsys):
@@ -32,11 +34,15 @@ def test_knnlm_build_and_ls(sqlite_uri, tiny_models, tmp_path, capsys):
 
     assert main(["knnlm", "ls", "--registry", sqlite_uri, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["version"], r["aliases"], r["searcher"]) for r in rows] == [("1", "champion", "exact"),
-                                                                           ("2", "challenger", "ivfpq")]  # fmt: skip
+    assert [(r["version"], r["aliases"], r["searcher"]) for r in rows] == [
+        ("1", "champion", "exact"),
+        ("2", "challenger", "ivfpq"),
+    ]
     assert rows[0]["entries"] > 100 and rows[1]["bytes_per_entry"] < rows[0]["bytes_per_entry"]
     assert rows[0]["source"].startswith("files:") and rows[1]["source"] == "bootstrap-prose-train"
-    assert main(["knnlm", "ls", "--registry", sqlite_uri]) == 0 and "kNN-LM datastore versions" in capsys.readouterr().out
+    assert (
+        main(["knnlm", "ls", "--registry", sqlite_uri]) == 0 and "kNN-LM datastore versions" in capsys.readouterr().out
+    )
 
     # the champion loads from the registry, verified, for this target and tokenizer, and decodes
     target = load_model(tiny_models / "target")
@@ -56,6 +62,17 @@ def test_knnlm_build_and_ls(sqlite_uri, tiny_models, tmp_path, capsys):
 
 
 def test_no_source_files_is_a_clear_error(tiny_models, tmp_path, capsys):
-    rc = main(["knnlm", "build", "--name", "x", "--models", str(tiny_models), "--source", str(tmp_path / "none*"),
-               "--no-register"])  # fmt: skip
+    rc = main(
+        [
+            "knnlm",
+            "build",
+            "--name",
+            "x",
+            "--models",
+            str(tiny_models),
+            "--source",
+            str(tmp_path / "none*"),
+            "--no-register",
+        ]
+    )
     assert rc != 0 and "no file found" in capsys.readouterr().err

@@ -12,8 +12,16 @@ import re
 
 import pytest
 
-from specops.prompts import (NEAR_DUPLICATE, SHINGLE, NearDuplicateFilter, Prompt, dedupe, distinct_prompts,
-                             jaccard, shingles)  # fmt: skip
+from specops.prompts import (
+    NEAR_DUPLICATE,
+    SHINGLE,
+    NearDuplicateFilter,
+    Prompt,
+    dedupe,
+    distinct_prompts,
+    jaccard,
+    shingles,
+)
 
 BOILERPLATE = (
     "This program is free software: you can\n"

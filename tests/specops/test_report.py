@@ -23,8 +23,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _strict_loads(text: str):
     """json.loads that refuses NaN / Infinity, as a strict JSON reader would."""
+
     def reject(c):
         raise ValueError(f"non-standard JSON constant {c}")
+
     return json.loads(text, parse_constant=reject)
 
 
@@ -41,17 +43,49 @@ def synthetic_run() -> DemoRun:
     for i in range(150):
         version = "base" if i < 100 else "5" if 120 <= i < 130 else "3"
         phase = "code-heavy" if i < 100 else "shift: prose-heavy"
-        reqs.append(RequestRow(t=float(i), cluster="code", phase=phase, drafted=4, accepted=1 if i < 100 else 3,
-                               draft_version=version, latency_s=0.4, num_generated=32, rejected_steps=1))
+        reqs.append(
+            RequestRow(
+                t=float(i),
+                cluster="code",
+                phase=phase,
+                drafted=4,
+                accepted=1 if i < 100 else 3,
+                draft_version=version,
+                latency_s=0.4,
+                num_generated=32,
+                rejected_steps=1,
+            )
+        )
     ok_prose = 0
     for i in range(100):
         phase = "code-heavy"  # t < 100: the whole of prose's traffic falls in the first phase
         if i == 60:
-            reqs.append(RequestRow(t=i + 0.5, cluster="prose", phase=phase, drafted=0, accepted=0, draft_version="",
-                                   latency_s=0.1, num_generated=0, ok=False))
+            reqs.append(
+                RequestRow(
+                    t=i + 0.5,
+                    cluster="prose",
+                    phase=phase,
+                    drafted=0,
+                    accepted=0,
+                    draft_version="",
+                    latency_s=0.1,
+                    num_generated=0,
+                    ok=False,
+                )
+            )
             continue
-        reqs.append(RequestRow(t=i + 0.5, cluster="prose", phase=phase, drafted=2, accepted=1 if ok_prose < 50 else 2,
-                               draft_version="base", latency_s=0.3, num_generated=16))
+        reqs.append(
+            RequestRow(
+                t=i + 0.5,
+                cluster="prose",
+                phase=phase,
+                drafted=2,
+                accepted=1 if ok_prose < 50 else 2,
+                draft_version="base",
+                latency_s=0.3,
+                num_generated=16,
+            )
+        )
         ok_prose += 1
     promotions = [
         Promotion(t=99.5, cluster="code", version="3", reason="gate: offline α 0.61 > 0.42"),
@@ -67,17 +101,38 @@ def synthetic_run() -> DemoRun:
         SpeedRow("prose", "online draft", "base", 12.0, 0.7, 8, False),
     ]
     versions = [
-        {"cluster": "code", "version": "3", "aliases": ["champion"], "registered_at": "2025-01-01T00:01:40",
-         "gate_decision": "promote", "gate_reason": "offline α 0.61 > 0.42", "offline_acceptance": 0.61,
-         "live_acceptance": 0.74},
-        {"cluster": "code", "version": "5", "aliases": [], "registered_at": "2025-01-01T00:02:00",
-         "gate_decision": "promote", "gate_reason": "offline α 0.66 > 0.61", "offline_acceptance": 0.66},
+        {
+            "cluster": "code",
+            "version": "3",
+            "aliases": ["champion"],
+            "registered_at": "2025-01-01T00:01:40",
+            "gate_decision": "promote",
+            "gate_reason": "offline α 0.61 > 0.42",
+            "offline_acceptance": 0.61,
+            "live_acceptance": 0.74,
+        },
+        {
+            "cluster": "code",
+            "version": "5",
+            "aliases": [],
+            "registered_at": "2025-01-01T00:02:00",
+            "gate_decision": "promote",
+            "gate_reason": "offline α 0.66 > 0.61",
+            "offline_acceptance": 0.66,
+        },
     ]
-    return DemoRun(started_at="2025-01-01T00:00:00", duration_s=150.0,
-                   config={"quick": True, "requests": 250, "clusters": ["code", "prose"], "k": 4},
-                   requests=reqs, promotions=promotions, speed=speed, registry_versions=versions,
-                   mlflow_ui_url="http://127.0.0.1:5000", api_url="http://127.0.0.1:8000",
-                   notes=["<script>alert('x')</script> trainer was slow"])
+    return DemoRun(
+        started_at="2025-01-01T00:00:00",
+        duration_s=150.0,
+        config={"quick": True, "requests": 250, "clusters": ["code", "prose"], "k": 4},
+        requests=reqs,
+        promotions=promotions,
+        speed=speed,
+        registry_versions=versions,
+        mlflow_ui_url="http://127.0.0.1:5000",
+        api_url="http://127.0.0.1:8000",
+        notes=["<script>alert('x')</script> trainer was slow"],
+    )
 
 
 def test_summary_numbers():
@@ -136,7 +191,7 @@ def test_write_report_files_and_html(tmp_path):
     assert "offline α 0.66 &gt; 0.61" in page and "champion" in page  # the registry table, escaped
     assert "v3" in page and "v5" in page and "rollback" in page
     assert "http://127.0.0.1:5000" in page and "only work while the demo is running" in page
-    assert "data:image/png;base64," in page and "src=\"http" not in page  # self-contained
+    assert "data:image/png;base64," in page and 'src="http' not in page  # self-contained
     assert ">NO<" in page  # the prose online draft was not lossless, and says so
     assert "per-token" in page and "did not report rejected steps" in page  # prose's rows have none
 
@@ -146,16 +201,47 @@ def test_alpha_is_per_token_and_the_report_plots_it(tmp_path):
     request reported its rejected steps plots α and carries no missing-field note."""
     from specops.report_data import acceptance, has_alpha, token_alpha
 
-    rows = [RequestRow(t=float(i), cluster="sql", phase="p", drafted=9, accepted=4, draft_version="base",
-                       latency_s=0.1, num_generated=12, rejected_steps=2) for i in range(4)]
-    rows.append(RequestRow(t=4.0, cluster="sql", phase="p", drafted=3, accepted=3, draft_version="base",
-                           latency_s=0.1, num_generated=4, rejected_steps=0))
+    rows = [
+        RequestRow(
+            t=float(i),
+            cluster="sql",
+            phase="p",
+            drafted=9,
+            accepted=4,
+            draft_version="base",
+            latency_s=0.1,
+            num_generated=12,
+            rejected_steps=2,
+        )
+        for i in range(4)
+    ]
+    rows.append(
+        RequestRow(
+            t=4.0,
+            cluster="sql",
+            phase="p",
+            drafted=3,
+            accepted=3,
+            draft_version="base",
+            latency_s=0.1,
+            num_generated=4,
+            rejected_steps=0,
+        )
+    )
     assert rows[0].alpha == pytest.approx(4 / 6) and rows[0].acceptance == pytest.approx(4 / 9)
     assert token_alpha(rows) == pytest.approx(19 / 27) and acceptance(rows) == pytest.approx(19 / 39)
     assert token_alpha([]) is None and acceptance([]) is None
-    run = DemoRun(started_at="", duration_s=5.0, config={}, requests=rows, promotions=[],
-                  speed=[SpeedRow("sql", "static draft", "base", 10.0, 0.4, 2, True, alpha=0.6)],
-                  registry_versions=[], mlflow_ui_url=None, api_url=None)  # fmt: skip
+    run = DemoRun(
+        started_at="",
+        duration_s=5.0,
+        config={},
+        requests=rows,
+        promotions=[],
+        speed=[SpeedRow("sql", "static draft", "base", 10.0, 0.4, 2, True, alpha=0.6)],
+        registry_versions=[],
+        mlflow_ui_url=None,
+        api_url=None,
+    )
     assert has_alpha(run)
     write_report(run, tmp_path)
     c = _strict_loads((tmp_path / "summary.json").read_text())["clusters"]["sql"]
@@ -185,12 +271,43 @@ def test_run_json_round_trip_and_cli(tmp_path, capsys):
 
 
 def test_edge_cases_no_drafts_no_promotions_no_speed(tmp_path):
-    reqs = [RequestRow(t=float(i), cluster="retrieval", phase="warmup", drafted=0, accepted=0, draft_version="base",
-                       latency_s=0.2, num_generated=8) for i in range(5)]
-    reqs.append(RequestRow(t=5.0, cluster="", phase="warmup", drafted=0, accepted=0, draft_version="",
-                           latency_s=0.0, num_generated=0, ok=False))  # failed before routing
-    run = DemoRun(started_at="2025-01-01T00:00:00", duration_s=6.0, config={}, requests=reqs, promotions=[],
-                  speed=[], registry_versions=[], mlflow_ui_url=None, api_url=None)
+    reqs = [
+        RequestRow(
+            t=float(i),
+            cluster="retrieval",
+            phase="warmup",
+            drafted=0,
+            accepted=0,
+            draft_version="base",
+            latency_s=0.2,
+            num_generated=8,
+        )
+        for i in range(5)
+    ]
+    reqs.append(
+        RequestRow(
+            t=5.0,
+            cluster="",
+            phase="warmup",
+            drafted=0,
+            accepted=0,
+            draft_version="",
+            latency_s=0.0,
+            num_generated=0,
+            ok=False,
+        )
+    )  # failed before routing
+    run = DemoRun(
+        started_at="2025-01-01T00:00:00",
+        duration_s=6.0,
+        config={},
+        requests=reqs,
+        promotions=[],
+        speed=[],
+        registry_versions=[],
+        mlflow_ui_url=None,
+        api_url=None,
+    )
     index = write_report(run, tmp_path)
     summary = _strict_loads((tmp_path / "summary.json").read_text())
     assert list(summary["clusters"]) == ["retrieval"]  # the unrouted failure names no cluster
@@ -201,8 +318,17 @@ def test_edge_cases_no_drafts_no_promotions_no_speed(tmp_path):
     assert (tmp_path / "speedup.png").read_bytes()[:8] == PNG_MAGIC
     assert "MLflow UI" not in index.read_text()
 
-    empty = DemoRun(started_at="", duration_s=0.0, config={}, requests=[], promotions=[], speed=[],
-                    registry_versions=[], mlflow_ui_url=None, api_url=None)
+    empty = DemoRun(
+        started_at="",
+        duration_s=0.0,
+        config={},
+        requests=[],
+        promotions=[],
+        speed=[],
+        registry_versions=[],
+        mlflow_ui_url=None,
+        api_url=None,
+    )
     write_report(empty, tmp_path / "empty")
     assert _strict_loads((tmp_path / "empty" / "summary.json").read_text())["clusters"] == {}
     assert (tmp_path / "empty" / "alpha.png").read_bytes()[:8] == PNG_MAGIC

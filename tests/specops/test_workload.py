@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specops.core.models import load_tokenizer, render_chat
 from specops.chat_workload import SYSTEM, messages_of
+from specops.core.models import load_tokenizer, render_chat
 from specops.demo import DemoConfig
 from specops.workload import (
     CHAT_PHASES,
@@ -125,12 +125,19 @@ def test_replayer_sends_chat_requests_and_reads_the_speculation_block():
     chat_api, comp_api = _Fake(spec), _Fake({**spec, "cluster": "code"})
     rep.client = SimpleNamespace(chat=SimpleNamespace(completions=chat_api), completions=comp_api)
     msgs = (("system", SYSTEM["sql"]), ("user", "How many rows?"))
-    out = rep.run([Planned(0, "p1", "sql", "How many rows?", messages=msgs, token_ids=(1, 2)),
-                   Planned(1, "p1", "code", "def f():")], lambda o: None)  # fmt: skip
+    out = rep.run(
+        [
+            Planned(0, "p1", "sql", "How many rows?", messages=msgs, token_ids=(1, 2)),
+            Planned(1, "p1", "code", "def f():"),
+        ],
+        lambda o: None,
+    )
     assert [o.error for o in out] == ["", ""]
     (call,) = chat_api.calls
-    assert call["messages"] == [{"role": "system", "content": SYSTEM["sql"]},
-                                {"role": "user", "content": "How many rows?"}]
+    assert call["messages"] == [
+        {"role": "system", "content": SYSTEM["sql"]},
+        {"role": "user", "content": "How many rows?"},
+    ]
     assert call["max_tokens"] == 12 and call["temperature"] == 0
     assert call["extra_body"] == {"speculation": {"method": "draft"}} and call["model"] == "m"
     assert comp_api.calls[0]["prompt"] == "def f():"

@@ -10,9 +10,17 @@ from specops.streams.records import DIST_FULL, DIST_TOPK, GenerationRecord, Miss
 
 
 def miss_record(
-    seed: int = 0, *, cluster: str = "code", vocab: int = 512, n: int = 60, m: int = 6, k: int = 16,
-    kind: str = DIST_TOPK, dtype=np.float32, request_id: str | None = None,
-) -> MissRecord:  # fmt: skip
+    seed: int = 0,
+    *,
+    cluster: str = "code",
+    vocab: int = 512,
+    n: int = 60,
+    m: int = 6,
+    k: int = 16,
+    kind: str = DIST_TOPK,
+    dtype=np.float32,
+    request_id: str | None = None,
+) -> MissRecord:
     rng = np.random.default_rng(seed)
     num_prompt = 20
     tokens = rng.integers(0, vocab, n).astype(np.int32)
@@ -28,24 +36,47 @@ def miss_record(
         logprobs = np.take_along_axis(logp, ids, axis=1).astype(dtype)
         residual = np.clip(1 - np.exp(logprobs.astype(np.float64)).sum(axis=1), 0, 1).astype(np.float32)
     return MissRecord(
-        request_id=request_id or f"req-{seed}", cluster=cluster, method="draft", draft_model=f"draft-{cluster}",
-        draft_version="3", sampling=SamplingInfo(0.7, 0.9, 40, seed), token_ids=tokens, num_prompt_tokens=num_prompt,
-        vocab_size=vocab, positions=positions, drafted_tokens=drafted, dist_kind=kind, logprobs=logprobs,
-        topk_ids=ids, residual=residual, num_drafted=3 * m + 4, num_accepted=2 * m + 4, timestamp=1_790_000_000.5,
-    )  # fmt: skip
+        request_id=request_id or f"req-{seed}",
+        cluster=cluster,
+        method="draft",
+        draft_model=f"draft-{cluster}",
+        draft_version="3",
+        sampling=SamplingInfo(0.7, 0.9, 40, seed),
+        token_ids=tokens,
+        num_prompt_tokens=num_prompt,
+        vocab_size=vocab,
+        positions=positions,
+        drafted_tokens=drafted,
+        dist_kind=kind,
+        logprobs=logprobs,
+        topk_ids=ids,
+        residual=residual,
+        num_drafted=3 * m + 4,
+        num_accepted=2 * m + 4,
+        timestamp=1_790_000_000.5,
+    )
 
 
 def generation_record(seed: int = 0, cluster: str = "code", vocab: int = 512) -> GenerationRecord:
     rng = np.random.default_rng(seed)
     return GenerationRecord(
-        request_id=f"req-{seed}", cluster=cluster, method="draft", draft_model=f"draft-{cluster}", draft_version="3",
-        prompt_ids=rng.integers(0, vocab, 12).astype(np.int32), output_ids=rng.integers(0, vocab, 30).astype(np.int32),
-        vocab_size=vocab, finish_reason="length", timestamp=1_790_000_001.0,
-    )  # fmt: skip
+        request_id=f"req-{seed}",
+        cluster=cluster,
+        method="draft",
+        draft_model=f"draft-{cluster}",
+        draft_version="3",
+        prompt_ids=rng.integers(0, vocab, 12).astype(np.int32),
+        output_ids=rng.integers(0, vocab, 30).astype(np.int32),
+        vocab_size=vocab,
+        finish_reason="length",
+        timestamp=1_790_000_001.0,
+    )
 
 
 def model_event() -> ModelEvent:
-    return ModelEvent(kind="promotion", model_name="draft-code", version="4", previous_version="3", reason="gate +0.031")
+    return ModelEvent(
+        kind="promotion", model_name="draft-code", version="4", previous_version="3", reason="gate +0.031"
+    )
 
 
 def assert_same_record(a, b) -> None:

@@ -78,9 +78,12 @@ def _spawn_consumer(cfg: StreamConfig, group: str, topic: str, mode: str) -> sub
     payload = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "topics"})
     return subprocess.Popen(
         [sys.executable, "-m", "tests.streams.proc_consumer", payload, group, topic, mode],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
 
 
 def _read_lines(proc: subprocess.Popen, until, timeout_s: float = 120.0) -> list[str]:
@@ -112,7 +115,9 @@ def test_consumer_killed_before_commit_redelivers_everything(make_cfg, topic):
     processed = {x.split()[2] for x in lines if x[0].isdigit()}
     assert processed == {f"v{i}" for i in range(n)}, "the first member should have processed everything"
     with open_stream(cfg) as stream:
-        assert stream.committed("g-kill", topic) == {} or all(v == 0 for v in stream.committed("g-kill", topic).values())
+        assert stream.committed("g-kill", topic) == {} or all(
+            v == 0 for v in stream.committed("g-kill", topic).values()
+        )
         consumer = stream.consumer("g-kill", [topic])
         again = consume_until(consumer, n, timeout_s=120)
         consumer.commit()
@@ -182,8 +187,13 @@ def test_group_splits_partitions_then_rebalances_when_one_leaves(make_cfg, topic
         a.start()
         b.start()
         try:
-            split = wait_for(lambda: a.consumer.assignment() and b.consumer.assignment()
-                             and a.consumer.assignment() | b.consumer.assignment() == every)  # fmt: skip
+            split = wait_for(
+                lambda: (
+                    a.consumer.assignment()
+                    and b.consumer.assignment()
+                    and a.consumer.assignment() | b.consumer.assignment() == every
+                )
+            )
             assert split, f"no split: {a.consumer.assignment()} / {b.consumer.assignment()}"
             assert not (a.consumer.assignment() & b.consumer.assignment())
             b.stop()
@@ -205,9 +215,16 @@ def test_malformed_bytes_go_to_the_deadletter_topic(make_cfg, topic):
     bad_values = [b"not a record at all", codec.encode(good[0])[:-7], codec.encode(generation_record(3))]
     dlq = f"{topic}.dlq"
     with open_stream(cfg) as stream, stream.producer() as producer:
-        producer.publish(topic, [OutMessage(b"code", codec.encode(good[0])), OutMessage(b"code", bad_values[0]),
-                                 OutMessage(b"code", bad_values[1]), OutMessage(b"code", bad_values[2]),
-                                 OutMessage(b"code", codec.encode(good[1]))])  # fmt: skip
+        producer.publish(
+            topic,
+            [
+                OutMessage(b"code", codec.encode(good[0])),
+                OutMessage(b"code", bad_values[0]),
+                OutMessage(b"code", bad_values[1]),
+                OutMessage(b"code", bad_values[2]),
+                OutMessage(b"code", codec.encode(good[1])),
+            ],
+        )
         with RecordConsumer(stream, "g-dlq", [topic], deadletter_topic=dlq, expect=[MissRecord]) as consumer:
             got = consume_until(consumer, 2)
             consumer.commit()
@@ -236,14 +253,18 @@ def test_events_and_generations_share_the_contract(make_cfg, topic):
 
 def _serve(pair, logger, prompts, first: int = 0) -> list[list[int]]:
     from specops.serving.engine.spec import SpecEngine
-    from specops.serving.fleet.stream_logger import RequestMeta
     from specops.serving.engine.types import SamplingParams
+    from specops.serving.fleet.stream_logger import RequestMeta
 
     engine = SpecEngine(pair, logger=logger)
     outs = []
     for i, prompt in enumerate(prompts, start=first):
-        res = engine.generate(prompt, SamplingParams(max_new_tokens=12), method="draft",
-                              meta=RequestMeta(request_id=f"r{i}", cluster="code"))  # fmt: skip
+        res = engine.generate(
+            prompt,
+            SamplingParams(max_new_tokens=12),
+            method="draft",
+            meta=RequestMeta(request_id=f"r{i}", cluster="code"),
+        )
         outs.append(res.token_ids)
     return outs
 
@@ -252,8 +273,8 @@ def test_stream_down_while_serving_requests_succeed_and_drops_count(request, mak
     """Stop the stream under a serving loop: every request still succeeds, the logger
     sheds and counts drops, and it reconnects by itself when the stream is back."""
     from specops.serving.engine.spec import SpecEngine
-    from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
     from specops.serving.engine.types import SamplingParams
+    from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
     from tests.conftest import random_prompts
 
     if make_cfg.backend == "kafka":
@@ -273,10 +294,13 @@ def test_stream_down_while_serving_requests_succeed_and_drops_count(request, mak
             (tmp_path / "aside").rename(blocker)
 
     prompts = random_prompts(12, seed=7)
-    expected = [SpecEngine(close_pair).generate(p, SamplingParams(max_new_tokens=12), method="target").token_ids
-                for p in prompts]  # fmt: skip
-    logger = StreamLogger(cfg, LoggerConfig(queue_size=6, retry_initial_s=0.05, retry_max_s=0.2),
-                          vocab_size=close_pair.vocab_size)  # fmt: skip
+    expected = [
+        SpecEngine(close_pair).generate(p, SamplingParams(max_new_tokens=12), method="target").token_ids
+        for p in prompts
+    ]
+    logger = StreamLogger(
+        cfg, LoggerConfig(queue_size=6, retry_initial_s=0.05, retry_max_s=0.2), vocab_size=close_pair.vocab_size
+    )
     try:
         assert _serve(close_pair, logger, prompts[:2]) == expected[:2]
         assert logger.flush(120), "records should publish while the stream is up"

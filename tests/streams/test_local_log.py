@@ -18,10 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from specops.streams import CommitFailedError, OutMessage, StreamConfig, StreamConfigError, StreamUnavailableError, open_stream
+from specops.streams import (
+    CommitFailedError,
+    OutMessage,
+    StreamConfig,
+    StreamConfigError,
+    StreamUnavailableError,
+    open_stream,
+)
 from specops.streams.base import partition_for_key
-from specops.streams.local import LocalStream
 from specops.streams.errors import OffsetOutOfRangeError
+from specops.streams.local import LocalStream
 from specops.streams.local_damage import DAMAGED
 from specops.streams.local_frames import encode_frame, list_segments, scan, segment_path
 
@@ -180,7 +187,9 @@ def damaged_log(root: Path) -> tuple[LocalStream, list[int]]:
     stream.ensure_topics({"t": 1})
     with stream.producer() as producer:
         for i in range(0, N_RECORDS, 10):
-            producer.publish("t", [OutMessage(b"k", f"{j:04d}".encode() + b"v" * 100) for j in range(i, min(i + 10, N_RECORDS))])
+            producer.publish(
+                "t", [OutMessage(b"k", f"{j:04d}".encode() + b"v" * 100) for j in range(i, min(i + 10, N_RECORDS))]
+            )
     bases = list_segments(stream.partition_dir("t", 0))
     assert bases == [0, 90], bases
     return stream, bases
@@ -420,8 +429,17 @@ def test_producer_killed_mid_batch_loses_no_acknowledged_record(tmp_path):
     root = tmp_path / "log"
     acked: dict[tuple[int, int], str] = {}
     for tag in "PQR":
-        args = dict(root=str(root), fsync=False, segment_bytes=1 << 20, partitions=2, batches=-1, unkeyed=False,
-                    tag=tag, size=16, pad=64_000)  # fmt: skip
+        args = dict(
+            root=str(root),
+            fsync=False,
+            segment_bytes=1 << 20,
+            partitions=2,
+            batches=-1,
+            unkeyed=False,
+            tag=tag,
+            size=16,
+            pad=64_000,
+        )
         proc = spawn(PRODUCER_SCRIPT, json.dumps(args))
         try:
             lines = read_lines(proc, lambda ls: len(ls) >= 4)
@@ -488,8 +506,19 @@ def test_two_producer_processes_append_to_one_partition(tmp_path):
     make_stream(root).ensure_topics({"t": 1})
     procs = []
     for tag in "AB":
-        args = dict(root=str(root), fsync=True, segment_bytes=4096, partitions=1, batches=120, unkeyed=True,
-                    tag=tag, size=5, pad=20, go=str(go), ready=str(tmp_path / f"ready-{tag}"))  # fmt: skip
+        args = dict(
+            root=str(root),
+            fsync=True,
+            segment_bytes=4096,
+            partitions=1,
+            batches=120,
+            unkeyed=True,
+            tag=tag,
+            size=5,
+            pad=20,
+            go=str(go),
+            ready=str(tmp_path / f"ready-{tag}"),
+        )
         procs.append(spawn(PRODUCER_SCRIPT, json.dumps(args)))
     deadline = time.monotonic() + 300  # a slow or loaded machine takes long to import
     while time.monotonic() < deadline and not all((tmp_path / f"ready-{t}").exists() for t in "AB"):
@@ -657,8 +686,16 @@ def test_topic_names_and_concurrent_topic_creation(tmp_path, monkeypatch):
 def test_retention_deletes_old_sealed_segments_and_consumers_restart_at_the_earliest(tmp_path):
     from specops.streams import OutMessage, StreamConfig, open_stream
 
-    cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False, num_partitions=1, segment_bytes=1024,
-                       retention_bytes=4096, session_timeout_s=1.0, heartbeat_interval_s=0.2, max_poll_interval_s=5)  # fmt: skip
+    cfg = StreamConfig(
+        url=f"local://{tmp_path}/log",
+        fsync=False,
+        num_partitions=1,
+        segment_bytes=1024,
+        retention_bytes=4096,
+        session_timeout_s=1.0,
+        heartbeat_interval_s=0.2,
+        max_poll_interval_s=5,
+    )
     stream = open_stream(cfg)
     with stream.producer() as producer:
         for i in range(40):

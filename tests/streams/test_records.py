@@ -18,9 +18,25 @@ from tests.streams.records_factory import assert_same_record, generation_record,
 
 @pytest.mark.parametrize("compress", [True, False])
 def test_every_record_type_round_trips_bit_exact(compress):
-    dead = DeadLetter("spec.misses", 3, 17, b"code", b"\x00garbage\xff", "record.header: bad magic", "RecordValidationError", "trainer")
-    for rec in [miss_record(1), miss_record(2, kind="full"), miss_record(3, dtype=np.float16), miss_record(4, m=0),
-                generation_record(5), model_event(), dead]:  # fmt: skip
+    dead = DeadLetter(
+        "spec.misses",
+        3,
+        17,
+        b"code",
+        b"\x00garbage\xff",
+        "record.header: bad magic",
+        "RecordValidationError",
+        "trainer",
+    )
+    for rec in [
+        miss_record(1),
+        miss_record(2, kind="full"),
+        miss_record(3, dtype=np.float16),
+        miss_record(4, m=0),
+        generation_record(5),
+        model_event(),
+        dead,
+    ]:
         data = codec.encode(rec, compress=compress)
         assert data[:2] == b"SO" and data[4:6] == SCHEMA_VERSION.to_bytes(2, "little")
         assert_same_record(rec, codec.decode(data))
@@ -161,17 +177,21 @@ def test_v2_round_trips_artifacts_and_spans():
     back = codec.decode(codec.encode(rec))
     assert back.schema == SCHEMA_VERSION == 2
     assert back.artifact_versions == {"draft": "3", "datastore": "2"} and back.context_spans == spans
-    gen = dataclasses.replace(generation_record(), context_spans=(ContextSpan("reference", 0, 5),
-                                                                  ContextSpan("prompt", 5, 12)))  # fmt: skip
+    gen = dataclasses.replace(
+        generation_record(), context_spans=(ContextSpan("reference", 0, 5), ContextSpan("prompt", 5, 12))
+    )
     assert (codec.decode(codec.encode(gen)).request_prompt_ids == gen.prompt_ids[5:12]).all()
 
 
-@pytest.mark.parametrize("spans, reason", [
-    ((("prompt", 0, 30),), "past the context"),
-    ((("reference", 0, 20),), "no span is the prompt"),
-    ((("prompt", 0, 10), ("reference", 5, 20)), "overlaps or is out of order"),
-    ((("rumour", 0, 20),), "must be a ContextSpan of kind"),
-])
+@pytest.mark.parametrize(
+    "spans, reason",
+    [
+        ((("prompt", 0, 30),), "past the context"),
+        ((("reference", 0, 20),), "no span is the prompt"),
+        ((("prompt", 0, 10), ("reference", 5, 20)), "overlaps or is out of order"),
+        ((("rumour", 0, 20),), "must be a ContextSpan of kind"),
+    ],
+)
 def test_bad_spans_are_refused_with_the_reason(spans, reason):
     import dataclasses
 

@@ -5,17 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from specops.serving.engine.spec import SpecEngine
 from specops.core.models import ModelPair
-from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
 from specops.streams import StreamConfig
 from tests.conftest import random_prompts
 
 
-def log_requests(pair: ModelPair, root: Path, n: int, *, seed: int, cluster_of: Callable[[int], str],
-                 partitions: int = 2, lo: int = 8, hi: int = 20, max_new_tokens: int = 24,
-                 greedy_only: bool = False, url: str | None = None, **stream: object) -> tuple[StreamConfig, Path]:  # fmt: skip
+def log_requests(
+    pair: ModelPair,
+    root: Path,
+    n: int,
+    *,
+    seed: int,
+    cluster_of: Callable[[int], str],
+    partitions: int = 2,
+    lo: int = 8,
+    hi: int = 20,
+    max_new_tokens: int = 24,
+    greedy_only: bool = False,
+    url: str | None = None,
+    **stream: object,
+) -> tuple[StreamConfig, Path]:
     """Log ``n`` requests (request ``i`` in cluster ``cluster_of(i)``) to ``url`` (default ``local://root/log``).
 
     Odd requests are greedy, even ones sampled at T=0.8 (all greedy with ``greedy_only``).

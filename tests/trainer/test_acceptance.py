@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 from specops.serving.engine.spec import SpecEngine
-from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
 from specops.serving.engine.types import SamplingParams
 from specops.serving.engine.verifier import decide
+from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
 from specops.streams import StreamConfig, codec, open_stream
-from tests.conftest import random_prompts
 from specops.trainer.acceptance import evaluate_records, position_acceptance
 from specops.trainer.losses import TargetDist
+from tests.conftest import random_prompts
 
 
 def test_sampling_estimate_is_the_verifiers_acceptance_probability():
@@ -71,8 +71,10 @@ def _served_records(pair, tmp_path, n=8, seed=3):
     cfg = StreamConfig(url=f"local://{tmp_path}/log", fsync=False)
     logger = StreamLogger(cfg, LoggerConfig(topk=16), vocab_size=pair.vocab_size)
     engine = SpecEngine(pair, logger=logger)
-    results = [engine.generate(p, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
-               for i, p in enumerate(random_prompts(n, seed=seed))]  # fmt: skip
+    results = [
+        engine.generate(p, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
+        for i, p in enumerate(random_prompts(n, seed=seed))
+    ]
     logger.close()
     with open_stream(cfg) as s:
         return [codec.decode(m.value) for m in s.read(cfg.topics.misses)], results

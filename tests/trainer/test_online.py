@@ -13,21 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from specops.streams import open_stream
-from specops.streams.tansu import TansuBroker
 from transformers import AutoModelForCausalLM
 
 from specops.core import draft_vocab
 from specops.core.draft_vocab import DraftVocab
-from tests.conftest import SUBSET, VOCAB
-from tests.tolerances import assert_f32_close
-from tests.trainer.logged import log_requests
+from specops.streams import open_stream
+from specops.streams.tansu import TansuBroker
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import evaluate_records
 from specops.trainer.data import draft_logits, teacher_example
 from specops.trainer.online import OnlineConfig, OnlineTrainer, _holdout
 from specops.trainer.replay import ReplayConfig
+from tests.conftest import SUBSET, VOCAB
+from tests.tolerances import assert_f32_close
+from tests.trainer.logged import log_requests
 
 ROOT = Path(__file__).resolve().parents[2]
 N_REQUESTS = 40
@@ -53,8 +52,9 @@ def logged(request, close_pair, tmp_path_factory):
         broker = TansuBroker(root / "broker.log").start()
         request.addfinalizer(broker.stop)
         extra = {"url": broker.url, **KAFKA_GROUP_TIMINGS}
-    return log_requests(close_pair, root, N_REQUESTS, seed=21, cluster_of=lambda i: "code" if i % 3 else "prose",
-                        **extra)  # fmt: skip
+    return log_requests(
+        close_pair, root, N_REQUESTS, seed=21, cluster_of=lambda i: "code" if i % 3 else "prose", **extra
+    )
 
 
 def _assert_all_committed(stream, group: str, topic: str) -> None:
@@ -123,9 +123,9 @@ def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pa
     with torch.no_grad():
         for rec in (r for r in held_out if r.sampling.temperature == 0.0):
             ids = torch.from_numpy(rec.token_ids).long()
-            logits = st.model(input_ids=ids[:-1].unsqueeze(0)).logits[0, rec.num_prompt_tokens - 1:]
+            logits = st.model(input_ids=ids[:-1].unsqueeze(0)).logits[0, rec.num_prompt_tokens - 1 :]
             logits[:, outside] = float("-inf")
-            matched += int((logits.argmax(-1) == ids[rec.num_prompt_tokens:]).sum())
+            matched += int((logits.argmax(-1) == ids[rec.num_prompt_tokens :]).sum())
             total += len(ids) - rec.num_prompt_tokens
     acc = trainer.evaluate("code")
     assert total > 0 and (acc.served, acc.served_positions) == (matched / total, total)
@@ -136,12 +136,20 @@ def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pa
 def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    ocfg = OnlineConfig(positions="rejected", steps_per_update=4, group="resume", interval=5, replay=__import__("specops.trainer.replay").trainer.replay.ReplayConfig(policy="recent", capacity=50))
+    ocfg = OnlineConfig(
+        positions="rejected",
+        steps_per_update=4,
+        group="resume",
+        interval=5,
+        replay=__import__("specops.trainer.replay").trainer.replay.ReplayConfig(policy="recent", capacity=50),
+    )
     first = OnlineTrainer(cfg, draft_dir, out, ocfg)
     first.run(max_idle_s=_idle_s(cfg))
     first.close()
-    saved = {c: (st.version, {k: v.clone() for k, v in st.model.state_dict().items()}, len(first.buffers[c]))
-             for c, st in first.clusters.items()}  # fmt: skip
+    saved = {
+        c: (st.version, {k: v.clone() for k, v in st.model.state_dict().items()}, len(first.buffers[c]))
+        for c, st in first.clusters.items()
+    }
     second = OnlineTrainer(cfg, draft_dir, out, ocfg)
     try:
         for cluster, (version, weights, buffered) in saved.items():
@@ -161,12 +169,41 @@ def test_restart_resumes_weights_optimiser_and_buffers(logged, tmp_path):
 def test_killed_trainer_loses_no_record(logged, tmp_path):
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    cmd = [sys.executable, "-m", "specops.cli", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
-           "--group", "killed", "--interval", "1", "--steps", "1", "--holdout-every", "5", "--idle-exit", str(10 + _idle_s(cfg)),
-           "--positions", "rejected"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specops.cli",
+        "train",
+        "--registry",
+        "none",
+        "--stream",
+        cfg.url,
+        "--draft",
+        str(draft_dir),
+        "--out",
+        str(out),
+        "--group",
+        "killed",
+        "--interval",
+        "1",
+        "--steps",
+        "1",
+        "--holdout-every",
+        "5",
+        "--idle-exit",
+        str(10 + _idle_s(cfg)),
+        "--positions",
+        "rejected",
+    ]
     # the killed member keeps its partitions until its session times out: keep that short, below --idle-exit
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECOPS_STREAM_FSYNC": "0", "SPECOPS_STREAM_SESSION_TIMEOUT_S": "2",
-           "SPECOPS_STREAM_HEARTBEAT_INTERVAL_S": "0.3", "SPECOPS_STREAM_MAX_POLL_INTERVAL_S": "60"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "SPECOPS_STREAM_FSYNC": "0",
+        "SPECOPS_STREAM_SESSION_TIMEOUT_S": "2",
+        "SPECOPS_STREAM_HEARTBEAT_INTERVAL_S": "0.3",
+        "SPECOPS_STREAM_MAX_POLL_INTERVAL_S": "60",
+    }
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
     deadline = time.monotonic() + 300  # generous: a loaded machine imports slowly
     while time.monotonic() < deadline and sum(len(_history(out, c)) for c in ("code", "prose")) < 5:
@@ -189,9 +226,12 @@ def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_
     joins, as when this one missed its session timeout): the pass logs it and returns, and
     once the partition is back its records are recognised rather than buffered twice."""
     n = 12
-    cfg, draft_dir = log_requests(close_pair, tmp_path, n, seed=5, cluster_of=lambda i: "code" if i % 2 else "chat",
-                                  max_new_tokens=12)  # clusters keyed to partitions 1 and 0
-    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**PAPER_PLUS, group="rebal", interval=1000))
+    cfg, draft_dir = log_requests(
+        close_pair, tmp_path, n, seed=5, cluster_of=lambda i: "code" if i % 2 else "chat", max_new_tokens=12
+    )  # clusters keyed to partitions 1 and 0
+    trainer = OnlineTrainer(
+        cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**PAPER_PLUS, group="rebal", interval=1000)
+    )
     raw, joined = trainer.consumer.consumer, []
 
     def poll_then_rebalance(**kw):
@@ -206,7 +246,9 @@ def test_a_commit_refused_after_a_rebalance_is_logged_and_the_records_come_back_
             first = trainer.step()
         assert first > 0 and "not committed, the group rebalanced" in caplog.text
         joined[0].close()  # leaves without committing: its partition (and our uncommitted records) come back
-        trainer.run(max_idle_s=4.0)  # rebalances within heartbeat_interval_s / 2: the partition and its records come back
+        trainer.run(
+            max_idle_s=4.0
+        )  # rebalances within heartbeat_interval_s / 2: the partition and its records come back
         held = [h.source for c in ("code", "chat") for h in [*trainer.buffers[c].items(), *trainer.clusters[c].holdout]]
         assert len(held) == len(set(held)) == n
         _assert_all_committed(trainer.stream, "rebal", cfg.topics.misses)
@@ -220,10 +262,18 @@ def test_a_restart_before_the_commit_trains_no_record_twice(close_pair, tmp_path
     buffer) are skipped instead of trained again into a version of the same window."""
     from specops.trainer.replay import ReplayConfig
 
-    cfg, draft_dir = log_requests(close_pair, tmp_path, 24, seed=21, cluster_of=lambda i: "c", partitions=1,
-                                  greedy_only=True, max_new_tokens=12)  # fmt: skip
-    ocfg = OnlineConfig(positions="rejected", steps_per_update=4, group="g", interval=4, holdout_every=1000, poll_records=24,
-                        replay=ReplayConfig(policy="recent", capacity=8))  # fmt: skip
+    cfg, draft_dir = log_requests(
+        close_pair, tmp_path, 24, seed=21, cluster_of=lambda i: "c", partitions=1, greedy_only=True, max_new_tokens=12
+    )
+    ocfg = OnlineConfig(
+        positions="rejected",
+        steps_per_update=4,
+        group="g",
+        interval=4,
+        holdout_every=1000,
+        poll_records=24,
+        replay=ReplayConfig(policy="recent", capacity=8),
+    )
     first = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg)
 
     def killed():
@@ -250,8 +300,9 @@ def test_a_kill_between_checkpoint_and_history_line_is_repaired_on_restart(close
     """Killed after an update's checkpoint was written but before its history line (and with
     the last line torn): the restart skips the records that checkpoint trained, so it writes
     the missing line back from the checkpoint. Every record is then in exactly one line."""
-    cfg, draft_dir = log_requests(close_pair, tmp_path, 12, seed=3, cluster_of=lambda i: "c", partitions=1,
-                                  greedy_only=True, max_new_tokens=12)  # fmt: skip
+    cfg, draft_dir = log_requests(
+        close_pair, tmp_path, 12, seed=3, cluster_of=lambda i: "c", partitions=1, greedy_only=True, max_new_tokens=12
+    )
     ocfg = OnlineConfig(**PAPER_PLUS, group="g", interval=4, holdout_every=1000, poll_records=12)
     out = tmp_path / "out"
     first = OnlineTrainer(cfg, draft_dir, out, ocfg)
@@ -275,7 +326,9 @@ def test_a_kill_between_checkpoint_and_history_line_is_repaired_on_restart(close
         second.run(max_idle_s=1.0)
         hist = _history(out, "c")
         assert [h["version"] for h in hist] == [1, 2, 3] and hist[1]["recovered"] is True
-        new_in = [set(h["request_ids"]) - set().union(*(p["request_ids"] for p in hist[:i])) for i, h in enumerate(hist)]
+        new_in = [
+            set(h["request_ids"]) - set().union(*(p["request_ids"] for p in hist[:i])) for i, h in enumerate(hist)
+        ]
         assert set().union(*new_in) == {f"r{i}" for i in range(12)} and all(len(n) == 4 for n in new_in)
     finally:
         second.close()

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 
+from specops.cli import main
 from specops.core.auto_policy import AutoPolicy
+from specops.policy_cli import read_generations
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
-from specops.cli import main
-from specops.policy_cli import read_generations
 from specops.streams import StreamConfig
 from specops.streams.codec import decode, encode
-from tests.conftest import random_prompts
 from specops.trainer.policy_fit import fit_priors
+from tests.conftest import random_prompts
 
 
 def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path, sqlite_uri, capsys):
@@ -26,9 +26,13 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     policy = AutoPolicy(seed=0)
     for i, prompt in enumerate(random_prompts(4, seed=6)):
         cluster = "code" if i % 2 else "prose"
-        engine.generate(prompt, SamplingParams(max_new_tokens=16), proposer_cfg=ProposerConfig(method="auto"),
-                        resources=ProposerResources(pair=close_pair, policy=policy, cluster=cluster),
-                        meta=RequestMeta(request_id=f"r{i}", cluster=cluster))  # fmt: skip
+        engine.generate(
+            prompt,
+            SamplingParams(max_new_tokens=16),
+            proposer_cfg=ProposerConfig(method="auto"),
+            resources=ProposerResources(pair=close_pair, policy=policy, cluster=cluster),
+            meta=RequestMeta(request_id=f"r{i}", cluster=cluster),
+        )
     engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8), method="target", meta=RequestMeta(request_id="t"))
     logger.close()
 
@@ -45,8 +49,21 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     assert {row["cluster"] for row in priors["counts"]} <= {"code", "prose"}
 
     out = tmp_path / "priors.json"
-    rc = main(["policy", "fit", "--stream", url, "--out", str(out), "--register", "--promote",
-               "--registry", sqlite_uri, "--json"])  # fmt: skip
+    rc = main(
+        [
+            "policy",
+            "fit",
+            "--stream",
+            url,
+            "--out",
+            str(out),
+            "--register",
+            "--promote",
+            "--registry",
+            sqlite_uri,
+            "--json",
+        ]
+    )
     assert rc == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["requests"] == 4 and printed["version"] == "1" and printed["promoted"]

@@ -11,16 +11,26 @@ import torch
 
 from specops.streams import open_stream
 from specops.streams.consumer import RecordConsumer
-from tests.trainer.logged import log_requests
 from specops.trainer.data import TargetTeacher, every_position_example, logs_every_position
 from specops.trainer.online import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
+from tests.trainer.logged import log_requests
 
 
 @pytest.fixture(scope="module")
 def logged(close_pair, tmp_path_factory):
-    return log_requests(close_pair, tmp_path_factory.mktemp("positions"), 12, seed=9, cluster_of=lambda i: "c",
-                        partitions=1, lo=6, hi=14, max_new_tokens=16, greedy_only=True)  # fmt: skip
+    return log_requests(
+        close_pair,
+        tmp_path_factory.mktemp("positions"),
+        12,
+        seed=9,
+        cluster_of=lambda i: "c",
+        partitions=1,
+        lo=6,
+        hi=14,
+        max_new_tokens=16,
+        greedy_only=True,
+    )
 
 
 def _records(cfg, n: int):
@@ -37,7 +47,7 @@ def test_teacher_gives_the_targets_distribution_at_every_output_position(close_p
     p, n = rec.num_prompt_tokens, len(rec.token_ids)
     assert ex.positions.tolist() == list(range(p, n)) and ex.context.tolist() == rec.token_ids[: n - 1].tolist()
     with torch.no_grad():
-        full = torch.log_softmax(close_pair.target(input_ids=ex.context.unsqueeze(0)).logits[0].float(), -1)[p - 1:]
+        full = torch.log_softmax(close_pair.target(input_ids=ex.context.unsqueeze(0)).logits[0].float(), -1)[p - 1 :]
     vals, ids = full.topk(16, -1)
     torch.testing.assert_close(ex.target.logprobs, vals, atol=1e-4, rtol=1e-4)
     assert torch.equal(ex.target.topk_ids, ids)
@@ -51,8 +61,9 @@ def test_teacher_gives_the_targets_distribution_at_every_output_position(close_p
 
 def test_online_loop_trains_at_every_output_position(close_pair, logged, tmp_path):
     cfg, draft_dir = logged
-    ocfg = OnlineConfig(interval=4, holdout_every=1000, positions="all", group="g-all",
-                        replay=ReplayConfig(policy="clear"))  # fmt: skip
+    ocfg = OnlineConfig(
+        interval=4, holdout_every=1000, positions="all", group="g-all", replay=ReplayConfig(policy="clear")
+    )
     trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg, target=close_pair.target)
     before = copy.deepcopy(trainer.state("c").model.state_dict())
     assert trainer.run(max_idle_s=1.0) == 12
@@ -78,15 +89,37 @@ def test_specops_train_defaults_are_the_trainers():
     args = build_parser().parse_args(["train"])
     cfg = OnlineConfig()
     assert (args.interval, args.loss, args.lr, args.steps, args.replay, args.capacity, args.positions) == (
-        cfg.interval, cfg.loss, cfg.lr, cfg.steps_per_update, cfg.replay.policy, cfg.replay.capacity, cfg.positions)
+        cfg.interval,
+        cfg.loss,
+        cfg.lr,
+        cfg.steps_per_update,
+        cfg.replay.policy,
+        cfg.replay.capacity,
+        cfg.positions,
+    )
 
 
 def test_cli_says_which_target_is_missing(logged, tmp_path, capsys):
     from specops.cli import main
 
     cfg, draft_dir = logged
-    rc = main(["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir),
-               "--out", str(tmp_path / "out"), "--idle-exit", "1"])  # fmt: skip
+    rc = main(
+        [
+            "--threads",
+            "1",
+            "train",
+            "--registry",
+            "none",
+            "--stream",
+            cfg.url,
+            "--draft",
+            str(draft_dir),
+            "--out",
+            str(tmp_path / "out"),
+            "--idle-exit",
+            "1",
+        ]
+    )
     assert rc == 2 and "--target DIR" in capsys.readouterr().err
 
 

@@ -9,25 +9,32 @@ import time
 
 import pytest
 
+from specops.core.models import ModelPair, load_model, load_model_dir
 from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.events import EventPublisher, EventWatcher
 from specops.serving.fleet.hotswap import DraftFollower, HotSwapConfig
-from specops.core.models import ModelPair, load_model, load_model_dir
 from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
-from specops.serving.engine.types import SamplingParams
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import ModelEvent
+from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.promote import PromoteConfig, Promoter
+from specops.trainer.replay import ReplayConfig
 from tests.conftest import perturbed, random_prompts
 from tests.registry.mlflow_server import free_port
 from tests.trainer.logged import log_requests
-from specops.trainer.replay import ReplayConfig
-from specops.trainer.online import OnlineConfig, OnlineTrainer
-from specops.trainer.promote import PromoteConfig, Promoter
 
 N = 32
-CFG = OnlineConfig(positions="rejected", replay=ReplayConfig(policy="recent", capacity=32), steps_per_update=4, interval=6, holdout_every=3, lr=2e-3)
+CFG = OnlineConfig(
+    positions="rejected",
+    replay=ReplayConfig(policy="recent", capacity=32),
+    steps_per_update=4,
+    interval=6,
+    holdout_every=3,
+    lr=2e-3,
+)
 GATE = PromoteConfig(margin=-1.0, min_positions=0)
 """Promote every candidate: these tests are about registration, commits and swaps (the
 gate's refusals are tested below and in tests/registry)."""
@@ -51,8 +58,9 @@ def test_registration_before_commit_and_recovery(weak_pair, tiny_models, sqlite_
     out = tmp_path / "trainer"
     # 1. the registry is down: updates are checkpointed, but nothing is registered, so nothing is committed
     down = RegistryStore(RegistryConfig(uri=f"http://127.0.0.1:{free_port()}", timeout_s=1, max_retries=0))
-    trainer = OnlineTrainer(cfg, draft_dir, out, CFG,
-                            promoter=Promoter(down, draft_dir, out, GATE, tokenizer_dir=tiny_models / "target"))  # fmt: skip
+    trainer = OnlineTrainer(
+        cfg, draft_dir, out, CFG, promoter=Promoter(down, draft_dir, out, GATE, tokenizer_dir=tiny_models / "target")
+    )
     trainer.run(max_idle_s=1.0)
     trainer.close()
     with open_stream(cfg) as s:
@@ -96,14 +104,20 @@ def test_gate_refuses_a_worse_candidate(weak_pair, tiny_models, sqlite_uri, tmp_
     good = tmp_path / "good"
     shutil.copytree(tiny_models / "target", good)
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
-    promoter = Promoter(reg, draft_dir, tmp_path / "out", PromoteConfig(margin=0.005, min_positions=1),
-                        tokenizer_dir=tiny_models / "target")  # fmt: skip
+    promoter = Promoter(
+        reg,
+        draft_dir,
+        tmp_path / "out",
+        PromoteConfig(margin=0.005, min_positions=1),
+        tokenizer_dir=tiny_models / "target",
+    )
     champion = reg.artifact("draft").register("code", good, tokenizer_sha256=promoter.tokenizer_sha256)
     reg.artifact("draft").promote("code", champion.version)
     with open_stream(cfg) as s:
         records = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]
-    worse = reg.artifact("draft").register("code", draft_dir, tokenizer_dir=tiny_models / "target",
-                               tokenizer_sha256=promoter.tokenizer_sha256)  # fmt: skip
+    worse = reg.artifact("draft").register(
+        "code", draft_dir, tokenizer_dir=tiny_models / "target", tokenizer_sha256=promoter.tokenizer_sha256
+    )
     result = promoter.gate("code", worse.version, load_model(draft_dir), records)
     assert not result.promoted and result.champion == champion.version
     assert result.champion_score > result.candidate_score and result.num_positions > 0
@@ -123,9 +137,14 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_models / "target" / f, draft_dir / f)
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(cfg))
-    follower = DraftFollower(reg, weak_pair.draft, target_vocab=weak_pair.vocab_size,
-                             target_tokenizer_sha256=weak_pair.tokenizer_sha256, cache_dir=tmp_path / "cache",
-                             cfg=HotSwapConfig(poll_s=5.0, auto_rollback=False)).start()  # fmt: skip
+    follower = DraftFollower(
+        reg,
+        weak_pair.draft,
+        target_vocab=weak_pair.vocab_size,
+        target_tokenizer_sha256=weak_pair.tokenizer_sha256,
+        cache_dir=tmp_path / "cache",
+        cfg=HotSwapConfig(poll_s=5.0, auto_rollback=False),
+    ).start()
     watcher = EventWatcher(cfg, "replica", follower.on_event).start()
     logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=weak_pair.vocab_size)
     node = ServingNode(weak_pair, follower, logger=logger)
@@ -133,7 +152,9 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     prompts = random_prompts(12, seed=9, lo=6, hi=16)
     ref = SpecEngine(weak_pair)
     want = [ref.generate(p, params, method="target").token_ids for p in prompts]
-    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", CFG, promoter=Promoter(reg, draft_dir, tmp_path / "trainer", GATE))
+    trainer = OnlineTrainer(
+        cfg, draft_dir, tmp_path / "trainer", CFG, promoter=Promoter(reg, draft_dir, tmp_path / "trainer", GATE)
+    )
     stop, errors, served = threading.Event(), [], []
 
     def client(i: int) -> None:
@@ -188,12 +209,38 @@ def test_specops_train_registers_through_the_cli(weak_pair, tiny_models, sqlite_
     cfg, draft_dir = log_requests(weak_pair, tmp_path, 16, seed=11, cluster_of=lambda i: "code")
     for f in ("tokenizer.json", "tokenizer_config.json"):  # a base draft that brings its tokenizer
         shutil.copy(tiny_models / "target" / f, draft_dir / f)
-    rc = main(["--threads", "1", "train", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(tmp_path / "out"),
-               "--registry", sqlite_uri, "--interval", "6", "--holdout-every", "3", "--gate-margin", "-1",
-               "--gate-min-positions", "0", "--idle-exit", "1", "--positions", "rejected"])  # fmt: skip
+    rc = main(
+        [
+            "--threads",
+            "1",
+            "train",
+            "--stream",
+            cfg.url,
+            "--draft",
+            str(draft_dir),
+            "--out",
+            str(tmp_path / "out"),
+            "--registry",
+            sqlite_uri,
+            "--interval",
+            "6",
+            "--holdout-every",
+            "3",
+            "--gate-margin",
+            "-1",
+            "--gate-min-positions",
+            "0",
+            "--idle-exit",
+            "1",
+            "--positions",
+            "rejected",
+        ]
+    )
     assert rc == 0
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     versions = reg.artifact("draft").versions("code")
-    assert versions and reg.artifact("draft").aliases("code") == {CHALLENGER: versions[-1].version,
-                                                                   CHAMPION: versions[-1].version}
+    assert versions and reg.artifact("draft").aliases("code") == {
+        CHALLENGER: versions[-1].version,
+        CHAMPION: versions[-1].version,
+    }
     assert {e.kind for e in _events(cfg)} == {"promotion"}  # announced on the trainer's stream

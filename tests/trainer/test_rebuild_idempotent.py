@@ -8,6 +8,7 @@ import pytest
 
 from specops.registry import RegistryConfig, RegistryStore
 from specops.streams import StreamConfig
+from specops.trainer.datastores import DatastoreRebuilder, inputs_sha256
 from tests.conftest import random_prompts
 from tests.trainer.test_datastores import (
     CFG,
@@ -16,7 +17,6 @@ from tests.trainer.test_datastores import (
     _publish,
     _run_until,
 )
-from specops.trainer.datastores import DatastoreRebuilder, inputs_sha256
 
 
 class Killed(BaseException):

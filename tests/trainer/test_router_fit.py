@@ -11,20 +11,26 @@ import time
 import numpy as np
 import pytest
 
-from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
+from specops.cli import main
 from specops.core.embed import MiniLMEmbedder, TargetHiddenEmbedder
 from specops.core.models import load_model, load_tokenizer
 from specops.core.router import Router
-from specops.cli import main
+from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
-from tests.serving.router_texts import HELDOUT, TRAIN
 from specops.trainer.bootstrap import load_manifest
 from specops.trainer.bootstrap.corpus import read_document
 from specops.trainer.router_fit import (
-    RefitConfig, RefitResult, RouterRefitter, _match, bootstrap_router, bootstrap_texts, fit_router,
-)  # fmt: skip
+    RefitConfig,
+    RefitResult,
+    RouterRefitter,
+    _match,
+    bootstrap_router,
+    bootstrap_texts,
+    fit_router,
+)
 from specops.trainer.schedule import ROUTER_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
+from tests.serving.router_texts import HELDOUT, TRAIN
 
 GROUP = "router-refit"
 
@@ -54,8 +60,12 @@ def test_refit_keeps_cluster_names(first, minilm):
     assert again.metrics["agreement"] == 1.0 and sum(again.fitted_on.values()) == len(texts)
 
     # the names follow the centroids, not the row order of the router seeding the fit
-    flipped = Router(centroids=first.centroids[::-1].copy(), clusters=first.clusters[::-1],
-                     embedder_kind=first.embedder_kind, embedder_sha256=first.embedder_sha256)  # fmt: skip
+    flipped = Router(
+        centroids=first.centroids[::-1].copy(),
+        clusters=first.clusters[::-1],
+        embedder_kind=first.embedder_kind,
+        embedder_sha256=first.embedder_sha256,
+    )
     refit = fit_router(texts, minilm, init=flipped, seed=7)
     assert refit.clusters == ("sql", "prose", "code")
     assert [d.cluster for d in refit.route_batch(texts)] == [truth[t] for t in texts]
@@ -63,8 +73,11 @@ def test_refit_keeps_cluster_names(first, minilm):
     # a larger k adds fresh names, a new label seeds its own cluster, a smaller k is refused
     grown = fit_router(texts, minilm, 4, init=first, seed=1)
     assert grown.clusters[:3] == first.clusters and grown.clusters[3] == "c0"
-    german = ["Der Hund läuft schnell über die grüne Wiese.", "Wir gehen morgen früh zusammen in die Stadt.",
-              "Das Wetter ist heute sehr schön und warm."]  # fmt: skip
+    german = [
+        "Der Hund läuft schnell über die grüne Wiese.",
+        "Wir gehen morgen früh zusammen in die Stadt.",
+        "Das Wetter ist heute sehr schön und warm.",
+    ]
     labelled = fit_router(texts + german, minilm, init=first, labels=[None] * len(texts) + ["german"] * 3)
     assert labelled.clusters == ("code", "prose", "sql", "german") and labelled.fitted_on["german"] >= 1
     with pytest.raises(ValueError, match="keeps every cluster"):
@@ -98,10 +111,17 @@ def _publish(cfg: StreamConfig, tokenizer, items: list[tuple[str, str]]) -> None
         msgs = []
         for i, (text, cluster) in enumerate(items):
             ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
-            rec = GenerationRecord(request_id=f"r{time.monotonic_ns()}-{i}", cluster=cluster, method="draft",
-                                   draft_model=f"draft-{cluster}", draft_version="", prompt_ids=ids,
-                                   output_ids=np.zeros(2, np.int32), vocab_size=len(tokenizer),
-                                   finish_reason="length")  # fmt: skip
+            rec = GenerationRecord(
+                request_id=f"r{time.monotonic_ns()}-{i}",
+                cluster=cluster,
+                method="draft",
+                draft_model=f"draft-{cluster}",
+                draft_version="",
+                prompt_ids=ids,
+                output_ids=np.zeros(2, np.int32),
+                vocab_size=len(tokenizer),
+                finish_reason="length",
+            )
             msgs.append(OutMessage(key=rec.key, value=codec.encode(rec)))
         producer.publish(cfg.topics.generations, msgs)
 
@@ -220,8 +240,9 @@ def test_router_refit_is_a_scheduled_job(tmp_path):
     finally:
         sched.shutdown()
     assert sched.router_refits.get("waiting", 0) >= 2
-    busy = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(load_signal=lambda: 0.99, router_refit_s=60),
-                            router_refitter=refitter)  # fmt: skip
+    busy = TrainerScheduler(
+        FakeTrainer(tmp_path), ScheduleConfig(load_signal=lambda: 0.99, router_refit_s=60), router_refitter=refitter
+    )
     calls = refitter.calls
     assert busy.refit_router() == "skipped_load" and refitter.calls == calls
     off = TrainerScheduler(FakeTrainer(tmp_path), ScheduleConfig(tick_seconds=60, eval_seconds=60))
@@ -235,8 +256,12 @@ def test_router_refit_is_a_scheduled_job(tmp_path):
 # ---------------------------------------------------------------- 5. the command line
 def test_cli_router_bootstrap_ls_route_fit(minilm, tiny_models, sqlite_uri, tmp_path, capsys):
     reg_args = ["--registry", sqlite_uri]
-    assert main(["router", "bootstrap", "--model-dir", str(tiny_models), "--per-domain", "4", "--stream", "none",
-                 *reg_args]) == 0  # fmt: skip
+    assert (
+        main(
+            ["router", "bootstrap", "--model-dir", str(tiny_models), "--per-domain", "4", "--stream", "none", *reg_args]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "router version 1: clusters code, prose" in out and "champion" in out
     assert main(["router", "ls", "--json", *reg_args]) == 0

@@ -9,11 +9,11 @@ import pytest
 import torch
 from scipy import stats
 
-from tests.trainer.logged import log_requests
 from specops.trainer.data import draft_logits, draft_logits_at, teacher_example
 from specops.trainer.online import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from specops.trainer.sampling import mixture_sample, sampled_example
+from tests.trainer.logged import log_requests
 
 
 @pytest.mark.parametrize("mix", [0.0, 0.3, 1.0])
@@ -24,7 +24,9 @@ def test_mixture_sample_matches_the_mixture(mix):
     n = 20_000
     draws = mixture_sample(t_logits.expand(n, 8), d_logits.expand(n, 8), mix, g)
     observed = torch.bincount(draws, minlength=8).numpy()
-    expected = (mix * torch.softmax(t_logits[0].double(), -1) + (1 - mix) * torch.softmax(d_logits[0].double(), -1)).numpy()
+    expected = (
+        mix * torch.softmax(t_logits[0].double(), -1) + (1 - mix) * torch.softmax(d_logits[0].double(), -1)
+    ).numpy()
     assert stats.chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
 
 
@@ -35,8 +37,18 @@ def test_mixture_sample_rejects_bad_mix():
 
 @pytest.fixture(scope="module")
 def logged(close_pair, tmp_path_factory):
-    return log_requests(close_pair, tmp_path_factory.mktemp("sampling"), 12, seed=5, cluster_of=lambda i: "c",
-                        partitions=1, lo=6, hi=14, max_new_tokens=16, greedy_only=True)  # fmt: skip
+    return log_requests(
+        close_pair,
+        tmp_path_factory.mktemp("sampling"),
+        12,
+        seed=5,
+        cluster_of=lambda i: "c",
+        partitions=1,
+        lo=6,
+        hi=14,
+        max_new_tokens=16,
+        greedy_only=True,
+    )
 
 
 def test_sampled_example_is_scored_by_the_target(close_pair, logged):
@@ -55,7 +67,7 @@ def test_sampled_example_is_scored_by_the_target(close_pair, logged):
     assert ex.context[:p].tolist() == rec.token_ids[:p].tolist() and len(ex.context) == p + 9
     with torch.no_grad():
         full = torch.log_softmax(target(input_ids=ex.context.unsqueeze(0)).logits[0].float(), -1)
-    torch.testing.assert_close(ex.target.logprobs, full[p - 1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ex.target.logprobs, full[p - 1 :], atol=1e-5, rtol=1e-5)
     assert draft_logits(draft, ex).shape == (10, close_pair.vocab_size)
     # the teacher example of a record is exactly the logged positions
     torch.testing.assert_close(draft_logits(draft, teacher_example(rec)), draft_logits_at(draft, rec))
@@ -76,15 +88,23 @@ def test_student_sampling_with_mix_zero_follows_the_draft(close_pair, logged):
         head.bias.zero_()
         head.bias[7] = 1e4
     draft.lm_head = head
-    ex = sampled_example(close_pair.target, draft, rec, mix=0.0, max_new_tokens=6, generator=torch.Generator().manual_seed(1))
-    assert ex.context[rec.num_prompt_tokens:].tolist() == [7] * 5
+    ex = sampled_example(
+        close_pair.target, draft, rec, mix=0.0, max_new_tokens=6, generator=torch.Generator().manual_seed(1)
+    )
+    assert ex.context[rec.num_prompt_tokens :].tolist() == [7] * 5
 
 
 @pytest.mark.parametrize("sampling", ["student", "mixed"])
 def test_online_loop_trains_with_sampled_sequences(close_pair, logged, tmp_path, sampling):
     cfg, draft_dir = logged
-    ocfg = OnlineConfig(interval=4, holdout_every=1000, sampling=sampling, sample_max_new_tokens=8, group=f"g-{sampling}",
-                        replay=ReplayConfig(policy="clear"))  # each request trained once: positions add up
+    ocfg = OnlineConfig(
+        interval=4,
+        holdout_every=1000,
+        sampling=sampling,
+        sample_max_new_tokens=8,
+        group=f"g-{sampling}",
+        replay=ReplayConfig(policy="clear"),
+    )  # each request trained once: positions add up
     trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg, target=close_pair.target)
     before = copy.deepcopy(trainer.state("c").model.state_dict())
     assert trainer.run(max_idle_s=1.0) == 12

@@ -6,23 +6,30 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from specops.core.load_signal import write_load_signal
 from specops.streams import StreamConfig, open_stream
-from tests.trainer.logged import log_requests
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import Acceptance
 from specops.trainer.online import OnlineConfig, OnlineTrainer
-from specops.core.load_signal import write_load_signal
 from specops.trainer.schedule import (
-    EVAL_FUNC, EVAL_JOB_ID, TICK_FUNC, TICK_JOB_ID, ScheduleConfig, ScheduleConfigError, ScheduleError,
-    TrainerScheduler, engine_url,
-)  # fmt: skip
+    EVAL_FUNC,
+    EVAL_JOB_ID,
+    TICK_FUNC,
+    TICK_JOB_ID,
+    ScheduleConfig,
+    ScheduleConfigError,
+    ScheduleError,
+    TrainerScheduler,
+    engine_url,
+)
+from tests.trainer.logged import log_requests
 
 N_REQUESTS = 16
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -40,14 +47,28 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def logged(close_pair, tmp_path_factory):
     """A local stream holding N_REQUESTS logged requests over two clusters, and the draft's dir."""
-    return log_requests(close_pair, tmp_path_factory.mktemp("schedule"), N_REQUESTS, seed=31, hi=16, max_new_tokens=16,
-                        cluster_of=lambda i: "code" if i % 3 else "prose")  # fmt: skip
+    return log_requests(
+        close_pair,
+        tmp_path_factory.mktemp("schedule"),
+        N_REQUESTS,
+        seed=31,
+        hi=16,
+        max_new_tokens=16,
+        cluster_of=lambda i: "code" if i % 3 else "prose",
+    )
 
 
 def _trainer(logged, out: Path, group: str) -> OnlineTrainer:
     cfg, draft_dir = logged
-    ocfg = OnlineConfig(positions="rejected", group=group, interval=2, holdout_every=4, steps_per_update=1, poll_records=4,
-                        poll_timeout_s=0.05)  # fmt: skip
+    ocfg = OnlineConfig(
+        positions="rejected",
+        group=group,
+        interval=2,
+        holdout_every=4,
+        steps_per_update=1,
+        poll_records=4,
+        poll_timeout_s=0.05,
+    )
     return OnlineTrainer(cfg, draft_dir, out, ocfg)
 
 
@@ -129,8 +150,12 @@ def test_ticks_are_skipped_while_serving_is_busy(logged, tmp_path, caplog):
     write_load_signal(signal, 0.95)
     trainer = _trainer(logged, tmp_path / "trainer", "load")
     skipped0, ran0 = _ticks("skipped_load"), _ticks("ran")
-    sched = TrainerScheduler(trainer, ScheduleConfig(tick_seconds=0.2, eval_seconds=3600, load_signal=str(signal),
-                                                     load_threshold=0.8, load_stale_s=10))  # fmt: skip
+    sched = TrainerScheduler(
+        trainer,
+        ScheduleConfig(
+            tick_seconds=0.2, eval_seconds=3600, load_signal=str(signal), load_threshold=0.8, load_stale_s=10
+        ),
+    )
     sched.start()
     try:
         # busy: ticks are skipped, logged and counted, and nothing is consumed
@@ -140,7 +165,9 @@ def test_ticks_are_skipped_while_serving_is_busy(logged, tmp_path, caplog):
         assert "skipped distillation tick: serving load 0.95 > 0.80" in caplog.messages
         # idle: ticks run and consume
         write_load_signal(signal, 0.1)
-        _wait(lambda: _drained(cfg, "load") and sched.ticks_run >= 1, 60, "the stream to be drained once serving is idle")
+        _wait(
+            lambda: _drained(cfg, "load") and sched.ticks_run >= 1, 60, "the stream to be drained once serving is idle"
+        )
         assert sched.ticks_run > 0 and sched.records_consumed == N_REQUESTS
         # a stale signal (serving gone) is unknown: it never causes a skip
         write_load_signal(signal, 0.95, now=time.time() - 60)
@@ -178,10 +205,11 @@ def _rows(url: str, table: str) -> dict[str, dict]:
 
 
 def _check_persistence(url: str, table: str, out: Path) -> None:
-    cfg = ScheduleConfig(jobstore_url=url, jobstore_table=table, tick_seconds=3600, eval_seconds=7200,
-                         misfire_grace_s=7, coalesce=False)  # fmt: skip
+    cfg = ScheduleConfig(
+        jobstore_url=url, jobstore_table=table, tick_seconds=3600, eval_seconds=7200, misfire_grace_s=7, coalesce=False
+    )
     first = TrainerScheduler(FakeTrainer(out), cfg)
-    t0 = datetime.now(timezone.utc)
+    t0 = datetime.now(UTC)
     first.start()
     try:
         for job_id, func in ((TICK_JOB_ID, TICK_FUNC), (EVAL_JOB_ID, EVAL_FUNC)):  # registered from configuration
@@ -208,11 +236,14 @@ def _check_persistence(url: str, table: str, out: Path) -> None:
         second.shutdown()
     again = _rows(url, table)
     assert set(again) == set(rows)
-    assert {j: r["next_run_time"] for j, r in again.items()} == pytest.approx({j: r["next_run_time"] for j, r in rows.items()})
+    assert {j: r["next_run_time"] for j, r in again.items()} == pytest.approx(
+        {j: r["next_run_time"] for j, r in rows.items()}
+    )
 
     # a shorter interval takes effect at once; the untouched job keeps its time
-    third = TrainerScheduler(FakeTrainer(out), ScheduleConfig(jobstore_url=url, jobstore_table=table, tick_seconds=60,
-                                                              eval_seconds=7200))  # fmt: skip
+    third = TrainerScheduler(
+        FakeTrainer(out), ScheduleConfig(jobstore_url=url, jobstore_table=table, tick_seconds=60, eval_seconds=7200)
+    )
     third.start()
     try:
         assert third._scheduler.get_job(TICK_JOB_ID).coalesce is True
@@ -292,9 +323,38 @@ def test_cli_train_schedule(logged, tmp_path, capsys):
 
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
-    rc = main(["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out", str(out),
-               "--group", "cli", "--interval", "2", "--steps", "1", "--holdout-every", "4", "--positions", "rejected",
-               "--schedule", "--tick-seconds", "0.2", "--load-threshold", "0.9", "--idle-exit", "1.5"])  # fmt: skip
+    rc = main(
+        [
+            "--threads",
+            "1",
+            "train",
+            "--registry",
+            "none",
+            "--stream",
+            cfg.url,
+            "--draft",
+            str(draft_dir),
+            "--out",
+            str(out),
+            "--group",
+            "cli",
+            "--interval",
+            "2",
+            "--steps",
+            "1",
+            "--holdout-every",
+            "4",
+            "--positions",
+            "rejected",
+            "--schedule",
+            "--tick-seconds",
+            "0.2",
+            "--load-threshold",
+            "0.9",
+            "--idle-exit",
+            "1.5",
+        ]
+    )
     assert rc == 0
     assert f"consumed {N_REQUESTS} records" in capsys.readouterr().out
     assert _drained(cfg, "cli")
@@ -308,9 +368,31 @@ def test_cli_train_max_records_stops_at_the_limit(logged, tmp_path, capsys, sche
 
     cfg, draft_dir = logged
     out, group = tmp_path / "trainer", f"limit-{schedule}"
-    args = ["--threads", "1", "train", "--registry", "none", "--stream", cfg.url, "--draft", str(draft_dir), "--out",
-            str(out), "--group", group, "--interval", "2", "--steps", "1", "--max-records", "7", "--idle-exit", "5",
-            "--positions", "rejected"]  # fmt: skip
+    args = [
+        "--threads",
+        "1",
+        "train",
+        "--registry",
+        "none",
+        "--stream",
+        cfg.url,
+        "--draft",
+        str(draft_dir),
+        "--out",
+        str(out),
+        "--group",
+        group,
+        "--interval",
+        "2",
+        "--steps",
+        "1",
+        "--max-records",
+        "7",
+        "--idle-exit",
+        "5",
+        "--positions",
+        "rejected",
+    ]
     if schedule:
         args += ["--schedule", "--tick-seconds", "0.2", "--load-threshold", "0.9"]
     assert main(args) == 0

@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pytest
 
+from specops.core.sessions.cache import SessionCacheConfig, index_of
+from specops.core.sessions.store import DATA_FILE, META_FILE, SessionStoreError, load_sessions, save_sessions
 from specops.registry import RegistryConfig, RegistryStore
 from specops.registry.artifacts import verify_dir
 from specops.registry.kinds import KINDS
-from specops.core.sessions.cache import SessionCacheConfig, index_of
 from specops.serving.proposers.session_cache import SessionCache
-from specops.core.sessions.store import DATA_FILE, META_FILE, SessionStoreError, load_sessions, save_sessions
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.trainer.schedule import SESSIONS_JOB_ID, ScheduleConfig, ScheduleConfigError, TrainerScheduler
@@ -50,9 +50,17 @@ def reg(sqlite_uri):
 def _publish(cfg: StreamConfig, outputs, cluster: str) -> None:
     msgs = []
     for i, out in enumerate(outputs):
-        rec = GenerationRecord(request_id=f"r{time.monotonic_ns()}-{i}", cluster=cluster, method="llma",
-                               draft_model="", draft_version="", prompt_ids=np.asarray([1, 2, 3], np.int32),
-                               output_ids=np.asarray(out, np.int32), vocab_size=1000, finish_reason="length")  # fmt: skip
+        rec = GenerationRecord(
+            request_id=f"r{time.monotonic_ns()}-{i}",
+            cluster=cluster,
+            method="llma",
+            draft_model="",
+            draft_version="",
+            prompt_ids=np.asarray([1, 2, 3], np.int32),
+            output_ids=np.asarray(out, np.int32),
+            vocab_size=1000,
+            finish_reason="length",
+        )
         msgs.append(OutMessage(key=rec.key, value=codec.encode(rec)))
     with open_stream(cfg) as stream, stream.producer() as producer:
         producer.publish(cfg.topics.generations, msgs)
@@ -89,7 +97,9 @@ def test_saved_sessions_round_trip_through_the_registry(reg, tmp_path):
     v = reg.artifact("sessions").register("code", path)
     assert v.name == "sessions-code" and "challenger" in v.aliases
     reg.artifact("sessions").fetch(v, tmp_path / "fetched")
-    assert verify_dir(tmp_path / "fetched", v.manifest_sha256, KINDS["sessions"].format)["format"] == "specops-sessions/1"
+    assert (
+        verify_dir(tmp_path / "fetched", v.manifest_sha256, KINDS["sessions"].format)["format"] == "specops-sessions/1"
+    )
     assert load_sessions(tmp_path / "fetched").docs == docs
     assert save_sessions(tmp_path / "empty", "code", []) and load_sessions(tmp_path / "empty").docs == []
 
@@ -156,7 +166,9 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, reg, tmp_path):
         hit = first.hit_rate["code"][0]
         assert hit > 0.9 and float(v.tags["hit_rate"]) == pytest.approx(hit, abs=1e-6)  # slice 15 is in 10 and 20
         metrics = reg.models.client.get_run(v.run_id).data.metrics  # what the MLflow UI plots
-        assert metrics["hit_rate"] == pytest.approx(hit) and metrics["num_outputs"] == 10 and metrics["num_tokens"] == 200
+        assert (
+            metrics["hit_rate"] == pytest.approx(hit) and metrics["num_outputs"] == 10 and metrics["num_tokens"] == 200
+        )
         assert saved.manifest["extra"]["lineage"]["offsets"] and saved.manifest["extra"]["gate"]["heldout_outputs"] == 1
 
         _publish(stream_cfg, [_slice(5 + i) for i in range(4)], "prose")
@@ -209,14 +221,21 @@ def test_rebuild_runs_as_a_scheduled_job(tmp_path):
     with pytest.raises(ScheduleConfigError, match="sessions_rebuild_s is set"):
         TrainerScheduler(Trainer(), ScheduleConfig(sessions_rebuild_s=1.0))
     assert ScheduleConfig(sessions_rebuild_s=0).sessions_rebuild_s is None  # 0 = off
-    sched = TrainerScheduler(Trainer(), ScheduleConfig(tick_seconds=30, eval_seconds=30, sessions_rebuild_s=60),
-                             sessions_rebuilder=Rebuilder())  # fmt: skip
+    sched = TrainerScheduler(
+        Trainer(),
+        ScheduleConfig(tick_seconds=30, eval_seconds=30, sessions_rebuild_s=60),
+        sessions_rebuilder=Rebuilder(),
+    )
     sched.start()
     try:
         assert SESSIONS_JOB_ID in sched.jobs()
     finally:
         sched.shutdown()
     assert sched.rebuild_sessions() == "promoted" and sched.sessions_rebuilds == {"promoted": 1}
-    busy = TrainerScheduler(Trainer(), ScheduleConfig(load_signal=lambda: 0.99, sessions_rebuild_s=1.0),
-                            sessions_rebuilder=Rebuilder(), trainer_id="busy")  # fmt: skip
+    busy = TrainerScheduler(
+        Trainer(),
+        ScheduleConfig(load_signal=lambda: 0.99, sessions_rebuild_s=1.0),
+        sessions_rebuilder=Rebuilder(),
+        trainer_id="busy",
+    )
     assert busy.rebuild_sessions() == "skipped_load" and Rebuilder.runs == 1

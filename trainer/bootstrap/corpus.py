@@ -48,6 +48,8 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", *EXCLUDED_DIRS}
 def excluded(path: Path | str) -> bool:
     """``path`` lies under an :data:`EXCLUDED_DIRS` directory."""
     return any(part in EXCLUDED_DIRS for part in Path(path).parts)
+
+
 _README_RE = re.compile(r"^README([._-][A-Za-z0-9_.-]*)?$")
 _README_TEXT_EXT = {"", ".md", ".txt", ".rst", ".debian", ".source", ".markdown"}
 
@@ -83,8 +85,7 @@ def list_code_files(stdlib: Path | None = None) -> list[Path]:
     out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        out += [Path(dirpath) / f for f in filenames
-                if f.endswith(".py") and not f.startswith("test_")]
+        out += [Path(dirpath) / f for f in filenames if f.endswith(".py") and not f.startswith("test_")]
     return sorted(p for p in out if not excluded(p))
 
 
@@ -92,13 +93,15 @@ def _is_readme(name: str) -> bool:
     base = name[:-3] if name.endswith(".gz") else name
     if not _README_RE.match(base):
         return False
-    ext = base[len("README"):].lower()
-    ext = ext[ext.rfind("."):] if "." in ext else ""
+    ext = base[len("README") :].lower()
+    ext = ext[ext.rfind(".") :] if "." in ext else ""
     return ext in _README_TEXT_EXT
 
 
-def list_prose_files(share: Path = Path("/usr/share"), max_pages_per_family: int = MAX_PAGES_PER_FAMILY,
-                     ) -> list[Path]:
+def list_prose_files(
+    share: Path = Path("/usr/share"),
+    max_pages_per_family: int = MAX_PAGES_PER_FAMILY,
+) -> list[Path]:
     """Licenses, copyright files, READMEs and man pages under ``share``.
 
     Man pages are capped per family (name up to the first ``_ . -``): one SDK can
@@ -111,8 +114,13 @@ def list_prose_files(share: Path = Path("/usr/share"), max_pages_per_family: int
             out += [p for p in _files(doc / pkg) if p.name == "copyright" or _is_readme(p.name)]
     man = share / "man"
     if man.is_dir():
-        pages = [p for sec in sorted(os.listdir(man)) if sec.startswith("man")
-                 for p in _files(man / sec) if p.name.endswith(".gz")]
+        pages = [
+            p
+            for sec in sorted(os.listdir(man))
+            if sec.startswith("man")
+            for p in _files(man / sec)
+            if p.name.endswith(".gz")
+        ]
         families: dict[str, list[Path]] = {}
         for p in pages:
             families.setdefault(_FAMILY_RE.split(p.name, 1)[0].lower(), []).append(p)
@@ -199,9 +207,13 @@ def subsample(paths: list[Path], max_files: int) -> list[Path]:
     return [paths[int(i * step)] for i in range(max_files)]
 
 
-def build_corpus(seed: int, *, max_files_per_domain: int | None = None,
-                 stdlib: Path | None = None, share: Path = Path("/usr/share"),
-                 ) -> tuple[dict[str, Split], dict[str, str]]:
+def build_corpus(
+    seed: int,
+    *,
+    max_files_per_domain: int | None = None,
+    stdlib: Path | None = None,
+    share: Path = Path("/usr/share"),
+) -> tuple[dict[str, Split], dict[str, str]]:
     """Scan both domains and split them. Returns (splits, path -> text for all kept files)."""
     candidates = {"code": list_code_files(stdlib), "prose": list_prose_files(share)}
     splits: dict[str, Split] = {}
@@ -212,11 +224,19 @@ def build_corpus(seed: int, *, max_files_per_domain: int | None = None,
             paths = subsample(paths, max_files_per_domain)
         kept, dom_texts = scan_domain(domain, paths)
         if len(kept) < 2:
-            raise CorpusError(f"domain {domain!r}: only {len(kept)} usable files found "
-                              f"(stdlib={stdlib or sysconfig.get_paths()['stdlib']}, share={share})")
+            raise CorpusError(
+                f"domain {domain!r}: only {len(kept)} usable files found "
+                f"(stdlib={stdlib or sysconfig.get_paths()['stdlib']}, share={share})"
+            )
         splits[domain] = split_files(kept, seed)
         texts.update(dom_texts)
-        log.info("corpus %s: %d candidates, %d kept, %d train / %d heldout, %.1f MB",
-                 domain, len(paths), len(kept), len(splits[domain].train),
-                 len(splits[domain].heldout), sum(len(t) for t in dom_texts.values()) / 1e6)
+        log.info(
+            "corpus %s: %d candidates, %d kept, %d train / %d heldout, %.1f MB",
+            domain,
+            len(paths),
+            len(kept),
+            len(splits[domain].train),
+            len(splits[domain].heldout),
+            sum(len(t) for t in dom_texts.values()) / 1e6,
+        )
     return splits, texts

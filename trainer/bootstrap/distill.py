@@ -123,8 +123,14 @@ def _windows(streams: dict[str, TokenStream], per_domain: int, length: int, gen:
     return torch.cat([streams[d].random_windows(per_domain, length, gen) for d in sorted(streams)])
 
 
-def distill(draft: PreTrainedModel, target: PreTrainedModel, vocab: DraftVocab, streams: dict[str, TokenStream],
-            recipe: DraftRecipe, seed: int) -> list[float]:  # fmt: skip
+def distill(
+    draft: PreTrainedModel,
+    target: PreTrainedModel,
+    vocab: DraftVocab,
+    streams: dict[str, TokenStream],
+    recipe: DraftRecipe,
+    seed: int,
+) -> list[float]:
     """Forward KL from the target, restricted to the draft vocabulary; returns the loss per step."""
     gen = torch.Generator().manual_seed(seed)
     rows = target.get_output_embeddings().weight.detach()[vocab.token_ids].contiguous()  # [n, hidden], shared
@@ -169,14 +175,27 @@ def distill(draft: PreTrainedModel, target: PreTrainedModel, vocab: DraftVocab, 
     draft.eval()
     for p in draft.parameters():
         p.requires_grad_(True)
-    log.info("draft: %d steps (%d target batches x %d epochs), final KL %.3f", recipe.steps,
-             recipe.teacher_batches, recipe.epochs, losses[-1] if losses else math.nan)
+    log.info(
+        "draft: %d steps (%d target batches x %d epochs), final KL %.3f",
+        recipe.steps,
+        recipe.teacher_batches,
+        recipe.epochs,
+        losses[-1] if losses else math.nan,
+    )
     return losses
 
 
 @torch.inference_mode()
-def evaluate_pair(target: PreTrainedModel, draft: PreTrainedModel, vocab: DraftVocab | None,
-                  streams: dict[str, TokenStream], *, num_windows: int, seq_len: int, chunk: int = 4) -> dict:  # fmt: skip
+def evaluate_pair(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    vocab: DraftVocab | None,
+    streams: dict[str, TokenStream],
+    *,
+    num_windows: int,
+    seq_len: int,
+    chunk: int = 4,
+) -> dict:
     """Held-out metrics per domain, with the draft restricted to ``vocab`` as serving runs it.
 
     ``greedy_agreement``: share of positions where the draft's argmax is the target's;
@@ -184,15 +203,17 @@ def evaluate_pair(target: PreTrainedModel, draft: PreTrainedModel, vocab: DraftV
     target's ``heldout_loss`` in nats per token; ``vocab_coverage``: share of the target's
     argmax tokens inside the draft vocabulary.
     """
-    out: dict = {"target": {"heldout_loss": {}},
-                 "draft": {"greedy_agreement": {}, "expected_acceptance": {}, "vocab_coverage": {}}}  # fmt: skip
+    out: dict = {
+        "target": {"heldout_loss": {}},
+        "draft": {"greedy_agreement": {}, "expected_acceptance": {}, "vocab_coverage": {}},
+    }
     head = draft.get_output_embeddings()
     for domain, stream in sorted(streams.items()):
         windows = stream.contiguous_windows(num_windows, seq_len + 1)  # [n, t + 1]
         sums = {"loss": 0.0, "greedy": 0.0, "accept": 0.0, "cover": 0.0}
         n = 0
         for i in range(0, windows.shape[0], chunk):
-            ids = windows[i:i + chunk].to(target.device)
+            ids = windows[i : i + chunk].to(target.device)
             t_logits = target(input_ids=ids[:, :-1]).logits.float()  # [c, t, V]
             hidden = draft.base_model(input_ids=ids[:, :-1]).last_hidden_state  # [c, t, h]
             if vocab is not None:
@@ -205,8 +226,11 @@ def evaluate_pair(target: PreTrainedModel, draft: PreTrainedModel, vocab: DraftV
             sums["loss"] += F.cross_entropy(t_logits.flatten(0, 1), ids[:, 1:].flatten()).item() * w
             sums["greedy"] += (d_logits.argmax(-1) == top).float().mean().item() * w
             sums["accept"] += torch.minimum(p, q).sum(-1).mean().item() * w
-            covered = torch.isin(top, vocab.token_ids.to(top.device)) if vocab is not None else \
-                torch.ones_like(top, dtype=torch.bool)  # fmt: skip
+            covered = (
+                torch.isin(top, vocab.token_ids.to(top.device))
+                if vocab is not None
+                else torch.ones_like(top, dtype=torch.bool)
+            )
             sums["cover"] += covered.float().mean().item() * w
             n += w
         out["target"]["heldout_loss"][domain] = round(sums["loss"] / n, 4)

@@ -28,19 +28,28 @@ def agreement(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> tuple[
 
 
 @torch.inference_mode()
-def evaluate(target: LlamaForCausalLM, draft: LlamaForCausalLM, streams: dict[str, TokenStream],
-             *, num_windows: int, seq_len: int, chunk: int = 4) -> dict:
+def evaluate(
+    target: LlamaForCausalLM,
+    draft: LlamaForCausalLM,
+    streams: dict[str, TokenStream],
+    *,
+    num_windows: int,
+    seq_len: int,
+    chunk: int = 4,
+) -> dict:
     """Manifest ``metrics`` block computed on each domain's held-out stream."""
     target.eval()
     draft.eval()
-    out: dict = {"target": {"heldout_loss": {}},
-                 "draft": {"heldout_loss": {}, "greedy_agreement": {}, "expected_acceptance": {}}}
+    out: dict = {
+        "target": {"heldout_loss": {}},
+        "draft": {"heldout_loss": {}, "greedy_agreement": {}, "expected_acceptance": {}},
+    }
     for domain, stream in sorted(streams.items()):
         windows = stream.contiguous_windows(num_windows, seq_len + 1)  # [n, seq + 1]
         sums = {"t_loss": 0.0, "d_loss": 0.0, "greedy": 0.0, "accept": 0.0}
         n = 0
         for i in range(0, windows.shape[0], chunk):
-            ids = windows[i:i + chunk]
+            ids = windows[i : i + chunk]
             inputs, labels = ids[:, :-1], ids[:, 1:]
             t_logits = target(input_ids=inputs).logits  # [chunk, seq, vocab]
             d_logits = draft(input_ids=inputs).logits  # [chunk, seq, vocab]

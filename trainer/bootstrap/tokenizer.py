@@ -34,8 +34,12 @@ def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    log.info("tokenizer: trained vocab %d on %d docs (%.1f MB)",
-             tok.get_vocab_size(), len(texts), sum(len(t) for t in texts) / 1e6)
+    log.info(
+        "tokenizer: trained vocab %d on %d docs (%.1f MB)",
+        tok.get_vocab_size(),
+        len(texts),
+        sum(len(t) for t in texts) / 1e6,
+    )
     return tok
 
 

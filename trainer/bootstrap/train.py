@@ -103,7 +103,7 @@ class TokenStream:
     ids: torch.Tensor  # [num_tokens] int64
 
     @classmethod
-    def from_documents(cls, docs: list[list[int]], eot_id: int) -> "TokenStream":
+    def from_documents(cls, docs: list[list[int]], eot_id: int) -> TokenStream:
         flat: list[int] = []
         for d in docs:
             flat.append(eot_id)
@@ -116,7 +116,7 @@ class TokenStream:
         hi = self.ids.numel() - length
         assert hi > 0, f"stream of {self.ids.numel()} tokens shorter than a window of {length}"
         starts = torch.randint(0, hi + 1, (n,), generator=gen)
-        return torch.stack([self.ids[s:s + length] for s in starts.tolist()])
+        return torch.stack([self.ids[s : s + length] for s in starts.tolist()])
 
     def contiguous_windows(self, n: int, length: int) -> torch.Tensor:
         """Up to n non-overlapping [length] windows from the start (deterministic eval)."""
@@ -140,8 +140,7 @@ class MixedBatches:
 
     def next(self) -> torch.Tensor:
         half = self.batch_size // 2
-        rows = [self.streams[d].random_windows(half, self.seq_len + 1, self.gen)
-                for d in sorted(self.streams)]
+        rows = [self.streams[d].random_windows(half, self.seq_len + 1, self.gen) for d in sorted(self.streams)]
         return torch.cat(rows)  # [batch, seq_len + 1]
 
 
@@ -187,7 +186,9 @@ def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
 
@@ -206,8 +207,9 @@ def _step(model, opt, loss: torch.Tensor, lr: float, grad_clip: float) -> bool:
     return True
 
 
-def train_target(model: LlamaForCausalLM, batches: MixedBatches, long_batches: MixedBatches,
-                 cfg: TrainConfig) -> list[float]:
+def train_target(
+    model: LlamaForCausalLM, batches: MixedBatches, long_batches: MixedBatches, cfg: TrainConfig
+) -> list[float]:
     """Hard-label next-token training. Returns the loss per step."""
     model.train()
     opt = _optimizer(model, cfg.target_lr, cfg.weight_decay)
@@ -218,8 +220,7 @@ def train_target(model: LlamaForCausalLM, batches: MixedBatches, long_batches: M
         ids = (long_batches if long else batches).next()  # [batch, seq + 1]
         logits = model(input_ids=ids[:, :-1]).logits  # [batch, seq, vocab]
         loss = next_token_loss(logits, ids[:, 1:])
-        _step(model, opt, loss, lr_at(step, cfg.target_steps, cfg.target_lr, cfg.warmup_steps),
-              cfg.grad_clip)
+        _step(model, opt, loss, lr_at(step, cfg.target_steps, cfg.target_lr, cfg.warmup_steps), cfg.grad_clip)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
@@ -227,8 +228,13 @@ def train_target(model: LlamaForCausalLM, batches: MixedBatches, long_batches: M
     return losses
 
 
-def train_draft(draft: LlamaForCausalLM, target: LlamaForCausalLM, batches: MixedBatches,
-                long_batches: MixedBatches, cfg: TrainConfig) -> list[float]:
+def train_draft(
+    draft: LlamaForCausalLM,
+    target: LlamaForCausalLM,
+    batches: MixedBatches,
+    long_batches: MixedBatches,
+    cfg: TrainConfig,
+) -> list[float]:
     """Hard-label warm start, then forward-KL distillation from the frozen target."""
     target.eval()
     draft.train()
@@ -251,8 +257,12 @@ def train_draft(draft: LlamaForCausalLM, target: LlamaForCausalLM, batches: Mixe
         losses.append(loss.item())
         bar.set_postfix({phase: f"{loss.item():.3f}"})
     draft.eval()
-    log.info("draft: %d warm + %d distill steps, final KL %.3f", cfg.draft_warm_steps,
-             cfg.draft_distill_steps, losses[-1] if losses else float("nan"))
+    log.info(
+        "draft: %d warm + %d distill steps, final KL %.3f",
+        cfg.draft_warm_steps,
+        cfg.draft_distill_steps,
+        losses[-1] if losses else float("nan"),
+    )
     return losses
 
 

@@ -44,11 +44,23 @@ def _pydantic_type(annotation) -> dict:
 def serve_config_schema() -> dict:
     from specops.serving.http.config import ServeConfig
 
-    props = {name: {**_pydantic_type(f.annotation), "description": f.description}
-             for name, f in ServeConfig.model_fields.items() if name not in SERVE_OWNED}  # fmt: skip
-    return {"type": "object", "additionalProperties": False, "properties": props,
-            "description": "serve.toml: ServeConfig fields (serving/http/config.py) but "
-            f"{', '.join(SERVE_OWNED)}, which the chart sets"}  # fmt: skip
+    enums = {  # fields whose choices are read when asked (default_method: the method catalogue's)
+        name: {"enum": prop["enum"]}
+        for name, prop in ServeConfig.model_json_schema()["properties"].items()
+        if "enum" in prop
+    }
+    props = {
+        name: {**enums.get(name, _pydantic_type(f.annotation)), "description": f.description}
+        for name, f in ServeConfig.model_fields.items()
+        if name not in SERVE_OWNED
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": props,
+        "description": "serve.toml: ServeConfig fields (serving/http/config.py) but "
+        f"{', '.join(SERVE_OWNED)}, which the chart sets",
+    }
 
 
 def train_config_schema() -> dict:
@@ -72,9 +84,13 @@ def train_config_schema() -> dict:
             prop = {"type": "string"}
         prop["description"] = _DEFAULT_NOTE.sub("", action.help or "").replace("%%", "%")
         props[key] = prop
-    return {"type": "object", "additionalProperties": False, "properties": props,
-            "description": "train.toml: `specops train` long options with - as _, but "
-            f"{', '.join(TRAIN_OWNED)}, which the chart sets"}  # fmt: skip
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": props,
+        "description": "train.toml: `specops train` long options with - as _, but "
+        f"{', '.join(TRAIN_OWNED)}, which the chart sets",
+    }
 
 
 def updated(schema: dict) -> dict:

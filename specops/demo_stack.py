@@ -44,23 +44,9 @@ class Stack:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def mlflow_ui(self, registry, demo_dir: Path, port: int) -> str:
-        cfg = registry.cfg
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            cfg.uri,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ]
-        if cfg.resolved_artifact_root:
-            cmd += ["--default-artifact-root", cfg.resolved_artifact_root]
+        from specops.registry_cli import mlflow_ui_command
+
+        cmd = mlflow_ui_command(registry.cfg, "127.0.0.1", port)
         self.ui = self._spawn(cmd, demo_dir / "mlflow-ui.log")
         url = f"http://127.0.0.1:{port}"
         self.console.print(f"MLflow UI starting on [link={url}]{url}[/link] (log: {demo_dir / 'mlflow-ui.log'})")

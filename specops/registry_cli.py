@@ -20,6 +20,15 @@ from specops.artifact_cli import (
 )
 
 
+def mlflow_ui_command(cfg, host: str, port: int) -> list[str]:
+    """The ``mlflow server`` command line of the MLflow UI over the registry ``cfg`` (one worker)."""
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", cfg.uri]
+    cmd += ["--host", host, "--port", str(port), "--workers", "1"]
+    if cfg.resolved_artifact_root:
+        cmd += ["--default-artifact-root", cfg.resolved_artifact_root]
+    return cmd
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     cfg = registry_config(args.registry)
     if cfg.is_http:
@@ -28,22 +37,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from specops.registry import RegistryStore
 
     RegistryStore(cfg)  # creates the store's tables on first use, so the UI opens on a ready store
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        cfg.uri,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--workers",
-        "1",
-    ]
-    if cfg.resolved_artifact_root:
-        cmd += ["--default-artifact-root", cfg.resolved_artifact_root]
+    cmd = mlflow_ui_command(cfg, args.host, args.port)
     print(f"MLflow UI on http://{args.host}:{args.port}  (store {cfg.uri}; Ctrl-C stops it)", flush=True)
     try:
         return subprocess.call(cmd, env={**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})

@@ -42,11 +42,14 @@ promotion (the promoted and the replaced version both serve the cluster's next
 ``--audit-window`` requests; a promotion whose per-token α difference has a 95 % interval
 below zero is *worse*), tokens/s of the draft method with each arm's final draft against
 target-only on probe prompts (the real engine, arms interleaved), and, with ``--grid``,
-the recipe grid that chose the trainer's defaults.
+the recipe grid that chose the trainer's defaults. With ``--teacher-forward``, instead: the
+same traffic logged as an external engine (vLLM) logs it, with no target distribution, against
+our engine's records (``benchmarks/osd_teacher.py``).
 
     .venv/bin/python benchmarks/osd.py --json benchmarks/out/osd.json
     .venv/bin/python benchmarks/osd.py --quick
     .venv/bin/python benchmarks/osd.py --grid --quick --json benchmarks/out/osd_grid.json
+    .venv/bin/python benchmarks/osd.py --teacher-forward --requests 250 --probe 60 --json benchmarks/out/osd_teacher.json
 """
 
 from __future__ import annotations
@@ -1411,6 +1414,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON",
         help="re-derive the summary, plot, table and doc section from a saved --json report; runs nothing",
     )
+    p.add_argument(
+        "--teacher-forward",
+        action="store_true",
+        help="measure teacher-forward training (requests an external engine served, no distributions logged) "
+        "against the native path instead of the arms (benchmarks/osd_teacher.py)",
+    )
+    p.add_argument("--tf-domains", default="sql", help="domains of --teacher-forward (comma-separated)")
     args = p.parse_args(argv)
     q = args.quick
     for name, full, quick in (
@@ -1435,8 +1445,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(args.replot.read_text())
         args.json = args.json or args.replot
+        if report.get("mode") == "teacher_forward":
+            from benchmarks import osd_teacher
+
+            return osd_teacher.finish(report, args)
         return finish(report, args)
     if args.merge:
+        if json.loads(args.merge[0].read_text()).get("mode") == "teacher_forward":
+            from benchmarks import osd_teacher
+
+            return osd_teacher.merge(args.merge, args, argv)
         report = {}
         for path in args.merge:
             part = json.loads(path.read_text())
@@ -1466,6 +1484,10 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model_dir)
     # Learning is measured in float32, the precision the trainer trains and evaluates in.
     pair = load_model_dir(model_dir, draft_dtype="float32")
+    if args.teacher_forward:
+        from benchmarks import osd_teacher
+
+        return osd_teacher.run(pair, args, model_dir, argv)
     base_dir = model_dir / "draft"
     streams, probes, routers, distinct = build_workload(pair, args, model_dir)
     if args.prepare:

@@ -71,6 +71,7 @@ _MISS_FIELDS = {
     "ts": "timestamp",
     "av": "artifact_versions",
     "cs": "context_spans",
+    "eng": "engine",
 }
 _GEN_FIELDS = {
     "rid": "request_id",
@@ -116,7 +117,7 @@ _TYPES: dict[int, tuple[type, dict[str, str]]] = {
 _CODES = {cls: code for code, (cls, _) in _TYPES.items()}
 _OPTIONAL = {"ti", "res"}  # MissRecord fields that are None for full distributions
 _SINCE_V2 = {"av", "cs"}  # absent from schema 1 bodies: decoded as their defaults
-_ABSENT_OK = {"pol"}  # optional at any schema (older producers never wrote it; older consumers ignore it)
+_ABSENT_OK = {"pol", "eng"}  # optional at any schema (older producers never wrote it; older consumers ignore it)
 
 _compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 

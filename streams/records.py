@@ -213,11 +213,24 @@ class MissRecord:
     context_spans: tuple[ContextSpan, ...] = ()
     """The parts of the context ``token_ids[:num_prompt_tokens]`` (v2; empty: all prompt)."""
     schema: int = SCHEMA_VERSION
+    engine: str = ""
+    """Who served the request. Empty: our engine, which logged the target's distribution at every
+    rejected position. A name (``vllm``): an external engine that hands out no distributions, so
+    the record carries none (``m == 0``) and the trainer recomputes the target's distribution by
+    a teacher forward (``trainer.data.TargetTeacher``). An optional wire field (``eng``, left out
+    when empty): consumers that predate it ignore it, so it needs no schema bump."""
 
     @property
     def spans(self) -> tuple[ContextSpan, ...]:
         """The context's spans (one prompt span when the record names none)."""
         return _spans(self, self.num_prompt_tokens)
+
+    @property
+    def scored(self) -> bool:
+        """The record's rejected positions are the served ones, with the target's distribution
+        there (our engine). False for an external engine's record: no position was logged, and
+        the positions it carries (none) say nothing about where its draft was rejected."""
+        return self.engine == ""
 
     @property
     def num_rejected(self) -> int:
@@ -270,6 +283,9 @@ class MissRecord:
                 f"{m} rejected positions but only {self.num_drafted - self.num_accepted} drafted tokens were not accepted",
             )
         _check_time(r, self.timestamp)
+        _check_str(r, "engine", self.engine, empty_ok=True, max_len=32)
+        if self.engine and m:
+            _fail(r, "positions", f"engine {self.engine!r} logs no distributions, yet {m} rejected positions came")
         self._validate_distribution(m)
 
     def _validate_distribution(self, m: int) -> None:

@@ -108,9 +108,12 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         self.target: torch.nn.Module | None = None
         rank, world = launched_world()
         self.teacher = teacher
-        """The target's distribution at every output position of a record (``positions = "all"``)."""
+        """The target's distribution at every output position of a record (``positions = "all"``, and
+        records an external engine served, which carry none: ``MissRecord.scored``)."""
         needs_target = self.cfg.sampling != "teacher" or (self.cfg.positions == "all" and teacher is None)
-        if needs_target and not (self.cfg.backend == "deepspeed" and world > 1 and rank != 0):
+        # a target given is loaded even when logged records need none: an external engine's records may come
+        wants_target = needs_target or (target is not None and teacher is None)
+        if wants_target and not (self.cfg.backend == "deepspeed" and world > 1 and rank != 0):
             # (rank 0 samples every update's examples; the other ranks only get their share)
             if target is None:
                 why = (
@@ -134,7 +137,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
                     f"({draft_cfg['vocab_size']}): pass the draft's own target"
                 )
             self._sample_gen = torch.Generator().manual_seed(self.cfg.seed)
-            if self.cfg.positions == "all" and self.teacher is None:
+            if self.teacher is None:  # built whenever there is a target: it runs only when a record needs it
                 self.teacher = TargetTeacher(self.target, cache_size=max(512, 2 * self.cfg.replay.capacity))
         self.base_draft = Path(base_draft)
         self.vocab = load_draft_vocab(self.base_draft)
@@ -209,6 +212,9 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
             assert isinstance(rec, MissRecord)
             if not self.budget.admits(rec.cluster):  # one cluster more than max_clusters: no draft is made for it
                 self.consumer.refuse(d, "cluster", self.budget.refusal(rec.cluster))
+                continue
+            if not rec.scored and self.teacher is None and self.cfg.sampling == "teacher":
+                self.consumer.refuse(d, "engine", _unscored_refusal(rec))
                 continue
             st = self.state(rec.cluster)  # first: a reloaded cluster brings back its buffered sources and offsets
             if source in self._seen:
@@ -388,6 +394,13 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         if self.consumer is not None:
             self.consumer.close()
             self.stream.close()
+
+
+def _unscored_refusal(rec: MissRecord) -> str:
+    return (
+        f"request {rec.request_id} was served by {rec.engine}, which logs no target distributions; training "
+        "on it recomputes them with the target: start the trainer with it (specops train --target DIR)"
+    )
 
 
 def _holdout(request_id: str, every: int) -> bool:

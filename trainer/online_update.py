@@ -17,7 +17,14 @@ from specops.core.draft_vocab import DraftVocab
 from specops.streams.records import MissRecord
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import Acceptance, evaluate_records
-from specops.trainer.data import Example, draft_logits, every_position_example, logs_every_position, teacher_example
+from specops.trainer.data import (
+    Example,
+    draft_logits,
+    every_position_example,
+    logs_every_position,
+    rejected_example,
+    teacher_example,
+)
 from specops.trainer.losses import TargetDist, checked_loss
 from specops.trainer.online_config import OnlineConfig
 from specops.trainer.online_state import ClusterState, Held
@@ -43,7 +50,19 @@ class DraftUpdates:
     _sample_gen: torch.Generator
 
     def _examples(self, st: ClusterState, items: list[Held]) -> list[Example]:
-        """The sequences and positions this update trains on (see ``trainer.sampling``)."""
+        """The sequences and positions this update trains on (see ``trainer.sampling``).
+
+        A record an external engine served (``not rec.scored``: no logged distribution) is
+        trained by teacher forward: its target distributions come from the teacher, computed
+        for the whole update in batched forwards first. At every position that is what a
+        logged record gets too; at the rejected positions they are the positions where the
+        cluster's current draft would be rejected (``trainer.data.rejected_example``)."""
+        unscored = [h.record for h in items if not h.record.scored]
+        if unscored and self.cfg.sampling == "teacher":
+            assert self.teacher is not None  # the loop refuses such records without one
+            prefetch = getattr(self.teacher, "prefetch", None)
+            if prefetch is not None:
+                prefetch(unscored)
         if self.cfg.sampling == "teacher" and self.cfg.positions == "all":
             out = []
             for h in items:
@@ -55,6 +74,19 @@ class DraftUpdates:
                 else:
                     assert self.teacher is not None
                     out.append(every_position_example(rec, self.teacher(rec)))
+            return out
+        if self.cfg.sampling == "teacher" and unscored:
+            assert self.teacher is not None
+            out = []
+            for h in items:
+                rec = h.record
+                if rec.scored:
+                    if rec.num_rejected:
+                        out.append(teacher_example(rec))
+                elif len(rec.token_ids) > rec.num_prompt_tokens:
+                    ex = rejected_example(st.model, rec, self.teacher, self.vocab)
+                    if ex.num_positions:
+                        out.append(ex)
             return out
         if self.cfg.sampling == "teacher":
             return [teacher_example(h.record) for h in items if h.record.num_rejected]

@@ -97,6 +97,8 @@ class RequestMeta:
     draft_version: str = ""
     artifact_versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> version the request used (the draft, a datastore, a knowledge base)."""
+    engine: str = ""
+    """The external engine that served the request (``vllm``), empty for ours (``MissRecord.engine``)."""
 
 
 @dataclass
@@ -131,8 +133,10 @@ def build_records(
     topk: int = 64,
     full_distribution: bool = False,
     logprob_dtype: str = "float32",
+    engine: str = "",
 ) -> tuple[MissRecord, GenerationRecord]:
-    """The two records of one finished request (validated on encode)."""
+    """The two records of one finished request (validated on encode). ``engine`` (default:
+    ``meta.engine``) names an external engine that served it: its result has no rejections."""
     dtype = np.dtype(logprob_dtype)
     rej = result.rejections
     m = len(rej)
@@ -184,6 +188,7 @@ def build_records(
         num_drafted=stats.num_drafted,
         num_accepted=stats.num_accepted,
         timestamp=now,
+        engine=engine or meta.engine,
         **context,
     )
     gen = GenerationRecord(
@@ -261,6 +266,7 @@ class StreamLogger:
                 topk=self.cfg.topk,
                 full_distribution=self.cfg.full_distribution,
                 logprob_dtype=self.cfg.logprob_dtype,
+                engine=meta.engine,
             )
         except Exception:  # noqa: BLE001 - logging must never fail a request
             log.exception("could not build stream records for request %s; dropped", meta.request_id)

@@ -59,7 +59,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _online_config(args)
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None
-    if args.sampling != "teacher" or args.positions == "all":
+    # an explicit --target is always loaded: records of an external engine (vLLM) need it at any positions
+    if args.sampling != "teacher" or args.positions == "all" or args.target:
         target = Path(args.target) if args.target else Path(args.model_dir) / "target"
         if args.draft and not args.target:  # a draft of its own: its target is not the bootstrap's
             target = Path(args.draft).parent / "target"

@@ -201,3 +201,34 @@ def test_bad_spans_are_refused_with_the_reason(spans, reason):
     rec = dataclasses.replace(miss_record(), context_spans=tuple(ContextSpan(*s) for s in spans))
     with pytest.raises(RecordValidationError, match=reason):
         codec.encode(rec)
+
+
+# ---------------------------------------------------------------- an external engine's records (no distributions)
+def test_external_engine_records_round_trip_and_carry_no_positions():
+    """``engine`` names an external engine (vLLM) that logged no distributions: such a record has
+    ``m == 0`` and is not ``scored``; our engine's records leave the key out, byte for byte as before."""
+    ours = miss_record(4, m=0)
+    assert ours.scored and "eng" not in _raw(ours)[1]
+    assert codec.encode(ours, compress=False) == codec.encode(dataclasses.replace(ours, engine=""), compress=False)
+    vllm = dataclasses.replace(ours, engine="vllm")
+    header, body = _raw(vllm)
+    assert body["eng"] == "vllm"
+    back = codec.decode(codec.encode(vllm))
+    assert_same_record(vllm, back)
+    assert back.engine == "vllm" and not back.scored and back.num_rejected == 0
+    del body["eng"]  # a producer that predates the field: our engine
+    assert codec.decode(_pack(header, body)).scored
+
+
+@pytest.mark.parametrize(
+    "changes, field, words",
+    [
+        ({"engine": "vllm"}, "positions", "logs no distributions"),  # an external engine with positions
+        ({"engine": "v" * 33}, "engine", "longer than 32"),
+        ({"engine": 3}, "engine", "expected a string"),
+    ],
+)
+def test_external_engine_records_are_validated(changes, field, words):
+    with pytest.raises(RecordValidationError) as err:
+        codec.encode(_bad(BASE, **changes))
+    assert err.value.field == field and words in err.value.reason, str(err.value)

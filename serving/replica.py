@@ -75,6 +75,8 @@ class Replica:
         """The replica's ``auto`` policy (``core.auto_policy.AutoPolicy``): acceptance per cluster, costs."""
         self.knnlms = None
         """kNN-LM datastores by name, loaded on first use."""
+        self.vllm = None
+        """``serving.vllm.fleet.VLLMServers`` when vLLM decodes (``engine = "vllm"``)."""
         self.known_clusters = KnownClusters(
             [cfg.default_cluster, *cfg.clusters],
             router=lambda: self.router.current() if self.router is not None else None,
@@ -137,14 +139,16 @@ class Replica:
             rollback_min_requests=cfg.rollback_min_requests,
             rollback_margin=cfg.rollback_margin,
         )
-        self.follower = DraftFollower(
-            self.registry,
-            self.pair.draft,
+        follow = dict(
             target_vocab=self.pair.vocab_size,
             target_tokenizer_sha256=self.pair.tokenizer_sha256,
             cache_dir=self.cache_dir / "drafts",
             cfg=hcfg,
         )
+        if cfg.engine == "vllm":
+            self.follower = self._vllm_follower(follow)
+        else:
+            self.follower = DraftFollower(self.registry, self.pair.draft, **follow)
         self.follower.allow = self.known_clusters.exists
         self.follower.start()  # lists the clusters with a champion draft: they exist from the first request
         self.loading_step = "datastores"
@@ -167,7 +171,7 @@ class Replica:
             from specops.serving.fleet.events import EventWatcher
 
             self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
-        if cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
+        if cfg.engine == "specops" and cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
             from specops.serving.engine.batching import TargetBatcher
 
             self.batcher = TargetBatcher(
@@ -185,20 +189,26 @@ class Replica:
                 self.session_follower = self._session_follower(sessions)
         self.policy = self._policy()
         self.policy.padded_batches = self.batcher is not None
-        self.node = ServingNode(
-            self.pair,
-            self.follower,
-            logger=self.logger,
-            batcher=self.batcher,
-            datastores=self.datastores,
-            sessions=sessions,
-            policy=self.policy,
-        )
-        self.loading_step = "warm-up"  # 6.
-        from specops.serving.engine.spec import SpecEngine
+        parts = dict(logger=self.logger, datastores=self.datastores, sessions=sessions, policy=self.policy)
+        if cfg.engine == "vllm":
+            from specops.serving.vllm.node import VLLMNode
 
-        SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
-        if cfg.auto_calibrate:
+            self.node = VLLMNode(
+                self.pair,
+                self.follower,
+                speculation=cfg.vllm_speculation,
+                k=cfg.vllm_k,
+                served_name="target",
+                request_timeout_s=cfg.request_timeout_s,
+                **parts,
+            )
+        else:
+            self.node = ServingNode(self.pair, self.follower, batcher=self.batcher, **parts)
+            self.loading_step = "warm-up"  # 6.
+            from specops.serving.engine.spec import SpecEngine
+
+            SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
+        if cfg.auto_calibrate and cfg.engine == "specops":
             from specops.serving.proposers.auto import calibrate
 
             costs = calibrate(self.policy, self.pair)
@@ -217,6 +227,41 @@ class Replica:
             self.stream_cfg.url if self.stream_cfg else "off",
             getattr(getattr(self.registry, "cfg", None), "uri", "off"),
         )
+
+    def _vllm_follower(self, follow: dict):
+        """The draft follower whose versions vLLM serves: the base draft's server started (and
+        ready) here, a champion's before its cluster swaps to it (``serving.vllm.fleet``)."""
+        import shlex
+
+        from specops.serving.vllm.fleet import VLLMDraftFollower, VLLMServers
+        from specops.serving.vllm.process import ServerSpec, vllm_python
+
+        cfg = self.cfg
+        self.loading_step = "vLLM servers"
+        spec = ServerSpec(
+            self.target_dir,
+            cfg.vllm_speculation,
+            None,
+            cfg.vllm_k,
+            served_name="target",
+            max_model_len=cfg.vllm_max_model_len,
+            kv_cache_gb=cfg.vllm_kv_cache_gb,
+            max_num_seqs=max(cfg.max_concurrency, 1),
+            dtype=cfg.dtype,
+            extra_args=tuple(shlex.split(cfg.vllm_args)),
+        )
+        self.vllm = VLLMServers(
+            spec,
+            python=vllm_python(cfg.vllm_python),
+            log_dir=self.cache_dir / "vllm",
+            start_timeout_s=cfg.vllm_start_timeout_s,
+            drain_s=cfg.request_timeout_s,
+        )
+        follower = VLLMDraftFollower(
+            self.registry, self.pair.draft, servers=self.vllm, base_draft_dir=self.draft_dir, **follow
+        )
+        follower.start_base()
+        return follower
 
     def _policy(self):
         """The ``auto`` policy: requests in flight from admission, priors from ``auto_priors``."""
@@ -366,6 +411,8 @@ class Replica:
         ):
             if part is not None:
                 part.stop()
+        if self.vllm is not None:
+            self.vllm.close(timeout_s)
         if self.logger is not None:
             self.logger.close(timeout_s=timeout_s)
 

@@ -86,6 +86,8 @@ class DraftHandle:
     previous_champion: str = ""
     """The version this one replaced as champion (the auto-rollback's comparison)."""
     loaded_at: float = field(default_factory=time.time)
+    backend: object | None = None
+    """What serves this version outside the process, if anything (``serving.vllm``: the vLLM server)."""
 
     @property
     def model_name(self) -> str:
@@ -170,6 +172,8 @@ class DraftFollower(AliasFollower):
         self.swaps: list[dict] = []
         """Every swap: cluster, from, to, at (wall time), load_s; for tests and benchmarks."""
         self._judged: set[tuple[str, str]] = set()
+        self.base_backend: object | None = None
+        """The base draft's outside server (``serving.vllm``), given to every new slot."""
         self.champions: frozenset[str] = frozenset()
         """Clusters with a registered champion draft, as last listed (every ``poll_s``, and when a
         ModelEvent names a draft not in it): clusters that exist (``serving.fleet.clusters``)."""
@@ -205,18 +209,21 @@ class DraftFollower(AliasFollower):
             with self._lock:
                 slot = self.slots.get(cluster)
                 if slot is None:
-                    slot = self.slots[cluster] = DraftSlot(DraftHandle(cluster, BASE, self.base_draft))
+                    slot = self.slots[cluster] = DraftSlot(
+                        DraftHandle(cluster, BASE, self.base_draft, backend=self.base_backend)
+                    )
                     SERVED_VERSION.labels(cluster_label(cluster), BASE).set(1)
         if cluster not in self.keys:  # new, or no longer followed while it was not a cluster
             self.follow(cluster)
         return slot
 
-    def record(self, handle: DraftHandle, stats: RequestStats) -> None:
-        """Count one finished request on the version it used (cheap; the registry work is queued)."""
+    def record(self, handle: DraftHandle, stats: RequestStats, requests: int = 1) -> None:
+        """Count one finished request on the version it used (cheap; the registry work is queued);
+        ``requests``: how many requests ``stats`` sums (an engine that reports per interval: vLLM)."""
         key = (handle.cluster, handle.version)
         with self._lock:
             live = self.live.setdefault(key, LiveStats())
-            live.requests += 1
+            live.requests += requests
             live.drafted += stats.num_drafted
             live.accepted += stats.num_accepted
             due = live.requests - live.reported_at >= self.cfg.live_report_every
@@ -259,7 +266,10 @@ class DraftFollower(AliasFollower):
 
     def install(self, key: str, version, obj, load_s: float) -> None:
         slot = self.slots[key]
-        handle = DraftHandle(key, version.version, obj, previous_champion=version.tags.get("previous_champion", ""))
+        model, backend = obj if isinstance(obj, tuple) else (obj, None)
+        handle = DraftHandle(
+            key, version.version, model, previous_champion=version.tags.get("previous_champion", ""), backend=backend
+        )
         old = slot.swap(handle)  # 4.
         SWAPS.labels(cluster_label(key)).inc()
         self.swaps.append(

@@ -126,6 +126,9 @@ class ServingNode:
         )
         return self.serve(plan, on_step=on_step)
 
+    def check_plan(self, plan: DecodePlan, *, explicit_method: bool, explicit_k: bool) -> None:
+        """Refuse (4xx) a plan this node cannot decode as asked; our engine decodes every plan."""
+
     # ------------------------------------------------------------ what the modes use
     def draft_pair(self, cluster: str) -> tuple[DraftHandle, ModelPair]:
         """The cluster's current draft handle, taken once, and the pair it makes with the target."""

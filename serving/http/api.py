@@ -514,6 +514,9 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }
+    if served.engine:  # decoded elsewhere (vLLM): what it drafted and accepted per request is not known here
+        speculation.update(engine=served.engine, drafted=None, accepted=None, acceptance_rate=None)
+        speculation.update(rejected_steps=None, alpha_token=None, target_forwards=None, tokens_per_target_forward=None)
     block = plan.spec.stats_block(st)  # the method's own: LLMA's copies, auto's choices
     if block:
         speculation[plan.spec.name] = block

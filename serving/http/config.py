@@ -36,6 +36,27 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # ---- which engine decodes
+    engine: Literal["specops", "vllm"] = Field(
+        "specops",
+        description="who decodes: specops (this process, every method) or vllm (vLLM servers this process starts, one "
+        "per draft in use; the API, keys, routing, logging and hot-swap stay here)",
+    )
+    vllm_python: str = Field(
+        "", description="Python of the vLLM venv (default: $SPECOPS_VLLM_PYTHON, else .venv-vllm/bin/python)"
+    )
+    vllm_speculation: Literal["draft", "ngram", "none"] = Field(
+        "draft",
+        description="how the vLLM servers speculate: each cluster's champion draft, vLLM's n-gram lookup, or not",
+    )
+    vllm_k: int = Field(3, ge=1, le=16, description="tokens vLLM drafts per step (num_speculative_tokens)")
+    vllm_max_model_len: int = Field(2048, ge=64, description="vLLM's --max-model-len (prompt + output tokens)")
+    vllm_kv_cache_gb: int = Field(
+        1, ge=1, description="KV cache per vLLM server on a CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB)"
+    )
+    vllm_args: str = Field("", description="more arguments for every vLLM server, e.g. '--enforce-eager' (shell words)")
+    vllm_start_timeout_s: float = Field(900.0, gt=0, description="longest a vLLM server may take to start serving")
+
     # ---- where things are
     model_dir: str = Field(
         "", description="bootstrap-style directory holding target/ and draft/ (default: the data directory's models/)"

@@ -222,7 +222,7 @@ class ServingState(Replica):
         knn = self._knnlm(knnlm, retrieval)
         ROUTED.labels(cluster_label(cluster), source).inc()
         scope = tenant.id if cfg.session_sharing == "tenant" else ""  # "shared": the cluster's one scope
-        return DecodePlan(
+        plan = DecodePlan(
             tuple(ids),
             params,
             spec,
@@ -242,6 +242,12 @@ class ServingState(Replica):
             session_scope=scope,
             **({"request_id": request_id} if request_id is not None else {}),
         )
+        self.node.check_plan(  # the engine's own limits (vLLM: no retrieval loop, its own speculation)
+            plan,
+            explicit_method=sp is not None and sp.method is not None,
+            explicit_k=sp is not None and sp.k is not None,
+        )
+        return plan
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """The prompt's token ids (and its text, when it came as text), within the server's limits."""

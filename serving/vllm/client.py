@@ -1,0 +1,104 @@
+"""One request to a vLLM server, as token ids in and token ids out, streamed.
+
+The front door has already tokenized the prompt (with the chat template for chat requests),
+so it sends vLLM the token ids (``"prompt": [ids]``) and asks for the generated ids back
+(``"return_token_ids": true``): the output is then the exact token sequence the target
+produced, which the stream records need, and the text is detokenized here exactly as our
+own engine's output is. ``stream`` is always on towards vLLM: the front door hands each
+chunk's tokens on as they come (and stops reading, which aborts the request in vLLM, when a
+stop sequence matched or the client went away).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import urllib3
+
+from specops.serving.vllm.process import VLLMError
+
+FINISH = {"stop": "eos", "length": "length", "abort": "length"}
+"""vLLM's finish reasons as our engine names them (``serving.engine.types``)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    """Our engine's name for why it ended (``eos``, ``length``), on the last chunk only."""
+
+
+def request_body(
+    prompt_ids: list[int],
+    *,
+    model: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    eos_ids: tuple[int, ...] = (),
+) -> dict:
+    body = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": int(max_tokens),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "stream": True,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    if seed is not None:
+        body["seed"] = int(seed)
+    if eos_ids:
+        body["stop_token_ids"] = list(eos_ids)
+    return body
+
+
+def stream_completion(http: urllib3.PoolManager, url: str, body: dict, *, timeout_s: float) -> Iterator[Chunk]:
+    """POST ``body`` to ``url``/v1/completions and yield each chunk's new token ids.
+
+    Closing the generator (the caller stops early) closes the connection: vLLM aborts the
+    request. A refused request, a dropped connection or a malformed chunk raises :class:`VLLMError`."""
+    try:
+        resp = http.request(
+            "POST",
+            url + "/v1/completions",
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+            preload_content=False,
+            timeout=urllib3.Timeout(connect=5.0, read=timeout_s),
+            retries=False,
+        )
+    except urllib3.exceptions.HTTPError as exc:
+        raise VLLMError(f"vLLM at {url} is unreachable: {exc}") from exc
+    try:
+        if resp.status != 200:
+            raise VLLMError(f"vLLM at {url} answered {resp.status}: {resp.read(2000).decode(errors='replace')}")
+        finished = False
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            try:
+                event = json.loads(data)
+                choice = event["choices"][0]
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise VLLMError(f"vLLM at {url} sent a chunk that is not a completion: {data[:200]!r}") from exc
+            ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                finished = True
+            yield Chunk(ids, FINISH.get(reason, "length") if reason is not None else None)
+        if not finished:
+            raise VLLMError(f"vLLM at {url} ended the stream without a finish reason")
+    except urllib3.exceptions.HTTPError as exc:
+        raise VLLMError(f"vLLM at {url} dropped the stream: {exc}") from exc
+    finally:
+        resp.release_conn() if resp.status == 200 and getattr(resp, "_fp", None) is None else resp.close()

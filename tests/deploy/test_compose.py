@@ -337,6 +337,48 @@ def test_serve_toml_loads_and_agrees_with_compose_and_the_gateway():
     assert published[-1] == re.search(r"frontend api\s+bind :(\d+)", haproxy).group(1)
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration such as ``1200s`` or ``1m30s`` in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def test_serving_vllm_is_an_opt_in_profile_of_the_serving_front_door_on_vllm():
+    """``docker compose --profile vllm up``: the serving front door with engine vllm (vLLM's CPU build), beside
+    ``serving`` and like it (models, serve.toml, stream, registry, start order), on a host port of its own."""
+    from specops.serving.http.api import OPEN_PATHS
+    from specops.serving.http.config import ServeConfig
+
+    vllm = SERVICES["serving-vllm"]
+    assert vllm["profiles"] == ["vllm"]
+    assert [name for name, spec in SERVICES.items() if spec.get("profiles")] == ["serving-vllm"], (
+        "the rest start always"
+    )
+    assert build_target("serving-vllm") == "serving-vllm" and vllm["build"]["args"]["VARIANT"] == "cpu"
+    assert resolve(vllm["image"]).startswith("ghcr.io/specops/specops-serving-vllm:")
+    assert mounts("serving-vllm") == mounts("serving")
+    assert vllm["depends_on"] == SERVICES["serving"]["depends_on"]
+    assert {k: v for k, v in env("serving-vllm").items() if not k.startswith("SPECOPS_SERVE_")} == env("serving")
+
+    resolved = {k: resolve(v) for k, v in env("serving-vllm").items()}
+    cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env=resolved)  # as the container loads it
+    assert cfg.engine == "vllm" and cfg.vllm_speculation == "draft"
+    assert cfg.vllm_max_model_len >= cfg.max_prompt_tokens + cfg.max_tokens_limit, "vLLM would refuse long requests"
+
+    published = {resolve(p).rsplit(":", 2)[-2] for s in ("gateway", "mlflow") for p in SERVICES[s]["ports"]}
+    (port,) = vllm["ports"]
+    host_port, container_port = resolve(port).rsplit(":", 2)[-2:]
+    assert container_port == str(cfg.port) and host_port not in published
+    check = vllm["healthcheck"]
+    probe = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(check["test"]))
+    assert probe and probe.group(1) == str(cfg.port) and probe.group(2) == "/readyz" and "/readyz" in OPEN_PATHS
+    # healthy = ready: the grace must outlast one vLLM server's start (a CPU compiles the model first)
+    assert _seconds(check["start_period"]) >= cfg.vllm_start_timeout_s
+    assert _seconds(vllm["stop_grace_period"]) >= _seconds(SERVICES["serving"]["stop_grace_period"])
+
+
 def test_bootstrap_writes_a_subdirectory_of_the_models_volume():
     from specops.cli import build_parser
 

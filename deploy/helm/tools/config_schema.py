@@ -4,7 +4,9 @@
 ``trainer.config`` becomes train.toml, so its keys are ``specops train``'s long options with ``-``
 as ``_``. Both lists are generated here, with each field's type, choices and help, so that a typo
 or a wrong type fails at ``helm install`` rather than when the pod starts. The fields the chart
-sets itself are left out (the schema then refuses them). The rest of the schema is maintained by hand.
+sets itself are left out (the schema then refuses them). ``serving.engine`` and the ServeConfig
+fields under ``serving.vllm`` (:data:`VLLM_VALUES`) are generated too, with their bounds; the rest
+of the schema (``serving.vllm.image``, ``serving.vllm.gpuMemoryUtilization``, ...) is maintained by hand.
 
     python deploy/helm/tools/config_schema.py          # rewrite values.schema.json
     python deploy/helm/tools/config_schema.py --check  # exit 1 when it is out of date
@@ -22,8 +24,19 @@ import typing
 from pathlib import Path
 
 SCHEMA = Path(__file__).resolve().parents[1] / "specops" / "values.schema.json"
-SERVE_OWNED = ("host", "port", "model_dir", "api_keys")
-"""serve.toml fields the chart sets (api_keys: from a Secret, as $SPECOPS_API_KEYS)."""
+VLLM_VALUES = {
+    "speculation": "vllm_speculation",
+    "k": "vllm_k",
+    "maxModelLen": "vllm_max_model_len",
+    "kvCacheGb": "vllm_kv_cache_gb",
+    "args": "vllm_args",
+    "startTimeoutS": "vllm_start_timeout_s",
+}
+"""``serving.vllm.<value>`` -> the ServeConfig field the chart renders it as (with ``serving.engine`` as ``engine``)."""
+SERVE_OWNED = ("host", "port", "model_dir", "api_keys", "engine", *VLLM_VALUES.values())
+"""serve.toml fields the chart sets (api_keys: from a Secret, as $SPECOPS_API_KEYS; engine and vllm_*: from
+serving.engine and serving.vllm, because they also pick the image, the probes and the GPU settings)."""
+_BOUNDS = ("enum", "type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 TRAIN_OWNED = ("out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage")
 """train.toml keys the chart sets (metrics_port from trainer.metrics.port, zero_stage from trainer.zeroStage)."""
 _DEFAULT_NOTE = re.compile(r"\s*\(default(?:[^()]|\([^()]*\))*\)")
@@ -63,6 +76,14 @@ def serve_config_schema() -> dict:
     }
 
 
+def serve_field_schema(name: str) -> dict:
+    """One ServeConfig field as a values schema entry: its choices or type, its bounds and its description."""
+    from specops.serving.http.config import ServeConfig
+
+    prop = ServeConfig.model_json_schema()["properties"][name]
+    return {**{k: prop[k] for k in _BOUNDS if k in prop}, "description": prop["description"]}
+
+
 def train_config_schema() -> dict:
     from specops.cli import build_parser
     from specops.config_file import options_of
@@ -95,7 +116,12 @@ def train_config_schema() -> dict:
 
 def updated(schema: dict) -> dict:
     out = json.loads(json.dumps(schema))
-    out["properties"]["serving"]["properties"]["config"] = serve_config_schema()
+    serving = out["properties"]["serving"]["properties"]
+    serving["config"] = serve_config_schema()
+    serving["engine"] = serve_field_schema("engine")
+    vllm = serving.setdefault("vllm", {"type": "object", "properties": {}, "additionalProperties": False})
+    for value, field in VLLM_VALUES.items():
+        vllm["properties"][value] = serve_field_schema(field)
     out["properties"]["trainer"]["properties"]["config"] = train_config_schema()
     return out
 

@@ -56,11 +56,32 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* A specops image: (dict "ctx" $ "repository" "...") -> repo:tag[-cuda] */}}
+{{/* A specops image: (dict "ctx" $ "repository" "..." ["tag" "..."]) -> repo:tag[-cuda]; tag: default image.tag, else appVersion */}}
 {{- define "specops.image" -}}
-{{- $tag := default .ctx.Chart.AppVersion .ctx.Values.image.tag }}
+{{- $tag := default (default .ctx.Chart.AppVersion .ctx.Values.image.tag) .tag }}
 {{- if eq .ctx.Values.image.variant "cuda" }}{{ $tag = printf "%s-cuda" $tag }}{{ end }}
 {{- printf "%s:%s" .repository $tag }}
+{{- end }}
+
+{{/* The serving pods' image: the serving image, or with serving.engine vllm the serving-vllm one. */}}
+{{- define "specops.servingImage" -}}
+{{- if eq .Values.serving.engine "vllm" }}
+{{- include "specops.image" (dict "ctx" . "repository" .Values.serving.vllm.image.repository "tag" .Values.serving.vllm.image.tag) }}
+{{- else }}
+{{- include "specops.image" (dict "ctx" . "repository" .Values.image.servingRepository) }}
+{{- end }}
+{{- end }}
+
+{{/* Startup probes the serving pod may fail: serving.probes' allowance for the model load, plus with
+engine vllm as many periods again as serving.vllm.startTimeoutS (the first vLLM server's start). */}}
+{{- define "specops.servingStartupThreshold" -}}
+{{- $p := .Values.serving.probes }}
+{{- $n := int $p.startupFailureThreshold }}
+{{- if eq .Values.serving.engine "vllm" }}
+{{- $period := int $p.startupPeriodSeconds }}
+{{- $n = add $n (div (add (int (ceil .Values.serving.vllm.startTimeoutS)) (sub $period 1)) $period) }}
+{{- end }}
+{{- $n }}
 {{- end }}
 
 {{- define "specops.kafkaClusterName" -}}
@@ -168,11 +189,24 @@ which Helm's float64 values would otherwise give), lists of scalars inline. Keys
 {{- end }}
 {{- end }}
 
-{{/* serve.toml's fields: the values' serving.config, with the chart-owned ones set. */}}
+{{/* serve.toml's fields: the values' serving.config, with the chart-owned ones set (engine and vllm_* from
+serving.engine and serving.vllm). With engine vllm the GPU is the vLLM servers': the front door stays on the CPU. */}}
 {{- define "specops.serveConfig" -}}
 {{- $defaults := dict "stream" "default" "registry" "default" }}
-{{- if eq .Values.image.variant "cuda" }}{{ $_ := set $defaults "device" "cuda" }}{{ $_ := set $defaults "dtype" "bfloat16" }}{{ end }}
-{{- $owned := dict "host" "0.0.0.0" "port" 8000 "model_dir" "/models" }}
+{{- $vllm := eq .Values.serving.engine "vllm" }}
+{{- if and (eq .Values.image.variant "cuda") (not $vllm) }}{{ $_ := set $defaults "device" "cuda" }}{{ $_ := set $defaults "dtype" "bfloat16" }}{{ end }}
+{{- $owned := dict "host" "0.0.0.0" "port" 8000 "model_dir" "/models" "engine" .Values.serving.engine }}
+{{- if $vllm }}
+{{- $v := .Values.serving.vllm }}
+{{- $args := $v.args }}
+{{- if eq .Values.image.variant "cuda" }}{{ $args = trim (printf "--gpu-memory-utilization %v %s" $v.gpuMemoryUtilization $v.args) }}{{ end }}
+{{- $_ := set $owned "vllm_speculation" $v.speculation }}
+{{- $_ := set $owned "vllm_k" (int $v.k) }}
+{{- $_ := set $owned "vllm_max_model_len" (int $v.maxModelLen) }}
+{{- $_ := set $owned "vllm_kv_cache_gb" (int $v.kvCacheGb) }}
+{{- $_ := set $owned "vllm_args" $args }}
+{{- $_ := set $owned "vllm_start_timeout_s" $v.startTimeoutS }}
+{{- end }}
 {{- $cfg := merge $owned (deepCopy .Values.serving.config) $defaults }}
 {{- include "specops.toml" $cfg }}
 {{- end }}
@@ -244,6 +278,13 @@ the selector given, else namespace and service, as the targets of the component'
 {{- end }}
 {{- if and .Values.trainer.enabled .Values.trainer.serviceMonitor.enabled (not .Values.trainer.metrics.enabled) }}
 {{- fail "trainer.serviceMonitor.enabled needs trainer.metrics.enabled (the trainer serves no /metrics without it)" }}
+{{- end }}
+{{- if eq .Values.serving.engine "vllm" }}
+{{- $c := .Values.serving.config }}
+{{- $longest := add (int (default 2048 $c.max_prompt_tokens)) (int (default 1024 $c.max_tokens_limit)) }}
+{{- if lt (int .Values.serving.vllm.maxModelLen) (int $longest) }}
+{{- fail (printf "serving.vllm.maxModelLen (%d) is below serving.config's max_prompt_tokens + max_tokens_limit (%d): vLLM would refuse the longest requests the API accepts" (int .Values.serving.vllm.maxModelLen) (int $longest)) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.serving.apiKeys.keys .Values.serving.apiKeys.existingSecret }}
 {{- fail "set serving.apiKeys.keys or serving.apiKeys.existingSecret, not both" }}

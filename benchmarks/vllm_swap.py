@@ -1,0 +1,256 @@
+"""Hot-swap into vLLM under load: promotions reach the vLLM servers with no failed request.
+
+``specops serve --engine vllm`` (real process, real vLLM CPU servers, MLflow on SQLite, the
+local stream log) serves the target with each cluster's champion draft. While ``--clients``
+clients send greedy requests without pause, the benchmark registers and promotes a draft
+``--swaps`` times, alternating between the bootstrap draft and a copy of it with slightly
+perturbed weights (two different versions every time, so every promotion starts a new vLLM
+server and retires the previous one: serving/vllm/fleet.py). Per swap:
+
+- the **swap window**: promotion to the moment the cluster's slot serves the new version
+  (fetch, checksums, validation, a new vLLM server started and answering);
+- the new server's start time (vLLM's own start, part of the window);
+- requests served and failed (any non-200) during the window.
+
+Every response is checked: greedy outputs must be the same for a prompt whichever version
+served it (lossless), and the versions named in the responses must be the promoted ones.
+
+    .venv/bin/python benchmarks/vllm_swap.py --json benchmarks/out/vllm_swap.json
+    .venv/bin/python benchmarks/vllm_swap.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make benchmarks/ importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.common import environment  # noqa: E402
+
+
+def _perturbed(src: Path, dest: Path, scale: float = 1e-3) -> Path:
+    """A copy of the draft ``src`` with every weight moved by ``scale`` x its std (a different version)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    weights = load_file(str(dest / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for k, w in weights.items():
+        noise = torch.randn(w.shape, generator=gen, dtype=torch.float32) * float(w.float().std()) * scale
+        out[k] = (w.float() + noise).to(w.dtype).contiguous()
+    save_file(out, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def run(args) -> dict:
+    # vLLM pins every server's worker to the same cores ("auto"); during a swap a second server starts
+    # beside a busy one, and on 2 cores it then waits for it. nobind lets the OS place them (docs/serving.md).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from specops.core.models import load_tokenizer, tokenizer_hash
+    from specops.registry import RegistryConfig, RegistryStore
+    from specops.serve import Server
+    from specops.serving.http.config import ServeConfig
+
+    work = Path(tempfile.mkdtemp(prefix="vllm-swap-"))
+    models = Path(args.models) if args.models else None
+    if args.quick:
+        from specops.trainer.bootstrap import run as bootstrap
+
+        models = work / "models"
+        bootstrap(models, tiny=True)
+    drafts = [models / "draft", _perturbed(models / "draft", work / "draft-b")]
+    registry_uri = f"sqlite:///{work / 'mlflow.db'}"
+    cfg = ServeConfig(
+        model_dir=str(models),
+        port=0,
+        engine="vllm",
+        stream=f"local://{work}/streams",
+        registry=registry_uri,
+        router="none",
+        clusters=["chat"],
+        poll_s=0.5,
+        max_concurrency=max(4, args.clients),
+        vllm_max_model_len=args.max_model_len,
+        vllm_args=args.vllm_args,
+    )
+    prompts = [
+        "Write a SQL query that lists every customer with more than three orders.",
+        "def fibonacci(n):",
+        "Explain what a hash table is in one sentence.",
+        "The three largest cities in France are",
+    ][: args.prompts]
+    srv = Server(cfg, root=work).start()
+    t_start = time.monotonic()
+    srv.wait_ready(args.start_timeout)
+    base_ready_s = time.monotonic() - t_start
+    reg = RegistryStore(RegistryConfig(uri=registry_uri))
+    records: list[dict] = []
+    stop = threading.Event()
+
+    def client(seed: int) -> None:
+        i = seed
+        while not stop.is_set():
+            prompt = prompts[i % len(prompts)]
+            t0 = time.monotonic()
+            try:
+                r = requests.post(
+                    srv.url + "/v1/completions",
+                    json={"model": "specops", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+                    | {"cluster": "chat"},
+                    timeout=600,
+                )
+                ok, body = r.status_code == 200, (r.json() if r.status_code == 200 else {"error": r.text[:300]})
+            except requests.RequestException as exc:
+                ok, body = False, {"error": str(exc)}
+            rec = {"t0": t0, "t1": time.monotonic(), "ok": ok, "prompt": prompt}
+            if ok:
+                rec |= {"text": body["choices"][0]["text"], "version": body["speculation"]["draft_version"]}
+            else:
+                rec["error"] = body.get("error")
+            records.append(rec)
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)]
+    for t in threads:
+        t.start()
+    swaps = []
+    try:
+        follower = srv.state.follower
+        time.sleep(args.settle_s)
+        for n in range(args.swaps):
+            path = drafts[(n + 1) % 2]
+            dv = reg.artifact("draft").register("chat", path, tokenizer_sha256=tokenizer_hash(load_tokenizer(path)))
+            t0 = time.monotonic()
+            reg.artifact("draft").promote("chat", dv.version, reason=f"benchmark swap {n + 1}")
+            while follower.serving_version("chat") != dv.version:
+                if time.monotonic() - t0 > args.start_timeout:
+                    raise RuntimeError(f"swap {n + 1} did not land in {args.start_timeout}s")
+                time.sleep(0.1)
+            window = time.monotonic() - t0
+            started = [h for h in srv.state.vllm.history if h["name"] == f"chat-v{dv.version}"]
+            during = [r for r in records if t0 <= r["t0"] <= t0 + window]
+            swaps.append(
+                {
+                    "swap": n + 1,
+                    "version": dv.version,
+                    "window_s": round(window, 2),
+                    "server_ready_s": started[-1]["ready_s"] if started else None,
+                    "requests_started_during": len(during),
+                    "failed_during": sum(not r["ok"] for r in during),
+                }
+            )
+            print(
+                f"swap {n + 1}: v{dv.version} serving after {window:.1f}s "
+                f"({len(during)} requests started meanwhile, {swaps[-1]['failed_during']} failed)",
+                flush=True,
+            )
+            time.sleep(args.settle_s)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(700)
+        live = [s.name for s in srv.state.vllm.servers()]
+        srv.stop()
+    ok = [r for r in records if r["ok"]]
+    by_prompt: dict[str, set[str]] = {}
+    for r in ok:
+        by_prompt.setdefault(r["prompt"], set()).add(r["text"])
+    lossless = all(len(v) == 1 for v in by_prompt.values())
+    windows = [s["window_s"] for s in swaps]
+    summary = {
+        "swaps": len(swaps),
+        "swap_failed": sum(not r["ok"] for r in records),
+        "requests": len(records),
+        "swap_window_s_median": round(statistics.median(windows), 2) if windows else None,
+        "swap_window_s_max": max(windows) if windows else None,
+        "base_ready_s": round(base_ready_s, 1),
+        "identical_outputs_across_versions": lossless,
+        "versions_served": sorted({r["version"] for r in ok}),
+        "servers_live_at_end": live,
+    }
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "benchmark": "vllm_swap",
+        "args": vars(args),
+        "environment": environment(),
+        "cpu": _cpu(),
+        "swaps": swaps,
+        "failures": [r for r in records if not r["ok"]][:10],
+        "summary": summary,
+    }
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def table(report: dict) -> str:
+    rows = [
+        "| swap | version | window (s) | vLLM start (s) | requests started meanwhile | failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in report["swaps"]:
+        rows.append(
+            f"| {s['swap']} | {s['version']} | {s['window_s']} | {s['server_ready_s']} | "
+            f"{s['requests_started_during']} | {s['failed_during']} |"
+        )
+    sm = report["summary"]
+    rows.append("")
+    rows.append(
+        f"{sm['swaps']} swaps, {sm['requests']} requests, {sm['swap_failed']} failed; median window "
+        f"{sm['swap_window_s_median']} s; identical greedy outputs across versions: {sm['identical_outputs_across_versions']}"
+    )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", default=str(REPO_ROOT / ".specops" / "models"), help="bootstrapped model directory")
+    p.add_argument("--quick", action="store_true", help="tiny random models, 2 swaps (minutes)")
+    p.add_argument("--swaps", type=int, default=5, help="promotions under load (default 5)")
+    p.add_argument("--clients", type=int, default=2, help="clients sending requests without pause (default 2)")
+    p.add_argument("--prompts", type=int, default=4, help="distinct prompts the clients cycle through (at most 4)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--settle-s", type=float, default=5.0, help="seconds of load between swaps")
+    p.add_argument("--start-timeout", type=float, default=1200.0, help="longest a server start or a swap may take")
+    p.add_argument("--vllm-args", default="", help="more arguments for every vLLM server (e.g. --enforce-eager)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report (with its summary) here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.swaps, args.max_tokens, args.settle_s = min(args.swaps, 2), 8, 2.0
+        args.vllm_args = args.vllm_args or "--enforce-eager"
+    report = run(args)
+    print(table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if report["summary"]["swap_failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

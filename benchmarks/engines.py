@@ -25,8 +25,8 @@ its draft in serving's default ``bfloat16`` (outputs are the float32 target's ei
 and stay up; an arm's batch runs while the others sit idle. That is sound only if an idle
 server costs nothing: vLLM's engine core could busy-poll. The benchmark measures it after
 start-up (CPU seconds of each server's process group over ``--idle-check-s``) and records
-``idle_cpu_share`` per server in the JSON; on this machine an idle vLLM server used well
-under 1 % of a core, so keeping them up does not distort the timings, and it avoids the
+``idle_cpu_share`` per server in the JSON; on this machine an idle vLLM server used about
+1 % of a core (it does not busy-poll once idle), so keeping them up does not distort the timings, and it avoids the
 minutes each vLLM CPU server takes to start. Arms are **interleaved**: the prompts are split
 into ``--rounds`` slices (fewer at a concurrency larger than a slice); for each concurrency
 and slice, every arm runs the slice in turn, the arm order rotating each round, so drift in the (shared) machine's speed hits every arm

@@ -150,6 +150,18 @@ def doc_section(report: dict, table: str, begin: str, end: str) -> str:
     idle = report["servers"]["idle_cpu_share"]
     idle_txt = ", ".join(f"{n} {v * 100:.1f} %" for n, v in idle.items()) if idle else "not measured"
     extra = {k: v for k, v in s.items() if k in ("swap_failed", "teacher_forward_alpha_gap")}
+    loads = sorted(
+        x[0]
+        for by_c in report["arms"].values()
+        for row in by_c.values()
+        for x in row.get("load_1m_and_mem_available_gb_after_each_batch", [])
+    )
+    load_txt = (
+        f" The machine's 1-minute load average after each batch: median {loads[len(loads) // 2]:.1f} "
+        f"(range {loads[0]:.1f}–{loads[-1]:.1f}) on {env.get('cpu_count')} cores."
+        if loads
+        else ""
+    )
     lines = [
         begin,
         "## Our engine next to vLLM's CPU build (`benchmarks/engines.py`)",
@@ -168,7 +180,7 @@ def doc_section(report: dict, table: str, begin: str, end: str) -> str:
         f"`{cfg['vllm_args']}`, CPU thread binding {cfg['vllm_omp_bind']}, {cfg['kv_cache_gb']:g} GiB KV cache. "
         f"specops serve: {cfg['specops_threads']} threads, draft in {cfg['specops_draft_dtype']}, the learned draft "
         "as its draft, no session cache. Learned draft: " + learned + ". Idle CPU of each server while another "
-        f"ran nothing (share of one core): {idle_txt}.",
+        f"ran nothing (share of one core): {idle_txt}.{load_txt}",
         "",
         table,
         "",

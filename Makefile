@@ -44,7 +44,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/specops demo
 
-# Everything (what CI runs), on both cores. Fresh clone 2026-11-26 on a slow day: 14:42 of test time
+# Everything (what CI runs), on both cores. Fresh clone 2026-11-26 with the vLLM tests, on a machine also running a
+# benchmark: 23:03 of test time (1253 passed), about 10 minutes more to install both venvs. Fresh clone 2026-11-26 on a slow day: 14:42 of test time
 # (19:11 with the install); the suite before tests/deploy took 13:39 on the same machine that day and
 # 9:11 the day before, so about 10 minutes on a usual day. tests/deploy adds about a minute.
 test: $(STAMP) $(VLLM_STAMP)

@@ -10,6 +10,17 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def cpu_model() -> str:
+    """The CPU's model name (benchmarks say which CPU their numbers come from)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
     """Versions, machine and git state, recorded next to every benchmark's numbers."""
     import torch

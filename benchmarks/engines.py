@@ -68,7 +68,7 @@ if str(REPO_ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
+from benchmarks.common import cpu_model, environment, target_name, write_doc_section  # noqa: E402
 from benchmarks.engines_clients import (  # noqa: E402
     Arm,
     SpecopsServer,
@@ -149,16 +149,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
     return args
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def vllm_version(python: Path) -> str:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -148,16 +147,9 @@ class SpecopsServer:
         raise RuntimeError(f"specops serve not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        from specops.serving.vllm.process import stop_group
+
+        stop_group(self.proc, timeout_s)
 
     def log_tail(self, lines: int = 25) -> str:
         try:

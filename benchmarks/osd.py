@@ -82,7 +82,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.common import environment, target_name, write_doc_section  # noqa: E402
+from benchmarks.common import cpu_model, environment, target_name, write_doc_section  # noqa: E402
 from specops.chat_workload import DOMAINS, chat_workload  # noqa: E402
 from specops.core import draft_vocab  # noqa: E402
 from specops.core.models import ModelPair, load_model, load_model_dir  # noqa: E402
@@ -1499,7 +1499,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(
         [".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
     )
-    env = {**environment(), "cpu_model": _cpu_model()}
+    env = {**environment(), "cpu_model": cpu_model()}
     with tempfile.TemporaryDirectory(prefix="specops-osd-") as tmp_s:
         tmp = Path(tmp_s)
         if args.grid:
@@ -1697,18 +1697,6 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     return finish(report, args)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def finish(report: dict, args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks import osd
-from benchmarks.common import environment, target_name, write_doc_section
+from benchmarks.common import cpu_model, environment, target_name, write_doc_section
 from specops.chat_workload import DOMAINS, chat_workload
 from specops.core.models import ModelPair
 from specops.serving.engine.types import SamplingParams
@@ -187,7 +187,7 @@ def run(pair: ModelPair, args, model_dir: Path, argv: list[str] | None) -> int:
             ),
             "threads": args.threads,
         },
-        "environment": {**environment(), "cpu_model": osd._cpu_model()},
+        "environment": {**environment(), "cpu_model": cpu_model()},
         "elapsed_s": time.perf_counter() - started,
     }
     return finish(report, args)

@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make benchmarks/ importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.common import environment  # noqa: E402
+from benchmarks.common import cpu_model, environment  # noqa: E402
 
 
 def _perturbed(src: Path, dest: Path, scale: float = 1e-3) -> Path:
@@ -188,21 +188,11 @@ def run(args) -> dict:
         "benchmark": "vllm_swap",
         "args": vars(args),
         "environment": environment(),
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "swaps": swaps,
         "failures": [r for r in records if not r["ok"]][:10],
         "summary": summary,
     }
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def table(report: dict) -> str:

@@ -266,11 +266,7 @@ class DraftFollower(AliasFollower):
 
     def install(self, key: str, version, obj, load_s: float) -> None:
         slot = self.slots[key]
-        model, backend = obj if isinstance(obj, tuple) else (obj, None)
-        handle = DraftHandle(
-            key, version.version, model, previous_champion=version.tags.get("previous_champion", ""), backend=backend
-        )
-        old = slot.swap(handle)  # 4.
+        old = slot.swap(self.new_handle(key, version, obj))  # 4.
         SWAPS.labels(cluster_label(key)).inc()
         self.swaps.append(
             {"cluster": key, "from": old.version, "to": version.version, "at": time.time(), "load_s": load_s}
@@ -282,6 +278,10 @@ class DraftFollower(AliasFollower):
             version.version,
             load_s,
         )
+
+    def new_handle(self, key: str, version, obj) -> DraftHandle:
+        """The handle of a loaded version (``obj``: what :meth:`load` returned)."""
+        return DraftHandle(key, version.version, obj, previous_champion=version.tags.get("previous_champion", ""))
 
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
         FAILURES.labels(cluster_label(key), reason).inc()

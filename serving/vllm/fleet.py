@@ -196,6 +196,10 @@ class VLLMDraftFollower(DraftFollower):
                 counts = _Counts(int(delta.draft_tokens), int(delta.accepted))
                 self.record(handles[0], counts, requests=int(delta.requests))
 
+    def new_handle(self, key: str, version, obj) -> DraftHandle:
+        model, server = obj  # what load() returned: the validated draft and its ready vLLM server
+        return replace(super().new_handle(key, version, model), backend=server)
+
     def install(self, key: str, version, obj, load_s: float) -> None:
         super().install(key, version, obj, load_s)
         self._retire_unused()

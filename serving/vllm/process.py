@@ -53,6 +53,22 @@ def vllm_python(configured: str = "") -> Path:
     return path
 
 
+def stop_group(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> bool:
+    """SIGTERM to ``proc``'s process group (started with ``start_new_session``), SIGKILL after
+    ``timeout_s``; False when it had already exited."""
+    if proc is None or proc.poll() is not None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -190,17 +206,8 @@ class VLLMServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the process group (vLLM's engine and workers too), then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        log.info("vLLM server %s stopped", self.name)
+        if stop_group(self.proc, timeout_s):
+            log.info("vLLM server %s stopped", self.name)
 
     def log_tail(self, lines: int = 25) -> str:
         try:

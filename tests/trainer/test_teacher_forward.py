@@ -92,7 +92,15 @@ def test_batched_teacher_equals_one_at_a_time(close_pair, unscored):
     for rec in recs:
         a, b = one(rec), batched(rec)
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=1e-5)
-        assert torch.equal(b.topk_ids, a.topk_ids)
+        # the same ids in the same order, except where two neighbours' log-probs tie to float32 noise
+        # (a padded batch runs other kernel shapes; the k-th may swap with the next one outside the top-k)
+        gaps = a.logprobs[:, :-1] - a.logprobs[:, 1:]
+        tie = torch.zeros_like(a.topk_ids, dtype=torch.bool)
+        tie[:, :-1] |= gaps < 1e-4
+        tie[:, 1:] |= gaps < 1e-4
+        tie[:, -1] = True
+        assert bool(((b.topk_ids == a.topk_ids) | tie).all())
+        assert float((b.topk_ids == a.topk_ids).float().mean()) > 0.9
         torch.testing.assert_close(b.residual, a.residual, atol=1e-5, rtol=1e-5)
     assert batched.forwards == N and one.forwards == N  # the batched teacher answered from its cache
 

@@ -127,6 +127,10 @@ class ServerSpec:
             "--dtype",
             self.dtype,
             "--disable-uvicorn-access-log",
+            # Tenants share a server: a cached prefix would make one key's prompt speed up another's
+            # (a timing side channel). Off unless the operator turns it on ("--enable-prefix-caching" in
+            # vllm_args comes later on the command line and wins).
+            "--no-enable-prefix-caching",
         ]
         spec = speculative_config(self.speculation, self.k, self.draft)
         if spec is not None:

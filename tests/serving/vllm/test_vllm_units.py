@@ -44,6 +44,9 @@ def test_server_command_line(tmp_path):
     sc = json.loads(argv[argv.index("--speculative-config") + 1])
     assert sc == {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 4}
     assert "--speculative-config" not in ServerSpec(tmp_path, "none").argv(Path("/py"), 1)
+    assert "--no-enable-prefix-caching" in argv  # no cache shared across tenants unless the operator says so
+    opted = ServerSpec(tmp_path, "none", extra_args=("--enable-prefix-caching",)).argv(Path("/py"), 1)
+    assert opted.index("--enable-prefix-caching") > opted.index("--no-enable-prefix-caching")  # the later flag wins
     assert speculative_config("ngram", 3, None)["method"] == "ngram"
     with pytest.raises(ValueError, match="draft model directory"):
         speculative_config("draft", 3, None)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 from specops.artifact_cli import add_ls, add_registry_args, open_registry
-from specops.paths import models_dir
+from specops.paths import data_dir, models_dir
 
 SNIPPET_CHARS = 160
+MEMORY_RETRIEVERS = ("exact", "hnsw", "scann", "bm25")
+MILVUS_RETRIEVERS = ("exact", "hnsw")
 
 
 def _chunk_tokenizer(args: argparse.Namespace):
@@ -33,7 +36,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     from specops.serving.retrieval.kb import build_kb, register_kb
     from specops.trainer.kb_sources import default_sources, passages_from_sources
 
-    retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
+    retrievers = _retrievers(args)
+    if args.milvus_uri and args.backend != "milvus":
+        raise KBError("--milvus-uri names where a --backend milvus KB goes: add --backend milvus, or drop it")
+    args.milvus_uri = args.milvus_uri or default_milvus_uri()
     if args.no_register and not args.out:
         raise KBError("--no-register without --out would build a knowledge base and throw it away: give --out DIR")
     sources = args.source or default_sources()
@@ -62,15 +68,18 @@ def cmd_build(args: argparse.Namespace) -> int:
         "heldout_excluded": stats.heldout_excluded,
         "chunking": {"words": args.words, "max_tokens": args.max_tokens, **tok_info},
     }
-    kb = build_kb(args.name, passages, embedder=args.embedder, retrievers=retrievers, progress=True, meta=meta)
-    b = kb.meta["build_s"]
-    print(
-        f"{kb.num_passages} passages ({kb.meta['duplicates_dropped']} duplicates dropped), "
-        f"{kb.bytes_per_passage:.0f} bytes/passage; embedding {b['embed']:.1f}s "
-        f"({kb.meta['embed_passages_per_s']:.0f} passages/s, {args.embedder}), "
-        + ", ".join(f"{k} {b[k]:.1f}s" for k in kb.retrievers if k != "exact")
-        + f"; total {b['total']:.1f}s"
-    )
+    if args.backend == "milvus":
+        kb = _build_milvus(args, passages, retrievers[0], meta)
+    else:
+        kb = build_kb(args.name, passages, embedder=args.embedder, retrievers=retrievers, progress=True, meta=meta)
+        b = kb.meta["build_s"]
+        print(
+            f"{kb.num_passages} passages ({kb.meta['duplicates_dropped']} duplicates dropped), "
+            f"{kb.bytes_per_passage:.0f} bytes/passage; embedding {b['embed']:.1f}s "
+            f"({kb.meta['embed_passages_per_s']:.0f} passages/s, {args.embedder}), "
+            + ", ".join(f"{k} {b[k]:.1f}s" for k in kb.retrievers if k != "exact")
+            + f"; total {b['total']:.1f}s"
+        )
     if args.out:
         kb.save(Path(args.out))
         print(f"saved to {args.out} (search it: specops kb search {args.name} QUERY --kb-dir {args.out})")
@@ -78,6 +87,51 @@ def cmd_build(args: argparse.Namespace) -> int:
         v = register_kb(open_registry(args.registry, args.stream), kb, promote=not args.no_promote)
         print(f"registered kb-{args.name} version {v.version} ({', '.join(v.aliases) or 'no alias'})")
     return 0
+
+
+def _retrievers(args: argparse.Namespace) -> list[str]:
+    """--retrievers, defaulted and checked per backend (Milvus builds exactly one dense index)."""
+    from specops.core.errors import KBError
+
+    default = MILVUS_RETRIEVERS[0] if args.backend == "milvus" else ",".join(MEMORY_RETRIEVERS)
+    retrievers = [r.strip() for r in (args.retrievers or default).split(",") if r.strip()]
+    if args.backend == "milvus" and (len(retrievers) != 1 or retrievers[0] not in MILVUS_RETRIEVERS):
+        raise KBError(
+            f"--retrievers {args.retrievers}: a Milvus KB has one dense index, so give exactly one of "
+            f"{' or '.join(MILVUS_RETRIEVERS)} (bm25 needs corpus statistics a request's local cache cannot "
+            "reproduce, scann is not a Milvus index: build those with --backend memory)"
+        )
+    return retrievers
+
+
+def default_milvus_uri() -> str:
+    """A Milvus Lite database under the data directory (one process at a time)."""
+    return str((data_dir() / "milvus" / "kb.db").resolve())
+
+
+def _build_milvus(args: argparse.Namespace, passages, retriever: str, meta: dict):
+    from specops.serving.retrieval.milvus_build import build_milvus_kb
+    from specops.serving.retrieval.milvus_service import TOKEN_ENV
+
+    kb = build_milvus_kb(
+        args.name,
+        passages,
+        uri=args.milvus_uri,
+        embedder=args.embedder,
+        retriever=retriever,
+        progress=True,
+        meta=meta,
+        token=os.environ.get(TOKEN_ENV, ""),
+    )
+    b, m = kb.meta["build_s"], kb.meta["milvus"]
+    done = "already built, reused" if m["reused"] else f"inserted in {b['insert']:.1f}s"
+    print(
+        f"{kb.num_passages} passages ({kb.meta['duplicates_dropped']} duplicates dropped); embedding "
+        f"{b['embed']:.1f}s ({kb.meta['embed_passages_per_s']:.0f} passages/s, {args.embedder}); collection "
+        f"{m['collection']} at {m['uri']} ({m['index']} index, {retriever}): {done} "
+        f"({kb.meta['insert_passages_per_s']:.0f} passages/s), index {b['index']:.1f}s; total {b['total']:.1f}s"
+    )
+    return kb
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -104,6 +158,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
     where = f"version {kb.version}" if kb.version else args.kb_dir
+    if getattr(kb, "backend", "memory") == "milvus":
+        where += f", Milvus collection {kb.meta['milvus']['collection']} at {kb.uri}"
     print(
         f"kb {kb.name} ({where}, {kb.num_passages} passages), {args.retriever}: {len(found)} result(s); encode "
         f"{(t1 - t0) * 1000:.0f} ms, search {(t2 - t1) * 1000:.0f} ms (first use loads the embedder and index)"
@@ -122,7 +178,8 @@ def add_parser(sub) -> None:
         description="A knowledge base (kb-NAME in the registry) holds ~100-word passages, their vectors and up to four "
         "retrievers: exact (exact inner product over the vectors), hnsw and scann (approximate indexes whose "
         "candidates are rescored exactly) and bm25 (sparse, over the whole KB's statistics). RaLMSpec and kNN-LM "
-        "retrieve from its champion.",
+        "retrieve from its champion. With --backend milvus the passages and vectors live in a Milvus collection "
+        "shared by every replica (exact or hnsw), and the registered artifact is a manifest naming it.",
     )
     ksub = p.add_subparsers(dest="kb_command", required=True, metavar="SUBCOMMAND")
 
@@ -134,7 +191,10 @@ def add_parser(sub) -> None:
         "them, builds the retrievers, and registers kb-NAME (promoted to champion unless "
         "--no-promote) and/or saves it (--out). Files the bootstrap holds out for evaluation are "
         "left out unless --include-heldout. Progress bars show reading, embedding and indexing; "
-        "MiniLM embeds about 30 passages/s on 2 cores, the hash embedder thousands.",
+        "MiniLM embeds about 30 passages/s on 2 cores, the hash embedder thousands. With --backend milvus "
+        "the passages and vectors are inserted into a new collection kb_NAME_<content sha> at --milvus-uri "
+        "(a rebuild never overwrites the one the champion serves) and kb-NAME is a manifest naming it; "
+        "--out then saves that manifest.",
     )
     add_registry_args(q)
     q.add_argument("--name", required=True, help="knowledge base name: registered as kb-NAME")
@@ -156,9 +216,27 @@ def add_parser(sub) -> None:
         "(default: %(default)s)",
     )
     q.add_argument(
+        "--backend",
+        choices=("memory", "milvus"),
+        default="memory",
+        help="memory: the passages, vectors and indexes are files of the registered artifact, loaded into each "
+        "replica's memory; milvus: they go into a new collection of a Milvus service shared by every replica "
+        "(--milvus-uri), and the registered artifact is a manifest naming it (default: %(default)s)",
+    )
+    q.add_argument(
+        "--milvus-uri",
+        default=None,
+        metavar="URI",
+        help="--backend milvus: a Milvus Lite database path ending in .db (embedded: one process at a time) or "
+        "http://HOST:PORT of a Milvus server or `milvus-lite server`; recorded in the manifest, and serving may "
+        "override it with SPECOPS_MILVUS_URI (token: SPECOPS_MILVUS_TOKEN, never recorded) "
+        "(default: DATA_DIR/milvus/kb.db)",
+    )
+    q.add_argument(
         "--retrievers",
-        default="exact,hnsw,scann,bm25",
-        help="comma-separated retrievers to build: exact, hnsw, scann, bm25 (default: %(default)s)",
+        default=None,
+        help="comma-separated retrievers to build: exact, hnsw, scann, bm25 (default: all four); with --backend "
+        "milvus exactly one of exact (FLAT index) or hnsw (HNSW index) (default: exact)",
     )
     q.add_argument(
         "--max-passages",
@@ -201,7 +279,9 @@ def add_parser(sub) -> None:
         metavar="DIR",
         help="count --max-tokens with this tokenizer instead (default: the bootstrapped target's, else MiniLM's)",
     )
-    q.add_argument("--out", default=None, metavar="DIR", help="also save the knowledge base here")
+    q.add_argument(
+        "--out", default=None, metavar="DIR", help="also save the knowledge base (a Milvus KB's manifest) here"
+    )
     q.add_argument("--no-register", action="store_true", help="do not register it (needs --out)")
     q.add_argument("--no-promote", action="store_true", help="register it as the challenger, leaving the champion")
     q.set_defaults(func=cmd_build)
@@ -222,7 +302,8 @@ def add_parser(sub) -> None:
         description="Encodes QUERY as the retriever does for RaLMSpec and prints the top -k passages: "
         "rank, passage id, score (inner product for dense retrievers, BM25 for bm25), title and a "
         "snippet. Loads the registered champion (or --version / --alias), verifying every file, or "
-        "a saved directory (--kb-dir).",
+        "a saved directory (--kb-dir). A Milvus KB is searched in its collection, at the URI of its "
+        "manifest or SPECOPS_MILVUS_URI.",
     )
     add_registry_args(q, events=False)
     q.add_argument("name", help="knowledge base name (kb-NAME)")

@@ -138,6 +138,12 @@ class RalmStats:
     interval), because with the measured costs RaLMSeq was faster."""
     strides: list[int] = field(default_factory=list)
     """Speculation stride of every verification, in order."""
+    guesses_checked: int = 0
+    """Cache guesses compared with the KB's answer (speculated ones up to the first mismatch of
+    each verification, and the shadow guesses of unspeculated rounds)."""
+    guesses_correct: int = 0
+    """Of those, the ones equal to the KB's answer: ``correct / checked`` is the measured γ
+    (the paper's speculation accuracy), uncapped, unlike OS³'s windowed estimate ``gamma``."""
     cache_passages: int = 0
     gamma: float = 0.0
     """OS³'s last estimate of the speculation accuracy."""
@@ -373,6 +379,8 @@ class RalmGenerator:
         """Decode one request; ``on_final(tokens)`` receives output as it becomes final (verified);
         returning True ends the request there (finish reason ``stop``: a stop sequence was seen)."""
         cfg = self.cfg
+        shared = self.retriever  # a KB service's retriever has a per-request view (serving.retrieval.milvus)
+        self.retriever = shared.for_request() if hasattr(shared, "for_request") else shared
         stats = RalmStats(mode=cfg.mode, retriever=self.retriever.kind)
         prompt, out, steps = [int(t) for t in prompt_ids], [], []
         self._final = 0
@@ -398,6 +406,7 @@ class RalmGenerator:
                 return result
             return self._result(out, steps, stats, t0)
         finally:
+            self.retriever = shared
             for seg in {id(s.segment): s.segment for s in steps}.values():
                 seg.close()
 
@@ -437,6 +446,8 @@ class RalmGenerator:
         stats.time_s["kb_wait"] += dt
         cache.add(ids)
         truth = int(ids[0, 0])
+        stats.guesses_checked += 1
+        stats.guesses_correct += int(guess == truth)
         sched.observe_verification(1, int(guess == truth), dt)
         step = self._run_step(steps, truth, q, True, prompt, out, params, stats)
         sched.observe_generation(step.seconds)
@@ -510,6 +521,8 @@ class RalmGenerator:
             cache.add(ids)
             truth = [int(i) for i in ids[:, 0]]
             m = next((i for i, p in enumerate(pending) if p.passage != truth[i]), None)
+            stats.guesses_checked += len(pending) if m is None else m + 1
+            stats.guesses_correct += len(pending) if m is None else m
             sched.observe_verification(len(pending), len(pending) if m is None else m, dt)
             if m is None:  # 4a. every speculation held: final up to the extra step
                 for p in pending:

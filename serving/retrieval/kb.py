@@ -22,6 +22,11 @@ ever unpickled):
   retrievers, build times, bytes per passage, the sha256 of every other file, and a sha256
   of its own content. :meth:`KnowledgeBase.load` checks all of it and refuses any file it
   does not list.
+
+A KB served by Milvus (``serving.retrieval.milvus``) is registered the same way, but its
+artifact is a manifest: ``kb.json`` with ``"backend": "milvus"`` (and the hash embedder's
+file); :meth:`KnowledgeBase.load` verifies it the same way and returns a ``MilvusKB``
+connected to its collection, so the registry, the catalog and the RaLM loop treat both alike.
 """
 
 from __future__ import annotations
@@ -35,25 +40,34 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
 
 from specops.core.errors import KBError
 from specops.core.index import IndexConfig, KeyIndex, build_index, config_from_json, load_index
 from specops.core.passage import Passage, indexed_text
-from specops.registry.artifacts import KB_FORMAT, MANIFEST, sha256_file, sha256_json
+from specops.registry.artifacts import KB_FORMAT, sha256_file
+from specops.serving.retrieval.kb_files import (
+    BACKEND_MEMORY,
+    BACKEND_MILVUS,
+    HASH_FILE,
+    META_FILE,
+    read_meta,
+)
+from specops.serving.retrieval.kb_files import canonical_sha as _canonical_sha
+from specops.serving.retrieval.kb_files import embedder_for as _embedder_for
+from specops.serving.retrieval.kb_files import load_tensors as _load
+from specops.serving.retrieval.kb_files import save_tensors as _save
 from specops.serving.retrieval.retriever import RETRIEVER_KINDS, Retriever
 from specops.serving.retrieval.retrievers import BM25Index, BM25Retriever, DenseRetriever, ExactScorer, build_bm25
-from specops.serving.retrieval.text_embed import HASH, MINILM, HashEmbedder, embed_passages, make_text_embedder
+from specops.serving.retrieval.text_embed import HASH, HashEmbedder, embed_passages, make_text_embedder
 
 log = logging.getLogger(__name__)
 
-META_FILE, PASSAGES_FILE, EMBEDDINGS_FILE = "kb.json", "passages.safetensors", "embeddings.safetensors"
-HASH_FILE, BM25_FILE, BM25_VOCAB_FILE = "hash_embedder.safetensors", "bm25.safetensors", "bm25.json"
+PASSAGES_FILE, EMBEDDINGS_FILE = "passages.safetensors", "embeddings.safetensors"
+BM25_FILE, BM25_VOCAB_FILE = "bm25.safetensors", "bm25.json"
 ANN_KINDS = ("hnsw", "scann")
 ANN_CONFIGS = {"hnsw": IndexConfig(kind="hnsw", quantizer="sq8"), "scann": IndexConfig(kind="scann")}
 """HNSW keeps 8-bit keys: it only proposes candidates, which are rescored exactly from the embeddings."""
@@ -67,18 +81,6 @@ def _pack(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     return np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets
-
-
-def _canonical_sha(meta: dict) -> str:
-    return sha256_json(meta, without="meta_sha256")
-
-
-def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}, str(path))
-
-
-def _load(path: Path) -> dict[str, np.ndarray]:
-    return {k: t.numpy() for k, t in load_file(str(path)).items()}
 
 
 class KnowledgeBase:
@@ -212,7 +214,8 @@ class KnowledgeBase:
 
     @classmethod
     def load(cls, path: Path) -> KnowledgeBase:
-        """Read a saved KB, verifying every file; a missing, unlisted, corrupt or foreign file raises KBError."""
+        """Read a saved KB, verifying every file; a missing, unlisted, corrupt or foreign file raises KBError.
+        A Milvus KB's manifest gives a connected ``MilvusKB`` (its collection checked as well)."""
         path = Path(path)
         try:
             return cls._load(path)
@@ -223,26 +226,14 @@ class KnowledgeBase:
 
     @classmethod
     def _load(cls, path: Path) -> KnowledgeBase:
-        meta = json.loads((path / META_FILE).read_bytes().decode("utf-8"))
-        if not isinstance(meta, dict) or meta.get("format") != KB_FORMAT:
-            raise KBError(f"format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {KB_FORMAT}")
-        if meta.get("meta_sha256") != _canonical_sha(meta):
-            raise KBError(f"{META_FILE} does not match its own sha256: corrupt or edited")
-        files = meta["files"]
-        bad = sorted(
-            n for n in files if "/" in n or "\\" in n or n.startswith(".") or not n.endswith((".safetensors", ".json"))
-        )
-        if bad:
-            raise KBError(f"{META_FILE} lists files a KB never holds: {bad} (only safetensors and JSON)")
-        present = {p.name for p in path.iterdir()} - {META_FILE, MANIFEST}
-        if present != set(files):
-            raise KBError(
-                f"files not listed in {META_FILE}: {sorted(present - set(files))}; "
-                f"missing: {sorted(set(files) - present)}"
-            )
-        for name, want in files.items():
-            if sha256_file(path / name) != want:
-                raise KBError(f"{name} does not match its sha256: corrupt or tampered")
+        meta = read_meta(path)
+        backend = meta.get("backend", BACKEND_MEMORY)
+        if backend == BACKEND_MILVUS:  # the manifest of a KB served by Milvus (serving.retrieval.milvus)
+            from specops.serving.retrieval.milvus import MilvusKB
+
+            return MilvusKB.from_manifest(path, meta)
+        if backend != BACKEND_MEMORY:
+            raise KBError(f"backend {backend!r}: this version knows {BACKEND_MEMORY} and {BACKEND_MILVUS}")
         raw = _load(path / PASSAGES_FILE)
         n = int(meta["num_passages"])
         strings = {}
@@ -280,24 +271,65 @@ class KnowledgeBase:
         return cls(meta["name"], strings, emb, embedder, ann=ann, bm25=bm25, meta=meta)
 
 
-def _embedder_for(meta: dict, path: Path, dims: int):
-    """The embedder the KB was built with; refused when this machine's differs (other MiniLM weights)."""
-    spec = meta["embedder"]
-    if spec["kind"] == HASH:
-        embedder = HashEmbedder.from_tensors(_load(path / HASH_FILE), dims)
-    elif spec["kind"] == MINILM:
-        embedder = make_text_embedder(MINILM)
-    else:
-        raise KBError(f"unknown embedder {spec['kind']!r}")
-    if embedder.config_sha256 != spec["config_sha256"] or embedder.dim != dims:
-        raise KBError(
-            f"built with a {spec['kind']} embedder of config {spec['config_sha256'][:12]}; this one is "
-            f"{embedder.config_sha256[:12]} ({embedder.dim} dims): its vectors would not match the KB's"
-        )
-    return embedder
-
-
 # ---------------------------------------------------------------- build
+def check_name(name: str) -> None:
+    if not NAME_RE.match(name):
+        raise KBError(
+            f"knowledge base name {name!r}: letters, digits, '_', '.', '-' (up to 64, not starting with a symbol)"
+        )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The passages a KB keeps (exact duplicates dropped, renumbered 0..N-1 in order), the text
+    embedded for each, the embedder and their float16 vectors: what every backend stores."""
+
+    kept: list[Passage]
+    docs: list[str]
+    embedder: object
+    embeddings: np.ndarray
+    """[N, dims] float16."""
+    duplicates_dropped: int
+    embed_s: float
+
+    def info(self) -> dict:
+        """The build facts kb.json records about these steps."""
+        e = self.embedder
+        return {
+            "embedder": {"kind": e.kind, "config_sha256": e.config_sha256, "dim": int(e.dim)},
+            "duplicates_dropped": self.duplicates_dropped,
+            "embed_passages_per_s": round(len(self.docs) / max(self.embed_s, 1e-9), 1),
+        }
+
+
+def prepare_passages(name: str, passages: Sequence[Passage], *, embedder="minilm", progress: bool = True) -> Prepared:
+    """The steps every KB backend shares: check the name, drop exact duplicates (same words),
+    then embed title + text (fitting the hash embedder's idf first) to float16."""
+    check_name(name)
+    from tqdm import tqdm
+
+    kept, seen = [], set()
+    for p in passages:
+        key = " ".join(p.text.split())
+        if key and key not in seen:
+            seen.add(key)
+            kept.append(p)
+    if not kept:
+        raise KBError("no passage with text to build a knowledge base from")
+    log.info("kb %s: %d passages (%d exact duplicates dropped)", name, len(kept), len(passages) - len(kept))
+    docs = [indexed_text(p) for p in kept]
+    t0 = time.perf_counter()
+    with tqdm(
+        total=len(docs) * (2 if embedder == HASH else 1), unit="passage", desc="embedding", disable=not progress
+    ) as bar:
+        if isinstance(embedder, str):
+            embedder = make_text_embedder(embedder, fit_texts=docs, progress=bar.update)
+        vectors = embed_passages(embedder, docs, progress=bar.update)  # [N, dims] float32
+    return Prepared(
+        kept, docs, embedder, vectors.astype(np.float16), len(passages) - len(kept), time.perf_counter() - t0
+    )
+
+
 def build_kb(
     name: str,
     passages: Sequence[Passage],
@@ -311,40 +343,18 @@ def build_kb(
     """Build KB ``name`` from ``passages`` (their ids are ignored: passages are renumbered
     0..N-1 in order after exact duplicates are dropped). ``embedder`` is ``minilm``,
     ``hash`` (fitted here on the passages) or an embedder object; ``meta`` is stored in kb.json."""
-    if not NAME_RE.match(name):
-        raise KBError(
-            f"knowledge base name {name!r}: letters, digits, '_', '.', '-' (up to 64, not starting with a symbol)"
-        )
+    check_name(name)
     unknown = [k for k in retrievers if k not in RETRIEVER_KINDS]
     if unknown or not retrievers:
         raise KBError(f"retrievers {list(retrievers)}: choose from {', '.join(RETRIEVER_KINDS)}")
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    kept, seen = [], set()
-    for p in passages:
-        key = " ".join(p.text.split())
-        if key and key not in seen:
-            seen.add(key)
-            kept.append(p)
-    if not kept:
-        raise KBError("no passage with text to build a knowledge base from")
-    log.info("kb %s: %d passages (%d exact duplicates dropped)", name, len(kept), len(passages) - len(kept))
-    docs = [indexed_text(p) for p in kept]
-    build_s: dict[str, float] = {}
+    prepared = prepare_passages(name, passages, embedder=embedder, progress=progress)
+    kept, docs, embedder, embeddings = prepared.kept, prepared.docs, prepared.embedder, prepared.embeddings
+    build_s: dict[str, float] = {"embed": prepared.embed_s}
 
-    # 1. Embed (fitting the hash embedder's idf first).
-    t0 = time.perf_counter()
-    with tqdm(
-        total=len(docs) * (2 if embedder == HASH else 1), unit="passage", desc="embedding", disable=not progress
-    ) as bar:
-        if isinstance(embedder, str):
-            embedder = make_text_embedder(embedder, fit_texts=docs, progress=bar.update)
-        vectors = embed_passages(embedder, docs, progress=bar.update)  # [N, dims] float32
-    embeddings = vectors.astype(np.float16)
-    build_s["embed"] = time.perf_counter() - t0
-
-    # 2. The indexes (exact needs none: it searches the embeddings).
+    # The indexes (exact needs none: it searches the embeddings).
     kinds = [k for k in RETRIEVER_KINDS if k in retrievers]
     configs = {**ANN_CONFIGS, **(index_configs or {})}
     ann, bm25 = {}, None
@@ -364,10 +374,8 @@ def build_kb(
         **(meta or {}),
         "retrievers": kinds,
         "build_s": {k: round(v, 3) for k, v in build_s.items()},
-        "embedder": {"kind": embedder.kind, "config_sha256": embedder.config_sha256, "dim": int(embedder.dim)},
         "index_configs": {k: asdict(configs[k]) for k in ann},
-        "duplicates_dropped": len(passages) - len(kept),
-        "embed_passages_per_s": round(len(docs) / max(build_s["embed"], 1e-9), 1),
+        **prepared.info(),
     }
     strings = {f: _pack([getattr(p, f) for p in kept]) for f in _STRING_FIELDS}
     return KnowledgeBase(name, strings, embeddings, embedder, ann=ann, bm25=bm25, meta=info)
@@ -383,15 +391,16 @@ def register_kb(registry, kb: KnowledgeBase, *, promote: bool = True, tags: dict
     with tempfile.TemporaryDirectory(prefix="specops-kb-") as tmp:
         path = kb.save(Path(tmp) / "kb")
         meta = json.loads((path / META_FILE).read_text())
+        if meta.get("backend") == BACKEND_MILVUS:
+            # The manifest of a Milvus collection: the same collection at the same service is the same KB.
+            service = meta["milvus"]
+            held = {k: service[k] for k in ("content_sha256", "uri", "collection")}
+            extra_tags = {"backend": BACKEND_MILVUS, "milvus_collection": service["collection"]}
+        else:
+            held = {"passages": meta["files"][PASSAGES_FILE], "embeddings": meta["files"][EMBEDDINGS_FILE]}
+            extra_tags = {}
         content = hashlib.sha256(
-            json.dumps(
-                {
-                    "passages": meta["files"][PASSAGES_FILE],
-                    "embeddings": meta["files"][EMBEDDINGS_FILE],
-                    "retrievers": list(kb.retrievers),
-                },
-                sort_keys=True,
-            ).encode()
+            json.dumps({**held, "retrievers": list(kb.retrievers)}, sort_keys=True).encode()
         ).hexdigest()
         v = kind.register(
             kb.name,
@@ -402,6 +411,7 @@ def register_kb(registry, kb: KnowledgeBase, *, promote: bool = True, tags: dict
                 "embedder_sha256": kb.embedder.config_sha256,
                 "retrievers": ",".join(kb.retrievers),
                 "content_sha256": content,
+                **extra_tags,
                 **(tags or {}),
             },
             metrics={

@@ -65,6 +65,22 @@ def to_query(vector: np.ndarray) -> np.ndarray:
     return np.asarray(vector, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
+def exact_scores(query: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Exact scores [len(rows)] float32 of ``query`` [dims] (float16 values) against passage
+    vectors ``rows`` [c, dims] (float16): products and sums in float64, which hold them with no
+    rounding (module docstring), rounded once to float32. Every dense backend scores with this,
+    so a score is the same bits wherever the vectors live (memory, Milvus, a request's cache)."""
+    return (rows.astype(np.float64) @ np.asarray(query, dtype=np.float64)).astype(np.float32)
+
+
+def dense_queries(queries: list[Query], dims: int) -> np.ndarray:
+    """Dense queries stacked as [n, dims] float32 holding float16 values; a wrong shape is a KBError."""
+    q = np.stack([to_query(x) for x in queries]) if queries else np.zeros((0, dims), np.float32)
+    if q.ndim != 2 or q.shape[1] != dims:
+        raise KBError(f"dense queries must be vectors of {dims} dims; got shape {q.shape}")
+    return q
+
+
 def _rank(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The best ``k`` of (ids, scores): score descending, ties to the lower id; padded with -1 / -inf."""
     order = np.lexsort((ids, -scores))[:k]
@@ -99,11 +115,9 @@ class ExactScorer:
 
     def exact(self, query: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Exact scores [len(ids)] float32 of ``query`` [dims] (float16 values) against passages ``ids``."""
-        q = np.asarray(query, dtype=np.float64)
         out = np.empty(len(ids), dtype=np.float32)
         for s in range(0, len(ids), RESCORE_CHUNK):
-            rows = self.embeddings[ids[s : s + RESCORE_CHUNK]].astype(np.float64)  # [c, dims]
-            out[s : s + RESCORE_CHUNK] = rows @ q  # exact in float64, rounded once to float32
+            out[s : s + RESCORE_CHUNK] = exact_scores(query, self.embeddings[ids[s : s + RESCORE_CHUNK]])
         return out
 
     def check_ids(self, ids: np.ndarray) -> None:
@@ -125,10 +139,7 @@ class DenseRetriever:
         return [to_query(v) for v in embed_each(self.embedder, texts)]
 
     def _matrix(self, queries: list[Query]) -> np.ndarray:
-        q = np.stack([to_query(x) for x in queries]) if queries else np.zeros((0, self.scorer.dims), np.float32)
-        if q.ndim != 2 or q.shape[1] != self.scorer.dims:
-            raise KBError(f"dense queries must be vectors of {self.scorer.dims} dims; got shape {q.shape}")
-        return q  # [n, dims] float32 holding float16 values
+        return dense_queries(queries, self.scorer.dims)  # [n, dims] float32 holding float16 values
 
     def search(self, queries: list[Query], k: int) -> tuple[np.ndarray, np.ndarray]:
         if k < 1:

@@ -24,7 +24,7 @@ COMPOSE_DIR = REPO / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
 COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
-ONE_SHOTS = {"kafka-init", "s3-init", "bootstrap"}
+ONE_SHOTS = {"kafka-init", "s3-init", "bootstrap", "kb"}
 
 
 # ---------------------------------------------------------------- helpers
@@ -269,7 +269,7 @@ def test_images_are_pinned_and_volumes_declared():
     for name, spec in SERVICES.items():
         image = resolve(spec["image"])
         tag = image.rsplit(":", 1)[-1]
-        assert ":" in image and re.match(r"\d", tag) and tag != "latest", f"{name}: unpinned image {image}"
+        assert ":" in image and re.match(r"v?\d", tag) and tag != "latest", f"{name}: unpinned image {image}"
     declared = set(COMPOSE["volumes"])
     used = {src for name in SERVICES for src, _ in mounts(name).values() if not src.startswith(".")}
     assert used == declared, (used, declared)
@@ -353,9 +353,11 @@ def test_serving_vllm_is_an_opt_in_profile_of_the_serving_front_door_on_vllm():
 
     vllm = SERVICES["serving-vllm"]
     assert vllm["profiles"] == ["vllm"]
-    assert [name for name, spec in SERVICES.items() if spec.get("profiles")] == ["serving-vllm"], (
-        "the rest start always"
-    )
+    assert {name: spec["profiles"] for name, spec in SERVICES.items() if spec.get("profiles")} == {
+        "serving-vllm": ["vllm"],
+        "milvus": ["milvus"],
+        "kb": ["milvus"],
+    }, "the rest start always"
     assert build_target("serving-vllm") == "serving-vllm" and vllm["build"]["args"]["VARIANT"] == "cpu"
     assert resolve(vllm["image"]).startswith("ghcr.io/specops/specops-serving-vllm:")
     assert mounts("serving-vllm") == mounts("serving")
@@ -377,6 +379,75 @@ def test_serving_vllm_is_an_opt_in_profile_of_the_serving_front_door_on_vllm():
     # healthy = ready: the grace must outlast one vLLM server's start (a CPU compiles the model first)
     assert _seconds(check["start_period"]) >= cfg.vllm_start_timeout_s
     assert _seconds(vllm["stop_grace_period"]) >= _seconds(SERVICES["serving"]["stop_grace_period"])
+
+
+# ---------------------------------------------------------------- knowledge bases (profile milvus)
+MILVUS_URI = "http://milvus:19530"
+
+
+def test_milvus_profile_runs_a_pinned_milvus_standalone_with_embedded_etcd_and_local_storage():
+    """``docker compose --profile milvus up``: one Milvus standalone container (no etcd / MinIO services), its
+    data on a named volume, healthy once /healthz on its metrics port answers, reachable on the network only."""
+    milvus = SERVICES["milvus"]
+    assert milvus["profiles"] == ["milvus"] and milvus["restart"] == "unless-stopped"
+    assert re.fullmatch(r"milvusdb/milvus:v2\.[56]\.\d+", milvus["image"]), milvus["image"]
+    assert milvus["command"] == ["milvus", "run", "standalone"]
+    e = env("milvus")
+    assert e["ETCD_USE_EMBED"] == "true" and e["COMMON_STORAGETYPE"] == "local" and e["DEPLOY_MODE"] == "STANDALONE"
+    volumes = mounts("milvus")
+    assert volumes["/var/lib/milvus"] == ("milvus-data", "rw") and "milvus-data" in COMPOSE["volumes"]
+    assert Path(e["ETCD_DATA_DIR"]).is_relative_to("/var/lib/milvus"), "etcd's data must live on the volume"
+    source, mode = volumes[e["ETCD_CONFIG_PATH"]]
+    assert mode == "ro" and (COMPOSE_DIR / source).is_file()
+    etcd = yaml.safe_load((COMPOSE_DIR / source).read_text())
+    for key in ("listen-client-urls", "advertise-client-urls"):
+        assert urlsplit(etcd[key]).hostname == "127.0.0.1", f"{key}: Milvus reaches its embedded etcd in-process"
+    assert etcd["auto-compaction-mode"] == "revision" and int(etcd["auto-compaction-retention"]) > 0
+    check = milvus["healthcheck"]
+    assert check["test"][:2] == ["CMD", "curl"] and "http://localhost:9091/healthz" in check["test"]
+    assert _seconds(check["start_period"]) >= 60, "first start initialises etcd and the WAL"
+    uri = urlsplit(MILVUS_URI)
+    assert set(milvus["expose"]) == {str(uri.port), "9091"} and "ports" not in milvus, "not published on the host"
+
+
+def test_kb_job_builds_the_default_kb_into_milvus_and_registers_it():
+    """The one-shot ``kb`` runs ``specops kb build --backend milvus`` against the ``milvus`` service once it is
+    healthy, with the registry and stream settings of the other jobs and the bootstrap's models (tokenizer and
+    held-out list)."""
+    kb = SERVICES["kb"]
+    assert kb["profiles"] == ["milvus"] and kb["restart"] == "no" and "kb" in ONE_SHOTS
+    assert build_target("kb") == "trainer" and kb["image"] == SERVICES["trainer"]["image"]
+    assert kb["healthcheck"] == {"disable": True}, "a one-shot must not inherit the trainer's health check"
+    argv = command("kb")
+    assert argv[:3] == ["specops", "kb", "build"]
+    assert option(argv, "--backend") == "milvus" and option(argv, "--milvus-uri") == MILVUS_URI
+    assert option(argv, "--model-dir") == option(command("bootstrap"), "--out")
+    assert mounts("kb") == {"/models": ("models", "ro")}
+    assert kb["depends_on"]["milvus"] == {"condition": "service_healthy"}
+    assert {k: v for k, v in kb["depends_on"].items() if k != "milvus"} == {
+        k: v for k, v in SERVICES["trainer"]["depends_on"].items() if k != "postgres"
+    }, "registry, stream and models ready, as for the trainer"
+    assert env("kb") == {k: v for k, v in env("trainer").items() if not k.startswith("PG")}
+
+
+def test_kb_job_command_parses_as_specops_kb_build():
+    from specops.cli import build_parser
+
+    args = build_parser().parse_args(command("kb")[1:])
+    assert (args.name, args.backend, args.milvus_uri) == ("manpages", "milvus", MILVUS_URI)
+    assert not args.no_register and not args.no_promote, "the KB is registered and promoted: serving finds it"
+
+
+def test_every_specops_service_finds_the_milvus_kb_service_and_nothing_always_on_waits_for_it():
+    """Compose cannot make a variable depend on a profile, so SPECOPS_MILVUS_URI is set always: it only overrides
+    the URI in a Milvus-backed KB's manifest. No service outside the profile depends on the profile's services
+    (compose would refuse to start them without ``--profile milvus``)."""
+    for name in ("serving", "serving-vllm", "trainer", "kb"):
+        assert env(name)["SPECOPS_MILVUS_URI"] == MILVUS_URI, name
+    assert urlsplit(MILVUS_URI).hostname in SERVICES
+    for name, spec in SERVICES.items():
+        if "milvus" not in spec.get("profiles", []):
+            assert not {"milvus", "kb"} & set(spec.get("depends_on") or {}), f"{name} waits for profile milvus"
 
 
 def test_bootstrap_writes_a_subdirectory_of_the_models_volume():

@@ -159,6 +159,41 @@ kafka://{{ include "specops.kafkaBootstrap" . }}
 {{- end }}
 {{- end }}
 
+{{/* The Milvus knowledge-base service's URI: the chart's Milvus Lite Service, or retrieval.milvus.external.uri. */}}
+{{- define "specops.milvusUri" -}}
+{{- $m := .Values.retrieval.milvus }}
+{{- if eq $m.mode "lite" }}
+{{- printf "http://%s:%d" (include "specops.componentName" (dict "ctx" . "component" "milvus")) (int $m.lite.port) }}
+{{- else if eq $m.mode "external" }}
+{{- required "retrieval.milvus.external.uri is required with retrieval.milvus.mode external: the http(s)://host:port of your Milvus" $m.external.uri }}
+{{- end }}
+{{- end }}
+
+{{/* Where pods find Milvus-backed KBs (retrieval.milvus.mode lite or external; nothing with none):
+SPECOPS_MILVUS_URI overrides the URI a KB's manifest records, SPECOPS_MILVUS_TOKEN comes from the external
+server's Secret. Placed before specops.commonEnv, so that extraEnv can still override them. */}}
+{{- define "specops.milvusEnv" -}}
+{{- $m := .Values.retrieval.milvus }}
+{{- if ne $m.mode "none" }}
+- name: SPECOPS_MILVUS_URI
+  value: {{ include "specops.milvusUri" . | quote }}
+{{- if and (eq $m.mode "external") $m.external.tokenSecret.name }}
+- name: SPECOPS_MILVUS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $m.external.tokenSecret.name }}
+      key: {{ $m.external.tokenSecret.key }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Milvus Lite server's image: retrieval.milvus.lite.image, else the serving image's repository and tag
+without the -cuda suffix (Milvus Lite runs on the CPU). */}}
+{{- define "specops.milvusLiteImage" -}}
+{{- $i := .Values.retrieval.milvus.lite.image }}
+{{- printf "%s:%s" (default .Values.image.servingRepository $i.repository) (default (default .Chart.AppVersion .Values.image.tag) $i.tag) }}
+{{- end }}
+
 {{/* GPU requests = limits merged into a resources map: (dict "resources" map "gpus" n "ctx" $) */}}
 {{- define "specops.resources" -}}
 {{- $res := deepCopy (default dict .resources) }}
@@ -288,5 +323,12 @@ the selector given, else namespace and service, as the targets of the component'
 {{- end }}
 {{- if and .Values.serving.apiKeys.keys .Values.serving.apiKeys.existingSecret }}
 {{- fail "set serving.apiKeys.keys or serving.apiKeys.existingSecret, not both" }}
+{{- end }}
+{{- $mv := .Values.retrieval.milvus }}
+{{- if and $mv.kbBuild.enabled (eq $mv.mode "none") }}
+{{- fail "retrieval.milvus.kbBuild.enabled needs retrieval.milvus.mode lite or external: the Job builds the knowledge base into that Milvus" }}
+{{- end }}
+{{- if and $mv.external.tokenSecret.name (ne $mv.mode "external") }}
+{{- fail "retrieval.milvus.external.tokenSecret is only used with retrieval.milvus.mode external (Milvus Lite has no authentication)" }}
 {{- end }}
 {{- end }}

@@ -91,6 +91,17 @@ def finish_report(report: dict, args, *, summary, markdown, plot, png_name: str,
     return text
 
 
+def save_png(fig, path: Path) -> bool:
+    """Lay out ``fig``, write it to ``path`` (its folder made) and close it; True (a plot was drawn)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else f"{x:{spec}}{suffix}"
 

@@ -61,7 +61,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.common import environment, finish_report, fmt, target_name  # noqa: E402
+from benchmarks.common import environment, finish_report, fmt, save_png, target_name  # noqa: E402
 from benchmarks.specbench.methods import ForwardCounter, Outcome, hf_method  # noqa: E402
 from specops.core.sessions.ngram import NgramIndex  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
@@ -108,14 +108,14 @@ class Case:
 
 # ---------------------------------------------------------------- the sets
 def rag_cases(args, tok, n: int) -> list[Case]:
-    from benchmarks import ralm
+    from benchmarks import ralm_kbs, ralm_questions
     from specops.core.passage import token_counter
     from specops.serving.retrieval.kb import build_kb
     from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     path = Path(args.cache_dir) / f"kb-llma-{args.kb_passages}"
     recipe = {"sources": args.source or default_sources(), "max_passages": args.kb_passages, "retrievers": ["bm25"]}
-    kb = ralm.cached_kb(path, recipe)
+    kb = ralm_kbs.cached_kb(path, recipe)
     if kb is None:
         passages, stats = passages_from_sources(
             recipe["sources"], count_tokens=token_counter(tok), max_passages=args.kb_passages, model_dir=args.model_dir
@@ -123,7 +123,7 @@ def rag_cases(args, tok, n: int) -> list[Case]:
         kb = build_kb("llma-rag", passages, embedder="hash", retrievers=["bm25"], meta={"bench": recipe})
         kb.save(path)
     per = -(-n // 3) + 2
-    questions = ralm.interleaved(ralm.question_sets(kb, per, seed=args.seed))
+    questions = ralm_questions.interleaved(ralm_questions.question_sets(kb, per, seed=args.seed))
     bm25 = kb.retriever("bm25")
     cases = []
     for q in questions:
@@ -162,12 +162,12 @@ REWORDINGS = [
 def cag_questions(args, n: int) -> list[tuple[str, str, list[str]]]:
     """(title, question, 3 rewordings): reworded by a pattern for man / README / licence
     questions, by a prefix or suffix for the others (FAQs)."""
-    from benchmarks import ralm
+    from benchmarks import ralm_questions
     from specops.serving.retrieval.kb import KnowledgeBase
 
     kb = KnowledgeBase.load(Path(args.cache_dir) / f"kb-llma-{args.kb_passages}")
     out = []
-    for q in ralm.interleaved(ralm.question_sets(kb, 2 * n, seed=args.seed + 1)):
+    for q in ralm_questions.interleaved(ralm_questions.question_sets(kb, 2 * n, seed=args.seed + 1)):
         query = q.prompt.removeprefix("Question: ").removesuffix("\nAnswer:").strip()
         for pattern, forms in REWORDINGS:
             if m := pattern.fullmatch(query):
@@ -520,11 +520,7 @@ def plot(report: dict, path: Path) -> bool:
     ax.set_ylabel("speed-up over target-only")
     ax.set_title("LLMA: speed-up against the copy length (greedy)", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_png(fig, path)
 
 
 # ---------------------------------------------------------------- main

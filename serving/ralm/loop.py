@@ -45,7 +45,7 @@ from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
-from specops.serving.ralm.os3 import OS3Config, StrideScheduler
+from specops.serving.ralm.os3 import RALM_OS3, OS3Config, StrideScheduler
 from specops.serving.retrieval.retriever import Query, Retriever
 
 log = logging.getLogger(__name__)
@@ -454,7 +454,7 @@ class RalmGenerator:
 
     def _ralmspec(self, prompt, out, steps, params, stats, on_final) -> None:
         cfg = self.cfg
-        os3 = self.os3 or OS3Config()
+        os3 = self.os3 or RALM_OS3
         if not cfg.speculation_off:
             os3 = replace(os3, allow_off=False)
         sched = StrideScheduler(os3, asynchronous=cfg.asynchronous, fixed=cfg.speculation_stride)

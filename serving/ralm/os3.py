@@ -59,13 +59,12 @@ def rate_with_rework(s: int, gamma: float, a: float, b: float, *, asynchronous: 
     return verified / max(verified / objective(s, gamma, a, b, asynchronous=asynchronous) + (1.0 - gamma**s) * a, 1e-12)
 
 
-def speculation_pays(gamma: float, a: float, bs: list[float], *, asynchronous: bool) -> bool:
-    """Whether some stride's rate with rework beats RaLMSeq's ``1 / (a + b(1))``."""
+def speculation_pays(gamma: float, a: float, bs: list[float], *, asynchronous: bool, margin: float = 0.0) -> bool:
+    """Whether some stride's rate with rework beats RaLMSeq's ``1 / (a + b(1))`` by more than ``margin``."""
     sequential = 1.0 / max(a + bs[0], 1e-12)
-    return (
-        max(rate_with_rework(s, gamma, a, bs[s - 1], asynchronous=asynchronous) for s in range(1, len(bs) + 1))
-        > sequential
-    )
+    return max(
+        rate_with_rework(s, gamma, a, bs[s - 1], asynchronous=asynchronous) for s in range(1, len(bs) + 1)
+    ) > sequential * (1.0 + margin)
 
 
 def best_stride(gamma: float, a: float, b: float | list[float], *, asynchronous: bool, s_max: int = 16) -> int:
@@ -96,6 +95,25 @@ class OS3Config:
     """Return stride 0 (no speculation this round) when RaLMSeq would be faster."""
     gamma_off_max: float = 0.99
     """Cap on the uncapped estimate the off decision uses (keeps ``1-γ`` above zero)."""
+    off_window: int = 20
+    """Verifications the off decision's γ is estimated over (Laplace-smoothed): whether to
+    speculate at all needs a steadier estimate than the stride. Over the stride's 5, a true γ
+    of 0.85 reads 1.0 four times in ten, speculation flaps on, and each miss costs a rework."""
+    pay_margin: float = 0.05
+    """Speculate only when the model predicts at least this much over RaLMSeq: what it leaves
+    out (handing verification to a worker thread that contends for the interpreter lock,
+    scoring the cache, rollback bookkeeping) costs a few percent, so a predicted break-even
+    is a measured loss."""
+
+
+PAPER_OS3 = OS3Config(allow_off=False)
+"""The paper's OS³: γ capped at 0.6, always speculates."""
+RALM_OS3 = OS3Config(gamma_max=0.9)
+"""Iterative RaLM's default: γ capped at 0.9, not the paper's 0.6 (a departure, as for
+kNN-LM). With the local cache's prefetch the cache's guess equals the KB's 85-95 % of the time
+here, and with the 0.6 cap OS³ never batches a verification once a KB search costs more than a
+speculation step (stride 1, E[M] = 1): the KB wait it was meant to hide stays. The off rule still
+uses the uncapped estimate, and a mismatch still rolls back; the cap only sets the stride."""
 
 
 class StrideScheduler:
@@ -109,6 +127,7 @@ class StrideScheduler:
         self.asynchronous = asynchronous
         self.fixed = fixed
         self._verifications: deque[tuple[int, int]] = deque(maxlen=self.cfg.window)  # (stride, matched)
+        self._history: deque[tuple[int, int]] = deque(maxlen=max(self.cfg.window, self.cfg.off_window))
         self._spec_s: deque[float] = deque(maxlen=self.cfg.timing_window)
         self._verify: deque[tuple[int, float]] = deque(maxlen=self.cfg.timing_window)  # (batch, seconds)
         self.chosen: list[int] = []
@@ -129,6 +148,7 @@ class StrideScheduler:
         leading run) and its batched retrieval took ``seconds``."""
         assert 0 <= matched <= stride, (matched, stride)
         self._verifications.append((int(stride), int(matched)))
+        self._history.append((int(stride), int(matched)))
         self._verify.append((int(stride), float(seconds)))
 
     # ------------------------------------------------------------------ estimates
@@ -144,10 +164,11 @@ class StrideScheduler:
 
     @property
     def gamma_uncapped(self) -> float:
-        """The maximum-likelihood estimate without the γmax cap (for the off decision)."""
-        matched = sum(m for _, m in self._verifications)
-        misses = sum(1 for s, m in self._verifications if m < s)
-        return min(self.cfg.gamma_off_max, matched / (matched + misses)) if matched + misses else 0.0
+        """The off decision's estimate: over the last ``off_window`` verifications, Laplace-smoothed
+        (``(ΣM + 1) / (ΣM + misses + 2)``), without the γmax cap."""
+        matched = sum(m for _, m in self._history)
+        misses = sum(1 for s, m in self._history if m < s)
+        return min(self.cfg.gamma_off_max, (matched + 1) / (matched + misses + 2)) if matched + misses else 0.0
 
     @property
     def a(self) -> float:
@@ -177,7 +198,7 @@ class StrideScheduler:
             bs = [self.b(n) for n in range(1, self.cfg.s_max + 1)]
             s = best_stride(self.gamma, self.a, bs, asynchronous=self.asynchronous, s_max=self.cfg.s_max)
             if self.cfg.allow_off and not speculation_pays(
-                self.gamma_uncapped, self.a, bs, asynchronous=self.asynchronous
+                self.gamma_uncapped, self.a, bs, asynchronous=self.asynchronous, margin=self.cfg.pay_margin
             ):
                 s = 0
         if remaining is not None and s:

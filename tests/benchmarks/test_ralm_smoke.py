@@ -7,20 +7,20 @@ import json
 import pytest
 import torch
 
-from benchmarks import ralm
+from benchmarks import ralm, ralm_curve, ralm_report
 
 pytestmark = pytest.mark.slow  # benchmark scripts end to end
 
-SUMMARY_KEYS = (
-    "speedup_edr",
-    "speedup_adr",
-    "speedup_sr",
-    "retrieval_share_edr",
-    "amdahl_fraction_min",
-    "speedup_knnlm",
+SUMMARY_KEYS = {
+    "curve",
+    "min_fraction_of_bound",
+    "speedup_at_max_r",
+    "max_r_save",
+    "min_speedup",
+    "knnlm_fraction_of_bound",
+    "knnlm_speedup",
     "outputs_identical",
-    "async_overlap_s",
-)
+}
 TEXT = (
     "The {n} tool reads a configuration file, checks every entry, and writes a report of what it found. "
     "It runs every night from cron and mails the report to the administrator of host {n}. "
@@ -37,7 +37,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_ralm_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path, one_thread):
+def test_parse_point():
+    p = ralm_curve.parse_point("milvus-server/exact/100000x8")
+    assert (p.backend, p.retriever, p.passages, p.clients, p.embedder) == ("milvus-server", "exact", 100000, 8, "hash")
+    assert ralm_curve.parse_point("memory/bm25/300/minilm").embedder == "minilm"
+    for bad in ("disk/exact/10", "memory/exact/ten", "memory/exact", "memory/exact/10/other"):
+        with pytest.raises(SystemExit):
+            ralm_curve.parse_point(bad)
+
+
+def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, one_thread):
     src = tmp_path / "docs"
     src.mkdir()
     for i in range(12):
@@ -51,16 +60,14 @@ def test_ralm_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path, 
         str(src),
         "--cache-dir",
         str(tmp_path / "c"),
+        "--points",
+        "memory/exact/200,milvus-lite/exact/200,milvus-server/exact/200x2",
         "--questions",
         "2",
-        "--ablation-questions",
-        "1",
         "--max-new-tokens",
         "12",
-        "--scale-passages",
-        "300",
-        "--retrievers",
-        "exact,hnsw,bm25",
+        "--knnlm-sizes",
+        "300,600",
         "--knnlm-k",
         "4",
         "--json",
@@ -71,26 +78,25 @@ def test_ralm_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path, 
     assert ralm.main(argv) == 0
     report = json.loads(out.read_text())
     s = report["summary"]
-    assert set(SUMMARY_KEYS) == set(s)
-    assert s["outputs_identical"] == 1.0  # RaLMSpec = RaLMSeq and speculative kNN-LM = baseline, everywhere
-    assert set(report["settings"]) == {"realistic", "scale"}
-    scale = report["settings"]["scale"]
-    assert scale["kb"]["embedder"] == "hash" and scale["kb"]["window_step"] >= 1 and scale["kb"]["passages"] > 12
-    exact = scale["retrievers"]["exact"]
-    assert set(ralm.ARMS) == set(exact["arms"])  # RaLMSeq, PSA and every ablation ran on the subset
-    assert (
-        exact["rows"][0]["arms"].keys() == ralm.ARMS.keys() and exact["rows"][1]["arms"].keys() == ralm.MAIN_ARMS.keys()
-    )
-    assert 0 <= exact["r"] <= 1 and exact["em"] >= 1 and exact["amdahl_bound"] >= 1
-    assert s["speedup_edr"] > 0 and s["speedup_adr"] > 0 and s["speedup_sr"] > 0
-    knn = report["knnlm"]
-    assert set(knn["bytes_per_entry"]) == {"exact", "ivfpq"} and {v["searcher"] for v in knn["runs"].values()} == {
-        "exact",
-        "ivfpq",
-    }
-    assert all(v > 0 for v in scale["kb"]["bytes_per_passage"].values())
+    assert set(s) == SUMMARY_KEYS
+    assert s["outputs_identical"] == 1.0  # every RaLMSpec arm = RaLMSeq; speculative kNN-LM = baseline
+    assert [(c["backend"], c["clients"]) for c in s["curve"]] == [
+        ("memory", 1),
+        ("milvus-lite", 1),
+        ("milvus-server", 2),
+    ]
+    for c in s["curve"]:
+        assert 0 <= c["r_save"] < 1 and 0 <= c["r_encode"] < 1 and c["bound"] >= 1 and c["speedup"] > 0
+        assert c["bound"] == pytest.approx(1 / (1 - c["r_save"]), rel=1e-3)
+    point = report["points"][0]
+    assert set(point["arms"]) == set(ralm_curve.ARMS)
+    assert point["gamma"] is None or 0 <= point["gamma"] <= 1
+    assert set(report["knnlm"]["sizes"]) == {"300", "600"}
+    for size in report["knnlm"]["sizes"].values():
+        assert {v["searcher"] for v in size["runs"].values()} == {"exact", "ivfpq"}
+        assert all(v["bound"] >= 1 for v in size["runs"].values())
     text = doc.read_text()
-    assert ralm.DOC_BEGIN in text and "Amdahl" in text and "kNN-LM" in text and "img/ralm.png" in text
+    assert ralm_report.DOC_BEGIN in text and "r_save" in text and "kNN-LM" in text and "img/ralm.png" in text
     assert (tmp_path / "img" / "ralm.png").stat().st_size > 1000
     # --replot re-derives the same summary from the JSON alone
     assert ralm.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0

@@ -291,7 +291,7 @@ def test_speculation_turns_off_when_ralmseq_is_faster():
         sched.observe_verification(1, 0, 0.01)
         sched.observe_speculation(0.5)
     assert sched.stride() == 0 and sched.snapshot()["off_rounds"] == 1
-    for _ in range(5):  # the guesses start holding and searches get dear: speculation comes back
+    for _ in range(20):  # the guesses start holding and searches get dear: speculation comes back
         sched.observe_verification(1, 1, 0.6)
     assert sched.stride() >= 1
     kept_on = StrideScheduler(OS3Config(allow_off=False), asynchronous=True)

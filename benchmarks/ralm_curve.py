@@ -1,0 +1,228 @@
+"""One point of ``benchmarks/ralm.py``'s retrieval-cost curve: RaLMSeq against RaLMSpec
+(synchronous, asynchronous, and the paper's OS³ that always speculates) on one knowledge base,
+retriever, backend and number of concurrent clients.
+
+**Arms are interleaved.** The questions run in waves of ``clients`` (one question per
+client, all at once); within a wave every arm runs in turn, the order rotating from wave to
+wave, so a slow minute of the machine hits every arm alike. A wave's wall time per arm is
+what a client sees; with one client it is the question's latency.
+
+**The honest bound.** Speculation can only remove the time RaLMSeq spends in KB searches,
+transport and queueing included (``r_save``): RaLMSpec still encodes every query (``r_encode``),
+looks it up in its cache and generates every token. So no RaLMSpec arm can beat
+``1 / (1 - r_save)``, and ``r_save`` comes from the RaLMSeq arm, never from the arm it bounds.
+
+**γ** is measured, not assumed: the share of the cache's guesses that equal the KB's answer
+over every guess the paper's OS³ arm (which always speculates) had checked.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from specops.core.passage import indexed_text
+from specops.serving.engine.types import SamplingParams
+from specops.serving.ralm.loop import RalmConfig, RalmGenerator
+from specops.serving.ralm.os3 import PAPER_OS3
+
+SEQ, SYNC, PSA, PAPER = "RaLMSeq", "RaLMSpec sync", "RaLMSpec async", "RaLMSpec paper OS3"
+ARMS = {
+    SEQ: RalmConfig(mode="ralmseq"),
+    SYNC: RalmConfig(asynchronous=False),
+    PSA: RalmConfig(),
+    PAPER: RalmConfig(speculation_off=False),
+}
+ARM_OS3 = {PAPER: PAPER_OS3}
+"""RaLMSpec arms all prefetch the top 20 and choose the stride with OS³; ``sync`` verifies in
+the loop's thread, ``async`` (our default) in a worker during the next speculation step (both
+with serving's OS³: γ capped at 0.9, speculation off when it cannot pay), and ``paper OS3`` is
+``async`` with the paper's scheduler (γ capped at 0.6, always speculates)."""
+SPEC_ARMS = (SYNC, PSA, PAPER)
+
+
+@dataclass(frozen=True)
+class Point:
+    """Where on the curve: ``backend`` is ``memory`` (the KB in this process), ``milvus-lite``
+    (Milvus Lite embedded in this process) or ``milvus-server`` (``milvus-lite server`` in its
+    own process, over loopback gRPC)."""
+
+    backend: str
+    retriever: str
+    passages: int
+    clients: int = 1
+    embedder: str = "hash"
+
+    @property
+    def label(self) -> str:
+        c = f" x{self.clients} clients" if self.clients > 1 else ""
+        return f"{self.backend}/{self.retriever} {self.passages:,} ({self.embedder}){c}"
+
+
+def parse_point(spec: str) -> Point:
+    """``BACKEND/RETRIEVER/PASSAGES[xCLIENTS][/minilm]``, e.g. ``memory/exact/1000000`` or
+    ``milvus-server/exact/100000x8``."""
+    parts = spec.strip().split("/")
+    if len(parts) not in (3, 4) or parts[0] not in ("memory", "milvus-lite", "milvus-server"):
+        raise SystemExit(f"--points: {spec!r} is not BACKEND/RETRIEVER/PASSAGES[xCLIENTS][/minilm]")
+    size, _, clients = parts[2].lower().partition("x")
+    embedder = parts[3] if len(parts) == 4 else "hash"
+    if embedder not in ("hash", "minilm") or not size.isdigit() or (clients and not clients.isdigit()):
+        raise SystemExit(f"--points: {spec!r}: PASSAGES and CLIENTS are integers, the embedder hash or minilm")
+    return Point(parts[0], parts[1], int(size), int(clients or 1), embedder)
+
+
+def record(res) -> dict:
+    st, t = res.stats, res.stats.time_s
+    return {
+        "total_s": t["total"],
+        "generate_s": t["generate"],
+        "retrieval_s": st.retrieval_s,
+        "kb_search_s": t["kb_search"],
+        "kb_wait_s": t["kb_wait"],
+        "embed_s": t["embed"],
+        "cache_s": t["cache"],
+        "async_overlap_s": t["async_overlap"],
+        "intervals": st.intervals,
+        "kb_calls": st.kb_calls,
+        "kb_queries": st.kb_queries,
+        "mismatches": st.mismatches,
+        "rolled_back": st.rolled_back_tokens,
+        "strides": list(st.strides),
+        "unspeculated": st.unspeculated,
+        "guesses_checked": st.guesses_checked,
+        "guesses_correct": st.guesses_correct,
+        "tokens": len(res.token_ids),
+    }
+
+
+def _pinned(cores: set[int] | None):
+    """A thread initializer that moves the calling thread onto ``cores`` (Linux)."""
+
+    def pin() -> None:
+        if cores:
+            os.sched_setaffinity(threading.get_native_id(), cores)
+
+    return pin
+
+
+def run_point(point: Point, kb, engine, tok, questions: list, args) -> list[dict]:
+    """Every arm on every question in waves of ``point.clients``; returns one row per wave.
+    RaLMSpec's verification workers run on ``args.kb_core_set`` (the retrieval side's cores)."""
+    retriever = kb.retriever(point.retriever)
+    texts = lambda ids: [indexed_text(p) for p in kb.passages(ids)]  # noqa: E731
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    prompts = [tok.encode(q.prompt, add_special_tokens=False) for q in questions]
+    c = point.clients
+    waves = [list(range(i, min(i + c, len(prompts)))) for i in range(0, len(prompts), c)]
+    pools = [
+        ThreadPoolExecutor(1, thread_name_prefix=f"ralm-verify-{i}", initializer=_pinned(args.kb_core_set))
+        for i in range(c)
+    ]
+    clients = ThreadPoolExecutor(c, thread_name_prefix="ralm-client")
+
+    def one(arm: str, qi: int, slot: int):
+        gen = RalmGenerator(
+            engine, retriever, texts, tok, ARMS[arm], method="target", pool=pools[slot], os3=ARM_OS3.get(arm)
+        )
+        return gen.generate(prompts[qi], params)
+
+    def wave(arm: str, qs: list[int]) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        futures = [clients.submit(one, arm, qi, slot) for slot, qi in enumerate(qs)]
+        results = [f.result() for f in futures]
+        return time.perf_counter() - t0, results
+
+    try:
+        for arm in ARMS:  # warm-up: the exact scorer's matrix, the KV path, the Milvus connection
+            wave(arm, waves[0][:1])
+        rows = []
+        arms = list(ARMS)
+        with tqdm(total=len(waves) * args.runs, desc=point.label, unit="wave") as bar:
+            for wi, qs in enumerate(waves):
+                runs: dict[str, list] = {a: [] for a in arms}
+                for run in range(args.runs):
+                    shift = (wi + run) % len(arms)
+                    for arm in arms[shift:] + arms[:shift]:  # rotate who goes first
+                        runs[arm].append(wave(arm, qs))
+                    bar.update(1)
+                ref = {qi: r.token_ids for qi, r in zip(qs, runs[SEQ][0][1])}
+                row = {"wave": wi, "questions": qs, "arms": {}}
+                for arm, waves_run in runs.items():
+                    wall, results = sorted(waves_run, key=lambda w: w[0])[len(waves_run) // 2]
+                    row["arms"][arm] = {
+                        "wall_s": wall,
+                        "requests": [record(r) for r in results],
+                        "identical": all(
+                            r.token_ids == ref[qi] for _, rs in waves_run for qi, r in zip(qs, rs, strict=True)
+                        ),
+                    }
+                rows.append(row)
+        return rows
+    finally:
+        clients.shutdown()
+        for p in pools:
+            p.shutdown()
+
+
+def _sum(rows: list[dict], arm: str, key: str) -> float:
+    return sum(req[key] for r in rows for req in r["arms"][arm]["requests"])
+
+
+def point_summary(point: Point, rows: list[dict]) -> dict:
+    """r_save, r_encode and the bound from RaLMSeq; per arm the speed-up (RaLMSeq's summed wave
+    wall time over the arm's), its fraction of the bound, and the loop's counts; γ measured."""
+    seq_total = max(_sum(rows, SEQ, "total_s"), 1e-9)
+    r_save = _sum(rows, SEQ, "kb_search_s") / seq_total
+    r_encode = _sum(rows, SEQ, "embed_s") / seq_total
+    bound = 1.0 / max(1.0 - r_save, 1e-9)
+    seq_wall = sum(r["arms"][SEQ]["wall_s"] for r in rows)
+    arms = {}
+    for arm in ARMS:
+        reqs = [req for r in rows for req in r["arms"][arm]["requests"]]
+        wall = sum(r["arms"][arm]["wall_s"] for r in rows)
+        strides = [s for req in reqs for s in req["strides"]]
+        checked = sum(req["guesses_checked"] for req in reqs)
+        mean = lambda key: statistics.fmean(req[key] for req in reqs)  # noqa: E731
+        arms[arm] = {
+            "wall_s": wall,
+            "speedup": seq_wall / max(wall, 1e-9),
+            "fraction_of_bound": (seq_wall / max(wall, 1e-9)) / bound,
+            "median_request_s": statistics.median(req["total_s"] for req in reqs),
+            "generate_s": mean("generate_s"),
+            "retrieval_s": mean("retrieval_s"),
+            "kb_search_s": mean("kb_search_s"),
+            "embed_s": mean("embed_s"),
+            "cache_s": mean("cache_s"),
+            "kb_calls": mean("kb_calls"),
+            "intervals": mean("intervals"),
+            "mismatches": mean("mismatches"),
+            "unspeculated": mean("unspeculated"),
+            "mean_stride": statistics.fmean(strides) if strides else None,
+            "async_overlap_s": mean("async_overlap_s"),
+            "gamma": sum(req["guesses_correct"] for req in reqs) / checked if checked else None,
+            "identical": all(r["arms"][arm]["identical"] for r in rows),
+        }
+    return {
+        "retriever": point.retriever,
+        "backend": point.backend,
+        "passages": point.passages,
+        "embedder": point.embedder,
+        "clients": point.clients,
+        "questions": sum(len(r["questions"]) for r in rows),
+        "r_save": r_save,
+        "r_encode": r_encode,
+        "r_cache": _sum(rows, SEQ, "cache_s") / seq_total,
+        "bound": bound,
+        "speedup": arms[PSA]["speedup"],
+        "gamma": arms[PAPER]["gamma"],
+        "kb_search_ms": 1000 * _sum(rows, SEQ, "kb_search_s") / max(1.0, _sum(rows, SEQ, "kb_calls")),
+        "arms": arms,
+        "outputs_identical": all(a["identical"] for a in arms.values()),
+    }

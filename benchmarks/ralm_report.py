@@ -1,0 +1,226 @@
+"""Summary, bars, markdown table and plots of ``benchmarks/ralm.py`` (also re-derived from a
+saved JSON by ``--replot``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import fmt, save_png
+from benchmarks.ralm_curve import PAPER, PSA, SEQ, SPEC_ARMS, SYNC
+
+DOC_BEGIN = "<!-- BEGIN ralm (written by benchmarks/ralm.py; edits inside are overwritten) -->"
+DOC_END = "<!-- END ralm -->"
+BARS = {"fraction_of_bound": 0.8, "r_save_for_bound": 0.3, "speedup_at_max_r": 2.0, "min_speedup": 0.97}
+KNN_FRACTION = 0.8
+CURVE_KEYS = ("retriever", "backend", "passages", "embedder", "clients", "r_save", "r_encode", "bound", "speedup")
+
+
+def _rnd(x, n: int = 3):
+    return None if x is None else round(x, n)
+
+
+def _knn_largest(report: dict) -> dict | None:
+    """The exact searcher's run at the largest datastore (its best k)."""
+    sizes = report.get("knnlm", {}).get("sizes", {})
+    if not sizes:
+        return None
+    runs = [r for r in sizes[max(sizes, key=int)]["runs"].values() if r["searcher"] == "exact"]
+    return max(runs, key=lambda r: r["speedup"]) if runs else None
+
+
+def summary(report: dict) -> dict:
+    points = report["points"]
+    curve = [
+        {
+            **{k: p[k] for k in CURVE_KEYS},
+            "gamma": _rnd(p["gamma"], 4),
+            "fraction_of_bound": _rnd(p["arms"][PSA]["fraction_of_bound"], 4),
+            **{f"speedup_{a.split()[-1].lower()}": _rnd(p["arms"][a]["speedup"], 4) for a in SPEC_ARMS},
+        }
+        for p in points
+    ]
+    for c in curve:
+        for k in ("r_save", "r_encode", "bound", "speedup"):
+            c[k] = _rnd(c[k], 4)
+    bounded = [p for p in points if p["r_save"] >= BARS["r_save_for_bound"]]
+    top = max(points, key=lambda p: p["r_save"]) if points else None
+    knn = _knn_largest(report)
+    knn_runs = [r for s in report.get("knnlm", {}).get("sizes", {}).values() for r in s["runs"].values()]
+    identical = all(p["outputs_identical"] for p in points) and all(r["identical"] for r in knn_runs)
+    return {
+        "curve": curve,
+        "min_fraction_of_bound": _rnd(min(p["arms"][PSA]["fraction_of_bound"] for p in bounded), 4)
+        if bounded
+        else None,
+        "speedup_at_max_r": _rnd(top["speedup"], 4) if top else None,
+        "max_r_save": _rnd(top["r_save"], 4) if top else None,
+        "min_speedup": _rnd(min(p["speedup"] for p in points), 4) if points else None,
+        "knnlm_fraction_of_bound": _rnd(knn["fraction_of_bound"], 4) if knn else None,
+        "knnlm_speedup": _rnd(knn["speedup"], 4) if knn else None,
+        "outputs_identical": 1.0 if identical else 0.0,
+    }
+
+
+def bars(report: dict) -> list[tuple[str, str, bool | None]]:
+    """(bar, measured, met) for issue 37's bars (RaLMSpec = our default, the async arm)."""
+    s = report["summary"]
+    met = lambda x, bar: None if x is None else x >= bar  # noqa: E731
+    return [
+        (
+            f"every point with r_save >= {BARS['r_save_for_bound']}: speed-up >= {BARS['fraction_of_bound']} x 1/(1-r_save)",
+            fmt(s["min_fraction_of_bound"], ".0%"),
+            met(s["min_fraction_of_bound"], BARS["fraction_of_bound"]),
+        ),
+        (
+            f"at the highest r_save ({fmt(s['max_r_save'], '.2f')}): RaLMSpec >= {BARS['speedup_at_max_r']}x RaLMSeq",
+            fmt(s["speedup_at_max_r"], ".2f", "x"),
+            met(s["speedup_at_max_r"], BARS["speedup_at_max_r"]),
+        ),
+        (
+            f"no point below {BARS['min_speedup']}x RaLMSeq",
+            fmt(s["min_speedup"], ".2f", "x"),
+            met(s["min_speedup"], BARS["min_speedup"]),
+        ),
+        (
+            f"speculative kNN-LM >= {KNN_FRACTION} x its bound at the largest datastore (exact)",
+            fmt(s["knnlm_fraction_of_bound"], ".0%"),
+            met(s["knnlm_fraction_of_bound"], KNN_FRACTION),
+        ),
+        (
+            "identical outputs everywhere",
+            "yes" if s["outputs_identical"] == 1.0 else "NO",
+            s["outputs_identical"] == 1.0,
+        ),
+    ]
+
+
+def markdown(report: dict, plot_rel: str | None) -> str:
+    a = report["args"]
+    lines = [
+        DOC_BEGIN,
+        "## RaLMSpec vs RaLMSeq along the retrieval-cost curve, and speculative kNN-LM",
+        "",
+        "```sh",
+        report["command"],
+        "```",
+        "",
+        f"Target {report['target']}; greedy; {a['max_new_tokens']} new tokens; a retrieval every 4 tokens on the "
+        "last 32 tokens, its passage (at most 256 tokens) put before the question; generation between retrievals "
+        f"target-only. {report['questions']} questions from the KB's own documents, in waves of `clients` "
+        f"concurrent requests; arms interleaved per wave (order rotating), {a['runs']} run(s), the median kept. "
+        f"CPU: {report.get('cpu', '?')}, {report['environment']['cpu_count']} cores; wall time "
+        f"{report['wall_s'] / 60:.0f} min.",
+        "",
+        "`r_save`: RaLMSeq's share of time in KB searches (transport and queueing included): all that "
+        "speculation can remove. `bound` = 1 / (1 - r_save), from the RaLMSeq arm. `r_encode`: query encoding, "
+        "which every arm pays. γ: share of the cache's guesses equal to the KB's answer (paper-OS3 arm). "
+        "Speed-up: RaLMSeq's wall time over the arm's. `async` is our default (OS3 with speculation off when "
+        "it cannot pay); `paper OS3` always speculates.",
+        "",
+        "| point | search ms | r_save | r_encode | bound | γ | sync | async | paper OS3 | async / bound | identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for p in report["points"]:
+        ar = p["arms"]
+        lines.append(
+            f"| {p['label']} | {p['kb_search_ms']:.0f} | {p['r_save']:.2f} | {p['r_encode']:.2f} | {p['bound']:.2f}x "
+            f"| {fmt(p['gamma'], '.2f')} | {ar[SYNC]['speedup']:.2f}x | {ar[PSA]['speedup']:.2f}x "
+            f"| {ar[PAPER]['speedup']:.2f}x | {ar[PSA]['fraction_of_bound']:.0%} | "
+            f"{'yes' if p['outputs_identical'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "Where the time goes (mean per request: generation / retrieval wait; KB calls; mean stride; rounds "
+        "unspeculated):",
+        "",
+        "| point | RaLMSeq G / R s | async G / R s | async KB calls / intervals | stride | unspeculated |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in report["points"]:
+        q, x = p["arms"][SEQ], p["arms"][PSA]
+        lines.append(
+            f"| {p['label']} | {q['generate_s']:.2f} / {q['retrieval_s']:.2f} | {x['generate_s']:.2f} / "
+            f"{x['retrieval_s']:.2f} | {x['kb_calls']:.1f} / {x['intervals']:.1f} | {fmt(x['mean_stride'], '.2f')} "
+            f"| {x['unspeculated']:.1f} |"
+        )
+    knn = report.get("knnlm", {}).get("sizes", {})
+    if knn:
+        lines += [
+            "",
+            "**Speculative kNN-LM** (a datastore search per token vs RaLMSpec §5.3; `r`: the baseline's search "
+            "share; bound 1 / (1 - r)):",
+            "",
+            "| entries | searcher | k | build s | baseline s | speculative s | speed-up | r | bound | of bound "
+            "| hit rate | identical |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
+        for n, sz in knn.items():
+            for run in sz["runs"].values():
+                b = sz["build"].get(run["searcher"], {})
+                lines.append(
+                    f"| {int(n):,} | {run['searcher']} | {run['k']} | {fmt(b.get('build_s', b.get('index_s')), '.0f')} "
+                    f"| {run['baseline_s']:.2f} | {run['speculative_s']:.2f} | {run['speedup']:.2f}x | {run['r']:.2f} "
+                    f"| {run['bound']:.2f}x | {run['fraction_of_bound']:.0%} | {run['hit_rate']:.2f} "
+                    f"| {'yes' if run['identical'] else 'NO'} |"
+                )
+    lines += ["", "| bar | measured | met |", "|---|---|:---:|"]
+    for bar, measured, ok in bars(report):
+        lines.append(f"| {bar} | {measured} | {'–' if ok is None else 'yes' if ok else 'no'} |")
+    if plot_rel:
+        lines += ["", f"![RaLMSpec speed-up against r_save, with the bound]({plot_rel})"]
+    lines += ["", DOC_END]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Speed-up against r_save for each RaLMSpec arm, with 1/(1-r) and 0.8 of it; kNN-LM beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    points = report["points"]
+    if not points:
+        return False
+    knn = [r for s in report.get("knnlm", {}).get("sizes", {}).values() for r in s["runs"].values()]
+    fig, axes = plt.subplots(1, 2 if knn else 1, figsize=(11 if knn else 6, 4.2), squeeze=False)
+    ax = axes[0][0]
+    top = max(0.9, max(p["r_save"] for p in points) + 0.05)
+    r = np.linspace(0, min(top, 0.95), 200)
+    ax.plot(r, 1 / (1 - r), "k-", lw=1, label="bound 1/(1-r_save)")
+    ax.plot(r, 0.8 / (1 - r), "k--", lw=0.8, label="0.8 x bound")
+    ax.axhline(1.0, color="#999999", lw=0.6)
+    for arm, marker, color in ((SYNC, "s", "#55a868"), (PSA, "o", "#4c72b0"), (PAPER, "^", "#c44e52")):
+        ax.scatter(
+            [p["r_save"] for p in points],
+            [p["arms"][arm]["speedup"] for p in points],
+            marker=marker,
+            color=color,
+            label=arm,
+            zorder=3,
+        )
+    for p in points:
+        ax.annotate(
+            f"{p['backend']} {p['passages'] // 1000}k" + (f" x{p['clients']}" if p["clients"] > 1 else ""),
+            (p["r_save"], p["arms"][PSA]["speedup"]),
+            fontsize=6,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("r_save (RaLMSeq's share of time in KB search + transport)")
+    ax.set_ylabel("speed-up over RaLMSeq")
+    ax.set_title("RaLMSpec along the retrieval-cost curve", fontsize=9)
+    ax.legend(fontsize=7)
+    if knn:
+        ax = axes[0][1]
+        rk = np.linspace(0, min(0.95, max(x["r"] for x in knn) + 0.05), 200)
+        ax.plot(rk, 1 / (1 - rk), "k-", lw=1, label="bound 1/(1-r)")
+        for searcher, color in (("exact", "#4c72b0"), ("ivfpq", "#dd8452")):
+            xs = [x for x in knn if x["searcher"] == searcher]
+            ax.scatter([x["r"] for x in xs], [x["speedup"] for x in xs], color=color, label=searcher, zorder=3)
+        ax.set_xlabel("r (baseline's share of time in datastore search)")
+        ax.set_ylabel("speed-up over kNN-LM")
+        ax.set_title("speculative kNN-LM", fontsize=9)
+        ax.legend(fontsize=7)
+    return save_png(fig, path)

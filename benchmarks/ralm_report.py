@@ -150,15 +150,16 @@ def markdown(report: dict, plot_rel: str | None) -> str:
             "**Speculative kNN-LM** (a datastore search per token vs RaLMSpec §5.3; `r`: the baseline's search "
             "share; bound 1 / (1 - r)):",
             "",
-            "| entries | searcher | k | build s | baseline s | speculative s | speed-up | r | bound | of bound "
+            "| entries | searcher | k | build s (exact: keys; IVFPQ: its index) | baseline s | speculative s | speed-up | r | bound | of bound "
             "| hit rate | identical |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
         ]
         for n, sz in knn.items():
             for run in sz["runs"].values():
                 b = sz["build"].get(run["searcher"], {})
+                built = b.get("index_s") if run["searcher"] == "ivfpq" else b.get("build_s")
                 lines.append(
-                    f"| {int(n):,} | {run['searcher']} | {run['k']} | {fmt(b.get('build_s', b.get('index_s')), '.0f')} "
+                    f"| {int(n):,} | {run['searcher']} | {run['k']} | {fmt(built, '.0f')} "
                     f"| {run['baseline_s']:.2f} | {run['speculative_s']:.2f} | {run['speedup']:.2f}x | {run['r']:.2f} "
                     f"| {run['bound']:.2f}x | {run['fraction_of_bound']:.0%} | {run['hit_rate']:.2f} "
                     f"| {'yes' if run['identical'] else 'NO'} |"
@@ -186,8 +187,7 @@ def plot(report: dict, path: Path) -> bool:
     knn = [r for s in report.get("knnlm", {}).get("sizes", {}).values() for r in s["runs"].values()]
     fig, axes = plt.subplots(1, 2 if knn else 1, figsize=(11 if knn else 6, 4.2), squeeze=False)
     ax = axes[0][0]
-    top = max(0.9, max(p["r_save"] for p in points) + 0.05)
-    r = np.linspace(0, min(top, 0.95), 200)
+    r = np.linspace(0, min(0.95, max(p["r_save"] for p in points) + 0.1), 200)
     ax.plot(r, 1 / (1 - r), "k-", lw=1, label="bound 1/(1-r_save)")
     ax.plot(r, 0.8 / (1 - r), "k--", lw=0.8, label="0.8 x bound")
     ax.axhline(1.0, color="#999999", lw=0.6)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -125,6 +126,19 @@ class Datastore:
         self.meta = dict(meta or {})
         # Each entry's value ends at its document's end.
         self._entry_end = doc_ends[np.searchsorted(doc_ends, entry_pos, side="right")].astype(np.int64)
+        self._suffix = None
+        self._suffix_lock = threading.Lock()
+
+    def suffix_index(self):
+        """REST's exact-match index over this datastore's tokens (``core.suffix``), built on first
+        use (about a second per million tokens; loaders call it off the request path) and kept."""
+        if self._suffix is None:
+            with self._suffix_lock:
+                if self._suffix is None:
+                    from specops.core.suffix import SuffixIndex
+
+                    self._suffix = SuffixIndex(self.tokens, self.doc_ends)
+        return self._suffix
 
     # ------------------------------------------------------------ sizes
     @property
@@ -214,11 +228,15 @@ class Datastore:
         *,
         meta: dict | None = None,
         progress: Callable[[int], None] | None = None,
+        hidden: Callable[[int], np.ndarray] | None = None,
     ) -> tuple[Datastore, BuildStats]:
         """Embed ``docs`` (token-id lists) with ``target``, fit the projection, index the keys.
-        ``progress(n_tokens)`` is called after each embedded batch."""
+        ``progress(n_tokens)`` is called after each embedded batch. ``hidden(i)`` ([len, hidden]
+        float32 for document ``i`` as given, cut to ``max_doc_len``) skips the target pass when the
+        caller has the states already (benchmarks building nested datastores; other key layers)."""
         cfg = cfg or DatastoreConfig()
-        docs = [list(map(int, d[: cfg.max_doc_len])) for d in docs if len(d) >= 2]
+        keep = [i for i, d in enumerate(docs) if len(d) >= 2]
+        docs = [list(map(int, docs[i][: cfg.max_doc_len])) for i in keep]
         if not docs:
             raise DatastoreError("no document of at least 2 tokens to build a datastore from")
         stats = BuildStats(num_docs=len(docs))
@@ -230,11 +248,17 @@ class Datastore:
 
         # 1. Hidden states of every position but each document's last (it has no next token).
         t0 = time.perf_counter()
-        hidden_size = int(target.config.hidden_size)
+        given = hidden
+        states = (
+            ((j, given(i)[: len(docs[j])]) for j, i in enumerate(keep))
+            if given is not None
+            else target_hidden_states(target, docs, max_len=cfg.max_doc_len, batch_tokens=cfg.batch_tokens)
+        )
+        hidden_size = int(given(keep[0]).shape[1]) if given is not None else int(target.config.hidden_size)
         n_entries = int((lengths - 1).sum())
         hidden = np.empty((n_entries, hidden_size), dtype=np.float32)
         entry_start = np.concatenate([[0], np.cumsum(lengths - 1)])
-        for i, h in target_hidden_states(target, docs, max_len=cfg.max_doc_len, batch_tokens=cfg.batch_tokens):
+        for i, h in states:
             hidden[entry_start[i] : entry_start[i + 1]] = h[:-1]
             if progress is not None:
                 progress(len(docs[i]))

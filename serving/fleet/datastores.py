@@ -82,37 +82,42 @@ class DatastoreFollower(AliasFollower):
         self._install_lock = threading.Lock()
         self.swaps = 0
         self.live_report_every = live_report_every
-        self.live: dict[tuple[str, str], LiveStats] = {}
+        self.live: dict[tuple[str, str, str], LiveStats] = {}
         self._live_lock = threading.Lock()
 
-    def record(self, cluster: str, version: str, stats) -> None:
-        """Count one finished DReSD request on the datastore version it used (cheap; the registry
-        write is queued on the follower's worker)."""
+    def record(self, cluster: str, version: str, stats, method: str = "dresd") -> None:
+        """Count one finished request of ``method`` (``dresd``, or ``retrieval``, which drafts from
+        the same datastore) on the datastore version it used (cheap; the registry write is queued
+        on the follower's worker). DReSD's counts are the version's ``live_mar``; another method's
+        are ``live_mar_<method>``, so the offline MAR is compared with DReSD's alone."""
         if not version:
             return
         with self._live_lock:
-            live = self.live.setdefault((cluster, version), LiveStats())
+            live = self.live.setdefault((cluster, version, method), LiveStats())
             live.requests += 1
             live.drafted += stats.num_drafted
             live.accepted += stats.num_accepted
             due = version != "base" and live.requests - live.reported_at >= self.live_report_every
             if due:
                 live.reported_at = live.requests  # queued once per window
-        LIVE_MAR.labels(cluster_label(cluster), version).set(live.acceptance)
+        if method == "dresd":
+            LIVE_MAR.labels(cluster_label(cluster), version).set(live.acceptance)
         if due:
-            self.enqueue(f"live:{cluster}:{version}")
+            self.enqueue(f"live:{method}:{cluster}:{version}")
 
     def handle(self, item: str) -> bool:
         if not item.startswith("live:"):
             return False
-        _, cluster, version = item.split(":", 2)
+        _, method, rest = item.split(":", 2)
+        cluster, version = rest.rsplit(":", 1)
         with self._live_lock:
-            live = self.live[(cluster, version)]
+            live = self.live[(cluster, version, method)]
             snapshot = LiveStats(live.requests, live.drafted, live.accepted)
+        suffix = "" if method == "dresd" else f"_{method}"
         try:
             kind = self.registry.artifact("datastore")
-            kind.log_metric(cluster, version, "live_mar", snapshot.acceptance, step=snapshot.requests)
-            kind.log_metric(cluster, version, "live_requests", snapshot.requests, step=snapshot.requests)
+            kind.log_metric(cluster, version, f"live_mar{suffix}", snapshot.acceptance, step=snapshot.requests)
+            kind.log_metric(cluster, version, f"live_requests{suffix}", snapshot.requests, step=snapshot.requests)
         except RegistryError as exc:  # best effort: the next window reports again
             log.warning("could not report live MAR of datastore-%s version %s: %s", cluster, version, exc)
         return True
@@ -136,6 +141,7 @@ class DatastoreFollower(AliasFollower):
         self.registry.artifact("datastore").fetch(version, dest)  # manifest checksums
         store = Datastore.load(dest)  # every index file's sha256, shapes, ranges
         store.check_fits(self.target, self.vocab_size)
+        store.suffix_index()  # the retrieval method's exact-match index, built here rather than in a request
         made_with = store.meta.get("tokenizer_sha256", "")
         if made_with and self.target_tokenizer_sha256 and made_with != self.target_tokenizer_sha256:
             raise DatastoreError(

@@ -174,20 +174,20 @@ class ServingNode:
     def record(self, plan: DecodePlan, handle: DraftHandle, versions: dict[str, str], stats) -> None:
         """2.: the drafted and accepted tokens go to the artifact version that drafted them."""
         if plan.spec.parts is None:
-            self._record(plan.spec.artifact, plan.cluster, handle, versions, stats)
+            self._record(plan.spec.artifact, plan.cluster, handle, versions, stats, plan.spec.name)
             return
         for method, (drafted, accepted) in plan.spec.parts(stats).items():
             spec = CATALOGUE.get(method)
             if drafted and spec is not None:
-                self._record(spec.artifact, plan.cluster, handle, versions, _Part(drafted, accepted))
+                self._record(spec.artifact, plan.cluster, handle, versions, _Part(drafted, accepted), method)
 
     def _record(
-        self, artifact: str | None, cluster: str, handle: DraftHandle, versions: dict[str, str], counts
+        self, artifact: str | None, cluster: str, handle: DraftHandle, versions: dict[str, str], counts, method: str
     ) -> None:
         if artifact == "draft":
             self.follower.record(handle, counts)
         elif artifact == "datastore" and "datastore" in versions:
-            self.datastores.record(cluster, versions["datastore"], counts)
+            self.datastores.record(cluster, versions["datastore"], counts, method)
 
     def decode(
         self,

@@ -173,6 +173,12 @@ def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)  # 0: the datastore's shape
 
 
+def _build_retrieval(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+    from specops.serving.proposers.retrieval import RetrievalProposer
+
+    return RetrievalProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)
+
+
 def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.llma import LLMAProposer, ReferenceSet
 
@@ -276,6 +282,18 @@ CATALOGUE: dict[str, MethodSpec] = {
             "datastore",
             default_n_drafts=3,
             build=_build_dresd,
+            joins_auto=True,
+            served_n_drafts=_dresd_rows,
+        ),
+        MethodSpec(
+            "retrieval",
+            "the datastore's exact suffix matches (REST's rule), with DReSD's dense neighbours where "
+            "the match is short or absent, in one token tree",
+            10,
+            frozenset({"datastore", "target_hidden"}),
+            "datastore",
+            default_n_drafts=3,
+            build=_build_retrieval,
             joins_auto=True,
             served_n_drafts=_dresd_rows,
         ),

@@ -155,6 +155,6 @@ def test_live_mar_reaches_the_registry(reg, tmp_path, tiny_target, close_pair, d
         follower.stop()
     tags = reg.artifact("datastore").get("code", v).tags
     assert float(tags["live_requests"]) == 6 and abs(float(tags["live_mar"]) - accepted / drafted) < 1e-6
-    assert follower.live[("code", "base")].requests == 3  # counted, never sent to the registry
+    assert follower.live[("code", "base", "dresd")].requests == 3  # counted, never sent to the registry
     with pytest.raises(ValueError, match="live_report_every"):
         DatastoreFollower(None, pair.target, cache_dir=tmp_path / "c2", live_report_every=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,8 +291,19 @@ def test_stream_down_while_serving_requests_succeed_and_drops_count(request, mak
             blocker.write_bytes(b"")
 
         def restart() -> None:
-            blocker.unlink()
-            (tmp_path / "aside").rename(blocker)
+            # The logger retries while the stream is down and may recreate `down/log` between the
+            # unlink and the rename: clear whatever it made and put the log back (retrying).
+            for _ in range(50):
+                if blocker.is_dir():
+                    shutil.rmtree(blocker, ignore_errors=True)
+                else:
+                    blocker.unlink(missing_ok=True)
+                try:
+                    (tmp_path / "aside").rename(blocker)
+                    return
+                except OSError:
+                    time.sleep(0.01)
+            raise AssertionError("could not put the stream's log back")
 
     prompts = random_prompts(12, seed=7)
     expected = [

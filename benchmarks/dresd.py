@@ -24,6 +24,7 @@ replayed offline on the target's outputs), and the budgets on a datastore scaled
 tokens/s making keys.
 
 Usage: ``python benchmarks/dresd.py [--quick] [--json PATH] [--doc docs/benchmarks.md]``.
+``--curve`` runs the scaling curve instead (``benchmarks/dresd_curve.py``).
 """
 
 from __future__ import annotations
@@ -234,6 +235,10 @@ def scale_budgets(store: Datastore, entries: int, queries: int = 200) -> dict:
 
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
+    if "--curve" in (sys.argv[1:] if argv is None else argv):  # the scaling curve: its own options
+        from benchmarks import dresd_curve
+
+        return dresd_curve.main(argv)
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -258,6 +263,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip the dresd-id 3x20 and 3x10 arms (the rebuild job replays them offline anyway; its "
         "measured shape stays an arm): a third less time",
+    )
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="instead: DReSD, REST and the hybrid along datastore size, paraphrase robustness and the key "
+        "layer (`--curve --help` lists its options)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,6 +6,15 @@ its occurrences, merged into a trie of at most ``choices`` nodes (``search(..., 
 REST's default). Those rows go to our tree verifier, the same one DReSD's rows go to, so the
 comparison is of the drafts alone. (REST's own code verifies with the biased "each row samples,
 the longest match wins" rule under sampling; greedy, as measured here, the two agree.)
+
+**A fresh reader per request.** ``draftretriever`` 0.1.1's ``Reader`` learns from the queries it
+is asked: after a search for a 16-token string that is in no document, a search for the string's
+first 3 tokens returns its continuation (``tests/benchmarks/test_rest_reader.py``). One reader
+shared by every request is therefore a cache of all earlier requests' contexts and outputs (a
+cross-request copy drafter, which serving would have to keep per tenant), not REST's datastore
+retrieval. Each request here gets its own reader (:meth:`RestProposer.start`), so REST drafts from
+its datastore and, through that quirk, from the request's own context, never from another
+request's. Benchmarks before this fix shared one reader.
 """
 
 from __future__ import annotations
@@ -46,12 +55,21 @@ class RestProposer(Proposer):
 
     def __init__(self, index: RestIndex, *, n_drafts: int = 0, choices: int = 64, max_suffix: int = 16) -> None:
         self.index, self.n_drafts, self.choices, self.max_suffix = index, n_drafts, choices, max_suffix
+        self.reader = None
+
+    def start(self, state: DecodeState | None = None) -> None:
+        """A fresh reader for this request: nothing an earlier request asked is remembered."""
+        import draftretriever
+
+        self.reader = draftretriever.Reader(str(self.index.path))
 
     def propose(self, state: DecodeState, k: int) -> Proposals:
         ctx = state.token_ids
         rows: list[list[int]] = []
         for span in range(min(self.max_suffix, len(ctx)), 1, -1):  # REST: the longest suffix that matches
-            found = self.index.reader.search([int(t) for t in ctx[-span:]], choices=self.choices)[0]
+            if self.reader is None:
+                self.start()
+            found = self.reader.search([int(t) for t in ctx[-span:]], choices=self.choices)[0]
             if found:
                 rows = [[t for t in r if t >= 0][:k] for r in found]
                 break

@@ -26,7 +26,7 @@ import numpy as np
 MAX_N = 16
 """REST's longest suffix."""
 MIN_N = 2
-"""REST's shortest suffix."""
+"""REST's shortest suffix (the paper: 16 tokens down to 2)."""
 
 
 @dataclass(frozen=True)
@@ -113,14 +113,22 @@ class SuffixIndex:
         return 0, 0, 0
 
     def lookup(
-        self, context: list[int], k: int, *, max_nodes: int = 32, n_rows: int = 0, max_matches: int = 128
+        self,
+        context: list[int],
+        k: int,
+        *,
+        max_nodes: int = 32,
+        n_rows: int = 0,
+        max_matches: int = 128,
+        min_share: float = 0.0,
+        min_n: int = MIN_N,
     ) -> ExactMatch:
         """REST's drafts for ``context``: the continuations (up to ``k`` tokens) of its longest
         occurring suffix, as the leaves of their ``max_nodes`` most frequent trie nodes, most
         frequent first (at most ``n_rows`` of them; 0: all)."""
         if k <= 0 or not context:
             return ExactMatch()
-        n, lo, hi = self.longest(context)
+        n, lo, hi = self.longest(context, min_n)
         if not n:
             return ExactMatch()
         counts: dict[tuple[int, ...], int] = {}
@@ -137,7 +145,9 @@ class SuffixIndex:
         if not total:
             return ExactMatch()
         # The most frequent nodes; ties: shallower first, so a parent always precedes its child.
-        kept = sorted(counts, key=lambda path: (-counts[path], len(path), path))[:max_nodes]
+        floor = min_share * total
+        kept = [p for p in sorted(counts, key=lambda path: (-counts[path], len(path), path)) if counts[p] >= floor]
+        kept = kept[:max_nodes]
         parents = {p[:-1] for p in kept}
         leaves = [p for p in kept if p not in parents]
         leaves.sort(key=lambda p: (-counts[p], -len(p)))

@@ -71,7 +71,8 @@ def test_lookup_ranks_continuations_by_frequency_and_keeps_a_subtree():
     assert index.lookup([0, 1, 2, 3], 3, max_nodes=2).rows == [[7, 8]]  # the two most frequent nodes
     assert index.lookup([6, 2, 3], 3).rows[0] == [7, 8]  # [2, 3]: 8 occurrences, 5 of them go on with 7
     assert index.lookup([3, 5], 3).length == 0  # [3, 5] ends its document: nothing follows it
-    assert index.lookup([9, 9], 3).length == 0
+    assert index.lookup([9, 9], 3).length == 0  # [9, 9] ends its documents (one-token matches are not REST's)
+    assert index.lookup([9, 9], 3, min_n=1).rows == [[9]]
 
 
 def test_merge_rows_drops_repeats_and_prefixes():
@@ -115,7 +116,9 @@ def test_the_hybrid_adds_dense_rows_only_where_the_exact_match_is_short(store, s
     assert hybrid.last_match < 2 and out.rows() == merge_rows(hybrid.suffix.lookup(state2.token_ids, 5).rows, dense)
 
 
-@pytest.mark.parametrize("dense_below", [0, 6, 17])
+@pytest.mark.parametrize(
+    "dense_below", [0, 17]
+)  # exact rows only; dense rows every step (6, the default: via the catalogue)
 def test_retrieval_equals_target_greedy(store, tiny_target, served_docs, dense_below):
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=store)
@@ -149,8 +152,8 @@ def test_retrieval_sampling_is_exact_with_a_negative_control(tiny_target):
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=store)
     cfg = ProposerConfig(method="retrieval", n_drafts=3)
-    counts, n, drafted = second_token_counts(engine, prompt, first, 3000, params, proposer_cfg=cfg, k=2, resources=res)
-    assert n > 300 and drafted == n  # the exact match [.., 5, 17, first] drafts all three branches
+    counts, n, drafted = second_token_counts(engine, prompt, first, 1500, params, proposer_cfg=cfg, k=2, resources=res)
+    assert n > 150 and drafted == n  # the exact match [.., 5, 17, first] drafts all three branches
     assert pooled_chisquare(counts, p2.double().numpy() / float(p2.sum())) > 1e-3
     accept_all = np.zeros(97, dtype=np.int64)
     accept_all[likely[0]] = n

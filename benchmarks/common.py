@@ -44,6 +44,7 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "machine": platform.machine(),
         "platform": platform.platform(),
         "git_commit": git("rev-parse", "HEAD"),

@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's auto)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of specops serve (and of learning)")
-    p.add_argument("--specops-draft-dtype", default="bfloat16", help="specops serve --draft-dtype")
+    p.add_argument("--specops-draft-dtype", default="auto", help="specops serve --draft-dtype (auto: timed at load)")
     p.add_argument("--idle-check-s", type=float, default=5.0, help="seconds the idle servers' CPU use is measured")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default <models>/../engines/logs)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")

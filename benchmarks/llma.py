@@ -21,8 +21,11 @@ Arms, interleaved per case (the order rotates): ``hf_target`` and ``target`` (ta
 HF's loop and ours; the speed-up's baseline is the faster of the two per set),
 ``hf_pld`` (HF prompt lookup, ``prompt_lookup_num_tokens``), ``pld`` (our prompt lookup
 at the same k, ``--pld-k``), ``draft`` (the bootstrapped draft model at its default k),
-``llma`` (serving's rule: copy ``1 + match/2`` tokens, at most ``--k``, cut where equally good
-matches disagree) and ``suffix`` (SuffixDecoding from ``arctic-inference``, when it imports).
+``llma`` (serving's rule, ``serving/proposers/llma.py`` ``frequency_rows``: copy ``1 + match/2``
+tokens, at most ``--k``, of the continuation most of the longest matches share, ranked by
+frequency as SuffixDecoding ranks its tree's paths, cut before the first token whose share of
+the matches that agree so far is below half) and ``suffix`` (SuffixDecoding from
+``arctic-inference``, when it imports; ``benchmarks/llma_suffix.py``).
 A subset also runs LLMA with the paper's rule (copy k at every match) at every k of
 ``--sweep``, and the target and LLMA at temperature 0.7 (the
 sampled outputs are not compared: the one-hot rule is exact in distribution, tested by the
@@ -31,7 +34,11 @@ chi-square test in ``tests/serving/proposers/test_llma.py``).
 Reported per set and arm: total and median wall time, speed-up over target-only (ratio of
 total times, the paper's Table 3/4 measure, and the median of per-case ratios), tokens per
 target forward, acceptance (accepted / drafted), greedy outputs identical to target-only,
-and LLMA's matching cost per step (µs) and index build time. Usage:
+and LLMA's matching cost per step (µs) and index build time. The summary's bars: speed-up over
+target-only >= 2.0x on RAG and CAG, LLMA >= 1.0x HF prompt lookup on every set
+(``min_ratio_vs_hf_pld``, also as ``ratio_vs_hf_pld_min``) and >= 1.0x SuffixDecoding on RAG and
+CAG (``ratio_vs_suffix_rag``, ``ratio_vs_suffix_cag``: suffix's total time over llma's, the
+speed-up's measure; None when the suffix arm did not run); ``cpu_model`` names the CPU. Usage:
 
     .venv/bin/python benchmarks/llma.py --quick
     .venv/bin/python benchmarks/llma.py --json benchmarks/out/llma.json --doc docs/benchmarks.md
@@ -89,10 +96,24 @@ SUMMARY_KEYS = (
     "speedup_cag",
     "speedup_overlap",
     "min_ratio_vs_hf_pld",
+    "ratio_vs_hf_pld_min",
+    "ratio_vs_suffix_rag",
+    "ratio_vs_suffix_cag",
     "speedup_sampling",
     "greedy_identical",
+    "cpu_model",
 )
-BARS = {"speedup_rag": 2.0, "speedup_cag": 2.0, "min_ratio_vs_hf_pld": 1.0, "speedup_sampling": 1.0}
+BARS = {
+    "speedup_rag": 2.0,
+    "speedup_cag": 2.0,
+    "min_ratio_vs_hf_pld": 1.0,
+    "ratio_vs_hf_pld_min": 1.0,
+    "ratio_vs_suffix_rag": 1.0,
+    "ratio_vs_suffix_cag": 1.0,
+    "speedup_sampling": 1.0,
+}
+OPTIONAL_ARM_KEYS = {"ratio_vs_suffix_rag": "suffix", "ratio_vs_suffix_cag": "suffix"}
+"""Summary keys that need an arm that may not run (None then, and the bar is not judged)."""
 
 
 @dataclass
@@ -416,13 +437,23 @@ def summary(report: dict) -> dict:
     t = sum(x["target"]["total_s"] for x in sampled)
     lm = sum(x["llma"]["total_s"] for x in sampled)
     ident = [st["arms"][a]["identical"] for st in sets.values() for a in st["arms"]]
+
+    def vs_suffix(name: str) -> float | None:
+        """LLMA's speed over SuffixDecoding's on set ``name``: total times, suffix / llma."""
+        arms = sets.get(name, {}).get("arms", {})
+        return arms["suffix"]["total_s"] / arms["llma"]["total_s"] if "suffix" in arms else None
+
     return {
         "speedup_rag": sp["rag"],
         "speedup_cag": sp["cag"],
         "speedup_overlap": sp["overlap"],
         "min_ratio_vs_hf_pld": min(vs_hf) if vs_hf else None,
+        "ratio_vs_hf_pld_min": min(vs_hf) if vs_hf else None,  # the same number, under issue 39's name
+        "ratio_vs_suffix_rag": vs_suffix("rag"),
+        "ratio_vs_suffix_cag": vs_suffix("cag"),
         "speedup_sampling": t / lm if sampled and lm else None,
         "greedy_identical": bool(ident) and all(x == 1.0 for x in ident),
+        "cpu_model": report.get("environment", {}).get("cpu_model"),  # None in a JSON from before it was recorded
     }
 
 
@@ -435,8 +466,11 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         "",
         f"Command: `{report['command']}`  ",
         f"Target {report['target']}, {a['threads']} threads, "
-        f"{a['max_new_tokens']} new tokens; `llma`: n = {a['n']}, copies 1 + match/2 tokens, at most k = {a['k']}, "
-        f"cut where equally good matches disagree; `pld` and `hf_pld`: k = {a.get('pld_k', a['k'])}; `draft`: k = "
+        f"{a['max_new_tokens']} new tokens, CPU {s.get('cpu_model') or 'not recorded'}; `llma`: n = {a['n']}, "
+        f"copies 1 + match/2 tokens, at most k = {a['k']}, of the continuation most of the longest matches share "
+        "(frequency ranking, SuffixDecoding's rule), cut where the top token's share falls below half; "
+        f"`suffix`: SuffixDecoding ({'run' if a.get('suffix') else 'not run: arctic-inference does not import'}); "
+        f"`pld` and `hf_pld`: k = {a.get('pld_k', a['k'])}; `draft`: k = "
         f"{DEFAULT_K['draft']}. Cases interleaved, arms rotated per case. Speed-up = total time of the faster target-only loop / the arm's (the paper's measure); "
         "`med` = median of per-case ratios. Identical = greedy output equal to target-only.",
         "",
@@ -477,9 +511,11 @@ def markdown(report: dict, plot_rel: str | None) -> str:
     lines += ["| summary key | value | bar | met |", "|---|---|---|---|"]
     for key in SUMMARY_KEYS:
         v, bar = s.get(key), BARS.get(key)
-        shown = str(v) if isinstance(v, bool) or v is None else f"{v:.2f}"
+        shown = str(v) if isinstance(v, bool | str) or v is None else f"{v:.2f}"
         if key == "greedy_identical":
             bar_text, met = "true", v is True
+        elif key in OPTIONAL_ARM_KEYS and v is None:
+            shown, bar_text, met = f"{OPTIONAL_ARM_KEYS[key]} arm not run", f">= {bar}", None
         elif key == "speedup_sampling":
             bar_text, met = f"> {bar}", v is not None and v > bar
         elif bar is not None:

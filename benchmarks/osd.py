@@ -655,7 +655,7 @@ def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Ser
     from specops.core.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE)  # serving's draft precision (learning is measured in float32)
+    dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE, pair.draft)  # serving's draft precision (learning: in float32)
     drafts = {name: copy.deepcopy(d).to(dtype).eval() for name, d in drafts.items()}
     engines = {
         name: SpecEngine(

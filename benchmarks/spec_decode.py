@@ -8,8 +8,17 @@ at temperature 0.7, it times side by side (methods interleaved per prompt):
   HF's default assistant settings, recorded in the JSON);
 - ``hf_pld``: HF prompt lookup (``prompt_lookup_num_tokens=10``, HF's default n-gram size);
 - ``target``, ``draft``, ``pld``: our ``SpecEngine``; ``draft`` at the headline k (the
-  engine.s default draft k, a fixed rule; pld at its own default k) plus, unless ``--quick``, a sweep over k and one
-  adaptive-k run.
+  engine's default draft k, a fixed rule; pld at its own default k) plus, unless ``--quick``, a sweep over k and one
+  adaptive-k run;
+- ``auto``: our engine's ``auto`` method as a replica runs it (one ``AutoPolicy`` for the run,
+  calibrated at load, picking each step's method and k), always, so its numbers sit beside the
+  fixed methods' whichever method serving defaults to;
+- serving's default method (``ServeConfig.default_method``, read at run time): the arm of that
+  name when it has one (``draft``, ``pld``, ``auto``), else ``our_method`` at its default k.
+
+The draft runs in serving's default precision (``auto``: float32 and bfloat16 timed at load, the
+faster kept); the JSON records the dtype it resolved to (``summary.draft_dtype``, from the loaded
+model) next to the one asked for.
 
 It also measures c (a cached 1-token draft forward over a cached 1-token target forward)
 and the per-token acceptance α, and compares the measured speedup with OSD Eq. 2,
@@ -20,6 +29,12 @@ of ``docs/benchmarks.md`` (``--doc``; ``--no-doc`` skips it).
 
     .venv/bin/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json
     .venv/bin/python benchmarks/spec_decode.py --quick
+
+The bars of issue 39, per domain and on both (the worse domain counts): serving's default
+method >= 1.0x our target-only loop (``default_vs_target_min``; per domain ``default_vs_target``,
+with ``auto_vs_target`` beside it) and our target-only loop >= 1.0x ``hf_target``
+(``target_vs_hf_target_min``, ``target_vs_hf_target_by_domain``); greedy, median of per-prompt
+ratios. ``cpu_model`` says which CPU the numbers come from.
 
 The summary also carries the token-tree verifier's exactness checks
 (``benchmarks/tree_check.py``): ``tree_greedy_identical``, ``tree_chi2_p`` and
@@ -62,7 +77,7 @@ from benchmarks.specbench.config import (  # noqa: E402,F401  (the names tests a
 from benchmarks.specbench.costs import alpha_from_tokens_per_step, eq2_speedup, expected_tokens  # noqa: E402,F401
 from benchmarks.specbench.report import doc_section, markdown, write_doc  # noqa: E402,F401
 from benchmarks.specbench.run import run_benchmark  # noqa: E402
-from specops.core.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPES  # noqa: E402
+from specops.core.models import DEFAULT_DRAFT_DTYPE, DRAFT_DTYPE_NAMES  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 
 log = logging.getLogger("benchmarks.spec_decode")
@@ -93,9 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--draft-dtype",
-        choices=tuple(DRAFT_DTYPES),
+        choices=DRAFT_DTYPE_NAMES,
         default=DEFAULT_DRAFT_DTYPE,
-        help="precision the draft runs in, ours and HF's assistant alike (serving's default: %(default)s)",
+        help="precision the draft runs in, ours and HF's assistant alike (serving's default: %(default)s; auto: "
+        "float32 and bfloat16 timed at load, the faster kept; the JSON records the choice)",
     )
     p.add_argument(
         "--no-float32-arm",

@@ -38,7 +38,36 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from specops.core.errors import UnavailableError, echo
+from specops.core.auto_fits import (
+    COST_DECAY,
+    COST_PRIOR_WEIGHT,
+    MAX_PRIOR_COUNT,
+    MAX_PRIOR_MS,
+    PRIORS_FORMAT,
+    TEMP_BUCKETS,
+    CostFit,
+    Counts,
+    check_priors,
+)
+from specops.core.errors import UnavailableError
+
+__all__ = [
+    "COST_DECAY",
+    "COST_PRIOR_WEIGHT",
+    "MAX_PRIOR_COUNT",
+    "MAX_PRIOR_MS",
+    "PRIORS_FORMAT",
+    "TEMP_BUCKETS",
+    "AutoPolicy",
+    "Choice",
+    "CostFit",
+    "Counts",
+    "check_priors",
+    "copy_key",
+    "expected_tokens",
+    "key_chain",
+    "temp_bucket",
+]
 
 TARGET = "target"
 """Target-only decoding: the option that drafts nothing, always available."""
@@ -58,12 +87,6 @@ HALF_LIFE_S = 600.0
 """A cluster's counts for a method lose half their weight per this many seconds without news:
 a method nobody picked for a while is explored again (the traffic or the draft may have changed)."""
 
-COST_DECAY = 0.99
-"""Per-observation decay of the cost fits (about 100 steps of memory)."""
-
-COST_PRIOR_WEIGHT = 3.0
-"""Weight of the calibration prior in each cost fit (pseudo-observations at 1 and 9 tokens)."""
-
 LOAD_BUCKETS = (1, 2, 4, 8, 16)
 """Requests in flight are bucketed (1, 2, 3-4, 5-8, 9-16, 17+) for the verify-cost fits."""
 
@@ -71,7 +94,11 @@ MATCH_BUCKETS = (1, 2, 4, 8, 16)
 """A copy's match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for its acceptance counts."""
 
 
-TEMP_BUCKETS = ("greedy", "low", "high")
+CATCHUP_HORIZON = 4.0
+"""Steps over which a draft's catch-up prefill is spread when it is priced: a draft that sat
+out steps first feeds the tokens it missed (one forward of ``gap`` tokens), a cost paid once
+for the steps it then drafts. Choices are remade every step, so the horizon is short; a
+request about to end spreads it over the steps it has left."""
 
 
 def temp_bucket(temperature: float) -> str:
@@ -114,138 +141,6 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-PRIORS_FORMAT = "specops-auto-priors/1"
-MAX_PRIOR_COUNT = 1e12
-"""Largest acceptance count a priors artifact may hold (they are scaled to :data:`PRIOR_TRIALS`)."""
-MAX_PRIOR_MS = 1e7
-"""Largest cost coefficient (ms) a priors artifact may hold."""
-
-
-def check_priors(
-    priors: object,
-) -> tuple[
-    dict[tuple[str, str, str], tuple[float, float]], dict[int, tuple[float, float]], dict[str, tuple[float, float]]
-]:
-    """A priors artifact's counts ``{(cluster, key, temperature): (accepted, rejected)}``, verify fits
-    ``{load edge: (a_ms, b_ms)}`` and propose fits ``{method: (a_ms, b_ms)}``, every number checked
-    (finite, in range: a NaN would stall the policy's Beta draws); ``ValueError`` naming the field
-    (``counts[3].accepted``) otherwise."""
-
-    def bad(where: str, what: str, got: object) -> ValueError:
-        return ValueError(f"auto-policy priors: {where} must be {what}, got {echo(got)}")
-
-    def number(obj: dict, name: str, where: str, hi: float) -> float:
-        v = obj.get(name) if isinstance(obj, dict) else None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= hi):
-            raise bad(f"{where}.{name}", f"a finite number in [0, {hi:g}]", v)
-        return float(v)
-
-    def table(name: str) -> dict:
-        v = priors.get(name, {})
-        if not isinstance(v, dict):
-            raise bad(name, "an object", v)
-        return v
-
-    if not isinstance(priors, dict) or priors.get("format") != PRIORS_FORMAT:
-        fmt = priors.get("format") if isinstance(priors, dict) else type(priors).__name__
-        raise ValueError(f"not an auto-policy priors file (format {echo(fmt)})")
-    rows = priors.get("counts", [])
-    if not isinstance(rows, list):
-        raise bad("counts", "a list", rows)
-    counts = {}
-    for i, row in enumerate(rows):
-        where = f"counts[{i}]"
-        if not isinstance(row, dict):
-            raise bad(where, "an object", row)
-        for name in ("cluster", "key"):
-            if not isinstance(row.get(name), str) or not row[name]:
-                raise bad(f"{where}.{name}", "a non-empty string", row.get(name))
-        if row.get("temperature") not in TEMP_BUCKETS:
-            raise bad(f"{where}.temperature", f"one of {', '.join(TEMP_BUCKETS)}", row.get("temperature"))
-        counts[(row["cluster"], row["key"], row["temperature"])] = (
-            number(row, "accepted", where, MAX_PRIOR_COUNT),
-            number(row, "rejected", where, MAX_PRIOR_COUNT),
-        )
-    verify = {}
-    for edge, fit in table("verify").items():
-        if not (isinstance(edge, str) and edge.isdigit() and 1 <= int(edge) <= 1_000_000):
-            raise bad("verify", "keyed by requests in flight (1, 2, 4, ...)", edge)
-        verify[int(edge)] = (
-            number(fit, "a_ms", f"verify.{edge}", MAX_PRIOR_MS),
-            number(fit, "b_ms", f"verify.{edge}", MAX_PRIOR_MS),
-        )
-    propose = {
-        str(m): (number(fit, "a_ms", f"propose.{m}", MAX_PRIOR_MS), number(fit, "b_ms", f"propose.{m}", MAX_PRIOR_MS))
-        for m, fit in table("propose").items()
-    }
-    return counts, verify, propose
-
-
-class CostFit:
-    """Milliseconds of a call as ``a + b * n`` (``n``: tokens), a decayed weighted least-squares
-    fit with the calibration as pseudo-observations (so two points fix it before any traffic)."""
-
-    def __init__(self, a: float, b: float, *, decay: float = COST_DECAY, prior_weight: float = COST_PRIOR_WEIGHT):
-        self.a0, self.b0, self.decay, self.w0 = float(a), float(b), decay, prior_weight
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.n_obs = 0
-        self.a, self.b = self.a0, self.b0
-
-    def observe(self, n: float, ms: float) -> None:
-        if not (math.isfinite(ms) and ms >= 0):
-            return
-        d = self.decay
-        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + n, d * self.sy + ms
-        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * ms
-        self.n_obs += 1
-        self._solve()
-
-    def _solve(self) -> None:
-        # the prior as pseudo-points at n = 1 and n = 9 on the calibrated line
-        w = self.w0
-        p = [(1.0, self.a0 + self.b0), (9.0, self.a0 + 9 * self.b0)]
-        sw = self.sw + 2 * w
-        sx = self.sx + w * sum(x for x, _ in p)
-        sy = self.sy + w * sum(y for _, y in p)
-        sxx = self.sxx + w * sum(x * x for x, _ in p)
-        sxy = self.sxy + w * sum(x * y for x, y in p)
-        den = sw * sxx - sx * sx
-        if den <= 1e-12:
-            return
-        b = (sw * sxy - sx * sy) / den
-        b = max(b, 0.0)  # more tokens never cost less
-        self.b, self.a = b, max((sy - b * sx) / sw, 1e-3)
-
-    def predict(self, n: float) -> float:
-        return self.a + self.b * n
-
-    def to_dict(self) -> dict:
-        return {"a_ms": round(self.a, 4), "b_ms": round(self.b, 4), "observations": self.n_obs}
-
-
-@dataclass
-class Counts:
-    """Decayed Bernoulli counts of drafted positions: accepted, and first rejections."""
-
-    accepted: float = 0.0
-    rejected: float = 0.0
-    updated: float = field(default_factory=time.time)
-    """Wall time of the latest ``add`` (the weight fades with :data:`HALF_LIFE_S` after it)."""
-
-    def add(self, accepted: float, rejected: float, decay: float = 1.0) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.rejected = decay * self.rejected + rejected
-        self.updated = time.time()
-
-    @property
-    def trials(self) -> float:
-        return self.accepted + self.rejected
-
-    @property
-    def mean(self) -> float:
-        return (self.accepted + 1.0) / (self.trials + 2.0)
-
-
 @dataclass
 class Choice:
     """One step's decision."""
@@ -267,6 +162,8 @@ class Choice:
     """The longest of them (a padded batch is that wide for every row)."""
     rows: int = 1
     """Requests sharing the pass (padded batches)."""
+    catchup_ms: float = 0.0
+    """The catch-up prefill priced into this choice (before spreading over the horizon)."""
     alternatives: dict[str, float] = field(default_factory=dict)
     """Each option's estimated tokens per second (its best k)."""
 
@@ -311,6 +208,10 @@ class AutoPolicy:
         """Proposer cost fits at one request in flight (ms: ``a + b * k``), per method."""
         self.kinds: dict[str, str] = {}
         """Method -> its cost kind (:meth:`join`), which a calibration may start over."""
+        self.catchup: dict[str, CostFit] = {}
+        """Per method that keeps a cache of the request (a draft model): the cost of feeding the
+        ``gap`` tokens it missed while other options ran (ms: ``a + b * gap``), measured."""
+        self._catchup_by_kind: dict[str, tuple[float, float]] = {}
         self._loaded: dict[str, tuple[int, tuple[float, float]]] = {}
         self._by_kind: dict[str, tuple[int, tuple[float, float]]] = {}
         """Cost priors of methods that have not joined yet: loaded per method, measured per kind,
@@ -345,11 +246,21 @@ class AutoPolicy:
                 waiting = [w for w in (self._loaded.pop(method, None), self._by_kind.get(kind)) if w is not None]
                 self.propose[method] = CostFit(*(max(waiting)[1] if waiting else prior_ms))
 
-    def calibrated(self, verify_ms: tuple[float, float], kinds: Mapping[str, tuple[float, float]]) -> None:
+    def calibrated(
+        self,
+        verify_ms: tuple[float, float],
+        kinds: Mapping[str, tuple[float, float]],
+        catchup: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
         """Start the cost fits over from measured costs (serving measures them at load): the
-        verify fits from ``verify_ms``, and the call of every method of a kind in ``kinds``
-        (joined already, or joining later) from that kind's cost."""
+        verify fits from ``verify_ms``, the call of every method of a kind in ``kinds``
+        (joined already, or joining later) from that kind's cost, and the catch-up prefill of
+        every method of a kind in ``catchup`` (ms: ``a + b * gap``)."""
         with self.lock:
+            for kind, (a, b) in (catchup or {}).items():
+                self._catchup_by_kind[kind] = (a, b)
+                for method in [m for m, k in self.kinds.items() if k == kind]:
+                    self.catchup[method] = CostFit(a, b)
             self._verify_prior = verify_ms
             self.verify.clear()
             for kind, (a, b) in kinds.items():
@@ -479,6 +390,26 @@ class AutoPolicy:
             return rows * max(n_mine, widest_other)
         return n_others + n_mine
 
+    def _catchup_fit(self, method: str) -> CostFit:
+        fit = self.catchup.get(method)
+        if fit is None:  # its kind's calibration, else one call of the method plus a tenth per token
+            kind = self._catchup_by_kind.get(self.kinds.get(method, ""))
+            p = self.propose.get(method) or CostFit(*DEFAULT_PROPOSE_MS)
+            fit = self.catchup[method] = CostFit(*(kind or (p.a + p.b, 0.1 * p.b)))
+        return fit
+
+    def _pass_shape(self, session: int | None, load: int, seen) -> tuple[float, float, float, int]:
+        """(the others' tokens in this request's next pass, the widest of them, the tokens they
+        emit per step, rows). With padded batches and the request's previous pass as the batcher
+        ran it (``seen``: ``rows``, ``others``, ``widest_other``), that pass; otherwise inferred
+        from the other sessions' latest choices (:meth:`_others`) at ``load`` rows."""
+        n_o, wide, others = self._others(session, load)
+        if self.padded_batches and seen is not None and getattr(seen, "rows", 0) >= 1:
+            rows = int(seen.rows)
+            per_other = others / max(load - 1, 1) if load > 1 else self.emitted_per_step
+            return float(seen.others), float(seen.widest_other), per_other * (rows - 1), rows
+        return n_o, wide, others, load
+
     def choose(
         self,
         cluster: str,
@@ -488,33 +419,41 @@ class AutoPolicy:
         own: dict[str, Counts],
         k_cap: int,
         session: int | None = None,
+        seen=None,
+        remaining: int | None = None,
     ) -> Choice:
         """The fastest option this step. ``available``: method -> ``{"key": counts key, "max_k":
-        longest draft it can give, "rows": rows per step}``; ``own``: the request's counts per key;
-        ``session``: the asking session (its own previous choice is not one of the others')."""
+        longest draft it can give, "rows": rows per step, "catchup": tokens its cache must feed
+        first}``; ``own``: the request's counts per key; ``session``: the asking session (its own
+        previous choice is not one of the others'); ``seen``: the request's previous target pass
+        as it ran (``serving.engine.types.TargetPass``), which prices this one; ``remaining``:
+        tokens the request may still emit (a catch-up is spread over at most the steps left)."""
         with self.lock:
             load = self.load()
-            bucket = load_bucket(load)
-            vfit = self._verify_fit(bucket)
-            n_o, wide, others = self._others(session, load)
-            x1 = self.pass_tokens(1, n_o, wide, load)
-            shared = {"n_others": n_o, "widest_other": wide, "rows": load}
+            n_o, wide, others, rows_b = self._pass_shape(session, load, seen)
+            vfit = self._verify_fit(load_bucket(rows_b))
+            x1 = self.pass_tokens(1, n_o, wide, rows_b)
+            shared = {"n_others": n_o, "widest_other": wide, "rows": rows_b}
             best = Choice(TARGET, 0, (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0, n_verify=1, **shared)
             alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
                 alpha = self._alpha(cluster, key, temp, own.get(key))
-                pfit = self._propose_fit(method, bucket)
+                pfit = self._propose_fit(method, load_bucket(load))
                 rows = max(1, int(info.get("rows", 1)))
                 sunk = info.get("sunk", False)  # a copy lookup already ran this step: its cost is paid
+                gap = int(info.get("catchup", 0) or 0)
+                catchup = self._catchup_fit(method).predict(gap) if gap > 0 else 0.0
                 m_best: Choice | None = None
                 for k in range(1, min(int(info["max_k"]), k_cap) + 1):
                     n = 1 + rows * k
-                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, load))
                     e = expected_tokens(alpha, k)
+                    steps = CATCHUP_HORIZON if remaining is None else min(CATCHUP_HORIZON, max(1.0, remaining / e))
+                    ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, rows_b))
+                    ms += catchup / steps
                     speed = (e + others) / max(ms, 1e-6) * 1000.0
                     if m_best is None or speed > m_best.speed:
-                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, **shared)
+                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, catchup_ms=catchup, **shared)
                 if m_best is not None:
                     alts[method] = round(m_best.speed, 2)
                     if m_best.speed > best.speed:
@@ -542,15 +481,38 @@ class AutoPolicy:
         n_verified: int,
         verify_ms: float | None,
         propose_ms: float | None,
+        target_pass=None,
+        catchup: int = 0,
     ) -> None:
-        """One step's outcome: the acceptance counts of what was tried and the costs measured."""
+        """One step's outcome: the acceptance counts of what was tried and the costs measured.
+
+        ``target_pass``: the pass as the batcher ran it (``rows``, ``width``, ``mine``,
+        ``others``): the verify cost is fitted on its real shape, not on the one the choice
+        assumed. ``catchup``: tokens the method's cache fed before drafting (``propose_ms`` then
+        holds that prefill too: the part over the call's fitted cost goes to its catch-up fit)."""
         with self.lock:
             load = self.load()
-            if verify_ms is not None:  # the pass verified our tokens and the others' (their latest choices)
-                x = self.pass_tokens(n_verified, choice.n_others, choice.widest_other, choice.rows)
-                self._verify_fit(load_bucket(load)).observe(x, verify_ms)
+            if verify_ms is not None:
+                if target_pass is not None and self.padded_batches:
+                    rows = int(target_pass.rows)
+                    x = self.pass_tokens(
+                        target_pass.mine, target_pass.others, target_pass.widest_other, rows
+                    )  # rows x width, as it ran
+                elif target_pass is not None:
+                    rows, x = load, self.pass_tokens(target_pass.mine, choice.n_others, choice.widest_other, load)
+                else:  # the pass verified our tokens and the others' (their latest choices)
+                    rows, x = (
+                        choice.rows,
+                        self.pass_tokens(n_verified, choice.n_others, choice.widest_other, choice.rows),
+                    )
+                self._verify_fit(load_bucket(rows)).observe(x, verify_ms)
             if propose_ms is not None and choice.method in self.propose:
-                self._propose_fit(choice.method, load_bucket(load)).observe(max(choice.k, 1), propose_ms)
+                pfit = self._propose_fit(choice.method, load_bucket(load))
+                if catchup > 0:
+                    extra = max(0.0, propose_ms - pfit.predict(max(choice.k, 1)))
+                    self._catchup_fit(choice.method).observe(catchup, extra)
+                else:
+                    pfit.observe(max(choice.k, 1), propose_ms)
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
             self.verified_per_step = 0.98 * self.verified_per_step + 0.02 * n_verified
             if drafted > 0:  # the key and its parents (the fallbacks of keys not seen yet)
@@ -587,6 +549,7 @@ class AutoPolicy:
                 "load": self.load(),
                 "emitted_per_step": round(self.emitted_per_step, 3),
                 "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
+                "catchup_ms": {m: f.to_dict() for m, f in self.catchup.items()},
                 "propose_ms": {
                     **{m: f.to_dict() for m, f in self.propose.items()},
                     **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict() for (m, b), f in sorted(self.propose_loaded.items())},

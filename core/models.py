@@ -8,13 +8,13 @@ A loaded model is prepared for decoding: its linear layers take the few-row rout
 (``core.draft_vocab``).
 
 The target always runs in float32: its distribution is the output. The draft runs in
-``DEFAULT_DRAFT_DTYPE`` (bfloat16) unless asked otherwise: a draft token costs reading the
-draft's weights, and half the bytes make it 1.6x faster on our 2-core CPUs (the default
-draft's cached 1-token forward 6.3 -> 3.8 ms; its greedy token agreed with float32's at
-98 % of held-out positions). Verification never depends on the draft's precision, so the
-output stays the target's token for token (greedy) and in distribution (sampling); the
-draft's precision only moves acceptance. Checkpoints stay float32 (the trainer's); serving
-casts when it loads, hot-swapped versions included.
+``DEFAULT_DRAFT_DTYPE`` (``auto``) unless asked otherwise: float32 or bfloat16, whichever
+drafts faster on this machine, measured when it loads (``core.draft_dtype``; bfloat16 made
+the default draft 1.6x faster on AMD EPYC and slower than float32 on an Intel Xeon).
+Verification never depends on the draft's precision, so the output stays the target's token
+for token (greedy) and in distribution (sampling); the draft's precision only moves
+acceptance. Checkpoints stay float32 (the trainer's); serving casts when it loads,
+hot-swapped versions included (in the serving draft's dtype).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specops.core import draft_vocab
+from specops.core import draft_dtype, draft_vocab
 from specops.core.cpu_linear import use_small_batch_linear
 from specops.core.errors import ModelConfigError, TokenizerMismatchError
 
@@ -117,19 +117,27 @@ def check_model_dir(path: Path) -> Path:
 
 DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 """Precisions a model can be served in, by name (float16: GPU only, ``core.device``)."""
-DEFAULT_DRAFT_DTYPE = "bfloat16"
+DRAFT_DTYPE_NAMES = (draft_dtype.AUTO, *DRAFT_DTYPES)
+"""What a draft precision may be called: ``auto`` (measured per model, ``core.draft_dtype``) or a precision."""
+DEFAULT_DRAFT_DTYPE = draft_dtype.AUTO
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a draft precision name (or a dtype itself), or a clear error."""
+def resolve_dtype(name: str | torch.dtype, model: PreTrainedModel | None = None) -> torch.dtype:
+    """The torch dtype for a draft precision name (or a dtype itself), or a clear error.
+    ``auto`` needs the float32 ``model`` it is for (``core.draft_dtype.decide``: measured once
+    per architecture and process)."""
     if isinstance(name, torch.dtype):
         if name not in DRAFT_DTYPES.values():
             raise ModelConfigError(f"draft dtype {name} is not one of {sorted(DRAFT_DTYPES)}")
         return name
+    if name == draft_dtype.AUTO:
+        if model is None:
+            raise ModelConfigError("draft dtype 'auto' is chosen per model: resolve it with the model it is for")
+        return DRAFT_DTYPES[draft_dtype.decide(model)[0].dtype]
     try:
         return DRAFT_DTYPES[name]
     except KeyError:
-        raise ModelConfigError(f"unknown draft dtype {name!r}; choose one of {', '.join(DRAFT_DTYPES)}") from None
+        raise ModelConfigError(f"unknown draft dtype {name!r}; choose one of {', '.join(DRAFT_DTYPE_NAMES)}") from None
 
 
 def load_model(
@@ -140,9 +148,13 @@ def load_model(
     loading_info: bool = False,
 ):
     """A model from a local directory (safetensors only), in ``dtype`` on ``device``, in eval
-    mode, prepared for decoding. With ``loading_info``, also the dict of
+    mode, prepared for decoding. ``dtype="auto"``: loaded in float32, then kept in the precision
+    that drafts faster here (``core.draft_dtype.settle``; the choice is the model's
+    ``draft_dtype_measurement``). With ``loading_info``, also the dict of
     missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
+    auto = dtype == draft_dtype.AUTO
+    dtype = torch.float32 if auto else resolve_dtype(dtype)
     # Loaded in float32, then the weights cast: from_pretrained(dtype=bfloat16) switches torch's
     # process-wide default dtype while it loads, so a request finishing on another thread
     # during a hot-swap would build its tensors in bfloat16. Buffers (rotary frequencies) stay
@@ -155,10 +167,7 @@ def load_model(
         dtype=torch.float32,
         output_loading_info=True,
     )
-    if resolve_dtype(dtype) != torch.float32:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.data = param.data.to(resolve_dtype(dtype))
+    draft_dtype.cast_weights(model, dtype)
     if torch.device(device).type != "cpu":
         model.to(device)
     model.eval()
@@ -167,6 +176,8 @@ def load_model(
         draft_vocab.attach(model, draft_vocab.load(path, int(model.config.vocab_size)))
     except draft_vocab.DraftVocabError as exc:
         raise ModelConfigError(str(exc)) from exc
+    if auto:
+        model = draft_dtype.settle(model)
     return (model, info) if loading_info else model
 
 
@@ -200,7 +211,8 @@ def load_pair(
     device: str = "cpu",
 ) -> ModelPair:
     """Load a target (``target_dtype``, float32 by default) and optionally a draft (in
-    ``draft_dtype``), both on ``device``; fail clearly if their tokenizers differ."""
+    ``draft_dtype``; ``auto``: measured, ``core.draft_dtype``), both on ``device``; fail clearly
+    if their tokenizers differ."""
     check_model_dir(target_dir)
     if draft_dir is not None:
         check_model_dir(draft_dir)

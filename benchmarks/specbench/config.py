@@ -30,11 +30,38 @@ SUMMARY_KEYS = (
     "tree_greedy_identical",
     "tree_chi2_p",
     "biased_rule_chi2_p",
+    "default_vs_target_min",
+    "target_vs_hf_target_min",
 )
 DOC_BEGIN = "<!-- BEGIN spec_decode (written by benchmarks/spec_decode.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END spec_decode -->"
 BAR_VS_HF_ASSISTED = 1.1
 BAR_VS_TARGET_CODE = 1.3
+BAR_DEFAULT_VS_TARGET = 1.0
+"""Serving's default method against our target-only loop, on each domain (the worse one counts)."""
+BAR_TARGET_VS_HF_TARGET = 1.0
+"""Our target-only loop against ``target.generate``, on each domain (the worse one counts)."""
+OWN_ARMS = ("target", "draft", "pld", "auto")
+"""Methods that run as an arm of their own name; serving's default, if another, runs as ``our_method``."""
+
+
+def serving_setting(name: str):
+    """A default of ``ServeConfig`` (``specops serve``'s), read when used: the benchmark measures
+    what serving does today, not a copy of it."""
+    from specops.serving.http.config import ServeConfig
+
+    return ServeConfig.model_fields[name].default
+
+
+def worst(ratios: dict[str, float | None]) -> float | None:
+    """The smaller per-domain ratio (None when a domain has none): a bar that holds on both domains."""
+    vals = list(ratios.values())
+    return None if any(v is None for v in vals) else min(vals)
+
+
+def default_arm(method: str) -> str:
+    """The arm that measures serving's default method ``method``."""
+    return method if method in OWN_ARMS else "our_method"
 
 
 # ---------------------------------------------------------------- config
@@ -63,7 +90,8 @@ class BenchConfig:
     cost_reps: int = 200
     """Timed forwards per model when measuring c."""
     draft_dtype: str = DEFAULT_DRAFT_DTYPE
-    """Precision the draft runs in, ours and HF's assistant alike (serving's default)."""
+    """Precision the draft runs in, ours and HF's assistant alike (serving's default; ``auto``:
+    measured at load, ``core.draft_dtype``; the results record what it resolved to)."""
     float32_arm: bool = True
     """With a bfloat16 draft, also run ``draft_float32`` (the same draft in float32) side by side."""
     quick: bool = False

@@ -29,6 +29,7 @@ def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig,
     out["target_verify_ms"] = {str(k): step_ms(pair.target, prompt_ids, k + 1, reps=cfg.cost_reps) for k in ks}
     out["c"] = out["draft_1_ms"] / out["target_1_ms"] if out["draft_1_ms"] else None
     out["draft_dtype"] = str(pair.draft.dtype).removeprefix("torch.") if pair.draft is not None else None
+    out["draft_dtype_measurement"] = getattr(pair.draft, "draft_dtype_measurement", None)  # auto's timing
     if draft32 is not None:  # the same draft in float32, for the side-by-side arm
         out["draft_float32_1_ms"] = step_ms(draft32, prompt_ids, 1, reps=cfg.cost_reps)
         out["c_float32"] = out["draft_float32_1_ms"] / out["target_1_ms"]

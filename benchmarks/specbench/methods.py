@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.utils import GenerationMixin
 
-from benchmarks.specbench.config import HF_PLD_NUM_TOKENS, REFERENCE, BenchConfig
+from benchmarks.specbench.config import HF_PLD_NUM_TOKENS, REFERENCE, BenchConfig, default_arm, serving_setting
 from specops.core.cpu_linear import stock_linear
 from specops.core.models import ModelPair
-from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine
+from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, ProposerResources, SpecEngine
 from specops.serving.engine.types import SamplingParams
 
 
@@ -102,6 +102,9 @@ class Method:
     k: int | None = None
     headline: bool = True
     """Shown in the main table (sweep rows go to the k table)."""
+    settings: dict | None = None
+    """What the arm ran with beyond its method and k (``auto``: its policy and calibration),
+    recorded under ``our_settings``."""
 
 
 def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> Method:
@@ -148,11 +151,22 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
     return Method(name=name, family="hf", run=run)
 
 
-def our_method(name: str, engine: SpecEngine, cfg: ProposerConfig, k: int, headline: bool = True) -> Method:
+def our_method(
+    name: str,
+    engine: SpecEngine,
+    cfg: ProposerConfig,
+    k: int | None,
+    headline: bool = True,
+    resources: ProposerResources | None = None,
+    settings: dict | None = None,
+) -> Method:
+    """One of our engine's arms; ``k=None``: the engine's default k for the method (for ``auto``
+    the most the policy may pick; it picks each step's k itself)."""
+
     def run(prompt_ids: list[int], temperature: float, max_new_tokens: int, seed: int) -> Outcome:
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
         t0 = time.perf_counter()
-        res = engine.generate(prompt_ids, params, proposer_cfg=cfg, k=k)
+        res = engine.generate(prompt_ids, params, proposer_cfg=cfg, k=k, resources=resources)
         wall = time.perf_counter() - t0
         s = res.stats
         spec = cfg.method != "target"
@@ -167,11 +181,35 @@ def our_method(name: str, engine: SpecEngine, cfg: ProposerConfig, k: int, headl
             finish_reason=s.finish_reason,
         )
 
-    return Method(name=name, family="ours", run=run, k=None if cfg.method == "target" else k, headline=headline)
+    return Method(
+        name=name,
+        family="ours",
+        run=run,
+        k=None if cfg.method in ("target", "auto") else k,
+        headline=headline,
+        settings=settings,
+    )
+
+
+def auto_method(pair: ModelPair, engine: SpecEngine, cfg: BenchConfig) -> Method:
+    """``auto`` as a replica runs it: one ``AutoPolicy`` for the whole run (it learns across
+    requests, as a replica's does), longest draft ``min(auto_max_k, max_k)`` of serving's
+    defaults, cost priors from ``calibrate`` at load (``auto_calibrate``), no fitted priors;
+    each step's method and k are the policy's (the engine's default k is only the cap)."""
+    from specops.core.auto_policy import AutoPolicy
+    from specops.serving.proposers.auto import calibrate
+
+    policy = AutoPolicy(seed=cfg.seed, max_k=min(serving_setting("auto_max_k"), serving_setting("max_k")))
+    calibration = calibrate(policy, pair)
+    settings = {"max_k": policy.max_k, "draft_max_k": policy.draft_max_k, "seed": cfg.seed, "calibration": calibration}
+    res = ProposerResources(pair=pair, policy=policy)
+    return our_method("auto", engine, ProposerConfig(method="auto"), None, resources=res, settings=settings)
 
 
 def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter, draft32=None) -> list[Method]:
-    """The arms; ``draft32``: the draft in float32 for a ``draft_float32`` arm (None: no such arm)."""
+    """The arms; ``draft32``: the draft in float32 for a ``draft_float32`` arm (None: no such arm).
+    ``auto`` always runs; serving's default method runs as its own arm (``draft``, ``pld``,
+    ``auto``) or, for another method, as ``our_method`` at its default k."""
     engine = SpecEngine(pair)
     methods = [
         hf_method(REFERENCE, pair, counter),
@@ -180,7 +218,12 @@ def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter, dr
         our_method("target", engine, ProposerConfig(method="target"), cfg.k),
         our_method("draft", engine, ProposerConfig(method="draft"), cfg.k),
         our_method("pld", engine, ProposerConfig(method="pld"), DEFAULT_K["pld"]),
+        auto_method(pair, engine, cfg),
     ]
+    default = serving_setting("default_method")
+    if default_arm(default) == "our_method":
+        spec = ProposerConfig(method=default)
+        methods.append(our_method("our_method", engine, spec, DEFAULT_K[default], settings={"method": default}))
     if draft32 is not None:
         pair32 = ModelPair(
             target=pair.target, draft=draft32, tokenizer=pair.tokenizer, tokenizer_sha256=pair.tokenizer_sha256

@@ -52,6 +52,7 @@ from transformers import PreTrainedModel
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.tree import TokenTree
+from specops.serving.engine.types import TargetPass
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,8 @@ class _Step:
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     error: BaseException | None = None
+    target_pass: TargetPass | None = None
+    """The pass as it ran (rows, width, the others' tokens): reported back into the verdict."""
 
 
 class TargetBatcher:
@@ -287,6 +290,13 @@ class TargetBatcher:
         cache = _SlotCache(pool, slots, past, span)
         self.num_gathers += int(b > 1 and not cache.view)
         want_hidden = any(s.want_hidden for s in batch)
+        # The head scores only the positions some row keeps (a prompt's prefill keeps its last
+        # one): the union of the rows' kept columns, so a 1,000-token prefill in a batch does
+        # not compute 1,000 rows of logits over the whole vocabulary.
+        keeps = [min(s.logits_to_keep or new[i], new[i]) for i, s in enumerate(batch)]
+        columns = sorted({j for i in range(b) for j in range(new[i] - keeps[i], new[i])})
+        at = {j: c for c, j in enumerate(columns)}
+        t0 = time.perf_counter()
         out = self.model(
             input_ids=ids,
             position_ids=pos,
@@ -294,14 +304,20 @@ class TargetBatcher:
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=want_hidden,
+            logits_to_keep=n_max - columns[0] if columns == list(range(columns[0], n_max)) else torch.tensor(columns),
         )
+        ms = (time.perf_counter() - t0) * 1000.0
+        first = 0 if columns == list(range(columns[0], n_max)) else None
         for i, s in enumerate(batch):
-            keep = s.logits_to_keep or new[i]
-            s.logits = out.logits[i, new[i] - keep : new[i]].float().cpu()  # [keep, vocab]
+            keep = keeps[i]
+            lo = at[new[i] - keep] if first is None else new[i] - keep - columns[0]
+            s.logits = out.logits[i, lo : lo + keep].float().cpu()  # [keep, vocab]
             if s.want_hidden:
                 s.hidden = out.hidden_states[-1][i, new[i] - keep : new[i]].float().cpu()
             s.lm.num_cached += new[i]
             s.lm.num_forwards += 1
+            widest = max((new[j] for j in range(b) if j != i), default=0)
+            s.target_pass = TargetPass(b, n_max, new[i], sum(new) - new[i], widest, ms)
 
 
 class _RowView:
@@ -347,6 +363,7 @@ class BatchedCachedLM(CachedLM):
         assert self.vocab is None, "a batched target scores its whole vocabulary"
         step = _Step(self, list(input_ids), logits_to_keep, want_hidden)
         self.batcher.submit(step)
+        self.last_pass = step.target_pass
         return step.logits, step.hidden
 
     def forward_tree(
@@ -356,6 +373,7 @@ class BatchedCachedLM(CachedLM):
         assert self.num_cached + len(committed) + tree.max_depth <= self.context_size
         step = _Step(self, list(committed), tree.num_nodes + 1, want_hidden, tree=tree)
         self.batcher.submit(step)
+        self.last_pass = step.target_pass
         return step.logits, step.hidden
 
     @torch.inference_mode()

@@ -10,12 +10,15 @@ of its LM head; its logits are ``-inf`` elsewhere.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specops.core import draft_vocab, limits
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.tree import TokenTree
+from specops.serving.engine.types import TargetPass
 
 
 class CachedLM:
@@ -29,6 +32,9 @@ class CachedLM:
         self.num_forwards = 0
         self.vocab = draft_vocab.of(model)
         """The model's draft vocabulary, or None (every row of the head)."""
+        self.last_pass: TargetPass | None = None
+        """The latest forward as it ran (one row of its own tokens here; the batcher's rows and
+        width in ``engine.batching``): the verifier puts it in the step's verdict."""
 
     @property
     def context_size(self) -> int:
@@ -57,6 +63,7 @@ class CachedLM:
         pos = torch.arange(self.num_cached, self.num_cached + n, dtype=torch.long, device=device)[None]  # [1, n]
         if self.vocab is not None:
             return self._forward_subset(ids, pos, logits_to_keep or n, want_hidden)
+        t0 = time.perf_counter()
         out = self.model(
             input_ids=ids,
             position_ids=pos,
@@ -68,6 +75,7 @@ class CachedLM:
         self.num_cached += n
         self.num_forwards += 1
         logits = out.logits[0].float().cpu()  # [n_keep, vocab]: the acceptance rules run on the CPU
+        self.last_pass = TargetPass(1, n, n, 0, 0, (time.perf_counter() - t0) * 1000.0)
         hidden = None
         if want_hidden:
             keep = logits.shape[0]
@@ -106,6 +114,7 @@ class CachedLM:
         pos = tree_mod.positions(base, c, tree).to(device)[None]  # [1, c + n]
         mask = tree_mod.attention_mask(self.num_cached, c, tree, self.model.dtype, device)  # [1, 1, c+n, cached+c+n]
         keep = n + 1
+        t0 = time.perf_counter()
         if self.vocab is not None:
             out = self.model.base_model(
                 input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache, use_cache=True
@@ -126,6 +135,7 @@ class CachedLM:
             hidden = out.hidden_states[-1][0, -keep:] if want_hidden else None
         self.num_cached += c + n
         self.num_forwards += 1
+        self.last_pass = TargetPass(1, c + n, c + n, 0, 0, (time.perf_counter() - t0) * 1000.0)
         return logits, hidden.float().cpu() if want_hidden and hidden is not None else None
 
     @torch.inference_mode()

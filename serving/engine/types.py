@@ -183,6 +183,31 @@ class RejectedPosition:
     """[vocab] float32 raw target logits at that position (temperature 1, no top-p)."""
 
 
+@dataclass(frozen=True)
+class TargetPass:
+    """The target forward pass that verified one request's step, as it really ran: how many
+    requests shared it and how wide it was. The batcher (``engine.batching``) knows it; an
+    unbatched target's pass is one row of its own tokens. ``auto`` prices its choices on it."""
+
+    rows: int
+    """Requests in the pass (1 unbatched)."""
+    width: int
+    """Tokens per row of the padded pass (the widest row's new tokens)."""
+    mine: int
+    """This request's new tokens in it (committed tokens it lacked + drafts or tree nodes)."""
+    others: int
+    """The other rows' new tokens, summed."""
+    widest_other: int
+    """The widest other row (0 alone)."""
+    ms: float
+    """Milliseconds the forward itself took (no queueing)."""
+
+    @property
+    def padded_tokens(self) -> int:
+        """What a right-padded batch computes: rows x width."""
+        return self.rows * self.width
+
+
 @dataclass
 class Verdict:
     """Outcome of one verification step (one target forward pass)."""
@@ -201,6 +226,8 @@ class Verdict:
     chain, node ``i`` is draft ``i``, so ``path == [1 .. len(accepted)]``)."""
     num_nodes: int = 0
     """Distinct drafted tokens the target checked (tree nodes; ``num_drafted`` for a chain)."""
+    target_pass: TargetPass | None = None
+    """The pass that verified this step (rows and width as run), when the target reports it."""
 
     @property
     def emitted(self) -> list[int]:

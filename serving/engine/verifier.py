@@ -182,6 +182,7 @@ class Verifier:
             target_hidden=hidden[a].clone() if hidden is not None else None,
             path=list(range(1, a + 1)),
             num_nodes=k,
+            target_pass=getattr(self.target, "last_pass", None),
         )
 
     def verify_tree(self, state: DecodeState, proposals: Proposals) -> Verdict:
@@ -220,4 +221,5 @@ class Verifier:
             target_hidden=hidden[last].clone() if hidden is not None else None,
             path=path,
             num_nodes=tree.num_nodes,
+            target_pass=getattr(self.target, "last_pass", None),
         )

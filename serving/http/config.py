@@ -65,10 +65,10 @@ class ServeConfig(BaseModel):
     draft: str = Field(
         "", description="base draft directory every new cluster starts from (overrides <model_dir>/draft)"
     )
-    draft_dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16",
-        description="precision the drafts run in (the target's --dtype decides the outputs, not this): "
-        "bfloat16 halves a draft token's weight reads; float16 needs a GPU",
+    draft_dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto",
+        description="precision the drafts run in (the target's --dtype decides the outputs, not this): auto "
+        "times float32 and bfloat16 at load on a CPU and keeps the faster (bfloat16 on a GPU); float16 needs a GPU",
     )
     device: str = Field("cpu", description="where the target and drafts run: cpu, cuda (the current GPU) or cuda:N")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

@@ -45,6 +45,10 @@ class MethodSpec(Protocol):
     copies_references: bool
 
 
+IN_SYNC = 2
+"""A draft cache this many committed tokens behind is in step (the last step's bonus and its
+last accepted token); further behind, its next call first feeds the gap: a catch-up prefill."""
+
 MODEL = "draft_model"
 """The cost kind of methods that draft with the draft model (a calibration measures its step)."""
 
@@ -88,11 +92,15 @@ def calibrate(policy: AutoPolicy, pair, context_ids: list[int] | None = None, re
     b = max((v9 - v1) / 8.0, 0.0)
     out = {"verify_ms_1": v1, "verify_ms_9": v9}
     kinds = {}
+    catchup = {}
     if pair.draft is not None:
         d1 = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2)
+        d17 = step_ms(pair.draft, ctx, 17, reps=reps, warmup=2)
         kinds[MODEL] = (d1 * 0.1, d1 * 0.9)  # a call: little fixed cost, one forward per token
-        out["draft_ms_1"] = d1
-    policy.calibrated((max(v1 - b, 1e-3), b), kinds)
+        # a catch-up feeds `gap` tokens in one forward: its cost over a one-token call's, per token
+        catchup[MODEL] = (max(d1 * 0.1, 1e-3), max((d17 - d1) / 16.0, 0.0))
+        out["draft_ms_1"], out["draft_ms_17"] = d1, d17
+    policy.calibrated((max(v1 - b, 1e-3), b), kinds, catchup)
     return out
 
 
@@ -126,7 +134,9 @@ class AutoProposer(Proposer):
         self.accepted: dict[str, int] = {}
         self.k_sum: dict[str, int] = {}
         self.last: Choice | None = None
-        self._pending: tuple[Choice, float, float | None, str] | None = None
+        self._pending: tuple[Choice, float, float | None, str, int] | None = None
+        self._seen = None
+        """The previous step's target pass as the batcher ran it (its rows and width price the next)."""
         self._started = False
         self._temp = "greedy"
         self._observed = False
@@ -147,6 +157,7 @@ class AutoProposer(Proposer):
             p.start(state)
         self._temp = temp_bucket(state.params.temperature)
         self._observed = False
+        self._seen = None
         self._hidden = False
         if not self._started:
             self._started = True
@@ -175,6 +186,10 @@ class AutoProposer(Proposer):
                 continue
             max_k = min(k, self.policy.draft_max_k) if role.model else k
             available[m] = {"key": m, "max_k": max_k, "rows": getattr(sub, "n_drafts", 1)}
+            lm = getattr(sub, "lm", None)
+            if role.model and lm is not None:  # a draft that sat out steps must first feed them
+                gap = len(state.token_ids) - lm.num_cached
+                available[m]["catchup"] = gap if gap > IN_SYNC else 0
         return available, copies
 
     def propose(self, state: DecodeState, k: int) -> Proposals:
@@ -185,12 +200,20 @@ class AutoProposer(Proposer):
         cap = min(k, self.policy.max_k)
         while True:
             choice = self.policy.choose(
-                self.cluster, self._temp, available=available, own=self.own, k_cap=cap, session=id(self)
+                self.cluster,
+                self._temp,
+                available=available,
+                own=self.own,
+                k_cap=cap,
+                session=id(self),
+                seen=self._seen,
+                remaining=state.params.max_new_tokens - state.num_generated,
             )
             sub = self.subs.get(choice.method)
             lm = getattr(sub, "lm", None)
-            # a draft that sat out steps first catches up on their tokens: a prefill, not its per-step cost
-            in_sync = lm is None or len(state.token_ids) - lm.num_cached <= 2
+            # a draft that sat out steps first catches up on their tokens: a prefill, priced apart
+            gap = 0 if lm is None else len(state.token_ids) - lm.num_cached
+            catchup = gap if gap > IN_SYNC else 0
             t0 = time.perf_counter()
             if choice.method == TARGET:
                 props = Proposals.empty()
@@ -205,8 +228,8 @@ class AutoProposer(Proposer):
             available.pop(choice.method)  # nothing retrieved: the next best option, this same step
         self.policy.decided(self.cluster, choice)
         self.last = choice
-        timed = choice.method != TARGET and not self.roles[choice.method].copies and in_sync
-        self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key)
+        timed = choice.method != TARGET and not self.roles[choice.method].copies
+        self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key, catchup)
         return props
 
     def observe(self, state: DecodeState, verdict: Verdict) -> None:
@@ -222,7 +245,7 @@ class AutoProposer(Proposer):
         if self._pending is None:  # the session ran the step without asking (no room for a draft)
             self.steps[TARGET] = self.steps.get(TARGET, 0) + 1
             return
-        choice, t_end, propose_ms, key = self._pending
+        choice, t_end, propose_ms, key, catchup = self._pending
         self._pending = None
         verify_ms = (time.perf_counter() - t_end) * 1000.0
         acc, drafted = len(verdict.accepted), verdict.num_drafted
@@ -246,7 +269,10 @@ class AutoProposer(Proposer):
             n_verified=n_verified,
             verify_ms=None if first else verify_ms,
             propose_ms=propose_ms,
+            target_pass=verdict.target_pass,
+            catchup=catchup,
         )
+        self._seen = verdict.target_pass
 
     def rollback(self, state: DecodeState, position: int) -> None:
         self._pending = None

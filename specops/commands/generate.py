@@ -40,9 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--n-drafts", type=int, default=None, help="rows per step for --method dresd (default: 3)")
     p.add_argument(
         "--draft-dtype",
-        choices=("bfloat16", "float32"),
-        default="bfloat16",
-        help="precision the draft runs in; the target runs in float32 (default: %(default)s)",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="precision the draft runs in; the target runs in float32. auto: float32 and bfloat16 are timed "
+        "when the draft loads and the faster is kept (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as one JSON line')
     p.add_argument(

@@ -1,4 +1,5 @@
-"""The adaptive (``auto``) benchmark runs end to end on a tiny bootstrap (speed is never asserted)."""
+"""The adaptive (``auto``) benchmark runs end to end on a tiny bootstrap, at three concurrencies
+(speed is never asserted)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
         str(tmp_path / "c"),
         "--cases",
         "1",
+        "--concurrency",
+        "1,2,3",
+        "--groups",
+        "2",
         "--max-new-tokens",
         "8",
         "--prompt-tokens",
@@ -44,12 +49,26 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
     s = report["summary"]
     assert set(adaptive.SUMMARY_KEYS) <= set(s)
     assert s["greedy_identical"] is True
-    assert {"1", "4"} <= set(report["results"])
+    assert set(report["results"]) == {"1", "2", "3"} == set(s["by_concurrency"]) == set(s["best_fixed"])
+    assert s["concurrency"] == [1, 2, 3] and s["cpu_model"]
+    for key in adaptive.BARS:  # the top level is the worst concurrency
+        assert s[key] == min(v[key] for v in s["by_concurrency"].values())
     slices = {c["slice"] for c in report["cases"]}
     assert {"code", "prose", "repetition", "creative"} <= slices
-    for conc in ("1", "4"):
+    for conc, groups in report["groups"].items():
+        c = int(conc)
+        per_slice: dict[str, int] = {}
+        for g in groups:  # a group: at most c requests, all of one slice
+            assert 1 <= len(g) <= c and len({report["cases"][i]["slice"] for i in g}) == 1
+            sl = report["cases"][g[0]]["slice"]
+            per_slice[sl] = per_slice.get(sl, 0) + len(g)
+        # concurrency 1 runs --cases per slice; c > 1 runs --groups x c (fewer where a slice runs short)
+        assert max(per_slice.values()) == (1 if c == 1 else 2 * c), (conc, per_slice)
+        for arm in report["arms"]:
+            assert sum(len(g) for g in groups) == len(report["per_case"][conc][arm])
         assert "auto" in report["results"][conc]["all"]["speedup"]
     text = doc.read_text()
-    assert adaptive.DOC_BEGIN in text and "auto_vs_oracle" in text
+    assert adaptive.DOC_BEGIN in text and "auto_vs_oracle" in text and "| `auto_vs_oracle` |" in text
+    assert "**Concurrency 3**" in text
     assert adaptive.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s

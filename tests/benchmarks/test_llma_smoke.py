@@ -67,6 +67,10 @@ def test_llma_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path):
     report = json.loads(out.read_text())
     s = report["summary"]
     assert set(llma.SUMMARY_KEYS) == set(s)
+    assert s["cpu_model"] == report["environment"]["cpu_model"]
+    if "suffix" not in report["sets"]["rag"]["arms"]:  # arctic-inference does not import here
+        assert s["ratio_vs_suffix_rag"] is None and s["ratio_vs_suffix_cag"] is None
+        assert "suffix arm not run" in doc.read_text()
     assert s["greedy_identical"] is True  # every greedy arm of every set equals target-only
     assert set(report["sets"]) == {"rag", "cag", "overlap"}
     for name, st in report["sets"].items():
@@ -82,3 +86,27 @@ def test_llma_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_path):
     assert list((tmp_path / "c").glob("cag-answers-*.json"))
     assert llma.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s
+
+
+def test_summary_ratios_vs_suffix_and_hf_pld():
+    """LLMA over SuffixDecoding per set (total times, suffix / llma), None where the suffix arm
+    did not run; the hf_pld ratio under both its names; the CPU from the environment."""
+
+    def arms(**totals):
+        return {"arms": {a: {"total_s": t, "speedup": 1.0, "identical": 1.0} for a, t in totals.items()}}
+
+    report = {
+        "sets": {
+            "rag": arms(target=4.0, hf_pld=3.0, llma=2.0, suffix=3.0),
+            "cag": arms(target=4.0, hf_pld=2.0, llma=2.5, suffix=2.0),
+            "overlap": arms(target=4.0, hf_pld=3.0, llma=1.0),
+        },
+        "environment": {"cpu_model": "Toy CPU"},
+    }
+    s = llma.summary(report)
+    assert set(s) == set(llma.SUMMARY_KEYS)
+    assert s["ratio_vs_suffix_rag"] == 1.5 and s["ratio_vs_suffix_cag"] == 0.8
+    assert s["ratio_vs_hf_pld_min"] == s["min_ratio_vs_hf_pld"] == 0.8
+    assert s["cpu_model"] == "Toy CPU"
+    del report["sets"]["cag"]["arms"]["suffix"]
+    assert llma.summary(report)["ratio_vs_suffix_cag"] is None

@@ -52,8 +52,27 @@ def test_summary_has_headline_numbers(report):
     assert s["c"] > 0  # a ratio of timings: no upper bound (a fresh-clone run measured 18.7 on the tiny pair)
 
 
+def test_summary_has_issue_39_bars(report):
+    """Serving's default method and ``auto`` against our target-only loop, and our target-only loop
+    against ``hf_target``, per domain and their worse domain; the CPU and the draft's served dtype."""
+    from specops.serving.http.config import ServeConfig
+
+    s = report["summary"]
+    assert s["default_method"] == ServeConfig.model_fields["default_method"].default
+    assert s["default_arm"] in report["results"]["code"]["greedy"]
+    for key in ("default_vs_target", "auto_vs_target", "target_vs_hf_target_by_domain"):
+        assert set(s[key]) == set(spec_decode.DOMAINS), key
+        assert all(v > 0 for v in s[key].values()), (key, s[key])
+    assert s["default_vs_target_min"] == min(s["default_vs_target"].values())
+    assert s["target_vs_hf_target_min"] == min(s["target_vs_hf_target_by_domain"].values())
+    assert isinstance(s["bar_default_vs_target_met"], bool) and isinstance(s["bar_target_vs_hf_target_met"], bool)
+    assert isinstance(s["cpu_model"], str) and s["cpu_model"] == report["environment"]["cpu_model"]
+    assert s["draft_dtype"] in ("float32", "bfloat16")  # what the loaded draft ran in, "auto" resolved
+    assert report["our_settings"]["auto"]["max_k"] >= 1
+
+
 def test_every_method_reported_per_domain_and_mode(report):
-    methods = {"hf_target", "hf_assisted", "hf_pld", "target", "draft", "pld"}
+    methods = {"hf_target", "hf_assisted", "hf_pld", "target", "draft", "pld", "auto"}
     for domain in spec_decode.DOMAINS:
         for mode in spec_decode.MODES:
             rows = report["results"][domain][mode]

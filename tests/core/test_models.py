@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specops.core import draft_dtype
 from specops.core.errors import ModelConfigError, TokenizerMismatchError
-from specops.core.models import load_model, load_model_dir, load_pair, tokenizer_hash
+from specops.core.models import (
+    DEFAULT_DRAFT_DTYPE,
+    load_model,
+    load_model_dir,
+    load_pair,
+    prepare_for_decoding,
+    resolve_dtype,
+    tokenizer_hash,
+)
 from tests.conftest import VOCAB, tiny_llama
 
 
@@ -36,14 +45,111 @@ def test_load_pair_with_shared_tokenizer(tmp_path, words):
     assert not any(p.suffix in {".bin", ".pt", ".pkl"} for p in target.iterdir())
 
 
-def test_the_draft_runs_in_bfloat16_by_default_and_the_target_in_float32(tmp_path, words):
+def test_the_draft_dtype_is_measured_by_default_and_the_target_runs_in_float32(tmp_path, words, monkeypatch):
+    """``auto`` (the default) on a draft too small to time is float32, every time; a named
+    precision is taken as given."""
+    monkeypatch.delenv(draft_dtype.ENV, raising=False)
     save_dir(tmp_path / "target", words, 1)
     save_dir(tmp_path / "draft", words, 2)
     pair = load_model_dir(tmp_path)
-    assert (pair.target.dtype, pair.draft.dtype) == (torch.float32, torch.bfloat16)
+    assert DEFAULT_DRAFT_DTYPE == "auto" and (pair.target.dtype, pair.draft.dtype) == (torch.float32, torch.float32)
+    assert pair.draft.draft_dtype_measurement["dtype"] == "float32"
+    assert pair.draft.draft_dtype_measurement["reason"] == "small"
+    assert not hasattr(pair.target, "draft_dtype_measurement")  # the target is never re-precisioned
+    assert load_model_dir(tmp_path, draft_dtype="bfloat16").draft.dtype == torch.bfloat16
     assert load_model_dir(tmp_path, draft_dtype="float32").draft.dtype == torch.float32
-    with pytest.raises(ModelConfigError, match="unknown draft dtype 'int8'"):  # float16 is a GPU precision now
+    with pytest.raises(ModelConfigError, match="unknown draft dtype 'int8'; choose one of auto, "):
         load_model_dir(tmp_path, draft_dtype="int8")
+
+
+def test_the_environment_forces_what_auto_means_and_nothing_else(tmp_path, words, monkeypatch):
+    path = save_dir(tmp_path / "d", words, 2)
+    monkeypatch.setenv(draft_dtype.ENV, "bfloat16")
+    model = load_model(path, dtype="auto")
+    assert model.dtype == torch.bfloat16 and model.draft_dtype_measurement["reason"] == "env"
+    assert load_model(path, dtype="float32").dtype == torch.float32  # a named precision wins
+    monkeypatch.setenv(draft_dtype.ENV, "half")
+    with pytest.raises(ModelConfigError, match="SPECOPS_DRAFT_DTYPE='half' is not a precision"):
+        load_model(path, dtype="auto")
+    monkeypatch.setenv(draft_dtype.ENV, "float16")
+    with pytest.raises(ModelConfigError, match="float16 needs a GPU"):
+        load_model(path, dtype="auto")
+
+
+def test_resolve_dtype_needs_the_model_for_auto(tmp_path, words, monkeypatch):
+    monkeypatch.delenv(draft_dtype.ENV, raising=False)
+    with pytest.raises(ModelConfigError, match="'auto' is chosen per model"):
+        resolve_dtype("auto")
+    model = load_model(save_dir(tmp_path / "d", words, 2))
+    assert resolve_dtype("auto", model) == torch.float32 and model.dtype == torch.float32  # tiny: float32, untouched
+    assert resolve_dtype("bfloat16") == torch.bfloat16 and resolve_dtype(torch.float32) == torch.float32
+
+
+@pytest.mark.parametrize(
+    "ms, chosen",
+    [
+        ({"float32": 5.2, "bfloat16": 3.1}, "bfloat16"),  # AMD EPYC with avx512_bf16: bfloat16 clearly faster
+        ({"float32": 3.0, "bfloat16": 4.1}, "float32"),  # a CPU whose bfloat16 products are slow
+        ({"float32": 5.0, "bfloat16": 4.6}, "float32"),  # within the margin: float32 kept
+        ({"float32": 5.0, "bfloat16": 4.4}, "bfloat16"),
+    ],
+)
+def test_the_chooser_keeps_bfloat16_only_when_clearly_faster(ms, chosen):
+    assert draft_dtype.choose(ms) == chosen
+
+
+def test_step_times_price_a_nominal_request():
+    """Per drafted token: the prefill over ROUNDS * ROUND_K tokens, plus each round's 2-token
+    catch-up step and ROUND_K - 1 one-token steps."""
+    t = draft_dtype.StepTimes(prefill_ms=63.0, one_ms=1.0, two_ms=2.0)
+    rounds, k = draft_dtype.ROUNDS, draft_dtype.ROUND_K
+    assert t.ms_per_token == pytest.approx((63.0 + rounds * (2.0 + (k - 1) * 1.0)) / (rounds * k))
+
+
+def _tied(layers: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return prepare_for_decoding(LlamaForCausalLM(cfg).eval())
+
+
+def test_auto_keeps_the_faster_copy_and_remembers_the_architecture(monkeypatch):
+    """The timing is injected (real timings are the benchmark's business): the faster arm is kept,
+    the other dropped; a second draft of the same architecture gets the same precision without
+    being timed (a reload or hot-swap never changes precision), another architecture is timed."""
+    monkeypatch.setattr(draft_dtype, "CHOICES", {})
+    monkeypatch.delenv(draft_dtype.ENV, raising=False)
+    calls: list[dict] = []
+    faster = {"bfloat16": 3.1, "float32": 5.2}
+
+    def timer(arms):
+        calls.append({name: (m, m.dtype) for name, m in arms.items()})
+        return {name: draft_dtype.StepTimes(0.0, faster[name], faster[name]) for name in arms}  # ms/token = faster
+
+    model = _tied(1)
+    kept = draft_dtype.settle(model, timer=timer, min_bytes=0)
+    assert len(calls) == 1 and calls[0]["float32"] == (model, torch.float32)
+    assert calls[0]["bfloat16"][1] == torch.bfloat16 and calls[0]["bfloat16"][0] is kept
+    assert kept.dtype == torch.bfloat16 and model.dtype == torch.float32  # the timed copy, the original untouched
+    assert kept.lm_head.weight is kept.model.embed_tokens.weight  # tying survives the copy
+    assert {n: b.dtype for n, b in kept.named_buffers()} == {n: b.dtype for n, b in model.named_buffers()}
+    rec = kept.draft_dtype_measurement
+    assert (rec["dtype"], rec["reason"], rec["cached"]) == ("bfloat16", "timed", False)
+    assert rec["ms_per_token"] == pytest.approx(faster)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.equal(kept(ids).logits.argmax(-1), model(ids).logits.argmax(-1))
+
+    faster = {"bfloat16": 9.0, "float32": 1.0}  # would now choose float32 if it were timed again
+    again = draft_dtype.settle(_tied(1), timer=timer, min_bytes=0)
+    assert len(calls) == 1 and again.dtype == torch.bfloat16 and again.draft_dtype_measurement["cached"]
+
+    other = _tied(2)
+    assert draft_dtype.settle(other, timer=timer, min_bytes=0) is other  # float32 won: the model itself, kept
+    assert len(calls) == 2 and other.dtype == torch.float32
+    assert other.draft_dtype_measurement["ms_per_token"] == pytest.approx(faster)
 
 
 def test_loading_a_bfloat16_draft_leaves_the_default_dtype_alone(tmp_path, words, monkeypatch):
@@ -117,3 +223,23 @@ def test_concurrent_loads_leave_weight_tying_alone(tmp_path, words):
     assert not errors and PreTrainedModel.tie_weights is original
     model = load_model(tmp_path / "m")
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_the_real_timing_runs_both_arms_through_the_engines_forward(monkeypatch):
+    """The timer itself on a tiny draft with a draft vocabulary (how fast is not tested): both arms
+    timed, and what is kept is what the chooser says of those numbers."""
+    from specops.core import draft_vocab
+
+    monkeypatch.setattr(draft_dtype, "CHOICES", {})
+    monkeypatch.delenv(draft_dtype.ENV, raising=False)
+    model = _tied(1)
+    key = draft_dtype.arch_key(model)
+    draft_vocab.attach(model, draft_vocab.DraftVocab(torch.arange(0, VOCAB, 2), VOCAB))
+    assert draft_dtype.arch_key(model) != key  # a smaller head is another measurement
+    monkeypatch.setattr(draft_dtype, "REPS", 1)
+    kept = draft_dtype.settle(model, min_bytes=0)
+    rec = kept.draft_dtype_measurement
+    assert set(rec["steps_ms"]) == {"float32", "bfloat16"}
+    assert all(v > 0 for steps in rec["steps_ms"].values() for v in steps.values())
+    assert rec["dtype"] == draft_dtype.choose(rec["ms_per_token"]) and kept.dtype == getattr(torch, rec["dtype"])
+    assert draft_vocab.of(kept) is not None and draft_vocab.of(kept).size == len(range(0, VOCAB, 2))

@@ -370,7 +370,8 @@ def _build_pretrained(
             "target_1_ms": step_ms(target, context, 1, reps=reps, warmup=warmup),
             "draft_1_ms": step_ms(served_draft, context, 1, reps=reps, warmup=warmup),
             "context_tokens": len(context),
-            "draft_dtype": DEFAULT_DRAFT_DTYPE,
+            "draft_dtype": str(served_draft.dtype).removeprefix("torch."),  # what auto chose here
+            "draft_dtype_measurement": getattr(served_draft, "draft_dtype_measurement", None),
         }
         cost["c"] = round(cost["draft_1_ms"] / cost["target_1_ms"], 4)
         cost["target_verify_ms"] = {

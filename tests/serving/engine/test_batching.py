@@ -143,3 +143,49 @@ def test_a_token_tree_runs_through_the_batcher(close_pair):
         torch.testing.assert_close(b.forward([5])[0], plain.forward([5])[0], rtol=1e-4, atol=1e-4)
     finally:
         batcher.close()
+
+
+def test_a_prefill_beside_decodes_scores_only_the_kept_columns_and_reports_the_pass(close_pair):
+    """A long prompt's prefill shares a pass with 1-token steps: the head scores only the columns
+    some row keeps (the prefill's last, the others' first: not contiguous), the logits equal an
+    unbatched forward's, and each step learns the pass as it ran (rows, width, the others)."""
+    target = close_pair.target
+    batcher = TargetBatcher(target, max_batch=4, window_s=0.5)
+    try:
+        seqs = random_prompts(3, seed=5, lo=4, hi=9)
+        plain = [CachedLM(target) for _ in seqs]
+        batched = [batcher.lm() for _ in seqs]
+        for p, b, s in zip(plain, batched, seqs):  # every request prefilled alone first
+            p.forward(s, logits_to_keep=1)
+            batcher.begin()
+            b.forward(s, logits_to_keep=1)
+            batcher.end()
+        assert batched[0].last_pass.rows == 1 and plain[0].last_pass.rows == 1
+        long_prompt = random_prompts(1, seed=6, lo=30, hi=31)[0]
+        feeds = [long_prompt, [3], [4, 5]]
+        want = [p.forward(f, logits_to_keep=1) for p, f in zip(plain, feeds)]
+        got: list = [None] * 3
+        for _ in seqs:
+            batcher.begin()
+
+        def run(i: int) -> None:
+            got[i] = batched[i].forward(feeds[i], logits_to_keep=1)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for (wl, _), (gl, _) in zip(want, got):
+            assert gl.shape == wl.shape == (1, wl.shape[1])
+            torch.testing.assert_close(gl, wl, rtol=1e-4, atol=1e-4)
+        passes = [b.last_pass for b in batched]
+        if all(p.rows == 3 for p in passes):  # they shared one pass (the window is long enough)
+            assert [p.width for p in passes] == [30, 30, 30]
+            assert [p.mine for p in passes] == [30, 1, 2]
+            assert [p.others for p in passes] == [3, 32, 31]
+            assert [p.widest_other for p in passes] == [2, 30, 30]
+            assert passes[0].padded_tokens == 90 and passes[0].ms > 0
+        assert sum(p.mine for p in passes) == 33
+    finally:
+        batcher.close()

@@ -32,7 +32,7 @@ GREEDY = SamplingParams(max_new_tokens=12)
 
 @pytest.fixture(scope="module")
 def pair(tiny_models):
-    return load_model_dir(tiny_models)
+    return load_model_dir(tiny_models, draft_dtype="bfloat16")  # a draft served in another precision than trained
 
 
 @pytest.fixture(scope="module")

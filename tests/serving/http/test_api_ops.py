@@ -151,6 +151,16 @@ def test_config_precedence_file_env_overrides(tmp_path):
     assert ServeConfig(api_keys="a-key-123456,b-key-123456").api_keys == ["a-key-123456", "b-key-123456"]
 
 
+def test_the_draft_dtype_is_measured_unless_named(tmp_path):
+    """``auto`` (measured at load, ``core.draft_dtype``) by default; a precision from a file or the environment."""
+    assert ServeConfig().draft_dtype == ServeConfig.load(env={}).draft_dtype == "auto"
+    path = tmp_path / "serve.toml"
+    path.write_text('draft_dtype = "float32"\n')
+    assert ServeConfig.load(path, env={}).draft_dtype == "float32"
+    assert ServeConfig.load(path, env={"SPECOPS_SERVE_DRAFT_DTYPE": "bfloat16"}).draft_dtype == "bfloat16"
+    assert ServeConfig.load(path, env={"SPECOPS_SERVE_DRAFT_DTYPE": "auto"}).draft_dtype == "auto"
+
+
 @pytest.mark.parametrize(
     "source, field",
     [
@@ -162,6 +172,8 @@ def test_config_precedence_file_env_overrides(tmp_path):
         ({"overrides": {"max_body_bytes": 10}}, "max_body_bytes"),
         ({"env": {"SPECOPS_API_KEYS": "short"}}, "api_keys must be at least 8 characters"),
         ({"overrides": {"default_max_tokens": 100, "max_tokens_limit": 50}}, "default_max_tokens (100) is above"),
+        ({"env": {"SPECOPS_SERVE_DRAFT_DTYPE": "int8"}}, "draft_dtype"),
+        ({"overrides": {"draft_dtype": "float16"}}, "float16 needs a GPU"),
         ({"toml": "prot = 8000\n"}, "prot"),
         ({"toml": "port = \n"}, "cannot read serve config"),
     ],

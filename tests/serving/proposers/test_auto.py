@@ -129,6 +129,105 @@ def test_in_padded_batches_a_draft_as_wide_as_the_others_is_nearly_free():
     assert narrow.choose("c", "greedy", available=copy, own={}, k_cap=16, session=4).method == "target"
 
 
+def test_the_real_pass_prices_the_next_and_fits_the_verify_cost():
+    """The batcher reports each pass as it ran: the verify fit regresses on its real rows x width
+    (not on the other sessions' latest choices), and the next choice is priced on it."""
+    from specops.serving.engine.types import TargetPass
+
+    policy = synthetic({"llma.context@m2": (55.0, 45.0)}, verify=(50.0, 3.0), load=lambda: 4)
+    policy.padded_batches = True
+    for sid in (1, 2, 3):  # the others' latest choices say: 1-token rows
+        policy.active[sid] = (1.0, 1.0)
+    copy = {"llma": {"key": "llma.context@m2", "max_k": 8, "rows": 1, "sunk": True}}
+    assert policy.choose("c", "greedy", available=copy, own={}, k_cap=16, session=4).method == "target"
+    # ...but the pass really ran 4 rows 9 tokens wide: a copy of up to 8 is nearly free in it
+    seen = TargetPass(rows=4, width=9, mine=1, others=27, widest_other=9, ms=60.0)
+    c = policy.choose("c", "greedy", available=copy, own={}, k_cap=16, session=4, seen=seen)
+    assert c.method == "llma" and c.k == 8 and (c.rows, c.widest_other, c.n_others) == (4, 9.0, 27.0)
+    # the verify fit observes the real shape: rows x width of the pass that ran
+    fit = policy._verify_fit(2)  # load bucket of 4 rows
+    n0, sx0 = fit.n_obs, fit.sx
+    ran = TargetPass(rows=4, width=9, mine=9, others=12, widest_other=6, ms=70.0)
+    policy.record(
+        "c",
+        "greedy",
+        c,
+        accepted=3,
+        drafted=8,
+        emitted=4,
+        n_verified=9,
+        verify_ms=70.0,
+        propose_ms=None,
+        target_pass=ran,
+    )
+    assert fit.n_obs == n0 + 1 and fit.sx == pytest.approx(fit.decay * sx0 + 36.0)
+    # a pass that ran alone is fitted in the 1-row bucket, whatever the load said
+    alone = TargetPass(rows=1, width=3, mine=3, others=0, widest_other=0, ms=20.0)
+    policy.record(
+        "c",
+        "greedy",
+        c,
+        accepted=2,
+        drafted=2,
+        emitted=3,
+        n_verified=3,
+        verify_ms=22.0,
+        propose_ms=None,
+        target_pass=alone,
+    )
+    assert policy._verify_fit(0).n_obs == 1
+
+
+def test_a_draft_that_sat_out_steps_pays_its_catch_up():
+    """A draft model behind by ``gap`` tokens first feeds them: priced (spread over a few steps),
+    so a long gap can make target-only the faster option, and measured into its own fit."""
+    policy = synthetic({"draft": (60.0, 40.0)}, verify=(20.0, 1.0), draft=(0.2, 2.0))
+    policy.calibrated((20.0, 1.0), {}, {"draft_model": (1.0, 0.5)})
+    policy.kinds["draft"] = "draft_model"
+    in_step = choose(policy, {"draft": {"key": "draft", "max_k": 8, "rows": 1}})
+    behind = choose(policy, {"draft": {"key": "draft", "max_k": 8, "rows": 1, "catchup": 400}})
+    assert in_step.method == "draft" and behind.method == "target"
+    assert behind.alternatives["draft"] < in_step.alternatives["draft"]
+    near_end = policy.choose(
+        "c",
+        "greedy",
+        available={"draft": {"key": "draft", "max_k": 8, "rows": 1, "catchup": 40}},
+        own={},
+        k_cap=16,
+        remaining=2,
+    )
+    spread = choose(policy, {"draft": {"key": "draft", "max_k": 8, "rows": 1, "catchup": 40}})
+    assert near_end.alternatives["draft"] < spread.alternatives["draft"]  # fewer steps left to spread it over
+    # a measured catch-up goes to the catch-up fit; the call's own fit stays clean
+    pfit, cfit = policy.propose["draft"], policy._catchup_fit("draft")
+    p_obs, c_obs = pfit.n_obs, cfit.n_obs
+    policy.record(
+        "c",
+        "greedy",
+        in_step,
+        accepted=1,
+        drafted=in_step.k,
+        emitted=2,
+        n_verified=1 + in_step.k,
+        verify_ms=None,
+        propose_ms=pfit.predict(in_step.k) + 30.0,
+        catchup=60,
+    )
+    assert pfit.n_obs == p_obs and cfit.n_obs == c_obs + 1
+    policy.record(
+        "c",
+        "greedy",
+        in_step,
+        accepted=1,
+        drafted=in_step.k,
+        emitted=2,
+        n_verified=1 + in_step.k,
+        verify_ms=None,
+        propose_ms=5.0,
+    )
+    assert pfit.n_obs == p_obs + 1
+
+
 def test_it_explores_a_method_that_was_bad_once():
     """Thompson sampling: a draft with a poor but thin record is still tried now and then; a
     request's own evidence then settles it, and a stale record fades with time."""

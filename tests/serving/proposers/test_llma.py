@@ -15,7 +15,14 @@ from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, SamplingParams
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, build_proposer
-from specops.serving.proposers.llma import LLMAProposer, ReferenceSet, best_rows
+from specops.serving.proposers.llma import (
+    MIN_AGREEMENT,
+    WIDEN_MARGIN,
+    LLMAProposer,
+    ReferenceSet,
+    best_rows,
+    frequency_rows,
+)
 from tests.conftest import random_prompts
 from tests.serving.engine.test_verifier import pooled_chisquare, second_token_counts
 
@@ -154,9 +161,9 @@ def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_
         fixed = LLMAProposer(ReferenceSet.from_docs([doc]), max_n=8, use_context=False)
         assert adaptive.propose(state, 12).tokens.shape[1] == expected, tail  # match 1 -> 1, 4 -> 3, 20 -> 11
         assert fixed.propose(state, 12).tokens.shape[1] == 12
-    # three references continue "7 8" as 9 10 11 / 9 10 12 / 9 10 12: the first (ranked by the
-    # longest continuation, then recency) is cut where the other two disagree with it
-    refs = ReferenceSet.from_docs([[7, 8, 9, 10, 12], [7, 8, 9, 10, 12], [7, 8, 9, 10, 11, 13]])
+    # three references continue "7 8" as 9 10 12 / 9 10 13 / 9 10 11 13: the draft is cut where
+    # no continuation has half of them (the paper's rule copies the longest continuation whole)
+    refs = ReferenceSet.from_docs([[7, 8, 9, 10, 12], [7, 8, 9, 10, 13], [7, 8, 9, 10, 11, 13]])
     state = DecodeState(token_ids=[5, 7, 8], num_prompt_tokens=3, params=SamplingParams())
     cut = LLMAProposer(refs, max_n=8, use_context=False, copy_factor=10.0, min_agreement=0.5).propose(state, 4)
     assert cut.tokens.tolist() == [[9, 10]]
@@ -167,6 +174,98 @@ def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_
         build_proposer(ProposerConfig(method="llma", llma_fixed_k=True), ProposerResources(pair=tiny_pair)).copy_factor
         is None
     )
+
+
+def freq_rows(docs: list[list[int]], tail: list[int], n_drafts: int = 1, k: int = 4, max_n: int = 2) -> list[list[int]]:
+    (index,) = ReferenceSet.from_docs(docs, max_n=max_n).indexes
+    found = [(index, m) for m in index.matches(tail, k)]
+    return [row for _, row in frequency_rows(found, k, n_drafts, MIN_AGREEMENT)]
+
+
+def test_frequency_picks_the_most_frequent_continuation_over_the_most_recent():
+    # "7 8 9" is followed by 1 2 twice and by 3 4 once, most recently: equally long matches
+    docs = [[7, 8, 9, 1, 2], [7, 8, 9, 1, 2], [7, 8, 9, 3, 4]]
+    assert freq_rows(docs, [5, 7, 8, 9]) == [[1, 2]]
+    assert rows_of(ReferenceSet.from_docs(docs).indexes[0], [5, 7, 8, 9], n_drafts=1) == [[3, 4]]  # the paper's
+    state = DecodeState(token_ids=[5, 7, 8, 9], num_prompt_tokens=4, params=SamplingParams())
+    # through the proposer, with the frequent copies in another source: the reported source is
+    # the one row 0 was copied from
+    refs = ReferenceSet.from_docs(docs[2:]).plus(ReferenceSet.from_docs(docs[:2], source="retrieved"))
+    freq = LLMAProposer(refs, use_context=False, copy_factor=10.0, min_agreement=MIN_AGREEMENT)
+    assert freq.propose(state, 4).tokens.tolist() == [[1, 2]] and freq.last_source == "retrieved"
+    paper = LLMAProposer(refs, use_context=False, copy_factor=10.0)
+    assert paper.propose(state, 4).tokens.tolist() == [[3, 4]] and paper.last_source == "request"
+
+
+def test_a_longest_match_found_once_is_weighed_against_slightly_shorter_ones():
+    # "6 7 8 9" matches 4 tokens back once (then 1 1), "0 7 8 9" 3 tokens back (then 2 2)
+    longest, shorter = [6, 7, 8, 9, 1, 1], [0, 7, 8, 9, 2, 2]
+    tail = [6, 7, 8, 9]
+    assert freq_rows([longest, shorter], tail) == [[1, 1]]  # 1 against 1/2
+    assert freq_rows([longest] + [shorter] * 2, tail) == [[1, 1]]  # a tie goes to the longer match
+    assert freq_rows([longest] + [shorter] * 3, tail) == [[2, 2]]  # 1 against 3/2
+    # matches more than WIDEN_MARGIN tokens shorter have no say, however many
+    far = [3, 4, 5, 6, 7, 8, 9, 1, 1]
+    tail = far[:7]
+    assert 7 - 3 > WIDEN_MARGIN and freq_rows([far] + [shorter] * 10, tail) == [[1, 1]]
+    # two equally long matches are counted on their own: shorter ones do not join them
+    assert freq_rows([longest, [6, 7, 8, 9, 1, 3]] + [shorter] * 5, [6, 7, 8, 9]) == [[1, 3]]
+
+
+def test_the_draft_is_cut_where_matches_disagree_and_not_where_they_agree():
+    head = [7, 8]
+    tail = [5, 7, 8]
+    three_ways = [head + [9, 10, t] for t in (11, 12, 13)]
+    assert freq_rows(three_ways, tail) == [[9, 10]]  # 1/3 < 1/2
+    assert freq_rows(three_ways[:1] * 2 + three_ways[1:2], tail) == [[9, 10, 11]]  # 2/3
+    assert freq_rows(three_ways[:2], tail) == [[9, 10, 12]]  # 1/2 is not below: the most recent
+    assert freq_rows([head + [9, 10], head + [9, 10, 11, 12]], tail) == [[9, 10, 11, 12]]  # an end has no say
+    assert freq_rows([head + [t] for t in (1, 2, 3)], tail) == [[3]]  # the first token is always drafted
+    (index,) = ReferenceSet.from_docs(three_ways).indexes
+    found = [(index, m) for m in index.matches(tail, 4)]
+    assert frequency_rows(found, 4, 1, 0.3)[0][1] == [9, 10, 13]  # a lower bar lets 1/3 through
+
+
+def test_frequency_rows_are_distinct_and_none_is_a_prefix_of_another():
+    tail = [5, 7, 8]
+    docs = [[7, 8, 1, 2, 3]] * 2 + [[7, 8, 1, 2, 4]] + [[7, 8, 5, 6]] * 2
+    assert freq_rows(docs, tail, n_drafts=3) == [[1, 2, 3], [5, 6], [1, 2, 4]]  # 3/5 > 2/5 > 1/5
+    # row 0 cut at "1 2": the continuations that extend it add nothing beside it
+    docs = [[7, 8, 1, 2, t] for t in (3, 4, 5)] + [[7, 8, 9]]
+    assert freq_rows(docs, tail, n_drafts=4) == [[1, 2], [9]]
+    rng = random.Random(7)
+    for trial in range(300):
+        docs = [[rng.randrange(4) for _ in range(rng.randrange(2, 30))] for _ in range(rng.randrange(1, 6))]
+        (index,) = ReferenceSet.from_docs(docs, max_n=3).indexes
+        tail = [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+        k, n_drafts = rng.randrange(1, 7), rng.randrange(1, 5)
+        found = [(index, m) for m in index.matches(tail, k)]
+        rows = [r for _, r in frequency_rows(found, k, n_drafts, MIN_AGREEMENT)]
+        assert len(rows) <= n_drafts and all(1 <= len(r) <= k for r in rows), trial
+        assert not any(i != j and a == b[: len(a)] for i, a in enumerate(rows) for j, b in enumerate(rows)), trial
+        copies = [index.copy(m, k) for _, m in found]
+        assert all(any(c[: len(r)] == r for c in copies) for r in rows), trial  # every row is a copy
+        assert rows[:1] == [r for _, r in frequency_rows(found, k, 1, MIN_AGREEMENT)], trial
+
+
+@pytest.mark.parametrize("n_drafts", [1, 3])
+def test_greedy_output_equals_target_only_when_frequent_copies_are_wrong(tiny_pair, n_drafts):
+    """Serving's rule (the catalogue's llma) where the most frequent continuation is wrong at
+    places: three references share a wrong token, one is the target's output."""
+    cfg = ProposerConfig(method="llma", n_drafts=n_drafts)
+    assert build_proposer(cfg, ProposerResources(pair=tiny_pair)).min_agreement == MIN_AGREEMENT
+    engine = SpecEngine(tiny_pair)
+    for i, prompt in enumerate(random_prompts(4, seed=300)):
+        ref = engine.generate(prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
+        wrong = list(ref)
+        for j in range(3 + i, len(wrong), 7):
+            wrong[j] = (wrong[j] + 1) % 97
+        split = list(ref)
+        split[len(split) // 2] = (split[len(split) // 2] + 2) % 97
+        res = ProposerResources(pair=tiny_pair, references=(tuple(wrong),) * 3 + (tuple(ref), tuple(split)))
+        out = engine.generate(prompt, SamplingParams(max_new_tokens=30), k=8, resources=res, proposer_cfg=cfg)
+        assert out.token_ids == ref
+        assert out.stats.num_drafted > 0 and out.stats.num_target_forwards < 30
 
 
 def test_llma_with_no_references_still_equals_target(tiny_pair):

@@ -296,6 +296,7 @@ class TargetBatcher:
         keeps = [min(s.logits_to_keep or new[i], new[i]) for i, s in enumerate(batch)]
         columns = sorted({j for i in range(b) for j in range(new[i] - keeps[i], new[i])})
         at = {j: c for c, j in enumerate(columns)}
+        tail = columns == list(range(columns[0], n_max))  # one run to the end: keep it as a count
         t0 = time.perf_counter()
         out = self.model(
             input_ids=ids,
@@ -304,13 +305,12 @@ class TargetBatcher:
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=want_hidden,
-            logits_to_keep=n_max - columns[0] if columns == list(range(columns[0], n_max)) else torch.tensor(columns),
+            logits_to_keep=n_max - columns[0] if tail else torch.tensor(columns),
         )
         ms = (time.perf_counter() - t0) * 1000.0
-        first = 0 if columns == list(range(columns[0], n_max)) else None
         for i, s in enumerate(batch):
             keep = keeps[i]
-            lo = at[new[i] - keep] if first is None else new[i] - keep - columns[0]
+            lo = at[new[i] - keep]  # its first kept column among those scored
             s.logits = out.logits[i, lo : lo + keep].float().cpu()  # [keep, vocab]
             if s.want_hidden:
                 s.hidden = out.hidden_states[-1][i, new[i] - keep : new[i]].float().cpu()

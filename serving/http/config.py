@@ -179,7 +179,7 @@ class ServeConfig(BaseModel):
         description="fallback DReSD datastore for clusters with no `datastore-<cluster>@champion` yet (`specops datastore build`); empty: none",
     )
     default_method: str = Field(
-        "draft",
+        "auto",
         json_schema_extra=lambda schema: schema.update(enum=list(methods())),
         description="decoding when a request does not say, one of the method catalogue's",
     )

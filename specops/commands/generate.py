@@ -22,7 +22,12 @@ def add_parser(sub) -> None:
         "At temperature 0 every method returns exactly the target's greedy tokens.",
     )
     add_model_dir(p, "directory with target/ and draft/")
-    p.add_argument("--method", choices=METHODS, default="draft", help="decoding method (default: %(default)s)")
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="auto",
+        help="decoding method (default: %(default)s, as the server's default_method)",
+    )
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")

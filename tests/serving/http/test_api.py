@@ -84,7 +84,7 @@ def stream_text(chunks) -> tuple[str, list]:
 
 # ---------------------------------------------------------------- the openai client
 def test_completion_usage_and_speculation_block(client, tok):
-    r = complete(client, TEXT_PROMPTS[0], max_tokens=20)
+    r = complete(client, TEXT_PROMPTS[0], max_tokens=20, extra_body={"speculation": {"method": "draft"}})
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
     (choice,) = r.choices
     assert choice.finish_reason == "length" and choice.text
@@ -104,11 +104,23 @@ def test_completion_usage_and_speculation_block(client, tok):
     assert s["tokens_per_target_forward"] == round(20 / s["target_forwards"], 4)
 
 
+def test_a_request_that_names_no_method_is_decoded_by_auto(client):
+    """``auto`` is the default: each step's drafter chosen by measured speed, the output the target's."""
+    r = complete(client, TEXT_PROMPTS[0], max_tokens=12)
+    s = spec(r)
+    assert s["method"] == "auto" and sum(m["steps"] for m in s["auto"]["methods"].values()) >= 1
+    target = complete(client, TEXT_PROMPTS[0], max_tokens=12, extra_body={"speculation": {"method": "target"}})
+    assert r.choices[0].text == target.choices[0].text
+
+
 def test_streamed_completion_equals_the_non_streamed_one(client):
+    draft = {"speculation": {"method": "draft"}}
     for prompt in (TEXT_PROMPTS[1], ID_PROMPTS[1]):
-        whole = complete(client, prompt, max_tokens=24)
+        whole = complete(client, prompt, max_tokens=24, extra_body=draft)
         text, chunks = stream_text(
-            complete(client, prompt, max_tokens=24, stream=True, stream_options={"include_usage": True})
+            complete(
+                client, prompt, max_tokens=24, stream=True, stream_options={"include_usage": True}, extra_body=draft
+            )
         )
         assert text == whole.choices[0].text
         assert len(chunks) >= 3 and all(c.id == chunks[0].id for c in chunks)
@@ -183,7 +195,7 @@ def test_greedy_speculation_is_lossless_through_the_api(client):
 
 
 def test_cluster_field_is_reflected(client):
-    r = complete(client, TEXT_PROMPTS[0], max_tokens=4, extra_body={"cluster": "x"})
+    r = complete(client, TEXT_PROMPTS[0], max_tokens=4, extra_body={"cluster": "x", "speculation": {"method": "draft"}})
     s = spec(r)
     assert (s["cluster"], s["cluster_source"]) == ("x", "request")
     assert (s["draft_model"], s["draft_version"]) == ("draft-x", "base")
@@ -193,10 +205,15 @@ def test_seeded_sampling_is_reproducible(client):
     def sample(seed, **kw):
         return complete(client, TEXT_PROMPTS[2], max_tokens=16, temperature=1, seed=seed, **kw).choices[0].text
 
-    a = sample(7)
-    assert a == sample(7) == sample(7, extra_body={"speculation": {"method": "draft"}})
-    assert sample(8) != a and sample(9) != a  # near-uniform random models: a collision would be a bug
-    text, _ = stream_text(complete(client, TEXT_PROMPTS[2], max_tokens=16, temperature=1, seed=7, stream=True))
+    # a seed reproduces a sample under a named method (auto, the default, picks its drafter by
+    # measured speed: an exact sample, not a reproducible one; docs/api.md says so)
+    draft = {"speculation": {"method": "draft"}}
+    a = sample(7, extra_body=draft)
+    assert a == sample(7, extra_body=draft)
+    assert sample(8, extra_body=draft) != a and sample(9, extra_body=draft) != a  # a collision would be a bug
+    text, _ = stream_text(
+        complete(client, TEXT_PROMPTS[2], max_tokens=16, temperature=1, seed=7, stream=True, extra_body=draft)
+    )
     assert text == a
 
 
@@ -297,7 +314,12 @@ def test_raw_http_errors(server):
 # ---------------------------------------------------------------- metrics, disconnects
 def test_metrics_count_what_was_served(server, client):
     before = requests.get(server.url + "/metrics").text
-    r = complete(client, ID_PROMPTS[0], max_tokens=16, extra_body={"cluster": "metrics-probe"})
+    r = complete(
+        client,
+        ID_PROMPTS[0],
+        max_tokens=16,
+        extra_body={"cluster": "metrics-probe", "speculation": {"method": "draft"}},
+    )
     s = spec(r)
     text = requests.get(server.url + "/metrics").text
     assert metric(text, "specops_generated_tokens_total", cluster="metrics-probe") == r.usage.completion_tokens == 16

@@ -21,10 +21,10 @@ Arms, interleaved per case (the order rotates): ``hf_target`` and ``target`` (ta
 HF's loop and ours; the speed-up's baseline is the faster of the two per set),
 ``hf_pld`` (HF prompt lookup, ``prompt_lookup_num_tokens``), ``pld`` (our prompt lookup
 at the same k, ``--pld-k``), ``draft`` (the bootstrapped draft model at its default k),
-``llma`` (serving's rule, ``serving/proposers/llma.py`` ``frequency_rows``: copy ``1 + match/2``
+``llma`` (serving's rule, ``serving/proposers/llma.py`` ``frequency_rows``: copy ``1 + match``
 tokens, at most ``--k``, of the continuation most of the longest matches share, ranked by
 frequency as SuffixDecoding ranks its tree's paths, cut before the first token whose share of
-the matches that agree so far is below half) and ``suffix`` (SuffixDecoding from
+the matches that agree so far is below half, or where the path's probability falls below 0.1) and ``suffix`` (SuffixDecoding from
 ``arctic-inference``, when it imports; ``benchmarks/llma_suffix.py``).
 A subset also runs LLMA with the paper's rule (copy k at every match) at every k of
 ``--sweep``, and the target and LLMA at temperature 0.7 (the
@@ -74,7 +74,7 @@ from specops.core.sessions.ngram import NgramIndex  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.proposers.catalogue import LLMA_MAX_N  # noqa: E402
-from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, LLMAProposer, ReferenceSet  # noqa: E402
+from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, MIN_PATH, LLMAProposer, ReferenceSet  # noqa: E402
 
 log = logging.getLogger("benchmarks.llma")
 DOC_BEGIN = "<!-- BEGIN llma (written by benchmarks/llma.py; edits inside are overwritten) -->"
@@ -322,7 +322,9 @@ class Runner:
             rule = (
                 {}
                 if k is not None
-                else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET, min_agreement=MIN_AGREEMENT)
+                else dict(
+                    copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET, min_agreement=MIN_AGREEMENT, min_path=MIN_PATH
+                )
             )
             k = k or a.k
             t_index = time.perf_counter()
@@ -467,8 +469,9 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         f"Command: `{report['command']}`  ",
         f"Target {report['target']}, {a['threads']} threads, "
         f"{a['max_new_tokens']} new tokens, CPU {s.get('cpu_model') or 'not recorded'}; `llma`: n = {a['n']}, "
-        f"copies 1 + match/2 tokens, at most k = {a['k']}, of the continuation most of the longest matches share "
-        "(frequency ranking, SuffixDecoding's rule), cut where the top token's share falls below half; "
+        f"copies {a.get('copy_rule', '1 + match/2')} tokens, at most k = {a['k']}, of the continuation most of "
+        "the longest matches share (frequency ranking, SuffixDecoding's rule), cut where "
+        f"{a.get('cut_rule', 'the top token share falls below half')}; "
         f"`suffix`: SuffixDecoding ({'run' if a.get('suffix') else 'not run: arctic-inference does not import'}); "
         f"`pld` and `hf_pld`: k = {a.get('pld_k', a['k'])}; `draft`: k = "
         f"{DEFAULT_K['draft']}. Cases interleaved, arms rotated per case. Speed-up = total time of the faster target-only loop / the arm's (the paper's measure); "
@@ -549,7 +552,7 @@ def plot(report: dict, path: Path) -> bool:
                 color=line[0].get_color(),
                 ls="--",
                 lw=1,
-                label=f"{name}: 1 + match/2, at most {report['args']['k']}",
+                label=f"{name}: {report['args'].get('copy_rule', '1 + match/2')}, at most {report['args']['k']}",
             )
     ax.axhline(1.0, color="#888888", lw=0.8)
     ax.set_xlabel("copy length k")
@@ -586,7 +589,7 @@ def parse(argv) -> argparse.Namespace:
         "--k",
         type=int,
         default=DEFAULT_K["llma"],
-        help="LLMA's longest copy (serving's rule: 1 + match/2 tokens, at most k)",
+        help=f"LLMA's longest copy (serving's rule: {COPY_OFFSET:g} + {COPY_FACTOR:g} x match tokens, at most k)",
     )
     p.add_argument(
         "--pld-k",
@@ -733,6 +736,10 @@ def main(argv=None) -> int:
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
             if k not in ("json", "doc", "plot", "replot")
+        }
+        | {
+            "copy_rule": f"{COPY_OFFSET:g} + {COPY_FACTOR:g} x match",
+            "cut_rule": f"the top token's share falls below {MIN_AGREEMENT:g} or the path's probability below {MIN_PATH:g}",
         },
         "sets": {},
         "per_case": {},

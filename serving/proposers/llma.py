@@ -16,7 +16,8 @@ references; the ``k`` tokens that followed the match in a reference are the draf
 - **serving ranks continuations by frequency as well** (SuffixDecoding's rule, our code,
   :func:`frequency_rows`): among the longest matches the draft follows the continuation most
   of them share, token by token, and stops where they disagree (the top token's share below
-  :data:`MIN_AGREEMENT`); a longest match found once is weighed against slightly shorter ones;
+  :data:`MIN_AGREEMENT`, or the path's probability below :data:`MIN_PATH`); a longest match
+  found once is weighed against slightly shorter ones;
 - **several equally good matches become several drafts** (rows; serving's rule: the other
   distinct continuations, most probable first), merged into one token tree and verified in
   one target pass by the exact verifier;
@@ -36,16 +37,23 @@ from specops.core.sessions.ngram import MAX_EXTEND, Match, NgramIndex
 from specops.serving.engine.types import DecodeState, Proposals
 from specops.serving.proposers.base import Proposer
 
-COPY_FACTOR, COPY_OFFSET = 0.5, 1.0
-"""Serving's copy length: ``1 + match // 2`` tokens, at most ``k`` (SuffixDecoding's rule,
+COPY_FACTOR, COPY_OFFSET = 1.0, 1.0
+"""Serving's copy length: ``1 + match`` tokens, at most ``k`` (SuffixDecoding's rule,
 ``factor * match + offset``). The paper copies ``k`` at every match, which pays where a target
 pass over k tokens costs what one over 1 token does (GPUs); on 2 CPU cores each verified token
 adds ~20 % of a forward, and a 1-token match is right far less often than a 16-token one.
-Measured (5 cases per set, 128 tokens, SmolLM2-135M, greedy): fixed k = 10 gave 1.27x / 1.54x
-/ 0.67x (RAG / cache-assisted / overlap), this rule 1.68-1.84x / 2.09-2.17x / 1.18-1.22x."""
+Measured (SmolLM2-135M, greedy, 128 tokens, arms interleaved): fixed k = 10 gave 1.27x / 1.54x
+/ 0.67x (RAG / cache-assisted / overlap) where ``1 + match/2`` gave 1.68-1.84x / 2.09-2.17x /
+1.18-1.22x; in two A/B runs of issue 39 (5 and 8 cases per set, next to SuffixDecoding)
+``1 + match`` beat ``1 + match/2`` by 3-8 % on RAG and cache-assisted traffic alike
+(``benchmarks/out/llma.json`` holds the run of the rule as it is)."""
 MIN_AGREEMENT = 0.5
 """Serving's draft stops where the most frequent next token has less than this share of the
 matches that agree with the draft so far (a continuation the references disagree on)."""
+MIN_PATH = 0.1
+"""... or where the draft's probability under the counts (the product of each token's share)
+falls below this: several splits in a row, each just above half, end the draft too
+(SuffixDecoding's ``min_token_prob``)."""
 WIDEN_MARGIN = 2
 """A longest match found once is counted with the matches up to this many tokens shorter, each
 token shorter halving a match's weight (:func:`frequency_rows`)."""
@@ -83,7 +91,7 @@ def best_rows(found: list[tuple[NgramIndex, Match]], k: int, n_drafts: int) -> l
 
 
 def frequency_rows(
-    found: list[tuple[NgramIndex, Match]], k: int, n_drafts: int, min_agreement: float
+    found: list[tuple[NgramIndex, Match]], k: int, n_drafts: int, min_agreement: float, min_path: float = 0.0
 ) -> list[tuple[NgramIndex, list[int]]]:
     """Serving's rule: up to ``n_drafts`` rows ranked by how often their continuation follows
     the longest matches (SuffixDecoding's rule, on our n-gram index), best first, each with the
@@ -99,7 +107,8 @@ def frequency_rows(
     - **Row 0** follows the heaviest next token at every depth (a tie: the best-ranked match,
       :func:`_ranked`) and stops before the first token (never the first: the target pass is
       paid anyway) whose share of the matches that agree so far and have a next token is below
-      ``min_agreement``, where at least two have a say. A reference that ends has no say: it
+      ``min_agreement``, or where the product of the shares so far (the path's probability)
+      falls below ``min_path``, where at least two have a say. A reference that ends has no say: it
       knows nothing of the next token.
     - **Further rows** are the other distinct continuations that no other extends, ranked by
       their probability under the counts (the product of each token's share), then by their
@@ -117,6 +126,7 @@ def frequency_rows(
     weight = [0.5 ** (best - m.length) for _, m in pool]
     row: list[int] = []
     group = list(range(len(pool)))  # the matches that agree with row 0 so far, best first
+    path = 1.0
     for j in range(k):
         say = [c for c in group if len(conts[c]) > j]
         if not say:
@@ -128,7 +138,9 @@ def frequency_rows(
             votes[t] = votes.get(t, 0.0) + weight[c]
             first.setdefault(t, c)
         top = max(votes, key=lambda t: (votes[t], -first[t]))
-        if j and len(say) > 1 and votes[top] / sum(votes.values()) < min_agreement:
+        share = votes[top] / sum(votes.values())
+        path *= share
+        if j and len(say) > 1 and (share < min_agreement or path < min_path):
             break
         row.append(top)
         group = [c for c in say if conts[c][j] == top]
@@ -221,6 +233,7 @@ class LLMAProposer(Proposer):
         copy_factor: float | None = None,
         copy_offset: float = 0.0,
         min_agreement: float | None = None,
+        min_path: float = 0.0,
     ) -> None:
         if not (1 <= min_n <= max_n):
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
@@ -230,7 +243,7 @@ class LLMAProposer(Proposer):
         self.min_n, self.max_n, self.n_drafts = min_n, max_n, n_drafts
         self.use_context = use_context
         self.copy_factor, self.copy_offset = copy_factor, copy_offset
-        self.min_agreement = min_agreement
+        self.min_agreement, self.min_path = min_agreement, min_path
         self._context: NgramIndex | None = None
         self.num_steps = 0
         self.num_hits = 0
@@ -284,7 +297,7 @@ class LLMAProposer(Proposer):
         if self.min_agreement is None:  # the paper's rule: the longest match, then recency
             rows = best_rows(found, k, self.n_drafts)
         else:
-            rows = frequency_rows(found, k, self.n_drafts, self.min_agreement)
+            rows = frequency_rows(found, k, self.n_drafts, self.min_agreement, self.min_path)
         if not rows:
             return Proposals.empty()
         self.num_hits += 1

@@ -16,7 +16,10 @@ from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, SamplingParams
 from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, build_proposer
 from specops.serving.proposers.llma import (
+    COPY_FACTOR,
+    COPY_OFFSET,
     MIN_AGREEMENT,
+    MIN_PATH,
     WIDEN_MARGIN,
     LLMAProposer,
     ReferenceSet,
@@ -169,7 +172,13 @@ def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_
     assert cut.tokens.tolist() == [[9, 10]]
     whole = LLMAProposer(refs, max_n=8, use_context=False, copy_factor=10.0).propose(state, 4)
     assert whole.tokens.tolist() == [[9, 10, 11, 13]]
-    assert build_proposer(ProposerConfig(method="llma"), ProposerResources(pair=tiny_pair)).copy_factor == 0.5
+    served = build_proposer(ProposerConfig(method="llma"), ProposerResources(pair=tiny_pair))
+    assert (served.copy_factor, served.copy_offset, served.min_agreement, served.min_path) == (
+        COPY_FACTOR,
+        COPY_OFFSET,
+        MIN_AGREEMENT,
+        MIN_PATH,
+    )
     assert (
         build_proposer(ProposerConfig(method="llma", llma_fixed_k=True), ProposerResources(pair=tiny_pair)).copy_factor
         is None
@@ -179,7 +188,7 @@ def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_
 def freq_rows(docs: list[list[int]], tail: list[int], n_drafts: int = 1, k: int = 4, max_n: int = 2) -> list[list[int]]:
     (index,) = ReferenceSet.from_docs(docs, max_n=max_n).indexes
     found = [(index, m) for m in index.matches(tail, k)]
-    return [row for _, row in frequency_rows(found, k, n_drafts, MIN_AGREEMENT)]
+    return [row for _, row in frequency_rows(found, k, n_drafts, MIN_AGREEMENT, MIN_PATH)]
 
 
 def test_frequency_picks_the_most_frequent_continuation_over_the_most_recent():
@@ -224,6 +233,27 @@ def test_the_draft_is_cut_where_matches_disagree_and_not_where_they_agree():
     (index,) = ReferenceSet.from_docs(three_ways).indexes
     found = [(index, m) for m in index.matches(tail, 4)]
     assert frequency_rows(found, 4, 1, 0.3)[0][1] == [9, 10, 13]  # a lower bar lets 1/3 through
+
+
+def test_the_draft_is_cut_where_its_probability_falls_below_min_path():
+    """Splits in a row, each just above half, multiply: 3/5 * 3/5 * 3/5 * 3/5 = 0.13, one more 0.08."""
+    tail = [5, 7, 8]
+    # five references continue "7 8"; at each depth fewer of those that agree so far continue alike
+    conts = [
+        [10, 11, 12, 13, 14, 15],
+        [10, 11, 12, 13, 14, 16],
+        [10, 11, 12, 13, 24, 25],
+        [10, 11, 22, 23, 24, 25],
+        [10, 21, 22, 23, 24, 25],
+    ]
+    docs = [[7, 8] + c for c in conts]
+    (index,) = ReferenceSet.from_docs(docs, max_n=2).indexes
+    found = [(index, m) for m in index.matches(tail, 6)]
+    # shares: 10 (5/5), 11 (4/5), 12 (3/4), 13 (3/3), 14 (2/3): path 1, .8, .6, .6, .4; then 15/16 split 1/2 (.2)
+    assert frequency_rows(found, 6, 1, 0.5)[0][1] == [10, 11, 12, 13, 14, 16]
+    assert frequency_rows(found, 6, 1, 0.5, 0.3)[0][1] == [10, 11, 12, 13, 14]  # .2 < .3
+    assert frequency_rows(found, 6, 1, 0.5, 0.5)[0][1] == [10, 11, 12, 13]  # .4 < .5
+    assert frequency_rows(found, 6, 1, 0.0, 0.99)[0][1] == [10]  # the first token is always drafted
 
 
 def test_frequency_rows_are_distinct_and_none_is_a_prefix_of_another():

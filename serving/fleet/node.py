@@ -126,6 +126,10 @@ class ServingNode:
         )
         return self.serve(plan, on_step=on_step)
 
+    fixed_method: str | None = None
+    """The one method this node decodes every request with, which a request that names none
+    gets instead of ``default_method`` (vLLM's speculation); ``None``: our engine runs any."""
+
     def check_plan(self, plan: DecodePlan, *, explicit_method: bool, explicit_k: bool) -> None:
         """Refuse (4xx) a plan this node cannot decode as asked; our engine decodes every plan."""
 

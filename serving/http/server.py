@@ -185,7 +185,8 @@ class ServingState(Replica):
                 n_drafts=n_drafts,
                 llma_n=llma_n,
             )
-        spec = method_spec(method or cfg.default_method)  # the one catalogue look-up of the request
+        default = getattr(self.node, "fixed_method", None) or cfg.default_method  # vLLM: the method it runs
+        spec = method_spec(method or default)  # the one catalogue look-up of the request
         k = k or min(spec.default_k, cfg.max_k)  # a default never exceeds the server's cap
         turns = [m.text for m in req.messages[:-1]] if chat else None
         refs = self._references(references, turns if spec.copies_references else None, spec)

@@ -53,6 +53,10 @@ class VLLMNode(ServingNode):
     def method(self) -> str:
         return SERVED_METHOD[self.speculation]
 
+    @property
+    def fixed_method(self) -> str:  # a request that names no method is reported as what vLLM ran
+        return self.method
+
     def check_plan(self, plan: DecodePlan, *, explicit_method: bool, explicit_k: bool) -> None:
         """400 for what vLLM cannot do as asked (the field named), before the request is queued."""
         if plan.mode in ("ralm", "knnlm"):

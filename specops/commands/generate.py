@@ -32,7 +32,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed (default: %(default)s); it reproduces a sample under a named method, "
+        "not under auto, which picks each step's drafter from measured timings",
+    )
     p.add_argument(
         "--k", type=int, default=None, help="tokens drafted per step (default: 3 for draft, 10 for pld and dresd)"
     )

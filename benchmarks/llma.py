@@ -74,7 +74,15 @@ from specops.core.sessions.ngram import NgramIndex  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
 from specops.serving.proposers.catalogue import LLMA_MAX_N  # noqa: E402
-from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, MIN_PATH, LLMAProposer, ReferenceSet  # noqa: E402
+from specops.serving.proposers.llma import (  # noqa: E402
+    COPY_FACTOR,
+    COPY_OFFSET,
+    MIN_AGREEMENT,
+    MIN_PATH,
+    SERVING_RULE,
+    LLMAProposer,
+    ReferenceSet,
+)
 
 log = logging.getLogger("benchmarks.llma")
 DOC_BEGIN = "<!-- BEGIN llma (written by benchmarks/llma.py; edits inside are overwritten) -->"
@@ -319,13 +327,7 @@ class Runner:
         if arm.startswith("llma"):
             # the headline arm copies as serving does (the length grows with the match, at most
             # k); the sweep arms (k given) copy k at every match, the paper's rule
-            rule = (
-                {}
-                if k is not None
-                else dict(
-                    copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET, min_agreement=MIN_AGREEMENT, min_path=MIN_PATH
-                )
-            )
+            rule = {} if k is not None else SERVING_RULE
             k = k or a.k
             t_index = time.perf_counter()
             if case.shared:

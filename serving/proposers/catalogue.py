@@ -185,13 +185,9 @@ def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
     refs = refs.plus(ReferenceSet.from_docs(res.retrieved, max_n=LLMA_MAX_N, source="retrieved"))
     past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
-    from specops.serving.proposers.llma import COPY_FACTOR, COPY_OFFSET, MIN_AGREEMENT, MIN_PATH
+    from specops.serving.proposers.llma import SERVING_RULE
 
-    adaptive = (
-        {}
-        if cfg.llma_fixed_k
-        else dict(copy_factor=COPY_FACTOR, copy_offset=COPY_OFFSET, min_agreement=MIN_AGREEMENT, min_path=MIN_PATH)
-    )
+    adaptive = {} if cfg.llma_fixed_k else SERVING_RULE
     return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1, **adaptive)
 
 

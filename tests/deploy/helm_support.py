@@ -11,10 +11,11 @@ What :func:`validate_object` checks:
   NetworkPolicy, ServiceAccount): ``kubernetes_validate`` in strict mode against the
   Kubernetes :data:`KUBE_VERSION` OpenAPI schemas, so unknown fields, wrong types and
   missing required fields fail.
-- **CRD kinds** (ServiceMonitor, PrometheusRule, ScaledObject, Strimzi Kafka / KafkaNodePool / KafkaTopic):
+- **CRD kinds** (ServiceMonitor, PrometheusRule, ScaledObject, Strimzi Kafka / KafkaNodePool / KafkaTopic,
+  Gateway API HTTPRoute):
   ``kubernetes_validate`` has no schema for them (it raises ``SchemaNotFoundError``), so they
   are checked against the small schemas in :data:`CRD_SCHEMAS`, written by hand from the
-  upstream CRDs (prometheus-operator v0.8x, KEDA 2.x, Strimzi 0.4x ``v1beta2``). They cover
+  upstream CRDs (prometheus-operator v0.8x, KEDA 2.x, Strimzi 0.4x ``v1beta2``, Gateway API v1.x ``v1``). They cover
   the fields this chart writes: required fields, enums, types and unknown keys at the levels
   the chart fills in, plus the operator-side rules the CRDs do not encode (KEDA trigger
   metadata values are strings; a prometheus trigger needs serverAddress, query and threshold;
@@ -370,9 +371,27 @@ SCALED_OBJECT = _crd(
                     **_PROMETHEUS_TRIGGER,
                 },
             },
+            "fallback": _obj(
+                {
+                    "failureThreshold": {"type": "integer", "minimum": 0},
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "behavior": {
+                        "enum": ["static", "currentReplicas", "currentReplicasIfHigher", "currentReplicasIfLower"]
+                    },
+                },
+                ["failureThreshold", "replicas"],
+            ),
+            "advanced": _obj(
+                {
+                    "horizontalPodAutoscalerConfig": _obj(
+                        {"name": {"type": "string"}, "behavior": _obj({"scaleUp": {}, "scaleDown": {}})}
+                    ),
+                    "restoreToOriginalReplicaCount": {"type": "boolean"},
+                },
+                extra=("scalingModifiers",),
+            ),
         },
         ["scaleTargetRef", "triggers"],
-        extra=("advanced", "fallback"),
     ),
 )
 
@@ -498,6 +517,81 @@ KAFKA_TOPIC = _crd(
     cluster_label=True,
 )
 
+_GATEWAY = "gateway.networking.k8s.io/v1"
+_GATEWAY_DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+HTTP_ROUTE = _crd(
+    _GATEWAY,
+    "HTTPRoute",
+    _obj(
+        {
+            "parentRefs": {
+                "type": "array",
+                "maxItems": 32,
+                "items": _obj(
+                    {
+                        "group": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "namespace": {"type": "string", "minLength": 1, "maxLength": 63},
+                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "sectionName": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "port": _PORT,
+                    },
+                    ["name"],
+                ),
+            },
+            "hostnames": {
+                "type": "array",
+                "maxItems": 16,
+                "items": {
+                    "type": "string",
+                    "pattern": r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                },
+            },
+            "rules": {
+                "type": "array",
+                "maxItems": 16,
+                "items": _obj(
+                    {
+                        "name": {"type": "string"},
+                        "matches": {
+                            "type": "array",
+                            "items": _obj(
+                                {
+                                    "path": _obj(
+                                        {
+                                            "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                            "value": {"type": "string", "pattern": "^/", "maxLength": 1024},
+                                        }
+                                    ),
+                                },
+                                extra=("headers", "queryParams", "method"),
+                            ),
+                        },
+                        "backendRefs": {
+                            "type": "array",
+                            "items": _obj(
+                                {
+                                    "group": {"type": "string"},
+                                    "kind": {"type": "string"},
+                                    "name": {"type": "string", "minLength": 1},
+                                    "namespace": {"type": "string"},
+                                    "port": _PORT,
+                                    "weight": {"type": "integer", "minimum": 0},
+                                },
+                                ["name", "port"],  # a Service backend needs its port (the CRD's CEL rule)
+                                extra=("filters",),
+                            ),
+                        },
+                        "timeouts": _obj({"request": _GATEWAY_DURATION, "backendRequest": _GATEWAY_DURATION}),
+                    },
+                    extra=("filters", "sessionPersistence", "retry"),
+                ),
+            },
+        },
+    ),
+)
+
 CRD_SCHEMAS: dict[tuple[str, str], dict] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
     ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE,
@@ -505,17 +599,18 @@ CRD_SCHEMAS: dict[tuple[str, str], dict] = {
     (_STRIMZI, "Kafka"): KAFKA,
     (_STRIMZI, "KafkaNodePool"): KAFKA_NODE_POOL,
     (_STRIMZI, "KafkaTopic"): KAFKA_TOPIC,
+    (_GATEWAY, "HTTPRoute"): HTTP_ROUTE,
 }
 
 
-def validate_object(obj: dict) -> str:
-    """Validate one rendered object; returns ``"builtin"`` or ``"crd"``.
+def validate_object(obj: dict, kube_version: str = KUBE_VERSION) -> str:
+    """Validate one rendered object (built-in kinds for ``kube_version``); returns ``"builtin"`` or ``"crd"``.
 
     Raises ``kubernetes_validate.ValidationError`` or ``jsonschema.ValidationError`` when it is
     invalid, and ``LookupError`` for a kind neither knows.
     """
     try:
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        kubernetes_validate.validate(obj, kube_version, strict=True)
         return "builtin"
     except kubernetes_validate.SchemaNotFoundError:
         schema = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))

@@ -24,7 +24,7 @@ COMPOSE_DIR = REPO / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
 COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
-ONE_SHOTS = {"kafka-init", "s3-init", "bootstrap", "kb"}
+ONE_SHOTS = {"kafka-init", "s3-init", "mlflow-db-upgrade", "bootstrap", "kb"}
 
 
 # ---------------------------------------------------------------- helpers
@@ -497,3 +497,28 @@ def test_train_toml_loads_as_specops_train_config():
         r"CREATE DATABASE (\w+)", "".join(p.read_text() for p in (COMPOSE_DIR / "postgres-init").glob("*.sql"))
     )
     assert store.path.lstrip("/") in created and store.path.lstrip("/") != resolve(env("postgres")["POSTGRES_DB"])
+
+
+def test_mlflow_schema_is_migrated_once_before_the_server_starts():
+    """One one-shot service runs ``mlflow db upgrade`` on MLflow's database; the server waits for it to succeed."""
+    argv = command("mlflow-db-upgrade")
+    assert argv[:3] == ["mlflow", "db", "upgrade"] and argv[3] == option(command("mlflow"), "--backend-store-uri")
+    assert build_target("mlflow-db-upgrade") == "trainer" == build_target("mlflow"), "the same MLflow as the server"
+    assert env("mlflow-db-upgrade")["PGPASSWORD"] == env("mlflow")["PGPASSWORD"]
+    assert SERVICES["mlflow"]["depends_on"]["mlflow-db-upgrade"] == {"condition": "service_completed_successfully"}
+    assert SERVICES["mlflow-db-upgrade"]["depends_on"]["postgres"] == {"condition": "service_healthy"}
+    upgrades = [
+        n for n, spec in SERVICES.items() if "command" in spec and command(n)[:3] == ["mlflow", "db", "upgrade"]
+    ]
+    assert upgrades == ["mlflow-db-upgrade"]
+
+
+def test_serving_stops_after_its_drain_not_before():
+    """``stop_grace_period`` covers serve.toml's shutdown_timeout_s, which covers the longest admitted request."""
+    from specops.serving.http.config import ServeConfig
+
+    cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})
+    assert cfg.shutdown_timeout_s >= cfg.queue_timeout_s + cfg.request_timeout_s
+    for name in ("serving", "serving-vllm"):
+        assert mounts(name)["/etc/specops/serve.toml"] == ("./serve.toml", "ro")
+        assert _seconds(SERVICES[name]["stop_grace_period"]) > cfg.shutdown_timeout_s, name

@@ -47,9 +47,10 @@ SPECOPS_CONTAINERS = (
     ("CronJob", "policy-fit", "policy-fit"),
 )
 TOPICS = ("spec.misses", "spec.generations", "spec.events", "spec.deadletter")
-SERVE_OWNED = {"host", "port", "model_dir", "api_keys", "engine"} | {
+SERVE_OWNED = {"host", "port", "model_dir", "api_keys", "engine", "shutdown_timeout_s"} | {
     name for name in ServeConfig.model_fields if name.startswith("vllm_") and name != "vllm_python"
-}  # engine and vllm_*: from serving.engine / serving.vllm (tests/deploy/test_helm_vllm.py)
+}  # engine and vllm_*: from serving.engine / serving.vllm (tests/deploy/test_helm_vllm.py); shutdown_timeout_s:
+# from the grace period (tests/deploy/test_helm_ops.py)
 TRAIN_OWNED = {"out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage"}
 
 
@@ -140,10 +141,10 @@ def test_serving_deployment_rolls_without_losing_capacity_and_probes_the_app():
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     startup = c["startupProbe"]
-    assert startup["httpGet"]["path"] == "/healthz"
+    assert startup["httpGet"] == {"path": "/readyz", "port": "http"}, "passes once the models are loaded"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "a model load may take minutes"
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 10}}
-    assert pod["terminationGracePeriodSeconds"] == 120
+    assert pod["terminationGracePeriodSeconds"] == 675, "the preStop sleep, a 660 s drain and a 5 s margin"
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert (
         c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -171,7 +172,8 @@ def test_pdb_service_and_monitor_select_exactly_the_serving_pods():
     def selects(selector):
         return {name for name, labels in pods.items() if selector.items() <= labels.items()}
 
-    assert selects(hs.one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]) == {"serving"}
+    assert selects(hs.one(objects, "PodDisruptionBudget", "serving")["spec"]["selector"]["matchLabels"]) == {"serving"}
+    assert selects(hs.one(objects, "PodDisruptionBudget", "mlflow")["spec"]["selector"]["matchLabels"]) == {"mlflow"}
     service = hs.one(objects, "Service", "serving")
     assert selects(service["spec"]["selector"]) == {"serving"}
     assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
@@ -352,11 +354,16 @@ def test_cronjobs_never_overlap_and_their_argv_parses_with_the_cli():
 
 
 def test_mlflow_migrates_its_database_first_and_keeps_secrets_out_of_its_args():
+    """One Job runs ``mlflow db upgrade``; every MLflow replica waits for the schema (tests/deploy/test_helm_ops.py
+    runs that wait against a real database)."""
     objects = hs.render(DEFAULT)
     mlflow = hs.one(objects, "Deployment", "mlflow")
     pod = hs.pod_spec(mlflow)
     uri = "postgresql+psycopg2://mlflow@postgresql.db.svc:5432/mlflow"
-    (init,) = pod["initContainers"]
+    (wait,) = pod["initContainers"]
+    assert wait["name"] == "wait-for-schema" and hs.literal_env(wait)["MLFLOW_BACKEND_STORE_URI"] == uri
+    job = hs.one(objects, "Job", "mlflow-db-upgrade")
+    (init,) = job["spec"]["template"]["spec"]["containers"]
     assert init["command"] == ["mlflow", "db", "upgrade", uri]
     server = hs.container(mlflow, "mlflow")
     argv = server["command"] + server["args"]
@@ -368,7 +375,7 @@ def test_mlflow_migrates_its_database_first_and_keeps_secrets_out_of_its_args():
     assert f"{hs.RELEASE}-specops-mlflow" in allowed and f"{hs.RELEASE}-specops-mlflow:*" in allowed
     assert server["readinessProbe"]["httpGet"]["path"] == "/health" == server["livenessProbe"]["httpGet"]["path"]
     secret = hs.one(objects, "Secret")
-    for c in (init, server):
+    for c in (init, wait, server):
         password = next(e for e in c["env"] if e["name"] == "PGPASSWORD")
         assert password["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "postgres-password"}
     assert secret["stringData"]["postgres-password"] == "change-me"
@@ -630,7 +637,7 @@ def test_schema_config_fields_track_the_app():
         ({"trainer": {"gpus": "two"}}, "/trainer/gpus"),
         ({"serving": {"config": {"max_queue": "many"}}}, "/serving/config/max_queue"),
         ({"trainer": {"config": {"loss": "mse"}}}, "/trainer/config/loss"),
-        ({"models": {"existingClaim": ""}}, "/models/existingClaim"),
+        ({"models": {"fill": {"mode": "http"}}}, "/models/fill/mode"),
         ({"trainer": {"zeroStage": 3}}, "/trainer/zeroStage"),
         ({"trainer": {"config": {"metrics_port": 9000}}}, "'metrics_port'"),
     ],
@@ -647,7 +654,7 @@ def test_schema_config_fields_track_the_app():
         "wrong-type",
         "wrong-type-serve-field",
         "bad-loss",
-        "no-models-claim",
+        "bad-fill-mode",
         "bad-zero-stage",
         "chart-owned-metrics-port",
     ],
@@ -694,7 +701,8 @@ def test_inconsistent_values_fail_with_what_to_change(values, message):
 def test_notes_say_where_things_are_and_warn_about_the_upstream_mlflow_image():
     text = hs.notes(DEFAULT)
     assert "kafka://kafka.streams.svc:9092" in text and f"http://{hs.RELEASE}-specops-mlflow:5000" in text
-    assert "lacks psycopg2 and boto3" in text
-    assert "lacks psycopg2" not in hs.notes(GPU), "the trainer image has them"
+    assert "lacks psycopg2" not in text and "lacks psycopg2" not in hs.notes(GPU), "the trainer image has them"
+    upstream = {"mlflow": {"image": {"repository": "ghcr.io/mlflow/mlflow", "tag": "v3.17.2"}}}
+    assert "lacks psycopg2 and boto3" in hs.notes(DEFAULT, upstream)
     assert "serving.serviceMonitor is off" not in hs.notes(GPU)
     assert "serving.serviceMonitor is off" in hs.notes(GPU, {"serving": {"serviceMonitor": {"enabled": False}}})

@@ -181,7 +181,7 @@ def test_lite_network_policy_admits_only_this_releases_pods():
     clients = [
         hs.one(objects, "Deployment", n)["spec"]["template"]["metadata"]["labels"] for n in ("serving", "trainer")
     ]
-    clients.append(hs.one(objects, "Job")["spec"]["template"]["metadata"]["labels"])
+    clients.append(hs.one(objects, "Job", "kb-build")["spec"]["template"]["metadata"]["labels"])
     assert all(peer["podSelector"]["matchLabels"].items() <= labels.items() for labels in clients)
 
 

@@ -82,12 +82,12 @@ def test_cpu_vllm_renders_the_serving_vllm_image_and_the_vllm_fields():
 
 
 def test_vllm_start_lengthens_the_startup_probe_and_the_rollout_deadline():
-    """/healthz answers before the models load, so the startup probe only ever needs the process; the rollout
-    does wait for /readyz, which with vLLM comes after the first server's start (minutes on a CPU)."""
+    """The startup probe waits for /readyz, which with vLLM comes after the first server's start (minutes on a
+    CPU): its budget and the rollout's deadline grow by vllm_start_timeout_s."""
     _, plain, _ = _serving(DEFAULT)
     for set_values in (CPU_VLLM, {"serving": {"engine": "vllm", "vllm": {"startTimeoutS": 1234.5}}}):
         deployment, c, cfg = _serving(DEFAULT, set_values)
-        assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["startupProbe"]["httpGet"]["path"] == "/readyz"
         assert _startup_budget_s(c) >= _startup_budget_s(plain) + math.ceil(cfg.vllm_start_timeout_s)
         assert deployment["spec"]["progressDeadlineSeconds"] > _startup_budget_s(c)
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"

@@ -2,8 +2,10 @@
 
 ``serving.config`` becomes serve.toml, so its keys are ServeConfig's fields (serving/http/config.py);
 ``trainer.config`` becomes train.toml, so its keys are ``specops train``'s long options with ``-``
-as ``_``. Both lists are generated here, with each field's type, choices and help, so that a typo
-or a wrong type fails at ``helm install`` rather than when the pod starts. The fields the chart
+as ``_``. Both lists are taken from pydantic's own JSON schema of the settings models that read
+those files (``ServeConfig.model_json_schema()``, and the model ``specops/config_file.py`` generates
+from train's options), with each field's type, choices and help, so that a typo or a wrong type
+fails at ``helm install`` rather than when the pod starts. The fields the chart
 sets itself are left out (the schema then refuses them). ``serving.engine`` and the ServeConfig
 fields under ``serving.vllm`` (:data:`VLLM_VALUES`) are generated too, with their bounds; the rest
 of the schema (``serving.vllm.image``, ``serving.vllm.gpuMemoryUtilization``, ...) is maintained by hand.
@@ -18,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-import typing
 from pathlib import Path
 
 SCHEMA = Path(__file__).resolve().parents[1] / "specops" / "values.schema.json"
@@ -33,40 +33,30 @@ VLLM_VALUES = {
     "startTimeoutS": "vllm_start_timeout_s",
 }
 """``serving.vllm.<value>`` -> the ServeConfig field the chart renders it as (with ``serving.engine`` as ``engine``)."""
-SERVE_OWNED = ("host", "port", "model_dir", "api_keys", "engine", *VLLM_VALUES.values())
+SERVE_OWNED = ("host", "port", "model_dir", "api_keys", "engine", "shutdown_timeout_s", *VLLM_VALUES.values())
 """serve.toml fields the chart sets (api_keys: from a Secret, as $SPECOPS_API_KEYS; engine and vllm_*: from
-serving.engine and serving.vllm, because they also pick the image, the probes and the GPU settings)."""
+serving.engine and serving.vllm, because they also pick the image, the probes and the GPU settings;
+shutdown_timeout_s: from serving.terminationGracePeriodSeconds, preStopSleepSeconds and drainMarginSeconds)."""
 _BOUNDS = ("enum", "type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 TRAIN_OWNED = ("out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage")
 """train.toml keys the chart sets (metrics_port from trainer.metrics.port, zero_stage from trainer.zeroStage)."""
-_DEFAULT_NOTE = re.compile(r"\s*\(default(?:[^()]|\([^()]*\))*\)")
-"""An argparse help's "(default: %(default)s)" note, nested parentheses included."""
 
 
-def _pydantic_type(annotation) -> dict:
-    if typing.get_origin(annotation) is typing.Literal:
-        return {"enum": list(typing.get_args(annotation))}
-    if typing.get_origin(annotation) is list:
-        return {"type": "array", "items": {"type": "string"}}
-    types = {bool: "boolean", int: "integer", float: "number", str: "string"}
-    if annotation not in types:
-        raise TypeError(f"no JSON type for {annotation!r}: extend _pydantic_type")
-    return {"type": types[annotation]}
+def _key(prop: dict) -> dict:
+    """A values schema entry from a pydantic JSON schema property: its choices (``enum`` alone) or its type
+    (``items`` too for a list), and its description."""
+    kind = {"enum": prop["enum"]} if "enum" in prop else {k: prop[k] for k in ("type", "items") if k in prop}
+    if not kind:
+        raise TypeError(f"no JSON type in {prop!r}: give the field a plain type")
+    return {**kind, "description": prop["description"]}
 
 
 def serve_config_schema() -> dict:
     from specops.serving.http.config import ServeConfig
 
-    enums = {  # fields whose choices are read when asked (default_method: the method catalogue's)
-        name: {"enum": prop["enum"]}
-        for name, prop in ServeConfig.model_json_schema()["properties"].items()
-        if "enum" in prop
-    }
-    props = {
-        name: {**enums.get(name, _pydantic_type(f.annotation)), "description": f.description}
-        for name, f in ServeConfig.model_fields.items()
-        if name not in SERVE_OWNED
-    }
+    # default_method's choices are the method catalogue's, read when the schema is asked for
+    properties = ServeConfig.model_json_schema()["properties"]
+    props = {name: _key(prop) for name, prop in properties.items() if name not in SERVE_OWNED}
     return {
         "type": "object",
         "additionalProperties": False,
@@ -85,26 +75,13 @@ def serve_field_schema(name: str) -> dict:
 
 
 def train_config_schema() -> dict:
-    from specops.cli import build_parser
-    from specops.config_file import options_of
+    from specops.commands import train
+    from specops.config_file import options_model
 
-    train = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
-    props = {}
-    for key, action in options_of(train).items():
-        if key in TRAIN_OWNED:
-            continue
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            prop = {"type": "boolean"}
-        elif action.choices:
-            prop = {"enum": list(action.choices)}
-        elif action.type is float:
-            prop = {"type": "number"}
-        elif action.type is not None and action.type is not str:
-            prop = {"type": "integer"}
-        else:
-            prop = {"type": "string"}
-        prop["description"] = _DEFAULT_NOTE.sub("", action.help or "").replace("%%", "%")
-        props[key] = prop
+    sub = argparse.ArgumentParser().add_subparsers()
+    train.add_parser(sub)
+    properties = options_model(sub.choices["train"], "train").model_json_schema()["properties"]
+    props = {key: _key(prop) for key, prop in properties.items() if key not in TRAIN_OWNED}
     return {
         "type": "object",
         "additionalProperties": False,

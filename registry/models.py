@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import tenacity
+
 from specops.registry import artifacts
 from specops.registry.config import RegistryConfig
 from specops.registry.errors import (
@@ -35,6 +37,25 @@ from specops.registry.kinds import KINDS, kind_of
 from specops.registry.version import CHAMPION, AliasChange, ArtifactVersion, now
 
 log = logging.getLogger(__name__)
+
+
+def _retrying(retries: int) -> tenacity.Retrying:
+    """Retry a :class:`RegistryUnavailableError` ``retries`` times, after 0.05 s doubling per
+    try (capped at 2 s) plus up to 0.05 s of jitter, so two racing writers drift apart; a
+    warning per retry, and the last error re-raised as it is."""
+
+    def warn(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        sleep = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("%s (attempt %d/%d); retrying in %.2fs", exc, state.attempt_number, retries + 1, sleep)
+
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(RegistryUnavailableError),
+        stop=tenacity.stop_after_attempt(retries + 1),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.05),
+        before_sleep=warn,
+        reraise=True,
+    )
 
 
 class ModelStore:
@@ -217,25 +238,19 @@ class ModelStore:
     def _create_version(
         self, name: str, source: str, run_id: str, tags: dict, source_id: str | None, retries: int
     ) -> ArtifactVersion:
-        """create_model_version, retried on a version-number race with another writer. Before
-        each retry, look for the version by ``source_id``: a call that failed on the way back
-        may have created it."""
-        delay = 0.05
-        for attempt in range(retries + 1):
-            try:
+        """create_model_version, retried on a version-number race with another writer (up to
+        ``retries`` more tries, :func:`_retrying`). Before each retry, look for the version by
+        ``source_id``: a call that failed on the way back may have created it."""
+        for attempt in _retrying(retries):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1 and source_id is not None:
+                    if (found := self.find_source(name, source_id)) is not None:
+                        return found
                 with self.call(f"create a version of {name}"):
                     return self._to_version(
                         self.client.create_model_version(name, source=source, run_id=run_id, tags=tags)
                     )
-            except RegistryUnavailableError as exc:
-                if attempt == retries:
-                    raise
-                log.warning("%s (attempt %d/%d); retrying", exc, attempt + 1, retries + 1)
-                time.sleep(delay)
-                delay *= 2
-                if source_id is not None and (found := self.find_source(name, source_id)) is not None:
-                    return found
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable: _retrying re-raises the last error")
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         with self.call(f"set {name}@{alias}"):

@@ -5,7 +5,7 @@
 
 The record and the numbers of ``summary.json`` (α, acceptance, speedups: what each means) are in
 :mod:`specops.report_data`; the plots in :mod:`specops.report_plots`; this module writes the
-files and renders the HTML page.
+files and renders the HTML page from ``specops/templates/report.html.j2``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
-import html
 import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import jinja2
 
 from specops.report_data import (
     WINDOW,
@@ -41,31 +42,51 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------- HTML
 
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1150px;
-color:#222;padding:0 1em}h1{margin-bottom:.2em}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.6em 0;font-size:.92em}th,td{border:1px solid #ddd;padding:.3em .6em;
-text-align:left;vertical-align:top}th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.meta{color:#555}.note{background:#fff6d6;border-left:4px solid #e0b000;padding:.4em .8em;margin:.3em 0}
-.up{color:#1a7f37}.down{color:#c62828}.bad{color:#c62828;font-weight:bold}tr.champion{background:#eef8ee}
-img{max-width:100%;border:1px solid #eee}code{background:#f4f4f4;padding:0 .2em}
-"""
+# the page is specops/templates/report.html.j2 (package data); autoescaping is on, so every value
+# printed there (cluster names, notes, registry tags, URLs) is escaped, and nothing here writes HTML
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("specops", "templates"),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+)
 
 
 @dataclass(frozen=True)
-class _Raw:
-    """A table cell whose HTML is already escaped."""
+class Cell:
+    """A table cell: plain text (the template escapes it) and its CSS class."""
 
-    html: str
+    text: str
     css: str = ""
 
 
-def _e(x: Any) -> str:
-    return html.escape(str(x))
+@dataclass(frozen=True)
+class Row:
+    cells: list[Cell]
+    css: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table for the template's ``table`` macro; no rows renders as "none"."""
+
+    header: list[str]
+    rows: list[Row]
+
+
+@dataclass(frozen=True)
+class Image:
+    """A PNG inlined as a data URI, linked to its file beside ``index.html``."""
+
+    name: str
+    alt: str
+    data: str  # base64
 
 
 def _fmt(v: Any, nd: int = 3) -> str:
-    """A value as escaped cell text: None / nan as an em dash, floats rounded, lists joined."""
+    """A value as cell text: None / nan as an em dash, floats rounded, lists joined."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "—"
     if isinstance(v, bool):
@@ -73,65 +94,48 @@ def _fmt(v: Any, nd: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{nd}f}"
     if isinstance(v, (list, tuple)):
-        return _e(", ".join(str(x) for x in v))
+        return ", ".join(str(x) for x in v)
     if isinstance(v, dict):
-        return _e(json.dumps(strict_json(v), default=str))
-    return _e(v)
+        return json.dumps(strict_json(v), default=str)
+    return str(v)
 
 
-def _num(v: float | None, spec: str = ".3f", suffix: str = "") -> Any:
+def _cell(v: Any) -> Cell:
+    """A :class:`Cell` as is; numbers right-aligned; anything else formatted by :func:`_fmt`."""
+    if isinstance(v, Cell):
+        return v
+    num = isinstance(v, (int, float)) and not isinstance(v, bool)
+    return Cell(_fmt(v), "num" if num else "")
+
+
+def _num(v: float | None, spec: str = ".3f", suffix: str = "") -> Cell | None:
     """A right-aligned number cell in the given format; an em dash when missing."""
     if v is None or not math.isfinite(v):
         return None
-    return _Raw(_e(f"{v:{spec}}{suffix}"), "num")
+    return Cell(f"{v:{spec}}{suffix}", "num")
 
 
-def _table(header: list[str], rows: list[list[Any]], row_class: list[str] | None = None) -> str:
-    """An HTML table; cells are values for :func:`_fmt` or :class:`_Raw`."""
-    out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>"]
-    for i, row in enumerate(rows):
-        cls = f' class="{row_class[i]}"' if row_class and row_class[i] else ""
-        cells = []
-        for v in row:
-            if isinstance(v, _Raw):
-                cells.append(f'<td class="{v.css}">{v.html}</td>')
-            else:
-                num = isinstance(v, (int, float)) and not isinstance(v, bool)
-                cells.append(f"<td{' class=num' if num else ''}>{_fmt(v)}</td>")
-        out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
-    return "\n".join(out) + "</table>" if rows else "<p class=meta>none</p>"
+def _table(header: list[str], rows: list[list[Any]], row_class: list[str] | None = None) -> Table:
+    """A :class:`Table`; cells are values for :func:`_fmt` or :class:`Cell`."""
+    return Table(
+        [str(h) for h in header],
+        [Row([_cell(v) for v in row], row_class[i] if row_class else "") for i, row in enumerate(rows)],
+    )
 
 
-def _img(path: Path, alt: str) -> str:
-    data = base64.b64encode(path.read_bytes()).decode()
-    return f'<a href="{_e(path.name)}"><img alt="{_e(alt)}" src="data:image/png;base64,{data}"></a>'
+def _img(path: Path, alt: str) -> Image:
+    return Image(path.name, alt, base64.b64encode(path.read_bytes()).decode())
 
 
 def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
     """The report page; the PNGs in ``out_dir`` are inlined so the file stands alone."""
     s = summary
-    links = "".join(
-        f'<li>{label}: <a href="{_e(url)}">{_e(url)}</a></li>'
-        for label, url in (("MLflow UI", run.mlflow_ui_url), ("API", run.api_url))
-        if url
-    )
-    parts = [
-        "<!doctype html><html lang=en><head><meta charset=utf-8><title>specops closed-loop demo</title>",
-        f"<style>{CSS}</style></head><body><h1>specops closed-loop demo</h1>",
-        (
-            f"<p class=meta>started {_e(run.started_at)} · duration {run.duration_s:.1f} s · "
-            f'{s["requests"]} requests · <span class="{"bad" if s["failed_requests"] else ""}">'
-            f"{s['failed_requests']} failed</span></p>"
-        ),
-    ]
-    if links:
-        parts.append(f"<ul>{links}</ul><p class=meta>These links only work while the demo is running.</p>")
-    parts += [f"<div class=note>{_e(n)}</div>" for n in run.notes]
+    links = [(label, url) for label, url in (("MLflow UI", run.mlflow_ui_url), ("API", run.api_url)) if url]
 
     rows = []
     for name, c in s["clusters"].items():
         d = c["alpha_delta"]
-        delta = _Raw(f"{d:+.3f}", "num up" if d > 0 else "num down" if d < 0 else "num") if d is not None else None
+        delta = Cell(f"{d:+.3f}", "num up" if d > 0 else "num down" if d < 0 else "num") if d is not None else None
         rows.append(
             [
                 name,
@@ -151,53 +155,31 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
                 _num(c["speedup_vs_static"], ".2f", "×"),
             ]
         )
-    missing = (
-        ""
-        if has_alpha(run) or not run.requests
-        else (
-            " <b>The server did not report rejected steps (<code>speculation.rejected_steps</code>), so α is not "
-            "known here: read the acceptance columns.</b>"
-        )
+    clusters = _table(
+        [
+            "cluster",
+            "requests",
+            f"α first {WINDOW}",
+            f"α last {WINDOW}",
+            "Δα",
+            "α first half",
+            "α last half",
+            "acceptance first half",
+            "acceptance last half",
+            "α by phase",
+            "promotions",
+            "rollbacks",
+            "draft versions served",
+            "speedup vs target-only",
+            "speedup vs static draft",
+        ],
+        rows,
     )
-    parts += [
-        "<h2>Summary per cluster</h2>",
-        _table(
-            [
-                "cluster",
-                "requests",
-                f"α first {WINDOW}",
-                f"α last {WINDOW}",
-                "Δα",
-                "α first half",
-                "α last half",
-                "acceptance first half",
-                "acceptance last half",
-                "α by phase",
-                "promotions",
-                "rollbacks",
-                "draft versions served",
-                "speedup vs target-only",
-                "speedup vs static draft",
-            ],
-            rows,
-        ),
-        (
-            f"<p class=meta>α = Σ accepted / (Σ accepted + Σ rejected steps) over a cluster's first / last {WINDOW} "
-            "successful requests (windows overlap when a cluster has fewer than 200): the OSD paper's per-token "
-            "acceptance rate, a rejected step being a verification step that ended in a rejection. Acceptance = "
-            "Σ accepted / Σ drafted over the same requests (smaller: it also counts the tokens drafted after a "
-            "rejection, never tried). Speedups are online-draft tokens/s over target-only / static-draft tokens/s on "
-            f"the eval prompts.{missing}</p>"
-        ),
-        "<h2>Acceptance over time</h2>",
-        _img(out_dir / "alpha.png", "α over time per cluster"),
-        "<h2>Speed</h2>",
-        _img(out_dir / "speedup.png", "tokens/s per method and cluster"),
-    ]
+
     speed_rows = []
     for r in sorted(run.speed, key=lambda r: (r.cluster, METHODS.index(r.method) if r.method in METHODS else 9)):
         ratio = speed_ratio(r, speeds_of(run, r.cluster).get("target-only"))
-        ident = _Raw("yes") if r.identical else _Raw("NO", "bad")
+        ident = Cell("yes") if r.identical else Cell("NO", "bad")
         speed_rows.append(
             [
                 r.cluster,
@@ -211,52 +193,51 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
                 ident,
             ]
         )
-    parts.append(
-        _table(
-            [
-                "cluster",
-                "method",
-                "draft version",
-                "tokens/s",
-                "× target-only",
-                "α",
-                "acceptance",
-                "prompts",
-                "identical to target-only (greedy)",
-            ],
-            speed_rows,
-        )
+    speed = _table(
+        [
+            "cluster",
+            "method",
+            "draft version",
+            "tokens/s",
+            "× target-only",
+            "α",
+            "acceptance",
+            "prompts",
+            "identical to target-only (greedy)",
+        ],
+        speed_rows,
     )
 
     keys = list(dict.fromkeys(k for v in run.registry_versions for k in v))
     champion = ["champion" if "champion" in (v.get("aliases") or []) else "" for v in run.registry_versions]
-    parts += [
-        "<h2>Registry versions</h2>",
-        _table(keys, [[v.get(k) for k in keys] for v in run.registry_versions], champion),
-    ]
-    parts += [
-        "<h2>Promotions and rollbacks</h2>",
-        _table(
+    tables = {
+        "clusters": clusters,
+        "speed": speed,
+        "versions": _table(keys, [[v.get(k) for k in keys] for v in run.registry_versions], champion),
+        "promotions": _table(
             ["t (s)", "cluster", "kind", "version", "reason"],
             [
                 [_num(p.t, ".1f"), p.cluster, p.kind, version_label(p.version), p.reason]
                 for p in sorted(run.promotions, key=lambda p: p.t)
             ],
         ),
-    ]
-    parts += [
-        "<h2>Workload phases</h2>",
-        _table(
+        "phases": _table(
             ["phase", "start (s)", "end (s)"], [[p, _num(a, ".1f"), _num(b, ".1f")] for p, a, b in phase_spans(run)]
         ),
-    ]
-    parts += [
-        "<h2>Config</h2>",
-        _table(["setting", "value"], [[k, v] for k, v in run.config.items()]),
-        "<p class=meta>Full data: <a href=run.json>run.json</a> · <a href=summary.json>summary.json</a></p>",
-        "</body></html>",
-    ]
-    return "\n".join(parts)
+        "config": _table(["setting", "value"], [[k, v] for k, v in run.config.items()]),
+    }
+    return _ENV.get_template("report.html.j2").render(
+        run=run,
+        s=s,
+        links=links,
+        window=WINDOW,
+        missing_alpha=bool(run.requests) and not has_alpha(run),
+        tables=tables,
+        images={
+            "alpha": _img(out_dir / "alpha.png", "α over time per cluster"),
+            "speedup": _img(out_dir / "speedup.png", "tokens/s per method and cluster"),
+        },
+    )
 
 
 def write_report(run: DemoRun, out_dir: Path) -> Path:

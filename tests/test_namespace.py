@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tomllib
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,15 @@ def test_the_package_list_names_every_folder_and_maps_each_top_level_one():
     cfg = _setuptools()
     assert set(cfg["packages"]) == _folder_packages(), "pyproject.toml's [tool.setuptools] packages is out of date"
     assert {k: v for k, v in cfg["package-dir"].items() if k != "specops"} == {f"specops.{t}": t for t in MAPPED}
+
+
+def test_package_data_names_every_template():
+    """The wheel (the Docker image's ``pip install .``) carries the report's Jinja2 templates."""
+    from fnmatch import fnmatch
+
+    patterns = _setuptools()["package-data"]["specops"]
+    templates = [f.relative_to(ROOT / "specops").as_posix() for f in (ROOT / "specops" / "templates").rglob("*.j2")]
+    assert templates and all(any(fnmatch(t, pat) for pat in patterns) for t in templates), (templates, patterns)
 
 
 def test_no_module_is_imported_under_a_bare_top_level_name():
@@ -92,6 +102,8 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
         cwd=tmp_path,
     )
     (wheel,) = wheels.glob("specops-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert "specops/templates/report.html.j2" in zf.namelist(), "the report template is package data"
     env = tmp_path / "clean"
     venv.EnvBuilder(with_pip=True).create(env)
     py = env / "bin" / "python"
@@ -111,9 +123,10 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
     (Path(site) / "zz_dev_deps.pth").write_text(deps + "\n")  # after the clean venv's own packages
     code = (
         "import trainer, specops, specops.trainer.online, specops.serving.http.server, specops.registry.store\n"
-        "import specops.streams.kafka, os, sys\n"
+        "import specops.streams.kafka, specops.report, os, sys\n"
         "assert hasattr(trainer, 'Trainer') and not trainer.__file__.startswith(os.path.dirname(specops.__file__))\n"
         "assert specops.trainer.online.__file__.startswith(sys.argv[1]), specops.trainer.online.__file__\n"
+        "assert specops.report._ENV.get_template('report.html.j2').filename.startswith(sys.argv[1])\n"
         "print('ok', trainer.__file__, specops.trainer.online.__file__)\n"
     )
     done = subprocess.run([py, "-c", code, site], cwd=tmp_path, capture_output=True, text=True, timeout=300)

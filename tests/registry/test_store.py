@@ -12,7 +12,9 @@ from specops.registry import (
     CHALLENGER,
     CHAMPION,
     ArtifactIntegrityError,
+    RegistryConfig,
     RegistryStore,
+    RegistryUnavailableError,
     VersionNotFoundError,
     decide,
 )
@@ -145,3 +147,41 @@ def test_gate_with_a_standard_error_promotes_only_wins_beyond_noise():
     assert clear.promoted and "± 0.0200" in clear.reason
     assert not decide("3", "2", 0.49, 0.50, stderr=0.001, **kw).promoted  # a loss is never promoted
     assert decide("3", "2", 0.49, 0.50, stderr=0.05, **{**kw, "margin": -1.0}).promoted  # -1: every candidate
+
+
+def test_create_version_retries_an_unavailable_store_and_finds_a_lost_reply(sqlite_uri, cluster, tiny_models, caplog):
+    """create_model_version failing as unavailable is retried (a warning each time) up to ``retries``
+    more times, then re-raised; a try whose reply was lost is found by ``source_id``, not repeated."""
+    from mlflow.exceptions import MlflowException
+
+    reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
+    real = reg.models.client.create_model_version
+    calls: list[str] = []
+
+    def flaky(*args, fail: int = 2, lose: bool = False, **kw):
+        calls.append("try")
+        if len(calls) <= fail:
+            raise MlflowException("database is locked")
+        created = real(*args, **kw)
+        if lose and len(calls) == fail + 1:
+            raise MlflowException("connection reset after the commit")
+        return created
+
+    reg.models.client.create_model_version = flaky
+    with caplog.at_level("WARNING", logger="specops.registry.models"):
+        v1 = _register(reg, cluster, tiny_models / "draft", 0.4)
+    assert v1.version == "1" and len(calls) == 3
+    retried = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retried) == 2 and "database is locked (attempt 1/6)" in retried[0] and "(attempt 2/6)" in retried[1]
+
+    calls.clear()
+    reg.models.client.create_model_version = lambda *a, **kw: flaky(*a, fail=0, lose=True, **kw)
+    v2 = _register(reg, cluster, tiny_models / "draft", 0.5, source_id="t/lost")
+    assert (v2.version, v2.tags["source_id"], len(calls)) == ("2", "t/lost", 1)  # found, not created again
+    assert [v.version for v in reg.models.versions(v2.name)] == ["1", "2"]
+
+    calls.clear()
+    reg.models.client.create_model_version = lambda *a, **kw: flaky(*a, fail=99, **kw)
+    with pytest.raises(RegistryUnavailableError, match="database is locked"):
+        _register(reg, cluster, tiny_models / "draft", 0.6, retries=1)
+    assert len(calls) == 2

@@ -187,7 +187,7 @@ def test_write_report_files_and_html(tmp_path):
     assert _strict_loads((out / "summary.json").read_text()) == _strict_loads(json.dumps(summarize(run)))
     page = index.read_text()
     assert "<title>specops closed-loop demo</title>" in page
-    assert "<script>" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert "<script>" not in page and "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;" in page
     assert "offline α 0.66 &gt; 0.61" in page and "champion" in page  # the registry table, escaped
     assert "v3" in page and "v5" in page and "rollback" in page
     assert "http://127.0.0.1:5000" in page and "only work while the demo is running" in page
@@ -332,3 +332,41 @@ def test_edge_cases_no_drafts_no_promotions_no_speed(tmp_path):
     write_report(empty, tmp_path / "empty")
     assert _strict_loads((tmp_path / "empty" / "summary.json").read_text())["clusters"] == {}
     assert (tmp_path / "empty" / "alpha.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_user_strings_are_escaped_everywhere(tmp_path):
+    """Cluster names, prompts' phases, registry tags and URLs reach the page escaped (the template
+    autoescapes); the page's own markup is not."""
+    hostile = '<b onclick="x()">c&d</b>'
+    rows = [
+        RequestRow(
+            t=float(i),
+            cluster=hostile,
+            phase=hostile,
+            drafted=2,
+            accepted=1,
+            draft_version=hostile,
+            latency_s=0.1,
+            num_generated=4,
+            rejected_steps=1,
+        )
+        for i in range(3)
+    ]
+    run = DemoRun(
+        started_at=hostile,
+        duration_s=3.0,
+        config={hostile: hostile},
+        requests=rows,
+        promotions=[Promotion(t=1.0, cluster=hostile, version="2", reason=hostile)],
+        speed=[SpeedRow(hostile, "static draft", hostile, 10.0, 0.4, 2, True)],
+        registry_versions=[{hostile: hostile, "aliases": ["champion"]}],
+        mlflow_ui_url='http://127.0.0.1:5000/"><script>x()</script>',
+        api_url=None,
+        notes=[hostile],
+    )
+    page = write_report(run, tmp_path).read_text()
+    assert "<b " not in page and "<script>" not in page and "c&d" not in page
+    escaped = "&lt;b onclick=&#34;x()&#34;&gt;c&amp;d&lt;/b&gt;"
+    assert page.count(escaped) >= 10  # cluster, phase, versions, config, promotion, speed, registry, note, start
+    assert 'href="http://127.0.0.1:5000/&#34;&gt;&lt;script&gt;x()&lt;/script&gt;"' in page
+    assert '<tr class="champion">' in page and "<h2>Registry versions</h2>" in page

@@ -50,7 +50,8 @@ def add_registry_args(p: argparse.ArgumentParser, *, events: bool = True) -> Non
         default="default",
         metavar="URI",
         help="MLflow store: sqlite:////abs/mlflow.db, postgresql://user@host:5432/db or http://host:port "
-        "(default: $SPECOPS_REGISTRY_URI, else SQLite under the data directory)",
+        "(default: $SPECOPS_REGISTRY_URI, else SQLite under the data directory) "
+        "(env: SPECOPS_REGISTRY_URI, SPECOPS_REGISTRY_ARTIFACTS, SPECOPS_DATA_DIR)",
     )
     if events:
         p.add_argument(
@@ -59,7 +60,7 @@ def add_registry_args(p: argparse.ArgumentParser, *, events: bool = True) -> Non
             metavar="URL",
             help="announce promotions and rollbacks as ModelEvents on this stream's spec.events, so "
             "serving swaps at once ('none': serving picks the change up at its next poll) "
-            "(default: %(default)s)",
+            "(default: %(default)s) (env: SPECOPS_STREAM_URL, else SPECOPS_DATA_DIR/streams)",
         )
 
 

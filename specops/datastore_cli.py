@@ -136,7 +136,11 @@ def add_parser(sub) -> None:
         "out-of-distribution fallback for clusters without a datastore of their own.",
     )
     add_registry_args(q)
-    q.add_argument("--model-dir", default=str(models_dir()), help="bootstrap directory (default: %(default)s)")
+    q.add_argument(
+        "--model-dir",
+        default=str(models_dir()),
+        help="bootstrap directory (default: %(default)s) (env: SPECOPS_DATA_DIR)",
+    )
     q.add_argument(
         "--documents",
         default=None,

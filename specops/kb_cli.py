@@ -230,7 +230,7 @@ def add_parser(sub) -> None:
         help="--backend milvus: a Milvus Lite database path ending in .db (embedded: one process at a time) or "
         "http://HOST:PORT of a Milvus server or `milvus-lite server`; recorded in the manifest, and serving may "
         "override it with SPECOPS_MILVUS_URI (token: SPECOPS_MILVUS_TOKEN, never recorded) "
-        "(default: DATA_DIR/milvus/kb.db)",
+        "(default: DATA_DIR/milvus/kb.db) (env: SPECOPS_MILVUS_URI, SPECOPS_DATA_DIR)",
     )
     q.add_argument(
         "--retrievers",
@@ -271,7 +271,7 @@ def add_parser(sub) -> None:
         "--model-dir",
         default=str(models_dir()),
         help="bootstrap directory: its target's tokenizer counts --max-tokens and its manifest names the "
-        "held-out files (default: %(default)s)",
+        "held-out files (default: %(default)s) (env: SPECOPS_DATA_DIR)",
     )
     q.add_argument(
         "--tokenizer",

@@ -141,7 +141,7 @@ def add_parser(sub) -> None:
         dest="model_dir",
         default=str(models_dir()),
         metavar="DIR",
-        help="bootstrap directory; its target/ makes the keys (default: %(default)s)",
+        help="bootstrap directory; its target/ makes the keys (default: %(default)s) (env: SPECOPS_DATA_DIR)",
     )
     q.add_argument(
         "--source",

@@ -165,7 +165,11 @@ def add_parser(sub) -> None:
         "no champion yet (or with --promote).",
     )
     add_registry_args(q)
-    q.add_argument("--model-dir", default=str(models_dir()), help="bootstrap directory (default: %(default)s)")
+    q.add_argument(
+        "--model-dir",
+        default=str(models_dir()),
+        help="bootstrap directory (default: %(default)s) (env: SPECOPS_DATA_DIR)",
+    )
     q.add_argument("--embedder", choices=EMBEDDERS, default="minilm", help="prompt embedder (default: %(default)s)")
     q.add_argument("--per-domain", type=int, default=200, help="snippets per domain (default: %(default)s)")
     q.add_argument("--seed", type=int, default=0, help="snippet sampling seed (default: %(default)s)")
@@ -180,7 +184,11 @@ def add_parser(sub) -> None:
         "gate; commits offsets only after registering.",
     )
     add_registry_args(q)
-    q.add_argument("--model-dir", default=str(models_dir()), help="bootstrap directory (default: %(default)s)")
+    q.add_argument(
+        "--model-dir",
+        default=str(models_dir()),
+        help="bootstrap directory (default: %(default)s) (env: SPECOPS_DATA_DIR)",
+    )
     q.add_argument(
         "--tokenizer",
         default=None,
@@ -219,7 +227,11 @@ def add_parser(sub) -> None:
     q.add_argument("text", help="the prompt")
     q.add_argument("--version", default=None, help="router version (default: the champion)")
     q.add_argument("--router-dir", default=None, metavar="DIR", help="a router saved on disk instead of the registry")
-    q.add_argument("--model-dir", default=str(models_dir()), help="for the target embedder (default: %(default)s)")
+    q.add_argument(
+        "--model-dir",
+        default=str(models_dir()),
+        help="for the target embedder (default: %(default)s) (env: SPECOPS_DATA_DIR)",
+    )
     q.add_argument("--json", action="store_true", help='print {"cluster", "distance", "router_version"}')
     q.set_defaults(func=cmd_route)
 

@@ -102,7 +102,8 @@ def add_parser(sub) -> None:
     q.add_argument(
         "--model-dir",
         default=str(models_dir()),
-        help="bootstrap directory; target/'s tokenizer hash is stamped on the version (default: %(default)s)",
+        help="bootstrap directory; target/'s tokenizer hash is stamped on the version (default: %(default)s) "
+        "(env: SPECOPS_DATA_DIR)",
     )
     q.add_argument("--min-new", type=int, default=8, help="new outputs a cluster needs (default: %(default)s)")
     q.add_argument(

@@ -1,15 +1,29 @@
 """Typed configuration of the streams package.
 
-Every field has a default; ``StreamConfig.from_env()`` applies ``SPECOPS_STREAM_*``
-overrides (for example ``SPECOPS_STREAM_URL=kafka://broker:9092``).
+Every field has a default; ``StreamConfig.from_env()`` applies ``SPECOPS_STREAM_<FIELD>``
+overrides (for example ``SPECOPS_STREAM_URL=kafka://broker:9092``; booleans as
+1/0, true/false, yes/no or on/off; ``topics`` and the ``*_options`` dicts as JSON).
+
+``StreamConfig`` is a pydantic-settings model, loaded like ``specops serve``'s settings
+(``specops.core.settings``, which this package sits below): ``StreamConfig(**fields)`` reads
+no environment, ``from_env`` adds the environment source under the keyword arguments.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from specops.streams.errors import StreamConfigError
 
@@ -33,14 +47,26 @@ class Topics:
         return [self.misses, self.generations, self.events, self.deadletter]
 
 
-@dataclass
-class StreamConfig:
+class StreamConfig(BaseSettings):
     """How to reach the stream and how its clients behave."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", use_attribute_docstrings=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        **_: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """``StreamConfig(**fields)`` takes only its arguments; :meth:`from_env` adds the environment."""
+        return (init_settings,)
 
     url: str = "local://./.specops/streams"
     """``local:///abs/path`` or ``local://./relative/path`` (embedded durable log), or
     ``kafka://host:port[,host:port]``."""
-    topics: Topics = field(default_factory=Topics)
+    topics: Topics = Field(default_factory=Topics)
+    """Topic names."""
     num_partitions: int = 8
     """Partitions of topics this system creates (one cluster always maps to one)."""
     replication_factor: int = 1
@@ -68,13 +94,13 @@ class StreamConfig:
     """``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512`` or ``OAUTHBEARER``."""
     sasl_plain_username: str | None = None
     """SASL user (PLAIN and SCRAM)."""
-    sasl_plain_password: str | None = None
+    sasl_plain_password: str | None = Field(None, repr=False)
     """SASL password (PLAIN and SCRAM); prefer the environment variable to a file."""
-    client_options: dict[str, Any] = field(default_factory=dict)
+    client_options: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed verbatim to every kafka-python client."""
-    producer_options: dict[str, Any] = field(default_factory=dict)
+    producer_options: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for ``KafkaProducer`` only (they override ours)."""
-    consumer_options: dict[str, Any] = field(default_factory=dict)
+    consumer_options: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for group ``KafkaConsumer`` instances only."""
     # --- local only
     fsync: bool = True
@@ -86,7 +112,18 @@ class StreamConfig:
     retention_bytes: int = 0
     """Local log: per partition, delete the oldest sealed segments beyond this size (0 = no size limit)."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            for err in exc.errors():  # our own checks' errors, as they were raised
+                if isinstance(err.get("ctx", {}).get("error"), StreamConfigError):
+                    raise err["ctx"]["error"] from None
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            raise StreamConfigError(f"invalid stream config: {problems}") from exc
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamConfig:
         if not (self.url.startswith("local://") or self.url.startswith("kafka://")):
             raise StreamConfigError(
                 f"stream url must start with local:// or kafka://, got {self.url!r} "
@@ -109,36 +146,36 @@ class StreamConfig:
             raise StreamConfigError(f"segment_bytes must be >= 1024, got {self.segment_bytes}")
         if self.security_protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
             raise StreamConfigError(f"unknown security_protocol {self.security_protocol!r}")
+        return self
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> StreamConfig:
-        """Defaults, then ``SPECOPS_STREAM_<FIELD>`` variables, then ``overrides``."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in ("topics", "client_options", "producer_options", "consumer_options"):
-                continue
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            values[f.name] = _parse(raw, f.type, f.name)
-        values.update(overrides)
-        return cls(**values)
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> StreamConfig:
+        """Defaults, then ``SPECOPS_STREAM_<FIELD>`` variables of ``environ`` (default ``os.environ``), then
+        ``overrides``. A bad variable is a ``StreamConfigError`` naming it and its value."""
+        env = dict(os.environ if environ is None else environ)
+        sources = (InitSettingsSource(cls, overrides), _MappingEnvSource(cls, env))
+        try:
+            return cls(_build_sources=(sources, overrides))
+        except StreamConfigError as exc:
+            if not isinstance(exc.__cause__, ValidationError):
+                raise
+            problems = []
+            for err in exc.__cause__.errors():
+                name = str(err["loc"][0]) if err["loc"] else ""
+                var = ENV_PREFIX + name.upper()
+                shown = "" if "password" in name else f"={env.get(var)!r}"  # never repeat a secret
+                where = f"{var}{shown}" if name not in overrides and var in env else name or "config"
+                problems.append(f"{where}: {err['msg']}")
+            raise StreamConfigError(f"invalid stream config: {'; '.join(problems)}") from exc.__cause__
 
 
-def _parse(raw: str, type_: Any, name: str) -> Any:
-    t = str(type_)
-    try:
-        if t.startswith("bool"):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if t.startswith("int"):
-            return int(raw)
-        if t.startswith("float"):
-            return float(raw)
-    except ValueError:
-        raise StreamConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}") from None
-    return raw
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (as ``specops.core.settings.MappingEnvSource``,
+    which this package cannot import)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {(k if self.case_sensitive else k.lower()): v for k, v in self._environ.items()}

@@ -160,3 +160,86 @@ def test_streams_inspect_explains_bad_urls_and_missing_topics(tmp_path):
     assert run.returncode == 2 and "local:// or kafka://" in run.stderr
     run = specops("streams", "inspect", f"local://{tmp_path}/empty", "spec.misses")
     assert run.returncode == 1 and "does not exist" in run.stderr
+
+
+def test_version_prints_the_installed_versions():
+    from importlib import metadata
+
+    run = specops("--version")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"specops {metadata.version('specops')} (torch {metadata.version('torch')}, Python ")
+
+
+def _parsers(parser, path=()):
+    """(command path, parser) of the top-level parser and of every command and subcommand under it."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def _flags(parser) -> dict[str, tuple[object, str]]:
+    """``command path + flag`` -> (default, help) of every option of every parser."""
+    return {
+        " ".join((*path, action.option_strings[-1])): (action.default, action.help or "")
+        for path, p in _parsers(parser)
+        for action in p._actions
+        if action.option_strings
+    }
+
+
+def test_every_flag_whose_value_comes_from_the_environment_names_the_variable(monkeypatch):
+    """Each SPECOPS_* variable the code reads is set in turn; every flag whose default moves with it must name it
+    in its --help. Flags that resolve a variable when the command runs ('default', auto, empty) are listed here,
+    and every `specops serve` flag names its SPECOPS_SERVE_<FIELD>."""
+    import re
+    from pathlib import Path
+
+    from specops.cli import build_parser
+    from specops.serving.http.config import ServeConfig
+
+    root = Path(__file__).resolve().parents[1]
+    code = "\n".join(
+        p.read_text()
+        for d in ("specops", "serving", "core", "registry", "streams", "trainer")
+        for p in (root / d).rglob("*.py")
+    )
+    variables = sorted(set(re.findall(r"\bSPECOPS_[A-Z0-9_]*[A-Z0-9]\b", code)))
+    assert {"SPECOPS_DATA_DIR", "SPECOPS_STREAM_URL", "SPECOPS_REGISTRY_URI"} <= set(variables)
+    for var in variables:
+        monkeypatch.delenv(var, raising=False)
+    base = _flags(build_parser())
+    moved: dict[str, set[str]] = {}
+    for var in variables:
+        for value in ("0", "/sentinel/dir"):
+            monkeypatch.setenv(var, value)
+            for flag, (default, _) in _flags(build_parser()).items():
+                if default != base[flag][0]:
+                    moved.setdefault(flag, set()).add(var)
+            monkeypatch.delenv(var)
+    assert "train --stream" in moved and "bootstrap --out" in moved  # the check sees what it must
+    at_run = {  # flags whose default is resolved from these variables when the command runs
+        "train --registry": {"SPECOPS_REGISTRY_URI"},
+        "registry ls --registry": {"SPECOPS_REGISTRY_URI"},
+        "kb build --milvus-uri": {"SPECOPS_MILVUS_URI"},
+        "generate --draft-dtype": {"SPECOPS_DRAFT_DTYPE"},
+        "serve --draft-dtype": {"SPECOPS_DRAFT_DTYPE"},
+        "serve --vllm-python": {"SPECOPS_VLLM_PYTHON"},
+        "serve --stream": {"SPECOPS_STREAM_URL"},
+        "serve --registry": {"SPECOPS_REGISTRY_URI"},
+        "serve --api-keys": {"SPECOPS_API_KEYS"},
+        **{f"serve --{name.replace('_', '-')}": {f"SPECOPS_SERVE_{name.upper()}"} for name in ServeConfig.model_fields},
+    }
+    for flag, names in at_run.items():
+        moved.setdefault(flag, set()).update(names)
+    missing = {
+        flag: sorted(n for n in names if n not in base[flag][1])
+        for flag, names in moved.items()
+        if any(n not in base[flag][1] for n in names)
+    }
+    assert not missing, "flags whose help does not name their variables:\n" + "\n".join(
+        f"{flag}: {names}" for flag, names in sorted(missing.items())
+    )

@@ -7,34 +7,60 @@ Environment: ``SPECOPS_SERVE_<FIELD>`` (upper case), e.g. ``SPECOPS_SERVE_PORT=9
 lists are comma-separated. ``SPECOPS_API_KEYS`` is also read for ``api_keys``, and
 ``SPECOPS_STREAM_URL`` / ``SPECOPS_REGISTRY_URI`` keep their meaning everywhere else.
 A TOML file may hold the fields at its top level or under a ``[serve]`` table.
+
+``ServeConfig`` is a pydantic-settings model; :meth:`ServeConfig.load` builds it from those sources through
+``specops.core.settings.load``, the loader ``specops train --config`` shares. ``ServeConfig(**fields)`` itself
+reads no file and no environment.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import socket
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from specops.core import settings
 from specops.core.device import DEVICE_PATTERN
 from specops.core.errors import ModelConfigError
 from specops.serving.http.tenancy import check_config as check_tenants
 from specops.serving.proposers.catalogue import CATALOGUE, describe, methods
 
 ENV_PREFIX = "SPECOPS_SERVE_"
+ENV_ALIASES = {"SPECOPS_API_KEYS": ENV_PREFIX + "API_KEYS"}
+"""Other variables read for a field when its own ``SPECOPS_SERVE_<FIELD>`` is unset."""
+DEFAULTS_FROM_ENV = {
+    "vllm_python": ("SPECOPS_VLLM_PYTHON",),
+    "draft_dtype": ("SPECOPS_DRAFT_DTYPE",),
+    "model_dir": ("SPECOPS_DATA_DIR",),
+    "cache_dir": ("SPECOPS_DATA_DIR",),
+    "stream": ("SPECOPS_STREAM_URL", "SPECOPS_DATA_DIR"),
+    "registry": ("SPECOPS_REGISTRY_URI", "SPECOPS_REGISTRY_ARTIFACTS", "SPECOPS_DATA_DIR"),
+}
+"""Fields whose default (empty, 'default' or 'auto') is resolved from these variables when the replica starts."""
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 """What a request's ``cluster`` may be (``serving.http.schema.ClusterName``), so a configured cluster is one too."""
 
 
-class ServeConfig(BaseModel):
+class ServeConfig(BaseSettings):
     """Everything ``specops serve`` needs; validated at construction."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # enable_decoding=False: a list comes from the environment comma-separated (``_split``), not as JSON
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix=ENV_PREFIX, enable_decoding=False)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        **_: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """``ServeConfig(**fields)`` takes only its arguments; :meth:`load` adds the file and the environment."""
+        return (init_settings,)
 
     # ---- which engine decodes
     engine: Literal["specops", "vllm"] = Field(
@@ -215,6 +241,13 @@ class ServeConfig(BaseModel):
     )
     queue_timeout_s: float = Field(60.0, gt=0, description="longest a request waits for a worker before a 503")
     request_timeout_s: float = Field(600.0, gt=0, description="longest one request may decode before it is stopped")
+    shutdown_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="on SIGTERM/SIGINT the replica stops admitting (/readyz 503, new requests 503) and waits this "
+        "long for in-flight requests to finish before it closes them and exits; the chart sets it from the pod's "
+        "terminationGracePeriodSeconds (a second SIGINT exits at once)",
+    )
     load_signal: str = Field(
         "",
         description="write {'load', 'time'} JSON here every second (the trainer's "
@@ -302,32 +335,35 @@ class ServeConfig(BaseModel):
         env: dict[str, str] | None = None,
         overrides: dict[str, Any] | None = None,
     ) -> ServeConfig:
-        """Defaults, then the TOML file, then ``SPECOPS_SERVE_*`` variables, then ``overrides``."""
-        values: dict[str, Any] = {}
-        if path:
-            try:
-                data = tomllib.loads(Path(path).read_text())
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ModelConfigError(f"cannot read serve config {path}: {exc}") from exc
-            values.update(data.get("serve", data))
-        values.update(_from_env(os.environ if env is None else env))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        """Defaults, then the TOML file (top level or ``[serve]``), then ``SPECOPS_SERVE_*`` variables (and
+        ``SPECOPS_API_KEYS``) from ``env`` (default: ``os.environ``), then ``overrides`` (``None``: not given)."""
         try:
-            return cls(**values)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-            raise ModelConfigError(f"invalid serve config: {problems}") from exc
+            return settings.load(
+                cls,
+                path=path,
+                table="serve",
+                env=env,
+                env_aliases=ENV_ALIASES,
+                overrides=overrides,
+                what="serve config",
+                unknown="not a `specops serve` setting (see `specops serve --help`: the flags' names with _ for -)",
+            )
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from exc
 
 
-def _from_env(env: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if env.get("SPECOPS_API_KEYS"):
-        out["api_keys"] = env["SPECOPS_API_KEYS"]
-    for name in ServeConfig.model_fields:
-        key = ENV_PREFIX + name.upper()
-        if key in env:
-            out[name] = env[key]
-    return out
+def env_vars(name: str) -> list[str]:
+    """The environment variables that set field ``name``, its own first."""
+    own = settings.env_name(ServeConfig, name)
+    return [own, *(alias for alias, var in ENV_ALIASES.items() if var == own)]
+
+
+def env_note(name: str) -> str:
+    """The ``(env: ...)`` note of field ``name``'s ``--help``: the variables that set it, and those its default reads."""
+    note = "env: " + ", ".join(env_vars(name))
+    if name in DEFAULTS_FROM_ENV:
+        note += "; the default reads " + ", ".join(DEFAULTS_FROM_ENV[name])
+    return f" ({note})"
 
 
 def add_arguments(parser) -> None:
@@ -337,7 +373,7 @@ def add_arguments(parser) -> None:
         default = info.get_default(call_default_factory=True)
         shown = "" if default in ("", [], None) else f" (default: {default!r})"
         described = info.description + (": " + describe() if name == "default_method" else "")  # as of now
-        help_text = f"{described}{shown}".replace("%", "%%")
+        help_text = f"{described}{shown}{env_note(name)}".replace("%", "%%")
         if info.annotation is bool:
             parser.add_argument(flag, default=None, action="store_true", help=help_text)
             parser.add_argument(

@@ -23,6 +23,43 @@ def positive_int(text: str) -> int:
     return value
 
 
+def env_note(*names: str) -> str:
+    """The ``(env: NAME, ...)`` note a flag's help ends with when its value or its default comes from there."""
+    return f"(env: {', '.join(names)})"
+
+
+def version_text() -> str:
+    """``specops --version``: the installed package's version, and torch's and Python's (read from the
+    installed metadata: nothing is imported)."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"specops {version('specops')} (torch {version('torch')}, Python {sys.version.split()[0]})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version_text` and exit (looked up only when asked, so parsing stays fast)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``-V, --version`` on the top-level parser."""
+    parser.add_argument(
+        "-V", "--version", action=_VersionAction, help="print the version of specops (and torch) and exit"
+    )
+
+
 def set_threads(n: int | None) -> None:
     """``--threads``: torch CPU threads (default: all cores, at most 8)."""
     import torch
@@ -40,7 +77,9 @@ def add_group(sub, name: str, *, help: str, description: str) -> argparse._SubPa
 
 def add_model_dir(p: argparse.ArgumentParser, what: str) -> None:
     """``--model-dir``, a bootstrap's models (``specops bootstrap --out``)."""
-    p.add_argument("--model-dir", default=str(models_dir()), help=f"{what} (default: %(default)s)")
+    p.add_argument(
+        "--model-dir", default=str(models_dir()), help=f"{what} (default: %(default)s) (env: SPECOPS_DATA_DIR)"
+    )
 
 
 def fail(command: str, message: str) -> int:

@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
         choices=("auto", "bfloat16", "float32"),
         default="auto",
         help="precision the draft runs in; the target runs in float32. auto: float32 and bfloat16 are timed "
-        "when the draft loads and the faster is kept (default: %(default)s)",
+        "when the draft loads and the faster is kept (default: %(default)s) (env: SPECOPS_DRAFT_DTYPE forces "
+        "what auto means)",
     )
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as one JSON line')
     p.add_argument(

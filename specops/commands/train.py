@@ -233,10 +233,19 @@ def _add_inputs_args(p: argparse.ArgumentParser) -> None:
         help="TOML file of these options (keys are the long option names with _ for -, at the top level "
         "or under [train]); flags given on the command line win (the Helm chart and compose mount one)",
     )
-    p.add_argument("--stream", default=streams_url(), metavar="URL", help="stream to consume (default: %(default)s)")
+    p.add_argument(
+        "--stream",
+        default=streams_url(),
+        metavar="URL",
+        help="stream to consume (default: %(default)s) (env: SPECOPS_STREAM_URL, else SPECOPS_DATA_DIR/streams)",
+    )
     add_model_dir(p, "bootstrap dir whose draft/ seeds new clusters")
     p.add_argument("--draft", default=None, help="draft model directory seeding new clusters (overrides --model-dir)")
-    p.add_argument("--out", default=str(data_dir() / "trainer"), help="checkpoint directory (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        default=str(data_dir() / "trainer"),
+        help="checkpoint directory (default: %(default)s) (env: SPECOPS_DATA_DIR)",
+    )
     p.add_argument("--group", default="trainer", help="consumer group (default: %(default)s)")
 
 
@@ -398,7 +407,7 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
         help="register each update's draft here as 'challenger' and promote it to 'champion' through the "
         "gate before committing offsets: sqlite:////abs/mlflow.db, postgresql://user@host/db, "
         "http://host:port, 'default' ($SPECOPS_REGISTRY_URI, else SQLite under the data directory) or "
-        "'none' (checkpoints only) (default: %(default)s)",
+        "'none' (checkpoints only) (default: %(default)s) (env: SPECOPS_REGISTRY_URI, SPECOPS_REGISTRY_ARTIFACTS)",
     )
     p.add_argument(
         "--tokenizer",

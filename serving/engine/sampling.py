@@ -1,7 +1,13 @@
-"""Logits to probabilities (temperature, top-p) and seeded draws.
+"""Logits to probabilities (temperature, min-p, top-k, top-p) and seeded draws.
 
 Target and draft apply the same warping, so speculative sampling preserves the
 target's *warped* distribution, which is what target-only sampling draws from.
+
+The order is vLLM's (``vllm/v1/sample/sampler.py``): temperature, then min-p, then top-k,
+then top-p over what is left (renormalized). Min-p and top-k commute (each keeps a prefix
+of the tokens sorted by probability, and min-p's threshold is relative to the top token,
+which top-k keeps), so HF's order (top-k, top-p, min-p) differs from this one only where
+top-p and min-p are both on. Ties with the ``top_k``-th token are kept, as vLLM keeps them.
 
 Extreme settings stay well defined: a temperature so small that ``logits / T`` overflows
 float32 (any ``0 < T`` is allowed) gives the limit, all the mass on the argmax (split over
@@ -32,9 +38,10 @@ def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature and top-p.
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, min-p, top-k and
+    top-p (the module docstring's order).
 
-    Greedy requests get the one-hot distribution of the argmax.
+    Greedy requests get the one-hot distribution of the argmax (no filter ever drops it).
     """
     assert logits.ndim == 2, logits.shape
     logits = logits.float()
@@ -43,6 +50,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return probs
     probs = tempered_softmax(logits, params.temperature)
+    probs = filter_min_p_top_k(probs, params.min_p, params.top_k)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(dim=-1)
@@ -54,6 +62,25 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def filter_min_p_top_k(probs: torch.Tensor, min_p: float, top_k: int) -> torch.Tensor:
+    """[n, vocab] probabilities -> the same after min-p and top-k, renormalized; unchanged when both are off.
+
+    Min-p drops a token whose probability is below ``min_p`` times the row's largest; top-k
+    drops a token below the ``top_k``-th largest. The most probable token always stays.
+    """
+    top_k = top_k if 0 < top_k < probs.shape[-1] else 0
+    if min_p <= 0.0 and not top_k:
+        return probs
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.amax(dim=-1, keepdim=True)
+    if top_k:
+        kth = probs.masked_fill(~keep, 0.0).topk(top_k, dim=-1).values[:, -1:]  # [n, 1]
+        keep &= probs >= kth
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

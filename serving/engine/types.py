@@ -34,6 +34,10 @@ class SamplingParams:
     """Upper bound on emitted tokens."""
     seed: int | None = None
     """Seed of the request's own random generator (sampling only)."""
+    top_k: int = 0
+    """Keep the ``top_k`` most probable tokens (ties with the last one kept too); 0 disables it."""
+    min_p: float = 0.0
+    """Keep tokens whose probability is at least ``min_p`` times the top token's, in [0, 1]; 0 disables it."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
@@ -42,6 +46,10 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
 

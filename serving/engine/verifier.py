@@ -21,8 +21,11 @@ Acceptance rules (OSD §3; Leviathan et al. 2023; DReSD §3.6):
   ``y == d_{i+1}``; the first mismatching draw is the bonus. This is the rule above with
   a one-hot ``q``.
 
-``p`` is the target's warped distribution (temperature, top-p), the same one
-target-only sampling draws from, so every rule preserves the target's distribution.
+``p`` is the target's warped distribution (temperature, min-p, top-k, top-p:
+``serving.engine.sampling.warp``), the same one target-only sampling draws from, so every
+rule preserves the target's distribution. ``q`` is the draft's distribution under the same
+warp, the one its tokens were drawn from; a token the target's filters dropped has ``p = 0``
+and is always rejected, and one the draft's dropped (``q = 0``) comes only from the residual.
 
 **Several drafts: a token tree** (``serving.engine.tree``). Rows are merged into a trie and
 one target pass scores every node (tree attention mask, each node at its own position).

@@ -1,10 +1,14 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
 Only what the server implements is accepted. An OpenAI parameter we do not implement
-(``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``)
-and any field OpenAI does not define either gets a 400 naming the parameter, rather than
-being silently ignored. Our extension fields are ``speculation``, ``cluster``, ``retrieval``, ``knnlm`` and
-``references``.
+(``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``, tools and
+functions, a ``response_format`` other than text) and any field OpenAI does not define either
+gets a 400 naming the parameter, rather than being silently ignored. The exceptions are
+:data:`IGNORED_FIELDS`: what clients commonly send that cannot change the output (storage,
+billing and tracing hints); they are accepted, and the API names the ones a request sent in
+its ``X-Specops-Ignored-Fields`` header and a log line. vLLM's ``top_k`` and ``min_p`` are
+honoured (``serving.engine.sampling``). Our extension fields are ``speculation``, ``cluster``,
+``retrieval``, ``knnlm`` and ``references``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
 ``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
@@ -122,10 +126,39 @@ class Knnlm(BaseModel):
     """Speculative: tokens per batched verification; 0 = OS³ chooses it live."""
 
 
+IGNORED_FIELDS = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "stream_options.continuous_usage_stats",
+    "stream_options.include_obfuscation",
+)
+"""Fields accepted and ignored, because they cannot change the output: ``user`` (an end-user id for
+OpenAI's abuse monitoring), ``store`` and ``metadata`` (OpenAI's stored completions), ``service_tier``
+(OpenAI's billing tier), ``parallel_tool_calls`` (chat; tools themselves are refused),
+``stream_options.continuous_usage_stats`` (vLLM: usage in every chunk; usage comes in the last
+chunk with ``include_usage``) and ``stream_options.include_obfuscation`` (OpenAI's padding of
+stream events). Everything else unknown is a 400 naming it, so a typo is never ignored."""
+
+IGNORED_HEADER = "X-Specops-Ignored-Fields"
+"""The response header naming the :data:`IGNORED_FIELDS` a request sent, comma-separated."""
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None
+    """Ignored (:data:`IGNORED_FIELDS`)."""
+    include_obfuscation: bool | None = None
+    """Ignored (:data:`IGNORED_FIELDS`)."""
+
+
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
 class _Common(BaseModel):
@@ -137,6 +170,10 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    """vLLM's: keep the ``top_k`` most probable tokens; -1 or 0 (vLLM's "off") or absent: all."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """vLLM's: keep tokens at least ``min_p`` times as probable as the most probable one; 0 or absent: all."""
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -146,6 +183,10 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored (IGNORED_FIELDS; ``user`` above)
+    store: bool | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
+    service_tier: ServiceTier | None = None
     # extensions
     speculation: Speculation | None = None
     cluster: ClusterName | None = None
@@ -166,6 +207,18 @@ class _Common(BaseModel):
         if any(not s or len(s) > 64 for s in stops):
             raise ValueError("each stop sequence must be 1 to 64 characters")
         return stops
+
+    def ignored(self) -> tuple[str, ...]:
+        """The :data:`IGNORED_FIELDS` this request sent (dotted), in that order."""
+        sent = set(self.model_fields_set)
+        if self.stream_options is not None:
+            sent |= {f"stream_options.{name}" for name in self.stream_options.model_fields_set}
+        return tuple(name for name in IGNORED_FIELDS if name in sent)
+
+    def ignored_header(self) -> dict[str, str]:
+        """``{IGNORED_HEADER: "store,metadata"}`` naming :meth:`ignored`; empty when it sent none."""
+        names = self.ignored()
+        return {IGNORED_HEADER: ",".join(names)} if names else {}
 
     def unsupported(self) -> None:
         """Raise for OpenAI parameters that are valid but not implemented here."""
@@ -251,6 +304,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    """Ignored (:data:`IGNORED_FIELDS`): tools are refused."""
+    functions: list[dict] | None = None
+    function_call: Any = None
     response_format: dict | None = None
 
     @model_validator(mode="after")
@@ -268,8 +325,15 @@ class ChatCompletionRequest(_Common):
     def unsupported(self) -> None:
         super().unsupported()
         if self.logprobs or self.top_logprobs:
-            raise UnsupportedParameterError("logprobs is not supported", "logprobs")
+            raise UnsupportedParameterError(
+                "logprobs is not supported", "logprobs" if self.logprobs else "top_logprobs"
+            )
         if self.tools or self.tool_choice not in (None, "none"):
-            raise UnsupportedParameterError("tools / tool_choice are not supported", "tools")
+            raise UnsupportedParameterError(
+                "tools / tool_choice are not supported", "tools" if self.tools else "tool_choice"
+            )
+        if self.functions or self.function_call not in (None, "none"):
+            field = "functions" if self.functions else "function_call"
+            raise UnsupportedParameterError("functions / function_call are not supported", field)
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise UnsupportedParameterError("response_format: only {'type': 'text'} is supported", "response_format")

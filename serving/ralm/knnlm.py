@@ -15,7 +15,7 @@ time; the paper's ``k = 1024`` is accepted (``MAX_K``) and measured. A larger
 ``knn_temperature`` spreads the mass over the neighbours. Greedy decoding takes
 ``argmax p``; sampling draws one seeded uniform ``u_t`` per output position ``t`` and takes
 the inverse-CDF token of ``p`` (softmax of the logits at the request's temperature, optional
-top-p on ``p``), so two runs that see the same ``p`` at ``t`` emit the same token, whichever
+min-p, top-k and top-p on ``p``), so two runs that see the same ``p`` at ``t`` emit the same token, whichever
 path computed it. λ = 0 is the target alone (greedy: ``argmax`` of the logits).
 
 **Baseline** (``mode="baseline"``): a real datastore search at every token, one token per
@@ -55,7 +55,7 @@ import torch
 from specops.core.errors import InvalidRequestError, PromptTooLongError
 from specops.core.limits import context_size
 from specops.serving.engine.kv import CachedLM
-from specops.serving.engine.sampling import tempered_softmax
+from specops.serving.engine.sampling import filter_min_p_top_k, tempered_softmax
 from specops.serving.engine.types import SamplingParams
 from specops.serving.ralm.knnlm_search import KEY_BLOCK, Neighbours, search_keys
 from specops.serving.ralm.knnlm_store import MAX_K, KnnDatastore
@@ -253,7 +253,7 @@ def knn_probs(nb: Neighbours, values: torch.Tensor, vocab: int, temperature: flo
 
 def next_token(logits: torch.Tensor, p_knn: torch.Tensor | None, lam: float, params: SamplingParams, u: float) -> int:
     """The token of ``p = λ·p_kNN + (1-λ)·softmax(logits / temperature)``: its argmax (greedy)
-    or its inverse-CDF token at ``u`` in [0, 1), after top-p."""
+    or its inverse-CDF token at ``u`` in [0, 1), after min-p, top-k and top-p (``serving.engine.sampling``'s order)."""
     assert logits.ndim == 1, logits.shape
     if params.greedy and (lam == 0.0 or p_knn is None):
         return int(logits.argmax())
@@ -262,6 +262,7 @@ def next_token(logits: torch.Tensor, p_knn: torch.Tensor | None, lam: float, par
         p = lam * p_knn + (1.0 - lam) * p
     if params.greedy:
         return int(p.argmax())
+    p = filter_min_p_top_k(p[None], params.min_p, params.top_k)[0]
     order = torch.arange(p.shape[0])
     if params.top_p < 1.0:
         p, order = p.sort(descending=True, stable=True)

@@ -316,9 +316,7 @@ class RalmGenerator:
         if p_ids:
             spans.insert(0, ContextSpan("retrieved", 0, len(p_ids)))
         seed = None if params.seed is None else params.seed + start  # reproducible sampling per interval start
-        seg_params = SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, max_new_tokens=params.max_new_tokens - start, seed=seed
-        )
+        seg_params = replace(params, max_new_tokens=params.max_new_tokens - start, seed=seed)
         session = self.engine.session(
             context,
             seg_params,

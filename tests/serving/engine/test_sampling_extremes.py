@@ -135,6 +135,21 @@ def test_knnlm_next_token_is_defined_everywhere(temperature, top_p):
                 assert tok == int(logits.argmax())
 
 
+def test_knnlm_next_token_applies_min_p_and_top_k_to_the_mixture():
+    """kNN-LM samples from λ·p_kNN + (1-λ)·p_LM by inverse CDF: the filters apply to that mixture."""
+    logits = _logits(5)[0] / 8.0
+    p_knn = torch.zeros(VOCAB)
+    p_knn[11] = 1.0
+    mix = 0.5 * p_knn + 0.5 * tempered_softmax(logits, 1.0)
+    us = [i / 200 for i in range(200)]
+    top1 = {next_token(logits, p_knn, 0.5, SamplingParams(temperature=1.0, top_k=1), u) for u in us}
+    assert top1 == {int(mix.argmax())} == {11}
+    top3 = {next_token(logits, p_knn, 0.5, SamplingParams(temperature=1.0, top_k=3), u) for u in us}
+    assert top3 == set(mix.topk(3).indices.tolist())
+    kept = {next_token(logits, p_knn, 0.5, SamplingParams(temperature=1.0, min_p=0.02), u) for u in us}
+    assert kept <= set((mix >= 0.02 * mix.max()).nonzero().flatten().tolist()) and len(kept) > 1
+
+
 @pytest.mark.parametrize("method", ("target", "draft", "pld", "llma", "auto"))
 def test_every_method_decodes_at_extreme_settings(close_pair, method):
     """The engine end to end (the HTTP grid in ``test_api_hardening2.py`` adds DReSD)."""

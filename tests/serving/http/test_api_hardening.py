@@ -117,6 +117,8 @@ NUMERIC = {  # field: a valid value, so a strict type can be told from a bound
         "best_of": 1,
         "logprobs": 0,
         "speculation.k": 2,
+        "top_k": 3,
+        "min_p": 0.1,
     },
     "/v1/chat/completions": {"max_completion_tokens": 2, "top_logprobs": 0, "temperature": 0.5, "max_tokens": 2},
 }
@@ -232,6 +234,12 @@ GOOD = {  # a few valid values per field; the rest of the time a field gets junk
     "tools": [None],
     "tool_choice": ["none"],
     "response_format": [{"type": "text"}],
+    "top_k": [-1, 0, 1, 5],
+    "min_p": [0, 0.05, 1],
+    "store": [True, False],
+    "metadata": [{"a": "b"}],
+    "service_tier": ["auto"],
+    "parallel_tool_calls": [False],
 }
 
 

@@ -130,6 +130,19 @@ def test_sampling_is_exact_too(tiny_target, stores, prompts):
     assert len(outs) > 1  # the seed matters: it is sampling
 
 
+def test_sampling_with_top_k_and_min_p_is_exact_and_filtered(tiny_target, stores, prompts):
+    """The filters apply to the interpolated p in both modes: the speculative run still samples the
+    baseline's tokens, and a filter that keeps one token gives the greedy output."""
+    filtered = SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_new_tokens=16, seed=4)
+    base = run(tiny_target, stores["exact"], prompts[0], filtered, mode="baseline", k=16)
+    assert (
+        run(tiny_target, stores["exact"], prompts[0], filtered, k=16, speculation_stride=3).token_ids == base.token_ids
+    )
+    greedy = run(tiny_target, stores["exact"], prompts[0], SamplingParams(max_new_tokens=16), k=16)
+    one = SamplingParams(temperature=1.5, top_k=1, max_new_tokens=16, seed=4)
+    assert run(tiny_target, stores["exact"], prompts[0], one, k=16).token_ids == greedy.token_ids
+
+
 def test_float16_keys_give_the_float32_greedy_outputs(tiny_target, stores, prompts):
     assert stores["exact"].stored_keys.dtype == torch.float16 and stores["exact32"].stored_keys.dtype == torch.float32
     assert stores["exact"].bytes_per_entry < 0.6 * stores["exact32"].bytes_per_entry

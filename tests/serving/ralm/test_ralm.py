@@ -100,7 +100,20 @@ def pool():
         yield p
 
 
-def _run(pair, retriever, passages, cfg, prompt, *, method="target", k=None, pool=None, max_new=24, temperature=0.0):
+def _run(
+    pair,
+    retriever,
+    passages,
+    cfg,
+    prompt,
+    *,
+    method="target",
+    k=None,
+    pool=None,
+    max_new=24,
+    temperature=0.0,
+    **filters,
+):
     gen = RalmGenerator(
         SpecEngine(pair),
         retriever,
@@ -111,7 +124,7 @@ def _run(pair, retriever, passages, cfg, prompt, *, method="target", k=None, poo
         k=k,
         pool=pool,
     )
-    return gen.generate(prompt, SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=5))
+    return gen.generate(prompt, SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=5, **filters))
 
 
 PROMPTS = ["disk partition table of the sector", "a network socket sends a packet", "the shell will expand a variable"]
@@ -147,6 +160,17 @@ def test_ralmspec_equals_ralmseq(pair, passages, pool, cfg):
         assert spec.stats.kb_calls <= seq.stats.kb_calls  # a verification covers one interval at least
         if cfg.get("speculation_stride", 0) >= 3 and not spec.stats.mismatches:
             assert spec.stats.kb_calls < seq.stats.kb_calls  # batched: fewer KB calls
+
+
+def test_top_k_reaches_every_interval(pair, passages, pool):
+    """Each interval decodes with the request's sampling params, top-k and min-p included: a top-k
+    of 1 samples the greedy output (and without it, this temperature does not)."""
+    retriever, prompt = BagRetriever(passages), pair.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    cfg = RalmConfig(speculation_stride=3)
+    greedy = _run(pair, retriever, passages, cfg, prompt, pool=pool, method="draft").token_ids
+    assert _run(pair, retriever, passages, cfg, prompt, pool=pool, method="draft", temperature=1.5).token_ids != greedy
+    one = _run(pair, retriever, passages, cfg, prompt, pool=pool, method="draft", temperature=1.5, top_k=1)
+    assert one.token_ids == greedy
 
 
 @pytest.mark.parametrize("method", ["draft", "llma"])

@@ -1,4 +1,4 @@
-"""The parts of the vLLM engine that need no vLLM: its command line, its metrics, its errors."""
+"""The parts of the vLLM engine that need no vLLM: its command line, its request, its metrics, its errors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from specops.core.errors import InvalidRequestError
+from specops.serving.engine.types import SamplingParams
+from specops.serving.vllm.client import request_body
 from specops.serving.vllm.metrics import SpecCounters, parse
 from specops.serving.vllm.process import ServerSpec, VLLMError, speculative_config, vllm_python
 
@@ -56,3 +59,35 @@ def test_missing_vllm_venv_says_how_to_make_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECOPS_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
     with pytest.raises(VLLMError, match="make vllm-venv"):
         vllm_python()
+
+
+def test_request_body_forwards_top_k_and_min_p_only_when_on():
+    base = dict(model="t", max_tokens=4, temperature=0.7, top_p=0.9, seed=1)
+    off = request_body([1, 2], **base)
+    assert "top_k" not in off and "min_p" not in off  # vLLM's defaults: older versions refuse top_k=0
+    on = request_body([1, 2], **base, top_k=5, min_p=0.05)
+    assert (on["top_k"], on["min_p"], on["top_p"]) == (5, 0.05, 0.9)
+
+
+@pytest.mark.parametrize("speculation, refused", [("draft", True), ("ngram", True), ("none", False)])
+def test_vllm_node_refuses_min_p_and_top_k_only_while_vllm_speculates(speculation, refused):
+    """vLLM's ``SamplingParams._validate_spec_decode`` refuses min_p with speculative decoding: a 400
+    naming min_p before the request is queued, rather than vLLM's error relayed as a 503."""
+    from types import SimpleNamespace
+
+    from specops.serving.vllm.node import VLLMNode
+
+    node = VLLMNode.__new__(VLLMNode)  # check_plan reads only the speculation and k
+    node.speculation, node.k = speculation, 3
+
+    def plan(**params):
+        return SimpleNamespace(mode="plain", method="draft", k=3, references=(), params=SamplingParams(**params))
+
+    node.check_plan(plan(temperature=0.0, min_p=0.5, top_k=4), explicit_method=False, explicit_k=False)  # greedy
+    for name, value in (("min_p", 0.5), ("top_k", 4)):
+        if refused:
+            with pytest.raises(InvalidRequestError) as exc:
+                node.check_plan(plan(temperature=0.8, **{name: value}), explicit_method=False, explicit_k=False)
+            assert exc.value.param == name
+        else:
+            node.check_plan(plan(temperature=0.8, **{name: value}), explicit_method=False, explicit_k=False)

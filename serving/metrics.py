@@ -5,7 +5,9 @@ method's parts for ``auto``) and artifact version, and its method's own metrics
 (:attr:`MethodSpec.count <serving.proposers.catalogue.MethodSpec.count>`); the replica then
 adds its mode's (:attr:`ModeSpec.count <serving.modes.ModeSpec.count>`: retrieval, kNN-LM). Method labels are whatever the
 catalogue holds when the request runs, so a method registered at run time is counted too.
-The HTTP layer's own metrics (requests by endpoint and status) live in ``serving.http.api``.
+The HTTP layer's own metrics live in ``serving.http.gate`` (requests by endpoint and status) and
+``serving.http.latency`` (time to first token, inter-token latency, end to end). Throughput is a
+rate of the counters (``rate(specops_generated_tokens_total[1m])``), not a gauge computed here.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from specops.core.clusters import cluster_label
 from specops.core.errors import UnavailableError
 
 GENERATED = Counter("specops_generated_tokens_total", "Tokens generated", ["cluster"])
+PROMPT_TOKENS = Counter("specops_prompt_tokens_total", "Prompt tokens of served requests", ["cluster"])
 DRAFTED = Counter("specops_drafted_tokens_total", "Draft tokens proposed", ["cluster", "method", "version"])
 ACCEPTED = Counter("specops_accepted_tokens_total", "Draft tokens accepted", ["cluster", "method", "version"])
-TOKENS_PER_S = Gauge("specops_tokens_per_second", "Generated tokens per second over the last 10 s")
+REJECTED_STEPS = Counter(
+    "specops_rejected_steps_total",
+    "Verification steps that rejected a drafted token (OSD's per-token alpha: accepted / (accepted + this))",
+    ["cluster", "method", "version"],
+)
 ROUTED = Counter(
     "specops_routed_requests_total", "Requests per cluster and how the cluster was chosen", ["cluster", "source"]
 )
@@ -60,9 +67,9 @@ AUTO_ACCEPTANCE = Gauge(
     "token) per cluster, method (llma@mN: copy at match length N+) and temperature bucket",
     ["cluster", "key", "temperature"],
 )
-AUTO_VERIFY_MS = Gauge(
-    "specops_auto_verify_ms",
-    "Measured target verify cost a + b*tokens, per requests-in-flight bucket",
+AUTO_VERIFY_SECONDS = Gauge(
+    "specops_auto_verify_seconds",
+    "Measured target verify cost a + b*tokens in seconds, per requests-in-flight bucket",
     ["load", "coef"],
 )
 RALM_REQUESTS = Counter("specops_ralm_requests_total", "Retrieval-loop requests", ["retriever", "mode"])
@@ -90,6 +97,7 @@ def count_request(plan, served, *, policy=None, sessions=None) -> None:
     st = served.result.stats
     label = cluster_label(plan.cluster)
     GENERATED.labels(label).inc(st.num_generated)
+    PROMPT_TOKENS.labels(label).inc(len(plan.prompt_ids))
     spec = plan.spec
     if spec.count is not None:
         spec.count(plan.cluster, st, policy)
@@ -98,11 +106,20 @@ def count_request(plan, served, *, policy=None, sessions=None) -> None:
         if held is not None:
             SESSION_CACHE_TOKENS.labels(label).set(held["tokens"])
             SESSION_CACHE_OUTPUTS.labels(label).set(held["outputs"])
+    rejected = _rejected_steps(spec, st)
     for method, (drafted, accepted) in spec.split(st).items():
         if drafted:
             version = served.version_of(method) or "none"
             DRAFTED.labels(label, method, version).inc(drafted)
             ACCEPTED.labels(label, method, version).inc(accepted)
+            REJECTED_STEPS.labels(label, method, version).inc(rejected.get(method, 0))
+
+
+def _rejected_steps(spec, st) -> dict[str, int]:
+    """Rejected verification steps per method used (``auto``'s parts report theirs in its policy block)."""
+    if spec.parts is None:
+        return {spec.name: st.num_rejected_steps}
+    return {m: n.get("rejected_steps", 0) for m, n in (st.policy or {}).get("methods", {}).items()}
 
 
 def count_llma(cluster: str, stats) -> None:
@@ -135,8 +152,8 @@ def count_auto(cluster: str, stats, policy) -> None:
         key, temp = name.rsplit("/", 1)
         AUTO_ACCEPTANCE.labels(label, key, temp).set(est["mean"])
     for load, fit in snap.get("verify_ms", {}).items():
-        AUTO_VERIFY_MS.labels(load, "a").set(fit["a_ms"])
-        AUTO_VERIFY_MS.labels(load, "b").set(fit["b_ms"])
+        AUTO_VERIFY_SECONDS.labels(load, "a").set(fit["a_ms"] / 1000.0)
+        AUTO_VERIFY_SECONDS.labels(load, "b").set(fit["b_ms"] / 1000.0)
 
 
 def count_retrieval(block: dict | None) -> None:

@@ -17,11 +17,9 @@ a plan, streaming, deadlines) is ``serving.http.server.ServingState``, built on 
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +27,7 @@ from pathlib import Path
 from specops.core.load_signal import write_load_signal
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.clusters import KnownClusters
-from specops.serving.metrics import READY, TOKENS_PER_S, count_request
+from specops.serving.metrics import READY, count_request
 from specops.serving.modes import mode_spec
 from specops.serving.plan import DecodePlan
 
@@ -87,8 +85,6 @@ class Replica:
         """Knowledge bases by name (``serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
         self.ralm_pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ralm-verify")
         """RaLMSpec's asynchronous verifications (one KB search per running request at most)."""
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
-        self._recent_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -215,7 +211,6 @@ class Replica:
             log.info("auto policy calibrated: %s", ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
         if cfg.load_signal:
             self._spawn(self._write_load_signal, "load-signal")
-        self._spawn(self._throughput, "throughput")
         self.loading_step = "ready"
         self.ready.set()
         READY.set(1)
@@ -437,14 +432,6 @@ class Replica:
         while not self._stop.wait(1.0):
             write_load_signal(path, self.load_snapshot().load)
 
-    def _throughput(self, window_s: float = 10.0) -> None:
-        while not self._stop.wait(1.0):
-            now = time.time()
-            with self._recent_lock:
-                while self._recent and self._recent[0][0] < now - window_s:
-                    self._recent.popleft()
-                TOKENS_PER_S.set(sum(n for _, n in self._recent) / window_s)
-
     # ------------------------------------------------------------ one request
     def decode(self, plan: DecodePlan, on_step: Callable[[list[int]], bool | None] | None = None):
         """Decode ``plan`` on this (worker) thread (``serving.fleet.node.ServingNode.serve``) and
@@ -452,6 +439,4 @@ class Replica:
         served = self.node.serve(plan, on_step=on_step, pool=self.ralm_pool)
         count_request(plan, served, policy=self.policy, sessions=self.node.sessions)
         mode_spec(plan.mode).count(served.retrieval)
-        with self._recent_lock:
-            self._recent.append((time.time(), served.result.stats.num_generated))
         return served

@@ -13,8 +13,19 @@ import logging
 import os
 import sys
 
-from specops import artifact_cli, datastore_cli, kb_cli, knnlm_cli, policy_cli, registry_cli, router_cli, sessions_cli
+from specops import (
+    artifact_cli,
+    datastore_cli,
+    kb_cli,
+    knnlm_cli,
+    logs,
+    policy_cli,
+    registry_cli,
+    router_cli,
+    sessions_cli,
+)
 from specops.commands import bootstrap, demo, generate, serve, streams, train
+from specops.commands.common import add_version
 
 # in the order `specops --help` lists them
 COMMANDS = (
@@ -41,18 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Speculative-decoding drafters that learn online. "
         "Run `specops COMMAND --help` for each command's options.",
     )
+    add_version(parser)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors in the log")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores, max 8)")
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=os.environ.get("SPECOPS_LOG_FORMAT", "text").lower(),
+        help="text lines, or one JSON object per line with time, level, logger, message and the record's fields "
+        "(default: text) (env: SPECOPS_LOG_FORMAT)",
+    )
+    parser.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        default=os.environ.get("SPECOPS_ACCESS_LOG", "1").lower() not in ("0", "false", "no", "off"),
+        help="no access log line per API request (logger specops.access) (env: SPECOPS_ACCESS_LOG=0)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
 
 
-def _setup_logging(verbose: int) -> None:
+def _setup_logging(verbose: int, fmt: str = "text", access_log: bool = True) -> None:
     level = logging.WARNING if verbose < 0 else logging.INFO if verbose == 0 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logs.setup(level, fmt, access_log=access_log)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     for noisy in ("transformers", "httpx", "urllib3"):
@@ -71,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             sub.error(str(exc))
         args = parser.parse_args(argv)
-    _setup_logging(-1 if args.quiet else args.verbose)
+    try:
+        _setup_logging(-1 if args.quiet else args.verbose, args.log_format, args.access_log)
+    except ValueError as exc:  # argparse checks choices of flags, not of defaults from the environment
+        parser.error(f"SPECOPS_LOG_FORMAT: {exc}")
     from specops.core.errors import SpecOpsError
     from specops.registry.errors import RegistryError
     from specops.streams.errors import StreamError

@@ -46,6 +46,7 @@ from rich.console import Console
 from specops.demo_results import compare_speed, print_summary, registry_versions
 from specops.demo_stack import Stack, free_port
 from specops.demo_traffic import replay_traffic
+from specops.logs import TextFormatter
 from specops.report import write_report
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def _quiet_logs(path: Path) -> None:
     for h in root.handlers:
         h.setLevel(logging.WARNING)
     fh = logging.FileHandler(path)
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    fh.setFormatter(TextFormatter())  # dated, as every specops log line
     fh.setLevel(logging.INFO)
     root.addHandler(fh)
     root.setLevel(min(root.level, logging.INFO) if root.level else logging.INFO)

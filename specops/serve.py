@@ -54,16 +54,28 @@ class Server:
         self.cfg = cfg
         self.state = state or build_state(cfg, root=root)
         self.app = create_app(self.state)
+        drain = self.state.drain
+
+        class Uvicorn(uvicorn.Server):
+            """uvicorn that starts the replica's drain the moment a stop is asked for (the signal,
+            or :meth:`Server.stop`), before it closes its sockets: /readyz turns 503 at once."""
+
+            def handle_exit(self, sig, frame) -> None:
+                drain()
+                super().handle_exit(sig, frame)
+
         # h11 with a header and unread-body timer; the API itself bounds the body it reads
-        # (serving/http/read_timeouts.py)
-        self.uv = uvicorn.Server(
+        # (serving/http/read_timeouts.py). Shutdown: stop listening, let in-flight requests (streams
+        # included) finish for up to shutdown_timeout_s, then stop what is left (ServingState.close).
+        self.uv = Uvicorn(
             uvicorn.Config(
                 self.app,
                 host=cfg.host,
                 port=cfg.port,
                 log_level="warning",
-                access_log=False,
-                timeout_graceful_shutdown=30,
+                log_config=None,  # uvicorn's loggers go to ours (dates, --log-format json)
+                access_log=False,  # ours is serving.http.latency's (logger specops.access)
+                timeout_graceful_shutdown=cfg.shutdown_timeout_s,
                 timeout_keep_alive=cfg.keep_alive_timeout_s,
                 http=guarded_h11(cfg.header_timeout_s, cfg.body_timeout_s),
                 lifespan="on",
@@ -106,12 +118,14 @@ class Server:
                 raise RuntimeError(f"serving did not become ready: {self.state.load_error or self.state.loading_step}")
 
     def stop(self, timeout_s: float = 60.0) -> None:
+        self.state.drain()
         self.uv.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s)
 
     def run(self) -> None:
-        """Foreground: until SIGINT/SIGTERM; in-flight requests finish, the stream is flushed, and it returns.
+        """Foreground: until SIGINT/SIGTERM; in-flight requests finish (for up to ``shutdown_timeout_s``;
+        a second SIGINT exits at once), the stream is flushed, and it returns.
 
         uvicorn handles the signal and, once shut down, raises it again for the handler it found
         installed. That handler is ours: it asks for the same graceful stop (a signal before uvicorn
@@ -123,6 +137,7 @@ class Server:
         )
 
         def stop(sig: int, frame) -> None:
+            self.state.drain()
             self.uv.should_exit = True
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -131,3 +146,4 @@ class Server:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        log.info("stopped; the stream is flushed")

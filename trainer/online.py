@@ -80,6 +80,10 @@ UPDATES = Counter("specops_trainer_updates_total", "Draft updates (checkpointed 
 LAST_UPDATE = Gauge(
     "specops_trainer_last_update_timestamp_seconds", "Unix time of the cluster's newest update", ["cluster"]
 )
+LAG = Gauge(
+    "specops_trainer_lag_seconds",
+    "Age of the oldest record in the trainer's latest poll (append time to now; 0: the poll found none, caught up)",
+)
 # held-out acceptance and skipped steps are exported by trainer.schedule and trainer.losses
 
 
@@ -202,6 +206,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         records (default: ``cfg.poll_records``). Returns records consumed."""
         limit = self.cfg.poll_records if max_records is None else max(1, min(max_records, self.cfg.poll_records))
         delivered = self.consumer.poll(max_records=limit, timeout_s=self.cfg.poll_timeout_s)  # 1.
+        LAG.set(max((time.time() - d.message.timestamp_ms / 1000.0 for d in delivered), default=0.0))
         touched: set[str] = set()
         for d in delivered:  # 2.
             m = d.message

@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from prometheus_client import Counter
 from transformers import AutoModelForCausalLM
 
 from specops.core import draft_vocab
+from specops.core.clusters import cluster_label
 from specops.core.draft_vocab import DraftVocab
 from specops.core.models import from_pretrained, load_tokenizer, tokenizer_hash
 from specops.registry import (
@@ -50,6 +52,11 @@ from specops.trainer.acceptance import Acceptance, evaluate_records, paired_gain
 log = logging.getLogger(__name__)
 
 GATE_METRICS = ("served", "sampling", "greedy")
+GATE_DECISIONS = Counter(
+    "specops_trainer_gate_decisions_total",
+    "Promotion gate decisions on registered drafts (decision: promoted or rejected)",
+    ["cluster", "decision"],
+)
 
 
 @dataclass
@@ -157,6 +164,7 @@ class Promoter:
         self.last_registered[cluster] = dv.version
         result = self.gate(cluster, dv.version, candidate, holdout, after)  # 2.
         self.drafts.apply_gate(cluster, result)
+        GATE_DECISIONS.labels(cluster_label(cluster), "promoted" if result.promoted else "rejected").inc()
         if self.cfg.keep_versions:  # 3.
             self.drafts.retain(cluster, keep_last=self.cfg.keep_versions)
         return result

@@ -10,11 +10,12 @@ Endpoints:
   decisions, the latest choice and its estimates, measured costs); admin tenants only.
 - ``GET /v1/clusters``: the clusters served, the draft version of each and the router's
   version; tenants that may route (or admin) only.
-- ``GET /v1/models``; ``GET /healthz`` (the process is up); ``GET /readyz`` (models loaded:
-  200, else 503 with the loading step or the error; no cluster names); ``GET /metrics`` (Prometheus).
+- ``GET /v1/models``; ``GET /healthz`` (liveness: 200 while loading, serving or draining, 503 once
+  loading failed); ``GET /readyz`` (models loaded and not draining: 200, else 503 with the loading
+  step or the error; no cluster names); ``GET /metrics`` (Prometheus).
 
 Every request has a tenant (:mod:`serving.http.tenancy`): the owner of its key, resolved by
-:class:`Gate` and kept in the ASGI scope's state; its id goes with the request into
+:class:`~serving.http.gate.Gate` and kept in the ASGI scope's state; its id goes with the request into
 :meth:`ServingState.plan <serving.http.server.ServingState.plan>`.
 
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -39,17 +39,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from specops.core.errors import (
-    AuthenticationError,
     ForbiddenError,
     InvalidRequestError,
     ModelNotFoundError,
     NotReadyError,
-    PermissionDeniedError,
     RequestTooLargeError,
     SpecOpsError,
     clip,
@@ -58,6 +56,8 @@ from specops.core.errors import (
 )
 from specops.core.models import render_chat
 from specops.serving.http.errors import error_body
+from specops.serving.http.gate import OPEN_PATHS, REQUEST_ID, Gate, error_response  # noqa: F401 (re-export)
+from specops.serving.http.latency import RequestTimer
 from specops.serving.http.read_timeouts import BodyDeadline
 from specops.serving.http.request_json import parse as parse_json
 from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
@@ -67,33 +67,13 @@ from specops.serving.proposers.catalogue import CATALOGUE
 
 log = logging.getLogger(__name__)
 
-API_REQUESTS = Counter("specops_api_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
-API_SECONDS = Histogram(
-    "specops_api_request_seconds",
-    "HTTP request time (to the last byte for streams)",
-    ["endpoint"],
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
-)
-
-OPEN_PATHS = ("/healthz", "/readyz")
 POLICY_WAIT_S = 1.0
 """Longest ``GET /v1/policy`` waits for the ``auto`` policy's lock (a worker thread holds it) before a 503."""
 TIMEOUT_GRACE_S = 1.0
 """The API's backstop answers a request ``request_timeout_s`` + this after it started when its decode
 has not ended by then (a step that never returns: the worker only checks the deadline between steps)."""
-REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 """Engine finish reasons as OpenAI names them."""
-
-
-def error_response(err: SpecOpsError) -> JSONResponse:
-    status = http_status(err)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    if status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
-    if status == 408:  # the rest of the request may still be on its way: do not read it as the next request
-        headers = {"Connection": "close"}
-    return JSONResponse(error_body(status, str(err), err.code, err.param), status_code=status, headers=headers)
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -155,6 +135,9 @@ def create_app(state: ServingState) -> FastAPI:
     # ------------------------------------------------------------ probes and metrics
     @app.get("/healthz")
     async def healthz():
+        # liveness: up while loading, loaded or draining; 503 once loading failed, so the pod is restarted
+        if state.load_error:
+            return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/readyz")
@@ -211,79 +194,6 @@ def create_app(state: ServingState) -> FastAPI:
 
 
 # ---------------------------------------------------------------- request helpers
-class Gate:
-    """Pure ASGI middleware, in front of everything: body size (413) and key (401/403) checks,
-    then request counts by status and time to the last byte. Pure ASGI, not Starlette's
-    ``BaseHTTPMiddleware``, so the route still sees the client's disconnect. The key's
-    :class:`~serving.http.tenancy.Tenant` goes in ``scope["state"]["tenant"]`` (``ANONYMOUS``
-    without keys; none on a path open without a key)."""
-
-    ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", *OPEN_PATHS)
-
-    def __init__(self, app, *, cfg, tenants: Tenants) -> None:
-        self.app, self.cfg, self.tenants = app, cfg, tenants
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        path = scope["path"]
-        endpoint = path if path in self.ENDPOINTS else "other"
-        seconds = API_SECONDS.labels(endpoint)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        status = 500
-        try:
-            _check_size(headers, self.cfg.max_body_bytes)
-            tenant = None if self.tenants.required else ANONYMOUS
-            if self.tenants.required and path not in OPEN_PATHS and (path != "/metrics" or self.cfg.auth_metrics):
-                tenant = _check_key(headers, self.tenants)
-            if tenant is not None:
-                scope.setdefault("state", {})["tenant"] = tenant
-        except SpecOpsError as err:
-            response = error_response(err)
-            status = response.status_code
-            await response(scope, receive, send)
-            API_REQUESTS.labels(endpoint, str(status)).inc()
-            seconds.observe(time.perf_counter() - t0)
-            return
-
-        timed = False
-
-        async def send_and_count(message) -> None:
-            nonlocal status, timed
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                seconds.observe(time.perf_counter() - t0)  # the last byte went out
-                timed = True
-
-        try:
-            await self.app(scope, receive, send_and_count)
-        finally:
-            API_REQUESTS.labels(endpoint, str(status)).inc()
-            if not timed:  # the client left before the end
-                seconds.observe(time.perf_counter() - t0)
-
-
-def _check_size(headers: dict[str, str], limit: int) -> None:
-    length = headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise RequestTooLargeError(f"request body is {int(length)} bytes; the limit is {limit}")
-
-
-def _check_key(headers: dict[str, str], tenants: Tenants) -> Tenant:
-    header = headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-    tenant = tenants.lookup(token.strip().encode())
-    if tenant is None:
-        raise PermissionDeniedError("the API key is not valid for this server")
-    return tenant
-
-
 def _tenant(request: Request) -> Tenant:
     """The request's tenant, as :class:`Gate` resolved it (every route that asks is behind the key check)."""
     tenant = request.scope.get("state", {}).get("tenant")
@@ -340,6 +250,8 @@ def _render_chat(state: ServingState, req: ChatCompletionRequest) -> str:
 
 
 def _ensure_ready(state: ServingState) -> None:
+    if state.draining.is_set():
+        raise NotReadyError("this replica is shutting down; send the request again (another replica takes it)")
     if not state.ready.is_set():
         why = f"failed to load: {state.load_error}" if state.load_error else f"loading ({state.loading_step})"
         raise NotReadyError(f"the server is not ready yet: {why}; poll /readyz")
@@ -373,9 +285,13 @@ async def _serve(
     tenant = _tenant(request) if request is not None else ANONYMOUS
     plan = await asyncio.to_thread(state.plan, prompt, req, chat=chat, tenant=tenant, request_id=request_id)
     job = Job(plan)
+    arrived = request.scope.get("state", {}).get("arrived") if request is not None else None
+    timer = RequestTimer(arrived or time.perf_counter(), plan.cluster, plan.method)
+    headers = {"X-Request-Id": job.request_id, **req.ignored_header()}  # schema.IGNORED_FIELDS it sent, if any
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
     if not req.stream:
+        job.on_emit = timer.tokens  # the client gets them with the response; the decode's steps time them
         future = loop.run_in_executor(state.executor, state.run, job)
         watch = asyncio.create_task(_cancel_on_disconnect(request, future, job)) if request is not None else None
         try:
@@ -390,9 +306,8 @@ async def _serve(
         finally:
             if watch is not None:
                 watch.cancel()
-        return JSONResponse(
-            _response(cfg.served_model_name, job, served, chat=chat), headers={"X-Request-Id": job.request_id}
-        )
+        timer.finished()
+        return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat), headers=headers)
     queue: asyncio.Queue = asyncio.Queue()
     job.on_delta = lambda text: loop.call_soon_threadsafe(queue.put_nowait, text)
     future = loop.run_in_executor(state.executor, state.run, job)
@@ -408,9 +323,10 @@ async def _serve(
             chat=chat,
             include_usage=include_usage,
             deadline=(deadline, lambda: state.abandon(job)),
+            timer=timer,
         ),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.request_id},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
     )
 
 
@@ -423,9 +339,11 @@ async def _sse(
     chat: bool,
     include_usage: bool,
     deadline: tuple[float, Callable[[], SpecOpsError]] | None = None,
+    timer: RequestTimer | None = None,
 ) -> AsyncIterator[str]:
     """The stream of one request. ``deadline``: the event loop's time at which a decode that has not
-    ended is abandoned, and what abandons it (the error the stream then ends with)."""
+    ended is abandoned, and what abandons it (the error the stream then ends with); ``timer``: its
+    latency histograms (each chunk of tokens, and the end)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + job.request_id
 
@@ -453,6 +371,8 @@ async def _sse(
                 return
             if text is None:
                 break
+            if timer is not None:
+                timer.tokens()
             yield chunk([choice(text, None)])
         outcome_read = True
         try:
@@ -472,6 +392,8 @@ async def _sse(
         if include_usage:
             yield chunk([], usage=body["usage"])
         yield "data: [DONE]\n\n"
+        if timer is not None:
+            timer.finished()
     finally:
         job.cancel.set()  # a client that went away stops the decode at its next step
         if not outcome_read:  # ... and nobody reads its outcome: settle it here, not as "never retrieved"

@@ -58,6 +58,8 @@ class Job:
 
     plan: DecodePlan
     on_delta: Callable[[str], None] | None = None
+    on_emit: Callable[[], None] | None = None
+    """Called on the decode thread after each step that emitted tokens (the API times non-streamed requests by it)."""
     created: int = field(default_factory=lambda: int(time.time()))
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled in by run()
@@ -68,6 +70,8 @@ class Job:
     stopped: bool = False
     abandoned: bool = False
     """The API answered with the request timeout while a step had not returned (``ServingState.abandon``)."""
+    shut_down: bool = False
+    """Still decoding when the server closed the replica (``ServingState.close``)."""
 
     @property
     def request_id(self) -> str:
@@ -89,6 +93,10 @@ class ServingState(Replica):
     ) -> None:
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
         self.executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="decode")
+        self.draining = threading.Event()
+        """Set when shutdown starts: /readyz says 503 and new requests get 503 while in-flight ones finish."""
+        self._running: dict[int, Job] = {}
+        self._running_lock = threading.Lock()
         super().__init__(
             cfg,
             target_dir=target_dir,
@@ -99,10 +107,34 @@ class ServingState(Replica):
             load_snapshot=self.admission.snapshot,
         )
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop taking work, finish what runs, flush the stream (accepted records are not lost)."""
+    def drain(self) -> None:
+        """Stop admitting (``/readyz`` 503, new requests 503); what runs or waits for a worker goes on."""
+        if self.draining.is_set():
+            return
+        self.draining.set()
         READY.set(0)
+        snap = self.admission.snapshot()
+        log.info(
+            "draining: no new requests; %d running and %d waiting finish first (up to shutdown_timeout_s=%gs)",
+            snap.running,
+            snap.waiting,
+            self.cfg.shutdown_timeout_s,
+        )
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking work, stop what still decodes, flush the stream (accepted records are not lost).
+
+        The server calls this after its drain: whatever still decodes then outlived ``shutdown_timeout_s``
+        and is stopped at its next step (counted as ``specops_requests_cancelled_total{reason="shutdown"}``)."""
+        self.drain()
         self.ready.clear()
+        with self._running_lock:
+            left = list(self._running.values())
+        for job in left:
+            job.shut_down = True
+            job.cancel.set()
+        if left:
+            log.warning("stopping %d request(s) still decoding after the drain", len(left))
         self.executor.shutdown(wait=True, cancel_futures=False)
         super().close(timeout_s)
 
@@ -110,7 +142,8 @@ class ServingState(Replica):
         """``/readyz``'s body: readiness and load, no cluster names (the probe needs no key)."""
         snap = self.admission.snapshot()
         out = {
-            "ready": self.ready.is_set(),
+            "ready": self.ready.is_set() and not self.draining.is_set(),
+            "draining": self.draining.is_set(),
             "step": self.loading_step,
             "running": snap.running,
             "waiting": snap.waiting,
@@ -144,6 +177,9 @@ class ServingState(Replica):
             top_p=req.top_p if req.top_p is not None else 1.0,
             max_new_tokens=req.max_tokens or cfg.default_max_tokens,
             seed=req.seed,
+            # vLLM's "off" values (-1, 0) and a top_k past the vocabulary are 0: off
+            top_k=req.top_k if req.top_k is not None and 0 < req.top_k < self.pair.vocab_size else 0,
+            min_p=req.min_p or 0.0,
         )
         if cluster is not None and not tenant.may_route:
             raise ForbiddenError(
@@ -248,6 +284,8 @@ class ServingState(Replica):
             explicit_method=sp is not None and sp.method is not None,
             explicit_k=sp is not None and sp.k is not None,
         )
+        if ignored := req.ignored():  # the response's header names them too (serving.http.schema.IGNORED_FIELDS)
+            log.info("request %s: ignored %s (they do not change the output)", plan.request_id, ", ".join(ignored))
         return plan
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -391,9 +429,13 @@ class ServingState(Replica):
 
     def run(self, job: Job):
         """Decode ``job`` on this (worker) thread; always gives the admission slot back."""
+        with self._running_lock:
+            self._running[id(job)] = job
         try:
             return self._run(job)
         finally:
+            with self._running_lock:
+                self._running.pop(id(job), None)
             self.admission.release()
 
     def _run(self, job: Job):
@@ -403,13 +445,20 @@ class ServingState(Replica):
 
         def on_step(emitted: list[int]) -> bool:
             if job.cancel.is_set():
-                if not job.abandoned:  # (an abandoned request was counted as a timeout)
+                if job.shut_down or (self.draining.is_set() and not job.abandoned):
+                    CANCELLED.labels("shutdown").inc()  # the drain ran out of shutdown_timeout_s
+                    log.warning(
+                        "request %s stopped by the shutdown after %d tokens", job.request_id, len(job.output_ids)
+                    )
+                elif not job.abandoned:  # (an abandoned request was counted as a timeout)
                     CANCELLED.labels("client_gone").inc()
                 raise ClientGone(job.request_id)
             if time.monotonic() > deadline:
                 CANCELLED.labels("timeout").inc()
                 raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
             job.output_ids.extend(emitted)
+            if emitted and job.on_emit is not None:
+                job.on_emit()
             if job.on_delta is None and not stops:
                 return False  # nothing to stream or stop on: the text is decoded once, at the end
             text = tok.decode(job.output_ids, skip_special_tokens=True)

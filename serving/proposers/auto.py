@@ -132,6 +132,8 @@ class AutoProposer(Proposer):
         self.steps: dict[str, int] = {}
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        """Steps per method that rejected a drafted token (OSD's per-token α, ``specops_rejected_steps_total``)."""
         self.k_sum: dict[str, int] = {}
         self.last: Choice | None = None
         self._pending: tuple[Choice, float, float | None, str, int] | None = None
@@ -254,6 +256,7 @@ class AutoProposer(Proposer):
         if drafted:
             self.drafted[m] = self.drafted.get(m, 0) + drafted
             self.accepted[m] = self.accepted.get(m, 0) + acc
+            self.rejected[m] = self.rejected.get(m, 0) + (acc < drafted)
             self.k_sum[m] = self.k_sum.get(m, 0) + drafted
             self.own.setdefault(key, Counts()).add(acc, 1.0 if acc < drafted else 0.0)
         n_verified = 1 + (verdict.num_nodes or drafted)
@@ -297,6 +300,7 @@ class AutoProposer(Proposer):
                 "steps": n,
                 "drafted": self.drafted.get(m, 0),
                 "accepted": self.accepted.get(m, 0),
+                "rejected_steps": self.rejected.get(m, 0),
                 "mean_k": round(self.k_sum.get(m, 0) / n, 2),
             }
             for m, n in self.steps.items()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from transformers import AutoModelForCausalLM
 
 from specops.core import draft_vocab
@@ -96,6 +97,21 @@ def test_updates_raise_heldout_acceptance_and_commit_everything(logged, tmp_path
         assert state["lineage"]["topic"] == "spec.misses" and state["lineage"]["offsets"]
     with open_stream(cfg) as s:
         _assert_all_committed(s, "trainer", cfg.topics.misses)
+
+
+def test_the_lag_is_the_age_of_the_oldest_record_polled_and_zero_once_caught_up(logged, tmp_path):
+    cfg, draft_dir = logged
+    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**PAPER_PLUS, interval=10_000))
+    deadline, n = time.monotonic() + _idle_s(cfg) + 15, 0
+    while not n and time.monotonic() < deadline:  # a Kafka group joins before its first records
+        n = trainer.step(max_records=4)
+    lag = REGISTRY.get_sample_value("specops_trainer_lag_seconds")
+    with open_stream(cfg) as s:  # no record polled is older than the topic's oldest
+        oldest = min(m.timestamp_ms for m in s.read(cfg.topics.misses, timeout_s=1.0)) / 1000.0
+    assert n and 0 < lag <= time.time() - oldest + 1.0, (n, lag)
+    trainer.run(max_idle_s=_idle_s(cfg))  # ends on polls that found nothing
+    trainer.close()
+    assert REGISTRY.get_sample_value("specops_trainer_lag_seconds") == 0.0
 
 
 def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pair, tmp_path):

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from specops.core.models import ModelPair, load_model, load_model_dir
 from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
@@ -47,6 +48,13 @@ def weak_pair(tiny_models) -> ModelPair:
     return ModelPair(pair.target, perturbed(pair.target, 0.6, seed=4), pair.tokenizer, pair.tokenizer_sha256)
 
 
+def _decisions(decision: str) -> float:
+    return sum(
+        REGISTRY.get_sample_value("specops_trainer_gate_decisions_total", {"cluster": c, "decision": decision}) or 0.0
+        for c in ("code", "prose")
+    )
+
+
 def _events(cfg: StreamConfig) -> list[ModelEvent]:
     with open_stream(cfg) as s:
         return [codec.decode(m.value) for m in s.read(cfg.topics.events, timeout_s=1.0)]
@@ -71,8 +79,11 @@ def test_registration_before_commit_and_recovery(weak_pair, tiny_models, sqlite_
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri), on_change=EventPublisher(cfg))
     promoter = Promoter(reg, draft_dir, out, GATE, tokenizer_dir=tiny_models / "target")
     trainer = OnlineTrainer(cfg, draft_dir, out, CFG, promoter=promoter)
+    decided = {d: _decisions(d) for d in ("promoted", "rejected")}
     trainer.run(max_idle_s=1.0)
     trainer.close()
+    for d, before in decided.items():  # specops_trainer_gate_decisions_total counts every gate decision
+        assert _decisions(d) - before == sum((r.promoted == (d == "promoted")) for r in trainer.gate_results)
     with open_stream(cfg) as s:
         ends = s.end_offsets(cfg.topics.misses)
         assert {p: s.committed(CFG.group, cfg.topics.misses).get(p, 0) for p in ends} == ends

@@ -126,7 +126,8 @@ def test_a_server_that_cannot_load_says_why(tiny_models, tmp_path):
         r = requests.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
         err = assert_error(r, 503, "not_ready")
         assert "failed to load" in err["message"] and "no-such-target" in err["message"]
-        assert requests.get(srv.url + "/healthz").status_code == 200
+        health = requests.get(srv.url + "/healthz")  # liveness fails: an orchestrator restarts the replica
+        assert health.status_code == 503 and "no-such-target" in health.json()["error"]
 
 
 # ---------------------------------------------------------------- config

@@ -150,7 +150,7 @@ def test_session_cache_scopes_are_separate_and_bounded():
 def test_readyz_lists_no_cluster_names(keyed):
     assert _post(keyed, ALICE, prompt="hi", max_tokens=2, cluster="default").status_code == 200
     r = _get(keyed, "/readyz")
-    assert r.status_code == 200 and set(r.json()) == {"ready", "step", "running", "waiting", "load"}
+    assert r.status_code == 200 and set(r.json()) == {"ready", "draining", "step", "running", "waiting", "load"}
     assert "default" not in r.text
     assert_error(_get(keyed, "/v1/clusters"), 401, "missing_api_key")
     assert _get(keyed, "/v1/clusters", ALICE).json()["drafts"] == {"default": "base"}

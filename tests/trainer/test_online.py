@@ -101,7 +101,9 @@ def test_updates_raise_heldout_acceptance_and_commit_everything(logged, tmp_path
 
 def test_the_lag_is_the_age_of_the_oldest_record_polled_and_zero_once_caught_up(logged, tmp_path):
     cfg, draft_dir = logged
-    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", OnlineConfig(**PAPER_PLUS, interval=10_000))
+    # a group of its own: the module's other tests consumed and committed every record as "trainer"
+    online = OnlineConfig(**PAPER_PLUS, interval=10_000, group="trainer-lag")
+    trainer = OnlineTrainer(cfg, draft_dir, tmp_path / "trainer", online)
     deadline, n = time.monotonic() + _idle_s(cfg) + 15, 0
     while not n and time.monotonic() < deadline:  # a Kafka group joins before its first records
         n = trainer.step(max_records=4)

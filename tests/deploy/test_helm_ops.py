@@ -530,3 +530,22 @@ def test_the_schema_admits_the_extension_points_and_still_refuses_typos(values, 
     with pytest.raises(hs.RenderError) as caught:
         hs.render(DEFAULT, values)
     assert field in str(caught.value)
+
+
+# ---------------------------------------------------------------- 8. logs
+def test_log_format_and_access_log_reach_every_specops_container(monkeypatch):
+    """logFormat / accessLog become SPECOPS_LOG_FORMAT / SPECOPS_ACCESS_LOG, which the CLI reads as the defaults
+    of --log-format and --no-access-log; a format the CLI does not know is refused by the schema."""
+    objects = hs.render(DEFAULT, {"logFormat": "json", "accessLog": False})
+    for component in ("serving", "trainer"):
+        env = hs.literal_env(hs.container(hs.one(objects, "Deployment", component), component))
+        assert (env["SPECOPS_LOG_FORMAT"], env["SPECOPS_ACCESS_LOG"]) == ("json", "0"), component
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        args = build_parser().parse_args(["serve"])
+        assert (args.log_format, args.access_log) == ("json", False)
+    default = hs.literal_env(hs.container(hs.one(hs.render(DEFAULT), "Deployment", "serving"), "serving"))
+    assert (default["SPECOPS_LOG_FORMAT"], default["SPECOPS_ACCESS_LOG"]) == ("text", "1")
+    with pytest.raises(hs.RenderError) as caught:
+        hs.render(DEFAULT, {"logFormat": "xml"})
+    assert "logFormat" in str(caught.value)

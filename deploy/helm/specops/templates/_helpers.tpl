@@ -154,6 +154,10 @@ kafka://{{ include "specops.kafkaBootstrap" . }}
   value: {{ .Values.kafka.topics.replicas | int | quote }}
 - name: SPECOPS_REGISTRY_URI
   value: {{ include "specops.registryUri" . | quote }}
+- name: SPECOPS_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+- name: SPECOPS_ACCESS_LOG
+  value: {{ ternary "1" "0" .Values.accessLog | quote }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quick docs-screenshots venv vllm-venv clean
+.PHONY: demo test test-fast bench bench-quick gpu-check gpu-check-dry docs-screenshots venv vllm-venv clean
 
 venv: $(STAMP)
 
@@ -85,6 +85,15 @@ bench-quick: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/ralm.py --quick --json benchmarks/out/ralm_quick.json
 	$(BIN)/python benchmarks/llma.py --quick --json benchmarks/out/llma_quick.json
 	$(BIN)/python benchmarks/adaptive.py --quick --json benchmarks/out/adaptive_quick.json
+
+# The CUDA path in one short run on a lent GPU machine (issue 41; docs/benchmarks.md#gpu): that machine's own
+# Python (torch, transformers, safetensors, numpy, pytest; no venv, no network), under 6 minutes on one H100.
+# `make gpu-check-dry` runs the same code on the CPU with tiny shapes (here: make gpu-check-dry PYTHON=.venv/bin/python).
+gpu-check:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py --json benchmarks/out/gpu_check.json
+
+gpu-check-dry:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py --dry-run
 
 # Docs build step: MLflow UI screenshots for docs/registry.md (needs Debian's chromium).
 docs-screenshots: $(STAMP)

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.stats import chisquare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -141,7 +140,25 @@ def chi2_p(counts: np.ndarray, expected_p: np.ndarray, min_expected: float = 5.0
     keep = exp >= min_expected
     obs = list(counts[keep]) + ([counts[~keep].sum()] if (~keep).any() else [])
     ex = list(exp[keep]) + ([exp[~keep].sum()] if (~keep).any() else [])
-    return float(chisquare(obs, ex).pvalue)
+    return chisquare_p(obs, ex)
+
+
+def chisquare_p(observed, expected) -> float:
+    """Pearson's chi-square p-value (``scipy.stats.chisquare``; without scipy, as on the GPU machine of
+    ``benchmarks/gpu_check.py``, the same survival function from torch: Q(df / 2, stat / 2))."""
+    try:
+        from scipy.stats import chisquare
+    except ImportError:
+        obs = torch.tensor([float(x) for x in observed], dtype=torch.float64)
+        exp = torch.tensor([float(x) for x in expected], dtype=torch.float64)
+        stat = float(((obs - exp) ** 2 / exp).sum())
+        df = len(obs) - 1
+        return float(
+            torch.special.gammaincc(
+                torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+            )
+        )
+    return float(chisquare(observed, expected).pvalue)
 
 
 def sampling_p_values(n: int, seed: int = 0) -> dict[str, float]:

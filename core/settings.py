@@ -33,6 +33,21 @@ SECRET = re.compile(r"key|password|secret|token", re.IGNORECASE)
 """Fields whose values an error message never repeats."""
 
 
+class ExplicitSettings(BaseSettings):
+    """A settings model whose plain construction reads only its keyword arguments: ``Model(port=9000)``
+    takes no file and no environment; :func:`load` hands it those sources explicitly. (``StreamConfig``,
+    below core, repeats this one method.)"""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        **_: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 class MappingEnvSource(EnvSettingsSource):
     """pydantic-settings' environment source, reading ``environ`` (a rendered chart's env, a test's) instead of
     ``os.environ``: prefixes, aliases and parsing stay pydantic-settings'."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, StrictBool, create_model
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from specops.core import settings
 
@@ -33,19 +33,10 @@ _NOTES = re.compile(r"\s*\((?:default|env)(?:[^()]|\([^()]*\))*\)")
 """An argparse help's "(default: %(default)s)" and "(env: VAR)" notes, nested parentheses included."""
 
 
-class FileOptions(BaseSettings):
+class FileOptions(settings.ExplicitSettings):
     """Base of the generated option models: every field defaults to None (= not in the file)."""
 
     model_config = SettingsConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_default=False)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        **_: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
 
 
 def options_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

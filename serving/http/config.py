@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from specops.core import settings
 from specops.core.device import DEVICE_PATTERN
@@ -46,21 +46,11 @@ CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 """What a request's ``cluster`` may be (``serving.http.schema.ClusterName``), so a configured cluster is one too."""
 
 
-class ServeConfig(BaseSettings):
+class ServeConfig(settings.ExplicitSettings):
     """Everything ``specops serve`` needs; validated at construction."""
 
     # enable_decoding=False: a list comes from the environment comma-separated (``_split``), not as JSON
     model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix=ENV_PREFIX, enable_decoding=False)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        **_: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """``ServeConfig(**fields)`` takes only its arguments; :meth:`load` adds the file and the environment."""
-        return (init_settings,)
 
     # ---- which engine decodes
     engine: Literal["specops", "vllm"] = Field(

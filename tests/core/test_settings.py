@@ -7,22 +7,13 @@ from typing import Literal
 
 import pytest
 from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from specops.core import settings
 
 
-class Demo(BaseSettings):
+class Demo(settings.ExplicitSettings):
     model_config = SettingsConfigDict(extra="forbid", env_prefix="DEMO_", enable_decoding=False)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        **_: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
 
     port: int = Field(8000, ge=1, description="a port")
     mode: Literal["a", "b"] = Field("a", description="a choice")

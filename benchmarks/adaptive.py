@@ -211,7 +211,7 @@ class Runner:
         if concurrency > 1:
             self.batcher = TargetBatcher(self.pair.target, max_batch=concurrency, window_s=0.002)
             self.batched_engine = SpecEngine(self.pair, target_lm=self.batcher.lm)
-        self.policy.padded_batches = self.batcher is not None
+        self.policy.padded_batches = self.batcher is not None and not self.batcher.packed
         try:
             yield
         finally:

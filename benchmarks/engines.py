@@ -75,6 +75,7 @@ from benchmarks.engines_clients import (  # noqa: E402
     add_counters,
     counter_delta,
     group_cpu_s,
+    profile_shares,
     run_batch,
     vllm_alpha,
 )
@@ -84,8 +85,15 @@ from specops.serving.vllm.process import ServerSpec, VLLMError, VLLMServer, vllm
 
 log = logging.getLogger("bench.engines")
 
-DOC_BEGIN = "<!-- BEGIN engines (written by benchmarks/engines.py; edits inside are overwritten) -->"
-DOC_END = "<!-- END engines -->"
+
+def doc_markers(section: str) -> tuple[str, str]:
+    return (
+        f"<!-- BEGIN {section} (written by benchmarks/engines.py; edits inside are overwritten) -->",
+        f"<!-- END {section} -->",
+    )
+
+
+DOC_BEGIN, DOC_END = doc_markers("engines")
 VLLM_ARMS = {  # arm -> (speculation, which draft)
     "vllm_target": ("none", None),
     "vllm_ngram": ("ngram", None),
@@ -106,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=None, help="held-out sql chat prompts (default 16; 4 with --quick)")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 64; 16 with --quick)")
     p.add_argument(
-        "--concurrency", default=None, help="comma-separated client concurrencies (default 1,4,8; 1,2 quick)"
+        "--concurrency", default=None, help="comma-separated client concurrencies (default 1,4,8,16; 1,2 quick)"
     )
     p.add_argument(
         "--rounds",
@@ -137,10 +145,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown doc to update")
     p.add_argument("--no-doc", action="store_true", help="do not write the doc")
+    p.add_argument(
+        "--doc-section",
+        default="engines",
+        help="the doc section to write (a run without the learned-draft arms writes its own, e.g. engines-load)",
+    )
     p.add_argument("--extra-summary", type=Path, default=None, help="JSON object merged into the summary")
     p.add_argument("--replot", type=Path, default=None, metavar="JSON", help="re-derive table and doc from a --json")
     args = p.parse_args(argv)
-    for name, full, quick in (("prompts", 16, 4), ("max_tokens", 64, 16), ("concurrency", "1,4,8", "1,2")):
+    for name, full, quick in (("prompts", 16, 4), ("max_tokens", 64, 16), ("concurrency", "1,4,8,16", "1,2")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
@@ -279,15 +292,25 @@ def measure(arms: dict[str, Arm], prompts: list[list[int]], args) -> dict:
     turn = 0
     for c in args.concurrency:
         for n in names:
-            results[n][str(c)] = {"wall_s": 0.0, "tokens": 0, "replies": [], "counters": None, "order": [], "load": []}
+            results[n][str(c)] = {
+                "wall_s": 0.0,
+                "tokens": 0,
+                "replies": [],
+                "counters": None,
+                "order": [],
+                "load": [],
+                "profile": {},
+            }
         for sl in slices(indexed, c, args.rounds):
             order = names[turn % len(names) :] + names[: turn % len(names)]
             turn += 1
             for pos, n in enumerate(order):
                 arm, r = arms[n], results[n][str(c)]
-                before = arm.metrics()
+                before, prof0 = arm.metrics(), arm.profile()
                 wall, replies = run_batch(arm, sl, c, args.max_tokens)
-                after = arm.metrics()
+                after, prof1 = arm.metrics(), arm.profile()
+                if prof0 is not None and prof1 is not None:
+                    r["profile"] = {k: r["profile"].get(k, 0.0) + v - prof0.get(k, 0.0) for k, v in prof1.items()}
                 r["wall_s"] += wall
                 r["tokens"] += sum(x.tokens for x in replies)
                 r["replies"] += replies
@@ -315,6 +338,9 @@ def measure(arms: dict[str, Arm], prompts: list[list[int]], args) -> dict:
                 "token_ids": [x.token_ids for x in replies] if arms[n].engine == "vllm" else None,
                 "completion_tokens": [x.tokens for x in replies],
             }
+            if r["profile"]:
+                row["profile"] = profile_shares(r["profile"], r["wall_s"])
+                row["profile_counters"] = r["profile"]
             if arms[n].engine == "specops" and arms[n].method != "target":
                 acc = sum(x.accepted for x in replies)
                 rej = sum(x.rejected_steps for x in replies)
@@ -384,7 +410,8 @@ def finish(report: dict, args) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
     if not args.no_doc:
-        write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report, table, DOC_BEGIN, DOC_END))
+        begin, end = doc_markers(args.doc_section)
+        write_doc_section(args.doc, begin, end, doc_section(report, table, begin, end))
     return 0
 
 

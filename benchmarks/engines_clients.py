@@ -202,12 +202,74 @@ class Arm:
             reply.rejected_steps, reply.method = int(spec.get("rejected_steps", 0)), spec.get("method")
         return reply
 
+    def profile(self) -> dict[str, float] | None:
+        """Our server's time counters now (``specops_profile``; None for vLLM)."""
+        if self.engine != "specops":
+            return None
+        r = self.http.request("GET", self.url + "/metrics", timeout=10.0, retries=False)
+        return specops_profile(r.data.decode())
+
     def metrics(self) -> dict | None:
         """vLLM's spec-decode counters now (None for our engine or a vLLM arm without speculation)."""
         if self.engine != "vllm" or not self.k:
             return None
         r = self.http.request("GET", self.url + "/metrics", timeout=10.0, retries=False)
         return spec_counters(r.data.decode())
+
+
+PROFILE_SERIES = {
+    "specops_target_pass_seconds_total": "what",
+    "specops_request_stage_seconds_total": "stage",
+}
+
+
+def specops_profile(text: str) -> dict[str, float]:
+    """Our server's time counters (``/metrics``): the batcher thread's forward/gather/idle seconds,
+    requests' propose/verify seconds, their summed end-to-end seconds, passes, rows and tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            label = PROFILE_SERIES.get(smp.name)
+            if label is not None:
+                key = f"{'batcher' if 'pass' in smp.name else 'request'}_{smp.labels[label]}_s"
+                out[key] = out.get(key, 0.0) + smp.value
+            elif smp.name == "specops_e2e_request_latency_seconds_sum":
+                out["request_e2e_s"] = out.get("request_e2e_s", 0.0) + smp.value
+            elif smp.name == "specops_e2e_request_latency_seconds_count":
+                out["requests"] = out.get("requests", 0.0) + smp.value
+            elif smp.name == "specops_target_batch_size_sum":
+                out["pass_rows"] = smp.value
+            elif smp.name == "specops_target_batch_size_count":
+                out["passes"] = smp.value
+            elif smp.name == "specops_target_pass_tokens_total":
+                out["pass_tokens"] = smp.value
+    return out
+
+
+def profile_shares(delta: dict[str, float], wall_s: float) -> dict:
+    """Where the time went: the requests' time split into target passes (queueing for a batch
+    included), proposing and the rest (Python per step, tokenizer, HTTP); the batcher thread's
+    wall time into forward passes, waiting to gather a batch, and idle; the passes' mean rows and tokens."""
+    e2e = delta.get("request_e2e_s", 0.0)
+    verify, propose = delta.get("request_verify_s", 0.0), delta.get("request_propose_s", 0.0)
+    passes = delta.get("passes", 0.0)
+    return {
+        "request_seconds": e2e,
+        "request_shares": {
+            "target_pass": verify / e2e if e2e else None,
+            "propose": propose / e2e if e2e else None,
+            "other": max(0.0, e2e - verify - propose) / e2e if e2e else None,
+        },
+        "batcher_shares": {
+            w: delta.get(f"batcher_{w}_s", 0.0) / wall_s if wall_s else None for w in ("forward", "gather", "idle")
+        },
+        "passes": passes,
+        "mean_rows_per_pass": delta.get("pass_rows", 0.0) / passes if passes else None,
+        "mean_tokens_per_pass": delta.get("pass_tokens", 0.0) / passes if passes else None,
+        "ms_per_pass": 1000.0 * delta.get("batcher_forward_s", 0.0) / passes if passes else None,
+    }
 
 
 def run_batch(arm: Arm, prompts: list[tuple[int, list[int]]], concurrency: int, max_tokens: int):

@@ -31,6 +31,18 @@ def summarise(report: dict) -> dict:
     ours = [a for a in arms if a.startswith(SPECOPS_PREFIX)]
     best = {c: max(ours, key=lambda a: by_c[c][a]["tokens_per_s"] or 0.0) if ours else None for c in conc}
     env = report.get("environment", {})
+
+    def p99_ratio(c: str) -> float | None:
+        if c not in by_c:
+            return None
+        ours_p99 = by_c[c].get("specops_target", {}).get("p99_s")
+        if best[c] and by_c[c][best[c]].get("p99_s"):  # the arm an operator would deploy: the fastest
+            ours_p99 = by_c[c][best[c]]["p99_s"]
+        base = by_c[c].get("vllm_target", {}).get("p99_s")
+        return ours_p99 / base if ours_p99 and base else None
+
+    profile_c = "4" if "4" in conc else (conc[-1] if conc else None)
+    profile = {a: arms[a][profile_c].get("profile") for a in ours if profile_c and arms[a][profile_c].get("profile")}
     return {
         "vllm_version": report.get("vllm_version"),
         "cpu": f"{env.get('cpu_model', 'unknown')}, {env.get('cpu_count')} cores",
@@ -43,6 +55,11 @@ def summarise(report: dict) -> dict:
         "ours_vs_vllm_target": {c: ratio(best[c], "vllm_target", c) if best[c] else None for c in conc},
         "ours_best_arm": best,
         "ours_target_vs_vllm_target": {c: ratio("specops_target", "vllm_target", c) for c in conc},
+        "ours_best_vs_vllm_ngram": {c: ratio(best[c], "vllm_ngram", c) if best[c] else None for c in conc},
+        "p99_ratio_c8": p99_ratio("8"),
+        "p99_ratios": {c: p99_ratio(c) for c in conc},
+        "profile_concurrency": int(profile_c) if profile_c else None,
+        "profile": profile,
         "identical_outputs": report["outputs"]["identical"],
         "learned_draft_promotions": report.get("learned_draft", {}).get("promotions"),
     }
@@ -72,14 +89,35 @@ def markdown(report: dict) -> str:
             )
     lines += [
         "",
-        "| concurrency | learned ÷ bootstrap draft (vLLM) | best ours ÷ vllm_target | best ours | ours target-only ÷ vllm_target |",
+        "| concurrency | learned ÷ bootstrap draft (vLLM) | best ours ÷ vllm_target | best ours | "
+        "ours target-only ÷ vllm_target | best ours ÷ vllm_ngram | p99 best ours ÷ vllm_target |",
     ]
-    lines.append("|---:|---:|---:|---|---:|")
+    lines.append("|---:|---:|---:|---|---:|---:|---:|")
     for c in map(str, report["config"]["concurrency"]):
         lines.append(
             f"| {c} | {fmt(s['learned_vs_bootstrap_draft'][c], '.2f', 'x')} | {fmt(s['ours_vs_vllm_target'][c], '.2f', 'x')} | "
-            f"{s['ours_best_arm'][c] or '–'} | {fmt(s['ours_target_vs_vllm_target'][c], '.2f', 'x')} |"
+            f"{s['ours_best_arm'][c] or '–'} | {fmt(s['ours_target_vs_vllm_target'][c], '.2f', 'x')} | "
+            f"{fmt((s.get('ours_best_vs_vllm_ngram') or {}).get(c), '.2f', 'x')} | "
+            f"{fmt((s.get('p99_ratios') or {}).get(c), '.2f', 'x')} |"
         )
+    if s.get("profile"):
+        lines += [
+            "",
+            f"Where our time went at concurrency {s['profile_concurrency']} (shares of the requests' time; of the "
+            "batcher thread's wall time):",
+            "",
+            "| arm | target pass | propose | other (Python, tokenizer, HTTP) | batcher: forward | gather | idle | "
+            "rows/pass | tokens/pass | ms/pass |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for a, p in s["profile"].items():
+            rq, bt = p["request_shares"], p["batcher_shares"]
+            lines.append(
+                f"| {a} | {fmt(rq['target_pass'], '.0%')} | {fmt(rq['propose'], '.0%')} | {fmt(rq['other'], '.0%')} | "
+                f"{fmt(bt['forward'], '.0%')} | {fmt(bt['gather'], '.0%')} | {fmt(bt['idle'], '.0%')} | "
+                f"{fmt(p['mean_rows_per_pass'], '.2f')} | {fmt(p['mean_tokens_per_pass'], '.1f')} | "
+                f"{fmt(p['ms_per_pass'], '.1f')} |"
+            )
     return "\n".join(lines)
 
 

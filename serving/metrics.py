@@ -30,6 +30,12 @@ ROUTED = Counter(
     "specops_routed_requests_total", "Requests per cluster and how the cluster was chosen", ["cluster", "source"]
 )
 CANCELLED = Counter("specops_requests_cancelled_total", "Requests ended early", ["reason"])
+STEP_SECONDS = Counter(
+    "specops_request_stage_seconds_total",
+    "Seconds served requests spent proposing drafts and in target passes (waiting for a batch "
+    "included); the rest of a request's time is Python per step, the tokenizer and HTTP",
+    ["stage"],
+)
 READY = Gauge("specops_ready", "1 when the models are loaded and requests are served")
 KNNLM_REQUESTS = Counter("specops_knnlm_requests_total", "kNN-LM requests", ["searcher", "mode"])
 KNNLM_SEARCHES = Counter(
@@ -97,6 +103,8 @@ def count_request(plan, served, *, policy=None, sessions=None) -> None:
     st = served.result.stats
     label = cluster_label(plan.cluster)
     GENERATED.labels(label).inc(st.num_generated)
+    for stage in ("propose", "verify"):
+        STEP_SECONDS.labels(stage).inc(st.time_s.get(stage, 0.0))
     PROMPT_TOKENS.labels(label).inc(len(plan.prompt_ids))
     spec = plan.spec
     if spec.count is not None:

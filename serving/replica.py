@@ -95,6 +95,9 @@ class Replica:
         self._threads.append(t)
 
     def _load(self) -> None:
+        from specops.core.threads import compute_thread
+
+        compute_thread()  # loading times the target's linear routes: with the threads the batcher will have
         try:
             self._load_steps()
         except Exception as exc:  # readyz reports it; the process stays up for the operator to see
@@ -167,7 +170,7 @@ class Replica:
             from specops.serving.fleet.events import EventWatcher
 
             self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
-        if cfg.engine == "specops" and cfg.batch_max_size > 1 and cfg.max_concurrency > 1:
+        if cfg.engine == "specops":  # every target pass runs on the batcher's thread, alone or batched
             from specops.serving.engine.batching import TargetBatcher
 
             self.batcher = TargetBatcher(
@@ -184,7 +187,7 @@ class Replica:
             if self.registry is not None and cfg.session_sharing == "shared":  # sessions-<cluster> mix tenants
                 self.session_follower = self._session_follower(sessions)
         self.policy = self._policy()
-        self.policy.padded_batches = self.batcher is not None
+        self.policy.padded_batches = self.batcher is not None and not self.batcher.packed
         parts = dict(logger=self.logger, datastores=self.datastores, sessions=sessions, policy=self.policy)
         if cfg.engine == "vllm":
             from specops.serving.vllm.node import VLLMNode

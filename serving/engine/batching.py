@@ -46,9 +46,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from transformers import PreTrainedModel
 
+from specops.core import threads
+from specops.serving.engine import ragged
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.tree import TokenTree
@@ -58,6 +60,13 @@ log = logging.getLogger(__name__)
 
 BATCH_SIZE = Histogram(
     "specops_target_batch_size", "Requests per target forward pass", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32)
+)
+PASS_TOKENS = Counter("specops_target_pass_tokens_total", "Tokens computed by target forward passes (padding included)")
+PASS_SECONDS = Counter(
+    "specops_target_pass_seconds_total",
+    "Seconds the batcher thread spent, by what: forward (target passes), gather (waiting for the "
+    "steps of requests just back from a pass), idle (no step waiting)",
+    ["what"],
 )
 
 
@@ -181,13 +190,21 @@ class TargetBatcher:
     """Owns the target's forward passes, and its KV cache pool, for every request of a replica."""
 
     def __init__(
-        self, model: PreTrainedModel, *, max_batch: int = 8, window_s: float = 0.002, capacity: int = 256
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch: int = 8,
+        window_s: float = 0.002,
+        capacity: int = 256,
+        straggle: float = 0.5,
     ) -> None:
         assert max_batch >= 1 and window_s >= 0
         self.model = model
         self.max_batch = max_batch
         self.window_s = window_s
         self.pool = SlotPool(model, slots=max_batch, capacity=capacity)
+        self.packed = ragged.install(model)
+        """Passes without trees run packed (``engine.ragged``): rows end to end, nothing padded."""
         self.num_batches = 0
         self.num_steps = 0
         self.num_gathers = 0
@@ -195,6 +212,12 @@ class TargetBatcher:
         self.active = 0
         """Requests decoding now: the batcher waits for more steps only if others could come."""
         self._active_lock = threading.Lock()
+        self._live: set[BatchedCachedLM] = set()
+        """Requests holding a slot (``_gather`` waits for those just back from a pass)."""
+        self.straggle = straggle
+        """How long, as a share of a pass, the batcher waits for a request just back from one."""
+        self._pass_s = 0.0
+        """Moving average of a pass's seconds."""
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="target-batcher", daemon=True)
         self._thread.start()
@@ -226,35 +249,78 @@ class TargetBatcher:
     close = stop
 
     def _run(self) -> None:
+        threads.compute_thread()  # this thread runs the target: it gets the process's compute threads
         while True:
+            t_idle = time.perf_counter()
             first = self._queue.get()
             if first is None:
                 return
-            batch = [first]
-            deadline = time.monotonic() + self.window_s
-            while first.tree is None and len(batch) < min(self.max_batch, self.active):  # a lone request never waits
-                try:
-                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)  # stop after this batch
-                    break
-                if nxt.tree is not None:
-                    self._queue.put(nxt)  # a tree runs on its own, next
-                    break
-                batch.append(nxt)
+            t_gather = time.perf_counter()
+            batch = self._gather(first)
+            t0 = time.perf_counter()
+            PASS_SECONDS.labels("idle").inc(t_gather - t_idle)
+            PASS_SECONDS.labels("gather").inc(t0 - t_gather)
             try:
                 self._forward(batch)
             except BaseException as exc:  # every waiting request gets the error, none hangs
                 log.exception("batched target forward failed for %d requests", len(batch))
                 for s in batch:
                     s.error = exc
+            seconds = time.perf_counter() - t0
+            PASS_SECONDS.labels("forward").inc(seconds)
+            self._pass_s += 0.2 * (seconds - self._pass_s)
             self.num_batches += 1
             self.num_steps += len(batch)
             BATCH_SIZE.observe(len(batch))
+            now = time.monotonic()
             for s in batch:
+                s.lm.returned_at = now
                 s.done.set()
+
+    def _gather(self, first: _Step) -> list[_Step]:
+        """The steps to run with ``first``: continuous batching, request by request.
+
+        A request whose step just came back is back within a millisecond or two with its next
+        one (propose, commit, stream a token); one that misses a pass costs a whole pass of its
+        own, and the two halves then keep missing each other. So the batcher waits for the
+        requests it *expects*, those that returned from a pass within ``straggle`` of the pass
+        time and have not submitted since, up to that long; and for anyone else decoding (a
+        request prefilling, or busy between steps) only ``window_s``. A lone request never waits.
+        """
+        batch = [first]
+        if first.tree is not None:
+            return batch
+        start = time.monotonic()
+        hold = max(self.window_s, self.straggle * self._pass_s)
+        while len(batch) < self.max_batch:
+            now = time.monotonic()
+            expected = self._expected(batch, now, hold)
+            if not expected and len(batch) >= min(self.max_batch, self.active):
+                break
+            limit = start + (hold if expected else self.window_s)
+            if now >= limit:
+                break
+            try:
+                nxt = self._queue.get(timeout=limit - now)
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._queue.put(None)  # stop after this batch
+                break
+            if nxt.tree is not None:
+                self._queue.put(nxt)  # a tree runs on its own, next
+                break
+            batch.append(nxt)
+        return batch
+
+    def _expected(self, batch: list[_Step], now: float, hold: float) -> int:
+        """Requests that returned from a pass less than ``hold`` ago and have not stepped since."""
+        with self._active_lock:
+            live = list(self._live)
+        inside = {id(s.lm) for s in batch}
+        return sum(
+            1 for lm in live if id(lm) not in inside and lm.returned_at is not None and now - lm.returned_at < hold
+        )
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Step]) -> None:
@@ -262,6 +328,8 @@ class TargetBatcher:
             self._forward_locked(batch)
 
     def _forward_locked(self, batch: list[_Step]) -> None:
+        if self.packed and batch[0].tree is None:
+            return self._forward_packed(batch)
         b = len(batch)
         pool, device = self.pool, self.model.device
         past = [s.lm.num_cached for s in batch]
@@ -308,6 +376,7 @@ class TargetBatcher:
             logits_to_keep=n_max - columns[0] if tail else torch.tensor(columns),
         )
         ms = (time.perf_counter() - t0) * 1000.0
+        PASS_TOKENS.inc(b * n_max)
         for i, s in enumerate(batch):
             keep = keeps[i]
             lo = at[new[i] - keep]  # its first kept column among those scored
@@ -318,6 +387,50 @@ class TargetBatcher:
             s.lm.num_forwards += 1
             widest = max((new[j] for j in range(b) if j != i), default=0)
             s.target_pass = TargetPass(b, n_max, new[i], sum(new) - new[i], widest, ms)
+
+    def _forward_packed(self, batch: list[_Step]) -> None:
+        """The steps' tokens end to end in one ``[1, T]`` pass (``engine.ragged``)."""
+        pool, device = self.pool, self.model.device
+        past = [s.lm.num_cached for s in batch]
+        new = [len(s.input_ids) for s in batch]
+        pool.ensure(max(p + n for p, n in zip(past, new)))
+        rows = ragged.Rows.build([s.lm.slot for s in batch], past, new, device)
+        ids = torch.tensor([[t for s in batch for t in s.input_ids]], dtype=torch.long, device=device)
+        keeps = [min(s.logits_to_keep or n, n) for s, n in zip(batch, new)]
+        columns = [o + n - keep for o, n, keep in zip(rows.offsets, new, keeps)]  # each row's first kept token
+        kept = torch.tensor(
+            [c for c0, keep in zip(columns, keeps) for c in range(c0, c0 + keep)], dtype=torch.long, device=device
+        )
+        want_hidden = any(s.want_hidden for s in batch)
+        t0 = time.perf_counter()
+        out = self.model(
+            input_ids=ids,
+            position_ids=rows.positions,
+            attention_mask=_NO_MASK,  # 4D: transformers builds no mask; each request attends its own slot
+            past_key_values=ragged.PackedCache(pool, rows),
+            use_cache=True,
+            output_hidden_states=want_hidden,
+            logits_to_keep=kept,
+            specops_rows=rows,
+        )
+        ms = (time.perf_counter() - t0) * 1000.0
+        PASS_TOKENS.inc(ids.shape[1])
+        logits = out.logits[0].float().cpu()  # [sum(keeps), vocab]
+        hidden = out.hidden_states[-1][0, kept].float().cpu() if want_hidden else None
+        total, at = sum(new), 0
+        for i, s in enumerate(batch):
+            keep = keeps[i]
+            s.logits = logits[at : at + keep]
+            if s.want_hidden:
+                s.hidden = hidden[at : at + keep]
+            at += keep
+            s.lm.num_cached += new[i]
+            s.lm.num_forwards += 1
+            widest = max((new[j] for j in range(len(batch)) if j != i), default=0)
+            s.target_pass = TargetPass(len(batch), max(new), new[i], total - new[i], widest, ms, packed=True)
+
+
+_NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 
 class _RowView:
@@ -354,6 +467,10 @@ class BatchedCachedLM(CachedLM):
         self.slot = batcher.pool.acquire()
         self.cache = _SlotView(self)  # type: ignore[assignment]
         self._closed = False
+        self.returned_at: float | None = None
+        """When its latest pass came back; None while a step of it is queued."""
+        with batcher._active_lock:
+            batcher._live.add(self)
 
     def forward(
         self, input_ids: list[int], *, logits_to_keep: int = 0, want_hidden: bool = False
@@ -362,6 +479,7 @@ class BatchedCachedLM(CachedLM):
         assert self.num_cached + len(input_ids) <= self.context_size, (self.num_cached, len(input_ids))
         assert self.vocab is None, "a batched target scores its whole vocabulary"
         step = _Step(self, list(input_ids), logits_to_keep, want_hidden)
+        self.returned_at = None
         self.batcher.submit(step)
         self.last_pass = step.target_pass
         return step.logits, step.hidden
@@ -372,6 +490,7 @@ class BatchedCachedLM(CachedLM):
         assert committed, "the last committed token is fed with the tree"
         assert self.num_cached + len(committed) + tree.max_depth <= self.context_size
         step = _Step(self, list(committed), tree.num_nodes + 1, want_hidden, tree=tree)
+        self.returned_at = None
         self.batcher.submit(step)
         self.last_pass = step.target_pass
         return step.logits, step.hidden
@@ -401,6 +520,8 @@ class BatchedCachedLM(CachedLM):
         """Give the slot back (the request is done with its cache)."""
         if not self._closed:
             self._closed = True
+            with self.batcher._active_lock:
+                self.batcher._live.discard(self)
             self.batcher.pool.release(self.slot)
 
     def __del__(self) -> None:  # a request that never closed (an exception path) still frees its slot

@@ -200,7 +200,7 @@ class TargetPass:
     rows: int
     """Requests in the pass (1 unbatched)."""
     width: int
-    """Tokens per row of the padded pass (the widest row's new tokens)."""
+    """The widest row's new tokens (a padded pass computes every row this wide)."""
     mine: int
     """This request's new tokens in it (committed tokens it lacked + drafts or tree nodes)."""
     others: int
@@ -209,11 +209,14 @@ class TargetPass:
     """The widest other row (0 alone)."""
     ms: float
     """Milliseconds the forward itself took (no queueing)."""
+    packed: bool = False
+    """The rows ran end to end (``engine.ragged``): the pass computed only their tokens."""
 
     @property
-    def padded_tokens(self) -> int:
-        """What a right-padded batch computes: rows x width."""
-        return self.rows * self.width
+    def computed_tokens(self) -> int:
+        """Token rows the pass's matrix products computed: every row's tokens when packed,
+        rows x width when right-padded."""
+        return self.mine + self.others if self.packed else self.rows * self.width
 
 
 @dataclass

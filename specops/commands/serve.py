@@ -37,5 +37,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = ServeConfig.load(args.config, overrides=overrides_from_args(args))
     set_threads(args.threads)
+    import torch
+
+    from specops.core.threads import reserve_for_compute
+
+    # One OpenMP team, on the threads that run the target (core.threads): the batcher and the loader
+    reserve_for_compute(torch.get_num_threads())
     Server(cfg).run()
     return 0

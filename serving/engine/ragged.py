@@ -1,0 +1,144 @@
+"""Packed (ragged) target passes: the rows of a batch laid end to end, nothing padded.
+
+A batch of requests with 1, 1, 4 and 100 new tokens runs as **one sequence of 106 tokens**
+(``[1, T]``, each token at its own request's position), so every linear layer multiplies
+exactly the tokens there are: a right-padded batch would compute ``4 x 100`` rows, almost
+four times the work, whenever a prompt's prefill joins a batch of decode steps.
+
+The only layer where the requests must not meet is attention. ``transformers`` lets a model
+name its attention function (``config._attn_implementation``); the target gets
+``"specops_ragged"`` (:func:`install`), which is SDPA unchanged unless the forward carries
+``specops_rows`` (a :class:`Rows`). Then, per request, its queries attend over **its own
+slot of the KV pool, as a view** (no copy, no gather): the request's cached positions and,
+causally, its own new tokens. :class:`PackedCache` is the ``transformers`` cache of such a
+pass: it writes every request's new keys and values into its slot in one indexed store per
+layer and hands the pool to the attention.
+
+Any model whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` and a ``Cache`` (Llama,
+Qwen2/3, Mistral, Gemma, Phi-3 and most others in ``transformers`` 5) packs this way; the
+batcher checks once at load (:func:`supported`) and keeps right-padded passes otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+NAME = "specops_ragged"
+
+
+@dataclass
+class Rows:
+    """Where each request of a packed pass sits: in the pass (``offsets``) and in the pool."""
+
+    slots: list[int]
+    past: list[int]
+    """Positions each request has cached before the pass."""
+    new: list[int]
+    """Its new tokens in the pass."""
+    offsets: list[int]
+    """Where its tokens start in the packed sequence."""
+    masks: list[torch.Tensor | None]
+    """Per request with more than one new token: ``[new, past + new]`` bool, True where a
+    query may attend (its cache, and its own new tokens causally); None for one token."""
+    slot_index: torch.Tensor
+    """``[T]`` the slot of every packed token (one indexed store per layer writes them all)."""
+    pos_index: torch.Tensor
+    """``[T]`` its position in the slot."""
+
+    @classmethod
+    def build(cls, slots: list[int], past: list[int], new: list[int], device) -> Rows:
+        offsets, at = [], 0
+        for n in new:
+            offsets.append(at)
+            at += n
+        masks: list[torch.Tensor | None] = []
+        for p, n in zip(past, new):
+            if n == 1:
+                masks.append(None)
+                continue
+            q = torch.arange(n, device=device)[:, None]
+            kv = torch.arange(p + n, device=device)[None, :]
+            masks.append(kv <= p + q)
+        slot_index = torch.tensor([s for s, n in zip(slots, new) for _ in range(n)], device=device)
+        pos_index = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(past, new)])
+        return cls(slots, past, new, offsets, masks, slot_index, pos_index)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[1, T]`` each token's position in its own request."""
+        return self.pos_index[None]
+
+
+class PackedCache:
+    """A ``transformers`` cache over a packed pass: new keys/values go to their requests'
+    slots of the pool; the attention (:func:`ragged_attention`) reads the slots back as views."""
+
+    is_compileable = False
+
+    def __init__(self, pool, rows: Rows) -> None:
+        self.pool, self.rows = pool, rows
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        k_buf, v_buf = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        # [1, heads, T, dim] -> [T, heads, dim]: one store for every request's new positions
+        k_buf[self.rows.slot_index, :, self.rows.pos_index] = key_states[0].transpose(0, 1)
+        v_buf[self.rows.slot_index, :, self.rows.pos_index] = value_states[0].transpose(0, 1)
+        return k_buf, v_buf
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(p + n for p, n in zip(self.rows.past, self.rows.new))
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(), 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA per request over its own slot (``specops_rows``), or plain SDPA without it."""
+    rows: Rows | None = kwargs.pop("specops_rows", None)
+    if rows is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    outs = []
+    for slot, p, n, o, mask in zip(rows.slots, rows.past, rows.new, rows.offsets, rows.masks):
+        q = query[:, :, o : o + n]  # [1, heads, n, dim]
+        k = key[slot : slot + 1, :, : p + n]  # [1, kv_heads, p + n, dim]: a view of the pool
+        v = value[slot : slot + 1, :, : p + n]
+        if n == 1 and groups > 1:  # one query per head: the kv heads' groups as queries (no repeat)
+            h, d = key.shape[1], q.shape[-1]
+            o1 = F.scaled_dot_product_attention(q.reshape(1, h, groups, d), k, v, scale=scaling)
+            outs.append(o1.reshape(1, h * groups, 1, d))
+        else:
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, heads, T, dim]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(model: PreTrainedModel) -> bool:
+    """Route ``model``'s attention through :func:`ragged_attention` (SDPA unless a pass is
+    packed); False, leaving the model as it was, where it does not use SDPA or cannot."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if model.config._attn_implementation not in ("sdpa", NAME):
+        log.info("packed target passes off: the target's attention is %r, not sdpa", model.config._attn_implementation)
+        return False
+    AttentionInterface.register(NAME, ragged_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    try:
+        model.set_attn_implementation(NAME)
+    except Exception as exc:  # an architecture that refuses custom attention keeps its padded passes
+        log.info("packed target passes off: %s", exc)
+        return False
+    return True

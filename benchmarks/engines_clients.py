@@ -248,6 +248,15 @@ def specops_profile(text: str) -> dict[str, float]:
     return out
 
 
+def batcher_shares(delta: dict[str, float], wall_s: float) -> dict:
+    """The batcher thread's share of the arm's wall time in target passes, draft passes and gathering
+    a batch; idle is the rest (its own counter also holds the wait while other arms ran)."""
+    if not wall_s:
+        return {}
+    busy = {w: delta.get(f"batcher_{w}_s", 0.0) / wall_s for w in ("forward", "draft_forward", "gather")}
+    return {**busy, "idle": max(0.0, 1.0 - sum(busy.values()))}
+
+
 def profile_shares(delta: dict[str, float], wall_s: float) -> dict:
     """Where the time went: the requests' time split into target passes (queueing for a batch
     included), proposing and the rest (Python per step, tokenizer, HTTP); the batcher thread's
@@ -262,9 +271,7 @@ def profile_shares(delta: dict[str, float], wall_s: float) -> dict:
             "propose": propose / e2e if e2e else None,
             "other": max(0.0, e2e - verify - propose) / e2e if e2e else None,
         },
-        "batcher_shares": {
-            w: delta.get(f"batcher_{w}_s", 0.0) / wall_s if wall_s else None for w in ("forward", "gather", "idle")
-        },
+        "batcher_shares": batcher_shares(delta, wall_s),
         "passes": passes,
         "mean_rows_per_pass": delta.get("pass_rows", 0.0) / passes if passes else None,
         "mean_tokens_per_pass": delta.get("pass_tokens", 0.0) / passes if passes else None,

@@ -106,15 +106,16 @@ def markdown(report: dict) -> str:
             f"Where our time went at concurrency {s['profile_concurrency']} (shares of the requests' time; of the "
             "batcher thread's wall time):",
             "",
-            "| arm | target pass | propose | other (Python, tokenizer, HTTP) | batcher: forward | gather | idle | "
-            "rows/pass | tokens/pass | ms/pass |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| arm | target pass | propose | other (Python, tokenizer, HTTP) | batcher: target passes | draft passes | "
+            "gather | idle | rows/pass | tokens/pass | ms/pass |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for a, p in s["profile"].items():
             rq, bt = p["request_shares"], p["batcher_shares"]
             lines.append(
                 f"| {a} | {fmt(rq['target_pass'], '.0%')} | {fmt(rq['propose'], '.0%')} | {fmt(rq['other'], '.0%')} | "
-                f"{fmt(bt['forward'], '.0%')} | {fmt(bt['gather'], '.0%')} | {fmt(bt['idle'], '.0%')} | "
+                f"{fmt(bt.get('forward'), '.0%')} | {fmt(bt.get('draft_forward'), '.0%')} | "
+                f"{fmt(bt.get('gather'), '.0%')} | {fmt(bt.get('idle'), '.0%')} | "
                 f"{fmt(p['mean_rows_per_pass'], '.2f')} | {fmt(p['mean_tokens_per_pass'], '.1f')} | "
                 f"{fmt(p['ms_per_pass'], '.1f')} |"
             )

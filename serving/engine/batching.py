@@ -39,10 +39,12 @@ with the tree's mask.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -202,9 +204,15 @@ class TargetBatcher:
         self.model = model
         self.max_batch = max_batch
         self.window_s = window_s
+        self.capacity = capacity
         self.pool = SlotPool(model, slots=max_batch, capacity=capacity)
         self.packed = ragged.install(model)
         """Passes without trees run packed (``engine.ragged``): rows end to end, nothing padded."""
+        self._pools: dict[int, tuple[SlotPool, bool]] = {id(model): (self.pool, self.packed)}
+        """Per model whose passes run here (the target, and drafts: :meth:`lm`): its KV pool, packed or not."""
+        self._pools_lock = threading.Lock()
+        self._later: collections.deque[_Step] = collections.deque()
+        """Steps taken off the queue for a later pass (another model's, or a tree): run first, in order."""
         self.num_batches = 0
         self.num_steps = 0
         self.num_gathers = 0
@@ -222,9 +230,33 @@ class TargetBatcher:
         self._thread = threading.Thread(target=self._run, name="target-batcher", daemon=True)
         self._thread.start()
 
-    def lm(self) -> BatchedCachedLM:
-        """A fresh per-request target (a slot of the pool) whose forwards go through this batcher."""
-        return BatchedCachedLM(self.model, self)
+    def lm(self, model: PreTrainedModel | None = None) -> CachedLM:
+        """A fresh per-request cache over ``model`` (default: the target) whose forwards run on this
+        batcher's thread, batched with the other requests' passes of the same model.
+
+        A draft model gets a pool of its own: its passes never share one with the target's, but
+        they are batched across requests and, on a CPU, run on the one thread that owns the OpenMP
+        team (``core.threads``). A draft that cannot pack (its attention is not SDPA) gets a plain
+        ``CachedLM``, decoded on the request's own thread."""
+        if model is None or model is self.model:
+            return BatchedCachedLM(self.model, self)
+        pool, packed = self.pool_for(model)
+        return BatchedCachedLM(model, self) if packed else CachedLM(model)
+
+    def pool_for(self, model: PreTrainedModel) -> tuple[SlotPool, bool]:
+        """``model``'s KV pool here and whether its passes pack (made on first use; dropped with the model)."""
+        key = id(model)
+        with self._pools_lock:
+            got = self._pools.get(key)
+            if got is None:
+                packed = ragged.install(model)
+                got = self._pools[key] = (SlotPool(model, slots=self.max_batch, capacity=self.capacity), packed)
+                weakref.finalize(model, self._drop_pool, key)
+            return got
+
+    def _drop_pool(self, key: int) -> None:
+        with self._pools_lock:
+            self._pools.pop(key, None)
 
     def begin(self) -> None:
         """A request starts decoding (its steps may now join batches)."""
@@ -252,7 +284,7 @@ class TargetBatcher:
         threads.compute_thread()  # this thread runs the target: it gets the process's compute threads
         while True:
             t_idle = time.perf_counter()
-            first = self._queue.get()
+            first = self._later.popleft() if self._later else self._queue.get()
             if first is None:
                 return
             t_gather = time.perf_counter()
@@ -267,8 +299,11 @@ class TargetBatcher:
                 for s in batch:
                     s.error = exc
             seconds = time.perf_counter() - t0
-            PASS_SECONDS.labels("forward").inc(seconds)
-            self._pass_s += 0.2 * (seconds - self._pass_s)
+            if first.lm.model is self.model:
+                PASS_SECONDS.labels("forward").inc(seconds)
+                self._pass_s += 0.2 * (seconds - self._pass_s)
+            else:
+                PASS_SECONDS.labels("draft_forward").inc(seconds)
             self.num_batches += 1
             self.num_steps += len(batch)
             BATCH_SIZE.observe(len(batch))
@@ -290,6 +325,11 @@ class TargetBatcher:
         batch = [first]
         if first.tree is not None:
             return batch
+        model = first.lm.model
+        while self._later and len(batch) < self.max_batch:  # steps put aside earlier, of this model
+            if self._later[0].lm.model is not model or self._later[0].tree is not None:
+                return batch
+            batch.append(self._later.popleft())
         start = time.monotonic()
         hold = max(self.window_s, self.straggle * self._pass_s)
         while len(batch) < self.max_batch:
@@ -307,9 +347,11 @@ class TargetBatcher:
             if nxt is None:
                 self._queue.put(None)  # stop after this batch
                 break
-            if nxt.tree is not None:
-                self._queue.put(nxt)  # a tree runs on its own, next
-                break
+            if nxt.tree is not None or nxt.lm.model is not model:
+                self._later.append(nxt)  # a tree runs on its own, another model's step in its own pass: next
+                if nxt.tree is not None:
+                    break
+                continue
             batch.append(nxt)
         return batch
 
@@ -317,21 +359,25 @@ class TargetBatcher:
         """Requests that returned from a pass less than ``hold`` ago and have not stepped since."""
         with self._active_lock:
             live = list(self._live)
-        inside = {id(s.lm) for s in batch}
+        inside, model = {id(s.lm) for s in batch}, batch[0].lm.model
         return sum(
-            1 for lm in live if id(lm) not in inside and lm.returned_at is not None and now - lm.returned_at < hold
+            1
+            for lm in live
+            if lm.model is model and id(lm) not in inside and lm.returned_at is not None and now - lm.returned_at < hold
         )
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Step]) -> None:
-        with self.pool.lock:
+        with batch[0].lm.pool.lock:
             self._forward_locked(batch)
 
     def _forward_locked(self, batch: list[_Step]) -> None:
-        if self.packed and batch[0].tree is None:
+        lm = batch[0].lm
+        packs = self.packed if lm.model is self.model else True  # a draft batched here always packs (lm())
+        if batch[0].tree is None and packs:
             return self._forward_packed(batch)
         b = len(batch)
-        pool, device = self.pool, self.model.device
+        pool, device = lm.pool, lm.model.device
         past = [s.lm.num_cached for s in batch]
         new = [len(s.input_ids) + (s.tree.num_nodes if s.tree is not None else 0) for s in batch]
         n_max = max(new)
@@ -390,7 +436,8 @@ class TargetBatcher:
 
     def _forward_packed(self, batch: list[_Step]) -> None:
         """The steps' tokens end to end in one ``[1, T]`` pass (``engine.ragged``)."""
-        pool, device = self.pool, self.model.device
+        model, vocab, pool = batch[0].lm.model, batch[0].lm.vocab, batch[0].lm.pool
+        device = model.device
         past = [s.lm.num_cached for s in batch]
         new = [len(s.input_ids) for s in batch]
         pool.ensure(max(p + n for p, n in zip(past, new)))
@@ -403,20 +450,25 @@ class TargetBatcher:
         )
         want_hidden = any(s.want_hidden for s in batch)
         t0 = time.perf_counter()
-        out = self.model(
+        args = dict(
             input_ids=ids,
             position_ids=rows.positions,
             attention_mask=_NO_MASK,  # 4D: transformers builds no mask; each request attends its own slot
             past_key_values=ragged.PackedCache(pool, rows),
             use_cache=True,
-            output_hidden_states=want_hidden,
-            logits_to_keep=kept,
             specops_rows=rows,
         )
+        if vocab is not None:  # a draft vocabulary: the base model, then only its rows of the head
+            last = model.base_model(**args).last_hidden_state[0, kept]  # [sum(keeps), hidden]
+            logits = vocab.logits(model.get_output_embeddings(), last).float().cpu()
+            hidden = last.float().cpu() if want_hidden else None
+        else:
+            out = model(**args, output_hidden_states=want_hidden, logits_to_keep=kept)
+            logits = out.logits[0].float().cpu()  # [sum(keeps), vocab]
+            hidden = out.hidden_states[-1][0, kept].float().cpu() if want_hidden else None
         ms = (time.perf_counter() - t0) * 1000.0
-        PASS_TOKENS.inc(ids.shape[1])
-        logits = out.logits[0].float().cpu()  # [sum(keeps), vocab]
-        hidden = out.hidden_states[-1][0, kept].float().cpu() if want_hidden else None
+        if model is self.model:
+            PASS_TOKENS.inc(ids.shape[1])
         total, at = sum(new), 0
         for i, s in enumerate(batch):
             keep = keeps[i]
@@ -441,16 +493,16 @@ class _RowView:
 
     @property
     def keys(self) -> torch.Tensor:
-        return self.lm.batcher.pool.keys[self.layer][self.lm.slot : self.lm.slot + 1, :, : self.lm.num_cached]
+        return self.lm.pool.keys[self.layer][self.lm.slot : self.lm.slot + 1, :, : self.lm.num_cached]
 
     @property
     def values(self) -> torch.Tensor:
-        return self.lm.batcher.pool.values[self.layer][self.lm.slot : self.lm.slot + 1, :, : self.lm.num_cached]
+        return self.lm.pool.values[self.layer][self.lm.slot : self.lm.slot + 1, :, : self.lm.num_cached]
 
 
 class _SlotView:
     def __init__(self, lm: BatchedCachedLM) -> None:
-        self.layers = [_RowView(lm, i) for i in range(lm.batcher.pool.num_layers)]
+        self.layers = [_RowView(lm, i) for i in range(lm.pool.num_layers)]
         self.lm = lm
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -464,7 +516,8 @@ class BatchedCachedLM(CachedLM):
     def __init__(self, model: PreTrainedModel, batcher: TargetBatcher) -> None:
         super().__init__(model)
         self.batcher = batcher
-        self.slot = batcher.pool.acquire()
+        self.pool, _ = batcher.pool_for(model)
+        self.slot = self.pool.acquire()
         self.cache = _SlotView(self)  # type: ignore[assignment]
         self._closed = False
         self.returned_at: float | None = None
@@ -477,7 +530,6 @@ class BatchedCachedLM(CachedLM):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert len(input_ids) > 0, "forward needs at least one token"
         assert self.num_cached + len(input_ids) <= self.context_size, (self.num_cached, len(input_ids))
-        assert self.vocab is None, "a batched target scores its whole vocabulary"
         step = _Step(self, list(input_ids), logits_to_keep, want_hidden)
         self.returned_at = None
         self.batcher.submit(step)
@@ -497,7 +549,7 @@ class BatchedCachedLM(CachedLM):
 
     @torch.inference_mode()
     def keep_path(self, base: int, path: list[int]) -> None:
-        pool = self.batcher.pool
+        pool = self.pool
         with pool.lock:
             for j, node in enumerate(path):
                 assert node >= j + 1, (j, node)
@@ -522,7 +574,7 @@ class BatchedCachedLM(CachedLM):
             self._closed = True
             with self.batcher._active_lock:
                 self.batcher._live.discard(self)
-            self.batcher.pool.release(self.slot)
+            self.pool.release(self.slot)
 
     def __del__(self) -> None:  # a request that never closed (an exception path) still frees its slot
         try:

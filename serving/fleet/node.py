@@ -223,6 +223,7 @@ class ServingNode:
             reference_indexes=(past,) if past is not None else (),
             datastore=datastore.datastore if datastore is not None else None,
             policy=self.policy,
+            model_lm=self.batcher.lm if self.batcher is not None else None,
         )
         cfg = plan.proposer_config()
         with self.batched():

@@ -53,6 +53,9 @@ class ProposerResources:
     policy: object | None = None
     """The replica's ``core.auto_policy.AutoPolicy`` for method ``auto`` (None: the process's
     default policy)."""
+    model_lm: Callable[[object], object] | None = None
+    """Builds a request's cache over a draft model (``TargetBatcher.lm``: its passes run on the
+    batcher's thread, batched across requests); None: a plain ``CachedLM`` on the request's thread."""
 
 
 LLMA_MAX_N = 8
@@ -158,7 +161,9 @@ class MethodSpec:
 def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.draft_model import DraftModelProposer
 
-    return DraftModelProposer(res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k)
+    return DraftModelProposer(
+        res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k, lm_factory=res.model_lm
+    )
 
 
 def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> Proposer:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -22,7 +24,14 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
 
-    def __init__(self, model: PreTrainedModel, *, confidence_threshold: float = 0.0, adaptive_k: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        confidence_threshold: float = 0.0,
+        adaptive_k: bool = False,
+        lm_factory: Callable[[PreTrainedModel], CachedLM] | None = None,
+    ) -> None:
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model
@@ -32,13 +41,16 @@ class DraftModelProposer(Proposer):
         """Grow k by 2 after a fully accepted step, shrink by 1 otherwise (within 1..k)."""
         self.lm: CachedLM | None = None
         self._k_cur: int | None = None
+        self.lm_factory = lm_factory or CachedLM
+        """Builds the request's draft cache: a batcher's (``TargetBatcher.lm``) batches the draft's
+        forwards across requests."""
 
     @property
     def num_forwards(self) -> int:  # type: ignore[override]
         return self.lm.num_forwards if self.lm is not None else 0
 
     def start(self, state: DecodeState) -> None:
-        self.lm = CachedLM(self.model)
+        self.lm = self.lm_factory(self.model)
         self._k_cur = None
         # Prefill lazily in the first propose(), which feeds every uncached committed token.
 
@@ -96,4 +108,6 @@ class DraftModelProposer(Proposer):
         self.lm.rollback(min(self.lm.num_cached, position - 1))
 
     def finish(self) -> None:
+        if self.lm is not None:
+            self.lm.close()  # a batcher's cache gives its slot back
         self.lm = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from specops.serving.engine.batching import TargetBatcher
@@ -13,10 +14,14 @@ from specops.serving.engine.types import SamplingParams
 from tests.conftest import random_prompts
 
 
-def test_batched_steps_match_unbatched(close_pair):
-    """Three requests at different cache lengths, stepped together: same logits, same caches."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_batched_steps_match_unbatched(close_pair, packed):
+    """Three requests at different cache lengths, stepped together: same logits, same caches,
+    in packed passes (engine.ragged) and in right-padded ones (a target without SDPA)."""
     target = close_pair.target
     batcher = TargetBatcher(target, max_batch=8, window_s=0.5)
+    assert batcher.packed, "the tiny Llama target uses SDPA: its passes pack"
+    batcher.packed = packed
     try:
         seqs = random_prompts(3, seed=2, lo=3, hi=20)
         plain = [CachedLM(target) for _ in seqs]
@@ -51,9 +56,17 @@ def test_batched_steps_match_unbatched(close_pair):
         batcher.close()
 
 
-def test_concurrent_greedy_requests_stay_lossless(close_pair):
-    """Many concurrent speculative requests through one batcher: every output is the target's."""
+@pytest.mark.parametrize(
+    "packed,drafts_batched", [(True, False), (False, False), (True, True)], ids=["packed", "padded", "drafts-batched"]
+)
+def test_concurrent_greedy_requests_stay_lossless(close_pair, packed, drafts_batched):
+    """Many concurrent speculative requests through one batcher: every output is the target's,
+    the draft model's forwards batched across requests on the batcher's thread too."""
+    from specops.serving.proposers.catalogue import ProposerResources
+
     batcher = TargetBatcher(close_pair.target, max_batch=8, window_s=0.01)
+    batcher.packed = packed
+    resources = ProposerResources(pair=close_pair, model_lm=batcher.lm if drafts_batched else None)
     params = SamplingParams(max_new_tokens=24)
     prompts = random_prompts(8, seed=4, lo=3, hi=16)
     want = [SpecEngine(close_pair).generate(p, params, method="target").token_ids for p in prompts]
@@ -63,7 +76,7 @@ def test_concurrent_greedy_requests_stay_lossless(close_pair):
         batcher.begin()
         try:
             engine = SpecEngine(close_pair, target_lm=batcher.lm)
-            got[i] = engine.generate(prompts[i], params, method="draft", k=4).token_ids
+            got[i] = engine.generate(prompts[i], params, method="draft", k=4, resources=resources).token_ids
         finally:
             batcher.end()
 
@@ -75,6 +88,10 @@ def test_concurrent_greedy_requests_stay_lossless(close_pair):
             t.join(60)
         assert got == want
         assert batcher.num_steps > batcher.num_batches, "no two requests ever shared a forward pass"
+        draft_pool = batcher.pool_for(close_pair.draft)[0]
+        assert draft_pool is not batcher.pool
+        if drafts_batched:  # every request gave its draft slot back
+            assert len(draft_pool.free) == draft_pool.num_slots
     finally:
         batcher.close()
 

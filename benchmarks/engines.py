@@ -411,7 +411,8 @@ def finish(report: dict, args) -> int:
         args.json.write_text(json.dumps(report, indent=1))
     if not args.no_doc:
         begin, end = doc_markers(args.doc_section)
-        write_doc_section(args.doc, begin, end, doc_section(report, table, begin, end))
+        title = "Throughput under load, next to vLLM's CPU build" if args.doc_section == "engines-load" else None
+        write_doc_section(args.doc, begin, end, doc_section(report, table, begin, end, title))
     return 0
 
 

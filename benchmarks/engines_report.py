@@ -154,6 +154,13 @@ def reading(report: dict) -> list[str]:
             + ", ".join(f"c={c} {fmt(s['ours_target_vs_vllm_target'][c], '.2f', 'x')}" for c in conc)
             + "."
         )
+    bars = load_bars(s)
+    if bars:
+        out.append(
+            "Throughput under load (issue 42's bars): "
+            + "; ".join(f"{name} {fmt(value, '.2f')} ({'met' if ok else '**not met**'})" for name, value, ok in bars)
+            + "."
+        )
     mism = report["outputs"]["mismatches"]
     if s["identical_outputs"]:
         out.append("Every greedy output was identical across arms, engines and concurrencies.")
@@ -173,7 +180,24 @@ def reading(report: dict) -> list[str]:
     return out
 
 
-def doc_section(report: dict, table: str, begin: str, end: str) -> str:
+def load_bars(s: dict) -> list[tuple[str, float, bool]]:
+    """(bar, value, met) for the bars the numbers cover: our target-only >= 0.8x vLLM target-only at
+    c = 1, 4, 8; our best arm >= vLLM n-gram at c = 1 and 4; p99 at c = 8 <= 1.25x vLLM target-only's."""
+    out = []
+    for c in ("1", "4", "8"):
+        v = (s.get("ours_target_vs_vllm_target") or {}).get(c)
+        if v is not None:
+            out.append((f"target-only ÷ vllm_target at c={c} (>= 0.80)", v, v >= 0.8))
+    for c in ("1", "4"):
+        v = (s.get("ours_best_vs_vllm_ngram") or {}).get(c)
+        if v is not None:
+            out.append((f"best ours ÷ vllm_ngram at c={c} (>= 1.00)", v, v >= 1.0))
+    if s.get("p99_ratio_c8") is not None:
+        out.append(("p99 best ours ÷ vllm_target at c=8 (<= 1.25)", s["p99_ratio_c8"], s["p99_ratio_c8"] <= 1.25))
+    return out
+
+
+def doc_section(report: dict, table: str, begin: str, end: str, title: str | None = None) -> str:
     cfg, env, s = report["config"], report["environment"], report["summary"]
     ld = report.get("learned_draft", {})
     if ld.get("kind") == "learned":
@@ -203,7 +227,7 @@ def doc_section(report: dict, table: str, begin: str, end: str) -> str:
     )
     lines = [
         begin,
-        "## Our engine next to vLLM's CPU build (`benchmarks/engines.py`)",
+        f"## {title or 'Our engine next to vLLM' + chr(39) + 's CPU build'} (`benchmarks/engines.py`)",
         "",
         "Command:",
         "",

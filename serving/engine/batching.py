@@ -55,6 +55,7 @@ from specops.core import threads
 from specops.serving.engine import ragged
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.slots import SlotCache, SlotPool
 from specops.serving.engine.tree import TokenTree
 from specops.serving.engine.types import TargetPass
 
@@ -70,106 +71,6 @@ PASS_SECONDS = Counter(
     "steps of requests just back from a pass), idle (no step waiting)",
     ["what"],
 )
-
-
-class SlotPool:
-    """Preallocated per-layer key/value buffers, one row (slot) per request."""
-
-    def __init__(self, model: PreTrainedModel, *, slots: int, capacity: int = 256) -> None:
-        cfg = model.config
-        self.num_layers = int(cfg.num_hidden_layers)
-        self.heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.max_capacity = int(getattr(cfg, "max_position_embeddings", 1 << 20))
-        self.dtype, self.device = model.dtype, model.device
-        self.capacity = min(capacity, self.max_capacity)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self._alloc(slots, self.capacity)
-        self.free = list(range(slots))
-        self.lock = threading.RLock()
-        """Held by a forward pass for its whole duration and by every reallocation, so the
-        buffers never move under a pass or under a request copying within its own row."""
-        self.num_grows = 0
-
-    @property
-    def num_slots(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
-
-    def _alloc(self, slots: int, capacity: int) -> None:
-        shape = (slots, self.heads, capacity, self.head_dim)
-        old_k, old_v = self.keys, self.values
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        for layer in range(len(old_k)):
-            s, c = old_k[layer].shape[0], old_k[layer].shape[2]
-            self.keys[layer][:s, :, :c] = old_k[layer]
-            self.values[layer][:s, :, :c] = old_v[layer]
-        self.capacity = capacity
-
-    def acquire(self) -> int:
-        """A free slot, the lowest first (so requests stepping together sit in consecutive rows)."""
-        with self.lock:
-            if not self.free:
-                n = self.num_slots
-                self._alloc(2 * n, self.capacity)
-                self.free = list(range(n, 2 * n))
-                self.num_grows += 1
-                log.info("target KV pool grown to %d slots x %d positions", 2 * n, self.capacity)
-            self.free.sort()
-            return self.free.pop(0)
-
-    def release(self, slot: int) -> None:
-        with self.lock:
-            self.free.append(slot)
-
-    def ensure(self, length: int) -> None:
-        """Room for ``length`` positions in every row (called on the batcher thread only)."""
-        if length <= self.capacity:
-            return
-        assert length <= self.max_capacity, (length, self.max_capacity)
-        cap = self.capacity
-        while cap < length:
-            cap *= 2
-        with self.lock:
-            self._alloc(self.num_slots, min(cap, self.max_capacity))
-            self.num_grows += 1
-        log.info("target KV pool grown to %d positions per slot", self.capacity)
-
-
-class _SlotCache:
-    """A ``transformers`` cache over some rows of a :class:`SlotPool` for one forward pass.
-
-    ``update`` writes the new keys/values of row ``i`` at positions ``lengths[i] ..`` of its
-    slot and returns the ``[rows, heads, span, head_dim]`` keys/values to attend over."""
-
-    is_compileable = False
-
-    def __init__(self, pool: SlotPool, slots: list[int], lengths: list[int], span: int) -> None:
-        self.pool, self.slots, self.lengths, self.span = pool, slots, lengths, span
-        first = slots[0]
-        self.view = slots == list(range(first, first + len(slots)))  # consecutive rows: a view, no copy
-        self.index = None if self.view else torch.tensor(slots, device=pool.device)
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        k_buf, v_buf = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        n = key_states.shape[2]
-        for i, (slot, start) in enumerate(zip(self.slots, self.lengths)):
-            k_buf[slot, :, start : start + n] = key_states[i]
-            v_buf[slot, :, start : start + n] = value_states[i]
-        if self.view:
-            first = self.slots[0]
-            rows = slice(first, first + len(self.slots))
-            return k_buf[rows, :, : self.span], v_buf[rows, :, : self.span]
-        return k_buf.index_select(0, self.index)[:, :, : self.span], v_buf.index_select(0, self.index)[
-            :, :, : self.span
-        ]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.lengths)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.span, 0
 
 
 @dataclass
@@ -225,7 +126,9 @@ class TargetBatcher:
         self.straggle = straggle
         """How long, as a share of a pass, the batcher waits for a request just back from one."""
         self._pass_s = 0.0
-        """Moving average of a pass's seconds."""
+        """Moving average of a target pass's seconds."""
+        self._draft_pass_s: dict[int, float] = {}
+        """The same per draft model (by id)."""
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="target-batcher", daemon=True)
         self._thread.start()
@@ -304,6 +207,10 @@ class TargetBatcher:
                 self._pass_s += 0.2 * (seconds - self._pass_s)
             else:
                 PASS_SECONDS.labels("draft_forward").inc(seconds)
+                key = id(first.lm.model)
+                self._draft_pass_s[key] = self._draft_pass_s.get(key, seconds) + 0.2 * (
+                    seconds - self._draft_pass_s.get(key, seconds)
+                )
             self.num_batches += 1
             self.num_steps += len(batch)
             BATCH_SIZE.observe(len(batch))
@@ -321,6 +228,9 @@ class TargetBatcher:
         requests it *expects*, those that returned from a pass within ``straggle`` of the pass
         time and have not submitted since, up to that long; and for anyone else decoding (a
         request prefilling, or busy between steps) only ``window_s``. A lone request never waits.
+        A draft model's pass waits only for its expected requests, as long as ``straggle`` of a
+        draft pass: the others may be verifying. Steps of another model than ``first``'s are put
+        aside for the next pass.
         """
         batch = [first]
         if first.tree is not None:
@@ -331,11 +241,14 @@ class TargetBatcher:
                 return batch
             batch.append(self._later.popleft())
         start = time.monotonic()
-        hold = max(self.window_s, self.straggle * self._pass_s)
+        if model is self.model:
+            hold = max(self.window_s, self.straggle * self._pass_s)
+        else:  # a draft pass waits only for drafts just back (the others decoding may be verifying)
+            hold = self.straggle * self._draft_pass_s.get(id(model), 0.0)
         while len(batch) < self.max_batch:
             now = time.monotonic()
             expected = self._expected(batch, now, hold)
-            if not expected and len(batch) >= min(self.max_batch, self.active):
+            if not expected and (model is not self.model or len(batch) >= min(self.max_batch, self.active)):
                 break
             limit = start + (hold if expected else self.window_s)
             if now >= limit:
@@ -401,7 +314,7 @@ class TargetBatcher:
                 pos[i] = tree_mod.positions(p + c, c, s.tree)
                 allow[i, 0, :, : p + n] = tree_mod.attention_mask(p, c, s.tree, torch.float32)[0, 0].eq(0)
             allow[i, 0, n:, 0] = True  # padded queries attend somewhere (their outputs are discarded)
-        cache = _SlotCache(pool, slots, past, span)
+        cache = SlotCache(pool, slots, past, span)
         self.num_gathers += int(b > 1 and not cache.view)
         want_hidden = any(s.want_hidden for s in batch)
         # The head scores only the positions some row keeps (a prompt's prefill keeps its last
@@ -435,7 +348,9 @@ class TargetBatcher:
             s.target_pass = TargetPass(b, n_max, new[i], sum(new) - new[i], widest, ms)
 
     def _forward_packed(self, batch: list[_Step]) -> None:
-        """The steps' tokens end to end in one ``[1, T]`` pass (``engine.ragged``)."""
+        """The steps' tokens end to end in one ``[1, T]`` pass (``engine.ragged``), in slot order: one-token
+        steps in consecutive slots then attend in one call."""
+        batch = sorted(batch, key=lambda s: s.lm.slot)
         model, vocab, pool = batch[0].lm.model, batch[0].lm.vocab, batch[0].lm.pool
         device = model.device
         past = [s.lm.num_cached for s in batch]

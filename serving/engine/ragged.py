@@ -22,7 +22,7 @@ batcher checks once at load (:func:`supported`) and keeps right-padded passes ot
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,10 @@ class Rows:
     """``[T]`` the slot of every packed token (one indexed store per layer writes them all)."""
     pos_index: torch.Tensor
     """``[T]`` its position in the slot."""
+    runs: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
+    """The requests grouped for attention: ``(first, count, key mask)``. A run of one-token
+    requests in consecutive slots attends in one SDPA call over a view of those slots (mask
+    ``[count, 1, 1, longest]``: each row's own length); anything else is a run of one."""
 
     @classmethod
     def build(cls, slots: list[int], past: list[int], new: list[int], device) -> Rows:
@@ -68,7 +72,21 @@ class Rows:
             masks.append(kv <= p + q)
         slot_index = torch.tensor([s for s, n in zip(slots, new) for _ in range(n)], device=device)
         pos_index = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(past, new)])
-        return cls(slots, past, new, offsets, masks, slot_index, pos_index)
+        runs: list[tuple[int, int, torch.Tensor | None]] = []
+        i = 0
+        while i < len(slots):
+            j = i + 1
+            if new[i] == 1:
+                while j < len(slots) and new[j] == 1 and slots[j] == slots[j - 1] + 1:
+                    j += 1
+            if j - i == 1:
+                runs.append((i, 1, None))
+            else:
+                lengths = torch.tensor([p + 1 for p in past[i:j]], device=device)
+                mask = torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]
+                runs.append((i, j - i, mask[:, None, None, :]))
+            i = j
+        return cls(slots, past, new, offsets, masks, slot_index, pos_index, runs)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -110,13 +128,22 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = query.shape[1] // key.shape[1]
+    h, d = key.shape[1], query.shape[-1]
     outs = []
-    for slot, p, n, o, mask in zip(rows.slots, rows.past, rows.new, rows.offsets, rows.masks):
+    for first, count, run_mask in rows.runs:
+        if count > 1:  # one-token requests in consecutive slots: one call over a view of their slots
+            slot, o = rows.slots[first], rows.offsets[first]
+            q = query[0, :, o : o + count].transpose(0, 1)  # [count, heads, 1, dim] as [count, heads, dim]
+            k = key[slot : slot + count, :, : run_mask.shape[-1]]  # [count, kv_heads, longest, dim]: a view
+            v = value[slot : slot + count, :, : run_mask.shape[-1]]
+            o1 = F.scaled_dot_product_attention(q.reshape(count, h, groups, d), k, v, attn_mask=run_mask, scale=scaling)
+            outs.append(o1.reshape(count, h * groups, d).transpose(0, 1)[None])  # [1, heads, count, dim]
+            continue
+        slot, p, n, o, mask = (x[first] for x in (rows.slots, rows.past, rows.new, rows.offsets, rows.masks))
         q = query[:, :, o : o + n]  # [1, heads, n, dim]
         k = key[slot : slot + 1, :, : p + n]  # [1, kv_heads, p + n, dim]: a view of the pool
         v = value[slot : slot + 1, :, : p + n]
         if n == 1 and groups > 1:  # one query per head: the kv heads' groups as queries (no repeat)
-            h, d = key.shape[1], q.shape[-1]
             o1 = F.scaled_dot_product_attention(q.reshape(1, h, groups, d), k, v, scale=scaling)
             outs.append(o1.reshape(1, h * groups, 1, d))
         else:

@@ -83,7 +83,16 @@ def test_engines_quick_writes_json_and_doc(tmp_path):
         "prompts",
         "max_tokens",
         "identical_outputs",
+        "ours_target_vs_vllm_target",
+        "ours_best_vs_vllm_ngram",
+        "p99_ratio_c8",
+        "profile",
     } <= set(s)
+    # the profile (issue 42): where our time went at the largest concurrency up to 4, per specops arm
+    assert s["profile_concurrency"] == 2 and set(s["profile"]) == set(engines.SPECOPS_ARMS)
+    for p in s["profile"].values():
+        assert p["passes"] > 0 and 0 < p["request_shares"]["target_pass"] <= 1
+        assert abs(sum(p["batcher_shares"].values()) - 1.0) < 1e-6 or p["batcher_shares"]["idle"] == 0.0
     assert s["prompts"] == 4 and s["max_tokens"] == 16 and set(s["by_concurrency"]) == {"1", "2"}
     for c in ("1", "2"):
         assert set(s["by_concurrency"][c]) == set(engines.ARMS)

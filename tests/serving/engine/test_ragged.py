@@ -18,11 +18,14 @@ def test_ragged_attention_equals_sdpa_per_request():
     """Each request's queries see its own cached positions and, causally, its own new tokens:
     the packed attention equals SDPA run on each request alone (GQA, 1 and several new tokens)."""
     torch.manual_seed(0)
-    heads, kv_heads, dim, slots, cap = 6, 2, 8, 4, 32
+    heads, kv_heads, dim, slots, cap = 6, 2, 8, 6, 32
     k_pool, v_pool = torch.randn(slots, kv_heads, cap, dim), torch.randn(slots, kv_heads, cap, dim)
-    slot_ids, past, new = [2, 0, 3], [5, 9, 0], [1, 4, 3]
+    slot_ids, past, new = [0, 1, 2, 4, 5], [5, 9, 3, 0, 7], [1, 1, 4, 3, 1]
     rows = ragged.Rows.build(slot_ids, past, new, "cpu")
-    assert rows.offsets == [0, 1, 5] and rows.positions.tolist() == [[5, 9, 10, 11, 12, 0, 1, 2]]
+    assert rows.offsets == [0, 1, 2, 6, 9]
+    assert rows.positions.tolist() == [[5, 9, 3, 4, 5, 6, 0, 1, 2, 7]]
+    # the two one-token requests in slots 0 and 1 attend in one call; the rest alone
+    assert [(first, count) for first, count, _ in rows.runs] == [(0, 2), (2, 1), (3, 1), (4, 1)]
     q = torch.randn(1, heads, sum(new), dim)
 
     class Module:  # what transformers hands the attention function

@@ -21,8 +21,8 @@ keeps its default CPU thread binding (on 2 cores: one OpenMP compute thread, one
 reserved for its scheduler and API); ours runs ``--threads`` torch threads (default 2) and
 its draft in serving's default ``bfloat16`` (outputs are the float32 target's either way).
 
-**Servers up at once, idle but one.** The four vLLM servers and ours are started together
-and stay up; an arm's batch runs while the others sit idle. That is sound only if an idle
+**Servers up at once, idle but one.** The vLLM servers are started together, ours once they
+are up (it calibrates ``auto``'s cost priors as it starts, which vLLM's start-up would distort), and all stay up; an arm's batch runs while the others sit idle. That is sound only if an idle
 server costs nothing: vLLM's engine core could busy-poll. The benchmark measures it after
 start-up (CPU seconds of each server's process group over ``--idle-check-s``) and records
 ``idle_cpu_share`` per server in the JSON; on this machine an idle vLLM server used about
@@ -183,7 +183,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def start_servers(args, model_dir: Path, learned: Path, log_dir: Path, data_dir: Path, max_len: int) -> dict:
-    """Every server the chosen arms need, started together and waited for; name -> server."""
+    """Every server the chosen arms need: vLLM's started together and waited for, then ours; name -> server."""
     python = vllm_python(args.vllm_python) if any(a in VLLM_ARMS for a in args.arms) else None
     drafts = {"bootstrap": model_dir / "draft", "learned": learned}
     servers: dict = {}
@@ -209,7 +209,12 @@ def start_servers(args, model_dir: Path, learned: Path, log_dir: Path, data_dir:
                     log_dir=log_dir,
                     name=arm,
                 ).start()
+        for name, server in servers.items():  # vLLM's servers first: their start-up takes every core
+            ready = server.wait_ready(900.0)
+            log.warning("%s ready after %.0fs", name, ready)
         if any(a in SPECOPS_ARMS for a in args.arms):
+            # ours on a quiet machine: serving calibrates auto's cost priors as it starts (beside
+            # vLLM's start-up a 1-token pass took 1.4 s instead of 35 ms)
             servers["specops"] = SpecopsServer(
                 model_dir / "target",
                 learned,
@@ -219,9 +224,8 @@ def start_servers(args, model_dir: Path, learned: Path, log_dir: Path, data_dir:
                 concurrency=max(args.concurrency),
                 draft_dtype=args.specops_draft_dtype,
             ).start()
-        for name, server in servers.items():
-            ready = server.wait_ready(900.0)
-            log.warning("%s ready after %.0fs", name, ready)
+            ready = servers["specops"].wait_ready(900.0)
+            log.warning("specops ready after %.0fs", ready)
     except BaseException:
         stop_servers(servers)
         raise

@@ -247,14 +247,15 @@ class TargetBatcher:
             hold = self.straggle * self._draft_pass_s.get(id(model), 0.0)
         while len(batch) < self.max_batch:
             now = time.monotonic()
-            expected = self._expected(batch, now, hold)
-            if not expected and (model is not self.model or len(batch) >= min(self.max_batch, self.active)):
-                break
-            limit = start + (hold if expected else self.window_s)
-            if now >= limit:
-                break
+            if self._later:  # another model's steps wait for this thread, their requests with them: take what is queued
+                limit = now
+            else:
+                expected = self._expected(batch, now, hold)
+                if not expected and (model is not self.model or len(batch) >= min(self.max_batch, self.active)):
+                    break
+                limit = start + (hold if expected else self.window_s)
             try:
-                nxt = self._queue.get(timeout=limit - now)
+                nxt = self._queue.get(timeout=limit - now) if limit > now else self._queue.get_nowait()
             except queue.Empty:
                 break
             if nxt is None:

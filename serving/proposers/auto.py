@@ -83,19 +83,24 @@ class Role:
 def calibrate(policy: AutoPolicy, pair, context_ids: list[int] | None = None, reps: int = 5) -> dict:
     """Measure the target's verify cost at 1 and 9 tokens and the draft's one-token step
     (``core.cost.step_ms``), as the policy's cost priors (the draft's for every candidate that
-    drafts with the draft model). About a second on CPU."""
+    drafts with the draft model). About a second on CPU.
+
+    Each is the fastest of ``reps``: a replica calibrates while it starts, often beside other
+    processes starting (a benchmark's vLLM servers made a 1-token pass take 1.4 s instead of
+    35 ms, and ``auto`` then priced speculation out at one request). The live fits take the
+    real load in from there."""
     from specops.core.cost import step_ms
 
     ctx = context_ids or list(range(1, 65))
-    v1 = step_ms(pair.target, ctx, 1, reps=reps, warmup=2)
-    v9 = step_ms(pair.target, ctx, 9, reps=reps, warmup=2)
+    v1 = step_ms(pair.target, ctx, 1, reps=reps, warmup=2, best=True)
+    v9 = step_ms(pair.target, ctx, 9, reps=reps, warmup=2, best=True)
     b = max((v9 - v1) / 8.0, 0.0)
     out = {"verify_ms_1": v1, "verify_ms_9": v9}
     kinds = {}
     catchup = {}
     if pair.draft is not None:
-        d1 = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2)
-        d17 = step_ms(pair.draft, ctx, 17, reps=reps, warmup=2)
+        d1 = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2, best=True)
+        d17 = step_ms(pair.draft, ctx, 17, reps=reps, warmup=2, best=True)
         kinds[MODEL] = (d1 * 0.1, d1 * 0.9)  # a call: little fixed cost, one forward per token
         # a catch-up feeds `gap` tokens in one forward: its cost over a one-token call's, per token
         catchup[MODEL] = (max(d1 * 0.1, 1e-3), max((d17 - d1) / 16.0, 0.0))

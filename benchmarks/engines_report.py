@@ -209,7 +209,11 @@ def doc_section(report: dict, table: str, begin: str, end: str, title: str | Non
             "over the last)"
         )
     else:
-        learned = f"{ld.get('kind', 'given')} draft `{ld.get('dir')}`"
+        path = str(ld.get("dir", ""))
+        short = path.split("/.specops/", 1)[-1] if "/.specops/" in path else path
+        learned = f"{ld.get('kind', 'given')} draft `{short}`" + (
+            ", the bootstrap draft (no learning in this run)" if short.endswith("models/draft") else ""
+        )
     idle = report["servers"]["idle_cpu_share"]
     idle_txt = ", ".join(f"{n} {v * 100:.1f} %" for n, v in idle.items()) if idle else "not measured"
     extra = {k: v for k, v in s.items() if k in ("swap_failed", "teacher_forward_alpha_gap")}
@@ -241,8 +245,9 @@ def doc_section(report: dict, table: str, begin: str, end: str, title: str | Non
         f"while learning), as token ids, greedy, max_tokens {cfg['max_tokens']}, concurrency "
         f"{', '.join(map(str, cfg['concurrency']))} (interleaved rounds: {_rounds(cfg['rounds'])}), k = {cfg['k']}. vLLM: "
         f"`{cfg['vllm_args']}`, CPU thread binding {cfg['vllm_omp_bind']}, {cfg['kv_cache_gb']:g} GiB KV cache. "
-        f"specops serve: {cfg['specops_threads']} threads, draft in {cfg['specops_draft_dtype']}, the learned draft "
-        "as its draft, no session cache. Learned draft: " + learned + ". Idle CPU of each server while another "
+        f"specops serve: {cfg['specops_threads']} threads, draft in {cfg['specops_draft_dtype']}, the "
+        f"{'learned' if ld.get('kind') == 'learned' else 'given'} draft as its draft, no session cache. "
+        "Learned draft: " + learned + ". Idle CPU of each server while another "
         f"ran nothing (share of one core): {idle_txt}.{load_txt}",
         "",
         table,

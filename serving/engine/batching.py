@@ -369,7 +369,8 @@ class TargetBatcher:
         args = dict(
             input_ids=ids,
             position_ids=rows.positions,
-            attention_mask=_NO_MASK,  # 4D: transformers builds no mask; each request attends its own slot
+            attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),  # 4D: transformers builds
+            # no mask of its own; each request attends its own slot (engine.ragged)
             past_key_values=ragged.PackedCache(pool, rows),
             use_cache=True,
             specops_rows=rows,
@@ -396,9 +397,6 @@ class TargetBatcher:
             s.lm.num_forwards += 1
             widest = max((new[j] for j in range(len(batch)) if j != i), default=0)
             s.target_pass = TargetPass(len(batch), max(new), new[i], total - new[i], widest, ms, packed=True)
-
-
-_NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 
 class _RowView:

@@ -167,12 +167,26 @@ def create_app(state: ServingState) -> FastAPI:
         _ensure_ready(state)
         return state.clusters()
 
+    def _model_card() -> dict:
+        return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "specops"}
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "specops"}],
-        }
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # OpenAI clients' models.retrieve (a name with a "/" included)
+        if model_id != cfg.served_model_name:
+            return JSONResponse(
+                error_body(
+                    404,
+                    f"the model {model_id!r} does not exist here; this server serves {cfg.served_model_name!r}",
+                    "model_not_found",
+                    param="model",
+                ),
+                404,
+            )
+        return _model_card()
 
     # ------------------------------------------------------------ completions
     @app.post("/v1/completions")

@@ -177,6 +177,16 @@ def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_gives_the_served_model_and_404_for_another(client):
+    """``client.models.retrieve`` (GET /v1/models/{id}), as OpenAI clients call it."""
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "specops")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.status_code == 404 and err.value.body["code"] == "model_not_found"
+    assert err.value.body["param"] == "model" and MODEL in err.value.body["message"]
+
+
 # ---------------------------------------------------------------- lossless, seeds, stops
 def test_greedy_speculation_is_lossless_through_the_api(client):
     rejected_somewhere = False

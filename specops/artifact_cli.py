@@ -114,6 +114,13 @@ def _status(v) -> str:
     return "archived" if v.archived else "rolled back" if "rolled_back" in v.tags else ""
 
 
+def _datastore_note(speed: float | None) -> str:
+    """A datastore version's measured draft shape against target-only (its replayed speed)."""
+    if speed is None:
+        return "no measured shape (serves 3x10)"
+    return "" if speed >= 1.0 else "no shape beats target-only"
+
+
 VERSION = Column("version", "version", lambda v: v.version, right=True)
 ALIASES = Column("aliases", "aliases", lambda v: ",".join(v.aliases))
 CREATED = Column("created", "created", lambda v: time.strftime("%m-%d %H:%M:%S", time.localtime(v.created_ms / 1000)))
@@ -174,6 +181,8 @@ LISTINGS: dict[str, Listing] = {
             num("live_mar", "live MAR", 4, shown=3),
             num("live_requests", "live requests"),
             tag("shape", "shape"),
+            metric("shape_speed_vs_target", "vs target", key="speed_vs_target", digits=2, right=True),
+            Column("note", "note", lambda v: _datastore_note(v.metric("shape_speed_vs_target"))),
             tag("source", "source"),
             Column("config", "config", lambda v: v.tags.get("config_hash", "")[:8]),
         ),

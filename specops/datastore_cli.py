@@ -11,20 +11,22 @@ from specops.artifact_cli import add_ls, add_promote, add_registry_args, open_re
 from specops.paths import models_dir
 
 
-def _read_documents(path: Path, tokenizer) -> list[list[int]]:
-    """JSON lines: ``{"token_ids": [...]}`` or ``{"prompt_ids": [...], "output_ids": [...]}`` or ``{"text": "..."}``."""
+def _read_documents(path: Path, tokenizer) -> tuple[list[list[int]], list[int]]:
+    """JSON lines: ``{"token_ids": [...]}`` or ``{"prompt_ids": [...], "output_ids": [...]}`` or ``{"text": "..."}``.
+    Returns the documents' token ids and where each one's output starts (``len(prompt_ids)``, else 0)."""
     from specops.core.errors import DatastoreError
 
-    docs = []
+    docs, starts = [], []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
+            start = 0
             if "token_ids" in obj:
                 ids = obj["token_ids"]
             elif "prompt_ids" in obj:
-                ids = list(obj["prompt_ids"]) + list(obj.get("output_ids", []))
+                ids, start = list(obj["prompt_ids"]) + list(obj.get("output_ids", [])), len(obj["prompt_ids"])
             else:
                 ids = tokenizer(obj["text"], add_special_tokens=False)["input_ids"]
             if not all(isinstance(t, int) and t >= 0 for t in ids):
@@ -35,7 +37,56 @@ def _read_documents(path: Path, tokenizer) -> list[list[int]]:
                 "prompt_ids (+ output_ids) or text"
             ) from None
         docs.append(ids)
-    return docs
+        starts.append(start)
+    return docs, starts
+
+
+def heldout_split(n_docs: int, every: int, max_heldout: int = 200) -> tuple[list[int], list[int]]:
+    """(build, held-out) document indices, as the rebuild job splits generations: every ``every``-th
+    document is held out (at most ``max_heldout``; the rest of them are built on); with fewer than
+    ``every`` documents, the last one. No held-out document when ``every`` is 0 or there are fewer than 2."""
+    if every <= 0 or n_docs < 2:
+        return list(range(n_docs)), []
+    held = list(range(every - 1, n_docs, every))[:max_heldout] or [n_docs - 1]
+    kept = set(held)
+    return [i for i in range(n_docs) if i not in kept], held
+
+
+NOT_MEASURED = "no measured draft shape: requests fall back to 3x10, which may serve slower than target-only"
+
+
+def measure_shape(store, target, docs, starts, *, node_cost: float, max_len: int) -> dict:
+    """The rebuild job's measurement on held-out documents (``choose_shape`` over ``SHAPES``, one target
+    pass) plus the offline MAR at the rebuild's gate shape (3x10), as ``store.meta["shape"]`` holds it."""
+    from specops.core.keys import target_hidden_states
+    from specops.trainer.datastores import RebuildConfig, choose_shape, offline_mar
+
+    docs = [list(d[:max_len]) for d in docs]
+    hidden = dict(target_hidden_states(target, docs, max_len=max_len))
+    (n, k), shapes = choose_shape(store, target, docs, starts, node_cost=node_cost, hidden=hidden)
+    gate = RebuildConfig()
+    mar = offline_mar(store, target, docs, starts, n_drafts=gate.n_drafts, k=gate.k, hidden=hidden).mar
+    speed = shapes[f"{n}x{k}"]["speed_vs_target"]
+    return {
+        "n_drafts": n,
+        "k": k,
+        "node_cost": node_cost,
+        "replayed": shapes,
+        "mar": round(mar, 6),
+        "mar_shape": f"{gate.n_drafts}x{gate.k}",
+        "speed_vs_target": speed,
+        "beats_target": speed >= 1.0,
+        "heldout_docs": len(docs),
+    }
+
+
+def slower_warning(shape: dict) -> str:
+    return (
+        f"WARNING: no draft shape beats target-only on the held-out documents: the best, "
+        f"{shape['n_drafts']}x{shape['k']}, replays at {shape['speed_vs_target']:.2f}x target-only speed at "
+        f"node_cost {shape['node_cost']:.3f}; on this hardware and traffic target-only (or another method) "
+        "serves this cluster faster"
+    )
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -50,7 +101,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     target = load_model(model_dir / "target")
     tokenizer = load_tokenizer(model_dir / "target")
     if args.documents:
-        docs, source = _read_documents(Path(args.documents), tokenizer), f"file:{args.documents}"
+        (docs, starts), source = _read_documents(Path(args.documents), tokenizer), f"file:{args.documents}"
     else:
         from specops.trainer.datastores import corpus_documents
 
@@ -58,16 +109,20 @@ def cmd_build(args: argparse.Namespace) -> int:
             corpus_documents(model_dir, tokenizer, per_domain=args.per_domain, chars=args.chars, seed=args.seed),
             "bootstrap-corpus",
         )
+        starts = [0] * len(docs)
     cfg = DatastoreConfig(
         dims=args.dims,
         value_len=args.value_len,
         max_doc_len=args.max_doc_len,
         index=IndexConfig(kind=args.index, quantizer=args.quantizer),
     )
+    build_ix, held_ix = heldout_split(len(docs), args.heldout_every)
+    held = ([docs[i] for i in held_ix], [starts[i] for i in held_ix])
+    docs = [docs[i] for i in build_ix]
     total = sum(min(len(d), cfg.max_doc_len) for d in docs)
     print(
-        f"building a datastore from {len(docs)} documents ({total} tokens, {source}): {cfg.index.kind} index, "
-        f"{cfg.dims} dims, values of {cfg.value_len} tokens"
+        f"building a datastore from {len(docs)} documents ({total} tokens, {source}; {len(held_ix)} more held out "
+        f"to measure its draft shape): {cfg.index.kind} index, {cfg.dims} dims, values of {cfg.value_len} tokens"
     )
     with tqdm(total=total, unit="tok", desc="target hidden states") as bar:
         store, stats = Datastore.build(
@@ -82,6 +137,21 @@ def cmd_build(args: argparse.Namespace) -> int:
         f"{stats.embed_tokens_per_s:.0f} tokens/s ({stats.embed_s:.1f}s), PCA {stats.fit_s:.1f}s, "
         f"index {stats.index_s:.1f}s; explained variance {float(store.projection.explained.sum()):.2f}"
     )
+    shape = None
+    if held_ix:
+        shape = measure_shape(store, target, *held, node_cost=args.node_cost, max_len=cfg.max_doc_len)
+        store.meta["shape"] = shape
+        print(
+            f"draft shape {shape['n_drafts']}x{shape['k']} (measured on {len(held_ix)} held-out documents at "
+            f"node_cost {args.node_cost:g}): {shape['speed_vs_target']:.2f}x target-only speed; offline MAR "
+            f"{shape['mar']:.3f} ({shape['mar_shape']})"
+        )
+        if not shape["beats_target"]:
+            print(slower_warning(shape))
+    elif args.heldout_every > 0:
+        print(f"WARNING: {len(docs)} document(s): too few to hold one out and measure a draft shape; {NOT_MEASURED}")
+    else:
+        print(f"WARNING: --heldout-every 0: {NOT_MEASURED}")
     if args.out:
         store.save(Path(args.out))
         print(f"saved to {args.out} (serve it as the fallback: specops serve --datastore-dir {args.out})")
@@ -89,7 +159,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         reg = open_registry(args.registry, args.stream)
         from specops.trainer.datastores import register_datastore
 
-        v = register_datastore(reg, args.register, store, stats, tags={"source": source})
+        tags, metrics = {"source": source}, {}
+        if shape is not None:
+            tags.update(mar=f"{shape['mar']:.6f}", shape=f"{shape['n_drafts']}x{shape['k']}")
+            metrics = {"mar": shape["mar"], "shape_speed_vs_target": shape["speed_vs_target"]}
+        v = register_datastore(reg, args.register, store, stats, tags=tags, metrics=metrics)
         print(f"registered datastore-{args.register} version {v.version} (alias challenger)")
         kind = reg.artifact("datastore")
         if args.promote or kind.by_alias(args.register) is None:
@@ -130,9 +204,10 @@ def add_parser(sub) -> None:
         "build",
         help="build a datastore from the bootstrap corpus or a file of documents",
         description="Runs the target over the documents in batches (a progress bar shows tokens), "
-        "fits z-norm and PCA, builds the index, and saves it (--out) and/or registers it as "
-        "datastore-CLUSTER (--register; promoted when the cluster has no champion yet, or with "
-        "--promote). Without --documents it uses snippets of the bootstrap's training text: the "
+        "fits z-norm and PCA, builds the index, measures the fastest draft shape and the offline MAR on "
+        "held-out documents (--heldout-every; warns when no shape beats target-only), and saves it (--out) "
+        "and/or registers it as datastore-CLUSTER (--register; promoted when the cluster has no champion "
+        "yet, or with --promote). Without --documents it uses snippets of the bootstrap's training text: the "
         "out-of-distribution fallback for clusters without a datastore of their own.",
     )
     add_registry_args(q)
@@ -162,6 +237,22 @@ def add_parser(sub) -> None:
     q.add_argument(
         "--quantizer", choices=("fp16", "sq8"), default="fp16", help="flat/HNSW key storage (default: %(default)s)"
     )
+    q.add_argument(
+        "--heldout-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="hold out every N-th document (at most 200; the last one when there are fewer than N) and "
+        "measure the draft shape and offline MAR on them, as the rebuild job does; 0: build on all, "
+        "measure nothing (default: %(default)s)",
+    )
+    q.add_argument(
+        "--node-cost",
+        type=float,
+        default=0.15,
+        help="cost of one drafted token in a verify pass, in one-token target passes, for the shape "
+        "measurement (the rebuild's RebuildConfig.node_cost; near 0 on a GPU) (default: %(default)s)",
+    )
     q.add_argument("--out", default=None, metavar="DIR", help="save the datastore here")
     q.add_argument("--register", default=None, metavar="CLUSTER", help="register it as datastore-CLUSTER")
     q.add_argument("--promote", action="store_true", help="with --register: make it the champion")
@@ -174,7 +265,8 @@ def add_parser(sub) -> None:
         archived=False,
         help="list datastore versions",
         description="One row per datastore version: cluster, aliases, entries, bytes per entry, offline MAR "
-        "(rebuilds), live MAR served, draft shape, source, config hash.",
+        "(measured on held-out documents by rebuilds and builds), live MAR served, draft shape and its replayed "
+        "speed vs target-only, a note when no shape beats target-only or none was measured, source, config hash.",
     )
     add_promote(
         dsub,

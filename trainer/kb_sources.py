@@ -1,10 +1,13 @@
 """Passages for a knowledge base from text on this machine: man pages and package docs.
 
-A source is a directory (walked recursively) or a glob. A file under a ``man<section>``
+A source is a directory (walked recursively) or a glob, where ``**`` matches any number of
+directories (``DIR/**/*.md``: every ``.md`` file below ``DIR``, as shells with globstar do); a
+source that matches no file is warned about. A file under a ``man<section>``
 directory is a man page: roff (plain or gzip) rendered to text by the bootstrap's
 :func:`~trainer.bootstrap.corpus.strip_roff` and titled like ``ls(1)``; any other file is
 text (plain or gzip) titled by its path below the source's root (``bash/README``). Binary,
-non-UTF-8, huge (over ``MAX_BYTES``) and near-empty files are skipped. Each document is cut
+non-UTF-8, huge (over ``MAX_BYTES``) and near-empty files are skipped, counted by reason in
+:class:`SourceStats` and warned about. Each document is cut
 into ~100-word passages by :func:`core.passage.chunk_text`.
 
 Man pages are capped per name family as the bootstrap caps them (``gcloud_*`` alone is
@@ -98,14 +101,27 @@ def bootstrap_heldout(model_dir: Path | None = None, *, seed: int = 0, share: Pa
     return HeldOut(frozenset(paths), frozenset(digests), origin)
 
 
+SKIP_REASONS = ("unreadable", "too large", "binary", "not UTF-8", "bad gzip", "too short")
+"""Why :func:`read_source_file` skips a file, in the order summaries list them."""
+
+
 @dataclass
 class SourceStats:
     """What reading the sources did."""
 
+    files_matched: int = 0
+    """Distinct files the sources matched (directories walked, globs expanded)."""
     files_listed: int = 0
+    """Of those, the files to read (man pages over the family cap left out)."""
     files_read: int = 0
     files_skipped: int = 0
-    """Binary, non-UTF-8, huge or near-empty."""
+    """Binary, non-UTF-8, huge or near-empty: by reason in ``skipped``."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Files skipped per reason of :data:`SKIP_REASONS`."""
+    files_not_reached: int = 0
+    """Files left unread because ``max_passages`` was reached first."""
+    unmatched_sources: list[str] = field(default_factory=list)
+    """Sources that matched no file."""
     heldout_excluded: int = 0
     man_pages_capped: int = 0
     """Man pages left out by the per-family cap."""
@@ -114,7 +130,19 @@ class SourceStats:
     sources: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {
+            k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+            for k, v in self.__dict__.items()
+        }
+
+    def skipped_summary(self) -> str:
+        """``2 not UTF-8, 1 too large`` (empty when nothing was skipped)."""
+        notes = {"too large": f"over {MAX_BYTES:,} bytes", "too short": f"under {MIN_CHARS} characters of text"}
+        return ", ".join(
+            f"{self.skipped[r]} {r}" + (f" ({notes[r]})" if r in notes else "")
+            for r in SKIP_REASONS
+            if self.skipped.get(r)
+        )
 
 
 def _is_man(path: Path) -> bool:
@@ -141,8 +169,10 @@ def list_source_files(
     """(path, title) of every file of ``sources``, in source order then path order, each once."""
     found: list[tuple[Path, Path]] = []  # (path, root)
     for source in sources:
-        matches = sorted(glob.glob(source)) if glob.has_magic(source) else [source]
-        root = _glob_root(source) if glob.has_magic(source) else Path(source)
+        magic = glob.has_magic(source)
+        matches = sorted(glob.glob(source, recursive=True)) if magic else [source]  # ** at any depth
+        root = _glob_root(source) if magic else Path(source)
+        before = len(found)
         for m in map(Path, matches):
             if m.is_dir():
                 for dirpath, dirnames, filenames in os.walk(m):
@@ -150,12 +180,19 @@ def list_source_files(
                     found += [(Path(dirpath) / f, root) for f in sorted(filenames)]
             elif m.is_file():
                 found.append((m, root.parent if m == root else root))
+        if not any(p.is_file() for p, _ in found[before:]):
+            why = "matches no file" if magic else "is no file or directory" if not root.exists() else "holds no file"
+            log.warning("source %r %s", source, why)
+            if stats is not None:
+                stats.unmatched_sources.append(source)
     seen, files = set(), []
     for path, root in found:
         key = str(path.absolute())
         if key not in seen and path.is_file():
             seen.add(key)
             files.append((path, root))
+    if stats is not None:
+        stats.files_matched = len(files)
     man = [p for p, _ in files if _is_man(p)]
     keep = set(man)
     if max_pages_per_family > 0:
@@ -179,23 +216,32 @@ def list_source_files(
 def read_source_file(path: Path) -> str | None:
     """The text of one file (a man page rendered), or None when it is binary, not UTF-8,
     over ``MAX_BYTES``, or shorter than ``MIN_CHARS``."""
+    return read_source_file_why(path)[0]
+
+
+def read_source_file_why(path: Path) -> tuple[str | None, str]:
+    """(text, "") of one file, or (None, why) with why one of :data:`SKIP_REASONS`."""
     try:
         if path.stat().st_size > MAX_BYTES:
-            return None
+            return None, "too large"
         raw = path.read_bytes()
         if path.suffix == ".gz":
             raw = gzip.decompress(raw)
             if len(raw) > 4 * MAX_BYTES:
-                return None
+                return None, "too large"
         if b"\x00" in raw:
-            return None
+            return None, "binary"
         text = raw.decode("utf-8")
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError):
-        return None
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except (EOFError, gzip.BadGzipFile):
+        return None, "bad gzip"
+    except OSError:
+        return None, "unreadable"
     if _is_man(path):
         text = strip_roff(text)
     text = text.replace("\r\n", "\n").strip()
-    return text + "\n" if len(text) >= MIN_CHARS else None
+    return (text + "\n", "") if len(text) >= MIN_CHARS else (None, "too short")
 
 
 def passages_from_sources(
@@ -238,13 +284,19 @@ def passages_from_sources(
     if max_passages is not None:
         random.Random(f"kb-sources:{seed}").shuffle(order)
     chunks: dict[int, list[str]] = {}
-    total = 0
+    total = visited = 0
+    examples: list[str] = []
     with tqdm(order, unit="file", desc="reading + chunking", disable=not progress) as bar:
         for i in bar:
+            visited += 1
             path, _ = files[i]
-            text = read_source_file(path)
+            text, why = read_source_file_why(path)
             if text is None:
                 stats.files_skipped += 1
+                stats.skipped[why] = stats.skipped.get(why, 0) + 1
+                log.debug("skipped %s: %s", path, why)
+                if len(examples) < 3:
+                    examples.append(f"{path} ({why})")
                 continue
             if heldout is not None and heldout.excludes(path, text):
                 stats.heldout_excluded += 1
@@ -258,6 +310,15 @@ def passages_from_sources(
             bar.set_postfix(passages=total, refresh=False)
             if max_passages is not None and total >= max_passages:
                 break
+    stats.files_not_reached = len(files) - visited
+    if stats.files_skipped:
+        log.warning(
+            "%d of %d files skipped: %s; e.g. %s",
+            stats.files_skipped,
+            len(files),
+            stats.skipped_summary(),
+            ", ".join(examples),
+        )
     out = [
         Passage(id=-1, title=files[i][1], text=t, source=str(files[i][0].absolute()))
         for i in sorted(chunks)
@@ -266,9 +327,10 @@ def passages_from_sources(
     out = [Passage(id=n, title=p.title, text=p.text, source=p.source) for n, p in enumerate(out)]
     stats.passages = len(out)
     log.info(
-        "%d passages from %d files (%d skipped, %d held out, %d man pages over the family cap)",
+        "%d passages from %d of %d matched files (%d skipped, %d held out, %d man pages over the family cap)",
         len(out),
         stats.files_read,
+        stats.files_matched,
         stats.files_skipped,
         stats.heldout_excluded,
         stats.man_pages_capped,

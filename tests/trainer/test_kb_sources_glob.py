@@ -75,3 +75,17 @@ def test_kb_build_prints_what_it_matched_read_and_skipped(tiny_models, tmp_path,
     assert f"warning: no file matched '{root}/**/*.rst'" in out
     saved = json.loads((tmp_path / "kb" / "kb.json").read_text())["sources"]
     assert (saved["files_matched"], saved["files_read"], saved["skipped"]) == (6, 5, {"not UTF-8": 1})
+
+
+def test_the_embedding_bar_shows_the_rate_and_the_time_left(capsys, monkeypatch):
+    """``kb build``'s embedding bar counts passages against their total, so tqdm shows passages/s
+    and the time left (issue 43: a slow MiniLM build should say how long it will take)."""
+    from specops.core.passage import Passage
+    from specops.serving.retrieval.kb import prepare_passages
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    passages = [Passage(i, f"doc{i}", f"passage {i} about queues and caches " * 4) for i in range(40)]
+    prepare_passages("bar", passages, embedder="hash", progress=True)
+    err = capsys.readouterr().err
+    assert "passage/s" in err and "embedding" in err
+    assert "<" in err  # tqdm's [elapsed<remaining, rate]

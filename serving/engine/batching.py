@@ -143,7 +143,7 @@ class TargetBatcher:
         ``CachedLM``, decoded on the request's own thread."""
         if model is None or model is self.model:
             return BatchedCachedLM(self.model, self)
-        pool, packed = self.pool_for(model)
+        _, packed = self.pool_for(model)
         return BatchedCachedLM(model, self) if packed else CachedLM(model)
 
     def pool_for(self, model: PreTrainedModel) -> tuple[SlotPool, bool]:
@@ -287,8 +287,8 @@ class TargetBatcher:
 
     def _forward_locked(self, batch: list[_Step]) -> None:
         lm = batch[0].lm
-        packs = self.packed if lm.model is self.model else True  # a draft batched here always packs (lm())
-        if batch[0].tree is None and packs:
+        # a draft's steps reach this thread only when it packs (lm()); the target's as self.packed says
+        if batch[0].tree is None and (self.packed or lm.model is not self.model):
             return self._forward_packed(batch)
         b = len(batch)
         pool, device = lm.pool, lm.model.device
@@ -360,9 +360,10 @@ class TargetBatcher:
         rows = ragged.Rows.build([s.lm.slot for s in batch], past, new, device)
         ids = torch.tensor([[t for s in batch for t in s.input_ids]], dtype=torch.long, device=device)
         keeps = [min(s.logits_to_keep or n, n) for s, n in zip(batch, new)]
-        columns = [o + n - keep for o, n, keep in zip(rows.offsets, new, keeps)]  # each row's first kept token
-        kept = torch.tensor(
-            [c for c0, keep in zip(columns, keeps) for c in range(c0, c0 + keep)], dtype=torch.long, device=device
+        kept = torch.tensor(  # each row's last `keep` tokens in the packed sequence
+            [c for o, n, keep in zip(rows.offsets, new, keeps) for c in range(o + n - keep, o + n)],
+            dtype=torch.long,
+            device=device,
         )
         want_hidden = any(s.want_hidden for s in batch)
         t0 = time.perf_counter()

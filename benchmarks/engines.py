@@ -16,21 +16,29 @@ at each ``--concurrency``, every arm decodes the same prompts through real HTTP:
 Both engines run the target in float32 (vLLM's CPU default is bfloat16: ``--dtype float32``
 is passed). vLLM's prefix caching is off: the benchmark sends each prompt to every arm and at
 every concurrency, and a cache hit would skip a prefill no real repeat-free traffic skips;
-our server has no prefix cache, and its LLMA session cache is off for the same reason. vLLM
-keeps its default CPU thread binding (on 2 cores: one OpenMP compute thread, one core
-reserved for its scheduler and API); ours runs ``--threads`` torch threads (default 2) and
-its draft in serving's default ``bfloat16`` (outputs are the float32 target's either way).
+our server has no prefix cache, and its LLMA session cache is off for the same reason.
 
-**Servers up at once, idle but one.** The vLLM servers are started together, ours once they
-are up (it calibrates ``auto``'s cost priors as it starts, which vLLM's start-up would distort), and all stay up; an arm's batch runs while the others sit idle. That is sound only if an idle
-server costs nothing: vLLM's engine core could busy-poll. The benchmark measures it after
-start-up (CPU seconds of each server's process group over ``--idle-check-s``) and records
-``idle_cpu_share`` per server in the JSON; on this machine an idle vLLM server used about
-1 % of a core (it does not busy-poll once idle), so keeping them up does not distort the timings, and it avoids the
-minutes each vLLM CPU server takes to start. Arms are **interleaved**: the prompts are split
-into ``--rounds`` slices (fewer at a concurrency larger than a slice); for each concurrency
-and slice, every arm runs the slice in turn, the arm order rotating each round, so drift in the (shared) machine's speed hits every arm
-alike. Each server is warmed up first (untimed).
+**The same cores.** ``vllm_target`` and ``vllm_ngram`` run with ``VLLM_CPU_OMP_THREADS_BIND``
+over every core (``--vllm-omp-bind all``: ``0-<n-1>``), as our server computes on every core
+(``--threads``); ``vllm_target_default`` and ``vllm_ngram_default`` keep vLLM's own binding,
+which on 2 cores leaves **one** core computing (the other is reserved for its scheduler and
+API), reported beside them.
+
+**One engine on the machine at a time.** Each *server group* (one vLLM server per vLLM arm;
+one ``specops serve`` for all of our arms, each request naming its method) is started,
+warmed up (untimed), run at every concurrency, and stopped before the next group starts:
+an idle neighbour's threads cost the arm that follows it on 2 cores (issue 54 measured our
+target-only at 15.3 tokens/s beside idle vLLM servers, 22.9 alone). The prompts are split
+into ``--repeats`` slices; repeat ``r`` runs slice ``r`` through every group, the groups'
+order (and our arms' order within our group) rotated by one each repeat, so drift in the
+machine's speed is spread over the arms. Our server starts on a quiet machine, so ``auto``'s
+cost priors are calibrated there.
+
+**The prompts** (``--workload mixed``, the default): half held-out chat requests (the chat
+workload's ``sql``, ``math`` and ``api`` domains, rendered with the chat template, never
+served while learning) and half plain completions (96-token windows of the bootstrap's
+held-out ``code`` and ``prose`` files), interleaved; ``--workload sql`` keeps the sql chat
+prompts alone (what the learned-draft comparison serves).
 
 Per arm and concurrency: tokens/s (generated tokens ÷ summed wall time of the arm's batches),
 p50/p99 request latency, and the per-token α (Σ accepted ÷ (Σ accepted + steps or drafts that
@@ -43,7 +51,9 @@ compared across arms: vLLM arms by token ids against ``vllm_target``, our arms b
 Summary: ``by_concurrency``, ``learned_vs_bootstrap_draft`` (tokens/s ratio per concurrency;
 the bar is >= 1), ``ours_vs_vllm_target`` (best specops arm ÷ ``vllm_target``), ``identical_outputs``.
 
-    .venv/bin/python benchmarks/engines.py --learn 250 --json benchmarks/out/engines.json
+    .venv/bin/python benchmarks/engines.py --learn 250 --workload sql --json benchmarks/out/engines.json
+    .venv/bin/python benchmarks/engines.py --learned-draft .specops/models/draft --prompts 32 \
+        --doc-section engines-load --json benchmarks/out/engines_load.json
     .venv/bin/python benchmarks/engines.py --quick --no-doc
 """
 
@@ -74,7 +84,6 @@ from benchmarks.engines_clients import (  # noqa: E402
     SpecopsServer,
     add_counters,
     counter_delta,
-    group_cpu_s,
     profile_shares,
     run_batch,
     vllm_alpha,
@@ -94,12 +103,15 @@ def doc_markers(section: str) -> tuple[str, str]:
 
 
 DOC_BEGIN, DOC_END = doc_markers("engines")
-VLLM_ARMS = {  # arm -> (speculation, which draft)
-    "vllm_target": ("none", None),
-    "vllm_ngram": ("ngram", None),
-    "vllm_bootstrap_draft": ("draft", "bootstrap"),
-    "vllm_learned_draft": ("draft", "learned"),
+VLLM_ARMS = {  # arm -> (speculation, which draft, CPU binding: "all" every core, "default" vLLM's own)
+    "vllm_target": ("none", None, "all"),
+    "vllm_ngram": ("ngram", None, "all"),
+    "vllm_target_default": ("none", None, "default"),
+    "vllm_ngram_default": ("ngram", None, "default"),
+    "vllm_bootstrap_draft": ("draft", "bootstrap", "all"),
+    "vllm_learned_draft": ("draft", "learned", "all"),
 }
+DEFAULT_ARMS = ("vllm_target", "vllm_ngram", "vllm_target_default", "specops_target", "specops_draft", "specops_auto")
 SPECOPS_ARMS = {"specops_target": "target", "specops_draft": "draft", "specops_auto": "auto"}
 ARMS = (*VLLM_ARMS, *SPECOPS_ARMS)
 
@@ -111,19 +123,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=models_dir(), help="bootstrap dir with target/ and draft/")
     p.add_argument("--learn", type=int, default=250, help="sql chat requests the learned draft learns from (cached)")
     p.add_argument("--learned-draft", type=Path, default=None, help="use this draft directory instead of learning")
-    p.add_argument("--prompts", type=int, default=None, help="held-out sql chat prompts (default 16; 4 with --quick)")
+    p.add_argument(
+        "--workload",
+        choices=("mixed", "sql"),
+        default="mixed",
+        help="mixed: half held-out chat requests (sql, math, api), half plain completions of held-out code and "
+        "prose; sql: held-out sql chat requests only",
+    )
+    p.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 32; 4 with --quick)")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 64; 16 with --quick)")
     p.add_argument(
         "--concurrency", default=None, help="comma-separated client concurrencies (default 1,4,8,16; 1,2 quick)"
     )
     p.add_argument(
-        "--rounds",
+        "--repeats",
         type=int,
-        default=4,
-        help="slices of the prompts per concurrency (fewer where a slice would hold fewer prompts than the "
-        "concurrency); every arm runs each slice in turn, the order rotating",
+        default=2,
+        help="slices of the prompts; each repeat starts every server group in turn (one engine on the machine "
+        "at a time), runs its slice at every concurrency and stops it, the groups' order rotating",
     )
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms, of {', '.join(ARMS)}")
     p.add_argument("--k", type=int, default=3, help="tokens drafted per step (vLLM's num_speculative_tokens)")
     p.add_argument(
         "--vllm-python", default="", help="the vLLM venv's python (default $SPECOPS_VLLM_PYTHON, .venv-vllm)"
@@ -135,10 +154,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="VLLM_CPU_KVCACHE_SPACE per vLLM server, whole GiB (vLLM reads an integer; 1 GiB holds ~23k "
         "float32 tokens of SmolLM2-135M)",
     )
-    p.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's auto)")
+    p.add_argument(
+        "--vllm-omp-bind",
+        default="all",
+        help="VLLM_CPU_OMP_THREADS_BIND of the vLLM arms without _default: all (every core, 0-<n-1>, as our "
+        "server computes), auto (vLLM's own), or a CPU list",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of specops serve (and of learning)")
     p.add_argument("--specops-draft-dtype", default="auto", help="specops serve --draft-dtype (auto: timed at load)")
-    p.add_argument("--idle-check-s", type=float, default=5.0, help="seconds the idle servers' CPU use is measured")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default <models>/../engines/logs)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--quick", action="store_true", help="tiny models, 4 prompts, 16 tokens, concurrency 1 and 2")
@@ -153,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--extra-summary", type=Path, default=None, help="JSON object merged into the summary")
     p.add_argument("--replot", type=Path, default=None, metavar="JSON", help="re-derive table and doc from a --json")
     args = p.parse_args(argv)
-    for name, full, quick in (("prompts", 16, 4), ("max_tokens", 64, 16), ("concurrency", "1,4,8,16", "1,2")):
+    for name, full, quick in (("prompts", 32, 4), ("max_tokens", 64, 16), ("concurrency", "1,4,8,16", "1,2")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
@@ -161,7 +184,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.arms) - set(ARMS)
     if unknown:
         p.error(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
+    if args.repeats < 1 or args.prompts < args.repeats:
+        p.error("--repeats must be at least 1 and at most --prompts")
     return args
+
+
+def omp_bind(setting: str) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a setting: every core for ``all``, None (vLLM's own) for ``auto``."""
+    if setting == "all":
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
+        return f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+    return None if setting in ("auto", "default", "") else setting
 
 
 def vllm_version(python: Path) -> str:
@@ -182,62 +216,53 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def start_servers(args, model_dir: Path, learned: Path, log_dir: Path, data_dir: Path, max_len: int) -> dict:
-    """Every server the chosen arms need: vLLM's started together and waited for, then ours; name -> server."""
-    python = vllm_python(args.vllm_python) if any(a in VLLM_ARMS for a in args.arms) else None
-    drafts = {"bootstrap": model_dir / "draft", "learned": learned}
-    servers: dict = {}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind} if args.vllm_omp_bind else {}
-    try:
-        for arm in args.arms:
-            if arm in VLLM_ARMS:
-                spec, which = VLLM_ARMS[arm]
-                servers[arm] = VLLMServer(
-                    ServerSpec(
-                        model_dir / "target",
-                        speculation=spec,
-                        draft=drafts[which] if which else None,
-                        k=args.k,
-                        served_name="target",
-                        max_model_len=max_len,
-                        kv_cache_gb=args.kv_cache_gb,
-                        max_num_seqs=max(16, max(args.concurrency)),
-                        extra_args=("--dtype", "float32", "--no-enable-prefix-caching", "--seed", "0"),
-                        env=env,
-                    ),
-                    python=python,
-                    log_dir=log_dir,
-                    name=arm,
-                ).start()
-        for name, server in servers.items():  # vLLM's servers first: their start-up takes every core
-            ready = server.wait_ready(900.0)
-            log.warning("%s ready after %.0fs", name, ready)
-        if any(a in SPECOPS_ARMS for a in args.arms):
-            # ours on a quiet machine: serving calibrates auto's cost priors as it starts (beside
-            # vLLM's start-up a 1-token pass took 1.4 s instead of 35 ms)
-            servers["specops"] = SpecopsServer(
+def server_groups(arms: list[str]) -> list[list[str]]:
+    """The arms by the server they run on: one group per vLLM arm, one for all of ours."""
+    groups = [[a] for a in arms if a in VLLM_ARMS]
+    ours = [a for a in arms if a in SPECOPS_ARMS]
+    return groups + ([ours] if ours else [])
+
+
+def start_group(group: list[str], args, model_dir: Path, learned: Path, log_dir: Path, data_dir: Path, max_len: int):
+    """The server of one group, started and ready (the caller stops it)."""
+    arm = group[0]
+    if arm in VLLM_ARMS:
+        spec, which, binding = VLLM_ARMS[arm]
+        bind = omp_bind(args.vllm_omp_bind) if binding == "all" else None
+        server = VLLMServer(
+            ServerSpec(
                 model_dir / "target",
-                learned,
-                log_dir=log_dir,
-                data_dir=data_dir,
-                threads=args.threads,
-                concurrency=max(args.concurrency),
-                draft_dtype=args.specops_draft_dtype,
-            ).start()
-            ready = servers["specops"].wait_ready(900.0)
-            log.warning("specops ready after %.0fs", ready)
+                speculation=spec,
+                draft={"bootstrap": model_dir / "draft", "learned": learned}[which] if which else None,
+                k=args.k,
+                served_name="target",
+                max_model_len=max_len,
+                kv_cache_gb=args.kv_cache_gb,
+                max_num_seqs=max(16, max(args.concurrency)),
+                extra_args=("--dtype", "float32", "--no-enable-prefix-caching", "--seed", "0"),
+                env={"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {},
+            ),
+            python=vllm_python(args.vllm_python),
+            log_dir=log_dir,
+            name=arm,
+        ).start()
+    else:
+        server = SpecopsServer(
+            model_dir / "target",
+            learned,
+            log_dir=log_dir,
+            data_dir=data_dir,
+            threads=args.threads,
+            concurrency=max(args.concurrency),
+            draft_dtype=args.specops_draft_dtype,
+        ).start()
+    try:
+        ready = server.wait_ready(900.0)
     except BaseException:
-        stop_servers(servers)
+        server.stop()
         raise
-    return servers
-
-
-def stop_servers(servers: dict) -> None:
-    for server in servers.values():
-        try:
-            server.stop()
-        except Exception:  # noqa: BLE001 - stop the rest whatever one does
-            log.exception("stopping %s", getattr(server, "name", "?"))
+    log.warning("%s ready after %.0fs", "specops" if arm in SPECOPS_ARMS else arm, ready)
+    return server
 
 
 def max_model_len(model_dir: Path, prompts: list[list[int]], max_tokens: int, k: int) -> int:
@@ -258,74 +283,73 @@ def mem_available_gb() -> float | None:
     return None
 
 
-def idle_shares(servers: dict, seconds: float) -> dict:
-    """Share of one core each server's process group used while every server sat idle."""
-    if seconds <= 0:
-        return {}
-    before = {n: group_cpu_s(s.proc.pid) for n, s in servers.items()}
-    time.sleep(seconds)
-    return {n: (group_cpu_s(s.proc.pid) - before[n]) / seconds for n, s in servers.items()}
+def make_arm(name: str, server, k: int) -> Arm:
+    if name in VLLM_ARMS:
+        return Arm(name, "vllm", server.url, k=0 if VLLM_ARMS[name][0] == "none" else k)
+    return Arm(name, "specops", server.url, method=SPECOPS_ARMS[name])
 
 
-def make_arms(args, servers: dict) -> dict[str, Arm]:
-    arms = {}
-    for name in args.arms:
-        if name in VLLM_ARMS:
-            arms[name] = Arm(name, "vllm", servers[name].url, k=0 if VLLM_ARMS[name][0] == "none" else args.k)
-        else:
-            arms[name] = Arm(name, "specops", servers["specops"].url, method=SPECOPS_ARMS[name])
-    return arms
+def slices(indexed: list, repeats: int) -> list[list]:
+    """The prompts split into ``repeats`` consecutive slices of (nearly) equal size (the workload
+    interleaves its kinds of prompt, so each slice holds all of them)."""
+    size = -(-len(indexed) // repeats)
+    return [indexed[r * size : (r + 1) * size] for r in range(repeats)]
 
 
-def slices(indexed: list, concurrency: int, rounds: int) -> list[list]:
-    """The prompts split into at most ``rounds`` slices of at least ``concurrency`` prompts each
-    (a slice smaller than the concurrency would never reach it)."""
-    n = max(1, min(rounds, len(indexed) // max(1, concurrency)))
-    size = -(-len(indexed) // n)
-    return [indexed[s : s + size] for s in range(0, len(indexed), size)]
-
-
-def measure(arms: dict[str, Arm], prompts: list[list[int]], args) -> dict:
-    """Every arm at every concurrency, interleaved per slice; per arm and concurrency the totals."""
+def measure(prompts: list[list[int]], args, start) -> tuple[dict, dict]:
+    """Every arm at every concurrency, one server group on the machine at a time (module docstring);
+    ``start(group)`` starts a group's server. Returns (per arm and concurrency the totals, server facts)."""
     indexed = list(enumerate(prompts))
-    names = list(arms)
-    results: dict = {n: {} for n in names}
-    for arm in arms.values():  # warm-up (untimed): a short request alone, then the largest concurrency
-        run_batch(arm, indexed[:1], 1, min(8, args.max_tokens))
-        run_batch(arm, indexed[: max(args.concurrency)], max(args.concurrency), min(8, args.max_tokens))
-    turn = 0
-    for c in args.concurrency:
-        for n in names:
-            results[n][str(c)] = {
-                "wall_s": 0.0,
-                "tokens": 0,
-                "replies": [],
-                "counters": None,
-                "order": [],
-                "load": [],
-                "profile": {},
-            }
-        for sl in slices(indexed, c, args.rounds):
-            order = names[turn % len(names) :] + names[: turn % len(names)]
-            turn += 1
-            for pos, n in enumerate(order):
-                arm, r = arms[n], results[n][str(c)]
-                before, prof0 = arm.metrics(), arm.profile()
-                wall, replies = run_batch(arm, sl, c, args.max_tokens)
-                after, prof1 = arm.metrics(), arm.profile()
-                if prof0 is not None and prof1 is not None:
-                    r["profile"] = {k: r["profile"].get(k, 0.0) + v - prof0.get(k, 0.0) for k, v in prof1.items()}
-                r["wall_s"] += wall
-                r["tokens"] += sum(x.tokens for x in replies)
-                r["replies"] += replies
-                r["order"].append(pos)
-                r["load"].append([round(os.getloadavg()[0], 2), round(mem_available_gb() or 0.0, 2)])
-                if before is not None and after is not None:
-                    r["counters"] = add_counters(r["counters"], counter_delta(before, after))
-            log.warning("c=%d slice done (%d prompts)", c, len(sl))
+    groups = server_groups(args.arms)
+    raw: dict = {n: {} for n in args.arms}
+    for n in args.arms:
+        for c in args.concurrency:
+            raw[n][str(c)] = {"wall_s": 0.0, "tokens": 0, "replies": [], "counters": None, "order": [], "load": []}
+            raw[n][str(c)]["profile"] = {}
+    facts: dict = {"ready_s": {}, "mem_available_gb_up": {}, "group_order": []}
+    for rep, sl in enumerate(slices(indexed, args.repeats)):
+        order = groups[rep % len(groups) :] + groups[: rep % len(groups)]
+        facts["group_order"].append([g[0] if len(g) == 1 else "specops" for g in order])
+        for pos, group in enumerate(order):
+            label = group[0] if len(group) == 1 else "specops"
+            server = start(group)
+            try:
+                facts["ready_s"].setdefault(label, []).append(server.ready_s)
+                facts["mem_available_gb_up"].setdefault(label, []).append(mem_available_gb())
+                inner = group[rep % len(group) :] + group[: rep % len(group)]
+                arms = {n: make_arm(n, server, args.k) for n in inner}
+                warm = arms[inner[0]]  # warm-up (untimed): a short request alone, then the largest concurrency
+                run_batch(warm, indexed[:1], 1, min(8, args.max_tokens))
+                run_batch(warm, indexed[: max(args.concurrency)], max(args.concurrency), min(8, args.max_tokens))
+                for c in args.concurrency:
+                    for n in inner:
+                        arm, r = arms[n], raw[n][str(c)]
+                        before, prof0 = arm.metrics(), arm.profile()
+                        wall, replies = run_batch(arm, sl, c, args.max_tokens)
+                        after, prof1 = arm.metrics(), arm.profile()
+                        if prof0 is not None and prof1 is not None:
+                            r["profile"] = {
+                                key: r["profile"].get(key, 0.0) + v - prof0.get(key, 0.0) for key, v in prof1.items()
+                            }
+                        r["wall_s"] += wall
+                        r["tokens"] += sum(x.tokens for x in replies)
+                        r["replies"] += replies
+                        r["order"].append([rep, pos])
+                        r["load"].append([round(os.getloadavg()[0], 2), round(mem_available_gb() or 0.0, 2)])
+                        if before is not None and after is not None:
+                            r["counters"] = add_counters(r["counters"], counter_delta(before, after))
+                    log.warning("repeat %d/%d: %s at c=%d done (%d prompts)", rep + 1, args.repeats, label, c, len(sl))
+            finally:
+                server.stop()
+    return rows(raw, args), facts
+
+
+def rows(raw: dict, args) -> dict:
+    """Per arm and concurrency: tokens/s, latency percentiles, outputs, α, profile."""
     out: dict = {}
-    for n, by_c in results.items():
+    for n, by_c in raw.items():
         out[n] = {}
+        engine = "vllm" if n in VLLM_ARMS else "specops"
         for c, r in by_c.items():
             replies = sorted(r["replies"], key=lambda x: x.prompt)
             lat = [x.latency_s for x in replies]
@@ -335,17 +359,21 @@ def measure(arms: dict[str, Arm], prompts: list[list[int]], args) -> dict:
                 "tokens_per_s": r["tokens"] / r["wall_s"] if r["wall_s"] else None,
                 "p50_s": percentile(lat, 0.5),
                 "p99_s": percentile(lat, 0.99),
+                "ttft_s": None,
                 "latencies_s": lat,
-                "positions_in_round": r["order"],
+                "repeat_and_position": r["order"],
                 "load_1m_and_mem_available_gb_after_each_batch": r["load"],
                 "texts": [x.text for x in replies],
-                "token_ids": [x.token_ids for x in replies] if arms[n].engine == "vllm" else None,
+                "token_ids": [x.token_ids for x in replies] if engine == "vllm" else None,
                 "completion_tokens": [x.tokens for x in replies],
             }
+            ttft = [x.ttft_s for x in replies if x.ttft_s is not None]
+            if ttft:
+                row.update({"ttft_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99)})
             if r["profile"]:
                 row["profile"] = profile_shares(r["profile"], r["wall_s"])
                 row["profile_counters"] = r["profile"]
-            if arms[n].engine == "specops" and arms[n].method != "target":
+            if engine == "specops" and SPECOPS_ARMS[n] != "target":
                 acc = sum(x.accepted for x in replies)
                 rej = sum(x.rejected_steps for x in replies)
                 dr = sum(x.drafted for x in replies)
@@ -360,7 +388,7 @@ def measure(arms: dict[str, Arm], prompts: list[list[int]], args) -> dict:
                     }
                 )
             elif r["counters"] is not None:
-                a = vllm_alpha(r["counters"], arms[n].k)
+                a = vllm_alpha(r["counters"], args.k)
                 row.update({"alpha_token": a.pop("alpha_token"), "alpha_basis": a.pop("basis"), **a})
             out[n][c] = row
     return out
@@ -429,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         return finish(report, args)
     if any(a in VLLM_ARMS for a in args.arms):
         try:
-            python = vllm_python(args.vllm_python)
+            vllm_python(args.vllm_python)
         except VLLMError as exc:
             print(f"engines benchmark: {exc}", file=sys.stderr)
             return 2
@@ -439,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="specops-engines-") as tmp_s:
         tmp = Path(tmp_s)
-        from benchmarks.engines_learn import heldout_prompts, learn, perturbed_draft
+        from benchmarks.engines_learn import learn, perturbed_draft, workload_prompts
         from specops.core.models import load_tokenizer
 
         model_dir = Path(args.model_dir).resolve()  # the servers get absolute paths whatever their cwd
@@ -453,27 +481,27 @@ def main(argv: list[str] | None = None) -> int:
             meta = args.learned_draft / "learned.json"
             if meta.exists():
                 learned_info.update(json.loads(meta.read_text()))
+        elif "vllm_learned_draft" not in args.arms:  # no learned-draft arm: ours drafts with the bootstrap draft
+            learned, learned_info = model_dir / "draft", {"kind": "bootstrap", "dir": str(model_dir / "draft")}
         elif args.quick:
             learned, learned_info = perturbed_draft(model_dir, tmp / "engines" / "perturbed")
         else:
             learned, learned_info = learn(model_dir, args.learn, seed=args.seed, threads=args.threads)
         learned = Path(learned).resolve()
-        log.warning("learned draft: %s", learned)
+        log.warning("draft of our server (and vLLM's learned-draft arm): %s", learned)
         target = target_name(model_dir)
         tok = load_tokenizer(model_dir / "target")
-        prompts = heldout_prompts(tok, args.prompts, args.seed)
+        workload = workload_prompts(tok, model_dir, args.prompts, args.seed, args.workload)
+        prompts = [p.token_ids for p in workload]
         log_dir = args.log_dir or (tmp / "logs" if args.quick else model_dir.parent / "engines" / "logs")
-        version = vllm_version(python) if any(a in VLLM_ARMS for a in args.arms) else None
+        version = vllm_version(vllm_python(args.vllm_python)) if any(a in VLLM_ARMS for a in args.arms) else None
         max_len = max_model_len(model_dir, prompts, args.max_tokens, args.k)
         mem_before = mem_available_gb()
-        servers = start_servers(args, model_dir, learned, log_dir, tmp / "data", max_len)
-        try:
-            ready = {n: getattr(s, "ready_s", None) for n, s in servers.items()}
-            idle = idle_shares(servers, args.idle_check_s)
-            mem_up = mem_available_gb()
-            results = measure(make_arms(args, servers), prompts, args)
-        finally:
-            stop_servers(servers)
+
+        def start(group: list[str]):
+            return start_group(group, args, model_dir, learned, log_dir, tmp / "data", max_len)
+
+        results, facts = measure(prompts, args, start)
     env = {**environment(), "cpu_model": cpu_model()}
     report = {
         "command": command,
@@ -483,29 +511,33 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "target": target,
             "model_dir": str(args.model_dir) if not args.quick else "tiny (temporary)",
+            "workload": args.workload,
             "prompts": len(prompts),
+            "prompt_kinds": [p.kind for p in workload],
             "prompt_tokens": [len(p) for p in prompts],
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
-            "rounds": {str(c): len(slices(list(enumerate(prompts)), c, args.rounds)) for c in args.concurrency},
+            "protocol": "isolated: one server group on the machine at a time, started and stopped per repeat",
+            "isolated": True,
+            "repeats": args.repeats,
             "k": args.k,
             "arms": args.arms,
             "specops_threads": args.threads,
             "specops_draft_dtype": args.specops_draft_dtype,
-            "vllm_omp_bind": args.vllm_omp_bind or "auto",
+            "specops_cpu_linear": os.environ.get("SPECOPS_CPU_LINEAR", "auto"),
+            "vllm_omp_bind": {
+                a: (omp_bind(args.vllm_omp_bind) if VLLM_ARMS[a][2] == "all" else None) or "vLLM's default"
+                for a in args.arms
+                if a in VLLM_ARMS
+            },
             "vllm_args": "--dtype float32 --no-enable-prefix-caching --seed 0",
             "kv_cache_gb": args.kv_cache_gb,
             "max_model_len": max_len,
+            "streamed": True,
             "quick": args.quick,
         },
         "learned_draft": {**learned_info, "dir": str(learned)},
-        "servers": {
-            "ready_s": ready,
-            "idle_cpu_share": idle,
-            "idle_check_s": args.idle_check_s,
-            "mem_available_gb_before_start": mem_before,
-            "mem_available_gb_all_up": mem_up,
-        },
+        "servers": {**facts, "mem_available_gb_before_start": mem_before},
         "arms": results,
         "outputs": compare(results, args.concurrency),
         "elapsed_s": time.perf_counter() - started,

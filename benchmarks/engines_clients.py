@@ -2,9 +2,10 @@
 either engine over real HTTP, a batch at a fixed concurrency, and vLLM's spec-decode counters.
 
 Both engines get the same request: the prompt as token ids, greedy (``temperature`` 0), the
-same ``max_tokens``. vLLM returns the output's token ids (``return_token_ids``); our API
-returns text only, so outputs across engines are compared as text (both detokenize with
-special tokens skipped)."""
+same ``max_tokens``, streamed (``stream`` with ``include_usage``, as chat clients ask: the
+first chunk with output gives the time to first token). vLLM returns the output's token ids
+(``return_token_ids``, per chunk); our API returns text only, so outputs across engines are
+compared as text (both detokenize with special tokens skipped)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class Reply:
     rejected_steps: int = 0
     drafted: int = 0
     method: str | None = None
+    ttft_s: float | None = None
+    """Seconds from the send to the first streamed chunk with output."""
 
 
 # ---------------------------------------------------------------- processes
@@ -173,12 +176,20 @@ class Arm:
     http: urllib3.PoolManager = field(default_factory=lambda: urllib3.PoolManager(num_pools=2, maxsize=32))
 
     def body(self, prompt: list[int], max_tokens: int) -> dict:
-        common = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        common = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.engine == "vllm":
             return {"model": "target", **common, "return_token_ids": True}
         return {"model": "specops", **common, "speculation": {"method": self.method}}
 
     def request(self, index: int, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> Reply:
+        """One streamed completion (as chat clients ask for it): the text and token ids put together from
+        its chunks, the time to the first chunk with output (TTFT) and to the end."""
         t0 = time.perf_counter()
         r = self.http.request(
             "POST",
@@ -187,19 +198,39 @@ class Arm:
             headers={"Content-Type": "application/json"},
             timeout=timeout_s,
             retries=False,
+            preload_content=False,
         )
+        try:
+            if r.status != 200:
+                raise RuntimeError(f"{self.name}: HTTP {r.status}: {r.read()[:500]!r}")
+            text, ids, ttft, usage, spec = [], [], None, None, {}
+            buf = b""
+            for data in r.stream(1 << 14):
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    line = line.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    usage = chunk.get("usage") or usage
+                    spec = chunk.get("speculation") or spec
+                    for choice in chunk.get("choices") or []:
+                        piece, got = choice.get("text") or "", choice.get("token_ids") or []
+                        if (piece or got) and ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text.append(piece)
+                        ids.extend(got)
+        finally:
+            r.release_conn()
         latency = time.perf_counter() - t0
-        if r.status != 200:
-            raise RuntimeError(f"{self.name}: HTTP {r.status}: {r.data[:500]!r}")
-        out = json.loads(r.data)
-        choice = out["choices"][0]
-        reply = Reply(index, int(out["usage"]["completion_tokens"]), latency, choice["text"])
+        tokens = int(usage["completion_tokens"]) if usage else len(ids)
+        reply = Reply(index, tokens, latency, "".join(text), ttft_s=ttft)
         if self.engine == "vllm":
-            reply.token_ids = list(choice.get("token_ids") or [])
+            reply.token_ids = ids
         else:
-            spec = out.get("speculation") or {}
-            reply.accepted, reply.drafted = int(spec.get("accepted", 0)), int(spec.get("drafted", 0))
-            reply.rejected_steps, reply.method = int(spec.get("rejected_steps", 0)), spec.get("method")
+            reply.accepted, reply.drafted = int(spec.get("accepted") or 0), int(spec.get("drafted") or 0)
+            reply.rejected_steps, reply.method = int(spec.get("rejected_steps") or 0), spec.get("method")
         return reply
 
     def profile(self) -> dict[str, float] | None:

@@ -25,6 +25,7 @@ import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +36,57 @@ DOMAIN = "sql"
 LEARN_MAX_NEW = 48
 """Tokens per learning request (the OSD benchmark's default, so its continuation cache is shared)."""
 WEIGHT_FILES = {"model.safetensors", "config.json", "generation_config.json", "learned.json"}
+
+
+@dataclass(frozen=True)
+class WorkloadPrompt:
+    kind: str
+    """``chat/<domain>`` or ``completion/<domain>``."""
+    token_ids: list[int]
+
+
+CHAT_DOMAINS = ("sql", "math", "api")
+COMPLETION_DOMAINS = ("code", "prose")
+COMPLETION_TOKENS = 96
+
+
+def workload_prompts(tokenizer, model_dir: Path, n: int, seed: int, workload: str = "mixed") -> list[WorkloadPrompt]:
+    """The engines benchmark's ``n`` held-out prompts (``benchmarks/engines.py``'s docstring).
+
+    ``sql``: the first ``n`` held-out sql chat prompts. ``mixed``: half chat prompts, round robin
+    over :data:`CHAT_DOMAINS` (each domain's held-out head, never learned from), and half plain
+    completions, round robin over :data:`COMPLETION_DOMAINS` (windows of the bootstrap's held-out
+    files), interleaved chat, completion, chat, ..."""
+    if workload == "sql":
+        return [WorkloadPrompt(f"chat/{DOMAIN}", ids) for ids in heldout_prompts(tokenizer, n, seed)]
+    from specops.chat_workload import chat_workload
+    from specops.prompts import heldout_prompts as completion_prompts
+
+    n_chat = (n + 1) // 2
+    per = -(-n_chat // len(CHAT_DOMAINS))
+    parts = chat_workload(tokenizer, {"heldout": max(per, HELDOUT_RESERVE)}, domains=CHAT_DOMAINS, seed=seed)
+    chat = [WorkloadPrompt(f"chat/{d}", parts[d]["heldout"][i].token_ids) for i in range(per) for d in CHAT_DOMAINS][
+        :n_chat
+    ]
+    per = -(-(n - n_chat) // len(COMPLETION_DOMAINS))
+    by_domain = {
+        d: completion_prompts(model_dir, tokenizer, d, per, num_tokens=COMPLETION_TOKENS, seed=seed)
+        for d in COMPLETION_DOMAINS
+    }
+    completion = [
+        WorkloadPrompt(f"completion/{d}", by_domain[d][i].token_ids)
+        for i in range(per)
+        for d in COMPLETION_DOMAINS
+        if i < len(by_domain[d])
+    ][: n - n_chat]
+    if len(completion) < n - n_chat:
+        raise ValueError(
+            f"the bootstrap's held-out files give {len(completion)} completion prompts, {n - n_chat} asked for"
+        )
+    out = []
+    for i in range(max(len(chat), len(completion))):
+        out += ([chat[i]] if i < len(chat) else []) + ([completion[i]] if i < len(completion) else [])
+    return out
 
 
 def heldout_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:

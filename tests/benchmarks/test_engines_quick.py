@@ -66,42 +66,108 @@ def test_outputs_are_compared_per_arm_and_concurrency():
     assert engines.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and engines.percentile([5.0], 0.99) == 5.0
 
 
+def test_isolated_protocol_runs_one_server_group_at_a_time(monkeypatch):
+    """Each repeat starts every server group in turn and stops it before the next starts; the groups'
+    order rotates; every arm serves every prompt at every concurrency; the fair summary keys are there."""
+    from benchmarks.engines_clients import Arm, Reply
+    from benchmarks.engines_report import summarise
+
+    events, up = [], []
+
+    class FakeServer:
+        def __init__(self, group):
+            assert not up, f"{group} started while {up} is up"
+            self.label = group[0] if len(group) == 1 else "specops"
+            self.url, self.ready_s = "http://127.0.0.1:1", 1.0
+            up.append(self.label)
+            events.append(("start", self.label))
+
+        def stop(self):
+            up.remove(self.label)
+            events.append(("stop", self.label))
+
+    def fake_batch(arm, prompts, c, max_tokens):
+        speed = {"vllm_target": 2.0, "vllm_target_default": 1.0}.get(arm.name, 3.0)
+        return 1.0, [Reply(i, int(speed * 2), 0.5, f"out{i}", token_ids=[i], ttft_s=0.1) for i, _ in prompts]
+
+    monkeypatch.setattr(engines, "run_batch", fake_batch)
+    monkeypatch.setattr(Arm, "profile", lambda self: None)
+    args = engines.parse_args(
+        ["--arms", "vllm_target,vllm_target_default,specops_target,specops_auto", "--prompts", "4"]
+        + ["--concurrency", "1,2", "--repeats", "2", "--max-tokens", "4"]
+    )
+    results, facts = engines.measure([[1], [2], [3], [4]], args, FakeServer)
+    assert not up and [e[0] for e in events] == ["start", "stop"] * 6  # never two servers up at once
+    assert facts["group_order"] == [
+        ["vllm_target", "vllm_target_default", "specops"],
+        ["vllm_target_default", "specops", "vllm_target"],
+    ]
+    for arm in args.arms:
+        for c in ("1", "2"):
+            assert len(results[arm][c]["texts"]) == 4 and results[arm][c]["ttft_s"] == pytest.approx(0.1)
+    report = {
+        "arms": results,
+        "config": {
+            "concurrency": [1, 2],
+            "isolated": True,
+            "vllm_omp_bind": {"vllm_target": "0-1"},
+            "prompts": 4,
+            "max_tokens": 4,
+        },
+        "outputs": engines.compare(results, [1, 2]),
+        "environment": {"cpu_model": "test CPU"},
+    }
+    s = summarise(report)
+    assert s["isolated"] and s["vllm_every_core"] and s["cpu_model"] == "test CPU" and s["identical_outputs"]
+    assert s["ours_target_vs_vllm_target_all"]["1"] == pytest.approx(1.5)
+    assert s["ours_target_vs_vllm_target_default"]["2"] == pytest.approx(3.0)
+    assert s["ours_best_vs_vllm_best_all"]["1"] == pytest.approx(1.5) and s["vllm_best_arm_all"]["1"] == "vllm_target"
+    assert s["p99_ratio_c8_all"] is None and s["greedy_mismatches"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NO_VLLM), reason=f"needs the vLLM venv: {NO_VLLM}")
 def test_engines_quick_writes_json_and_doc(tmp_path):
     out, doc = tmp_path / "engines.json", tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nother sections stay\n")
-    assert engines.main(["--quick", "--idle-check-s", "1", "--json", str(out), "--doc", str(doc)]) == 0
+    arms = ["vllm_target", "vllm_target_default", *engines.SPECOPS_ARMS]
+    assert engines.main(["--quick", "--arms", ",".join(arms), "--json", str(out), "--doc", str(doc)]) == 0
     report = json.loads(out.read_text())
     s = report["summary"]
     assert {
         "vllm_version",
         "by_concurrency",
-        "learned_vs_bootstrap_draft",
-        "ours_vs_vllm_target",
         "cpu",
+        "cpu_model",
         "prompts",
         "max_tokens",
         "identical_outputs",
-        "ours_target_vs_vllm_target",
-        "ours_best_vs_vllm_ngram",
-        "p99_ratio_c8",
+        "isolated",
+        "vllm_every_core",
+        "ours_target_vs_vllm_target_all",
+        "ours_best_vs_vllm_best_all",
+        "p99_ratio_c8_all",
+        "ours_target_vs_vllm_target_default",
+        "ours_best_vs_vllm_best_default",
         "profile",
     } <= set(s)
-    # the profile (issue 42): where our time went at the largest concurrency up to 4, per specops arm
+    assert s["isolated"] is True and s["vllm_every_core"] is True
+    assert report["config"]["vllm_omp_bind"]["vllm_target_default"] == "vLLM's default"
+    # the profile: where our time went at the largest concurrency up to 8, per specops arm
     assert s["profile_concurrency"] == 2 and set(s["profile"]) == set(engines.SPECOPS_ARMS)
     for p in s["profile"].values():
         assert p["passes"] > 0 and 0 < p["request_shares"]["target_pass"] <= 1
-        assert abs(sum(p["batcher_shares"].values()) - 1.0) < 1e-6 or p["batcher_shares"]["idle"] == 0.0
     assert s["prompts"] == 4 and s["max_tokens"] == 16 and set(s["by_concurrency"]) == {"1", "2"}
     for c in ("1", "2"):
-        assert set(s["by_concurrency"][c]) == set(engines.ARMS)
-        assert all(v["tokens_per_s"] > 0 and v["p99_s"] > 0 for v in s["by_concurrency"][c].values())
-        assert s["learned_vs_bootstrap_draft"][c] > 0 and s["ours_vs_vllm_target"][c] > 0
+        assert set(s["by_concurrency"][c]) == set(arms)
+        assert all(
+            v["tokens_per_s"] > 0 and v["p99_s"] > 0 and v["ttft_s"] > 0 for v in s["by_concurrency"][c].values()
+        )
+        assert s["ours_target_vs_vllm_target_all"][c] > 0 and s["ours_best_vs_vllm_best_default"][c] > 0
     # fp32 greedy on both sides: target-only of the two engines agree
     detail = report["outputs"]["detail"]
     assert detail["specops_target vs vllm_target (text)"]["1"] == [4, 4]
-    assert set(report["servers"]["idle_cpu_share"]) == {*engines.VLLM_ARMS, "specops"}
+    assert len(report["servers"]["group_order"]) == 2  # --quick: 2 repeats, each server group started in each
     text = doc.read_text()
-    assert "other sections stay" in text and engines.DOC_BEGIN in text and "| 1 | vllm_learned_draft |" in text
+    assert "other sections stay" in text and engines.DOC_BEGIN in text and "| 1 | vllm_target_default |" in text
     assert engines.main(["--replot", str(out), "--no-doc"]) == 0

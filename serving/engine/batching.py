@@ -52,7 +52,7 @@ from prometheus_client import Counter, Histogram
 from transformers import PreTrainedModel
 
 from specops.core import threads
-from specops.serving.engine import ragged
+from specops.serving.engine import lean, ragged
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.slots import SlotCache, SlotPool
@@ -112,6 +112,10 @@ class TargetBatcher:
         self._pools: dict[int, tuple[SlotPool, bool]] = {id(model): (self.pool, self.packed)}
         """Per model whose passes run here (the target, and drafts: :meth:`lm`): its KV pool, packed or not."""
         self._pools_lock = threading.Lock()
+        self._lean: dict[int, lean.LeanDecoder | None] = {}
+        """Per model (by id): its lean packed pass (``engine.lean``), or None where it keeps Hugging Face's."""
+        if self.packed:
+            self._lean[id(model)] = lean.install(model)
         self._later: collections.deque[_Step] = collections.deque()
         """Steps taken off the queue for a later pass (another model's, or a tree): run first, in order."""
         self.num_batches = 0
@@ -160,6 +164,18 @@ class TargetBatcher:
     def _drop_pool(self, key: int) -> None:
         with self._pools_lock:
             self._pools.pop(key, None)
+            self._lean.pop(key, None)
+
+    def _lean_for(self, model: PreTrainedModel) -> lean.LeanDecoder | None:
+        """``model``'s lean pass, built on first use and again after its weights changed (a hot swap
+        that copies weights in place); None where it does not apply."""
+        key = id(model)
+        got = self._lean.get(key, False)
+        if got is False or (got is not None and got.stale()):
+            got = lean.install(model)
+            with self._pools_lock:
+                self._lean[key] = got
+        return got
 
     def begin(self) -> None:
         """A request starts decoding (its steps may now join batches)."""
@@ -366,7 +382,15 @@ class TargetBatcher:
             device=device,
         )
         want_hidden = any(s.want_hidden for s in batch)
+        fused = self._lean_for(model)
         t0 = time.perf_counter()
+        if fused is not None:  # the decoder written out, projections fused (engine.lean)
+            last = fused.hidden_states(ids[0], rows, pool)[kept]  # [sum(keeps), hidden]
+            head = model.get_output_embeddings()
+            logits = (vocab.logits(head, last) if vocab is not None else head(last)).float().cpu()
+            hidden = last.float().cpu() if want_hidden else None
+            self._finish_packed(batch, model, new, keeps, logits, hidden, (time.perf_counter() - t0) * 1000.0, ids)
+            return
         args = dict(
             input_ids=ids,
             position_ids=rows.positions,
@@ -384,7 +408,10 @@ class TargetBatcher:
             out = model(**args, output_hidden_states=want_hidden, logits_to_keep=kept)
             logits = out.logits[0].float().cpu()  # [sum(keeps), vocab]
             hidden = out.hidden_states[-1][0, kept].float().cpu() if want_hidden else None
-        ms = (time.perf_counter() - t0) * 1000.0
+        self._finish_packed(batch, model, new, keeps, logits, hidden, (time.perf_counter() - t0) * 1000.0, ids)
+
+    def _finish_packed(self, batch, model, new, keeps, logits, hidden, ms: float, ids) -> None:
+        """Hand each step of a packed pass its rows of the logits (and hidden states)."""
         if model is self.model:
             PASS_TOKENS.inc(ids.shape[1])
         total, at = sum(new), 0

@@ -62,7 +62,9 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/osd.py --json benchmarks/out/osd.json
 	$(BIN)/python benchmarks/hotswap.py --json benchmarks/out/hotswap.json
 	$(BIN)/python benchmarks/vllm_swap.py --json benchmarks/out/vllm_swap.json
-	$(BIN)/python benchmarks/engines.py --json benchmarks/out/engines.json
+	$(BIN)/python benchmarks/engines.py --learn 250 --workload sql --arms vllm_target,vllm_ngram,vllm_bootstrap_draft,vllm_learned_draft,specops_target,specops_draft,specops_auto --json benchmarks/out/engines.json
+	$(BIN)/python benchmarks/engines.py --arms vllm_target,vllm_ngram,vllm_target_default,vllm_ngram_default,specops_target,specops_draft,specops_auto --prompts 32 --repeats 2 --doc-section engines-load --json benchmarks/out/engines_load.json
+	$(BIN)/python benchmarks/engine_pass.py --json benchmarks/out/engine_pass.json
 	$(BIN)/python benchmarks/batching.py --json benchmarks/out/batching.json --doc docs/benchmarks.md
 	$(BIN)/python benchmarks/api.py --json benchmarks/out/api.json
 	$(BIN)/python benchmarks/faults.py --json benchmarks/out/faults.json
@@ -78,6 +80,7 @@ bench-quick: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/hotswap.py --quick --no-doc --json benchmarks/out/hotswap_quick.json
 	$(BIN)/python benchmarks/vllm_swap.py --quick --json benchmarks/out/vllm_swap_quick.json
 	$(BIN)/python benchmarks/engines.py --quick --no-doc --json benchmarks/out/engines_quick.json
+	$(BIN)/python benchmarks/engine_pass.py --quick --no-doc --json benchmarks/out/engine_pass_quick.json
 	$(BIN)/python benchmarks/batching.py --quick --json benchmarks/out/batching_quick.json
 	$(BIN)/python benchmarks/api.py --quick --no-doc --json benchmarks/out/api_quick.json
 	$(BIN)/python benchmarks/faults.py --quick --no-doc --json benchmarks/out/faults_quick.json

@@ -31,6 +31,9 @@ from transformers import PreTrainedModel
 log = logging.getLogger(__name__)
 
 NAME = "specops_ragged"
+WIDE_MAX = 17
+"""Most new tokens a request may have to attend in a run with its neighbours (a verification
+step of k <= 16 drafts and the bonus's position); a longer one (a prefill) attends alone."""
 
 
 @dataclass
@@ -52,9 +55,15 @@ class Rows:
     pos_index: torch.Tensor
     """``[T]`` its position in the slot."""
     runs: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
-    """The requests grouped for attention: ``(first, count, key mask)``. A run of one-token
-    requests in consecutive slots attends in one SDPA call over a view of those slots (mask
-    ``[count, 1, 1, longest]``: each row's own length); anything else is a run of one."""
+    """The requests grouped for attention: ``(first, count, key mask)``. A run of requests in
+    consecutive slots with at most :data:`WIDE_MAX` new tokens each (decode steps, verification
+    steps) attends in one SDPA call over a view of those slots (mask ``[count, 1, widest,
+    longest]``: each query its own request's cache and, causally, its own new tokens); anything
+    else (a prefill, a lone request) is a run of one."""
+    gathers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = field(default_factory=list)
+    """Per run: None when each of its requests has one new token; else ``(q_index, keep,
+    widest)``: the packed position each padded query ``(request, j < widest)`` reads (a short
+    request's padding repeats its last token), and which padded rows are real, in order."""
 
     @classmethod
     def build(cls, slots: list[int], past: list[int], new: list[int], device) -> Rows:
@@ -73,20 +82,39 @@ class Rows:
         slot_index = torch.tensor([s for s, n in zip(slots, new) for _ in range(n)], device=device)
         pos_index = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(past, new)])
         runs: list[tuple[int, int, torch.Tensor | None]] = []
+        gathers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = []
         i = 0
         while i < len(slots):
             j = i + 1
-            if new[i] == 1:
-                while j < len(slots) and new[j] == 1 and slots[j] == slots[j - 1] + 1:
+            if new[i] <= WIDE_MAX:
+                while j < len(slots) and new[j] <= WIDE_MAX and slots[j] == slots[j - 1] + 1:
                     j += 1
             if j - i == 1:
                 runs.append((i, 1, None))
-            else:
+                gathers.append(None)
+                i = j
+                continue
+            widest = max(new[i:j])
+            if widest == 1:  # decode steps: one query each
                 lengths = torch.tensor([p + 1 for p in past[i:j]], device=device)
                 mask = torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]
                 runs.append((i, j - i, mask[:, None, None, :]))
+                gathers.append(None)
+                i = j
+                continue
+            # query q of request r sees positions < past_r + min(q, new_r - 1) + 1 (padding repeats the last)
+            seen = torch.tensor(
+                [[p + min(q, n - 1) + 1 for q in range(widest)] for p, n in zip(past[i:j], new[i:j])], device=device
+            )  # [count, widest]
+            mask = torch.arange(int(seen.max()), device=device)[None, None, :] < seen[:, :, None]
+            q_index = torch.tensor(
+                [o + min(q, n - 1) for o, n in zip(offsets[i:j], new[i:j]) for q in range(widest)], device=device
+            )
+            keep = torch.tensor([r * widest + q for r, n in enumerate(new[i:j]) for q in range(n)], device=device)
+            runs.append((i, j - i, mask[:, None]))
+            gathers.append((q_index, keep, widest))
             i = j
-        return cls(slots, past, new, offsets, masks, slot_index, pos_index, runs)
+        return cls(slots, past, new, offsets, masks, slot_index, pos_index, runs, gathers)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -130,7 +158,21 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     groups = query.shape[1] // key.shape[1]
     h, d = key.shape[1], query.shape[-1]
     outs = []
-    for first, count, run_mask in rows.runs:
+    for run, (first, count, run_mask) in enumerate(rows.runs):
+        gather = rows.gathers[run] if rows.gathers else None
+        if gather is not None:  # requests with a few new tokens each, consecutive slots: one call over a view
+            q_index, keep, widest = gather
+            slot, span = rows.slots[first], run_mask.shape[-1]
+            q = query[0].index_select(1, q_index)  # [heads, count * widest, dim], padded per request
+            # each kv head's query groups as extra query rows (no repeat of the keys): [count, kv_heads, groups * widest, dim]
+            q = q.view(h, groups, count, widest, d).permute(2, 0, 1, 3, 4).reshape(count, h, groups * widest, d)
+            mask = run_mask.repeat(1, 1, groups, 1) if groups > 1 else run_mask  # [count, 1, groups * widest, span]
+            k = key[slot : slot + count, :, :span]
+            v = value[slot : slot + count, :, :span]
+            o1 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+            o1 = o1.view(count, h, groups, widest, d).permute(1, 2, 0, 3, 4).reshape(h * groups, count * widest, d)
+            outs.append(o1.index_select(1, keep)[None])  # [1, heads, its tokens, dim]
+            continue
         if count > 1:  # one-token requests in consecutive slots: one call over a view of their slots
             slot, o = rows.slots[first], rows.offsets[first]
             q = query[0, :, o : o + count].transpose(0, 1)  # [count, heads, 1, dim] as [count, heads, dim]

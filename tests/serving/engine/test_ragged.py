@@ -24,8 +24,10 @@ def test_ragged_attention_equals_sdpa_per_request():
     rows = ragged.Rows.build(slot_ids, past, new, "cpu")
     assert rows.offsets == [0, 1, 2, 6, 9]
     assert rows.positions.tolist() == [[5, 9, 3, 4, 5, 6, 0, 1, 2, 7]]
-    # the two one-token requests in slots 0 and 1 attend in one call; the rest alone
-    assert [(first, count) for first, count, _ in rows.runs] == [(0, 2), (2, 1), (3, 1), (4, 1)]
+    # consecutive slots attend in one call each (0-2: two decode steps beside a 4-token step, padded
+    # to 4 queries a request; 4-5: a 3-token step beside a decode step)
+    assert [(first, count) for first, count, _ in rows.runs] == [(0, 3), (3, 2)]
+    assert rows.gathers[0][2] == 4 and rows.gathers[1][2] == 3
     q = torch.randn(1, heads, sum(new), dim)
 
     class Module:  # what transformers hands the attention function
@@ -38,6 +40,25 @@ def test_ragged_attention_equals_sdpa_per_request():
         v = v_pool[slot : slot + 1, :, : p + n].repeat_interleave(heads // kv_heads, dim=1)
         mask = torch.arange(p + n)[None, :] <= p + torch.arange(n)[:, None]
         want = F.scaled_dot_product_attention(q[:, :, o : o + n], k, v, attn_mask=mask, scale=0.3)
+        torch.testing.assert_close(out[:, o : o + n], want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_wide_runs_and_prefills_attend_as_each_request_alone():
+    """Verification steps of several widths in consecutive slots share one SDPA call, a prefill longer
+    than WIDE_MAX attends alone, a gap in the slots starts a new run: the same values as SDPA per request."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, slots, cap = 9, 3, 8, 8, 64
+    k_pool, v_pool = torch.randn(slots, kv_heads, cap, dim), torch.randn(slots, kv_heads, cap, dim)
+    slot_ids, past, new = [0, 1, 2, 3, 5, 6], [9, 4, 0, 12, 7, 3], [5, 1, ragged.WIDE_MAX + 3, 2, 4, 4]
+    rows = ragged.Rows.build(slot_ids, past, new, "cpu")
+    assert [(first, count) for first, count, _ in rows.runs] == [(0, 2), (2, 1), (3, 1), (4, 2)]
+    q = torch.randn(1, heads, sum(new), dim)
+    out, _ = ragged.ragged_attention(None, q, k_pool, v_pool, None, scaling=0.2, specops_rows=rows)
+    for slot, p, n, o in zip(slot_ids, past, new, rows.offsets):
+        k = k_pool[slot : slot + 1, :, : p + n].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_pool[slot : slot + 1, :, : p + n].repeat_interleave(heads // kv_heads, dim=1)
+        mask = torch.arange(p + n)[None, :] <= p + torch.arange(n)[:, None]
+        want = F.scaled_dot_product_attention(q[:, :, o : o + n], k, v, attn_mask=mask, scale=0.2)
         torch.testing.assert_close(out[:, o : o + n], want.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 

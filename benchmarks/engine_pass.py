@@ -288,40 +288,41 @@ def main(argv: list[str] | None = None) -> int:
     threads.reserve_for_compute(torch.get_num_threads())  # as specops serve: one team, on the compute thread
     result: dict = {}
 
-    def run() -> None:
+    def passes() -> None:  # on a thread of its own that takes the OpenMP team, and ends before the batcher starts
         threads.compute_thread()
         try:
             from transformers import AutoModelForCausalLM
 
             from specops.core.models import load_tokenizer, prepare_for_decoding
+            from specops.serving.engine import ragged
 
-            with tempfile.TemporaryDirectory(prefix="specops-engine-pass-") as tmp:
-                model_dir = Path(args.model_dir)
-                if args.quick:
-                    from specops.trainer.bootstrap import run as bootstrap
-
-                    model_dir = Path(tmp) / "models"
-                    bootstrap(model_dir, tiny=True)
-                model = AutoModelForCausalLM.from_pretrained(
-                    model_dir / "target", dtype=torch.float32, attn_implementation="sdpa"
-                ).eval()
-                prepare_for_decoding(model)
-                from specops.serving.engine import ragged
-
-                ragged.install(model)
-                tokenizer = load_tokenizer(model_dir / "target")
-                result["target"] = target_name(model_dir)
-                result["passes"], result["profile"] = pass_cells(model, args)
-                result["in_process"] = in_process(model, tokenizer, model_dir, args)
+            model = AutoModelForCausalLM.from_pretrained(
+                result["model_dir"] / "target", dtype=torch.float32, attn_implementation="sdpa"
+            ).eval()
+            prepare_for_decoding(model)
+            ragged.install(model)
+            result.update(model=model, tokenizer=load_tokenizer(result["model_dir"] / "target"))
+            result["target"] = target_name(result["model_dir"])
+            result["passes"], result["profile"] = pass_cells(model, args)
         except BaseException as exc:  # reported by the main thread
             result["error"] = exc
 
     started = time.perf_counter()
-    worker = threading.Thread(target=run, name="engine-pass")  # a fresh thread takes the OpenMP team
-    worker.start()
-    worker.join()
-    if "error" in result:
-        raise result["error"]
+    with tempfile.TemporaryDirectory(prefix="specops-engine-pass-") as tmp:
+        result["model_dir"] = Path(args.model_dir)
+        if args.quick:
+            from specops.trainer.bootstrap import run as bootstrap
+
+            result["model_dir"] = Path(tmp) / "models"
+            bootstrap(result["model_dir"], tiny=True)
+        worker = threading.Thread(target=passes, name="engine-pass")
+        worker.start()
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        # the batcher's thread takes the team now (a second live team would make every parallel region
+        # wake its threads through the kernel: core/threads.py); this thread and the decode threads stay single
+        result["in_process"] = in_process(result["model"], result["tokenizer"], result["model_dir"], args)
     report = {
         "command": " ".join(
             [".venv/bin/python", "benchmarks/engine_pass.py", *(argv if argv is not None else sys.argv[1:])]

@@ -48,6 +48,7 @@ demo: $(STAMP)
 # benchmark: 23:03 of test time (1253 passed), about 10 minutes more to install both venvs. Fresh clone 2026-11-26 on a slow day: 14:42 of test time
 # (19:11 with the install); the suite before tests/deploy took 13:39 on the same machine that day and
 # 9:11 the day before, so about 10 minutes on a usual day. tests/deploy adds about a minute.
+# Fresh clone 2026-11-28 (issue 54), `CI=true bash .ci/run`: 1542 passed in 12:34 of test time, about 3 minutes to install.
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 

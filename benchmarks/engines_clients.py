@@ -25,7 +25,6 @@ import urllib3
 from specops.serving.vllm.process import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass
@@ -47,22 +46,6 @@ class Reply:
 
 
 # ---------------------------------------------------------------- processes
-def group_cpu_s(leader: int) -> float:
-    """CPU seconds (user + system) of every live process in ``leader``'s process group."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[2]) == leader:  # pgrp
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLK_TCK
-
-
 class SpecopsServer:
     """``specops serve`` in its own process group: no stream, no registry, no router, no session
     cache (the benchmark serves each prompt several times: LLMA must not copy an earlier arm's

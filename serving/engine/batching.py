@@ -386,32 +386,28 @@ class TargetBatcher:
         t0 = time.perf_counter()
         if fused is not None:  # the decoder written out, projections fused (engine.lean)
             last = fused.hidden_states(ids[0], rows, pool)[kept]  # [sum(keeps), hidden]
+        else:
+            args = dict(
+                input_ids=ids,
+                position_ids=rows.positions,
+                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),  # 4D: transformers builds
+                # no mask of its own; each request attends its own slot (engine.ragged)
+                past_key_values=ragged.PackedCache(pool, rows),
+                use_cache=True,
+                specops_rows=rows,
+            )
+            if vocab is not None:  # a draft vocabulary: the base model, then only its rows of the head
+                last = model.base_model(**args).last_hidden_state[0, kept]  # [sum(keeps), hidden]
+            else:
+                out = model(**args, output_hidden_states=want_hidden, logits_to_keep=kept)
+                last = None
+                logits = out.logits[0].float().cpu()  # [sum(keeps), vocab]
+                hidden = out.hidden_states[-1][0, kept].float().cpu() if want_hidden else None
+        if last is not None:  # the head over the kept rows (a draft vocabulary's rows of it)
             head = model.get_output_embeddings()
             logits = (vocab.logits(head, last) if vocab is not None else head(last)).float().cpu()
             hidden = last.float().cpu() if want_hidden else None
-            self._finish_packed(batch, model, new, keeps, logits, hidden, (time.perf_counter() - t0) * 1000.0, ids)
-            return
-        args = dict(
-            input_ids=ids,
-            position_ids=rows.positions,
-            attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),  # 4D: transformers builds
-            # no mask of its own; each request attends its own slot (engine.ragged)
-            past_key_values=ragged.PackedCache(pool, rows),
-            use_cache=True,
-            specops_rows=rows,
-        )
-        if vocab is not None:  # a draft vocabulary: the base model, then only its rows of the head
-            last = model.base_model(**args).last_hidden_state[0, kept]  # [sum(keeps), hidden]
-            logits = vocab.logits(model.get_output_embeddings(), last).float().cpu()
-            hidden = last.float().cpu() if want_hidden else None
-        else:
-            out = model(**args, output_hidden_states=want_hidden, logits_to_keep=kept)
-            logits = out.logits[0].float().cpu()  # [sum(keeps), vocab]
-            hidden = out.hidden_states[-1][0, kept].float().cpu() if want_hidden else None
-        self._finish_packed(batch, model, new, keeps, logits, hidden, (time.perf_counter() - t0) * 1000.0, ids)
-
-    def _finish_packed(self, batch, model, new, keeps, logits, hidden, ms: float, ids) -> None:
-        """Hand each step of a packed pass its rows of the logits (and hidden states)."""
+        ms = (time.perf_counter() - t0) * 1000.0
         if model is self.model:
             PASS_TOKENS.inc(ids.shape[1])
         total, at = sum(new), 0

@@ -23,7 +23,9 @@ products): values agree at float32 precision (``tests/serving/engine/test_lean.p
 every request of a replica goes through it alike, so greedy speculative decoding still equals
 target-only decoding token for token. It serves float32 Llama models on a CPU with oneDNN
 (the default target and a float32 draft); anything else (another architecture, bfloat16, a
-GPU, ``SPECOPS_LEAN_PASS=0``) keeps the Hugging Face packed pass.
+GPU, ``SPECOPS_LEAN_PASS=0``, ``SPECOPS_CPU_LINEAR=stock`` or ``wx``) keeps the Hugging Face
+packed pass. Only the q/k/v and gate/up weights are copied (fused), so only they are checked for
+an in-place change before a pass; the rest is read from the model as it is.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def supported(model: PreTrainedModel) -> str | None:
         return f"{p.dtype} on {p.device.type}"
     if not cpu_linear.onednn_available():
         return "no oneDNN in this torch"
+    if os.environ.get(cpu_linear.ROUTE_ENV, "auto") in ("stock", "wx"):  # the lean pass is prepacked weights
+        return f"{cpu_linear.ROUTE_ENV}={os.environ[cpu_linear.ROUTE_ENV]}"
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return "activation or tensor-parallel split"
     return None
@@ -109,9 +113,13 @@ class LeanDecoder:
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight
         self.layers: list[_Layer] = []
+        self._sources: list[torch.Tensor] = []
+        """The weights and biases the fused copies were made from (what :meth:`stale` checks)."""
         with torch.no_grad():
             for layer in base.layers[: cfg.num_hidden_layers]:
                 a, m = layer.self_attn, layer.mlp
+                fused = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)
+                self._sources += [t for lin in fused for t in (lin.weight, lin.bias) if t is not None]
                 self.layers.append(
                     _Layer(
                         ln1=layer.input_layernorm.weight,
@@ -129,10 +137,10 @@ class LeanDecoder:
         self._key = self._weights_key()
 
     def _weights_key(self) -> tuple:
-        return tuple(cpu_linear._weight_key(p) for p in self.model.parameters())
+        return tuple(cpu_linear._weight_key(t) for t in self._sources)
 
     def stale(self) -> bool:
-        """The model's weights changed since the fused copies were packed (rebuild before use)."""
+        """The weights the fused copies were made from changed in place since (rebuild before use)."""
         return self._weights_key() != self._key
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,6 +74,9 @@ def test_where_the_lean_pass_does_not_apply(monkeypatch):
     monkeypatch.setenv(lean.ENV, "0")
     assert lean.install(model) is None
     monkeypatch.delenv(lean.ENV)
+    monkeypatch.setenv(cpu_linear.ROUTE_ENV, "stock")  # no special route asked for: no prepacked weights either
+    assert "SPECOPS_CPU_LINEAR=stock" in lean.supported(model)
+    monkeypatch.delenv(cpu_linear.ROUTE_ENV)
     model.config.model_type = "gpt2"
     assert "architecture" in lean.supported(model)
 

@@ -37,7 +37,11 @@ Arms, on the same held-out **probe** per domain (prompts never served; ``--probe
 - ``generic_*``: the same online loop from a draft never distilled from the target
   (``trainer.bootstrap.generic``), the paper's setting (``--no-generic`` skips it).
 
-Also: a domain switch sql -> math -> sql on one draft (recovery), an audit of every
+Also: a domain switch sql -> math -> sql on one draft, each later segment read as α after
+50/150/300 requests of the new domain and requests until α is within 0.05 of the domain's
+reference, for the gate's default window of recent held-out requests and, beside it, for other
+windows (``--gate-windows``; 0 = the whole held-out set, the gate before issue 55) judged on the
+same candidates; an audit of every
 promotion (the promoted and the replaced version both serve the cluster's next
 ``--audit-window`` requests; a promotion whose per-token α difference has a 95 % interval
 below zero is *worse*), tokens/s of the draft method with each arm's final draft against
@@ -115,6 +119,14 @@ GAIN_BAR = 0.10
 OFFLINE_FRACTION_BAR = 0.8
 RECOVERY_MARGIN = 0.02
 RECOVERY_BAR = 300
+SHIFT_AT = (50, 150, 300)
+"""Requests into a new segment of the shift run at which each arm's α is reported."""
+SHIFT_WINDOW = 50
+"""Requests pooled for a segment's α at a point (the trailing ones, all of the new domain)."""
+SHIFT_MARGIN = 0.05
+"""Issue 55's bars: gated ≥ ungated − this after 150 requests; adapted within this of the reference."""
+SHIFT_WINDOWS = (16, 64, 0)
+"""Gate windows measured beside the default in the shift run (0: the whole held-out set, the gate before issue 55)."""
 COLORS = {
     "static": "tab:blue",
     "gated": "tab:green",
@@ -429,12 +441,19 @@ def learning_run(
     gate: bool = True,
     audit: bool = True,
     probe_every: int | None = None,
+    windows: tuple[int, ...] = (),
 ) -> dict:
     """Serve ``traffic`` ((request, cluster) in order) while one OnlineTrainer learns from it.
 
     Per cluster, ``gated`` serves the champion (promoted through the gate) and logs the
     request; ``ungated`` is the trainer's newest version, measured on the same request.
-    Each cluster's probe is measured every ``probe_every`` of its requests and at the end."""
+    Each cluster's probe is measured every ``probe_every`` of its requests and at the end.
+
+    ``windows``: more gated arms, one per gate window W (``PromoteConfig.window``; 0 = the whole
+    held-out set), each with its own champion, judged on the same candidates and measured on the
+    same requests (row keys ``w{W}_accepted`` ...). The trainer learns the same whatever serves:
+    it trains at every output position of the target's own output (``positions = "all"``), which
+    no draft changes; only the primary arm's records are logged."""
     cfg = StreamConfig(url=f"local://{tmp}/{label}/log", fsync=False, num_partitions=1)
     logger = StreamLogger(cfg, LoggerConfig(), vocab_size=pair.vocab_size)
     teacher = CachedTeacher()
@@ -443,6 +462,7 @@ def learning_run(
     )
     pcfg = PromoteConfig()
     clusters = sorted({c for _, c in traffic})
+    extra = {w: WindowArm(replace(pcfg, window=w), clusters, base) for w in windows}
     gated = {c: copy.deepcopy(base) for c in clusters}
     latest = {c: copy.deepcopy(base) for c in clusters}
     version = {c: 0 for c in clusters}  # the champion's
@@ -495,6 +515,7 @@ def learning_run(
                     "u_rejected": len(out_u.rejected),
                     "u_drafted": out_u.drafted,
                     "u_version": latest_v[c],
+                    **{k: v for w, arm in extra.items() for k, v in arm.serve_row(c, s, out, args).items()},
                 }
             )
             if args.check_every and i % args.check_every == args.check_every - 1:  # the real engine agrees
@@ -532,9 +553,13 @@ def learning_run(
                 latest_v[c] = st.version
                 latest[c].load_state_dict(st.model.state_dict())
                 if gate:
-                    holdout = [h.record for h in st.holdout]
-                    cand = trainer.evaluate(c)
-                    key = (version[c], tuple(h.source for h in st.holdout))
+                    held = list(st.holdout)
+                    for arm in extra.values():
+                        arm.judge(c, st, held, trainer.vocab, i)
+                    recent = held[-pcfg.window :] if pcfg.window else held  # gate_window (no age limit here)
+                    holdout = [h.record for h in recent]
+                    cand = evaluate_records(st.model, holdout, vocab=trainer.vocab)
+                    key = (version[c], tuple(h.source for h in recent))
                     if c not in ref_cache or ref_cache[c][0] != key:  # the champion on this held-out set
                         ref_cache[c] = (key, evaluate_records(gated[c], holdout, vocab=trainer.vocab))
                     result = gate_decision(str(st.version), str(version[c]), cand, ref_cache[c][1], pcfg)
@@ -545,6 +570,7 @@ def learning_run(
                             "candidate": st.version,
                             "promoted": result.promoted,
                             "reason": result.reason,
+                            "window_requests": len(holdout),
                         }
                     )
                     if result.promoted:
@@ -592,9 +618,62 @@ def learning_run(
         "gates": gates,
         "checks": checks,
         "trainer_cpu_s": cpu,
+        "windows": {
+            str(w): {
+                **arm.summary(),
+                "served_alpha_last": {  # per cluster, pooled over its last WINDOW requests, beside the primary's
+                    c: {
+                        "window": pooled(
+                            [{"accepted": r[f"w{w}_accepted"], "rejected": r[f"w{w}_rejected"]} for r in tail]
+                        ),
+                        "gated": pooled(tail),
+                        "ungated": pooled([{"accepted": r["u_accepted"], "rejected": r["u_rejected"]} for r in tail]),
+                    }
+                    for c in clusters
+                    for tail in [[r for r in rows if r["cluster"] == c][-WINDOW:]]
+                },
+            }
+            for w, arm in extra.items()
+        },
         "drafts": {"gated": gated, "ungated": latest},
         "teacher_forwards": getattr(trainer.teacher, "forwards", 0),
     }
+
+
+class WindowArm:
+    """One more gated arm of :func:`learning_run`: its own champion per cluster, gated with its
+    own window on the same candidates, serving (measured on) the same requests."""
+
+    def __init__(self, cfg: PromoteConfig, clusters: list[str], base: torch.nn.Module) -> None:
+        self.cfg = cfg
+        self.prefix = f"w{cfg.window}_"
+        self.model = {c: copy.deepcopy(base) for c in clusters}
+        self.version = {c: 0 for c in clusters}
+        self.gates: list[dict] = []
+
+    def serve_row(self, c: str, s: Served, primary: Outcome, args) -> dict:
+        out = serve(self.model[c], s, args.k, args.max_new_tokens)
+        p = self.prefix
+        return {f"{p}accepted": out.accepted, f"{p}rejected": len(out.rejected), f"{p}version": self.version[c]}
+
+    def judge(self, c: str, st, held: list, vocab, request: int) -> None:
+        recent = held[-self.cfg.window :] if self.cfg.window else held
+        records = [h.record for h in recent]
+        cand = evaluate_records(st.model, records, vocab=vocab)
+        ref = evaluate_records(self.model[c], records, vocab=vocab)
+        result = gate_decision(str(st.version), str(self.version[c]), cand, ref, self.cfg)
+        self.gates.append({"request": request, "cluster": c, "candidate": st.version, "promoted": result.promoted})
+        if result.promoted:
+            self.model[c].load_state_dict(st.model.state_dict())
+            self.version[c] = st.version
+
+    def summary(self) -> dict:
+        return {
+            "window": self.cfg.window,
+            "gates": len(self.gates),
+            "promotions": sum(g["promoted"] for g in self.gates),
+            "promoted_at": [g["request"] for g in self.gates if g["promoted"]],
+        }
 
 
 def audit_promotion(
@@ -735,6 +814,81 @@ def recovery(
         if token_alpha(sum(x[a] for x in seg), sum(x[r] for x in seg)) >= reference - margin:
             return n - start
     return None
+
+
+def segment_alpha(rows: list[dict], start: int, n: int, prefix: str = "", window: int = SHIFT_WINDOW) -> float:
+    """Pooled per-token α of the ``window`` requests ending ``n`` requests after ``start`` (all after it)."""
+    a, r = f"{prefix}accepted", f"{prefix}rejected"
+    seg = rows[max(start, start + n - window) : start + n]
+    return token_alpha(sum(x[a] for x in seg), sum(x[r] for x in seg))
+
+
+def shift_segments(rows: list[dict], domains: list[str], n: int, arms: dict[str, str]) -> list[dict]:
+    """Per segment after the first: each arm's α after ``SHIFT_AT`` requests of the new domain,
+    the reference it should reach and how many requests each arm took to come within
+    ``SHIFT_MARGIN`` of it (None: not in the segment).
+
+    The reference of a domain served before is the gated arm's pooled α over the last ``WINDOW``
+    requests it served of it (its own level before the switch); of a domain never served before,
+    the ungated arm's over the segment's last ``WINDOW`` requests (the level the trainer reaches
+    on it, which no gate slows). ``arms`` maps a name to its row prefix."""
+    out = []
+    tail = min(WINDOW, n)
+    points = [k for k in SHIFT_AT if k <= n] or [n]
+    for j in range(1, len(domains)):
+        start, end = j * n, (j + 1) * n
+        prev = [i for i in range(j) if domains[i] == domains[j]]
+        if prev:
+            last = prev[-1]
+            ref = pooled(rows[(last + 1) * n - tail : (last + 1) * n])
+            ref_from = f"gated, last {tail} requests of segment {last + 1}"
+        else:
+            seg = rows[end - tail : end]
+            ref = token_alpha(sum(r["u_accepted"] for r in seg), sum(r["u_rejected"] for r in seg))
+            ref_from = f"ungated, last {tail} requests of this segment"
+        seg_out = {"segment": j + 1, "domain": domains[j], "start": start, "reference": ref, "reference_from": ref_from}
+        for name, prefix in arms.items():
+            at = {str(k): segment_alpha(rows, start, k, prefix) for k in points}
+            adapt = None
+            for k in range(min(20, n), n + 1):
+                if segment_alpha(rows, start, k, prefix) >= ref - SHIFT_MARGIN:
+                    adapt = k
+                    break
+            seg_out[name] = {"alpha_at": at, "adapt_requests": adapt}
+        k150 = 150 if n >= 150 else n  # the bar's point (a quick run's segment end)
+        seg_out["gated_minus_ungated_150"] = segment_alpha(rows, start, k150) - segment_alpha(rows, start, k150, "u_")
+        out.append(seg_out)
+    return out
+
+
+def shift_markdown(sh: dict) -> str:
+    """The shift run's table: per segment and arm, α after 50/150/300 requests and requests to adapt."""
+    segs = sh.get("segments") or []
+    if not segs:
+        return ""
+    arms = [a for a in segs[0] if isinstance(segs[0][a], dict) and "alpha_at" in segs[0][a]]
+    ats = list(segs[0][arms[0]]["alpha_at"])
+    label = {"gated": f"gated (window {sh.get('window', '?')})", "ungated": "ungated"}
+    lines = [
+        f"Domain switch {' → '.join(sh['domains'])}, {sh['boundaries'][0]} requests per segment, one draft; per-token α "
+        f"of the {SHIFT_WINDOW} requests served before each point; adapted: requests until that α is within "
+        f"{SHIFT_MARGIN} of the reference.",
+        "",
+        "| segment | arm | " + " | ".join(f"α after {k}" for k in ats) + " | reference | adapted after | promotions |",
+        "|---|---|" + "---:|" * (len(ats) + 3),
+    ]
+    promos = {"gated": sh.get("promotions"), "ungated": "every update"}
+    promos.update({f"w{w['window']}": w["promotions"] for w in (sh.get("windows") or {}).values()})
+    for seg in segs:
+        for a in arms:
+            name = label.get(a, f"gated, window {a[1:] if a[1:] != '0' else 'all held-out (256)'}")
+            ad = seg[a]["adapt_requests"]
+            lines.append(
+                f"| {seg['segment']}: {seg['domain']} | {name} | "
+                + " | ".join(f"{seg[a]['alpha_at'][k]:.3f}" for k in ats)
+                + f" | {seg['reference']:.3f} | {'not reached' if ad is None else ad} | {promos.get(a, '')} |"
+            )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- 7. workload
@@ -1060,6 +1214,15 @@ def summarise(report: dict) -> dict:
         },
         "trainer_cpu_s_per_request": main["trainer_cpu_s"] / max(1, len(main["rows"])),
     }
+    segs = shift.get("segments") or []
+    if segs:
+        out["shift_gated_minus_ungated_min"] = min(g["gated_minus_ungated_150"] for g in segs)
+        out["shift_adapt_requests"] = {f"{g['segment']}:{g['domain']}": g["gated"]["adapt_requests"] for g in segs}
+        out["shift_ungated_adapt_requests"] = {
+            f"{g['segment']}:{g['domain']}": g["ungated"]["adapt_requests"] for g in segs
+        }
+        out["shift_worse_promotions"] = shift.get("worse_promotions")
+        out["gate_window"] = shift.get("window")
     if report.get("generic"):
         g = report["generic"]
         out["alpha_token_generic"] = {k: {d: g[k][d] for d in clusters} for k in ("static", "gated", "ungated")}
@@ -1072,6 +1235,12 @@ def summarise(report: dict) -> dict:
         "0 worse promotions": out["worse_promotions"] == 0,
         "recovery <= 300 requests": out["recovery_requests"] is not None and out["recovery_requests"] <= RECOVERY_BAR,
     }
+    if segs:
+        out["bars"]["shift: gated >= ungated - 0.05 after 150"] = out["shift_gated_minus_ungated_min"] >= -SHIFT_MARGIN
+        out["bars"]["shift: adapted in <= 300 requests"] = all(
+            v is not None and v <= 300 for v in out["shift_adapt_requests"].values()
+        )
+        out["bars"]["shift: 0 worse promotions"] = not shift.get("worse_promotions")
     return out
 
 
@@ -1119,9 +1288,12 @@ def plot(report: dict, path: Path) -> None:
         sh = report["shift"]
         ax.plot(range(1, len(sh["gated_curve"]) + 1), sh["gated_curve"], label="gated", color=COLORS["gated"])
         ax.plot(range(1, len(sh["ungated_curve"]) + 1), sh["ungated_curve"], label="ungated", color=COLORS["ungated"])
+        for name, curve in (sh.get("window_curves") or {}).items():
+            w = name[1:] if name[1:] != "0" else "all"
+            ax.plot(range(1, len(curve) + 1), curve, label=f"gated, window {w}", lw=0.8, ls="--")
         for b in sh["boundaries"]:
             ax.axvline(b, color="grey", ls=":", lw=1)
-        ax.set_title(" → ".join(sh["domains"]) + " (one draft)")
+        ax.set_title(" → ".join(sh["domains"]) + f" (one draft; gate window {sh.get('window', 'all')})")
         ax.set_xlabel(f"requests served (α over the last {WINDOW})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
@@ -1276,12 +1448,31 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
             f"| `recovery_requests` ({' → '.join(sh.get('domains', []))}: back within {RECOVERY_MARGIN} of the level before "
             f"the switch) | {'not reached' if rec is None else rec} | ≤ {RECOVERY_BAR} "
             f"{'met' if bars['recovery <= 300 requests'] else '**not met**'} |",
+            *(
+                [
+                    f"| `shift_gated_minus_ungated_min` (worst segment after the first, {SHIFT_WINDOW} requests "
+                    f"ending at 150 of the new domain; gate window {s.get('gate_window')}) | "
+                    f"{s['shift_gated_minus_ungated_min']:+.3f} | ≥ −{SHIFT_MARGIN} "
+                    f"{'met' if bars['shift: gated >= ungated - 0.05 after 150'] else '**not met**'} |",
+                    "| `shift_adapt_requests` (gated; ungated) | "
+                    + ", ".join(
+                        f"{k} {v if v is not None else 'not reached'}; {s['shift_ungated_adapt_requests'][k]}"
+                        for k, v in s["shift_adapt_requests"].items()
+                    )
+                    + f" | ≤ 300 {'met' if bars['shift: adapted in <= 300 requests'] else '**not met**'} |",
+                    f"| `shift_worse_promotions` (audited on the next {c['audit_window']} requests) | "
+                    f"{s['shift_worse_promotions']} | 0 {'met' if bars['shift: 0 worse promotions'] else '**not met**'} |",
+                ]
+                if "shift_adapt_requests" in s
+                else []
+            ),
             f"| `routing_accuracy` | {s['routing_accuracy']:.3f} | |",
             f"| `trainer_cpu_s_per_request` | {s['trainer_cpu_s_per_request']:.3f} | |",
             "",
             f"Engine check: every {c['check_every']}-th request was also decoded by `SpecEngine`; "
             f"{checks['identical']}/{checks['n']} outputs identical to the target's, the engine's per-token α equal to "
             f"the replayed one on {checks['alpha_equal']}/{checks['n']}.",
+            *(["", "### The gate after a drift", "", shift_markdown(sh)] if sh.get("segments") else []),
             DOC_END,
         ]
     )
@@ -1356,6 +1547,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="requests per segment of the sql -> math -> sql switch on one draft (default 400; 40 with --quick; 0 skips)",
+    )
+    p.add_argument(
+        "--gate-windows",
+        default=",".join(map(str, SHIFT_WINDOWS)),
+        help="shift run: gate windows (held-out requests; 0 = all the trainer keeps) measured as more gated arms "
+        "beside the gate's default, on the same candidates and requests ('' for none)",
+    )
+    p.add_argument(
+        "--main-windows",
+        default="",
+        help="main run: gate windows measured as more gated arms (served α over each cluster's last "
+        f"{WINDOW} requests; e.g. '0' for the whole held-out set)",
     )
     p.add_argument("--audit-window", type=int, default=50, help="requests of its cluster each promotion is audited on")
     p.add_argument("--check-every", type=int, default=100, help="decode every N-th request with the real engine too")
@@ -1458,6 +1661,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {}
         for path in args.merge:
             part = json.loads(path.read_text())
+            taken = [k for k in PARTS if k in part and k not in report]  # the first file holding a part gives it
             for key, value in part.items():
                 report.setdefault(key, value)
             env = part.get("environment") or {}
@@ -1469,7 +1673,7 @@ def main(argv: list[str] | None = None) -> int:
                     "date": part.get("date"),
                     "cpu_model": env.get("cpu_model"),
                     "git_commit": env.get("git_commit"),
-                    "parts": [k for k in PARTS if k in part],
+                    "parts": taken,
                     "config": part.get("config"),
                 }
             )
@@ -1576,6 +1780,7 @@ def main(argv: list[str] | None = None) -> int:
                 label="main",
                 ocfg=ocfg,
                 probe_every=args.probe_every,
+                windows=tuple(int(w) for w in args.main_windows.split(",") if w.strip()),
             )
             report["main"] = {k: v for k, v in main_run.items() if k != "drafts"}
             report["engine_checks"] = main_run["checks"]
@@ -1634,6 +1839,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         if args.shift_requests and "shift" in parts:
             n = min(args.shift_requests, args.requests // 2)
+            windows = tuple(int(w) for w in args.gate_windows.split(",") if w.strip())
             a, b = DOMAINS[0], DOMAINS[1]
             seq = streams[a][:n] + streams[b][:n] + streams[a][n : 2 * n]
             srun = learning_run(
@@ -1646,14 +1852,21 @@ def main(argv: list[str] | None = None) -> int:
                 tmp,
                 label="shift",
                 ocfg=ocfg,
-                audit=False,
+                windows=windows,
             )
             rows = srun["rows"]
             before = rows[max(0, n - WINDOW) : n]
             ref = pooled(before)
+            arms = {"gated": "", "ungated": "u_", **{f"w{w}": f"w{w}_" for w in windows}}
             report["shift"] = {
                 "domains": [a, b, a],
                 "boundaries": [n, 2 * n],
+                "window": PromoteConfig().window,
+                "segments": shift_segments(rows, [a, b, a], n, arms),
+                "windows": srun["windows"],
+                "audits": srun["promotions"],
+                "worse_promotions": sum(p["worse_beyond_noise"] for p in srun["promotions"]),
+                "window_curves": {f"w{w}": moving(rows, f"w{w}_") for w in windows},
                 "reference": ref,
                 "gated_curve": moving(rows),
                 "ungated_curve": moving(rows, "u_"),
@@ -1691,6 +1904,9 @@ def main(argv: list[str] | None = None) -> int:
                 "check_every": args.check_every,
                 "window": WINDOW,
                 "gate_metric": PromoteConfig().metric,
+                "gate_window": PromoteConfig().window,
+                "gate_windows": args.gate_windows,
+                "main_windows": args.main_windows,
             },
             "environment": env,
             "elapsed_s": time.perf_counter() - started,

@@ -8,8 +8,11 @@ For one cluster after an update (:meth:`Promoter.publish`), top to bottom:
    lineage (topic, partitions, offset range) as tags. Registration is idempotent: the
    checkpoint's ``source_id`` (trainer id / cluster / checkpoint version) is looked up
    first, so a trainer that crashed between checkpoint and commit re-registers nothing.
-2. **gate**: evaluate the champion (or, before the first promotion, the base draft) on
-   the *same* held-out records as the candidate; promote iff the candidate wins by
+2. **gate**: take the cluster's most recent held-out records (:func:`gate_window`: the
+   newest ``window`` requests, none older than ``window_s``), so that candidates are judged
+   on the traffic the cluster gets now and a draft that followed a drift is not scored on
+   the domain the traffic left; evaluate the champion (or, before the first promotion, the
+   base draft) on the *same* records as the candidate; promote iff the candidate wins by
    ``margin`` on at least ``min_positions`` positions, and (metric ``served``, the default)
    by more than noise; write the decision and both numbers on the candidate. ``served``
    is greedy agreement at every output position of held-out greedy requests, paired
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +56,8 @@ from specops.trainer.acceptance import Acceptance, evaluate_records, paired_gain
 log = logging.getLogger(__name__)
 
 GATE_METRICS = ("served", "sampling", "greedy")
+WINDOW = 32
+"""The gate's default window of held-out requests (:attr:`PromoteConfig.window`)."""
 GATE_DECISIONS = Counter(
     "specops_trainer_gate_decisions_total",
     "Promotion gate decisions on registered drafts (decision: promoted or rejected)",
@@ -76,6 +82,16 @@ class PromoteConfig:
     """``served``: the win must exceed this many standard errors of the paired difference."""
     min_positions: int = 32
     """Held-out rejected positions needed before the gate decides anything."""
+    window: int = WINDOW
+    """The gate judges on the cluster's newest ``window`` held-out requests (0: every one the
+    trainer keeps, ``OnlineConfig.holdout_capacity``). With one request in ten held out, 32 span
+    the last ~320 requests: after a drift most of them are the new traffic within ~150 requests,
+    which a window of 256 (the trainer's whole held-out set, the gate before issue 55) needed
+    ~2,000 for. Chosen on ``benchmarks/osd.py``'s shift run (docs/trainer.md#the-gate-window)."""
+    window_s: float = 0.0
+    """Also leave out held-out requests logged more than this many seconds ago (0: no age
+    limit). For clusters whose traffic is steady enough that a time window means a number of
+    requests; a quiet cluster then gets no decision until fresh held-out traffic comes."""
     register_every: int = 1
     """Register every N-th update of a cluster (1 = every update)."""
     keep_versions: int = 20
@@ -93,6 +109,19 @@ class PromoteConfig:
             raise ValueError("need -1 <= margin <= 1, min_positions >= 0, register_every >= 1, keep_versions >= 0")
         if not self.z >= 0:
             raise ValueError(f"z must be >= 0, got {self.z!r}")
+        if self.window < 0 or not self.window_s >= 0:
+            raise ValueError(f"need window >= 0 and window_s >= 0, got {self.window!r} and {self.window_s!r}")
+
+
+def gate_window(holdout: list[MissRecord], cfg: PromoteConfig, now: float | None = None) -> list[MissRecord]:
+    """The held-out records the gate judges on: the newest ``cfg.window`` of ``holdout`` (oldest
+    first, as the trainer keeps them), without those logged more than ``cfg.window_s`` before
+    ``now``. Kept in arrival order, so the candidate and the champion are paired request by request."""
+    recent = list(holdout[-cfg.window :]) if cfg.window else list(holdout)
+    if cfg.window_s:
+        cutoff = (time.time() if now is None else now) - cfg.window_s
+        recent = [r for r in recent if r.timestamp >= cutoff]
+    return recent
 
 
 class Promoter:
@@ -162,7 +191,9 @@ class Promoter:
             source_id=self.source_id(cluster, checkpoint_version),
         )
         self.last_registered[cluster] = dv.version
-        result = self.gate(cluster, dv.version, candidate, holdout, after)  # 2.
+        recent = gate_window(holdout, self.cfg)  # 2.
+        # the trainer's evaluation covers its whole held-out set: a smaller window is evaluated again
+        result = self.gate(cluster, dv.version, candidate, recent, after if len(recent) == len(holdout) else None)
         self.drafts.apply_gate(cluster, result)
         GATE_DECISIONS.labels(cluster_label(cluster), "promoted" if result.promoted else "rejected").inc()
         if self.cfg.keep_versions:  # 3.
@@ -177,12 +208,14 @@ class Promoter:
         holdout: list[MissRecord],
         candidate_acc: Acceptance | None = None,
     ) -> GateResult:
-        """Candidate vs champion (or base) on the same held-out records."""
+        """Candidate vs champion (or base) on the same held-out records (already the gate's window)."""
         cand = candidate_acc or evaluate_records(candidate, holdout, vocab=self.vocab)
         champion = self.drafts.by_alias(cluster, CHAMPION)
         ref_version, ref_model = self._reference_model(cluster, champion)
         ref = evaluate_records(ref_model, holdout, vocab=self.vocab)
-        return gate_decision(version, ref_version, cand, ref, self.cfg)
+        result = gate_decision(version, ref_version, cand, ref, self.cfg)
+        result.extra["window_requests"] = len(holdout)
+        return result
 
     def _reference_model(self, cluster: str, champion: ArtifactVersion | None) -> tuple[str, torch.nn.Module]:
         """The champion's weights (fetched and verified once per version), or the base draft."""

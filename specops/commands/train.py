@@ -158,13 +158,22 @@ def _promoter(args: argparse.Namespace, base: Path):
         metric=args.gate_metric,
         z=args.gate_z,
         min_positions=args.gate_min_positions,
+        window=args.gate_window,
+        window_s=args.gate_window_s,
         register_every=args.register_every,
         keep_versions=args.keep_versions,
     )
     registry = open_registry(args.registry, args.stream)
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else None
     promoter = Promoter(registry, base, Path(args.out), pcfg, tokenizer_dir=tokenizer_dir)
-    log.info("registering drafts in %s (gate: %s acceptance, margin %s)", registry.cfg.uri, pcfg.metric, pcfg.margin)
+    log.info(
+        "registering drafts in %s (gate: %s acceptance, margin %s, on the newest %s held-out requests%s)",
+        registry.cfg.uri,
+        pcfg.metric,
+        pcfg.margin,
+        pcfg.window or "all",
+        f" of the last {pcfg.window_s:g} s" if pcfg.window_s else "",
+    )
     return promoter
 
 
@@ -441,6 +450,23 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=32,
         help="held-out positions needed before the gate decides (default: %(default)s)",
+    )
+    p.add_argument(
+        "--gate-window",
+        type=int,
+        default=32,  # PromoteConfig.window (not imported here: the CLI starts without torch)
+        metavar="N",
+        help="judge each candidate on the cluster's newest N held-out requests, so that a draft that followed "
+        "a drift in the cluster's traffic is not scored on what the traffic left (with --holdout-every 10, 32 "
+        "span the last ~320 requests); 0 = every held-out request the trainer keeps, its newest 256 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--gate-window-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also leave out held-out requests logged more than this long ago; 0 = no age limit (default: %(default)s)",
     )
     p.add_argument("--register-every", type=int, default=1, help="register every N-th update (default: %(default)s)")
     p.add_argument(

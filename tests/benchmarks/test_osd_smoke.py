@@ -24,6 +24,8 @@ SUMMARY_KEYS = {
     "worse_promotions",
     "recovery_requests",
     "routing_accuracy",
+    "shift_gated_minus_ungated_min",
+    "shift_adapt_requests",
 }
 
 
@@ -53,6 +55,8 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         "2",
         "--shift-requests",
         "5",
+        "--gate-windows",
+        "0",
         "--audit-window",
         "2",
         "--check-every",
@@ -78,7 +82,14 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
     assert len(main["rows"]) == 30 and main["gates"], "the trainer produced candidates and the gate judged them"
     for d in osd.DOMAINS:
         assert [p["requests"] for p in main["curves"][d]][:3] == [0, 5, 10]  # the probe before, and every 5 requests
-    assert report["shift"]["boundaries"] == [5, 10] and report["shift"]["domains"] == ["sql", "math", "sql"]
+    sh = report["shift"]
+    assert sh["boundaries"] == [5, 10] and sh["domains"] == ["sql", "math", "sql"]
+    # the gate's default window and one more measured beside it, per segment after the first
+    assert [g["segment"] for g in sh["segments"]] == [2, 3] and set(sh["windows"]) == {"0"}
+    for g in sh["segments"]:
+        assert {"gated", "ungated", "w0"} <= set(g) and set(g["gated"]["alpha_at"]) == {"5"}
+    assert set(s["shift_adapt_requests"]) == {"2:math", "3:sql"}
+    assert "The gate after a drift" in doc.read_text()
     assert set(report["generic"]) >= {"static", "gated", "ungated"}
     assert set(s["tokens_per_s_ratio"]["sql"]) == {"static", "gated", "ungated", "offline"}
     checks = s["engine_checks"]
@@ -148,6 +159,27 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
 def test_replay_follows_the_engine_step_rule(pred, output, k, max_new, want):
     out = osd.replay(pred, output, k, max_new)
     assert (out.drafted, out.accepted, out.steps, out.rejected) == want
+
+
+def test_shift_segments_reads_each_arm_against_the_right_reference():
+    def row(a, r, ua, ur):
+        return {"accepted": a, "rejected": r, "u_accepted": ua, "u_rejected": ur}
+
+    n = 200
+    rows = [row(3, 1, 3, 1)] * n  # segment 1 (sql): α 0.75 in both arms
+    rows += [row(1, 3, 1, 3)] * 20 + [row(1, 3, 3, 1)] * 180  # segment 2 (math): ungated learns after 20
+    rows += [row(1, 3, 3, 1)] * 30 + [row(3, 1, 3, 1)] * 170  # segment 3 (sql again): gated back after 30
+    math, sql = osd.shift_segments(rows, ["sql", "math", "sql"], n, {"gated": "", "ungated": "u_"})
+    # a new domain: the ungated arm's level over the segment's last 100 requests
+    assert math["reference"] == pytest.approx(0.75) and "ungated" in math["reference_from"]
+    # the trailing 50 reach 0.70 once 45 of them are learned: 20 + 45 requests into the segment
+    assert math["ungated"]["adapt_requests"] == 65
+    assert math["gated"]["adapt_requests"] is None and math["gated"]["alpha_at"] == {"50": 0.25, "150": 0.25}
+    assert math["gated_minus_ungated_150"] == pytest.approx(0.25 - 0.75)
+    # a domain served before: the gated arm's own level before it left (segment 1's last 100)
+    assert sql["reference"] == pytest.approx(0.75) and "segment 1" in sql["reference_from"]
+    assert sql["gated"]["alpha_at"]["50"] == pytest.approx((30 * 1 + 20 * 3) / (50 * 4))
+    assert sql["gated"]["adapt_requests"] == 30 + 45
 
 
 @pytest.mark.slow

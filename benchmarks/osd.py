@@ -125,7 +125,7 @@ SHIFT_WINDOW = 50
 """Requests pooled for a segment's α at a point (the trailing ones, all of the new domain)."""
 SHIFT_MARGIN = 0.05
 """Issue 55's bars: gated ≥ ungated − this after 150 requests; adapted within this of the reference."""
-SHIFT_WINDOWS = (16, 64, 0)
+SHIFT_WINDOWS = (8, 32, 64, 0)
 """Gate windows measured beside the default in the shift run (0: the whole held-out set, the gate before issue 55)."""
 COLORS = {
     "static": "tab:blue",

@@ -56,7 +56,7 @@ from specops.trainer.acceptance import Acceptance, evaluate_records, paired_gain
 log = logging.getLogger(__name__)
 
 GATE_METRICS = ("served", "sampling", "greedy")
-WINDOW = 32
+WINDOW = 16
 """The gate's default window of held-out requests (:attr:`PromoteConfig.window`)."""
 GATE_DECISIONS = Counter(
     "specops_trainer_gate_decisions_total",
@@ -84,10 +84,11 @@ class PromoteConfig:
     """Held-out rejected positions needed before the gate decides anything."""
     window: int = WINDOW
     """The gate judges on the cluster's newest ``window`` held-out requests (0: every one the
-    trainer keeps, ``OnlineConfig.holdout_capacity``). With one request in ten held out, 32 span
-    the last ~320 requests: after a drift most of them are the new traffic within ~150 requests,
-    which a window of 256 (the trainer's whole held-out set, the gate before issue 55) needed
-    ~2,000 for. Chosen on ``benchmarks/osd.py``'s shift run (docs/trainer.md#the-gate-window)."""
+    trainer keeps, ``OnlineConfig.holdout_capacity``). With one request in ten held out, 16 span
+    the last ~160 requests, so after a drift the window is mostly the new traffic within ~80.
+    Chosen on ``benchmarks/osd.py``'s shift run (sql -> math -> sql, docs/trainer.md#the-gate-window):
+    16 adapted to math in 170 requests where 32 took 243 and the whole held-out set 282, and
+    on steady traffic every window ended level (``benchmarks/out/osd_window_main.json``)."""
     window_s: float = 0.0
     """Also leave out held-out requests logged more than this many seconds ago (0: no age
     limit). For clusters whose traffic is steady enough that a time window means a number of

@@ -454,11 +454,11 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gate-window",
         type=int,
-        default=32,  # PromoteConfig.window (not imported here: the CLI starts without torch)
+        default=16,  # PromoteConfig.window (not imported here: the CLI starts without torch)
         metavar="N",
         help="judge each candidate on the cluster's newest N held-out requests, so that a draft that followed "
-        "a drift in the cluster's traffic is not scored on what the traffic left (with --holdout-every 10, 32 "
-        "span the last ~320 requests); 0 = every held-out request the trainer keeps, its newest 256 "
+        "a drift in the cluster's traffic is not scored on what the traffic left (with --holdout-every 10, 16 "
+        "span the last ~160 requests); 0 = every held-out request the trainer keeps, its newest 256 "
         "(default: %(default)s)",
     )
     p.add_argument(

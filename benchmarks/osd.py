@@ -100,7 +100,7 @@ from specops.trainer.acceptance import evaluate_records  # noqa: E402
 from specops.trainer.data import Example, draft_logits  # noqa: E402
 from specops.trainer.losses import TargetDist, distill_loss  # noqa: E402
 from specops.trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
-from specops.trainer.promote import PromoteConfig, gate_decision  # noqa: E402
+from specops.trainer.promote import PromoteConfig, gate_decision, gate_window  # noqa: E402
 from specops.trainer.replay import ReplayConfig  # noqa: E402
 
 log = logging.getLogger("bench.osd")
@@ -556,10 +556,9 @@ def learning_run(
                     held = list(st.holdout)
                     for arm in extra.values():
                         arm.judge(c, st, held, trainer.vocab, i)
-                    recent = held[-pcfg.window :] if pcfg.window else held  # gate_window (no age limit here)
-                    holdout = [h.record for h in recent]
+                    holdout = gate_window([h.record for h in held], pcfg)
                     cand = evaluate_records(st.model, holdout, vocab=trainer.vocab)
-                    key = (version[c], tuple(h.source for h in recent))
+                    key = (version[c], tuple(h.source for h in held[len(held) - len(holdout) :]))
                     if c not in ref_cache or ref_cache[c][0] != key:  # the champion on this held-out set
                         ref_cache[c] = (key, evaluate_records(gated[c], holdout, vocab=trainer.vocab))
                     result = gate_decision(str(st.version), str(version[c]), cand, ref_cache[c][1], pcfg)
@@ -657,8 +656,7 @@ class WindowArm:
         return {f"{p}accepted": out.accepted, f"{p}rejected": len(out.rejected), f"{p}version": self.version[c]}
 
     def judge(self, c: str, st, held: list, vocab, request: int) -> None:
-        recent = held[-self.cfg.window :] if self.cfg.window else held
-        records = [h.record for h in recent]
+        records = gate_window([h.record for h in held], self.cfg)
         cand = evaluate_records(st.model, records, vocab=vocab)
         ref = evaluate_records(self.model[c], records, vocab=vocab)
         result = gate_decision(str(st.version), str(self.version[c]), cand, ref, self.cfg)

@@ -253,8 +253,12 @@ class ModelStore:
         raise AssertionError("unreachable: _retrying re-raises the last error")
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
-        with self.call(f"set {name}@{alias}"):
-            self.client.set_registered_model_alias(name, alias, str(version))
+        """Point ``name@alias`` at ``version``; idempotent, so retried (:func:`_retrying`): two writers
+        setting a new alias at once race on its first insert in a SQL store (a unique violation for
+        one of them), and the retry then updates the row the other one made."""
+        for attempt in _retrying(max(1, self.cfg.max_retries)):
+            with attempt, self.call(f"set {name}@{alias}"):
+                self.client.set_registered_model_alias(name, alias, str(version))
 
     def set_tags(self, name: str, version: str, tags: dict[str, object]) -> None:
         with self.call(f"tag {name} version {version}"):

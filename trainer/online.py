@@ -8,7 +8,9 @@ Each pass of :meth:`OnlineTrainer.step` reads top to bottom:
    set (one request in ``holdout_every``, chosen by a hash of its request id). The cluster is
    loaded first if it is not in memory; a record of a cluster beyond ``max_clusters`` is
    dead-lettered instead (``trainer.clusters``: at most ``max_loaded_clusters`` in memory);
-3. for every cluster with ``interval`` new requests: **update** its draft with the GKD
+3. for every cluster with ``interval`` new requests: **score** them with the draft as it
+   is (test-then-train: the gate's fresh evidence, ``trainer.promote.Fresh``), then
+   **update** its draft with the GKD
    loss at the logged rejected positions, using the logged target distributions
    (teacher sampling, OSD §4.1); **evaluate** expected acceptance on the held-out set
    before and after; **checkpoint** draft, optimiser and state durably. This happens
@@ -68,7 +70,7 @@ from specops.trainer.losses import TargetDist
 from specops.trainer.online_config import POSITIONS, OnlineConfig
 from specops.trainer.online_state import ClusterState, ClusterStates, Held
 from specops.trainer.online_update import DraftUpdates
-from specops.trainer.promote import Promoter, load_draft_vocab
+from specops.trainer.promote import Promoter, load_draft_vocab, score_fresh
 from specops.trainer.ranks import launched_world
 from specops.trainer.replay import ReplayBuffers
 
@@ -100,10 +102,14 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         target: Path | torch.nn.Module | None = None,
         promoter: Promoter | None = None,
         teacher: Callable[[MissRecord], TargetDist] | None = None,
+        fresh: int | None = None,
     ) -> None:
         self.stream_cfg = stream
         self.cfg = cfg or OnlineConfig()
         self.promoter = promoter
+        self.fresh_keep = (promoter.cfg.fresh if promoter is not None else 0) if fresh is None else fresh
+        """Per cluster, how many training requests are scored before they are trained on and kept
+        for the gate (``trainer.promote.Fresh``; default: the promoter's ``fresh``, 0 without one)."""
         self._unpublished: dict[str, int] = {}
         """Per cluster: the checkpoint version still to register (step 5)."""
         self.gate_results: list = []
@@ -237,6 +243,8 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
             through[source[:2]] = m.offset
             buf = self.buffers[rec.cluster]
             buf.add(held)
+            if self.fresh_keep:
+                st.unscored.append(rec)
             if buf.num_new >= self.cfg.interval:  # 3. every I requests of this cluster
                 self.update(rec.cluster)
         for cluster in sorted(touched):  # 4.
@@ -264,6 +272,9 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         """Distil the cluster's draft on its buffer, evaluate, checkpoint. Returns the summary."""
         st, buf = self.state(cluster), self.buffers[cluster]
         t0 = time.perf_counter()
+        if st.unscored:  # test, then train: the weights have not seen these requests yet
+            st.fresh.extend(score_fresh(st.model, st.unscored, st.version, self.vocab))
+            st.unscored.clear()
         before = self.evaluate(cluster)
         examples = self._examples(st, buf.items())
         vocab = self._train_vocab(st)
@@ -363,7 +374,15 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
                 saved = ckpt.load_state(path)
                 after = self.evaluate(cluster)
                 result = self.promoter.publish(
-                    cluster, path, version, saved, st.model, [h.record for h in st.holdout], after
+                    cluster,
+                    path,
+                    version,
+                    saved,
+                    st.model,
+                    [h.record for h in st.holdout],
+                    after,
+                    fresh=list(st.fresh),
+                    champion_checkpoint=st.champion_checkpoint,
                 )
             except RegistryError as exc:
                 log.warning(
@@ -376,6 +395,8 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
                 time.sleep(min(5.0, self.cfg.poll_timeout_s))
                 return False
             self.gate_results.append(result)
+            if result.promoted:
+                st.champion_checkpoint = version
             del self._unpublished[cluster]
         return True
 

@@ -55,6 +55,14 @@ class ClusterState:
     eval_cache: tuple | None = None
     """(version, held-out sources) and the Acceptance measured then: evaluations of unchanged
     weights on an unchanged held-out set are not repeated (before = the previous after)."""
+    fresh: deque = field(default_factory=deque)
+    """The newest training requests scored by the draft just before it trained on them
+    (``trainer.promote.Fresh``, oldest first): the gate's test-then-train evidence. In memory
+    only: a restarted trainer starts collecting again."""
+    unscored: list = field(default_factory=list)
+    """Training records buffered since the last update, to be scored before it (when the gate uses fresh evidence)."""
+    champion_checkpoint: int = 0
+    """The checkpoint version this trainer last saw promoted for the cluster (0: none since it started)."""
     engine: Any = None
     """The DeepSpeed engine around ``model`` and ``opt`` (backend ``deepspeed``), else None."""
 
@@ -96,7 +104,12 @@ class ClusterStates:
             model.get_input_embeddings().weight.requires_grad_(False)  # a tied head stays with them
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
-        st = ClusterState(model=model, opt=opt, holdout=deque(maxlen=self.cfg.holdout_capacity))
+        st = ClusterState(
+            model=model,
+            opt=opt,
+            holdout=deque(maxlen=self.cfg.holdout_capacity),
+            fresh=deque(maxlen=max(1, self.fresh_keep)),
+        )
         saved = ckpt.load_state(path) if path is not None else None
         was, now = (_opt_layout(saved.get("config", {})), _opt_layout(asdict(self.cfg))) if saved else (None, None)
         if saved is not None and was == now:

@@ -12,9 +12,14 @@ For one cluster after an update (:meth:`Promoter.publish`), top to bottom:
    newest ``window`` requests, none older than ``window_s``), so that candidates are judged
    on the traffic the cluster gets now and a draft that followed a drift is not scored on
    the domain the traffic left; evaluate the champion (or, before the first promotion, the
-   base draft) on the *same* records as the candidate; promote iff the candidate wins by
-   ``margin`` on at least ``min_positions`` positions, and (metric ``served``, the default)
-   by more than noise; write the decision and both numbers on the candidate. ``served``
+   base draft) on the *same* records as the candidate. With metric ``served`` the evidence
+   also takes the cluster's newest ``fresh`` *training* requests, each scored by the learning
+   draft just before it trained on them (test-then-train, :class:`Fresh`), paired with the
+   champion on the same request: ten times the held-out traffic, so a draft that follows a
+   drift is promoted within tens of requests rather than hundreds. Promote iff the candidate
+   wins by ``margin`` on at least ``min_positions`` positions, by more than noise, and is not
+   worse beyond noise on its own held-out window; write the decision and both numbers on
+   the candidate. ``served``
    is greedy agreement at every output position of held-out greedy requests, paired
    request by request; the rejected-position metrics (``sampling``, ``greedy``) are
    biased towards any draft other than the one that served (``trainer.acceptance``). A promotion moves ``champion`` and is announced on
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import tempfile
 import time
 import uuid
@@ -58,6 +64,8 @@ log = logging.getLogger(__name__)
 GATE_METRICS = ("served", "sampling", "greedy")
 WINDOW = 16
 """The gate's default window of held-out requests (:attr:`PromoteConfig.window`)."""
+FRESH = 32
+"""The gate's default number of fresh (test-then-train) requests (:attr:`PromoteConfig.fresh`)."""
 GATE_DECISIONS = Counter(
     "specops_trainer_gate_decisions_total",
     "Promotion gate decisions on registered drafts (decision: promoted or rejected)",
@@ -89,6 +97,14 @@ class PromoteConfig:
     Chosen on ``benchmarks/osd.py``'s shift run (sql -> math -> sql, docs/trainer.md#the-gate-window):
     16 adapted to math in 170 requests where 32 took 243 and the whole held-out set 282, and
     on steady traffic every window ended level (``benchmarks/out/osd_window_main.json``)."""
+    fresh: int = FRESH
+    """``served``: the gate also pairs the learner and the champion on the cluster's newest
+    ``fresh`` training requests, each scored by the draft as it was just before it trained on
+    them (so never on a request it had trained on), only those scored by a draft newer than the
+    champion (0: held-out requests only). The learner that scored them is this candidate or one
+    of its recent predecessors, so this is evidence about the learning draft; the candidate
+    itself must also not be worse beyond noise on its held-out window. Chosen on
+    ``benchmarks/osd.py``'s shift run (docs/trainer.md#fresh-evidence)."""
     window_s: float = 0.0
     """Also leave out held-out requests logged more than this many seconds ago (0: no age
     limit). For clusters whose traffic is steady enough that a time window means a number of
@@ -110,8 +126,65 @@ class PromoteConfig:
             raise ValueError("need -1 <= margin <= 1, min_positions >= 0, register_every >= 1, keep_versions >= 0")
         if not self.z >= 0:
             raise ValueError(f"z must be >= 0, got {self.z!r}")
-        if self.window < 0 or not self.window_s >= 0:
-            raise ValueError(f"need window >= 0 and window_s >= 0, got {self.window!r} and {self.window_s!r}")
+        if self.window < 0 or not self.window_s >= 0 or self.fresh < 0:
+            raise ValueError(
+                f"need window >= 0, window_s >= 0 and fresh >= 0, got {self.window!r}, {self.window_s!r} and "
+                f"{self.fresh!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """A training request scored by the learning draft just before it trained on it."""
+
+    record: MissRecord
+    learner_version: int
+    """The cluster's checkpoint version that scored it (its weights had not seen the request)."""
+    agree: int
+    """Output positions where that draft's argmax is the target's token."""
+    positions: int
+    """Output positions of the request."""
+
+
+def score_fresh(model: torch.nn.Module, records, learner_version: int, vocab: DraftVocab | None) -> list[Fresh]:
+    """Score ``records`` (not yet trained on) with the learner as it is now: the greedy ones
+    only (``served`` agreement needs the target's own greedy output)."""
+    out = []
+    for rec in records:
+        acc = evaluate_records(model, [rec], vocab=vocab)
+        if acc.per_request:
+            agree, n = acc.per_request[0]
+            out.append(Fresh(rec, learner_version, agree, n))
+    return out
+
+
+def fresh_window(fresh, cfg: PromoteConfig, champion_version: int, now: float | None = None) -> list[Fresh]:
+    """The fresh requests the gate pairs: the newest ``cfg.fresh`` scored by a learner newer
+    than the champion (checkpoint ``champion_version``; 0 = the base draft), none older than
+    ``cfg.window_s``. Requests scored by the champion itself would pair a draft with itself."""
+    if not cfg.fresh or cfg.metric != "served":
+        return []
+    newer = [f for f in fresh if f.learner_version > champion_version]
+    if cfg.window_s:
+        cutoff = (time.time() if now is None else now) - cfg.window_s
+        newer = [f for f in newer if f.record.timestamp >= cutoff]
+    return newer[-cfg.fresh :]
+
+
+def reference_pairs(
+    model: torch.nn.Module, fresh: list[Fresh], vocab: DraftVocab | None, cache: dict
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(learner, reference) served agreement per fresh request; ``cache`` (request id ->
+    the reference's pair) belongs to one reference model: the caller empties it on a swap."""
+    pairs = []
+    for f in fresh:
+        key = f.record.request_id
+        if key not in cache:
+            got = score_fresh(model, [f.record], 0, vocab)
+            cache[key] = (got[0].agree, got[0].positions) if got else None
+        if cache[key] is not None:
+            pairs.append(((f.agree, f.positions), cache[key]))
+    return pairs
 
 
 def gate_window(holdout: list[MissRecord], cfg: PromoteConfig, now: float | None = None) -> list[MissRecord]:
@@ -148,6 +221,8 @@ class Promoter:
         self.trainer_id = _trainer_id(Path(out_dir))
         self._reference: dict[str, tuple[str, torch.nn.Module]] = {}
         """Per cluster: the last champion (or ``base``) model the gate loaded, by version."""
+        self._fresh_cache: dict[str, dict] = {}
+        """Per cluster: that model's served agreement on fresh requests, by request id."""
         self.last_registered: dict[str, str] = {}
 
     def source_id(self, cluster: str, checkpoint_version: int) -> str:
@@ -165,8 +240,13 @@ class Promoter:
         candidate: torch.nn.Module,
         holdout: list[MissRecord],
         after: Acceptance,
+        fresh: list[Fresh] = (),
+        champion_checkpoint: int = 0,
     ) -> GateResult:
-        """Register the checkpoint (1.), gate it (2.), apply retention (3.)."""
+        """Register the checkpoint (1.), gate it (2.), apply retention (3.). ``fresh``: the
+        cluster's test-then-train scores (:class:`Fresh`), oldest first; ``champion_checkpoint``:
+        the checkpoint version of this trainer's draft that is champion (0: none or unknown),
+        so only scores of newer learners are paired."""
         lineage = state.get("lineage", {})
         dv = self.drafts.register(  # 1.
             cluster,
@@ -194,7 +274,14 @@ class Promoter:
         self.last_registered[cluster] = dv.version
         recent = gate_window(holdout, self.cfg)  # 2.
         # the trainer's evaluation covers its whole held-out set: a smaller window is evaluated again
-        result = self.gate(cluster, dv.version, candidate, recent, after if len(recent) == len(holdout) else None)
+        result = self.gate(
+            cluster,
+            dv.version,
+            candidate,
+            recent,
+            after if len(recent) == len(holdout) else None,
+            fresh=fresh_window(fresh, self.cfg, champion_checkpoint),
+        )
         self.drafts.apply_gate(cluster, result)
         GATE_DECISIONS.labels(cluster_label(cluster), "promoted" if result.promoted else "rejected").inc()
         if self.cfg.keep_versions:  # 3.
@@ -208,15 +295,25 @@ class Promoter:
         candidate: torch.nn.Module,
         holdout: list[MissRecord],
         candidate_acc: Acceptance | None = None,
+        *,
+        fresh: list[Fresh] = (),
     ) -> GateResult:
-        """Candidate vs champion (or base) on the same held-out records (already the gate's window)."""
-        cand = candidate_acc or evaluate_records(candidate, holdout, vocab=self.vocab)
+        """Candidate vs champion (or base) on the same held-out records (already the gate's window),
+        and the learner vs the champion on ``fresh`` (already :func:`fresh_window`'s selection)."""
         champion = self.drafts.by_alias(cluster, CHAMPION)
         ref_version, ref_model = self._reference_model(cluster, champion)
-        ref = evaluate_records(ref_model, holdout, vocab=self.vocab)
-        result = gate_decision(version, ref_version, cand, ref, self.cfg)
-        result.extra["window_requests"] = len(holdout)
-        return result
+        return judge(
+            version,
+            ref_version,
+            candidate,
+            ref_model,
+            holdout,
+            list(fresh),
+            self.cfg,
+            self.vocab,
+            candidate_acc=candidate_acc,
+            fresh_cache=self._fresh_cache.setdefault(cluster, {}),
+        )
 
     def _reference_model(self, cluster: str, champion: ArtifactVersion | None) -> tuple[str, torch.nn.Module]:
         """The champion's weights (fetched and verified once per version), or the base draft."""
@@ -224,6 +321,7 @@ class Promoter:
         cached = self._reference.get(cluster)
         if cached is not None and cached[0] == want:
             return cached
+        self._fresh_cache[cluster] = {}  # the reference's fresh scores were another model's
         if champion is None:
             model = from_pretrained(AutoModelForCausalLM, self.base_draft, use_safetensors=True)
         else:
@@ -235,12 +333,56 @@ class Promoter:
         return want, model
 
 
+def judge(
+    candidate_name: str,
+    reference_name: str | None,
+    candidate: torch.nn.Module,
+    reference: torch.nn.Module,
+    window: list[MissRecord],
+    fresh: list[Fresh],
+    cfg: PromoteConfig,
+    vocab: DraftVocab | None,
+    *,
+    candidate_acc: Acceptance | None = None,
+    reference_acc: Acceptance | None = None,
+    fresh_cache: dict | None = None,
+) -> GateResult:
+    """The whole gate on models: ``window`` (:func:`gate_window`'s held-out records) and
+    ``fresh`` (:func:`fresh_window`'s selection), evaluated and decided by :func:`gate_decision`.
+    ``candidate_acc`` / ``reference_acc``: evaluations of ``window`` already made; ``fresh_cache``:
+    :func:`reference_pairs`' cache for ``reference``."""
+    cand = candidate_acc or evaluate_records(candidate, window, vocab=vocab)
+    ref = reference_acc or evaluate_records(reference, window, vocab=vocab)
+    pairs = reference_pairs(reference, fresh, vocab, {} if fresh_cache is None else fresh_cache)
+    guard = None
+    if pairs:  # the held-out requests of the period the fresh evidence covers
+        since = min(f.record.timestamp for f in fresh)
+        recent = [r for r in window if r.timestamp >= since]
+        if recent:
+            guard = (evaluate_records(candidate, recent, vocab=vocab), evaluate_records(reference, recent, vocab=vocab))
+    result = gate_decision(candidate_name, reference_name, cand, ref, cfg, fresh=pairs, guard=guard)
+    result.extra["window_requests"] = len(window)
+    return result
+
+
 def gate_decision(
-    candidate: str, reference: str | None, cand: Acceptance, ref: Acceptance, cfg: PromoteConfig
+    candidate: str,
+    reference: str | None,
+    cand: Acceptance,
+    ref: Acceptance,
+    cfg: PromoteConfig,
+    *,
+    fresh: list[tuple[tuple[int, int], tuple[int, int]]] = (),
+    guard: tuple[Acceptance, Acceptance] | None = None,
 ) -> GateResult:
     """The gate's rule on two evaluations of the same held-out records (the candidate's and
-    the champion's, or the base draft's)."""
+    the champion's, or the base draft's) and, metric ``served``, the (learner, champion) pairs
+    on fresh requests (:func:`reference_pairs`). ``guard``: the candidate's and the champion's
+    evaluations on the held-out requests of the period the fresh ones cover: with fresh
+    evidence, a candidate worse there beyond noise is not promoted."""
     metric, note = cfg.metric, ""
+    if metric == "served" and fresh:
+        cand, ref = _with_pairs(cand, [a for a, _ in fresh]), _with_pairs(ref, [b for _, b in fresh])
     if metric == "served" and not (cand.served_positions and len(cand.per_request) == len(ref.per_request)):
         metric, note = "sampling", "no greedy held-out requests, compared at rejected positions: "
     if metric == "served":
@@ -268,10 +410,37 @@ def gate_decision(
             min_positions=cfg.min_positions,
             metric=metric,
         )
+    if metric == "served" and fresh:
+        result.extra["fresh_requests"] = len(fresh)
+        gc, gr = guard or (None, None)
+        own, own_se = (
+            paired_gain(gc, gr)
+            if gc is not None and gc.per_request and len(gc.per_request) == len(gr.per_request)
+            else (0.0, float("inf"))
+        )
+        result.extra["guard_requests"] = len(gc.per_request) if gc is not None else 0
+        if math.isfinite(own_se):
+            result.extra["guard_served_gain"] = own
+        if result.promoted and cfg.margin > -1 and math.isfinite(own_se) and own + cfg.z * own_se < 0:
+            result = dataclasses.replace(
+                result,
+                promoted=False,
+                reason=(
+                    f"the learner wins on fresh traffic, but this candidate is worse than the champion on the "
+                    f"held-out requests of the same period ({own:+.4f} ± {own_se:.4f})"
+                ),
+            )
     for other in ("served", "sampling", "greedy"):
         if other != metric:
             result.extra.update({f"candidate_{other}": getattr(cand, other), f"champion_{other}": getattr(ref, other)})
     return dataclasses.replace(result, reason=note + result.reason) if note else result
+
+
+def _with_pairs(acc: Acceptance, pairs: list[tuple[int, int]]) -> Acceptance:
+    """``acc`` with more requests' served agreement after its own."""
+    per_request = tuple(acc.per_request) + tuple(pairs)
+    matched, n = sum(m for m, _ in per_request), sum(k for _, k in per_request)
+    return dataclasses.replace(acc, per_request=per_request, served=matched / n if n else 0.0, served_positions=n)
 
 
 def load_draft_vocab(draft_dir: Path) -> DraftVocab | None:

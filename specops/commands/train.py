@@ -160,6 +160,7 @@ def _promoter(args: argparse.Namespace, base: Path):
         min_positions=args.gate_min_positions,
         window=args.gate_window,
         window_s=args.gate_window_s,
+        fresh=args.gate_fresh,
         register_every=args.register_every,
         keep_versions=args.keep_versions,
     )
@@ -167,12 +168,13 @@ def _promoter(args: argparse.Namespace, base: Path):
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else None
     promoter = Promoter(registry, base, Path(args.out), pcfg, tokenizer_dir=tokenizer_dir)
     log.info(
-        "registering drafts in %s (gate: %s acceptance, margin %s, on the newest %s held-out requests%s)",
+        "registering drafts in %s (gate: %s acceptance, margin %s, on the newest %s held-out requests%s%s)",
         registry.cfg.uri,
         pcfg.metric,
         pcfg.margin,
         pcfg.window or "all",
         f" of the last {pcfg.window_s:g} s" if pcfg.window_s else "",
+        f" and {pcfg.fresh} fresh training requests scored before training" if pcfg.fresh else "",
     )
     return promoter
 
@@ -460,6 +462,16 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
         "a drift in the cluster's traffic is not scored on what the traffic left (with --holdout-every 10, 16 "
         "span the last ~160 requests); 0 = every held-out request the trainer keeps, its newest 256 "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--gate-fresh",
+        type=int,
+        default=32,  # PromoteConfig.fresh
+        metavar="N",
+        help="served gate: also pair the learning draft with the champion on the cluster's newest N training "
+        "requests, each scored by the draft just before it trained on it (test-then-train), so a draft that "
+        "follows a drift is promoted within tens of requests; the candidate must still not be worse beyond noise "
+        "on the held-out requests of the same period; 0 = held-out requests only (default: %(default)s)",
     )
     p.add_argument(
         "--gate-window-s",

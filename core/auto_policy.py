@@ -313,6 +313,22 @@ class AutoPolicy:
                 else:  # a method that has not joined yet: its fit starts here when it does
                     self._loaded[m] = (self._next(), (a, b))
 
+    def reseed(self, cluster: str, methods: tuple[str, ...] | list[str], alpha: float | None = None) -> None:
+        """Another model now drafts for ``methods`` in ``cluster`` (a hot-swap): what the counts
+        knew of them was the old model's. Their counts (every key under them, every temperature)
+        are dropped, so the policy explores the new model again rather than keep avoiding it on
+        the old one's record; with ``alpha`` (its per-token acceptance measured on the cluster's
+        recent greedy traffic, e.g. the promotion gate's ``served`` score), the greedy counts
+        start there, at ``prior_trials`` trials, and live steps take over from the first request."""
+        with self.lock:
+            for c, key, temp in list(self.counts):
+                if c == cluster and key_chain(key)[-1] in methods:
+                    del self.counts[(c, key, temp)]
+            if alpha is not None and math.isfinite(alpha) and 0.0 <= alpha <= 1.0:
+                for method in methods:
+                    t = self.prior_trials
+                    self.counts[(cluster, method, "greedy")] = Counts(alpha * t, (1.0 - alpha) * t)
+
     # ------------------------------------------------------------------ load
     def load(self) -> int:
         if self._load is not None:

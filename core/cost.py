@@ -62,10 +62,18 @@ class CachedForward:
 
 
 def step_ms(
-    model: PreTrainedModel, context_ids: list[int], n: int = 1, *, reps: int = 50, warmup: int = 5, best: bool = False
+    model: PreTrainedModel,
+    context_ids: list[int],
+    n: int = 1,
+    *,
+    reps: int = 50,
+    warmup: int = 5,
+    best: bool = False,
+    keep: int | None = None,
 ) -> float:
     """Median milliseconds of one cached forward of ``n`` new tokens after ``context_ids`` (the
-    fastest rep with ``best``: the machine's cost when nothing else competes for it)."""
+    fastest rep with ``best``: the machine's cost when nothing else competes for it), computing
+    the logits of the last ``keep`` of them (default all ``n``: a verify pass; 1: a prefill)."""
     assert context_ids and n >= 1 and reps >= 1
     lm = CachedForward(model)
     lm.forward(context_ids, logits_to_keep=1)
@@ -74,7 +82,7 @@ def step_ms(
     times = []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
-        lm.forward(feed, logits_to_keep=n)
+        lm.forward(feed, logits_to_keep=n if keep is None else keep)
         elapsed = time.perf_counter() - t0
         lm.rollback(base)
         if i >= warmup:

@@ -174,6 +174,10 @@ class DraftFollower(AliasFollower):
         self._judged: set[tuple[str, str]] = set()
         self.base_backend: object | None = None
         """The base draft's outside server (``serving.vllm``), given to every new slot."""
+        self.on_swap: list = []
+        """Called after every swap as ``fn(cluster, version)`` (the registry's ``ArtifactVersion``
+        now serving): the serving node re-seeds ``auto``'s estimates of the draft there. A
+        listener that raises is logged; the swap stands."""
         self.champions: frozenset[str] = frozenset()
         """Clusters with a registered champion draft, as last listed (every ``poll_s``, and when a
         ModelEvent names a draft not in it): clusters that exist (``serving.fleet.clusters``)."""
@@ -278,6 +282,11 @@ class DraftFollower(AliasFollower):
             version.version,
             load_s,
         )
+        for fn in list(self.on_swap):
+            try:
+                fn(key, version)
+            except Exception:  # a listener must never undo or fail a swap
+                log.exception("cluster %s: a swap listener failed after the swap to %s", key, version.version)
 
     def new_handle(self, key: str, version, obj) -> DraftHandle:
         """The handle of a loaded version (``obj``: what :meth:`load` returned)."""

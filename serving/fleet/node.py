@@ -18,6 +18,7 @@ A swap that lands while a request runs changes nothing for that request.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from specops.serving.proposers.catalogue import (
     ProposerResources,
     check_resources,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,28 @@ class ServingNode:
         self.logger = logger
         self.batcher = batcher
         """When set, concurrent requests share target forward passes (``serving.engine.batching``)."""
+        if hasattr(follower, "on_swap"):
+            follower.on_swap.append(self.draft_swapped)
+
+    def draft_swapped(self, cluster: str, version) -> None:
+        """A new draft serves ``cluster``: ``auto``'s estimates of the draft model there were the
+        old one's. They start over from the promotion gate's ``served`` score of the new version
+        (its per-token agreement on the cluster's recent greedy traffic), or, without one, from
+        no evidence (so ``auto`` tries the new draft rather than keep avoiding the old one)."""
+        from specops.core.auto_policy import AutoPolicy
+        from specops.serving.proposers.auto import default_policy
+        from specops.serving.proposers.catalogue import CATALOGUE
+
+        policy = self.policy if isinstance(self.policy, AutoPolicy) else default_policy()
+        methods = [s.name for s in CATALOGUE.values() if s.joins_auto and "draft_model" in s.needs]
+        alpha = gate_alpha(getattr(version, "tags", None) or {})
+        policy.reseed(cluster, methods, alpha)
+        log.info(
+            "cluster %s: auto's estimate of the draft model restarts at %s (draft version %s)",
+            cluster,
+            "no evidence" if alpha is None else f"the gate's served α {alpha:.3f}",
+            getattr(version, "version", version),
+        )
 
     # ------------------------------------------------------------ one request
     def serve(
@@ -247,3 +272,15 @@ class ServingNode:
             plan.request_id, cluster, handle.model_name, handle.version, result, started_at, versions, n_drafts
         )
         return Decoded(served, tuple(int(t) for t in prompt_ids), self.meta(plan, handle, versions))
+
+
+def gate_alpha(tags: dict) -> float | None:
+    """The promotion gate's ``served`` score of a draft version (its tags), or None when it was
+    gated on another metric (rejected-position acceptance is not the per-token α) or not at all."""
+    if tags.get("gate_metric") != "served":
+        return None
+    try:
+        alpha = float(tags.get("gate_candidate_acceptance", ""))
+    except ValueError:
+        return None
+    return alpha if 0.0 <= alpha <= 1.0 else None

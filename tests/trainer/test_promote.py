@@ -10,6 +10,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
+from specops.core.auto_policy import AutoPolicy
 from specops.core.models import ModelPair, load_model, load_model_dir
 from specops.registry import CHALLENGER, CHAMPION, RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
@@ -158,7 +159,8 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     ).start()
     watcher = EventWatcher(cfg, "replica", follower.on_event).start()
     logger = StreamLogger(cfg, LoggerConfig(topk=32), vocab_size=weak_pair.vocab_size)
-    node = ServingNode(weak_pair, follower, logger=logger)
+    policy = AutoPolicy()
+    node = ServingNode(weak_pair, follower, logger=logger, policy=policy)
     params = SamplingParams(max_new_tokens=16)
     prompts = random_prompts(12, seed=9, lo=6, hi=16)
     ref = SpecEngine(weak_pair)
@@ -207,6 +209,10 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     assert "base" in {v for v, _ in served} and trained
     drafts = reg.artifact("draft")
     assert all(drafts.get("code", v).tags["gate_decision"] == "promoted" for v in trained | {swapped_to})
+    # every swap re-seeded auto's estimate of the draft from the gate's served score of the version now serving
+    now = drafts.get("code", follower.slot("code").current().version)
+    seeded = policy.counts[("code", "draft", "greedy")]
+    assert seeded.accepted / seeded.trials == pytest.approx(float(now.tags["gate_candidate_acceptance"]), abs=1e-5)
     # the logged MissRecords name the draft each request actually used
     with open_stream(cfg) as s:
         logged = [codec.decode(m.value) for m in s.read(cfg.topics.misses, timeout_s=1.0)]

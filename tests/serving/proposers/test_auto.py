@@ -242,6 +242,38 @@ def test_it_explores_a_method_that_was_bad_once():
     assert [choose(strong, DRAFT).method for _ in range(400)].count("draft") > 10
 
 
+def test_a_swapped_draft_is_judged_on_its_own_record_not_the_old_ones():
+    """A hot-swap re-seeds the draft's counts (issue 55): the old draft's poor record would keep
+    ``auto`` off a draft that has since learned the cluster's traffic."""
+    policy = synthetic({"draft": (20.0, 80.0), "llma.context@m4": (60.0, 40.0)}, explore=True, seed=3, draft=(0.2, 8.0))
+    policy.counts[("c", "draft", "low")] = Counts(5.0, 20.0)
+    policy.counts[("other", "draft", "greedy")] = Counts(1.0, 9.0)
+    before = [choose(policy, DRAFT).method for _ in range(200)].count("draft")
+    policy.reseed("c", ["draft"], 0.75)
+    after = [choose(policy, DRAFT).method for _ in range(200)].count("draft")
+    assert before < 20 and after > 180, (before, after)
+    c = policy.counts[("c", "draft", "greedy")]
+    assert c.accepted / c.trials == pytest.approx(0.75) and c.trials == pytest.approx(policy.prior_trials)
+    assert ("c", "draft", "low") not in policy.counts  # another temperature: no evidence until measured
+    assert policy.counts[("c", "llma.context@m4", "greedy")].trials == 100.0  # other methods keep theirs
+    assert policy.counts[("other", "draft", "greedy")].trials == 10.0  # and other clusters
+    # no measurement of the new draft (or a nonsense one): no evidence at all, so it is explored
+    for alpha in (None, float("nan"), 1.5):
+        policy.reseed("c", ["draft"], alpha)
+        assert ("c", "draft", "greedy") not in policy.counts
+    assert policy.posterior("c", "draft", "greedy", None) == (1.0, 1.0)
+
+
+def test_the_gate_score_seeds_only_when_it_is_the_served_alpha():
+    from specops.serving.fleet.node import gate_alpha
+
+    assert gate_alpha({"gate_metric": "served", "gate_candidate_acceptance": "0.612000"}) == pytest.approx(0.612)
+    assert gate_alpha({"gate_metric": "sampling", "gate_candidate_acceptance": "0.9"}) is None
+    assert gate_alpha({"gate_metric": "served", "gate_candidate_acceptance": "x"}) is None
+    assert gate_alpha({"gate_metric": "served", "gate_candidate_acceptance": "2"}) is None
+    assert gate_alpha({}) is None
+
+
 def _looped(pair, prompt, n=40):
     """The prompt followed by the target's own continuation twice: copying pays on the second pass."""
     ref = SpecEngine(pair).generate(prompt, SamplingParams(max_new_tokens=n), method="target").token_ids

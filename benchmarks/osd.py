@@ -30,7 +30,7 @@ Arms, on the same held-out **probe** per domain (prompts never served; ``--probe
 - ``static``: the bootstrap draft, never updated;
 - ``gated``: the product's path: the requests are routed by a MiniLM router fitted on
   other prompts of the domains, each cluster's trainer updates go through the promotion
-  gate (``trainer.promote.gate_decision``) and serving swaps in only promoted versions;
+  gate (``trainer.promote.judge``) and serving swaps in only promoted versions;
 - ``ungated``: every update of the same trainer served as soon as it exists;
 - ``offline``: the paper's offline baseline and this run's bound: the bootstrap draft
   distilled on the same served traffic at every output position, ``--offline-epochs``;
@@ -39,9 +39,10 @@ Arms, on the same held-out **probe** per domain (prompts never served; ``--probe
 
 Also: a domain switch sql -> math -> sql on one draft, each later segment read as α after
 50/150/300 requests of the new domain and requests until α is within 0.05 of the domain's
-reference, for the gate's default window of recent held-out requests and, beside it, for other
-windows (``--gate-windows``; 0 = the whole held-out set, the gate before issue 55) judged on the
-same candidates; an audit of every
+reference, for the gate's defaults (its window of recent held-out requests and its fresh
+test-then-train requests) and, beside them, for other windows and amounts of fresh evidence
+(``--gate-windows W:F``; ``0:0`` = the whole held-out set, the gate before issue 55; ``16:0`` the
+gate before fresh evidence) judged on the same candidates; an audit of every
 promotion (the promoted and the replaced version both serve the cluster's next
 ``--audit-window`` requests; a promotion whose per-token α difference has a 95 % interval
 below zero is *worse*), tokens/s of the draft method with each arm's final draft against
@@ -87,7 +88,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import cpu_model, environment, target_name, write_doc_section  # noqa: E402
-from specops.chat_workload import DOMAINS, chat_workload  # noqa: E402
+from specops.chat_workload import DOMAINS, HELD_OUT, chat_workload  # noqa: E402
 from specops.core import draft_vocab  # noqa: E402
 from specops.core.models import ModelPair, load_model, load_model_dir  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
@@ -100,7 +101,7 @@ from specops.trainer.acceptance import evaluate_records  # noqa: E402
 from specops.trainer.data import Example, draft_logits  # noqa: E402
 from specops.trainer.losses import TargetDist, distill_loss  # noqa: E402
 from specops.trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
-from specops.trainer.promote import PromoteConfig, gate_decision, gate_window  # noqa: E402
+from specops.trainer.promote import PromoteConfig, fresh_window, gate_window, judge  # noqa: E402
 from specops.trainer.replay import ReplayConfig  # noqa: E402
 
 log = logging.getLogger("bench.osd")
@@ -123,10 +124,14 @@ SHIFT_AT = (50, 150, 300)
 """Requests into a new segment of the shift run at which each arm's α is reported."""
 SHIFT_WINDOW = 50
 """Requests pooled for a segment's α at a point (the trailing ones, all of the new domain)."""
+AUTO_STATIC_BAR = 1.1
+"""Issue 55: ``auto`` with the final champion at least this much faster than with the static draft."""
 SHIFT_MARGIN = 0.05
 """Issue 55's bars: gated ≥ ungated − this after 150 requests; adapted within this of the reference."""
-SHIFT_WINDOWS = (8, 32, 64, 0)
-"""Gate windows measured beside the default in the shift run (0: the whole held-out set, the gate before issue 55)."""
+SHIFT_WINDOWS = ("16:0", "16:16", "16:64", "32:0", "0:0")
+"""Gate arms measured beside the default in the shift run, ``W`` or ``W:F`` (held-out window W, 0 =
+the whole held-out set; F fresh requests, 0 = held-out only): ``0:0`` is the gate before issue 55,
+``16:0`` the one before fresh evidence."""
 COLORS = {
     "static": "tab:blue",
     "gated": "tab:green",
@@ -441,7 +446,7 @@ def learning_run(
     gate: bool = True,
     audit: bool = True,
     probe_every: int | None = None,
-    windows: tuple[int, ...] = (),
+    windows: tuple[str, ...] = (),
 ) -> dict:
     """Serve ``traffic`` ((request, cluster) in order) while one OnlineTrainer learns from it.
 
@@ -457,12 +462,18 @@ def learning_run(
     cfg = StreamConfig(url=f"local://{tmp}/{label}/log", fsync=False, num_partitions=1)
     logger = StreamLogger(cfg, LoggerConfig(), vocab_size=pair.vocab_size)
     teacher = CachedTeacher()
-    trainer = OnlineTrainer(
-        cfg, base_dir, tmp / label / "trainer", ocfg, teacher=teacher if ocfg.positions == "all" else None
-    )
     pcfg = PromoteConfig()
+    arm_cfgs = {w: arm_config(pcfg, w) for w in windows}
+    trainer = OnlineTrainer(
+        cfg,
+        base_dir,
+        tmp / label / "trainer",
+        ocfg,
+        teacher=teacher if ocfg.positions == "all" else None,
+        fresh=max([pcfg.fresh, *(a.fresh for a in arm_cfgs.values())]) if gate else 0,
+    )
     clusters = sorted({c for _, c in traffic})
-    extra = {w: WindowArm(replace(pcfg, window=w), clusters, base) for w in windows}
+    extra = {w: WindowArm(a, clusters, base, w) for w, a in arm_cfgs.items()}
     gated = {c: copy.deepcopy(base) for c in clusters}
     latest = {c: copy.deepcopy(base) for c in clusters}
     version = {c: 0 for c in clusters}  # the champion's
@@ -474,6 +485,8 @@ def learning_run(
     served_n = {c: 0 for c in clusters}
     future: dict[str, list[int]] = {c: [i for i, (_, cc) in enumerate(traffic) if cc == c] for c in clusters}
     ref_cache: dict[str, tuple] = {}
+    fresh_cache: dict[str, dict] = {c: {} for c in clusters}  # the champion's fresh scores, until a swap
+    champion_scores: dict[str, float | None] = {}  # the gate's served score of each cluster's champion
     cpu = 0.0
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
@@ -557,11 +570,21 @@ def learning_run(
                     for arm in extra.values():
                         arm.judge(c, st, held, trainer.vocab, i)
                     holdout = gate_window([h.record for h in held], pcfg)
-                    cand = evaluate_records(st.model, holdout, vocab=trainer.vocab)
                     key = (version[c], tuple(h.source for h in held[len(held) - len(holdout) :]))
                     if c not in ref_cache or ref_cache[c][0] != key:  # the champion on this held-out set
                         ref_cache[c] = (key, evaluate_records(gated[c], holdout, vocab=trainer.vocab))
-                    result = gate_decision(str(st.version), str(version[c]), cand, ref_cache[c][1], pcfg)
+                    result = judge(
+                        str(st.version),
+                        str(version[c]),
+                        st.model,
+                        gated[c],
+                        holdout,
+                        fresh_window(st.fresh, pcfg, version[c]),
+                        pcfg,
+                        trainer.vocab,
+                        reference_acc=ref_cache[c][1],
+                        fresh_cache=fresh_cache[c],
+                    )
                     gates.append(
                         {
                             "request": i,
@@ -570,6 +593,7 @@ def learning_run(
                             "promoted": result.promoted,
                             "reason": result.reason,
                             "window_requests": len(holdout),
+                            "fresh_requests": int(result.extra.get("fresh_requests", 0)),
                         }
                     )
                     if result.promoted:
@@ -589,6 +613,8 @@ def learning_run(
                             )
                         gated[c].load_state_dict(st.model.state_dict())  # the hot-swap, between requests
                         version[c] = st.version
+                        fresh_cache[c] = {}
+                        champion_scores[c] = result.candidate_score if result.metric == "served" else None
             cpu += time.process_time() - c0
             served_n[c] += 1
             if probe_every and served_n[c] % probe_every == 0:
@@ -617,13 +643,17 @@ def learning_run(
         "gates": gates,
         "checks": checks,
         "trainer_cpu_s": cpu,
+        "champion_scores": champion_scores,
         "windows": {
-            str(w): {
+            arm_key(w): {
                 **arm.summary(),
                 "served_alpha_last": {  # per cluster, pooled over its last WINDOW requests, beside the primary's
                     c: {
                         "window": pooled(
-                            [{"accepted": r[f"w{w}_accepted"], "rejected": r[f"w{w}_rejected"]} for r in tail]
+                            [
+                                {"accepted": r[f"{arm.prefix}accepted"], "rejected": r[f"{arm.prefix}rejected"]}
+                                for r in tail
+                            ]
                         ),
                         "gated": pooled(tail),
                         "ungated": pooled([{"accepted": r["u_accepted"], "rejected": r["u_rejected"]} for r in tail]),
@@ -639,15 +669,25 @@ def learning_run(
     }
 
 
+def arm_config(pcfg: PromoteConfig, spec: str) -> PromoteConfig:
+    """A gate arm's configuration from ``W`` (held-out window W, the default fresh evidence) or
+    ``W:F`` (window W, F fresh requests; F = 0 is the held-out-only gate)."""
+    window, _, fresh = str(spec).partition(":")
+    return replace(pcfg, window=int(window), fresh=int(fresh) if fresh else pcfg.fresh)
+
+
 class WindowArm:
     """One more gated arm of :func:`learning_run`: its own champion per cluster, gated with its
-    own window on the same candidates, serving (measured on) the same requests."""
+    own window (and fresh evidence) on the same candidates, serving (measured on) the same requests.
+    Row keys start ``w{spec}_`` with ``:`` written ``f`` (``w16f0_accepted``)."""
 
-    def __init__(self, cfg: PromoteConfig, clusters: list[str], base: torch.nn.Module) -> None:
+    def __init__(self, cfg: PromoteConfig, clusters: list[str], base: torch.nn.Module, spec: str) -> None:
         self.cfg = cfg
-        self.prefix = f"w{cfg.window}_"
+        self.spec = str(spec)
+        self.prefix = f"w{arm_key(spec)}_"
         self.model = {c: copy.deepcopy(base) for c in clusters}
         self.version = {c: 0 for c in clusters}
+        self.fresh_cache: dict[str, dict] = {c: {} for c in clusters}
         self.gates: list[dict] = []
 
     def serve_row(self, c: str, s: Served, primary: Outcome, args) -> dict:
@@ -656,22 +696,45 @@ class WindowArm:
         return {f"{p}accepted": out.accepted, f"{p}rejected": len(out.rejected), f"{p}version": self.version[c]}
 
     def judge(self, c: str, st, held: list, vocab, request: int) -> None:
-        records = gate_window([h.record for h in held], self.cfg)
-        cand = evaluate_records(st.model, records, vocab=vocab)
-        ref = evaluate_records(self.model[c], records, vocab=vocab)
-        result = gate_decision(str(st.version), str(self.version[c]), cand, ref, self.cfg)
+        result = judge(
+            str(st.version),
+            str(self.version[c]),
+            st.model,
+            self.model[c],
+            gate_window([h.record for h in held], self.cfg),
+            fresh_window(st.fresh, self.cfg, self.version[c]),
+            self.cfg,
+            vocab,
+            fresh_cache=self.fresh_cache[c],
+        )
         self.gates.append({"request": request, "cluster": c, "candidate": st.version, "promoted": result.promoted})
         if result.promoted:
             self.model[c].load_state_dict(st.model.state_dict())
             self.version[c] = st.version
+            self.fresh_cache[c] = {}
 
     def summary(self) -> dict:
         return {
             "window": self.cfg.window,
+            "fresh": self.cfg.fresh,
             "gates": len(self.gates),
             "promotions": sum(g["promoted"] for g in self.gates),
             "promoted_at": [g["request"] for g in self.gates if g["promoted"]],
         }
+
+
+def arm_label(key: str) -> str:
+    """``16f32`` (or ``16:32``, or a plain window ``16``) in words."""
+    window, _, fresh = str(key).replace("f", ":").partition(":")
+    held = "all held-out (256)" if window == "0" else f"window {window}"
+    if not fresh:
+        return f"gated, {held}"
+    return f"gated, {held}, " + ("no fresh" if fresh == "0" else f"{fresh} fresh")
+
+
+def arm_key(spec) -> str:
+    """``W:F`` as it appears in row keys and JSON (``WfF``); a plain ``W`` stays ``W``."""
+    return str(spec).replace(":", "f")
 
 
 def audit_promotion(
@@ -725,41 +788,103 @@ def audit_promotion(
 
 
 # ---------------------------------------------------------------- 5. speed and c
-def speed(pair: ModelPair, drafts: dict[str, torch.nn.Module], prompts: list[Served], args) -> dict:
+def speed(
+    pair: ModelPair,
+    drafts: dict[str, torch.nn.Module],
+    prompts: list[Served],
+    args,
+    *,
+    cluster: str = "default",
+    champion_alpha: float | None = None,
+    warm: list[Served] = (),
+) -> dict:
     """Tokens/s of target-only and of the draft method with each named draft (in serving's draft
     dtype), on the same prompts through the real engine, arms interleaved per prompt; outputs
-    checked identical."""
+    checked identical.
+
+    With ``static`` and ``gated`` among the drafts, also the default method, ``auto``, as a
+    replica runs it: one policy calibrated at load served the ``warm`` prompts with the static
+    draft (its history in the cluster), and then each arm continues from that state:
+    ``auto_static`` (no swap), ``auto_gated`` (the champion swapped in, its counts re-seeded from
+    the gate's served score ``champion_alpha``, as serving's swap listener does) and
+    ``auto_stale`` (the champion swapped in with the static draft's record kept: the product
+    before issue 55). Per ``auto`` arm: the share of steps on the draft model."""
+    from specops.core.auto_policy import AutoPolicy
     from specops.core.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
+    from specops.serving.proposers.auto import calibrate
+    from specops.serving.proposers.catalogue import ProposerResources
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     dtype = resolve_dtype(DEFAULT_DRAFT_DTYPE, pair.draft)  # serving's draft precision (learning: in float32)
     drafts = {name: copy.deepcopy(d).to(dtype).eval() for name, d in drafts.items()}
-    engines = {
-        name: SpecEngine(
-            ModelPair(target=pair.target, draft=d, tokenizer=pair.tokenizer, tokenizer_sha256=pair.tokenizer_sha256)
-        )
+    pairs = {
+        name: ModelPair(target=pair.target, draft=d, tokenizer=pair.tokenizer, tokenizer_sha256=pair.tokenizer_sha256)
         for name, d in drafts.items()
     }
-    tokens = {n: 0 for n in ["target", *drafts]}
+    engines = {name: SpecEngine(p) for name, p in pairs.items()}
+    auto: dict[str, tuple[str, AutoPolicy]] = {}
+    if "static" in drafts and "gated" in drafts:
+        history = AutoPolicy(seed=args.seed)
+        calibrate(history, pairs["static"])
+        for s in warm:
+            engines["static"].generate(
+                s.prompt.token_ids,
+                params,
+                method="auto",
+                resources=ProposerResources(pair=pairs["static"], cluster=cluster, policy=history),
+            )
+        state = history.priors()
+        for arm, draft in (("auto_static", "static"), ("auto_gated", "gated"), ("auto_stale", "gated")):
+            policy = AutoPolicy(seed=args.seed + 1)
+            calibrate(policy, pairs[draft])
+            policy.load_priors(state)
+            if arm == "auto_gated":
+                policy.reseed(cluster, ["draft"], champion_alpha)
+            auto[arm] = (draft, policy)
+    tokens = {n: 0 for n in ["target", *drafts, *auto]}
     seconds = {n: 0.0 for n in tokens}
+    steps = {n: {} for n in auto}
     identical = True
     for s in prompts:  # the engine runs under inference mode itself; the copies above must stay normal tensors
         ref = None
         for name in tokens:
-            eng = engines.get(name) or next(iter(engines.values()))
             t0 = time.perf_counter()
-            res = eng.generate(s.prompt.token_ids, params, method="target" if name == "target" else "draft", k=args.k)
+            if name in auto:
+                draft, policy = auto[name]
+                res = engines[draft].generate(
+                    s.prompt.token_ids,
+                    params,
+                    method="auto",
+                    resources=ProposerResources(pair=pairs[draft], cluster=cluster, policy=policy),
+                )
+                for m, v in ((res.stats.policy or {}).get("methods") or {}).items():
+                    steps[name][m] = steps[name].get(m, 0) + v["steps"]
+            else:
+                eng = engines.get(name) or next(iter(engines.values()))
+                res = eng.generate(
+                    s.prompt.token_ids, params, method="target" if name == "target" else "draft", k=args.k
+                )
             seconds[name] += time.perf_counter() - t0
             tokens[name] += len(res.token_ids)
             ref = res.token_ids if ref is None else ref
             identical &= res.token_ids == ref
     tps = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in tokens}
-    return {
+    out = {
         "tokens_per_s": tps,
-        "ratio_to_target": {n: tps[n] / tps["target"] for n in drafts},
+        "ratio_to_target": {n: tps[n] / tps["target"] for n in tokens if n != "target"},
         "prompts": len(prompts),
         "identical": identical,
     }
+    if auto:
+        out["auto"] = {
+            "warm_prompts": len(warm),
+            "champion_alpha": champion_alpha,
+            "draft_step_share": {n: steps[n].get("draft", 0) / max(1, sum(steps[n].values())) for n in auto},
+            "steps": steps,
+            "vs_static": tps["auto_gated"] / tps["auto_static"] if tps["auto_static"] else None,
+            "vs_target": tps["auto_gated"] / tps["target"] if tps["target"] else None,
+        }
+    return out
 
 
 @torch.inference_mode()
@@ -866,7 +991,8 @@ def shift_markdown(sh: dict) -> str:
         return ""
     arms = [a for a in segs[0] if isinstance(segs[0][a], dict) and "alpha_at" in segs[0][a]]
     ats = list(segs[0][arms[0]]["alpha_at"])
-    label = {"gated": f"gated (window {sh.get('window', '?')})", "ungated": "ungated"}
+    default = arm_label(f"{sh.get('window', '?')}:{sh.get('fresh', 0)}").removeprefix("gated, ")
+    label = {"gated": f"gated (default: {default})", "ungated": "ungated"}
     lines = [
         f"Domain switch {' → '.join(sh['domains'])}, {sh['boundaries'][0]} requests per segment, one draft; per-token α "
         f"of the {SHIFT_WINDOW} requests served before each point; adapted: requests until that α is within "
@@ -876,10 +1002,10 @@ def shift_markdown(sh: dict) -> str:
         "|---|---|" + "---:|" * (len(ats) + 3),
     ]
     promos = {"gated": sh.get("promotions"), "ungated": "every update"}
-    promos.update({f"w{w['window']}": w["promotions"] for w in (sh.get("windows") or {}).values()})
+    promos.update({f"w{k}": w["promotions"] for k, w in (sh.get("windows") or {}).items()})
     for seg in segs:
         for a in arms:
-            name = label.get(a, f"gated, window {a[1:] if a[1:] != '0' else 'all held-out (256)'}")
+            name = label.get(a, arm_label(a[1:]))
             ad = seg[a]["adapt_requests"]
             lines.append(
                 f"| {seg['segment']}: {seg['domain']} | {name} | "
@@ -890,21 +1016,33 @@ def shift_markdown(sh: dict) -> str:
 
 
 # ---------------------------------------------------------------- 7. workload
-def build_workload(pair: ModelPair, args, model_dir: Path) -> tuple[dict, dict, dict, bool]:
-    """Per domain: the served stream and the probe (with continuations), the router texts; and
-    whether every prompt of the run is distinct (by token ids)."""
+def build_workload(pair: ModelPair, args, model_dir: Path) -> tuple[dict, dict, dict, bool, dict]:
+    """Per domain: the served stream and the probe (with continuations), the router texts;
+    whether every prompt of the run is distinct (by token ids); and the template-disjoint probe
+    (``--probe-disjoint`` prompts of the families served traffic never has,
+    ``specops.chat_workload.HELD_OUT``; empty with ``--families all``)."""
     parts = chat_workload(
-        pair.tokenizer, {"router": args.router_texts, "served": args.requests, "probe": args.probe}, seed=args.seed
+        pair.tokenizer,
+        {"router": args.router_texts, "served": args.requests, "probe": args.probe},
+        seed=args.seed,
+        families=args.families,
+    )
+    held = (
+        chat_workload(pair.tokenizer, {"probe": args.probe_disjoint}, seed=args.seed, families="held_out")
+        if args.families == "seen" and args.probe_disjoint
+        else {d: {"probe": []} for d in DOMAINS}
     )
     cache = model_dir / "cache" / "osd-chat"
-    streams, probes = {}, {}
-    everything = [p for d in DOMAINS for part in parts[d].values() for p in part]
+    streams, probes, disjoint = {}, {}, {}
+    everything = [p for d in DOMAINS for part in [*parts[d].values(), *held[d].values()] for p in part]
     distinct = len({tuple(p.token_ids) for p in everything}) == len(everything)
     for d in DOMAINS:
-        served = continuations(pair, parts[d]["served"] + parts[d]["probe"], args.max_new_tokens, cache, args.batch)
-        streams[d], probes[d] = served[: args.requests], served[args.requests :]
+        mine = parts[d]["served"] + parts[d]["probe"] + held[d]["probe"]
+        served = continuations(pair, mine, args.max_new_tokens, cache, args.batch)
+        n, m = args.requests, args.requests + len(parts[d]["probe"])
+        streams[d], probes[d], disjoint[d] = served[:n], served[n:m], served[m:]
     routers = {d: [pair.tokenizer.decode(p.token_ids) for p in parts[d]["router"]] for d in DOMAINS}
-    return streams, probes, routers, distinct
+    return streams, probes, routers, distinct, disjoint
 
 
 def interleave(streams: dict[str, list[Served]], seed: int) -> list[Served]:
@@ -1194,6 +1332,7 @@ def summarise(report: dict) -> dict:
         "gain_gated": gain,
         "gain_gated_min": min(gain.values()),
         "gain_ungated_min": min(ungated[d] - static[d] for d in clusters),
+        **disjoint_summary(report, clusters),
         "offline_fraction": frac,
         "offline_fraction_min": min((f for f in frac.values() if f is not None), default=None),
         "promotions": len(promos),
@@ -1221,11 +1360,20 @@ def summarise(report: dict) -> dict:
         }
         out["shift_worse_promotions"] = shift.get("worse_promotions")
         out["gate_window"] = shift.get("window")
+        out["gate_fresh"] = shift.get("fresh", 0)
     if report.get("generic"):
         g = report["generic"]
         out["alpha_token_generic"] = {k: {d: g[k][d] for d in clusters} for k in ("static", "gated", "ungated")}
     if report.get("speed"):
         out["tokens_per_s_ratio"] = {d: report["speed"][d]["ratio_to_target"] for d in clusters if d in report["speed"]}
+        autos = {d: report["speed"][d]["auto"] for d in clusters if "auto" in report["speed"].get(d, {})}
+        if autos:
+            out["auto_default_vs_static"] = {d: a["vs_static"] for d, a in autos.items()}
+            out["auto_default_vs_target"] = {d: a["vs_target"] for d, a in autos.items()}
+            out["auto_default_vs_static_min"] = min(out["auto_default_vs_static"].values())
+            out["auto_default_vs_target_min"] = min(out["auto_default_vs_target"].values())
+            out["auto_draft_step_share"] = {d: a["draft_step_share"] for d, a in autos.items()}
+            out["auto_champion_alpha"] = {d: a["champion_alpha"] for d, a in autos.items()}
     out["bars"] = {
         "gain_gated_min >= 0.10": out["gain_gated_min"] >= GAIN_BAR,
         "offline_fraction_min >= 0.8": (out["offline_fraction_min"] or 0) >= OFFLINE_FRACTION_BAR,
@@ -1233,6 +1381,11 @@ def summarise(report: dict) -> dict:
         "0 worse promotions": out["worse_promotions"] == 0,
         "recovery <= 300 requests": out["recovery_requests"] is not None and out["recovery_requests"] <= RECOVERY_BAR,
     }
+    if "gain_template_disjoint_min" in out:
+        out["bars"]["template-disjoint gain >= 0.10"] = out["gain_template_disjoint_min"] >= GAIN_BAR
+    if "auto_default_vs_static_min" in out:
+        out["bars"]["auto: champion >= 1.1x static"] = out["auto_default_vs_static_min"] >= AUTO_STATIC_BAR
+        out["bars"]["auto: champion >= 1.0x target-only"] = out["auto_default_vs_target_min"] >= 1.0
     if segs:
         out["bars"]["shift: gated >= ungated - 0.05 after 150"] = out["shift_gated_minus_ungated_min"] >= -SHIFT_MARGIN
         out["bars"]["shift: adapted in <= 300 requests"] = all(
@@ -1240,6 +1393,23 @@ def summarise(report: dict) -> dict:
         )
         out["bars"]["shift: 0 worse promotions"] = not shift.get("worse_promotions")
     return out
+
+
+def disjoint_summary(report: dict, clusters: list[str]) -> dict:
+    """Per-token α on the template-disjoint probe per cluster and arm, each arm's gain over the
+    static draft there, and the smallest gated gain (issue 55's bar); {} without that probe."""
+    dj = report.get("disjoint") or {}
+    cs = [d for d in clusters if "gated" in dj.get(d, {})]
+    if not cs:
+        return {}
+    arms = [a for a in ("static", "gated", "ungated", "offline") if all(a in dj[d] for d in cs)]
+    alpha = {a: {d: dj[d][a]["alpha_token"] for d in cs} for a in arms}
+    gain = {a: {d: alpha[a][d] - alpha["static"][d] for d in cs} for a in arms if a != "static"}
+    return {
+        "alpha_token_disjoint": alpha,
+        "gain_template_disjoint": gain,
+        "gain_template_disjoint_min": min(gain["gated"].values()),
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -1326,14 +1496,55 @@ def markdown(report: dict) -> str:
         arms = list(next(iter(ratio.values())))
         lines += [
             "",
-            "Tokens/s of the draft method with each arm's final draft ÷ target-only (real engine, same probe "
-            "prompts, interleaved):",
+            "Tokens/s ÷ target-only (real engine, same probe prompts, interleaved): the draft method with each "
+            "arm's final draft, and (`auto_*`) the default method, `auto`, continuing from a policy that served "
+            "with the static draft: with it still (`auto_static`), with the final champion swapped in and its "
+            "estimate re-seeded from the gate (`auto_gated`, what serving does), or kept (`auto_stale`, before "
+            "issue 55):",
             "",
             "| cluster | " + " | ".join(arms) + " |",
             "|---|" + "---:|" * len(arms),
         ]
         for d in clusters:
             lines.append(f"| {d} | " + " | ".join(f"{ratio[d][a]:.2f}x" for a in arms) + " |")
+    dj = s.get("alpha_token_disjoint")
+    if dj:
+        arms = list(dj)
+        lines += [
+            "",
+            "The same arms on the **template-disjoint probe** (prompts of families served traffic never had: "
+            + "; ".join(f"{d}: {', '.join(sorted(HELD_OUT[d]))}" for d in clusters if d in HELD_OUT)
+            + "), per-token α, and on the in-template probe above for comparison (gain over static):",
+            "",
+            "| cluster | " + " | ".join(arms) + " | gated gain, disjoint | gated gain, in-template |",
+            "|---|" + "---:|" * (len(arms) + 2),
+        ]
+        for d in clusters:
+            if d in dj[arms[0]]:
+                lines.append(
+                    f"| {d} | "
+                    + " | ".join(f"{dj[a][d]:.3f}" for a in arms)
+                    + f" | {s['gain_template_disjoint']['gated'][d]:+.3f} | {s['gain_gated'][d]:+.3f} |"
+                )
+    share = s.get("auto_draft_step_share")
+    if share:
+        arms = list(next(iter(share.values())))
+        lines += [
+            "",
+            "`auto`: share of its steps on the draft model, and the champion's speed-up under `auto` "
+            "(`auto_gated` ÷ `auto_static`; the gate's served score that re-seeded it):",
+            "",
+            "| cluster | " + " | ".join(f"draft steps, {a}" for a in arms) + " | auto_gated ÷ auto_static | seed |",
+            "|---|" + "---:|" * (len(arms) + 2),
+        ]
+        for d in clusters:
+            if d in share:
+                seed = s["auto_champion_alpha"].get(d)
+                lines.append(
+                    f"| {d} | "
+                    + " | ".join(f"{share[d][a]:.2f}" for a in arms)
+                    + f" | {s['auto_default_vs_static'][d]:.2f}x | {'–' if seed is None else f'{seed:.3f}'} |"
+                )
     return "\n".join(lines)
 
 
@@ -1449,7 +1660,8 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
             *(
                 [
                     f"| `shift_gated_minus_ungated_min` (worst segment after the first, {SHIFT_WINDOW} requests "
-                    f"ending at 150 of the new domain; gate window {s.get('gate_window')}) | "
+                    f"ending at 150 of the new domain; gate window {s.get('gate_window')}, "
+                    f"{s.get('gate_fresh', 0)} fresh) | "
                     f"{s['shift_gated_minus_ungated_min']:+.3f} | ≥ −{SHIFT_MARGIN} "
                     f"{'met' if bars['shift: gated >= ungated - 0.05 after 150'] else '**not met**'} |",
                     "| `shift_adapt_requests` (gated; ungated) | "
@@ -1462,6 +1674,27 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
                     f"{s['shift_worse_promotions']} | 0 {'met' if bars['shift: 0 worse promotions'] else '**not met**'} |",
                 ]
                 if "shift_adapt_requests" in s
+                else []
+            ),
+            *(
+                [
+                    "| `gain_template_disjoint_min` (gated − static on the template-disjoint probe, smallest over "
+                    f"clusters) | {s['gain_template_disjoint_min']:+.3f} | ≥ +{GAIN_BAR:.2f} "
+                    f"{'met' if bars['template-disjoint gain >= 0.10'] else '**not met**'} |",
+                ]
+                if "gain_template_disjoint_min" in s
+                else []
+            ),
+            *(
+                [
+                    "| `auto_default_vs_static_min` (`auto` with the champion ÷ with the static draft, worst cluster) | "
+                    f"{s['auto_default_vs_static_min']:.2f}x | ≥ {AUTO_STATIC_BAR}x "
+                    f"{'met' if bars['auto: champion >= 1.1x static'] else '**not met**'} |",
+                    "| `auto_default_vs_target_min` (`auto` with the champion ÷ target-only, worst cluster) | "
+                    f"{s['auto_default_vs_target_min']:.2f}x | ≥ 1.0x "
+                    f"{'met' if bars['auto: champion >= 1.0x target-only'] else '**not met**'} |",
+                ]
+                if "auto_default_vs_static_min" in s
                 else []
             ),
             f"| `routing_accuracy` | {s['routing_accuracy']:.3f} | |",
@@ -1549,14 +1782,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--gate-windows",
         default=",".join(map(str, SHIFT_WINDOWS)),
-        help="shift run: gate windows (held-out requests; 0 = all the trainer keeps) measured as more gated arms "
-        "beside the gate's default, on the same candidates and requests ('' for none)",
+        help="shift run: more gated arms beside the gate's default, on the same candidates and requests, each W "
+        "(held-out window W, 0 = all the trainer keeps) or W:F (and F fresh test-then-train requests, 0 = "
+        "held-out only; W alone takes the default F) ('' for none)",
     )
     p.add_argument(
         "--main-windows",
         default="",
-        help="main run: gate windows measured as more gated arms (served α over each cluster's last "
+        help="main run: gate arms (W or W:F, as --gate-windows) measured as more gated arms (served α over each cluster's last "
         f"{WINDOW} requests; e.g. '0' for the whole held-out set)",
+    )
+    p.add_argument(
+        "--auto-warm",
+        type=int,
+        default=None,
+        help="probe prompts per domain the auto policy serves with the static draft before the speed arms (its "
+        "history in the cluster; default 4, 1 with --quick)",
+    )
+    p.add_argument(
+        "--families",
+        choices=("seen", "all"),
+        default="seen",
+        help="seen: served traffic, its probe and the router texts leave out the held-out families (sql schemas, "
+        "math templates, api packages: specops.chat_workload.HELD_OUT), which the template-disjoint probe uses; "
+        "all: every family (the workload before issue 55, no disjoint probe)",
+    )
+    p.add_argument(
+        "--probe-disjoint",
+        type=int,
+        default=None,
+        help="template-disjoint probe requests per domain, from the held-out families only (default 100; 40 with "
+        "--quick; 0 skips)",
     )
     p.add_argument("--audit-window", type=int, default=50, help="requests of its cluster each promotion is audited on")
     p.add_argument("--check-every", type=int, default=100, help="decode every N-th request with the real engine too")
@@ -1634,6 +1890,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("generic_requests", 300, 60),
         ("shift_requests", 400, 40),
         ("speed_prompts", 6, 2),
+        ("auto_warm", 4, 1),
+        ("probe_disjoint", 100, 40),
         ("grid_requests", 80, 80),
     ):
         if getattr(args, name) is None:
@@ -1661,6 +1919,9 @@ def main(argv: list[str] | None = None) -> int:
             part = json.loads(path.read_text())
             taken = [k for k in PARTS if k in part and k not in report]  # the first file holding a part gives it
             for key, value in part.items():
+                if key == "disjoint" and key in report:  # each part measured its own arms on the disjoint probe
+                    for d, arms in value.items():
+                        report[key].setdefault(d, {}).update({a: v for a, v in arms.items() if a not in report[key][d]})
                 report.setdefault(key, value)
             env = part.get("environment") or {}
             report.setdefault("merged_from", []).append(
@@ -1691,11 +1952,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return osd_teacher.run(pair, args, model_dir, argv)
     base_dir = model_dir / "draft"
-    streams, probes, routers, distinct = build_workload(pair, args, model_dir)
+    streams, probes, routers, distinct, disjoint = build_workload(pair, args, model_dir)
     if args.prepare:
         print(
-            f"cached the target's continuations of {sum(len(v) for v in streams.values())} served and "
-            f"{sum(len(v) for v in probes.values())} probe requests under {model_dir / 'cache' / 'osd-chat'}"
+            f"cached the target's continuations of {sum(len(v) for v in streams.values())} served, "
+            f"{sum(len(v) for v in probes.values())} probe and {sum(len(v) for v in disjoint.values())} "
+            f"template-disjoint probe requests under {model_dir / 'cache' / 'osd-chat'}"
         )
         return 0
     command = " ".join(
@@ -1746,6 +2008,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = set(args.parts.split(","))
         ocfg = online_config(args)
         report["static"] = {d: probe(pair.draft, probes[d], args).to_dict() for d in DOMAINS}
+        if any(disjoint.values()):  # the template-disjoint probe: families served traffic never had
+            report["disjoint"] = {d: {"static": probe(pair.draft, disjoint[d], args).to_dict()} for d in DOMAINS}
         drafts: dict = {}
         if "main" in parts:
             # routing: every served and probe request by serving's router; the user message alone as a harder check
@@ -1778,7 +2042,7 @@ def main(argv: list[str] | None = None) -> int:
                 label="main",
                 ocfg=ocfg,
                 probe_every=args.probe_every,
-                windows=tuple(int(w) for w in args.main_windows.split(",") if w.strip()),
+                windows=tuple(w.strip() for w in args.main_windows.split(",") if w.strip()),
             )
             report["main"] = {k: v for k, v in main_run.items() if k != "drafts"}
             report["engine_checks"] = main_run["checks"]
@@ -1786,6 +2050,10 @@ def main(argv: list[str] | None = None) -> int:
                 d: {"gated": main_run["drafts"]["gated"][d], "ungated": main_run["drafts"]["ungated"][d]}
                 for d in main_run["drafts"]["gated"]
             }
+            for d in report.get("disjoint", {}):
+                if d in drafts:
+                    for arm in ("gated", "ungated"):
+                        report["disjoint"][d][arm] = probe(drafts[d][arm], disjoint[d], args).to_dict()
             if args.json:  # kept even if a later part fails: the main part is most of the run's time
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.with_suffix(".main-part.json").write_text(
@@ -1795,6 +2063,8 @@ def main(argv: list[str] | None = None) -> int:
         if "offline" in parts:
             offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}
             report["offline"] = {d: probe(offline[d], probes[d], args).to_dict() for d in DOMAINS}
+            for d in report.get("disjoint", {}):
+                report["disjoint"][d]["offline"] = probe(offline[d], disjoint[d], args).to_dict()
         if args.speed_prompts and "speed" in parts and drafts:
             report["speed"] = {
                 d: speed(
@@ -1802,6 +2072,9 @@ def main(argv: list[str] | None = None) -> int:
                     {"static": pair.draft, **drafts[d], **({"offline": offline[d]} if d in offline else {})},
                     probes[d][: args.speed_prompts],
                     args,
+                    cluster=d,
+                    champion_alpha=(report.get("main") or {}).get("champion_scores", {}).get(d),
+                    warm=probes[d][args.speed_prompts : args.speed_prompts + args.auto_warm],
                 )
                 for d in DOMAINS
                 if d in drafts
@@ -1837,7 +2110,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         if args.shift_requests and "shift" in parts:
             n = min(args.shift_requests, args.requests // 2)
-            windows = tuple(int(w) for w in args.gate_windows.split(",") if w.strip())
+            windows = tuple(w.strip() for w in args.gate_windows.split(",") if w.strip())
             a, b = DOMAINS[0], DOMAINS[1]
             seq = streams[a][:n] + streams[b][:n] + streams[a][n : 2 * n]
             srun = learning_run(
@@ -1855,16 +2128,17 @@ def main(argv: list[str] | None = None) -> int:
             rows = srun["rows"]
             before = rows[max(0, n - WINDOW) : n]
             ref = pooled(before)
-            arms = {"gated": "", "ungated": "u_", **{f"w{w}": f"w{w}_" for w in windows}}
+            arms = {"gated": "", "ungated": "u_", **{f"w{arm_key(w)}": f"w{arm_key(w)}_" for w in windows}}
             report["shift"] = {
                 "domains": [a, b, a],
                 "boundaries": [n, 2 * n],
                 "window": PromoteConfig().window,
+                "fresh": PromoteConfig().fresh,
                 "segments": shift_segments(rows, [a, b, a], n, arms),
                 "windows": srun["windows"],
                 "audits": srun["promotions"],
                 "worse_promotions": sum(p["worse_beyond_noise"] for p in srun["promotions"]),
-                "window_curves": {f"w{w}": moving(rows, f"w{w}_") for w in windows},
+                "window_curves": {f"w{arm_key(w)}": moving(rows, f"w{arm_key(w)}_") for w in windows},
                 "reference": ref,
                 "gated_curve": moving(rows),
                 "ungated_curve": moving(rows, "u_"),
@@ -1903,6 +2177,7 @@ def main(argv: list[str] | None = None) -> int:
                 "window": WINDOW,
                 "gate_metric": PromoteConfig().metric,
                 "gate_window": PromoteConfig().window,
+                "gate_fresh": PromoteConfig().fresh,
                 "gate_windows": args.gate_windows,
                 "main_windows": args.main_windows,
             },

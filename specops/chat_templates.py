@@ -426,7 +426,8 @@ _MATH = (
 def math_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
     out = []
     for _ in range(n):
-        t = rng.choice(_MATH)
+        i = rng.randrange(len(_MATH))
+        t = _MATH[i]
         name, name2 = rng.sample(_NAMES, 2)
         (_, items), (_, items2) = rng.sample(_ITEMS, 2)
         a, b, c = rng.randint(2, 30), rng.randint(2, 30), rng.randint(2, 30)
@@ -449,5 +450,5 @@ def math_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
             good=rng.choice(_GOODS),
             pct=rng.choice([10, 15, 20, 25, 30, 40, 60, 75]),
         )
-        out.append(ChatPrompt("math", "math:template", (("system", SYSTEM["math"]), ("user", t.format(**fill)))))
+        out.append(ChatPrompt("math", f"math:t{i:02d}", (("system", SYSTEM["math"]), ("user", t.format(**fill)))))
     return out

@@ -131,19 +131,45 @@ def _api_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
 
 _GENERATORS = {"sql": sql_prompts, "math": math_prompts, "api": _api_prompts}
 
+FAMILIES = ("all", "seen", "held_out")
+HELD_OUT = {
+    "sql": frozenset({"flights", "patients", "songs"}),
+    "math": frozenset({"t02", "t05", "t11", "t16"}),
+    "api": frozenset({"sqlalchemy", "sklearn"}),
+}
+"""Per domain, the families (``sql``: table schemas, 3 of 14; ``math``: problem templates, 4 of
+20; ``api``: packages, 2 of 6) that a template-disjoint probe draws from and served traffic
+(``families="seen"``) never does: what a draft gains there it did not get by memorising a
+template's phrasing, a schema or a package's names."""
+
+
+def family(source: str) -> str:
+    """A prompt's family from its ``source``: ``sql:flights`` -> ``flights``, ``math:t02`` ->
+    ``t02``, ``api:numpy.linalg.norm`` -> ``numpy``."""
+    return source.split(":", 1)[1].split(".")[0]
+
 
 # ------------------------------------------------------------------------------- workload
-def chat_prompts(domain: str, n: int, *, seed: int = 0) -> list[ChatPrompt]:
+def chat_prompts(domain: str, n: int, *, seed: int = 0, families: str = "all") -> list[ChatPrompt]:
     """Up to ``n`` distinct chat prompts of ``domain`` (no two equal once their numbers are
     masked), in a seeded order. Fewer come back only when the domain has no more (``api``
-    has as many as the pinned packages have documented functions)."""
+    has as many as the pinned packages have documented functions). ``families``: ``all``,
+    ``seen`` (none of :data:`HELD_OUT`'s) or ``held_out`` (only those); the prompts kept are
+    those ``all`` gives, in the same order, less the others."""
     if domain not in _GENERATORS:
         raise ValueError(f"unknown chat domain {domain!r}; one of {DOMAINS}")
+    if families not in FAMILIES:
+        raise ValueError(f"families must be one of {FAMILIES}, got {families!r}")
     rng = random.Random(f"chat:{domain}:{seed}")
     seen: set[str] = set()
     out: list[ChatPrompt] = []
     for attempt in range(32):  # templates collide: draw more until n distinct ones (or the domain is exhausted)
-        for p in _GENERATORS[domain](rng, max(n - len(out), 1) * (2 if attempt else 1) + 16):
+        ask = max(n - len(out), 1) * (2 if attempt else 1) + 16
+        if families != "all":  # a share of the draws is left out: draw more (api: every function, in one go)
+            ask = len(api_functions()) if domain == "api" else ask * 3
+        for p in _GENERATORS[domain](rng, ask):
+            if families != "all" and (family(p.source) in HELD_OUT[domain]) != (families == "held_out"):
+                continue
             key = _shape(p.user)
             if key not in seen:
                 seen.add(key)
@@ -161,7 +187,13 @@ def _shape(text: str) -> str:
 
 
 def chat_workload(
-    tokenizer, sizes: dict[str, int], *, domains: tuple[str, ...] = DOMAINS, seed: int = 0, max_prompt_tokens: int = 384
+    tokenizer,
+    sizes: dict[str, int],
+    *,
+    domains: tuple[str, ...] = DOMAINS,
+    seed: int = 0,
+    max_prompt_tokens: int = 384,
+    families: str = "all",
 ) -> dict[str, dict[str, list[Prompt]]]:
     """Per domain, disjoint named parts of distinct chat prompts, rendered with the chat template
     as ``/v1/chat/completions`` renders them and tokenized without special tokens added.
@@ -171,7 +203,8 @@ def chat_workload(
     order, and so on, so a part keeps its prompts when a later part grows. Prompts longer
     than ``max_prompt_tokens`` are left out. Each ``Prompt`` keeps the user message as
     ``text`` and ``source`` names its origin; :func:`messages_of` gives its messages back.
-    Raises ``ValueError`` when a domain has fewer distinct prompts than asked for."""
+    Raises ``ValueError`` when a domain has fewer distinct prompts than asked for.
+    ``families``: as :func:`chat_prompts` (``seen`` for traffic, ``held_out`` for a template-disjoint probe)."""
     from specops.core.models import render_chat
 
     want = sum(sizes.values())
@@ -179,7 +212,7 @@ def chat_workload(
     for d in domains:
         kept: list[Prompt] = []
         seen_ids: set[tuple[int, ...]] = set()
-        for cp in chat_prompts(d, int(want * 1.1) + 8, seed=seed):
+        for cp in chat_prompts(d, int(want * 1.1) + 8, seed=seed, families=families):
             ids = tokenizer(render_chat(tokenizer, cp.as_messages()), add_special_tokens=False, verbose=False)[
                 "input_ids"
             ]

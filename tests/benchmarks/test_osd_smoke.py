@@ -26,6 +26,9 @@ SUMMARY_KEYS = {
     "routing_accuracy",
     "shift_gated_minus_ungated_min",
     "shift_adapt_requests",
+    "auto_default_vs_static_min",
+    "gain_template_disjoint_min",
+    "auto_default_vs_target_min",
 }
 
 
@@ -38,6 +41,8 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         "--requests",
         "10",
         "--probe",
+        "3",
+        "--probe-disjoint",
         "3",
         "--router-texts",
         "3",
@@ -56,12 +61,14 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         "--shift-requests",
         "5",
         "--gate-windows",
-        "0",
+        "0,16:0",
         "--audit-window",
         "2",
         "--check-every",
         "7",
         "--speed-prompts",
+        "1",
+        "--auto-warm",
         "1",
         "--json",
         str(out),
@@ -84,14 +91,34 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         assert [p["requests"] for p in main["curves"][d]][:3] == [0, 5, 10]  # the probe before, and every 5 requests
     sh = report["shift"]
     assert sh["boundaries"] == [5, 10] and sh["domains"] == ["sql", "math", "sql"]
-    # the gate's default window and one more measured beside it, per segment after the first
-    assert [g["segment"] for g in sh["segments"]] == [2, 3] and set(sh["windows"]) == {"0"}
+    # the gate's defaults and more arms measured beside them (a window; a window without fresh evidence),
+    # per segment after the first
+    assert [g["segment"] for g in sh["segments"]] == [2, 3] and set(sh["windows"]) == {"0", "16f0"}
+    assert sh["windows"]["16f0"]["fresh"] == 0 and sh["windows"]["0"]["fresh"] == sh["fresh"] > 0
     for g in sh["segments"]:
-        assert {"gated", "ungated", "w0"} <= set(g) and set(g["gated"]["alpha_at"]) == {"5"}
+        assert {"gated", "ungated", "w0", "w16f0"} <= set(g) and set(g["gated"]["alpha_at"]) == {"5"}
+    assert "16 fresh" not in doc.read_text() and "window 16, no fresh" in doc.read_text()
     assert set(s["shift_adapt_requests"]) == {"2:math", "3:sql"}
     assert "The gate after a drift" in doc.read_text()
     assert set(report["generic"]) >= {"static", "gated", "ungated"}
-    assert set(s["tokens_per_s_ratio"]["sql"]) == {"static", "gated", "ungated", "offline"}
+    assert set(s["tokens_per_s_ratio"]["sql"]) == {
+        "static",
+        "gated",
+        "ungated",
+        "offline",
+        "auto_static",
+        "auto_gated",
+        "auto_stale",
+    }
+    # the template-disjoint probe: every arm measured on families served traffic never had
+    assert set(report["disjoint"]["sql"]) == {"static", "gated", "ungated", "offline"}
+    assert (
+        set(s["gain_template_disjoint"]) == {"gated", "ungated", "offline"} and "template-disjoint" in doc.read_text()
+    )
+    auto = report["speed"]["sql"]["auto"]  # the default method, after the policy's history with the static draft
+    assert auto["warm_prompts"] == 1 and set(auto["draft_step_share"]) == {"auto_static", "auto_gated", "auto_stale"}
+    assert all(0.0 <= v <= 1.0 for v in auto["draft_step_share"].values())
+    assert s["auto_default_vs_static"]["sql"] == pytest.approx(auto["vs_static"]) and "auto_static" in doc.read_text()
     checks = s["engine_checks"]
     assert checks["n"] >= 3 and checks["identical"] == checks["n"] and checks["alpha_equal"] == checks["n"]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -112,6 +139,8 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
         "--requests",
         "4",
         "--probe",
+        "2",
+        "--probe-disjoint",
         "2",
         "--router-texts",
         "1",
@@ -190,6 +219,8 @@ def test_osd_parts_in_two_processes_merge_into_one_report(tiny_models, tmp_path)
         "--requests",
         "6",
         "--probe",
+        "2",
+        "--probe-disjoint",
         "2",
         "--router-texts",
         "2",

@@ -92,3 +92,24 @@ def test_the_bootstrap_corpus_never_lists_the_workloads_sources(tmp_path):
     assert [p.relative_to(share).as_posix() for p in corpus.list_prose_files(share)] == ["doc/pkg/copyright"]
     listed = {str(p) for p in corpus.list_code_files(Path(sysconfig.get_paths()["stdlib"]))}
     assert listed.isdisjoint(str(f) for f in sources)
+
+
+def test_the_template_disjoint_split_holds_whole_families_out_of_traffic(tokenizer):
+    """Issue 55: a probe from families (sql schemas, math templates, api packages) that served
+    traffic never has; traffic is the full workload less those families, in the same order."""
+    for d in cw.DOMAINS:
+        everything = cw.chat_prompts(d, 300)
+        seen = cw.chat_prompts(d, 200, families="seen")
+        held = cw.chat_prompts(d, 40, families="held_out")
+        assert {cw.family(p.source) for p in held} == set(cw.HELD_OUT[d]), d  # every held-out family, only those
+        assert not {cw.family(p.source) for p in seen} & cw.HELD_OUT[d]
+        kept = [p for p in everything if cw.family(p.source) not in cw.HELD_OUT[d]]
+        assert seen[: len(kept)] == kept[: len(seen)], d  # the same prompts, less the held-out ones
+    parts = cw.chat_workload(tokenizer, {"served": 50}, domains=("math",), families="seen")
+    probe = cw.chat_workload(tokenizer, {"probe": 10}, domains=("math",), families="held_out")
+    assert not {tuple(p.token_ids) for p in parts["math"]["served"]} & {
+        tuple(p.token_ids) for p in probe["math"]["probe"]
+    }
+    assert cw.family("math:t02") == "t02" and cw.family("api:numpy.linalg.norm") == "numpy"
+    with pytest.raises(ValueError, match="families"):
+        cw.chat_prompts("sql", 3, families="some")

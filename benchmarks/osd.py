@@ -374,18 +374,37 @@ def pooled(rows: list[dict]) -> float:
 
 
 # ---------------------------------------------------------------- 4. arms
-def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: str) -> torch.nn.Module:
+def offline_distill(
+    draft: torch.nn.Module,
+    stream: list[Served],
+    args,
+    label: str,
+    *,
+    lr: float | None = None,
+    at: tuple[int, ...] = (),
+) -> torch.nn.Module | dict[int, torch.nn.Module]:
     """Forward KL to the target's top-k distribution at every output position of ``stream``,
-    ``--offline-epochs`` passes (the paper's offline distillation on the served traffic)."""
+    ``--offline-epochs`` passes at ``--offline-lr`` (the paper's offline distillation on the
+    served traffic). With ``at``: one run of ``max(at)`` epochs (at ``lr``), and the draft after
+    each epoch in ``at`` ({epochs: draft}), so a sweep over epochs costs the longest run only."""
     model = copy.deepcopy(draft).train()
     vocab = draft_vocab.of(draft)
     model.get_input_embeddings().weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.offline_lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=args.offline_lr if lr is None else lr, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(0)
-    for _ in range(args.offline_epochs):
+    kept: dict[int, torch.nn.Module] = {}
+
+    def snapshot() -> torch.nn.Module:
+        served = copy.deepcopy(draft)
+        served.load_state_dict(model.state_dict())
+        return served.eval()
+
+    for epoch in range(1, (max(at) if at else args.offline_epochs) + 1):
         order = torch.randperm(len(stream), generator=g).tolist()
-        for start in tqdm(range(0, len(order), args.offline_batch), desc=label, unit="batch", leave=False):
+        for start in tqdm(
+            range(0, len(order), args.offline_batch), desc=f"{label} e{epoch}", unit="batch", leave=False
+        ):
             opt.zero_grad(set_to_none=True)
             total, count = None, 0
             for j in order[start : start + args.offline_batch]:
@@ -403,12 +422,39 @@ def offline_distill(draft: torch.nn.Module, stream: list[Served], args, label: s
             (total / count).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    served = copy.deepcopy(draft)
-    served.load_state_dict(model.state_dict())
-    return served
+        if epoch in at:
+            kept[epoch] = snapshot()
+    return kept if at else snapshot()
+
+
+def parse_sweep(spec: str) -> dict[float, set[int]]:
+    """``--offline-sweep``: ``LR:E,E;LR:E`` -> {lr: {epochs}} (``1e-3:1,3;3e-3:2``)."""
+    out: dict[float, set[int]] = {}
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        lr, _, eps = item.partition(":")
+        out.setdefault(float(lr), set()).update(int(e) for e in eps.split(",") if e.strip())
+        if not out[float(lr)] or min(out[float(lr)]) < 1:
+            raise ValueError(f"--offline-sweep {item!r}: give LR:EPOCHS[,EPOCHS...], epochs >= 1")
+    return out
+
+
+def offline_bound(draft: torch.nn.Module, stream: list[Served], probe_set: list[Served], args, domain: str):
+    """The offline arm: ``--offline-epochs`` at ``--offline-lr``, and every (lr, epochs) of
+    ``--offline-sweep``, each epoch count of one lr read off one run. Returns the draft with the
+    best per-token α on ``probe_set`` (the bound: chosen on the probe itself, a generous one) and
+    every configuration's α."""
+    sweep = parse_sweep(args.offline_sweep)
+    sweep.setdefault(args.offline_lr, set()).add(args.offline_epochs)
+    rows, best = [], None
+    for lr, epochs in sorted(sweep.items()):
+        snaps = offline_distill(draft, stream, args, f"{domain}/offline lr {lr:g}", lr=lr, at=tuple(sorted(epochs)))
+        for e, model in sorted(snaps.items()):
+            r = probe(model, probe_set, args)
+            default = lr == args.offline_lr and e == args.offline_epochs
+            rows.append({"lr": lr, "epochs": e, "alpha_token": r.alpha_token, "default": default})
+            if best is None or r.alpha_token > best[0]:
+                best = (r.alpha_token, model)
+    return best[1], rows
 
 
 def online_config(args, **over) -> OnlineConfig:
@@ -1335,6 +1381,7 @@ def summarise(report: dict) -> dict:
         **disjoint_summary(report, clusters),
         "offline_fraction": frac,
         "offline_fraction_min": min((f for f in frac.values() if f is not None), default=None),
+        **offline_summary(report, clusters, static),
         "promotions": len(promos),
         "promotions_per_cluster": per_cluster,
         "worse_promotions": sum(p["worse_beyond_noise"] for p in promos),
@@ -1392,6 +1439,27 @@ def summarise(report: dict) -> dict:
             v is not None and v <= 300 for v in out["shift_adapt_requests"].values()
         )
         out["bars"]["shift: 0 worse promotions"] = not shift.get("worse_promotions")
+    return out
+
+
+def offline_summary(report: dict, clusters: list[str], static: dict) -> dict:
+    """The swept offline bound (every configuration, the best) and the 10 % baseline, per cluster."""
+    out: dict = {}
+    sweep = report.get("offline_sweep") or {}
+    if any(sweep.get(d) for d in clusters):
+        out["offline_swept"] = {
+            d: {
+                "configs": len(sweep[d]),
+                "best": max(sweep[d], key=lambda r: r["alpha_token"]),
+                "default": next((r for r in sweep[d] if r.get("default")), None),
+            }
+            for d in clusters
+            if sweep.get(d)
+        }
+    base = report.get("baseline_10pct") or {}
+    if any(d in base for d in clusters):
+        out["baseline_10pct"] = {d: base[d]["alpha_token"] for d in clusters if d in base}
+        out["baseline_10pct_gain"] = {d: base[d]["alpha_token"] - static[d] for d in clusters if d in base}
     return out
 
 
@@ -1507,6 +1575,24 @@ def markdown(report: dict) -> str:
         ]
         for d in clusters:
             lines.append(f"| {d} | " + " | ".join(f"{ratio[d][a]:.2f}x" for a in arms) + " |")
+    sw, b10 = s.get("offline_swept"), s.get("baseline_10pct")
+    if sw or b10:
+        lines += [
+            "",
+            "Offline arms: the bound swept over learning rate and epochs (best on the probe), and the "
+            "paper's baseline of offline distillation on 10 % of the domain's served requests:",
+            "",
+        ]
+        lines += [
+            "| cluster | configurations | best (lr, epochs): α | default: α | 10 % baseline: α |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for d in clusters:
+            w = (sw or {}).get(d)
+            best = f"{w['best']['lr']:g}, {w['best']['epochs']}: {w['best']['alpha_token']:.3f}" if w else "–"
+            dflt = f"{w['default']['alpha_token']:.3f}" if w and w.get("default") else "–"
+            ten = f"{b10[d]:.3f}" if b10 and d in b10 else "–"
+            lines.append(f"| {d} | {w['configs'] if w else '–'} | {best} | {dflt} | {ten} |")
     dj = s.get("alpha_token_disjoint")
     if dj:
         arms = list(dj)
@@ -1762,6 +1848,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--offline-epochs", type=int, default=2, help="offline distillation epochs (the paper's 2)")
     p.add_argument("--offline-lr", type=float, default=1e-3, help="offline learning rate")
+    p.add_argument(
+        "--offline-sweep",
+        default="",
+        metavar="LR:E,E;LR:E",
+        help="more offline configurations (learning rate: epoch counts, one run per rate); the offline arm, the "
+        "bound, is the best on the probe of these and the default (e.g. '1e-3:1,3;3e-3:1,2,3')",
+    )
+    p.add_argument(
+        "--baseline-fraction",
+        type=float,
+        default=0.1,
+        help="the paper's baseline: offline distillation on this share of each domain's served requests "
+        "(0 skips; runs with the offline part)",
+    )
     p.add_argument("--offline-batch", type=int, default=8, help="sequences per offline step")
     p.add_argument(
         "--generic",
@@ -2061,8 +2161,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
         offline = {}
         if "offline" in parts:
-            offline = {d: offline_distill(pair.draft, streams[d], args, f"{d}/offline") for d in DOMAINS}
-            report["offline"] = {d: probe(offline[d], probes[d], args).to_dict() for d in DOMAINS}
+            offline = {}
+            report["offline"], report["offline_sweep"], report["baseline_10pct"] = {}, {}, {}
+            for d in DOMAINS:
+                offline[d], report["offline_sweep"][d] = offline_bound(pair.draft, streams[d], probes[d], args, d)
+                report["offline"][d] = probe(offline[d], probes[d], args).to_dict()
+                if args.baseline_fraction:  # the paper's baseline: offline distillation on a tenth of the domain's data
+                    part = streams[d][: max(1, int(len(streams[d]) * args.baseline_fraction))]
+                    small = offline_distill(pair.draft, part, args, f"{d}/{args.baseline_fraction:.0%} of the data")
+                    report["baseline_10pct"][d] = {
+                        **probe(small, probes[d], args).to_dict(),
+                        "requests": len(part),
+                        **({"disjoint": probe(small, disjoint[d], args).to_dict()} if report.get("disjoint") else {}),
+                    }
             for d in report.get("disjoint", {}):
                 report["disjoint"][d]["offline"] = probe(offline[d], disjoint[d], args).to_dict()
         if args.speed_prompts and "speed" in parts and drafts:

@@ -28,6 +28,8 @@ SUMMARY_KEYS = {
     "shift_adapt_requests",
     "auto_default_vs_static_min",
     "gain_template_disjoint_min",
+    "offline_swept",
+    "baseline_10pct",
     "auto_default_vs_target_min",
 }
 
@@ -54,6 +56,8 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         "5",
         "--offline-epochs",
         "1",
+        "--offline-sweep",
+        "3e-3:1,2",
         "--generic-requests",
         "4",
         "--generic-steps",
@@ -110,6 +114,12 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         "auto_gated",
         "auto_stale",
     }
+    # the offline bound is the best of the default and the sweep's configurations; the 10 % baseline beside it
+    assert [(r["lr"], r["epochs"]) for r in report["offline_sweep"]["sql"]] == [(1e-3, 1), (3e-3, 1), (3e-3, 2)]
+    best = max(r["alpha_token"] for r in report["offline_sweep"]["sql"])
+    assert s["offline_swept"]["sql"]["best"]["alpha_token"] == best == s["alpha_token_offline"]["sql"]
+    assert s["offline_swept"]["sql"]["default"]["lr"] == 1e-3 and set(s["baseline_10pct"]) == set(osd.DOMAINS)
+    assert report["baseline_10pct"]["sql"]["requests"] == 1  # a tenth of 10 served requests
     # the template-disjoint probe: every arm measured on families served traffic never had
     assert set(report["disjoint"]["sql"]) == {"static", "gated", "ungated", "offline"}
     assert (

@@ -1672,6 +1672,15 @@ def _flag(command: str | None, flag: str) -> str | None:
     return words[words.index(flag) + 1] if flag in words[:-1] else None
 
 
+def offline_note(s: dict, c: dict) -> str:
+    """How the offline bound was made, for the doc's header."""
+    sw = s.get("offline_swept")
+    if not sw:
+        return f"{c['offline_epochs']} epochs"
+    best = "; ".join(f"{d} lr {w['best']['lr']:g}, {w['best']['epochs']} epochs" for d, w in sw.items())
+    return f"the best on the probe of {next(iter(sw.values()))['configs']} (lr, epochs) configurations ({best})"
+
+
 def doc_section(report: dict, table: str, plot_rel: str) -> str:
     c, env, s = report["config"], report["environment"], report["summary"]
     checks = s["engine_checks"]
@@ -1722,7 +1731,7 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
             f"accuracy {s['routing_accuracy']:.3f}; {s['routing_accuracy_user_only']:.3f} on the user message alone), up "
             f"to {c['max_new_tokens']} new tokens, greedy, k = {c['k']}. α is the paper's **per-token α** on a held-out "
             f"probe of {c['probe']} never-served requests per domain. Trainer: {c['recipe']}. Offline bound: the "
-            f"bootstrap draft distilled on the same traffic at every position, {c['offline_epochs']} epochs.{gen_note} "
+            f"bootstrap draft distilled on the same traffic at every position, {offline_note(s, c)}.{gen_note} "
             f"Run time {report['elapsed_s'] / 60:.0f} min.",
             "",
             f"![per-token α over requests]({plot_rel})",

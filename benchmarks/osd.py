@@ -442,7 +442,7 @@ def offline_bound(draft: torch.nn.Module, stream: list[Served], probe_set: list[
     """The offline arm: ``--offline-epochs`` at ``--offline-lr``, and every (lr, epochs) of
     ``--offline-sweep``, each epoch count of one lr read off one run. Returns the draft with the
     best per-token α on ``probe_set`` (the bound: chosen on the probe itself, a generous one) and
-    every configuration's α."""
+    every configuration's α: (draft, its probe result, rows)."""
     sweep = parse_sweep(args.offline_sweep)
     sweep.setdefault(args.offline_lr, set()).add(args.offline_epochs)
     rows, best = [], None
@@ -452,9 +452,9 @@ def offline_bound(draft: torch.nn.Module, stream: list[Served], probe_set: list[
             r = probe(model, probe_set, args)
             default = lr == args.offline_lr and e == args.offline_epochs
             rows.append({"lr": lr, "epochs": e, "alpha_token": r.alpha_token, "default": default})
-            if best is None or r.alpha_token > best[0]:
-                best = (r.alpha_token, model)
-    return best[1], rows
+            if best is None or r.alpha_token > best[0].alpha_token:
+                best = (r, model)
+    return best[1], best[0], rows
 
 
 def online_config(args, **over) -> OnlineConfig:
@@ -2173,8 +2173,10 @@ def main(argv: list[str] | None = None) -> int:
             offline = {}
             report["offline"], report["offline_sweep"], report["baseline_10pct"] = {}, {}, {}
             for d in DOMAINS:
-                offline[d], report["offline_sweep"][d] = offline_bound(pair.draft, streams[d], probes[d], args, d)
-                report["offline"][d] = probe(offline[d], probes[d], args).to_dict()
+                offline[d], bound, report["offline_sweep"][d] = offline_bound(
+                    pair.draft, streams[d], probes[d], args, d
+                )
+                report["offline"][d] = bound.to_dict()
                 if args.baseline_fraction:  # the paper's baseline: offline distillation on a tenth of the domain's data
                     part = streams[d][: max(1, int(len(streams[d]) * args.baseline_fraction))]
                     small = offline_distill(pair.draft, part, args, f"{d}/{args.baseline_fraction:.0%} of the data")

@@ -17,8 +17,9 @@ For one cluster after an update (:meth:`Promoter.publish`), top to bottom:
    draft just before it trained on them (test-then-train, :class:`Fresh`), paired with the
    champion on the same request: ten times the held-out traffic, so a draft that follows a
    drift is promoted within tens of requests rather than hundreds. Promote iff the candidate
-   wins by ``margin`` on at least ``min_positions`` positions, by more than noise, and is not
-   worse beyond noise on its own held-out window; write the decision and both numbers on
+   wins by ``margin`` on at least ``min_positions`` positions, by more than noise, and (with
+   fresh evidence) is not worse beyond noise on the held-out requests of the period the fresh
+   ones cover; write the decision and both numbers on
    the candidate. ``served``
    is greedy agreement at every output position of held-out greedy requests, paired
    request by request; the rejected-position metrics (``sampling``, ``greedy``) are
@@ -103,7 +104,7 @@ class PromoteConfig:
     them (so never on a request it had trained on), only those scored by a draft newer than the
     champion (0: held-out requests only). The learner that scored them is this candidate or one
     of its recent predecessors, so this is evidence about the learning draft; the candidate
-    itself must also not be worse beyond noise on its held-out window. Chosen on
+    itself must also not be worse beyond noise on the held-out requests of the same period. Chosen on
     ``benchmarks/osd.py``'s shift run (docs/trainer.md#fresh-evidence)."""
     window_s: float = 0.0
     """Also leave out held-out requests logged more than this many seconds ago (0: no age

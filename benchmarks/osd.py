@@ -88,7 +88,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import cpu_model, environment, target_name, write_doc_section  # noqa: E402
-from specops.chat_workload import DOMAINS, HELD_OUT, chat_workload  # noqa: E402
+from specops.chat_workload import ALL_DOMAINS, DOMAINS, HELD_OUT, chat_workload  # noqa: E402
+from specops.chat_workload import DOMAINS as DEFAULT_DOMAINS  # noqa: E402  (DOMAINS: this process's, --domains)
 from specops.core import draft_vocab  # noqa: E402
 from specops.core.models import ModelPair, load_model, load_model_dir  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
@@ -516,6 +517,7 @@ def learning_run(
         tmp / label / "trainer",
         ocfg,
         teacher=teacher if ocfg.positions == "all" else None,
+        target=pair.target if ocfg.sampling != "teacher" else None,  # student/mixed sampling queries it
         fresh=max([pcfg.fresh, *(a.fresh for a in arm_cfgs.values())]) if gate else 0,
     )
     clusters = sorted({c for _, c in traffic})
@@ -1070,11 +1072,14 @@ def build_workload(pair: ModelPair, args, model_dir: Path) -> tuple[dict, dict, 
     parts = chat_workload(
         pair.tokenizer,
         {"router": args.router_texts, "served": args.requests, "probe": args.probe},
+        domains=DOMAINS,
         seed=args.seed,
         families=args.families,
     )
     held = (
-        chat_workload(pair.tokenizer, {"probe": args.probe_disjoint}, seed=args.seed, families="held_out")
+        chat_workload(
+            pair.tokenizer, {"probe": args.probe_disjoint}, domains=DOMAINS, seed=args.seed, families="held_out"
+        )
         if args.families == "seen" and args.probe_disjoint
         else {d: {"probe": []} for d in DOMAINS}
     )
@@ -1124,11 +1129,22 @@ GRID_FACTORS: dict[str, list] = {
     "steps_per_update": [1, 4],
     "replay": ["clear", "recent"],
     "loss": ["fkl", "rkl", "jsd"],
+    "sampling": ["teacher", "student", "mixed"],
 }
-GRID_CENTER = {"positions": "rejected", "lr": 5e-4, "steps_per_update": 1, "replay": "clear", "loss": "fkl"}
+GRID_CENTER = {
+    "positions": "rejected",
+    "lr": 5e-4,
+    "steps_per_update": 1,
+    "replay": "clear",
+    "loss": "fkl",
+    "sampling": "teacher",
+}
 """The grid's center: OSD Algorithm 1 as the paper runs it (the rejected positions, the buffer
-cleared after each update, one step per update at 5e-4, forward KL). Each other run moves one
-factor from it; the last combines the best level of each."""
+cleared after each update, one step per update at 5e-4, forward KL, teacher sampling: the
+target's own served output). Each other run moves one factor from it; the last combines the
+best level of each. ``sampling`` is the paper's Table 1 comparison: ``student`` samples each
+request's continuation from the draft and ``mixed`` from ``mix·p + (1-mix)·q`` (λ =
+``OnlineConfig.mix``), both scored by the target (``trainer.sampling``)."""
 
 
 GRID_BUDGET_S = 0.6
@@ -1248,6 +1264,12 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
             f"depth {len(layers)} (undistilled)", chosen, base=d_model, bdir=ddir, key=f"undistilled-{len(layers)}"
         )
         depth[len(layers)]["c"] = cost_ratio(pair.target, d_model, probes[DOMAINS[0]][0].prompt.token_ids)
+    center_recipe = _recipe(center)
+    for r in rows:  # the paper's Table 1 comparison: the center recipe under each sampling
+        cfg = r.get("config", {})
+        r["sampling_row"] = "base" not in cfg and all(
+            cfg.get(k) == v for k, v in center_recipe.items() if k not in ("sampling", "mix")
+        )
     out.update(
         {
             "best_levels": best,
@@ -1292,6 +1314,8 @@ def _recipe(cfg: OnlineConfig) -> dict:
         "capacity": cfg.replay.capacity,
         "loss": cfg.loss,
         "interval": cfg.interval,
+        "sampling": cfg.sampling,
+        **({"mix": cfg.mix} if cfg.sampling == "mixed" else {}),
     }
 
 
@@ -1382,6 +1406,8 @@ def summarise(report: dict) -> dict:
         "offline_fraction": frac,
         "offline_fraction_min": min((f for f in frac.values() if f is not None), default=None),
         **offline_summary(report, clusters, static),
+        **grid_summary(report),
+        **other_summary(report),
         "promotions": len(promos),
         "promotions_per_cluster": per_cluster,
         "worse_promotions": sum(p["worse_beyond_noise"] for p in promos),
@@ -1439,6 +1465,18 @@ def summarise(report: dict) -> dict:
             v is not None and v <= 300 for v in out["shift_adapt_requests"].values()
         )
         out["bars"]["shift: 0 worse promotions"] = not shift.get("worse_promotions")
+    for o in out.get("real_text", []):  # the real-text domains' own run, held to the same bars
+        name = "+".join(o.get("clusters", []))
+        out["bars"][f"real text {name}: gain >= 0.10"] = o.get("gain_gated_min", 0) >= GAIN_BAR
+        if "gain_template_disjoint_min" in o:
+            out["bars"][f"real text {name}: template-disjoint gain >= 0.10"] = (
+                o["gain_template_disjoint_min"] >= GAIN_BAR
+            )
+        if "offline_fraction_min" in o:
+            out["bars"][f"real text {name}: offline_fraction_min >= 0.8"] = (
+                o["offline_fraction_min"] or 0
+            ) >= OFFLINE_FRACTION_BAR
+        out["bars"][f"real text {name}: 0 worse promotions"] = o.get("worse_promotions") == 0
     return out
 
 
@@ -1461,6 +1499,70 @@ def offline_summary(report: dict, clusters: list[str], static: dict) -> dict:
         out["baseline_10pct"] = {d: base[d]["alpha_token"] for d in clusters if d in base}
         out["baseline_10pct_gain"] = {d: base[d]["alpha_token"] - static[d] for d in clusters if d in base}
     return out
+
+
+OTHER_KEYS = (
+    "clusters",
+    "requests_per_cluster",
+    "alpha_token_static",
+    "alpha_token_gated",
+    "alpha_token_ungated",
+    "alpha_token_offline",
+    "gain_gated",
+    "gain_gated_min",
+    "alpha_token_disjoint",
+    "gain_template_disjoint",
+    "gain_template_disjoint_min",
+    "offline_fraction",
+    "offline_fraction_min",
+    "offline_swept",
+    "baseline_10pct",
+    "promotions",
+    "worse_promotions",
+    "auto_default_vs_static",
+    "auto_default_vs_target",
+    "auto_default_vs_static_min",
+    "auto_default_vs_target_min",
+    "auto_draft_step_share",
+    "tokens_per_s_ratio",
+    "engine_checks",
+)
+
+
+def other_summary(report: dict) -> dict:
+    """``real_text``: the headline numbers of runs of other domains merged beside this one
+    (``--domains docs``: prompts from real documentation, not templates), per file; {} without."""
+    other = report.get("other_domains") or []
+    if not other:
+        return {}
+    return {
+        "real_text": [
+            {"file": o["file"], **{k: o["summary"][k] for k in OTHER_KEYS if k in o["summary"]}} for o in other
+        ]
+    }
+
+
+def grid_summary(report: dict) -> dict:
+    """``sampling_grid``: the recipe grid's teacher, student and mixed sampling rows (OSD Table 1:
+    the same traffic, the grid's center recipe otherwise), from a ``--grid`` JSON given to
+    ``--merge``; {} without one."""
+    g = report.get("grid") or {}
+    rows = {r["config"]["sampling"]: r for r in g.get("rows", []) if r.get("sampling_row")}
+    if not rows:
+        return {}
+    return {
+        "sampling_grid": {
+            level: {
+                "alpha_token": r["alpha_token"],
+                "mean": r["mean"],
+                "gain_vs_static": r["gain_vs_static"],
+                "trainer_cpu_s_per_request": r["trainer_cpu_s_per_request"],
+                **({"mix": r["config"]["mix"]} if "mix" in r["config"] else {}),
+            }
+            for level, r in rows.items()
+        }
+        | {"requests_per_domain": g.get("requests_per_domain"), "source": g.get("file")},
+    }
 
 
 def disjoint_summary(report: dict, clusters: list[str]) -> dict:
@@ -1652,6 +1754,19 @@ def grid_markdown(g: dict) -> str:
         )
     dp = g["depth"]
     pc = g["positions_cost"]
+    samp = {r["config"]["sampling"]: r for r in g["rows"] if r.get("sampling_row")}
+    if len(samp) > 1:
+        lines += [
+            "",
+            "Sampling (OSD Table 1; the center recipe otherwise, the same traffic): "
+            + "; ".join(
+                f"{lv}{' (λ = ' + str(r['config']['mix']) + ')' if 'mix' in r['config'] else ''} mean α "
+                f"{r['mean']:.3f} ({r['gain_vs_static']:+.3f} vs static), {r['trainer_cpu_s_per_request']:.2f} "
+                "trainer CPU s / request"
+                for lv, r in samp.items()
+            )
+            + ".",
+        ]
     lines += [
         "",
         f"Chosen (best probe α within {g['budget_s_per_request']} trainer CPU s per request): "
@@ -1799,9 +1914,65 @@ def doc_section(report: dict, table: str, plot_rel: str) -> str:
             f"{checks['identical']}/{checks['n']} outputs identical to the target's, the engine's per-token α equal to "
             f"the replayed one on {checks['alpha_equal']}/{checks['n']}.",
             *(["", "### The gate after a drift", "", shift_markdown(sh)] if sh.get("segments") else []),
+            *real_text_markdown(s),
+            *sampling_markdown(s),
             DOC_END,
         ]
     )
+
+
+def real_text_markdown(s: dict) -> list[str]:
+    """The doc's lines for the real-text domains' own runs (``summary.real_text``)."""
+    out: list[str] = []
+    for o in s.get("real_text", []):
+        out += [
+            "",
+            f"### Real text, not templates: {', '.join(o['clusters'])} (`{o['file']}`)",
+            "",
+            "Documentation paragraphs of pinned packages (transformers, torch, sympy, mlflow, ...; read from "
+            "site-packages, which the bootstrap corpus never lists), each asked to be rewritten in plain words: "
+            f"{o.get('requests_per_cluster')} distinct requests per cluster; its template-disjoint probe is the "
+            "packages served traffic never had (flask, jinja2, rich, click). Per-token α:",
+            "",
+            "| cluster | static | gated | ungated | offline bound | gated gain | gain, disjoint packages "
+            "| of offline gain | promotions (worse) | auto: champion ÷ static, ÷ target-only |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for d in o["clusters"]:
+            dj = (o.get("gain_template_disjoint") or {}).get("gated", {}).get(d)
+            fr = (o.get("offline_fraction") or {}).get(d)
+            vs = (o.get("auto_default_vs_static") or {}).get(d)
+            vt = (o.get("auto_default_vs_target") or {}).get(d)
+            out.append(
+                f"| {d} | {o['alpha_token_static'][d]:.3f} | {o['alpha_token_gated'][d]:.3f} | "
+                f"{o['alpha_token_ungated'][d]:.3f} | {o['alpha_token_offline'][d]:.3f} | {o['gain_gated'][d]:+.3f} | "
+                + ("-" if dj is None else f"{dj:+.3f}")
+                + " | "
+                + ("-" if fr is None else f"{fr:.2f}")
+                + f" | {o.get('promotions')} ({o.get('worse_promotions')}) | "
+                + ("-" if vs is None else f"{vs:.2f}x, {vt:.2f}x")
+                + " |"
+            )
+    return out
+
+
+def sampling_markdown(s: dict) -> list[str]:
+    """The doc's line for the grid's sampling comparison (``summary.sampling_grid``)."""
+    g = s.get("sampling_grid")
+    if not g:
+        return []
+    levels = [lv for lv in ("teacher", "student", "mixed") if lv in g]
+    return [
+        "",
+        f"Sampling (OSD Table 1, from the recipe grid's center recipe, {g['requests_per_domain']} requests per "
+        "domain, ungated, per-token α on the probe, mean over domains): "
+        + "; ".join(
+            f"{lv}{' (λ = ' + str(g[lv]['mix']) + ')' if 'mix' in g[lv] else ''} {g[lv]['mean']:.3f} "
+            f"({g[lv]['gain_vs_static']:+.3f}), {g[lv]['trainer_cpu_s_per_request']:.2f} trainer CPU s / request"
+            for lv in levels
+        )
+        + ".",
+    ]
 
 
 # ---------------------------------------------------------------- 10. main
@@ -1963,6 +2134,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a (partial) --grid JSON whose rows are reused where the recipe and traffic size match",
     )
     p.add_argument("--grid-requests", type=int, default=None, help="requests per domain of each grid run (default 80)")
+    p.add_argument(
+        "--domains",
+        default=",".join(DEFAULT_DOMAINS),
+        help="chat domains, one cluster each (comma-separated; default %(default)s). docs: documentation "
+        "paragraphs of pinned packages to rewrite in plain words, real text rather than templates "
+        "(specops.chat_workload.REAL_TEXT); run it on its own and --merge its JSON beside the main run's",
+    )
     p.add_argument("--batch", type=int, default=16, help="prompts per batched target generation")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -2008,15 +2186,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def set_domains(names) -> None:
+    """The domains (clusters) this process runs or reports: ``--domains`` for a run; for
+    ``--replot`` and ``--merge``, those the report measured."""
+    global DOMAINS
+    names = tuple(names)
+    unknown = [d for d in names if d not in ALL_DOMAINS]
+    if unknown or not names:
+        raise SystemExit(f"--domains: unknown {unknown or 'none given'}; choose from {', '.join(ALL_DOMAINS)}")
+    DOMAINS = names
+
+
+def report_domains(report: dict) -> list[str]:
+    """The domains a report measured, in :data:`ALL_DOMAINS` order."""
+    return [d for d in ALL_DOMAINS if d in (report.get("static") or {})]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    set_domains(d.strip() for d in args.domains.split(",") if d.strip())
     if args.replot:
         report = json.loads(args.replot.read_text())
+        set_domains(report_domains(report) or DOMAINS)
         args.json = args.json or args.replot
         if report.get("mode") == "teacher_forward":
             from benchmarks import osd_teacher
 
             return osd_teacher.finish(report, args)
+        if "rows" in report and "requests_per_domain" in report:  # a --grid run
+            set_domains([d for d in ALL_DOMAINS if d in report["static"]])
+            return grid_finish(report, args)
         return finish(report, args)
     if args.merge:
         if json.loads(args.merge[0].read_text()).get("mode") == "teacher_forward":
@@ -2026,6 +2225,15 @@ def main(argv: list[str] | None = None) -> int:
         report = {}
         for path in args.merge:
             part = json.loads(path.read_text())
+            if "rows" in part and "requests_per_domain" in part:  # a --grid run: its rows, kept beside the arms
+                report["grid"] = {**part, "file": str(path)}
+                continue
+            if report and not set(report_domains(part)) & set(report_domains(report)):
+                # a run of other domains (--domains docs): its summary, reported beside the main run's clusters
+                report.setdefault("other_domains", []).append(
+                    {"file": str(path), "command": part.get("command"), "summary": part.get("summary") or {}}
+                )
+                continue
             taken = [k for k in PARTS if k in part and k not in report]  # the first file holding a part gives it
             for key, value in part.items():
                 if key == "disjoint" and key in report:  # each part measured its own arms on the disjoint probe
@@ -2049,6 +2257,7 @@ def main(argv: list[str] | None = None) -> int:
             [".venv/bin/python", "benchmarks/osd.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
         )
         report["elapsed_s"] = max(m["elapsed_s"] or 0 for m in report["merged_from"])
+        set_domains(report_domains(report))
         return finish(report, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -2086,33 +2295,7 @@ def main(argv: list[str] | None = None) -> int:
                     "elapsed_s": time.perf_counter() - started,
                 }
             )
-            text = grid_markdown(g)
-            print(text)
-            if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(g, indent=1))
-            if not args.no_doc:
-                write_doc_section(
-                    args.doc,
-                    GRID_BEGIN,
-                    GRID_END,
-                    "\n".join(
-                        [
-                            GRID_BEGIN,
-                            "### The recipe grid (`benchmarks/osd.py --grid`)",
-                            "",
-                            "Command:",
-                            "",
-                            f"    {command}",
-                            "",
-                            f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.",
-                            "",
-                            text,
-                            GRID_END,
-                        ]
-                    ),
-                )
-            return 0
+            return grid_finish(g, args)
         report: dict = {"distinct_prompts": distinct}
         parts = set(args.parts.split(","))
         ocfg = online_config(args)
@@ -2230,7 +2413,7 @@ def main(argv: list[str] | None = None) -> int:
                 "promotions": len(grun["gates"]) and sum(g["promoted"] for g in grun["gates"]),
                 "curves": grun["curves"],
             }
-        if args.shift_requests and "shift" in parts:
+        if args.shift_requests and "shift" in parts and len(DOMAINS) >= 2:
             n = min(args.shift_requests, args.requests // 2)
             windows = tuple(w.strip() for w in args.gate_windows.split(",") if w.strip())
             a, b = DOMAINS[0], DOMAINS[1]
@@ -2308,6 +2491,38 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     return finish(report, args)
+
+
+def grid_finish(g: dict, args: argparse.Namespace) -> int:
+    """Table, JSON and doc section of a finished (or reloaded) ``--grid`` run."""
+    text = grid_markdown(g)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(g, indent=1))
+    if not args.no_doc:
+        env = g["environment"]
+        write_doc_section(
+            args.doc,
+            GRID_BEGIN,
+            GRID_END,
+            "\n".join(
+                [
+                    GRID_BEGIN,
+                    "### The recipe grid (`benchmarks/osd.py --grid`)",
+                    "",
+                    "Command:",
+                    "",
+                    f"    {g['command']}",
+                    "",
+                    f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.",
+                    "",
+                    text,
+                    GRID_END,
+                ]
+            ),
+        )
+    return 0
 
 
 def finish(report: dict, args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ SYSTEM = {
     "on its own line.",
     "api": "You are a Python programming assistant. Explain what the function does, its main parameters, "
     "and show a short usage example.",
+    "docs": "You are a technical writer. Rewrite the documentation the user gives you in plain words for "
+    "someone new to the library: short sentences, no jargon left unexplained.",
 }
 
 

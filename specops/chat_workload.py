@@ -40,6 +40,12 @@ from specops.chat_templates import SYSTEM, ChatPrompt, math_prompts, sql_prompts
 from specops.prompts import Prompt
 
 DOMAINS = ("sql", "math", "api")
+"""The default domains: two from templates, one from templated questions about real functions."""
+REAL_TEXT = ("docs",)
+"""Domains whose prompts are real text, not templates: ``docs`` (documentation paragraphs of
+pinned packages to rewrite in plain words). Not in :data:`DOMAINS`: a run asks for them
+(``benchmarks/osd.py --domains``)."""
+ALL_DOMAINS = DOMAINS + REAL_TEXT
 
 API_PACKAGES = ("numpy", "scipy", "pandas", "sklearn", "networkx", "sqlalchemy")
 """Pinned packages (``constraints.txt``) whose public functions the ``api`` domain asks about."""
@@ -129,23 +135,124 @@ def _api_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
     return out
 
 
-_GENERATORS = {"sql": sql_prompts, "math": math_prompts, "api": _api_prompts}
+# ------------------------------------------------------------------------------------ docs
+DOCS_PACKAGES = (
+    "transformers",
+    "torch",
+    "matplotlib",
+    "pydantic",
+    "mlflow",
+    "click",
+    "jinja2",
+    "rich",
+    "requests",
+    "flask",
+    "werkzeug",
+    "alembic",
+    "sympy",
+    "aiohttp",
+)
+"""Pinned packages (``constraints.txt``) whose documentation paragraphs the ``docs`` domain asks
+to rewrite: none of :data:`API_PACKAGES`, so ``docs`` and ``api`` share no source."""
+
+_DOCS_ASKS = (
+    "Rewrite this paragraph from the {pkg} documentation in plain words:",
+    "Explain this passage of the {pkg} docs in simple terms:",
+    "I am new to {pkg}. What does this part of its documentation mean?",
+    "Say this more simply, for someone who has never used {pkg}:",
+)
+_MARKUP = re.compile(r">>>|::|^\s*\.\.|\|\s|={3,}|-{3,}|:math:|\$\$|\\\\|\{\{|%\(|https?://", re.M)
+
+
+def doc_paragraphs(packages: tuple[str, ...] = DOCS_PACKAGES) -> list[tuple[str, str, str]]:
+    """(package, module, paragraph) of every prose paragraph in the docstrings (module, class and
+    function, at any depth) of ``packages`` as installed, read with ``ast`` (nothing is imported).
+
+    A paragraph is a block of a docstring between blank lines, whitespace collapsed, kept when it
+    reads as prose: 200-700 characters, at least 30 words, ending a sentence, mostly letters, and
+    free of doctest, reST directives, tables, formulas and links. Sorted; parsed once per process."""
+    return list(_doc_paragraphs(tuple(packages)))
+
+
+@functools.lru_cache(maxsize=4)
+def _doc_paragraphs(packages: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    out, keys = [], set()
+    for file in source_files(packages):
+        try:
+            tree = ast.parse(file.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = _module_name(file)
+        pkg = module.split(".")[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node) or ""
+            for block in re.split(r"\n\s*\n", doc):
+                if _MARKUP.search(block):
+                    continue
+                para = " ".join(block.split())
+                key = _near(para)
+                if _is_prose(para) and key not in keys:  # once: the first file wins (sorted, deterministic)
+                    keys.add(key)
+                    out.append((pkg, module, para))
+    return tuple(sorted(out))
+
+
+def _near(para: str) -> tuple[str, str]:
+    """Two paragraphs with this key are one copied with a few names changed (``transformers``
+    repeats a docstring across dozens of models): their first and last 60 letters."""
+    letters = re.sub(r"[^a-z]", "", para.lower())
+    return letters[:60], letters[-60:]
+
+
+_SECTIONS = ("Args", "Arguments", "Parameters", "Returns", "Raises", "Yields", "Example", "Attributes", "Note:")
+_FIELD = re.compile(r"\b[a-z_][a-z0-9_]*: ")
+
+
+def _is_prose(para: str) -> bool:
+    if not 200 <= len(para) <= 700 or len(para.split()) < 30 or not para.endswith((".", ")")):
+        return False
+    if para.count("`") > 10 or para.count("_") > 8 or para.count("*") > 4 or para.startswith(_SECTIONS):
+        return False
+    if any(f" {s}:" in para for s in ("Args", "Returns", "Raises", "Parameters", "Example", "Examples")):
+        return False
+    if len(_FIELD.findall(para)) >= 2:  # a parameter list ("name: what it is. other: ..."), not prose
+        return False
+    letters = sum(c.isalpha() or c == " " for c in para)
+    return letters / len(para) >= 0.85 and para[0].isupper()
+
+
+def _docs_prompts(rng: random.Random, n: int) -> list[ChatPrompt]:
+    paras = doc_paragraphs()
+    rng.shuffle(paras)
+    out = []
+    for pkg, module, para in paras[:n]:
+        user = rng.choice(_DOCS_ASKS).format(pkg=pkg) + "\n\n" + para
+        out.append(ChatPrompt("docs", f"docs:{module}", (("system", SYSTEM["docs"]), ("user", user))))
+    return out
+
+
+_GENERATORS = {"sql": sql_prompts, "math": math_prompts, "api": _api_prompts, "docs": _docs_prompts}
+_FINITE = {"api": api_functions, "docs": doc_paragraphs}
+"""Domains drawn from a finite list of real items (every item in one draw, not sampled again)."""
 
 FAMILIES = ("all", "seen", "held_out")
 HELD_OUT = {
     "sql": frozenset({"flights", "patients", "songs"}),
     "math": frozenset({"t02", "t05", "t11", "t16"}),
     "api": frozenset({"sqlalchemy", "sklearn"}),
+    "docs": frozenset({"flask", "jinja2", "rich", "click"}),
 }
 """Per domain, the families (``sql``: table schemas, 3 of 14; ``math``: problem templates, 4 of
-20; ``api``: packages, 2 of 6) that a template-disjoint probe draws from and served traffic
+20; ``api``: packages, 2 of 6; ``docs``: packages, 4 of 14) that a template-disjoint probe draws from and served traffic
 (``families="seen"``) never does: what a draft gains there it did not get by memorising a
 template's phrasing, a schema or a package's names."""
 
 
 def family(source: str) -> str:
     """A prompt's family from its ``source``: ``sql:flights`` -> ``flights``, ``math:t02`` ->
-    ``t02``, ``api:numpy.linalg.norm`` -> ``numpy``."""
+    ``t02``, ``api:numpy.linalg.norm`` -> ``numpy``, ``docs:flask.app`` -> ``flask``."""
     return source.split(":", 1)[1].split(".")[0]
 
 
@@ -157,7 +264,7 @@ def chat_prompts(domain: str, n: int, *, seed: int = 0, families: str = "all") -
     ``seen`` (none of :data:`HELD_OUT`'s) or ``held_out`` (only those); the prompts kept are
     those ``all`` gives, in the same order, less the others."""
     if domain not in _GENERATORS:
-        raise ValueError(f"unknown chat domain {domain!r}; one of {DOMAINS}")
+        raise ValueError(f"unknown chat domain {domain!r}; one of {ALL_DOMAINS}")
     if families not in FAMILIES:
         raise ValueError(f"families must be one of {FAMILIES}, got {families!r}")
     rng = random.Random(f"chat:{domain}:{seed}")
@@ -166,7 +273,7 @@ def chat_prompts(domain: str, n: int, *, seed: int = 0, families: str = "all") -
     for attempt in range(32):  # templates collide: draw more until n distinct ones (or the domain is exhausted)
         ask = max(n - len(out), 1) * (2 if attempt else 1) + 16
         if families != "all":  # a share of the draws is left out: draw more (api: every function, in one go)
-            ask = len(api_functions()) if domain == "api" else ask * 3
+            ask = len(_FINITE[domain]()) if domain in _FINITE else ask * 3
         for p in _GENERATORS[domain](rng, ask):
             if families != "all" and (family(p.source) in HELD_OUT[domain]) != (families == "held_out"):
                 continue
@@ -176,7 +283,7 @@ def chat_prompts(domain: str, n: int, *, seed: int = 0, families: str = "all") -
                 out.append(p)
                 if len(out) == n:
                     return out
-        if domain == "api":
+        if domain in _FINITE:  # every item was in the one draw
             break
     return out
 

@@ -16,12 +16,20 @@ if TYPE_CHECKING:
     from specops.demo import DemoConfig
 
 
-def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg: DemoConfig) -> list[SpeedRow]:
-    """Target-only vs the static draft vs each cluster's champion, greedy, one request at a time.
+def compare_speed(
+    console: Console, server, unseen: dict[str, list[Prompt]], cfg: DemoConfig, *, before: bool = False
+) -> list[SpeedRow]:
+    """Target-only vs the static draft vs each cluster's champion vs ``auto``, greedy, one
+    request at a time.
 
     On prompts of the cluster's domain that the workload never served (their token ids as
     the server would see them: a chat prompt rendered with the chat template): what the
-    champion gained there it learned about the domain, not about the prompts it saw."""
+    champion gained there it learned about the domain, not about the prompts it saw.
+
+    ``auto`` decodes as the server decodes a request that names no method: the replica's own
+    policy, the cluster's current draft and datastore, and the copy sources its past sessions
+    hold (read, not added to: no arm copies from another arm's output). ``before``: target-only and ``auto``
+    only, before any traffic (the static draft, a policy with no history)."""
     from tqdm import tqdm
 
     from specops.core.models import ModelPair
@@ -32,24 +40,39 @@ def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg
     state = server.state
     pair, tok = state.pair, state.pair.tokenizer
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_tokens)
+    sessions = getattr(state.node, "sessions", None)
+    scope = "anonymous" if state.cfg.session_sharing == "tenant" else ""  # the demo's one tenant (no api keys)
     out: list[SpeedRow] = []
-    for cluster in sorted(set(unseen) & set(state.follower.slots)):
-        handle = state.follower.slot(cluster).current()
-        arms = {
-            "target-only": (pair.draft, "target", ""),
-            "static draft": (pair.draft, "draft", "base"),
-            "online draft": (handle.model, "draft", handle.version),
-        }
+    clusters = sorted(set(unseen) & (set(state.known_clusters.names()) | set(state.follower.slots)))
+    for cluster in clusters:
+        if before or cluster not in state.follower.slots:
+            model, version = pair.draft, "base"
+        else:
+            handle = state.follower.slot(cluster).current()
+            model, version = handle.model, handle.version
+        arms = {"target-only": (pair.draft, "target", "")}
+        if not before:
+            arms["static draft"] = (pair.draft, "draft", "base")
+            arms["online draft"] = (model, "draft", version)
+        arms["auto"] = (model, "auto", version)
         datastore = state.datastores.current(cluster) if state.datastores is not None else None
-        if datastore is not None and datastore.datastore is not None:  # rebuilt from this cluster's traffic
+        if not before and datastore is not None and datastore.datastore is not None:  # rebuilt from its traffic
             arms["dresd (served traffic)"] = (pair.draft, "dresd", datastore.version)
+        past = sessions.index(cluster, scope) if sessions is not None else None
         results = {a: [] for a in arms}
-        for prompt in tqdm(unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster}", unit="prompt", leave=False):
+        what = "before the traffic" if before else "after"
+        for prompt in tqdm(
+            unseen[cluster][: cfg.eval_prompts], desc=f"speed {cluster} ({what})", unit="prompt", leave=False
+        ):
             ids = list(prompt.token_ids)
             for arm, (draft, method, _) in arms.items():  # interleaved: machine noise hits every arm alike
                 engine = SpecEngine(ModelPair(target=pair.target, draft=draft, tokenizer=tok))
                 resources = ProposerResources(
-                    pair=engine.pair, cluster=cluster, datastore=datastore.datastore if method == "dresd" else None
+                    pair=engine.pair,
+                    cluster=cluster,
+                    datastore=datastore.datastore if method in ("dresd", "auto") and datastore is not None else None,
+                    reference_indexes=(past,) if method == "auto" and past is not None else (),
+                    policy=state.policy if method == "auto" else None,
                 )
                 results[arm].append(engine.generate(ids, params, method=method, resources=resources))
         ref = [r.token_ids for r in results["target-only"]]
@@ -69,9 +92,23 @@ def compare_speed(console: Console, server, unseen: dict[str, list[Prompt]], cfg
                     num_prompts=len(res),
                     identical=[r.token_ids for r in res] == ref,
                     alpha=accepted / tried if drafted and tried else float("nan"),
+                    **(_auto_share(res) if method == "auto" else {}),
                 )
             )
     return out
+
+
+def _auto_share(results) -> dict:
+    """``auto``'s share of steps on the draft model over ``results``, and the α of those steps."""
+    methods = [r.stats.policy.get("methods", {}) for r in results]
+    steps = sum(n["steps"] for m in methods for n in m.values())
+    d = [m.get("draft", {}) for m in methods]
+    acc = sum(x.get("accepted", 0) for x in d)
+    tried = acc + sum(x.get("rejected_steps", 0) for x in d)
+    return {
+        "draft_share": sum(x.get("steps", 0) for x in d) / steps if steps else float("nan"),
+        "draft_alpha": acc / tried if tried else float("nan"),
+    }
 
 
 def registry_versions(registry) -> list[dict]:
@@ -116,6 +153,8 @@ def print_summary(
         "versions served",
         "speedup vs target",
         "vs static",
+        "auto: on draft",
+        "auto vs target",
     ):
         table.add_column(col, justify="left" if col == "cluster" else "right")
 
@@ -133,9 +172,17 @@ def print_summary(
             ", ".join(c["draft_versions"]),
             f(c.get("speedup_vs_target"), ".2f", "x"),
             f(c.get("speedup_vs_static"), ".2f", "x"),
+            f"{f(c.get('auto_draft_share_first_half'), '.0%')}→{f(c.get('auto_draft_share_last_half'), '.0%')}",
+            f"{f(c.get('auto_speedup_vs_target_before'), '.2f', 'x')}→{f(c.get('auto_speedup_vs_target'), '.2f', 'x')}",
         )
     console.print(table)
     console.print(f"[dim]{summary['alpha_definition']}[/]")
+    if any("auto_draft_share_first_half" in c for c in summary["clusters"].values()):
+        console.print(
+            "[dim]auto: on draft = the default method's share of steps on the draft model over the served traffic, "
+            "first half → last half; auto vs target = its tokens/s over target-only's on never-served prompts, "
+            "before the traffic → after[/]"
+        )
     console.print(f"failed requests: {summary['failed_requests']} of {summary['requests']}")
     console.print(f"[bold]Report:[/] {index.resolve()}  (summary: {(report_dir / 'summary.json').resolve()})")
     console.print(

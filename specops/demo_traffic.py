@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from specops.report_data import DemoRun, Promotion, acceptance, token_alpha
+from specops.report_data import DemoRun, Promotion, acceptance, draft_share, token_alpha
 
 if TYPE_CHECKING:
     from specops.demo import DemoConfig
@@ -27,7 +27,11 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
 
     schedule = workload.schedule
     replayer = Replayer(
-        server.url + "/v1", server.cfg.served_model_name, clients=cfg.clients, max_tokens=cfg.max_tokens
+        server.url + "/v1",
+        server.cfg.served_model_name,
+        clients=cfg.clients,
+        max_tokens=cfg.max_tokens,
+        method=cfg.method or None,
     )
     watcher = PromotionWatcher(registry, console)
     rows, routed_ok, lock = [], [0, 0], threading.Lock()
@@ -87,7 +91,9 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
         "router": "fitted on each domain's router prompts (disjoint from served and eval prompts)"
         if chat
         else "fitted on the bootstrap's training text",
-        "speculation": f"draft, k={DEFAULT_K['draft']}",
+        "speculation": f"{cfg.method}, k={DEFAULT_K.get(cfg.method, 'default')}"
+        if cfg.method
+        else "none named: the server's default, auto (the draft model, LLMA or target-only per step)",
     }
     rows.sort(key=lambda r: r.t)
     return DemoRun(
@@ -106,16 +112,41 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
 
 def _live(rows, watcher) -> str:
     """α per cluster over its last 20 requests (the OSD per-token α; accepted / drafted, as
-    ``acc``, from a server that does not report rejected steps), its version, promotions."""
+    ``acc``, from a server that does not report rejected steps), ``auto``'s share of steps on
+    the draft model there (when ``auto`` decoded them), its version, promotions."""
     parts = []
     for cluster in sorted({r.cluster for r in rows if r.ok}):
         recent = [r for r in rows if r.ok and r.cluster == cluster][-20:]
         alpha, name = token_alpha(recent), "α"
         if alpha is None and any(r.rejected_steps is None for r in recent):
             alpha, name = acceptance(recent), "acc"
-        parts.append(f"{cluster} {name} {float('nan') if alpha is None else alpha:.2f} (v{recent[-1].draft_version})")
+        share = draft_share(recent)
+        on_draft = "" if share is None else f" draft {share:.0%}"
+        version = recent[-1].draft_version or "-"
+        parts.append(f"{cluster} {name} {float('nan') if alpha is None else alpha:.2f}{on_draft} (v{version})")
     promos = sum(e.kind == "promote" for e in watcher.events)
     return " | ".join(parts) + f" | promotions {promos}"
+
+
+def late_promotions(registry, run: DemoRun, console: Console) -> None:
+    """Champions promoted after the traffic ended (the trainer finishes the update it is in when
+    it stops, and its gate may promote it), added to ``run.promotions`` at the workload's end: the
+    closing comparison serves them, so the report names them."""
+    from specops.registry.errors import RegistryError
+
+    last = {p.cluster: p.version for p in sorted(run.promotions, key=lambda p: p.t)}
+    t_end = max([r.t for r in run.requests] + [p.t for p in run.promotions], default=0.0)
+    try:
+        drafts = registry.artifact("draft")
+        for cluster in drafts.keys():
+            champ = drafts.by_alias(cluster)
+            if champ is None or last.get(cluster) == champ.version:
+                continue
+            reason = champ.tags.get("gate_reason", "") + " (promoted as the trainer stopped, after the traffic)"
+            run.promotions.append(Promotion(t=t_end, cluster=cluster, version=champ.version, reason=reason))
+            console.print(f"[green]promote draft-{cluster} → v{champ.version}[/] [dim](as the trainer stopped)[/]")
+    except RegistryError as exc:  # best effort: the report still has everything else
+        log.warning("could not read the registry's last champions: %s", exc)
 
 
 class PromotionWatcher:

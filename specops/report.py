@@ -35,7 +35,7 @@ from specops.report_data import (
     summarize,
     version_label,
 )
-from specops.report_plots import METHODS, plot_alpha, plot_speedup
+from specops.report_plots import METHODS, plot_alpha, plot_auto, plot_speedup
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,11 @@ def _fmt(v: Any, nd: int = 3) -> str:
     if isinstance(v, dict):
         return json.dumps(strict_json(v), default=str)
     return str(v)
+
+
+def _fmt_or(v: float | None, spec: str, suffix: str = "") -> str:
+    """A number in ``spec`` (with ``suffix``), or an em dash when missing."""
+    return "—" if v is None or not math.isfinite(v) else f"{v:{spec}}{suffix}"
 
 
 def _cell(v: Any) -> Cell:
@@ -208,11 +213,72 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
         speed_rows,
     )
 
+    auto_rows = []
+    for name, c in s["clusters"].items():
+        if "auto_draft_share_first_half" not in c:
+            continue
+        arrow = lambda a, b, spec=".2f", suffix="": f"{_fmt_or(a, spec, suffix)} → {_fmt_or(b, spec, suffix)}"  # noqa: E731
+        auto_rows.append(
+            [
+                name,
+                arrow(c["auto_draft_share_first_half"], c["auto_draft_share_last_half"], ".0%"),
+                arrow(c["auto_draft_alpha_first_half"], c["auto_draft_alpha_last_half"], ".3f"),
+                arrow(c["auto_served_tokens_per_s_first_half"], c["auto_served_tokens_per_s_last_half"], ".1f"),
+                arrow(c["auto_draft_share_before"], c["auto_draft_share_after"], ".0%"),
+                arrow(c["auto_speedup_vs_target_before"], c["auto_speedup_vs_target"], ".2f", "×"),
+            ]
+        )
+    auto = _table(
+        [
+            "cluster",
+            "served: steps on the draft, first → last half",
+            "served: draft α, first → last half",
+            "served: tokens/s, first → last half",
+            "never served: steps on the draft, before → after",
+            "never served: auto vs target-only, before → after",
+        ],
+        auto_rows,
+    )
+    before_rows = [
+        [
+            r.cluster,
+            r.method,
+            r.draft_version,
+            _num(r.tokens_per_s, ".1f"),
+            _num(
+                speed_ratio(r, {x.method: x for x in run.speed_before if x.cluster == r.cluster}.get("target-only")),
+                ".2f",
+                "×",
+            ),
+            _num(r.draft_share, ".0%"),
+            _num(r.alpha),
+            r.num_prompts,
+            Cell("yes") if r.identical else Cell("NO", "bad"),
+        ]
+        for r in run.speed_before
+    ]
+    before = _table(
+        [
+            "cluster",
+            "method",
+            "draft version",
+            "tokens/s",
+            "× target-only",
+            "auto: steps on the draft",
+            "α",
+            "prompts",
+            "identical to target-only (greedy)",
+        ],
+        before_rows,
+    )
+
     keys = list(dict.fromkeys(k for v in run.registry_versions for k in v))
     champion = ["champion" if "champion" in (v.get("aliases") or []) else "" for v in run.registry_versions]
     tables = {
         "clusters": clusters,
         "speed": speed,
+        "auto": auto,
+        "speed_before": before,
         "versions": _table(keys, [[v.get(k) for k in keys] for v in run.registry_versions], champion),
         "promotions": _table(
             ["t (s)", "cluster", "kind", "version", "reason"],
@@ -236,12 +302,13 @@ def render_html(run: DemoRun, summary: dict, out_dir: Path) -> str:
         images={
             "alpha": _img(out_dir / "alpha.png", "α over time per cluster"),
             "speedup": _img(out_dir / "speedup.png", "tokens/s per method and cluster"),
+            "auto": _img(out_dir / "auto.png", "the default method over time per cluster"),
         },
     )
 
 
 def write_report(run: DemoRun, out_dir: Path) -> Path:
-    """Write ``run.json``, ``summary.json``, ``alpha.png``, ``speedup.png`` and ``index.html`` into
+    """Write ``run.json``, ``summary.json``, ``alpha.png``, ``speedup.png``, ``auto.png`` and ``index.html`` into
     ``out_dir``; return the path of ``index.html``. The JSON goes first, so a plotting failure loses no data."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +317,7 @@ def write_report(run: DemoRun, out_dir: Path) -> Path:
     dump_json(summary, out_dir / "summary.json")
     plot_alpha(run, out_dir / "alpha.png")
     plot_speedup(run, out_dir / "speedup.png")
+    plot_auto(run, out_dir / "auto.png")
     index = out_dir / "index.html"
     index.write_text(render_html(run, summary, out_dir), encoding="utf-8")
     logger.info("report written to %s (%d requests, %d failed)", index, summary["requests"], summary["failed_requests"])

@@ -27,6 +27,14 @@ In ``summary.json`` each cluster gets
 - ``promotions`` (kind ``promote``), ``rollbacks``, ``draft_versions`` (served, in order of first use).
 - ``speedup_vs_target`` / ``speedup_vs_static``: online-draft tokens/s over target-only / static-draft
   tokens/s; ``null`` when either side was not measured.
+- The default method (where ``auto`` decoded the traffic or was measured): ``auto_draft_share_*``
+  (its share of verification steps on the draft model), ``auto_draft_alpha_*`` (the per-token α
+  of those steps) and ``auto_served_tokens_per_s_*`` (generated tokens per decode second, as the
+  server timed them) over the served traffic's first and last half; ``auto_speedup_vs_target_before``
+  / ``auto_speedup_vs_target``: its tokens/s over target-only's on the never-served prompts,
+  before any traffic (the static draft, the policy with no history) and after it (the final
+  champion, the policy as the traffic left it), with its draft share and α there
+  (``auto_draft_share_before`` ...).
 
 An α or acceptance with no tried (drafted) tokens is ``null``: ``summary.json`` and ``run.json`` are
 strict JSON (no NaN).
@@ -60,6 +68,17 @@ class RequestRow:
     ok: bool = True  # False = the request failed (error response / exception)
     rejected_steps: int | None = None  # verification steps that ended in a rejection (None: not reported)
     domain: str = ""  # the workload's true domain of the prompt ("" when unknown)
+    method: str = ""  # the method that decoded it (the response's speculation.method; "" when not reported)
+    decode_s: float | None = None  # the server's decode seconds (speculation.decode_s)
+    steps: int | None = None  # auto: verification steps in all (None: a fixed method)
+    draft_steps: int | None = None  # auto: steps the draft model proposed
+    draft_accepted: int | None = None  # auto: tokens accepted on those steps
+    draft_rejected_steps: int | None = None  # auto: those steps that ended in a rejection
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per decode second, as the server measured it; nan when not reported."""
+        return self.num_generated / self.decode_s if self.decode_s else math.nan
 
     @property
     def alpha(self) -> float:
@@ -98,6 +117,8 @@ class SpeedRow:
     num_prompts: int
     identical: bool  # greedy outputs identical to target-only (losslessness check)
     alpha: float = math.nan  # OSD per-token α over the eval prompts (nan for target-only, or not measured)
+    draft_share: float = math.nan  # auto: its share of verification steps on the draft model (nan: a fixed method)
+    draft_alpha: float = math.nan  # auto: the per-token α of its draft-model steps (nan: none, or a fixed method)
 
 
 @dataclass
@@ -114,6 +135,7 @@ class DemoRun:
     mlflow_ui_url: str | None
     api_url: str | None
     notes: list[str] = field(default_factory=list)  # free-form lines shown at the top (e.g. warnings)
+    speed_before: list[SpeedRow] = field(default_factory=list)  # target-only and auto before any traffic
 
 
 # ---------------------------------------------------------------------------------------------- numbers
@@ -139,6 +161,28 @@ def acceptance(rows: list[RequestRow]) -> float | None:
     """Σ accepted / Σ drafted of ``rows``; None when they drafted nothing."""
     drafted = sum(r.drafted for r in rows)
     return sum(r.accepted for r in rows) / drafted if drafted else None
+
+
+def draft_share(rows: list[RequestRow]) -> float | None:
+    """``auto``'s share of verification steps on the draft model over ``rows`` (pooled); None
+    when none of them was decoded by ``auto``."""
+    rows = [r for r in rows if r.steps is not None]
+    steps = sum(r.steps for r in rows)
+    return sum(r.draft_steps or 0 for r in rows) / steps if steps else None
+
+
+def draft_alpha(rows: list[RequestRow]) -> float | None:
+    """The per-token α of ``auto``'s draft-model steps over ``rows`` (pooled); None when it ran none."""
+    acc = sum(r.draft_accepted or 0 for r in rows if r.steps is not None)
+    tried = acc + sum(r.draft_rejected_steps or 0 for r in rows if r.steps is not None)
+    return acc / tried if tried else None
+
+
+def served_speed(rows: list[RequestRow]) -> float | None:
+    """Generated tokens per decode second over ``rows`` (pooled, as the server timed them); None
+    when none reported its decode time."""
+    rows = [r for r in rows if r.decode_s]
+    return sum(r.num_generated for r in rows) / sum(r.decode_s for r in rows) if rows else None
 
 
 def has_alpha(run: DemoRun) -> bool:
@@ -189,6 +233,34 @@ def speed_ratio(num: SpeedRow | None, den: SpeedRow | None) -> float | None:
     return num.tokens_per_s / den.tokens_per_s
 
 
+def auto_summary(run: DemoRun, cluster: str, rows: list[RequestRow]) -> dict:
+    """The default method's numbers of one cluster ({} when ``auto`` decoded none of its requests
+    and was not measured): on the served traffic, its share of steps on the draft model, the
+    draft's α on them and its tokens/s, first half vs last half; on the never-served prompts,
+    its speed-up over target-only before any traffic (the static draft) and after (the final
+    champion), each against target-only measured beside it."""
+    half = len(rows) // 2
+    sp = speeds_of(run, cluster)
+    pre = {s.method: s for s in run.speed_before if s.cluster == cluster}
+    if not any(r.steps is not None for r in rows) and "auto" not in sp:
+        return {}
+    after, before = sp.get("auto"), pre.get("auto")
+    return {
+        "auto_draft_share_first_half": _r(draft_share(rows[:half])),
+        "auto_draft_share_last_half": _r(draft_share(rows[half:])),
+        "auto_draft_alpha_first_half": _r(draft_alpha(rows[:half])),
+        "auto_draft_alpha_last_half": _r(draft_alpha(rows[half:])),
+        "auto_served_tokens_per_s_first_half": _r(served_speed(rows[:half]), 2),
+        "auto_served_tokens_per_s_last_half": _r(served_speed(rows[half:]), 2),
+        "auto_speedup_vs_target_before": _r(speed_ratio(before, pre.get("target-only")), 3),
+        "auto_speedup_vs_target": _r(speed_ratio(after, sp.get("target-only")), 3),
+        "auto_draft_share_before": _r(before.draft_share) if before else None,
+        "auto_draft_share_after": _r(after.draft_share) if after else None,
+        "auto_draft_alpha_before": _r(before.draft_alpha) if before else None,
+        "auto_draft_alpha_after": _r(after.draft_alpha) if after else None,
+    }
+
+
 def summarize(run: DemoRun) -> dict:
     """The content of ``summary.json`` (see the module docstring for what each number means)."""
     clusters = {}
@@ -220,6 +292,7 @@ def summarize(run: DemoRun) -> dict:
             "draft_versions": versions,
             "speedup_vs_target": _r(speed_ratio(sp.get("online draft"), sp.get("target-only")), 3),
             "speedup_vs_static": _r(speed_ratio(sp.get("online draft"), sp.get("static draft")), 3),
+            **auto_summary(run, name, rows),
         }
     return {
         "clusters": clusters,
@@ -266,6 +339,7 @@ def load_run(path: Path) -> DemoRun:
     d["requests"] = [_build(RequestRow, r) for r in d.get("requests", [])]
     d["promotions"] = [_build(Promotion, p) for p in d.get("promotions", [])]
     d["speed"] = [_build(SpeedRow, s) for s in d.get("speed", [])]
+    d["speed_before"] = [_build(SpeedRow, s) for s in d.get("speed_before", [])]
     return _build(DemoRun, d)
 
 

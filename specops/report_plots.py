@@ -9,9 +9,12 @@ from specops.report_data import (
     DemoRun,
     acceptance,
     clusters_of,
+    draft_alpha,
+    draft_share,
     has_alpha,
     phase_spans,
     served,
+    served_speed,
     speed_ratio,
     speeds_of,
     token_alpha,
@@ -19,8 +22,8 @@ from specops.report_data import (
 )
 
 ROLLING = 20  # requests in the rolling α line of alpha.png
-METHODS = ("target-only", "static draft", "online draft")
-METHOD_COLORS = {"target-only": "#7f7f7f", "static draft": "#1f77b4", "online draft": "#2ca02c"}
+METHODS = ("target-only", "static draft", "online draft", "auto")
+METHOD_COLORS = {"target-only": "#7f7f7f", "static draft": "#1f77b4", "online draft": "#2ca02c", "auto": "#ff7f0e"}
 PHASE_COLORS = ("#fde7c8", "#d9ecf7", "#e3f2d9", "#f3dff0", "#eeeeee", "#fff5b8")
 DPI = 110
 
@@ -144,4 +147,70 @@ def plot_speedup(run: DemoRun, path: Path) -> None:
         "Decoding speed: target-only vs static draft vs online draft (× = speedup over target-only)", fontsize=10
     )
     fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def plot_auto(run: DemoRun, path: Path) -> None:
+    """The default method over time, one panel per cluster: ``auto``'s share of steps on the
+    draft model and the per-token α of those steps (rolling, pooled), its served tokens/s (right
+    axis), promotions; the title gives its speed-up over target-only on the never-served prompts
+    before the traffic and after it."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    names = [n for n in clusters_of(run) if any(r.steps is not None for r in served(run, n))] or ["(no auto requests)"]
+    t_end = max([r.t for r in run.requests] + [p.t for p in run.promotions]) if run.requests else run.duration_s
+    scale, unit = (60.0, "min") if t_end > 300 else (1.0, "s")
+    fig = Figure(figsize=(11, 2.9 * len(names) + 1.0), layout="constrained")
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, name in zip(axes, names):
+        rows = [r for r in served(run, name) if r.steps is not None]
+        ax2 = ax.twinx()
+        if rows:
+            t = [r.t / scale for r in rows]
+            win = [rows[max(0, i - ROLLING + 1) : i + 1] for i in range(len(rows))]
+            nan = lambda x: math.nan if x is None else x  # noqa: E731
+            ax.plot(t, [nan(draft_share(w)) for w in win], color="#2ca02c", lw=1.8)
+            ax.plot(t, [nan(draft_alpha(w)) for w in win], color="#d62728", lw=1.4, ls="--")
+            ax2.plot(t, [nan(served_speed(w)) for w in win], color="#7f7f7f", lw=1.2, alpha=0.8)
+        for p in (p for p in run.promotions if p.cluster == name and p.kind == "promote"):
+            ax.axvline(p.t / scale, color="#2ca02c", ls=":", lw=1.0, zorder=0)
+            ax.text(
+                p.t / scale,
+                1.03,
+                version_label(p.version),
+                color="#2ca02c",
+                fontsize=8,
+                rotation=90,
+                ha="right",
+                va="top",
+            )
+        before = {s.method: s for s in run.speed_before if s.cluster == name}
+        after = speeds_of(run, name)
+        ratio = lambda sp: speed_ratio(sp.get("auto"), sp.get("target-only"))  # noqa: E731
+        b, a = ratio(before), ratio(after)
+        note = (
+            "auto vs target-only on never-served prompts: "
+            + ("-" if b is None else f"{b:.2f}×")
+            + " before the traffic → "
+            + ("-" if a is None else f"{a:.2f}×")
+            + " after"
+        )
+        ax.set_title(f"cluster {name}: {note}", loc="left", fontsize=10)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("share / α")
+        ax2.set_ylabel("served tokens/s")
+        ax2.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel(f"time since the workload started ({unit})")
+    handles = [
+        Line2D(
+            [], [], color="#2ca02c", lw=1.8, label=f"auto's steps on the draft model (share, last {ROLLING} requests)"
+        ),
+        Line2D([], [], color="#d62728", ls="--", lw=1.4, label="per-token α of those steps"),
+        Line2D([], [], color="#7f7f7f", lw=1.2, label="served tokens/s (decode, right axis)"),
+        Line2D([], [], color="#2ca02c", ls=":", label="promotion (version)"),
+    ]
+    fig.suptitle("The default method (auto) over time: how much it drafts with the learning draft", fontsize=12)
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, fontsize=8, frameon=False)
     fig.savefig(path, dpi=DPI)

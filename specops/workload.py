@@ -261,11 +261,32 @@ def rejected_steps(spec: dict) -> int | None:
     return None
 
 
+def auto_fields(spec: dict) -> dict:
+    """What a response's ``speculation`` block says of the method that decoded it: the method,
+    its decode seconds, and under ``auto`` (its ``auto`` block) the verification steps in all and
+    the draft model's own (steps, accepted tokens, rejected steps): the share of ``auto``'s steps
+    on the draft, and the draft's per-token α where it ran. Fields the block lacks are left out."""
+    out: dict = {"method": str(spec.get("method") or "")}
+    decode_s = spec.get("decode_s")
+    if isinstance(decode_s, (int, float)) and not isinstance(decode_s, bool) and decode_s > 0:
+        out["decode_s"] = float(decode_s)
+    methods = (spec.get("auto") or {}).get("methods") if isinstance(spec.get("auto"), dict) else None
+    if isinstance(methods, dict):
+        ints = lambda m, k: int(v) if isinstance(v := (methods.get(m) or {}).get(k, 0), int) else 0  # noqa: E731
+        out["steps"] = sum(ints(m, "steps") for m in methods)
+        out["draft_steps"] = ints("draft", "steps")
+        out["draft_accepted"] = ints("draft", "accepted")
+        out["draft_rejected_steps"] = ints("draft", "rejected_steps")
+    return out
+
+
 class Replayer:
     """Replays a schedule through the OpenAI API with ``clients`` threads, in schedule order:
     chat requests with ``client.chat.completions.create``, completions with
-    ``client.completions.create``; both ask for draft speculation and read the response's
-    ``speculation`` block."""
+    ``client.completions.create``; both read the response's ``speculation`` block. ``method``:
+    the speculation method every request names (``{"speculation": {"method": ...}}``); None
+    (the default) names none, so the server decodes with its default, ``auto``, as a client
+    that knows nothing of speculation gets."""
 
     def __init__(
         self,
@@ -276,8 +297,11 @@ class Replayer:
         max_tokens: int,
         api_key: str = "specops-demo",
         timeout_s: float = 300.0,
+        method: str | None = None,
     ) -> None:
         import openai
+
+        self.method = method or None
 
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.model = model
@@ -286,7 +310,7 @@ class Replayer:
         self.t0 = 0.0
 
     def request(self, p: Planned):
-        extra_body = {"speculation": {"method": "draft"}}
+        extra_body = {"speculation": {"method": self.method}} if self.method else None
         if p.chat:
             return self.client.chat.completions.create(
                 model=self.model,
@@ -313,11 +337,12 @@ class Replayer:
                 phase=p.phase,
                 drafted=spec["drafted"],
                 accepted=spec["accepted"],
-                draft_version=str(spec["draft_version"]),
+                draft_version=str(spec["draft_version"] or ""),  # none: auto never ran the draft
                 latency_s=end - start,
                 num_generated=r.usage.completion_tokens,
                 rejected_steps=rejected_steps(spec),
                 domain=p.domain,
+                **auto_fields(spec),
             )
             return Outcome(p, row)
         except (openai.OpenAIError, KeyError, TypeError) as exc:

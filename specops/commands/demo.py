@@ -15,19 +15,21 @@ DESCRIPTION = prose(
     Starts the embedded stack (local stream log, MLflow on SQLite with its UI, the trainer with its scheduler as its
     own process, the API server), replays production-shaped chat traffic through the HTTP API with the openai client
     (/v1/chat/completions in three domains the bootstrap never saw: sql, math, api; sql/math-heavy, then shifting to
-    api-heavy; every prompt distinct, served once; the router fitted on other prompts of each domain), and shows α
+    api-heavy; every prompt distinct, served once; the router fitted on other prompts of each domain; no speculation
+    method named, so the server's default, auto, decodes), and shows α and auto's share of steps on the draft
     per cluster live (the OSD paper's per-token α) as the trainer promotes drafts and serving hot-swaps them. Ends
-    with a speed and acceptance comparison on prompts never served (target-only, static draft, online draft, and
-    DReSD on the datastore the trainer rebuilt from the served generations, once one is promoted) and writes
+    with a speed and acceptance comparison on prompts never served (target-only, static draft, online draft, auto
+    with the final champion, and DReSD on the datastore the trainer rebuilt from the served generations, once one is
+    promoted), beside auto's speed on the same prompts before any traffic, and writes
     report/index.html and report/summary.json. --workload corpus replays raw continuations of held-out code and
     prose files instead. Builds the default models first if needed (about 10-13 minutes on 2 cores); the loop itself
-    takes about 5-6 minutes on the default pair (60 requests; --quick: 24, about 3). Every run starts from fresh
+    takes about 10 minutes on the default pair (150 requests; --quick: 24, about 3). Every run starts from fresh
     state under <data>/demo.
     """
 )
 
 # DemoConfig fields a flag overrides when given (None: the config's own default, quick or not)
-OVERRIDES = ("requests", "clients", "max_tokens", "seed", "recurring", "workload")
+OVERRIDES = ("requests", "clients", "max_tokens", "seed", "recurring", "workload", "method")
 
 
 def add_parser(sub) -> None:
@@ -46,7 +48,7 @@ def add_parser(sub) -> None:
         "Instruct target); corpus: raw continuations of held-out bootstrap files, code then prose "
         "(default: chat)",
     )
-    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 60, --quick 24)")
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (default: 150, --quick 24)")
     p.add_argument(
         "--recurring",
         type=int,
@@ -60,6 +62,14 @@ def add_parser(sub) -> None:
         type=int,
         default=None,
         help="concurrent client threads (default: 1, leaving a core to the trainer)",
+    )
+    p.add_argument(
+        "--method",
+        default=None,
+        metavar="METHOD",
+        help="the speculation method every request names, e.g. draft (default: none, as a client that knows "
+        "nothing of speculation sends: the server decodes with its default, auto, which picks the draft model, "
+        "LLMA copying or the target alone per step, by their measured speed)",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default: 32)")
     p.add_argument("--seed", type=int, default=None, help="seed of the workload schedule (default: 0)")

@@ -32,6 +32,8 @@ SUMMARY_KEYS = {
     "baseline_10pct",
     "auto_default_vs_target_min",
 }
+"""Issue 55 adds two more, from other runs given to ``--merge``: ``sampling_grid`` (a ``--grid``
+JSON) and ``real_text`` (a ``--domains docs`` run); both are checked below."""
 
 
 @pytest.mark.slow
@@ -175,11 +177,97 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
                 factor,
                 level,
             )
-    assert set(g["chosen"]) >= {"positions", "lr", "steps_per_update", "replay", "loss"}
+    assert set(g["chosen"]) >= {"positions", "lr", "steps_per_update", "replay", "loss", "sampling"}
+    # OSD Table 1: the center recipe under teacher, student and mixed sampling, marked for the summary
+    sampling = {r["config"]["sampling"] for r in g["rows"] if r["sampling_row"]}
+    assert sampling == {"teacher", "student", "mixed"}
+    assert next(r for r in g["rows"] if r["name"] == "sampling=mixed")["config"]["mix"] == 0.5
     assert g["depth"] and all(v["c"] > 0 for v in g["depth"].values())
     pc = g["positions_cost"]
     assert pc["bytes_all"] > pc["bytes_rejected"] > 0 and pc["teacher_forward_s"] > 0
     assert osd.GRID_BEGIN in doc.read_text()
+    # the grid's sampling rows reach the main report's summary through --merge
+    main_json, png = tmp_path / "main.json", tmp_path / "merged.png"
+    assert osd.main([*_tiny_main(tiny_models, tmp_path / "osd.png"), "--json", str(main_json), "--no-doc"]) == 0
+    merged = tmp_path / "merged.json"
+    assert (
+        osd.main(["--merge", str(main_json), str(out), "--json", str(merged), "--doc", str(doc), "--plot", str(png)])
+        == 0
+    )
+    s = json.loads(merged.read_text())["summary"]
+    assert set(s["sampling_grid"]) >= {"teacher", "student", "mixed"} and s["sampling_grid"]["requests_per_domain"] == 4
+    assert s["sampling_grid"]["student"]["mean"] == pytest.approx(
+        next(r for r in g["rows"] if r["name"] == "sampling=student")["mean"]
+    )
+
+
+def _tiny_main(model_dir, plot) -> list[str]:
+    """The smallest run of the arms a summary needs (main and offline), no other part; its plot to ``plot``."""
+    return [
+        "--model-dir",
+        str(model_dir),
+        "--plot",
+        str(plot),
+        "--parts",
+        "main,offline",
+        "--requests",
+        "6",
+        "--probe",
+        "2",
+        "--probe-disjoint",
+        "2",
+        "--router-texts",
+        "2",
+        "--max-new-tokens",
+        "5",
+        "--interval",
+        "2",
+        "--probe-every",
+        "3",
+        "--offline-epochs",
+        "1",
+        "--audit-window",
+        "2",
+        "--check-every",
+        "0",
+    ]
+
+
+@pytest.mark.slow
+def test_osd_runs_the_real_text_domain_alone_and_merges_it_beside_the_main_run(tiny_models, tmp_path):
+    """Issue 55: ``--domains docs`` (documentation paragraphs, not templates) runs as its own
+    cluster; merged beside a run of the default domains, its numbers are the summary's
+    ``real_text``, held to the same bars."""
+    docs, main_json, merged, doc = (tmp_path / n for n in ("docs.json", "main.json", "merged.json", "b.md"))
+    assert (
+        osd.main(
+            [
+                *_tiny_main(tiny_models, tmp_path / "osd.png"),
+                "--domains",
+                "docs",
+                "--json",
+                str(docs),
+                "--doc",
+                str(doc),
+            ]
+        )
+        == 0
+    )
+    d = json.loads(docs.read_text())
+    assert d["summary"]["clusters"] == ["docs"] and set(d["disjoint"]) == {"docs"}
+    assert osd.main([*_tiny_main(tiny_models, tmp_path / "osd.png"), "--json", str(main_json), "--no-doc"]) == 0
+    png = tmp_path / "merged.png"
+    assert (
+        osd.main(["--merge", str(main_json), str(docs), "--json", str(merged), "--doc", str(doc), "--plot", str(png)])
+        == 0
+    )
+    s = json.loads(merged.read_text())["summary"]
+    assert s["clusters"] == list(osd.DOMAINS) and "docs" not in s["alpha_token_gated"]
+    (rt,) = s["real_text"]
+    assert rt["clusters"] == ["docs"] and rt["file"] == str(docs) and "gain_template_disjoint_min" in rt
+    assert "real text docs: gain >= 0.10" in s["bars"]
+    with pytest.raises(SystemExit, match="unknown"):
+        osd.main(["--domains", "poetry", "--model-dir", str(tiny_models)])
 
 
 @pytest.mark.parametrize(

@@ -113,3 +113,47 @@ def test_the_template_disjoint_split_holds_whole_families_out_of_traffic(tokeniz
     assert cw.family("math:t02") == "t02" and cw.family("api:numpy.linalg.norm") == "numpy"
     with pytest.raises(ValueError, match="families"):
         cw.chat_prompts("sql", 3, families="some")
+
+
+# ---------------------------------------------------------------- docs: real text, not templates
+def test_docs_paragraphs_are_real_documentation_from_installed_sources():
+    """Issue 55: the ``docs`` domain's prompts are documentation paragraphs as the pinned packages
+    ship them (whitespace collapsed), read from site-packages, which the bootstrap never lists."""
+    paras = cw.doc_paragraphs(("click", "jinja2"))
+    assert len(paras) >= 50 and {p[0] for p in paras} == {"click", "jinja2"}
+    files = cw.source_files(("click", "jinja2"))
+    assert files and all(corpus.excluded(f) for f in files)
+    text = " ".join(" ".join(f.read_text(encoding="utf-8").split()) for f in files)
+    for _pkg, module, para in paras[:40]:
+        assert para in text, (module, para)  # verbatim, not generated
+        assert cw._is_prose(para)
+    assert len({cw._near(p[2]) for p in paras}) == len(paras)  # no paragraph twice, even with names changed
+
+
+def test_docs_prose_filter_drops_parameter_lists_doctest_and_markup():
+    prose = (
+        "The request context contains per-request information. The application creates and pushes it at the "
+        "beginning of the request, then pops it at the end of the request. It will create the URL adapter "
+        "and request object for the environment provided."
+    )
+    assert cw._is_prose(prose)
+    assert not cw._is_prose("Args: " + prose)
+    assert not cw._is_prose(prose + " path: the file to read. mode: how to open it.")
+    assert not cw._is_prose(prose[:150])  # too short to rewrite
+    assert cw._MARKUP.search(">>> f(1)\n2") and cw._MARKUP.search(".. note::\n   x")
+
+
+def test_docs_domain_serves_a_full_run_and_holds_packages_out(tokenizer):
+    parts = cw.chat_workload(
+        tokenizer, {"router": 50, "served": 1000, "probe": 100}, domains=("docs",), families="seen"
+    )["docs"]
+    held = cw.chat_workload(tokenizer, {"probe": 100}, domains=("docs",), families="held_out")["docs"]["probe"]
+    served = [p for part in parts.values() for p in part]
+    assert len(served) == 1150 and len(held) == 100
+    assert not {cw.family(p.source) for p in served} & cw.HELD_OUT["docs"]
+    assert {cw.family(p.source) for p in held} <= cw.HELD_OUT["docs"]
+    paragraph = lambda p: p.text.split("\n\n", 1)[1]  # noqa: E731
+    assert not {paragraph(p) for p in served} & {paragraph(p) for p in held}
+    assert len({paragraph(p) for p in served}) == len(served)  # each paragraph once, whatever the ask
+    assert cw.messages_of(held[0])[0]["content"] == cw.SYSTEM["docs"] and cw.family("docs:flask.app") == "flask"
+    assert "docs" not in cw.DOMAINS and "docs" in cw.ALL_DOMAINS  # asked for, not in every run

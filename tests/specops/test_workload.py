@@ -13,6 +13,7 @@ import pytest
 from specops.chat_workload import SYSTEM, messages_of
 from specops.core.models import load_tokenizer, render_chat
 from specops.demo import DemoConfig
+from specops.report_data import draft_alpha, draft_share
 from specops.workload import (
     CHAT_PHASES,
     Planned,
@@ -139,12 +140,51 @@ def test_replayer_sends_chat_requests_and_reads_the_speculation_block():
         {"role": "user", "content": "How many rows?"},
     ]
     assert call["max_tokens"] == 12 and call["temperature"] == 0
-    assert call["extra_body"] == {"speculation": {"method": "draft"}} and call["model"] == "m"
+    assert call["extra_body"] is None and call["model"] == "m"  # no method named: the server's default (auto)
     assert comp_api.calls[0]["prompt"] == "def f():"
     row = out[0].row
     assert (row.cluster, row.domain, row.drafted, row.accepted, row.rejected_steps) == ("sql", "sql", 9, 4, 2)
     assert row.alpha == pytest.approx(4 / 6) and row.acceptance == pytest.approx(4 / 9)
     assert row.draft_version == "3" and row.num_generated == 7 and row.ok
+
+
+def test_replayer_names_a_method_only_when_asked_and_reads_autos_choices():
+    rep = Replayer("http://127.0.0.1:9/v1", "m", clients=1, max_tokens=4, method="draft")
+    api = _Fake({"cluster": "sql", "drafted": 3, "accepted": 1, "draft_version": "2", "rejected_steps": 1})
+    rep.client = SimpleNamespace(chat=SimpleNamespace(completions=api))
+    (o,) = rep.run([Planned(0, "p", "sql", "q", messages=(("user", "q"),))], lambda o: None)
+    assert api.calls[0]["extra_body"] == {"speculation": {"method": "draft"}}
+    assert o.row.steps is None and o.row.method == "" and o.row.decode_s is None  # a fixed method, an older server
+
+    auto = {
+        "method": "auto",
+        "cluster": "sql",
+        "drafted": 10,
+        "accepted": 6,
+        "draft_version": "4",
+        "rejected_steps": 3,
+        "decode_s": 0.5,
+        "auto": {
+            "methods": {
+                "draft": {"steps": 3, "drafted": 8, "accepted": 5, "rejected_steps": 2},
+                "llma": {"steps": 1, "drafted": 2, "accepted": 1, "rejected_steps": 1},
+                "target": {"steps": 4, "drafted": 0, "accepted": 0, "rejected_steps": 0},
+            }
+        },
+    }
+    rep = Replayer("http://127.0.0.1:9/v1", "m", clients=1, max_tokens=4)
+    api = _Fake(auto)
+    rep.client = SimpleNamespace(chat=SimpleNamespace(completions=api))
+    (o,) = rep.run([Planned(0, "p", "sql", "q", messages=(("user", "q"),))], lambda o: None)
+    r = o.row
+    assert api.calls[0]["extra_body"] is None
+    assert (r.method, r.steps, r.draft_steps, r.draft_accepted, r.draft_rejected_steps) == ("auto", 8, 3, 5, 2)
+    assert r.tokens_per_s == pytest.approx(7 / 0.5)
+    assert draft_share([r]) == pytest.approx(3 / 8) and draft_alpha([r]) == pytest.approx(5 / 7)
+    none_drafted = {**auto, "draft_version": None, "auto": {"methods": {"target": {"steps": 5}}}}
+    rep.client = SimpleNamespace(chat=SimpleNamespace(completions=_Fake(none_drafted)))
+    (o,) = rep.run([Planned(0, "p", "sql", "q", messages=(("user", "q"),))], lambda o: None)
+    assert o.row.draft_version == "" and draft_share([o.row]) == 0.0 and draft_alpha([o.row]) is None
 
 
 def test_rejected_steps_is_read_defensively():

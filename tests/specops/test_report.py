@@ -370,3 +370,77 @@ def test_user_strings_are_escaped_everywhere(tmp_path):
     assert page.count(escaped) >= 10  # cluster, phase, versions, config, promotion, speed, registry, note, start
     assert 'href="http://127.0.0.1:5000/&#34;&gt;&lt;script&gt;x()&lt;/script&gt;"' in page
     assert '<tr class="champion">' in page and "<h2>Registry versions</h2>" in page
+
+
+def _auto_row(t: float, draft_steps: int, steps: int, acc: int, rej: int, decode_s: float) -> RequestRow:
+    return RequestRow(
+        t=t,
+        cluster="sql",
+        phase="p",
+        drafted=8,
+        accepted=5,
+        draft_version="base",
+        latency_s=1.0,
+        num_generated=32,
+        rejected_steps=2,
+        method="auto",
+        decode_s=decode_s,
+        steps=steps,
+        draft_steps=draft_steps,
+        draft_accepted=acc,
+        draft_rejected_steps=rej,
+    )
+
+
+def test_the_default_methods_numbers_over_time_and_before_after(tmp_path):
+    """Issue 55: under auto, the summary gives its share of steps on the draft, the draft's α on
+    them and the served tokens/s by halves, and its speed-up over target-only before the traffic
+    and after it; the report has the section and its plot."""
+    rows = [_auto_row(i, 1, 10, 1, 1, 4.0) for i in range(4)] + [_auto_row(4 + i, 5, 10, 6, 2, 2.0) for i in range(4)]
+    sp = lambda m, tps, share=math.nan: SpeedRow("sql", m, "", tps, math.nan, 3, True, draft_share=share)  # noqa: E731
+    run = DemoRun(
+        started_at="2026-11-28T00:00:00+00:00",
+        duration_s=10.0,
+        config={"speculation": "none named"},
+        requests=rows,
+        promotions=[Promotion(t=4.0, cluster="sql", version="2")],
+        speed=[sp("target-only", 10.0), sp("auto", 16.0, 0.6)],
+        registry_versions=[],
+        mlflow_ui_url=None,
+        api_url=None,
+        speed_before=[sp("target-only", 10.0), sp("auto", 12.0, 0.1)],
+    )
+    c = summarize(run)["clusters"]["sql"]
+    assert c["auto_draft_share_first_half"] == 0.1 and c["auto_draft_share_last_half"] == 0.5
+    assert c["auto_draft_alpha_first_half"] == 0.5 and c["auto_draft_alpha_last_half"] == 0.75
+    assert c["auto_served_tokens_per_s_first_half"] == 8.0 and c["auto_served_tokens_per_s_last_half"] == 16.0
+    assert c["auto_speedup_vs_target_before"] == 1.2 and c["auto_speedup_vs_target"] == 1.6
+    assert (c["auto_draft_share_before"], c["auto_draft_share_after"]) == (0.1, 0.6)
+    index = write_report(run, tmp_path)
+    page = index.read_text()
+    assert "The default method over time" in page and "1.20× → 1.60×" in page and "Before the traffic" in page
+    assert (tmp_path / "auto.png").read_bytes()[:8] == PNG_MAGIC
+    back = load_run(tmp_path / "run.json")
+    assert back.speed_before == run.speed_before and back.requests == run.requests
+    # a fixed method's run has none of these
+    fixed = DemoRun(**{**run.__dict__, "requests": [RequestRow(0.0, "sql", "p", 4, 2, "base", 1.0, 8)], "speed": []})
+    fixed.speed_before = []
+    assert "auto_draft_share_first_half" not in summarize(fixed)["clusters"]["sql"]
+
+
+def test_promotions_that_land_as_the_trainer_stops_are_reported():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from specops.demo_traffic import late_promotions
+
+    champs = {"sql": SimpleNamespace(version="4", tags={"gate_reason": "beats"}), "math": None}
+    champs["api"] = SimpleNamespace(version="2", tags={})
+    drafts = SimpleNamespace(keys=lambda: list(champs), by_alias=lambda c: champs[c])
+    registry = SimpleNamespace(artifact=lambda kind: drafts)
+    run = DemoRun("", 0.0, {}, [_auto_row(7.5, 1, 2, 1, 0, 1.0)], [Promotion(3.0, "api", "2")], [], [], None, None)
+    late_promotions(registry, run, Console(quiet=True))
+    (late,) = [p for p in run.promotions if p.cluster == "sql"]
+    assert (late.version, late.t, late.kind) == ("4", 7.5, "promote") and "as the trainer stopped" in late.reason
+    assert len(run.promotions) == 2  # api's champion was already recorded; math has none

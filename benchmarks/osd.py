@@ -1266,10 +1266,7 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
         depth[len(layers)]["c"] = cost_ratio(pair.target, d_model, probes[DOMAINS[0]][0].prompt.token_ids)
     center_recipe = _recipe(center)
     for r in rows:  # the paper's Table 1 comparison: the center recipe under each sampling
-        cfg = r.get("config", {})
-        r["sampling_row"] = "base" not in cfg and all(
-            cfg.get(k) == v for k, v in center_recipe.items() if k not in ("sampling", "mix")
-        )
+        r["sampling_row"] = is_sampling_row(r.get("config", {}), center_recipe)
     out.update(
         {
             "best_levels": best,
@@ -1281,6 +1278,15 @@ def grid(pair: ModelPair, base_dir: Path, streams: dict, probes: dict, args, tmp
         }
     )
     return out
+
+
+def is_sampling_row(recipe: dict, center: dict) -> bool:
+    """``recipe`` is the grid's center (``center``, a ``_recipe`` dict) but for its sampling."""
+    return (
+        bool(center)
+        and "base" not in recipe
+        and all(recipe.get(k) == v for k, v in center.items() if k not in ("sampling", "mix"))
+    )
 
 
 def _from_recipe(center: OnlineConfig, recipe: dict) -> OnlineConfig:
@@ -1547,7 +1553,13 @@ def grid_summary(report: dict) -> dict:
     the same traffic, the grid's center recipe otherwise), from a ``--grid`` JSON given to
     ``--merge``; {} without one."""
     g = report.get("grid") or {}
-    rows = {r["config"]["sampling"]: r for r in g.get("rows", []) if r.get("sampling_row")}
+    center = g.get("center") or {}
+    rows = {
+        r["config"]["sampling"]: r
+        for r in g.get("rows", [])
+        if r.get("sampling_row", is_sampling_row(r.get("config", {}), center))  # a partial grid has no marks yet
+        and "sampling" in r.get("config", {})
+    }
     if not rows:
         return {}
     return {

@@ -17,6 +17,13 @@ come from traffic the draft has not seen (Spider, GSM8K, Python code search):
   lists (``trainer.bootstrap.corpus.EXCLUDED_DIRS``; ``tests/specops/test_chat_workload.py``
   checks it).
 
+A fourth domain, ``docs`` (:data:`REAL_TEXT`; not in :data:`DOMAINS`, so a run asks for it),
+is real text rather than templates: a documentation paragraph of a pinned package (transformers,
+torch, sympy, mlflow, matplotlib, ...; :data:`DOCS_PACKAGES`, none of ``api``'s), read with
+``ast`` from the docstrings in ``site-packages`` as installed, kept when it reads as prose, and
+asked to be rewritten in plain words (:func:`doc_paragraphs`). The bootstrap corpus never lists
+``site-packages`` either; its template-disjoint families are packages.
+
 ``sql`` and ``math`` come from templates and word lists (:mod:`specops.chat_templates`), with many slots
 each. Prompts are **distinct**: no two have the same token ids, and no two are the same
 up to their numbers (numbers masked) — a request that differs from another only by a

@@ -1543,7 +1543,12 @@ def other_summary(report: dict) -> dict:
         return {}
     return {
         "real_text": [
-            {"file": o["file"], **{k: o["summary"][k] for k in OTHER_KEYS if k in o["summary"]}} for o in other
+            {
+                "file": o["file"],
+                "command": o.get("command"),
+                **{k: o["summary"][k] for k in OTHER_KEYS if k in o["summary"]},
+            }
+            for o in other
         ]
     }
 
@@ -1573,7 +1578,7 @@ def grid_summary(report: dict) -> dict:
             }
             for level, r in rows.items()
         }
-        | {"requests_per_domain": g.get("requests_per_domain"), "source": g.get("file")},
+        | {"requests_per_domain": g.get("requests_per_domain"), "source": g.get("file"), "command": g.get("command")},
     }
 
 
@@ -1941,6 +1946,7 @@ def real_text_markdown(s: dict) -> list[str]:
             "",
             f"### Real text, not templates: {', '.join(o['clusters'])} (`{o['file']}`)",
             "",
+            *([f"    {o['command']}", ""] if o.get("command") else []),
             "Documentation paragraphs of pinned packages (transformers, torch, sympy, mlflow, ...; read from "
             "site-packages, which the bootstrap corpus never lists), each asked to be rewritten in plain words: "
             f"{o.get('requests_per_cluster')} distinct requests per cluster; its template-disjoint probe is the "
@@ -1976,6 +1982,7 @@ def sampling_markdown(s: dict) -> list[str]:
     levels = [lv for lv in ("teacher", "student", "mixed") if lv in g]
     return [
         "",
+        *([f"    {g['command']}", ""] if g.get("command") else []),
         f"Sampling (OSD Table 1, from the recipe grid's center recipe, {g['requests_per_domain']} requests per "
         "domain, ungated, per-token α on the probe, mean over domains): "
         + "; ".join(

@@ -76,12 +76,7 @@ def api_functions(packages: tuple[str, ...] = API_PACKAGES) -> list[tuple[str, s
 @functools.lru_cache(maxsize=4)
 def _api_functions(packages: tuple[str, ...]) -> tuple[tuple[str, str, str, str], ...]:
     out = []
-    for file in source_files(packages):
-        try:
-            tree = ast.parse(file.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = _module_name(file)
+    for module, tree, file in parsed_modules(packages):
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
@@ -97,6 +92,17 @@ def _api_functions(packages: tuple[str, ...]) -> tuple[tuple[str, str, str, str]
                 continue
             out.append((f"{module}.{node.name}", sig, first, str(file)))
     return tuple(sorted(set(out)))
+
+
+def parsed_modules(packages: tuple[str, ...]):
+    """(module name, ``ast`` tree, file) of each of :func:`source_files`, read as installed
+    (nothing is imported); a file that does not parse is left out."""
+    for file in source_files(packages):
+        try:
+            tree = ast.parse(file.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        yield _module_name(file), tree, file
 
 
 def source_files(packages: tuple[str, ...] = API_PACKAGES) -> list[Path]:
@@ -184,12 +190,7 @@ def doc_paragraphs(packages: tuple[str, ...] = DOCS_PACKAGES) -> list[tuple[str,
 @functools.lru_cache(maxsize=4)
 def _doc_paragraphs(packages: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     out, keys = [], set()
-    for file in source_files(packages):
-        try:
-            tree = ast.parse(file.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = _module_name(file)
+    for module, tree, _file in parsed_modules(packages):
         pkg = module.split(".")[0]
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -223,8 +223,9 @@ def continuations(pair: ModelPair, prompts: list[Prompt], max_new: int, cache_di
                     "topk_ids": tids[j, :n].to(torch.int32).contiguous(),
                     "topk_logprobs": vals[j, :n].contiguous(),
                 },
-                str(paths[i]),
+                str(paths[i].with_suffix(".tmp")),
             )
+            os.replace(paths[i].with_suffix(".tmp"), paths[i])  # whole or absent: a killed run leaves no torn file
         bar.update(len(idx))
     bar.close()
     out = []
@@ -375,6 +376,19 @@ def pooled(rows: list[dict]) -> float:
 
 
 # ---------------------------------------------------------------- 4. arms
+def served_example(served: Served, vocab, name: str) -> Example:
+    """A served request as the trainer trains on it: every output position, the target's top-k
+    distribution there (the rest of its mass spread by ``TargetDist.topk``), restricted to the
+    draft vocabulary when the draft has one, as the trainer does."""
+    P = len(served.prompt.token_ids)
+    ids = torch.tensor(served.prompt.token_ids + served.output[:-1])
+    rest = (1 - served.topk_logprobs.double().exp().sum(-1)).clamp_min(0).float()
+    target = TargetDist.topk(served.topk_ids, served.topk_logprobs, rest)
+    if vocab is not None:
+        target = target.restrict(vocab.token_ids)
+    return Example(ids, torch.arange(P, len(ids) + 1), target, name)
+
+
 def offline_distill(
     draft: torch.nn.Module,
     stream: list[Served],
@@ -410,13 +424,7 @@ def offline_distill(
             total, count = None, 0
             for j in order[start : start + args.offline_batch]:
                 s = stream[j]
-                P = len(s.prompt.token_ids)
-                ids = torch.tensor(s.prompt.token_ids + s.output[:-1])
-                rest = (1 - s.topk_logprobs.double().exp().sum(-1)).clamp_min(0).float()
-                target = TargetDist.topk(s.topk_ids, s.topk_logprobs, rest)
-                if vocab is not None:  # as the trainer: the target restricted to the draft vocabulary
-                    target = target.restrict(vocab.token_ids)
-                ex = Example(ids, torch.arange(P, len(ids) + 1), target, f"offline-{j}")
+                ex = served_example(s, vocab, f"offline-{j}")
                 loss = distill_loss(draft_logits(model, ex, vocab), ex.target, "fkl")
                 total = loss * len(s.output) if total is None else total + loss * len(s.output)
                 count += len(s.output)

@@ -12,6 +12,7 @@ import gc
 import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import openai
@@ -382,11 +383,28 @@ def test_request_seconds_of_a_stream_run_to_its_last_byte(server, client):
     assert seconds()[1] - sum0 >= decode_s
 
 
-def test_a_streaming_client_that_disconnects_stops_the_decode(server, caplog):
+def test_a_streaming_client_that_disconnects_stops_the_decode(server, caplog, monkeypatch):
     def gone() -> float:
         text = requests.get(server.url + "/metrics").text
         return metric(text, "specops_requests_cancelled_total", reason="client_gone")
 
+    # Pace the decode (50 ms per emitted piece): a tiny model otherwise writes its whole answer into
+    # the socket before a busy test thread reads the first line, and the decode is over before the
+    # client goes (seen on a loaded 2-core CI run).
+    run = server.state.run
+
+    def paced_run(job):
+        emit = job.on_delta
+        if emit is not None:  # a streamed request; the non-streamed one at the end runs unpaced
+
+            def paced(text):
+                time.sleep(0.05)
+                emit(text)
+
+            job.on_delta = paced
+        return run(job)
+
+    monkeypatch.setattr(server.state, "run", paced_run)
     before = gone()
     body = {
         "model": MODEL,

@@ -49,7 +49,7 @@ def test_osd_average_writes_json_table_and_doc(tiny_models, tmp_path):
     rows = report["summary"]["per_domain"]["sql"]["rows"]
     assert [r["arm"] for r in rows] == ["trained", "avg0.9"]
     assert all({"alpha", "gain", "alpha_disjoint", "gain_disjoint", "largest_drop"} <= set(r) for r in rows)
-    assert set(report["summary"]["gain"]["sql"]) == {"trained", "averaged", "decay"}
+    assert set(report["summary"]["gain"]["sql"]) >= {"recipe", "trained", "averaged", "decay", "averaged_disjoint"}
     text = doc.read_text()
     assert osd_average.BEGIN in text and "| sql | lr 0.001, 2 steps | avg0.9 |" in text
 

@@ -473,6 +473,7 @@ def online_config(args, **over) -> OnlineConfig:
         "interval": args.interval,
         "lr": args.lr,
         "steps_per_update": args.steps,
+        "average_decay": args.average_decay,
         "loss": args.loss,
         "positions": args.positions,
     }
@@ -1330,6 +1331,7 @@ def _recipe(cfg: OnlineConfig) -> dict:
         "interval": cfg.interval,
         "sampling": cfg.sampling,
         **({"mix": cfg.mix} if cfg.sampling == "mixed" else {}),
+        **({"average_decay": cfg.average_decay} if cfg.average_decay else {}),
     }
 
 
@@ -2033,6 +2035,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=None, help="trainer: update interval I (default: the trainer's)")
     p.add_argument("--lr", type=float, default=None, help="trainer: learning rate (default: the trainer's)")
     p.add_argument("--steps", type=int, default=None, help="trainer: AdamW steps per update (default: the trainer's)")
+    p.add_argument(
+        "--average-decay",
+        type=float,
+        default=None,
+        metavar="D",
+        help="trainer: publish a moving average of the weights at decay D, 0 = off (default: the trainer's)",
+    )
     p.add_argument("--loss", choices=("fkl", "rkl", "jsd"), default=None, help="trainer: loss (default: the trainer's)")
     p.add_argument(
         "--positions",

@@ -4,6 +4,8 @@ Layout under the trainer's ``--out`` directory::
 
     <cluster>/v000003/model.safetensors, config.json   the draft (save_pretrained)
     <cluster>/v000003/optimizer.safetensors            optimiser tensors (AdamW moments, step)
+    <cluster>/v000003/trained.safetensors              the trained weights, when the draft above is their
+                                                       moving average (``OnlineConfig.average_decay``)
     <cluster>/v000003/state.json                       version, counters, metrics, lineage, optimiser layout
     <cluster>/LATEST                                   "v000003", replaced atomically
     <cluster>/buffer.msgpack                           replay buffer + held-out records (encoded records)
@@ -30,6 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 KEEP_VERSIONS = 3
+TRAINED_FILE = "trained.safetensors"
+"""The trained parameters of a version whose published weights are their moving average."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -83,6 +87,7 @@ def save_version(
     opt: torch.optim.Optimizer | tuple[dict[str, torch.Tensor], dict[str, Any]],
     state: dict,
     extra_files: dict[str, Path] | None = None,
+    trained: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write draft + optimiser + state as version ``version`` of ``cluster`` and point LATEST at it.
 
@@ -90,7 +95,10 @@ def save_version(
     DeepSpeed engine's, gathered from every rank by ``trainer.ds_backend.optimizer_files``).
 
     ``extra_files`` (name -> source) are copied in beside the weights: files of the base
-    draft that serving needs with every version (its ``draft_vocab.json``)."""
+    draft that serving needs with every version (its ``draft_vocab.json``).
+
+    ``trained`` (parameter name -> tensor): the weights the optimiser trains, when ``model`` is
+    their moving average; kept beside the optimiser state so a restart resumes both."""
     cdir = root / cluster
     cdir.mkdir(parents=True, exist_ok=True)
     name = f"v{version:06d}"
@@ -100,6 +108,8 @@ def save_version(
         shutil.copyfile(src, tmp / fname)
     tensors, layout = opt if isinstance(opt, tuple) else optimizer_to_files(opt)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
+    if trained is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in trained.items()}, str(tmp / TRAINED_FILE))
     (tmp / "state.json").write_text(json.dumps({**state, "version": version, "optimizer": layout}, indent=1))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -131,6 +141,19 @@ def load_state(path: Path) -> dict:
 def load_optimizer_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A version's optimiser state as (tensors, layout), for ``optimizer_from_files``."""
     return load_file(str(path / "optimizer.safetensors")), load_state(path)["optimizer"]
+
+
+def load_trained(path: Path) -> dict[str, torch.Tensor] | None:
+    """A version's trained weights (``TRAINED_FILE``), None when it published them as they were.
+    Raises ``ValueError`` on a non-finite value: a corrupt file must not be trained on."""
+    file = path / TRAINED_FILE
+    if not file.is_file():
+        return None
+    tensors = load_file(str(file))
+    bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        raise ValueError(f"{file}: non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+    return tensors
 
 
 def save_buffer(root: Path, cluster: str, payload: dict) -> None:

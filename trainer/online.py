@@ -273,7 +273,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         st, buf = self.state(cluster), self.buffers[cluster]
         t0 = time.perf_counter()
         if st.unscored:  # test, then train: the weights have not seen these requests yet
-            st.fresh.extend(score_fresh(st.model, st.unscored, st.version, self.vocab))
+            st.fresh.extend(score_fresh(st.published, st.unscored, st.version, self.vocab))
             st.unscored.clear()
         before = self.evaluate(cluster)
         examples = self._examples(st, buf.items())
@@ -286,6 +286,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
             skipped += n_skipped
             if loss is not None:
                 losses.append(loss)
+        st.update_average(self.cfg.average_decay)  # what this version publishes (without averaging: the weights)
         st.version += 1  # the weights changed: a new version (and a new evaluation)
         after = self.evaluate(cluster)
         st.updates += 1
@@ -329,10 +330,11 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
             self.out,
             cluster,
             st.version,
-            st.model,
+            st.published,
             self._optimizer_files(st, cluster),
             state,
             extra_files=self._carried_files(),
+            trained=None if st.average is None else _trained_weights(st.model),
         )
         st.saved_version = st.version
         ckpt.append_history(self.out, cluster, summary)
@@ -378,7 +380,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
                     path,
                     version,
                     saved,
-                    st.model,
+                    st.published,
                     [h.record for h in st.holdout],
                     after,
                     fresh=list(st.fresh),
@@ -427,6 +429,11 @@ def _unscored_refusal(rec: MissRecord) -> str:
         f"request {rec.request_id} was served by {rec.engine}, which logs no target distributions; training "
         "on it recomputes them with the target: start the trainer with it (specops train --target DIR)"
     )
+
+
+def _trained_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters the optimiser trains (frozen ones are the same in the published average)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _holdout(request_id: str, every: int) -> bool:

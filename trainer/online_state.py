@@ -5,6 +5,7 @@ records persisted and restored (``trainer.clusters`` decides which cluster goes)
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,23 @@ class ClusterState:
     """The checkpoint version this trainer last saw promoted for the cluster (0: none since it started)."""
     engine: Any = None
     """The DeepSpeed engine around ``model`` and ``opt`` (backend ``deepspeed``), else None."""
+    average: torch.nn.Module | None = None
+    """The moving average of ``model``'s weights the cluster publishes (``OnlineConfig.average_decay``), else None."""
+
+    @property
+    def published(self) -> torch.nn.Module:
+        """The draft this cluster publishes: what checkpoints hold, evaluations score and serving runs
+        (the average of the trained weights when averaging, else the trained weights)."""
+        return self.model if self.average is None else self.average
+
+    def update_average(self, decay: float) -> None:
+        """``average = decay·average + (1-decay)·model`` over the trained parameters."""
+        if self.average is None:
+            return
+        with torch.no_grad():
+            for avg, p in zip(self.average.parameters(), self.model.parameters(), strict=True):
+                if p.requires_grad:
+                    avg.lerp_(p.detach(), 1.0 - decay)
 
 
 class ClusterStates:
@@ -102,6 +120,25 @@ class ClusterStates:
         model.train()
         if not self.cfg.train_embeddings:
             model.get_input_embeddings().weight.requires_grad_(False)  # a tied head stays with them
+        # the checkpoint's model.safetensors is what the cluster published: with averaging, the average
+        average = copy.deepcopy(model).eval().requires_grad_(False) if self.cfg.average_decay else None
+        trained = ckpt.load_trained(path) if path is not None else None
+        if trained is not None:
+            _load_trained(model, trained, path)
+            if average is None:
+                log.info(
+                    "cluster %s: %s published a moving average; averaging is off now: training and publishing "
+                    "resume from its trained weights",
+                    cluster,
+                    path,
+                )
+        elif average is not None and path is not None:
+            log.info(
+                "cluster %s: %s published its trained weights; averaging (decay %g) starts from them",
+                cluster,
+                path,
+                self.cfg.average_decay,
+            )
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         st = ClusterState(
@@ -109,6 +146,7 @@ class ClusterStates:
             opt=opt,
             holdout=deque(maxlen=self.cfg.holdout_capacity),
             fresh=deque(maxlen=max(1, self.fresh_keep)),
+            average=average,
         )
         saved = ckpt.load_state(path) if path is not None else None
         was, now = (_opt_layout(saved.get("config", {})), _opt_layout(asdict(self.cfg))) if saved else (None, None)
@@ -249,6 +287,24 @@ class ClusterStates:
             cluster,
             {"buffer": pack, "num_new": self.buffers[cluster].num_new, "holdout": hold, "through": through},
         )
+
+
+def _load_trained(model: torch.nn.Module, trained: dict[str, torch.Tensor], path: Path) -> None:
+    """Put a checkpoint's trained weights (``ckpt.TRAINED_FILE``) into ``model``, or a clear error.
+    A parameter the file lacks was frozen when it was written, so equal in both: it keeps the
+    checkpoint's value."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(trained) - set(params))
+    if unknown:
+        raise ValueError(f"{path / ckpt.TRAINED_FILE} holds weights the draft does not have: {unknown[:3]}")
+    with torch.no_grad():
+        for name, value in trained.items():
+            p = params[name]
+            if p.shape != value.shape:
+                raise ValueError(
+                    f"{path / ckpt.TRAINED_FILE}: {name} has shape {tuple(value.shape)}, the draft's {tuple(p.shape)}"
+                )
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
 
 
 def _opt_layout(config: dict) -> str:

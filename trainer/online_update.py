@@ -84,7 +84,7 @@ class DraftUpdates:
                     if rec.num_rejected:
                         out.append(teacher_example(rec))
                 elif len(rec.token_ids) > rec.num_prompt_tokens:
-                    ex = rejected_example(st.model, rec, self.teacher, self.vocab)
+                    ex = rejected_example(st.published, rec, self.teacher, self.vocab)
                     if ex.num_positions:
                         out.append(ex)
             return out
@@ -95,7 +95,7 @@ class DraftUpdates:
         return [
             sampled_example(
                 self.target,
-                st.model,
+                st.published,
                 h.record,
                 mix=mix,
                 max_new_tokens=self.cfg.sample_max_new_tokens,
@@ -197,11 +197,11 @@ class DraftUpdates:
         return self.vocab
 
     def evaluate(self, cluster: str) -> Acceptance:
-        """Acceptance of the cluster's current draft on its held-out records (``trainer.acceptance``)."""
+        """Acceptance of the draft the cluster publishes on its held-out records (``trainer.acceptance``)."""
         st = self.state(cluster)
         key = (st.version, tuple(h.source for h in st.holdout))
         if st.eval_cache is not None and st.eval_cache[0] == key:
             return st.eval_cache[1]
-        acc = evaluate_records(st.model, [h.record for h in st.holdout], vocab=self.vocab)
+        acc = evaluate_records(st.published, [h.record for h in st.holdout], vocab=self.vocab)
         st.eval_cache = (key, acc)
         return acc

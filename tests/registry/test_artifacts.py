@@ -36,12 +36,14 @@ def test_checkpoint_leaves_optimizer_out_and_borrows_the_tokenizer(tiny_models, 
     for name in ("model.safetensors", "config.json"):
         shutil.copy(tiny_models / "draft" / name, ckpt / name)
     (ckpt / "optimizer.safetensors").write_bytes(b"x")
+    (ckpt / "trained.safetensors").write_bytes(b"x")  # the trained weights behind a published average
     (ckpt / "state.json").write_text("{}")
     with pytest.raises(ArtifactFormatError, match="tokenizer"):
         pack(ckpt, tmp_path / "no-tok")
     pack(ckpt, tmp_path / "out", tokenizer_dir=tiny_models / "target")
     names = {p.name for p in (tmp_path / "out").iterdir()}
     assert "optimizer.safetensors" not in names and "state.json" not in names and "tokenizer.json" in names
+    assert "trained.safetensors" not in names
 
 
 def test_pack_refuses_pickles_and_dirs_without_weights(tiny_models, tmp_path):

@@ -4,6 +4,7 @@ trained weights beside it, and a restart resumes both exactly."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,20 +21,12 @@ from tests.trainer.logged import log_requests
 DECAY = 0.8
 RECIPE = {
     "positions": "rejected",  # the logged positions: no target model, and examples independent of the draft
-    "steps_per_update": 2,
-    "interval": 4,
-    "holdout_every": 3,
-    "poll_records": 4,
+    "steps_per_update": 1,
+    "interval": 3,
+    "holdout_every": 4,
+    "poll_records": 3,
     "replay": ReplayConfig(policy="clear", capacity=8),
 }
-
-
-@pytest.fixture(scope="module")
-def logged(close_pair, tmp_path_factory):
-    root = tmp_path_factory.mktemp("average")
-    return log_requests(
-        close_pair, root, 30, seed=5, cluster_of=lambda i: "c", partitions=1, greedy_only=True, max_new_tokens=12
-    )
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,115 +35,119 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p is not frozen}
 
 
+def _loaded(path: Path) -> dict[str, torch.Tensor]:
+    return _trainable(AutoModelForCausalLM.from_pretrained(path, use_safetensors=True))
+
+
 def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert actual.keys() == expected.keys()
     for name, value in actual.items():
         assert_f32_close(value, expected[name])
 
 
-def _loaded(path: Path) -> dict[str, torch.Tensor]:
-    return _trainable(AutoModelForCausalLM.from_pretrained(path, use_safetensors=True))
-
-
-def test_the_published_draft_is_the_moving_average_of_the_trained_weights(logged, tmp_path):
-    """Two trainers on the same records, one averaging: the same trained weights after every
-    pass, and the averaging one publishes ``d·avg + (1-d)·weights`` (from the base draft) in its
-    checkpoints, its held-out evaluations and its history."""
-    cfg, draft_dir = logged
-    plain = OnlineTrainer(cfg, draft_dir, tmp_path / "plain", OnlineConfig(**RECIPE, group="plain"))
-    avg = OnlineTrainer(cfg, draft_dir, tmp_path / "avg", OnlineConfig(**RECIPE, group="avg", average_decay=DECAY))
+@pytest.fixture(scope="module")
+def runs(close_pair, tmp_path_factory):
+    """Two trainers fed the same records pass by pass, one averaging. Returns the stream, the base
+    draft, both output directories, the number of updates and, after every pass, (the plain
+    trainer's weights, the averaging one's trained weights, its published ones, the expected average)."""
+    root = tmp_path_factory.mktemp("average")
+    cfg, draft_dir = log_requests(
+        close_pair, root, 20, seed=5, cluster_of=lambda i: "c", partitions=1, greedy_only=True, max_new_tokens=8
+    )
+    plain = OnlineTrainer(cfg, draft_dir, root / "plain", OnlineConfig(**RECIPE, group="plain"))
+    avg = OnlineTrainer(cfg, draft_dir, root / "avg", OnlineConfig(**RECIPE, group="avg", average_decay=DECAY))
+    passes, expected, version, updates = [], _loaded(draft_dir), 0, 0
     try:
-        expected, version, updates = _loaded(draft_dir), 0, 0
         while plain.step() and avg.step():
             st, sa = plain.state("c"), avg.state("c")
+            assert sa.version == st.version
             if st.version != version:  # an update: the average takes a step toward the new weights
                 version, updates = st.version, updates + 1
                 weights = _trainable(st.model)
                 expected = {n: DECAY * v + (1 - DECAY) * weights[n] for n, v in expected.items()}
-            assert sa.version == st.version
-            _assert_same(_trainable(sa.model), _trainable(st.model))  # averaging does not change training
-            if updates:
-                _assert_same(_trainable(sa.published), expected)
-        assert updates >= 3
-        sa = avg.state("c")
-        latest = ckpt.latest_version(tmp_path / "avg", "c")
-        _assert_same(_loaded(latest), _trainable(sa.published))  # what serving loads: the average
-        _assert_same(ckpt.load_trained(latest), _trainable(sa.model))  # beside it: what trains on
-        assert ckpt.load_trained(ckpt.latest_version(tmp_path / "plain", "c")) is None
-        assert ckpt.load_state(latest)["config"]["average_decay"] == DECAY
-        held = [h.record for h in sa.holdout]
-        assert held
-        published = AutoModelForCausalLM.from_pretrained(latest, use_safetensors=True)
-        assert avg.evaluate("c").to_dict() == evaluate_records(published, held, vocab=avg.vocab).to_dict()
-        assert avg.evaluate("c").to_dict() != evaluate_records(sa.model, held, vocab=avg.vocab).to_dict()
+            passes.append((_trainable(st.model), _trainable(sa.model), _trainable(sa.published), expected))
     finally:
         plain.close()
         avg.close()
+    return cfg, draft_dir, root / "plain", root / "avg", updates, passes
 
 
-def test_a_restart_resumes_the_average_and_the_trained_weights(logged, tmp_path):
-    cfg, draft_dir = logged
-    ocfg = OnlineConfig(**RECIPE, group="whole", average_decay=DECAY)
-    whole = OnlineTrainer(cfg, draft_dir, tmp_path / "whole", ocfg)
-    whole.run(max_idle_s=1.0)
-    whole.close()
-    out, ocfg = tmp_path / "halves", OnlineConfig(**RECIPE, group="halves", average_decay=DECAY)
-    first = OnlineTrainer(cfg, draft_dir, out, ocfg)
-    first.run(max_records=14)  # stops inside an update window: its records wait in the persisted buffer
-    first.close()
-    second = OnlineTrainer(cfg, draft_dir, out, ocfg)
+def test_the_published_draft_is_the_moving_average_of_the_trained_weights(runs, tmp_path):
+    """The same trained weights after every pass with and without averaging; the averaging trainer
+    publishes ``d·avg + (1-d)·weights`` (from the base draft) in its checkpoints and scores it in its
+    held-out evaluations."""
+    cfg, draft_dir, _, avg_out, updates, passes = runs
+    assert updates >= 3
+    for plain_weights, trained, published, expected in passes:
+        _assert_same(trained, plain_weights)  # averaging does not change training
+        _assert_same(published, expected)
+    latest = ckpt.latest_version(avg_out, "c")
+    _assert_same(_loaded(latest), passes[-1][2])  # what serving loads: the average
+    _assert_same(ckpt.load_trained(latest), passes[-1][1])  # beside it: what trains on
+    assert ckpt.load_state(latest)["config"]["average_decay"] == DECAY
+    out = tmp_path / "avg"
+    shutil.copytree(avg_out, out)
+    again = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**RECIPE, group="avg", average_decay=DECAY))
     try:
-        second.run(max_idle_s=1.0)
-        a, b = whole.state("c"), second.state("c")
-        assert a.version == b.version
-        _assert_same(_trainable(b.published), _trainable(a.published))
-        _assert_same(_trainable(b.model), _trainable(a.model))
-    finally:
-        second.close()
-
-
-def test_averaging_turned_off_resumes_the_trained_weights_and_on_starts_from_the_published(logged, tmp_path):
-    cfg, draft_dir = logged
-    out = tmp_path / "out"
-    on = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**RECIPE, group="on", average_decay=DECAY))
-    on.run(max_idle_s=1.0)
-    on.close()
-    trained = _trainable(on.state("c").model)
-    off = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**RECIPE, group="on"))
-    try:
-        st = off.state("c")
-        assert st.average is None and st.published is st.model
-        _assert_same(_trainable(st.model), trained)
-    finally:
-        off.close()
-    plain_out = tmp_path / "plain"
-    plain = OnlineTrainer(cfg, draft_dir, plain_out, OnlineConfig(**RECIPE, group="p"))
-    plain.run(max_idle_s=1.0)
-    plain.close()
-    again = OnlineTrainer(cfg, draft_dir, plain_out, OnlineConfig(**RECIPE, group="p", average_decay=DECAY))
-    try:
-        st = again.state("c")
-        _assert_same(_trainable(st.published), _trainable(st.model))
-        _assert_same(_trainable(st.published), _loaded(ckpt.latest_version(plain_out, "c")))
+        sa = again.state("c")
+        held = [h.record for h in sa.holdout]
+        assert held
+        published = AutoModelForCausalLM.from_pretrained(latest, use_safetensors=True)
+        assert again.evaluate("c").to_dict() == evaluate_records(published, held, vocab=again.vocab).to_dict()
+        assert again.evaluate("c").to_dict() != evaluate_records(sa.model, held, vocab=again.vocab).to_dict()
     finally:
         again.close()
 
 
-def test_a_corrupt_trained_weights_file_is_refused(logged, tmp_path):
+def test_a_restart_resumes_the_average_and_the_trained_weights(runs, tmp_path):
+    cfg, draft_dir, _, avg_out, _, passes = runs
+    ocfg = OnlineConfig(**RECIPE, group="halves", average_decay=DECAY)
+    first = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg)
+    first.run(max_records=10)  # stops inside an update window: its records wait in the persisted buffer
+    first.close()
+    second = OnlineTrainer(cfg, draft_dir, tmp_path / "out", ocfg)
+    try:
+        second.run(max_idle_s=1.0)
+        st = second.state("c")
+        assert st.version == ckpt.load_state(ckpt.latest_version(avg_out, "c"))["version"]
+        _assert_same(_trainable(st.model), passes[-1][1])
+        _assert_same(_trainable(st.published), passes[-1][2])
+    finally:
+        second.close()
+
+
+def test_averaging_turned_off_resumes_the_trained_weights_and_on_starts_from_the_published(runs, tmp_path):
+    cfg, draft_dir, plain_out, avg_out, _, passes = runs
+    shutil.copytree(avg_out, tmp_path / "avg")
+    off = OnlineTrainer(cfg, draft_dir, tmp_path / "avg", OnlineConfig(**RECIPE, group="avg"))
+    try:
+        st = off.state("c")
+        assert st.average is None and st.published is st.model
+        _assert_same(_trainable(st.model), passes[-1][1])
+    finally:
+        off.close()
+    shutil.copytree(plain_out, tmp_path / "plain")
+    on = OnlineTrainer(cfg, draft_dir, tmp_path / "plain", OnlineConfig(**RECIPE, group="plain", average_decay=DECAY))
+    try:
+        st = on.state("c")
+        _assert_same(_trainable(st.published), passes[-1][0])
+        _assert_same(_trainable(st.model), passes[-1][0])
+    finally:
+        on.close()
+
+
+def test_a_corrupt_trained_weights_file_is_refused(runs, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    cfg, draft_dir = logged
-    out = tmp_path / "out"
-    t = OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**RECIPE, group="g", average_decay=DECAY))
-    t.run(max_idle_s=1.0)
-    t.close()
-    file = ckpt.latest_version(out, "c") / ckpt.TRAINED_FILE
+    cfg, draft_dir, _, avg_out, _, _ = runs
+    shutil.copytree(avg_out, tmp_path / "avg")
+    file = ckpt.latest_version(tmp_path / "avg", "c") / ckpt.TRAINED_FILE
     tensors = load_file(str(file))
     name = next(iter(tensors))
     tensors[name] = tensors[name].clone().fill_(float("nan"))
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match="non-finite"):
-        OnlineTrainer(cfg, draft_dir, out, OnlineConfig(**RECIPE, group="g", average_decay=DECAY))
+        OnlineTrainer(cfg, draft_dir, tmp_path / "avg", OnlineConfig(**RECIPE, group="avg", average_decay=DECAY))
 
 
 def test_the_decay_is_checked():

@@ -621,7 +621,9 @@ def learning_run(
             st = trainer.clusters.get(c)
             if st is not None and st.version != latest_v[c]:  # a new candidate
                 latest_v[c] = st.version
-                latest[c].load_state_dict(st.model.state_dict())
+                latest[c].load_state_dict(
+                    st.published.state_dict()
+                )  # what the trainer publishes (with averaging: the average)
                 if gate:
                     held = list(st.holdout)
                     for arm in extra.values():
@@ -633,7 +635,7 @@ def learning_run(
                     result = judge(
                         str(st.version),
                         str(version[c]),
-                        st.model,
+                        st.published,
                         gated[c],
                         holdout,
                         fresh_window(st.fresh, pcfg, version[c]),
@@ -668,7 +670,7 @@ def learning_run(
                                     new_version=st.version,
                                 )
                             )
-                        gated[c].load_state_dict(st.model.state_dict())  # the hot-swap, between requests
+                        gated[c].load_state_dict(st.published.state_dict())  # the hot-swap, between requests
                         version[c] = st.version
                         fresh_cache[c] = {}
                         champion_scores[c] = result.candidate_score if result.metric == "served" else None
@@ -756,7 +758,7 @@ class WindowArm:
         result = judge(
             str(st.version),
             str(self.version[c]),
-            st.model,
+            st.published,
             self.model[c],
             gate_window([h.record for h in held], self.cfg),
             fresh_window(st.fresh, self.cfg, self.version[c]),
@@ -766,7 +768,7 @@ class WindowArm:
         )
         self.gates.append({"request": request, "cluster": c, "candidate": st.version, "promoted": result.promoted})
         if result.promoted:
-            self.model[c].load_state_dict(st.model.state_dict())
+            self.model[c].load_state_dict(st.published.state_dict())
             self.version[c] = st.version
             self.fresh_cache[c] = {}
 

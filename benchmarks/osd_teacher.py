@@ -105,7 +105,7 @@ def arm_run(
             st = trainer.clusters.get(s.prompt.domain)
             if st is not None and st.version != version:
                 version = st.version
-                latest.load_state_dict(st.model.state_dict())
+                latest.load_state_dict(st.published.state_dict())
     finally:
         logger.close()
         trainer.close()

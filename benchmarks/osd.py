@@ -621,9 +621,8 @@ def learning_run(
             st = trainer.clusters.get(c)
             if st is not None and st.version != latest_v[c]:  # a new candidate
                 latest_v[c] = st.version
-                latest[c].load_state_dict(
-                    st.published.state_dict()
-                )  # what the trainer publishes (with averaging: the average)
+                # what the trainer publishes (with averaging: the average, not the trained weights)
+                latest[c].load_state_dict(st.published.state_dict())
                 if gate:
                     held = list(st.holdout)
                     for arm in extra.values():

@@ -124,7 +124,9 @@ class OnlineConfig:
             )
 
     def digest(self) -> str:
-        """Hash of everything that changes the trained weights (not the memory bounds: an unloaded
+        """Hash of everything that changes the published weights (not the memory bounds: an unloaded
         cluster reloads exactly)."""
         values = {k: v for k, v in asdict(self).items() if k not in ("max_loaded_clusters", "max_clusters")}
+        if not self.average_decay:  # off: the hash of a config from before the field existed
+            del values["average_decay"]
         return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -42,7 +42,9 @@ class OnlineConfig:
     serving use; the trained weights are kept beside the optimiser state (``trained.safetensors``)
     and go on training. On the served chat streams 0.95 learned more than the trained weights on
     every domain measured (``benchmarks/osd_average.py``, docs/trainer.md); an average also lags a
-    drift by about ``1/(1-d)`` updates. Not with ``backend="deepspeed"`` (ZeRO partitions the weights)."""
+    drift by about ``1/(1-d)`` updates. With ``backend="deepspeed"`` too: ZeRO stages 0-2 partition the
+    optimiser state and gradients, not the weights, so rank 0 (which alone evaluates and publishes)
+    averages the full weights after each step."""
     sampling: str = "teacher"
     """Where the loss applies (OSD §4.1): ``teacher`` (the logged rejected positions and
     logged target distributions), ``student`` or ``mixed`` (sequences sampled after the
@@ -112,11 +114,6 @@ class OnlineConfig:
             raise ValueError("need 0 < beta < 1, tau > 0 and lr > 0")
         if not 0.0 <= self.average_decay < 1.0:
             raise ValueError(f"average_decay must be in [0, 1) (0: off), got {self.average_decay!r}")
-        if self.average_decay and self.backend == "deepspeed":
-            raise ValueError(
-                "average_decay is not supported with backend='deepspeed' (ZeRO partitions the weights): "
-                "use the torch backend or average_decay=0"
-            )
         if self.max_loaded_clusters < 1 or self.max_clusters < 1:
             raise ValueError(
                 f"max_loaded_clusters and max_clusters must be >= 1, got {self.max_loaded_clusters} and "

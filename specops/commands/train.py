@@ -277,8 +277,8 @@ def _add_distillation_args(p: argparse.ArgumentParser) -> None:
         metavar="D",
         help="publish an exponential moving average of the trained weights, avg = D*avg + (1-D)*weights after "
         "every update, instead of the weights themselves; 0 turns it off. 0.95 learned more on every served "
-        "chat stream measured (benchmarks/osd_average.py); it lags a drift by about 1/(1-D) updates. "
-        "Torch backend only (default: %(default)s)",
+        "chat stream measured (benchmarks/osd_average.py); it lags a drift by about 1/(1-D) updates "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--sampling",

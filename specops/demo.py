@@ -62,8 +62,9 @@ class DemoConfig:
 
     The trainer runs with its own recipe defaults (loss, learning rate, steps, replay,
     positions, ...): the demo sets only when it updates (``interval``), what it holds out
-    (``holdout_every``) and the promotion gate's evidence (``gate_min_positions``), sized for
-    a few minutes of traffic over three clusters."""
+    (``holdout_every``), the promotion gate's evidence (``gate_min_positions``) and whether it
+    averages the weights it publishes (``average_decay``), sized for a few minutes of traffic
+    over three clusters."""
 
     workload: str = "chat"
     """``chat``: chat requests in the domains sql, math and api (production-shaped traffic for
@@ -99,6 +100,11 @@ class DemoConfig:
     standard error of the gain is undefined and it keeps the champion): with N = 5 a run on the
     real pair drew one held-out math request in 18, and math never promoted (2026-11-26)."""
     gate_min_positions: int = 32
+    average_decay: float = 0.0
+    """Trainer: publish the trained weights themselves (0), not the trainer's default moving average
+    (0.95): a demo cluster gets about 8 updates, after which a 0.95 average has moved only a third
+    of the way to what the draft learned (1 - 0.95^8), so the demo would hide the learning it is
+    there to show. The average pays over long streams (docs/trainer.md, "Noise in the published weights")."""
     router_refit_s: float = 120.0
     router_texts: int = 60
     """Texts per domain the first router is fitted on (``chat``: router prompts; ``corpus``:

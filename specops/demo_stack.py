@@ -83,6 +83,8 @@ class Stack:
             str(cfg.holdout_every),
             "--gate-min-positions",
             str(cfg.gate_min_positions),
+            "--average-decay",
+            str(cfg.average_decay),
             "--keep-versions",
             "50",
             "--load-signal",

@@ -84,6 +84,7 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
         "trainer_interval": cfg.interval,
         "trainer_holdout_every": cfg.holdout_every,
         "gate_min_positions": cfg.gate_min_positions,
+        "trainer_average_decay": cfg.average_decay,
         "prompts": f"recurring: {cfg.recurring} per domain, drawn with replacement"
         if cfg.recurring
         else "distinct: every request a prompt never served before",

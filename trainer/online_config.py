@@ -35,14 +35,15 @@ class OnlineConfig:
     steps_per_update: int = 4
     """Optimiser steps per update, each over the whole buffer (4 learned clearly more than 1 in the grid)."""
     grad_clip: float = 1.0
-    average_decay: float = 0.0
+    average_decay: float = 0.95
     """Publish an exponential moving average of the trained weights, ``avg = d·avg + (1-d)·weights``
-    after every update, instead of the weights themselves (0: off). The average is what a
+    after every update, instead of the weights themselves (0: off, the weights are published). The average is what a
     checkpoint's ``model.safetensors`` holds, what the held-out evaluation, the gate's evidence and
     serving use; the trained weights are kept beside the optimiser state (``trained.safetensors``)
     and go on training. On the served chat streams 0.95 learned more than the trained weights on
-    every domain measured (``benchmarks/osd_average.py``, docs/trainer.md); an average also lags a
-    drift by about ``1/(1-d)`` updates. With ``backend="deepspeed"`` too: ZeRO stages 0-2 partition the
+    every domain measured, in a replay (``benchmarks/osd_average.py``) and live (``benchmarks/osd.py``:
+    docs/trainer.md); an average also lags a drift by about ``1/(1-d)`` updates (50–70 requests of
+    the new domain in the live shift run, within its bars). With ``backend="deepspeed"`` too: ZeRO stages 0-2 partition the
     optimiser state and gradients, not the weights, so rank 0 (which alone evaluates and publishes)
     averages the full weights after each step."""
     sampling: str = "teacher"

@@ -273,7 +273,7 @@ def _add_distillation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--average-decay",
         type=float,
-        default=0.0,
+        default=0.95,
         metavar="D",
         help="publish an exponential moving average of the trained weights, avg = D*avg + (1-D)*weights after "
         "every update, instead of the weights themselves; 0 turns it off. 0.95 learned more on every served "

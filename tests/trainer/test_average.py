@@ -57,7 +57,7 @@ def runs(close_pair, tmp_path_factory):
     cfg, draft_dir = log_requests(
         close_pair, root, 20, seed=5, cluster_of=lambda i: "c", partitions=1, greedy_only=True, max_new_tokens=8
     )
-    plain = OnlineTrainer(cfg, draft_dir, root / "plain", OnlineConfig(**RECIPE, group="plain"))
+    plain = OnlineTrainer(cfg, draft_dir, root / "plain", OnlineConfig(**RECIPE, group="plain", average_decay=0))
     avg = OnlineTrainer(cfg, draft_dir, root / "avg", OnlineConfig(**RECIPE, group="avg", average_decay=DECAY))
     passes, expected, version, updates = [], _loaded(draft_dir), 0, 0
     try:
@@ -122,7 +122,7 @@ def test_a_restart_resumes_the_average_and_the_trained_weights(runs, tmp_path):
 def test_averaging_turned_off_resumes_the_trained_weights_and_on_starts_from_the_published(runs, tmp_path):
     cfg, draft_dir, plain_out, avg_out, _, passes = runs
     shutil.copytree(avg_out, tmp_path / "avg")
-    off = OnlineTrainer(cfg, draft_dir, tmp_path / "avg", OnlineConfig(**RECIPE, group="avg"))
+    off = OnlineTrainer(cfg, draft_dir, tmp_path / "avg", OnlineConfig(**RECIPE, group="avg", average_decay=0))
     try:
         st = off.state("c")
         assert st.average is None and st.published is st.model
@@ -157,9 +157,11 @@ def test_the_decay_is_checked():
     for bad in (-0.1, 1.0, 1.5):
         with pytest.raises(ValueError, match="average_decay"):
             OnlineConfig(average_decay=bad)
-    assert OnlineConfig(average_decay=0.9).digest() != OnlineConfig().digest()
+    assert OnlineConfig().average_decay == 0.95  # on by default
+    assert OnlineConfig(average_decay=0.9).digest() != OnlineConfig().digest() != OnlineConfig(average_decay=0).digest()
     # off, the field is left out of the hash, as before it existed (checkpoints' config_hash tags stay comparable)
-    values = {k: v for k, v in asdict(OnlineConfig()).items() if k not in ("max_loaded_clusters", "max_clusters")}
+    off = OnlineConfig(average_decay=0)
+    values = {k: v for k, v in asdict(off).items() if k not in ("max_loaded_clusters", "max_clusters")}
     del values["average_decay"]
     digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    assert OnlineConfig().digest() == digest
+    assert off.digest() == digest

@@ -141,7 +141,8 @@ def test_a_draft_vocabulary_is_what_updates_train_and_evaluations_score(close_pa
     with torch.no_grad():
         for rec in (r for r in held_out if r.sampling.temperature == 0.0):
             ids = torch.from_numpy(rec.token_ids).long()
-            logits = st.model(input_ids=ids[:-1].unsqueeze(0)).logits[0, rec.num_prompt_tokens - 1 :]
+            # the published draft: the trainer's moving average of the weights (OnlineConfig.average_decay)
+            logits = st.published(input_ids=ids[:-1].unsqueeze(0)).logits[0, rec.num_prompt_tokens - 1 :]
             logits[:, outside] = float("-inf")
             matched += int((logits.argmax(-1) == ids[rec.num_prompt_tokens :]).sum())
             total += len(ids) - rec.num_prompt_tokens

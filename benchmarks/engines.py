@@ -160,6 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="VLLM_CPU_OMP_THREADS_BIND of the vLLM arms without _default: all (every core, 0-<n-1>, as our "
         "server computes), auto (vLLM's own), or a CPU list",
     )
+    p.add_argument(
+        "--vllm-args",
+        default=None,
+        help="more arguments for every vLLM server, shell words (default none; '--enforce-eager' with --quick: "
+        "no torch.compile warm-up, which takes minutes on 2 cores and measures nothing at the quick size)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of specops serve (and of learning)")
     p.add_argument("--specops-draft-dtype", default="auto", help="specops serve --draft-dtype (auto: timed at load)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default <models>/../engines/logs)")
@@ -179,6 +185,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, full, quick in (("prompts", 32, 4), ("max_tokens", 64, 16), ("concurrency", "1,4,8,16", "1,2")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    if args.vllm_args is None:
+        args.vllm_args = "--enforce-eager" if args.quick else ""
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     args.arms = [a for a in args.arms.split(",") if a]
     unknown = set(args.arms) - set(ARMS)
@@ -187,6 +195,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeats < 1 or args.prompts < args.repeats:
         p.error("--repeats must be at least 1 and at most --prompts")
     return args
+
+
+VLLM_ARGS = ("--dtype", "float32", "--no-enable-prefix-caching", "--seed", "0")
+"""Every vLLM server's arguments beyond the model's: float32 as our engine (greedy outputs compared),
+no prefix cache (as ours: tenants share a server), a fixed seed."""
 
 
 def omp_bind(setting: str) -> str | None:
@@ -239,7 +252,7 @@ def start_group(group: list[str], args, model_dir: Path, learned: Path, log_dir:
                 max_model_len=max_len,
                 kv_cache_gb=args.kv_cache_gb,
                 max_num_seqs=max(16, max(args.concurrency)),
-                extra_args=("--dtype", "float32", "--no-enable-prefix-caching", "--seed", "0"),
+                extra_args=(*VLLM_ARGS, *shlex.split(args.vllm_args)),
                 env={"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {},
             ),
             python=vllm_python(args.vllm_python),
@@ -530,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                 for a in args.arms
                 if a in VLLM_ARMS
             },
-            "vllm_args": "--dtype float32 --no-enable-prefix-caching --seed 0",
+            "vllm_args": shlex.join([*VLLM_ARGS, *shlex.split(args.vllm_args)]),
             "kv_cache_gb": args.kv_cache_gb,
             "max_model_len": max_len,
             "streamed": True,

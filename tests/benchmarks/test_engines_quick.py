@@ -131,7 +131,9 @@ def test_engines_quick_writes_json_and_doc(tmp_path):
     out, doc = tmp_path / "engines.json", tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nother sections stay\n")
     arms = ["vllm_target", "vllm_target_default", *engines.SPECOPS_ARMS]
-    assert engines.main(["--quick", "--arms", ",".join(arms), "--json", str(out), "--doc", str(doc)]) == 0
+    # one repeat (the rotation of server groups across repeats is the fake-server test's above)
+    argv = ["--quick", "--repeats", "1", "--arms", ",".join(arms), "--json", str(out), "--doc", str(doc)]
+    assert engines.main(argv) == 0
     report = json.loads(out.read_text())
     s = report["summary"]
     assert {
@@ -153,6 +155,7 @@ def test_engines_quick_writes_json_and_doc(tmp_path):
     } <= set(s)
     assert s["isolated"] is True and s["vllm_every_core"] is True
     assert report["config"]["vllm_omp_bind"]["vllm_target_default"] == "vLLM's default"
+    assert report["config"]["vllm_args"].endswith("--seed 0 --enforce-eager")  # --quick: no compile warm-up
     # the profile: where our time went at the largest concurrency up to 8, per specops arm
     assert s["profile_concurrency"] == 2 and set(s["profile"]) == set(engines.SPECOPS_ARMS)
     for p in s["profile"].values():
@@ -167,7 +170,7 @@ def test_engines_quick_writes_json_and_doc(tmp_path):
     # fp32 greedy on both sides: target-only of the two engines agree
     detail = report["outputs"]["detail"]
     assert detail["specops_target vs vllm_target (text)"]["1"] == [4, 4]
-    assert len(report["servers"]["group_order"]) == 2  # --quick: 2 repeats, each server group started in each
+    assert len(report["servers"]["group_order"]) == 1 and len(report["servers"]["group_order"][0]) == 3
     text = doc.read_text()
     assert "other sections stay" in text and engines.DOC_BEGIN in text and "| 1 | vllm_target_default |" in text
     assert engines.main(["--replot", str(out), "--no-doc"]) == 0

@@ -37,14 +37,24 @@ named disjoint parts (``router`` texts, ``served`` traffic, a held-out ``probe``
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import hashlib
 import importlib.util
+import json
+import logging
+import os
 import random
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from specops.chat_templates import SYSTEM, ChatPrompt, math_prompts, sql_prompts
+from specops.paths import cache_dir
 from specops.prompts import Prompt
+
+log = logging.getLogger(__name__)
 
 DOMAINS = ("sql", "math", "api")
 """The default domains: two from templates, one from templated questions about real functions."""
@@ -69,12 +79,17 @@ _QUESTIONS = (
 
 def api_functions(packages: tuple[str, ...] = API_PACKAGES) -> list[tuple[str, str, str, str]]:
     """(qualified name, signature, first docstring line, source file) of every public, documented,
-    module-level function of ``packages`` as installed, read with ``ast`` (sorted; parsed once per process)."""
+    module-level function of ``packages`` as installed, read with ``ast`` (sorted; parsed once, then read from
+    the disk cache while the sources are unchanged: :func:`_disk_cached`)."""
     return list(_api_functions(tuple(packages)))
 
 
 @functools.lru_cache(maxsize=4)
-def _api_functions(packages: tuple[str, ...]) -> tuple[tuple[str, str, str, str], ...]:
+def _api_functions(packages: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return _disk_cached("api", packages, _parse_api_functions)
+
+
+def _parse_api_functions(packages: tuple[str, ...]) -> tuple[tuple[str, str, str, str], ...]:
     out = []
     for module, tree, file in parsed_modules(packages):
         for node in tree.body:
@@ -92,6 +107,78 @@ def _api_functions(packages: tuple[str, ...]) -> tuple[tuple[str, str, str, str]
                 continue
             out.append((f"{module}.{node.name}", sig, first, str(file)))
     return tuple(sorted(set(out)))
+
+
+_CACHE_FORMAT = 1
+"""Bumped when what :func:`_disk_cached` stores changes shape (this module's own source is in the key too)."""
+
+
+def _disk_cached(
+    kind: str, packages: tuple[str, ...], parse: Callable[[tuple[str, ...]], tuple[tuple[str, ...], ...]]
+) -> tuple[tuple[str, ...], ...]:
+    """``parse(packages)``, kept on disk under :func:`specops.paths.cache_dir` and keyed by what it
+    reads: every source file's path, size and modification time, and this module's own source (a
+    changed filter is a new key). Reading the ``docs`` packages' 100 MB of sources with ``ast``
+    takes half a minute on one core; every later process (a test worker, a benchmark, the demo)
+    reads the result in milliseconds. Processes that start together parse once: the others wait
+    on a lock. A cache that cannot be written, or a file that is not a valid result, only costs
+    the parse again; nothing in it is trusted beyond strings in rows of the expected width."""
+    h = hashlib.sha256(f"{kind}\0{_CACHE_FORMAT}\0{','.join(packages)}\0".encode())
+    h.update(Path(__file__).read_bytes())
+    for f in source_files(packages):
+        st = f.stat()
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    path = cache_dir() / "chat_workload" / f"{kind}-{h.hexdigest()[:32]}.json"
+    width = {"api": 4, "docs": 3}[kind]
+    if (rows := _read_rows(path, width)) is not None:
+        return rows
+    with _locked(path.with_suffix(".lock")):
+        if (rows := _read_rows(path, width)) is not None:  # another process parsed while this one waited
+            return rows
+        t0 = time.perf_counter()
+        rows = parse(packages)
+        log.info(
+            "%s workload: read %d rows from %s in %.1fs", kind, len(rows), ", ".join(packages), time.perf_counter() - t0
+        )
+        try:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"kind": kind, "packages": list(packages), "rows": rows}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("%s workload not cached at %s (%s): the next process parses again", kind, path, exc)
+    return rows
+
+
+def _read_rows(path: Path, width: int) -> tuple[tuple[str, ...], ...] | None:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(rows, list) or not all(
+        isinstance(r, list) and len(r) == width and all(isinstance(x, str) for x in r) for r in rows
+    ):
+        log.warning("ignoring a malformed workload cache file %s", path)
+        return None
+    return tuple(tuple(r) for r in rows)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive ``flock`` on ``path`` while the block runs (none where the directory cannot be
+    made or ``fcntl`` is missing: then two processes may both parse, which is only slower)."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def parsed_modules(packages: tuple[str, ...]):
@@ -183,12 +270,17 @@ def doc_paragraphs(packages: tuple[str, ...] = DOCS_PACKAGES) -> list[tuple[str,
 
     A paragraph is a block of a docstring between blank lines, whitespace collapsed, kept when it
     reads as prose: 200-700 characters, at least 30 words, ending a sentence, mostly letters, and
-    free of doctest, reST directives, tables, formulas and links. Sorted; parsed once per process."""
+    free of doctest, reST directives, tables, formulas and links. Sorted; parsed once, then read
+    from the disk cache while the sources are unchanged (:func:`_disk_cached`)."""
     return list(_doc_paragraphs(tuple(packages)))
 
 
 @functools.lru_cache(maxsize=4)
-def _doc_paragraphs(packages: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+def _doc_paragraphs(packages: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return _disk_cached("docs", packages, _parse_doc_paragraphs)
+
+
+def _parse_doc_paragraphs(packages: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     out, keys = [], set()
     for module, tree, _file in parsed_modules(packages):
         pkg = module.split(".")[0]

@@ -3,6 +3,8 @@ from sources the bootstrap corpus never contains."""
 
 from __future__ import annotations
 
+import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -157,3 +159,38 @@ def test_docs_domain_serves_a_full_run_and_holds_packages_out(tokenizer):
     assert len({paragraph(p) for p in served}) == len(served)  # each paragraph once, whatever the ask
     assert cw.messages_of(held[0])[0]["content"] == cw.SYSTEM["docs"] and cw.family("docs:flask.app") == "flask"
     assert "docs" not in cw.DOMAINS and "docs" in cw.ALL_DOMAINS  # asked for, not in every run
+
+
+def test_parsed_sources_are_cached_on_disk_keyed_by_the_files_they_read(tmp_path, monkeypatch):
+    """The ``docs`` packages take half a minute to read with ``ast``: the rows are kept under
+    ``$SPECOPS_CACHE_DIR``, read back unchanged, and parsed again when a source changes or the
+    file is not a valid result."""
+    monkeypatch.setenv("SPECOPS_CACHE_DIR", str(tmp_path / "cache"))
+    real = cw._parse_doc_paragraphs(("click",))  # a real package: what the cache gives back is the parse, exactly
+    assert cw._disk_cached("docs", ("click",), cw._parse_doc_paragraphs) == real
+    assert cw._disk_cached("docs", ("click",), lambda packages: pytest.fail("parsed again")) == real
+    src = tmp_path / "site-packages" / "fakepkg" / "mod.py"
+    src.parent.mkdir(parents=True)
+    para = (
+        "This module reads the settings of an application from a file and keeps them in memory, so that "
+        "every later request can look a value up without opening the file again. It is {} for the tests only."
+    )
+    src.write_text(f'"""{para.format("written")}"""\n')
+    monkeypatch.setattr(cw, "source_files", lambda packages: [src])
+    before = set((tmp_path / "cache" / "chat_workload").glob("docs-*.json"))
+    calls = []
+
+    def parse(packages):
+        calls.append(packages)
+        return cw._parse_doc_paragraphs(packages)
+
+    first = cw._disk_cached("docs", ("fakepkg",), parse)
+    assert first == (("fakepkg", "fakepkg.mod", para.format("written")),) and len(calls) == 1
+    (cached,) = set((tmp_path / "cache" / "chat_workload").glob("docs-*.json")) - before
+    assert cw._disk_cached("docs", ("fakepkg",), parse) == first and len(calls) == 1  # read back, not parsed
+    cached.write_text(json.dumps({"rows": [["only", "two"]]}))  # not a valid result: parsed again, rewritten
+    assert cw._disk_cached("docs", ("fakepkg",), parse) == first and len(calls) == 2
+    assert json.loads(cached.read_text())["rows"] == [list(first[0])]
+    src.write_text(f'"""{para.format("rewritten")}"""\n')  # a changed source is a new key
+    os.utime(src, ns=(1, 1))
+    assert cw._disk_cached("docs", ("fakepkg",), parse)[0][2] == para.format("rewritten") and len(calls) == 3

@@ -173,9 +173,10 @@ def test_promoted_draft_swaps_in_with_no_failed_request(world, tmp_path):
             r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]}", cluster="code")
             (served if r.status_code == 200 else failures).append(r)
             i += 1
-            # a pause between a client's requests: one is still in flight at almost every moment of the
-            # swap, and the new server's start (CPU-bound, minutes on 2 busy cores) gets a share of the cores
-            stop.wait(0.25)
+            # a pause between a client's requests: requests keep arriving all through each swap (two clients,
+            # about one a second each), and the new server's start (CPU-bound) gets most of the cores; this
+            # file took 199 s of CPU alone at this pause against 215 s at 0.25 s (2-core Xeon, 2026-11-29)
+            stop.wait(1.0)
 
     threads = [threading.Thread(target=load) for _ in range(2)]  # two clients at all times
     for t in threads:

@@ -105,10 +105,10 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         assert "specops/templates/report.html.j2" in zf.namelist(), "the report template is package data"
     env = tmp_path / "clean"
-    venv.EnvBuilder(with_pip=True).create(env)
+    venv.EnvBuilder(with_pip=False).create(env)  # this venv's pip installs into it (--python): no ensurepip
     py = env / "bin" / "python"
     subprocess.run(
-        [py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
         check=True,
         timeout=300,
         cwd=tmp_path,

@@ -13,6 +13,10 @@ per-token α on the probe and on the template-disjoint probe for the trained wei
 average; the offline bound (``--offline LR:EPOCHS``, the best of ``osd.py``'s sweep) is trained on
 the same stream in the same run.
 
+A recipe can also keep the trainer's replay buffer across updates (``LR:STEPS:POLICY:CAPACITY``,
+e.g. ``1e-3:4:recent:64``: the trainer's ``--replay recent --capacity 64``), so that each request
+trains several updates, as the offline arm's epochs revisit it.
+
 The trainer itself is not run: no gate, no stream, no checkpoints; the optimiser steps are the
 trainer's (``trainer.data.draft_logits``, ``trainer.losses.distill_loss``) on the same examples.
 """
@@ -43,6 +47,7 @@ from specops.core import draft_vocab  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.trainer.data import Example, draft_logits  # noqa: E402
 from specops.trainer.losses import distill_loss  # noqa: E402
+from specops.trainer.replay import POLICIES, ReplayBuffer, ReplayConfig  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- BEGIN osd_average (written by benchmarks/osd_average.py; edits inside are overwritten) -->"
@@ -50,21 +55,41 @@ END = "<!-- END osd_average -->"
 HOLDOUT_EVERY = 10
 """One request in ten is held out, as the trainer's default ``holdout_every``."""
 INTERVAL = 8
-"""Requests per update, the trainer's default ``interval`` (buffer cleared after each)."""
+"""New requests per update, the trainer's default ``interval`` (the buffer cleared after each unless a
+recipe names another replay policy)."""
 
 
-def parse_recipes(spec: str) -> list[tuple[float, int]]:
-    """``--recipes LR:STEPS,LR:STEPS`` -> [(lr, steps per update)]."""
+def parse_recipes(spec: str) -> list[tuple[float, int, ReplayConfig]]:
+    """``--recipes LR:STEPS[:POLICY:CAPACITY],...`` -> [(lr, steps per update, replay)]; the replay
+    is the trainer's (``trainer.replay``): ``clear`` (its default: each request trains one update)
+    unless a policy is named, ``recent:64`` (the last 64 requests train every update)."""
     out = []
     for item in spec.split(","):
-        lr, _, steps = item.partition(":")
+        parts = item.split(":")
         try:
-            out.append((float(lr), int(steps)))
+            if len(parts) not in (2, 4):
+                raise ValueError(item)
+            lr, steps = float(parts[0]), int(parts[1])
+            replay = ReplayConfig(parts[2], int(parts[3])) if len(parts) == 4 else ReplayConfig()
         except ValueError:
-            raise SystemExit(f"--recipes {item!r}: give LR:STEPS, e.g. 1e-3:4") from None
-        if out[-1][0] <= 0 or out[-1][1] < 1:
+            raise SystemExit(
+                f"--recipes {item!r}: give LR:STEPS or LR:STEPS:POLICY:CAPACITY (policy one of "
+                f"{', '.join(POLICIES)}, capacity >= 1), e.g. 1e-3:4 or 1e-3:4:recent:64"
+            ) from None
+        if lr <= 0 or steps < 1:
             raise SystemExit(f"--recipes {item!r}: the rate must be > 0 and the steps >= 1")
+        if replay.policy != "clear" and replay.capacity < INTERVAL:
+            raise SystemExit(f"--recipes {item!r}: a kept buffer holds at least one update's {INTERVAL} requests")
+        out.append((lr, steps, replay))
     return out
+
+
+def recipe_label(rec: dict) -> str:
+    """``lr 0.001, 4 steps`` (the buffer cleared after each update), or ``..., recent 64``."""
+    label = f"lr {rec['lr']:g}, {rec['steps_per_update']} steps"
+    if rec.get("replay", "clear") != "clear":
+        label += f", {rec['replay']} {rec['capacity']}"
+    return label
 
 
 def parse_decays(spec: str) -> list[float]:
@@ -150,23 +175,33 @@ def run_domain(domain: str, args: argparse.Namespace) -> dict:
     sets = {"probe": probes[domain], "disjoint": disjoint[domain]}
     out: dict = {"requests": len(stream), "static": measure(pair.draft, sets, args), "recipes": [], "offline": []}
     vocab = draft_vocab.of(pair.draft)
-    for lr, steps in args.recipe_list:
+    for lr, steps, replay in args.recipe_list:
         learner = Learner(pair.draft, lr, args.decay_list)
         curve = [{"requests": 0, **{arm: out["static"] for arm in learner.arms()}}]
-        buf: list[Example] = []
+        buf: ReplayBuffer[Example] = ReplayBuffer(replay, domain)  # the trainer's buffer and release rule
         t0 = time.perf_counter()
-        for j, s in enumerate(tqdm(stream, desc=f"{domain} lr {lr:g} x{steps}", unit="req", leave=False), 1):
+        desc = f"{domain} lr {lr:g} x{steps}" + (
+            "" if replay.policy == "clear" else f" {replay.policy} {replay.capacity}"
+        )
+        for j, s in enumerate(tqdm(stream, desc=desc, unit="req", leave=False), 1):
             if j % HOLDOUT_EVERY:  # one in ten held out, never trained on
-                buf.append(osd.served_example(s, vocab, f"{domain}-{j}"))
-            if len(buf) == INTERVAL:
-                learner.update(buf, steps)
-                buf = []
+                buf.add(osd.served_example(s, vocab, f"{domain}-{j}"))
+            if buf.num_new == INTERVAL:  # an update every INTERVAL new requests, on what the buffer keeps
+                learner.update(buf.items(), steps)
+                buf.updated()
             if j % args.eval_every == 0 or j == len(stream):
                 curve.append(
                     {"requests": j, **{arm: measure(learner.weights(arm), sets, args) for arm in learner.arms()}}
                 )
         out["recipes"].append(
-            {"lr": lr, "steps_per_update": steps, "curve": curve, "train_s": time.perf_counter() - t0}
+            {
+                "lr": lr,
+                "steps_per_update": steps,
+                "replay": replay.policy,
+                "capacity": replay.capacity,
+                "curve": curve,
+                "train_s": time.perf_counter() - t0,
+            }
         )
     lr, epochs = args.offline_spec
     args.offline_batch = INTERVAL
@@ -193,7 +228,7 @@ def summarise(report: dict) -> dict:
             for arm in (k for k in final if k != "requests"):
                 gain = final[arm]["probe"] - static["probe"]
                 row = {
-                    "recipe": f"lr {rec['lr']:g}, {rec['steps_per_update']} steps",
+                    "recipe": recipe_label(rec),
                     "arm": arm,
                     "alpha": final[arm]["probe"],
                     "gain": gain,
@@ -304,7 +339,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--recipes",
         default="1e-3:4",
-        help="online recipes LR:STEPS (steps per update), comma-separated; 1e-3:4 is the trainer's default",
+        help="online recipes LR:STEPS (steps per update; the buffer cleared after each update, the trainer's "
+        "default) or LR:STEPS:POLICY:CAPACITY (the trainer's replay policy: recent or reservoir, keeping CAPACITY "
+        "requests across updates), comma-separated; 1e-3:4 is the trainer's default",
     )
     p.add_argument("--decays", default="0.8,0.9,0.95,0.98", help="moving-average decays per update")
     p.add_argument("--offline", default="1e-3:3,4", help="the offline bound: LR:EPOCHS (best of the epochs)")

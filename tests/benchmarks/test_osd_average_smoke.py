@@ -31,7 +31,7 @@ def test_osd_average_writes_json_table_and_doc(tiny_models, tmp_path):
         "--eval-every",
         "5",
         "--recipes",
-        "1e-3:2",
+        "1e-3:2,1e-3:2:recent:16",
         "--decays",
         "0.9",
         "--offline",
@@ -45,9 +45,15 @@ def test_osd_average_writes_json_table_and_doc(tiny_models, tmp_path):
     report = json.loads(out.read_text())
     sql = report["domains"]["sql"]
     assert [c["requests"] for c in sql["recipes"][0]["curve"]] == [0, 5, 10]
+    assert [(r["replay"], r["capacity"]) for r in sql["recipes"]] == [("clear", 256), ("recent", 16)]
     assert {o["epochs"] for o in sql["offline"]} == {1, 2}
     rows = report["summary"]["per_domain"]["sql"]["rows"]
-    assert [r["arm"] for r in rows] == ["trained", "avg0.9"]
+    assert [(r["recipe"], r["arm"]) for r in rows] == [
+        ("lr 0.001, 2 steps", "trained"),
+        ("lr 0.001, 2 steps", "avg0.9"),
+        ("lr 0.001, 2 steps, recent 16", "trained"),
+        ("lr 0.001, 2 steps, recent 16", "avg0.9"),
+    ]
     assert all({"alpha", "gain", "alpha_disjoint", "gain_disjoint", "largest_drop"} <= set(r) for r in rows)
     assert set(report["summary"]["gain"]["sql"]) >= {"recipe", "trained", "averaged", "decay", "averaged_disjoint"}
     text = doc.read_text()
@@ -67,7 +73,16 @@ def test_moving_average_is_the_stated_recurrence():
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--recipes", "1e-3"), ("--recipes", "0:4"), ("--decays", "1.0"), ("--offline", "1e-3:0"), ("--domains", "x")],
+    [
+        ("--recipes", "1e-3"),
+        ("--recipes", "0:4"),
+        ("--recipes", "1e-3:4:recent"),
+        ("--recipes", "1e-3:4:lifo:64"),
+        ("--recipes", "1e-3:4:recent:4"),
+        ("--decays", "1.0"),
+        ("--offline", "1e-3:0"),
+        ("--domains", "x"),
+    ],
 )
 def test_bad_arguments_name_the_flag(flag, value):
     with pytest.raises(SystemExit, match=flag):

@@ -146,7 +146,23 @@ def _disk_cached(
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("%s workload not cached at %s (%s): the next process parses again", kind, path, exc)
+        _prune(path.parent, kind, keep=path)
     return rows
+
+
+_CACHE_KEEP = 4
+"""Cache files kept per kind (the newest): one per venv and package set in use, not one per install ever made."""
+
+
+def _prune(folder: Path, kind: str, keep: Path) -> None:
+    """Delete all but the :data:`_CACHE_KEEP` newest cache files of ``kind`` (``keep`` always stays)."""
+    try:
+        files = sorted(folder.glob(f"{kind}-*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for f in [f for f in files if f != keep][_CACHE_KEEP - 1 :]:
+            f.unlink(missing_ok=True)
+            f.with_suffix(".lock").unlink(missing_ok=True)
+    except OSError as exc:  # another process pruned first, or the folder is read-only: only disk space
+        log.debug("workload cache not pruned: %s", exc)
 
 
 def _read_rows(path: Path, width: int) -> tuple[tuple[str, ...], ...] | None:

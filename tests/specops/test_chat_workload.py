@@ -194,3 +194,7 @@ def test_parsed_sources_are_cached_on_disk_keyed_by_the_files_they_read(tmp_path
     src.write_text(f'"""{para.format("rewritten")}"""\n')  # a changed source is a new key
     os.utime(src, ns=(1, 1))
     assert cw._disk_cached("docs", ("fakepkg",), parse)[0][2] == para.format("rewritten") and len(calls) == 3
+    for i in range(cw._CACHE_KEEP + 2):  # a new key each time: only the newest few files are kept
+        os.utime(src, ns=(2 + i, 2 + i))
+        cw._disk_cached("docs", ("fakepkg",), parse)
+    assert len(list((tmp_path / "cache" / "chat_workload").glob("docs-*.json"))) == cw._CACHE_KEEP

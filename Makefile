@@ -51,7 +51,7 @@ demo: $(STAMP)
 # Fresh clone 2026-11-28 (issue 54), `CI=true bash .ci/run`: 1542 passed in 12:34 of test time, about 3 minutes to install.
 # 2026-11-29 (Intel Xeon, 2 cores): 1577 passed in 18:36 of test time alone, 20:33 in a fresh clone beside a niced
 # benchmark; 16:17 alone in a fresh clone after the engines/vLLM test cuts: over the 12-minute budget on this machine. The suite is CPU-bound (both cores ~98 % busy; a third
-# worker does not help). Later that day, another machine: 14:43 in a fresh clone, then 13:48 and 12:54 (two fresh clones)
+# worker does not help). Later that day, another machine: 14:43 in a fresh clone, then 12:30 to 13:48 (four fresh clones)
 # after the disk cache of the docs workload, one vLLM arm in the engines quick test and a slower client in the vLLM swap
 # test (README, `make test`): still over the budget, and a minute of run-to-run spread.
 test: $(STAMP) $(VLLM_STAMP)

@@ -53,6 +53,7 @@ from pathlib import Path
 from specops.chat_templates import SYSTEM, ChatPrompt, math_prompts, sql_prompts
 from specops.paths import cache_dir
 from specops.prompts import Prompt
+from specops.streams.local_files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +142,7 @@ def _disk_cached(
             "%s workload: read %d rows from %s in %.1fs", kind, len(rows), ", ".join(packages), time.perf_counter() - t0
         )
         try:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"kind": kind, "packages": list(packages), "rows": rows}))
-            os.replace(tmp, path)
+            write_json_atomic(path, {"kind": kind, "packages": list(packages), "rows": rows}, fsync=False)
         except OSError as exc:
             log.warning("%s workload not cached at %s (%s): the next process parses again", kind, path, exc)
         _prune(path.parent, kind, keep=path)

@@ -427,6 +427,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--budget-s", type=float, default=None, help=f"the whole run's time budget (default {DEFAULT_BUDGET_S:.0f})"
     )
+    p.add_argument(
+        "--cap-scale",
+        type=float,
+        default=1.0,
+        help="multiply each section's time cap by this (a slow or shared machine: the test suite's dry run uses 4)",
+    )
     p.add_argument("--no-tests", action="store_true", help="skip the pytest subprocess")
     p.add_argument("--cpu-results", type=Path, default=REPO_ROOT / "benchmarks" / "out", help="where the CPU JSONs are")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
@@ -449,6 +455,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"no CUDA GPU visible (torch {torch.__version__}, CUDA {torch.version.cuda}): use --dry-run")
     budget = Budget(args.budget_s or (60.0 if dry else DEFAULT_BUDGET_S))
     caps, s = (DRY_CAPS, DRY_RUN_SETTINGS) if dry else (CAPS, RUN_SETTINGS)
+    if not args.cap_scale > 0:
+        raise SystemExit(f"--cap-scale must be > 0, got {args.cap_scale}")
+    caps = {section: cap * args.cap_scale for section, cap in caps.items()}
     shapes = DRY_SHAPES if dry else SHAPES
     dtype = torch.bfloat16
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {cpu_model()}"

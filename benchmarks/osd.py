@@ -2181,6 +2181,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="prompts per batched target generation")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--speed-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the speed part only (default: --threads); e.g. learn on 2 threads, time on 1 "
+        "as a one-core replica serves",
+    )
     p.add_argument("--quick", action="store_true", help="120 requests per domain, 32 new tokens, no generic run")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
     p.add_argument(
@@ -2408,6 +2415,9 @@ def main(argv: list[str] | None = None) -> int:
             for d in report.get("disjoint", {}):
                 report["disjoint"][d]["offline"] = probe(offline[d], disjoint[d], args).to_dict()
         if args.speed_prompts and "speed" in parts and drafts:
+            if args.speed_threads:
+                torch.set_num_threads(args.speed_threads)
+            report["speed_threads"] = torch.get_num_threads()
             report["speed"] = {
                 d: speed(
                     pair,

@@ -854,6 +854,7 @@ def speed(
     *,
     cluster: str = "default",
     champion_alpha: float | None = None,
+    offline_alpha: float | None = None,
     warm: list[Served] = (),
 ) -> dict:
     """Tokens/s of target-only and of the draft method with each named draft (in serving's draft
@@ -866,7 +867,11 @@ def speed(
     ``auto_static`` (no swap), ``auto_gated`` (the champion swapped in, its counts re-seeded from
     the gate's served score ``champion_alpha``, as serving's swap listener does) and
     ``auto_stale`` (the champion swapped in with the static draft's record kept: the product
-    before issue 55). Per ``auto`` arm: the share of steps on the draft model."""
+    before issue 55). With ``offline`` among the drafts (the offline bound, run in the same
+    process), also ``auto_offline``: that draft swapped in the same way, re-seeded from its probe
+    α ``offline_alpha``, which says what `auto` could reach on the cluster with the best draft the
+    offline sweep made rather than the one online learning made. Per ``auto`` arm: the share of
+    steps on the draft model."""
     from specops.core.auto_policy import AutoPolicy
     from specops.core.models import DEFAULT_DRAFT_DTYPE, resolve_dtype
     from specops.serving.proposers.auto import calibrate
@@ -881,7 +886,7 @@ def speed(
     }
     engines = {name: SpecEngine(p) for name, p in pairs.items()}
     auto: dict[str, tuple[str, AutoPolicy]] = {}
-    if "static" in drafts and "gated" in drafts:
+    if "static" in drafts and ("gated" in drafts or "offline" in drafts):
         history = AutoPolicy(seed=args.seed)
         calibrate(history, pairs["static"])
         for s in warm:
@@ -892,12 +897,17 @@ def speed(
                 resources=ProposerResources(pair=pairs["static"], cluster=cluster, policy=history),
             )
         state = history.priors()
-        for arm, draft in (("auto_static", "static"), ("auto_gated", "gated"), ("auto_stale", "gated")):
+        arms = [("auto_static", "static")]
+        arms += [("auto_gated", "gated"), ("auto_stale", "gated")] if "gated" in drafts else []
+        arms += [("auto_offline", "offline")] if "offline" in drafts else []
+        for arm, draft in arms:
             policy = AutoPolicy(seed=args.seed + 1)
             calibrate(policy, pairs[draft])
             policy.load_priors(state)
             if arm == "auto_gated":
                 policy.reseed(cluster, ["draft"], champion_alpha)
+            elif arm == "auto_offline":
+                policy.reseed(cluster, ["draft"], offline_alpha)
             auto[arm] = (draft, policy)
     tokens = {n: 0 for n in ["target", *drafts, *auto]}
     seconds = {n: 0.0 for n in tokens}
@@ -939,9 +949,13 @@ def speed(
             "champion_alpha": champion_alpha,
             "draft_step_share": {n: steps[n].get("draft", 0) / max(1, sum(steps[n].values())) for n in auto},
             "steps": steps,
-            "vs_static": tps["auto_gated"] / tps["auto_static"] if tps["auto_static"] else None,
-            "vs_target": tps["auto_gated"] / tps["target"] if tps["target"] else None,
         }
+        if "auto_gated" in auto:
+            out["auto"]["vs_static"] = tps["auto_gated"] / tps["auto_static"] if tps["auto_static"] else None
+            out["auto"]["vs_target"] = tps["auto_gated"] / tps["target"] if tps["target"] else None
+        if "auto_offline" in auto:
+            out["auto"]["offline_alpha"] = offline_alpha
+            out["auto"]["offline_vs_static"] = tps["auto_offline"] / tps["auto_static"] if tps["auto_static"] else None
     return out
 
 
@@ -1456,7 +1470,9 @@ def summarise(report: dict) -> dict:
         out["alpha_token_generic"] = {k: {d: g[k][d] for d in clusters} for k in ("static", "gated", "ungated")}
     if report.get("speed"):
         out["tokens_per_s_ratio"] = {d: report["speed"][d]["ratio_to_target"] for d in clusters if d in report["speed"]}
-        autos = {d: report["speed"][d]["auto"] for d in clusters if "auto" in report["speed"].get(d, {})}
+        autos = {
+            d: report["speed"][d]["auto"] for d in clusters if "vs_static" in report["speed"].get(d, {}).get("auto", {})
+        }
         if autos:
             out["auto_default_vs_static"] = {d: a["vs_static"] for d, a in autos.items()}
             out["auto_default_vs_target"] = {d: a["vs_target"] for d, a in autos.items()}
@@ -1464,6 +1480,9 @@ def summarise(report: dict) -> dict:
             out["auto_default_vs_target_min"] = min(out["auto_default_vs_target"].values())
             out["auto_draft_step_share"] = {d: a["draft_step_share"] for d, a in autos.items()}
             out["auto_champion_alpha"] = {d: a["champion_alpha"] for d, a in autos.items()}
+            bound = {d: a["offline_vs_static"] for d, a in autos.items() if a.get("offline_vs_static") is not None}
+            if bound:  # the offline bound's draft under `auto` (same process): what any draft of this size reached
+                out["auto_offline_vs_static"] = bound
     out["bars"] = {
         "gain_gated_min >= 0.10": out["gain_gated_min"] >= GAIN_BAR,
         "offline_fraction_min >= 0.8": (out["offline_fraction_min"] or 0) >= OFFLINE_FRACTION_BAR,
@@ -1541,6 +1560,7 @@ OTHER_KEYS = (
     "auto_default_vs_static_min",
     "auto_default_vs_target_min",
     "auto_draft_step_share",
+    "auto_offline_vs_static",
     "tokens_per_s_ratio",
     "engine_checks",
 )
@@ -1691,20 +1711,21 @@ def markdown(report: dict) -> str:
             line += f" {gen['static'][d]:.3f} → {gen['gated'][d]:.3f} / {gen['ungated'][d]:.3f} |"
         lines.append(line)
     if ratio:
-        arms = list(next(iter(ratio.values())))
+        arms = list(dict.fromkeys(a for r in ratio.values() for a in r))  # every arm any cluster ran
         lines += [
             "",
             "Tokens/s ÷ target-only (real engine, same probe prompts, interleaved): the draft method with each "
             "arm's final draft, and (`auto_*`) the default method, `auto`, continuing from a policy that served "
             "with the static draft: with it still (`auto_static`), with the final champion swapped in and its "
             "estimate re-seeded from the gate (`auto_gated`, what serving does), or kept (`auto_stale`, before "
-            "issue 55):",
+            "issue 55); where the offline part ran in the same process, with the offline bound's draft "
+            "(`auto_offline`, re-seeded from its probe α):",
             "",
             "| cluster | " + " | ".join(arms) + " |",
             "|---|" + "---:|" * len(arms),
         ]
         for d in clusters:
-            lines.append(f"| {d} | " + " | ".join(f"{ratio[d][a]:.2f}x" for a in arms) + " |")
+            lines.append(f"| {d} | " + " | ".join(f"{ratio[d][a]:.2f}x" if a in ratio[d] else "–" for a in arms) + " |")
     sw, b10 = s.get("offline_swept"), s.get("baseline_10pct")
     if sw or b10:
         lines += [
@@ -1744,7 +1765,7 @@ def markdown(report: dict) -> str:
                 )
     share = s.get("auto_draft_step_share")
     if share:
-        arms = list(next(iter(share.values())))
+        arms = list(dict.fromkeys(a for r in share.values() for a in r))
         lines += [
             "",
             "`auto`: share of its steps on the draft model, and the champion's speed-up under `auto` "
@@ -1758,7 +1779,7 @@ def markdown(report: dict) -> str:
                 seed = s["auto_champion_alpha"].get(d)
                 lines.append(
                     f"| {d} | "
-                    + " | ".join(f"{share[d][a]:.2f}" for a in arms)
+                    + " | ".join(f"{share[d][a]:.2f}" if a in share[d] else "–" for a in arms)
                     + f" | {s['auto_default_vs_static'][d]:.2f}x | {'–' if seed is None else f'{seed:.3f}'} |"
                 )
     return "\n".join(lines)
@@ -2414,22 +2435,23 @@ def main(argv: list[str] | None = None) -> int:
                     }
             for d in report.get("disjoint", {}):
                 report["disjoint"][d]["offline"] = probe(offline[d], disjoint[d], args).to_dict()
-        if args.speed_prompts and "speed" in parts and drafts:
+        if args.speed_prompts and "speed" in parts and (drafts or offline):  # offline,speed: the bound's draft alone
             if args.speed_threads:
                 torch.set_num_threads(args.speed_threads)
             report["speed_threads"] = torch.get_num_threads()
             report["speed"] = {
                 d: speed(
                     pair,
-                    {"static": pair.draft, **drafts[d], **({"offline": offline[d]} if d in offline else {})},
+                    {"static": pair.draft, **drafts.get(d, {}), **({"offline": offline[d]} if d in offline else {})},
                     probes[d][: args.speed_prompts],
                     args,
                     cluster=d,
                     champion_alpha=(report.get("main") or {}).get("champion_scores", {}).get(d),
+                    offline_alpha=(report.get("offline") or {}).get(d, {}).get("alpha_token"),
                     warm=probes[d][args.speed_prompts : args.speed_prompts + args.auto_warm],
                 )
                 for d in DOMAINS
-                if d in drafts
+                if d in drafts or d in offline
             }
         if args.generic and "generic" in parts:
             from specops.trainer.bootstrap.generic import build_generic_draft

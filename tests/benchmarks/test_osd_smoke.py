@@ -115,6 +115,7 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         "auto_static",
         "auto_gated",
         "auto_stale",
+        "auto_offline",  # the offline part ran in this process: `auto` with the bound's draft too
     }
     # the offline bound is the best of the default and the sweep's configurations; the 10 % baseline beside it
     assert [(r["lr"], r["epochs"]) for r in report["offline_sweep"]["sql"]] == [(1e-3, 1), (3e-3, 1), (3e-3, 2)]
@@ -128,7 +129,12 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
         set(s["gain_template_disjoint"]) == {"gated", "ungated", "offline"} and "template-disjoint" in doc.read_text()
     )
     auto = report["speed"]["sql"]["auto"]  # the default method, after the policy's history with the static draft
-    assert auto["warm_prompts"] == 1 and set(auto["draft_step_share"]) == {"auto_static", "auto_gated", "auto_stale"}
+    assert auto["warm_prompts"] == 1
+    assert set(auto["draft_step_share"]) == {"auto_static", "auto_gated", "auto_stale", "auto_offline"}
+    assert auto["offline_alpha"] == pytest.approx(s["alpha_token_offline"]["sql"])  # re-seeded from its probe α
+    assert (
+        s["auto_offline_vs_static"]["sql"] == pytest.approx(auto["offline_vs_static"]) and auto["offline_vs_static"] > 0
+    )
     assert all(0.0 <= v <= 1.0 for v in auto["draft_step_share"].values())
     assert s["auto_default_vs_static"]["sql"] == pytest.approx(auto["vs_static"]) and "auto_static" in doc.read_text()
     checks = s["engine_checks"]

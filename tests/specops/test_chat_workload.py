@@ -198,3 +198,48 @@ def test_parsed_sources_are_cached_on_disk_keyed_by_the_files_they_read(tmp_path
         os.utime(src, ns=(2 + i, 2 + i))
         cw._disk_cached("docs", ("fakepkg",), parse)
     assert len(list((tmp_path / "cache" / "chat_workload").glob("docs-*.json"))) == cw._CACHE_KEEP
+
+
+def test_definitions_are_ast_walks_definitions_in_its_order():
+    """``_definitions`` skips expression nodes, so it must still find every module, class and function
+    (inside ``if``, ``try``/``except``/``finally``, ``with``, ``match`` cases, loops and other
+    definitions) in ``ast.walk``'s breadth-first order, which decides which near-duplicate paragraph wins."""
+    import ast
+    import textwrap
+
+    source = textwrap.dedent(
+        '''
+        """module"""
+        def a():
+            def a_inner(): pass
+        if True:
+            class B:
+                def b(self): pass
+        else:
+            def c(): pass
+        try:
+            def d(): pass
+        except ValueError:
+            def e(): pass
+        else:
+            def f(): pass
+        finally:
+            def g(): pass
+        with open("x") as fh:
+            async def h(): pass
+        for i in range(2):
+            def j(): pass
+        while False:
+            def k(): pass
+        match 1:
+            case 1:
+                def m(): pass
+        x = lambda: [n for n in range(3)]
+        '''
+    )
+    tree = ast.parse(source)
+    expected = [n for n in ast.walk(tree) if isinstance(n, cw._DEFINITIONS)]
+    got = list(cw._definitions(tree))
+    assert got == expected
+    names = [getattr(n, "name", "<module>") for n in got]
+    assert len(names) == 14 and names[0] == "<module>" and set("abcdefghjkm") <= {n[0] for n in names}

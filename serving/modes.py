@@ -49,6 +49,9 @@ class ServedResult:
     """What a retrieval loop did (RaLMSeq/RaLMSpec or kNN-LM): the response's ``retrieval`` block."""
     engine: str = ""
     """The engine that decoded, when it is not ours (``vllm``: ``serving.vllm.node``)."""
+    counts_source: str = ""
+    """Where another engine's drafted and accepted counts came from: ``vllm`` (its per-request
+    metrics) or ``replay`` (recomputed from the output: ``serving.vllm.replay``)."""
 
     def version_of(self, method: str) -> str:
         """The version of ``method``'s artifact that served this request ("" if it has none)."""

@@ -195,10 +195,11 @@ class Replica:
             self.node = VLLMNode(
                 self.pair,
                 self.follower,
-                speculation=cfg.vllm_speculation,
+                speculation=cfg.vllm_speculations,
                 k=cfg.vllm_k,
                 served_name="target",
                 request_timeout_s=cfg.request_timeout_s,
+                servers=self.vllm,
                 **parts,
             )
         else:
@@ -238,7 +239,7 @@ class Replica:
         self.loading_step = "vLLM servers"
         spec = ServerSpec(
             self.target_dir,
-            cfg.vllm_speculation,
+            cfg.vllm_speculations[0],
             None,
             cfg.vllm_k,
             served_name="target",
@@ -250,6 +251,7 @@ class Replica:
         )
         self.vllm = VLLMServers(
             spec,
+            methods=cfg.vllm_speculations,
             python=vllm_python(cfg.vllm_python),
             log_dir=self.cache_dir / "vllm",
             start_timeout_s=cfg.vllm_start_timeout_s,
@@ -258,7 +260,15 @@ class Replica:
         follower = VLLMDraftFollower(
             self.registry, self.pair.draft, servers=self.vllm, base_draft_dir=self.draft_dir, **follow
         )
-        follower.start_base()
+        # the base draft's server and the shared ones (target-only, n-gram, copy) start side by side:
+        # much of a vLLM start is single-threaded (imports, loading), so two cores start two at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.vllm.methods)) as pool:
+            started = [pool.submit(follower.start_base)]
+            started += [pool.submit(self.vllm.get, None, m, m) for m in self.vllm.methods if m != "draft"]
+            for f in started:
+                f.result()
         return follower
 
     def _policy(self):

@@ -155,7 +155,11 @@ def create_app(state: ServingState) -> FastAPI:
             raise ForbiddenError("GET /v1/policy is for admin tenants (the server's admin_tenants)")
         _ensure_ready(state)
         # off the event loop, and never waiting on the policy's lock for long (503 then)
-        return await asyncio.to_thread(state.policy.snapshot, timeout_s=POLICY_WAIT_S)
+        snap = await asyncio.to_thread(state.policy.snapshot, timeout_s=POLICY_WAIT_S)
+        per_request = getattr(state.node, "request_policy", None)  # vLLM: auto chooses a server per request
+        if per_request is not None:
+            snap = {**snap, "vllm": await asyncio.to_thread(per_request.summary)}
+        return snap
 
     @app.get("/v1/clusters")
     async def clusters(request: Request):
@@ -298,7 +302,7 @@ async def _serve(
         raise ModelNotFoundError(f"model {echo(req.model)} is not served here; use {cfg.served_model_name!r}", "model")
     tenant = _tenant(request) if request is not None else ANONYMOUS
     plan = await asyncio.to_thread(state.plan, prompt, req, chat=chat, tenant=tenant, request_id=request_id)
-    job = Job(plan)
+    job = Job(plan, token_ids=req.return_token_ids)
     arrived = request.scope.get("state", {}).get("arrived") if request is not None else None
     timer = RequestTimer(arrived or time.perf_counter(), plan.cluster, plan.method)
     headers = {"X-Request-Id": job.request_id, **req.ignored_header()}  # schema.IGNORED_FIELDS it sent, if any
@@ -400,9 +404,10 @@ async def _sse(
             yield f"data: {json.dumps(error_body(500, f'internal error: {type(err).__name__}', 'internal'))}\n\n"
             return
         body = _response(model, job, served, chat=chat)
-        yield chunk(
-            [choice(None if chat else "", body["choices"][0]["finish_reason"])], speculation=body["speculation"]
-        )
+        last = choice(None if chat else "", body["choices"][0]["finish_reason"])
+        if job.token_ids:  # the whole request's ids, once, on the finishing chunk
+            last.update(prompt_token_ids=list(job.plan.prompt_ids), token_ids=list(job.output_ids))
+        yield chunk([last], speculation=body["speculation"])
         if include_usage:
             yield chunk([], usage=body["usage"])
         yield "data: [DONE]\n\n"
@@ -450,9 +455,11 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }
-    if served.engine:  # decoded elsewhere (vLLM): what it drafted and accepted per request is not known here
-        speculation.update(engine=served.engine, drafted=None, accepted=None, acceptance_rate=None)
-        speculation.update(rejected_steps=None, alpha_token=None, target_forwards=None, tokens_per_target_forward=None)
+    if served.engine:  # decoded by vLLM: its own per-request counts, or recomputed (serving.vllm.replay)
+        speculation.update(engine=served.engine, counts_source=served.counts_source or None)
+        if st.method == "target":  # a target-only server drafts nothing: there is no α to report
+            speculation.update(drafted=None, accepted=None, acceptance_rate=None, rejected_steps=None)
+            speculation.update(alpha_token=None)
     block = plan.spec.stats_block(st)  # the method's own: LLMA's copies, auto's choices
     if block:
         speculation[plan.spec.name] = block
@@ -471,6 +478,8 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
     else:
         choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": finish}
         obj, rid = "text_completion", "cmpl-" + job.request_id
+    if job.token_ids:
+        choice.update(prompt_token_ids=list(plan.prompt_ids), token_ids=list(job.output_ids))
     body = {
         "id": rid,
         "object": obj,

@@ -61,9 +61,12 @@ class ServeConfig(settings.ExplicitSettings):
     vllm_python: str = Field(
         "", description="Python of the vLLM venv (default: $SPECOPS_VLLM_PYTHON, else .venv-vllm/bin/python)"
     )
-    vllm_speculation: Literal["draft", "ngram", "none"] = Field(
+    vllm_speculation: str = Field(
         "draft",
-        description="how the vLLM servers speculate: each cluster's champion draft, vLLM's n-gram lookup, or not",
+        pattern=r"^\s*(draft|ngram|copy|none)\s*(,\s*(draft|ngram|copy|none)\s*)*$",
+        description="how the vLLM servers speculate, one server per entry (comma-separated): draft (each cluster's "
+        "champion draft), ngram (vLLM's n-gram lookup), copy (LLMA: the request's references, retrieved passages "
+        "and past sessions), none (target-only); with several, a request names one or 'auto' chooses per request",
     )
     vllm_k: int = Field(3, ge=1, le=16, description="tokens vLLM drafts per step (num_speculative_tokens)")
     vllm_max_model_len: int = Field(2048, ge=64, description="vLLM's --max-model-len (prompt + output tokens)")
@@ -277,6 +280,19 @@ class ServeConfig(settings.ExplicitSettings):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
+
+    @field_validator("vllm_speculation")
+    @classmethod
+    def _speculations(cls, v: str) -> str:
+        names = [p.strip() for p in v.split(",") if p.strip()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"vllm_speculation names a method twice: {v!r}")
+        return ",".join(names)
+
+    @property
+    def vllm_speculations(self) -> tuple[str, ...]:
+        """``vllm_speculation`` as a tuple (one vLLM server each; the draft model's per version)."""
+        return tuple(self.vllm_speculation.split(","))
 
     @field_validator("default_method")
     @classmethod

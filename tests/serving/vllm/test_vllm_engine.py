@@ -1,10 +1,14 @@
 """``specops serve --engine vllm``: our front door over real vLLM CPU servers.
 
 One front door for the module (real vLLM servers in the vLLM venv, tiny bootstrapped pair,
-MLflow on SQLite, the local stream log). It checks the round trip (greedy output identical
-to our own engine's target-only decode, streaming passes through), what is refused with a
-400, the records logged for the trainer, a teacher-forward update on them, and a hot-swap to
-a promoted draft (a new vLLM server) with no failed request while requests keep coming.
+MLflow on SQLite, the local stream log), running a server per method: the draft model, vLLM's
+n-gram lookup, our copy proposer (LLMA with references) and target-only. It checks the round
+trip of every method (greedy output identical to our own engine's target-only decode,
+streaming passes through), per-request counts (vLLM's own, and the front door's
+recomputation agreeing with them), ``auto`` choosing a server per request, copying from
+references, what is refused with a 400, the records logged for the trainer, a
+teacher-forward update on them, and a hot-swap to a promoted draft (a new vLLM server) with
+no failed request while requests keep coming.
 
 Skips, saying why, where the vLLM venv is absent (``make test`` creates it: ``make vllm-venv``).
 """
@@ -22,6 +26,7 @@ from specops.core.models import load_model_dir, load_tokenizer, tokenizer_hash
 from specops.registry import RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.vllm.plugin.specops_vllm_copy import join_refs
 from specops.serving.vllm.process import VLLMError, vllm_python
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord, MissRecord
@@ -59,6 +64,8 @@ def world(tiny_models, tmp_path_factory):
         vllm_max_model_len=256,
         vllm_kv_cache_gb=1,
         vllm_args="--enforce-eager",  # no torch.compile warm-up (minutes on 2 cores): the tests check behaviour, not speed
+        vllm_speculation="draft,ngram,copy,none",
+        session_cache_tokens=0,  # copy sources are the request's own (the recount below rebuilds them)
         max_concurrency=4,
         clusters="code",
         route_tenants="",
@@ -86,17 +93,26 @@ def _complete(url: str, prompt: str, **extra) -> requests.Response:
     return requests.post(url + "/v1/completions", json=body, timeout=120)
 
 
-def test_round_trip_is_the_targets_greedy_output(world, reference):
+def test_every_method_round_trips_the_targets_greedy_output_with_its_own_counts(world, reference):
     srv = world["srv"]
     ref, tok = reference
-    for p in PROMPTS:
-        r = _complete(srv.url, p)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["choices"][0]["text"] == tok.decode(ref[p], skip_special_tokens=True), p
-        sp = body["speculation"]
-        assert sp["engine"] == "vllm" and sp["method"] == "draft" and sp["draft_version"] == "base"
-        assert sp["drafted"] is None and sp["alpha_token"] is None  # not known per request: not guessed
+    for method in ("draft", "pld", "llma", "target"):
+        for p in PROMPTS:
+            r = _complete(srv.url, p, speculation={"method": method}, return_token_ids=True)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            choice, sp = body["choices"][0], body["speculation"]
+            assert choice["token_ids"] == ref[p], (method, p)  # compared by ids, not only by text
+            assert choice["text"] == tok.decode(ref[p], skip_special_tokens=True)
+            assert choice["prompt_token_ids"] == tok(p, add_special_tokens=False)["input_ids"]
+            assert sp["engine"] == "vllm" and sp["method"] == method
+            if method == "target":
+                assert sp["alpha_token"] is None and sp["drafted"] is None  # nothing drafted, no α
+                continue
+            # vLLM's own per-request counts (--per-request-spec-decode-metrics)
+            assert sp["counts_source"] == "vllm" and sp["drafted"] >= sp["accepted"] >= 0
+            assert 0.0 <= sp["alpha_token"] <= 1.0
+            assert sp["draft_version"] == ("base" if method == "draft" else None)
     # streaming passes through, chunk by chunk, to the same text
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     chunks = list(
@@ -109,23 +125,74 @@ def test_round_trip_is_the_targets_greedy_output(world, reference):
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
 
 
+def test_the_front_doors_recount_agrees_with_vllms_own(world, reference):
+    """vLLM's per-request counts against the front door's recomputation from the output (what a
+    stream closed early gets): equal but for the last step, whose drafts past ``max_tokens`` vLLM
+    still verifies and counts."""
+    srv, (ref, tok) = world["srv"], reference
+    node = srv.state.node
+    refs_text = tok.decode(ref[PROMPTS[1]][2:])
+    for method in ("draft", "pld", "llma"):
+        for p in PROMPTS:
+            extra = {"references": [refs_text]} if method == "llma" else {}
+            body = _complete(srv.url, p, speculation={"method": method}, return_token_ids=True, **extra).json()
+            sp, ids = body["speculation"], body["choices"][0]["token_ids"]
+            prompt = body["choices"][0]["prompt_token_ids"]
+            sources = join_refs([tok(refs_text, add_special_tokens=False)["input_ids"]]) if method == "llma" else []
+            mine = node._replay(method, None, prompt, ids, sources, 1)
+            assert sp["counts_source"] == "vllm"
+            assert 0 <= sp["drafted"] - mine.drafted <= node.k, (method, p, sp, mine)
+            assert 0 <= sp["accepted"] - mine.accepted <= node.k, (method, p, sp, mine)
+            assert abs(sp["rejected_steps"] - mine.rejected_steps) <= 1, (method, p, sp, mine)
+    # a stop sequence closes the stream early: no final chunk from vLLM, the counts are recomputed
+    text = tok.decode(ref[PROMPTS[0]], skip_special_tokens=True)
+    stop = text[len(text) // 2 :][:3]
+    if stop.strip():
+        sp = _complete(srv.url, PROMPTS[0], speculation={"method": "pld"}, stop=[stop]).json()["speculation"]
+        assert sp["counts_source"] in ("replay", "vllm") and sp["alpha_token"] is not None
+
+
+def test_auto_chooses_a_server_per_request_and_copies_references(world, reference):
+    srv, (ref, tok) = world["srv"], reference
+    seen = set()
+    for i in range(12):  # every server is tried first (MIN_TRIALS each), then the estimates decide
+        r = _complete(srv.url, PROMPTS[i % len(PROMPTS)], cluster="code")
+        assert r.status_code == 200, r.text
+        sp = r.json()["speculation"]
+        assert r.json()["choices"][0]["text"] == tok.decode(ref[PROMPTS[i % len(PROMPTS)]], skip_special_tokens=True)
+        seen.add(sp["method"])
+        assert sp["auto"]["level"] == "request" and sp["auto"]["last"]["chose"] == sp["method"]
+    assert seen == {"draft", "pld", "llma", "target"}
+    # LLMA through vLLM: a reference holding the continuation is copied (and the output is the target's)
+    p = PROMPTS[2]
+    body = _complete(
+        srv.url, p, speculation={"method": "llma"}, references=[p + tok.decode(ref[p])], return_token_ids=True
+    ).json()
+    assert body["choices"][0]["token_ids"] == ref[p]
+    assert body["speculation"]["alpha_token"] >= 0.5, body["speculation"]
+
+
 def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
     url = world["srv"].url
-    assert_error(_complete(url, "x", speculation={"method": "llma"}), 400, "invalid_request", "speculation.method")
+    assert_error(_complete(url, "x", speculation={"method": "dresd"}), 400, "invalid_request", "speculation.method")
     assert_error(_complete(url, "x", speculation={"k": 7}), 400, "invalid_request", "speculation.k")
     assert _complete(url, "x", speculation={"method": "draft", "k": 3}).status_code == 200
     # vLLM refuses min_p with speculative decoding, and its CPU engine core fails on top_k then: we say so
-    # first, naming the field; greedy requests (where neither changes anything) go through
-    assert_error(_complete(url, "x", temperature=1.0, min_p=0.1), 400, "invalid_request", "min_p")
-    assert_error(_complete(url, "x", temperature=1.0, top_k=5), 400, "invalid_request", "top_k")
-    assert _complete(url, "x", temperature=0, top_k=5).status_code == 200
+    # first, naming the field; greedy requests (where neither changes anything) go through, and auto
+    # sends a sampled request with them to the target-only server
+    draft = {"method": "draft"}
+    assert_error(_complete(url, "x", temperature=1.0, min_p=0.1, speculation=draft), 400, "invalid_request", "min_p")
+    assert_error(_complete(url, "x", temperature=1.0, top_k=5, speculation=draft), 400, "invalid_request", "top_k")
+    assert _complete(url, "x", temperature=0, top_k=5, speculation=draft).status_code == 200
+    r = _complete(url, "x", temperature=1.0, top_k=5, seed=1)
+    assert r.status_code == 200 and r.json()["speculation"]["method"] == "target", r.text
 
 
 def test_every_request_is_logged_for_teacher_forward_training(world, tmp_path):
     srv = world["srv"]
     ids = []
     for i in range(4):
-        r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]} {i}", cluster="code")
+        r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]} {i}", cluster="code", speculation={"method": "draft"})
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"].removeprefix("cmpl-"))
     assert srv.state.logger.flush(20)
@@ -170,7 +237,7 @@ def test_promoted_draft_swaps_in_with_no_failed_request(world, tmp_path):
     def load() -> None:  # requests keep coming through the swap
         i = 0
         while not stop.is_set():
-            r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]}", cluster="code")
+            r = _complete(srv.url, f"{PROMPTS[i % len(PROMPTS)]}", cluster="code", speculation={"method": "draft"})
             (served if r.status_code == 200 else failures).append(r)
             i += 1
             # a pause between a client's requests: requests keep arriving all through each swap (two clients,

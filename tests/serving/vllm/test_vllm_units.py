@@ -73,15 +73,14 @@ def test_request_body_forwards_top_k_and_min_p_only_when_on():
 def test_vllm_node_refuses_min_p_and_top_k_only_while_vllm_speculates(speculation, refused):
     """vLLM's ``SamplingParams._validate_spec_decode`` refuses min_p with speculative decoding: a 400
     naming min_p before the request is queued, rather than vLLM's error relayed as a 503."""
-    from types import SimpleNamespace
+    from specops.serving.plan import DecodePlan
+    from specops.serving.vllm.node import SERVED_METHOD, VLLMNode
 
-    from specops.serving.vllm.node import VLLMNode
-
-    node = VLLMNode.__new__(VLLMNode)  # check_plan reads only the speculation and k
-    node.speculation, node.k = speculation, 3
+    node = VLLMNode(None, None, speculation=speculation, k=3, served_name="t", request_timeout_s=1.0)
+    method = SERVED_METHOD[speculation]
 
     def plan(**params):
-        return SimpleNamespace(mode="plain", method="draft", k=3, references=(), params=SamplingParams(**params))
+        return DecodePlan.plain([1, 2], SamplingParams(**params), method=method, k=3)
 
     node.check_plan(plan(temperature=0.0, min_p=0.5, top_k=4), explicit_method=False, explicit_k=False)  # greedy
     for name, value in (("min_p", 0.5), ("top_k", 4)):
@@ -91,3 +90,14 @@ def test_vllm_node_refuses_min_p_and_top_k_only_while_vllm_speculates(speculatio
             assert exc.value.param == name
         else:
             node.check_plan(plan(temperature=0.8, **{name: value}), explicit_method=False, explicit_k=False)
+
+
+def test_copy_server_loads_our_proposer_and_reports_per_request_counts(tmp_path):
+    from specops.serving.vllm.process import COPY_PROPOSER, PLUGIN_DIR
+
+    argv = ServerSpec(tmp_path, "copy", k=5).argv(Path("/py"), 1)
+    sc = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert sc == {"method": "custom_class", "model": COPY_PROPOSER, "num_speculative_tokens": 5}
+    assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "detailed"
+    assert (PLUGIN_DIR / (COPY_PROPOSER.split(".")[0] + ".py")).is_file()  # what PYTHONPATH points vLLM at
+    assert "--per-request-spec-decode-metrics" not in ServerSpec(tmp_path, "none").argv(Path("/py"), 1)

@@ -1,0 +1,207 @@
+"""``auto`` on vLLM: per request, the vLLM server (the method) expected to decode it fastest.
+
+Our engine's ``auto`` (``core.auto_policy``) chooses a method and k *every step*, because it
+drafts in-process. A vLLM server fixes its speculation when it starts, so through
+``--engine vllm`` the choice is made once per request, among the servers the front door runs
+(``serving.vllm.fleet``: target-only, n-gram, the cluster's draft). Per-step switching stays a
+feature of our engine (docs/vllm.md).
+
+The estimate is the same decomposition as the in-engine policy's, from what each finished
+request measured (its per-token α, computed by ``serving.vllm.replay``, and its decode time):
+
+    speed(m) = E(α_m, k) / step_ms_m(load)
+
+- ``α_m``: a draw from a Beta posterior (Thompson sampling) over the decayed accepted and
+  rejected counts of method ``m`` in the request's cluster, temperature bucket and *kind*
+  (``refs``: the request carries text to copy from — references, retrieved passages — or
+  ``plain``), so a copying method is judged on the requests it can copy in. Target-only
+  has ``E = 1``.
+- ``step_ms_m(load)``: the decayed mean of the measured milliseconds per decode step of
+  ``m``'s server, per load bucket (requests in flight through the front door, on every
+  server: they share the cores). An unseen bucket starts from the nearest lower one.
+
+Each option is tried :data:`MIN_TRIALS` times per (cluster, kind, load bucket) before the
+estimates decide, and counts fade with :data:`HALF_LIFE_S`, so a method avoided for a while
+is retried (the draft may have been promoted meanwhile: :meth:`RequestPolicy.reseed`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specops.core.auto_fits import Counts
+from specops.core.auto_policy import TARGET, expected_tokens, load_bucket, temp_bucket
+
+MIN_TRIALS = 2
+"""Requests each option serves per (cluster, kind, load bucket) before the estimates decide."""
+
+PRIOR_TRIALS = 24.0
+"""Most trials of the cluster's counts a choice draws from (fresh evidence soon outweighs old)."""
+
+DECAY = 0.98
+"""Per-request decay of the counts and of the step-cost means (about 50 requests of memory)."""
+
+HALF_LIFE_S = 600.0
+"""Counts lose half their weight per this many seconds without news."""
+
+
+def request_kind(*, copyable: bool) -> str:
+    """``refs`` when the request brings text a copying drafter can copy from, else ``plain``."""
+    return "refs" if copyable else "plain"
+
+
+@dataclass
+class _Cost:
+    """A decayed mean of milliseconds per decode step."""
+
+    ms: float = 0.0
+    weight: float = 0.0
+
+    def add(self, ms: float, decay: float) -> None:
+        self.ms = (decay * self.weight * self.ms + ms) / (decay * self.weight + 1.0)
+        self.weight = decay * self.weight + 1.0
+
+
+@dataclass
+class ServerChoice:
+    """One request's decision."""
+
+    method: str
+    speed: float
+    """Estimated tokens per second that decided it (0 while exploring)."""
+    kind: str
+    load: int
+    explored: bool = False
+    """Chosen to try an option that had too few requests yet."""
+    alternatives: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "chose": self.method,
+            "kind": self.kind,
+            "load": self.load,
+            "explored": self.explored,
+            "estimates_tok_s": self.alternatives,
+        }
+
+
+class RequestPolicy:
+    """Per front door: acceptance counts per (cluster, method, temperature, kind), step costs per
+    (method, load bucket). Thread-safe."""
+
+    def __init__(self, methods: tuple[str, ...], *, k: int, seed: int | None = None, explore: bool = True) -> None:
+        if not methods:
+            raise ValueError("auto on vLLM needs at least one server method")
+        self.methods = tuple(methods)
+        self.k = int(k)
+        self.explore = explore
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.counts: dict[tuple[str, str, str, str], Counts] = {}
+        self.costs: dict[tuple[str, int], _Cost] = {}
+        self.tries: dict[tuple[str, str, int, str], int] = {}
+        self.decisions: dict[tuple[str, str], int] = {}
+        """(cluster, method) -> requests chosen (``/v1/policy``)."""
+        self.last: dict[str, ServerChoice] = {}
+
+    # ------------------------------------------------------------------ estimates
+    def _alpha(self, cluster: str, method: str, temp: str, kind: str) -> float:
+        c = self.counts.get((cluster, method, temp, kind))
+        a = r = 0.0
+        if c is not None and c.trials > 0:
+            fade = 0.5 ** (max(0.0, time.time() - c.updated) / HALF_LIFE_S)
+            take = min(PRIOR_TRIALS, c.trials * fade)
+            a, r = c.accepted / c.trials * take, c.rejected / c.trials * take
+        a, r = a + 1.0, r + 1.0
+        return self.rng.betavariate(a, r) if self.explore else a / (a + r)
+
+    def _step_ms(self, method: str, bucket: int) -> float | None:
+        for b in range(bucket, -1, -1):
+            c = self.costs.get((method, b))
+            if c is not None and c.weight > 0:
+                return c.ms
+        return None
+
+    def choose(self, cluster: str, *, temperature: float, kind: str, load: int, allowed=None) -> ServerChoice:
+        """The server for one request (``allowed``: the methods it may use; default all)."""
+        options = [m for m in self.methods if allowed is None or m in allowed]
+        if not options:
+            raise ValueError("no server method is allowed for this request")
+        temp, bucket = temp_bucket(temperature), load_bucket(load)
+        with self.lock:
+            untried = [m for m in options if self.tries.get((cluster, kind, bucket, m), 0) < MIN_TRIALS]
+            alts: dict[str, float] = {}
+            for m in options:
+                ms = self._step_ms(m, bucket)
+                if ms is None:
+                    continue
+                e = 1.0 if m == TARGET else expected_tokens(self._alpha(cluster, m, temp, kind), self.k)
+                alts[m] = round(e / max(ms, 1e-6) * 1000.0, 2)
+            if untried and self.explore:
+                m = min(untried, key=lambda x: (self.tries.get((cluster, kind, bucket, x), 0), options.index(x)))
+                choice = ServerChoice(m, alts.get(m, 0.0), kind, load, explored=True, alternatives=alts)
+            else:
+                m = max(alts, key=alts.get) if alts else options[0]
+                choice = ServerChoice(m, alts.get(m, 0.0), kind, load, alternatives=alts)
+            key = (cluster, kind, bucket, choice.method)
+            self.tries[key] = self.tries.get(key, 0) + 1
+            self.decisions[(cluster, choice.method)] = self.decisions.get((cluster, choice.method), 0) + 1
+            self.last[cluster] = choice
+            return choice
+
+    # ------------------------------------------------------------------ evidence
+    def record(
+        self,
+        cluster: str,
+        method: str,
+        *,
+        temperature: float,
+        kind: str,
+        load: int,
+        accepted: int,
+        rejected_steps: int,
+        steps: int,
+        decode_s: float,
+    ) -> None:
+        """A finished request on ``method``'s server: its drafted-position counts and its decode
+        time over ``steps`` steps (the first, which holds the prefill, excluded by the caller)."""
+        if steps <= 0 or not math.isfinite(decode_s) or decode_s < 0:
+            return
+        temp, bucket = temp_bucket(temperature), load_bucket(load)
+        with self.lock:
+            if method != TARGET and accepted + rejected_steps > 0:
+                c = self.counts.setdefault((cluster, method, temp, kind), Counts())
+                c.add(accepted, rejected_steps, DECAY)
+            self.costs.setdefault((method, bucket), _Cost()).add(decode_s * 1000.0 / steps, DECAY)
+
+    def reseed(self, cluster: str, method: str) -> None:
+        """Another model now serves ``method`` in ``cluster`` (a promoted draft): its counts were the
+        old model's, and it is explored again."""
+        with self.lock:
+            for key in [key for key in self.counts if key[0] == cluster and key[1] == method]:
+                del self.counts[key]
+            for key in [key for key in self.tries if key[0] == cluster and key[3] == method]:
+                del self.tries[key]
+
+    def summary(self) -> dict:
+        """For ``/v1/policy``: decisions, the latest choice per cluster, α means and step costs."""
+        with self.lock:
+            return {
+                "level": "request",
+                "methods": list(self.methods),
+                "decisions": [
+                    {"cluster": c, "method": m, "requests": n} for (c, m), n in sorted(self.decisions.items())
+                ],
+                "last": {c: ch.to_dict() for c, ch in self.last.items()},
+                "alpha": [
+                    {"cluster": c, "method": m, "temperature": t, "kind": k, "mean": round(v.mean, 4)}
+                    for (c, m, t, k), v in sorted(self.counts.items())
+                ],
+                "step_ms": [
+                    {"method": m, "load_bucket": b, "ms": round(v.ms, 3)} for (m, b), v in sorted(self.costs.items())
+                ],
+            }

@@ -1,0 +1,204 @@
+"""Per-request counts recomputed from a vLLM request's output, the copy proposer's rule, and
+``auto``'s per-request choice of server: the parts that need no vLLM server."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specops.serving.engine.spec import SpecEngine
+from specops.serving.engine.types import SamplingParams
+from specops.serving.vllm.choice import MIN_TRIALS, RequestPolicy
+from specops.serving.vllm.plugin.specops_vllm_copy import join_refs, propose_copy, split_refs
+from specops.serving.vllm.replay import Replayed, ngram_draft, replay, replay_draft
+
+
+def _kmp_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's n-gram rule as its proposer states it (KMP over the reversed context, the longest
+    match in [min_n, max_n], ties to the match found last in the reversed scan): written out
+    independently here, to check the vectorised port against."""
+    total = len(tokens)
+    if total < min_n:
+        return []
+    rev = tokens[::-1]
+    lps = [0] * max_n
+    longest = position = prev = 0
+    i = 1
+    while i < total:
+        if rev[prev] == rev[i]:
+            prev += 1
+            if prev >= longest:
+                longest, position = prev, i
+            if i < max_n:
+                lps[i] = prev
+            if prev == max_n:
+                prev = lps[max_n - 1]
+            i += 1
+        elif prev:
+            prev = lps[prev - 1]
+        else:
+            i += 1
+    if longest < min_n:
+        return []
+    start = total - 1 - position + longest
+    return tokens[start : start + min(k, total - start)]
+
+
+def test_ngram_port_matches_vllms_rule_on_random_contexts():
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 40)
+        toks = [rng.randint(0, rng.choice([2, 3, 5])) for _ in range(n)]
+        got = ngram_draft(np.asarray(toks, dtype=np.int64), 3, 2, 4).tolist()
+        assert got == _kmp_ngram(toks, 2, 4, 3), toks
+
+
+def test_replay_counts_steps_as_the_engine_does():
+    # output 10 tokens; the proposer always proposes the true next 2 tokens, then a wrong one
+    out = list(range(100, 110))
+
+    def oracle(ctx, pos):
+        return [*out[pos : pos + 2], -5]
+
+    r = replay([1, 2, 3], out, oracle, 3)
+    # steps at pos 1, 4, 7: each accepts 2, rejects 1 and emits 3; the last (pos 7) compares 3 known tokens
+    assert r == Replayed(drafted=9, accepted=6, rejected_steps=3, steps=3)
+    # a perfect proposer is truncated at the request's end, with no rejection there
+    perfect = replay([1], out, lambda ctx, pos: out[pos : pos + 3], 3)
+    assert perfect.rejected_steps == 0 and perfect.accepted == perfect.drafted == 9 - 2
+    # no proposal: one token per step (target-only steps)
+    assert replay([1], out, lambda ctx, pos: [], 3) == Replayed(0, 0, 0, 9)
+
+
+def test_draft_replay_is_what_our_engine_counts_for_the_same_greedy_request(close_pair):
+    """Our engine's draft-model speculation (greedy chain of k, full head) is vLLM's: the replay of
+    its output must give the engine's own counts."""
+    pair = close_pair
+    engine = SpecEngine(pair)
+    for prompt in ([5, 9, 12, 7], [3, 3, 3, 3, 3, 3]):
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="draft", k=3)
+        r = replay_draft(pair.draft, prompt, res.token_ids, 3)
+        st = res.stats
+        assert (r.accepted, r.rejected_steps) == (st.num_accepted, st.num_rejected_steps), (r, st.to_dict())
+
+
+def test_copy_rule_copies_longest_match_from_references_first():
+    refs = [np.array([9, 1, 2, 3, 4, 5, 6, 7]), np.array([2, 3, 8, 8])]
+    ctx = np.array([5, 6, 7, 1, 2, 3])
+    assert propose_copy(ctx, refs, 4) == [4, 5, 6, 7]  # "1 2 3" in the first reference: copy 1 + 3, at most k
+    assert propose_copy(ctx, refs, 2) == [4, 5]
+    assert propose_copy(np.array([1, 2, 3, 1, 2]), [], 4) == [3, 1, 2]  # the request's own context
+    assert propose_copy(np.array([4, 4, 0]), refs, 4, min_n=2) == []  # "4 0" nowhere; min_n 2 refuses "0"
+    assert [a.tolist() for a in split_refs(join_refs([[1, 2], [], [3]]))] == [[1, 2], [3]]
+    assert split_refs([]) == [] and join_refs([]) == []
+
+
+def test_auto_explores_each_server_then_takes_the_fastest_per_kind():
+    pol = RequestPolicy(("target", "pld", "draft"), k=3, seed=0, explore=True)
+    speed = {"target": 10.0, "pld": 12.0, "draft": 8.0}  # ms per step
+    alpha = {("plain", "pld"): 0.05, ("plain", "draft"): 0.7, ("refs", "pld"): 0.9, ("refs", "draft"): 0.5}
+    rng = np.random.default_rng(0)
+    chosen = {"plain": [], "refs": []}
+    for i in range(300):
+        kind = "plain" if i % 2 else "refs"
+        c = pol.choose("c", temperature=0.0, kind=kind, load=1)
+        chosen[kind].append(c.method)
+        a = alpha.get((kind, c.method), 0.0)
+        steps, acc, rej = 20, 0, 0
+        for _ in range(steps):  # k = 3 per step
+            m = 0
+            while m < 3 and rng.random() < a:
+                m += 1
+            acc, rej = acc + m, rej + (m < 3)
+        if c.method == "target":
+            acc = rej = 0
+        pol.record(
+            "c",
+            c.method,
+            temperature=0.0,
+            kind=kind,
+            load=1,
+            accepted=acc,
+            rejected_steps=rej,
+            steps=steps,
+            decode_s=steps * speed[c.method] / 1000,
+        )
+    for kind, best in (("plain", "draft"), ("refs", "pld")):
+        assert chosen[kind][: 3 * MIN_TRIALS].count(best) == MIN_TRIALS  # each server tried first
+        tail = chosen[kind][-60:]
+        assert tail.count(best) >= 50, (kind, tail)
+    summary = pol.summary()
+    assert summary["level"] == "request" and summary["decisions"]
+    # only what a request may use is chosen (sampling with top_k: target-only)
+    assert pol.choose("c", temperature=1.0, kind="plain", load=1, allowed=("target",)).method == "target"
+    with pytest.raises(ValueError):
+        pol.choose("c", temperature=0.0, kind="plain", load=1, allowed=())
+
+
+def test_reseed_forgets_a_replaced_drafts_counts():
+    pol = RequestPolicy(("target", "draft"), k=3, seed=1)
+    pol.record("c", "draft", temperature=0.0, kind="plain", load=1, accepted=5, rejected_steps=5, steps=5, decode_s=0.1)
+    assert any(k[1] == "draft" for k in pol.counts)
+    pol.reseed("c", "draft")
+    assert not any(k[1] == "draft" for k in pol.counts)
+    assert torch.tensor(1)  # keeps torch imported for the fixture's models
+
+
+def _node(speculation, sessions=None):
+    from specops.serving.vllm.node import VLLMNode
+
+    return VLLMNode(None, None, speculation=speculation, k=3, served_name="t", request_timeout_s=5.0, sessions=sessions)
+
+
+def _plan(method="auto", **fields):
+    from specops.serving.plan import DecodePlan
+
+    params = fields.pop("params", SamplingParams(max_new_tokens=8))
+    return DecodePlan.plain([1, 2, 3], params, method=method, **fields)
+
+
+def test_what_the_vllm_servers_cannot_do_is_a_400_naming_the_field():
+    from specops.core.errors import InvalidRequestError
+
+    node = _node(("draft", "copy", "none"))
+    assert node.methods == ("draft", "llma", "target") and node.fixed_method == "auto"
+    assert _node(("ngram",)).fixed_method == "pld"  # one server: a request that names none is decoded as it
+
+    def refused(plan, field, **kw):
+        with pytest.raises(InvalidRequestError) as exc:
+            node.check_plan(plan, explicit_method=kw.get("m", True), explicit_k=kw.get("k", False))
+        assert exc.value.param == field, exc.value
+
+    refused(_plan("pld"), "speculation.method")  # no n-gram server here
+    refused(_plan("draft", k=5), "speculation.k", k=True)
+    refused(_plan("draft", params=SamplingParams(max_new_tokens=8, temperature=1.0, top_k=5)), "top_k")
+    for ok in (_plan("llma", references=((4, 5, 6),)), _plan("target", k=5), _plan("auto")):
+        node.check_plan(ok, explicit_method=True, explicit_k=ok.k == 5)
+    # auto with a top_k sampler: only the target-only server can take it
+    sampled = _plan("auto", params=SamplingParams(max_new_tokens=8, temperature=1.0, top_k=5))
+    node.check_plan(sampled, explicit_method=True, explicit_k=False)
+    assert node._allowed(sampled) == ("target",)
+    no_copy = _node(("draft",))
+    with pytest.raises(InvalidRequestError) as exc:
+        no_copy.check_plan(_plan("draft", references=((4, 5),)), explicit_method=True, explicit_k=False)
+    assert exc.value.param == "references"
+
+
+def test_copy_sources_hold_the_requests_texts_and_only_its_tenants_sessions():
+    from specops.core.sessions.cache import SessionCacheConfig
+    from specops.serving.proposers.session_cache import SessionCache
+
+    sessions = SessionCache(SessionCacheConfig(max_tokens=1000))
+    sessions.add("c", list(range(100, 120)), "tenant-a")
+    sessions.add("c", list(range(200, 220)), "tenant-b")
+    node = _node(("copy",), sessions=sessions)
+    refs = node._copy_sources(_plan("llma", references=((7, 8, 9),), cluster="c", session_scope="tenant-a"), ((5, 6),))
+    docs = [d.tolist() for d in split_refs(refs)]
+    assert docs[:2] == [[7, 8, 9], [5, 6]]
+    flat = [t for d in docs for t in d]
+    assert set(range(100, 120)) <= set(flat) and not set(range(200, 220)) & set(flat)
+    other = node._copy_sources(_plan("llma", cluster="c", session_scope="tenant-c"), ())
+    assert other == []  # a tenant with no sessions gets none of the others'

@@ -16,12 +16,18 @@ request measured (its per-token α, computed by ``serving.vllm.replay``, and its
   (``refs``: the request carries text to copy from — references, retrieved passages — or
   ``plain``), so a copying method is judged on the requests it can copy in. Target-only
   has ``E = 1``.
-- ``step_ms_m(load)``: the decayed mean of the measured milliseconds per decode step of
-  ``m``'s server, per load bucket (requests in flight through the front door, on every
-  server: they share the cores). An unseen bucket starts from the nearest lower one.
+- ``step_ms_m(load, shared)``: the decayed mean of the measured milliseconds per decode step
+  of ``m``'s server, per load bucket (requests in flight through the front door, on every
+  server) and per whether *another* server was decoding when the request started. Servers
+  share the machine's cores: on a CPU, two servers decoding at once each run at a fraction
+  of their speed and neither batches the other's requests, while one server batches all of
+  them (vLLM's continuous batching). So a request goes to a server other than the busy one
+  only when its measured speed *while sharing* still wins. An unseen (bucket, shared)
+  starts from the nearest lower bucket of the same kind, then from the other kind.
 
-Each option is tried :data:`MIN_TRIALS` times per (cluster, kind, load bucket) before the
-estimates decide, and counts fade with :data:`HALF_LIFE_S`, so a method avoided for a while
+Each option is tried :data:`MIN_TRIALS` times per (cluster, kind) before the estimates
+decide (at a load bucket it has not run at, its cost is its cost at the nearest lower one:
+optimistic, so it is tried there too), and counts fade with :data:`HALF_LIFE_S`, so a method avoided for a while
 is retried (the draft may have been promoted meanwhile: :meth:`RequestPolicy.reseed`).
 """
 
@@ -37,7 +43,7 @@ from specops.core.auto_fits import Counts
 from specops.core.auto_policy import TARGET, expected_tokens, load_bucket, temp_bucket
 
 MIN_TRIALS = 2
-"""Requests each option serves per (cluster, kind, load bucket) before the estimates decide."""
+"""Requests each option serves per (cluster, kind) before the estimates decide."""
 
 PRIOR_TRIALS = 24.0
 """Most trials of the cluster's counts a choice draws from (fresh evidence soon outweighs old)."""
@@ -47,6 +53,11 @@ DECAY = 0.98
 
 HALF_LIFE_S = 600.0
 """Counts lose half their weight per this many seconds without news."""
+
+
+def shares(method: str, busy: dict[str, int]) -> bool:
+    """Whether ``method``'s server would decode beside another server (one that is busy now)."""
+    return any(n > 0 for m, n in busy.items() if m != method)
 
 
 def request_kind(*, copyable: bool) -> str:
@@ -102,8 +113,8 @@ class RequestPolicy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: dict[tuple[str, str, str, str], Counts] = {}
-        self.costs: dict[tuple[str, int], _Cost] = {}
-        self.tries: dict[tuple[str, str, int, str], int] = {}
+        self.costs: dict[tuple[str, int, bool], _Cost] = {}
+        self.tries: dict[tuple[str, str, str], int] = {}
         self.decisions: dict[tuple[str, str], int] = {}
         """(cluster, method) -> requests chosen (``/v1/policy``)."""
         self.last: dict[str, ServerChoice] = {}
@@ -119,35 +130,40 @@ class RequestPolicy:
         a, r = a + 1.0, r + 1.0
         return self.rng.betavariate(a, r) if self.explore else a / (a + r)
 
-    def _step_ms(self, method: str, bucket: int) -> float | None:
-        for b in range(bucket, -1, -1):
-            c = self.costs.get((method, b))
-            if c is not None and c.weight > 0:
-                return c.ms
+    def _step_ms(self, method: str, bucket: int, shared: bool) -> float | None:
+        for flag in (shared, not shared):
+            for b in range(bucket, -1, -1):
+                c = self.costs.get((method, b, flag))
+                if c is not None and c.weight > 0:
+                    return c.ms
         return None
 
-    def choose(self, cluster: str, *, temperature: float, kind: str, load: int, allowed=None) -> ServerChoice:
-        """The server for one request (``allowed``: the methods it may use; default all)."""
+    def choose(
+        self, cluster: str, *, temperature: float, kind: str, load: int, allowed=None, busy=None
+    ) -> ServerChoice:
+        """The server for one request (``allowed``: the methods it may use, default all; ``busy``:
+        method -> requests its server is decoding now, this one not counted)."""
+        busy = busy or {}
         options = [m for m in self.methods if allowed is None or m in allowed]
         if not options:
             raise ValueError("no server method is allowed for this request")
         temp, bucket = temp_bucket(temperature), load_bucket(load)
         with self.lock:
-            untried = [m for m in options if self.tries.get((cluster, kind, bucket, m), 0) < MIN_TRIALS]
+            untried = [m for m in options if self.tries.get((cluster, kind, m), 0) < MIN_TRIALS]
             alts: dict[str, float] = {}
             for m in options:
-                ms = self._step_ms(m, bucket)
+                ms = self._step_ms(m, bucket, shares(m, busy))
                 if ms is None:
                     continue
                 e = 1.0 if m == TARGET else expected_tokens(self._alpha(cluster, m, temp, kind), self.k)
                 alts[m] = round(e / max(ms, 1e-6) * 1000.0, 2)
             if untried and self.explore:
-                m = min(untried, key=lambda x: (self.tries.get((cluster, kind, bucket, x), 0), options.index(x)))
+                m = min(untried, key=lambda x: (self.tries.get((cluster, kind, x), 0), options.index(x)))
                 choice = ServerChoice(m, alts.get(m, 0.0), kind, load, explored=True, alternatives=alts)
             else:
                 m = max(alts, key=alts.get) if alts else options[0]
                 choice = ServerChoice(m, alts.get(m, 0.0), kind, load, alternatives=alts)
-            key = (cluster, kind, bucket, choice.method)
+            key = (cluster, kind, choice.method)
             self.tries[key] = self.tries.get(key, 0) + 1
             self.decisions[(cluster, choice.method)] = self.decisions.get((cluster, choice.method), 0) + 1
             self.last[cluster] = choice
@@ -166,9 +182,11 @@ class RequestPolicy:
         rejected_steps: int,
         steps: int,
         decode_s: float,
+        shared: bool = False,
     ) -> None:
         """A finished request on ``method``'s server: its drafted-position counts and its decode
-        time over ``steps`` steps (the first, which holds the prefill, excluded by the caller)."""
+        time over ``steps`` steps (the first, which holds the prefill, excluded by the caller);
+        ``shared``: another server was decoding when it started."""
         if steps <= 0 or not math.isfinite(decode_s) or decode_s < 0:
             return
         temp, bucket = temp_bucket(temperature), load_bucket(load)
@@ -176,7 +194,7 @@ class RequestPolicy:
             if method != TARGET and accepted + rejected_steps > 0:
                 c = self.counts.setdefault((cluster, method, temp, kind), Counts())
                 c.add(accepted, rejected_steps, DECAY)
-            self.costs.setdefault((method, bucket), _Cost()).add(decode_s * 1000.0 / steps, DECAY)
+            self.costs.setdefault((method, bucket, bool(shared)), _Cost()).add(decode_s * 1000.0 / steps, DECAY)
 
     def reseed(self, cluster: str, method: str) -> None:
         """Another model now serves ``method`` in ``cluster`` (a promoted draft): its counts were the
@@ -184,7 +202,7 @@ class RequestPolicy:
         with self.lock:
             for key in [key for key in self.counts if key[0] == cluster and key[1] == method]:
                 del self.counts[key]
-            for key in [key for key in self.tries if key[0] == cluster and key[3] == method]:
+            for key in [key for key in self.tries if key[0] == cluster and key[2] == method]:
                 del self.tries[key]
 
     def summary(self) -> dict:
@@ -202,6 +220,7 @@ class RequestPolicy:
                     for (c, m, t, k), v in sorted(self.counts.items())
                 ],
                 "step_ms": [
-                    {"method": m, "load_bucket": b, "ms": round(v.ms, 3)} for (m, b), v in sorted(self.costs.items())
+                    {"method": m, "load_bucket": b, "shared": sh, "ms": round(v.ms, 3)}
+                    for (m, b, sh), v in sorted(self.costs.items())
                 ],
             }

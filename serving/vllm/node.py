@@ -31,7 +31,7 @@ from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
 from specops.serving.modes import Decoded, ServedResult
 from specops.serving.plan import DecodePlan
-from specops.serving.vllm.choice import RequestPolicy, request_kind
+from specops.serving.vllm.choice import RequestPolicy, request_kind, shares
 from specops.serving.vllm.client import request_body, stream_completion
 from specops.serving.vllm.plugin.specops_vllm_copy import MIN_N_KEY, REFS_KEY, join_refs, split_refs
 from specops.serving.vllm.process import NGRAM_MAX, NGRAM_MIN, VLLMError
@@ -74,6 +74,8 @@ class VLLMNode(ServingNode):
         self.http = urllib3.PoolManager(num_pools=16, maxsize=64)
         self._lock = threading.Lock()
         self.in_flight = 0
+        self.busy: dict[str, int] = {}
+        """Method -> requests its server is decoding now (``auto`` weighs sharing the cores)."""
 
     @property
     def method(self) -> str:
@@ -185,15 +187,21 @@ class VLLMNode(ServingNode):
         kind = request_kind(copyable=bool(plan.references or retrieved))
         with self._lock:
             self.in_flight += 1
-            load = self.in_flight
+            load, busy = self.in_flight, dict(self.busy)
+        method, choice = plan.method, None
         try:
-            choice = None
-            method = plan.method
             if method == "auto":
                 choice = self.request_policy.choose(
-                    plan.cluster, temperature=params.temperature, kind=kind, load=load, allowed=self._allowed(plan)
+                    plan.cluster,
+                    temperature=params.temperature,
+                    kind=kind,
+                    load=load,
+                    allowed=self._allowed(plan),
+                    busy=busy,
                 )
                 method = choice.method
+            with self._lock:
+                self.busy[method] = self.busy.get(method, 0) + 1
             handle = self.follower.slot(plan.cluster).current()  # once: a swap does not move this request
             server = handle.backend if method == "draft" else self.servers.shared()[SPECULATION_OF[method]]
             body = request_body(
@@ -215,6 +223,8 @@ class VLLMNode(ServingNode):
         finally:
             with self._lock:
                 self.in_flight -= 1
+                if method in self.busy:
+                    self.busy[method] -= 1
         total_s = time.perf_counter() - t0
         stats = RequestStats(
             method=method, num_prompt_tokens=len(prompt_ids), num_generated=len(tokens), finish_reason=finish
@@ -240,6 +250,7 @@ class VLLMNode(ServingNode):
             rejected_steps=stats.num_rejected_steps,
             steps=steps,
             decode_s=max(total_s - first_s, 0.0),
+            shared=shares(method, busy),
         )
         if choice is not None:
             stats.policy = {

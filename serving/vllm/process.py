@@ -183,8 +183,9 @@ class VLLMServer:
         env.setdefault("DO_NOT_TRACK", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.spec.env)
-        if self.spec.speculation == "copy":  # vLLM imports the copy proposer by its dotted path
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
+        # our vLLM plugins: the copy proposer (imported by its dotted path) and the spin cap (a general
+        # plugin, plugin/specops_vllm_spin.py, declared by the dist-info folder there)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
         argv = self.spec.argv(self.python, self.port)
         log.info("starting vLLM server %s on port %d: %s (log %s)", self.name, self.port, " ".join(argv), self.log_path)
         self.started_at = time.monotonic()

@@ -202,3 +202,33 @@ def test_copy_sources_hold_the_requests_texts_and_only_its_tenants_sessions():
     assert set(range(100, 120)) <= set(flat) and not set(range(200, 220)) & set(flat)
     other = node._copy_sources(_plan("llma", cluster="c", session_scope="tenant-c"), ())
     assert other == []  # a tenant with no sessions gets none of the others'
+
+
+def test_auto_keeps_concurrent_requests_on_the_busy_server_when_sharing_the_cores_costs_more():
+    """Two servers decoding at once each run slower and batch nothing of the other's: a request goes
+    to another server than the busy one only when its measured speed while sharing still wins."""
+    pol = RequestPolicy(("target", "pld"), k=3, explore=False)
+    for _ in range(5):
+        pol.record(
+            "c", "pld", temperature=0.0, kind="plain", load=1, accepted=18, rejected_steps=2, steps=10, decode_s=0.10
+        )
+        pol.record(
+            "c", "target", temperature=0.0, kind="plain", load=1, accepted=0, rejected_steps=0, steps=10, decode_s=0.10
+        )
+        pol.record(
+            "c",
+            "pld",
+            temperature=0.0,
+            kind="plain",
+            load=2,
+            accepted=18,
+            rejected_steps=2,
+            steps=10,
+            decode_s=0.60,
+            shared=True,
+        )
+    alone = pol.choose("c", temperature=0.0, kind="plain", load=1)
+    assert alone.method == "pld"  # alone, copying pays
+    beside = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1})
+    assert beside.method == "target", beside.alternatives  # beside a busy target server, joining it is faster
+    assert pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"pld": 1}).method == "pld"

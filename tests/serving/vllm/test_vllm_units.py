@@ -101,3 +101,28 @@ def test_copy_server_loads_our_proposer_and_reports_per_request_counts(tmp_path)
     assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "detailed"
     assert (PLUGIN_DIR / (COPY_PROPOSER.split(".")[0] + ".py")).is_file()  # what PYTHONPATH points vLLM at
     assert "--per-request-spec-decode-metrics" not in ServerSpec(tmp_path, "none").argv(Path("/py"), 1)
+
+
+def test_the_spin_cap_plugin_is_found_on_the_servers_pythonpath(monkeypatch):
+    """vLLM loads ``vllm.general_plugins`` entry points in every process; ours is declared by a
+    dist-info folder in the plugin folder, which the servers get on PYTHONPATH."""
+    import subprocess
+    import sys
+
+    from specops.serving.vllm.plugin import specops_vllm_spin
+    from specops.serving.vllm.process import PLUGIN_DIR
+
+    code = (
+        "from importlib.metadata import entry_points; "
+        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'specops_spin'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(PLUGIN_DIR)}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "['specops_vllm_spin:register']"
+    monkeypatch.setenv(specops_vllm_spin.ENV, "0.5")
+    assert specops_vllm_spin.busy_loop_s() == 0.5
+    for bad in ("-1", "soon"):
+        monkeypatch.setenv(specops_vllm_spin.ENV, bad)
+        assert specops_vllm_spin.busy_loop_s() == specops_vllm_spin.DEFAULT_S
+    specops_vllm_spin.register()  # no vLLM here: nothing to patch, and no error

@@ -22,8 +22,9 @@ request measured (its per-token α, computed by ``serving.vllm.replay``, and its
   share the machine's cores: on a CPU, two servers decoding at once each run at a fraction
   of their speed and neither batches the other's requests, while one server batches all of
   them (vLLM's continuous batching). So a request goes to a server other than the busy one
-  only when its measured speed *while sharing* still wins. An unseen (bucket, shared)
-  starts from the nearest lower bucket of the same kind, then from the other kind.
+  only when its measured speed *while sharing* still wins. An unseen load bucket starts from
+  the nearest lower one; a server never measured beside another is priced at its cost alone
+  times ``1 + busy servers`` (each takes its share of the cores).
 
 Each option is tried :data:`MIN_TRIALS` times per (cluster, kind) before the estimates
 decide (at a load bucket it has not run at, its cost is its cost at the nearest lower one:
@@ -130,13 +131,25 @@ class RequestPolicy:
         a, r = a + 1.0, r + 1.0
         return self.rng.betavariate(a, r) if self.explore else a / (a + r)
 
-    def _step_ms(self, method: str, bucket: int, shared: bool) -> float | None:
-        for flag in (shared, not shared):
-            for b in range(bucket, -1, -1):
-                c = self.costs.get((method, b, flag))
-                if c is not None and c.weight > 0:
-                    return c.ms
+    def _measured(self, method: str, bucket: int, shared: bool) -> float | None:
+        for b in range(bucket, -1, -1):
+            c = self.costs.get((method, b, shared))
+            if c is not None and c.weight > 0:
+                return c.ms
         return None
+
+    def _step_ms(self, method: str, bucket: int, others: int) -> float | None:
+        """Milliseconds per step of ``method``'s server at ``bucket`` beside ``others`` busy servers:
+        measured, else (never measured beside another) its cost alone times ``1 + others``, each
+        busy server taking its share of the cores (a CPU's case; a GPU's measurements correct it)."""
+        shared = others > 0
+        ms = self._measured(method, bucket, shared)
+        if ms is not None:
+            return ms
+        if shared:
+            alone = self._measured(method, bucket, False)
+            return None if alone is None else alone * (1 + others)
+        return self._measured(method, bucket, True)
 
     def choose(
         self, cluster: str, *, temperature: float, kind: str, load: int, allowed=None, busy=None
@@ -152,7 +165,7 @@ class RequestPolicy:
             untried = [m for m in options if self.tries.get((cluster, kind, m), 0) < MIN_TRIALS]
             alts: dict[str, float] = {}
             for m in options:
-                ms = self._step_ms(m, bucket, shares(m, busy))
+                ms = self._step_ms(m, bucket, sum(1 for x, n in busy.items() if x != m and n > 0))
                 if ms is None:
                     continue
                 e = 1.0 if m == TARGET else expected_tokens(self._alpha(cluster, m, temp, kind), self.k)

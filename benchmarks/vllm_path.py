@@ -1,0 +1,482 @@
+"""The vLLM path carrying the whole product: ``auto`` choosing a vLLM server per request, against
+each single-method server, on a mixed workload, through ``specops serve --engine vllm``.
+
+One front door (``specops serve --engine vllm --vllm-speculation draft,ngram,copy,none``, a
+subprocess) runs four vLLM servers: the bootstrap draft (``draft``), vLLM's n-gram lookup
+(``pld``), our copy proposer with each request's references (``llma``,
+``serving/vllm/plugin``) and target-only (``target``). Every arm sends the same prompts, as
+token ids, greedy, streamed, through the same front door; a request names its arm's method:
+
+- ``target``, ``pld``, ``draft``: the prompt alone (these methods cannot use references);
+- ``llma``: the prompt and its references;
+- ``auto``: the prompt and its references; the front door picks a server per request
+  (``serving/vllm/choice.py``).
+
+**The mixed workload**, distinct prompts, interleaved (``chat``, ``rag``, ``cag``, ...):
+
+- ``chat``: held-out chat requests of the chat workload's sql, math and api domains, rendered
+  with the chat template (``benchmarks/engines_learn.py``);
+- ``rag``: a question, its top-5 BM25 passages of man pages and ``/usr/share/doc`` in the
+  LLMA paper's template; references: the passages (``benchmarks/llma.py``'s rag set);
+- ``cag`` (repeated sessions): the question alone; references: the target's own answers to
+  three rewordings of it, as a returning user's earlier sessions (``benchmarks/llma.py``'s
+  cag set). They travel as ``references``, not through the session cache: every arm
+  serves every prompt, and a shared cache would let an arm copy an earlier arm's answer.
+
+Each kind is split in two: the first half warms the front door up, untimed, at every
+concurrency (``auto`` tries each server and learns its acceptance and cost there); the
+second half is measured. At each ``--concurrency`` the arms run one after another, their
+order rotated by one per concurrency. Reported per arm: tokens/s (generated tokens ÷ wall
+time of the arm's run), per kind at concurrency 1 (Σ tokens ÷ Σ request latency), p50
+latency, the per-token α from each response (vLLM's own per-request counts), and whether
+every greedy output equals target-only's, by token ids (``return_token_ids``).
+
+Summary: ``auto_vs_best_single`` (per concurrency: ``auto`` ÷ the best single-method arm;
+bar ≥ 1), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
+bar ≥ 1.5), ``identical_outputs``, ``alpha_token_per_request`` (every drafting response carried
+a per-token α). ``swap_window_s``, ``swap_failed`` and ``front_door_rss_ratio`` are ``null``:
+this script does not measure them (issue 56's other parts). ``cpu_model`` names the CPU.
+
+    .venv/bin/python benchmarks/vllm_path.py --json benchmarks/out/vllm_path.json
+    .venv/bin/python benchmarks/vllm_path.py --quick --no-doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import urllib3  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks.common import cpu_model, environment, target_name, write_doc_section  # noqa: E402
+
+log = logging.getLogger("bench.vllm_path")
+
+ARMS = ("target", "pld", "llma", "draft", "auto")
+SINGLE = ("target", "pld", "llma", "draft")
+COPIES = ("llma", "auto")
+"""Arms whose requests carry the case's references."""
+KINDS = ("chat", "rag", "cag")
+DOC_BEGIN, DOC_END = "<!-- vllm-path:begin -->", "<!-- vllm-path:end -->"
+BARS = {"auto_vs_best_single": 1.0, "llma_refs_vs_vllm_target": 1.5}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from specops.paths import models_dir
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Arms, workload and measures: see the module docstring (benchmarks/vllm_path.py).",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny random pair, 2 cases per kind, 16 tokens")
+    p.add_argument("--json", type=Path, help="write the results (with a `summary`) here")
+    p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown file to update")
+    p.add_argument("--no-doc", action="store_true", help="do not update the doc")
+    p.add_argument("--model-dir", type=Path, default=None, help=f"target/ + draft/ (default: {models_dir()})")
+    p.add_argument("--cases", type=int, default=None, help="measured cases per kind (default 8, quick 2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64, quick 16)")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated client concurrencies")
+    p.add_argument("--k", type=int, default=3, help="vllm_k: tokens every vLLM server drafts per step")
+    p.add_argument(
+        "--vllm-args", default=None, help="more vLLM arguments (default none; quick: --enforce-eager, no compile)"
+    )
+    p.add_argument("--cache-dir", default=".specops/bench/llma", help="the RAG KB and the cag answers (llma.py's)")
+    p.add_argument("--kb-passages", type=int, default=None, help="passages of the RAG KB (default 20000, quick 2000)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the front door (tokenizer, recounts)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    defaults = {"cases": (2, 8), "max_tokens": (16, 64), "kb_passages": (2000, 20000)}
+    for key, (quick, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.vllm_args is None:
+        args.vllm_args = "--enforce-eager" if args.quick else ""
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
+    return args
+
+
+# ---------------------------------------------------------------- the workload
+def workload(args, model_dir: Path) -> list[dict]:
+    """``2 * cases`` cases per kind, interleaved chat, rag, cag, ...: {kind, prompt (ids), references}."""
+    from benchmarks import llma
+    from specops.chat_workload import chat_workload
+    from specops.core.models import load_pair
+
+    pair = load_pair(model_dir / "target", model_dir / "draft")
+    tok = pair.tokenizer
+    n = 2 * args.cases
+    per = -(-n // 3)
+    parts = chat_workload(tok, {"heldout": max(per, 8)}, domains=("sql", "math", "api"), seed=args.seed)
+    chat = [parts[d]["heldout"][i].token_ids for i in range(per) for d in ("sql", "math", "api")][:n]
+    ns = argparse.Namespace(
+        cache_dir=args.cache_dir,
+        kb_passages=args.kb_passages,
+        source=None,
+        seed=args.seed,
+        model_dir=str(model_dir),
+        max_new_tokens=args.max_tokens,
+    )
+    rag = llma.rag_cases(ns, tok, n)
+    cag = llma.cag_cases(ns, pair, n)
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    kinds = {
+        "chat": [{"kind": "chat", "prompt": list(p), "references": []} for p in chat],
+        "rag": [{"kind": "rag", "prompt": ids(c.prompt), "references": c.references} for c in rag],
+        "cag": [{"kind": "cag", "prompt": ids(c.prompt), "references": c.references} for c in cag],
+    }
+    for kind, cases in kinds.items():
+        if len(cases) < n:
+            raise SystemExit(f"{kind}: {len(cases)} cases on this machine, {n} needed (--cases {args.cases})")
+    return [kinds[k][i] for i in range(n) for k in KINDS]
+
+
+# ---------------------------------------------------------------- the front door
+class FrontDoor:
+    """``specops serve --engine vllm`` with every method's server, in its own process group."""
+
+    def __init__(self, args, model_dir: Path, log_dir: Path, data_dir: Path, max_len: int) -> None:
+        from specops.serving.vllm.process import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / "specops-serve-vllm.log"
+        self.data_dir = data_dir
+        self.argv = [
+            sys.executable,
+            "-m",
+            "specops.cli",
+            "--threads",
+            str(args.threads),
+            "serve",
+            "--engine",
+            "vllm",
+            "--vllm-speculation",
+            "draft,ngram,copy,none",
+            "--vllm-k",
+            str(args.k),
+            "--vllm-max-model-len",
+            str(max_len),
+            "--vllm-start-timeout-s",
+            "2400",  # four servers compile side by side on few cores
+            "--target",
+            str(model_dir / "target"),
+            "--draft",
+            str(model_dir / "draft"),
+            "--port",
+            str(self.port),
+            "--stream",
+            "none",
+            "--registry",
+            "none",
+            "--router",
+            "none",
+            "--session-cache-tokens",
+            "0",
+            "--max-concurrency",
+            str(max(args.concurrency)),
+            "--max-tokens-limit",
+            str(max(args.max_tokens, 64)),
+            "--max-prompt-tokens",
+            str(max_len - args.max_tokens - args.k - 1),
+        ]
+        if args.vllm_args:
+            self.argv.append(f"--vllm-args={args.vllm_args}")  # "=": the value starts with "--"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 2700.0) -> float:
+        env = {**os.environ, "SPECOPS_DATA_DIR": str(self.data_dir), "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # several servers on few cores: let the OS place them
+        for var in ("SPECOPS_STREAM_URL", "SPECOPS_REGISTRY_URI", "SPECOPS_API_KEYS"):
+            env.pop(var, None)
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        http = urllib3.PoolManager()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"specops serve exited:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(urllib3.exceptions.HTTPError):
+                if http.request("GET", self.url + "/readyz", timeout=2.0, retries=False).status == 200:
+                    return time.monotonic() - t0
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"specops serve not ready after {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        from specops.serving.vllm.process import stop_group
+
+        stop_group(self.proc, 60.0)
+
+    def rss_mb(self) -> float | None:
+        """The front door process's own resident memory (not its vLLM children)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+        except (OSError, AttributeError):
+            return None
+        return None
+
+
+def request(http: urllib3.PoolManager, url: str, arm: str, case: dict, max_tokens: int) -> dict:
+    body = {
+        "model": "specops",
+        "prompt": case["prompt"],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "speculation": {"method": arm},
+    }
+    if arm in COPIES and case["references"]:
+        body["references"] = case["references"]
+    t0 = time.perf_counter()
+    r = http.request(
+        "POST",
+        url + "/v1/completions",
+        body=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=900.0,
+        retries=False,
+    )
+    latency = time.perf_counter() - t0
+    if r.status != 200:
+        raise RuntimeError(f"{arm}: HTTP {r.status}: {r.data[:400]!r}")
+    out = json.loads(r.data)
+    sp = out["speculation"]
+    return {
+        "kind": case["kind"],
+        "method": sp["method"],
+        "token_ids": out["choices"][0]["token_ids"],
+        "tokens": out["usage"]["completion_tokens"],
+        "latency_s": latency,
+        "alpha_token": sp.get("alpha_token"),
+        "accepted": sp.get("accepted"),
+        "rejected_steps": sp.get("rejected_steps"),
+        "counts_source": sp.get("counts_source"),
+    }
+
+
+def run_arm(url: str, arm: str, cases: list[dict], concurrency: int, max_tokens: int, desc: str) -> dict:
+    http = urllib3.PoolManager(num_pools=2, maxsize=max(8, concurrency))
+    replies: list[dict | None] = [None] * len(cases)
+    bar = tqdm(total=len(cases), desc=desc, unit="req", leave=False)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        replies[i] = request(http, url, arm, cases[i], max_tokens)
+        with lock:
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(len(cases))))
+    wall = time.perf_counter() - t0
+    bar.close()
+    return {"wall_s": wall, "replies": replies}
+
+
+# ---------------------------------------------------------------- the report
+def arm_row(run: dict) -> dict:
+    replies = run["replies"]
+    tokens = sum(r["tokens"] for r in replies)
+    acc = sum(r["accepted"] or 0 for r in replies)
+    rej = sum(r["rejected_steps"] or 0 for r in replies)
+    per_kind = {}
+    for kind in KINDS:
+        rs = [r for r in replies if r["kind"] == kind]
+        if rs:
+            per_kind[kind] = {
+                "tok_s": round(sum(r["tokens"] for r in rs) / max(sum(r["latency_s"] for r in rs), 1e-9), 2),
+                "methods": {m: sum(r["method"] == m for r in rs) for m in sorted({r["method"] for r in rs})},
+            }
+    return {
+        "tok_s": round(tokens / max(run["wall_s"], 1e-9), 2),
+        "tokens": tokens,
+        "wall_s": round(run["wall_s"], 2),
+        "p50_latency_s": round(statistics.median(r["latency_s"] for r in replies), 3),
+        "alpha_token": round(acc / (acc + rej), 4) if acc + rej else None,
+        "per_kind": per_kind,
+    }
+
+
+def summarise(report: dict) -> dict:
+    by_c = report["by_concurrency"]
+    auto_vs = {}
+    for c, rows in by_c.items():
+        best = max(SINGLE, key=lambda a: rows[a]["tok_s"])
+        auto_vs[c] = {"ratio": round(rows["auto"]["tok_s"] / rows[best]["tok_s"], 3), "best_single": best}
+    c1 = by_c.get("1") or next(iter(by_c.values()))
+    rag = {a: c1[a]["per_kind"].get("rag", {}).get("tok_s") for a in ("llma", "target")}
+    llma_vs = round(rag["llma"] / rag["target"], 3) if rag["llma"] and rag["target"] else None
+    return {
+        "auto_vs_best_single": {c: v["ratio"] for c, v in auto_vs.items()},
+        "best_single": {c: v["best_single"] for c, v in auto_vs.items()},
+        "llma_refs_vs_vllm_target": llma_vs,
+        "identical_outputs": report["identical_outputs"],
+        "alpha_token_per_request": report["alpha_token_per_request"],
+        "swap_window_s": None,
+        "swap_failed": None,
+        "front_door_rss_ratio": None,
+        "front_door_rss_mb": report.get("front_door_rss_mb"),
+        "bars": {
+            "auto_vs_best_single": all(v["ratio"] >= BARS["auto_vs_best_single"] for v in auto_vs.values()),
+            "llma_refs_vs_vllm_target": llma_vs is not None and llma_vs >= BARS["llma_refs_vs_vllm_target"],
+        },
+        "cpu_model": report["environment"].get("cpu_model"),
+    }
+
+
+def markdown(report: dict, command: str) -> str:
+    s = report["summary"]
+    lines = [
+        f"Target {report['target']}, {report['cases_per_kind']} measured cases per kind (chat, rag, cag), "
+        f"{report['max_tokens']} tokens, greedy, k = {report['k']}; {report['environment'].get('cpu_model')}, "
+        f"{report['environment'].get('cpu_count')} cores; one front door with four vLLM servers "
+        f"({report['vllm_version']}).",
+        "",
+        "| concurrency | arm | tokens/s | chat tok/s (c=1 kinds) | rag | cag | p50 latency s | per-token α |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, rows in report["by_concurrency"].items():
+        for arm in ARMS:
+            r = rows[arm]
+            kinds = [r["per_kind"].get(k, {}).get("tok_s") for k in KINDS]
+            alpha = "–" if r["alpha_token"] is None else f"{r['alpha_token']:.3f}"
+            lines.append(
+                f"| {c} | {arm} | {r['tok_s']:.1f} | "
+                + " | ".join("–" if x is None else f"{x:.1f}" for x in kinds)
+                + f" | {r['p50_latency_s']:.2f} | {alpha} |"
+            )
+    auto_methods = {c: rows["auto"]["per_kind"] for c, rows in report["by_concurrency"].items() if "auto" in rows}
+    lines += ["", "`auto`'s choices per kind (requests per server):", ""]
+    for c, per in auto_methods.items():
+        lines.append(f"- concurrency {c}: " + "; ".join(f"{k} {v['methods']}" for k, v in per.items()))
+    lines += [
+        "",
+        f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}); "
+        f"LLMA with references ÷ target-only on the rag set at concurrency 1: {s['llma_refs_vs_vllm_target']} "
+        f"(bar ≥ 1.5); greedy outputs identical to target-only's by token ids: {s['identical_outputs']}; every "
+        f"drafting response carried a per-token α: {s['alpha_token_per_request']}.",
+        "",
+        f"Command: `{command}`",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from specops.serving.vllm.process import vllm_python
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-path-"))
+    if args.quick and args.model_dir is None:
+        from specops.trainer.bootstrap import run as bootstrap
+
+        args.model_dir = tmp / "models"
+        bootstrap(args.model_dir, tiny=True)
+    elif args.model_dir is None:
+        from specops.paths import models_dir
+
+        args.model_dir = models_dir()
+    model_dir = Path(args.model_dir)
+    cases = workload(args, model_dir)
+    warm = [c for i, c in enumerate(cases) if (i // len(KINDS)) < args.cases]
+    measured = [c for i, c in enumerate(cases) if (i // len(KINDS)) >= args.cases]
+    longest = max(len(c["prompt"]) for c in cases)
+    max_len = min(2048, longest + args.max_tokens + args.k + 16)
+    log.info("%d warm-up and %d measured cases; longest prompt %d tokens", len(warm), len(measured), longest)
+    door = FrontDoor(args, model_dir, tmp, tmp / "data", max_len)
+    ready_s = door.start()
+    log.info("front door with four vLLM servers ready in %.0fs", ready_s)
+    by_c: dict[str, dict] = {}
+    identical, alpha_every = True, True
+    try:
+        for c in args.concurrency:  # untimed: every server warmed, auto explores at this load
+            for arm in ARMS:
+                run_arm(door.url, arm, warm, c, args.max_tokens, f"warm-up c={c} {arm}")
+        rss = door.rss_mb()
+        for ci, c in enumerate(args.concurrency):
+            order = ARMS[ci % len(ARMS) :] + ARMS[: ci % len(ARMS)]
+            rows = {}
+            for arm in order:
+                run = run_arm(door.url, arm, measured, c, args.max_tokens, f"c={c} {arm}")
+                rows[arm] = arm_row(run)
+                alpha_every = alpha_every and all(
+                    r["alpha_token"] is not None for r in run["replies"] if r["method"] != "target"
+                )
+                rows[arm]["_ids"] = [r["token_ids"] for r in run["replies"]]
+                log.info("c=%d %s: %.1f tokens/s", c, arm, rows[arm]["tok_s"])
+            by_c[str(c)] = rows
+        for rows in by_c.values():  # by token ids, against target-only's outputs
+            target_ids = rows["target"]["_ids"]
+            for arm in ARMS:
+                identical = identical and rows[arm].pop("_ids") == target_ids
+    finally:
+        door.stop()
+    report = {
+        "benchmark": "vllm_path",
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "target": target_name(model_dir),
+        "quick": args.quick,
+        "cases_per_kind": args.cases,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "concurrency": args.concurrency,
+        "vllm_version": _vllm_version(vllm_python()),
+        "vllm_args": args.vllm_args,
+        "front_door_ready_s": round(ready_s, 1),
+        "front_door_rss_mb": None if rss is None else round(rss, 1),
+        "by_concurrency": by_c,
+        "identical_outputs": identical,
+        "alpha_token_per_request": alpha_every,
+        "environment": {**environment(), "cpu_model": cpu_model()},
+    }
+    report["summary"] = summarise(report)
+    command = "python benchmarks/vllm_path.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = markdown(report, command.strip())
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if not args.no_doc and not args.quick:
+        write_doc_section(args.doc, DOC_BEGIN, DOC_END, f"{DOC_BEGIN}\n{text}\n{DOC_END}")
+    return 0
+
+
+def _vllm_version(python: Path) -> str:
+    try:
+        out = subprocess.run(
+            [str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=120
+        )
+        return "vLLM " + out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "vLLM ?"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -381,5 +381,12 @@ def make_embedder(kind: str, *, target=None, model=None, tokenizer=None) -> Embe
             model, tokenizer = target.target, target.tokenizer
         if model is None or tokenizer is None:
             raise RouterError("the target embedder needs the target model and its tokenizer")
+        from specops.core.models import has_weights
+
+        if not has_weights(model):
+            raise RouterError(
+                "the target embedder needs the target's weights, which a front door over vLLM does not load "
+                "(--engine vllm); route with a router built on the minilm embedder"
+            )
         return TargetHiddenEmbedder(model, tokenizer)
     raise RouterError(f"unknown embedder {kind!r}; use one of {EMBEDDER_KINDS}")

@@ -202,6 +202,35 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
 
 
+SHELL_ATTR = "specops_config_only"
+"""Set on a target loaded without its weights (:func:`load_shell`)."""
+
+
+def load_shell(path: Path):
+    """The model of ``path`` built from its config on the ``meta`` device: its config, generation
+    config and module structure, and no weights in memory. A front door whose decode is another
+    engine's (vLLM) needs the target's vocabulary, context and end-of-sequence ids only; a
+    forward of the shell fails (meta tensors), and :func:`has_weights` tells callers apart."""
+    from transformers import AutoConfig, GenerationConfig
+
+    path = check_model_dir(path)
+    with LOAD_LOCK:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:  # no generation_config.json: the config's own eos id serves
+        pass
+    setattr(model, SHELL_ATTR, True)
+    return model.eval()
+
+
+def has_weights(model) -> bool:
+    """False for a config-only target (:func:`load_shell`)."""
+    return not getattr(model, SHELL_ATTR, False)
+
+
 def load_pair(
     target_dir: Path,
     draft_dir: Path | None = None,
@@ -209,10 +238,12 @@ def load_pair(
     draft_dtype: str | torch.dtype = DEFAULT_DRAFT_DTYPE,
     target_dtype: str | torch.dtype = torch.float32,
     device: str = "cpu",
+    target_weights: bool = True,
 ) -> ModelPair:
     """Load a target (``target_dtype``, float32 by default) and optionally a draft (in
     ``draft_dtype``; ``auto``: measured, ``core.draft_dtype``), both on ``device``; fail clearly
-    if their tokenizers differ."""
+    if their tokenizers differ. ``target_weights=False``: the target's config only
+    (:func:`load_shell`), for a front door whose decode is vLLM's."""
     check_model_dir(target_dir)
     if draft_dir is not None:
         check_model_dir(draft_dir)
@@ -227,14 +258,14 @@ def load_pair(
                 f"{target_dir} (sha256 {target_hash[:12]}); speculative decoding needs one shared tokenizer"
             )
         draft = load_model(draft_dir, dtype=draft_dtype, device=device)
-    target = load_model(target_dir, dtype=target_dtype, device=device)
+    target = load_model(target_dir, dtype=target_dtype, device=device) if target_weights else load_shell(target_dir)
     pair = ModelPair(target=target, draft=draft, tokenizer=target_tok, tokenizer_sha256=target_hash)
     log.info(
         "loaded target %s (%.1fM params, %s on %s)%s",
         target_dir,
         sum(p.numel() for p in target.parameters()) / 1e6,
         target.dtype,
-        device,
+        device if target_weights else "meta: its config only, no weights",
         f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {draft.dtype})"
         if draft
         else "",

@@ -119,6 +119,8 @@ class Replica:
             draft_dtype=cfg.draft_dtype,
             target_dtype=cfg.dtype,
             device=placement.device,
+            # vLLM decodes: the front door needs the target's config and tokenizer, not its weights
+            target_weights=cfg.engine != "vllm",
         )
         if self.stream_cfg is not None:  # 2.
             from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger

@@ -243,3 +243,54 @@ def test_the_real_timing_runs_both_arms_through_the_engines_forward(monkeypatch)
     assert all(v > 0 for steps in rec["steps_ms"].values() for v in steps.values())
     assert rec["dtype"] == draft_dtype.choose(rec["ms_per_token"]) and kept.dtype == getattr(torch, rec["dtype"])
     assert draft_vocab.of(kept) is not None and draft_vocab.of(kept).size == len(range(0, VOCAB, 2))
+
+
+def test_a_config_only_target_has_its_limits_and_no_weights(tmp_path, words):
+    """The front door over vLLM loads the target's config, not its weights: the same vocabulary,
+    context and end ids, parameters on the meta device, and a refusal (not a wrong answer) when
+    something asks it for hidden states."""
+    from specops.core.embed import make_embedder
+    from specops.core.errors import SpecOpsError
+    from specops.core.models import has_weights
+
+    target = save_dir(tmp_path / "t", words, 1)
+    draft = save_dir(tmp_path / "d", words, 2)
+    full, lean = load_pair(target, draft), load_pair(target, draft, target_weights=False)
+    assert (lean.vocab_size, lean.context_size, lean.eos_token_ids) == (
+        full.vocab_size,
+        full.context_size,
+        full.eos_token_ids,
+    )
+    assert has_weights(full.target) and not has_weights(lean.target)
+    assert all(p.device.type == "meta" for p in lean.target.parameters())
+    assert lean.draft is not None and has_weights(lean.draft)
+    with pytest.raises(SpecOpsError, match="target's weights"):
+        make_embedder("target", target=lean)
+
+
+def test_the_front_door_without_the_targets_weights_holds_less_memory(tmp_path):
+    """RSS of a process that loads a pair, with and without the target's weights (a 100 MB target)."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8
+    )
+    words = [f"w{i}" for i in range(VOCAB)]
+    target = save_dir(tmp_path / "t", words, 1)
+    LlamaForCausalLM(cfg).save_pretrained(target, safe_serialization=True)  # ~25M params: ~100 MB in float32
+    code = (
+        "import json, sys; from specops.core.models import load_pair; "
+        "pair = load_pair(sys.argv[1], None, target_weights=sys.argv[2] == '1'); "
+        "rss = [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')][0]; "
+        "print(json.dumps({'rss_kb': rss}))"
+    )
+    rss = {}
+    for weights in ("1", "0"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(target), weights], capture_output=True, text=True, check=True, timeout=300
+        )
+        rss[weights] = json.loads(out.stdout.strip().splitlines()[-1])["rss_kb"]
+    weights_kb = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()) * 4 / 1024
+    assert rss["1"] - rss["0"] > 0.8 * weights_kb, (rss, weights_kb)

@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 
-from specops.core.models import load_model_dir, load_tokenizer, tokenizer_hash
+from specops.core.models import has_weights, load_model_dir, load_tokenizer, tokenizer_hash
 from specops.registry import RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
@@ -96,6 +96,7 @@ def _complete(url: str, prompt: str, **extra) -> requests.Response:
 def test_every_method_round_trips_the_targets_greedy_output_with_its_own_counts(world, reference):
     srv = world["srv"]
     ref, tok = reference
+    assert not has_weights(srv.state.pair.target)  # the front door holds the target's config, not its weights
     for method in ("draft", "pld", "llma", "target"):
         for p in PROMPTS:
             r = _complete(srv.url, p, speculation={"method": method}, return_token_ids=True)

@@ -31,13 +31,26 @@ time of the arm's run), per kind at concurrency 1 (Σ tokens ÷ Σ request laten
 latency, the per-token α from each response (vLLM's own per-request counts), and whether
 every greedy output equals target-only's, by token ids (``return_token_ids``).
 
+**Swaps** (``--parts swap``): a second front door, ``--vllm-speculation draft
+--vllm-standby 1``, with MLflow on SQLite and the local stream. Under two clients sending
+without pause, three promotions: cluster ``code``'s first champion (loaded into the standby
+server), its second (loaded into that server in place), then cluster ``prose``'s first right
+after (the standby's replacement is still starting: a new server, the cold start the other
+two avoid). Per promotion: seconds from the promotion to the start of the first request the
+new version served, and every request's status. **Memory** (``--parts rss``): the front
+door's own RSS over vLLM (the swap part's, before its promotions) against a front door that
+holds the target's weights (``specops serve --engine specops`` on the same pair).
+
 Summary: ``auto_vs_best_single`` (per concurrency: ``auto`` ÷ the best single-method arm;
 bar ≥ 1), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
 bar ≥ 1.5), ``identical_outputs``, ``alpha_token_per_request`` (every drafting response carried
-a per-token α). ``swap_window_s``, ``swap_failed`` and ``front_door_rss_ratio`` are ``null``:
-this script does not measure them (issue 56's other parts). ``cpu_model`` names the CPU.
+a per-token α), ``swap_window_s`` (the longer of the standby and in-place windows; bar ≤ 10 s)
+with ``swap_window_cold_s`` beside it, ``swap_failed``, ``front_door_rss_ratio`` (bar ≤ 1/3).
+``cpu_model`` names the CPU. ``--parts`` runs some parts and keeps the others' results in an
+existing ``--json``.
 
     .venv/bin/python benchmarks/vllm_path.py --json benchmarks/out/vllm_path.json
+    .venv/bin/python benchmarks/vllm_path.py --parts swap,rss --json benchmarks/out/vllm_path.json
     .venv/bin/python benchmarks/vllm_path.py --quick --no-doc
 """
 
@@ -77,7 +90,13 @@ COPIES = ("llma", "auto")
 """Arms whose requests carry the case's references."""
 KINDS = ("chat", "rag", "cag")
 DOC_BEGIN, DOC_END = "<!-- vllm-path:begin -->", "<!-- vllm-path:end -->"
-BARS = {"auto_vs_best_single": 1.0, "llma_refs_vs_vllm_target": 1.5}
+BARS = {
+    "auto_vs_best_single": 1.0,
+    "llma_refs_vs_vllm_target": 1.5,
+    "swap_window_s": 10.0,
+    "front_door_rss_ratio": 1 / 3,
+}
+PARTS = ("speed", "swap", "rss")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,7 +115,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", type=int, default=None, help="measured cases per kind (default 8, quick 2)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64, quick 16)")
     p.add_argument("--concurrency", default="1,4", help="comma-separated client concurrencies")
-    p.add_argument("--k", type=int, default=3, help="vllm_k: tokens every vLLM server drafts per step")
+    p.add_argument("--k", type=int, default=3, help="vllm_k: tokens the draft and n-gram servers draft per step")
+    p.add_argument("--copy-k", type=int, default=8, help="vllm_copy_k: tokens the copy server drafts per step at most")
     p.add_argument(
         "--vllm-args", default=None, help="more vLLM arguments (default none; quick: --enforce-eager, no compile)"
     )
@@ -104,6 +124,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kb-passages", type=int, default=None, help="passages of the RAG KB (default 20000, quick 2000)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the front door (tokenizer, recounts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--parts",
+        default="speed,swap,rss",
+        help="comma-separated: speed (auto against each single server), swap (promotions under load), rss (a front "
+        "door holding the target, for the RSS ratio); with fewer than all and an existing --json, the other parts' "
+        "results there are kept",
+    )
+    p.add_argument("--swap-tokens", type=int, default=16, help="tokens per request in the swap and rss parts")
     args = p.parse_args(argv)
     defaults = {"cases": (2, 8), "max_tokens": (16, 64), "kb_passages": (2000, 20000)}
     for key, (quick, full) in defaults.items():
@@ -112,6 +140,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.vllm_args is None:
         args.vllm_args = "--enforce-eager" if args.quick else ""
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
+    args.parts = [x.strip() for x in str(args.parts).split(",") if x.strip()]
+    if not args.parts or set(args.parts) - set(PARTS):
+        p.error(f"--parts: choose from {', '.join(PARTS)}")
     return args
 
 
@@ -155,55 +186,46 @@ def workload(args, model_dir: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- the front door
 class FrontDoor:
-    """``specops serve --engine vllm`` with every method's server, in its own process group."""
+    """``specops serve`` (default: ``--engine vllm`` with every method's server), in its own process group.
 
-    def __init__(self, args, model_dir: Path, log_dir: Path, data_dir: Path, max_len: int) -> None:
+    ``options`` replace or add ``specops serve`` options (``{"--registry": uri}``; a value of
+    None drops the option)."""
+
+    def __init__(
+        self, args, model_dir: Path, log_dir: Path, data_dir: Path, max_len: int, *, name: str = "vllm", options=None
+    ) -> None:
         from specops.serving.vllm.process import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / "specops-serve-vllm.log"
+        self.log_path = log_dir / f"specops-serve-{name}.log"
         self.data_dir = data_dir
-        self.argv = [
-            sys.executable,
-            "-m",
-            "specops.cli",
-            "--threads",
-            str(args.threads),
-            "serve",
-            "--engine",
-            "vllm",
-            "--vllm-speculation",
-            "draft,ngram,copy,none",
-            "--vllm-k",
-            str(args.k),
-            "--vllm-max-model-len",
-            str(max_len),
-            "--vllm-start-timeout-s",
-            "2400",  # four servers compile side by side on few cores
-            "--target",
-            str(model_dir / "target"),
-            "--draft",
-            str(model_dir / "draft"),
-            "--port",
-            str(self.port),
-            "--stream",
-            "none",
-            "--registry",
-            "none",
-            "--router",
-            "none",
-            "--session-cache-tokens",
-            "0",
-            "--max-concurrency",
-            str(max(args.concurrency)),
-            "--max-tokens-limit",
-            str(max(args.max_tokens, 64)),
-            "--max-prompt-tokens",
-            str(max_len - args.max_tokens - args.k - 1),
-        ]
+        opts = {
+            "--engine": "vllm",
+            "--vllm-speculation": "draft,ngram,copy,none",
+            "--vllm-k": str(args.k),
+            "--vllm-copy-k": str(args.copy_k),
+            "--vllm-max-model-len": str(max_len),
+            "--vllm-start-timeout-s": "2400",  # four servers compile side by side on few cores
+            "--vllm-standby": "0",  # no draft is promoted in the speed part
+            "--target": str(model_dir / "target"),
+            "--draft": str(model_dir / "draft"),
+            "--port": str(self.port),
+            "--stream": "none",
+            "--registry": "none",
+            "--router": "none",
+            "--session-cache-tokens": "0",
+            "--max-concurrency": str(max(args.concurrency)),
+            "--max-tokens-limit": str(max(args.max_tokens, 64)),
+            "--max-prompt-tokens": str(max_len - args.max_tokens - max(args.k, args.copy_k) - 1),
+        }
         if args.vllm_args:
-            self.argv.append(f"--vllm-args={args.vllm_args}")  # "=": the value starts with "--"
+            opts["--vllm-args"] = args.vllm_args
+        opts.update(options or {})
+        self.argv = [sys.executable, "-m", "specops.cli", "--threads", str(args.threads), "serve"]
+        for key, value in opts.items():
+            if value is not None:
+                self.argv.append(f"{key}={value}")  # "=": a value may start with "--"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 2700.0) -> float:
@@ -300,6 +322,173 @@ def run_arm(url: str, arm: str, cases: list[dict], concurrency: int, max_tokens:
     return {"wall_s": wall, "replies": replies}
 
 
+# ---------------------------------------------------------------- swaps and the front door's memory
+SWAPS = (("code", "standby"), ("code", "in place"), ("prose", "cold"))
+"""The promotions of the swap part: a cluster's first champion (into the standby), its second (the
+same server, in place), then another cluster's first right after (the standby's replacement is
+still starting: a new server, the cold start both others avoid)."""
+
+
+def _get_json(http: urllib3.PoolManager, url: str) -> dict:
+    r = http.request("GET", url, timeout=30.0, retries=False)
+    if r.status != 200:
+        raise RuntimeError(f"GET {url}: HTTP {r.status}: {r.data[:300]!r}")
+    return json.loads(r.data)
+
+
+def measure_swap(args, model_dir: Path, tmp: Path, max_len: int, prompts: list[list[int]]) -> dict:
+    """Promotions under load through ``specops serve --engine vllm --vllm-speculation draft``.
+
+    MLflow on SQLite and the local stream (promotions reach the front door as events, as in a
+    deployment); two clients send greedy draft requests without pause, alternating the clusters
+    ``code`` and ``prose``. Per promotion: ``window_s``, from the promotion to the start of the
+    first request the new version served (the front door routes a request when it starts), how
+    the server got the draft (``/v1/clusters``' ``vllm.history``), and every request's status."""
+    from specops.core.models import load_tokenizer, tokenizer_hash
+    from specops.registry import RegistryConfig, RegistryStore
+    from specops.serving.fleet.events import EventPublisher
+    from specops.streams import StreamConfig
+
+    root = tmp / "swap"
+    (root / "registry").mkdir(parents=True)
+    uri, stream = f"sqlite:///{root}/registry/mlflow.db", f"local://{root}/streams"
+    options = {
+        "--vllm-speculation": "draft",
+        "--vllm-standby": "1",
+        "--registry": uri,
+        "--stream": stream,
+        "--clusters": "code,prose",
+        "--route-tenants": "*",
+    }
+    door = FrontDoor(args, model_dir, tmp, root / "data", max_len, name="swap", options=options)
+    publisher = EventPublisher(StreamConfig(url=stream))
+    reg = RegistryStore(RegistryConfig(uri=uri), on_change=publisher)
+    draft = model_dir / "draft"
+    sha = tokenizer_hash(load_tokenizer(draft))
+    http = urllib3.PoolManager(num_pools=2, maxsize=8)
+    entries: list[dict] = []
+    lock, stop = threading.Lock(), threading.Event()
+
+    def client(c: int) -> None:
+        i = c
+        while not stop.is_set():
+            cluster = ("code", "prose")[i % 2]
+            body = {
+                "model": "specops",
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": args.swap_tokens,
+                "temperature": 0.0,
+                "cluster": cluster,
+                "speculation": {"method": "draft"},
+            }
+            t0 = time.time()
+            try:
+                r = http.request(
+                    "POST", door.url + "/v1/completions", body=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"}, timeout=900.0, retries=False,
+                )  # fmt: skip
+                status, data = r.status, r.data
+            except urllib3.exceptions.HTTPError as exc:
+                status, data = 0, str(exc).encode()
+            e = {"t0": t0, "t1": time.time(), "status": status, "cluster": cluster}
+            if status == 200:
+                e["version"] = json.loads(data)["speculation"]["draft_version"]
+            else:
+                e["error"] = data[:300].decode(errors="replace")
+            with lock:
+                entries.append(e)
+            i += 2
+
+    swaps: list[dict] = []
+    ready_s = door.start()
+    t0 = time.monotonic()
+    try:
+        with tqdm(desc="swap: standby server starting", total=None, leave=False) as bar:
+            while not _get_json(http, door.url + "/v1/clusters")["vllm"]["standby"]["ready"]:
+                if time.monotonic() - t0 > 2700:
+                    raise RuntimeError("the standby vLLM server was not ready after 2700 s")
+                time.sleep(2.0)
+                bar.update(1)
+        standby_ready_s = ready_s + time.monotonic() - t0
+        threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(10.0)  # both clients served on the base draft first
+        rss_lean = door.rss_mb()
+        for cluster, expect in tqdm(SWAPS, desc="swap: promotions", leave=False):
+            dv = reg.artifact("draft").register(cluster, draft, tokenizer_sha256=sha)
+            promoted = time.time()
+            reg.artifact("draft").promote(cluster, dv.version, reason="vllm_path benchmark: swap window")
+            deadline = time.monotonic() + 2700
+            while True:
+                with lock:
+                    on_new = [e for e in entries if e.get("version") == dv.version and e["cluster"] == cluster]
+                if on_new or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if not on_new:
+                raise RuntimeError(f"{cluster}: no request served by version {dv.version} after 2700 s")
+            swaps.append(
+                {
+                    "cluster": cluster,
+                    "version": dv.version,
+                    "expected": expect,
+                    "window_s": round(min(e["t0"] for e in on_new) - promoted, 2),
+                    "first_done_s": round(min(e["t1"] for e in on_new) - promoted, 2),
+                }
+            )
+            log.info("swap %s -> v%s: %.2fs to the first request on it", cluster, dv.version, swaps[-1]["window_s"])
+            time.sleep(5.0)
+        info = _get_json(http, door.url + "/v1/clusters")["vllm"]
+        rss_after = door.rss_mb()
+    finally:
+        stop.set()
+        for t in locals().get("threads", []):
+            t.join(900)
+        door.stop()
+        publisher.close()
+    for sw in swaps:
+        h = next((h for h in info["history"] if h["name"] == f"{sw['cluster']}-v{sw['version']}"), {})
+        sw["how"] = h.get("how", "new server")
+        sw["reload_s" if "how" in h else "ready_s"] = h.get("reload_s", h.get("ready_s"))
+    failed = [e for e in entries if e["status"] != 200]
+    return {
+        "front_door_ready_s": round(ready_s, 1),
+        "standby_ready_s": round(standby_ready_s, 1),
+        "swaps": swaps,
+        "requests": len(entries),
+        "failed": len(failed),
+        "errors": [e["error"] for e in failed[:3]],
+        "tokens_per_request": args.swap_tokens,
+        "front_door_rss_mb": None if rss_lean is None else round(rss_lean, 1),
+        "front_door_rss_after_swaps_mb": None if rss_after is None else round(rss_after, 1),
+    }
+
+
+def measure_rss_with_target(args, model_dir: Path, tmp: Path, max_len: int, prompts: list[list[int]]) -> dict:
+    """The resident memory of a front door that holds the target's weights, as ours did over vLLM
+    before it loaded the target's config only: ``specops serve --engine specops`` on the same pair
+    (target and draft in the process), after the same kind of requests as the swap part's."""
+    door = FrontDoor(
+        args, model_dir, tmp, tmp / "rss" / "data", max_len, name="with-target", options={"--engine": "specops"}
+    )
+    ready_s = door.start()
+    http = urllib3.PoolManager()
+    try:
+        for prompt in prompts[:4]:
+            body = {"model": "specops", "prompt": prompt, "max_tokens": args.swap_tokens, "temperature": 0.0}
+            r = http.request(
+                "POST", door.url + "/v1/completions", body=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"}, timeout=900.0, retries=False,
+            )  # fmt: skip
+            if r.status != 200:
+                raise RuntimeError(f"engine specops: HTTP {r.status}: {r.data[:300]!r}")
+        rss = door.rss_mb()
+    finally:
+        door.stop()
+    return {"ready_s": round(ready_s, 1), "front_door_rss_mb": None if rss is None else round(rss, 1)}
+
+
 # ---------------------------------------------------------------- the report
 def arm_row(run: dict) -> dict:
     replies = run["replies"]
@@ -325,27 +514,40 @@ def arm_row(run: dict) -> dict:
 
 
 def summarise(report: dict) -> dict:
-    by_c = report["by_concurrency"]
+    by_c = report.get("by_concurrency") or {}
     auto_vs = {}
     for c, rows in by_c.items():
         best = max(SINGLE, key=lambda a: rows[a]["tok_s"])
         auto_vs[c] = {"ratio": round(rows["auto"]["tok_s"] / rows[best]["tok_s"], 3), "best_single": best}
-    c1 = by_c.get("1") or next(iter(by_c.values()))
-    rag = {a: c1[a]["per_kind"].get("rag", {}).get("tok_s") for a in ("llma", "target")}
+    c1 = by_c.get("1") or next(iter(by_c.values()), {})
+    rag = {a: c1.get(a, {}).get("per_kind", {}).get("rag", {}).get("tok_s") for a in ("llma", "target")}
     llma_vs = round(rag["llma"] / rag["target"], 3) if rag["llma"] and rag["target"] else None
+    swap = report.get("swap") or {}
+    warm = [sw["window_s"] for sw in swap.get("swaps", []) if sw["how"] in ("standby", "in place")]
+    cold = [sw["window_s"] for sw in swap.get("swaps", []) if sw["how"] == "new server"]
+    window = max(warm) if warm else None
+    lean = swap.get("front_door_rss_mb")
+    full = (report.get("rss_with_target") or {}).get("front_door_rss_mb")
+    ratio = round(lean / full, 3) if lean and full else None
     return {
         "auto_vs_best_single": {c: v["ratio"] for c, v in auto_vs.items()},
         "best_single": {c: v["best_single"] for c, v in auto_vs.items()},
         "llma_refs_vs_vllm_target": llma_vs,
-        "identical_outputs": report["identical_outputs"],
-        "alpha_token_per_request": report["alpha_token_per_request"],
-        "swap_window_s": None,
-        "swap_failed": None,
-        "front_door_rss_ratio": None,
-        "front_door_rss_mb": report.get("front_door_rss_mb"),
+        "identical_outputs": report.get("identical_outputs"),
+        "alpha_token_per_request": report.get("alpha_token_per_request"),
+        "swap_window_s": window,
+        "swap_window_by_how_s": {sw["how"]: sw["window_s"] for sw in swap.get("swaps", [])},
+        "swap_window_cold_s": max(cold) if cold else None,
+        "swap_failed": swap.get("failed"),
+        "front_door_rss_ratio": ratio,
+        "front_door_rss_mb": lean,
+        "front_door_with_target_rss_mb": full,
         "bars": {
-            "auto_vs_best_single": all(v["ratio"] >= BARS["auto_vs_best_single"] for v in auto_vs.values()),
+            "auto_vs_best_single": bool(auto_vs)
+            and all(v["ratio"] >= BARS["auto_vs_best_single"] for v in auto_vs.values()),
             "llma_refs_vs_vllm_target": llma_vs is not None and llma_vs >= BARS["llma_refs_vs_vllm_target"],
+            "swap_window_s": window is not None and window <= BARS["swap_window_s"] and swap.get("failed") == 0,
+            "front_door_rss_ratio": ratio is not None and ratio <= BARS["front_door_rss_ratio"],
         },
         "cpu_model": report["environment"].get("cpu_model"),
     }
@@ -353,38 +555,68 @@ def summarise(report: dict) -> dict:
 
 def markdown(report: dict, command: str) -> str:
     s = report["summary"]
+    env = report["environment"]
     lines = [
-        f"Target {report['target']}, {report['cases_per_kind']} measured cases per kind (chat, rag, cag), "
-        f"{report['max_tokens']} tokens, greedy, k = {report['k']}; {report['environment'].get('cpu_model')}, "
-        f"{report['environment'].get('cpu_count')} cores; one front door with four vLLM servers "
-        f"({report['vllm_version']}).",
-        "",
-        "| concurrency | arm | tokens/s | chat tok/s (c=1 kinds) | rag | cag | p50 latency s | per-token α |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        f"Target {report['target']}, {env.get('cpu_model')}, {env.get('cpu_count')} cores, {report['vllm_version']}.",
     ]
-    for c, rows in report["by_concurrency"].items():
-        for arm in ARMS:
-            r = rows[arm]
-            kinds = [r["per_kind"].get(k, {}).get("tok_s") for k in KINDS]
-            alpha = "–" if r["alpha_token"] is None else f"{r['alpha_token']:.3f}"
-            lines.append(
-                f"| {c} | {arm} | {r['tok_s']:.1f} | "
-                + " | ".join("–" if x is None else f"{x:.1f}" for x in kinds)
-                + f" | {r['p50_latency_s']:.2f} | {alpha} |"
-            )
-    auto_methods = {c: rows["auto"]["per_kind"] for c, rows in report["by_concurrency"].items() if "auto" in rows}
-    lines += ["", "`auto`'s choices per kind (requests per server):", ""]
-    for c, per in auto_methods.items():
-        lines.append(f"- concurrency {c}: " + "; ".join(f"{k} {v['methods']}" for k, v in per.items()))
-    lines += [
-        "",
-        f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}); "
-        f"LLMA with references ÷ target-only on the rag set at concurrency 1: {s['llma_refs_vs_vllm_target']} "
-        f"(bar ≥ 1.5); greedy outputs identical to target-only's by token ids: {s['identical_outputs']}; every "
-        f"drafting response carried a per-token α: {s['alpha_token_per_request']}.",
-        "",
-        f"Command: `{command}`",
-    ]
+    if report.get("by_concurrency"):
+        lines += [
+            "",
+            f"**Speed**: {report['cases_per_kind']} measured cases per kind (chat, rag, cag), {report['max_tokens']} "
+            f"tokens, greedy, k = {report['k']} (copy server: up to {report.get('copy_k', report['k'])}); one front door "
+            "with four vLLM servers.",
+            "",
+            "| concurrency | arm | tokens/s | chat tok/s (c=1 kinds) | rag | cag | p50 latency s | per-token α |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c, rows in report["by_concurrency"].items():
+            for arm in ARMS:
+                r = rows[arm]
+                kinds = [r["per_kind"].get(k, {}).get("tok_s") for k in KINDS]
+                alpha = "–" if r["alpha_token"] is None else f"{r['alpha_token']:.3f}"
+                lines.append(
+                    f"| {c} | {arm} | {r['tok_s']:.1f} | "
+                    + " | ".join("–" if x is None else f"{x:.1f}" for x in kinds)
+                    + f" | {r['p50_latency_s']:.2f} | {alpha} |"
+                )
+        auto_methods = {c: rows["auto"]["per_kind"] for c, rows in report["by_concurrency"].items() if "auto" in rows}
+        lines += ["", "`auto`'s choices per kind (requests per server):", ""]
+        for c, per in auto_methods.items():
+            lines.append(f"- concurrency {c}: " + "; ".join(f"{k} {v['methods']}" for k, v in per.items()))
+        lines += [
+            "",
+            f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}); "
+            f"LLMA with references ÷ target-only on the rag set at concurrency 1: {s['llma_refs_vs_vllm_target']} "
+            f"(bar ≥ 1.5); greedy outputs identical to target-only's by token ids: {s['identical_outputs']}; every "
+            f"drafting response carried a per-token α: {s['alpha_token_per_request']}.",
+        ]
+    swap = report.get("swap")
+    if swap:
+        lines += [
+            "",
+            f"**Swaps under load**: `--vllm-speculation draft --vllm-standby 1`, MLflow on SQLite, promotions as "
+            f"events on the local stream; two clients without pause, {swap['tokens_per_request']} tokens per request; "
+            f"the front door was ready in {swap['front_door_ready_s']} s and its standby in {swap['standby_ready_s']} s.",
+            "",
+            "| promotion | how the server got the draft | load or start s | promotion → first request on it, s |",
+            "|---|---|---:|---:|",
+        ]
+        for sw in swap["swaps"]:
+            took = sw.get("reload_s", sw.get("ready_s"))
+            lines.append(f"| {sw['cluster']} v{sw['version']} | {sw['how']} | {took} | {sw['window_s']} |")
+        lines += [
+            "",
+            f"Requests: {swap['requests']}, failed: {swap['failed']}. Swap window (standby or in place): "
+            f"{s['swap_window_s']} s (bar ≤ 10 s, 0 failed).",
+        ]
+    if s.get("front_door_rss_mb") or s.get("front_door_with_target_rss_mb"):
+        lines += [
+            "",
+            f"**Front door memory** (its own RSS, not its vLLM servers'): {s['front_door_rss_mb']} MB over vLLM "
+            f"(the target's config only) against {s['front_door_with_target_rss_mb']} MB holding the target's weights "
+            f"(`--engine specops`, the same pair): ratio {s['front_door_rss_ratio']} (bar ≤ 1/3).",
+        ]
+    lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
 
 
@@ -404,12 +636,49 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model_dir = models_dir()
     model_dir = Path(args.model_dir)
+    report: dict = {}
+    if args.json and args.json.exists() and set(args.parts) != set(PARTS):
+        report = json.loads(args.json.read_text())  # the other parts' results are kept
+        report.pop("summary", None)
     cases = workload(args, model_dir)
+    longest = max(len(c["prompt"]) for c in cases)
+    max_len = min(2048, longest + args.max_tokens + max(args.k, args.copy_k) + 16)
+    chat = [c["prompt"] for c in cases if c["kind"] == "chat"]
+    if "speed" in args.parts:
+        report.update(measure_speed(args, model_dir, tmp, cases, max_len))
+    if "swap" in args.parts:
+        report["swap"] = measure_swap(args, model_dir, tmp, max_len, chat)
+    if "rss" in args.parts:
+        report["rss_with_target"] = measure_rss_with_target(args, model_dir, tmp, max_len, chat)
+    report.update(
+        {
+            "benchmark": "vllm_path",
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "target": target_name(model_dir),
+            "quick": args.quick,
+            "vllm_version": _vllm_version(vllm_python()),
+            "vllm_args": args.vllm_args,
+            "parts_run": args.parts,
+            "environment": {**environment(), "cpu_model": cpu_model()},
+        }
+    )
+    report["summary"] = summarise(report)
+    command = "python benchmarks/vllm_path.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = markdown(report, command.strip())
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if not args.no_doc and not args.quick:
+        write_doc_section(args.doc, DOC_BEGIN, DOC_END, f"{DOC_BEGIN}\n{text}\n{DOC_END}")
+    return 0
+
+
+def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: int) -> dict:
+    """``auto`` against each single-method server on the mixed workload (module docstring)."""
     warm = [c for i, c in enumerate(cases) if (i // len(KINDS)) < args.cases]
     measured = [c for i, c in enumerate(cases) if (i // len(KINDS)) >= args.cases]
-    longest = max(len(c["prompt"]) for c in cases)
-    max_len = min(2048, longest + args.max_tokens + args.k + 16)
-    log.info("%d warm-up and %d measured cases; longest prompt %d tokens", len(warm), len(measured), longest)
+    log.info("%d warm-up and %d measured cases; longest prompt %d tokens", len(warm), len(measured), max_len)
     door = FrontDoor(args, model_dir, tmp, tmp / "data", max_len)
     ready_s = door.start()
     log.info("front door with four vLLM servers ready in %.0fs", ready_s)
@@ -438,34 +707,18 @@ def main(argv: list[str] | None = None) -> int:
                 identical = identical and rows[arm].pop("_ids") == target_ids
     finally:
         door.stop()
-    report = {
-        "benchmark": "vllm_path",
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "target": target_name(model_dir),
-        "quick": args.quick,
+    return {
         "cases_per_kind": args.cases,
         "max_tokens": args.max_tokens,
         "k": args.k,
+        "copy_k": args.copy_k,
         "concurrency": args.concurrency,
-        "vllm_version": _vllm_version(vllm_python()),
-        "vllm_args": args.vllm_args,
         "front_door_ready_s": round(ready_s, 1),
-        "front_door_rss_mb": None if rss is None else round(rss, 1),
+        "speed_front_door_rss_mb": None if rss is None else round(rss, 1),
         "by_concurrency": by_c,
         "identical_outputs": identical,
         "alpha_token_per_request": alpha_every,
-        "environment": {**environment(), "cpu_model": cpu_model()},
     }
-    report["summary"] = summarise(report)
-    command = "python benchmarks/vllm_path.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = markdown(report, command.strip())
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if not args.no_doc and not args.quick:
-        write_doc_section(args.doc, DOC_BEGIN, DOC_END, f"{DOC_BEGIN}\n{text}\n{DOC_END}")
-    return 0
 
 
 def _vllm_version(python: Path) -> str:

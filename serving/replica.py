@@ -199,6 +199,7 @@ class Replica:
                 self.follower,
                 speculation=cfg.vllm_speculations,
                 k=cfg.vllm_k,
+                copy_k=cfg.vllm_copy_k,
                 served_name="target",
                 request_timeout_s=cfg.request_timeout_s,
                 servers=self.vllm,
@@ -258,6 +259,8 @@ class Replica:
             log_dir=self.cache_dir / "vllm",
             start_timeout_s=cfg.vllm_start_timeout_s,
             drain_s=cfg.request_timeout_s,
+            standby=cfg.vllm_standby,
+            copy_k=cfg.vllm_copy_k,
         )
         follower = VLLMDraftFollower(
             self.registry, self.pair.draft, servers=self.vllm, base_draft_dir=self.draft_dir, **follow
@@ -271,6 +274,7 @@ class Replica:
             started += [pool.submit(self.vllm.get, None, m, m) for m in self.vllm.methods if m != "draft"]
             for f in started:
                 f.result()
+        follower.start_standby()  # after the servers requests need: the standby starts in the background
         return follower
 
     def _policy(self):
@@ -432,13 +436,16 @@ class Replica:
         return self.pair.context_size
 
     def clusters(self) -> dict:
-        """``/v1/clusters``' body: the draft version each cluster serves, and the router's version."""
+        """``/v1/clusters``' body: the draft version each cluster serves, the router's version, and with
+        ``engine = "vllm"`` the vLLM servers (``serving.vllm.fleet.VLLMServers.describe``)."""
         out: dict = {}
         if self.follower is not None:
             out["drafts"] = {c: s.current().version for c, s in sorted(self.follower.slots.items())}
         if self.router is not None:
             r = self.router.current()
             out["router"] = r.version if r is not None else None
+        if self.vllm is not None:  # the vLLM servers behind this front door, the standbys, starts and reloads
+            out["vllm"] = self.vllm.describe()
         return out
 
     def _write_load_signal(self) -> None:

@@ -8,8 +8,9 @@ Endpoints:
   last chunk when streaming) carries a ``speculation`` block.
 - ``GET /v1/policy``: the ``auto`` policy's state per cluster (acceptance estimates,
   decisions, the latest choice and its estimates, measured costs); admin tenants only.
-- ``GET /v1/clusters``: the clusters served, the draft version of each and the router's
-  version; tenants that may route (or admin) only.
+- ``GET /v1/clusters``: the clusters served, the draft version of each, the router's
+  version, and behind ``engine = "vllm"`` the vLLM servers, standbys and swaps; tenants that may
+  route (or admin) only.
 - ``GET /v1/models``; ``GET /healthz`` (liveness: 200 while loading, serving or draining, 503 once
   loading failed); ``GET /readyz`` (models loaded and not draining: 200, else 503 with the loading
   step or the error; no cluster names); ``GET /metrics`` (Prometheus).

@@ -69,12 +69,27 @@ class ServeConfig(settings.ExplicitSettings):
         "and past sessions), none (target-only); with several, a request names one or 'auto' chooses per request",
     )
     vllm_k: int = Field(3, ge=1, le=16, description="tokens vLLM drafts per step (num_speculative_tokens)")
+    vllm_copy_k: int = Field(
+        8,
+        ge=1,
+        le=16,
+        description="tokens the copy server (vllm_speculation copy) drafts per step at most: a copy is 1 + the "
+        "matched n-gram's length (up to 8), so vllm_k's 3 would cut the long spans LLMA copies",
+    )
     vllm_max_model_len: int = Field(2048, ge=64, description="vLLM's --max-model-len (prompt + output tokens)")
     vllm_kv_cache_gb: int = Field(
         1, ge=1, description="KV cache per vLLM server on a CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB)"
     )
     vllm_args: str = Field("", description="more arguments for every vLLM server, e.g. '--enforce-eager' (shell words)")
     vllm_start_timeout_s: float = Field(900.0, gt=0, description="longest a vLLM server may take to start serving")
+    vllm_standby: int = Field(
+        1,
+        ge=0,
+        le=8,
+        description="draft servers kept started ahead with the base draft (vllm_speculation with draft): a "
+        "cluster's first champion loads into one in seconds instead of waiting for a new server's start; a "
+        "cluster that has a champion reloads its own server in place either way; 0 saves the memory",
+    )
 
     # ---- where things are
     model_dir: str = Field(

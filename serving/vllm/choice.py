@@ -105,11 +105,14 @@ class RequestPolicy:
     """Per front door: acceptance counts per (cluster, method, temperature, kind), step costs per
     (method, load bucket). Thread-safe."""
 
-    def __init__(self, methods: tuple[str, ...], *, k: int, seed: int | None = None, explore: bool = True) -> None:
+    def __init__(
+        self, methods: tuple[str, ...], *, k: int | dict[str, int], seed: int | None = None, explore: bool = True
+    ) -> None:
         if not methods:
             raise ValueError("auto on vLLM needs at least one server method")
         self.methods = tuple(methods)
-        self.k = int(k)
+        self.ks = {m: int(k[m]) for m in self.methods} if isinstance(k, dict) else {m: int(k) for m in self.methods}
+        """Tokens each method's server drafts per step at most."""
         self.explore = explore
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
@@ -168,7 +171,7 @@ class RequestPolicy:
                 ms = self._step_ms(m, bucket, sum(1 for x, n in busy.items() if x != m and n > 0))
                 if ms is None:
                     continue
-                e = 1.0 if m == TARGET else expected_tokens(self._alpha(cluster, m, temp, kind), self.k)
+                e = 1.0 if m == TARGET else expected_tokens(self._alpha(cluster, m, temp, kind), self.ks[m])
                 alts[m] = round(e / max(ms, 1e-6) * 1000.0, 2)
             if untried and self.explore:
                 m = min(untried, key=lambda x: (self.tries.get((cluster, kind, x), 0), options.index(x)))

@@ -8,21 +8,24 @@ different drafts need different servers, while the clusters still on the bootstr
 on the same champion) share one. A fleet of C clusters therefore runs at most C + 1 draft
 servers, usually far fewer, besides the shared ones.
 
-**Hot-swap is a rolling replacement** behind the front door (:class:`VLLMDraftFollower`):
+**A swap loads the new draft into a running server** (:class:`VLLMDraftFollower`):
 
 1. the follower fetches and validates the promoted draft as it does for our own engine
    (checksums, tokenizer, weights, a smoke forward);
-2. it starts a new vLLM server with that draft and waits until it answers, while the old
-   server goes on serving every request;
-3. it swaps the cluster's slot: requests that start from now on go to the new server;
-4. a server no slot uses any more is retired on a background thread: it stops getting
-   requests, finishes the ones it has (``drain_s`` at most) and exits.
+2. it picks the server: the cluster's own (a cluster that already has a champion reloads its
+   server in place), else a *standby* (a draft server started ahead with the base draft,
+   ``vllm_standby`` of them, for a cluster's first champion), else a new server (a cold start,
+   as when no standby is ready or the new draft has another shape);
+3. the draft's weights load into it in place (``VLLMServer.reload_draft``: vLLM's in-place
+   reload through our worker extension, ``plugin/specops_vllm_reload.py``): requests on that
+   server pause between two steps for the load and go on with the new draft;
+4. it swaps the cluster's slot: requests that start from now on go to that server;
+5. a server no slot uses any more is retired on a background thread (it finishes the requests
+   it has, ``drain_s`` at most, and exits), and a standby taken is replaced in the background.
 
-No request is refused or cut: one that started on the old server finishes there. vLLM's
-worker-extension weight reload (``collective_rpc``) could swap in place without a second
-server; it needs vLLM's dev-mode endpoints and a reload of the drafter inside the speculative
-worker, which this build does not expose as a stable API, so the rolling replacement is
-what runs (docs/architecture.md).
+No request is refused or cut, and every output stays the target's whichever draft proposed its
+tokens. A request in flight on a server that reloads finishes with tokens drafted by both
+versions; its counts go to the version it started on.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import urllib3
 
 from specops.serving.fleet.hotswap import BASE, LIST, DraftFollower, DraftHandle
 from specops.serving.vllm.metrics import SpecCounters, scrape
-from specops.serving.vllm.process import ServerSpec, VLLMServer
+from specops.serving.vllm.process import ServerSpec, VLLMError, VLLMServer
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ class VLLMServers:
         log_dir: Path,
         start_timeout_s: float = 900.0,
         drain_s: float = 600.0,
+        standby: int = 0,
+        copy_k: int | None = None,
     ) -> None:
         self.template = template
         self.methods = tuple(methods or (template.speculation,))
@@ -72,8 +77,17 @@ class VLLMServers:
         self._servers: dict[str, VLLMServer] = {}
         self._lock = threading.Lock()
         self._retiring: list[threading.Thread] = []
+        self.copy_k = copy_k or template.k
+        """Tokens the copy server drafts per step at most (its copies are longer than the draft model's)."""
+        self.standby = standby if "draft" in self.methods else 0
+        """Draft servers kept started ahead with the base draft, for a cluster's first champion."""
+        self._standby: list[VLLMServer] = []
+        self._standby_starting: list[VLLMServer] = []
+        self._standby_seq = 0
+        self._closed = False
         self.history: list[dict] = []
-        """Every server started: name, draft, ready_s (seconds from start to answering)."""
+        """Every server started (name, speculation, draft, ready_s: seconds from start to answering) and
+        every draft loaded into a running one (``how``: in place or standby, ``reload_s``)."""
 
     @property
     def per_draft(self) -> bool:
@@ -96,7 +110,10 @@ class VLLMServers:
         if server is not None and server.alive():
             return server
         spec = replace(
-            self.template, speculation=speculation, draft=Path(draft) if speculation == "draft" and draft else None
+            self.template,
+            speculation=speculation,
+            draft=Path(draft) if speculation == "draft" and draft else None,
+            k=self.copy_k if speculation == "copy" else self.template.k,
         )
         server = VLLMServer(spec, python=self.python, log_dir=self.log_dir, name=name).start()
         try:
@@ -110,6 +127,98 @@ class VLLMServers:
             {"name": name, "speculation": speculation, "draft": str(draft or ""), "ready_s": round(ready_s, 2)}
         )
         return server
+
+    def fill_standby(self, base_draft: Path) -> None:
+        """Start standby draft servers (the base draft, on a thread each) until ``standby`` are
+        ready or starting. A start that fails is logged; the next call tries again."""
+        with self._lock:
+            want = 0 if self._closed else self.standby - len(self._standby) - len(self._standby_starting)
+            news = []
+            for _ in range(max(want, 0)):
+                self._standby_seq += 1
+                spec = replace(self.template, speculation="draft", draft=Path(base_draft))
+                server = VLLMServer(spec, python=self.python, log_dir=self.log_dir, name=f"standby-{self._standby_seq}")
+                self._standby_starting.append(server)
+                news.append(server)
+        for server in news:
+
+            def start(server=server) -> None:
+                try:
+                    if self._closed:
+                        raise VLLMError("closed before it started")
+                    ready_s = server.start().wait_ready(self.start_timeout_s)
+                except Exception:
+                    server.stop()
+                    if not self._closed:
+                        log.exception("standby vLLM server %s did not start", server.name)
+                    ready_s = None
+                with self._lock:
+                    self._standby_starting.remove(server)
+                    keep = ready_s is not None and not self._closed
+                    if keep:
+                        self._standby.append(server)
+                if ready_s is None:
+                    return
+                if not keep:  # closed meanwhile
+                    server.stop()
+                    return
+                log.info("standby vLLM server %s ready in %.1fs (the base draft)", server.name, ready_s)
+                self.history.append(
+                    {
+                        "name": server.name,
+                        "speculation": "draft",
+                        "draft": str(base_draft),
+                        "ready_s": round(ready_s, 2),
+                    }
+                )
+
+            threading.Thread(target=start, name=f"vllm-{server.name}", daemon=True).start()
+
+    def take_standby(self) -> VLLMServer | None:
+        """A ready standby draft server (now no longer a standby), or None."""
+        with self._lock:
+            while self._standby:
+                server = self._standby.pop(0)
+                if server.alive():
+                    return server
+                server.stop()
+        return None
+
+    def standbys(self) -> list[VLLMServer]:
+        with self._lock:
+            return list(self._standby)
+
+    def reload(self, server: VLLMServer, draft: Path, name: str, how: str) -> VLLMServer:
+        """Load ``draft`` into ``server`` in place (``VLLMServer.reload_draft``); the server is from
+        now on the one of ``draft``. Raises :class:`VLLMError` when vLLM refused it."""
+        took = server.reload_draft(draft, name)
+        with self._lock:
+            for k in [k for k, s in self._servers.items() if s is server]:
+                del self._servers[k]
+            self._servers[self.key(draft)] = server
+        self.history.append(
+            {"name": name, "speculation": "draft", "draft": str(draft), "how": how, "reload_s": round(took, 3)}
+        )
+        return server
+
+    def describe(self) -> dict:
+        """The servers, the standbys and the last starts and reloads (``/v1/clusters``' ``vllm``)."""
+        with self._lock:
+            used, standby, starting = list(self._servers.values()), list(self._standby), len(self._standby_starting)
+        return {
+            "servers": [
+                {
+                    "name": s.name,
+                    "speculation": s.spec.speculation,
+                    "draft": str(s.spec.draft or ""),
+                    "alive": s.alive(),
+                    "restarts": s.restarts,
+                }
+                for s in used
+            ],
+            "standby": {"wanted": self.standby, "ready": [s.name for s in standby], "starting": starting},
+            "history": self.history[-20:],
+        }
 
     def shared(self) -> dict[str, VLLMServer]:
         """Speculation -> its shared server (those started)."""
@@ -135,8 +244,9 @@ class VLLMServers:
         return dead
 
     def servers(self) -> list[VLLMServer]:
+        """Every server started and kept: those in use, then the standbys."""
         with self._lock:
-            return list(self._servers.values())
+            return list(self._servers.values()) + list(self._standby)
 
     def retire_unused(self, in_use: set[int]) -> list[VLLMServer]:
         """Retire (drain, then stop, on a thread each) every draft server whose id is not in ``in_use``."""
@@ -154,10 +264,14 @@ class VLLMServers:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop every server (in-flight requests were drained by the front door's own shutdown)."""
-        for server in self.servers():
+        with self._lock:
+            self._closed = True  # no standby starts or is kept after this
+            starting = list(self._standby_starting)
+        for server in self.servers() + starting:
             server.stop(timeout_s)
         with self._lock:
             self._servers.clear()
+            self._standby.clear()
         for t in self._retiring:
             t.join(timeout_s)
 
@@ -183,11 +297,39 @@ class VLLMDraftFollower(DraftFollower):
         self.base_backend = self.servers.get(self.base_draft_dir, "base") if self.servers.per_draft else None
         return self.base_backend
 
+    def start_standby(self) -> None:
+        """Start the standby draft servers (``vllm_standby``) in the background."""
+        self.servers.fill_standby(self.base_draft_dir)
+
     def load(self, key: str, version):
         model = self._load(version)  # fetched, checksums, tokenizer, weights and a smoke forward checked
         path = self.cache_dir / version.cluster / f"v{version.version}"
-        server = self.servers.get(path, f"{key}-v{version.version}") if self.servers.per_draft else None  # ready first
-        return model, server
+        server = self._server_for(key, path, f"{key}-v{version.version}") if self.servers.per_draft else None
+        return model, server  # the server already drafts with the new version
+
+    def _server_for(self, key: str, path: Path, name: str) -> VLLMServer:
+        """A server drafting with ``path``, ready: the cluster's own reloaded in place, else a standby
+        reloaded, else a new one (module docstring, step 2)."""
+        slot = self.slots.get(key)
+        own = slot.current().backend if slot is not None else None
+        users = sum(1 for s in list(self.slots.values()) if s.current().backend is own)
+        if own is not None and own is not self.base_backend and users == 1 and own.alive() and not own.restarting:
+            try:
+                return self.servers.reload(own, path, name, "in place")
+            except VLLMError as exc:  # refused before anything loaded (another shape): a server of its own
+                log.warning("cluster %s: %s; starting a new server instead", key, exc)
+        standby = self.servers.take_standby()
+        try:
+            if standby is not None:
+                try:
+                    return self.servers.reload(standby, path, name, "standby")
+                except VLLMError as exc:
+                    standby.stop()
+                    log.warning("cluster %s: %s; starting a new server instead", key, exc)
+            log.info("cluster %s: no standby vLLM server ready; starting one for %s (a cold start)", key, name)
+            return self.servers.get(path, name)
+        finally:
+            self.servers.fill_standby(self.base_draft_dir)  # the one taken is replaced in the background
 
     def handle(self, item: str) -> bool:
         if item == LIST:  # every poll_s: dead servers restarted; their counters feed live acceptance

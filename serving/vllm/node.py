@@ -57,6 +57,7 @@ class VLLMNode(ServingNode):
         k: int,
         served_name: str,
         request_timeout_s: float,
+        copy_k: int | None = None,
         servers=None,
         request_policy: RequestPolicy | None = None,
         **kwargs,
@@ -70,7 +71,9 @@ class VLLMNode(ServingNode):
         self.servers = servers
         """``serving.vllm.fleet.VLLMServers``: the shared servers (target-only, n-gram, copy)."""
         self.methods = tuple(SERVED_METHOD[s] for s in self.speculations)
-        self.request_policy = request_policy or RequestPolicy(self.methods, k=k)
+        self.ks = {m: k for m in self.methods} | ({"llma": copy_k} if copy_k and "llma" in self.methods else {})
+        """Tokens each method's server drafts per step at most (the copy server's: ``vllm_copy_k``)."""
+        self.request_policy = request_policy or RequestPolicy(self.methods, k=self.ks)
         self.http = urllib3.PoolManager(num_pools=16, maxsize=64)
         self._lock = threading.Lock()
         self.in_flight = 0
@@ -117,9 +120,11 @@ class VLLMNode(ServingNode):
                 f"(vllm_speculation); say one of them or 'auto', or leave speculation out",
                 "speculation.method",
             )
-        if explicit_k and plan.k != self.k and plan.method != "target":
+        if explicit_k and plan.method != "target" and plan.k != self.ks.get(plan.method, self.k):
+            per = ", ".join(f"{m} {k}" for m, k in self.ks.items() if m != "target")
             raise InvalidRequestError(
-                f"speculation.k {plan.k}: the vLLM servers draft {self.k} tokens per step (vllm_k); leave k out",
+                f"speculation.k {plan.k}: the vLLM servers draft a fixed number of tokens per step ({per}: vllm_k, "
+                f"vllm_copy_k); leave k out",
                 "speculation.k",
             )
         if plan.references and "llma" not in self.methods:
@@ -168,7 +173,7 @@ class VLLMNode(ServingNode):
         if method == "pld":
             return replay_ngram(prompt_ids, tokens, self.k, NGRAM_MIN, NGRAM_MAX)
         if method == "llma":
-            return replay_copy(prompt_ids, tokens, self.k, split_refs(refs), min_n)
+            return replay_copy(prompt_ids, tokens, self.ks["llma"], split_refs(refs), min_n)
         model = handle.model if handle is not None else self.pair.draft
         return replay_draft(model, prompt_ids, tokens, self.k)
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import urllib3
@@ -38,6 +38,8 @@ NGRAM_MIN, NGRAM_MAX = 2, 4
 """vLLM's ``prompt_lookup_min`` and ``prompt_lookup_max`` (``serving.vllm.replay`` replays them)."""
 COPY_PROPOSER = "specops_vllm_copy.CopyProposer"
 """The copy proposer's dotted path, importable from :data:`PLUGIN_DIR` on the server's ``PYTHONPATH``."""
+DRAFT_RELOAD = "specops_vllm_reload.DraftReload"
+"""The worker extension that loads a new draft's weights in place (``plugin/specops_vllm_reload.py``)."""
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
 VENV_ENV = "SPECOPS_VLLM_PYTHON"
 """Environment variable naming the vLLM venv's interpreter (default ``.venv-vllm/bin/python``)."""
@@ -149,6 +151,8 @@ class ServerSpec:
         if spec is not None:
             # every response's final usage chunk then says what this request drafted and accepted, step by step
             args += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
+        if self.speculation == "draft":  # a promoted draft's weights load into this server (VLLMServer.reload_draft)
+            args += ["--worker-extension-cls", DRAFT_RELOAD]
         return args + list(self.extra_args)
 
 
@@ -182,6 +186,10 @@ class VLLMServer:
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
+        if self.spec.speculation == "draft":
+            # POST /collective_rpc, which reload_draft calls: one of vLLM's development endpoints, on
+            # 127.0.0.1 only (--host above), like every other endpoint of the server
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.spec.env)
         # our vLLM plugins: the copy proposer (imported by its dotted path) and the spin cap (a general
         # plugin, plugin/specops_vllm_spin.py, declared by the dist-info folder there)
@@ -224,6 +232,33 @@ class VLLMServer:
         log.warning("restarting vLLM server %s (restart %d); its log: %s", self.name, self.restarts, self.log_path)
         self.start()
         return self.wait_ready(timeout_s)
+
+    def reload_draft(self, draft: Path, name: str | None = None, timeout_s: float = 300.0) -> float:
+        """Load ``draft``'s weights into this server's drafter in place (the worker extension
+        ``plugin/specops_vllm_reload.py`` through vLLM's ``/collective_rpc``): requests in flight
+        pause between two steps and go on with the new draft. From now on the server is the one
+        of ``draft`` (a restart starts it with that draft). Returns the seconds it took.
+
+        Raises :class:`VLLMError` when vLLM refused it (a checkpoint of another shape: nothing was
+        loaded) or did not answer; the server's draft is then the one it had."""
+        if self.spec.speculation != "draft":
+            raise VLLMError(f"vLLM server {self.name} runs no draft model ({self.spec.speculation})")
+        t0 = time.monotonic()
+        body = {"method": "specops_reload_draft", "args": [str(Path(draft).resolve())], "timeout": timeout_s}
+        try:
+            r = self._http.request(
+                "POST", self.url + "/collective_rpc", json=body, timeout=timeout_s + 10, retries=False
+            )
+        except urllib3.exceptions.HTTPError as exc:
+            raise VLLMError(f"vLLM server {self.name}: draft reload from {draft} got no answer: {exc}") from exc
+        if r.status != 200:
+            text = r.data.decode(errors="replace")[:500]
+            raise VLLMError(f"vLLM server {self.name}: draft reload from {draft} refused ({r.status}): {text}")
+        took = time.monotonic() - t0
+        self.spec = replace(self.spec, draft=Path(draft))
+        old, self.name = self.name, name or self.name
+        log.info("vLLM server %s (was %s) now drafts with %s: reloaded in place in %.2fs", self.name, old, draft, took)
+        return took
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the process group (vLLM's engine and workers too), then SIGKILL."""

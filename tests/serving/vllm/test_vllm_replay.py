@@ -147,10 +147,19 @@ def test_reseed_forgets_a_replaced_drafts_counts():
     assert torch.tensor(1)  # keeps torch imported for the fixture's models
 
 
-def _node(speculation, sessions=None):
+def _node(speculation, sessions=None, copy_k=None):
     from specops.serving.vllm.node import VLLMNode
 
-    return VLLMNode(None, None, speculation=speculation, k=3, served_name="t", request_timeout_s=5.0, sessions=sessions)
+    return VLLMNode(
+        None,
+        None,
+        speculation=speculation,
+        k=3,
+        copy_k=copy_k,
+        served_name="t",
+        request_timeout_s=5.0,
+        sessions=sessions,
+    )
 
 
 def _plan(method="auto", **fields):
@@ -181,6 +190,13 @@ def test_what_the_vllm_servers_cannot_do_is_a_400_naming_the_field():
     sampled = _plan("auto", params=SamplingParams(max_new_tokens=8, temperature=1.0, top_k=5))
     node.check_plan(sampled, explicit_method=True, explicit_k=False)
     assert node._allowed(sampled) == ("target",)
+    # the copy server drafts up to vllm_copy_k tokens a step: llma's k is that one, the others' vllm_k
+    long_copies = _node(("draft", "copy"), copy_k=8)
+    assert long_copies.ks == {"draft": 3, "llma": 8} and long_copies.request_policy.ks == long_copies.ks
+    long_copies.check_plan(_plan("llma", k=8), explicit_method=True, explicit_k=True)
+    with pytest.raises(InvalidRequestError, match="llma 8") as exc:
+        long_copies.check_plan(_plan("llma", k=3), explicit_method=True, explicit_k=True)
+    assert exc.value.param == "speculation.k"
     no_copy = _node(("draft",))
     with pytest.raises(InvalidRequestError) as exc:
         no_copy.check_plan(_plan("draft", references=((4, 5),)), explicit_method=True, explicit_k=False)

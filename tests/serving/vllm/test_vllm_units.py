@@ -103,6 +103,23 @@ def test_copy_server_loads_our_proposer_and_reports_per_request_counts(tmp_path)
     assert "--per-request-spec-decode-metrics" not in ServerSpec(tmp_path, "none").argv(Path("/py"), 1)
 
 
+def test_draft_servers_load_the_reload_extension_and_the_copy_server_gets_its_own_k(tmp_path):
+    from specops.serving.vllm.fleet import VLLMServers
+    from specops.serving.vllm.process import DRAFT_RELOAD, PLUGIN_DIR, VLLMServer
+
+    argv = ServerSpec(tmp_path, "draft", tmp_path / "d").argv(Path("/py"), 1)
+    assert argv[argv.index("--worker-extension-cls") + 1] == DRAFT_RELOAD  # VLLMServer.reload_draft calls it
+    assert (PLUGIN_DIR / (DRAFT_RELOAD.split(".")[0] + ".py")).is_file()
+    assert "--worker-extension-cls" not in ServerSpec(tmp_path, "ngram").argv(Path("/py"), 1)
+    servers = VLLMServers(ServerSpec(tmp_path, "draft", k=3), methods=("draft", "copy"), python=Path("/py"),
+                          log_dir=tmp_path, standby=2, copy_k=8)  # fmt: skip
+    assert servers.copy_k == 8 and servers.standby == 2
+    assert VLLMServers(ServerSpec(tmp_path, "copy"), methods=("copy",), python=Path("/py"), log_dir=tmp_path,
+                       standby=2).standby == 0  # fmt: skip  # no draft server: nothing to stand by
+    with pytest.raises(VLLMError, match="runs no draft model"):
+        VLLMServer(ServerSpec(tmp_path, "ngram"), python=Path("/py"), log_dir=tmp_path, name="n").reload_draft(tmp_path)
+
+
 def test_the_spin_cap_plugin_is_found_on_the_servers_pythonpath(monkeypatch):
     """vLLM loads ``vllm.general_plugins`` entry points in every process; ours is declared by a
     dist-info folder in the plugin folder, which the servers get on PYTHONPATH."""

@@ -31,15 +31,12 @@ time of the arm's run), per kind at concurrency 1 (Σ tokens ÷ Σ request laten
 latency, the per-token α from each response (vLLM's own per-request counts), and whether
 every greedy output equals target-only's, by token ids (``return_token_ids``).
 
-**Swaps** (``--parts swap``): a second front door, ``--vllm-speculation draft
---vllm-standby 1``, with MLflow on SQLite and the local stream. Under two clients sending
-without pause, three promotions: cluster ``code``'s first champion (loaded into the standby
-server), its second (loaded into that server in place), then cluster ``prose``'s first right
-after (the standby's replacement is still starting: a new server, the cold start the other
-two avoid). Per promotion: seconds from the promotion to the start of the first request the
-new version served, and every request's status. **Memory** (``--parts rss``): the front
-door's own RSS over vLLM (the swap part's, before its promotions) against a front door that
-holds the target's weights (``specops serve --engine specops`` on the same pair).
+**Swaps** (``--parts swap``): ``benchmarks/vllm_swap.py``'s run on this pair (its report
+whole, under ``swap``): ``--swaps`` promotions of cluster ``chat`` under two clients, the
+first into the standby draft server, the others into that server in place, then cluster
+``code``'s first champion at once (a new server: the cold start). **Memory** (``--parts
+rss``): the front door's own RSS after 4 requests, over vLLM (the models' configs only)
+against a front door holding the weights (``specops serve --engine specops``, same pair).
 
 Summary: ``auto_vs_best_single`` (per concurrency: ``auto`` ÷ the best single-method arm;
 bar ≥ 1), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
@@ -132,6 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "results there are kept",
     )
     p.add_argument("--swap-tokens", type=int, default=16, help="tokens per request in the swap and rss parts")
+    p.add_argument("--swaps", type=int, default=5, help="promotions of cluster chat in the swap part (then one cold)")
     args = p.parse_args(argv)
     defaults = {"cases": (2, 8), "max_tokens": (16, 64), "kb_passages": (2000, 20000)}
     for key, (quick, full) in defaults.items():
@@ -323,170 +321,59 @@ def run_arm(url: str, arm: str, cases: list[dict], concurrency: int, max_tokens:
 
 
 # ---------------------------------------------------------------- swaps and the front door's memory
-SWAPS = (("code", "standby"), ("code", "in place"), ("prose", "cold"))
-"""The promotions of the swap part: a cluster's first champion (into the standby), its second (the
-same server, in place), then another cluster's first right after (the standby's replacement is
-still starting: a new server, the cold start both others avoid)."""
+def measure_swap(args, model_dir: Path) -> dict:
+    """``benchmarks/vllm_swap.py`` on this pair: promotions under load into the standby and in
+    place, then another cluster's first champion at once (its report, whole)."""
+    from benchmarks import vllm_swap
+
+    ns = argparse.Namespace(
+        models=str(model_dir),
+        quick=False,
+        swaps=args.swaps,
+        clients=2,
+        prompts=4,
+        max_tokens=args.swap_tokens,
+        max_model_len=1024,
+        settle_s=5.0,
+        start_timeout=2700.0,
+        vllm_args=args.vllm_args,
+        standby=1,
+        cold_swap=True,
+        json=None,
+    )
+    return vllm_swap.run(ns)
 
 
-def _get_json(http: urllib3.PoolManager, url: str) -> dict:
-    r = http.request("GET", url, timeout=30.0, retries=False)
-    if r.status != 200:
-        raise RuntimeError(f"GET {url}: HTTP {r.status}: {r.data[:300]!r}")
-    return json.loads(r.data)
-
-
-def measure_swap(args, model_dir: Path, tmp: Path, max_len: int, prompts: list[list[int]]) -> dict:
-    """Promotions under load through ``specops serve --engine vllm --vllm-speculation draft``.
-
-    MLflow on SQLite and the local stream (promotions reach the front door as events, as in a
-    deployment); two clients send greedy draft requests without pause, alternating the clusters
-    ``code`` and ``prose``. Per promotion: ``window_s``, from the promotion to the start of the
-    first request the new version served (the front door routes a request when it starts), how
-    the server got the draft (``/v1/clusters``' ``vllm.history``), and every request's status."""
-    from specops.core.models import load_tokenizer, tokenizer_hash
-    from specops.registry import RegistryConfig, RegistryStore
-    from specops.serving.fleet.events import EventPublisher
-    from specops.streams import StreamConfig
-
-    root = tmp / "swap"
-    (root / "registry").mkdir(parents=True)
-    uri, stream = f"sqlite:///{root}/registry/mlflow.db", f"local://{root}/streams"
-    options = {
-        "--vllm-speculation": "draft",
-        "--vllm-standby": "1",
-        "--registry": uri,
-        "--stream": stream,
-        "--clusters": "code,prose",
-        "--route-tenants": "*",
+def measure_rss(args, model_dir: Path, tmp: Path, max_len: int, prompts: list[list[int]]) -> dict:
+    """The front door's own resident memory (not its servers') after a few requests: over vLLM
+    (``--engine vllm``, one draft server; the models' configs only) against one that holds the
+    weights, as ours did over vLLM before (``--engine specops`` on the same pair)."""
+    out = {}
+    doors = {
+        "over_vllm": {"--vllm-speculation": "draft", "--vllm-args": "--enforce-eager"},  # eager: its RSS is the same
+        "with_weights": {"--engine": "specops"},
     }
-    door = FrontDoor(args, model_dir, tmp, root / "data", max_len, name="swap", options=options)
-    publisher = EventPublisher(StreamConfig(url=stream))
-    reg = RegistryStore(RegistryConfig(uri=uri), on_change=publisher)
-    draft = model_dir / "draft"
-    sha = tokenizer_hash(load_tokenizer(draft))
-    http = urllib3.PoolManager(num_pools=2, maxsize=8)
-    entries: list[dict] = []
-    lock, stop = threading.Lock(), threading.Event()
-
-    def client(c: int) -> None:
-        i = c
-        while not stop.is_set():
-            cluster = ("code", "prose")[i % 2]
-            body = {
-                "model": "specops",
-                "prompt": prompts[i % len(prompts)],
-                "max_tokens": args.swap_tokens,
-                "temperature": 0.0,
-                "cluster": cluster,
-                "speculation": {"method": "draft"},
-            }
-            t0 = time.time()
-            try:
+    for name, options in doors.items():
+        door = FrontDoor(args, model_dir, tmp, tmp / f"rss-{name}", max_len, name=f"rss-{name}", options=options)
+        ready_s = door.start()
+        http = urllib3.PoolManager()
+        try:
+            for prompt in prompts[:4]:
+                body = {"model": "specops", "prompt": prompt, "max_tokens": args.swap_tokens, "temperature": 0.0}
                 r = http.request(
                     "POST", door.url + "/v1/completions", body=json.dumps(body).encode(),
                     headers={"Content-Type": "application/json"}, timeout=900.0, retries=False,
                 )  # fmt: skip
-                status, data = r.status, r.data
-            except urllib3.exceptions.HTTPError as exc:
-                status, data = 0, str(exc).encode()
-            e = {"t0": t0, "t1": time.time(), "status": status, "cluster": cluster}
-            if status == 200:
-                e["version"] = json.loads(data)["speculation"]["draft_version"]
-            else:
-                e["error"] = data[:300].decode(errors="replace")
-            with lock:
-                entries.append(e)
-            i += 2
-
-    swaps: list[dict] = []
-    ready_s = door.start()
-    t0 = time.monotonic()
-    try:
-        with tqdm(desc="swap: standby server starting", total=None, leave=False) as bar:
-            while not _get_json(http, door.url + "/v1/clusters")["vllm"]["standby"]["ready"]:
-                if time.monotonic() - t0 > 2700:
-                    raise RuntimeError("the standby vLLM server was not ready after 2700 s")
-                time.sleep(2.0)
-                bar.update(1)
-        standby_ready_s = ready_s + time.monotonic() - t0
-        threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(2)]
-        for t in threads:
-            t.start()
-        time.sleep(10.0)  # both clients served on the base draft first
-        rss_lean = door.rss_mb()
-        for cluster, expect in tqdm(SWAPS, desc="swap: promotions", leave=False):
-            dv = reg.artifact("draft").register(cluster, draft, tokenizer_sha256=sha)
-            promoted = time.time()
-            reg.artifact("draft").promote(cluster, dv.version, reason="vllm_path benchmark: swap window")
-            deadline = time.monotonic() + 2700
-            while True:
-                with lock:
-                    on_new = [e for e in entries if e.get("version") == dv.version and e["cluster"] == cluster]
-                if on_new or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            if not on_new:
-                raise RuntimeError(f"{cluster}: no request served by version {dv.version} after 2700 s")
-            swaps.append(
-                {
-                    "cluster": cluster,
-                    "version": dv.version,
-                    "expected": expect,
-                    "window_s": round(min(e["t0"] for e in on_new) - promoted, 2),
-                    "first_done_s": round(min(e["t1"] for e in on_new) - promoted, 2),
-                }
-            )
-            log.info("swap %s -> v%s: %.2fs to the first request on it", cluster, dv.version, swaps[-1]["window_s"])
-            time.sleep(5.0)
-        info = _get_json(http, door.url + "/v1/clusters")["vllm"]
-        rss_after = door.rss_mb()
-    finally:
-        stop.set()
-        for t in locals().get("threads", []):
-            t.join(900)
-        door.stop()
-        publisher.close()
-    for sw in swaps:
-        h = next((h for h in info["history"] if h["name"] == f"{sw['cluster']}-v{sw['version']}"), {})
-        sw["how"] = h.get("how", "new server")
-        sw["reload_s" if "how" in h else "ready_s"] = h.get("reload_s", h.get("ready_s"))
-    failed = [e for e in entries if e["status"] != 200]
-    return {
-        "front_door_ready_s": round(ready_s, 1),
-        "standby_ready_s": round(standby_ready_s, 1),
-        "swaps": swaps,
-        "requests": len(entries),
-        "failed": len(failed),
-        "errors": [e["error"] for e in failed[:3]],
-        "tokens_per_request": args.swap_tokens,
-        "front_door_rss_mb": None if rss_lean is None else round(rss_lean, 1),
-        "front_door_rss_after_swaps_mb": None if rss_after is None else round(rss_after, 1),
-    }
-
-
-def measure_rss_with_target(args, model_dir: Path, tmp: Path, max_len: int, prompts: list[list[int]]) -> dict:
-    """The resident memory of a front door that holds the target's weights, as ours did over vLLM
-    before it loaded the target's config only: ``specops serve --engine specops`` on the same pair
-    (target and draft in the process), after the same kind of requests as the swap part's."""
-    door = FrontDoor(
-        args, model_dir, tmp, tmp / "rss" / "data", max_len, name="with-target", options={"--engine": "specops"}
-    )
-    ready_s = door.start()
-    http = urllib3.PoolManager()
-    try:
-        for prompt in prompts[:4]:
-            body = {"model": "specops", "prompt": prompt, "max_tokens": args.swap_tokens, "temperature": 0.0}
-            r = http.request(
-                "POST", door.url + "/v1/completions", body=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"}, timeout=900.0, retries=False,
-            )  # fmt: skip
-            if r.status != 200:
-                raise RuntimeError(f"engine specops: HTTP {r.status}: {r.data[:300]!r}")
-        rss = door.rss_mb()
-    finally:
-        door.stop()
-    return {"ready_s": round(ready_s, 1), "front_door_rss_mb": None if rss is None else round(rss, 1)}
+                if r.status != 200:
+                    raise RuntimeError(f"{name}: HTTP {r.status}: {r.data[:300]!r}")
+            rss = door.rss_mb()
+        finally:
+            door.stop()
+        out[name] = {"ready_s": round(ready_s, 1), "rss_mb": None if rss is None else round(rss, 1)}
+        log.info("front door %s: %.0f MB resident", name, rss or 0)
+    lean, full = out["over_vllm"]["rss_mb"], out["with_weights"]["rss_mb"]
+    out["ratio"] = round(lean / full, 3) if lean and full else None
+    return out
 
 
 # ---------------------------------------------------------------- the report
@@ -522,13 +409,10 @@ def summarise(report: dict) -> dict:
     c1 = by_c.get("1") or next(iter(by_c.values()), {})
     rag = {a: c1.get(a, {}).get("per_kind", {}).get("rag", {}).get("tok_s") for a in ("llma", "target")}
     llma_vs = round(rag["llma"] / rag["target"], 3) if rag["llma"] and rag["target"] else None
-    swap = report.get("swap") or {}
-    warm = [sw["window_s"] for sw in swap.get("swaps", []) if sw["how"] in ("standby", "in place")]
-    cold = [sw["window_s"] for sw in swap.get("swaps", []) if sw["how"] == "new server"]
-    window = max(warm) if warm else None
-    lean = swap.get("front_door_rss_mb")
-    full = (report.get("rss_with_target") or {}).get("front_door_rss_mb")
-    ratio = round(lean / full, 3) if lean and full else None
+    swap = (report.get("swap") or {}).get("summary") or {}
+    window, failed = swap.get("swap_window_s"), swap.get("swap_failed")
+    rss = report.get("rss") or {}
+    ratio = rss.get("ratio")
     return {
         "auto_vs_best_single": {c: v["ratio"] for c, v in auto_vs.items()},
         "best_single": {c: v["best_single"] for c, v in auto_vs.items()},
@@ -536,17 +420,17 @@ def summarise(report: dict) -> dict:
         "identical_outputs": report.get("identical_outputs"),
         "alpha_token_per_request": report.get("alpha_token_per_request"),
         "swap_window_s": window,
-        "swap_window_by_how_s": {sw["how"]: sw["window_s"] for sw in swap.get("swaps", [])},
-        "swap_window_cold_s": max(cold) if cold else None,
-        "swap_failed": swap.get("failed"),
+        "swap_window_cold_s": swap.get("swap_window_cold_s"),
+        "swap_how": swap.get("how"),
+        "swap_failed": failed,
         "front_door_rss_ratio": ratio,
-        "front_door_rss_mb": lean,
-        "front_door_with_target_rss_mb": full,
+        "front_door_rss_mb": (rss.get("over_vllm") or {}).get("rss_mb"),
+        "front_door_with_weights_rss_mb": (rss.get("with_weights") or {}).get("rss_mb"),
         "bars": {
             "auto_vs_best_single": bool(auto_vs)
             and all(v["ratio"] >= BARS["auto_vs_best_single"] for v in auto_vs.values()),
             "llma_refs_vs_vllm_target": llma_vs is not None and llma_vs >= BARS["llma_refs_vs_vllm_target"],
-            "swap_window_s": window is not None and window <= BARS["swap_window_s"] and swap.get("failed") == 0,
+            "swap_window_s": window is not None and window <= BARS["swap_window_s"] and failed == 0,
             "front_door_rss_ratio": ratio is not None and ratio <= BARS["front_door_rss_ratio"],
         },
         "cpu_model": report["environment"].get("cpu_model"),
@@ -592,29 +476,28 @@ def markdown(report: dict, command: str) -> str:
         ]
     swap = report.get("swap")
     if swap:
+        from benchmarks import vllm_swap
+
+        a = swap["args"]
         lines += [
             "",
-            f"**Swaps under load**: `--vllm-speculation draft --vllm-standby 1`, MLflow on SQLite, promotions as "
-            f"events on the local stream; two clients without pause, {swap['tokens_per_request']} tokens per request; "
-            f"the front door was ready in {swap['front_door_ready_s']} s and its standby in {swap['standby_ready_s']} s.",
+            f"**Swaps under load** (`benchmarks/vllm_swap.py`'s run): `--vllm-standby 1`, MLflow on SQLite, the local "
+            f"stream; {a['clients']} clients without pause, {a['max_tokens']} tokens per request; base server ready in "
+            f"{swap['summary']['base_ready_s']} s, its standby in {swap['summary']['standby_ready_s']} s.",
             "",
-            "| promotion | how the server got the draft | load or start s | promotion → first request on it, s |",
-            "|---|---|---:|---:|",
+            vllm_swap.table(swap),
+            "",
+            f"Swap window (standby or in place): {s['swap_window_s']} s (bar ≤ 10 s with 0 failed: "
+            f"{s['bars']['swap_window_s']}).",
         ]
-        for sw in swap["swaps"]:
-            took = sw.get("reload_s", sw.get("ready_s"))
-            lines.append(f"| {sw['cluster']} v{sw['version']} | {sw['how']} | {took} | {sw['window_s']} |")
+    rss = report.get("rss")
+    if rss:
         lines += [
             "",
-            f"Requests: {swap['requests']}, failed: {swap['failed']}. Swap window (standby or in place): "
-            f"{s['swap_window_s']} s (bar ≤ 10 s, 0 failed).",
-        ]
-    if s.get("front_door_rss_mb") or s.get("front_door_with_target_rss_mb"):
-        lines += [
-            "",
-            f"**Front door memory** (its own RSS, not its vLLM servers'): {s['front_door_rss_mb']} MB over vLLM "
-            f"(the target's config only) against {s['front_door_with_target_rss_mb']} MB holding the target's weights "
-            f"(`--engine specops`, the same pair): ratio {s['front_door_rss_ratio']} (bar ≤ 1/3).",
+            f"**Front door memory** (its own RSS, not its vLLM servers', after 4 requests): "
+            f"{s['front_door_rss_mb']} MB over vLLM (the models' configs only) against "
+            f"{s['front_door_with_weights_rss_mb']} MB holding the weights (`--engine specops`, the same pair): "
+            f"ratio {s['front_door_rss_ratio']} (bar ≤ 1/3).",
         ]
     lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
@@ -647,9 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     if "speed" in args.parts:
         report.update(measure_speed(args, model_dir, tmp, cases, max_len))
     if "swap" in args.parts:
-        report["swap"] = measure_swap(args, model_dir, tmp, max_len, chat)
+        report["swap"] = measure_swap(args, model_dir)
     if "rss" in args.parts:
-        report["rss_with_target"] = measure_rss_with_target(args, model_dir, tmp, max_len, chat)
+        report["rss"] = measure_rss(args, model_dir, tmp, max_len, chat)
     report.update(
         {
             "benchmark": "vllm_path",

@@ -1,21 +1,29 @@
 """Hot-swap into vLLM under load: promotions reach the vLLM servers with no failed request.
 
-``specops serve --engine vllm`` (real process, real vLLM CPU servers, MLflow on SQLite, the
-local stream log) serves the target with each cluster's champion draft. While ``--clients``
-clients send greedy requests without pause, the benchmark registers and promotes a draft
-``--swaps`` times, alternating between the bootstrap draft and a copy of it with slightly
-perturbed weights (two different versions every time, so every promotion starts a new vLLM
-server and retires the previous one: serving/vllm/fleet.py). Per swap:
+``specops serve --engine vllm`` (real vLLM CPU servers, MLflow on SQLite, the local stream
+log; the front door in this process) serves the target with each cluster's champion draft.
+Once the standby draft server is ready (``--standby``, serve's ``vllm_standby``), while
+``--clients`` clients send greedy requests without pause, the benchmark registers and
+promotes a draft ``--swaps`` times for cluster ``chat``, alternating between the bootstrap
+draft and a copy of it with slightly perturbed weights (a different version every time).
+The first loads into the standby server, the others into that server in place
+(serving/vllm/fleet.py). With ``--cold-swap``, one more promotion follows at once for cluster
+``code``, whose requests are on the base draft: a first champion while the standby's
+replacement is still starting, i.e. a new server (the cold start the others avoid), unless
+the replacement was already ready. Per swap:
 
-- the **swap window**: promotion to the moment the cluster's slot serves the new version
-  (fetch, checksums, validation, a new vLLM server started and answering);
-- the new server's start time (vLLM's own start, part of the window);
-- requests served and failed (any non-200) during the window.
+- ``how`` the server got the draft (``standby``, ``in place``, ``new server``) and the
+  load's (or the new server's start's) seconds;
+- the **swap window**: promotion to the start of the first request the new version served
+  (``first_request_s``: the front door routes a request when it starts), and to the moment
+  the cluster's slot serves it (``window_s``);
+- requests started meanwhile, and failed (any non-200).
 
 Every response is checked: greedy outputs must be the same for a prompt whichever version
 served it (lossless), and the versions named in the responses must be the promoted ones.
+``benchmarks/vllm_path.py --parts swap`` runs this on the real pair into its own JSON.
 
-    .venv/bin/python benchmarks/vllm_swap.py --json benchmarks/out/vllm_swap.json
+    .venv/bin/python benchmarks/vllm_swap.py --json /tmp/vllm_swap.json
     .venv/bin/python benchmarks/vllm_swap.py --quick
 """
 
@@ -58,8 +66,8 @@ def _perturbed(src: Path, dest: Path, scale: float = 1e-3) -> Path:
 
 
 def run(args) -> dict:
-    # vLLM pins every server's worker to the same cores ("auto"); during a swap a second server starts
-    # beside a busy one, and on 2 cores it then waits for it. nobind lets the OS place them (docs/serving.md).
+    # vLLM pins every server's worker to the same cores ("auto"); a standby starts beside a busy
+    # server, and on 2 cores it then waits for it. nobind lets the OS place them (docs/vllm.md).
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from specops.core.models import load_tokenizer, tokenizer_hash
     from specops.registry import RegistryConfig, RegistryStore
@@ -82,11 +90,13 @@ def run(args) -> dict:
         stream=f"local://{work}/streams",
         registry=registry_uri,
         router="none",
-        clusters=["chat"],
+        clusters=["chat", "code"],
         poll_s=0.5,
         max_concurrency=max(4, args.clients),
         vllm_max_model_len=args.max_model_len,
         vllm_args=args.vllm_args,
+        vllm_standby=args.standby,
+        vllm_start_timeout_s=args.start_timeout,
     )
     prompts = [
         "Write a SQL query that lists every customer with more than three orders.",
@@ -98,6 +108,13 @@ def run(args) -> dict:
     t_start = time.monotonic()
     srv.wait_ready(args.start_timeout)
     base_ready_s = time.monotonic() - t_start
+    vllm = srv.state.vllm
+    if args.standby:
+        while not vllm.standbys():
+            if time.monotonic() - t_start > args.start_timeout:
+                raise RuntimeError(f"the standby vLLM server was not ready after {args.start_timeout}s")
+            time.sleep(1.0)
+    standby_ready_s = time.monotonic() - t_start
     reg = RegistryStore(RegistryConfig(uri=registry_uri))
     records: list[dict] = []
     stop = threading.Event()
@@ -105,19 +122,19 @@ def run(args) -> dict:
     def client(seed: int) -> None:
         i = seed
         while not stop.is_set():
-            prompt = prompts[i % len(prompts)]
+            prompt, cluster = prompts[i % len(prompts)], ("chat", "code")[i % 2]
             t0 = time.monotonic()
             try:
                 r = requests.post(
                     srv.url + "/v1/completions",
                     json={"model": "specops", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
-                    | {"cluster": "chat"},
+                    | {"cluster": cluster},
                     timeout=600,
                 )
                 ok, body = r.status_code == 200, (r.json() if r.status_code == 200 else {"error": r.text[:300]})
             except requests.RequestException as exc:
                 ok, body = False, {"error": str(exc)}
-            rec = {"t0": t0, "t1": time.monotonic(), "ok": ok, "prompt": prompt}
+            rec = {"t0": t0, "t1": time.monotonic(), "ok": ok, "prompt": prompt, "cluster": cluster}
             if ok:
                 rec |= {"text": body["choices"][0]["text"], "version": body["speculation"]["draft_version"]}
             else:
@@ -128,65 +145,81 @@ def run(args) -> dict:
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)]
     for t in threads:
         t.start()
+    plan = [("chat", drafts[(n + 1) % 2]) for n in range(args.swaps)] + (
+        [("code", drafts[1])] if args.cold_swap else []
+    )
     swaps = []
     try:
         follower = srv.state.follower
         time.sleep(args.settle_s)
-        for n in range(args.swaps):
-            path = drafts[(n + 1) % 2]
-            dv = reg.artifact("draft").register("chat", path, tokenizer_sha256=tokenizer_hash(load_tokenizer(path)))
+        for n, (cluster, path) in enumerate(plan):
+            dv = reg.artifact("draft").register(cluster, path, tokenizer_sha256=tokenizer_hash(load_tokenizer(path)))
             t0 = time.monotonic()
-            reg.artifact("draft").promote("chat", dv.version, reason=f"benchmark swap {n + 1}")
-            while follower.serving_version("chat") != dv.version:
+            reg.artifact("draft").promote(cluster, dv.version, reason=f"benchmark swap {n + 1}")
+            while follower.serving_version(cluster) != dv.version:
                 if time.monotonic() - t0 > args.start_timeout:
                     raise RuntimeError(f"swap {n + 1} did not land in {args.start_timeout}s")
-                time.sleep(0.1)
+                time.sleep(0.05)
             window = time.monotonic() - t0
-            started = [h for h in srv.state.vllm.history if h["name"] == f"chat-v{dv.version}"]
-            during = [r for r in records if t0 <= r["t0"] <= t0 + window]
+            while not any(r.get("version") == dv.version and r["cluster"] == cluster for r in list(records)):
+                if time.monotonic() - t0 > args.start_timeout:
+                    raise RuntimeError(f"swap {n + 1}: no request served by v{dv.version}")
+                time.sleep(0.05)
+            first = min(r["t0"] for r in list(records) if r.get("version") == dv.version and r["cluster"] == cluster)
+            h = next((h for h in reversed(vllm.history) if h["name"] == f"{cluster}-v{dv.version}"), {})
+            during = [r for r in list(records) if t0 <= r["t0"] <= t0 + window]
             swaps.append(
                 {
                     "swap": n + 1,
+                    "cluster": cluster,
                     "version": dv.version,
+                    "how": h.get("how", "new server"),
+                    "load_s": h.get("reload_s", h.get("ready_s")),
                     "window_s": round(window, 2),
-                    "server_ready_s": started[-1]["ready_s"] if started else None,
+                    "first_request_s": round(first - t0, 2),
                     "requests_started_during": len(during),
                     "failed_during": sum(not r["ok"] for r in during),
                 }
             )
             print(
-                f"swap {n + 1}: v{dv.version} serving after {window:.1f}s "
-                f"({len(during)} requests started meanwhile, {swaps[-1]['failed_during']} failed)",
+                f"swap {n + 1}: {cluster} v{dv.version} ({swaps[-1]['how']}) serving after {window:.2f}s, first "
+                f"request on it {swaps[-1]['first_request_s']}s ({len(during)} started meanwhile, "
+                f"{swaps[-1]['failed_during']} failed)",
                 flush=True,
             )
-            time.sleep(args.settle_s)
+            if n + 1 < args.swaps:  # the cold swap follows at once (the standby's replacement still starting)
+                time.sleep(args.settle_s)
     finally:
         stop.set()
         for t in threads:
             t.join(700)
-        live = [s.name for s in srv.state.vllm.servers()]
+        live = [s.name for s in vllm.servers()]
         srv.stop()
     ok = [r for r in records if r["ok"]]
     by_prompt: dict[str, set[str]] = {}
     for r in ok:
         by_prompt.setdefault(r["prompt"], set()).add(r["text"])
     lossless = all(len(v) == 1 for v in by_prompt.values())
-    windows = [s["window_s"] for s in swaps]
+    warm = [s["first_request_s"] for s in swaps if s["how"] != "new server"]
+    cold = [s["first_request_s"] for s in swaps if s["how"] == "new server"]
     summary = {
         "swaps": len(swaps),
         "swap_failed": sum(not r["ok"] for r in records),
         "requests": len(records),
-        "swap_window_s_median": round(statistics.median(windows), 2) if windows else None,
-        "swap_window_s_max": max(windows) if windows else None,
+        "swap_window_s": max(warm) if warm else None,
+        "swap_window_s_median": round(statistics.median(warm), 2) if warm else None,
+        "swap_window_cold_s": max(cold) if cold else None,
+        "how": [s["how"] for s in swaps],
         "base_ready_s": round(base_ready_s, 1),
+        "standby_ready_s": round(standby_ready_s, 1),
         "identical_outputs_across_versions": lossless,
-        "versions_served": sorted({r["version"] for r in ok}),
+        "versions_served": sorted({f"{r['cluster']}:{r['version']}" for r in ok}),
         "servers_live_at_end": live,
     }
     shutil.rmtree(work, ignore_errors=True)
     return {
         "benchmark": "vllm_swap",
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))},
         "environment": environment(),
         "cpu": cpu_model(),
         "swaps": swaps,
@@ -197,19 +230,21 @@ def run(args) -> dict:
 
 def table(report: dict) -> str:
     rows = [
-        "| swap | version | window (s) | vLLM start (s) | requests started meanwhile | failed |",
-        "|---|---|---|---|---|---|",
+        "| swap | cluster | version | how | load or start (s) | promotion → first request on it (s) | "
+        "→ slot swapped (s) | requests started meanwhile | failed |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for s in report["swaps"]:
         rows.append(
-            f"| {s['swap']} | {s['version']} | {s['window_s']} | {s['server_ready_s']} | "
-            f"{s['requests_started_during']} | {s['failed_during']} |"
+            f"| {s['swap']} | {s['cluster']} | {s['version']} | {s['how']} | {s['load_s']} | {s['first_request_s']} | "
+            f"{s['window_s']} | {s['requests_started_during']} | {s['failed_during']} |"
         )
     sm = report["summary"]
     rows.append("")
     rows.append(
-        f"{sm['swaps']} swaps, {sm['requests']} requests, {sm['swap_failed']} failed; median window "
-        f"{sm['swap_window_s_median']} s; identical greedy outputs across versions: {sm['identical_outputs_across_versions']}"
+        f"{sm['swaps']} swaps, {sm['requests']} requests, {sm['swap_failed']} failed; swap window (standby or in "
+        f"place) at most {sm['swap_window_s']} s, cold start {sm['swap_window_cold_s']} s; identical greedy outputs "
+        f"across versions: {sm['identical_outputs_across_versions']}"
     )
     return "\n".join(rows)
 
@@ -228,6 +263,13 @@ def main(argv=None) -> int:
     p.add_argument("--settle-s", type=float, default=5.0, help="seconds of load between swaps")
     p.add_argument("--start-timeout", type=float, default=1200.0, help="longest a server start or a swap may take")
     p.add_argument("--vllm-args", default="", help="more arguments for every vLLM server (e.g. --enforce-eager)")
+    p.add_argument("--standby", type=int, default=1, help="vllm_standby: draft servers started ahead (default 1)")
+    p.add_argument(
+        "--cold-swap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end with another cluster's first champion, promoted at once (default on)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the report (with its summary) here")
     args = p.parse_args(argv)
     if args.quick:

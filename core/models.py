@@ -239,11 +239,12 @@ def load_pair(
     target_dtype: str | torch.dtype = torch.float32,
     device: str = "cpu",
     target_weights: bool = True,
+    draft_weights: bool = True,
 ) -> ModelPair:
     """Load a target (``target_dtype``, float32 by default) and optionally a draft (in
     ``draft_dtype``; ``auto``: measured, ``core.draft_dtype``), both on ``device``; fail clearly
-    if their tokenizers differ. ``target_weights=False``: the target's config only
-    (:func:`load_shell`), for a front door whose decode is vLLM's."""
+    if their tokenizers differ. ``target_weights=False`` / ``draft_weights=False``: that model's
+    config only (:func:`load_shell`), for a front door whose decode is vLLM's."""
     check_model_dir(target_dir)
     if draft_dir is not None:
         check_model_dir(draft_dir)
@@ -257,7 +258,7 @@ def load_pair(
                 f"draft tokenizer at {draft_dir} (sha256 {draft_hash[:12]}) differs from the target's at "
                 f"{target_dir} (sha256 {target_hash[:12]}); speculative decoding needs one shared tokenizer"
             )
-        draft = load_model(draft_dir, dtype=draft_dtype, device=device)
+        draft = load_model(draft_dir, dtype=draft_dtype, device=device) if draft_weights else load_shell(draft_dir)
     target = load_model(target_dir, dtype=target_dtype, device=device) if target_weights else load_shell(target_dir)
     pair = ModelPair(target=target, draft=draft, tokenizer=target_tok, tokenizer_sha256=target_hash)
     log.info(
@@ -266,7 +267,8 @@ def load_pair(
         sum(p.numel() for p in target.parameters()) / 1e6,
         target.dtype,
         device if target_weights else "meta: its config only, no weights",
-        f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {draft.dtype})"
+        f" and draft {draft_dir} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {draft.dtype}"
+        f"{'' if draft_weights else ', config only'})"
         if draft
         else "",
     )

@@ -119,8 +119,10 @@ class Replica:
             draft_dtype=cfg.draft_dtype,
             target_dtype=cfg.dtype,
             device=placement.device,
-            # vLLM decodes: the front door needs the target's config and tokenizer, not its weights
+            # vLLM decodes: the front door needs the models' configs and tokenizer, not their weights (a
+            # draft is loaded here to validate a promoted version, and for a recount vLLM did not report)
             target_weights=cfg.engine != "vllm",
+            draft_weights=cfg.engine != "vllm",
         )
         if self.stream_cfg is not None:  # 2.
             from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger

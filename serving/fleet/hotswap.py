@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 
 from specops.core.clusters import cluster_label
 from specops.core.errors import ModelConfigError
-from specops.core.models import load_model, load_tokenizer, tokenizer_hash
+from specops.core.models import has_weights, load_model, load_tokenizer, tokenizer_hash
 from specops.registry import (
     CHAMPION,
     KINDS,
@@ -326,8 +326,12 @@ class DraftFollower(AliasFollower):
                 f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
                 f"target's ({self.target_tokenizer_sha256[:12]})"
             )
+        served_here = has_weights(self.base_draft)  # else a config-only draft: vLLM serves it (on the CPU here)
         model, info = load_model(
-            path, dtype=self.base_draft.dtype, device=self.base_draft.device, loading_info=True
+            path,
+            dtype=self.base_draft.dtype,
+            device=self.base_draft.device if served_here else "cpu",
+            loading_info=True,
         )  # served as the base draft is
         bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if bad:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import urllib3
 
+from specops.core.models import has_weights, load_shell
 from specops.serving.fleet.hotswap import BASE, LIST, DraftFollower, DraftHandle
 from specops.serving.vllm.metrics import SpecCounters, scrape
 from specops.serving.vllm.process import ServerSpec, VLLMError, VLLMServer
@@ -304,6 +305,9 @@ class VLLMDraftFollower(DraftFollower):
     def load(self, key: str, version):
         model = self._load(version)  # fetched, checksums, tokenizer, weights and a smoke forward checked
         path = self.cache_dir / version.cluster / f"v{version.version}"
+        if not has_weights(self.base_draft):  # vLLM holds the weights: the front door keeps the config only
+            del model
+            model = load_shell(path)
         server = self._server_for(key, path, f"{key}-v{version.version}") if self.servers.per_draft else None
         return model, server  # the server already drafts with the new version
 

@@ -20,12 +20,16 @@ field, as it refuses a ``speculation`` the vLLM server does not run.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from pathlib import Path
 
+import torch
 import urllib3
 
 from specops.core.errors import InvalidRequestError, UnavailableError
+from specops.core.models import has_weights, load_model
 from specops.serving.engine.types import ContextSpan, GenerationResult, RequestStats
 from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
@@ -43,6 +47,8 @@ SPECULATION_OF = {m: s for s, m in SERVED_METHOD.items()}
 ENGINE = "vllm"
 MAX_SESSION_TOKENS = 16384
 """Most past-session tokens (the newest) sent with one request to the copy server."""
+
+log = logging.getLogger(__name__)
 
 
 class VLLMNode(ServingNode):
@@ -77,6 +83,7 @@ class VLLMNode(ServingNode):
         self.http = urllib3.PoolManager(num_pools=16, maxsize=64)
         self._lock = threading.Lock()
         self.in_flight = 0
+        self._loaded_draft: tuple[str, object] | None = None
         self.busy: dict[str, int] = {}
         """Method -> requests its server is decoding now (``auto`` weighs sharing the cores)."""
 
@@ -175,7 +182,22 @@ class VLLMNode(ServingNode):
         if method == "llma":
             return replay_copy(prompt_ids, tokens, self.ks["llma"], split_refs(refs), min_n)
         model = handle.model if handle is not None else self.pair.draft
-        return replay_draft(model, prompt_ids, tokens, self.k)
+        return replay_draft(self._weights(model), prompt_ids, tokens, self.k)
+
+    def _weights(self, model):
+        """``model`` itself, or for a config-only draft (``core.models.load_shell``: the front door
+        over vLLM holds no draft weights) the draft loaded from its directory, the last one kept."""
+        if has_weights(model):
+            return model
+        path = str(model.config._name_or_path)
+        with self._lock:
+            cached = self._loaded_draft
+        if cached is None or cached[0] != path:
+            log.info("loading draft %s in the front door to recount a request vLLM did not report", path)
+            cached = (path, load_model(Path(path), dtype=torch.float32))
+            with self._lock:
+                self._loaded_draft = cached
+        return cached[1]
 
     def decode(
         self,

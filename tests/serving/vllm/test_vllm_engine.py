@@ -266,7 +266,14 @@ def test_promoted_drafts_load_into_running_servers_with_no_failed_request(world,
         return [r.json()["speculation"] for r in list(served) if r.json()["speculation"]["draft_version"] == version]
 
     assert wait_until(lambda: vllm.standbys(), 600, 0.5), "the standby server started after readiness"
-    started = len([h for h in vllm.history if "how" not in h])
+    # the standby taken is replaced in the background (tests/serving/vllm/test_vllm_units.py checks that without
+    # a process); here it would be a sixth vLLM server on a 2-core machine for the rest of the module
+    vllm.standby = 0
+
+    def starts() -> list[str]:  # servers started (a standby's start included), not drafts loaded into one
+        return [h["name"] for h in vllm.history if "how" not in h]
+
+    before = starts()
     threads = [threading.Thread(target=load) for _ in range(2)]  # two clients at all times
     for t in threads:
         t.start()
@@ -288,8 +295,7 @@ def test_promoted_drafts_load_into_running_servers_with_no_failed_request(world,
     assert len(texts) <= len(PROMPTS)  # greedy: one output per prompt whichever draft served it
     reloads = [(h["name"], h["how"]) for h in vllm.history if "how" in h]
     assert reloads == [(f"code-v{versions[0]}", "standby"), (f"code-v{versions[1]}", "in place")], vllm.history
-    # no server started for a swap (the standby's replacement may be starting: it is not one)
-    assert [h for h in vllm.history if "how" not in h and not h["name"].startswith("standby")][started:] == []
+    assert starts() == before, "no server started for either swap"
     # the zeroed draft drafted the requests that started on it, the good one those after it
     bad_alpha = sorted(sp["alpha_token"] for sp in on(versions[0]))
     good_alpha = sorted(sp["alpha_token"] for sp in on(versions[1]))

@@ -143,3 +143,46 @@ def test_the_spin_cap_plugin_is_found_on_the_servers_pythonpath(monkeypatch):
         monkeypatch.setenv(specops_vllm_spin.ENV, bad)
         assert specops_vllm_spin.busy_loop_s() == specops_vllm_spin.DEFAULT_S
     specops_vllm_spin.register()  # no vLLM here: nothing to patch, and no error
+
+
+def test_a_standby_taken_is_replaced_and_none_is_kept_after_close(tmp_path, monkeypatch):
+    """fill_standby's bookkeeping, with the process start stubbed (tests/serving/vllm/test_vllm_engine.py
+    starts a real standby and loads promoted drafts into it)."""
+    import threading
+    import time
+
+    from specops.serving.vllm.fleet import VLLMServers
+    from specops.serving.vllm.process import VLLMServer
+
+    gate, started = threading.Event(), []
+
+    def start(self):
+        started.append(self.name)
+        return self
+
+    def wait_ready(self, timeout_s=0.0):
+        gate.wait(10)
+        return 1.0
+
+    monkeypatch.setattr(VLLMServer, "start", start)
+    monkeypatch.setattr(VLLMServer, "wait_ready", wait_ready)
+    monkeypatch.setattr(VLLMServer, "alive", lambda self: True)
+    monkeypatch.setattr(VLLMServer, "stop", lambda self, timeout_s=0.0: None)
+    servers = VLLMServers(ServerSpec(tmp_path, "draft"), methods=("draft",), python=Path("/py"), log_dir=tmp_path,
+                          standby=1)  # fmt: skip
+    servers.fill_standby(tmp_path / "base")
+    servers.fill_standby(tmp_path / "base")  # one already starting: no second
+    assert servers.describe()["standby"] == {"wanted": 1, "ready": [], "starting": 1}
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not servers.standbys() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    taken = servers.take_standby()
+    assert taken is not None and taken.spec.draft == tmp_path / "base" and servers.take_standby() is None
+    servers.fill_standby(tmp_path / "base")  # the replacement
+    while not servers.standbys() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s.name for s in servers.standbys()] == ["standby-2"] and started == ["standby-1", "standby-2"]
+    servers.close()
+    servers.fill_standby(tmp_path / "base")  # closed: nothing starts
+    assert started == ["standby-1", "standby-2"] and servers.standbys() == []

@@ -75,6 +75,7 @@ def test_cpu_vllm_renders_the_serving_vllm_image_and_the_vllm_fields():
         values["kvCacheGb"],
     )
     assert cfg.vllm_args == "" and cfg.vllm_start_timeout_s == values["startTimeoutS"]
+    assert (cfg.vllm_copy_k, cfg.vllm_standby) == (values["copyK"], values["standby"])
     assert cfg.vllm_max_model_len >= cfg.max_prompt_tokens + cfg.max_tokens_limit
     assert not cfg.vllm_python, "the image's SPECOPS_VLLM_PYTHON names vLLM's Python"
     for obj in hs.render(DEFAULT, CPU_VLLM):

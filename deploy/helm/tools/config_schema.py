@@ -27,6 +27,8 @@ SCHEMA = Path(__file__).resolve().parents[1] / "specops" / "values.schema.json"
 VLLM_VALUES = {
     "speculation": "vllm_speculation",
     "k": "vllm_k",
+    "copyK": "vllm_copy_k",
+    "standby": "vllm_standby",
     "maxModelLen": "vllm_max_model_len",
     "kvCacheGb": "vllm_kv_cache_gb",
     "args": "vllm_args",

@@ -34,7 +34,7 @@ every greedy output equals target-only's, by token ids (``return_token_ids``).
 **Swaps** (``--parts swap``): ``benchmarks/vllm_swap.py``'s run on this pair (its report
 whole, under ``swap``): ``--swaps`` promotions of cluster ``chat`` under two clients, the
 first into the standby draft server, the others into that server in place, then cluster
-``code``'s first champion at once (a new server: the cold start). **Memory** (``--parts
+``code``'s first champion right after ``chat``'s first (a new server: the cold start). **Memory** (``--parts
 rss``): the front door's own RSS after 4 requests, over vLLM (the models' configs only)
 against a front door holding the weights (``specops serve --engine specops``, same pair).
 

@@ -4,19 +4,20 @@
 log; the front door in this process) serves the target with each cluster's champion draft.
 Once the standby draft server is ready (``--standby``, serve's ``vllm_standby``), while
 ``--clients`` clients send greedy requests without pause, the benchmark registers and
-promotes a draft ``--swaps`` times for cluster ``chat``, alternating between the bootstrap
-draft and a copy of it with slightly perturbed weights (a different version every time).
-The first loads into the standby server, the others into that server in place
-(serving/vllm/fleet.py). With ``--cold-swap``, one more promotion follows at once for cluster
-``code``, whose requests are on the base draft: a first champion while the standby's
-replacement is still starting, i.e. a new server (the cold start the others avoid), unless
-the replacement was already ready. Per swap:
+promotes a draft ``--swaps`` times for cluster ``chat``, alternating between a copy of the
+bootstrap draft with slightly perturbed weights and the bootstrap draft (a different version
+every time). The first loads into the standby server, the others into that server in place
+(serving/vllm/fleet.py), each once the standby's replacement is ready again (promotions are
+minutes apart in a deployment). With ``--cold-swap``, cluster ``code`` (its requests on the
+base draft) gets its first champion right after ``chat``'s first, while the replacement is
+still starting: a new server, the cold start the others avoid. Per swap:
 
 - ``how`` the server got the draft (``standby``, ``in place``, ``new server``) and the
   load's (or the new server's start's) seconds;
-- the **swap window**: promotion to the start of the first request the new version served
-  (``first_request_s``: the front door routes a request when it starts), and to the moment
-  the cluster's slot serves it (``window_s``);
+- the **swap window** (``window_s``): promotion to the moment the cluster's slot serves the
+  new version, from which every request that starts gets it (the front door routes a request
+  when it starts); beside it ``first_request_s``, to the start of the first request the new
+  version served, which also waits for the load's next request of that cluster;
 - requests started meanwhile, and failed (any non-200).
 
 Every response is checked: greedy outputs must be the same for a prompt whichever version
@@ -145,9 +146,11 @@ def run(args) -> dict:
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)]
     for t in threads:
         t.start()
-    plan = [("chat", drafts[(n + 1) % 2]) for n in range(args.swaps)] + (
-        [("code", drafts[1])] if args.cold_swap else []
-    )
+    # chat's first champion into the standby, then (--cold-swap) code's first at once, while the standby's
+    # replacement is still starting: a new server; then chat's next ones in place, each once the standby is
+    # back (promotions are minutes apart in a deployment, a replacement's start is not)
+    plan = [("chat", drafts[1])] + ([("code", drafts[1])] if args.cold_swap else [])
+    plan += [("chat", drafts[n % 2]) for n in range(args.swaps - 1)]
     swaps = []
     try:
         follower = srv.state.follower
@@ -187,8 +190,12 @@ def run(args) -> dict:
                 f"{swaps[-1]['failed_during']} failed)",
                 flush=True,
             )
-            if n + 1 < args.swaps:  # the cold swap follows at once (the standby's replacement still starting)
-                time.sleep(args.settle_s)
+            if n == 0 and args.cold_swap:
+                continue  # the cold swap follows at once (the standby's replacement still starting)
+            t_wait = time.monotonic()
+            while args.standby and not vllm.standbys() and time.monotonic() - t_wait < args.start_timeout:
+                time.sleep(0.5)
+            time.sleep(args.settle_s)
     finally:
         stop.set()
         for t in threads:
@@ -200,8 +207,11 @@ def run(args) -> dict:
     for r in ok:
         by_prompt.setdefault(r["prompt"], set()).add(r["text"])
     lossless = all(len(v) == 1 for v in by_prompt.values())
-    warm = [s["first_request_s"] for s in swaps if s["how"] != "new server"]
-    cold = [s["first_request_s"] for s in swaps if s["how"] == "new server"]
+    # the window: promotion -> the slot serves the new version (every request that starts from then on gets
+    # it); the first request's start beside it also waits for the load's next arrival
+    warm = [s["window_s"] for s in swaps if s["how"] != "new server"]
+    cold = [s["window_s"] for s in swaps if s["how"] == "new server"]
+    first = [s["first_request_s"] for s in swaps if s["how"] != "new server"]
     summary = {
         "swaps": len(swaps),
         "swap_failed": sum(not r["ok"] for r in records),
@@ -209,6 +219,7 @@ def run(args) -> dict:
         "swap_window_s": max(warm) if warm else None,
         "swap_window_s_median": round(statistics.median(warm), 2) if warm else None,
         "swap_window_cold_s": max(cold) if cold else None,
+        "first_request_s": max(first) if first else None,
         "how": [s["how"] for s in swaps],
         "base_ready_s": round(base_ready_s, 1),
         "standby_ready_s": round(standby_ready_s, 1),
@@ -242,9 +253,10 @@ def table(report: dict) -> str:
     sm = report["summary"]
     rows.append("")
     rows.append(
-        f"{sm['swaps']} swaps, {sm['requests']} requests, {sm['swap_failed']} failed; swap window (standby or in "
-        f"place) at most {sm['swap_window_s']} s, cold start {sm['swap_window_cold_s']} s; identical greedy outputs "
-        f"across versions: {sm['identical_outputs_across_versions']}"
+        f"{sm['swaps']} swaps, {sm['requests']} requests, {sm['swap_failed']} failed; swap window (promotion → slot "
+        f"swapped; standby or in place) at most {sm['swap_window_s']} s (the first request on it started at most "
+        f"{sm['first_request_s']} s after the promotion), cold start {sm['swap_window_cold_s']} s; identical greedy "
+        f"outputs across versions: {sm['identical_outputs_across_versions']}"
     )
     return "\n".join(rows)
 

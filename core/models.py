@@ -146,12 +146,14 @@ def load_model(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     loading_info: bool = False,
+    prepare: bool = True,
 ):
     """A model from a local directory (safetensors only), in ``dtype`` on ``device``, in eval
-    mode, prepared for decoding. ``dtype="auto"``: loaded in float32, then kept in the precision
-    that drafts faster here (``core.draft_dtype.settle``; the choice is the model's
-    ``draft_dtype_measurement``). With ``loading_info``, also the dict of
-    missing/unexpected/mismatched keys."""
+    mode, prepared for decoding (``prepare=False``: not, for a model that only checks or
+    recounts, a forward or two, where the CPU routing's timing would cost more than it saves).
+    ``dtype="auto"``: loaded in float32, then kept in the precision that drafts faster here
+    (``core.draft_dtype.settle``; the choice is the model's ``draft_dtype_measurement``). With
+    ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
     auto = dtype == draft_dtype.AUTO
     dtype = torch.float32 if auto else resolve_dtype(dtype)
@@ -171,7 +173,8 @@ def load_model(
     if torch.device(device).type != "cpu":
         model.to(device)
     model.eval()
-    prepare_for_decoding(model)
+    if prepare:
+        prepare_for_decoding(model)
     try:
         draft_vocab.attach(model, draft_vocab.load(path, int(model.config.vocab_size)))
     except draft_vocab.DraftVocabError as exc:

@@ -332,6 +332,7 @@ class DraftFollower(AliasFollower):
             dtype=self.base_draft.dtype,
             device=self.base_draft.device if served_here else "cpu",
             loading_info=True,
+            prepare=served_here,  # not decoded here: a smoke forward only
         )  # served as the base draft is
         bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if bad:

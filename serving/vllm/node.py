@@ -194,7 +194,7 @@ class VLLMNode(ServingNode):
             cached = self._loaded_draft
         if cached is None or cached[0] != path:
             log.info("loading draft %s in the front door to recount a request vLLM did not report", path)
-            cached = (path, load_model(Path(path), dtype=torch.float32))
+            cached = (path, load_model(Path(path), dtype=torch.float32, prepare=False))  # one forward: no routing
             with self._lock:
                 self._loaded_draft = cached
         return cached[1]

@@ -280,7 +280,7 @@ def main(argv=None) -> int:
         "--cold-swap",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="end with another cluster's first champion, promoted at once (default on)",
+        help="right after the first swap, another cluster's first champion while the standby restarts: a cold start (default on)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the report (with its summary) here")
     args = p.parse_args(argv)

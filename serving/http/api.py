@@ -9,8 +9,8 @@ Endpoints:
 - ``GET /v1/policy``: the ``auto`` policy's state per cluster (acceptance estimates,
   decisions, the latest choice and its estimates, measured costs); admin tenants only.
 - ``GET /v1/clusters``: the clusters served, the draft version of each, the router's
-  version, and behind ``engine = "vllm"`` the vLLM servers, standbys and swaps; tenants that may
-  route (or admin) only.
+  version, and behind ``engine = "vllm"`` (admin tenants only) the vLLM servers, standbys and
+  swaps; tenants that may route (or admin) only.
 - ``GET /v1/models``; ``GET /healthz`` (liveness: 200 while loading, serving or draining, 503 once
   loading failed); ``GET /readyz`` (models loaded and not draining: 200, else 503 with the loading
   step or the error; no cluster names); ``GET /metrics`` (Prometheus).
@@ -170,7 +170,10 @@ def create_app(state: ServingState) -> FastAPI:
                 "GET /v1/clusters is for tenants that may send `cluster` (the server's route_tenants) or admin tenants"
             )
         _ensure_ready(state)
-        return state.clusters()
+        body = state.clusters()
+        if not tenant.admin:  # the vLLM servers (names, draft paths, swap history) are an operator's view
+            body.pop("vllm", None)
+        return body
 
     def _model_card() -> dict:
         return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "specops"}

@@ -18,13 +18,30 @@ request measured (its per-token α, computed by ``serving.vllm.replay``, and its
   has ``E = 1``.
 - ``step_ms_m(load, shared)``: the decayed mean of the measured milliseconds per decode step
   of ``m``'s server, per load bucket (requests in flight through the front door, on every
-  server) and per whether *another* server was decoding when the request started. Servers
-  share the machine's cores: on a CPU, two servers decoding at once each run at a fraction
-  of their speed and neither batches the other's requests, while one server batches all of
-  them (vLLM's continuous batching). So a request goes to a server other than the busy one
-  only when its measured speed *while sharing* still wins. An unseen load bucket starts from
-  the nearest lower one; a server never measured beside another is priced at its cost alone
-  times ``1 + busy servers`` (each takes its share of the cores).
+  server) and per whether *another* server was decoding when the request started. An unseen
+  load bucket starts from the nearest lower one; a server never measured beside another is
+  priced at its cost alone times ``1 + busy servers`` (each takes its share of the cores).
+
+Servers share the machine's cores: on a CPU, two servers decoding at once each run at a
+fraction of their speed and neither batches the other's requests, while one server batches
+all of them (vLLM's continuous batching). So the choice looks past the next request:
+
+1. ``best``: the method fastest *alone* at this load (steady state, every request on it).
+2. No other server is busy: ``best``.
+3. A busy server within :data:`MIGRATE_GAIN` of ``best`` alone: join it (no sharing for a
+   near-tie).
+4. **Migrate**: the requests decoding on the busy servers would choose ``best`` too (each
+   judged by its own cluster, temperature and kind, at the mean α): the traffic moves to
+   ``best``, and the two servers share the cores only until the busy one drains. ``best``.
+5. **Split**: those requests are better where they are (another kind of traffic): the servers
+   would share the cores as long as both kinds arrive, so each option is priced *while
+   sharing* (measured), the busy server at its cost alone, and the fastest wins.
+
+An earlier rule priced every request as in step 5. Under concurrent load it locked onto
+whichever server happened to be busy first, however slow: every later request saw the other
+servers at their (slow) shared cost and joined it (``auto`` ran at 0.20× the best single
+server at concurrency 4 on the real pair, ``benchmarks/out/vllm_path.json`` before this
+change).
 
 Each option is tried :data:`MIN_TRIALS` times per (cluster, kind) before the estimates
 decide (at a load bucket it has not run at, its cost is its cost at the nearest lower one:
@@ -54,6 +71,12 @@ DECAY = 0.98
 
 HALF_LIFE_S = 600.0
 """Counts lose half their weight per this many seconds without news."""
+
+MIGRATE_GAIN = 1.15
+"""How much faster alone another server must be than a busy one before traffic moves to it."""
+
+Group = tuple[str, float, str]
+"""A request in flight: (cluster, temperature, kind)."""
 
 
 def shares(method: str, busy: dict[str, int]) -> bool:
@@ -90,6 +113,9 @@ class ServerChoice:
     explored: bool = False
     """Chosen to try an option that had too few requests yet."""
     alternatives: dict[str, float] = field(default_factory=dict)
+    reason: str = "alone"
+    """``explore``, ``alone`` (no other server busy), ``join`` (a busy server within
+    :data:`MIGRATE_GAIN`), ``migrate`` or ``split`` (the module's steps 2-5)."""
 
     def to_dict(self) -> dict:
         return {
@@ -97,6 +123,7 @@ class ServerChoice:
             "kind": self.kind,
             "load": self.load,
             "explored": self.explored,
+            "reason": self.reason,
             "estimates_tok_s": self.alternatives,
         }
 
@@ -124,7 +151,8 @@ class RequestPolicy:
         self.last: dict[str, ServerChoice] = {}
 
     # ------------------------------------------------------------------ estimates
-    def _alpha(self, cluster: str, method: str, temp: str, kind: str) -> float:
+    def _alpha(self, cluster: str, method: str, temp: str, kind: str, *, draw: bool = True) -> float:
+        """A Thompson draw of ``method``'s α (``draw=False`` or no exploration: the posterior mean)."""
         c = self.counts.get((cluster, method, temp, kind))
         a = r = 0.0
         if c is not None and c.trials > 0:
@@ -132,7 +160,26 @@ class RequestPolicy:
             take = min(PRIOR_TRIALS, c.trials * fade)
             a, r = c.accepted / c.trials * take, c.rejected / c.trials * take
         a, r = a + 1.0, r + 1.0
-        return self.rng.betavariate(a, r) if self.explore else a / (a + r)
+        return self.rng.betavariate(a, r) if self.explore and draw else a / (a + r)
+
+    def _speed(self, method: str, ms: float | None, cluster: str, temp: str, kind: str, *, draw: bool = True):
+        """Tokens per second of ``method`` at ``ms`` per step (None: not measured)."""
+        if ms is None:
+            return None
+        e = (
+            1.0
+            if method == TARGET
+            else expected_tokens(self._alpha(cluster, method, temp, kind, draw=draw), self.ks[method])
+        )
+        return e / max(ms, 1e-6) * 1000.0
+
+    def _prefers(self, group: Group, bucket: int) -> str | None:
+        """The method a request in flight would choose alone at ``bucket`` (posterior means)."""
+        cluster, temperature, kind = group
+        temp = temp_bucket(temperature)
+        speeds = {m: self._speed(m, self._step_ms(m, bucket, 0), cluster, temp, kind, draw=False) for m in self.methods}
+        speeds = {m: v for m, v in speeds.items() if v is not None}
+        return max(speeds, key=speeds.get) if speeds else None
 
     def _measured(self, method: str, bucket: int, shared: bool) -> float | None:
         for b in range(bucket, -1, -1):
@@ -155,30 +202,59 @@ class RequestPolicy:
         return self._measured(method, bucket, True)
 
     def choose(
-        self, cluster: str, *, temperature: float, kind: str, load: int, allowed=None, busy=None
+        self,
+        cluster: str,
+        *,
+        temperature: float,
+        kind: str,
+        load: int,
+        allowed=None,
+        busy: dict[str, int] | None = None,
+        in_flight: dict[str, list[Group]] | None = None,
     ) -> ServerChoice:
         """The server for one request (``allowed``: the methods it may use, default all; ``busy``:
-        method -> requests its server is decoding now, this one not counted)."""
-        busy = busy or {}
+        method -> requests its server is decoding now, this one not counted; ``in_flight``: method ->
+        those requests' (cluster, temperature, kind), which tell a migration from a split; without
+        it a busy server's requests are taken to stay, a split)."""
+        busy = {m: n for m, n in (busy or {}).items() if n > 0}
         options = [m for m in self.methods if allowed is None or m in allowed]
         if not options:
             raise ValueError("no server method is allowed for this request")
         temp, bucket = temp_bucket(temperature), load_bucket(load)
         with self.lock:
             untried = [m for m in options if self.tries.get((cluster, kind, m), 0) < MIN_TRIALS]
-            alts: dict[str, float] = {}
+            alone: dict[str, float] = {}
             for m in options:
-                ms = self._step_ms(m, bucket, sum(1 for x, n in busy.items() if x != m and n > 0))
-                if ms is None:
-                    continue
-                e = 1.0 if m == TARGET else expected_tokens(self._alpha(cluster, m, temp, kind), self.ks[m])
-                alts[m] = round(e / max(ms, 1e-6) * 1000.0, 2)
+                v = self._speed(m, self._step_ms(m, bucket, 0), cluster, temp, kind)
+                if v is not None:
+                    alone[m] = round(v, 2)
+            alts, reason = alone, "alone"
             if untried and self.explore:
                 m = min(untried, key=lambda x: (self.tries.get((cluster, kind, x), 0), options.index(x)))
                 choice = ServerChoice(m, alts.get(m, 0.0), kind, load, explored=True, alternatives=alts)
+                choice.reason = "explore"
             else:
-                m = max(alts, key=alts.get) if alts else options[0]
-                choice = ServerChoice(m, alts.get(m, 0.0), kind, load, alternatives=alts)
+                m = max(alone, key=alone.get) if alone else options[0]
+                others = {b for b in busy if b != m}
+                joinable = [b for b in others if b in alone]
+                join = max(joinable, key=alone.get) if joinable else None
+                if not others or m not in alone:
+                    pass
+                elif join is not None and alone[m] < MIGRATE_GAIN * alone[join]:
+                    m, reason = join, "join"
+                elif in_flight is not None and all(
+                    self._prefers(g, bucket) in (m, None) for b in others for g in in_flight.get(b, ())
+                ):
+                    reason = "migrate"
+                else:
+                    reason, alts = "split", {}
+                    for x in options:
+                        n_others = sum(1 for b in busy if b != x)
+                        v = self._speed(x, self._step_ms(x, bucket, n_others), cluster, temp, kind)
+                        if v is not None:
+                            alts[x] = round(v, 2)
+                    m = max(alts, key=alts.get) if alts else m
+                choice = ServerChoice(m, alts.get(m, 0.0), kind, load, alternatives=alts, reason=reason)
             key = (cluster, kind, choice.method)
             self.tries[key] = self.tries.get(key, 0) + 1
             self.decisions[(cluster, choice.method)] = self.decisions.get((cluster, choice.method), 0) + 1

@@ -85,6 +85,9 @@ class VLLMNode(ServingNode):
         self.in_flight = 0
         self._loaded_draft: tuple[str, object] | None = None
         self.busy: dict[str, int] = {}
+        self.in_flight_groups: dict[str, list[tuple[str, float, str]]] = {}
+        """method -> (cluster, temperature, kind) of each request its server decodes now (``auto``'s
+        migrate-or-split test)."""
         """Method -> requests its server is decoding now (``auto`` weighs sharing the cores)."""
 
     @property
@@ -215,6 +218,8 @@ class VLLMNode(ServingNode):
         with self._lock:
             self.in_flight += 1
             load, busy = self.in_flight, dict(self.busy)
+            groups = {m: list(g) for m, g in self.in_flight_groups.items() if g}
+        group = (plan.cluster, float(params.temperature), kind)
         method, choice = plan.method, None
         try:
             if method == "auto":
@@ -225,10 +230,12 @@ class VLLMNode(ServingNode):
                     load=load,
                     allowed=self._allowed(plan),
                     busy=busy,
+                    in_flight=groups,
                 )
                 method = choice.method
             with self._lock:
                 self.busy[method] = self.busy.get(method, 0) + 1
+                self.in_flight_groups.setdefault(method, []).append(group)
             handle = self.follower.slot(plan.cluster).current()  # once: a swap does not move this request
             server = handle.backend if method == "draft" else self.servers.shared()[SPECULATION_OF[method]]
             body = request_body(
@@ -252,6 +259,8 @@ class VLLMNode(ServingNode):
                 self.in_flight -= 1
                 if method in self.busy:
                     self.busy[method] -= 1
+                if group in self.in_flight_groups.get(method, ()):
+                    self.in_flight_groups[method].remove(group)
         total_s = time.perf_counter() - t0
         stats = RequestStats(
             method=method, num_prompt_tokens=len(prompt_ids), num_generated=len(tokens), finish_reason=finish

@@ -220,31 +220,77 @@ def test_copy_sources_hold_the_requests_texts_and_only_its_tenants_sessions():
     assert other == []  # a tenant with no sessions gets none of the others'
 
 
-def test_auto_keeps_concurrent_requests_on_the_busy_server_when_sharing_the_cores_costs_more():
-    """Two servers decoding at once each run slower and batch nothing of the other's: a request goes
-    to another server than the busy one only when its measured speed while sharing still wins."""
+def _sharing_policy(**extra) -> RequestPolicy:
+    """``pld`` copies well on ``plain`` requests (18 of 20 drafted) and not on ``refs`` ones (0 of
+    20); a step costs 10 ms (target) and 12 ms (pld) alone, six times that beside another busy server."""
+    pol = RequestPolicy(("target", "pld"), k=3, explore=False, **extra)
+    for _ in range(5):
+        for kind, accepted in (("plain", 18), ("refs", 0)):
+            for load, shared, s in ((1, False, 0.10), (2, False, 0.10), (2, True, 0.60)):
+                for method in ("pld", "target"):
+                    pol.record(
+                        "c",
+                        method,
+                        temperature=0.0,
+                        kind=kind,
+                        load=load,
+                        accepted=accepted if method == "pld" else 0,
+                        rejected_steps=2 if method == "pld" else 0,
+                        steps=10,
+                        decode_s=s * (1.2 if method == "pld" else 1.0),
+                        shared=shared,
+                    )
+    return pol
+
+
+def test_auto_moves_traffic_off_a_busy_slower_server_instead_of_locking_onto_it():
+    """The requests on a busy target server would choose pld too: the traffic migrates (the two
+    servers share the cores only until the target drains) instead of every new request joining
+    the busy server because the others look slow *while sharing* (the rule that ran auto at 0.20×
+    the best single server at concurrency 4)."""
+    pol = _sharing_policy()
+    assert pol.choose("c", temperature=0.0, kind="plain", load=1).method == "pld"  # alone, copying pays
+    plain_on_target = {"target": [("c", 0.0, "plain")]}
+    moved = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight=plain_on_target)
+    assert (moved.method, moved.reason) == ("pld", "migrate"), moved.to_dict()
+    assert moved.alternatives["pld"] > moved.alternatives["target"]  # priced alone: the steady state
+    # Without knowing what the busy server holds, its requests are taken to stay: priced while sharing.
+    unknown = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1})
+    assert (unknown.method, unknown.reason) == ("target", "split"), unknown.to_dict()
+    assert pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"pld": 1}).method == "pld"
+
+
+def test_auto_keeps_a_split_on_the_busy_server_when_sharing_the_cores_costs_more():
+    """The busy target server holds ``refs`` requests, where pld copies nothing: they stay there, so
+    a ``plain`` request on pld would share the cores for as long as both kinds arrive. Priced
+    while sharing (72 ms a step) pld loses to joining the target server alone."""
+    pol = _sharing_policy()
+    refs_on_target = {"target": [("c", 0.0, "refs")]}
+    split = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight=refs_on_target)
+    assert (split.method, split.reason) == ("target", "split"), split.to_dict()
+    assert split.alternatives["target"] > split.alternatives["pld"]
+
+
+def test_auto_joins_a_busy_server_within_the_migration_gain():
+    """A near-tie is not worth sharing the cores: a busy server less than MIGRATE_GAIN slower alone
+    takes the request."""
+    from specops.serving.vllm.choice import MIGRATE_GAIN
+
     pol = RequestPolicy(("target", "pld"), k=3, explore=False)
     for _ in range(5):
-        pol.record(
-            "c", "pld", temperature=0.0, kind="plain", load=1, accepted=18, rejected_steps=2, steps=10, decode_s=0.10
-        )
-        pol.record(
-            "c", "target", temperature=0.0, kind="plain", load=1, accepted=0, rejected_steps=0, steps=10, decode_s=0.10
-        )
-        pol.record(
-            "c",
-            "pld",
-            temperature=0.0,
-            kind="plain",
-            load=2,
-            accepted=18,
-            rejected_steps=2,
-            steps=10,
-            decode_s=0.60,
-            shared=True,
-        )
-    alone = pol.choose("c", temperature=0.0, kind="plain", load=1)
-    assert alone.method == "pld"  # alone, copying pays
-    beside = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1})
-    assert beside.method == "target", beside.alternatives  # beside a busy target server, joining it is faster
-    assert pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"pld": 1}).method == "pld"
+        for method, s in (("target", 0.10), ("pld", 0.105)):
+            pol.record(
+                "c",
+                method,
+                temperature=0.0,
+                kind="plain",
+                load=2,
+                accepted=1 if method == "pld" else 0,
+                rejected_steps=9 if method == "pld" else 0,
+                steps=10,
+                decode_s=s,
+            )
+    est = pol.choose("c", temperature=0.0, kind="plain", load=2).alternatives
+    assert est["target"] < est["pld"] < MIGRATE_GAIN * est["target"], est  # pld a little faster alone
+    joined = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight={"target": []})
+    assert (joined.method, joined.reason) == ("target", "join"), joined.to_dict()

@@ -37,6 +37,11 @@ first into the standby draft server, the others into that server in place, then 
 ``code``'s first champion right after ``chat``'s first (a new server: the cold start). **Memory** (``--parts
 rss``): the front door's own RSS after 4 requests, over vLLM (the models' configs only)
 against a front door holding the weights (``specops serve --engine specops``, same pair).
+**The draft's vocabulary** (``--parts vocab``): the ``draft`` arm on the measured cases at each
+concurrency through a front door with the draft server alone, scoring the draft's own
+vocabulary (``draft_vocab.json``: our model class in vLLM, ``serving/vllm/vocab.py``) and
+then vLLM's full LM head (``--no-vllm-draft-vocab``), one front door at a time; outputs by
+token ids against each other.
 
 Summary: ``auto_vs_best_single`` (per concurrency: ``auto`` ÷ the best single-method arm;
 bar ≥ 1), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
@@ -44,7 +49,7 @@ bar ≥ 1.5), ``identical_outputs``, ``alpha_token_per_request`` (every drafting
 a per-token α), ``swap_window_s`` (the longer of the standby and in-place windows; bar ≤ 10 s)
 with ``swap_window_cold_s`` beside it, ``swap_failed``, ``front_door_rss_ratio`` (bar ≤ 1/3).
 ``cpu_model`` names the CPU. ``--parts`` runs some parts and keeps the others' results in an
-existing ``--json``.
+existing ``--json``; ``parts_cpu`` names the CPU each part ran on.
 
     .venv/bin/python benchmarks/vllm_path.py --json benchmarks/out/vllm_path.json
     .venv/bin/python benchmarks/vllm_path.py --parts swap,rss --json benchmarks/out/vllm_path.json
@@ -93,7 +98,7 @@ BARS = {
     "swap_window_s": 10.0,
     "front_door_rss_ratio": 1 / 3,
 }
-PARTS = ("speed", "swap", "rss")
+PARTS = ("speed", "swap", "rss", "vocab")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -123,10 +128,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--parts",
-        default="speed,swap,rss",
+        default="speed,swap,rss,vocab",
         help="comma-separated: speed (auto against each single server), swap (promotions under load), rss (a front "
-        "door holding the target, for the RSS ratio); with fewer than all and an existing --json, the other parts' "
-        "results there are kept",
+        "door holding the target, for the RSS ratio), vocab (the draft server over the draft's own vocabulary against "
+        "vLLM's full LM head); with fewer than all and an existing --json, the other parts' results there are kept",
     )
     p.add_argument("--swap-tokens", type=int, default=16, help="tokens per request in the swap and rss parts")
     p.add_argument("--swaps", type=int, default=5, help="promotions of cluster chat in the swap part (then one cold)")
@@ -222,7 +227,9 @@ class FrontDoor:
         opts.update(options or {})
         self.argv = [sys.executable, "-m", "specops.cli", "--threads", str(args.threads), "serve"]
         for key, value in opts.items():
-            if value is not None:
+            if value is True:  # a flag without a value (--no-vllm-draft-vocab)
+                self.argv.append(key)
+            elif value is not None:
                 self.argv.append(f"{key}={value}")  # "=": a value may start with "--"
         self.proc: subprocess.Popen | None = None
 
@@ -376,6 +383,45 @@ def measure_rss(args, model_dir: Path, tmp: Path, max_len: int, prompts: list[li
     return out
 
 
+def measure_vocab(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: int) -> dict:
+    """The draft server scoring the draft's own vocabulary against vLLM's full LM head (module
+    docstring): a front door with the draft server alone for each, one after the other."""
+    warm = [c for i, c in enumerate(cases) if (i // len(KINDS)) < args.cases][: len(KINDS)]
+    measured = [c for i, c in enumerate(cases) if (i // len(KINDS)) >= args.cases]
+    heads = {"own_vocab": {}, "full_head": {"--no-vllm-draft-vocab": True}}
+    out: dict = {"vocab_size": _vocab_size(model_dir / "draft"), "by_concurrency": {}}
+    ids: dict[str, list] = {}
+    for head, options in heads.items():
+        door = FrontDoor(
+            args, model_dir, tmp, tmp / f"vocab-{head}", max_len, name=f"vocab-{head}",
+            options={"--vllm-speculation": "draft", **options},
+        )  # fmt: skip
+        ready_s = door.start()
+        try:
+            run_arm(door.url, "draft", warm, 1, args.max_tokens, f"warm-up {head}")
+            for c in args.concurrency:
+                run = run_arm(door.url, "draft", measured, c, args.max_tokens, f"c={c} draft {head}")
+                out["by_concurrency"].setdefault(str(c), {})[head] = arm_row(run)
+                ids.setdefault(head, []).append([r["token_ids"] for r in run["replies"]])
+                log.info("c=%d draft, %s: %.1f tokens/s", c, head, out["by_concurrency"][str(c)][head]["tok_s"])
+        finally:
+            door.stop()
+        out[f"{head}_ready_s"] = round(ready_s, 1)
+    out["identical_outputs"] = ids["own_vocab"] == ids["full_head"]
+    out["speedup"] = {
+        c: round(rows["own_vocab"]["tok_s"] / rows["full_head"]["tok_s"], 3)
+        for c, rows in out["by_concurrency"].items()
+    }
+    return out
+
+
+def _vocab_size(draft: Path) -> int | None:
+    try:
+        return len(json.loads((draft / "draft_vocab.json").read_text())["token_ids"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 # ---------------------------------------------------------------- the report
 def arm_row(run: dict) -> dict:
     replies = run["replies"]
@@ -424,6 +470,8 @@ def summarise(report: dict) -> dict:
         "swap_how": swap.get("how"),
         "swap_failed": failed,
         "front_door_rss_ratio": ratio,
+        "draft_vocab_vs_full_head": (report.get("vocab") or {}).get("speedup"),
+        "draft_vocab_identical_outputs": (report.get("vocab") or {}).get("identical_outputs"),
         "front_door_rss_mb": (rss.get("over_vllm") or {}).get("rss_mb"),
         "front_door_with_weights_rss_mb": (rss.get("with_weights") or {}).get("rss_mb"),
         "bars": {
@@ -434,6 +482,7 @@ def summarise(report: dict) -> dict:
             "front_door_rss_ratio": ratio is not None and ratio <= BARS["front_door_rss_ratio"],
         },
         "cpu_model": report["environment"].get("cpu_model"),
+        "parts_cpu": report.get("parts_cpu") or {},
     }
 
 
@@ -443,6 +492,9 @@ def markdown(report: dict, command: str) -> str:
     lines = [
         f"Target {report['target']}, {env.get('cpu_model')}, {env.get('cpu_count')} cores, {report['vllm_version']}.",
     ]
+    cpus = report.get("parts_cpu") or {}
+    if len(set(cpus.values())) > 1:
+        lines[0] += " The parts ran on different machines: " + ", ".join(f"{p} on {c}" for p, c in cpus.items()) + "."
     if report.get("by_concurrency"):
         lines += [
             "",
@@ -499,6 +551,26 @@ def markdown(report: dict, command: str) -> str:
             f"{s['front_door_with_weights_rss_mb']} MB holding the weights (`--engine specops`, the same pair): "
             f"ratio {s['front_door_rss_ratio']} (bar ≤ 1/3).",
         ]
+    vocab = report.get("vocab")
+    if vocab:
+        lines += [
+            "",
+            f"**The draft's vocabulary in vLLM** (the draft server alone, the measured cases, greedy): scoring its own "
+            f"{vocab['vocab_size']} tokens (`draft_vocab.json`) against vLLM's full LM head; outputs identical: "
+            f"{vocab['identical_outputs']}.",
+            "",
+            "| concurrency | LM head | tokens/s | p50 latency s | per-token α |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for c, rows in vocab["by_concurrency"].items():
+            for head, row in rows.items():
+                lines.append(
+                    f"| {c} | {head.replace('_', ' ')} | {row['tok_s']} | {row['p50_latency_s']} | {row['alpha_token']} |"
+                )
+        lines += [
+            "",
+            "Own vocabulary ÷ full head, tokens/s: " + ", ".join(f"c={c}: {v}×" for c, v in vocab["speedup"].items()),
+        ]
     lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
 
@@ -523,6 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and args.json.exists() and set(args.parts) != set(PARTS):
         report = json.loads(args.json.read_text())  # the other parts' results are kept
         report.pop("summary", None)
+    kept_cpu = (report.get("environment") or {}).get("cpu_model")
+    parts_cpu = report.get("parts_cpu") or {
+        part: kept_cpu
+        for part, key in (("speed", "by_concurrency"), ("swap", "swap"), ("rss", "rss"), ("vocab", "vocab"))
+        if key in report
+    }
+    parts_cpu.update({part: cpu_model() for part in args.parts})  # a kept part may come from another machine
     cases = workload(args, model_dir)
     longest = max(len(c["prompt"]) for c in cases)
     max_len = min(2048, longest + args.max_tokens + max(args.k, args.copy_k) + 16)
@@ -533,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         report["swap"] = measure_swap(args, model_dir)
     if "rss" in args.parts:
         report["rss"] = measure_rss(args, model_dir, tmp, max_len, chat)
+    if "vocab" in args.parts:
+        report["vocab"] = measure_vocab(args, model_dir, tmp, cases, max_len)
     report.update(
         {
             "benchmark": "vllm_path",
@@ -542,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             "vllm_version": _vllm_version(vllm_python()),
             "vllm_args": args.vllm_args,
             "parts_run": args.parts,
+            "parts_cpu": parts_cpu,
             "environment": {**environment(), "cpu_model": cpu_model()},
         }
     )

@@ -253,6 +253,7 @@ class Replica:
             max_num_seqs=max(cfg.max_concurrency, 1),
             dtype=cfg.dtype,
             extra_args=tuple(shlex.split(cfg.vllm_args)),
+            views_dir=self.cache_dir / "vllm" / "draft-views" if cfg.vllm_draft_vocab else None,
         )
         self.vllm = VLLMServers(
             spec,

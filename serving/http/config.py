@@ -90,6 +90,11 @@ class ServeConfig(settings.ExplicitSettings):
         "cluster's first champion loads into one in seconds instead of waiting for a new server's start; a "
         "cluster that has a champion reloads its own server in place either way; 0 saves the memory",
     )
+    vllm_draft_vocab: bool = Field(
+        True,
+        description="a draft with its own vocabulary (draft_vocab.json) scores only those tokens in vLLM too "
+        "(our model class over a view of its folder); false: vLLM computes its full LM head",
+    )
 
     # ---- where things are
     model_dir: str = Field(

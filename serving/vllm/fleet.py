@@ -198,7 +198,14 @@ class VLLMServers:
                 del self._servers[k]
             self._servers[self.key(draft)] = server
         self.history.append(
-            {"name": name, "speculation": "draft", "draft": str(draft), "how": how, "reload_s": round(took, 3)}
+            {
+                "name": name,
+                "speculation": "draft",
+                "draft": str(draft),
+                "how": how,
+                "reload_s": round(took, 3),
+                "vocab": server.last_reload.get("vocab"),
+            }
         )
         return server
 

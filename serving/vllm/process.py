@@ -121,6 +121,18 @@ class ServerSpec:
     would not give our float32 engine's greedy output."""
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    views_dir: Path | None = None
+    """Where drafts with their own vocabulary get the view vLLM loads (``serving/vllm/vocab.py``);
+    None: vLLM runs the draft's full LM head."""
+
+    def draft_dir(self, draft: Path | None = None) -> Path | None:
+        """The folder vLLM loads for ``draft`` (default: this server's): its vocabulary view, or itself."""
+        draft = draft if draft is not None else self.draft
+        if draft is None or self.views_dir is None:
+            return draft
+        from specops.serving.vllm.vocab import draft_view
+
+        return draft_view(Path(draft), self.views_dir)
 
     def argv(self, python: Path, port: int) -> list[str]:
         args = [
@@ -147,13 +159,22 @@ class ServerSpec:
             # vllm_args comes later on the command line and wins).
             "--no-enable-prefix-caching",
         ]
-        spec = speculative_config(self.speculation, self.k, self.draft)
+        spec = speculative_config(self.speculation, self.k, self.draft_dir() if self.speculation == "draft" else None)
         if spec is not None:
             # every response's final usage chunk then says what this request drafted and accepted, step by step
             args += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
         if self.speculation == "draft":  # a promoted draft's weights load into this server (VLLMServer.reload_draft)
             args += ["--worker-extension-cls", DRAFT_RELOAD]
         return args + list(self.extra_args)
+
+
+def _rpc_result(data: bytes) -> dict:
+    """The first worker's answer to ``specops_reload_draft`` (a JSON string), or {}."""
+    try:
+        first = (json.loads(data).get("results") or [None])[0]
+        return json.loads(first) if isinstance(first, str) else {}
+    except (ValueError, AttributeError, TypeError):
+        return {}
 
 
 class VLLMServer:
@@ -176,6 +197,8 @@ class VLLMServer:
         self._inflight = 0
         self._cond = threading.Condition()
         self._http = urllib3.PoolManager(num_pools=1, maxsize=64)
+        self.last_reload: dict = {}
+        """What the last in-place reload reported (tensors, seconds, the folder, the vocabulary's size)."""
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> VLLMServer:
@@ -244,7 +267,8 @@ class VLLMServer:
         if self.spec.speculation != "draft":
             raise VLLMError(f"vLLM server {self.name} runs no draft model ({self.spec.speculation})")
         t0 = time.monotonic()
-        body = {"method": "specops_reload_draft", "args": [str(Path(draft).resolve())], "timeout": timeout_s}
+        folder = self.spec.draft_dir(Path(draft).resolve())  # the new draft's vocabulary view, as at a start
+        body = {"method": "specops_reload_draft", "args": [str(folder)], "timeout": timeout_s}
         try:
             r = self._http.request(
                 "POST", self.url + "/collective_rpc", json=body, timeout=timeout_s + 10, retries=False
@@ -257,7 +281,11 @@ class VLLMServer:
         took = time.monotonic() - t0
         self.spec = replace(self.spec, draft=Path(draft))
         old, self.name = self.name, name or self.name
-        log.info("vLLM server %s (was %s) now drafts with %s: reloaded in place in %.2fs", self.name, old, draft, took)
+        self.last_reload = _rpc_result(r.data)
+        log.info(
+            "vLLM server %s (was %s) now drafts with %s: reloaded in place in %.2fs (%s)",
+            self.name, old, draft, took, self.last_reload,
+        )  # fmt: skip
         return took
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -29,6 +29,7 @@ VLLM_VALUES = {
     "k": "vllm_k",
     "copyK": "vllm_copy_k",
     "standby": "vllm_standby",
+    "draftVocab": "vllm_draft_vocab",
     "maxModelLen": "vllm_max_model_len",
     "kvCacheGb": "vllm_kv_cache_gb",
     "args": "vllm_args",

@@ -59,6 +59,11 @@ class DraftReload:
                 raise ValueError(f"config.json {key}={new_cfg.get(key)!r}, the running draft has {running[key]!r}")
         cfg = copy.copy(self.vllm_config)
         cfg.model_config = spec.draft_model_config  # the drafter's own config (quantization, dtype)
+        vocab = getattr(model, "specops_load_vocab", None)  # a drafter over its own vocabulary (specops_vllm_vocab)
+        if vocab is not None and not os.path.isfile(os.path.join(path, "draft_vocab.json")):
+            raise ValueError(f"{path} has no draft_vocab.json; the running drafter scores its own vocabulary")
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             reload_weights(cfg, model, weights_iterator=iter(tensors), weights_path=None, is_checkpoint_format=True)
-        return json.dumps({"tensors": len(tensors), "seconds": round(time.monotonic() - t0, 3), "path": path})
+            size = vocab(path) if vocab is not None else None  # the new draft's ids, its head's rows
+        out = {"tensors": len(tensors), "seconds": round(time.monotonic() - t0, 3), "path": path, "vocab": size}
+        return json.dumps(out)

@@ -15,6 +15,7 @@ Skips, saying why, where the vLLM venv is absent (``make test`` creates it: ``ma
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -45,19 +46,35 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "import os\nimport sys\n", "
 MAX_TOKENS = 12
 
 
+def _with_own_vocab(models: Path, reference) -> Path:
+    """The tiny pair, its draft scoring part of its vocabulary (``draft_vocab.json``, as the default
+    draft does): vLLM then loads our model class over a view of it (``serving/vllm/vocab.py``). The
+    subset holds the prompts' and the target's output tokens and the lower half of the ids."""
+    from specops.core import draft_vocab
+
+    out, tok = reference
+    ids = set(range(256))
+    for p, output in out.items():
+        ids |= {*tok(p, add_special_tokens=False)["input_ids"], *output}
+    size = load_model_dir(models).vocab_size
+    draft_vocab.save(models / "draft", draft_vocab.DraftVocab(sorted(ids), size), source="the vLLM tests")
+    return models
+
+
 @pytest.fixture(scope="module")
-def world(tiny_models, tmp_path_factory):
+def world(tiny_models, reference, tmp_path_factory):
     # A swap starts a second vLLM server beside a busy one. vLLM pins each server's worker to the
     # same cores ("auto"); on 2 cores the new one then waits for the busy one: let the OS place them.
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     root = tmp_path_factory.mktemp("vllm")
+    models = _with_own_vocab(Path(shutil.copytree(tiny_models, root / "models")), reference)
     db = root / "registry" / "mlflow.db"
     db.parent.mkdir(parents=True)
     registry_uri = f"sqlite:///{db}"
     stream_url = f"local://{root}/streams"
     cfg = serve_config(
-        tiny_models,
+        models,
         engine="vllm",
         stream=stream_url,
         registry=registry_uri,
@@ -74,7 +91,7 @@ def world(tiny_models, tmp_path_factory):
     )
     with running(cfg, root, ready=False) as srv:
         srv.wait_ready(600)  # the base draft's vLLM server starts first
-        yield {"srv": srv, "root": root, "registry": registry_uri, "stream": stream_url, "models": tiny_models}
+        yield {"srv": srv, "root": root, "registry": registry_uri, "stream": stream_url, "models": models}
     mp.undo()
 
 
@@ -100,6 +117,8 @@ def test_every_method_round_trips_the_targets_greedy_output_with_its_own_counts(
     ref, tok = reference
     # the front door holds the models' configs, not their weights (vLLM does)
     assert not has_weights(srv.state.pair.target) and not has_weights(srv.state.pair.draft)
+    # the draft server scores the draft's own vocabulary: vLLM resolved our model class for the drafter
+    assert "Resolved architecture: SpecopsDraftVocabLlamaForCausalLM" in srv.state.follower.base_backend.log_tail(10**6)
     for method in ("draft", "pld", "llma", "target"):
         for p in PROMPTS:
             r = _complete(srv.url, p, speculation={"method": method}, return_token_ids=True)
@@ -293,8 +312,11 @@ def test_promoted_drafts_load_into_running_servers_with_no_failed_request(world,
     assert not failures, [(r.status_code, r.text[:200]) for r in failures[:3]]
     texts = {r.json()["choices"][0]["text"] for r in served if r.json()["speculation"]["cluster"] == "code"}
     assert len(texts) <= len(PROMPTS)  # greedy: one output per prompt whichever draft served it
-    reloads = [(h["name"], h["how"]) for h in vllm.history if "how" in h]
-    assert reloads == [(f"code-v{versions[0]}", "standby"), (f"code-v{versions[1]}", "in place")], vllm.history
+    reloads = [(h["name"], h["how"], h["vocab"]) for h in vllm.history if "how" in h]
+    # both drafts score their own vocabulary in vLLM (draft_vocab.json), read again at each load
+    size = len(json.loads((good / "draft_vocab.json").read_text())["token_ids"])
+    want = [(f"code-v{versions[0]}", "standby", size), (f"code-v{versions[1]}", "in place", size)]
+    assert reloads == want, vllm.history
     assert starts() == before, "no server started for either swap"
     # the zeroed draft drafted the requests that started on it, the good one those after it
     bad_alpha = sorted(sp["alpha_token"] for sp in on(versions[0]))

@@ -131,12 +131,12 @@ def test_the_spin_cap_plugin_is_found_on_the_servers_pythonpath(monkeypatch):
 
     code = (
         "from importlib.metadata import entry_points; "
-        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'specops_spin'])"
+        "print(sorted(e.value for e in entry_points(group='vllm.general_plugins') if e.name.startswith('specops_')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env={"PYTHONPATH": str(PLUGIN_DIR)}, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "['specops_vllm_spin:register']"
+    assert out.stdout.strip() == "['specops_vllm_spin:register', 'specops_vllm_vocab:register']"
     monkeypatch.setenv(specops_vllm_spin.ENV, "0.5")
     assert specops_vllm_spin.busy_loop_s() == 0.5
     for bad in ("-1", "soon"):
@@ -186,3 +186,63 @@ def test_a_standby_taken_is_replaced_and_none_is_kept_after_close(tmp_path, monk
     servers.close()
     servers.fill_standby(tmp_path / "base")  # closed: nothing starts
     assert started == ["standby-1", "standby-2"] and servers.standbys() == []
+
+
+def _draft_dir(root: Path, *, vocab: list[int] | None = (3, 5, 9), model_type: str = "llama") -> Path:
+    d = root / "draft"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["LlamaForCausalLM"]}))
+    (d / "model.safetensors").write_bytes(b"weights")
+    (d / "tokenizer.json").write_text("{}")
+    if vocab is not None:
+        body = {"format": "specops-draft-vocab/1", "size": len(vocab), "token_ids": list(vocab)}
+        (d / "draft_vocab.json").write_text(json.dumps(body))
+    return d
+
+
+def test_a_draft_with_its_own_vocabulary_gets_a_view_naming_our_model_class(tmp_path):
+    """vLLM loads the view: the draft's files linked, config.json naming our class; the same view
+    while the draft is unchanged, a new one when its vocabulary changes; no view without one."""
+    from specops.serving.vllm import vocab
+    from specops.serving.vllm.plugin import specops_vllm_vocab as plugin
+
+    assert vocab.ARCH == plugin.ARCH and vocab.VOCAB_FILE == plugin.VOCAB_FILE
+    draft, views = _draft_dir(tmp_path), tmp_path / "views"
+    view = vocab.draft_view(draft, views)
+    assert view.parent == views and view != draft
+    assert json.loads((view / "config.json").read_text()) == {"model_type": "llama", "architectures": [vocab.ARCH]}
+    assert (view / "model.safetensors").is_symlink() and (view / "model.safetensors").read_bytes() == b"weights"
+    assert plugin.read_vocab(str(view), 16) == [3, 5, 9]
+    assert vocab.draft_view(draft, views) == view  # unchanged: the same view
+    (draft / "draft_vocab.json").write_text(json.dumps({"format": "specops-draft-vocab/1", "token_ids": [1, 2]}))
+    again = vocab.draft_view(draft, views)
+    assert again != view and plugin.read_vocab(str(again), 16) == [1, 2]
+    assert not list(views.glob(".draft-*"))  # no half-made view left
+    assert vocab.draft_view(_draft_dir(tmp_path / "full", vocab=None), views).parent.name == "full"
+    assert vocab.draft_view(_draft_dir(tmp_path / "gpt", model_type="gpt2"), views).parent.name == "gpt"
+    spec = ServerSpec(tmp_path, "draft", draft, views_dir=views)
+    assert json.loads(spec.argv(Path("/py"), 1)[spec.argv(Path("/py"), 1).index("--speculative-config") + 1])[
+        "model"
+    ] == str(again)
+    plain = ServerSpec(tmp_path, "draft", draft)  # vllm_draft_vocab false: the draft's own folder, full head
+    assert json.loads(plain.argv(Path("/py"), 1)[plain.argv(Path("/py"), 1).index("--speculative-config") + 1])[
+        "model"
+    ] == str(draft)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"format": "other", "token_ids": [1]},
+        {"format": "specops-draft-vocab/1", "token_ids": []},
+        {"format": "specops-draft-vocab/1", "token_ids": [2, 1]},
+        {"format": "specops-draft-vocab/1", "token_ids": [1, 16]},
+        {"format": "specops-draft-vocab/1", "token_ids": [True, 2]},
+    ],
+)
+def test_the_vllm_vocabulary_plugin_refuses_a_malformed_vocabulary(tmp_path, body):
+    from specops.serving.vllm.plugin import specops_vllm_vocab as plugin
+
+    (tmp_path / "draft_vocab.json").write_text(json.dumps(body))
+    with pytest.raises(ValueError, match="draft_vocab.json"):
+        plugin.read_vocab(str(tmp_path), 16)

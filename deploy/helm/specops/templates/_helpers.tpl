@@ -244,6 +244,7 @@ serving.engine and serving.vllm). With engine vllm the GPU is the vLLM servers':
 {{- $_ := set $owned "vllm_k" (int $v.k) }}
 {{- $_ := set $owned "vllm_copy_k" (int $v.copyK) }}
 {{- $_ := set $owned "vllm_standby" (int $v.standby) }}
+{{- $_ := set $owned "vllm_draft_vocab" $v.draftVocab }}
 {{- $_ := set $owned "vllm_max_model_len" (int $v.maxModelLen) }}
 {{- $_ := set $owned "vllm_kv_cache_gb" (int $v.kvCacheGb) }}
 {{- $_ := set $owned "vllm_args" $args }}

@@ -25,9 +25,10 @@ token ids, greedy, streamed, through the same front door; a request names its ar
 
 Each kind is split in two: the first half warms the front door up, untimed, at every
 concurrency (``auto`` tries each server and learns its acceptance and cost there); the
-second half is measured. At each ``--concurrency`` the arms run one after another, their
-order rotated by one per concurrency. Reported per arm: tokens/s (generated tokens ÷ wall
-time of the arm's run), per kind at concurrency 1 (Σ tokens ÷ Σ request latency), p50
+second half is measured. At each ``--concurrency`` the arms run one after another in
+``--repeats`` rounds, their order rotated by one per round and per concurrency (a slow spell
+of the machine does not land on one arm). Reported per arm: tokens/s (generated tokens ÷ wall
+time of the arm's runs, all rounds) and each round's, per kind at concurrency 1 (Σ tokens ÷ Σ request latency), p50
 latency, the per-token α from each response (vLLM's own per-request counts), and whether
 every greedy output equals target-only's, by token ids (``return_token_ids``).
 
@@ -44,7 +45,7 @@ then vLLM's full LM head (``--no-vllm-draft-vocab``), one front door at a time; 
 token ids against each other.
 
 Summary: ``auto_vs_best_single`` (per concurrency: ``auto`` ÷ the best single-method arm;
-bar ≥ 1), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
+bar ≥ 1) with ``auto_vs_best_single_rounds`` (the same ratio per round: the spread), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
 bar ≥ 1.5), ``identical_outputs``, ``alpha_token_per_request`` (every drafting response carried
 a per-token α), ``swap_window_s`` (the longer of the standby and in-place windows; bar ≤ 10 s)
 with ``swap_window_cold_s`` beside it, ``swap_failed``, ``front_door_rss_ratio`` (bar ≤ 1/3).
@@ -117,6 +118,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", type=int, default=None, help="measured cases per kind (default 8, quick 2)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64, quick 16)")
     p.add_argument("--concurrency", default="1,4", help="comma-separated client concurrencies")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="rounds of every arm at each concurrency in the speed part, the arms' order rotated each round; "
+        "tokens/s is over all rounds (default 3, quick 1)",
+    )
     p.add_argument("--k", type=int, default=3, help="vllm_k: tokens the draft and n-gram servers draft per step")
     p.add_argument("--copy-k", type=int, default=8, help="vllm_copy_k: tokens the copy server drafts per step at most")
     p.add_argument(
@@ -136,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--swap-tokens", type=int, default=16, help="tokens per request in the swap and rss parts")
     p.add_argument("--swaps", type=int, default=5, help="promotions of cluster chat in the swap part (then one cold)")
     args = p.parse_args(argv)
-    defaults = {"cases": (2, 8), "max_tokens": (16, 64), "kb_passages": (2000, 20000)}
+    defaults = {"cases": (2, 8), "max_tokens": (16, 64), "kb_passages": (2000, 20000), "repeats": (1, 3)}
     for key, (quick, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
@@ -452,6 +460,8 @@ def summarise(report: dict) -> dict:
     for c, rows in by_c.items():
         best = max(SINGLE, key=lambda a: rows[a]["tok_s"])
         auto_vs[c] = {"ratio": round(rows["auto"]["tok_s"] / rows[best]["tok_s"], 3), "best_single": best}
+        rounds = zip(rows["auto"].get("tok_s_rounds") or [], rows[best].get("tok_s_rounds") or [])
+        auto_vs[c]["rounds"] = [round(a / b, 3) for a, b in rounds if b]
     c1 = by_c.get("1") or next(iter(by_c.values()), {})
     rag = {a: c1.get(a, {}).get("per_kind", {}).get("rag", {}).get("tok_s") for a in ("llma", "target")}
     llma_vs = round(rag["llma"] / rag["target"], 3) if rag["llma"] and rag["target"] else None
@@ -462,6 +472,7 @@ def summarise(report: dict) -> dict:
     return {
         "auto_vs_best_single": {c: v["ratio"] for c, v in auto_vs.items()},
         "best_single": {c: v["best_single"] for c, v in auto_vs.items()},
+        "auto_vs_best_single_rounds": {c: v["rounds"] for c, v in auto_vs.items()},
         "llma_refs_vs_vllm_target": llma_vs,
         "identical_outputs": report.get("identical_outputs"),
         "alpha_token_per_request": report.get("alpha_token_per_request"),
@@ -500,7 +511,8 @@ def markdown(report: dict, command: str) -> str:
             "",
             f"**Speed**: {report['cases_per_kind']} measured cases per kind (chat, rag, cag), {report['max_tokens']} "
             f"tokens, greedy, k = {report['k']} (copy server: up to {report.get('copy_k', report['k'])}); one front door "
-            "with four vLLM servers.",
+            f"with four vLLM servers; {report.get('repeats', 1)} round(s) of every arm per concurrency, tokens/s over "
+            "all rounds.",
             "",
             "| concurrency | arm | tokens/s | chat tok/s (c=1 kinds) | rag | cag | p50 latency s | per-token α |",
             "|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -521,7 +533,8 @@ def markdown(report: dict, command: str) -> str:
             lines.append(f"- concurrency {c}: " + "; ".join(f"{k} {v['methods']}" for k, v in per.items()))
         lines += [
             "",
-            f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}); "
+            f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}; per "
+            f"round: {s.get('auto_vs_best_single_rounds')}); "
             f"LLMA with references ÷ target-only on the rag set at concurrency 1: {s['llma_refs_vs_vllm_target']} "
             f"(bar ≥ 1.5); greedy outputs identical to target-only's by token ids: {s['identical_outputs']}; every "
             f"drafting response carried a per-token α: {s['alpha_token_per_request']}.",
@@ -655,21 +668,30 @@ def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: 
                 run_arm(door.url, arm, warm, c, args.max_tokens, f"warm-up c={c} {arm}")
         rss = door.rss_mb()
         for ci, c in enumerate(args.concurrency):
-            order = ARMS[ci % len(ARMS) :] + ARMS[: ci % len(ARMS)]
+            runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+            for rep in range(args.repeats):  # rounds, each arm once per round, the order rotated
+                shift = (ci + rep) % len(ARMS)
+                for arm in ARMS[shift:] + ARMS[:shift]:
+                    run = run_arm(door.url, arm, measured, c, args.max_tokens, f"c={c} round {rep + 1} {arm}")
+                    runs[arm].append(run)
+                    alpha_every = alpha_every and all(
+                        r["alpha_token"] is not None for r in run["replies"] if r["method"] != "target"
+                    )
+                    log.info("c=%d round %d %s: %.1f tokens/s", c, rep + 1, arm, arm_row(run)["tok_s"])
             rows = {}
-            for arm in order:
-                run = run_arm(door.url, arm, measured, c, args.max_tokens, f"c={c} {arm}")
-                rows[arm] = arm_row(run)
-                alpha_every = alpha_every and all(
-                    r["alpha_token"] is not None for r in run["replies"] if r["method"] != "target"
-                )
-                rows[arm]["_ids"] = [r["token_ids"] for r in run["replies"]]
-                log.info("c=%d %s: %.1f tokens/s", c, arm, rows[arm]["tok_s"])
-            by_c[str(c)] = rows
-        for rows in by_c.values():  # by token ids, against target-only's outputs
-            target_ids = rows["target"]["_ids"]
             for arm in ARMS:
-                identical = identical and rows[arm].pop("_ids") == target_ids
+                merged = {
+                    "wall_s": sum(r["wall_s"] for r in runs[arm]),
+                    "replies": [x for r in runs[arm] for x in r["replies"]],
+                }
+                rows[arm] = arm_row(merged)
+                rows[arm]["tok_s_rounds"] = [arm_row(r)["tok_s"] for r in runs[arm]]
+            for rep in range(args.repeats):  # by token ids, against target-only's outputs
+                target_ids = [x["token_ids"] for x in runs["target"][rep]["replies"]]
+                identical = identical and all(
+                    [x["token_ids"] for x in runs[arm][rep]["replies"]] == target_ids for arm in ARMS
+                )
+            by_c[str(c)] = rows
     finally:
         door.stop()
     return {
@@ -678,6 +700,7 @@ def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: 
         "k": args.k,
         "copy_k": args.copy_k,
         "concurrency": args.concurrency,
+        "repeats": args.repeats,
         "front_door_ready_s": round(ready_s, 1),
         "speed_front_door_rss_mb": None if rss is None else round(rss, 1),
         "by_concurrency": by_c,

@@ -11,11 +11,16 @@ request measured (its per-token α, computed by ``serving.vllm.replay``, and its
 
     speed(m) = E(α_m, k) / step_ms_m(load)
 
-- ``α_m``: a draw from a Beta posterior (Thompson sampling) over the decayed accepted and
-  rejected counts of method ``m`` in the request's cluster, temperature bucket and *kind*
-  (``refs``: the request carries text to copy from — references, retrieved passages — or
-  ``plain``), so a copying method is judged on the requests it can copy in. Target-only
-  has ``E = 1``.
+- ``α_m``: from a Beta posterior over the decayed accepted and rejected counts of method
+  ``m`` in the request's cluster, temperature bucket and *kind* (``refs``: the request
+  carries text to copy from — references, retrieved passages — or ``plain``), so a copying
+  method is judged on the requests it can copy in. Target-only has ``E = 1``. A draw
+  (Thompson sampling) while the option has served fewer than :data:`SETTLED_TRIALS` requests
+  of that (cluster, kind), the posterior mean after: a stray draw sends one request to a
+  slower server, and under concurrent load that request also shares the cores with every
+  other one (measured with draws throughout: at concurrency 4 ``auto`` sent 71 of 72 requests
+  to the copy server and one to target-only, and made 0.845× the copy server's tokens/s;
+  ``benchmarks/out/vllm_path_thompson.json``).
 - ``step_ms_m(load, shared)``: the decayed mean of the measured milliseconds per decode step
   of ``m``'s server, per load bucket (requests in flight through the front door, on every
   server) and per whether *another* server was decoding when the request started. An unseen
@@ -45,8 +50,10 @@ change).
 
 Each option is tried :data:`MIN_TRIALS` times per (cluster, kind) before the estimates
 decide (at a load bucket it has not run at, its cost is its cost at the nearest lower one:
-optimistic, so it is tried there too), and counts fade with :data:`HALF_LIFE_S`, so a method avoided for a while
-is retried (the draft may have been promoted meanwhile: :meth:`RequestPolicy.reseed`).
+optimistic, so it is tried there too), and counts fade with :data:`HALF_LIFE_S`: the mean of
+a method avoided for a while drifts back towards the prior's 0.5, so a low-α method is retried
+(the draft may have been promoted meanwhile: :meth:`RequestPolicy.reseed` also starts its
+trials over).
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ from specops.core.auto_policy import TARGET, expected_tokens, load_bucket, temp_
 
 MIN_TRIALS = 2
 """Requests each option serves per (cluster, kind) before the estimates decide."""
+
+SETTLED_TRIALS = 8
+"""Requests an option serves per (cluster, kind) before its α is the posterior mean, not a draw."""
 
 PRIOR_TRIALS = 24.0
 """Most trials of the cluster's counts a choice draws from (fresh evidence soon outweighs old)."""
@@ -225,7 +235,8 @@ class RequestPolicy:
             untried = [m for m in options if self.tries.get((cluster, kind, m), 0) < MIN_TRIALS]
             alone: dict[str, float] = {}
             for m in options:
-                v = self._speed(m, self._step_ms(m, bucket, 0), cluster, temp, kind)
+                draw = self.tries.get((cluster, kind, m), 0) < SETTLED_TRIALS
+                v = self._speed(m, self._step_ms(m, bucket, 0), cluster, temp, kind, draw=draw)
                 if v is not None:
                     alone[m] = round(v, 2)
             alts, reason = alone, "alone"
@@ -250,7 +261,8 @@ class RequestPolicy:
                     reason, alts = "split", {}
                     for x in options:
                         n_others = sum(1 for b in busy if b != x)
-                        v = self._speed(x, self._step_ms(x, bucket, n_others), cluster, temp, kind)
+                        draw = self.tries.get((cluster, kind, x), 0) < SETTLED_TRIALS
+                        v = self._speed(x, self._step_ms(x, bucket, n_others), cluster, temp, kind, draw=draw)
                         if v is not None:
                             alts[x] = round(v, 2)
                     m = max(alts, key=alts.get) if alts else m

@@ -294,3 +294,29 @@ def test_auto_joins_a_busy_server_within_the_migration_gain():
     assert est["target"] < est["pld"] < MIGRATE_GAIN * est["target"], est  # pld a little faster alone
     joined = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight={"target": []})
     assert (joined.method, joined.reason) == ("target", "join"), joined.to_dict()
+
+
+def test_settled_options_are_chosen_by_their_mean_not_a_draw():
+    """Thompson draws while an option is new; once each has served SETTLED_TRIALS requests the
+    posterior mean decides, so a near-tie no longer sends a stray request to the slower server
+    (under concurrent load that request would share the cores with all the others)."""
+    from specops.serving.vllm.choice import SETTLED_TRIALS
+
+    pol = RequestPolicy(("target", "pld"), k=3, seed=0)  # explore on: draws while unsettled
+    for _ in range(20):
+        for method in ("target", "pld"):
+            pol.record(
+                "c",
+                method,
+                temperature=0.0,
+                kind="plain",
+                load=1,
+                accepted=3 if method == "pld" else 0,
+                rejected_steps=7 if method == "pld" else 0,
+                steps=10,
+                decode_s=0.10 if method == "target" else 0.12,
+            )
+    early = [pol.choose("c", temperature=0.0, kind="plain", load=1).method for _ in range(SETTLED_TRIALS + 2)]
+    assert {"target", "pld"} <= set(early)  # MIN_TRIALS each, then draws: both get requests
+    late = {pol.choose("c", temperature=0.0, kind="plain", load=1).method for _ in range(200)}
+    assert late == {"pld"}, late  # pld's mean is ahead (≈1.3 against 1 token per 10-12 ms)

@@ -45,8 +45,7 @@ all of them (vLLM's continuous batching). So the choice looks past the next requ
 An earlier rule priced every request as in step 5. Under concurrent load it locked onto
 whichever server happened to be busy first, however slow: every later request saw the other
 servers at their (slow) shared cost and joined it (``auto`` ran at 0.20× the best single
-server at concurrency 4 on the real pair, ``benchmarks/out/vllm_path.json`` before this
-change).
+server at concurrency 4 on the real pair, ``benchmarks/out/vllm_path_split_rule.json``).
 
 Each option is tried :data:`MIN_TRIALS` times per (cluster, kind) before the estimates
 decide (at a load bucket it has not run at, its cost is its cost at the nearest lower one:

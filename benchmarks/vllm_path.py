@@ -313,6 +313,8 @@ def request(http: urllib3.PoolManager, url: str, arm: str, case: dict, max_token
         "accepted": sp.get("accepted"),
         "rejected_steps": sp.get("rejected_steps"),
         "counts_source": sp.get("counts_source"),
+        "reason": ((sp.get("auto") or {}).get("last") or {}).get("reason"),  # auto's: why this server
+        "estimates_tok_s": ((sp.get("auto") or {}).get("last") or {}).get("estimates_tok_s"),
     }
 
 
@@ -444,6 +446,9 @@ def arm_row(run: dict) -> dict:
                 "tok_s": round(sum(r["tokens"] for r in rs) / max(sum(r["latency_s"] for r in rs), 1e-9), 2),
                 "methods": {m: sum(r["method"] == m for r in rs) for m in sorted({r["method"] for r in rs})},
             }
+            reasons = [r.get("reason") for r in rs if r.get("reason")]
+            if reasons:  # auto: explore / alone / home / split (serving/vllm/choice.py)
+                per_kind[kind]["reasons"] = {x: reasons.count(x) for x in sorted(set(reasons))}
     return {
         "tok_s": round(tokens / max(run["wall_s"], 1e-9), 2),
         "tokens": tokens,
@@ -528,9 +533,14 @@ def markdown(report: dict, command: str) -> str:
                     + f" | {r['p50_latency_s']:.2f} | {alpha} |"
                 )
         auto_methods = {c: rows["auto"]["per_kind"] for c, rows in report["by_concurrency"].items() if "auto" in rows}
-        lines += ["", "`auto`'s choices per kind (requests per server):", ""]
+        lines += ["", "`auto`'s choices per kind (requests per server, and why):", ""]
         for c, per in auto_methods.items():
-            lines.append(f"- concurrency {c}: " + "; ".join(f"{k} {v['methods']}" for k, v in per.items()))
+            lines.append(
+                f"- concurrency {c}: "
+                + "; ".join(
+                    f"{k} {v['methods']}" + (f" {v['reasons']}" if v.get("reasons") else "") for k, v in per.items()
+                )
+            )
         lines += [
             "",
             f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}; per "

@@ -1,4 +1,4 @@
-"""``auto`` on vLLM: per request, the vLLM server (the method) expected to decode it fastest.
+"""``auto`` on vLLM: per request, the vLLM server (the method) expected to serve the traffic fastest.
 
 Our engine's ``auto`` (``core.auto_policy``) chooses a method and k *every step*, because it
 drafts in-process. A vLLM server fixes its speculation when it starts, so through
@@ -24,32 +24,44 @@ request measured (its per-token α, computed by ``serving.vllm.replay``, and its
 - ``step_ms_m(load, shared)``: the decayed mean of the measured milliseconds per decode step
   of ``m``'s server, per load bucket (requests in flight through the front door, on every
   server) and per whether *another* server was decoding when the request started. An unseen
-  load bucket starts from the nearest lower one; a server never measured beside another is
+  load bucket starts from the nearest lower one (scaled, below); a server never measured beside another is
   priced at its cost alone times ``1 + busy servers`` (each takes its share of the cores).
 
 Servers share the machine's cores: on a CPU, two servers decoding at once each run at a
 fraction of their speed and neither batches the other's requests, while one server batches
-all of them (vLLM's continuous batching). So the choice looks past the next request:
+all of them (vLLM's continuous batching). So under concurrent traffic the choice is made for
+the traffic, not for the request:
 
-1. ``best``: the method fastest *alone* at this load (steady state, every request on it).
-2. No other server is busy: ``best``.
-3. A busy server within :data:`MIGRATE_GAIN` of ``best`` alone: join it (no sharing for a
-   near-tie).
-4. **Migrate**: the requests decoding on the busy servers would choose ``best`` too (each
-   judged by its own cluster, temperature and kind, at the mean α): the traffic moves to
-   ``best``, and the two servers share the cores only until the busy one drains. ``best``.
-5. **Split**: those requests are better where they are (another kind of traffic): the servers
-   would share the cores as long as both kinds arrive, so each option is priced *while
-   sharing* (measured), the busy server at its cost alone, and the fastest wins.
+1. **Alone** (no other server busy, and the recent load, a decayed mean of the requests in
+   flight at each arrival, under :data:`CONCURRENT_LOAD`: one request at a time): the method
+   fastest for this request, ``speed(m)`` above.
+2. **Home** (concurrent traffic): the traffic *mix* (a decayed count of the requests per
+   cluster, temperature and kind, about 50 requests of memory) has a home server, the one
+   that serves the whole mix in the least time alone (posterior means). The home changes only
+   when another server would serve the mix :data:`HOME_GAIN` faster, so a near-tie does not
+   send the traffic back and forth. A request goes home.
+3. **Split**: unless the mix is served :data:`SPLIT_GAIN` faster with the groups another
+   server decodes faster alone moved there (this request's group among them), the two servers
+   sharing the cores. Work on a server progresses at its cost *while sharing* (measured;
+   never measured: its cost alone times two) while the other is busy too, and at its cost
+   alone after. On a CPU, where sharing costs about what the two servers cost one after the
+   other, a split pays only when the moved groups are much faster on the other server; on a
+   GPU with room, sharing costs little and each group goes where it is fastest.
 
-An earlier rule priced every request as in step 5. Under concurrent load it locked onto
-whichever server happened to be busy first, however slow: every later request saw the other
-servers at their (slow) shared cost and joined it (``auto`` ran at 0.20× the best single
-server at concurrency 4 on the real pair, ``benchmarks/out/vllm_path_split_rule.json``).
+Two earlier rules decided per request. One priced every option as it would run beside the
+servers busy at that moment: under concurrent load it locked onto whichever server happened
+to be busy first, however slow, since every other server looked slow while sharing (``auto``
+ran at 0.20× the best single server at concurrency 4 on the real pair,
+``benchmarks/out/vllm_path_split_rule.json``). The next moved the traffic to the fastest
+server when the requests decoding at that moment would prefer it too: on a mix it fired on a
+momentary snapshot (a copy server holding only chat requests sent the next chat request to
+target-only while references kept arriving for the copy server), and the servers shared the
+cores (0.84×, ``benchmarks/out/vllm_path_migrate_rule.json``).
 
 Each option is tried :data:`MIN_TRIALS` times per (cluster, kind) before the estimates
-decide (at a load bucket it has not run at, its cost is its cost at the nearest lower one:
-optimistic, so it is tried there too), and counts fade with :data:`HALF_LIFE_S`: the mean of
+decide. At a load bucket a server has not run at, its cost is its cost at the nearest lower
+one times how much the servers measured at both slow down between them (a server the traffic
+has left is not priced at a lighter load's cost, which would call it back). Counts fade with :data:`HALF_LIFE_S`: the mean of
 a method avoided for a while drifts back towards the prior's 0.5, so a low-α method is retried
 (the draft may have been promoted meanwhile: :meth:`RequestPolicy.reseed` also starts its
 trials over).
@@ -81,21 +93,105 @@ DECAY = 0.98
 HALF_LIFE_S = 600.0
 """Counts lose half their weight per this many seconds without news."""
 
-MIGRATE_GAIN = 1.15
-"""How much faster alone another server must be than a busy one before traffic moves to it."""
+HOME_GAIN = 1.15
+"""How much faster another server must serve the traffic mix alone before it becomes home: a
+move makes the two servers share the cores while the old home drains."""
 
-Group = tuple[str, float, str]
-"""A request in flight: (cluster, temperature, kind)."""
+CLIP = 3.0
+CLIP_AFTER = 3.0
+"""A step cost above ``CLIP`` times the mean is taken as ``CLIP`` times the mean once the mean
+has ``CLIP_AFTER`` requests of weight (vLLM compiling a new batch shape took 22 s for one
+request on the real pair)."""
 
+SPLIT_GAIN = 1.15
+"""How much faster the mix must be served split across home and another server (sharing the
+cores) before the groups that server decodes faster leave home."""
 
-def shares(method: str, busy: dict[str, int]) -> bool:
-    """Whether ``method``'s server would decode beside another server (one that is busy now)."""
-    return any(n > 0 for m, n in busy.items() if m != method)
+LOAD_DECAY = 0.5
+"""Per-request decay of the recent load (two or three requests of memory: a front door turns back to
+per-request choices soon after concurrent traffic ends)."""
+
+CONCURRENT_LOAD = 1.5
+"""Recent load (requests in flight at arrival, this one included) from which traffic is concurrent."""
+
+Group = tuple[str, str, str]
+"""A traffic group: (cluster, temperature bucket, kind)."""
 
 
 def request_kind(*, copyable: bool) -> str:
     """``refs`` when the request brings text a copying drafter can copy from, else ``plain``."""
     return "refs" if copyable else "plain"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where a :class:`LoadMeter` stood when a request arrived."""
+
+    t: float
+    area: float
+    busy_area: dict[str, float]
+
+
+class LoadMeter:
+    """The requests in flight through a front door and each server's busy requests, with their
+    time integrals, so a finished request's cost is filed under the load it *decoded* at (its
+    mean over the request's life) and as shared when another server was busy for most of it.
+    Filed by the load at arrival, the first requests of a burst land in the lightest bucket
+    with the cost of a full batch, and an idle server then looks slower than it is. Thread-safe."""
+
+    SHARED_FRACTION = 0.5
+    """Fraction of a request's time another server must be busy for it to count as shared."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.t = clock()
+        self.in_flight = 0
+        self.busy: dict[str, int] = {}
+        self.area = 0.0
+        self.busy_area: dict[str, float] = {}
+
+    def _advance(self) -> None:
+        now = self.clock()
+        dt = max(0.0, now - self.t)
+        self.area += self.in_flight * dt
+        for m, n in self.busy.items():
+            if n > 0:
+                self.busy_area[m] = self.busy_area.get(m, 0.0) + dt
+        self.t = now
+
+    def arrive(self) -> tuple[Mark, int, dict[str, int]]:
+        """A request arrives: its mark, the load with it, and each server's busy requests."""
+        with self.lock:
+            self._advance()
+            self.in_flight += 1
+            return Mark(self.t, self.area, dict(self.busy_area)), self.in_flight, dict(self.busy)
+
+    def start(self, method: str) -> None:
+        """The request is sent to ``method``'s server."""
+        with self.lock:
+            self._advance()
+            self.busy[method] = self.busy.get(method, 0) + 1
+
+    def leave(self, method: str | None) -> None:
+        """The request is done (``method``: the server :meth:`start` sent it to, None if never sent)."""
+        with self.lock:
+            self._advance()
+            self.in_flight = max(0, self.in_flight - 1)
+            if method is not None and self.busy.get(method, 0) > 0:
+                self.busy[method] -= 1
+
+    def since(self, mark: Mark, method: str) -> tuple[int, bool]:
+        """A request's mean load since ``mark`` (rounded, at least 1) and whether another server
+        than ``method``'s was busy for :data:`SHARED_FRACTION` of that time."""
+        with self.lock:
+            self._advance()
+            dt = self.t - mark.t
+            if dt <= 0:
+                return max(1, self.in_flight), False
+            load = (self.area - mark.area) / dt
+            other = max((a - mark.busy_area.get(m, 0.0) for m, a in self.busy_area.items() if m != method), default=0.0)
+            return max(1, round(load)), other / dt >= self.SHARED_FRACTION
 
 
 @dataclass
@@ -106,6 +202,8 @@ class _Cost:
     weight: float = 0.0
 
     def add(self, ms: float, decay: float) -> None:
+        if self.weight >= CLIP_AFTER:  # one request's stall (a compile, a swap) moves the mean by a bounded step
+            ms = min(ms, CLIP * self.ms)
         self.ms = (decay * self.weight * self.ms + ms) / (decay * self.weight + 1.0)
         self.weight = decay * self.weight + 1.0
 
@@ -123,8 +221,8 @@ class ServerChoice:
     """Chosen to try an option that had too few requests yet."""
     alternatives: dict[str, float] = field(default_factory=dict)
     reason: str = "alone"
-    """``explore``, ``alone`` (no other server busy), ``join`` (a busy server within
-    :data:`MIGRATE_GAIN`), ``migrate`` or ``split`` (the module's steps 2-5)."""
+    """``explore``, ``alone`` (one request at a time: the fastest for it), ``home`` (concurrent
+    traffic: the mix's server) or ``split`` (the module's steps 1-3)."""
 
     def to_dict(self) -> dict:
         return {
@@ -158,6 +256,11 @@ class RequestPolicy:
         self.decisions: dict[tuple[str, str], int] = {}
         """(cluster, method) -> requests chosen (``/v1/policy``)."""
         self.last: dict[str, ServerChoice] = {}
+        self.mix: dict[Group, float] = {}
+        """(cluster, temperature bucket, kind) -> decayed requests: the traffic ``auto`` routes."""
+        self.recent_load = 1.0
+        self.home: str | None = None
+        """The server the concurrent traffic lives on (module docstring, step 2)."""
 
     # ------------------------------------------------------------------ estimates
     def _alpha(self, cluster: str, method: str, temp: str, kind: str, *, draw: bool = True) -> float:
@@ -182,19 +285,25 @@ class RequestPolicy:
         )
         return e / max(ms, 1e-6) * 1000.0
 
-    def _prefers(self, group: Group, bucket: int) -> str | None:
-        """The method a request in flight would choose alone at ``bucket`` (posterior means)."""
-        cluster, temperature, kind = group
-        temp = temp_bucket(temperature)
-        speeds = {m: self._speed(m, self._step_ms(m, bucket, 0), cluster, temp, kind, draw=False) for m in self.methods}
-        speeds = {m: v for m, v in speeds.items() if v is not None}
-        return max(speeds, key=speeds.get) if speeds else None
-
     def _measured(self, method: str, bucket: int, shared: bool) -> float | None:
+        """The decayed mean at ``bucket``; else at the nearest lower bucket, scaled by how much a
+        step of the servers measured at both costs more at ``bucket`` (a server the traffic has
+        not used at this load is not priced at a lighter load's cost)."""
         for b in range(bucket, -1, -1):
             c = self.costs.get((method, b, shared))
-            if c is not None and c.weight > 0:
+            if c is None or c.weight <= 0:
+                continue
+            if b == bucket:
                 return c.ms
+            ratios = [
+                self.costs[(m, bucket, shared)].ms / self.costs[(m, b, shared)].ms
+                for m in self.methods
+                if m != method
+                and self.costs.get((m, bucket, shared), _Cost()).weight > 0
+                and self.costs.get((m, b, shared), _Cost()).weight > 0
+                and self.costs[(m, b, shared)].ms > 0
+            ]
+            return c.ms * max(1.0, sum(ratios) / len(ratios)) if ratios else c.ms
         return None
 
     def _step_ms(self, method: str, bucket: int, others: int) -> float | None:
@@ -210,6 +319,54 @@ class RequestPolicy:
             return None if alone is None else alone * (1 + others)
         return self._measured(method, bucket, True)
 
+    def _server_time(self, method: str, groups: list[Group], bucket: int, others: int) -> float | None:
+        """Seconds per token-weighted request of ``groups`` (the mix's weights) on ``method``'s server."""
+        ms = self._step_ms(method, bucket, others)
+        total = 0.0
+        for g in groups:
+            v = self._speed(method, ms, *g, draw=False)
+            if v is None or v <= 0:
+                return None
+            total += self.mix[g] / v
+        return total
+
+    def _mix_time(self, home: str, to: str | None = None, moved: frozenset = frozenset(), bucket: int = 0):
+        """Time to serve the mix on ``home`` alone, or with the groups ``moved`` on server ``to``:
+        both servers progress at their cost while sharing until the one with less work is done,
+        the other alone after (module docstring, step 3)."""
+        if to is None or not moved:
+            return self._server_time(home, list(self.mix), bucket, 0)
+        rest, away = [g for g in self.mix if g not in moved], [g for g in self.mix if g in moved]
+        a, b = self._server_time(home, rest, bucket, 1), self._server_time(to, away, bucket, 1)
+        a0, b0 = self._server_time(home, rest, bucket, 0), self._server_time(to, away, bucket, 0)
+        if a is None or b is None or a0 is None or b0 is None:
+            return None
+        if a <= b:  # home is done first; the other server finishes alone
+            return a + (1.0 - a / b) * b0 if b > 0 else a
+        return b + (1.0 - b / a) * a0
+
+    def _faster_alone(self, x: str, home: str, bucket: int) -> frozenset:
+        """The mix's groups that server ``x`` decodes faster than ``home`` alone (a split's candidates)."""
+        ms_x, ms_h = self._step_ms(x, bucket, 0), self._step_ms(home, bucket, 0)
+        out = []
+        for g in self.mix:
+            vx, vh = self._speed(x, ms_x, *g, draw=False), self._speed(home, ms_h, *g, draw=False)
+            if vx is not None and vh is not None and vx > vh:
+                out.append(g)
+        return frozenset(out)
+
+    def _home(self, bucket: int) -> str | None:
+        """The server that serves the mix fastest alone, kept unless another is :data:`HOME_GAIN`
+        faster."""
+        times = {m: self._mix_time(m, bucket=bucket) for m in self.methods}
+        times = {m: t for m, t in times.items() if t is not None and t > 0}
+        if not times:
+            return None
+        best = min(times, key=times.get)
+        if self.home not in times or times[self.home] > HOME_GAIN * times[best]:
+            self.home = best
+        return self.home
+
     def choose(
         self,
         cluster: str,
@@ -219,18 +376,23 @@ class RequestPolicy:
         load: int,
         allowed=None,
         busy: dict[str, int] | None = None,
-        in_flight: dict[str, list[Group]] | None = None,
     ) -> ServerChoice:
         """The server for one request (``allowed``: the methods it may use, default all; ``busy``:
-        method -> requests its server is decoding now, this one not counted; ``in_flight``: method ->
-        those requests' (cluster, temperature, kind), which tell a migration from a split; without
-        it a busy server's requests are taken to stay, a split)."""
+        method -> requests its server is decoding now, this one not counted)."""
         busy = {m: n for m, n in (busy or {}).items() if n > 0}
         options = [m for m in self.methods if allowed is None or m in allowed]
         if not options:
             raise ValueError("no server method is allowed for this request")
         temp, bucket = temp_bucket(temperature), load_bucket(load)
+        group: Group = (cluster, temp, kind)
         with self.lock:
+            for g in list(self.mix):
+                self.mix[g] *= DECAY
+                if self.mix[g] < 0.01:
+                    del self.mix[g]
+            self.mix[group] = self.mix.get(group, 0.0) + 1.0
+            self.recent_load = LOAD_DECAY * self.recent_load + (1.0 - LOAD_DECAY) * max(1, load)
+            concurrent = self.recent_load >= CONCURRENT_LOAD or bool(busy)
             untried = [m for m in options if self.tries.get((cluster, kind, m), 0) < MIN_TRIALS]
             alone: dict[str, float] = {}
             for m in options:
@@ -238,33 +400,40 @@ class RequestPolicy:
                 v = self._speed(m, self._step_ms(m, bucket, 0), cluster, temp, kind, draw=draw)
                 if v is not None:
                     alone[m] = round(v, 2)
-            alts, reason = alone, "alone"
+            steady = load_bucket(round(self.recent_load))  # the traffic's load, not this arrival's
+            home = self._home(steady) if concurrent else None
             if untried and self.explore:
                 m = min(untried, key=lambda x: (self.tries.get((cluster, kind, x), 0), options.index(x)))
-                choice = ServerChoice(m, alts.get(m, 0.0), kind, load, explored=True, alternatives=alts)
+                choice = ServerChoice(m, alone.get(m, 0.0), kind, load, explored=True, alternatives=alone)
                 choice.reason = "explore"
-            else:
+            elif home is None:
                 m = max(alone, key=alone.get) if alone else options[0]
-                others = {b for b in busy if b != m}
-                joinable = [b for b in others if b in alone]
-                join = max(joinable, key=alone.get) if joinable else None
-                if not others or m not in alone:
-                    pass
-                elif join is not None and alone[m] < MIGRATE_GAIN * alone[join]:
-                    m, reason = join, "join"
-                elif in_flight is not None and all(
-                    self._prefers(g, bucket) in (m, None) for b in others for g in in_flight.get(b, ())
+                choice = ServerChoice(m, alone.get(m, 0.0), kind, load, alternatives=alone)
+            elif home not in options:  # this request cannot go home: the fastest beside it
+                alts = {}
+                for x in options:
+                    v = self._speed(x, self._step_ms(x, bucket, 1), cluster, temp, kind, draw=False)
+                    if v is not None:
+                        alts[x] = round(v, 2)
+                m = max(alts, key=alts.get) if alts else options[0]
+                choice = ServerChoice(m, alts.get(m, 0.0), kind, load, alternatives=alts, reason="split")
+            else:
+                weight = sum(self.mix.values())
+                times, moves = {home: self._mix_time(home, bucket=steady)}, {}
+                for x in options:
+                    moves[x] = self._faster_alone(x, home, steady) if x != home else frozenset()
+                    if moves[x]:
+                        times[x] = self._mix_time(home, x, moves[x], steady)
+                alts = {x: round(weight / t, 2) for x, t in times.items() if t}
+                m, reason = home, "home"
+                split = min((x for x in alts if x != home), key=lambda x: times[x], default=None)
+                if (
+                    split is not None
+                    and group in moves[split]
+                    and times[home] is not None
+                    and times[home] > SPLIT_GAIN * times[split]
                 ):
-                    reason = "migrate"
-                else:
-                    reason, alts = "split", {}
-                    for x in options:
-                        n_others = sum(1 for b in busy if b != x)
-                        draw = self.tries.get((cluster, kind, x), 0) < SETTLED_TRIALS
-                        v = self._speed(x, self._step_ms(x, bucket, n_others), cluster, temp, kind, draw=draw)
-                        if v is not None:
-                            alts[x] = round(v, 2)
-                    m = max(alts, key=alts.get) if alts else m
+                    m, reason = split, "split"
                 choice = ServerChoice(m, alts.get(m, 0.0), kind, load, alternatives=alts, reason=reason)
             key = (cluster, kind, choice.method)
             self.tries[key] = self.tries.get(key, 0) + 1
@@ -318,6 +487,12 @@ class RequestPolicy:
                     {"cluster": c, "method": m, "requests": n} for (c, m), n in sorted(self.decisions.items())
                 ],
                 "last": {c: ch.to_dict() for c, ch in self.last.items()},
+                "home": self.home,
+                "recent_load": round(self.recent_load, 2),
+                "mix": [
+                    {"cluster": c, "temperature": t, "kind": k, "weight": round(w, 2)}
+                    for (c, t, k), w in sorted(self.mix.items())
+                ],
                 "alpha": [
                     {"cluster": c, "method": m, "temperature": t, "kind": k, "mean": round(v.mean, 4)}
                     for (c, m, t, k), v in sorted(self.counts.items())

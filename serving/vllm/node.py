@@ -35,7 +35,7 @@ from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
 from specops.serving.modes import Decoded, ServedResult
 from specops.serving.plan import DecodePlan
-from specops.serving.vllm.choice import RequestPolicy, request_kind, shares
+from specops.serving.vllm.choice import LoadMeter, RequestPolicy, request_kind
 from specops.serving.vllm.client import request_body, stream_completion
 from specops.serving.vllm.plugin.specops_vllm_copy import MIN_N_KEY, REFS_KEY, join_refs, split_refs
 from specops.serving.vllm.process import NGRAM_MAX, NGRAM_MIN, VLLMError
@@ -82,13 +82,9 @@ class VLLMNode(ServingNode):
         self.request_policy = request_policy or RequestPolicy(self.methods, k=self.ks)
         self.http = urllib3.PoolManager(num_pools=16, maxsize=64)
         self._lock = threading.Lock()
-        self.in_flight = 0
         self._loaded_draft: tuple[str, object] | None = None
-        self.busy: dict[str, int] = {}
-        self.in_flight_groups: dict[str, list[tuple[str, float, str]]] = {}
-        """method -> (cluster, temperature, kind) of each request its server decodes now (``auto``'s
-        migrate-or-split test)."""
-        """Method -> requests its server is decoding now (``auto`` weighs sharing the cores)."""
+        self.load = LoadMeter()
+        """Requests in flight and each server's busy ones, with their time integrals (``auto``)."""
 
     @property
     def method(self) -> str:
@@ -215,12 +211,8 @@ class VLLMNode(ServingNode):
         t0 = time.perf_counter()
         params = plan.params
         kind = request_kind(copyable=bool(plan.references or retrieved))
-        with self._lock:
-            self.in_flight += 1
-            load, busy = self.in_flight, dict(self.busy)
-            groups = {m: list(g) for m, g in self.in_flight_groups.items() if g}
-        group = (plan.cluster, float(params.temperature), kind)
-        method, choice = plan.method, None
+        mark, load, busy = self.load.arrive()
+        method, choice, sent = plan.method, None, None
         try:
             if method == "auto":
                 choice = self.request_policy.choose(
@@ -230,12 +222,10 @@ class VLLMNode(ServingNode):
                     load=load,
                     allowed=self._allowed(plan),
                     busy=busy,
-                    in_flight=groups,
                 )
                 method = choice.method
-            with self._lock:
-                self.busy[method] = self.busy.get(method, 0) + 1
-                self.in_flight_groups.setdefault(method, []).append(group)
+            self.load.start(method)
+            sent = method
             handle = self.follower.slot(plan.cluster).current()  # once: a swap does not move this request
             server = handle.backend if method == "draft" else self.servers.shared()[SPECULATION_OF[method]]
             body = request_body(
@@ -255,12 +245,8 @@ class VLLMNode(ServingNode):
                 body["vllm_xargs"] = {REFS_KEY: refs, MIN_N_KEY: int(plan.llma_min_n)}
             tokens, finish, first_s, measured = self._stream(server, body, plan.cluster, on_step, t0)
         finally:
-            with self._lock:
-                self.in_flight -= 1
-                if method in self.busy:
-                    self.busy[method] -= 1
-                if group in self.in_flight_groups.get(method, ()):
-                    self.in_flight_groups[method].remove(group)
+            self.load.leave(sent)
+        decode_load, shared = self.load.since(mark, method)
         total_s = time.perf_counter() - t0
         stats = RequestStats(
             method=method, num_prompt_tokens=len(prompt_ids), num_generated=len(tokens), finish_reason=finish
@@ -281,12 +267,12 @@ class VLLMNode(ServingNode):
             method,
             temperature=params.temperature,
             kind=kind,
-            load=load,
+            load=decode_load,
             accepted=stats.num_accepted,
             rejected_steps=stats.num_rejected_steps,
             steps=steps,
             decode_s=max(total_s - first_s, 0.0),
-            shared=shares(method, busy),
+            shared=shared,
         )
         if choice is not None:
             stats.policy = {

@@ -220,80 +220,102 @@ def test_copy_sources_hold_the_requests_texts_and_only_its_tenants_sessions():
     assert other == []  # a tenant with no sessions gets none of the others'
 
 
-def _sharing_policy(**extra) -> RequestPolicy:
-    """``pld`` copies well on ``plain`` requests (18 of 20 drafted) and not on ``refs`` ones (0 of
-    20); a step costs 10 ms (target) and 12 ms (pld) alone, six times that beside another busy server."""
-    pol = RequestPolicy(("target", "pld"), k=3, explore=False, **extra)
-    for _ in range(5):
-        for kind, accepted in (("plain", 18), ("refs", 0)):
-            for load, shared, s in ((1, False, 0.10), (2, False, 0.10), (2, True, 0.60)):
-                for method in ("pld", "target"):
-                    pol.record(
-                        "c",
-                        method,
-                        temperature=0.0,
-                        kind=kind,
-                        load=load,
-                        accepted=accepted if method == "pld" else 0,
-                        rejected_steps=2 if method == "pld" else 0,
-                        steps=10,
-                        decode_s=s * (1.2 if method == "pld" else 1.0),
-                        shared=shared,
-                    )
+def _feed(pol: RequestPolicy, method: str, kind: str, *, accepted: int, ms: float, load: int = 1, shared=False, n=5):
+    """``n`` finished requests of 10 steps at ``ms`` per step (``accepted`` of 30 drafted positions)."""
+    for _ in range(n):
+        pol.record(
+            "c",
+            method,
+            temperature=0.0,
+            kind=kind,
+            load=load,
+            accepted=accepted if method != "target" else 0,
+            rejected_steps=max(0, 10 - accepted // 3) if method != "target" else 0,
+            steps=10,
+            decode_s=ms * 10 / 1000,
+            shared=shared,
+        )
+
+
+def _mixed_policy(shared_factor: float) -> RequestPolicy:
+    """``plain`` requests: target 10 ms a step, pld 14 ms copying nothing (target is faster for
+    them alone); ``refs`` requests: pld copies 27 of 30. A step beside another busy server costs
+    ``shared_factor`` times more (a CPU: 2 or more, each server reading the weights for its own batch; a GPU with room: about 1)."""
+    pol = RequestPolicy(("target", "pld"), k=3, explore=False)
+    for load in (1, 4):
+        for method, ms in (("target", 10.0), ("pld", 14.0)):
+            for kind, accepted in (("plain", 0), ("refs", 27)):
+                _feed(pol, method, kind, accepted=accepted, ms=ms, load=load)
+                _feed(pol, method, kind, accepted=accepted, ms=ms * shared_factor, load=load, shared=True)
     return pol
 
 
-def test_auto_moves_traffic_off_a_busy_slower_server_instead_of_locking_onto_it():
-    """The requests on a busy target server would choose pld too: the traffic migrates (the two
-    servers share the cores only until the target drains) instead of every new request joining
-    the busy server because the others look slow *while sharing* (the rule that ran auto at 0.20×
-    the best single server at concurrency 4)."""
-    pol = _sharing_policy()
-    assert pol.choose("c", temperature=0.0, kind="plain", load=1).method == "pld"  # alone, copying pays
-    plain_on_target = {"target": [("c", 0.0, "plain")]}
-    moved = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight=plain_on_target)
-    assert (moved.method, moved.reason) == ("pld", "migrate"), moved.to_dict()
-    assert moved.alternatives["pld"] > moved.alternatives["target"]  # priced alone: the steady state
-    # Without knowing what the busy server holds, its requests are taken to stay: priced while sharing.
-    unknown = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1})
-    assert (unknown.method, unknown.reason) == ("target", "split"), unknown.to_dict()
-    assert pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"pld": 1}).method == "pld"
+def _route(pol: RequestPolicy, kinds: list[str], load: int, busy=None) -> list:
+    return [pol.choose("c", temperature=0.0, kind=k, load=load, busy=busy) for k in kinds]
 
 
-def test_auto_keeps_a_split_on_the_busy_server_when_sharing_the_cores_costs_more():
-    """The busy target server holds ``refs`` requests, where pld copies nothing: they stay there, so
-    a ``plain`` request on pld would share the cores for as long as both kinds arrive. Priced
-    while sharing (72 ms a step) pld loses to joining the target server alone."""
-    pol = _sharing_policy()
-    refs_on_target = {"target": [("c", 0.0, "refs")]}
-    split = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight=refs_on_target)
-    assert (split.method, split.reason) == ("target", "split"), split.to_dict()
-    assert split.alternatives["target"] > split.alternatives["pld"]
+def test_one_request_at_a_time_goes_to_its_own_fastest_server():
+    pol = _mixed_policy(shared_factor=3.0)
+    first, second = _route(pol, ["plain", "refs"], load=1)
+    assert (first.method, first.reason) == ("target", "alone"), first.to_dict()
+    assert (second.method, second.reason) == ("pld", "alone"), second.to_dict()
 
 
-def test_auto_joins_a_busy_server_within_the_migration_gain():
-    """A near-tie is not worth sharing the cores: a busy server less than MIGRATE_GAIN slower alone
-    takes the request."""
-    from specops.serving.vllm.choice import MIGRATE_GAIN
+def test_concurrent_traffic_goes_to_the_server_that_serves_the_mix_fastest():
+    """On a CPU, plain requests sent to target-only while refs requests stay on pld would make the
+    two servers share the cores for as long as both kinds arrive: both go to the mix's home (pld),
+    even when only target-only happens to be busy (the momentary snapshot that misled the
+    previous rule, 0.84× the best single server at concurrency 4)."""
+    pol = _mixed_policy(shared_factor=3.0)
+    chosen = _route(pol, ["plain", "refs"] * 10, load=4, busy={"target": 1})
+    assert {(c.method, c.reason) for c in chosen[2:]} == {("pld", "home")}, [c.to_dict() for c in chosen]
+    assert pol.summary()["home"] == "pld"
+    plain = chosen[-2]
+    assert plain.alternatives["pld"] > plain.alternatives["target"], plain.to_dict()  # the mix's tokens/s
+    # The traffic turns to plain requests only: target-only becomes home, once it is HOME_GAIN faster.
+    later = _route(pol, ["plain"] * 80, load=4)
+    assert later[0].method == "pld" and later[-1].method == "target", [c.method for c in later]
+    assert pol.summary()["home"] == "target"
+
+
+def test_a_group_moves_off_home_when_the_servers_do_not_contend():
+    """Where a step beside another server costs what it costs alone (a GPU with room), the mix is
+    served faster split: plain requests on target-only, refs on pld."""
+    pol = _mixed_policy(shared_factor=1.0)
+    chosen = _route(pol, ["plain", "refs"] * 10, load=4)
+    assert {(c.method, c.reason) for c in chosen[-10:] if c.kind == "plain"} == {("target", "split")}
+    assert {c.method for c in chosen[-10:] if c.kind == "refs"} == {"pld"}
+
+
+def test_home_is_kept_through_a_near_tie():
+    """pld (copying a little) is home; target-only's steps then get a little faster, by less than
+    HOME_GAIN: the traffic stays on pld rather than moving the servers' load back and forth."""
+    from specops.serving.vllm.choice import HOME_GAIN
 
     pol = RequestPolicy(("target", "pld"), k=3, explore=False)
-    for _ in range(5):
-        for method, s in (("target", 0.10), ("pld", 0.105)):
-            pol.record(
-                "c",
-                method,
-                temperature=0.0,
-                kind="plain",
-                load=2,
-                accepted=1 if method == "pld" else 0,
-                rejected_steps=9 if method == "pld" else 0,
-                steps=10,
-                decode_s=s,
-            )
-    est = pol.choose("c", temperature=0.0, kind="plain", load=2).alternatives
-    assert est["target"] < est["pld"] < MIGRATE_GAIN * est["target"], est  # pld a little faster alone
-    joined = pol.choose("c", temperature=0.0, kind="plain", load=2, busy={"target": 1}, in_flight={"target": []})
-    assert (joined.method, joined.reason) == ("target", "join"), joined.to_dict()
+    for load in (1, 4):
+        _feed(pol, "target", "plain", accepted=0, ms=10.0, load=load)
+        _feed(pol, "pld", "plain", accepted=0, ms=10.0, load=load)  # the prior's α: pld a little faster
+    assert _route(pol, ["plain"], load=4)[0].method == "pld"
+    _feed(pol, "target", "plain", accepted=0, ms=9.3, load=4, n=40)
+    stay = pol.choose("c", temperature=0.0, kind="plain", load=4)
+    assert (stay.method, stay.reason) == ("pld", "home"), stay.to_dict()
+    t_pld, t_target = pol._mix_time("pld", bucket=2), pol._mix_time("target", bucket=2)
+    assert t_target < t_pld < HOME_GAIN * t_target  # target-only is faster now, within the gain
+    _feed(pol, "target", "plain", accepted=0, ms=7.0, load=4, n=60)  # then clearly faster: it is home
+    assert _route(pol, ["plain"], load=4)[0].method == "target"
+
+
+def test_an_unmeasured_load_is_priced_by_how_the_other_servers_slow_down():
+    """pld was measured at load 1 only; target-only's step costs twice as much at load 4 as at 1:
+    pld's cost at load 4 is its cost at 1 times two, not its lighter-load cost."""
+    pol = RequestPolicy(("target", "pld"), k=3, explore=False)
+    _feed(pol, "target", "plain", accepted=0, ms=10.0, load=1)
+    _feed(pol, "target", "plain", accepted=0, ms=20.0, load=4)
+    _feed(pol, "pld", "plain", accepted=3, ms=12.0, load=1)
+    assert pol._step_ms("pld", 2, 0) == pytest.approx(24.0)
+    assert pol._step_ms("pld", 0, 0) == pytest.approx(12.0)
+    assert pol._step_ms("pld", 2, 1) == pytest.approx(48.0)  # never beside another: alone times two
 
 
 def test_settled_options_are_chosen_by_their_mean_not_a_draw():
@@ -320,3 +342,42 @@ def test_settled_options_are_chosen_by_their_mean_not_a_draw():
     assert {"target", "pld"} <= set(early)  # MIN_TRIALS each, then draws: both get requests
     late = {pol.choose("c", temperature=0.0, kind="plain", load=1).method for _ in range(200)}
     assert late == {"pld"}, late  # pld's mean is ahead (≈1.3 against 1 token per 10-12 ms)
+
+
+def test_a_request_is_filed_under_the_load_it_decoded_at_not_its_arrival():
+    """The first request of a burst arrives alone and decodes beside the rest: its mean load over
+    its life is what its cost is filed under, and it shared the cores when another server was
+    busy for most of it."""
+    from specops.serving.vllm.choice import LoadMeter
+
+    now = [0.0]
+    meter = LoadMeter(clock=lambda: now[0])
+    a, load_a, _ = meter.arrive()
+    meter.start("llma")
+    assert load_a == 1
+    now[0] = 1.0
+    meter.arrive()
+    meter.start("llma")
+    now[0] = 2.0
+    c, load_c, busy = meter.arrive()
+    assert (load_c, busy) == (3, {"llma": 2})
+    meter.start("target")
+    now[0] = 4.0
+    meter.leave("target")
+    assert meter.since(c, "target") == (3, True)  # llma busy throughout
+    now[0] = 5.0
+    meter.leave("llma")
+    # 1 s at 1, 1 s at 2, 2 s at 3, 1 s at 2: 11 / 5 = 2.2; target busy 2 of 5 s: not shared
+    assert meter.since(a, "llma") == (2, False)
+    meter.leave(None)  # a request that never reached a server
+    assert meter.in_flight == 0 and meter.busy == {"llma": 1, "target": 0}
+
+
+def test_one_stalled_request_moves_a_step_cost_by_a_bounded_step():
+    from specops.serving.vllm.choice import CLIP, _Cost
+
+    cost = _Cost()
+    for _ in range(5):
+        cost.add(10.0, 0.98)
+    cost.add(10_000.0, 0.98)  # vLLM compiling a new batch shape
+    assert cost.ms < 10.0 + (CLIP * 10.0 - 10.0) / 5

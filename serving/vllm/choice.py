@@ -100,8 +100,8 @@ move makes the two servers share the cores while the old home drains."""
 CLIP = 3.0
 CLIP_AFTER = 3.0
 """A step cost above ``CLIP`` times the mean is taken as ``CLIP`` times the mean once the mean
-has ``CLIP_AFTER`` requests of weight (vLLM compiling a new batch shape took 22 s for one
-request on the real pair)."""
+has ``CLIP_AFTER`` requests of weight (in a warm-up on the real pair the first concurrent
+requests each waited many seconds, probably on vLLM compiling new batch shapes)."""
 
 SPLIT_GAIN = 1.15
 """How much faster the mix must be served split across home and another server (sharing the

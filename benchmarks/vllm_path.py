@@ -25,10 +25,14 @@ token ids, greedy, streamed, through the same front door; a request names its ar
 
 Each kind is split in two: the first half warms the front door up, untimed, at every
 concurrency (``auto`` tries each server and learns its acceptance and cost there); the
-second half is measured. At each ``--concurrency`` the arms run one after another in
-``--repeats`` rounds, their order rotated by one per round and per concurrency (a slow spell
-of the machine does not land on one arm). Reported per arm: tokens/s (generated tokens ÷ wall
-time of the arm's runs, all rounds) and each round's, per kind at concurrency 1 (Σ tokens ÷ Σ request latency), p50
+second half is measured, in ``--repeats`` rounds. At concurrency 1 a round serves the cases
+one by one, every arm on a case back to back, the arms' order taken in turn from a Williams
+design (each arm right after each other equally often): a slow spell of the machine, or what
+one arm leaves behind, falls on every arm's copy of the same case, and ``auto`` ÷ the best arm
+gets a 95 % bootstrap interval over the cases (``paired_c1``). At higher concurrencies the
+arms run one after another, their order rotated by one per round and per concurrency.
+Reported per arm: tokens/s (generated tokens ÷ wall time of the arm's runs, all rounds; at
+concurrency 1 the sum of its latencies) and each round's, per kind at concurrency 1 (Σ tokens ÷ Σ request latency), p50
 latency, the per-token α from each response (vLLM's own per-request counts), and whether
 every greedy output equals target-only's, by token ids (``return_token_ids``).
 
@@ -45,7 +49,8 @@ then vLLM's full LM head (``--no-vllm-draft-vocab``), one front door at a time; 
 token ids against each other.
 
 Summary: ``auto_vs_best_single`` (per concurrency: ``auto`` ÷ the best single-method arm;
-bar ≥ 1) with ``auto_vs_best_single_rounds`` (the same ratio per round: the spread), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
+bar ≥ 1) with ``auto_vs_best_single_rounds`` (the same ratio per round: the spread) and
+``auto_vs_best_single_c1_ci95`` (concurrency 1's interval), ``llma_refs_vs_vllm_target`` (the rag set at concurrency 1: ``llma`` ÷ ``target``;
 bar ≥ 1.5), ``identical_outputs``, ``alpha_token_per_request`` (every drafting response carried
 a per-token α), ``swap_window_s`` (the longer of the standby and in-place windows; bar ≤ 10 s)
 with ``swap_window_cold_s`` beside it, ``swap_failed``, ``front_door_rss_ratio`` (bar ≤ 1/3).
@@ -64,6 +69,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -337,6 +343,64 @@ def run_arm(url: str, arm: str, cases: list[dict], concurrency: int, max_tokens:
     return {"wall_s": wall, "replies": replies}
 
 
+def balanced_orders(arms: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """A Williams design: orders of ``arms`` in which each arm comes right after each other arm
+    equally often (2n orders for an odd n), so what one arm leaves behind (a server that was just
+    busy, a warm CPU cache) lands on every other arm alike."""
+    n = len(arms)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [tuple(arms[(x + i) % n] for x in first) for i in range(n)]
+    return rows + [tuple(reversed(r)) for r in rows] if n % 2 else rows
+
+
+def run_interleaved(url: str, cases: list[dict], max_tokens: int, rep: int, desc: str) -> dict[str, dict]:
+    """Concurrency 1, case by case: every arm serves the case back to back in one of
+    :func:`balanced_orders`' orders (case ``j`` of round ``rep``: order ``rep * len(cases) + j``),
+    so a slow spell of the machine falls on every arm's copy of the same cases. Per arm: its
+    replies in case order and ``wall_s`` = Σ its requests' latencies (one request at a time)."""
+    orders = balanced_orders(ARMS)
+    http = urllib3.PoolManager(num_pools=2, maxsize=8)
+    replies: dict[str, list[dict]] = {a: [] for a in ARMS}
+    with tqdm(total=len(cases) * len(ARMS), desc=desc, unit="req", leave=False) as bar:
+        for j, case in enumerate(cases):
+            for arm in orders[(rep * len(cases) + j) % len(orders)]:
+                replies[arm].append(request(http, url, arm, case, max_tokens))
+                bar.update(1)
+    return {a: {"wall_s": sum(r["latency_s"] for r in rs), "replies": rs} for a, rs in replies.items()}
+
+
+def paired_ratio(runs: dict[str, list[dict]], seed: int, resamples: int = 2000) -> dict:
+    """Concurrency 1: ``auto`` ÷ the best single arm over the same cases served back to back, with
+    a 95 % bootstrap interval over cases (each case's pair of latencies resampled together; the
+    tokens are the same, the outputs being identical)."""
+    lat = {a: [r["latency_s"] for run in runs[a] for r in run["replies"]] for a in ARMS}
+    tok = {a: [r["tokens"] for run in runs[a] for r in run["replies"]] for a in ARMS}
+    speed = {a: sum(tok[a]) / max(sum(lat[a]), 1e-9) for a in SINGLE}
+    best = max(speed, key=speed.get)
+    pairs = list(zip(lat["auto"], lat[best], tok["auto"], tok[best]))
+
+    def ratio(rows) -> float:
+        a = sum(r[2] for r in rows) / max(sum(r[0] for r in rows), 1e-9)
+        b = sum(r[3] for r in rows) / max(sum(r[1] for r in rows), 1e-9)
+        return a / b
+
+    rng = random.Random(seed)
+    boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(resamples))
+    return {
+        "best_single": best,
+        "ratio": round(ratio(pairs), 3),
+        "ci95": [round(boot[int(0.025 * resamples)], 3), round(boot[int(0.975 * resamples) - 1], 3)],
+        "cases": len(pairs),
+        "auto_faster_cases": sum(r[0] < r[1] for r in pairs),
+    }
+
+
 # ---------------------------------------------------------------- swaps and the front door's memory
 def measure_swap(args, model_dir: Path) -> dict:
     """``benchmarks/vllm_swap.py`` on this pair: promotions under load into the standby and in
@@ -478,6 +542,7 @@ def summarise(report: dict) -> dict:
         "auto_vs_best_single": {c: v["ratio"] for c, v in auto_vs.items()},
         "best_single": {c: v["best_single"] for c, v in auto_vs.items()},
         "auto_vs_best_single_rounds": {c: v["rounds"] for c, v in auto_vs.items()},
+        "auto_vs_best_single_c1_ci95": (report.get("paired_c1") or {}).get("ci95"),
         "llma_refs_vs_vllm_target": llma_vs,
         "identical_outputs": report.get("identical_outputs"),
         "alpha_token_per_request": report.get("alpha_token_per_request"),
@@ -517,7 +582,8 @@ def markdown(report: dict, command: str) -> str:
             f"**Speed**: {report['cases_per_kind']} measured cases per kind (chat, rag, cag), {report['max_tokens']} "
             f"tokens, greedy, k = {report['k']} (copy server: up to {report.get('copy_k', report['k'])}); one front door "
             f"with four vLLM servers; {report.get('repeats', 1)} round(s) of every arm per concurrency, tokens/s over "
-            "all rounds.",
+            "all rounds; at concurrency 1 every case is served by all arms back to back, in balanced orders "
+            "(tokens/s: Σ tokens ÷ Σ latency).",
             "",
             "| concurrency | arm | tokens/s | chat tok/s (c=1 kinds) | rag | cag | p50 latency s | per-token α |",
             "|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -544,7 +610,8 @@ def markdown(report: dict, command: str) -> str:
         lines += [
             "",
             f"`auto` ÷ best single-method arm: {s['auto_vs_best_single']} (bar ≥ 1; best: {s['best_single']}; per "
-            f"round: {s.get('auto_vs_best_single_rounds')}); "
+            f"round: {s.get('auto_vs_best_single_rounds')}; concurrency 1, the arms served case by case: 95 % "
+            f"bootstrap interval over cases {s.get('auto_vs_best_single_c1_ci95')}); "
             f"LLMA with references ÷ target-only on the rag set at concurrency 1: {s['llma_refs_vs_vllm_target']} "
             f"(bar ≥ 1.5); greedy outputs identical to target-only's by token ids: {s['identical_outputs']}; every "
             f"drafting response carried a per-token α: {s['alpha_token_per_request']}.",
@@ -671,7 +738,7 @@ def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: 
     ready_s = door.start()
     log.info("front door with four vLLM servers ready in %.0fs", ready_s)
     by_c: dict[str, dict] = {}
-    identical, alpha_every = True, True
+    identical, alpha_every, paired = True, True, None
     try:
         for c in args.concurrency:  # untimed: every server warmed, auto explores at this load
             for arm in ARMS:
@@ -679,16 +746,25 @@ def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: 
         rss = door.rss_mb()
         for ci, c in enumerate(args.concurrency):
             runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-            for rep in range(args.repeats):  # rounds, each arm once per round, the order rotated
-                shift = (ci + rep) % len(ARMS)
-                for arm in ARMS[shift:] + ARMS[:shift]:
-                    run = run_arm(door.url, arm, measured, c, args.max_tokens, f"c={c} round {rep + 1} {arm}")
+            for rep in range(args.repeats):  # rounds, each arm once per round
+                if c == 1:  # case by case, every arm on it back to back, the orders balanced (module docstring)
+                    done = run_interleaved(door.url, measured, args.max_tokens, rep, f"c=1 round {rep + 1}")
+                else:  # arm by arm, the order rotated
+                    shift = (ci + rep) % len(ARMS)
+                    order = ARMS[shift:] + ARMS[:shift]
+                    done = {
+                        a: run_arm(door.url, a, measured, c, args.max_tokens, f"c={c} round {rep + 1} {a}")
+                        for a in order
+                    }
+                for arm, run in done.items():
                     runs[arm].append(run)
                     alpha_every = alpha_every and all(
                         r["alpha_token"] is not None for r in run["replies"] if r["method"] != "target"
                     )
                     log.info("c=%d round %d %s: %.1f tokens/s", c, rep + 1, arm, arm_row(run)["tok_s"])
             rows = {}
+            if c == 1:
+                paired = paired_ratio(runs, args.seed)
             for arm in ARMS:
                 merged = {
                     "wall_s": sum(r["wall_s"] for r in runs[arm]),
@@ -714,6 +790,7 @@ def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: 
         "front_door_ready_s": round(ready_s, 1),
         "speed_front_door_rss_mb": None if rss is None else round(rss, 1),
         "by_concurrency": by_c,
+        "paired_c1": paired,
         "identical_outputs": identical,
         "alpha_token_per_request": alpha_every,
     }

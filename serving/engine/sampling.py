@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specops.serving.engine.types import SamplingParams
+from specops.serving.engine.types import SamplingParams, TokenLogprob
 
 
 def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -112,3 +112,32 @@ def drawable(probs: torch.Tensor) -> torch.Tensor | None:
 
 def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator).item())
+
+
+LOGPROB_FLOOR = -9999.0
+"""What a ``-inf`` log-probability (a token the filters dropped) is reported as: JSON has no
+infinity, and vLLM reports the same floor."""
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], params: SamplingParams, probs: torch.Tensor | None = None
+) -> list[TokenLogprob]:
+    """Each of ``tokens``' log-probability in the matching row of ``logits`` [len(tokens), vocab],
+    with the ``params.logprobs`` most probable alternatives: log-softmax of the raw logits, or with
+    ``logprobs_mode="processed"`` (sampling) the log of the warped distribution ``probs`` (computed
+    when not given) the token was drawn from. The verifier calls this on the rows of the pass that
+    emitted the tokens, so no forward is added and target-only decoding gets the same numbers."""
+    assert logits.ndim == 2 and logits.shape[0] == len(tokens), (logits.shape, len(tokens))
+    if params.logprobs_mode == "processed" and not params.greedy:
+        lp = torch.log(probs if probs is not None else warp(logits, params))
+    else:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = lp.clamp_min(LOGPROB_FLOOR)
+    n = int(params.logprobs or 0)
+    top_v, top_i = lp.topk(n, dim=-1) if n else (None, None)
+    picked = lp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    out = []
+    for r, (tok, v) in enumerate(zip(tokens, picked, strict=True)):
+        top = tuple(zip(top_i[r].tolist(), top_v[r].tolist(), strict=True)) if n else ()
+        out.append(TokenLogprob(int(tok), float(v), top))
+    return out

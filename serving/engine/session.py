@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.sampling import token_logprobs
 from specops.serving.engine.types import (
     ContextSpan,
     DecodeState,
@@ -31,6 +32,7 @@ from specops.serving.engine.types import (
     RejectedPosition,
     RequestStats,
     SamplingParams,
+    TokenLogprob,
     Verdict,
 )
 from specops.serving.engine.verifier import Verifier
@@ -54,6 +56,8 @@ class StepOutcome:
     """Set when the request is finished: ``eos``, ``length`` or ``context``."""
     propose_s: float = 0.0
     verify_s: float = 0.0
+    final_logprobs: list[TokenLogprob] | None = None
+    """One per ``final`` token, when the request asked for log-probabilities."""
 
     @property
     def finished(self) -> bool:
@@ -101,6 +105,10 @@ class DecodeSession:
         )
         self.stats = RequestStats(method=method, num_prompt_tokens=len(context_ids))
         self.rejections: list[RejectedPosition] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        """One per context token after the first (``SamplingParams.prompt_logprobs``), set by :meth:`start`."""
+        """One per output token (``SamplingParams.logprobs``), kept in step with ``state.token_ids``."""
         self.verifier = Verifier(target, collect_rejections=collect_rejections, want_hidden=want_hidden)
         self.finish_reason = ""
         self._t_start = 0.0
@@ -112,9 +120,29 @@ class DecodeSession:
         assert not self._started, "start() once"
         self._started = True
         self._t_start = time.perf_counter()
+        if self.state.params.prompt_logprobs is not None:
+            self._prefill_with_logprobs()
         if self.proposer is not None:
             self.proposer.start(self.state)
         return self
+
+    PREFILL_CHUNK = 256
+    """Context tokens per pass when the prefill keeps every row's logits (``prompt_logprobs``):
+    bounds the logits held at once to this many rows of the vocabulary."""
+
+    def _prefill_with_logprobs(self) -> None:
+        """Prefill the target with every context token but the last (the first step feeds that
+        one with its drafts, as always), keeping each row's logits: row ``i`` is the target's
+        distribution for context token ``i + 1``. This is the prefill, in chunks, not an extra
+        pass; a request without ``prompt_logprobs`` prefills in its first step instead."""
+        ids = self.state.token_ids[: self.state.num_prompt_tokens]
+        out: list[TokenLogprob] = []
+        for lo in range(self.target.num_cached, len(ids) - 1, self.PREFILL_CHUNK):
+            hi = min(lo + self.PREFILL_CHUNK, len(ids) - 1)
+            logits, _ = self.target.forward(ids[lo:hi], logits_to_keep=0)
+            raw = SamplingParams(logprobs=self.state.params.prompt_logprobs)  # the prompt was not sampled: raw
+            out.extend(token_logprobs(logits, ids[lo + 1 : hi + 1], raw))
+        self.prompt_logprobs = out
 
     @property
     def finished(self) -> bool:
@@ -158,7 +186,12 @@ class DecodeSession:
             if verdict.rejected is not None:
                 self.rejections.append(verdict.rejected)
         state.token_ids.extend(emitted)
+        if self.logprobs is not None:
+            assert verdict.logprobs is not None and len(verdict.logprobs) >= len(emitted), "the verifier's logprobs"
+            self.logprobs.extend(verdict.logprobs[: len(emitted)])
+        first = state.num_final
         final = [] if self.hold_back else self.finalize()
+        final_lp = self.logprobs[first : first + len(final)] if self.logprobs is not None else None
         if not self.finished and state.num_generated >= params.max_new_tokens:
             self.finish_reason = "length"
         elif not self.finished and len(state.token_ids) >= self.context_size:
@@ -168,7 +201,7 @@ class DecodeSession:
                 self.proposer.observe_final(state, verdict)
             else:
                 self.proposer.observe(state, verdict)
-        return StepOutcome(emitted, verdict, final, self.finish_reason, t1 - t0, t2 - t1)
+        return StepOutcome(emitted, verdict, final, self.finish_reason, t1 - t0, t2 - t1, final_lp)
 
     def stop(self, reason: str = "stop") -> None:
         """End the request here: a stop sequence was seen. It overrides a ``length`` or
@@ -201,6 +234,8 @@ class DecodeSession:
         if not dropped:
             return
         del state.token_ids[position:]
+        if self.logprobs is not None:
+            del self.logprobs[position - state.num_prompt_tokens :]
         self.stats.num_rolled_back += dropped
         # The target cache holds every committed token but the last (fed with the next drafts).
         self.target.rollback(min(self.target.num_cached, position - 1))
@@ -232,7 +267,13 @@ class DecodeSession:
         out_ids = state.output_ids
         text = tokenizer.decode(out_ids) if tokenizer is not None else None
         return GenerationResult(
-            token_ids=out_ids, stats=stats, rejections=self.rejections, text=text, context_spans=state.context_spans
+            token_ids=out_ids,
+            stats=stats,
+            rejections=self.rejections,
+            text=text,
+            context_spans=state.context_spans,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def abort(self) -> None:

@@ -13,7 +13,7 @@ from specops.core import limits
 from specops.core.models import ModelPair
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.session import DecodeSession
-from specops.serving.engine.types import ContextSpan, GenerationResult, SamplingParams
+from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, SamplingParams
 from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.catalogue import (  # noqa: F401  (re-exported: the engine's public names)
     DEFAULT_K,
@@ -149,10 +149,13 @@ class SpecEngine:
             resources=resources,
             context_spans=context_spans,
         )
+        prompt_lps = session.prompt_logprobs  # handed on with the first step's tokens
         try:
             while not session.finished:
                 outcome = session.step()
-                if on_step is not None and outcome.emitted and on_step(outcome.final):
+                emitted = Emitted(outcome.final, outcome.final_logprobs, prompt_lps, session.state.num_prompt_tokens)
+                prompt_lps = None
+                if on_step is not None and outcome.emitted and on_step(emitted):
                     session.stop("stop")
         except BaseException:
             session.abort()

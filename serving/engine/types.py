@@ -21,6 +21,41 @@ import torch
 
 from specops.core.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's ``top_logprobs`` bound)."""
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target and its most probable alternatives."""
+
+    token: int
+    logprob: float | None
+    """None only for the first token of a prompt, which nothing before it predicts."""
+    top: tuple[tuple[int, float], ...] = ()
+    """``(token, logprob)`` of the ``SamplingParams.logprobs`` most probable tokens, most probable first."""
+
+
+class Emitted(list):
+    """Tokens that became final in one step, as an ``on_step`` callback gets them: a plain list
+    of ids, with ``logprobs`` (one :class:`TokenLogprob` per token) when the request asked for
+    them, else None. A list, so every ``on_step`` that only reads ids is unchanged."""
+
+    def __init__(
+        self,
+        tokens=(),
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
+        context_len: int = 0,
+    ) -> None:
+        super().__init__(tokens)
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        """The first step's only: the context's log-probabilities (``SamplingParams.prompt_logprobs``)."""
+        self.context_len = context_len
+        """With ``prompt_logprobs``: the context's length (they hold one per token after the first)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,6 +73,17 @@ class SamplingParams:
     """Keep the ``top_k`` most probable tokens (ties with the last one kept too); 0 disables it."""
     min_p: float = 0.0
     """Keep tokens whose probability is at least ``min_p`` times the top token's, in [0, 1]; 0 disables it."""
+    logprobs: int | None = None
+    """None: off. ``n`` in 0..:data:`MAX_LOGPROBS`: each emitted token's log-probability under the
+    target, with its ``n`` most probable alternatives, from the verification pass that emitted it
+    (``serving.engine.sampling.token_logprobs``)."""
+    prompt_logprobs: int | None = None
+    """None: off. ``n`` in 0..:data:`MAX_LOGPROBS`: the same for every prompt token after the first,
+    from the prefill (``DecodeSession.start``; the completions API's ``echo`` with ``logprobs``)."""
+    logprobs_mode: str = "raw"
+    """``raw``: log-softmax of the target's logits (vLLM's default, ``raw_logprobs``); ``processed``:
+    of the distribution the token was drawn from (temperature, min-p, top-k, top-p applied; a
+    token they drop has ``-inf``). Greedy requests get ``raw`` either way, as vLLM's."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
@@ -50,6 +96,24 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int)
+            and not isinstance(self.logprobs, bool)
+            and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int)
+            and not isinstance(self.prompt_logprobs, bool)
+            and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
 
@@ -239,6 +303,8 @@ class Verdict:
     """Distinct drafted tokens the target checked (tree nodes; ``num_drafted`` for a chain)."""
     target_pass: TargetPass | None = None
     """The pass that verified this step (rows and width as run), when the target reports it."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per :attr:`emitted` token, when the request asked for them (``SamplingParams.logprobs``)."""
 
     @property
     def emitted(self) -> list[int]:
@@ -351,3 +417,7 @@ class GenerationResult:
     text: str | None = None
     context_spans: tuple[ContextSpan, ...] = ()
     """The parts of the context the target saw (its first ``stats.num_prompt_tokens`` tokens)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token, when the request asked for them (``SamplingParams.logprobs``)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """One per context token after the first, when asked for (``SamplingParams.prompt_logprobs``)."""

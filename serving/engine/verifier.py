@@ -58,7 +58,7 @@ import torch
 
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
-from specops.serving.engine.sampling import draw, uniform, warp
+from specops.serving.engine.sampling import draw, token_logprobs, uniform, warp
 from specops.serving.engine.tree import TokenTree
 from specops.serving.engine.types import DecodeState, Proposals, RejectedPosition, Verdict
 
@@ -175,6 +175,9 @@ class Verifier:
             rejected = RejectedPosition(
                 index=base + a, drafted_token=drafts[a], emitted_token=bonus, target_logits=logits[a].clone()
             )
+        logprobs = None
+        if state.params.logprobs is not None:  # the rows that emitted the accepted drafts and the bonus
+            logprobs = token_logprobs(logits[: a + 1], [*accepted, bonus], state.params, probs[: a + 1])
         # Keep the committed prefix and the accepted drafts; the bonus is fed next step.
         self.target.rollback(base + a)
         return Verdict(
@@ -186,6 +189,7 @@ class Verifier:
             path=list(range(1, a + 1)),
             num_nodes=k,
             target_pass=getattr(self.target, "last_pass", None),
+            logprobs=logprobs,
         )
 
     def verify_tree(self, state: DecodeState, proposals: Proposals) -> Verdict:
@@ -215,6 +219,10 @@ class Verifier:
             rejected = RejectedPosition(
                 index=base + len(path), drafted_token=drafted, emitted_token=bonus, target_logits=logits[last].clone()
             )
+        logprobs = None
+        if state.params.logprobs is not None:  # the root's row, then each accepted node's (its child's)
+            rows = [0, *path]
+            logprobs = token_logprobs(logits[rows], [*accepted, bonus], state.params, probs[rows])
         self.target.keep_path(base, path)
         return Verdict(
             accepted=accepted,
@@ -225,4 +233,5 @@ class Verifier:
             path=path,
             num_nodes=tree.num_nodes,
             target_pass=getattr(self.target, "last_pass", None),
+            logprobs=logprobs,
         )

@@ -56,6 +56,7 @@ from specops.core.errors import (
     http_status,
 )
 from specops.core.models import render_chat
+from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.http.errors import error_body
 from specops.serving.http.gate import OPEN_PATHS, REQUEST_ID, Gate, error_response  # noqa: F401 (re-export)
 from specops.serving.http.latency import RequestTimer
@@ -306,7 +307,8 @@ async def _serve(
         raise ModelNotFoundError(f"model {echo(req.model)} is not served here; use {cfg.served_model_name!r}", "model")
     tenant = _tenant(request) if request is not None else ANONYMOUS
     plan = await asyncio.to_thread(state.plan, prompt, req, chat=chat, tenant=tenant, request_id=request_id)
-    job = Job(plan, token_ids=req.return_token_ids)
+    echoed = bool(getattr(req, "echo", False))
+    job = Job(plan, token_ids=req.return_token_ids, echo=echoed, score_only=echoed and req.max_tokens == 0)
     arrived = request.scope.get("state", {}).get("arrived") if request is not None else None
     timer = RequestTimer(arrived or time.perf_counter(), plan.cluster, plan.method)
     headers = {"X-Request-Id": job.request_id, **req.ignored_header()}  # schema.IGNORED_FIELDS it sent, if any
@@ -329,9 +331,10 @@ async def _serve(
             if watch is not None:
                 watch.cancel()
         timer.finished()
-        return JSONResponse(_response(cfg.served_model_name, job, served, chat=chat), headers=headers)
+        body = _response(cfg.served_model_name, job, served, chat=chat, tokenizer=state.pair.tokenizer)
+        return JSONResponse(body, headers=headers)
     queue: asyncio.Queue = asyncio.Queue()
-    job.on_delta = lambda text: loop.call_soon_threadsafe(queue.put_nowait, text)
+    job.on_delta = lambda text, lps: loop.call_soon_threadsafe(queue.put_nowait, (text, lps))
     future = loop.run_in_executor(state.executor, state.run, job)
     future.add_done_callback(lambda _: queue.put_nowait(None))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -346,6 +349,7 @@ async def _serve(
             include_usage=include_usage,
             deadline=(deadline, lambda: state.abandon(job)),
             timer=timer,
+            tokenizer=state.pair.tokenizer,
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
@@ -362,6 +366,7 @@ async def _sse(
     include_usage: bool,
     deadline: tuple[float, Callable[[], SpecOpsError]] | None = None,
     timer: RequestTimer | None = None,
+    tokenizer=None,
 ) -> AsyncIterator[str]:
     """The stream of one request. ``deadline``: the event loop's time at which a decode that has not
     ended is abandoned, and what abandons it (the error the stream then ends with); ``timer``: its
@@ -373,11 +378,24 @@ async def _sse(
         body = {"id": rid, "object": obj, "created": job.created, "model": model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
+    offset = 0  # completions: the text offset of the next token whose log-probability goes out
+
+    def shaped(lps) -> dict | None:
+        nonlocal offset
+        if lps is None:
+            return None
+        items = logprobs_fmt.entries(tokenizer, lps)
+        if chat:
+            return logprobs_fmt.chat_shape(items)
+        out = logprobs_fmt.completion_shape(items, top=job.plan.params.logprobs, offset=offset)
+        offset += sum(len(e.text) for e in items)
+        return out
+
+    def choice(text: str | None, finish: str | None, role: bool = False, lps=None) -> dict:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": shaped(lps), "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": shaped(lps), "finish_reason": finish}
 
     outcome_read = False
     try:
@@ -393,9 +411,10 @@ async def _sse(
                 return
             if text is None:
                 break
+            text, lps = text
             if timer is not None:
                 timer.tokens()
-            yield chunk([choice(text, None)])
+            yield chunk([choice(text, None, lps=lps)])
         outcome_read = True
         try:
             served = future.result()
@@ -407,7 +426,7 @@ async def _sse(
             log.exception("request %s failed while streaming", job.request_id)
             yield f"data: {json.dumps(error_body(500, f'internal error: {type(err).__name__}', 'internal'))}\n\n"
             return
-        body = _response(model, job, served, chat=chat)
+        body = _response(model, job, served, chat=chat, tokenizer=tokenizer)
         last = choice(None if chat else "", body["choices"][0]["finish_reason"])
         if job.token_ids:  # the whole request's ids, once, on the finishing chunk
             last.update(prompt_token_ids=list(job.plan.prompt_ids), token_ids=list(job.output_ids))
@@ -430,13 +449,14 @@ def _settle(future) -> None:
         log.error("a request failed after its client went away", exc_info=err)
 
 
-def _response(model: str, job: Job, served, *, chat: bool) -> dict:
+def _response(model: str, job: Job, served, *, chat: bool, tokenizer=None) -> dict:
     plan, st = job.plan, served.result.stats
-    finish = "stop" if job.stopped else FINISH.get(st.finish_reason, st.finish_reason)
+    finish = "length" if job.score_only else "stop" if job.stopped else FINISH.get(st.finish_reason, st.finish_reason)
+    generated = 0 if job.score_only else st.num_generated  # echo with max_tokens 0: the prompt alone
     usage = {
         "prompt_tokens": len(plan.prompt_ids),
-        "completion_tokens": st.num_generated,
-        "total_tokens": len(plan.prompt_ids) + st.num_generated,
+        "completion_tokens": generated,
+        "total_tokens": len(plan.prompt_ids) + generated,
     }
     # the artifacts of the method, or of the methods it decoded with (auto's steps)
     artifacts = {CATALOGUE[m].artifact for m in plan.spec.split(st) if m in CATALOGUE}
@@ -471,16 +491,28 @@ def _response(model: str, job: Job, served, *, chat: bool) -> dict:
         speculation["kb_version"] = served.versions.get("kb")
     if served.retrieval is not None and "knnlm" in served.versions:
         speculation["knnlm_version"] = served.versions.get("knnlm")
+    logprobs = None
+    if plan.params.logprobs is not None:  # the tokens behind the text (a stop sequence cuts them too)
+        lps = served.result.logprobs or []
+        if job.stopped:
+            lps = lps[: logprobs_fmt.covered(tokenizer, job.output_ids, len(job.text))]
+        if job.score_only:
+            lps = []
+        items = logprobs_fmt.entries(tokenizer, [*(job.prompt_logprobs or []), *lps])
+        logprobs = (
+            logprobs_fmt.chat_shape(items) if chat else logprobs_fmt.completion_shape(items, top=plan.params.logprobs)
+        )
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": job.text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         obj, rid = "chat.completion", "chatcmpl-" + job.request_id
     else:
-        choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": finish}
+        text = (plan.prompt_text or tokenizer.decode(list(plan.prompt_ids))) + job.text if job.echo else job.text
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj, rid = "text_completion", "cmpl-" + job.request_id
     if job.token_ids:
         choice.update(prompt_token_ids=list(plan.prompt_ids), token_ids=list(job.output_ids))

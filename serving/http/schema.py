@@ -1,14 +1,14 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
 Only what the server implements is accepted. An OpenAI parameter we do not implement
-(``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``, tools and
+(``n > 1``, penalties, ``logit_bias``, ``best_of``, ``suffix``, tools and
 functions, a ``response_format`` other than text) and any field OpenAI does not define either
 gets a 400 naming the parameter, rather than being silently ignored. The exceptions are
 :data:`IGNORED_FIELDS`: what clients commonly send that cannot change the output (storage,
 billing and tracing hints); they are accepted, and the API names the ones a request sent in
 its ``X-Specops-Ignored-Fields`` header and a log line. vLLM's ``top_k`` and ``min_p`` are
 honoured (``serving.engine.sampling``). Our extension fields are ``speculation``, ``cluster``,
-``retrieval``, ``knnlm``, ``references`` and vLLM's ``return_token_ids``.
+``retrieval``, ``knnlm``, ``references`` and vLLM's ``return_token_ids`` and ``logprobs_mode``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
 ``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
@@ -198,6 +198,20 @@ class _Common(BaseModel):
     references: list[str] | None = None
     """Texts LLMA copies from (``speculation.method = "llma"``); bounded by the server's
     max_references and max_reference_tokens (413 beyond)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    """vLLM's ``logprobs_mode`` (a server option there, per request here): ``raw_logprobs``
+    (default) the target's log-softmax; ``processed_logprobs`` the distribution sampled from
+    (temperature, min-p, top-k, top-p applied). Only with log-probabilities asked for."""
+
+    def logprobs_n(self) -> int | None:
+        """Alternatives per token the request asks for (0 = the chosen token's alone), or None: none asked."""
+        return None
+
+    def _check_logprobs_mode(self) -> None:
+        if self.logprobs_mode is not None and self.logprobs_n() is None:
+            raise UnsupportedParameterError(
+                "logprobs_mode applies only when log-probabilities are asked for; send logprobs too", "logprobs_mode"
+            )
 
     @field_validator("stop")
     @classmethod
@@ -237,6 +251,7 @@ class _Common(BaseModel):
             raise UnsupportedParameterError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameterError("stream_options is only allowed with stream=true", "stream_options")
+        self._check_logprobs_mode()
 
 
 class CompletionRequest(_Common):
@@ -244,10 +259,19 @@ class CompletionRequest(_Common):
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     """Text or token ids (strict: JSON booleans are not token ids); one prompt per request."""
+    max_tokens: int | None = Field(None, ge=0)
+    """0 only with ``echo``: score the prompt (its log-probabilities with ``logprobs``), generate nothing."""
     echo: bool = False
+    """The response's text starts with the prompt; with ``logprobs``, so do its log-probabilities
+    (the first prompt token's are null: nothing before it predicts it)."""
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    """The target's log-probability of each output token and of the ``logprobs`` most probable
+    tokens at its position (0: the chosen token's alone)."""
     suffix: str | None = None
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -264,12 +288,13 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo:
-            raise UnsupportedParameterError("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedParameterError(
+                "max_tokens: 0 generates nothing; it is only for scoring a prompt with echo (and logprobs)",
+                "max_tokens",
+            )
         if self.best_of not in (None, 1):
             raise UnsupportedParameterError("best_of: only 1 is supported", "best_of")
-        if self.logprobs:
-            raise UnsupportedParameterError("logprobs is not supported", "logprobs")
         if self.suffix:
             raise UnsupportedParameterError("suffix is not supported", "suffix")
 
@@ -304,7 +329,8 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    """The target's log-probability of each output token (``top_logprobs``: and of its most probable alternatives)."""
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -312,6 +338,9 @@ class ChatCompletionRequest(_Common):
     functions: list[dict] | None = None
     function_call: Any = None
     response_format: dict | None = None
+
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _tokens(self) -> ChatCompletionRequest:
@@ -327,9 +356,9 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.logprobs or self.top_logprobs:
+        if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameterError(
-                "logprobs is not supported", "logprobs" if self.logprobs else "top_logprobs"
+                "top_logprobs needs logprobs: true (OpenAI's rule); send both", "top_logprobs"
             )
         if self.tools or self.tool_choice not in (None, "none"):
             raise UnsupportedParameterError(

@@ -33,7 +33,8 @@ from specops.core.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
 )
-from specops.serving.engine.types import SamplingParams
+from specops.serving.engine.types import SamplingParams, TokenLogprob
+from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.http.admission import Admission
 from specops.serving.http.config import ServeConfig
 from specops.serving.http.tenancy import ANONYMOUS, Tenant
@@ -59,16 +60,31 @@ class Job:
     plan: DecodePlan
     token_ids: bool = False
     """The response carries the prompt's and the output's token ids (``return_token_ids``)."""
-    on_delta: Callable[[str], None] | None = None
+    on_delta: Callable[[str, list[TokenLogprob] | None], None] | None = None
+    """Streaming: each new piece of text, with the log-probabilities of the tokens it completes
+    (None unless the request asked for them)."""
     on_emit: Callable[[], None] | None = None
     """Called on the decode thread after each step that emitted tokens (the API times non-streamed requests by it)."""
     created: int = field(default_factory=lambda: int(time.time()))
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled in by run()
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per ``output_ids`` token, when the request asked for log-probabilities."""
     text: str = ""
     sent: int = 0
     """Characters of ``text`` already handed to ``on_delta``."""
+    sent_tokens: int = 0
+    """Tokens whose log-probabilities went out with ``on_delta`` (streaming with logprobs)."""
+    echo: bool = False
+    """Completions' ``echo``: the prompt (and its log-probabilities) goes before the output."""
+    score_only: bool = False
+    """``echo`` with ``max_tokens: 0``: the prompt is scored and nothing generated (the decode stops
+    after its first step, whose token is dropped)."""
+    echoed: bool = False
+    """The prompt went out with ``on_delta`` (streaming with ``echo``)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """The prompt tokens' log-probabilities (``echo`` with ``logprobs``), the first one's None."""
     stopped: bool = False
     abandoned: bool = False
     """The API answered with the request timeout while a step had not returned (``ServingState.abandon``)."""
@@ -177,11 +193,14 @@ class ServingState(Replica):
         params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p if req.top_p is not None else 1.0,
-            max_new_tokens=req.max_tokens or cfg.default_max_tokens,
+            max_new_tokens=max(1, req.max_tokens if req.max_tokens is not None else cfg.default_max_tokens),
             seed=req.seed,
             # vLLM's "off" values (-1, 0) and a top_k past the vocabulary are 0: off
             top_k=req.top_k if req.top_k is not None and 0 < req.top_k < self.pair.vocab_size else 0,
             min_p=req.min_p or 0.0,
+            logprobs=req.logprobs_n(),
+            prompt_logprobs=req.logprobs_n() if getattr(req, "echo", False) else None,
+            logprobs_mode="processed" if req.logprobs_mode == "processed_logprobs" else "raw",
         )
         if cluster is not None and not tenant.may_route:
             raise ForbiddenError(
@@ -201,6 +220,16 @@ class ServingState(Replica):
             raise InvalidRequestError(
                 f"speculation.n_drafts is {n_drafts}; this server allows at most {cfg.max_n_drafts}",
                 "speculation.n_drafts",
+            )
+        if params.logprobs is not None and (
+            knnlm is not None or (retrieval is not None and retrieval.mode != "oneshot")
+        ):
+            path = "knnlm" if knnlm is not None else "retrieval.mode"
+            raise InvalidRequestError(
+                f"logprobs with {path}: not supported yet; kNN-LM mixes the target with its datastore and the "
+                "retrieval loop withdraws tokens, so neither reports per-token log-probabilities (retrieval.mode "
+                "'oneshot' does); leave logprobs out",
+                "logprobs",
             )
         if knnlm is not None:
             _refuse_ignored(
@@ -458,7 +487,16 @@ class ServingState(Replica):
             if time.monotonic() > deadline:
                 CANCELLED.labels("timeout").inc()
                 raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
+            if job.echo and getattr(emitted, "prompt_logprobs", None) is not None:
+                job.prompt_logprobs = self._prompt_logprobs(job, emitted.prompt_logprobs, emitted.context_len)
+            if job.echo and not job.echoed and job.on_delta is not None:
+                job.on_delta(job.plan.prompt_text or tok.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
+                job.echoed = True
+            if job.score_only:
+                return True  # its token is not the client's: the prompt alone was asked for
             job.output_ids.extend(emitted)
+            if getattr(emitted, "logprobs", None) is not None:  # serving.engine.types.Emitted
+                job.logprobs.extend(emitted.logprobs)
             if emitted and job.on_emit is not None:
                 job.on_emit()
             if job.on_delta is None and not stops:
@@ -470,17 +508,48 @@ class ServingState(Replica):
             else:
                 job.text = text[: len(text) - _held_back(text, stops)]
             if job.on_delta is not None and len(job.text) > job.sent:
-                job.on_delta(job.text[job.sent :])
+                job.on_delta(job.text[job.sent :], self._delta_logprobs(job, whole=len(job.text) == len(text)))
                 job.sent = len(job.text)
             return job.stopped
 
         served = self.decode(job.plan, on_step)
+        res = served.result
+        if job.echo and job.prompt_logprobs is None and res.prompt_logprobs is not None:
+            job.prompt_logprobs = self._prompt_logprobs(job, res.prompt_logprobs, res.stats.num_prompt_tokens)
+        if job.echo and not job.echoed and job.on_delta is not None:  # no step handed tokens on
+            job.on_delta(job.plan.prompt_text or tok.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
+            job.echoed = True
+        if job.score_only:
+            job.output_ids, job.logprobs, job.text = [], [], ""
+            return served
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
-            if job.on_delta is not None and len(job.text) > job.sent:
-                job.on_delta(job.text[job.sent :])
+            if job.on_delta is not None and (len(job.text) > job.sent or job.sent_tokens < len(job.logprobs)):
+                job.on_delta(job.text[job.sent :], self._delta_logprobs(job, whole=True))
                 job.sent = len(job.text)
         return served
+
+    @staticmethod
+    def _prompt_logprobs(job: Job, context: list[TokenLogprob], context_len: int) -> list[TokenLogprob] | None:
+        """The prompt's entries of the context's log-probabilities (one per context token after the
+        first: the prompt is the context's last tokens, after any retrieved passages); None when
+        the request did not ask for log-probabilities."""
+        if job.plan.params.prompt_logprobs is None:
+            return None
+        prompt = list(job.plan.prompt_ids)
+        start = context_len - len(prompt)
+        return [context[j - 1] if j >= 1 else TokenLogprob(prompt[0], None) for j in range(start, context_len)]
+
+    def _delta_logprobs(self, job: Job, *, whole: bool) -> list[TokenLogprob] | None:
+        """The log-probabilities of the tokens behind ``job.text`` not sent yet (``whole``: the text
+        holds all the output so far, nothing held back or cut), or None when none were asked for."""
+        if job.plan.params.logprobs is None:
+            return None
+        n = len(job.output_ids) if whole else logprobs_fmt.covered(self.pair.tokenizer, job.output_ids, len(job.text))
+        n = min(n, len(job.logprobs))
+        out = job.logprobs[job.sent_tokens : n]
+        job.sent_tokens = max(job.sent_tokens, n)
+        return out
 
 
 def _refuse_ignored(

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import urllib3
 
+from specops.serving.engine.sampling import LOGPROB_FLOOR
+from specops.serving.engine.types import TokenLogprob
 from specops.serving.vllm.process import VLLMError
 
 FINISH = {"stop": "eos", "length": "length", "abort": "length"}
@@ -32,6 +34,8 @@ class Chunk:
     """vLLM's per-request speculative-decoding counts (``metrics.speculative_decoding`` of the final
     usage chunk, with ``--per-request-spec-decode-metrics detailed``): ``per_step_accepted`` and
     ``per_step_drafted``, one entry per verify step."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per ``token_ids`` token when the request asked for them (``request_body(logprobs=N)``)."""
 
 
 def request_body(
@@ -45,9 +49,12 @@ def request_body(
     eos_ids: tuple[int, ...] = (),
     top_k: int = 0,
     min_p: float = 0.0,
+    logprobs: int | None = None,
 ) -> dict:
     """The completion request vLLM's OpenAI server takes; ``top_k`` and ``min_p`` (vLLM's own
-    parameters, ``serving.engine.types.SamplingParams``) go only when on (0: off)."""
+    parameters, ``serving.engine.types.SamplingParams``) go only when on (0: off); ``logprobs``
+    (N alternatives) asks for each token's log-probability, its tokens named by id
+    (``return_tokens_as_token_ids``: ``"token_id:123"``) so they map back to ids exactly."""
     body = {
         "model": model,
         "prompt": list(prompt_ids),
@@ -69,7 +76,32 @@ def request_body(
         body["seed"] = int(seed)
     if eos_ids:
         body["stop_token_ids"] = list(eos_ids)
+    if logprobs is not None:
+        body["logprobs"] = int(logprobs)
+        body["return_tokens_as_token_ids"] = True
     return body
+
+
+def _token_id(name: str) -> int:
+    """``"token_id:123"`` (``return_tokens_as_token_ids``) -> 123."""
+    if not isinstance(name, str) or not name.startswith("token_id:"):
+        raise ValueError(f"a logprobs token that is not named by id: {name!r}")
+    return int(name[len("token_id:") :])
+
+
+def parse_logprobs(raw: dict, n_tokens: int, top: int) -> tuple[TokenLogprob, ...]:
+    """A completion chunk's ``logprobs`` block as one :class:`TokenLogprob` per token: vLLM's
+    ``top_logprobs`` holds the ``top`` most probable tokens and the chosen one when it is not
+    among them; the alternatives kept are the ``top`` most probable, as our engine's."""
+    names, values = raw.get("tokens") or [], raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or [None] * len(names)
+    if not (len(names) == len(values) == len(tops) == n_tokens):
+        raise ValueError(f"logprobs for {len(names)} tokens in a chunk of {n_tokens}")
+    out = []
+    for name, value, alts in zip(names, values, tops, strict=True):
+        ranked = sorted(((_token_id(k), float(v)) for k, v in (alts or {}).items()), key=lambda a: -a[1])
+        out.append(TokenLogprob(_token_id(name), max(float(value), LOGPROB_FLOOR), tuple(ranked[:top])))
+    return tuple(out)
 
 
 def stream_completion(http: urllib3.PoolManager, url: str, body: dict, *, timeout_s: float) -> Iterator[Chunk]:
@@ -107,13 +139,16 @@ def stream_completion(http: urllib3.PoolManager, url: str, body: dict, *, timeou
                     yield Chunk((), None, spec if isinstance(spec, dict) else None)
                     continue
                 choice = event["choices"][0]
+                ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
+                lps = None
+                if "logprobs" in body:
+                    lps = parse_logprobs(choice.get("logprobs") or {}, len(ids), int(body["logprobs"]))
             except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
                 raise VLLMError(f"vLLM at {url} sent a chunk that is not a completion: {data[:200]!r}") from exc
-            ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
             reason = choice.get("finish_reason")
             if reason is not None:
                 finished = True
-            yield Chunk(ids, FINISH.get(reason, "length") if reason is not None else None)
+            yield Chunk(ids, FINISH.get(reason, "length") if reason is not None else None, logprobs=lps)
         if not finished:
             raise VLLMError(f"vLLM at {url} ended the stream without a finish reason")
     except urllib3.exceptions.HTTPError as exc:

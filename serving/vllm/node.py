@@ -30,7 +30,7 @@ import urllib3
 
 from specops.core.errors import InvalidRequestError, UnavailableError
 from specops.core.models import has_weights, load_model
-from specops.serving.engine.types import ContextSpan, GenerationResult, RequestStats
+from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, RequestStats, TokenLogprob
 from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
 from specops.serving.modes import Decoded, ServedResult
@@ -132,6 +132,19 @@ class VLLMNode(ServingNode):
                 f"speculation.k {plan.k}: the vLLM servers draft a fixed number of tokens per step ({per}: vllm_k, "
                 f"vllm_copy_k); leave k out",
                 "speculation.k",
+            )
+        if plan.params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs: the prompt's log-probabilities are not read back from vLLM yet; leave "
+                "logprobs out (echo alone works), or serve with --engine specops",
+                "echo",
+            )
+        if plan.params.logprobs is not None and plan.params.logprobs_mode != "raw":
+            raise InvalidRequestError(
+                "logprobs_mode 'processed_logprobs': vLLM sets the log-probabilities' distribution once per "
+                "server (--logprobs-mode), and the servers here report the raw ones; leave logprobs_mode out, "
+                "or serve with --engine specops",
+                "logprobs_mode",
             )
         if plan.references and "llma" not in self.methods:
             raise InvalidRequestError(
@@ -238,12 +251,13 @@ class VLLMNode(ServingNode):
                 min_p=params.min_p,
                 seed=params.seed,
                 eos_ids=tuple(self.pair.eos_token_ids),
+                logprobs=params.logprobs,
             )
             refs: list[int] = []
             if method == "llma":
                 refs = self._copy_sources(plan, retrieved)
                 body["vllm_xargs"] = {REFS_KEY: refs, MIN_N_KEY: int(plan.llma_min_n)}
-            tokens, finish, first_s, measured = self._stream(server, body, plan.cluster, on_step, t0)
+            tokens, finish, first_s, measured, logprobs = self._stream(server, body, plan.cluster, on_step, t0)
         finally:
             self.load.leave(sent)
         decode_load, shared = self.load.since(mark, method)
@@ -285,7 +299,7 @@ class VLLMNode(ServingNode):
         if self.sessions is not None:
             self.sessions.add(plan.cluster, tokens, plan.session_scope)
         spans = tuple(context_spans) or (ContextSpan("prompt", 0, len(prompt_ids)),)
-        result = GenerationResult(token_ids=tokens, stats=stats, context_spans=spans)
+        result = GenerationResult(token_ids=tokens, stats=stats, context_spans=spans, logprobs=logprobs)
         drafted_by_model = method == "draft"
         versions = {"draft": handle.version} if drafted_by_model else {}
         served = ServedResult(
@@ -312,10 +326,12 @@ class VLLMNode(ServingNode):
 
     def _stream(
         self, server, body: dict, cluster: str, on_step, t0: float
-    ) -> tuple[list[int], str, float, dict | None]:
-        """The request on ``server``: its token ids, finish reason, seconds to the first token, and
-        vLLM's own per-request speculation counts (None when it sent none)."""
+    ) -> tuple[list[int], str, float, dict | None, list[TokenLogprob] | None]:
+        """The request on ``server``: its token ids, finish reason, seconds to the first token,
+        vLLM's own per-request speculation counts (None when it sent none), and each token's
+        log-probabilities when the request asked for them (else None)."""
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if "logprobs" in body else None
         measured = None
         finish = "length"
         first_s = 0.0
@@ -331,7 +347,9 @@ class VLLMNode(ServingNode):
                         if not tokens:
                             first_s = time.perf_counter() - t0
                         tokens.extend(chunk.token_ids)
-                        if on_step is not None and on_step(list(chunk.token_ids)):
+                        if logprobs is not None:
+                            logprobs.extend(chunk.logprobs or ())
+                        if on_step is not None and on_step(Emitted(chunk.token_ids, chunk.logprobs)):
                             finish = "stop"
                             break
                     if chunk.finish_reason is not None:
@@ -340,7 +358,7 @@ class VLLMNode(ServingNode):
                         measured = chunk.speculation
             finally:
                 chunks.close()  # an early end closes the connection: vLLM aborts the request
-        return tokens, finish, first_s, measured
+        return tokens, finish, first_s, measured, logprobs
 
 
 def _unavailable_on_error(chunks, cluster: str):

@@ -276,7 +276,7 @@ def test_stop_sequences_cut_the_text(client):
         ({"temperature": 5}, "invalid_request", "temperature"),
         ({"top_p": 0}, "invalid_request", "top_p"),
         ({"n": 2}, "unsupported_parameter", "n"),
-        ({"logprobs": 3}, "unsupported_parameter", "logprobs"),
+        ({"logprobs": 21}, "invalid_request", "logprobs"),
         ({"extra_body": {"foo": 1}}, "invalid_request", "foo"),
         ({"extra_body": {"speculation": {"k": 17}}}, "invalid_request", "speculation.k"),
         ({"extra_body": {"speculation": {"k": 0}}}, "invalid_request", "speculation.k"),
@@ -412,9 +412,9 @@ def test_a_streaming_client_that_disconnects_stops_the_decode(server, caplog, mo
         emit = job.on_delta
         if emit is not None:  # a streamed request; the non-streamed one at the end runs unpaced
 
-            def paced(text):
+            def paced(text, logprobs):
                 time.sleep(0.05)
-                emit(text)
+                emit(text, logprobs)
 
             job.on_delta = paced
         return run(job)

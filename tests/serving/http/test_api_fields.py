@@ -91,9 +91,7 @@ def test_fields_that_do_not_change_the_output_are_accepted_and_named(server, cap
     [
         (COMPLETIONS, {"n": 2}, "unsupported_parameter", "n"),
         (CHAT, {"n": 2}, "unsupported_parameter", "n"),
-        (COMPLETIONS, {"logprobs": 2}, "unsupported_parameter", "logprobs"),
-        (CHAT, {"logprobs": True}, "unsupported_parameter", "logprobs"),
-        (CHAT, {"top_logprobs": 3}, "unsupported_parameter", "top_logprobs"),
+        (CHAT, {"top_logprobs": 3}, "unsupported_parameter", "top_logprobs"),  # without logprobs: true
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
         (CHAT, {"tool_choice": "auto"}, "unsupported_parameter", "tool_choice"),
         (CHAT, {"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),

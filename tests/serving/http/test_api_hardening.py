@@ -129,6 +129,8 @@ def _request(path: str, field: str, value) -> dict:
     body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     if field == "speculation.k":
         body["speculation"] = {"k": value}
+    elif field == "top_logprobs":  # OpenAI's rule: only with logprobs: true
+        body |= {"logprobs": True, field: value}
     elif field == "max_completion_tokens":
         body = {k: v for k, v in body.items() if k != "max_tokens"} | {field: value}
     else:

@@ -195,6 +195,31 @@ def test_auto_chooses_a_server_per_request_and_copies_references(world, referenc
     assert body["speculation"]["alpha_token"] >= 0.5, body["speculation"]
 
 
+def test_logprobs_come_back_from_every_server_as_our_engines(world, reference, tiny_models):
+    """vLLM's per-token log-probabilities (read back by token id) under every server equal our own
+    engine's target-only ones, token by token, streamed and not."""
+    srv, (ref, tok) = world["srv"], reference
+    pair = load_model_dir(tiny_models)
+    p = PROMPTS[0]
+    ids = tok(p, add_special_tokens=False)["input_ids"]
+    ours = SpecEngine(pair).generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3), method="target")
+    for method in ("draft", "pld", "llma", "target"):
+        choice = _complete(srv.url, p, logprobs=3, return_token_ids=True, speculation={"method": method}).json()
+        choice = choice["choices"][0]
+        assert choice["token_ids"] == ref[p] == ours.token_ids, method
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ours.logprobs), method
+        for got, top, want in zip(lp["token_logprobs"], lp["top_logprobs"], ours.logprobs, strict=True):
+            assert got == pytest.approx(want.logprob, abs=1e-3), method
+            assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in want.top], abs=1e-3), method
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    chunks = client.completions.create(
+        model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True, logprobs=1
+    )
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([x.logprob for x in ours.logprobs], abs=1e-3)
+
+
 def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
     url = world["srv"].url
     assert_error(_complete(url, "x", speculation={"method": "dresd"}), 400, "invalid_request", "speculation.method")
@@ -209,6 +234,9 @@ def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
     assert _complete(url, "x", temperature=0, top_k=5, speculation=draft).status_code == 200
     r = _complete(url, "x", temperature=1.0, top_k=5, seed=1)
     assert r.status_code == 200 and r.json()["speculation"]["method"] == "target", r.text
+    # the servers report raw log-probabilities (vLLM sets the kind once per server)
+    processed = {"logprobs": 1, "logprobs_mode": "processed_logprobs"}
+    assert_error(_complete(url, "x", **processed), 400, "invalid_request", "logprobs_mode")
 
 
 def test_every_request_is_logged_for_teacher_forward_training(world, tmp_path):

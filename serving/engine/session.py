@@ -92,7 +92,9 @@ class DecodeSession:
         self.context_size = context_size
         self.hold_back = hold_back
         """Keep emitted tokens tentative until :meth:`finalize` (a pending check may undo them)."""
-        self.eos = frozenset(int(t) for t in eos_token_ids)
+        eos = frozenset(int(t) for t in eos_token_ids)
+        self.eos = frozenset() if params.ignore_eos else eos
+        """Tokens that end the request (none with ``ignore_eos``)."""
         gen = None
         if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
@@ -109,7 +111,7 @@ class DecodeSession:
         self.prompt_logprobs: list[TokenLogprob] | None = None
         """One per context token after the first (``SamplingParams.prompt_logprobs``), set by :meth:`start`."""
         """One per output token (``SamplingParams.logprobs``), kept in step with ``state.token_ids``."""
-        self.verifier = Verifier(target, collect_rejections=collect_rejections, want_hidden=want_hidden)
+        self.verifier = Verifier(target, collect_rejections=collect_rejections, want_hidden=want_hidden, eos=eos)
         self.finish_reason = ""
         self._t_start = 0.0
         self._started = False

@@ -77,6 +77,19 @@ class SamplingParams:
     """None: off. ``n`` in 0..:data:`MAX_LOGPROBS`: each emitted token's log-probability under the
     target, with its ``n`` most probable alternatives, from the verification pass that emitted it
     (``serving.engine.sampling.token_logprobs``)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the output holds, in [-2, 2] (``serving.engine.processors``)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: times the token's count in the output, subtracted from its logit, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """vLLM's/HF's: a logit of a token in the context or the output divided by it (positive) or
+    multiplied (not), in (0, 2]; 1 is off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's: ``(token, bias)`` pairs added to the logits, bias in [-100, 100]."""
+    min_tokens: int = 0
+    """vLLM's: the EOS tokens cannot be emitted before this many output tokens."""
+    ignore_eos: bool = False
+    """vLLM's: an EOS token does not end the request (it runs to ``max_new_tokens``)."""
     prompt_logprobs: int | None = None
     """None: off. ``n`` in 0..:data:`MAX_LOGPROBS`: the same for every prompt token after the first,
     from the prefill (``DecodeSession.start``; the completions API's ``echo`` with ``logprobs``)."""
@@ -102,6 +115,17 @@ class SamplingParams:
             and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not (isinstance(rp, (int, float)) and math.isfinite(rp) and 0.0 < rp <= 2.0):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2] (1 = off), got {rp!r}")
+        if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.prompt_logprobs is not None and not (
             isinstance(self.prompt_logprobs, int)
             and not isinstance(self.prompt_logprobs, bool)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import torch
 
+from specops.serving.engine import processors
 from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import draw, token_logprobs, uniform, warp
@@ -150,10 +151,23 @@ def decide_tree(
 class Verifier:
     """Checks proposals against the target model, keeping the target's KV cache."""
 
-    def __init__(self, target: CachedLM, *, collect_rejections: bool = False, want_hidden: bool = False) -> None:
+    def __init__(
+        self,
+        target: CachedLM,
+        *,
+        collect_rejections: bool = False,
+        want_hidden: bool = False,
+        eos: frozenset[int] | tuple[int, ...] = (),
+    ) -> None:
         self.target = target
         self.collect_rejections = collect_rejections
         self.want_hidden = want_hidden
+        self.eos = frozenset(eos)
+        """The model's EOS tokens (``min_tokens`` masks them: ``serving.engine.processors``)."""
+
+    def _adjusted(self, logits: torch.Tensor, state: DecodeState, extras: list[list[int]]) -> torch.Tensor:
+        """The rows' logits after the request's bias and penalties (``serving.engine.processors``)."""
+        return processors.adjust(logits, state.params, state.token_ids, state.num_prompt_tokens, extras, self.eos)
 
     def verify(self, state: DecodeState, proposals: Proposals) -> Verdict:
         if not proposals.is_chain:
@@ -164,7 +178,8 @@ class Verifier:
         base = len(state.token_ids)  # absolute position of d_1
 
         feed = [*state.token_ids[self.target.num_cached :], *drafts]
-        logits, hidden = self.target.forward(feed, logits_to_keep=k + 1, want_hidden=self.want_hidden)  # [k+1, vocab]
+        raw, hidden = self.target.forward(feed, logits_to_keep=k + 1, want_hidden=self.want_hidden)  # [k+1, vocab]
+        logits = self._adjusted(raw, state, [drafts[:i] for i in range(k + 1)])  # row i: after d_1 .. d_i
         probs = warp(logits, state.params)  # [k+1, vocab]
         q = proposals.draft_probs[0] if proposals.draft_probs is not None else None  # [k, vocab]
         accepted, bonus = decide(probs, drafts, q, greedy=state.params.greedy, generator=state.generator)
@@ -177,7 +192,7 @@ class Verifier:
             )
         logprobs = None
         if state.params.logprobs is not None:  # the rows that emitted the accepted drafts and the bonus
-            logprobs = token_logprobs(logits[: a + 1], [*accepted, bonus], state.params, probs[: a + 1])
+            logprobs = token_logprobs(raw[: a + 1], [*accepted, bonus], state.params, probs[: a + 1])
         # Keep the committed prefix and the accepted drafts; the bonus is fed next step.
         self.target.rollback(base + a)
         return Verdict(
@@ -201,7 +216,13 @@ class Verifier:
         if tree.num_nodes == 0:
             return self.verify(state, Proposals.empty())
         committed = state.token_ids[self.target.num_cached :]
-        logits, hidden = self.target.forward_tree(committed, tree, want_hidden=self.want_hidden)  # [1 + n, vocab]
+        raw, hidden = self.target.forward_tree(committed, tree, want_hidden=self.want_hidden)  # [1 + n, vocab]
+        logits = raw
+        if processors.adjusts(state.params):  # row c: after the path from the root to node c
+            paths: list[list[int]] = [[]]
+            for c in range(1, tree.num_nodes + 1):
+                paths.append([*paths[tree.parent[c]], tree.tokens[c]])
+            logits = self._adjusted(raw, state, paths)
         probs = warp(logits, state.params)  # [1 + n, vocab]
         node_q = None
         if proposals.draft_probs is not None:
@@ -222,7 +243,7 @@ class Verifier:
         logprobs = None
         if state.params.logprobs is not None:  # the root's row, then each accepted node's (its child's)
             rows = [0, *path]
-            logprobs = token_logprobs(logits[rows], [*accepted, bonus], state.params, probs[rows])
+            logprobs = token_logprobs(raw[rows], [*accepted, bonus], state.params, probs[rows])
         self.target.keep_path(base, path)
         return Verdict(
             accepted=accepted,

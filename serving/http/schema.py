@@ -1,14 +1,15 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
 Only what the server implements is accepted. An OpenAI parameter we do not implement
-(``n > 1``, penalties, ``logit_bias``, ``best_of``, ``suffix``, tools and
+(``n > 1``, ``best_of``, ``suffix``, tools and
 functions, a ``response_format`` other than text) and any field OpenAI does not define either
 gets a 400 naming the parameter, rather than being silently ignored. The exceptions are
 :data:`IGNORED_FIELDS`: what clients commonly send that cannot change the output (storage,
 billing and tracing hints); they are accepted, and the API names the ones a request sent in
 its ``X-Specops-Ignored-Fields`` header and a log line. vLLM's ``top_k`` and ``min_p`` are
 honoured (``serving.engine.sampling``). Our extension fields are ``speculation``, ``cluster``,
-``retrieval``, ``knnlm``, ``references`` and vLLM's ``return_token_ids`` and ``logprobs_mode``.
+``retrieval``, ``knnlm``, ``references`` and vLLM's ``return_token_ids``, ``logprobs_mode``,
+``repetition_penalty``, ``min_tokens`` and ``ignore_eos``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
 ``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
 since they are settings.
@@ -180,9 +181,18 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     user: str | None = Field(None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from the logit of every token the output already holds."""
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """OpenAI's: times a token's count in the output, subtracted from its logit."""
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=300)
+    """OpenAI's: token id (as a string) -> bias added to its logit, at most 300 entries."""
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    """vLLM's: a logit of a token in the prompt or the output divided by it (positive) or multiplied; 1 = off."""
+    min_tokens: int | None = Field(None, ge=0)
+    """vLLM's: the end-of-sequence tokens cannot come before this many output tokens."""
+    ignore_eos: bool = False
+    """vLLM's: an end-of-sequence token does not end the output; it runs to ``max_tokens``."""
     # accepted and ignored (IGNORED_FIELDS; ``user`` above)
     store: bool | None = None
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
@@ -241,14 +251,6 @@ class _Common(BaseModel):
         """Raise for OpenAI parameters that are valid but not implemented here."""
         if self.n != 1:
             raise UnsupportedParameterError("n: only n=1 is supported; send one request per completion", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise UnsupportedParameterError(
-                "presence_penalty / frequency_penalty are not supported: penalties change the target distribution "
-                "the output is guaranteed to follow",
-                "presence_penalty",
-            )
-        if self.logit_bias:
-            raise UnsupportedParameterError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameterError("stream_options is only allowed with stream=true", "stream_options")
         self._check_logprobs_mode()

@@ -32,7 +32,9 @@ from specops.core.errors import (
     PromptTooLongError,
     RequestTimeoutError,
     RequestTooLargeError,
+    echo,
 )
+from specops.serving.engine import processors
 from specops.serving.engine.types import SamplingParams, TokenLogprob
 from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.http.admission import Admission
@@ -201,7 +203,17 @@ class ServingState(Replica):
             logprobs=req.logprobs_n(),
             prompt_logprobs=req.logprobs_n() if getattr(req, "echo", False) else None,
             logprobs_mode="processed" if req.logprobs_mode == "processed_logprobs" else "raw",
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            logit_bias=self._logit_bias(req.logit_bias),
+            min_tokens=req.min_tokens or 0,
+            ignore_eos=req.ignore_eos,
         )
+        if params.min_tokens > params.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_new_tokens})", "min_tokens"
+            )
         if cluster is not None and not tenant.may_route:
             raise ForbiddenError(
                 "this API key may not choose its cluster: leave `cluster` out and the router "
@@ -220,6 +232,13 @@ class ServingState(Replica):
             raise InvalidRequestError(
                 f"speculation.n_drafts is {n_drafts}; this server allows at most {cfg.max_n_drafts}",
                 "speculation.n_drafts",
+            )
+        if knnlm is not None and processors.adjusts(params):
+            sent = [f for f in ADJUSTING if getattr(req, f) not in (None, 0, 0.0, 1.0, {})]
+            raise InvalidRequestError(
+                f"{sent[0] if sent else 'logit_bias'} with knnlm: kNN-LM mixes the target with its datastore and "
+                "does not apply a logit_bias, min_tokens or penalties; leave them out",
+                sent[0] if sent else "logit_bias",
             )
         if params.logprobs is not None and (
             knnlm is not None or (retrieval is not None and retrieval.mode != "oneshot")
@@ -318,6 +337,19 @@ class ServingState(Replica):
         if ignored := req.ignored():  # the response's header names them too (serving.http.schema.IGNORED_FIELDS)
             log.info("request %s: ignored %s (they do not change the output)", plan.request_id, ", ".join(ignored))
         return plan
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's ``logit_bias`` (token id strings) as ``(id, bias)`` pairs; 400 naming a key that
+        is not a token id of this model."""
+        out = []
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) >= self.pair.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias: {echo(key)} is not a token id of this model (0..{self.pair.vocab_size - 1})",
+                    "logit_bias",
+                )
+            out.append((int(key), float(value)))
+        return tuple(out)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """The prompt's token ids (and its text, when it came as text), within the server's limits."""
@@ -574,6 +606,10 @@ def _refuse_ignored(
     for name, sent in given.items():
         if sent:
             raise InvalidRequestError(f"{name} does not apply to {path}: {why}; leave {name} out", name)
+
+
+ADJUSTING = ("logit_bias", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
+"""Request fields that change the target's logits (``serving.engine.processors``)."""
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

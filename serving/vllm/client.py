@@ -50,11 +50,14 @@ def request_body(
     top_k: int = 0,
     min_p: float = 0.0,
     logprobs: int | None = None,
+    adjust=None,
 ) -> dict:
     """The completion request vLLM's OpenAI server takes; ``top_k`` and ``min_p`` (vLLM's own
     parameters, ``serving.engine.types.SamplingParams``) go only when on (0: off); ``logprobs``
     (N alternatives) asks for each token's log-probability, its tokens named by id
-    (``return_tokens_as_token_ids``: ``"token_id:123"``) so they map back to ids exactly."""
+    (``return_tokens_as_token_ids``: ``"token_id:123"``) so they map back to ids exactly;
+    ``adjust`` (the request's ``SamplingParams``) carries its penalties, ``logit_bias``,
+    ``min_tokens`` and ``ignore_eos`` in vLLM's own fields."""
     body = {
         "model": model,
         "prompt": list(prompt_ids),
@@ -74,8 +77,21 @@ def request_body(
         body["min_p"] = float(min_p)
     if seed is not None:
         body["seed"] = int(seed)
-    if eos_ids:
+    if adjust is not None and adjust.ignore_eos:  # runs to max_tokens: vLLM's own flag, no stop ids
+        body["ignore_eos"] = True
+    elif eos_ids:
         body["stop_token_ids"] = list(eos_ids)
+    if adjust is not None:  # ``serving.engine.types.SamplingParams``' penalties and biases, vLLM's names
+        if adjust.presence_penalty:
+            body["presence_penalty"] = float(adjust.presence_penalty)
+        if adjust.frequency_penalty:
+            body["frequency_penalty"] = float(adjust.frequency_penalty)
+        if adjust.repetition_penalty != 1.0:
+            body["repetition_penalty"] = float(adjust.repetition_penalty)
+        if adjust.logit_bias:
+            body["logit_bias"] = {str(t): float(b) for t, b in adjust.logit_bias}
+        if adjust.min_tokens:
+            body["min_tokens"] = int(adjust.min_tokens)
     if logprobs is not None:
         body["logprobs"] = int(logprobs)
         body["return_tokens_as_token_ids"] = True

@@ -30,6 +30,7 @@ import urllib3
 
 from specops.core.errors import InvalidRequestError, UnavailableError
 from specops.core.models import has_weights, load_model
+from specops.serving.engine import processors
 from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, RequestStats, TokenLogprob
 from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
@@ -108,6 +109,8 @@ class VLLMNode(ServingNode):
         out = list(self.methods)
         if not plan.params.greedy and any(getattr(plan.params, n) > o for n, o in (("min_p", 0.0), ("top_k", 0))):
             out = [m for m in out if m == "target"]
+        if processors.adjusts(plan.params):  # penalties and biases: the target-only server applies them
+            out = [m for m in out if m == "target"]
         return tuple(out)
 
     def check_plan(self, plan: DecodePlan, *, explicit_method: bool, explicit_k: bool) -> None:
@@ -163,7 +166,22 @@ class VLLMNode(ServingNode):
                         "--engine specops",
                         name,
                     )
+        if processors.adjusts(plan.params) and plan.method not in ("target", "auto"):
+            field = _adjusting_field(plan.params)
+            raise InvalidRequestError(
+                f"{field}: this server decodes with vLLM, whose speculative servers here are not checked to apply "
+                "penalties, biases and min_tokens at every drafted position; use speculation.method 'target' "
+                "(or 'auto', which sends the request there), or serve with --engine specops",
+                field,
+            )
         if plan.method == "auto" and not self._allowed(plan):
+            if processors.adjusts(plan.params):
+                field = _adjusting_field(plan.params)
+                raise InvalidRequestError(
+                    f"{field}: no target-only vLLM server runs here (vllm_speculation has no 'none'), and only "
+                    "that one applies penalties, biases and min_tokens; leave it out",
+                    field,
+                )
             raise InvalidRequestError(
                 "min_p: vLLM's speculative decoding does not support min_p or top_k, and no target-only server "
                 "runs here (vllm_speculation); leave them out",
@@ -252,6 +270,7 @@ class VLLMNode(ServingNode):
                 seed=params.seed,
                 eos_ids=tuple(self.pair.eos_token_ids),
                 logprobs=params.logprobs,
+                adjust=params,
             )
             refs: list[int] = []
             if method == "llma":
@@ -359,6 +378,20 @@ class VLLMNode(ServingNode):
             finally:
                 chunks.close()  # an early end closes the connection: vLLM aborts the request
         return tokens, finish, first_s, measured, logprobs
+
+
+def _adjusting_field(params) -> str:
+    """The first request field that changes the logits (``serving.engine.processors``)."""
+    for name, off in (
+        ("logit_bias", ()),
+        ("min_tokens", 0),
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    ):
+        if getattr(params, name) != off:
+            return name
+    return "logit_bias"
 
 
 def _unavailable_on_error(chunks, cluster: str):

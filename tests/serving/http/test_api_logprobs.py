@@ -1,6 +1,7 @@
 """``logprobs`` through the API: OpenAI's completions and chat shapes, streamed and not, the same
 numbers under every method as under target-only decoding, cut with the text at a stop sequence,
-and 400s naming the field for what cannot be honoured.
+``echo``, and 400s naming the field for what cannot be honoured; penalties, ``logit_bias``,
+``min_tokens`` and ``ignore_eos`` giving target-only's output under every method.
 
 One real server over the tiny bootstrapped models for the module.
 """
@@ -208,3 +209,21 @@ def test_echo_puts_the_prompt_first_and_scores_it(server):
 def test_max_tokens_zero_is_only_for_scoring(server):
     r = requests.post(server.url + COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 0}, timeout=60)
     assert_error(r, 400, "unsupported_parameter", "max_tokens")
+
+
+@pytest.mark.parametrize("method", ["draft", "pld", "llma", "auto"])
+def test_penalties_give_target_onlys_output_under_every_method(server, method):
+    adjust = {
+        "presence_penalty": 1.0,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"5": 3.0},
+        "min_tokens": 10,
+    }
+    ref = _post(server, COMPLETIONS, max_tokens=16, speculation={"method": "target"}, **adjust)["choices"][0]
+    plain = _post(server, COMPLETIONS, max_tokens=16, speculation={"method": "target"})["choices"][0]
+    assert ref["token_ids"] != plain["token_ids"]  # they change this output
+    got = _post(server, COMPLETIONS, max_tokens=16, speculation={"method": method}, **adjust)["choices"][0]
+    assert got["token_ids"] == ref["token_ids"], method
+    run = _post(server, CHAT, max_tokens=16, ignore_eos=True, speculation={"method": method})
+    assert run["usage"]["completion_tokens"] == 16 and run["choices"][0]["finish_reason"] == "length"

@@ -234,6 +234,17 @@ def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
     assert _complete(url, "x", temperature=0, top_k=5, speculation=draft).status_code == 200
     r = _complete(url, "x", temperature=1.0, top_k=5, seed=1)
     assert r.status_code == 200 and r.json()["speculation"]["method"] == "target", r.text
+    # penalties and biases: the target-only server applies them (auto sends the request there), with
+    # vLLM's definitions, which are ours: the same greedy output as our engine's
+    adjust = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3, "min_tokens": 6}
+    assert_error(_complete(url, "x", speculation=draft, **adjust), 400, "invalid_request", "min_tokens")
+    r = _complete(url, PROMPTS[0], return_token_ids=True, **adjust)
+    assert r.status_code == 200 and r.json()["speculation"]["method"] == "target", r.text
+    models = world["models"]
+    pair = load_model_dir(models)
+    ids = pair.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    ours = SpecEngine(pair).generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS, **adjust), method="target")
+    assert r.json()["choices"][0]["token_ids"] == ours.token_ids
     # the servers report raw log-probabilities (vLLM sets the kind once per server)
     processed = {"logprobs": 1, "logprobs_mode": "processed_logprobs"}
     assert_error(_complete(url, "x", **processed), 400, "invalid_request", "logprobs_mode")

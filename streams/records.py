@@ -99,6 +99,12 @@ def _check_request(record: str, rec: MissRecord | GenerationRecord) -> None:
     _check_int(record, "vocab_size", rec.vocab_size, 1, 1 << 24)
 
 
+CHOICE_SEPARATOR = "#"
+"""A request's choices (``n`` > 1) are logged as ``<request id>#<index>`` (a client's request id
+never holds ``#``): the trainer's held-out split hashes the part before it, so every choice of a
+prompt falls on the same side."""
+
+
 @dataclass(frozen=True)
 class SamplingInfo:
     """The request's sampling parameters (as the engine's ``SamplingParams``)."""

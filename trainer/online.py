@@ -62,7 +62,7 @@ from specops.core.device import Placement
 from specops.core.models import from_pretrained
 from specops.streams import CommitFailedError, StreamConfig, open_stream
 from specops.streams.consumer import RecordConsumer
-from specops.streams.records import MissRecord
+from specops.streams.records import CHOICE_SEPARATOR, MissRecord
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.clusters import ClusterBudget
 from specops.trainer.data import TargetTeacher
@@ -437,7 +437,8 @@ def _trained_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _holdout(request_id: str, every: int) -> bool:
-    return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) % every == 0
+    base = request_id.split(CHOICE_SEPARATOR, 1)[0]  # every choice of a request on the same side
+    return int(hashlib.sha256(base.encode()).hexdigest()[:8], 16) % every == 0
 
 
 def _f(x: float | None) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -62,10 +63,10 @@ from specops.serving.http.gate import OPEN_PATHS, REQUEST_ID, Gate, error_respon
 from specops.serving.http.latency import RequestTimer
 from specops.serving.http.read_timeouts import BodyDeadline
 from specops.serving.http.request_json import parse as parse_json
+from specops.serving.http.responses import response_body
 from specops.serving.http.schema import ChatCompletionRequest, CompletionRequest, FieldValueError
 from specops.serving.http.server import ClientGone, Job, ServingState
 from specops.serving.http.tenancy import ANONYMOUS, Tenant, Tenants
-from specops.serving.proposers.catalogue import CATALOGUE
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ POLICY_WAIT_S = 1.0
 TIMEOUT_GRACE_S = 1.0
 """The API's backstop answers a request ``request_timeout_s`` + this after it started when its decode
 has not ended by then (a step that never returns: the worker only checks the deadline between steps)."""
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-"""Engine finish reasons as OpenAI names them."""
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -308,15 +307,31 @@ async def _serve(
     tenant = _tenant(request) if request is not None else ANONYMOUS
     plan = await asyncio.to_thread(state.plan, prompt, req, chat=chat, tenant=tenant, request_id=request_id)
     echoed = bool(getattr(req, "echo", False))
-    job = Job(plan, token_ids=req.return_token_ids, echo=echoed, score_only=echoed and req.max_tokens == 0)
+    n = req.n
+    best_of = getattr(req, "best_of", None) or n  # choices decoded; the n best returned (completions' best_of)
+    cancel = threading.Event()  # one request: a client that goes away stops every choice
+    jobs = [
+        Job(
+            state.choice_plan(plan, i, rank=best_of > n),
+            token_ids=req.return_token_ids,
+            echo=echoed,
+            score_only=echoed and req.max_tokens == 0,
+            index=i,
+            cancel=cancel,
+            report_logprobs=plan.params.logprobs is not None,
+        )
+        for i in range(best_of)
+    ]
+    job = jobs[0]
     arrived = request.scope.get("state", {}).get("arrived") if request is not None else None
     timer = RequestTimer(arrived or time.perf_counter(), plan.cluster, plan.method)
     headers = {"X-Request-Id": job.request_id, **req.ignored_header()}  # schema.IGNORED_FIELDS it sent, if any
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
+    run = (lambda: [state.run(job)]) if len(jobs) == 1 else (lambda: state.run_many(jobs))
     if not req.stream:
         job.on_emit = timer.tokens  # the client gets them with the response; the decode's steps time them
-        future = loop.run_in_executor(state.executor, state.run, job)
+        future = loop.run_in_executor(state.executor, run)
         watch = asyncio.create_task(_cancel_on_disconnect(request, future, job)) if request is not None else None
         try:
             served = await asyncio.wait_for(asyncio.shield(future), cfg.request_timeout_s + TIMEOUT_GRACE_S)
@@ -331,18 +346,19 @@ async def _serve(
             if watch is not None:
                 watch.cancel()
         timer.finished()
-        body = _response(cfg.served_model_name, job, served, chat=chat, tokenizer=state.pair.tokenizer)
+        body = response_body(cfg.served_model_name, jobs, served, chat=chat, tokenizer=state.pair.tokenizer, n=n)
         return JSONResponse(body, headers=headers)
     queue: asyncio.Queue = asyncio.Queue()
-    job.on_delta = lambda text, lps: loop.call_soon_threadsafe(queue.put_nowait, (text, lps))
-    future = loop.run_in_executor(state.executor, state.run, job)
+    for j in jobs:
+        j.on_delta = lambda text, lps, i=j.index: loop.call_soon_threadsafe(queue.put_nowait, (i, text, lps))
+    future = loop.run_in_executor(state.executor, run)
     future.add_done_callback(lambda _: queue.put_nowait(None))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     deadline = loop.time() + cfg.request_timeout_s + TIMEOUT_GRACE_S
     return StreamingResponse(
         _sse(
             cfg.served_model_name,
-            job,
+            jobs,
             future,
             queue,
             chat=chat,
@@ -358,7 +374,7 @@ async def _serve(
 
 async def _sse(
     model: str,
-    job: Job,
+    jobs: list[Job],
     future,
     queue: asyncio.Queue,
     *,
@@ -368,9 +384,11 @@ async def _sse(
     timer: RequestTimer | None = None,
     tokenizer=None,
 ) -> AsyncIterator[str]:
-    """The stream of one request. ``deadline``: the event loop's time at which a decode that has not
-    ended is abandoned, and what abandons it (the error the stream then ends with); ``timer``: its
-    latency histograms (each chunk of tokens, and the end)."""
+    """The stream of one request: its choices' chunks as they come, each naming its ``index``
+    (OpenAI's interleaving for ``n`` > 1). ``deadline``: the event loop's time at which a decode
+    that has not ended is abandoned, and what abandons it (the error the stream then ends with);
+    ``timer``: its latency histograms (each chunk of tokens, and the end)."""
+    job = jobs[0]
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + job.request_id
 
@@ -378,43 +396,43 @@ async def _sse(
         body = {"id": rid, "object": obj, "created": job.created, "model": model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    offset = 0  # completions: the text offset of the next token whose log-probability goes out
+    offset = dict.fromkeys(range(len(jobs)), 0)  # completions: each choice's text offset of its next token
 
-    def shaped(lps) -> dict | None:
-        nonlocal offset
+    def shaped(lps, index: int) -> dict | None:
         if lps is None:
             return None
         items = logprobs_fmt.entries(tokenizer, lps)
         if chat:
             return logprobs_fmt.chat_shape(items)
-        out = logprobs_fmt.completion_shape(items, top=job.plan.params.logprobs, offset=offset)
-        offset += sum(len(e.text) for e in items)
+        out = logprobs_fmt.completion_shape(items, top=job.plan.params.logprobs, offset=offset[index])
+        offset[index] += sum(len(e.text) for e in items)
         return out
 
-    def choice(text: str | None, finish: str | None, role: bool = False, lps=None) -> dict:
+    def choice(text: str | None, finish: str | None, index: int = 0, role: bool = False, lps=None) -> dict:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            return {"index": 0, "delta": delta, "logprobs": shaped(lps), "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": shaped(lps), "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": shaped(lps, index), "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": shaped(lps, index), "finish_reason": finish}
 
     outcome_read = False
     try:
         if chat:
-            yield chunk([choice(None, None, role=True)])
+            for j in jobs:
+                yield chunk([choice(None, None, j.index, role=True)])
         loop = asyncio.get_running_loop()
         while True:
             try:
-                text = await asyncio.wait_for(queue.get(), None if deadline is None else deadline[0] - loop.time())
+                item = await asyncio.wait_for(queue.get(), None if deadline is None else deadline[0] - loop.time())
             except TimeoutError:  # a step that never returned: end the stream with the request timeout
                 err = deadline[1]()
                 yield f"data: {json.dumps(error_body(http_status(err), str(err), err.code, err.param))}\n\n"
                 return
-            if text is None:
+            if item is None:
                 break
-            text, lps = text
+            index, text, lps = item
             if timer is not None:
                 timer.tokens()
-            yield chunk([choice(text, None, lps=lps)])
+            yield chunk([choice(text, None, index, lps=lps)])
         outcome_read = True
         try:
             served = future.result()
@@ -426,18 +444,20 @@ async def _sse(
             log.exception("request %s failed while streaming", job.request_id)
             yield f"data: {json.dumps(error_body(500, f'internal error: {type(err).__name__}', 'internal'))}\n\n"
             return
-        body = _response(model, job, served, chat=chat, tokenizer=tokenizer)
-        last = choice(None if chat else "", body["choices"][0]["finish_reason"])
-        if job.token_ids:  # the whole request's ids, once, on the finishing chunk
-            last.update(prompt_token_ids=list(job.plan.prompt_ids), token_ids=list(job.output_ids))
-        yield chunk([last], speculation=body["speculation"])
+        body = response_body(model, jobs, served, chat=chat, tokenizer=tokenizer, n=len(jobs))
+        for j, done in zip(jobs, body["choices"], strict=True):
+            last = choice(None if chat else "", done["finish_reason"], j.index)
+            if j.token_ids:  # the choice's ids, once, on its finishing chunk
+                last.update(prompt_token_ids=list(j.plan.prompt_ids), token_ids=list(j.output_ids))
+            extra = {"speculation": body["speculation"]} if j is jobs[-1] else {}
+            yield chunk([last], **extra)
         if include_usage:
             yield chunk([], usage=body["usage"])
         yield "data: [DONE]\n\n"
         if timer is not None:
             timer.finished()
     finally:
-        job.cancel.set()  # a client that went away stops the decode at its next step
+        job.cancel.set()  # a client that went away stops the decode at its next step (every choice's)
         if not outcome_read:  # ... and nobody reads its outcome: settle it here, not as "never retrieved"
             future.add_done_callback(_settle)
 
@@ -447,84 +467,3 @@ def _settle(future) -> None:
     err = None if future.cancelled() else future.exception()
     if err is not None and not isinstance(err, (ClientGone, SpecOpsError)):
         log.error("a request failed after its client went away", exc_info=err)
-
-
-def _response(model: str, job: Job, served, *, chat: bool, tokenizer=None) -> dict:
-    plan, st = job.plan, served.result.stats
-    finish = "length" if job.score_only else "stop" if job.stopped else FINISH.get(st.finish_reason, st.finish_reason)
-    generated = 0 if job.score_only else st.num_generated  # echo with max_tokens 0: the prompt alone
-    usage = {
-        "prompt_tokens": len(plan.prompt_ids),
-        "completion_tokens": generated,
-        "total_tokens": len(plan.prompt_ids) + generated,
-    }
-    # the artifacts of the method, or of the methods it decoded with (auto's steps)
-    artifacts = {CATALOGUE[m].artifact for m in plan.spec.split(st) if m in CATALOGUE}
-    speculation = {
-        "method": st.method,
-        "k": plan.k,
-        "cluster": plan.cluster,
-        "cluster_source": plan.cluster_source,
-        "router_version": plan.router_version or None,
-        "draft_model": served.draft_model if "draft" in artifacts else None,
-        "draft_version": served.draft_version if "draft" in artifacts else None,
-        "datastore_version": served.versions.get("datastore") if "datastore" in artifacts else None,
-        "n_drafts": served.n_drafts or None,  # the rows drafted: asked for, or the datastore's measured shape
-        "drafted": st.num_drafted,
-        "accepted": st.num_accepted,
-        "acceptance_rate": round(st.acceptance_rate, 4),
-        "rejected_steps": st.num_rejected_steps,
-        "alpha_token": round(st.alpha_token, 4),
-        "target_forwards": st.num_target_forwards,
-        "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
-        "decode_s": round(st.time_s.get("total", 0.0), 4),
-    }
-    if served.engine:  # decoded by vLLM: its own per-request counts, or recomputed (serving.vllm.replay)
-        speculation.update(engine=served.engine, counts_source=served.counts_source or None)
-        if st.method == "target":  # a target-only server drafts nothing: there is no α to report
-            speculation.update(drafted=None, accepted=None, acceptance_rate=None, rejected_steps=None)
-            speculation.update(alpha_token=None)
-    block = plan.spec.stats_block(st)  # the method's own: LLMA's copies, auto's choices
-    if block:
-        speculation[plan.spec.name] = block
-    if served.retrieval is not None and "kb" in served.versions:
-        speculation["kb_version"] = served.versions.get("kb")
-    if served.retrieval is not None and "knnlm" in served.versions:
-        speculation["knnlm_version"] = served.versions.get("knnlm")
-    logprobs = None
-    if plan.params.logprobs is not None:  # the tokens behind the text (a stop sequence cuts them too)
-        lps = served.result.logprobs or []
-        if job.stopped:
-            lps = lps[: logprobs_fmt.covered(tokenizer, job.output_ids, len(job.text))]
-        if job.score_only:
-            lps = []
-        items = logprobs_fmt.entries(tokenizer, [*(job.prompt_logprobs or []), *lps])
-        logprobs = (
-            logprobs_fmt.chat_shape(items) if chat else logprobs_fmt.completion_shape(items, top=plan.params.logprobs)
-        )
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": job.text},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
-        obj, rid = "chat.completion", "chatcmpl-" + job.request_id
-    else:
-        text = (plan.prompt_text or tokenizer.decode(list(plan.prompt_ids))) + job.text if job.echo else job.text
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj, rid = "text_completion", "cmpl-" + job.request_id
-    if job.token_ids:
-        choice.update(prompt_token_ids=list(plan.prompt_ids), token_ids=list(job.output_ids))
-    body = {
-        "id": rid,
-        "object": obj,
-        "created": job.created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-        "speculation": speculation,
-    }
-    if served.retrieval is not None:
-        body["knnlm" if "knnlm" in served.versions else "retrieval"] = served.retrieval
-    return body

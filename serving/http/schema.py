@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
 Only what the server implements is accepted. An OpenAI parameter we do not implement
-(``n > 1``, ``best_of``, ``suffix``, tools and
+(``suffix``, tools and
 functions, a ``response_format`` other than text) and any field OpenAI does not define either
 gets a 400 naming the parameter, rather than being silently ignored. The exceptions are
 :data:`IGNORED_FIELDS`: what clients commonly send that cannot change the output (storage,
@@ -46,6 +46,9 @@ class FieldValueError(ValueError):
         super().__init__(message)
         self.field = field
 
+
+MAX_N = 16
+"""Most choices one request may ask for (``n``, ``best_of``)."""
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 """Every model: unknown fields refused, and no coercion: ``"5"`` and ``true`` are not integers, ``"0.5"`` is not
@@ -175,7 +178,8 @@ class _Common(BaseModel):
     """vLLM's: keep the ``top_k`` most probable tokens; -1 or 0 (vLLM's "off") or absent: all."""
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     """vLLM's: keep tokens at least ``min_p`` times as probable as the most probable one; 0 or absent: all."""
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
+    """Choices to return: independent samples of the same prompt (choice ``i`` seeded ``seed + i``)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -249,8 +253,8 @@ class _Common(BaseModel):
 
     def unsupported(self) -> None:
         """Raise for OpenAI parameters that are valid but not implemented here."""
-        if self.n != 1:
-            raise UnsupportedParameterError("n: only n=1 is supported; send one request per completion", "n")
+        if self.n > 1 and getattr(self, "echo", False) and self.max_tokens == 0:
+            raise UnsupportedParameterError("n: scoring a prompt (echo with max_tokens 0) has one answer", "n")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameterError("stream_options is only allowed with stream=true", "stream_options")
         self._check_logprobs_mode()
@@ -266,7 +270,8 @@ class CompletionRequest(_Common):
     echo: bool = False
     """The response's text starts with the prompt; with ``logprobs``, so do its log-probabilities
     (the first prompt token's are null: nothing before it predicts it)."""
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    """Choices to decode, of which the ``n`` with the highest cumulative log-probability are returned."""
     logprobs: int | None = Field(None, ge=0, le=20)
     """The target's log-probability of each output token and of the ``logprobs`` most probable
     tokens at its position (0: the chosen token's alone)."""
@@ -295,8 +300,12 @@ class CompletionRequest(_Common):
                 "max_tokens: 0 generates nothing; it is only for scoring a prompt with echo (and logprobs)",
                 "max_tokens",
             )
-        if self.best_of not in (None, 1):
-            raise UnsupportedParameterError("best_of: only 1 is supported", "best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise UnsupportedParameterError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise UnsupportedParameterError(
+                "best_of with stream: the best choices are known only once all are done (OpenAI's rule)", "best_of"
+            )
         if self.suffix:
             raise UnsupportedParameterError("suffix is not supported", "suffix")
 

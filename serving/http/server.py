@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 from specops.core import limits
@@ -35,67 +35,22 @@ from specops.core.errors import (
     echo,
 )
 from specops.serving.engine import processors
-from specops.serving.engine.types import SamplingParams, TokenLogprob
-from specops.serving.http import logprobs as logprobs_fmt
+from specops.serving.engine.types import SamplingParams
 from specops.serving.http.admission import Admission
 from specops.serving.http.config import ServeConfig
+from specops.serving.http.job import ClientGone, Job, delta_logprobs, find_stop, held_back, prompt_logprobs
+from specops.serving.http.schema import MAX_N
 from specops.serving.http.tenancy import ANONYMOUS, Tenant
 from specops.serving.metrics import CANCELLED, READY, ROUTED
 from specops.serving.modes import mode_of
 from specops.serving.plan import DecodePlan, KnnPlan, RetrievalPlan
 from specops.serving.proposers.catalogue import CATALOGUE, MethodSpec, ProposerResources, check_resources, method_spec
 from specops.serving.replica import Replica
+from specops.streams.records import CHOICE_SEPARATOR
 
 __all__ = ["ClientGone", "Job", "ServingState"]
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The streaming client disconnected: stop decoding (nothing is logged)."""
-
-
-@dataclass
-class Job:
-    """One admitted request, from its plan to the response: what streaming and cancelling need."""
-
-    plan: DecodePlan
-    token_ids: bool = False
-    """The response carries the prompt's and the output's token ids (``return_token_ids``)."""
-    on_delta: Callable[[str, list[TokenLogprob] | None], None] | None = None
-    """Streaming: each new piece of text, with the log-probabilities of the tokens it completes
-    (None unless the request asked for them)."""
-    on_emit: Callable[[], None] | None = None
-    """Called on the decode thread after each step that emitted tokens (the API times non-streamed requests by it)."""
-    created: int = field(default_factory=lambda: int(time.time()))
-    cancel: threading.Event = field(default_factory=threading.Event)
-    # filled in by run()
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    """One per ``output_ids`` token, when the request asked for log-probabilities."""
-    text: str = ""
-    sent: int = 0
-    """Characters of ``text`` already handed to ``on_delta``."""
-    sent_tokens: int = 0
-    """Tokens whose log-probabilities went out with ``on_delta`` (streaming with logprobs)."""
-    echo: bool = False
-    """Completions' ``echo``: the prompt (and its log-probabilities) goes before the output."""
-    score_only: bool = False
-    """``echo`` with ``max_tokens: 0``: the prompt is scored and nothing generated (the decode stops
-    after its first step, whose token is dropped)."""
-    echoed: bool = False
-    """The prompt went out with ``on_delta`` (streaming with ``echo``)."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """The prompt tokens' log-probabilities (``echo`` with ``logprobs``), the first one's None."""
-    stopped: bool = False
-    abandoned: bool = False
-    """The API answered with the request timeout while a step had not returned (``ServingState.abandon``)."""
-    shut_down: bool = False
-    """Still decoding when the server closed the replica (``ServingState.close``)."""
-
-    @property
-    def request_id(self) -> str:
-        return self.plan.request_id
 
 
 class ServingState(Replica):
@@ -113,6 +68,8 @@ class ServingState(Replica):
     ) -> None:
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
         self.executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="decode")
+        self.choice_pool = ThreadPoolExecutor(cfg.max_concurrency * (MAX_N - 1), thread_name_prefix="choice")
+        """Decodes a request's choices after its first (``n``, ``best_of``), beside the decode workers."""
         self.draining = threading.Event()
         """Set when shutdown starts: /readyz says 503 and new requests get 503 while in-flight ones finish."""
         self._running: dict[int, Job] = {}
@@ -490,6 +447,48 @@ class ServingState(Replica):
         )
         return RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
 
+    def choice_plan(self, plan: DecodePlan, index: int, *, rank: bool = False) -> DecodePlan:
+        """Choice ``index`` of a request (``n``, ``best_of``): the plan with the seed ``seed + index``
+        (vLLM's rule: a seeded request's choices are reproducible and differ), a request id of its
+        own (``<id>#<index>``, the trainer's held-out split keeps a request's choices together), and
+        with ``rank`` log-probabilities computed (``best_of`` ranks the choices by them)."""
+        params = plan.params
+        changes: dict = {}
+        if index and params.seed is not None:
+            changes["seed"] = (params.seed + index) % (1 << 64)
+        if rank and params.logprobs is None:
+            changes["logprobs"] = 0
+        if not index and not changes:
+            return plan
+        rid = f"{plan.request_id}{CHOICE_SEPARATOR}{index}" if index else plan.request_id
+        return replace(plan, params=replace(params, **changes), request_id=rid)
+
+    def run_many(self, jobs: list[Job]) -> list:
+        """Decode a request's choices: the first on this (worker) thread, the others on the choice
+        pool at the same time (the batcher batches their steps); one admission slot, given back
+        when all are done. A choice that fails cancels the others (they share ``cancel``) and its
+        error is the request's."""
+        with self._running_lock:
+            for job in jobs:
+                self._running[id(job)] = job
+        try:
+            rest = [self.choice_pool.submit(self._run, job) for job in jobs[1:]]
+            out, err = [], None
+            for i, run in enumerate([lambda: self._run(jobs[0]), *(f.result for f in rest)]):
+                try:
+                    out.append(run())
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, once every choice ended
+                    jobs[i].cancel.set()
+                    err = err or exc
+            if err is not None:
+                raise err
+            return out
+        finally:
+            with self._running_lock:
+                for job in jobs:
+                    self._running.pop(id(job), None)
+            self.admission.release()
+
     def run(self, job: Job):
         """Decode ``job`` on this (worker) thread; always gives the admission slot back."""
         with self._running_lock:
@@ -520,7 +519,7 @@ class ServingState(Replica):
                 CANCELLED.labels("timeout").inc()
                 raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
             if job.echo and getattr(emitted, "prompt_logprobs", None) is not None:
-                job.prompt_logprobs = self._prompt_logprobs(job, emitted.prompt_logprobs, emitted.context_len)
+                job.prompt_logprobs = prompt_logprobs(job, emitted.prompt_logprobs, emitted.context_len)
             if job.echo and not job.echoed and job.on_delta is not None:
                 job.on_delta(job.plan.prompt_text or tok.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
                 job.echoed = True
@@ -534,20 +533,22 @@ class ServingState(Replica):
             if job.on_delta is None and not stops:
                 return False  # nothing to stream or stop on: the text is decoded once, at the end
             text = tok.decode(job.output_ids, skip_special_tokens=True)
-            stop_at = _find_stop(text, stops)
+            stop_at = find_stop(text, stops)
             if stop_at is not None:
                 job.text, job.stopped = text[:stop_at], True
             else:
-                job.text = text[: len(text) - _held_back(text, stops)]
+                job.text = text[: len(text) - held_back(text, stops)]
             if job.on_delta is not None and len(job.text) > job.sent:
-                job.on_delta(job.text[job.sent :], self._delta_logprobs(job, whole=len(job.text) == len(text)))
+                job.on_delta(
+                    job.text[job.sent :], delta_logprobs(job, self.pair.tokenizer, whole=len(job.text) == len(text))
+                )
                 job.sent = len(job.text)
             return job.stopped
 
         served = self.decode(job.plan, on_step)
         res = served.result
         if job.echo and job.prompt_logprobs is None and res.prompt_logprobs is not None:
-            job.prompt_logprobs = self._prompt_logprobs(job, res.prompt_logprobs, res.stats.num_prompt_tokens)
+            job.prompt_logprobs = prompt_logprobs(job, res.prompt_logprobs, res.stats.num_prompt_tokens)
         if job.echo and not job.echoed and job.on_delta is not None:  # no step handed tokens on
             job.on_delta(job.plan.prompt_text or tok.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
             job.echoed = True
@@ -557,31 +558,9 @@ class ServingState(Replica):
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
             if job.on_delta is not None and (len(job.text) > job.sent or job.sent_tokens < len(job.logprobs)):
-                job.on_delta(job.text[job.sent :], self._delta_logprobs(job, whole=True))
+                job.on_delta(job.text[job.sent :], delta_logprobs(job, self.pair.tokenizer, whole=True))
                 job.sent = len(job.text)
         return served
-
-    @staticmethod
-    def _prompt_logprobs(job: Job, context: list[TokenLogprob], context_len: int) -> list[TokenLogprob] | None:
-        """The prompt's entries of the context's log-probabilities (one per context token after the
-        first: the prompt is the context's last tokens, after any retrieved passages); None when
-        the request did not ask for log-probabilities."""
-        if job.plan.params.prompt_logprobs is None:
-            return None
-        prompt = list(job.plan.prompt_ids)
-        start = context_len - len(prompt)
-        return [context[j - 1] if j >= 1 else TokenLogprob(prompt[0], None) for j in range(start, context_len)]
-
-    def _delta_logprobs(self, job: Job, *, whole: bool) -> list[TokenLogprob] | None:
-        """The log-probabilities of the tokens behind ``job.text`` not sent yet (``whole``: the text
-        holds all the output so far, nothing held back or cut), or None when none were asked for."""
-        if job.plan.params.logprobs is None:
-            return None
-        n = len(job.output_ids) if whole else logprobs_fmt.covered(self.pair.tokenizer, job.output_ids, len(job.text))
-        n = min(n, len(job.logprobs))
-        out = job.logprobs[job.sent_tokens : n]
-        job.sent_tokens = max(job.sent_tokens, n)
-        return out
 
 
 def _refuse_ignored(
@@ -610,21 +589,3 @@ def _refuse_ignored(
 
 ADJUSTING = ("logit_bias", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
 """Request fields that change the target's logits (``serving.engine.processors``)."""
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Index where the earliest stop sequence starts in ``text``, if any."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of ``text`` not to stream yet: an incomplete UTF-8 character
-    (decoded as U+FFFD) or a prefix of a stop sequence that the next tokens may complete."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return hold

@@ -275,7 +275,7 @@ def test_stop_sequences_cut_the_text(client):
         ({"max_tokens": 100_000}, "invalid_request", "max_tokens"),
         ({"temperature": 5}, "invalid_request", "temperature"),
         ({"top_p": 0}, "invalid_request", "top_p"),
-        ({"n": 2}, "unsupported_parameter", "n"),
+        ({"n": 17}, "invalid_request", "n"),
         ({"logprobs": 21}, "invalid_request", "logprobs"),
         ({"extra_body": {"foo": 1}}, "invalid_request", "foo"),
         ({"extra_body": {"speculation": {"k": 17}}}, "invalid_request", "speculation.k"),

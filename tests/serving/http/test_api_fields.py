@@ -89,8 +89,8 @@ def test_fields_that_do_not_change_the_output_are_accepted_and_named(server, cap
 @pytest.mark.parametrize(
     "path, body, code, param",
     [
-        (COMPLETIONS, {"n": 2}, "unsupported_parameter", "n"),
-        (CHAT, {"n": 2}, "unsupported_parameter", "n"),
+        (COMPLETIONS, {"n": 17}, "invalid_request", "n"),
+        (CHAT, {"best_of": 2}, "invalid_request", "best_of"),  # a completions field only
         (CHAT, {"top_logprobs": 3}, "unsupported_parameter", "top_logprobs"),  # without logprobs: true
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
         (CHAT, {"tool_choice": "auto"}, "unsupported_parameter", "tool_choice"),

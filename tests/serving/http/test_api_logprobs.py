@@ -94,9 +94,12 @@ def test_streamed_logprobs_add_up_to_the_response(server, path):
     parts = [e["choices"][0]["logprobs"] for e in _events(server, path, **ask) if e["choices"]]
     parts = [p for p in parts if p is not None]
     if path == COMPLETIONS:
-        for key in ("tokens", "text_offset", "top_logprobs"):
+        for key in ("tokens", "text_offset"):
             assert [x for p in parts for x in p[key]] == whole[key]
         _close([x for p in parts for x in p["token_logprobs"]], whole["token_logprobs"])
+        tops = [x for p in parts for x in p["top_logprobs"]]  # another run: batched with others, float-close
+        assert [t.keys() for t in tops] == [t.keys() for t in whole["top_logprobs"]]
+        _close([v for t in tops for v in t.values()], [v for t in whole["top_logprobs"] for v in t.values()])
     else:
         assert [x["token"] for p in parts for x in p["content"]] == [x["token"] for x in whole["content"]]
         _close([x["logprob"] for p in parts for x in p["content"]], [x["logprob"] for x in whole["content"]])
@@ -141,10 +144,10 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, path, body, c
 def test_processed_logprobs_of_a_sampled_request(server):
     """Top-k 3: the sampled tokens' processed log-probabilities are of the 3 kept tokens, which
     sum to 1; the raw ones of the same request are lower (the vocabulary's mass is spread)."""
-    ask = dict(logprobs=3, temperature=0.7, top_k=3, seed=5, max_tokens=8)
+    ask = dict(logprobs=3, temperature=0.7, top_k=3, seed=5, max_tokens=8, speculation={"method": "draft"})
     processed = _post(server, COMPLETIONS, logprobs_mode="processed_logprobs", **ask)["choices"][0]
     raw = _post(server, COMPLETIONS, **ask)["choices"][0]
-    assert processed["token_ids"] == raw["token_ids"]  # the same seed and method: the same draws
+    assert processed["token_ids"] == raw["token_ids"]  # the same seed and a named method: the same draws
     for top in processed["logprobs"]["top_logprobs"]:
         assert sum(2.718281828**v for v in top.values()) == pytest.approx(1.0, abs=1e-3) or len(top) < 3
     assert all(

@@ -146,6 +146,10 @@ def test_every_method_round_trips_the_targets_greedy_output_with_its_own_counts(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
     )
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+    # n choices: a request per choice to the server, sent together
+    body = _complete(srv.url, PROMPTS[1], n=2, speculation={"method": "pld"}, return_token_ids=True).json()
+    assert [c["token_ids"] for c in body["choices"]] == [ref[PROMPTS[1]]] * 2
+    assert [c["index"] for c in body["speculation"]["choices"]] == [0, 1]
 
 
 def test_the_front_doors_recount_agrees_with_vllms_own(world, reference):

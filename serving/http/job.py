@@ -1,0 +1,107 @@
+"""One admitted request as the client gets it: its :class:`Job` (the plan, streaming callbacks, the
+text and tokens handed out so far) and what decides which of its tokens go out: stop sequences
+(:func:`find_stop`, :func:`held_back`) and the log-probabilities behind the text sent
+(:func:`delta_logprobs`, :func:`prompt_logprobs`). ``serving.http.server`` runs jobs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specops.serving.engine.types import TokenLogprob
+from specops.serving.http import logprobs as logprobs_fmt
+from specops.serving.plan import DecodePlan
+
+
+class ClientGone(Exception):
+    """The streaming client disconnected: stop decoding (nothing is logged)."""
+
+
+@dataclass
+class Job:
+    """One admitted request, from its plan to the response: what streaming and cancelling need."""
+
+    plan: DecodePlan
+    token_ids: bool = False
+    """The response carries the prompt's and the output's token ids (``return_token_ids``)."""
+    on_delta: Callable[[str, list[TokenLogprob] | None], None] | None = None
+    """Streaming: each new piece of text, with the log-probabilities of the tokens it completes
+    (None unless the request asked for them)."""
+    on_emit: Callable[[], None] | None = None
+    """Called on the decode thread after each step that emitted tokens (the API times non-streamed requests by it)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # filled in by run()
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per ``output_ids`` token, when the request asked for log-probabilities."""
+    text: str = ""
+    sent: int = 0
+    """Characters of ``text`` already handed to ``on_delta``."""
+    sent_tokens: int = 0
+    """Tokens whose log-probabilities went out with ``on_delta`` (streaming with logprobs)."""
+    index: int = 0
+    """Which of the request's choices this is (``n``, ``best_of``)."""
+    report_logprobs: bool = False
+    """The response carries the log-probabilities (the request asked; ``best_of`` computes them anyway, to rank)."""
+    echo: bool = False
+    """Completions' ``echo``: the prompt (and its log-probabilities) goes before the output."""
+    score_only: bool = False
+    """``echo`` with ``max_tokens: 0``: the prompt is scored and nothing generated (the decode stops
+    after its first step, whose token is dropped)."""
+    echoed: bool = False
+    """The prompt went out with ``on_delta`` (streaming with ``echo``)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """The prompt tokens' log-probabilities (``echo`` with ``logprobs``), the first one's None."""
+    stopped: bool = False
+    abandoned: bool = False
+    """The API answered with the request timeout while a step had not returned (``ServingState.abandon``)."""
+    shut_down: bool = False
+    """Still decoding when the server closed the replica (``ServingState.close``)."""
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.request_id
+
+
+def prompt_logprobs(job: Job, context: list[TokenLogprob], context_len: int) -> list[TokenLogprob] | None:
+    """The prompt's entries of the context's log-probabilities (one per context token after the
+    first: the prompt is the context's last tokens, after any retrieved passages); None when
+    the request did not ask for log-probabilities."""
+    if job.plan.params.prompt_logprobs is None:
+        return None
+    prompt = list(job.plan.prompt_ids)
+    start = context_len - len(prompt)
+    return [context[j - 1] if j >= 1 else TokenLogprob(prompt[0], None) for j in range(start, context_len)]
+
+
+def delta_logprobs(job: Job, tokenizer, *, whole: bool) -> list[TokenLogprob] | None:
+    """The log-probabilities of the tokens behind ``job.text`` not sent yet (``whole``: the text
+    holds all the output so far, nothing held back or cut), or None when none were asked for."""
+    if job.plan.params.logprobs is None:
+        return None
+    n = len(job.output_ids) if whole else logprobs_fmt.covered(tokenizer, job.output_ids, len(job.text))
+    n = min(n, len(job.logprobs))
+    out = job.logprobs[job.sent_tokens : n]
+    job.sent_tokens = max(job.sent_tokens, n)
+    return out
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Index where the earliest stop sequence starts in ``text``, if any."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` not to stream yet: an incomplete UTF-8 character
+    (decoded as U+FFFD) or a prefix of a stop sequence that the next tokens may complete."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold

@@ -190,12 +190,20 @@ class ServingState(Replica):
                 f"speculation.n_drafts is {n_drafts}; this server allows at most {cfg.max_n_drafts}",
                 "speculation.n_drafts",
             )
-        if knnlm is not None and processors.adjusts(params):
-            sent = [f for f in ADJUSTING if getattr(req, f) not in (None, 0, 0.0, 1.0, {})]
+        looping = retrieval is not None and retrieval.mode != "oneshot"
+        if (knnlm is not None or looping) and processors.adjusts(params):
+            sent = [f for f, off in ADJUSTING.items() if getattr(req, f) not in (None, off)]
+            field = sent[0] if sent else "logit_bias"
+            why = (
+                "kNN-LM mixes the target with its datastore and does not apply them"
+                if knnlm is not None
+                else "the retrieval loop restarts its context at each retrieval and would not count the output "
+                "before it (retrieval.mode 'oneshot' applies them)"
+            )
             raise InvalidRequestError(
-                f"{sent[0] if sent else 'logit_bias'} with knnlm: kNN-LM mixes the target with its datastore and "
-                "does not apply a logit_bias, min_tokens or penalties; leave them out",
-                sent[0] if sent else "logit_bias",
+                f"{field} with {'knnlm' if knnlm is not None else 'retrieval.mode ' + repr(retrieval.mode)}: {why}; "
+                "leave it out",
+                field,
             )
         if params.logprobs is not None and (
             knnlm is not None or (retrieval is not None and retrieval.mode != "oneshot")
@@ -587,5 +595,11 @@ def _refuse_ignored(
             raise InvalidRequestError(f"{name} does not apply to {path}: {why}; leave {name} out", name)
 
 
-ADJUSTING = ("logit_bias", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
-"""Request fields that change the target's logits (``serving.engine.processors``)."""
+ADJUSTING = {
+    "logit_bias": {},
+    "min_tokens": 0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""Request fields that change the target's logits (``serving.engine.processors``), with their "off" values."""

@@ -133,6 +133,12 @@ def test_a_stop_sequence_cuts_the_logprobs_with_the_text(server):
         (COMPLETIONS, {"logprobs_mode": "processed_logprobs"}, "unsupported_parameter", "logprobs_mode"),
         (COMPLETIONS, {"logprobs": 1, "logprobs_mode": "raw_logits"}, "invalid_request", "logprobs_mode"),
         (COMPLETIONS, {"logprobs": 1, "retrieval": {"kb": "docs", "mode": "ralmspec"}}, "invalid_request", "logprobs"),
+        (
+            COMPLETIONS,
+            {"frequency_penalty": 1.0, "retrieval": {"kb": "docs", "mode": "ralmseq"}},
+            "invalid_request",
+            "frequency_penalty",
+        ),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, path, body, code, param):

@@ -146,6 +146,11 @@ def test_every_method_round_trips_the_targets_greedy_output_with_its_own_counts(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
     )
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+    # echo puts the prompt first; ignore_eos runs to max_tokens (vLLM's own flag)
+    echoed = _complete(srv.url, PROMPTS[0], echo=True).json()["choices"][0]["text"]
+    assert echoed == PROMPTS[0] + tok.decode(ref[PROMPTS[0]], skip_special_tokens=True)
+    run = _complete(srv.url, PROMPTS[0], ignore_eos=True, speculation={"method": "draft"}).json()
+    assert run["usage"]["completion_tokens"] == MAX_TOKENS
     # n choices: a request per choice to the server, sent together
     body = _complete(srv.url, PROMPTS[1], n=2, speculation={"method": "pld"}, return_token_ids=True).json()
     assert [c["token_ids"] for c in body["choices"]] == [ref[PROMPTS[1]]] * 2

@@ -329,6 +329,12 @@ async def _serve(
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
     run = (lambda: [state.run(job)]) if len(jobs) == 1 else (lambda: state.run_many(jobs))
+
+    def abandon() -> SpecOpsError:  # one request's timeout, however many choices it decodes
+        for j in jobs[1:]:
+            j.abandoned = True
+        return state.abandon(job)
+
     if not req.stream:
         job.on_emit = timer.tokens  # the client gets them with the response; the decode's steps time them
         future = loop.run_in_executor(state.executor, run)
@@ -341,7 +347,7 @@ async def _serve(
             if future.done():  # the decode's own error, not the backstop
                 raise
             future.add_done_callback(_settle)  # a step that never returned: answer now (504)
-            raise state.abandon(job) from None
+            raise abandon() from None
         finally:
             if watch is not None:
                 watch.cancel()
@@ -363,7 +369,7 @@ async def _serve(
             queue,
             chat=chat,
             include_usage=include_usage,
-            deadline=(deadline, lambda: state.abandon(job)),
+            deadline=(deadline, abandon),
             timer=timer,
             tokenizer=state.pair.tokenizer,
         ),

@@ -60,6 +60,7 @@ from specops.core.models import render_chat
 from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.http.errors import error_body
 from specops.serving.http.gate import OPEN_PATHS, REQUEST_ID, Gate, error_response  # noqa: F401 (re-export)
+from specops.serving.http.job import choice_plan
 from specops.serving.http.latency import RequestTimer
 from specops.serving.http.read_timeouts import BodyDeadline
 from specops.serving.http.request_json import parse as parse_json
@@ -312,7 +313,7 @@ async def _serve(
     cancel = threading.Event()  # one request: a client that goes away stops every choice
     jobs = [
         Job(
-            state.choice_plan(plan, i, rank=best_of > n),
+            choice_plan(plan, i, rank=best_of > n),
             token_ids=req.return_token_ids,
             echo=echoed,
             score_only=echoed and req.max_tokens == 0,

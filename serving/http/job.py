@@ -8,11 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specops.serving.engine.types import TokenLogprob
 from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.plan import DecodePlan
+from specops.streams.records import CHOICE_SEPARATOR
 
 
 class ClientGone(Exception):
@@ -105,3 +106,20 @@ def held_back(text: str, stops: list[str]) -> int:
                 hold = max(hold, n)
                 break
     return hold
+
+
+def choice_plan(plan: DecodePlan, index: int, *, rank: bool = False) -> DecodePlan:
+    """Choice ``index`` of a request (``n``, ``best_of``): the plan with the seed ``seed + index``
+    (vLLM's rule: a seeded request's choices are reproducible and differ), a request id of its
+    own (``<id>#<index>``, the trainer's held-out split keeps a request's choices together), and
+    with ``rank`` log-probabilities computed (``best_of`` ranks the choices by them)."""
+    params = plan.params
+    changes: dict = {}
+    if index and params.seed is not None:
+        changes["seed"] = (params.seed + index) % (1 << 64)
+    if rank and params.logprobs is None:
+        changes["logprobs"] = 0
+    if not index and not changes:
+        return plan
+    rid = f"{plan.request_id}{CHOICE_SEPARATOR}{index}" if index else plan.request_id
+    return replace(plan, params=replace(params, **changes), request_id=rid)

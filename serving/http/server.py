@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 from specops.core import limits
@@ -46,7 +45,6 @@ from specops.serving.modes import mode_of
 from specops.serving.plan import DecodePlan, KnnPlan, RetrievalPlan
 from specops.serving.proposers.catalogue import CATALOGUE, MethodSpec, ProposerResources, check_resources, method_spec
 from specops.serving.replica import Replica
-from specops.streams.records import CHOICE_SEPARATOR
 
 __all__ = ["ClientGone", "Job", "ServingState"]
 
@@ -454,22 +452,6 @@ class ServingState(Replica):
             self.cfg.request_timeout_s,
         )
         return RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
-
-    def choice_plan(self, plan: DecodePlan, index: int, *, rank: bool = False) -> DecodePlan:
-        """Choice ``index`` of a request (``n``, ``best_of``): the plan with the seed ``seed + index``
-        (vLLM's rule: a seeded request's choices are reproducible and differ), a request id of its
-        own (``<id>#<index>``, the trainer's held-out split keeps a request's choices together), and
-        with ``rank`` log-probabilities computed (``best_of`` ranks the choices by them)."""
-        params = plan.params
-        changes: dict = {}
-        if index and params.seed is not None:
-            changes["seed"] = (params.seed + index) % (1 << 64)
-        if rank and params.logprobs is None:
-            changes["logprobs"] = 0
-        if not index and not changes:
-            return plan
-        rid = f"{plan.request_id}{CHOICE_SEPARATOR}{index}" if index else plan.request_id
-        return replace(plan, params=replace(params, **changes), request_id=rid)
 
     def run_many(self, jobs: list[Job]) -> list:
         """Decode a request's choices: the first on this (worker) thread, the others on the choice

@@ -27,13 +27,16 @@ from specops.serving.engine.types import SamplingParams
 
 def adjusts(params: SamplingParams) -> bool:
     """Whether ``params`` change the logits at all (the verifier skips this module otherwise)."""
-    return bool(
-        params.logit_bias
-        or params.min_tokens
-        or params.presence_penalty
-        or params.frequency_penalty
-        or params.repetition_penalty != 1.0
-    )
+    return any(getattr(params, name) != off for name, off in OFF.items())
+
+
+OFF = {"logit_bias": (), "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+"""The request fields this module applies, with their "off" values (``SamplingParams``' names)."""
+
+
+def adjusting_field(params: SamplingParams) -> str:
+    """The first field of ``params`` that changes the logits (what a 400 that refuses them names)."""
+    return next((name for name, off in OFF.items() if getattr(params, name) != off), "logit_bias")
 
 
 def adjust(

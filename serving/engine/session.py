@@ -108,9 +108,9 @@ class DecodeSession:
         self.stats = RequestStats(method=method, num_prompt_tokens=len(context_ids))
         self.rejections: list[RejectedPosition] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        """One per output token (``SamplingParams.logprobs``), kept in step with ``state.token_ids``."""
         self.prompt_logprobs: list[TokenLogprob] | None = None
         """One per context token after the first (``SamplingParams.prompt_logprobs``), set by :meth:`start`."""
-        """One per output token (``SamplingParams.logprobs``), kept in step with ``state.token_ids``."""
         self.verifier = Verifier(target, collect_rejections=collect_rejections, want_hidden=want_hidden, eos=eos)
         self.finish_reason = ""
         self._t_start = 0.0
@@ -139,10 +139,10 @@ class DecodeSession:
         pass; a request without ``prompt_logprobs`` prefills in its first step instead."""
         ids = self.state.token_ids[: self.state.num_prompt_tokens]
         out: list[TokenLogprob] = []
+        raw = SamplingParams(logprobs=self.state.params.prompt_logprobs)  # the prompt was not sampled: raw
         for lo in range(self.target.num_cached, len(ids) - 1, self.PREFILL_CHUNK):
             hi = min(lo + self.PREFILL_CHUNK, len(ids) - 1)
             logits, _ = self.target.forward(ids[lo:hi], logits_to_keep=0)
-            raw = SamplingParams(logprobs=self.state.params.prompt_logprobs)  # the prompt was not sampled: raw
             out.extend(token_logprobs(logits, ids[lo + 1 : hi + 1], raw))
         self.prompt_logprobs = out
 

@@ -109,12 +109,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int)
-            and not isinstance(self.logprobs, bool)
-            and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and -2.0 <= v <= 2.0):
@@ -126,14 +124,6 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias values must be in [-100, 100]")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.prompt_logprobs is not None and not (
-            isinstance(self.prompt_logprobs, int)
-            and not isinstance(self.prompt_logprobs, bool)
-            and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                f"prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
-            )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise InvalidRequestError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"

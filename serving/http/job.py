@@ -123,3 +123,10 @@ def choice_plan(plan: DecodePlan, index: int, *, rank: bool = False) -> DecodePl
         return plan
     rid = f"{plan.request_id}{CHOICE_SEPARATOR}{index}" if index else plan.request_id
     return replace(plan, params=replace(params, **changes), request_id=rid)
+
+
+def send_echo(job: Job, tokenizer) -> None:
+    """Streaming with ``echo``: the prompt (and its log-probabilities) goes out once, before the output."""
+    if job.echo and not job.echoed and job.on_delta is not None:
+        job.on_delta(job.plan.prompt_text or tokenizer.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
+        job.echoed = True

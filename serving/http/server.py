@@ -37,7 +37,15 @@ from specops.serving.engine import processors
 from specops.serving.engine.types import SamplingParams
 from specops.serving.http.admission import Admission
 from specops.serving.http.config import ServeConfig
-from specops.serving.http.job import ClientGone, Job, delta_logprobs, find_stop, held_back, prompt_logprobs
+from specops.serving.http.job import (
+    ClientGone,
+    Job,
+    delta_logprobs,
+    find_stop,
+    held_back,
+    prompt_logprobs,
+    send_echo,
+)
 from specops.serving.http.schema import MAX_N
 from specops.serving.http.tenancy import ANONYMOUS, Tenant
 from specops.serving.metrics import CANCELLED, READY, ROUTED
@@ -190,8 +198,7 @@ class ServingState(Replica):
             )
         looping = retrieval is not None and retrieval.mode != "oneshot"
         if (knnlm is not None or looping) and processors.adjusts(params):
-            sent = [f for f, off in ADJUSTING.items() if getattr(req, f) not in (None, off)]
-            field = sent[0] if sent else "logit_bias"
+            field = processors.adjusting_field(params)
             why = (
                 "kNN-LM mixes the target with its datastore and does not apply them"
                 if knnlm is not None
@@ -203,9 +210,7 @@ class ServingState(Replica):
                 "leave it out",
                 field,
             )
-        if params.logprobs is not None and (
-            knnlm is not None or (retrieval is not None and retrieval.mode != "oneshot")
-        ):
+        if params.logprobs is not None and (knnlm is not None or looping):
             path = "knnlm" if knnlm is not None else "retrieval.mode"
             raise InvalidRequestError(
                 f"logprobs with {path}: not supported yet; kNN-LM mixes the target with its datastore and the "
@@ -510,9 +515,7 @@ class ServingState(Replica):
                 raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
             if job.echo and getattr(emitted, "prompt_logprobs", None) is not None:
                 job.prompt_logprobs = prompt_logprobs(job, emitted.prompt_logprobs, emitted.context_len)
-            if job.echo and not job.echoed and job.on_delta is not None:
-                job.on_delta(job.plan.prompt_text or tok.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
-                job.echoed = True
+            send_echo(job, tok)
             if job.score_only:
                 return True  # its token is not the client's: the prompt alone was asked for
             job.output_ids.extend(emitted)
@@ -539,9 +542,7 @@ class ServingState(Replica):
         res = served.result
         if job.echo and job.prompt_logprobs is None and res.prompt_logprobs is not None:
             job.prompt_logprobs = prompt_logprobs(job, res.prompt_logprobs, res.stats.num_prompt_tokens)
-        if job.echo and not job.echoed and job.on_delta is not None:  # no step handed tokens on
-            job.on_delta(job.plan.prompt_text or tok.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
-            job.echoed = True
+        send_echo(job, tok)  # when no step handed tokens on
         if job.score_only:
             job.output_ids, job.logprobs, job.text = [], [], ""
             return served
@@ -575,13 +576,3 @@ def _refuse_ignored(
     for name, sent in given.items():
         if sent:
             raise InvalidRequestError(f"{name} does not apply to {path}: {why}; leave {name} out", name)
-
-
-ADJUSTING = {
-    "logit_bias": {},
-    "min_tokens": 0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
-"""Request fields that change the target's logits (``serving.engine.processors``), with their "off" values."""

@@ -167,7 +167,7 @@ class VLLMNode(ServingNode):
                         name,
                     )
         if processors.adjusts(plan.params) and plan.method not in ("target", "auto"):
-            field = _adjusting_field(plan.params)
+            field = processors.adjusting_field(plan.params)
             raise InvalidRequestError(
                 f"{field}: this server decodes with vLLM, whose speculative servers here are not checked to apply "
                 "penalties, biases and min_tokens at every drafted position; use speculation.method 'target' "
@@ -176,7 +176,7 @@ class VLLMNode(ServingNode):
             )
         if plan.method == "auto" and not self._allowed(plan):
             if processors.adjusts(plan.params):
-                field = _adjusting_field(plan.params)
+                field = processors.adjusting_field(plan.params)
                 raise InvalidRequestError(
                     f"{field}: no target-only vLLM server runs here (vllm_speculation has no 'none'), and only "
                     "that one applies penalties, biases and min_tokens; leave it out",
@@ -378,20 +378,6 @@ class VLLMNode(ServingNode):
             finally:
                 chunks.close()  # an early end closes the connection: vLLM aborts the request
         return tokens, finish, first_s, measured, logprobs
-
-
-def _adjusting_field(params) -> str:
-    """The first request field that changes the logits (``serving.engine.processors``)."""
-    for name, off in (
-        ("logit_bias", ()),
-        ("min_tokens", 0),
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-    ):
-        if getattr(params, name) != off:
-            return name
-    return "logit_bias"
 
 
 def _unavailable_on_error(chunks, cluster: str):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specops.serving.engine.grammar import Constraint
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import token_logprobs
 from specops.serving.engine.types import (
@@ -85,8 +86,11 @@ class DecodeSession:
         collect_rejections: bool = False,
         want_hidden: bool = False,
         hold_back: bool = False,
+        grammar: Constraint | None = None,
     ) -> None:
         self.target = target
+        self.grammar = grammar
+        """The request's structured-output matcher (``params.grammar`` compiled), or None."""
         self.proposer = proposer
         self.k = k
         self.context_size = context_size
@@ -166,8 +170,10 @@ class DecodeSession:
             proposals = Proposals.empty()
         else:
             proposals = self.proposer.propose(state, k_step)
+        if self.grammar is not None:
+            proposals = self.grammar.prune(proposals)
         t1 = time.perf_counter()
-        verdict = self.verifier.verify(state, proposals)
+        verdict = self.verifier.verify(state, proposals, self.grammar)
         t2 = time.perf_counter()
         stats.time_s["propose"] += t1 - t0
         stats.time_s["verify"] += t2 - t1
@@ -175,6 +181,8 @@ class DecodeSession:
             stats.time_s["first_step"] = t2 - self._t_start  # includes both prefills
 
         emitted = verdict.emitted
+        if self.grammar is not None:  # nothing after the token that completes the grammar (only an EOS could come)
+            emitted = emitted[: self.grammar.commit(emitted)]
         for i, tok in enumerate(emitted):
             if tok in self.eos:
                 emitted = emitted[: i + 1]  # nothing after an EOS counts, or is logged
@@ -188,6 +196,9 @@ class DecodeSession:
             if verdict.rejected is not None:
                 self.rejections.append(verdict.rejected)
         state.token_ids.extend(emitted)
+        if self.grammar is not None:
+            if self.grammar.stopped and not self.finished:
+                self.finish_reason = "stop"  # nothing may follow but an end-of-sequence token
         if self.logprobs is not None:
             assert verdict.logprobs is not None and len(verdict.logprobs) >= len(emitted), "the verifier's logprobs"
             self.logprobs.extend(verdict.logprobs[: len(emitted)])
@@ -236,6 +247,8 @@ class DecodeSession:
         if not dropped:
             return
         del state.token_ids[position:]
+        if self.grammar is not None:
+            self.grammar.truncate(position - state.num_prompt_tokens)
         if self.logprobs is not None:
             del self.logprobs[position - state.num_prompt_tokens :]
         self.stats.num_rolled_back += dropped

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from specops.core import limits
 from specops.core.models import ModelPair
+from specops.serving.engine import grammar
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, SamplingParams
@@ -95,6 +96,10 @@ class SpecEngine:
         if proposer is None:
             proposer = build_proposer(cfg, resources or ProposerResources(pair=self.pair))
         spec = method_spec(method) if method in METHODS else None
+        constraint = None
+        if params.grammar is not None:
+            grammars = grammar.for_tokenizer(self.pair.tokenizer, self.pair.vocab_size, self.pair.eos_token_ids)
+            constraint = grammars.constraint(params.grammar)
         target = self.target_lm() if self.target_lm is not None else CachedLM(self.pair.target)
         return DecodeSession(
             target,
@@ -110,6 +115,7 @@ class SpecEngine:
             want_hidden=(spec is not None and "target_hidden" in spec.needs)
             or bool(getattr(proposer, "needs_hidden", False)),
             hold_back=hold_back,
+            grammar=constraint,
         ).start()
 
     def generate(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specops.core.errors import InvalidRequestError
+from specops.serving.engine.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 """Most alternatives per token a request may ask for (OpenAI's ``top_logprobs`` bound)."""
@@ -97,6 +98,8 @@ class SamplingParams:
     """``raw``: log-softmax of the target's logits (vLLM's default, ``raw_logprobs``); ``processed``:
     of the distribution the token was drawn from (temperature, min-p, top-k, top-p applied; a
     token they drop has ``-inf``). Greedy requests get ``raw`` either way, as vLLM's."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the grammar every output token must follow (``serving.engine.grammar``)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):

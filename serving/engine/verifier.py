@@ -58,6 +58,7 @@ import torch
 
 from specops.serving.engine import processors
 from specops.serving.engine import tree as tree_mod
+from specops.serving.engine.grammar import Constraint
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import draw, token_logprobs, uniform, warp
 from specops.serving.engine.tree import TokenTree
@@ -169,9 +170,11 @@ class Verifier:
         """The rows' logits after the request's bias and penalties (``serving.engine.processors``)."""
         return processors.adjust(logits, state.params, state.token_ids, state.num_prompt_tokens, extras, self.eos)
 
-    def verify(self, state: DecodeState, proposals: Proposals) -> Verdict:
+    def verify(self, state: DecodeState, proposals: Proposals, grammar: Constraint | None = None) -> Verdict:
+        """Verify ``proposals`` (already pruned by ``grammar``, when the request has one: its
+        masks apply to every row, ``serving.engine.grammar``)."""
         if not proposals.is_chain:
-            return self.verify_tree(state, proposals)
+            return self.verify_tree(state, proposals, grammar)
         assert self.target.num_cached < len(state.token_ids), (self.target.num_cached, len(state.token_ids))
         drafts = proposals.rows()[0]
         k = len(drafts)
@@ -179,7 +182,10 @@ class Verifier:
 
         feed = [*state.token_ids[self.target.num_cached :], *drafts]
         raw, hidden = self.target.forward(feed, logits_to_keep=k + 1, want_hidden=self.want_hidden)  # [k+1, vocab]
-        logits = self._adjusted(raw, state, [drafts[:i] for i in range(k + 1)])  # row i: after d_1 .. d_i
+        paths = [drafts[:i] for i in range(k + 1)]  # row i: after d_1 .. d_i
+        if grammar is not None:
+            raw = grammar.mask(raw, paths)
+        logits = self._adjusted(raw, state, paths)
         probs = warp(logits, state.params)  # [k+1, vocab]
         q = proposals.draft_probs[0] if proposals.draft_probs is not None else None  # [k, vocab]
         accepted, bonus = decide(probs, drafts, q, greedy=state.params.greedy, generator=state.generator)
@@ -207,21 +213,23 @@ class Verifier:
             logprobs=logprobs,
         )
 
-    def verify_tree(self, state: DecodeState, proposals: Proposals) -> Verdict:
+    def verify_tree(self, state: DecodeState, proposals: Proposals, grammar: Constraint | None = None) -> Verdict:
         """Several candidate rows: one target pass over their trie, then the tree rules."""
         assert self.target.num_cached < len(state.token_ids), (self.target.num_cached, len(state.token_ids))
         rows = proposals.rows()
         tree = tree_mod.build(rows)
         base = len(state.token_ids)
         if tree.num_nodes == 0:
-            return self.verify(state, Proposals.empty())
+            return self.verify(state, Proposals.empty(), grammar)
         committed = state.token_ids[self.target.num_cached :]
         raw, hidden = self.target.forward_tree(committed, tree, want_hidden=self.want_hidden)  # [1 + n, vocab]
         logits = raw
-        if processors.adjusts(state.params):  # row c: after the path from the root to node c
+        if processors.adjusts(state.params) or grammar is not None:  # row c: after the path from the root to node c
             paths: list[list[int]] = [[]]
             for c in range(1, tree.num_nodes + 1):
                 paths.append([*paths[tree.parent[c]], tree.tokens[c]])
+            if grammar is not None:
+                raw = grammar.mask(raw, paths)
             logits = self._adjusted(raw, state, paths)
         probs = warp(logits, state.params)  # [1 + n, vocab]
         node_q = None

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
+from specops.serving.engine.sampling import LOGPROB_FLOOR
 from specops.serving.engine.types import GenerationResult, SamplingParams
 from specops.streams import OutMessage, Producer, Stream, StreamConfig, Topics, codec, open_stream
 from specops.streams.records import DIST_FULL, DIST_TOPK, ContextSpan, GenerationRecord, MissRecord, SamplingInfo
@@ -155,6 +156,8 @@ def build_records(
     else:
         kind = DIST_TOPK
         vals, ids = logp.topk(min(topk, vocab_size), dim=-1)  # sorted, most likely first
+        # a token a grammar or min_tokens forbade is -inf: top-k records hold finite numbers, its floor
+        vals = vals.clamp_min(LOGPROB_FLOOR)
         logprobs = vals.numpy().astype(dtype)
         topk_ids = ids.numpy().astype(np.int32)
         mass = np.exp(logprobs.astype(np.float64)).sum(axis=1)

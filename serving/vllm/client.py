@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import urllib3
 
+from specops.serving.engine.grammar import JSON_LAYOUT
 from specops.serving.engine.sampling import LOGPROB_FLOOR
 from specops.serving.engine.types import TokenLogprob
 from specops.serving.vllm.process import VLLMError
@@ -36,6 +37,20 @@ class Chunk:
     ``per_step_drafted``, one entry per verify step."""
     logprobs: tuple[TokenLogprob, ...] | None = None
     """One per ``token_ids`` token when the request asked for them (``request_body(logprobs=N)``)."""
+
+
+def structured_outputs(spec) -> dict:
+    """vLLM's ``structured_outputs`` for a ``serving.engine.grammar.GrammarSpec``: JSON with our layout
+    (``JSON_LAYOUT`` in the schema's ``x-guidance``, which the server's llguidance backend reads), so
+    the grammar, and with it the output, is the one our engine decodes under."""
+    if spec.kind in ("json_object", "json_schema"):
+        schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
+        return {"json": schema}
+    if spec.kind == "choice":
+        return {"choice": json.loads(spec.source)}
+    return {spec.kind: spec.source}  # regex, grammar (Lark)
 
 
 def request_body(
@@ -92,6 +107,8 @@ def request_body(
             body["logit_bias"] = {str(t): float(b) for t, b in adjust.logit_bias}
         if adjust.min_tokens:
             body["min_tokens"] = int(adjust.min_tokens)
+        if adjust.grammar is not None:
+            body["structured_outputs"] = structured_outputs(adjust.grammar)
     if logprobs is not None:
         body["logprobs"] = int(logprobs)
         body["return_tokens_as_token_ids"] = True

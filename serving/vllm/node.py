@@ -52,6 +52,14 @@ MAX_SESSION_TOKENS = 16384
 log = logging.getLogger(__name__)
 
 
+def _target_only(params) -> str:
+    """The field of ``params`` only the target-only vLLM server applies (penalties, biases,
+    ``min_tokens``, a grammar), or ``""``: any server may decode it."""
+    if params.grammar is not None:
+        return params.grammar.field
+    return processors.adjusting_field(params) if processors.adjusts(params) else ""
+
+
 class VLLMNode(ServingNode):
     """:class:`~serving.fleet.node.ServingNode` whose decode is a request to a vLLM server: the
     server of the request's method (``auto``: the one :class:`~serving.vllm.choice.RequestPolicy`
@@ -109,7 +117,7 @@ class VLLMNode(ServingNode):
         out = list(self.methods)
         if not plan.params.greedy and any(getattr(plan.params, n) > o for n, o in (("min_p", 0.0), ("top_k", 0))):
             out = [m for m in out if m == "target"]
-        if processors.adjusts(plan.params):  # penalties and biases: the target-only server applies them
+        if _target_only(plan.params):  # penalties, biases, grammars: the target-only server applies them
             out = [m for m in out if m == "target"]
         return tuple(out)
 
@@ -166,20 +174,19 @@ class VLLMNode(ServingNode):
                         "--engine specops",
                         name,
                     )
-        if processors.adjusts(plan.params) and plan.method not in ("target", "auto"):
-            field = processors.adjusting_field(plan.params)
+        if (field := _target_only(plan.params)) and plan.method not in ("target", "auto"):
             raise InvalidRequestError(
                 f"{field}: this server decodes with vLLM, whose speculative servers here are not checked to apply "
-                "penalties, biases and min_tokens at every drafted position; use speculation.method 'target' "
+                "penalties, biases, min_tokens and grammars at every drafted position; use speculation.method "
+                "'target' "
                 "(or 'auto', which sends the request there), or serve with --engine specops",
                 field,
             )
         if plan.method == "auto" and not self._allowed(plan):
-            if processors.adjusts(plan.params):
-                field = processors.adjusting_field(plan.params)
+            if field := _target_only(plan.params):
                 raise InvalidRequestError(
                     f"{field}: no target-only vLLM server runs here (vllm_speculation has no 'none'), and only "
-                    "that one applies penalties, biases and min_tokens; leave it out",
+                    "that one applies penalties, biases, min_tokens and grammars; leave it out",
                     field,
                 )
             raise InvalidRequestError(

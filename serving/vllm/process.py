@@ -158,6 +158,10 @@ class ServerSpec:
             # (a timing side channel). Off unless the operator turns it on ("--enable-prefix-caching" in
             # vllm_args comes later on the command line and wins).
             "--no-enable-prefix-caching",
+            # structured output through llguidance, as our engine's (serving.engine.grammar): the same grammar,
+            # so a constrained request's output is the same whichever engine serves it
+            "--structured-outputs-config",
+            json.dumps({"backend": "guidance"}),
         ]
         spec = speculative_config(self.speculation, self.k, self.draft_dir() if self.speculation == "draft" else None)
         if spec is not None:

@@ -191,13 +191,14 @@ def prepare_for_decoding(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict], **template_args) -> str:
     """The prompt text of a chat: the tokenizer's chat template with the assistant's turn
     opened, or, for a base model without a template, the contents one paragraph each.
     ``/v1/chat/completions`` renders requests with this, and so do the workloads that
-    stand in for its traffic (``specops.chat_workload``)."""
+    stand in for its traffic (``specops.chat_workload``). ``template_args`` go to the template
+    (``tools``, for one that renders them: ``serving.http.tools``)."""
     if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_args)
     return "\n\n".join(m["content"] for m in messages if m["content"])
 
 

@@ -436,6 +436,10 @@ class Replica:
     # ------------------------------------------------------------ status
     @property
     def context_size(self) -> int:
+        """The target's context; through vLLM, at most its servers' ``--max-model-len`` (a longer
+        prompt is then the client's 400, not a server's failure)."""
+        if self.cfg.engine == "vllm":
+            return min(self.pair.context_size, self.cfg.vllm_max_model_len)
         return self.pair.context_size
 
     def clusters(self) -> dict:

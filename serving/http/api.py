@@ -58,6 +58,7 @@ from specops.core.errors import (
 )
 from specops.core.models import render_chat
 from specops.serving.http import logprobs as logprobs_fmt
+from specops.serving.http import tools as tools_fmt
 from specops.serving.http.errors import error_body
 from specops.serving.http.gate import OPEN_PATHS, REQUEST_ID, Gate, error_response  # noqa: F401 (re-export)
 from specops.serving.http.job import choice_plan
@@ -269,7 +270,8 @@ def _validation_response(errors: list) -> JSONResponse:
 def _render_chat(state: ServingState, req: ChatCompletionRequest) -> str:
     _ensure_ready(state)
     tok = state.pair.tokenizer
-    return render_chat(tok, [{"role": m.role, "content": m.text} for m in req.messages])
+    messages, extra = tools_fmt.messages_for(tok, [m.as_dict() for m in req.messages], req.tool_dicts())
+    return render_chat(tok, messages, **extra)
 
 
 def _ensure_ready(state: ServingState) -> None:
@@ -320,6 +322,8 @@ async def _serve(
             index=i,
             cancel=cancel,
             report_logprobs=plan.params.logprobs is not None,
+            tools=tools_fmt.format_for(state.pair.tokenizer) if chat and req.calls_tools() else None,
+            parallel_tools=getattr(req, "parallel_tool_calls", None) is not False,
         )
         for i in range(best_of)
     ]
@@ -452,6 +456,12 @@ async def _sse(
             yield f"data: {json.dumps(error_body(500, f'internal error: {type(err).__name__}', 'internal'))}\n\n"
             return
         body = response_body(model, jobs, served, chat=chat, tokenizer=tokenizer, n=len(jobs))
+        for j in jobs:  # parsed at the end: each call whole, in one delta (OpenAI's shape)
+            calls = [{"index": k, **c} for k, c in enumerate(j.tool_calls)]
+            if calls:
+                yield chunk(
+                    [{"index": j.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]
+                )
         for j, done in zip(jobs, body["choices"], strict=True):
             last = choice(None if chat else "", done["finish_reason"], j.index)
             if j.token_ids:  # the choice's ids, once, on its finishing chunk

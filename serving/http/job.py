@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from specops.serving.engine.types import TokenLogprob
 from specops.serving.http import logprobs as logprobs_fmt
+from specops.serving.http.tools import ToolFormat, tool_calls
 from specops.serving.plan import DecodePlan
 from specops.streams.records import CHOICE_SEPARATOR
 
@@ -61,6 +62,12 @@ class Job:
     """The API answered with the request timeout while a step had not returned (``ServingState.abandon``)."""
     shut_down: bool = False
     """Still decoding when the server closed the replica (``ServingState.close``)."""
+    tools: ToolFormat | None = None
+    """Chat with tools that may be called: the format calls are parsed in (their text is held back)."""
+    parallel_tools: bool = True
+    """``parallel_tool_calls``: more than one call may be returned."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """The calls parsed out of the output (OpenAI's ``message.tool_calls``)."""
 
     @property
     def request_id(self) -> str:
@@ -130,3 +137,23 @@ def send_echo(job: Job, tokenizer) -> None:
     if job.echo and not job.echoed and job.on_delta is not None:
         job.on_delta(job.plan.prompt_text or tokenizer.decode(list(job.plan.prompt_ids)), job.prompt_logprobs)
         job.echoed = True
+
+
+def streamable(job: Job, text: str, stops: list[str]) -> str:
+    """The part of ``text`` (no stop sequence in it) that may go out now: without an incomplete
+    character or a stop sequence's prefix at the end, and, with tools, before the first call (a
+    call goes out parsed, at the end)."""
+    marks = [*stops, job.tools.OPEN] if job.tools is not None else stops
+    if job.tools is not None and (at := text.find(job.tools.OPEN)) >= 0:
+        return text[:at]
+    return text[: len(text) - held_back(text, marks)]
+
+
+def split_tools(job: Job, text: str) -> str:
+    """The content of a finished output with tools (``job.tool_calls`` set from its calls; the
+    first alone without ``parallel_tool_calls``); ``text`` itself otherwise."""
+    if job.tools is None:
+        return text
+    content, calls = job.tools.parse(text)
+    job.tool_calls = tool_calls(calls if job.parallel_tools else calls[:1])
+    return content

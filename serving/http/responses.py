@@ -93,12 +93,11 @@ def choice_body(job: Job, served, *, chat: bool, tokenizer, index: int) -> dict:
             logprobs_fmt.chat_shape(items) if chat else logprobs_fmt.completion_shape(items, top=plan.params.logprobs)
         )
     if chat:
-        choice = {
-            "index": index,
-            "message": {"role": "assistant", "content": job.text},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
+        message = {"role": "assistant", "content": job.text}
+        if job.tool_calls:  # the calls parsed out (serving.http.tools); content: what was outside them
+            message.update(content=job.text if job.text.strip() else None, tool_calls=job.tool_calls)
+            finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     else:
         text = (plan.prompt_text or tokenizer.decode(list(plan.prompt_ids))) + job.text if job.echo else job.text
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

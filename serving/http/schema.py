@@ -2,7 +2,7 @@
 
 Only what the server implements is accepted. An OpenAI parameter we do not implement
 (``suffix``, tools and
-functions, a ``response_format`` other than text) and any field OpenAI does not define either
+functions) and any field OpenAI does not define either
 gets a 400 naming the parameter, rather than being silently ignored. The exceptions are
 :data:`IGNORED_FIELDS`: what clients commonly send that cannot change the output (storage,
 billing and tracing hints); they are accepted, and the API names the ones a request sent in
@@ -17,11 +17,23 @@ since they are settings.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from specops.core.errors import UnsupportedParameterError
+from specops.serving.engine.grammar import GrammarSpec
+from specops.serving.http import tools as tools_fmt
 from specops.serving.proposers.catalogue import CATALOGUE, methods
 
 
@@ -141,7 +153,7 @@ IGNORED_FIELDS = (
 )
 """Fields accepted and ignored, because they cannot change the output: ``user`` (an end-user id for
 OpenAI's abuse monitoring), ``store`` and ``metadata`` (OpenAI's stored completions), ``service_tier``
-(OpenAI's billing tier), ``parallel_tool_calls`` (chat; tools themselves are refused),
+(OpenAI's billing tier), ``parallel_tool_calls`` (chat, when it sends no ``tools``; with them it is honoured),
 ``stream_options.continuous_usage_stats`` (vLLM: usage in every chunk; usage comes in the last
 chunk with ``include_usage``) and ``stream_options.include_obfuscation`` (OpenAI's padding of
 stream events). Everything else unknown is a 400 naming it, so a typo is never ignored."""
@@ -158,6 +170,47 @@ class StreamOptions(BaseModel):
     """Ignored (:data:`IGNORED_FIELDS`)."""
     include_obfuscation: bool | None = None
     """Ignored (:data:`IGNORED_FIELDS`)."""
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's structured-output schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON schema the output follows (absent: any JSON value of an object)."""
+    strict: bool | None = None
+    """Accepted: the schema is always followed exactly here."""
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldValueError("json_schema", "give json_schema exactly when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema, a regular expression, a list of choices,
+    a Lark grammar, or any JSON object."""
+
+    model_config = STRICT
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
@@ -212,6 +265,15 @@ class _Common(BaseModel):
     references: list[str] | None = None
     """Texts LLMA copies from (``speculation.method = "llma"``); bounded by the server's
     max_references and max_reference_tokens (413 beyond)."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's (chat; vLLM takes it on completions too): ``json_object`` or ``json_schema`` output."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (``serving.engine.grammar``)."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older name of ``structured_outputs.json`` (as are ``guided_regex``, ``guided_choice``, ``guided_grammar``)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
     """vLLM's ``logprobs_mode`` (a server option there, per request here): ``raw_logprobs``
     (default) the target's log-softmax; ``processed_logprobs`` the distribution sampled from
@@ -220,6 +282,40 @@ class _Common(BaseModel):
     def logprobs_n(self) -> int | None:
         """Alternatives per token the request asks for (0 = the chosen token's alone), or None: none asked."""
         return None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The output constraint the request asks for (one at most), or None: free text."""
+        found: list[GrammarSpec] = []
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type == "json_object":
+            found.append(GrammarSpec("json_object", "", "response_format"))
+        elif rf is not None and rf.json_schema is not None:
+            schema = rf.json_schema.schema_
+            field = "response_format.json_schema.schema"
+            found.append(
+                GrammarSpec("json_schema", json.dumps(schema), field)
+                if schema
+                else GrammarSpec("json_object", "", field)
+            )
+        for prefix, (js, regex, choice, grammar, obj) in (
+            ("structured_outputs.", (so.json_, so.regex, so.choice, so.grammar, so.json_object) if so else (None,) * 5),
+            ("guided_", (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, None)),
+        ):
+            if js is not None:
+                found.append(GrammarSpec("json_schema", js if isinstance(js, str) else json.dumps(js), prefix + "json"))
+            if regex is not None:
+                found.append(GrammarSpec("regex", regex, prefix + "regex"))
+            if choice is not None:
+                found.append(GrammarSpec.choice(choice, prefix + "choice"))
+            if grammar is not None:
+                found.append(GrammarSpec("grammar", grammar, prefix + "grammar"))
+            if obj:
+                found.append(GrammarSpec("json_object", "", prefix + "json_object"))
+        if len(found) > 1:
+            raise UnsupportedParameterError(
+                f"{found[1].field}: one output constraint per request; {found[0].field} is one already", found[1].field
+            )
+        return found[0] if found else None
 
     def _check_logprobs_mode(self) -> None:
         if self.logprobs_mode is not None and self.logprobs_n() is None:
@@ -317,6 +413,57 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = ""
+    """The arguments as JSON text, as the model wrote them."""
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made (``messages[i].tool_calls``)."""
+
+    model_config = STRICT
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (absent: any JSON object)."""
+    strict: bool | None = None
+    """Accepted: a forced call's arguments always follow the schema exactly here."""
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: that function must be called."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
@@ -324,6 +471,17 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64)
+    """An assistant turn's calls (its ``content`` may then be null)."""
+
+    def as_dict(self) -> dict:
+        """The message as the chat template and ``serving.http.tools`` take it."""
+        out: dict = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     @property
     def text(self) -> str:
@@ -342,16 +500,55 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = None
     """The target's log-probability of each output token (``top_logprobs``: and of its most probable alternatives)."""
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    """Functions the model may call (``serving.http.tools``)."""
     tool_choice: Any = None
+    """``auto`` (the default with tools): the model decides; ``none``: no call (the tools are not
+    rendered); ``required``: at least one call; a named function: that call. The last two are
+    grammars: the arguments follow the function's schema."""
     parallel_tool_calls: bool | None = None
-    """Ignored (:data:`IGNORED_FIELDS`): tools are refused."""
+    """With ``tools``: whether a response may hold several calls (default true). Without: ignored."""
     functions: list[dict] | None = None
     function_call: Any = None
-    response_format: dict | None = None
 
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> str | NamedToolChoice | None:
+        if v is None or (isinstance(v, str) and v in ("none", "auto", "required")):
+            return v
+        if isinstance(v, dict):
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError as e:
+                raise ValueError(
+                    f"a named function is {{'type': 'function', 'function': {{'name': ...}}}}: {e.errors()[0]['msg']}"
+                ) from None
+        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+
+    def calls_tools(self) -> bool:
+        """The output may hold tool calls (``tools`` sent, ``tool_choice`` not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict]:
+        """The tools as OpenAI JSON (what the prompt shows), none with ``tool_choice: none``."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()] if self.calls_tools() else []
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.calls_tools():
+            choice = (
+                self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+            )
+            spec = tools_fmt.grammar(None, self.tool_dicts(), choice, parallel=self.parallel_tool_calls is not False)
+            if spec is not None:
+                return spec
+        return super().grammar()
+
+    def ignored(self) -> tuple[str, ...]:
+        out = super().ignored()
+        return tuple(n for n in out if n != "parallel_tool_calls") if self.tools else out
 
     @model_validator(mode="after")
     def _tokens(self) -> ChatCompletionRequest:
@@ -371,12 +568,24 @@ class ChatCompletionRequest(_Common):
             raise UnsupportedParameterError(
                 "top_logprobs needs logprobs: true (OpenAI's rule); send both", "top_logprobs"
             )
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise UnsupportedParameterError(
-                "tools / tool_choice are not supported", "tools" if self.tools else "tool_choice"
-            )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise UnsupportedParameterError("tool_choice needs tools (OpenAI's rule); send both", "tool_choice")
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) < len(names):
+                raise UnsupportedParameterError("tools: two functions have the same name", "tools")
+            choice = self.tool_choice
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise UnsupportedParameterError(
+                    f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
+                    "tool_choice.function.name",
+                )
+            if self.calls_tools() and super().grammar() is not None:
+                raise UnsupportedParameterError(
+                    f"{super().grammar().field} with tools: a tool call and a response format are two grammars for "
+                    "one output; send tool_choice 'none', or leave the response format out",
+                    super().grammar().field,
+                )
         if self.functions or self.function_call not in (None, "none"):
             field = "functions" if self.functions else "function_call"
             raise UnsupportedParameterError("functions / function_call are not supported", field)
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise UnsupportedParameterError("response_format: only {'type': 'text'} is supported", "response_format")

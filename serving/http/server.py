@@ -33,7 +33,7 @@ from specops.core.errors import (
     RequestTooLargeError,
     echo,
 )
-from specops.serving.engine import processors
+from specops.serving.engine import grammar, processors
 from specops.serving.engine.types import SamplingParams
 from specops.serving.http.admission import Admission
 from specops.serving.http.config import ServeConfig
@@ -42,9 +42,10 @@ from specops.serving.http.job import (
     Job,
     delta_logprobs,
     find_stop,
-    held_back,
     prompt_logprobs,
     send_echo,
+    split_tools,
+    streamable,
 )
 from specops.serving.http.schema import MAX_N
 from specops.serving.http.tenancy import ANONYMOUS, Tenant
@@ -172,7 +173,10 @@ class ServingState(Replica):
             logit_bias=self._logit_bias(req.logit_bias),
             min_tokens=req.min_tokens or 0,
             ignore_eos=req.ignore_eos,
+            grammar=req.grammar(),
         )
+        if params.grammar is not None:  # a 400 naming the field before anything streams
+            grammar.for_tokenizer(tok, self.pair.vocab_size, self.pair.eos_token_ids).check(params.grammar)
         if params.min_tokens > params.max_new_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_new_tokens})", "min_tokens"
@@ -197,8 +201,8 @@ class ServingState(Replica):
                 "speculation.n_drafts",
             )
         looping = retrieval is not None and retrieval.mode != "oneshot"
-        if (knnlm is not None or looping) and processors.adjusts(params):
-            field = processors.adjusting_field(params)
+        if (knnlm is not None or looping) and (processors.adjusts(params) or params.grammar is not None):
+            field = params.grammar.field if params.grammar is not None else processors.adjusting_field(params)
             why = (
                 "kNN-LM mixes the target with its datastore and does not apply them"
                 if knnlm is not None
@@ -527,10 +531,8 @@ class ServingState(Replica):
                 return False  # nothing to stream or stop on: the text is decoded once, at the end
             text = tok.decode(job.output_ids, skip_special_tokens=True)
             stop_at = find_stop(text, stops)
-            if stop_at is not None:
-                job.text, job.stopped = text[:stop_at], True
-            else:
-                job.text = text[: len(text) - held_back(text, stops)]
+            job.stopped = stop_at is not None
+            job.text = streamable(job, text[:stop_at] if job.stopped else text, [] if job.stopped else stops)
             if job.on_delta is not None and len(job.text) > job.sent:
                 job.on_delta(
                     job.text[job.sent :], delta_logprobs(job, self.pair.tokenizer, whole=len(job.text) == len(text))
@@ -546,8 +548,11 @@ class ServingState(Replica):
         if job.score_only:
             job.output_ids, job.logprobs, job.text = [], [], ""
             return served
+        if job.stopped and job.tools is not None:  # what the stop sequence kept, its calls parsed
+            text = tok.decode(job.output_ids, skip_special_tokens=True)
+            job.text = split_tools(job, text[: find_stop(text, stops)])
         if not job.stopped:  # the whole output, the held-back tail included
-            job.text = tok.decode(served.result.token_ids, skip_special_tokens=True)
+            job.text = split_tools(job, tok.decode(served.result.token_ids, skip_special_tokens=True))
             if job.on_delta is not None and (len(job.text) > job.sent or job.sent_tokens < len(job.logprobs)):
                 job.on_delta(job.text[job.sent :], delta_logprobs(job, self.pair.tokenizer, whole=True))
                 job.sent = len(job.text)

@@ -331,7 +331,7 @@ def test_raw_http_errors(server):
     chat = url + "/v1/chat/completions"
     assert_error(requests.post(chat, json={"model": MODEL, "messages": []}), 400, "invalid_request", "messages")
     tools = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}
-    assert_error(requests.post(chat, json=tools), 400, "unsupported_parameter", "tools")
+    assert_error(requests.post(chat, json=tools), 400, "invalid_request", "tools.0.function")
     # the server is fine afterwards
     ok = requests.post(c, json={"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

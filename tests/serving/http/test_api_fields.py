@@ -92,11 +92,9 @@ def test_fields_that_do_not_change_the_output_are_accepted_and_named(server, cap
         (COMPLETIONS, {"n": 17}, "invalid_request", "n"),
         (CHAT, {"best_of": 2}, "invalid_request", "best_of"),  # a completions field only
         (CHAT, {"top_logprobs": 3}, "unsupported_parameter", "top_logprobs"),  # without logprobs: true
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
         (CHAT, {"tool_choice": "auto"}, "unsupported_parameter", "tool_choice"),
         (CHAT, {"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
         (CHAT, {"function_call": "auto"}, "unsupported_parameter", "function_call"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
         (CHAT, {"logit_bias": {"x": 1.0}}, "invalid_request", "logit_bias"),
         (CHAT, {"logit_bias": {"999999": 1.0}}, "invalid_request", "logit_bias"),
         (CHAT, {"logit_bias": {"5": 101.0}}, "invalid_request", "logit_bias.5"),

@@ -350,6 +350,11 @@ MODEL_CHECKS = {
         {**CHAT, "max_tokens": 5, "max_completion_tokens": 3},
         "max_completion_tokens",
     ),
+    ("ResponseFormat", "_schema"): (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
 }
 """Every model-level validator of ``serving.http.schema``: a body that trips it and the field it must name."""
 

@@ -1,0 +1,177 @@
+"""Tool calling on ``/v1/chat/completions``: the tools rendered into the prompt in the model's tool
+format, the calls parsed out of the output into ``message.tool_calls``, and, for ``tool_choice``
+``required`` or a named function, a grammar (``serving.engine.grammar``) that makes the output a call
+whose arguments follow the function's JSON schema.
+
+**Formats.** A format is a :class:`ToolFormat`: how the tools and a call look in text, how a tool
+result is handed back, and the grammar of a call. One is built in, **Hermes** (Qwen 2/2.5/3,
+Hermes 2/3, SmolLM3 and most open chat models trained for tools): each call is a JSON object
+``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` lines, results come
+back between ``<tool_response>`` tags. A chat template that takes ``tools`` itself (its source names
+``tools``) renders them, and the history's calls and results, its own way; one that does not (the
+default SmolLM2 pair's) gets the Hermes system section below and the history in Hermes text.
+Adding a format: subclass :class:`ToolFormat` (``system``, ``call_text``, ``result_message``,
+``parse``, ``call_grammar``), add it to :data:`FORMATS`, and teach :func:`format_for` the template
+that uses it (``docs/api.md`` says the same).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+from specops.serving.engine.grammar import JSON_LAYOUT, GrammarSpec
+
+
+class ToolFormat:
+    """How one family of chat models writes tool calls (module docstring)."""
+
+    name = ""
+
+    def system(self, tools: list[dict]) -> str:
+        raise NotImplementedError
+
+    def call_text(self, name: str, arguments: str) -> str:
+        raise NotImplementedError
+
+    def result_message(self, content: str) -> dict:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        raise NotImplementedError
+
+    def call_grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        raise NotImplementedError
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def system(self, tools: list[dict]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "You may call one or more functions to help with the user's request. The functions are "
+            f"described, as JSON schemas, inside <tools></tools>:\n<tools>\n{listed}\n</tools>\n\n"
+            "To call a function, answer with a JSON object of its name and arguments inside "
+            "<tool_call></tool_call> tags, one per call:\n"
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+        )
+
+    def call_text(self, name: str, arguments: str) -> str:
+        try:
+            args = json.loads(arguments) if arguments else {}
+        except ValueError:
+            args = arguments  # an earlier turn's arguments that were not JSON: kept as the string they were
+        return f"{self.OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{self.CLOSE}"
+
+    def result_message(self, content: str) -> dict:
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """``(content, calls)``: the text outside the call blocks, and each block that holds a JSON
+        object with a string ``name`` as ``{"name", "arguments"}`` (arguments as JSON text). A block
+        that does not parse stays in the content, as the model wrote it."""
+        calls, kept, last = [], [], 0
+        for m in self.BLOCK.finditer(text):
+            try:
+                obj = json.loads(m.group(1))
+            except ValueError:
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                continue
+            args = obj.get("arguments", obj.get("parameters", {}))
+            calls.append({"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)})
+            kept.append(text[last : m.start()])
+            last = m.end()
+        if not calls:
+            return text, []
+        kept.append(text[last:])
+        return "".join(kept).strip(), calls
+
+    def call_grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        """A Lark grammar (llguidance's, with ``%json``): one call of one of ``tools`` (more than one,
+        on lines of their own, when ``parallel``), its arguments following the function's schema."""
+        options = []
+        for t in tools:
+            fn = t["function"]
+            params = fn.get("parameters") or {"type": "object"}
+            options.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        body = options[0] if len(options) == 1 else {"anyOf": options}
+        body = {**body, "x-guidance": JSON_LAYOUT}
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return (
+            f"start: call{repeat}\n"
+            f'call: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
+            f"body: %json {json.dumps(body, ensure_ascii=False)}\n"
+        )
+
+
+FORMATS = {"hermes": Hermes()}
+
+
+def format_for(tokenizer) -> ToolFormat:
+    """The tool format of ``tokenizer``'s chat template (Hermes: the only one built in)."""
+    return FORMATS["hermes"]
+
+
+def native(tokenizer) -> bool:
+    """Whether the chat template renders ``tools`` itself."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and "tools" in template
+
+
+def selected(tools: list[dict], choice) -> list[dict]:
+    """The tools a ``tool_choice`` allows: all, or the named one."""
+    if isinstance(choice, dict):
+        return [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    return tools
+
+
+def messages_for(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], dict]:
+    """The chat as the template takes it, and the template's extra arguments: with a template that
+    renders ``tools``, the OpenAI messages as they are and ``tools``; else the Hermes system section
+    first (merged into the request's system message) and calls and results as Hermes text."""
+    if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return [{"role": m["role"], "content": m["content"] or ""} for m in messages], {}
+    if native(tokenizer):
+        return messages, ({"tools": tools} if tools else {})
+    fmt = format_for(tokenizer)
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append(fmt.result_message(m["content"] or ""))
+        elif m.get("tool_calls"):
+            calls = [fmt.call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m["content"] or "", *calls]))})
+        else:
+            out.append({"role": m["role"], "content": m["content"] or ""})
+    if tools:
+        section = fmt.system(tools)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{section}"}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out, {}
+
+
+def grammar(tokenizer, tools: list[dict], choice, *, parallel: bool) -> GrammarSpec | None:
+    """The grammar ``tool_choice`` ``required`` or a named function puts on the output, or None."""
+    if choice == "required" or isinstance(choice, dict):
+        lark = format_for(tokenizer).call_grammar(selected(tools, choice), parallel=parallel and choice == "required")
+        return GrammarSpec("grammar", lark, "tool_choice")
+    return None
+
+
+def tool_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI's ``message.tool_calls``: each call with an id of its own."""
+    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": dict(c)} for c in calls]

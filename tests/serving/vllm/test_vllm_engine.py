@@ -58,6 +58,8 @@ def _with_own_vocab(models: Path, reference) -> Path:
         ids |= {*tok(p, add_special_tokens=False)["input_ids"], *output}
     size = load_model_dir(models).vocab_size
     draft_vocab.save(models / "draft", draft_vocab.DraftVocab(sorted(ids), size), source="the vLLM tests")
+    # a chat template (the tiny tokenizer has none, and vLLM serves no chat without one): both engines render with it
+    (models / "target" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return models
 
 
@@ -320,12 +322,113 @@ def test_a_named_tool_is_called_through_the_target_server(world):
     long = {**body, "messages": [{"role": "user", "content": "word " * 600}]}  # past --max-model-len: the client's 413
     assert_error(
         requests.post(world["srv"].url + "/v1/chat/completions", json=long, timeout=60),
-        400,
+        413,
         "prompt_too_long",
         "prompt",
     )
     call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather" and json.loads(call["arguments"])["unit"] in ("c", "f")
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}\n\n{% endfor %}"
+"""The tiny tokenizer has no chat template: the module's copy of the models gets this one, which
+both our front door and vLLM render chats with."""
+OUR_EXTENSIONS = {"speculation"}
+"""Fields only our responses carry (``docs/api.md``)."""
+VLLM_EXTRAS = {
+    "system_fingerprint",
+    "service_tier",
+    "prompt_logprobs",
+    "kv_transfer_params",
+    "stop_reason",
+    "reasoning_content",
+    "reasoning",
+    "annotations",
+    "audio",
+    "function_call",
+    "prompt_token_ids",
+    "token_ids",
+    "prompt_tokens_details",
+    "completion_tokens_details",
+    "routed_experts",
+    "ec_transfer_params",
+    "metrics",
+    "prompt_text",
+    "refusal",  # OpenAI's: vLLM puts it in the message, we in chat logprobs (both as OpenAI documents, always null)
+}
+"""vLLM's own additions to OpenAI's shapes (null or absent in what OpenAI documents)."""
+
+
+def _shape_diff(ours, theirs, path: str = "") -> list[str]:
+    """Where two responses' shapes differ: a key one has and the other lacks, or a value of another
+    JSON type (null matches anything: a field may be empty; lists compare their first items)."""
+    if ours is None or theirs is None:
+        return []
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for k in sorted(set(ours) | set(theirs)):
+            if k in OUR_EXTENSIONS or k in VLLM_EXTRAS:
+                continue
+            if k not in ours or k not in theirs:
+                out.append(f"{path}.{k}: only in {'ours' if k in ours else 'vLLM'}")
+            else:
+                out += _shape_diff(ours[k], theirs[k], f"{path}.{k}")
+        return out
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return _shape_diff(ours[0], theirs[0], f"{path}[0]") if ours and theirs else []
+    kind = lambda v: "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__  # noqa: E731
+    return [] if kind(ours) == kind(theirs) else [f"{path}: {kind(ours)} here, {kind(theirs)} in vLLM"]
+
+
+def _raw_target_server(world) -> str:
+    """The URL of the front door's target-only vLLM server (its log file's name holds its port)."""
+    servers = requests.get(world["srv"].url + "/v1/clusters", timeout=30).json()["vllm"]["servers"]
+    name = next(s["name"] for s in servers if s["speculation"] == "none")
+    log = next(world["root"].rglob(f"vllm-{name}-*.log"))
+    return f"http://127.0.0.1:{log.stem.rsplit('-', 1)[1]}"
+
+
+def test_responses_have_vllms_shapes(world):
+    """The compatibility suite's calls against a raw vLLM server and against ours: every field
+    either names, field by field, has the same JSON type (ids, timings and each side's own
+    extensions aside), through the official client too."""
+    ours = world["srv"].url
+    raw = _raw_target_server(world)
+    raw_model = requests.get(raw + "/v1/models", timeout=30).json()["data"][0]["id"]
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    # (tools are not compared: vLLM 0.32 refuses even a named tool_choice without --tool-call-parser)
+    base = {"max_tokens": 12, "temperature": 0}
+    calls = [
+        ("/v1/completions", {"prompt": "def add(a, b):"}),
+        ("/v1/completions", {"prompt": "def add(a, b):", "logprobs": 2}),
+        ("/v1/completions", {"prompt": "def add(a, b):", "n": 2, "temperature": 1.0, "seed": 3}),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0, "logit_bias": {"5": 2.0}, "min_tokens": 4}),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 40,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            },
+        ),
+    ]
+    diffs = []
+    for path, body in calls:
+        mine = requests.post(ours + path, json={"model": MODEL, **base, **body}, timeout=120)
+        theirs = requests.post(raw + path, json={"model": raw_model, **base, **body}, timeout=120)
+        assert mine.status_code == theirs.status_code == 200, (path, body, mine.text, theirs.text)
+        diffs += [f"{path} {sorted(body)}: {d}" for d in _shape_diff(mine.json(), theirs.json())]
+    assert not diffs, "\n".join(diffs)
 
 
 def test_every_request_is_logged_for_teacher_forward_training(world, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from specops.serving.engine.prefix import PrefixShare
 from specops.serving.engine.types import SamplingParams
 from specops.serving.proposers.catalogue import MethodSpec, ProposerConfig, method_spec
 
@@ -72,6 +73,8 @@ class DecodePlan:
     session_scope: str = ""
     """Whose past outputs of the cluster it copies from and adds to (a tenant id; ``""``: shared)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefix_share: PrefixShare | None = field(default=None, compare=False, repr=False)
+    """Its part in its request's choices' shared prefill (``n``, ``best_of``; ``serving.engine.prefix``)."""
 
     @property
     def method(self) -> str:

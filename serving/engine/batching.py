@@ -502,6 +502,28 @@ class BatchedCachedLM(CachedLM):
         assert 0 <= length <= self.num_cached, (length, self.num_cached)
         self.num_cached = length  # the positions past it are overwritten by the next step
 
+    @torch.inference_mode()
+    def prefix(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert 0 < length <= self.num_cached, (length, self.num_cached)
+        pool = self.pool
+        with pool.lock:  # no pass writes, and no reallocation moves the buffers, while it copies
+            return [
+                (pool.keys[i][self.slot, :, :length].clone(), pool.values[i][self.slot, :, :length].clone())
+                for i in range(pool.num_layers)
+            ]
+
+    @torch.inference_mode()
+    def load_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        assert self.num_cached == 0 and len(kv) == self.pool.num_layers, (self.num_cached, len(kv))
+        length = int(kv[0][0].shape[1])
+        pool = self.pool
+        with pool.lock:
+            pool.ensure(length)
+            for i, (keys, values) in enumerate(kv):
+                pool.keys[i][self.slot, :, :length] = keys
+                pool.values[i][self.slot, :, :length] = values
+        self.num_cached = length
+
     def reset(self) -> None:
         self.num_cached = 0
         self.num_forwards = 0

@@ -152,6 +152,21 @@ class CachedLM:
                     layer.values[:, :, dst] = layer.values[:, :, src]
         self.rollback(base + len(path))
 
+    @torch.inference_mode()
+    def prefix(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the cached keys and values of positions ``0 .. length-1``, per layer
+        ``[kv_heads, length, head_dim]`` (``serving.engine.prefix``: a request's choices share a prefill)."""
+        assert 0 < length <= self.num_cached, (length, self.num_cached)
+        return [(layer.keys[0, :, :length].clone(), layer.values[0, :, :length].clone()) for layer in self.cache.layers]
+
+    @torch.inference_mode()
+    def load_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start this (empty) cache from another's :meth:`prefix`: its positions become ``0 .. length-1`` here."""
+        assert self.num_cached == 0 and len(kv) == len(self.cache.layers), (self.num_cached, len(kv))
+        for i, (keys, values) in enumerate(kv):
+            self.cache.update(keys[None].clone(), values[None].clone(), i)
+        self.num_cached = int(kv[0][0].shape[1])
+
     def close(self) -> None:
         """The request is done with this cache (a batched target gives its slot back)."""
 

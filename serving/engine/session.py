@@ -24,6 +24,7 @@ import torch
 
 from specops.serving.engine.grammar import Constraint
 from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.prefix import PrefixShare
 from specops.serving.engine.sampling import token_logprobs
 from specops.serving.engine.types import (
     ContextSpan,
@@ -87,8 +88,11 @@ class DecodeSession:
         want_hidden: bool = False,
         hold_back: bool = False,
         grammar: Constraint | None = None,
+        prefix_share: PrefixShare | None = None,
     ) -> None:
         self.target = target
+        self.prefix_share = prefix_share
+        """This choice's part in its request's shared prefill (``serving.engine.prefix``), or None."""
         self.grammar = grammar
         """The request's structured-output matcher (``params.grammar`` compiled), or None."""
         self.proposer = proposer
@@ -126,11 +130,22 @@ class DecodeSession:
         assert not self._started, "start() once"
         self._started = True
         self._t_start = time.perf_counter()
+        share, prefix = self.prefix_share, self.state.token_ids[: self.state.num_prompt_tokens - 1]
+        if share is not None and not share.lead and self.state.params.prompt_logprobs is None and prefix:
+            self.stats.num_prefill_shared = share.group.take(prefix, self.target)
         if self.state.params.prompt_logprobs is not None:
             self._prefill_with_logprobs()
+        self._offer_prefix()
         if self.proposer is not None:
             self.proposer.start(self.state)
         return self
+
+    def _offer_prefix(self) -> None:
+        """The lead choice hands its prefill on once its target holds the context (after its first step)."""
+        share, prefix_len = self.prefix_share, self.state.num_prompt_tokens - 1
+        if share is not None and share.lead and prefix_len > 0 and self.target.num_cached >= prefix_len:
+            share.group.offer(self.state.token_ids[:prefix_len], self.target)
+            self.prefix_share = None
 
     PREFILL_CHUNK = 256
     """Context tokens per pass when the prefill keeps every row's logits (``prompt_logprobs``):
@@ -175,6 +190,8 @@ class DecodeSession:
         t1 = time.perf_counter()
         verdict = self.verifier.verify(state, proposals, self.grammar)
         t2 = time.perf_counter()
+        if self.prefix_share is not None:
+            self._offer_prefix()
         stats.time_s["propose"] += t1 - t0
         stats.time_s["verify"] += t2 - t1
         if stats.num_verify_steps == 0:
@@ -275,6 +292,7 @@ class DecodeSession:
         state.num_final = state.num_generated
         stats.num_generated = state.num_generated
         stats.num_target_forwards = self.target.num_forwards
+        self._withdraw_prefix()
         self.target.close()
         stats.time_s["total"] = time.perf_counter() - self._t_start
         if not stats.finish_reason:
@@ -295,7 +313,14 @@ class DecodeSession:
         """Release the proposer without a result (the caller went away)."""
         if not self._closed:
             self._closed = True
+            self._withdraw_prefix()
             self.target.close()
             if self.proposer is not None:
                 self.stats.num_draft_forwards = self.proposer.num_forwards
                 self.proposer.finish()
+
+    def _withdraw_prefix(self) -> None:
+        """A lead that ends before it prefilled (an error, a client gone) lets its followers prefill on their own."""
+        if self.prefix_share is not None and self.prefix_share.lead:
+            self.prefix_share.group.withdraw()
+        self.prefix_share = None

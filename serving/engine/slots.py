@@ -67,7 +67,8 @@ class SlotPool:
             self.free.append(slot)
 
     def ensure(self, length: int) -> None:
-        """Room for ``length`` positions in every row (called on the batcher thread only)."""
+        """Room for ``length`` positions in every row (the batcher thread, or a request loading a
+        shared prefill: both under :attr:`lock`, so the buffers never move under a pass)."""
         if length <= self.capacity:
             return
         assert length <= self.max_capacity, (length, self.max_capacity)

@@ -13,6 +13,7 @@ from specops.core import limits
 from specops.core.models import ModelPair
 from specops.serving.engine import grammar
 from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.prefix import PrefixShare
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, SamplingParams
 from specops.serving.proposers.base import Proposer
@@ -85,6 +86,7 @@ class SpecEngine:
         resources: ProposerResources | None = None,
         context_spans: tuple[ContextSpan, ...] = (),
         hold_back: bool = False,
+        prefix_share: PrefixShare | None = None,
     ) -> DecodeSession:
         """A started session for one request (see ``generate`` for the arguments)."""
         cfg = proposer_cfg or ProposerConfig(method=method)
@@ -116,6 +118,7 @@ class SpecEngine:
             or bool(getattr(proposer, "needs_hidden", False)),
             hold_back=hold_back,
             grammar=constraint,
+            prefix_share=prefix_share,
         ).start()
 
     def generate(
@@ -131,6 +134,7 @@ class SpecEngine:
         context_spans: tuple[ContextSpan, ...] = (),
         meta: object | None = None,
         on_step: Callable[[list[int]], bool | None] | None = None,
+        prefix_share: PrefixShare | None = None,
     ) -> GenerationResult:
         """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``).
 
@@ -139,7 +143,8 @@ class SpecEngine:
         ``on_step(final)`` is called after every step with the tokens that became final (the
         HTTP API streams them); returning True ends the request there with finish reason
         ``stop`` (a stop sequence was seen), and an exception it raises (the client went
-        away) ends it without logging.
+        away) ends it without logging. ``prefix_share`` is this request's part in its choices' shared
+        prefill (``serving.engine.prefix``: ``n`` and ``best_of``).
 
         With a ``logger`` (a bare engine's :class:`ResultSink`), the finished request is handed
         to it (``meta`` names the request); that never blocks or raises. The serving node hands
@@ -154,6 +159,7 @@ class SpecEngine:
             proposer=proposer,
             resources=resources,
             context_spans=context_spans,
+            prefix_share=prefix_share,
         )
         prompt_lps = session.prompt_logprobs  # handed on with the first step's tokens
         try:

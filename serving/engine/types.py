@@ -360,6 +360,9 @@ class RequestStats:
     num_draft_forwards: int = 0
     num_rolled_back: int = 0
     """Emitted tokens later withdrawn by ``DecodeSession.rollback_to`` (not in ``num_generated``)."""
+    num_prefill_shared: int = 0
+    """Prompt tokens this choice loaded from its request's first choice instead of prefilling
+    them (``serving.engine.prefix``: ``n`` / ``best_of``)."""
     finish_reason: str = ""
     """``eos``, ``length`` (max_new_tokens), ``context`` (model context full) or ``stop`` (the caller's
     ``on_step`` ended it: a stop sequence)."""

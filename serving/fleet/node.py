@@ -261,6 +261,7 @@ class ServingNode:
                 proposer=spec.build(cfg, resources),
                 on_step=on_step,
                 context_spans=tuple(context_spans),
+                prefix_share=plan.prefix_share,
             )
         if self.sessions is not None:
             self.sessions.add(cluster, result.token_ids, plan.session_scope)

@@ -57,6 +57,7 @@ from specops.core.errors import (
     http_status,
 )
 from specops.core.models import render_chat
+from specops.serving.engine.prefix import SharedPrefix
 from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.http import tools as tools_fmt
 from specops.serving.http.errors import error_body
@@ -313,9 +314,10 @@ async def _serve(
     n = req.n
     best_of = getattr(req, "best_of", None) or n  # choices decoded; the n best returned (completions' best_of)
     cancel = threading.Event()  # one request: a client that goes away stops every choice
+    prefix = SharedPrefix(wait_s=cfg.request_timeout_s) if best_of > 1 else None  # choice 0 prefills for all
     jobs = [
         Job(
-            choice_plan(plan, i, rank=best_of > n),
+            choice_plan(plan, i, rank=best_of > n, prefix=prefix),
             token_ids=req.return_token_ids,
             echo=echoed,
             score_only=echoed and req.max_tokens == 0,

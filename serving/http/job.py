@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from specops.serving.engine.prefix import SharedPrefix
 from specops.serving.engine.types import TokenLogprob
 from specops.serving.http import logprobs as logprobs_fmt
 from specops.serving.http.tools import ToolFormat, tool_calls
@@ -115,13 +116,16 @@ def held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
-def choice_plan(plan: DecodePlan, index: int, *, rank: bool = False) -> DecodePlan:
+def choice_plan(plan: DecodePlan, index: int, *, rank: bool = False, prefix: SharedPrefix | None = None) -> DecodePlan:
     """Choice ``index`` of a request (``n``, ``best_of``): the plan with the seed ``seed + index``
     (vLLM's rule: a seeded request's choices are reproducible and differ), a request id of its
     own (``<id>#<index>``, the trainer's held-out split keeps a request's choices together), and
-    with ``rank`` log-probabilities computed (``best_of`` ranks the choices by them)."""
+    with ``rank`` log-probabilities computed (``best_of`` ranks the choices by them); with ``prefix``,
+    choice 0 prefills the prompt and the others load its keys and values (``serving.engine.prefix``)."""
     params = plan.params
     changes: dict = {}
+    if prefix is not None:
+        plan = replace(plan, prefix_share=prefix.handle(lead=not index))
     if index and params.seed is not None:
         changes["seed"] = (params.seed + index) % (1 << 64)
     if rank and params.logprobs is None:

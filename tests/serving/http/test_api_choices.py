@@ -17,7 +17,7 @@ import requests
 
 from specops.streams.records import CHOICE_SEPARATOR
 from specops.trainer.online import _holdout
-from tests.serving.http.api_support import MODEL, assert_error, running, serve_config
+from tests.serving.http.api_support import MODEL, assert_error, metric, running, serve_config
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -52,6 +52,15 @@ def test_n_choices_are_the_seeded_single_requests(server, method):
     sp = body["speculation"]
     assert [c["index"] for c in sp["choices"]] == [0, 1, 2]
     assert sp["drafted"] == sum(c["drafted"] for c in sp["choices"])
+
+
+def test_the_choices_share_the_prompts_prefill(server):
+    """Choice 0 prefills; the others load its keys and values (all of the prompt but its last token)."""
+    shared = "specops_prefill_shared_tokens_total"
+    before = metric(requests.get(server.url + "/metrics").text, shared)
+    body = _post(server, n=3, seed=5, best_of=4)  # best_of decodes 4: three load the first's prefill
+    after = metric(requests.get(server.url + "/metrics").text, shared)
+    assert after - before == 3 * (body["usage"]["prompt_tokens"] - 1)
 
 
 def test_greedy_choices_are_alike_and_chat_takes_n(server):

@@ -95,6 +95,15 @@ class VLLMNode(ServingNode):
         self.load = LoadMeter()
         """Requests in flight and each server's busy ones, with their time integrals (``auto``)."""
 
+    def _max_tokens(self, wanted: int, prompt_len: int) -> int:
+        """``max_tokens`` clamped to the room the servers' ``--max-model-len`` leaves after the prompt,
+        as our engine stops at its context (finish ``length``): vLLM answers a request that asks for
+        more with a 400 the client did not cause."""
+        template = getattr(self.servers, "template", None)
+        if template is None:
+            return wanted
+        return max(1, min(wanted, int(template.max_model_len) - prompt_len))
+
     @property
     def method(self) -> str:
         return self.methods[0]
@@ -269,7 +278,7 @@ class VLLMNode(ServingNode):
             body = request_body(
                 list(prompt_ids),
                 model=self.served_name,
-                max_tokens=params.max_new_tokens,
+                max_tokens=self._max_tokens(params.max_new_tokens, len(prompt_ids)),
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=params.top_k,

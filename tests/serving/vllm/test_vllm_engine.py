@@ -259,6 +259,12 @@ def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
     # the servers report raw log-probabilities (vLLM sets the kind once per server)
     processed = {"logprobs": 1, "logprobs_mode": "processed_logprobs"}
     assert_error(_complete(url, "x", **processed), 400, "invalid_request", "logprobs_mode")
+    # a max_tokens past what the servers' --max-model-len leaves is clamped to it, as our engine stops
+    # at its context: finish "length", not vLLM's 400 about a limit the client cannot see
+    r = _complete(url, [5] * 500, max_tokens=64, ignore_eos=True, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 512 - 500
 
 
 GRAMMARS = [

@@ -37,6 +37,9 @@ class Chunk:
     ``per_step_drafted``, one entry per verify step."""
     logprobs: tuple[TokenLogprob, ...] | None = None
     """One per ``token_ids`` token when the request asked for them (``request_body(logprobs=N)``)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """With ``echo`` (the request's ``prompt_logprobs``), on the first chunk only: one per prompt token
+    after the first, as our engine's ``GenerationResult.prompt_logprobs``."""
 
 
 def structured_outputs(spec) -> dict:
@@ -109,6 +112,9 @@ def request_body(
             body["min_tokens"] = int(adjust.min_tokens)
         if adjust.grammar is not None:
             body["structured_outputs"] = structured_outputs(adjust.grammar)
+    if adjust is not None and adjust.prompt_logprobs is not None:  # scoring the prompt: vLLM's echo with logprobs
+        body["echo"] = True
+        logprobs = max(int(logprobs or 0), int(adjust.prompt_logprobs))  # vLLM: one N for the prompt and output
     if logprobs is not None:
         body["logprobs"] = int(logprobs)
         body["return_tokens_as_token_ids"] = True
@@ -132,6 +138,9 @@ def parse_logprobs(raw: dict, n_tokens: int, top: int) -> tuple[TokenLogprob, ..
         raise ValueError(f"logprobs for {len(names)} tokens in a chunk of {n_tokens}")
     out = []
     for name, value, alts in zip(names, values, tops, strict=True):
+        if value is None:  # an echoed prompt's first token: nothing predicts it
+            out.append(TokenLogprob(_token_id(name), None, ()))
+            continue
         ranked = sorted(((_token_id(k), float(v)) for k, v in (alts or {}).items()), key=lambda a: -a[1])
         out.append(TokenLogprob(_token_id(name), max(float(value), LOGPROB_FLOOR), tuple(ranked[:top])))
     return tuple(out)
@@ -173,15 +182,20 @@ def stream_completion(http: urllib3.PoolManager, url: str, body: dict, *, timeou
                     continue
                 choice = event["choices"][0]
                 ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
-                lps = None
+                lps = prompt_lps = None
                 if "logprobs" in body:
-                    lps = parse_logprobs(choice.get("logprobs") or {}, len(ids), int(body["logprobs"]))
+                    # echo: the first chunk's logprobs cover the prompt (named in prompt_token_ids), then its tokens
+                    n_prompt = len(choice.get("prompt_token_ids") or ()) if body.get("echo") else 0
+                    lps = parse_logprobs(choice.get("logprobs") or {}, n_prompt + len(ids), int(body["logprobs"]))
+                    if n_prompt:
+                        prompt_lps, lps = lps[1:n_prompt], lps[n_prompt:]
             except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
                 raise VLLMError(f"vLLM at {url} sent a chunk that is not a completion: {data[:200]!r}") from exc
             reason = choice.get("finish_reason")
             if reason is not None:
                 finished = True
-            yield Chunk(ids, FINISH.get(reason, "length") if reason is not None else None, logprobs=lps)
+            finish = FINISH.get(reason, "length") if reason is not None else None
+            yield Chunk(ids, finish, logprobs=lps, prompt_logprobs=prompt_lps)
         if not finished:
             raise VLLMError(f"vLLM at {url} ended the stream without a finish reason")
     except urllib3.exceptions.HTTPError as exc:

@@ -153,12 +153,6 @@ class VLLMNode(ServingNode):
                 f"vllm_copy_k); leave k out",
                 "speculation.k",
             )
-        if plan.params.prompt_logprobs is not None:
-            raise InvalidRequestError(
-                "echo with logprobs: the prompt's log-probabilities are not read back from vLLM yet; leave "
-                "logprobs out (echo alone works), or serve with --engine specops",
-                "echo",
-            )
         if plan.params.logprobs is not None and plan.params.logprobs_mode != "raw":
             raise InvalidRequestError(
                 "logprobs_mode 'processed_logprobs': vLLM sets the log-probabilities' distribution once per "
@@ -292,7 +286,9 @@ class VLLMNode(ServingNode):
             if method == "llma":
                 refs = self._copy_sources(plan, retrieved)
                 body["vllm_xargs"] = {REFS_KEY: refs, MIN_N_KEY: int(plan.llma_min_n)}
-            tokens, finish, first_s, measured, logprobs = self._stream(server, body, plan.cluster, on_step, t0)
+            tokens, finish, first_s, measured, logprobs, prompt_lps = self._stream(
+                server, body, plan.cluster, on_step, t0
+            )
         finally:
             self.load.leave(sent)
         decode_load, shared = self.load.since(mark, method)
@@ -334,7 +330,9 @@ class VLLMNode(ServingNode):
         if self.sessions is not None:
             self.sessions.add(plan.cluster, tokens, plan.session_scope)
         spans = tuple(context_spans) or (ContextSpan("prompt", 0, len(prompt_ids)),)
-        result = GenerationResult(token_ids=tokens, stats=stats, context_spans=spans, logprobs=logprobs)
+        result = GenerationResult(
+            token_ids=tokens, stats=stats, context_spans=spans, logprobs=logprobs, prompt_logprobs=prompt_lps
+        )
         drafted_by_model = method == "draft"
         versions = {"draft": handle.version} if drafted_by_model else {}
         served = ServedResult(
@@ -361,12 +359,15 @@ class VLLMNode(ServingNode):
 
     def _stream(
         self, server, body: dict, cluster: str, on_step, t0: float
-    ) -> tuple[list[int], str, float, dict | None, list[TokenLogprob] | None]:
+    ) -> tuple[list[int], str, float, dict | None, list[TokenLogprob] | None, list[TokenLogprob] | None]:
         """The request on ``server``: its token ids, finish reason, seconds to the first token,
-        vLLM's own per-request speculation counts (None when it sent none), and each token's
-        log-probabilities when the request asked for them (else None)."""
+        vLLM's own per-request speculation counts (None when it sent none), each token's
+        log-probabilities when the request asked for them (else None), and with ``echo`` the
+        prompt's (one per token after the first; else None)."""
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if "logprobs" in body else None
+        prompt_lps: list[TokenLogprob] | None = None
+        unsent = None  # the prompt's log-probabilities, handed on with the first tokens (as our engine's first step)
         measured = None
         finish = "length"
         first_s = 0.0
@@ -378,13 +379,17 @@ class VLLMNode(ServingNode):
             chunks = stream_completion(self.http, server.url, body, timeout_s=self.request_timeout_s)
             try:
                 for chunk in _unavailable_on_error(chunks, cluster):
+                    if chunk.prompt_logprobs is not None:
+                        prompt_lps = unsent = list(chunk.prompt_logprobs)
                     if chunk.token_ids:
                         if not tokens:
                             first_s = time.perf_counter() - t0
                         tokens.extend(chunk.token_ids)
                         if logprobs is not None:
                             logprobs.extend(chunk.logprobs or ())
-                        if on_step is not None and on_step(Emitted(chunk.token_ids, chunk.logprobs)):
+                        emitted = Emitted(chunk.token_ids, chunk.logprobs, unsent, len(body["prompt"]))
+                        unsent = None
+                        if on_step is not None and on_step(emitted):
                             finish = "stop"
                             break
                     if chunk.finish_reason is not None:
@@ -393,7 +398,7 @@ class VLLMNode(ServingNode):
                         measured = chunk.speculation
             finally:
                 chunks.close()  # an early end closes the connection: vLLM aborts the request
-        return tokens, finish, first_s, measured, logprobs
+        return tokens, finish, first_s, measured, logprobs, prompt_lps
 
 
 def _unavailable_on_error(chunks, cluster: str):

@@ -229,6 +229,20 @@ def test_logprobs_come_back_from_every_server_as_our_engines(world, reference, t
     )
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx([x.logprob for x in ours.logprobs], abs=1e-3)
+    # echo with logprobs scores the prompt too: vLLM's prompt log-probabilities, read back, equal our engine's
+    scored = SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3, prompt_logprobs=3)
+    ours = SpecEngine(pair).generate(ids, scored, method="target")
+    for method in ("draft", "target"):
+        choice = _complete(srv.url, p, echo=True, logprobs=3, speculation={"method": method}).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, method  # nothing predicts it
+        want = [x.logprob for x in ours.prompt_logprobs + ours.logprobs]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3), method
+        # top_logprobs is keyed by token text: two tokens that decode alike keep one entry
+        for top, x in zip(lp["top_logprobs"][1:], ours.prompt_logprobs + ours.logprobs, strict=True):
+            alts = [v for _, v in x.top]
+            assert max(top.values()) == pytest.approx(alts[0], abs=1e-3), method
+            assert all(any(abs(v - a) < 1e-3 for a in alts) for v in top.values()), method
 
 
 def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):

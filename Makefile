@@ -44,17 +44,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/specops demo
 
-# Everything (what CI runs), on both cores. Fresh clone 2026-11-26 with the vLLM tests, on a machine also running a
-# benchmark: 23:03 of test time (1253 passed), about 10 minutes more to install both venvs. Fresh clone 2026-11-26 on a slow day: 14:42 of test time
-# (19:11 with the install); the suite before tests/deploy took 13:39 on the same machine that day and
-# 9:11 the day before, so about 10 minutes on a usual day. tests/deploy adds about a minute.
-# Fresh clone 2026-11-28 (issue 54), `CI=true bash .ci/run`: 1542 passed in 12:34 of test time, about 3 minutes to install.
-# 2026-11-29 (Intel Xeon, 2 cores): 1577 passed in 18:36 of test time alone, 20:33 in a fresh clone beside a niced
-# benchmark; 16:17 alone in a fresh clone after the engines/vLLM test cuts: over the 12-minute budget on this machine. The suite is CPU-bound (both cores ~98 % busy; a third
-# worker does not help). Later that day, another machine: 14:43 in a fresh clone, then 12:30 to 13:48 (four fresh clones)
-# after the disk cache of the docs workload, one vLLM arm in the engines quick test and a slower client in the vLLM swap
-# test (README, `make test`): still over the budget, and a minute of run-to-run spread. Next session (AMD EPYC,
-# 2 cores): 10:41 and 10:07 in fresh clones alone with a cold docs cache (the docs parse now walks statements only).
+# Everything (what CI runs), on both cores. Test time: README, `make test` (last fresh clone 2026-11-30, AMD EPYC,
+# 2 cores: 11:59 for 1810 tests; CI's machine 29:13 the same day). CPU-bound: both cores ~98 % busy.
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 

@@ -147,8 +147,8 @@ def streamable(job: Job, text: str, stops: list[str]) -> str:
     """The part of ``text`` (no stop sequence in it) that may go out now: without an incomplete
     character or a stop sequence's prefix at the end, and, with tools, before the first call (a
     call goes out parsed, at the end)."""
-    marks = [*stops, job.tools.OPEN] if job.tools is not None else stops
-    if job.tools is not None and (at := text.find(job.tools.OPEN)) >= 0:
+    marks = [*stops, job.tools.OPEN] if job.tools is not None and job.tools.OPEN else stops
+    if job.tools is not None and (at := job.tools.call_start(text)) >= 0:
         return text[:at]
     return text[: len(text) - held_back(text, marks)]
 

@@ -283,8 +283,9 @@ class _Common(BaseModel):
         """Alternatives per token the request asks for (0 = the chosen token's alone), or None: none asked."""
         return None
 
-    def grammar(self) -> GrammarSpec | None:
-        """The output constraint the request asks for (one at most), or None: free text."""
+    def grammar(self, tokenizer=None) -> GrammarSpec | None:
+        """The output constraint the request asks for (one at most), or None: free text. ``tokenizer``
+        (the target's) names the tool format a forced tool call is written in (chat only)."""
         found: list[GrammarSpec] = []
         rf, so = self.response_format, self.structured_outputs
         if rf is not None and rf.type == "json_object":
@@ -536,12 +537,13 @@ class ChatCompletionRequest(_Common):
         """The tools as OpenAI JSON (what the prompt shows), none with ``tool_choice: none``."""
         return [t.model_dump(exclude_none=True) for t in self.tools or ()] if self.calls_tools() else []
 
-    def grammar(self) -> GrammarSpec | None:
+    def grammar(self, tokenizer=None) -> GrammarSpec | None:
         if self.calls_tools():
             choice = (
                 self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
             )
-            spec = tools_fmt.grammar(None, self.tool_dicts(), choice, parallel=self.parallel_tool_calls is not False)
+            parallel = self.parallel_tool_calls is not False
+            spec = tools_fmt.grammar(tokenizer, self.tool_dicts(), choice, parallel=parallel)
             if spec is not None:
                 return spec
         return super().grammar()

@@ -173,7 +173,7 @@ class ServingState(Replica):
             logit_bias=self._logit_bias(req.logit_bias),
             min_tokens=req.min_tokens or 0,
             ignore_eos=req.ignore_eos,
-            grammar=req.grammar(),
+            grammar=req.grammar(tok),
         )
         if params.grammar is not None:  # a 400 naming the field before anything streams
             grammar.for_tokenizer(tok, self.pair.vocab_size, self.pair.eos_token_ids).check(params.grammar)

@@ -4,15 +4,25 @@ format, the calls parsed out of the output into ``message.tool_calls``, and, for
 whose arguments follow the function's JSON schema.
 
 **Formats.** A format is a :class:`ToolFormat`: how the tools and a call look in text, how a tool
-result is handed back, and the grammar of a call. One is built in, **Hermes** (Qwen 2/2.5/3,
-Hermes 2/3, SmolLM3 and most open chat models trained for tools): each call is a JSON object
-``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` lines, results come
-back between ``<tool_response>`` tags. A chat template that takes ``tools`` itself (its source names
-``tools``) renders them, and the history's calls and results, its own way; one that does not (the
-default SmolLM2 pair's) gets the Hermes system section below and the history in Hermes text.
-Adding a format: subclass :class:`ToolFormat` (``system``, ``call_text``, ``result_message``,
-``parse``, ``call_grammar``), add it to :data:`FORMATS`, and teach :func:`format_for` the template
-that uses it (``docs/api.md`` says the same).
+result is handed back, where a call begins in a stream, and the grammar of a call. Three are built in:
+
+- **Hermes** (Qwen 2/2.5/3, Hermes 2/3, SmolLM3 and most open chat models trained for tools): each
+  call is a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and
+  ``</tool_call>`` lines, anywhere in the answer; results come back between ``<tool_response>`` tags.
+- **Llama 3 JSON** (Llama 3.1/3.2/3.3, whose templates name ``<|python_tag|>``): the whole answer is
+  the call, ``{"name": ..., "parameters": {...}}``, calls separated by ``;``, after an optional
+  ``<|python_tag|>``.
+- **Mistral** (templates that name ``[TOOL_CALLS]``): the whole answer is ``[TOOL_CALLS]`` and a
+  JSON array of ``{"name": ..., "arguments": {...}}`` objects (the v3 form; the v11 form
+  ``[TOOL_CALLS]name[ARGS]{...}`` is not parsed).
+
+A chat template that takes ``tools`` itself (its source names ``tools``) renders them, and the
+history's calls and results, its own way, and :func:`format_for` picks the format its markers name;
+one that does not (the default SmolLM2 pair's) gets the Hermes system section below and the history
+in Hermes text. Adding a format: subclass :class:`ToolFormat` (``system``, ``call_text``,
+``result_message``, ``parse``, ``call_grammar``, and ``call_start`` unless a marker ``OPEN`` begins
+its calls), add it to :data:`FORMATS`, and teach :func:`format_for` the template that uses it
+(``docs/api.md`` says the same).
 """
 
 from __future__ import annotations
@@ -28,6 +38,13 @@ class ToolFormat:
     """How one family of chat models writes tool calls (module docstring)."""
 
     name = ""
+    OPEN = ""
+    """The text that begins a call wherever it appears (Hermes); empty where the call is the whole answer."""
+
+    def call_start(self, text: str) -> int:
+        """Where a call begins, or may be beginning, in the answer so far (its index), or -1: a stream
+        sends the text before it and holds the rest back, to go out parsed at the end."""
+        return text.find(self.OPEN) if self.OPEN else -1
 
     def system(self, tools: list[dict]) -> str:
         raise NotImplementedError
@@ -80,10 +97,10 @@ class Hermes(ToolFormat):
                 obj = json.loads(m.group(1))
             except ValueError:
                 continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            call = _call_object(obj, "arguments")
+            if call is None:
                 continue
-            args = obj.get("arguments", obj.get("parameters", {}))
-            calls.append({"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)})
+            calls.append(call)
             kept.append(text[last : m.start()])
             last = m.end()
         if not calls:
@@ -94,20 +111,7 @@ class Hermes(ToolFormat):
     def call_grammar(self, tools: list[dict], *, parallel: bool) -> str:
         """A Lark grammar (llguidance's, with ``%json``): one call of one of ``tools`` (more than one,
         on lines of their own, when ``parallel``), its arguments following the function's schema."""
-        options = []
-        for t in tools:
-            fn = t["function"]
-            params = fn.get("parameters") or {"type": "object"}
-            options.append(
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-            )
-        body = options[0] if len(options) == 1 else {"anyOf": options}
-        body = {**body, "x-guidance": JSON_LAYOUT}
+        body = _call_schemas(tools, "arguments")
         repeat = ' ("\\n" call)*' if parallel else ""
         return (
             f"start: call{repeat}\n"
@@ -116,11 +120,149 @@ class Hermes(ToolFormat):
         )
 
 
-FORMATS = {"hermes": Hermes()}
+def _leads(text: str, markers: tuple[str, ...]) -> bool:
+    """Whether the answer so far (leading whitespace aside) is, or may still become, one that starts
+    with one of ``markers`` (nothing yet counts: a call could still come)."""
+    head = text.lstrip()
+    return any(head.startswith(m) or m.startswith(head) for m in markers)
+
+
+def _call_object(obj, key: str) -> dict | None:
+    """``{"name", "arguments"}`` (arguments as JSON text) of a JSON object that names a function, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}
+
+
+def _call_schemas(tools: list[dict], key: str) -> dict:
+    """The JSON schema of one call of one of ``tools``: its ``name`` and, under ``key``, its arguments."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                key: t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    body = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**body, "x-guidance": JSON_LAYOUT}
+
+
+class Llama3Json(ToolFormat):
+    """Llama 3.1/3.2/3.3's JSON tool calling: the answer is ``{"name": ..., "parameters": {...}}``
+    (``; ``-separated when several), after an optional ``<|python_tag|>`` (a special token, dropped
+    from decoded text)."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def system(self, tools: list[dict]) -> str:
+        listed = "\n\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "Given the following functions, please respond with a JSON for a function call with its proper "
+            "arguments that best answers the given prompt.\n\nRespond in the format "
+            '{"name": function name, "parameters": dictionary of argument name and its value}. '
+            f"Do not use variables.\n\n{listed}"
+        )
+
+    def call_text(self, name: str, arguments: str) -> str:
+        try:
+            args = json.loads(arguments) if arguments else {}
+        except ValueError:
+            args = arguments
+        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+
+    def result_message(self, content: str) -> dict:
+        return {"role": "ipython", "content": content}
+
+    def call_start(self, text: str) -> int:
+        return 0 if _leads(text, ("{", self.TAG)) else -1
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """The calls, when the whole answer is one or more call objects; else the text as content."""
+        body = text.strip()
+        body = body[len(self.TAG) :].lstrip() if body.startswith(self.TAG) else body
+        calls, at, decoder = [], 0, json.JSONDecoder()
+        while at < len(body):
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except ValueError:
+                return text, []
+            call = _call_object(obj, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        return ("", calls) if calls else (text, [])
+
+    def call_grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        repeat = ' ("; " call)*' if parallel else ""
+        schema = json.dumps(_call_schemas(tools, "parameters"), ensure_ascii=False)
+        return f"start: call{repeat}\ncall: %json {schema}\n"
+
+
+class Mistral(ToolFormat):
+    """Mistral's tool calling (v3 templates): the answer is ``[TOOL_CALLS]`` (a special token, dropped
+    from decoded text) and a JSON array of ``{"name": ..., "arguments": {...}}`` objects. A forced call
+    (a grammar) is the array alone: a grammar cannot name the special token portably."""
+
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+
+    def system(self, tools: list[dict]) -> str:
+        return f"[AVAILABLE_TOOLS]{json.dumps(tools, ensure_ascii=False)}[/AVAILABLE_TOOLS]"
+
+    def call_text(self, name: str, arguments: str) -> str:
+        try:
+            args = json.loads(arguments) if arguments else {}
+        except ValueError:
+            args = arguments
+        return self.TAG + json.dumps([{"name": name, "arguments": args}], ensure_ascii=False)
+
+    def result_message(self, content: str) -> dict:
+        return {"role": "user", "content": f"[TOOL_RESULTS]{content}[/TOOL_RESULTS]"}
+
+    def call_start(self, text: str) -> int:
+        return 0 if _leads(text, ("[", self.TAG)) else -1
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """The calls, when the whole answer is an array of call objects; else the text as content."""
+        body = text.strip()
+        body = body[len(self.TAG) :].lstrip() if body.startswith(self.TAG) else body
+        try:
+            objs = json.loads(body) if body.startswith("[") else []
+        except ValueError:
+            return text, []
+        calls = [_call_object(o, "arguments") for o in objs] if isinstance(objs, list) else []
+        if not calls or None in calls:
+            return text, []
+        return "", calls
+
+    def call_grammar(self, tools: list[dict], *, parallel: bool) -> str:
+        repeat = ' (", " call)*' if parallel else ""
+        schema = json.dumps(_call_schemas(tools, "arguments"), ensure_ascii=False)
+        return f'start: "[" call{repeat} "]"\ncall: %json {schema}\n'
+
+
+FORMATS = {"hermes": Hermes(), "llama3_json": Llama3Json(), "mistral": Mistral()}
+
+MARKERS = ((Llama3Json.TAG, "llama3_json"), (Mistral.TAG, "mistral"))
+"""What in a chat template's source names its tool format (checked in order; Hermes otherwise)."""
 
 
 def format_for(tokenizer) -> ToolFormat:
-    """The tool format of ``tokenizer``'s chat template (Hermes: the only one built in)."""
+    """The tool format of ``tokenizer``'s chat template: the one whose marker a template that renders
+    ``tools`` names; Hermes otherwise (and for a template that does not take ``tools``: we render them)."""
+    if native(tokenizer):
+        template = tokenizer.chat_template
+        for marker, name in MARKERS:
+            if marker in template:
+                return FORMATS[name]
     return FORMATS["hermes"]
 
 

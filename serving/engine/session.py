@@ -112,6 +112,7 @@ class DecodeSession:
             params=params,
             generator=gen,
             context_spans=tuple(context_spans),
+            grammar=grammar,
         )
         self.stats = RequestStats(method=method, num_prompt_tokens=len(context_ids))
         self.rejections: list[RejectedPosition] = []

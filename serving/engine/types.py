@@ -179,6 +179,9 @@ class DecodeState:
     """The context's parts; empty means one prompt span over the whole context."""
     num_final: int = 0
     """Output tokens that can no longer be rolled back."""
+    grammar: object | None = None
+    """The request's structured-output matcher (``serving.engine.grammar.Constraint``), or None: a
+    draft model drafts only what it allows (the session prunes every other proposer's drafts)."""
 
     def __post_init__(self) -> None:
         if not self.context_spans and self.num_prompt_tokens:

@@ -69,8 +69,13 @@ class DraftModelProposer(Proposer):
         tokens: list[int] = []
         dists: list[torch.Tensor] = []
         feed = pending
+        constraint = state.grammar
         for _ in range(k):
             logits, _ = lm.forward(feed, logits_to_keep=1)  # [1, vocab]
+            if constraint is not None:  # structured output: only what the grammar allows after the drafts so far
+                logits = constraint.mask(logits, [tokens])  # q is then the masked one: verification stays exact
+                if not bool(torch.isfinite(logits).any()):
+                    break  # nothing the draft can say is allowed (its vocabulary lacks every allowed token)
             # Early stop on low draft confidence. The test uses the distribution's top
             # probability, never the drawn token's, so a sampled draft stays an unbiased
             # draw from q and rejection sampling stays exact.
@@ -87,6 +92,8 @@ class DraftModelProposer(Proposer):
                 dists.append(q)
             tokens.append(tok)
             feed = [tok]
+        if not tokens:
+            return Proposals.empty()
         # The last drafted token is fed only when drafting stopped early.
         out = torch.tensor([tokens], dtype=torch.long)  # [1, k]
         probs = torch.stack(dists)[None] if dists else None  # [1, k, vocab]

@@ -116,6 +116,31 @@ def test_the_twin_draft_speculates_under_the_grammar(pair):
     assert out.stats.num_accepted > 0 and out.stats.num_accepted == out.stats.num_drafted
 
 
+def test_the_draft_model_drafts_only_what_the_grammar_allows(pair):
+    """The draft model masks its own distribution by the grammar: nothing it drafts is pruned, greedy
+    or sampled, and a sampled draft's ``q`` (what verification divides by) has no forbidden mass. The
+    twin draft's unmasked argmax is forbidden at the first position here, so without the mask the
+    row would be cut there."""
+    from specops.serving.proposers.catalogue import build_proposer
+
+    prompt = pair.tokenizer.encode(PROMPTS[0])
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    for params, gen in ((SamplingParams(max_new_tokens=8), None), (sampled, torch.Generator().manual_seed(3))):
+        c = _constraint(pair, SPECS["json_schema"])
+        with torch.inference_mode():
+            first = int(pair.draft(torch.tensor([prompt])).logits[0, -1].argmax())
+        assert c._valid([first]) == 0  # what an unmasked twin would draft first
+        state = DecodeState(list(prompt), len(prompt), params, generator=gen, grammar=c)
+        proposer = build_proposer(ProposerConfig(method="draft"), ProposerResources(pair=pair))
+        proposer.start(state)
+        props = proposer.propose(state, 6)
+        row = props.rows()[0]
+        assert len(row) == 6 and c._valid(row) == 6 and c.prune(props) is props, params
+        if props.draft_probs is not None:
+            assert float(props.draft_probs[0, 0][~c.allowed([[]])[0]].sum()) == 0.0
+        proposer.finish()
+
+
 def _constraint(pair, spec: GrammarSpec):
     return grammar.for_tokenizer(pair.tokenizer, pair.vocab_size, pair.eos_token_ids).constraint(spec)
 

@@ -3,7 +3,9 @@
 A :class:`GrammarSpec` (a JSON schema, "any JSON object", a regular expression, a list of
 choices, or a Lark grammar) is compiled by **llguidance** into a matcher over the model's
 tokenizer (:class:`Grammars`, one per tokenizer). Each request gets its own
-:class:`Constraint`, which the session uses in three places:
+:class:`Constraint`, which the session uses in three places (and the draft model in a fourth:
+``DecodeState.grammar``, its distribution masked at each drafted position, so it proposes only
+allowed tokens and a sampled draft's ``q`` is the masked one):
 
 - **before verification** (:meth:`Constraint.prune`): each drafted row is cut at the first
   token the grammar forbids given the tokens before it. Deterministic drafts (retrieval, copy,

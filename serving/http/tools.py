@@ -78,11 +78,8 @@ class Hermes(ToolFormat):
         )
 
     def call_text(self, name: str, arguments: str) -> str:
-        try:
-            args = json.loads(arguments) if arguments else {}
-        except ValueError:
-            args = arguments  # an earlier turn's arguments that were not JSON: kept as the string they were
-        return f"{self.OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{self.CLOSE}"
+        call = json.dumps({"name": name, "arguments": _arguments(arguments)}, ensure_ascii=False)
+        return f"{self.OPEN}\n{call}\n{self.CLOSE}"
 
     def result_message(self, content: str) -> dict:
         return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
@@ -118,6 +115,15 @@ class Hermes(ToolFormat):
             f'call: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
             f"body: %json {json.dumps(body, ensure_ascii=False)}\n"
         )
+
+
+def _arguments(arguments: str):
+    """An earlier turn's call arguments (JSON text) as the value to write back; text that is not JSON
+    is kept as the string it was."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
 
 
 def _leads(text: str, markers: tuple[str, ...]) -> bool:
@@ -171,11 +177,7 @@ class Llama3Json(ToolFormat):
         )
 
     def call_text(self, name: str, arguments: str) -> str:
-        try:
-            args = json.loads(arguments) if arguments else {}
-        except ValueError:
-            args = arguments
-        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+        return json.dumps({"name": name, "parameters": _arguments(arguments)}, ensure_ascii=False)
 
     def result_message(self, content: str) -> dict:
         return {"role": "ipython", "content": content}
@@ -218,11 +220,7 @@ class Mistral(ToolFormat):
         return f"[AVAILABLE_TOOLS]{json.dumps(tools, ensure_ascii=False)}[/AVAILABLE_TOOLS]"
 
     def call_text(self, name: str, arguments: str) -> str:
-        try:
-            args = json.loads(arguments) if arguments else {}
-        except ValueError:
-            args = arguments
-        return self.TAG + json.dumps([{"name": name, "arguments": args}], ensure_ascii=False)
+        return self.TAG + json.dumps([{"name": name, "arguments": _arguments(arguments)}], ensure_ascii=False)
 
     def result_message(self, content: str) -> dict:
         return {"role": "user", "content": f"[TOOL_RESULTS]{content}[/TOOL_RESULTS]"}

@@ -114,3 +114,24 @@ def tiny_models(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "models"
     bootstrap(out, tiny=True)
     return out
+
+
+SMALL_DOCS = ("matplotlib", "pydantic", "click", "jinja2", "rich", "requests", "flask", "werkzeug", "alembic", "sympy")
+"""The ``docs`` workload's packages (``specops.chat_workload.DOCS_PACKAGES``) but transformers, mlflow and
+torch: 1,144 of the 5,068 files ``ast`` parses on a cold cache (which CI always has; about 45 s of
+one core for all of them), still about 1,800 paragraphs with every held-out family among them."""
+
+
+@pytest.fixture
+def small_docs(monkeypatch):
+    """The ``docs`` domain drawn from :data:`SMALL_DOCS` for one test (a full run's counts still fit)."""
+    from specops import chat_workload as cw
+
+    assert set(SMALL_DOCS) <= set(cw.DOCS_PACKAGES) and cw.HELD_OUT["docs"] <= set(SMALL_DOCS)
+    whole = cw.doc_paragraphs
+
+    def small(packages: tuple[str, ...] = SMALL_DOCS):
+        return whole(packages)
+
+    monkeypatch.setattr(cw, "doc_paragraphs", small)
+    monkeypatch.setitem(cw._FINITE, "docs", small)

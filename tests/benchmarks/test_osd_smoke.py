@@ -240,7 +240,7 @@ def _tiny_main(model_dir, plot) -> list[str]:
 
 
 @pytest.mark.slow
-def test_osd_runs_the_real_text_domain_alone_and_merges_it_beside_the_main_run(tiny_models, tmp_path):
+def test_osd_runs_the_real_text_domain_alone_and_merges_it_beside_the_main_run(tiny_models, tmp_path, small_docs):
     """Issue 55: ``--domains docs`` (documentation paragraphs, not templates) runs as its own
     cluster; merged beside a run of the default domains, its numbers are the summary's
     ``real_text``, held to the same bars."""

@@ -145,16 +145,7 @@ def test_docs_prose_filter_drops_parameter_lists_doctest_and_markup():
     assert cw._MARKUP.search(">>> f(1)\n2") and cw._MARKUP.search(".. note::\n   x")
 
 
-SMALL_DOCS = tuple(p for p in cw.DOCS_PACKAGES if p not in ("transformers", "mlflow"))
-"""The ``docs`` packages but the two largest (3,268 of the 5,068 files ``ast`` parses, about 30 s on a
-cold cache, which CI always has): still about 2,900 paragraphs, every held-out family among them."""
-
-
-def test_docs_domain_serves_a_full_run_and_holds_packages_out(tokenizer, monkeypatch):
-    whole = cw.doc_paragraphs
-    small = lambda packages=SMALL_DOCS: whole(packages)  # noqa: E731
-    monkeypatch.setattr(cw, "doc_paragraphs", small)
-    monkeypatch.setitem(cw._FINITE, "docs", small)
+def test_docs_domain_serves_a_full_run_and_holds_packages_out(tokenizer, small_docs):
     parts = cw.chat_workload(
         tokenizer, {"router": 50, "served": 1000, "probe": 100}, domains=("docs",), families="seen"
     )["docs"]

@@ -25,25 +25,29 @@ def check_k(k: object) -> None:
         raise InvalidRequestError(f"k (tokens drafted per step) must be an integer >= 1, got {k!r}", "speculation.k")
 
 
-def check_prompt(ids: Sequence[int], *, vocab_size: int, context: int, limit: int | None = None) -> None:
+def check_prompt(
+    ids: Sequence[int], *, vocab_size: int, context: int, limit: int | None = None, field: str = "prompt"
+) -> None:
     """Raise the caller's error unless ``ids`` is a non-empty prompt of in-vocabulary tokens
     that leaves room in a ``context``-token model for at least one new token.
 
     ``limit`` is a server-side cap on prompt tokens (``max_prompt_tokens``): with it, the
-    message states ``min(limit, context - 1)``, the one bound enforced.
+    message states ``min(limit, context - 1)``, the one bound enforced. ``field`` is what the
+    caller sent (``messages`` for a chat, whose rendered text is the prompt): the error names it.
     """
+    what = "prompt" if field == "prompt" else f"{field} (rendered)"
     if not ids:
-        raise InvalidRequestError("prompt is empty: give at least one token", "prompt")
+        raise InvalidRequestError(f"{what} is empty: give at least one token", field)
     bad = [int(t) for t in ids if not 0 <= int(t) < vocab_size]
     if bad:
-        raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "prompt")
+        raise InvalidRequestError(f"{what} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", field)
     if limit is not None:
         limit = min(limit, context - 1)  # the one limit enforced, and the one stated
         if len(ids) > limit:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the limit is {limit}: shorten it", "prompt")
+            raise PromptTooLongError(f"{what} has {len(ids)} tokens; the limit is {limit}: shorten it", field)
     if len(ids) >= context:
         raise PromptTooLongError(
-            f"prompt has {len(ids)} tokens but the model context is {context}; "
+            f"{what} has {len(ids)} tokens but the model context is {context}; "
             f"shorten it to at most {context - 1} tokens",
-            "prompt",
+            field,
         )

@@ -187,7 +187,7 @@ class ServingState(Replica):
                 "decides (the server's route_tenants lists the tenants that may)",
                 "cluster",
             )
-        ids, text = self._prompt_ids(prompt)
+        ids, text = self._prompt_ids(prompt, "messages" if chat else "prompt")
         if params.max_new_tokens > cfg.max_tokens_limit:
             raise InvalidRequestError(
                 f"max_tokens is {params.max_new_tokens}; this server allows at most {cfg.max_tokens_limit}",
@@ -323,28 +323,30 @@ class ServingState(Replica):
             out.append((int(key), float(value)))
         return tuple(out)
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
-        """The prompt's token ids (and its text, when it came as text), within the server's limits."""
+    def _prompt_ids(self, prompt: str | list[int], field: str = "prompt") -> tuple[list[int], str | None]:
+        """The prompt's token ids (and its text, when it came as text), within the server's limits; errors
+        name ``field``, what the client sent (``messages`` for a chat, whose rendered text is ``prompt``)."""
         cfg, tok = self.cfg, self.pair.tokenizer
         limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
+        what = "prompt" if field == "prompt" else f"{field} (rendered)"
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty: give at least one character", "prompt")
+                raise InvalidRequestError(f"{what} is empty: give at least one character", field)
             if len(prompt) > limit * 32:  # refuse before tokenizing megabytes
-                raise PromptTooLongError(f"prompt has {len(prompt)} characters; the limit is {limit} tokens", "prompt")
+                raise PromptTooLongError(f"{what} has {len(prompt)} characters; the limit is {limit} tokens", field)
             try:
                 ids = tok(prompt, add_special_tokens=False, verbose=False)["input_ids"]
             except (TypeError, ValueError) as exc:  # text the tokenizer refuses is the caller's to fix
                 raise InvalidRequestError(
-                    f"prompt cannot be tokenized ({type(exc).__name__}): send valid Unicode text", "prompt"
+                    f"{what} cannot be tokenized ({type(exc).__name__}): send valid Unicode text", field
                 ) from None
             text = prompt
         else:
             ids, text = list(prompt), None
         if not ids and text is not None:
-            raise InvalidRequestError("prompt tokenizes to nothing: give at least one token", "prompt")
+            raise InvalidRequestError(f"{what} tokenizes to nothing: give at least one token", field)
         limits.check_prompt(
-            ids, vocab_size=self.pair.vocab_size, context=self.context_size, limit=cfg.max_prompt_tokens
+            ids, vocab_size=self.pair.vocab_size, context=self.context_size, limit=cfg.max_prompt_tokens, field=field
         )
         return ids, text
 

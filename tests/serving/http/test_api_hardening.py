@@ -191,6 +191,14 @@ def test_prompt_too_long_states_the_limit_it_enforces(server):
     )
     assert f"the limit is {limit} tokens" in by_chars["message"], by_chars
     assert f"the limit is {limit}:" in by_tokens["message"], by_tokens
+    # a chat's prompt is its rendered messages: the error names what the client sent (issue 58)
+    chat = server.url + "/v1/chat/completions"
+    for n in (1, 10_000):  # one long message, or very many
+        msgs = [{"role": "user", "content": "word " * ((limit + 10) // n + 1)}] * n
+        err = assert_error(
+            requests.post(chat, json={"model": MODEL, "messages": msgs}), 413, "prompt_too_long", "messages"
+        )
+        assert err["message"].startswith("messages (rendered) has"), err
 
 
 def test_a_bug_is_an_openai_shaped_500(server, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import specops.trainer.bootstrap as bootstrap
+from specops.core.models import load_tokenizer, tokenizer_hash
 from specops.trainer.bootstrap.corpus import split_files
 from specops.trainer.bootstrap.evaluate import agreement
 from specops.trainer.bootstrap.roff import strip_roff
@@ -48,6 +49,8 @@ def test_tiny_layout_loads_from_disk(tiny_dir: Path):
         assert model.config.tie_word_embeddings is True
         assert manifest["models"][name]["params"] == sum(p.numel() for p in model.parameters())
         vocabs[name] = tok.get_vocab()
+        # the hash serving and the registry compare, so a draft registered with the manifest's is accepted
+        assert manifest["tokenizer_sha256"] == tokenizer_hash(load_tokenizer(d)), name
         ids = tok("def f(x):\n    return x\n")["input_ids"]
         assert tok.decode(ids) == "def f(x):\n    return x\n"
     assert vocabs["target"] == vocabs["draft"]

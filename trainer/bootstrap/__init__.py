@@ -38,7 +38,7 @@ import torch
 from specops.core import draft_vocab
 from specops.core.cost import step_ms
 from specops.core.device import Placement
-from specops.core.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer
+from specops.core.models import DEFAULT_DRAFT_DTYPE, load_model, load_tokenizer, tokenizer_hash
 
 from . import pretrained
 from .corpus import DOMAINS, build_corpus, read_document
@@ -458,9 +458,14 @@ def _temp_dir(out_dir: Path) -> Path:
 
 
 def _finish(tmp: Path, out_dir: Path, manifest: dict, t0: float) -> None:
-    """Stamp the tokenizer hash and total time, write the manifest, rename ``tmp`` into place."""
-    manifest["tokenizer_sha256"] = file_sha256(tmp / "target" / "tokenizer.json")
-    assert manifest["tokenizer_sha256"] == file_sha256(tmp / "draft" / "tokenizer.json")
+    """Stamp the tokenizer hash and total time, write the manifest, rename ``tmp`` into place.
+
+    ``tokenizer_sha256`` is the hash serving and the registry compare (``core.models.tokenizer_hash``,
+    the tokenizer's definition), so a draft registered with it is accepted; ``tokenizer_json_sha256``
+    is the file's (issue 58: the manifest held only the file's, which serving refused)."""
+    manifest["tokenizer_sha256"] = tokenizer_hash(load_tokenizer(tmp / "target"))
+    assert manifest["tokenizer_sha256"] == tokenizer_hash(load_tokenizer(tmp / "draft"))
+    manifest["tokenizer_json_sha256"] = file_sha256(tmp / "target" / "tokenizer.json")
     manifest["timing_s"]["total"] = round(time.perf_counter() - t0, 2)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     _swap_into_place(tmp, out_dir)

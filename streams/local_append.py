@@ -98,7 +98,15 @@ class PartitionAppender:
         tail, torn = find_tail(self.pdir, self._tail)
         hwm = read_hwm(self.pdir)
         if torn:
-            self._truncate(tail, torn, max(tail.next_offset, hwm))
+            # Every append leaves the high-water mark behind it, so a torn record at the mark was
+            # never handed out. Without the mark (deleted, or lost with the disk) nothing says so:
+            # the record may have been acknowledged, its offset committed. Then it is damage, and
+            # its offset is not handed out again (issue 58: the next record reused it, and a group
+            # committed past it never received that record).
+            known = (self.pdir / HWM_FILE).exists()
+            self._truncate(tail, torn, max(tail.next_offset, hwm), may_be_torn_write=known)
+            if not known:
+                hwm = max(hwm, tail.next_offset + 1)
         if tail.ino == -1:  # no segment yet: the first one is named by its first offset
             return Tail(hwm, -1, 0, hwm)
         if hwm > tail.next_offset:
@@ -113,14 +121,14 @@ class PartitionAppender:
             tail = replace(tail, next_offset=hwm)
         return tail
 
-    def _truncate(self, tail: Tail, torn: int, next_offset: int) -> None:
+    def _truncate(self, tail: Tail, torn: int, next_offset: int, *, may_be_torn_write: bool = True) -> None:
         """Quarantine and cut the ``torn`` bytes after ``tail``: a torn write (the header
-        of the next record, cut short), or a damaged tail. Raises OSError, truncating
-        nothing, if the quarantine copy cannot be written."""
+        of the next record, cut short; only when ``may_be_torn_write``), or a damaged tail.
+        Raises OSError, truncating nothing, if the quarantine copy cannot be written."""
         fd = self._open_segment(tail.base)
         path = segment_path(self.pdir, tail.base)
         start, end = tail.end, tail.end + torn
-        if _is_torn_write(os.pread(fd, HEADER.size, start), torn, next_offset):
+        if may_be_torn_write and _is_torn_write(os.pread(fd, HEADER.size, start), torn, next_offset):
             copied = quarantine(fd, path, start, end, ".torn")
             log.warning(
                 "%s: truncating %d bytes of a torn record at the end of segment %d (a producer died mid-append); "

@@ -299,6 +299,32 @@ def test_damaged_tail_is_quarantined_and_its_offsets_are_not_reused(tmp_path, ca
         assert producer.publish("t", [OutMessage(b"k", b"more")])[0].offset == N_RECORDS + 1
 
 
+def test_a_torn_tail_without_a_high_water_mark_is_damage_and_its_offset_is_not_reused(tmp_path, caplog):
+    """Issue 58's probe: three records, a group committed at 3, the last record cut halfway and
+    ``.hwm`` deleted. Nothing says the cut record was never handed out (it was: the group read it),
+    so the next record gets offset 3, the group receives it, and the cut is reported as damage."""
+    stream = make_stream(tmp_path / "log")
+    stream.ensure_topics({"t": 1})
+    with stream.producer() as producer:
+        producer.publish("t", [OutMessage(b"k", f"v{i}".encode()) for i in range(3)])
+    with stream.consumer("g", ["t"]) as c:
+        assert len(poll_until(c, lambda got: len(got) >= 3)) == 3
+        c.commit()
+    pdir = stream.partition_dir("t", 0)
+    seg = segment_path(pdir, 0)
+    last = all_frame_positions(seg)[-1][0]
+    size = seg.stat().st_size
+    os.truncate(seg, last + (size - last) // 2)
+    (pdir / ".hwm").unlink()
+    with caplog.at_level(logging.WARNING, logger="streams"), stream.producer() as producer:
+        new = producer.publish("t", [OutMessage(b"k", b"after")])
+    assert new[0].offset == 3, "the cut record's offset was handed out again"
+    assert "no offset is used twice" in caplog.text
+    assert stream.damage("t"), "the cut is damage: streams inspect reports it"
+    with stream.consumer("g", ["t"]) as c:
+        assert [m.value for m in poll_until(c, lambda got: len(got) >= 1)] == [b"after"]
+
+
 def test_damaged_tail_of_a_sealed_segment_does_not_stall_readers(tmp_path, caplog):
     stream, bases = damaged_log(tmp_path / "log")
     seg = segment_path(stream.partition_dir("t", 0), bases[0])

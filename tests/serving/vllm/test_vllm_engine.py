@@ -344,7 +344,7 @@ def test_a_named_tool_is_called_through_the_target_server(world):
         requests.post(world["srv"].url + "/v1/chat/completions", json=long, timeout=60),
         413,
         "prompt_too_long",
-        "prompt",
+        "messages",
     )
     call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather" and json.loads(call["arguments"])["unit"] in ("c", "f")

@@ -47,7 +47,7 @@ class SharedPrefix:
         self._ids: tuple[int, ...] | None = None
         self._kv: KV | None = None
         self.num_taken = 0
-        """Followers that loaded the prefill (tests and the node's log read it)."""
+        """Followers that loaded the prefill (the tests read it; the metric counts the tokens)."""
 
     def handle(self, lead: bool) -> PrefixShare:
         """What choice ``lead``-or-not of the request carries into its session."""

@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from specops.core.errors import UnsupportedParameterError
+from specops.core.errors import UnsupportedParameterError, echo
 from specops.serving.engine.grammar import GrammarSpec
 from specops.serving.http import tools as tools_fmt
 from specops.serving.proposers.catalogue import CATALOGUE, methods
@@ -398,7 +398,9 @@ class CompletionRequest(_Common):
                 "max_tokens",
             )
         if self.best_of is not None and self.best_of < self.n:
-            raise UnsupportedParameterError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+            raise UnsupportedParameterError(
+                f"best_of ({echo(self.best_of)}) must be at least n ({echo(self.n)})", "best_of"
+            )
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise UnsupportedParameterError(
                 "best_of with stream: the best choices are known only once all are done (OpenAI's rule)", "best_of"
@@ -558,8 +560,8 @@ class ChatCompletionRequest(_Common):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise FieldValueError(
                     "max_completion_tokens",
-                    f"{self.max_completion_tokens} disagrees with max_tokens "
-                    f"({self.max_tokens}); send one of them (max_tokens is its deprecated name)",
+                    f"{echo(self.max_completion_tokens)} disagrees with max_tokens "
+                    f"({echo(self.max_tokens)}); send one of them (max_tokens is its deprecated name)",
                 )
             self.max_tokens = self.max_completion_tokens
         return self

@@ -178,6 +178,28 @@ def test_errors_quote_a_clipped_value(server):
     assert len(r.content) < 1000 and assert_error(r, 400, "invalid_request", "cluster")
     r = requests.get(server.url + "/" + "z" * 10_000)
     assert len(r.content) < 1000 and assert_error(r, 404, "not_found")
+    # a number is a value too: a 4,300-digit max_tokens (JSON's longest) is quoted by 100 digits (issue 58)
+    huge = int("9" * 4300)
+    for body, param in (
+        ({"max_tokens": huge}, "max_tokens"),
+        ({"max_tokens": 5, "min_tokens": huge}, "min_tokens"),
+        ({"speculation": {"k": huge}}, "speculation.k"),
+        ({"n": 2, "best_of": 1}, "best_of"),
+    ):
+        r = requests.post(c, json={"model": MODEL, "prompt": "hi"} | body)
+        err = assert_error(r, 400, "invalid_request" if param != "best_of" else "unsupported_parameter", param)
+        assert len(err["message"]) < 400, (param, len(err["message"]))
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "max_completion_tokens": huge,
+        },
+    )
+    err = assert_error(r, 400, "invalid_request", "max_completion_tokens")
+    assert len(err["message"]) < 400 and "(4300 characters)" in err["message"], err
 
 
 def test_prompt_too_long_states_the_limit_it_enforces(server):

@@ -73,6 +73,10 @@ class DecodePlan:
     session_scope: str = ""
     """Whose past outputs of the cluster it copies from and adds to (a tenant id; ``""``: shared)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The request's id in the logged records: the server's own, or ``<tenant>/<X-Request-Id>``, so
+    two tenants' ids never meet (``client_request_id`` is what the client sent)."""
+    client_request_id: str = ""
+    """The client's ``X-Request-Id``, as sent (the response's id and header); empty: none was sent."""
     prefix_share: PrefixShare | None = field(default=None, compare=False, repr=False)
     """Its part in its request's choices' shared prefill (``n``, ``best_of``; ``serving.engine.prefix``)."""
 

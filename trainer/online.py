@@ -5,7 +5,8 @@ Each pass of :meth:`OnlineTrainer.step` reads top to bottom:
 1. **consume** a batch of MissRecords from ``spec.misses`` as a member of the consumer
    group (invalid records are dead-lettered by ``RecordConsumer``);
 2. **buffer** each record in its cluster's replay buffer, or in the cluster's held-out
-   set (one request in ``holdout_every``, chosen by a hash of its request id). The cluster is
+   set (one request in ``holdout_every``, chosen by a keyed hash of its request id: the key is the
+   trainer's secret, ``holdout.key`` under ``--out``, so no client can steer its traffic to one side). The cluster is
    loaded first if it is not in memory; a record of a cluster beyond ``max_clusters`` is
    dead-lettered instead (``trainer.clusters``: at most ``max_loaded_clusters`` in memory);
 3. for every cluster with ``interval`` new requests: **score** them with the draft as it
@@ -44,9 +45,11 @@ clusters in ``trainer.online_state``; the optimiser steps and evaluation of an u
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import random
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -103,6 +106,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         promoter: Promoter | None = None,
         teacher: Callable[[MissRecord], TargetDist] | None = None,
         fresh: int | None = None,
+        holdout_key: bytes | None = None,
     ) -> None:
         self.stream_cfg = stream
         self.cfg = cfg or OnlineConfig()
@@ -154,6 +158,10 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         """The base draft's draft vocabulary: evaluations score drafts as serving runs them."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        if holdout_key is None:
+            holdout_key = TEST_HOLDOUT_KEY if TEST_HOLDOUT_KEY is not None else holdout_key_in(self.out)
+        self.holdout_key = holdout_key
+        """The key of the held-out split's hash (``_holdout``): the trainer's, never a client's."""
         self.buffers: ReplayBuffers[Held] = ReplayBuffers(self.cfg.replay)
         self.clusters: OrderedDict[str, ClusterState] = OrderedDict()
         """The clusters in memory, least recently used first (at most ``cfg.max_loaded_clusters``)."""
@@ -230,7 +238,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
             st = self.state(rec.cluster)  # first: a reloaded cluster brings back its buffered sources and offsets
             if source in self._seen:
                 continue  # buffered before its cluster was unloaded or the trainer restarted
-            heldout = _holdout(rec.request_id, self.cfg.holdout_every)
+            heldout = _holdout(rec.request_id, self.cfg.holdout_every, self.holdout_key)
             through = self._through.setdefault(rec.cluster, {})
             if not heldout and m.offset <= through.get(source[:2], -1):
                 continue  # redelivered after a crash: trained (or evicted) before it, not to be trained twice
@@ -436,9 +444,36 @@ def _trained_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _holdout(request_id: str, every: int) -> bool:
-    base = request_id.split(CHOICE_SEPARATOR, 1)[0]  # every choice of a request on the same side
-    return int(hashlib.sha256(base.encode()).hexdigest()[:8], 16) % every == 0
+HOLDOUT_KEY_FILE = "holdout.key"
+TEST_HOLDOUT_KEY: bytes | None = None
+"""Set by the test suite (``b""``: the unkeyed hash) so that every in-process trainer splits alike."""
+
+
+def holdout_key_in(out: Path) -> bytes:
+    """The held-out split's key kept under ``out`` (made, 32 random bytes, the first time): a restart
+    splits the same way, and a client that picks its ``X-Request-Id`` cannot pick its side."""
+    path = out / HOLDOUT_KEY_FILE
+    try:
+        with path.open("x") as f:  # exclusive: two processes starting on one --out agree on one key
+            f.write(secrets.token_hex(32))
+    except FileExistsError:
+        pass
+    text = path.read_text().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ValueError(f"{path} is not a held-out key (64 hex digits); delete it and a new one is made")
+    return key
+
+
+def _holdout(request_id: str, every: int, key: bytes = b"") -> bool:
+    """Whether a request is held out: a hash of its id (its choices' ``#i`` dropped: every choice of a
+    request on the same side) keyed by the trainer's secret."""
+    base = request_id.split(CHOICE_SEPARATOR, 1)[0].encode()
+    digest = hmac.new(key, base, hashlib.sha256).hexdigest() if key else hashlib.sha256(base).hexdigest()
+    return int(digest[:8], 16) % every == 0
 
 
 def _f(x: float | None) -> str:

@@ -284,8 +284,8 @@ def _ensure_ready(state: ServingState) -> None:
 
 
 def _request_id(request: Request) -> str | None:
-    """The caller's ``X-Request-Id``, if it sent one: it names the request in the logged records
-    (the trainer's held-out split hashes it), the response id and the ``X-Request-Id`` header."""
+    """The caller's ``X-Request-Id``, if it sent one: the response's id and ``X-Request-Id`` header
+    carry it as sent; the logged records carry it under the tenant's id (``DecodePlan.request_id``)."""
     rid = request.headers.get("x-request-id")
     if rid is not None and not REQUEST_ID.fullmatch(rid):
         raise InvalidRequestError("X-Request-Id must be 1-128 characters of letters, digits and _.:-", "X-Request-Id")
@@ -332,7 +332,7 @@ async def _serve(
     job = jobs[0]
     arrived = request.scope.get("state", {}).get("arrived") if request is not None else None
     timer = RequestTimer(arrived or time.perf_counter(), plan.cluster, plan.method)
-    headers = {"X-Request-Id": job.request_id, **req.ignored_header()}  # schema.IGNORED_FIELDS it sent, if any
+    headers = {"X-Request-Id": job.public_id, **req.ignored_header()}  # schema.IGNORED_FIELDS it sent, if any
     await state.admission.acquire()
     loop = asyncio.get_running_loop()
     run = (lambda: [state.run(job)]) if len(jobs) == 1 else (lambda: state.run_many(jobs))
@@ -403,7 +403,7 @@ async def _sse(
     ``timer``: its latency histograms (each chunk of tokens, and the end)."""
     job = jobs[0]
     obj = "chat.completion.chunk" if chat else "text_completion"
-    rid = ("chatcmpl-" if chat else "cmpl-") + job.request_id
+    rid = ("chatcmpl-" if chat else "cmpl-") + job.public_id
 
     def chunk(choices: list, **extra) -> str:
         body = {"id": rid, "object": obj, "created": job.created, "model": model, "choices": choices, **extra}

@@ -72,7 +72,13 @@ class Job:
 
     @property
     def request_id(self) -> str:
+        """The id in the logged records and the server's log (``DecodePlan.request_id``)."""
         return self.plan.request_id
+
+    @property
+    def public_id(self) -> str:
+        """The id the client sees (the response's ``id`` and ``X-Request-Id``): its own, when it sent one."""
+        return self.plan.client_request_id or self.plan.request_id
 
 
 def prompt_logprobs(job: Job, context: list[TokenLogprob], context_len: int) -> list[TokenLogprob] | None:

@@ -131,7 +131,7 @@ def response_body(model: str, jobs: list[Job], served: list, *, chat: bool, toke
     choices = [choice_body(jobs[i], served[i], chat=chat, tokenizer=tokenizer, index=k) for k, i in enumerate(order)]
     obj, rid = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
     body = {
-        "id": rid + job.request_id,
+        "id": rid + job.public_id,
         "object": obj,
         "created": job.created,
         "model": model,

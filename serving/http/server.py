@@ -179,7 +179,8 @@ class ServingState(Replica):
             grammar.for_tokenizer(tok, self.pair.vocab_size, self.pair.eos_token_ids).check(params.grammar)
         if params.min_tokens > params.max_new_tokens:
             raise InvalidRequestError(
-                f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_new_tokens})", "min_tokens"
+                f"min_tokens ({echo(params.min_tokens)}) is more than max_tokens ({echo(params.max_new_tokens)})",
+                "min_tokens",
             )
         if cluster is not None and not tenant.may_route:
             raise ForbiddenError(
@@ -190,14 +191,16 @@ class ServingState(Replica):
         ids, text = self._prompt_ids(prompt, "messages" if chat else "prompt")
         if params.max_new_tokens > cfg.max_tokens_limit:
             raise InvalidRequestError(
-                f"max_tokens is {params.max_new_tokens}; this server allows at most {cfg.max_tokens_limit}",
+                f"max_tokens is {echo(params.max_new_tokens)}; this server allows at most {cfg.max_tokens_limit}",
                 "max_tokens",
             )
         if k is not None and k > cfg.max_k:
-            raise InvalidRequestError(f"speculation.k is {k}; this server allows at most {cfg.max_k}", "speculation.k")
+            raise InvalidRequestError(
+                f"speculation.k is {echo(k)}; this server allows at most {cfg.max_k}", "speculation.k"
+            )
         if n_drafts is not None and n_drafts > cfg.max_n_drafts:
             raise InvalidRequestError(
-                f"speculation.n_drafts is {n_drafts}; this server allows at most {cfg.max_n_drafts}",
+                f"speculation.n_drafts is {echo(n_drafts)}; this server allows at most {cfg.max_n_drafts}",
                 "speculation.n_drafts",
             )
         looping = retrieval is not None and retrieval.mode != "oneshot"
@@ -299,7 +302,8 @@ class ServingState(Replica):
             stop=tuple(req.stop or ()),
             tenant=tenant.id,
             session_scope=scope,
-            **({"request_id": request_id} if request_id is not None else {}),
+            # scoped by its tenant: two tenants' records never share an id (X-Request-Id has no "/")
+            **({"request_id": f"{tenant.id}/{request_id}", "client_request_id": request_id} if request_id else {}),
         )
         self.node.check_plan(  # the engine's own limits (vLLM: no retrieval loop, its own speculation)
             plan,

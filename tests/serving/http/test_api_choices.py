@@ -129,7 +129,8 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, code, p
 
 
 def test_a_requests_choices_fall_on_one_side_of_the_held_out_split():
+    key = b"k" * 32
     for i in range(50):
-        rid = f"req{i}"
-        sides = {_holdout(f"{rid}{CHOICE_SEPARATOR}{c}", 5) for c in range(1, 4)} | {_holdout(rid, 5)}
+        rid = f"tenant/req{i}"
+        sides = {_holdout(f"{rid}{CHOICE_SEPARATOR}{c}", 5, key) for c in range(1, 4)} | {_holdout(rid, 5, key)}
         assert len(sides) == 1

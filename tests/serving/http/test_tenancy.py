@@ -226,3 +226,44 @@ def test_the_serve_command_has_the_tenant_flags():
     )
     cfg = ServeConfig(**overrides_from_args(args))
     assert (cfg.route_tenants, cfg.admin_tenants, cfg.session_sharing) == ([], ["a"], "shared")
+
+
+# ---------------------------------------------------------------- request ids (issue 58)
+def test_two_tenants_sending_one_request_id_get_distinct_records(tiny_models, tmp_path):
+    """A client's ``X-Request-Id`` comes back as sent, but the logged records carry it under the
+    tenant's id: two tenants' records never share an id (the trainer dedups and splits by it)."""
+    from specops.streams import StreamConfig, codec, open_stream
+
+    url = f"local://{tmp_path}/streams"
+    cfg = serve_config(tiny_models, api_keys=KEYS, stream=url, auto_calibrate=False)
+    with running(cfg, tmp_path) as srv:
+        for key in (ALICE, BOB):
+            r = requests.post(
+                f"{srv.url}/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+                headers={"Authorization": f"Bearer {key}", "X-Request-Id": "same-id"},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers["X-Request-Id"] == "same-id" and r.json()["id"] == "cmpl-same-id"
+        assert srv.state.logger.flush(20)
+    sc = StreamConfig(url=url)
+    with open_stream(sc) as s:
+        gens = [codec.decode(x.value).request_id for x in s.read(sc.topics.generations)]
+    assert sorted(gens) == ["alice/same-id", "bob/same-id"]
+
+
+def test_the_held_out_split_is_keyed_by_the_trainers_secret(tmp_path):
+    """A client picks its request id, not its side of the split: the side depends on a key the
+    trainer makes under ``--out`` (kept across restarts) and on nothing the client knows."""
+    from specops.trainer.online import _holdout, holdout_key_in
+
+    key = holdout_key_in(tmp_path)
+    assert holdout_key_in(tmp_path) == key and len(key) == 32  # made once, read back
+    ids = [f"alice/r{i}" for i in range(400)]
+    mine = [_holdout(i, 4, key) for i in ids]
+    other = [_holdout(i, 4, b"\x01" * 32) for i in ids]
+    assert 60 < sum(mine) < 140 and mine != other  # a quarter, and another key splits otherwise
+    (tmp_path / "holdout.key").write_text("not hex")
+    with pytest.raises(ValueError, match="holdout.key"):
+        holdout_key_in(tmp_path)

@@ -102,3 +102,20 @@ docs-screenshots: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
+
+# Every image the Helm chart and compose pull, CPU and CUDA (bootstrap included), in one `docker buildx bake`
+# (deploy/docker/docker-bake.json, group `release`; deploy/docker/README.md). Needs Docker with buildx (BuildKit).
+# Override its variables on the command line or in the environment: make images REGISTRY=ghcr.io/me TAG=0.1.0;
+# BAKE_TARGETS=cpu (or one target: serving-cuda) for fewer, BAKE_FLAGS=--push to push, --load to load into Docker.
+# `make images-print` prints the resolved plan (docker buildx bake --print) without building.
+BAKE_FILE    := deploy/docker/docker-bake.json
+BAKE_TARGETS ?= release
+BAKE_FLAGS   ?=
+
+.PHONY: images images-print
+
+images:
+	docker buildx bake -f $(BAKE_FILE) $(BAKE_FLAGS) $(BAKE_TARGETS)
+
+images-print:
+	docker buildx bake -f $(BAKE_FILE) --print $(BAKE_TARGETS)

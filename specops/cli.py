@@ -24,12 +24,13 @@ from specops import (
     router_cli,
     sessions_cli,
 )
-from specops.commands import bootstrap, demo, generate, serve, streams, train
+from specops.commands import bootstrap, demo, generate, models, serve, streams, train
 from specops.commands.common import add_version
 
 # in the order `specops --help` lists them
 COMMANDS = (
     bootstrap,
+    models,
     generate,
     train,
     streams,

@@ -185,16 +185,25 @@ def _jobs(args: argparse.Namespace, promoter) -> dict:
     target_dir = Path(args.target) if args.target else Path(args.model_dir) / "target"
     jobs = {"router_refitter": None, "datastore_rebuilder": None, "sessions_rebuilder": None}
     if args.router_refit_every:  # refits the prompt router from spec.generations
+        from specops.core.errors import RouterError
         from specops.router_cli import train_refitter
 
         tokenizer_dir = Path(args.tokenizer) if args.tokenizer else None
-        jobs["router_refitter"] = train_refitter(
-            args.stream,
-            promoter.registry,
-            Path(args.model_dir),
-            embedder=args.router_embedder,
-            tokenizer_dir=tokenizer_dir,
-        )
+        try:
+            jobs["router_refitter"] = train_refitter(
+                args.stream,
+                promoter.registry,
+                Path(args.model_dir),
+                embedder=args.router_embedder,
+                tokenizer_dir=tokenizer_dir,
+            )
+        except RouterError as exc:  # the embedder is built now, at start: say which setting asked for it
+            raise RouterError(
+                f"--router-refit-every (train.toml: router_refit_every) refits the prompt router on the "
+                f"{args.router_embedder} embedder, which cannot load. {exc}. To do without it: --router-embedder "
+                'target (router_embedder = "target") refits on the target\'s hidden states; router_refit_every = 0 '
+                "refits no router"
+            ) from None
     if args.datastore_rebuild_every:  # rebuilds each cluster's DReSD datastore from spec.generations
         from specops.core.models import load_model, load_tokenizer, tokenizer_hash
         from specops.streams import StreamConfig

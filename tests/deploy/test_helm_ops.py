@@ -8,6 +8,7 @@ objects and run here for real: against moto's S3 server and a real MLflow databa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -169,8 +170,10 @@ def test_fill_job_bootstraps_into_the_claim_serving_mounts():
     pod = _job_pod(job)
     (fill,) = pod["containers"]
     assert fill["image"] == f"ghcr.io/specops/specops-bootstrap:{APP_VERSION}"
-    args = build_parser().parse_args(fill["args"][1:])  # what the bootstrap image's `specops` parses
-    assert fill["args"][0] == "specops" and args.command == "bootstrap"
+    assert fill["args"][:2] == ["sh", "-c"]  # `specops bootstrap "$@"`, then the check that writes the marker
+    script, _, *bootstrap_args = fill["args"][2:]
+    assert script.startswith('specops bootstrap "$@" && exec specops models check --mark ')
+    args = build_parser().parse_args(["bootstrap", *bootstrap_args])  # what the bootstrap image's `specops` parses
     claim = {v["name"]: v for v in pod["volumes"]}["models"]["persistentVolumeClaim"]
     assert claim == {"claimName": pvc["metadata"]["name"]}, "read-write"
     (root,) = [m for m in fill["volumeMounts"] if m["name"] == "models"]
@@ -188,8 +191,8 @@ def test_fill_job_bootstraps_into_the_claim_serving_mounts():
         ready = Path(hs.literal_env(wait)["MODELS_READY_FILE"])
         (wait_mount,) = wait["volumeMounts"]
         assert "subPath" not in wait_mount, "a subPath is bound at start; the fill renames that directory"
-        # bootstrap renames the pair into place, then copies the embedder: its manifest is the last file written
-        assert ready == Path(wait_mount["mountPath"]) / subpath / "embedder" / "embedder.json"
+        # the fill's completion marker, written once target/, draft/ and embedder/ are all there and checked
+        assert ready == Path(wait_mount["mountPath"]) / subpath / "ready.json"
     cfg = _serving(objects)[2]
     assert cfg.paths(Path("/data"))[0] == Path("/models/target"), "serving reads target/ of the mounted subPath"
     from specops.core.embed import EMBEDDER_DIR_ENV, EMBEDDER_SUBDIR
@@ -201,7 +204,7 @@ def test_fill_job_bootstraps_into_the_claim_serving_mounts():
     again = hs.render(None, {"models": {"fill": {"bootstrap": {"args": ["--device", "cpu"]}}}})
     assert _job(again, "models-fill")["metadata"]["name"] != job["metadata"]["name"], "a changed fill is a new Job"
     forced = _job_pod(_job(hs.render(None, {"models": {"fill": {"force": True}}}), "models-fill"))["containers"][0]
-    assert build_parser().parse_args(forced["args"][1:]).force is True
+    assert build_parser().parse_args(["bootstrap", *forced["args"][4:]]).force is True
 
 
 def test_wait_for_models_passes_once_the_fill_renamed_the_directory_into_place(tmp_path):
@@ -234,6 +237,58 @@ def test_a_claim_filled_by_hand_is_mounted_as_is():
         ] == "specops-models"
     warned = hs.notes(DEFAULT, {"models": {"fill": {"enabled": True}}})
     assert "set models.fill.enabled false for a claim you filled yourself" in warned
+
+
+def test_bootstrap_fill_checks_the_directory_and_writes_the_marker_the_pods_wait_for(tmp_path):
+    """The bootstrap fill's container command, run here (a --tiny bootstrap): `specops bootstrap`, then the check
+    that writes ready.json; every init container (serving, the trainer, kb-build) waits for that file."""
+    values = {
+        "models": {"fill": {"bootstrap": {"args": ["--tiny"]}}},
+        "retrieval": {"milvus": {"mode": "lite", "kbBuild": {"enabled": True}}},
+    }
+    objects = hs.render(None, values)
+    (fill,) = _job_pod(_job(objects, "models-fill"))["containers"]
+    env = hs.literal_env(fill)
+    volume = tmp_path / "volume"
+    out = volume / Path(env["MODELS_OUT"]).relative_to("/models")
+    args = [a if a != env["MODELS_OUT"] else str(out) for a in fill["args"]]
+    run_env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # the image's `specops`
+        "MODELS_OUT": str(out),
+        "SPECOPS_DATA_DIR": str(tmp_path / "data"),
+    }
+    done = subprocess.run(args, env=run_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out / 'ready.json'}" in done.stdout
+    marker = json.loads((out / "ready.json").read_text())
+    assert {"target/config.json", "draft/config.json", "embedder/embedder.json"} <= set(marker["files"])
+    assert marker["embedder"] is True and marker["written_by"] == "specops models check --mark"
+    waits = {
+        hs.component(o): {c["name"]: c for c in hs.pod_spec(o)["initContainers"]}["wait-for-models"]
+        for o in objects
+        if hs.component(o) in ("serving", "trainer", "kb-build") and o["kind"] in ("Deployment", "Job")
+    }
+    assert set(waits) == {"serving", "trainer", "kb-build"}
+    for component, wait in waits.items():
+        ready = Path(hs.literal_env(wait)["MODELS_READY_FILE"])
+        local = volume / ready.relative_to(Path(wait["volumeMounts"][0]["mountPath"]))
+        assert local == out / "ready.json", component
+        wait_env = {**os.environ, "MODELS_READY_FILE": str(local), "WAIT_TIMEOUT_S": "0"}
+        waited = subprocess.run([sys.executable, *wait["args"][1:]], env=wait_env, capture_output=True, text=True)
+        assert waited.returncode == 0 and "is there" in waited.stdout, (component, waited.stderr)
+
+
+def test_fill_embedder_false_lets_a_directory_without_it_be_complete():
+    plain = hs.render(None, {"models": {"fill": {"mode": "s3", "s3": {"uri": "s3://b/p"}}}})
+    assert _s3_fill(plain)[1]["MODELS_EMBEDDER"] == "true"
+    off = {"models": {"fill": {"embedder": False}}}
+    s3 = hs.render(None, hs._merge(off, {"models": {"fill": {"mode": "s3", "s3": {"uri": "s3://b/p"}}}}))
+    assert _s3_fill(s3)[1]["MODELS_EMBEDDER"] == "false"
+    (boot,) = _job_pod(_job(hs.render(None, off), "models-fill"))["containers"]
+    assert "specops models check --mark --no-embedder " in boot["args"][2]
+    with pytest.raises(hs.RenderError, match="embedder"):
+        hs.render(None, {"models": {"fill": {"embedder": "no"}}})
 
 
 @pytest.mark.parametrize(
@@ -279,15 +334,13 @@ def _run_fill(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_s3_fill_copies_a_model_directory_and_keeps_it_on_a_rerun(s3_bucket, tmp_path):
+def test_s3_fill_copies_a_model_directory_and_keeps_it_on_a_rerun(s3_bucket, tmp_path, tiny_models):
+    from specops.core.model_layout import layout_files
+    from tests.specops.test_models_cli import a_models_dir
+
     script, env, _ = _s3_fill(hs.render(EXTENSIONS))
-    files = {
-        "target/config.json": b'{"model_type": "llama"}',
-        "target/model.safetensors": b"weights",
-        "target/tokenizer.json": b"{}",
-        "draft/config.json": b'{"model_type": "llama"}',
-        "draft/model.safetensors": b"draft-weights",
-    }
+    src = a_models_dir(tiny_models, tmp_path / "mine")  # a tiny pair and an embedder's files: the fill checks them
+    files = {rel: (src / rel).read_bytes() for rel in layout_files(src)}
     for rel, body in files.items():
         s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key=f"pairs/mine/{rel}", Body=body)
     s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key="pairs/mine-not/target/config.json", Body=b"no")
@@ -303,14 +356,14 @@ def test_s3_fill_copies_a_model_directory_and_keeps_it_on_a_rerun(s3_bucket, tmp
     done = _run_fill(script, run_env)
     assert done.returncode == 0, done.stderr
     out = volume / "llama-pair"
-    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == set(files)
-    assert (out / "draft" / "model.safetensors").read_bytes() == b"draft-weights"
+    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == set(files) | {"ready.json"}
+    assert (out / "draft" / "model.safetensors").read_bytes() == files["draft/model.safetensors"]
     assert sorted(p.name for p in volume.iterdir()) == ["llama-pair"], "no temporary directory left"
 
     s3_bucket.client.put_object(Bucket=s3_bucket.bucket, Key="pairs/mine/draft/model.safetensors", Body=b"v2")
     kept = _run_fill(script, run_env)
     assert kept.returncode == 0 and "kept" in kept.stdout
-    assert (out / "draft" / "model.safetensors").read_bytes() == b"draft-weights"
+    assert (out / "draft" / "model.safetensors").read_bytes() == files["draft/model.safetensors"]
     forced = _run_fill(script, {**run_env, "MODELS_FORCE": "true"})
     assert forced.returncode == 0, forced.stderr
     assert (out / "draft" / "model.safetensors").read_bytes() == b"v2"

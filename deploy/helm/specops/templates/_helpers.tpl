@@ -296,10 +296,10 @@ Placed before specops.commonEnv, so that extraEnv can still override it. */}}
     readOnly: true
 {{- end }}
 
-{{/* With models.fill: an init container that waits until the fill Job is done with <subPath>: in mode s3 for
-target/config.json (the copy renames a complete directory into place, so its presence means the models are all
-there); in mode bootstrap for embedder/embedder.json, the last file `specops bootstrap` writes (it copies the
-router's embedder after renaming the pair into place, also when it keeps a complete pair).
+{{/* With models.fill: an init container that waits until the fill Job is done with <subPath>: for its completion
+marker <subPath>/ready.json (core/model_layout.py), which both modes write last, once target/, draft/ and (with
+models.fill.embedder) embedder/ are all there and pass the checks serving runs when it loads. A directory replaced
+by a forced fill has no marker until its own is written.
 It mounts the volume's root, not the subPath: a subPath is bound when a container starts, and the fill replaces
 that directory. (dict "ctx" $ "image" "...") */}}
 {{- define "specops.waitForModels" -}}
@@ -318,12 +318,12 @@ that directory. (dict "ctx" $ "image" "...") */}}
       while not os.path.isfile(path):
           if time.monotonic() >= deadline:
               sys.exit(f"{path} still missing after {timeout:g} s: see the models-fill Job's log")
-          print(f"waiting for {path} (the models-fill Job)", flush=True)
+          print(f"waiting for {path}, the marker the models-fill Job writes once the models are complete", flush=True)
           time.sleep(10)
       print(f"{path} is there", flush=True)
   env:
     - name: MODELS_READY_FILE
-      value: {{ printf "/models-volume/%s/%s" $ctx.Values.models.subPath (ternary "embedder/embedder.json" "target/config.json" (eq $ctx.Values.models.fill.mode "bootstrap")) | quote }}
+      value: {{ printf "/models-volume/%s/ready.json" $ctx.Values.models.subPath | quote }}
     - name: WAIT_TIMEOUT_S
       value: {{ $ctx.Values.models.fill.waitTimeoutSeconds | int | quote }}
   resources:
@@ -531,10 +531,15 @@ spec:
       {{- if eq $f.mode "bootstrap" }}
       image: {{ include "specops.image" (dict "ctx" . "repository" $f.bootstrap.image.repository "tag" $f.bootstrap.image.tag) | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      # keeps a complete bootstrap of the same kind; writes a sibling temporary directory, renamed into place
+      # `specops bootstrap` (keeps a complete bootstrap of the same kind; writes a sibling temporary directory,
+      # renamed into place, then copies the router's embedder), then `specops models check --mark`: the checks
+      # serving runs at load, and ready.json, the marker the pods wait for, written last. sh runs the two under
+      # the image's tini; "$@" is the bootstrap's arguments, as they follow.
       args:
-        - specops
-        - bootstrap
+        - sh
+        - -c
+        - 'specops bootstrap "$@" && exec specops models check --mark {{ if not $f.embedder }}--no-embedder {{ end }}"$MODELS_OUT"'
+        - models-fill
         - --out
         - {{ $out | quote }}
         {{- if $f.force }}
@@ -559,11 +564,13 @@ spec:
           value: /data
         - name: HF_HUB_OFFLINE
           value: "1"
+        - name: MODELS_OUT
+          value: {{ $out | quote }}
         {{- if eq $f.mode "s3" }}
         - name: MODELS_S3_URI
           value: {{ $f.s3.uri | quote }}
-        - name: MODELS_OUT
-          value: {{ $out | quote }}
+        - name: MODELS_EMBEDDER
+          value: {{ ternary "true" "false" $f.embedder | quote }}
         - name: MODELS_FORCE
           value: {{ ternary "true" "false" $f.force | quote }}
         - name: MODELS_S3_ENDPOINT

@@ -8,12 +8,14 @@ or with the code (topics, ports, paths, URLs, config keys) are compared here.
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import pytest
@@ -357,6 +359,8 @@ def test_serving_vllm_is_an_opt_in_profile_of_the_serving_front_door_on_vllm():
         "serving-vllm": ["vllm"],
         "milvus": ["milvus"],
         "kb": ["milvus"],
+        "prometheus": ["monitoring"],
+        "grafana": ["monitoring"],
     }, "the rest start always"
     assert build_target("serving-vllm") == "serving-vllm" and vllm["build"]["args"]["VARIANT"] == "cpu"
     assert resolve(vllm["image"]).startswith("ghcr.io/specops/specops-serving-vllm:")
@@ -522,3 +526,183 @@ def test_serving_stops_after_its_drain_not_before():
     for name in ("serving", "serving-vllm"):
         assert mounts(name)["/etc/specops/serve.toml"] == ("./serve.toml", "ro")
         assert _seconds(SERVICES[name]["stop_grace_period"]) > cfg.shutdown_timeout_s, name
+
+
+# ---------------------------------------------------------------- fleet view (profile monitoring)
+PROMETHEUS_FILE = COMPOSE_DIR / "prometheus" / "prometheus.yml"
+GRAFANA_DIR = COMPOSE_DIR / "grafana" / "provisioning"
+DASHBOARDS = REPO / "deploy" / "helm" / "specops" / "dashboards"
+
+
+def prometheus_config() -> dict:
+    """prometheus.yml as Prometheus reads it, checked to be the file compose mounts at --config.file."""
+    source, mode = mounts("prometheus")[option(command("prometheus"), "--config.file")]
+    assert mode == "ro" and (COMPOSE_DIR / source).resolve() == PROMETHEUS_FILE
+    return yaml.safe_load(PROMETHEUS_FILE.read_text())
+
+
+def scrape_job(config: dict, name: str) -> dict:
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == name]
+    return job
+
+
+def published_port(service: str) -> tuple[str, str]:
+    """(host port variable's default, container port) of a service's one published port."""
+    (spec,) = SERVICES[service]["ports"]
+    host_ip, host_port, container = resolve(spec).split(":")
+    assert host_ip == "127.0.0.1", f"{service}: published on SPECOPS_BIND_ADDRESS (default loopback)"
+    assert spec.startswith("${SPECOPS_BIND_ADDRESS:-"), service
+    return host_port, container
+
+
+def test_monitoring_profile_runs_a_pinned_prometheus_and_grafana_and_nothing_else_waits_for_them():
+    """``docker compose --profile monitoring up``: Prometheus and Grafana, off by default, published on the
+    bind address; no service outside the profile depends on them (compose would refuse to start it)."""
+    monitoring = {n for n, s in SERVICES.items() if "monitoring" in s.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    assert all(SERVICES[n]["profiles"] == ["monitoring"] for n in monitoring)
+    assert re.fullmatch(r"prom/prometheus:v3\.\d+\.\d+", SERVICES["prometheus"]["image"])
+    assert re.fullmatch(r"grafana/grafana:1\d\.\d+\.\d+", SERVICES["grafana"]["image"])
+    for name, spec in SERVICES.items():
+        if name not in monitoring:
+            assert not monitoring & set(spec.get("depends_on") or {}), f"{name} waits for profile monitoring"
+    assert SERVICES["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+    assert published_port("prometheus") == (env_example()["PROMETHEUS_PORT"][0], "9090")
+    assert published_port("grafana") == (env_example()["GRAFANA_PORT"][0], "3000")
+    # samples on a named volume, kept for PROMETHEUS_RETENTION
+    assert mounts("prometheus")[option(command("prometheus"), "--storage.tsdb.path")] == ("prometheus-data", "rw")
+    retention = resolve(option(command("prometheus"), "--storage.tsdb.retention.time"))
+    assert retention == env_example()["PROMETHEUS_RETENTION"][0] and re.fullmatch(r"\d+[dwhy]", retention)
+    for name, port in (("prometheus", "9090"), ("grafana", "3000")):
+        probe = SERVICES[name]["healthcheck"]["test"]
+        assert probe[:2] == ["CMD", "wget"] and urlsplit(probe[-1]).port == int(port), name
+
+
+def test_prometheus_scrapes_every_serving_replica_by_dns_and_the_trainer():
+    """Each replica is its own target (the gateway's /metrics reaches one at a time): a DNS A lookup of the
+    serving service name, which Docker answers with every replica, on serve.toml's port; the trainer on
+    train.toml's metrics_port."""
+    from specops import config_file
+    from specops.cli import build_parser
+    from specops.serving.http.config import ServeConfig
+
+    config = prometheus_config()
+    serve = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})
+    assert not serve.auth_metrics, "serving's /metrics needs a key: give the serving jobs `authorization`"
+    for name in ("serving", "serving-vllm"):
+        job = scrape_job(config, name)
+        assert job.get("metrics_path", "/metrics") == "/metrics" and "static_configs" not in job, name
+        (sd,) = job["dns_sd_configs"]
+        assert sd["names"] == [name] and sd["type"] == "A" and sd["port"] == serve.port, name
+        assert SERVICES[name].get("expose", [str(serve.port)]) == [str(serve.port)], name
+    from specops.serving.http import api
+
+    assert '@app.get("/metrics")' in Path(api.__file__).read_text(), "the path the serving jobs scrape"
+
+    import argparse
+
+    parser = build_parser()
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    train.set_defaults(**config_file.load(COMPOSE_DIR / "train.toml", train, "train"))
+    port = parser.parse_args(["train", "--config", str(COMPOSE_DIR / "train.toml")]).metrics_port
+    trainer = scrape_job(config, "trainer")
+    assert trainer.get("metrics_path", "/metrics") == "/metrics"  # prometheus_client's start_http_server
+    assert trainer["static_configs"] == [{"targets": [f"trainer:{port}"]}]
+    assert SERVICES["trainer"]["expose"] == [str(port)]
+    # the data source's timeInterval is the scrape interval: $__rate_interval then spans four scrapes
+    (source,) = yaml.safe_load((GRAFANA_DIR / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert source["jsonData"]["timeInterval"] == config["global"]["scrape_interval"]
+
+
+def test_prometheus_config_passes_promtool(tmp_path):
+    """``promtool check config`` on prometheus.yml (Debian: ``apt-get install prometheus``; skipped without it)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+
+    def check(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+
+    done = check(PROMETHEUS_FILE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the check is not vacuous: a record type Prometheus does not know fails it
+    broken = tmp_path / "prometheus.yml"
+    broken.write_text(PROMETHEUS_FILE.read_text().replace("type: A", "type: AAAAA", 1))
+    done = check(broken)
+    assert done.returncode != 0 and "AAAAA" in done.stdout + done.stderr
+
+
+def test_grafana_provisions_the_charts_dashboard_read_only_over_that_prometheus():
+    """The dashboard is the chart's file, mounted read-only (not a copy); the provisioned Prometheus is the
+    default data source, so the dashboard's ``datasource`` variable (type prometheus) resolves to it."""
+    volumes = mounts("grafana")
+    assert volumes["/etc/grafana/provisioning"] == ("./grafana/provisioning", "ro")
+    assert (COMPOSE_DIR / volumes["/etc/grafana/provisioning"][0]).resolve() == GRAFANA_DIR
+    (provider,) = yaml.safe_load((GRAFANA_DIR / "dashboards" / "specops.yaml").read_text())["providers"]
+    assert provider["type"] == "file" and provider["allowUiUpdates"] is False
+    folder = provider["options"]["path"]
+    source, mode = volumes[folder]
+    assert mode == "ro" and (COMPOSE_DIR / source).resolve() == DASHBOARDS
+    home = PurePosixPath(env("grafana")["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert home.parent == PurePosixPath(folder) and (DASHBOARDS / home.name).is_file()
+    dashboard = json.loads((DASHBOARDS / home.name).read_text())
+    assert dashboard["uid"] and dashboard["panels"]
+
+    (source,) = yaml.safe_load((GRAFANA_DIR / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"] is True and source["access"] == "proxy"
+    url = urlsplit(source["url"])
+    assert url.hostname == "prometheus" and str(url.port) == published_port("prometheus")[1]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"] == variables["datasource"] | {"type": "datasource", "query": source["type"]}
+    # every data source the dashboard names is that variable, or the provisioned uid
+    named = {m for m in re.findall(r'"uid":\s*"([^"]*)"', json.dumps(dashboard)) if m != dashboard["uid"]}
+    assert named <= {"${datasource}", source["uid"]}, named
+
+
+def test_grafana_is_an_anonymous_read_only_view_with_no_login():
+    """No admin password to set or leak: anonymous viewers, no login form, no basic auth, no sign-up."""
+    e = env("grafana")
+    assert e["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and e["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert e["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and e["GF_AUTH_BASIC_ENABLED"] == "false"
+    assert e["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    assert not [k for k in e if "PASSWORD" in k or "ADMIN" in k]
+
+
+def _fleet_screenshot_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_fleet_screenshot", REPO / "docs" / "build_fleet_screenshot.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def test_the_fleet_screenshot_runs_composes_prometheus_config_with_only_its_targets_moved():
+    """docs/build_fleet_screenshot.py (deploy/README.md's picture) scrapes with this prometheus.yml, its targets
+    on loopback and nothing else changed, and fills in every variable the dashboard's queries use."""
+    script = _fleet_screenshot_script()
+    config = prometheus_config()
+    serving, trainer, prometheus = ["127.0.0.1:8001", "127.0.0.1:8002"], "127.0.0.1:9400", "127.0.0.1:9090"
+    local = script.localize(config, serving, trainer, prometheus)
+    assert {k: v for k, v in local.items() if k != "scrape_configs"} == {
+        k: v for k, v in config.items() if k != "scrape_configs"
+    }
+    jobs = {j["job_name"]: j for j in local["scrape_configs"]}
+    assert set(jobs) == {"serving", "trainer", "prometheus"}, "serving-vllm has no process on the script's host"
+    assert [jobs[n]["static_configs"] for n in ("serving", "trainer", "prometheus")] == [
+        [{"targets": serving}],
+        [{"targets": [trainer]}],
+        [{"targets": [prometheus]}],
+    ]
+    for name, job in jobs.items():
+        original = scrape_job(config, name)
+        kept = lambda j: {k: v for k, v in j.items() if k not in ("static_configs", "dns_sd_configs")}  # noqa: E731
+        assert kept(job) == kept(original), name
+    assert config == prometheus_config(), "localize must not change its argument"
+
+    dashboard = json.loads((DASHBOARDS / "specops.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs and all("$" not in script.fill(e, 15, 60) for e in exprs)
+    assert script.grafana_intervals(15, 600, 900) == (15, 60)  # Grafana: max(interval + scrape, 4 * scrape)
+    assert script.grafana_intervals(15, 6 * 3600, 900) == (24, 60)

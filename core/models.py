@@ -115,6 +115,29 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
+def check_weight_shapes(path: Path) -> None:
+    """Every tensor of the weights has the shape its ``config.json`` gives it, or a ModelConfigError
+    naming the tensor, its file and both shapes (transformers' own error only suggests
+    ``ignore_mismatched_sizes``). Reads the safetensors headers and builds the model on the meta
+    device: no weight is read."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                shape, want = tuple(st.get_slice(name).get_shape()), expected.get(name)
+                if want is not None and shape != want:
+                    raise ModelConfigError(
+                        f"{path}: tensor {name} in {f.name} has shape {list(shape)}, but config.json makes it "
+                        f"{list(want)}: the weights and the config are not one model"
+                    )
+
+
 DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 """Precisions a model can be served in, by name (float16: GPU only, ``core.device``)."""
 DRAFT_DTYPE_NAMES = (draft_dtype.AUTO, *DRAFT_DTYPES)
@@ -155,6 +178,7 @@ def load_model(
     (``core.draft_dtype.settle``; the choice is the model's ``draft_dtype_measurement``). With
     ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
+    check_weight_shapes(path)
     auto = dtype == draft_dtype.AUTO
     dtype = torch.float32 if auto else resolve_dtype(dtype)
     # Loaded in float32, then the weights cast: from_pretrained(dtype=bfloat16) switches torch's

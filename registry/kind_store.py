@@ -8,9 +8,11 @@ keyed kind and ignored (``""``) for an unkeyed one (the router, the policy).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from specops.registry.errors import VersionNotFoundError
@@ -27,6 +29,9 @@ from specops.registry.version import (
 )
 
 log = logging.getLogger(__name__)
+
+SERVED_BY = "served_by."
+"""Prefix of a registered model's tags in which each serving replica reports what it serves."""
 
 
 class KindStore:
@@ -167,6 +172,24 @@ class KindStore:
 
     def set_tags(self, key: str, version: str, tags: dict[str, object]) -> None:
         self.models.set_tags(self.name(key), str(version), tags)
+
+    def report_served(self, key: str, replica: str, serving: str, refused: str = "") -> None:
+        """What one replica serves of this model (``serving``: its version, or ``base``) and the last
+        version it refused (``"<version>: <why>"``), on the registered model as tag
+        ``served_by.<replica>``: ``ls`` shows it beside the versions."""
+        value = json.dumps({"serving": serving, "refused": refused[:400], "at": int(time.time())})
+        self.models.set_model_tag(self.name(key), SERVED_BY + replica, value)
+
+    def served(self, key: str = "") -> dict[str, dict]:
+        """Every replica's last report on this model (:meth:`report_served`), by replica."""
+        out = {}
+        for tag, value in self.models.model_tags(self.name(key)).items():
+            if tag.startswith(SERVED_BY):
+                try:
+                    out[tag.removeprefix(SERVED_BY)] = dict(json.loads(value))
+                except (ValueError, TypeError):
+                    continue  # not ours: ignored
+        return out
 
     def _change(self, what: str, key: str, version: str, previous: str, reason: str) -> AliasChange:
         """The announcement of a champion move: a draft's names its cluster, any other kind its model."""

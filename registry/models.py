@@ -265,6 +265,21 @@ class ModelStore:
             for key, value in tags.items():
                 self.client.set_model_version_tag(name, str(version), key, str(value))
 
+    def set_model_tag(self, name: str, key: str, value: str) -> None:
+        """A tag on the registered model itself (not on a version)."""
+        with self.call(f"tag {name}"):
+            self.client.set_registered_model_tag(name, key, value)
+
+    def model_tags(self, name: str) -> dict[str, str]:
+        """The registered model's own tags ({} when it does not exist)."""
+        from mlflow.exceptions import MlflowException
+
+        with self.call(f"read {name}"):
+            try:
+                return dict(self.client.get_registered_model(name).tags or {})
+            except MlflowException:
+                return {}
+
     def log_metric(self, v: ArtifactVersion, metric: str, value: float, *, step: int = 0) -> None:
         """A metric on the version's run (plotted in the UI) and as a tag on the version (listed)."""
         with self.call(f"log {metric} on {v.name} version {v.version}"):

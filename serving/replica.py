@@ -141,6 +141,7 @@ class Replica:
             live_report_every=cfg.live_report_every,
             rollback_min_requests=cfg.rollback_min_requests,
             rollback_margin=cfg.rollback_margin,
+            replica=cfg.replica_name,  # reports what it serves to the registry (`registry ls`)
         )
         follow = dict(
             target_vocab=self.pair.vocab_size,

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from specops.paths import data_dir, streams_url
 
@@ -239,17 +240,34 @@ def listing(kind: str) -> Listing:
 
 
 def rows(store, keys: list[str], *, include_archived: bool = True) -> list[dict]:
-    """One dict per version of each key's model, as ``ls --json`` prints them."""
+    """One dict per version of each key's model, as ``ls --json`` prints them (``served_by``: the
+    replicas that last reported serving it, ``KindStore.report_served``)."""
     lst = listing(store.kind.name)
     out = []
     for key in keys:
+        served = store.served(key)
         for v in store.versions(key, include_archived=include_archived):
             head = {"model": v.name} if lst.key == "model" else {lst.key: key} if lst.key else {}
             created = {} if any(c.key == "created" for c in lst.columns) else {"created": CREATED.value(v)}
             row = {**head, "version": v.version, "aliases": ALIASES.value(v), **created}
             row.update({c.key: c.value(v) for c in lst.columns})
+            row["served_by"] = sorted(r for r, rep in served.items() if str(rep.get("serving")) == v.version)
             out.append(row)
     return out
+
+
+def refusals(store, keys: list[str]) -> list[str]:
+    """One line per replica whose last report says it refused a version (it serves another)."""
+    lines = []
+    for key in keys:
+        for replica, rep in sorted(store.served(key).items()):
+            if rep.get("refused"):
+                at = time.strftime("%Y-%m-%d %H:%M", time.gmtime(int(rep.get("at", 0))))
+                lines.append(
+                    f"{store.name(key)}: replica {replica} serves {rep.get('serving')} and refused version "
+                    f"{rep['refused']} ({at} UTC)"
+                )
+    return lines
 
 
 # ---------------------------------------------------------------- the commands
@@ -271,11 +289,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     table = Table(title=lst.title.format(uri=reg.cfg.uri))
     for c in columns:
         table.add_column(c.header, justify="right" if c.right else "left")
+    served = any(r["served_by"] for r in found)
+    if served:
+        table.add_column("served by")
     for r in found:
-        table.add_row(*(str(r[c.key]) if c.digits is None else fmt(r[c.key], c.digits) for c in columns))
+        cells = [str(r[c.key]) if c.digits is None else fmt(r[c.key], c.digits) for c in columns]
+        table.add_row(*cells, *([", ".join(r["served_by"]) or "-"] if served else []))
     Console(width=None if sys.stdout.isatty() else 220).print(table)
     if not found:
         print(lst.empty)
+    for line in refusals(store, keys):
+        print(line)
     return 0
 
 
@@ -285,8 +309,52 @@ def cmd_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_promotable(store, key: str, version: str, model_dir: str | None) -> None:
+    """What serving checks before it swaps a version in, run before the alias moves: every kind's
+    files are fetched and their checksums verified; a draft is also validated against the target
+    serving uses (``serving.fleet.hotswap.validate_draft``: tokenizer, tensor shapes, vocabulary,
+    finite logits). Raises the reason a replica would refuse it."""
+    import tempfile
+
+    v = store.get(key, version)
+    with tempfile.TemporaryDirectory(prefix="specops-promote-") as tmp:
+        dest = Path(tmp) / "v"
+        store.fetch(v, dest)  # checksums against the manifest, the manifest against the version's tag
+        if store.kind.name != "draft":
+            return
+        from transformers import AutoConfig
+
+        from specops.core.errors import ModelConfigError
+        from specops.core.models import load_tokenizer, tokenizer_hash
+        from specops.serving.fleet.hotswap import validate_draft
+
+        target = Path(model_dir) / "target" if model_dir else data_dir() / "models" / "target"
+        if not (target / "config.json").is_file():
+            raise ModelConfigError(
+                f"no target model at {target} to validate the draft against: pass --model-dir (the directory "
+                "serving loads, holding target/), or --no-validate to promote unchecked"
+            )
+        sha = tokenizer_hash(load_tokenizer(target))
+        if v.tokenizer_sha256 and v.tokenizer_sha256 != sha:
+            raise ModelConfigError(
+                f"{v.name} version {version} was trained with tokenizer {v.tokenizer_sha256[:12]}, the "
+                f"target at {target} uses {sha[:12]}"
+            )
+        vocab = int(AutoConfig.from_pretrained(target, local_files_only=True).vocab_size)
+        validate_draft(dest, f"{v.name} version {version}", target_tokenizer_sha256=sha, target_vocab=vocab)
+
+
 def cmd_promote(args: argparse.Namespace) -> int:
+    from specops.core.errors import SpecOpsError
+    from specops.registry import ArtifactIntegrityError
+
     store = open_registry(args.registry, args.stream).artifact(args.kind)
+    if args.validate:
+        try:
+            check_promotable(store, args.key or "", args.version, getattr(args, "model_dir", None))
+        except (SpecOpsError, ArtifactIntegrityError, ValueError, OSError) as exc:
+            print(f"not promoted: {exc}", file=sys.stderr)
+            return 2
     change = store.promote(args.key or "", args.version, reason=args.reason)
     print(f"{change.model_name}: champion {change.previous_version or 'none'} -> {change.version}")
     return 0
@@ -364,6 +432,21 @@ def add_promote(
     _key_argument(q, kind, key_name)
     q.add_argument("version")
     q.add_argument("--reason", default=reason, help="recorded on the version (default: %(default)s)")
+    q.add_argument(
+        "--no-validate",
+        dest="validate",
+        action="store_false",
+        help="move the alias without first running the checks serving runs (fetch and verify the files; for a "
+        "draft, load it against the target): a version serving refuses is then kept off by every replica",
+    )
+    if kind == "draft":
+        q.add_argument(
+            "--model-dir",
+            default=None,
+            metavar="DIR",
+            help="the models directory serving loads (its target/ is what the draft is checked against) "
+            "(default: the data directory's models/, as `specops serve`)",
+        )
     q.set_defaults(func=cmd_promote, kind=kind)
     return q
 

@@ -49,6 +49,7 @@ from specops.core.models import has_weights, load_model, load_tokenizer, tokeniz
 from specops.registry import (
     CHAMPION,
     KINDS,
+    ArtifactIntegrityError,
     ArtifactVersion,
     RegistryError,
     RegistryStore,
@@ -130,6 +131,9 @@ class HotSwapConfig:
     backoff_max_s: float = 60.0
     live_report_every: int = 50
     """Requests served on a version between reports of its live acceptance to the registry."""
+    replica: str = ""
+    """This replica's name: it reports the version it serves per cluster, and the last it refused,
+    on the registered model (``served_by.<replica>``; ``specops registry ls`` shows them). Empty: no report."""
     auto_rollback: bool = True
     rollback_min_requests: int = 200
     """M: requests the champion must have served before its live acceptance is judged."""
@@ -172,6 +176,8 @@ class DraftFollower(AliasFollower):
         self.swaps: list[dict] = []
         """Every swap: cluster, from, to, at (wall time), load_s; for tests and benchmarks."""
         self._judged: set[tuple[str, str]] = set()
+        self._reported: dict[str, tuple[str, str]] = {}
+        """Per cluster: the last (serving, refused) reported (``_report`` writes only changes)."""
         self.base_backend: object | None = None
         """The base draft's outside server (``serving.vllm``), given to every new slot."""
         self.on_swap: list = []
@@ -271,6 +277,7 @@ class DraftFollower(AliasFollower):
     def install(self, key: str, version, obj, load_s: float) -> None:
         slot = self.slots[key]
         old = slot.swap(self.new_handle(key, version, obj))  # 4.
+        self._report(key, version.version)
         SWAPS.labels(cluster_label(key)).inc()
         self.swaps.append(
             {"cluster": key, "from": old.version, "to": version.version, "at": time.time(), "load_s": load_s}
@@ -294,6 +301,9 @@ class DraftFollower(AliasFollower):
 
     def failed(self, key: str, exc: Exception, reason: str, retry_in: float | None) -> None:
         FAILURES.labels(cluster_label(key), reason).inc()
+        if isinstance(exc, (ModelConfigError, ArtifactIntegrityError)):  # the version is at fault, not the registry
+            refused = getattr(exc, "refused_version", "")
+            self._report(key, self.serving_version(key), f"{refused}: {exc}" if refused else str(exc))
         log.warning(
             "cluster %s keeps draft version %s: %s (%s); retrying in %.1fs",
             key,
@@ -303,8 +313,28 @@ class DraftFollower(AliasFollower):
             retry_in or 0.0,
         )
 
+    def _report(self, key: str, serving: str, refused: str = "") -> None:
+        """Tell the registry what this replica serves of ``key`` (``HotSwapConfig.replica``); a
+        report that fails is logged and dropped: it never holds up or undoes a swap."""
+        if not self.cfg.replica or self.registry is None:
+            return
+        if self._reported.get(key) == (serving, refused):
+            return
+        try:
+            self.registry.artifact("draft").report_served(key, self.cfg.replica, serving, refused)
+            self._reported[key] = (serving, refused)
+        except Exception as exc:  # noqa: BLE001 (a report is best effort)
+            log.warning("cluster %s: could not report the served version %s to the registry: %s", key, serving, exc)
+
     def _load(self, dv: ArtifactVersion) -> PreTrainedModel:
-        """Fetch, verify and validate one version; raises on anything wrong."""
+        """Fetch, verify and validate one version; raises on anything wrong (naming the version)."""
+        try:
+            return self._fetch_and_validate(dv)
+        except Exception as exc:
+            exc.refused_version = dv.version  # type: ignore[attr-defined] (``failed`` reports it)
+            raise
+
+    def _fetch_and_validate(self, dv: ArtifactVersion) -> PreTrainedModel:
         if dv.tokenizer_sha256 and dv.tokenizer_sha256 != self.target_tokenizer_sha256:
             raise ModelConfigError(
                 f"{dv.name} version {dv.version} was trained with tokenizer "
@@ -320,37 +350,17 @@ class DraftFollower(AliasFollower):
             raise
 
     def _validate(self, dv: ArtifactVersion, path: Path) -> PreTrainedModel:
-        got = tokenizer_hash(load_tokenizer(path))
-        if got != self.target_tokenizer_sha256:
-            raise ModelConfigError(
-                f"{dv.name} version {dv.version}: its tokenizer (sha256 {got[:12]}) is not the "
-                f"target's ({self.target_tokenizer_sha256[:12]})"
-            )
         served_here = has_weights(self.base_draft)  # else a config-only draft: vLLM serves it (on the CPU here)
-        model, info = load_model(
+        return validate_draft(
             path,
-            dtype=self.base_draft.dtype,
+            f"{dv.name} version {dv.version}",
+            target_tokenizer_sha256=self.target_tokenizer_sha256,
+            target_vocab=self.target_vocab,
+            dtype=self.base_draft.dtype,  # served as the base draft is
             device=self.base_draft.device if served_here else "cpu",
-            loading_info=True,
             prepare=served_here,  # not decoded here: a smoke forward only
-        )  # served as the base draft is
-        bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        if bad:
-            raise ModelConfigError(f"{dv.name} version {dv.version}: weights do not fit its config: {bad}")
-        if int(model.config.vocab_size) != self.target_vocab:
-            raise ModelConfigError(
-                f"{dv.name} version {dv.version} has vocabulary {model.config.vocab_size}, "
-                f"the target {self.target_vocab}"
-            )
-        n = self.cfg.validate_tokens
-        with torch.no_grad():
-            ids = torch.arange(n, device=model.device).remainder(self.target_vocab)[None]  # [1, n]
-            logits = model(input_ids=ids).logits  # [1, n, vocab]
-        if tuple(logits.shape) != (1, n, self.target_vocab) or not torch.isfinite(logits).all():
-            raise ModelConfigError(
-                f"{dv.name} version {dv.version}: smoke forward gave {tuple(logits.shape)} logits or non-finite values"
-            )
-        return model
+            validate_tokens=self.cfg.validate_tokens,
+        )
 
     # ------------------------------------------------------------ live feedback
     def _live(self, cluster: str, version: str) -> None:
@@ -425,3 +435,44 @@ class DraftFollower(AliasFollower):
         if requests is None or acceptance is None or requests < self.cfg.rollback_min_requests:
             return None
         return acceptance
+
+
+def validate_draft(
+    path: Path,
+    label: str,
+    *,
+    target_tokenizer_sha256: str,
+    target_vocab: int,
+    dtype=torch.float32,
+    device="cpu",
+    prepare: bool = False,
+    validate_tokens: int = 8,
+) -> PreTrainedModel:
+    """The checks a draft version passes before serving swaps it in (``label`` names it in the
+    errors), also run by ``specops registry promote`` before it moves the alias: the target's
+    tokenizer, every tensor's shape (named), no missing or unexpected weights, the target's
+    vocabulary, and a smoke forward with finite logits of the right shape. Returns the model."""
+    got = tokenizer_hash(load_tokenizer(path))
+    if got != target_tokenizer_sha256:
+        raise ModelConfigError(
+            f"{label}: its tokenizer (sha256 {got[:12]}) is not the target's ({target_tokenizer_sha256[:12]})"
+        )
+    try:
+        model, info = load_model(path, dtype=dtype, device=device, loading_info=True, prepare=prepare)
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"{label}: {exc}") from None
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise ModelConfigError(f"{label}: weights do not fit its config: {bad}")
+    if int(model.config.vocab_size) != target_vocab:
+        raise ModelConfigError(f"{label} has vocabulary {model.config.vocab_size}, the target {target_vocab}")
+    for name, tensor in model.state_dict().items():  # a NaN in one weight need not reach a short smoke forward
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ModelConfigError(f"{label}: tensor {name} holds non-finite values (NaN or infinity)")
+    n = validate_tokens
+    with torch.no_grad():
+        ids = torch.arange(n, device=model.device).remainder(target_vocab)[None]  # [1, n]
+        logits = model(input_ids=ids).logits  # [1, n, vocab]
+    if tuple(logits.shape) != (1, n, target_vocab) or not torch.isfinite(logits).all():
+        raise ModelConfigError(f"{label}: smoke forward gave {tuple(logits.shape)} logits or non-finite values")
+    return model

@@ -5,20 +5,31 @@ from __future__ import annotations
 import json
 
 from specops.cli import main
+from specops.core.models import load_tokenizer, tokenizer_hash
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.streams import StreamConfig, codec, open_stream
+
+
+def _sha(models):
+    return tokenizer_hash(load_tokenizer(models / "target"))
 
 
 def test_registry_commands(sqlite_uri, tiny_models, tmp_path, capsys):
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     for score in (0.3, 0.4, 0.5):
         reg.artifact("draft").register(
-            "code", tiny_models / "draft", tokenizer_sha256="t", metrics={"offline_acceptance_sampling": score}
+            "code",
+            tiny_models / "draft",
+            tokenizer_sha256=_sha(tiny_models),
+            metrics={"offline_acceptance_sampling": score},
         )
     stream = f"local://{tmp_path}/log"
     common = ["--registry", sqlite_uri]
-    assert main(["registry", "promote", "code", "1", *common, "--stream", stream]) == 0
-    assert main(["registry", "promote", "code", "3", *common, "--stream", stream, "--reason", "canary ok"]) == 0
+    checked = ["--model-dir", str(tiny_models)]  # promote checks the version against the target serving uses
+    assert main(["registry", "promote", "code", "1", *common, "--stream", stream, *checked]) == 0
+    assert (
+        main(["registry", "promote", "code", "3", *common, "--stream", stream, "--reason", "canary ok", *checked]) == 0
+    )
     assert main(["registry", "rollback", "code", *common, "--stream", stream, "--reason", "p99 regressed"]) == 0
     assert reg.artifact("draft").aliases("code")[CHAMPION] == "1"
     assert reg.artifact("draft").get("code", "3").tags["rolled_back"] == "p99 regressed"

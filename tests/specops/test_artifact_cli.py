@@ -17,6 +17,7 @@ from specops import (
     router_cli,
 )
 from specops.cli import build_parser, main
+from specops.core.models import load_tokenizer, tokenizer_hash
 from specops.registry import CHAMPION, KINDS, RegistryConfig, RegistryStore
 from tests.registry.router_factory import saved_router
 
@@ -25,16 +26,39 @@ def _json_rows(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
+def _sha(models):
+    return tokenizer_hash(load_tokenizer(models / "target"))
+
+
 def test_artifact_commands_on_drafts(sqlite_uri, tiny_models, capsys):
     drafts = RegistryStore(RegistryConfig(uri=sqlite_uri)).artifact("draft")
     for score in (0.3, 0.4, 0.5):
         drafts.register(
-            "code", tiny_models / "draft", tokenizer_sha256="t", metrics={"offline_acceptance_sampling": score}
+            "code",
+            tiny_models / "draft",
+            tokenizer_sha256=_sha(tiny_models),
+            metrics={"offline_acceptance_sampling": score},
         )
     reg, events = ["--registry", sqlite_uri], ["--registry", sqlite_uri, "--stream", "none"]
-    assert main(["artifact", "draft", "promote", "code", "1", *events]) == 0
+    assert main(["artifact", "draft", "promote", "code", "1", *events, "--model-dir", str(tiny_models)]) == 0
     assert capsys.readouterr().out.strip() == "draft-code: champion none -> 1"
-    assert main(["artifact", "draft", "promote", "code", "3", *events, "--reason", "canary ok"]) == 0
+    assert (
+        main(
+            [
+                "artifact",
+                "draft",
+                "promote",
+                "code",
+                "3",
+                *events,
+                "--reason",
+                "canary ok",
+                "--model-dir",
+                str(tiny_models),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == "draft-code: champion 1 -> 3"
     assert main(["artifact", "draft", "ls", *reg, "--json"]) == 0
     rows = _json_rows(capsys)

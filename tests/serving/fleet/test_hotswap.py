@@ -180,11 +180,12 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
     cluster = "outage"
     v1 = _register(reg, drafts["good"], cluster).version
     reg.artifact("draft").promote(cluster, v1)
-    follower = _follower(pair, reg, tmp_path, auto_rollback=False)
+    follower = _follower(pair, reg, tmp_path, auto_rollback=False, replica="pod-1")
     node = ServingNode(pair, follower)
     try:
         node.generate(prompts[0][0], GREEDY, cluster=cluster)
         _wait(lambda: follower.slot(cluster).current().version == v1, 30, "first swap")
+        assert reg.artifact("draft").served(cluster)["pod-1"]["serving"] == v1  # what `registry ls` shows
         before = FAILURES.labels(cluster, "registry_unavailable")._value.get()
         mlflow_server.kill()  # the registry dies mid-run: serving goes on with v1
         _wait(lambda: FAILURES.labels(cluster, "registry_unavailable")._value.get() > before, 60, "a failed poll")
@@ -205,6 +206,9 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
         served = node.generate(prompts[1][0], GREEDY, cluster=cluster)
         assert served.draft_version == v2 and served.result.token_ids == prompts[1][1]
         assert follower.slot(cluster).current().version == v2
+        report = reg.artifact("draft").served(cluster)["pod-1"]  # the refusal reaches the registry
+        assert report["serving"] == v2 and report["refused"].startswith(f"{v3.version}: "), report
+        assert "corrupt or tampered" in report["refused"]
     finally:
         follower.stop()
 

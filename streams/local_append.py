@@ -29,7 +29,7 @@ from specops.streams.local_frames import (
     list_segments,
     segment_path,
 )
-from specops.streams.local_segment import HWM_FILE, Tail, find_tail, partition_name, read_hwm, write_hwm
+from specops.streams.local_segment import HWM_FILE, Tail, find_tail, load_hwm, partition_name, write_hwm
 
 log = logging.getLogger("specops.streams.local")
 
@@ -40,16 +40,22 @@ def write_all(fd: int, data: bytes | bytearray) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _is_torn_write(head: bytes, torn: int, next_offset: int) -> bool:
+def _is_torn_write(head: bytes, torn: int, next_offset: int, log_end: int) -> bool:
     """Whether the ``torn`` bytes starting with ``head`` are what a producer killed while
     writing the record with ``next_offset`` leaves: its header (or a prefix of it), with
-    a body that runs past the end of the file."""
+    a body that runs past the end of the file. ``log_end``: the offset after the last
+    valid frame; below ``next_offset``, offsets were handed out past it."""
     if len(head) < HEADER.size:  # cut inside the header: check what is there
         if not head or not MAGIC_BYTES.startswith(head[:4]):
             return False
         if len(head) >= 8 and not BODY.size <= int.from_bytes(head[4:8], "little") <= MAX_BODY:
             return False
-        return len(head) < 20 or int.from_bytes(head[12:20], "little") == next_offset
+        written = head[12:20]  # the part of the offset that made it to the file
+        if written:
+            return next_offset.to_bytes(8, "little").startswith(written)
+        # No offset to compare: if offsets were handed out past the log's end, the cut record
+        # may be one of them (acknowledged), so it is damage, not a torn write.
+        return next_offset == log_end
     magic, body_len, _, offset, _, _ = HEADER.unpack(head)
     return (
         magic == MAGIC and offset == next_offset and BODY.size <= body_len <= MAX_BODY and PREFIX.size + body_len > torn
@@ -96,17 +102,19 @@ class PartitionAppender:
         """The tail to append at: bytes after the last valid frame are quarantined and
         truncated, and the next offset is raised to the high-water mark."""
         tail, torn = find_tail(self.pdir, self._tail)
-        hwm = read_hwm(self.pdir)
+        mark = load_hwm(self.pdir)
+        hwm = 0 if mark is None else mark
         if torn:
             # Every append leaves the high-water mark behind it, so a torn record at the mark was
-            # never handed out. Without the mark (deleted, or lost with the disk) nothing says so:
-            # the record may have been acknowledged, its offset committed. Then it is damage, and
-            # its offset is not handed out again (issue 58: the next record reused it, and a group
-            # committed past it never received that record).
-            known = (self.pdir / HWM_FILE).exists()
+            # never handed out. Without a readable mark (deleted, corrupted, or lost with the disk)
+            # nothing says so: the torn bytes may hold acknowledged records, their offsets committed.
+            # Then they are damage, and no offset they may hold is handed out again: each record
+            # takes at least HEADER.size bytes (issue 58: the next record reused such an offset,
+            # and a group committed past it never received that record).
+            known = mark is not None
             self._truncate(tail, torn, max(tail.next_offset, hwm), may_be_torn_write=known)
             if not known:
-                hwm = max(hwm, tail.next_offset + 1)
+                hwm = max(hwm, tail.next_offset + -(-torn // HEADER.size))
         if tail.ino == -1:  # no segment yet: the first one is named by its first offset
             return Tail(hwm, -1, 0, hwm)
         if hwm > tail.next_offset:
@@ -128,7 +136,8 @@ class PartitionAppender:
         fd = self._open_segment(tail.base)
         path = segment_path(self.pdir, tail.base)
         start, end = tail.end, tail.end + torn
-        if may_be_torn_write and _is_torn_write(os.pread(fd, HEADER.size, start), torn, next_offset):
+        head = os.pread(fd, HEADER.size, start)
+        if may_be_torn_write and _is_torn_write(head, torn, next_offset, tail.next_offset):
             copied = quarantine(fd, path, start, end, ".torn")
             log.warning(
                 "%s: truncating %d bytes of a torn record at the end of segment %d (a producer died mid-append); "

@@ -38,17 +38,23 @@ HWM_MAGIC = 0x314D5748  # b"HWM1"
 
 def read_hwm(pdir: Path) -> int:
     """The partition's high-water mark (0 if it has none yet, or an unreadable one)."""
+    value = load_hwm(pdir)
+    return 0 if value is None else value
+
+
+def load_hwm(pdir: Path) -> int | None:
+    """The partition's high-water mark; None if it has none, or an unreadable one."""
     try:
         with open(pdir / HWM_FILE, "rb") as f:
             data = f.read(HWM.size)
     except FileNotFoundError:
-        return 0
+        return None
     if len(data) == HWM.size:
         magic, value, crc = HWM.unpack(data)
         if magic == HWM_MAGIC and crc == zlib.crc32(data[:12]):
             return int(value)
     log.error("%s: unreadable high-water mark %r: using the log's end instead", pdir / HWM_FILE, data)
-    return 0
+    return None
 
 
 def write_hwm(pdir: Path, value: int, fsync: bool) -> None:

@@ -1,6 +1,9 @@
 """Shutdown drains: ``specops serve`` as a real process gets SIGTERM (what the kubelet sends) while a
 long streamed request is in flight; the request completes, then the process exits 0.
 
+Through the drain the port keeps answering: ``/readyz`` 503, new requests 503 with ``Retry-After``,
+``/healthz`` 200, ``Connection: close`` on every response; it closes once the stream is done.
+
 With a short ``--shutdown-timeout-s`` the same request is stopped instead, and the process still
 exits 0 (the drain's budget bounds how long a rollout waits). ``/healthz`` tells a failed load apart
 from loading, so a liveness probe restarts a replica whose models cannot load.
@@ -163,3 +166,56 @@ def test_healthz_fails_once_loading_failed(tmp_path):
             proc.wait(30)
         finally:
             proc.kill()
+
+
+def test_the_listener_answers_503_through_the_drain(tiny_models, tmp_path):
+    """During the drain the socket stays open: a load balancer's new connection sees ``/readyz`` 503
+    and a request 503 with ``Retry-After`` (not a refused connection), ``/healthz`` stays 200, a kept-alive
+    connection is told ``Connection: close``; the stream in flight ends normally, then the port closes."""
+    proc, url, log_path = _serve(tiny_models, tmp_path, "--shutdown-timeout-s", "120")
+    port = int(url.rsplit(":", 1)[1])
+    kept = requests.Session()
+    try:
+        _wait_ready(proc, url, log_path)
+        assert kept.get(url + "/healthz", timeout=5).status_code == 200  # a kept-alive connection, idle from now
+        body = {"model": "specops", "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "stream": True}
+        body["speculation"] = {"method": "target"}
+        chunks: list[dict] = []
+        done = False
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            assert r.status_code == 200, r.text
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith(b"data: "))
+            chunks.append(json.loads(first[6:]))
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)  # uvicorn alone had closed the socket within 0.15 s
+
+            ready = requests.get(url + "/readyz", timeout=5)  # a new connection each
+            assert ready.status_code == 503 and ready.json()["draining"] is True, ready.text
+            assert ready.headers.get("connection", "").lower() == "close"
+            assert requests.get(url + "/healthz", timeout=5).status_code == 200
+            refused = requests.post(url + "/v1/completions", json={**body, "stream": False}, timeout=5)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers.get("retry-after") == "1"
+            error = refused.json()["error"]
+            assert "shutting down" in error["message"] and error["type"] and "code" in error, error
+            again = kept.get(url + "/readyz", timeout=5)  # the idle kept-alive connection: answered, then closed
+            assert again.status_code == 503 and again.headers.get("connection", "").lower() == "close"
+            assert proc.poll() is None, "the server exited with a stream in flight"
+
+            for line in lines:
+                if line == b"data: [DONE]":
+                    done = True
+                    break
+                if line.startswith(b"data: "):
+                    chunks.append(json.loads(line[6:]))
+        assert proc.wait(60) == 0, log_path.read_text()[-4000:]
+    finally:
+        kept.close()
+        proc.kill()
+    log = log_path.read_text()
+    assert done, f"the stream was cut after {len(chunks)} chunks\n{log[-4000:]}"
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish and finish[-1] in ("length", "stop"), chunks[-3:]
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)

@@ -397,13 +397,31 @@ def test_existing_secrets_are_honoured():
     refs = {
         e["name"]: e["valueFrom"]["secretKeyRef"] for e in hs.container(mlflow, "mlflow")["env"] if "valueFrom" in e
     }
-    assert refs["PGPASSWORD"] == {"name": "specops-postgres", "key": "password"}
+    assert refs["PGPASSWORD"] == {"name": "specops-postgres", "key": "postgres-password"}
     assert refs["AWS_ACCESS_KEY_ID"] == {"name": "specops-s3", "key": "AWS_ACCESS_KEY_ID"}
     assert refs["AWS_SECRET_ACCESS_KEY"] == {"name": "specops-s3", "key": "AWS_SECRET_ACCESS_KEY"}
     serving_env = {e["name"]: e for e in hs.container(hs.one(objects, "Deployment", "serving"), "serving")["env"]}
-    assert serving_env["SPECOPS_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "specops-api-keys", "key": "keys"}
+    assert serving_env["SPECOPS_API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "specops-api-keys",
+        "key": "api-keys",
+    }
     trainer_env = {e["name"]: e for e in hs.container(hs.one(objects, "Deployment", "trainer"), "trainer")["env"]}
-    assert trainer_env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "specops-postgres", "key": "password"}
+    assert trainer_env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "specops-postgres",
+        "key": "postgres-password",
+    }
+    # Secrets with other key names: existingSecretKey / existingSecretPasswordKey name them
+    other = hs.render(
+        GPU,
+        {
+            "serving": {"apiKeys": {"existingSecretKey": "keys"}},
+            "postgresql": {"external": {"existingSecretPasswordKey": "password"}},
+        },
+    )
+    env = {e["name"]: e for e in hs.container(hs.one(other, "Deployment", "serving"), "serving")["env"]}
+    assert env["SPECOPS_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "specops-api-keys", "key": "keys"}
+    env = {e["name"]: e for e in hs.container(hs.one(other, "Deployment", "trainer"), "trainer")["env"]}
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "specops-postgres", "key": "password"}
 
     keyed = hs.render(DEFAULT, {"serving": {"apiKeys": {"keys": ["key-one-12345", "key-two-12345"]}}})
     secret = hs.one(keyed, "Secret")

@@ -202,3 +202,31 @@ def test_the_packaged_chart_has_what_the_walkthrough_points_to(tmp_path):
         assert f"ci/{name}" in files, f"step 5's {name} is not in the packaged chart"
     assert {"values.schema.json", "values.yaml", "dashboards/specops.json", "templates/NOTES.txt"} <= files
     assert any(f.startswith("files/") for f in files)
+
+
+# ---------------------------------------------------------------- the compose section
+COMPOSE_SECTION = TEXT.split("### Compose", 1)[1].split("\n### ", 1)[0]
+
+
+def test_the_compose_section_names_services_profiles_and_variables_compose_has():
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    services = compose["services"]
+    profiles = {p for s in services.values() for p in s.get("profiles", [])}
+    env_example = (DEPLOY / "compose" / ".env.example").read_text()
+    code = "\n".join(_blocks(COMPOSE_SECTION, "bash"))
+    assert "cp .env.example .env" in code
+    for var in re.findall(r"\b([A-Z][A-Z0-9_]{3,})\b", code.split("cp .env.example .env", 1)[1].splitlines()[0]):
+        assert re.search(rf"^#?\s*{var}=", env_example, re.M), f"the README has you change {var}, not in .env.example"
+    for line in code.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:2] != ["docker", "compose"]:
+            continue
+        for i, w in enumerate(words):
+            if w == "--profile":
+                assert words[i + 1] in profiles, f"no compose profile {words[i + 1]}"
+            if w == "--scale":
+                assert words[i + 1].split("=")[0] in services, words[i + 1]
+        if words[2:3] == ["build"]:
+            assert all(s in services for s in words[3:] if not s.startswith("-")), line
+    for name in re.findall(r"`(\w[\w-]*)`\s+service", COMPOSE_SECTION):
+        assert name in services, f"the README names service {name}, which compose does not have"

@@ -73,6 +73,7 @@ __all__ = ["LocalConsumer", "LocalProducer", "LocalStream"]
 log = logging.getLogger(__name__)
 
 _QUARANTINED = re.compile(r"(\d{20})\.(\d+)-(\d+)\.bin")
+_LOST = re.compile(r"(\d{20})\.lost-(\d+)-(\d+)\.offsets")
 
 
 class LocalStream(Stream):
@@ -197,6 +198,21 @@ class LocalStream(Stream):
                 )
             with contextlib.suppress(FileNotFoundError):
                 for name in sorted(os.listdir(pdir / QUARANTINE)):
+                    lost = _LOST.fullmatch(name)
+                    if lost is not None:  # whole records lost from a tail: offsets, not bytes
+                        first, last = int(lost[2]), int(lost[3])
+                        found[(p, lost[1], -1, first)] = dict(
+                            partition=p,
+                            segment=int(lost[1]),
+                            start=0,
+                            end=0,
+                            bytes=0,
+                            where=f"offsets {first}-{last} were handed out but their records are not in the log "
+                            "(lost whole with a damaged tail)",
+                            quarantine=None,
+                            offsets=[first, last],
+                        )
+                        continue
                     m = _QUARANTINED.fullmatch(name)
                     if m is None or (p, m[1], int(m[2]), int(m[3])) in found:
                         continue

@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from specops.streams.local_damage import quarantine, report_damage
+from specops.streams.local_damage import quarantine, record_lost_offsets, report_damage
 from specops.streams.local_files import fsync_dir
 from specops.streams.local_frames import (
     BODY,
@@ -126,6 +126,10 @@ class PartitionAppender:
                 hwm - 1,
                 hwm,
             )
+            try:
+                record_lost_offsets(self.pdir, tail.base, tail.next_offset, hwm - 1)
+            except OSError as exc:
+                log.warning("%s: could not record the lost offsets: %s", partition_name(self.pdir), exc)
             tail = replace(tail, next_offset=hwm)
         return tail
 

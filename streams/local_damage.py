@@ -69,6 +69,23 @@ def damage_seen(pdir: Path | None = None) -> list[Damage]:
     return [d for d in found if pdir is None or d.segment.parent == pdir]
 
 
+def record_lost_offsets(pdir: Path, segment_base: int, first: int, last: int) -> Path:
+    """Mark offsets ``first..last`` of a partition as handed out but lost (their records went with
+    a damaged tail, whole): an empty file ``quarantine/<segment>.lost-<first>-<last>.offsets``, so
+    that ``LocalStream.damage`` and ``streams inspect`` report them after a restart too."""
+    dest = pdir / QUARANTINE / f"{segment_base:020d}.lost-{first}-{last}.offsets"
+    if not dest.exists():
+        dest.parent.mkdir(exist_ok=True)
+        dest.touch()
+        with contextlib.suppress(OSError):
+            fd = os.open(dest.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return dest
+
+
 def quarantine_path(segment: Path, start: int, end: int, suffix: str = ".bin") -> Path:
     """Where bytes ``[start, end)`` of ``segment`` are kept: ``.bin`` for damage, ``.torn``
     for the torn write of a producer killed mid-append (not damage)."""

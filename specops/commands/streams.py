@@ -171,6 +171,9 @@ def inspect(url: str, topic: str, *, limit: int, tail: int | None, group: str | 
         console.print(f"... {len(rows) - len(shown)} more (use --limit 0 for all)")
     _print_totals(console, rows, ends, committed, group)
     for d in damage:
+        if "offsets" in d:
+            console.print(f"DAMAGED p{d['partition']} segment {d['segment']}: {d['where']}", style="bold red")
+            continue
         console.print(
             f"DAMAGED p{d['partition']} segment {d['segment']}: {d['bytes']} bytes at {d['start']}-{d['end']} "
             f"({d['where']}); the records there are lost, those around it are listed above; copy: "

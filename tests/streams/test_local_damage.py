@@ -48,6 +48,7 @@ DAMAGE_KINDS = (
     "corrupt_hwm",
     "bad_hint",
     "corrupt_commit",
+    "drop_records",
 )
 HARMLESS = {"torn_write", "bad_hint", "corrupt_commit"}
 """Damage to no acknowledged record, nor to ``.hwm``: nothing to report."""
@@ -163,10 +164,17 @@ def apply_damage(trial: Trial, pdir: Path, group_file: Path, rng: random.Random)
             data[pos] ^= rng.randint(1, 255)
             seg.write_bytes(bytes(data))
             trial.damage.append(f"flip {seg.name} byte {pos} (frame {victim.start}-{victim.end})")
+    hwm_kept = "drop_hwm" not in kinds and "corrupt_hwm" not in kinds
+    if "drop_records" in kinds and hwm_kept:  # whole records gone from the tail: only .hwm knows they were there
+        placed = sorted(by_segment[bases[-1]], key=lambda p: p.start)
+        k = rng.randint(1, len(placed))
+        os.truncate(segment_path(pdir, bases[-1]), placed[-k].start)
+        by_segment[bases[-1]] = placed[:-k]
+        trial.damage.append(f"drop_records last {k} of segment {bases[-1]} (cut at {placed[-k].start})")
     if "torn_sealed" in kinds and len(bases) > 1:
         base = rng.choice(bases[:-1])
         trial.damage.append("torn_sealed " + cut_inside_last_frame(segment_path(pdir, base), by_segment[base], rng))
-    if "torn" in kinds:
+    if "torn" in kinds and by_segment[bases[-1]]:
         trial.damage.append("torn " + cut_inside_last_frame(segment_path(pdir, bases[-1]), by_segment[bases[-1]], rng))
     if "garbage" in kinds:
         junk = rng.randbytes(rng.randint(1, 120))
@@ -203,8 +211,16 @@ def apply_damage(trial: Trial, pdir: Path, group_file: Path, rng: random.Random)
         trial.damage.append(f"bad_hint segment {rec['segment']} pos {rec['pos']}")
 
 
-def covered(place: Placed, damage: list[dict]) -> bool:
-    return any(d["segment"] == place.segment and d["start"] < place.end and d["end"] > place.start for d in damage)
+def covered(offset: int, place: Placed, damage: list[dict]) -> bool:
+    """Whether the record at ``offset`` is reported: its bytes overlap a damaged range, or its offset is among
+    those reported lost whole."""
+    for d in damage:
+        if "offsets" in d:
+            if d["offsets"][0] <= offset <= d["offsets"][1]:
+                return True
+        elif d["segment"] == place.segment and d["start"] < place.end and d["end"] > place.start:
+            return True
+    return False
 
 
 def run_trial(tmp_path: Path, seed: int) -> Trial:
@@ -251,7 +267,7 @@ def run_trial(tmp_path: Path, seed: int) -> Trial:
         if offset in read:
             assert read[offset] == record, f"record {offset} read back changed: {trial}"
         else:
-            assert covered(trial.placed[offset], damage), f"record {offset} lost and not reported: {trial}"
+            assert covered(offset, trial.placed[offset], damage), f"record {offset} lost and not reported: {trial}"
     # (c) every record published after the damage is read back
     for offset, record in after.items():
         assert read.get(offset) == record, f"record {offset} published after the damage is missing: {trial}"

@@ -100,6 +100,10 @@ gpu-check-dry:
 docs-screenshots: $(STAMP)
 	$(BIN)/python docs/build_screenshots.py
 
+# Docs build step: the fleet dashboard of deploy/README.md from a real run (needs Debian's prometheus).
+docs-fleet-screenshot: $(STAMP)
+	$(BIN)/python docs/build_fleet_screenshot.py
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
 

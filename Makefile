@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quick gpu-check gpu-check-dry docs-screenshots venv vllm-venv clean
+.PHONY: demo test test-fast bench bench-quick gpu-check gpu-check-dry docs-screenshots docs-fleet-screenshot venv vllm-venv clean
 
 venv: $(STAMP)
 

@@ -724,7 +724,7 @@ def read_stream(url: str) -> dict[str, list[dict]]:
                 row = {
                     "partition": m.partition,
                     "offset": m.offset,
-                    "rid": rec.request_id,
+                    "rid": rec.request_id.split("/", 1)[-1],  # records carry <tenant>/<X-Request-Id>
                     "cluster": getattr(rec, "cluster", None),
                 }
                 if hasattr(rec, "output_ids"):

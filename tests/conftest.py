@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specops.core import draft_vocab
 from specops.core.draft_vocab import DraftVocab
 from specops.core.models import ModelPair, prepare_for_decoding
-from specops.trainer import online
 from specops.trainer.bootstrap import run as bootstrap
 
 # Under pytest-xdist (`make test`: one worker per core) a second torch thread per worker would
@@ -23,9 +22,9 @@ torch.set_num_threads(
     int(os.environ.get("SPECOPS_TEST_THREADS") or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2))
 )
 
-# In-process trainers split held-out records by the unkeyed hash, the same on every run (a trainer
-# process, as `specops train` in a subprocess, keeps its own random key under --out: trainer.online).
-online.TEST_HOLDOUT_KEY = b""
+# Trainers, in this process and in the subprocesses it starts, split held-out records by the unkeyed hash:
+# the same split on every run and in every process (a real trainer keys it: trainer.online.holdout_key_for).
+os.environ.setdefault("SPECOPS_HOLDOUT_KEY", "unkeyed")
 
 pytest_plugins = ["tests.registry.fixtures"]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
 

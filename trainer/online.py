@@ -48,6 +48,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import random
 import secrets
 import time
@@ -158,9 +159,7 @@ class OnlineTrainer(ClusterStates, DraftUpdates):
         """The base draft's draft vocabulary: evaluations score drafts as serving runs them."""
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        if holdout_key is None:
-            holdout_key = TEST_HOLDOUT_KEY if TEST_HOLDOUT_KEY is not None else holdout_key_in(self.out)
-        self.holdout_key = holdout_key
+        self.holdout_key = holdout_key if holdout_key is not None else holdout_key_for(self.out)
         """The key of the held-out split's hash (``_holdout``): the trainer's, never a client's."""
         self.buffers: ReplayBuffers[Held] = ReplayBuffers(self.cfg.replay)
         self.clusters: OrderedDict[str, ClusterState] = OrderedDict()
@@ -445,8 +444,28 @@ def _trained_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 HOLDOUT_KEY_FILE = "holdout.key"
-TEST_HOLDOUT_KEY: bytes | None = None
-"""Set by the test suite (``b""``: the unkeyed hash) so that every in-process trainer splits alike."""
+HOLDOUT_KEY_ENV = "SPECOPS_HOLDOUT_KEY"
+"""The held-out key in hex, for trainers that must split alike without sharing ``--out`` (a
+replacement trainer, the ranks of a test); ``unkeyed``: the plain hash, which a client can steer
+(reproducible tests and benchmarks only). Unset: ``holdout.key`` under ``--out``."""
+
+
+def holdout_key_for(out: Path) -> bytes:
+    """The held-out split's key: ``$SPECOPS_HOLDOUT_KEY`` if set, else the one kept under ``out``."""
+    value = os.environ.get(HOLDOUT_KEY_ENV, "").strip()
+    if not value:
+        return holdout_key_in(out)
+    if value == "unkeyed":
+        return b""
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ValueError(
+            f"${HOLDOUT_KEY_ENV} must be at least 32 hex digits (or 'unkeyed'), got {len(value)} characters"
+        )
+    return key
 
 
 def holdout_key_in(out: Path) -> bytes:

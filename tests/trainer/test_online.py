@@ -23,7 +23,7 @@ from specops.streams.tansu import TansuBroker
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import evaluate_records
 from specops.trainer.data import draft_logits, teacher_example
-from specops.trainer.online import OnlineConfig, OnlineTrainer, _holdout, holdout_key_in
+from specops.trainer.online import OnlineConfig, OnlineTrainer, _holdout, holdout_key_for
 from specops.trainer.replay import ReplayConfig
 from tests.conftest import SUBSET, VOCAB
 from tests.tolerances import assert_f32_close
@@ -234,7 +234,7 @@ def test_killed_trainer_loses_no_record(logged, tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     trained = {rid for c in ("code", "prose") for h in _history(out, c) for rid in h["request_ids"]}
-    key = holdout_key_in(out)  # made by the first run, kept by the second
+    key = holdout_key_for(out)  # the subprocesses' key (the suite's: unkeyed)
     held_out = {f"r{i}" for i in range(N_REQUESTS) if _holdout(f"r{i}", 5, key)}
     assert trained | held_out == {f"r{i}" for i in range(N_REQUESTS)}
     with open_stream(cfg) as s:

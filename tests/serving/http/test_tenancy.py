@@ -253,10 +253,10 @@ def test_two_tenants_sending_one_request_id_get_distinct_records(tiny_models, tm
     assert sorted(gens) == ["alice/same-id", "bob/same-id"]
 
 
-def test_the_held_out_split_is_keyed_by_the_trainers_secret(tmp_path):
+def test_the_held_out_split_is_keyed_by_the_trainers_secret(tmp_path, monkeypatch):
     """A client picks its request id, not its side of the split: the side depends on a key the
     trainer makes under ``--out`` (kept across restarts) and on nothing the client knows."""
-    from specops.trainer.online import _holdout, holdout_key_in
+    from specops.trainer.online import _holdout, holdout_key_for, holdout_key_in
 
     key = holdout_key_in(tmp_path)
     assert holdout_key_in(tmp_path) == key and len(key) == 32  # made once, read back
@@ -267,3 +267,8 @@ def test_the_held_out_split_is_keyed_by_the_trainers_secret(tmp_path):
     (tmp_path / "holdout.key").write_text("not hex")
     with pytest.raises(ValueError, match="holdout.key"):
         holdout_key_in(tmp_path)
+    monkeypatch.setenv("SPECOPS_HOLDOUT_KEY", "ab" * 16)  # one key for trainers that share no --out
+    assert holdout_key_for(tmp_path / "elsewhere") == b"\xab" * 16
+    monkeypatch.setenv("SPECOPS_HOLDOUT_KEY", "abc")
+    with pytest.raises(ValueError, match="SPECOPS_HOLDOUT_KEY"):
+        holdout_key_for(tmp_path)

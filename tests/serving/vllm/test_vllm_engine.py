@@ -222,7 +222,10 @@ def test_logprobs_come_back_from_every_server_as_our_engines(world, reference, t
         assert len(lp["token_logprobs"]) == len(ours.logprobs), method
         for got, top, want in zip(lp["token_logprobs"], lp["top_logprobs"], ours.logprobs, strict=True):
             assert got == pytest.approx(want.logprob, abs=1e-3), method
-            assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in want.top], abs=1e-3), method
+            # keyed by token text: two tokens that decode alike keep one entry
+            alts = [v for _, v in want.top]
+            assert max(top.values()) == pytest.approx(alts[0], abs=1e-3), method
+            assert all(any(abs(v - a) < 1e-3 for a in alts) for v in top.values()), method
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     chunks = client.completions.create(
         model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True, logprobs=1
@@ -385,6 +388,8 @@ def _shape_diff(ours, theirs, path: str = "") -> list[str]:
     if ours is None or theirs is None:
         return []
     if isinstance(ours, dict) and isinstance(theirs, dict):
+        if path.endswith("top_logprobs[0]"):  # keyed by token text: data, not shape (near-tied alternatives
+            return []  # of a random model may differ by CPU); its values' type is checked by the chat shape
         out = []
         for k in sorted(set(ours) | set(theirs)):
             if k in OUR_EXTENSIONS or k in VLLM_EXTRAS:

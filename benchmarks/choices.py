@@ -44,11 +44,11 @@ from tqdm import tqdm
 from benchmarks.common import environment, finish_report, fmt, save_png
 from specops.core.models import load_model_dir
 from specops.paths import models_dir
-from specops.prompts import heldout_prompts
 from specops.serving.engine.batching import TargetBatcher
 from specops.serving.engine.prefix import SharedPrefix
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.workloads.prompts import heldout_prompts
 
 DOC_BEGIN = "<!-- BEGIN choices (written by benchmarks/choices.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END choices -->"

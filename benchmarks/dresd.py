@@ -281,8 +281,8 @@ def main(argv=None) -> int:
 
     pair = load_model_dir(model_dir)
     tok = pair.tokenizer
-    from specops.prompts import distinct_prompts
     from specops.trainer.datastores import corpus_documents, offline_mar
+    from specops.workloads.prompts import distinct_prompts
 
     prompts = {
         d: [p.token_ids for p in distinct_prompts(model_dir, tok, d, n_prompts, num_tokens=64, seed=3)] for d in DOMAINS

@@ -10,7 +10,7 @@
   every document, in batches) and each size is built from its share of them.
 - **Prompt sets** (greedy, ``--max-new-tokens``):
   ``id``: windows of the *second* halves of the same files (the same distribution, never in a
-  datastore); ``chat``: production-shaped chat requests (``specops.chat_workload``: SQL, math, API
+  datastore); ``chat``: production-shaped chat requests (``specops.workloads.chat_workload``: SQL, math, API
   questions), a different distribution; ``perturbed``: datastore contexts with renamed
   identifiers or synonyms near their end whose target continuation is unchanged
   (``benchmarks/dresd_perturb.py``), where exact suffix matching should fail and dense retrieval
@@ -57,7 +57,7 @@ SHAPE = (10, 10)
 """DReSD's rows x tokens (the paper's 10 x 10) for every dense arm."""
 REST_CHOICES = 64
 NODE_COST, STEP_OVERHEAD = 0.15, 0.04
-"""The rebuild job's cost model (``trainer.datastores``): a verified tree node costs 0.15 of a
+"""The rebuild job's cost model (``specops.trainer.datastores``): a verified tree node costs 0.15 of a
 one-token target pass on 2 CPU cores, a step 4 % more than the pass."""
 SETS = ("id", "chat", "perturbed")
 ARMS = ("dresd", "rest", "rest_rule", "hybrid")
@@ -227,7 +227,7 @@ def replay(cases: list[Replay], propose, *, key: str = "final") -> dict:
         "nodes_per_step": round(nodes / steps, 2) if steps else 0.0,
         "steps": steps,
         # tokens per unit of step time against target-only's 1, with a verified node costing
-        # NODE_COST of a one-token pass (2 CPU cores, SmolLM2-135M; trainer.datastores.choose_shape)
+        # NODE_COST of a one-token pass (2 CPU cores, SmolLM2-135M; specops.trainer.datastores.choose_shape)
         "speed_model": round((accepted_total / steps + 1) / (1 + STEP_OVERHEAD + NODE_COST * nodes / steps), 3)
         if steps
         else 0.0,
@@ -372,8 +372,8 @@ def extrapolate(curve: list[dict], set_name: str) -> dict:
 # ---------------------------------------------------------------- the run
 def run(pair, model_dir: Path, args) -> dict:
     from benchmarks.dresd_perturb import build_perturbed_set
-    from specops.chat_workload import chat_workload
     from specops.serving.engine.spec import SpecEngine
+    from specops.workloads.chat_workload import chat_workload
 
     tok, target = pair.tokenizer, pair.target
     sizes = sorted(args.sizes)

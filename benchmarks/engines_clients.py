@@ -69,7 +69,7 @@ class SpecopsServer:
         self.argv = [
             sys.executable,
             "-m",
-            "specops.cli",
+            "specops.cli.main",
             "--threads",
             str(threads),
             "serve",

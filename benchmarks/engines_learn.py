@@ -1,6 +1,6 @@
 """The engines benchmark's workload and its learned draft.
 
-**Prompts.** Held-out text-to-SQL chat requests (``specops.chat_workload``, rendered with the
+**Prompts.** Held-out text-to-SQL chat requests (``specops.workloads.chat_workload``, rendered with the
 chat template as ``/v1/chat/completions`` renders them, as token ids). The workload's seeded
 order is split into a held-out part of :data:`HELDOUT_RESERVE` prompts first and the learning
 traffic after it, so the held-out prompts stay the same whatever ``--learn`` is, and are never
@@ -59,8 +59,8 @@ def workload_prompts(tokenizer, model_dir: Path, n: int, seed: int, workload: st
     files), interleaved chat, completion, chat, ..."""
     if workload == "sql":
         return [WorkloadPrompt(f"chat/{DOMAIN}", ids) for ids in heldout_prompts(tokenizer, n, seed)]
-    from specops.chat_workload import chat_workload
-    from specops.prompts import heldout_prompts as completion_prompts
+    from specops.workloads.chat_workload import chat_workload
+    from specops.workloads.prompts import heldout_prompts as completion_prompts
 
     n_chat = (n + 1) // 2
     per = -(-n_chat // len(CHAT_DOMAINS))
@@ -91,7 +91,7 @@ def workload_prompts(tokenizer, model_dir: Path, n: int, seed: int, workload: st
 
 def heldout_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     """The first ``n`` held-out sql chat prompts as token ids."""
-    from specops.chat_workload import chat_workload
+    from specops.workloads.chat_workload import chat_workload
 
     if n > HELDOUT_RESERVE:
         raise ValueError(f"at most {HELDOUT_RESERVE} held-out prompts, {n} asked for")
@@ -150,9 +150,9 @@ def perturbed_draft(model_dir: Path, out: Path, seed: int = 0, scale: float = 0.
 def learn(model_dir: Path, n: int, *, seed: int, threads: int, out: Path | None = None) -> tuple[Path, dict]:
     """The gated champion after ``n`` sql chat requests (see the module docstring); cached."""
     from benchmarks import osd
-    from specops.chat_workload import chat_workload
     from specops.core.models import load_model_dir
     from specops.serving.engine.spec import DEFAULT_K
+    from specops.workloads.chat_workload import chat_workload
 
     model_dir = Path(model_dir)
     base = model_dir / "draft"

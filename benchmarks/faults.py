@@ -272,7 +272,7 @@ class Stack:
         }  # no job-runner process: the registry needs none
         for var in ("SPECOPS_STREAM_URL", "SPECOPS_REGISTRY_URI"):
             env.pop(var, None)
-        py, cli = sys.executable, [sys.executable, "-m", "specops.cli", "--threads", str(args.threads)]
+        py, cli = sys.executable, [sys.executable, "-m", "specops.cli.main", "--threads", str(args.threads)]
         self.cmds = {
             "mlflow": [
                 py,

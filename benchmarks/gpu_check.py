@@ -16,7 +16,7 @@ network, no weights), writes one JSON and prints one table:
    ``TargetBatcher``.
 3. **Projected speed-ups** per method: the acceptance each method had on the CPU (the committed
    ``benchmarks/out/spec_decode.json`` and ``llma.json``) with the GPU's costs, by Eq. 2
-   generalised as ``auto`` prices a step (``core.auto_policy``: ``E / (P + V(n))`` against
+   generalised as ``auto`` prices a step (``specops.core.auto_policy``: ``E / (P + V(n))`` against
    ``1 / V(1)``), beside the same formula with the CPU's costs and the CPU's measured speed-up;
    for the draft model also at the k ``auto`` would pick at the GPU's costs (:func:`best_k`).
 

@@ -3,7 +3,7 @@ not this project's pinned dependencies (the GPU machine of ``benchmarks/gpu_chec
 
 Two of the pins are imported at module level by the code the CUDA check needs, for work that
 check does not do: ``prometheus_client`` (metrics of the batcher, the trainer's losses and the
-hot-swap slots) and ``tenacity`` (the registry's retries, imported by ``core.datastore`` through
+hot-swap slots) and ``tenacity`` (the registry's retries, imported by ``specops.core.datastore`` through
 ``specops.registry``). :func:`install` puts a no-op stand-in in ``sys.modules`` for each one that
 is **absent** (an installed one is always used); everything else the check imports must exist.
 

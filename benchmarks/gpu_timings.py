@@ -120,7 +120,7 @@ def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def build_draft(target: LlamaForCausalLM, vocab_rows: int, seed: int = 0) -> LlamaForCausalLM:
-    """The bootstrap's draft of ``target`` (``trainer.bootstrap.distill.init_draft``: its layers 0 and 1,
+    """The bootstrap's draft of ``target`` (``specops.trainer.bootstrap.distill.init_draft``: its layers 0 and 1,
     its embeddings, norm and head) with a draft vocabulary of ``vocab_rows`` head rows, as served."""
     draft = init_draft(target, DraftRecipe().layers).to(target.device, target.dtype).eval()
     vocab = int(target.config.vocab_size)

@@ -102,7 +102,7 @@ REPLICA = "bench"
 def load_prompts(model_dir: Path, pair: ModelPair, n: int, num_tokens: int) -> tuple[list[list[int]], str]:
     """Held-out code prompts of the bootstrap; random token prompts when it has none (a bare model dir)."""
     try:
-        from specops.prompts import heldout_prompts
+        from specops.workloads.prompts import heldout_prompts
 
         prompts = [p.token_ids for p in heldout_prompts(model_dir, pair.tokenizer, CLUSTER, n, num_tokens=num_tokens)]
     except (OSError, ValueError, KeyError) as exc:

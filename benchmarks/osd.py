@@ -2,7 +2,7 @@
 
 Reproduces Online Speculative Decoding (Liu et al., §5) on the bootstrapped pair with the
 traffic an Instruct target serves: **chat requests** (system + user message through the
-chat template, ``specops.chat_workload``) in three narrow domains the bootstrap corpus does
+chat template, ``specops.workloads.chat_workload``) in three narrow domains the bootstrap corpus does
 not contain — text-to-SQL (``sql``), grade-school math (``math``) and questions about
 functions of pinned Python packages (``api``). Every request is distinct and served once.
 
@@ -23,19 +23,19 @@ at each position of it. The benchmark therefore:
    decoded by ``SpecEngine``; output and acceptance must be the replayed ones.
 
 **α is the paper's per-token α** (§3): Σ accepted / (Σ accepted + steps that ended in a
-rejection) (``serving.engine.types.token_alpha``); accepted ÷ drafted is reported beside it.
+rejection) (``specops.serving.engine.types.token_alpha``); accepted ÷ drafted is reported beside it.
 
 Arms, on the same held-out **probe** per domain (prompts never served; ``--probe`` each):
 
 - ``static``: the bootstrap draft, never updated;
 - ``gated``: the product's path: the requests are routed by a MiniLM router fitted on
   other prompts of the domains, each cluster's trainer updates go through the promotion
-  gate (``trainer.promote.judge``) and serving swaps in only promoted versions;
+  gate (``specops.trainer.promote.judge``) and serving swaps in only promoted versions;
 - ``ungated``: every update of the same trainer served as soon as it exists;
 - ``offline``: the paper's offline baseline and this run's bound: the bootstrap draft
   distilled on the same served traffic at every output position, ``--offline-epochs``;
 - ``generic_*``: the same online loop from a draft never distilled from the target
-  (``trainer.bootstrap.generic``), the paper's setting (``--no-generic`` skips it).
+  (``specops.trainer.bootstrap.generic``), the paper's setting (``--no-generic`` skips it).
 
 Also: a domain switch sql -> math -> sql on one draft, each later segment read as α after
 50/150/300 requests of the new domain and requests until α is within 0.05 of the domain's
@@ -88,12 +88,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import cpu_model, environment, target_name, write_doc_section  # noqa: E402
-from specops.chat_workload import ALL_DOMAINS, DOMAINS, HELD_OUT, chat_workload  # noqa: E402
-from specops.chat_workload import DOMAINS as DEFAULT_DOMAINS  # noqa: E402  (DOMAINS: this process's, --domains)
 from specops.core import draft_vocab  # noqa: E402
 from specops.core.models import ModelPair, load_model, load_model_dir  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
-from specops.prompts import Prompt  # noqa: E402
 from specops.serving.engine.spec import DEFAULT_K, SpecEngine  # noqa: E402
 from specops.serving.engine.types import GenerationResult, RejectedPosition, RequestStats, SamplingParams, token_alpha  # noqa: E402
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger  # noqa: E402
@@ -101,9 +98,12 @@ from specops.streams import StreamConfig  # noqa: E402
 from specops.trainer.acceptance import evaluate_records  # noqa: E402
 from specops.trainer.data import Example, draft_logits  # noqa: E402
 from specops.trainer.losses import TargetDist, distill_loss  # noqa: E402
-from specops.trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer  # noqa: E402
 from specops.trainer.promote import PromoteConfig, fresh_window, gate_window, judge  # noqa: E402
 from specops.trainer.replay import ReplayConfig  # noqa: E402
+from specops.workloads.chat_workload import ALL_DOMAINS, DOMAINS, HELD_OUT, chat_workload  # noqa: E402
+from specops.workloads.chat_workload import DOMAINS as DEFAULT_DOMAINS  # noqa: E402  (DOMAINS: this process's, --domains)
+from specops.workloads.prompts import Prompt  # noqa: E402
 
 log = logging.getLogger("bench.osd")
 
@@ -326,7 +326,7 @@ def logged_result(served: Served, outcome: Outcome, vocab_size: int) -> Generati
 
 class CachedTeacher:
     """The target's top-k at every output position of a logged request, from the continuation
-    cache (what ``trainer.data.TargetTeacher`` computes with a target forward; the benchmark has
+    cache (what ``specops.trainer.data.TargetTeacher`` computes with a target forward; the benchmark has
     it already). Keyed by request id."""
 
     def __init__(self) -> None:
@@ -1092,7 +1092,7 @@ def build_workload(pair: ModelPair, args, model_dir: Path) -> tuple[dict, dict, 
     """Per domain: the served stream and the probe (with continuations), the router texts;
     whether every prompt of the run is distinct (by token ids); and the template-disjoint probe
     (``--probe-disjoint`` prompts of the families served traffic never has,
-    ``specops.chat_workload.HELD_OUT``; empty with ``--families all``)."""
+    ``specops.workloads.chat_workload.HELD_OUT``; empty with ``--families all``)."""
     parts = chat_workload(
         pair.tokenizer,
         {"router": args.router_texts, "served": args.requests, "probe": args.probe},
@@ -1168,7 +1168,7 @@ cleared after each update, one step per update at 5e-4, forward KL, teacher samp
 target's own served output). Each other run moves one factor from it; the last combines the
 best level of each. ``sampling`` is the paper's Table 1 comparison: ``student`` samples each
 request's continuation from the draft and ``mixed`` from ``mix·p + (1-mix)·q`` (λ =
-``OnlineConfig.mix``), both scored by the target (``trainer.sampling``)."""
+``OnlineConfig.mix``), both scored by the target (``specops.trainer.sampling``)."""
 
 
 GRID_BUDGET_S = 0.6
@@ -2142,7 +2142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("seen", "all"),
         default="seen",
         help="seen: served traffic, its probe and the router texts leave out the held-out families (sql schemas, "
-        "math templates, api packages: specops.chat_workload.HELD_OUT), which the template-disjoint probe uses; "
+        "math templates, api packages: specops.workloads.chat_workload.HELD_OUT), which the template-disjoint probe uses; "
         "all: every family (the workload before issue 55, no disjoint probe)",
     )
     p.add_argument(
@@ -2197,7 +2197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(DEFAULT_DOMAINS),
         help="chat domains, one cluster each (comma-separated; default %(default)s). docs: documentation "
         "paragraphs of pinned packages to rewrite in plain words, real text rather than templates "
-        "(specops.chat_workload.REAL_TEXT); run it on its own and --merge its JSON beside the main run's",
+        "(specops.workloads.chat_workload.REAL_TEXT); run it on its own and --merge its JSON beside the main run's",
     )
     p.add_argument("--batch", type=int, default=16, help="prompts per batched target generation")
     p.add_argument("--seed", type=int, default=0, help="workload seed")

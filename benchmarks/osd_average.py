@@ -18,7 +18,7 @@ e.g. ``1e-3:4:recent:64``: the trainer's ``--replay recent --capacity 64``), so 
 trains several updates, as the offline arm's epochs revisit it.
 
 The trainer itself is not run: no gate, no stream, no checkpoints; the optimiser steps are the
-trainer's (``trainer.data.draft_logits``, ``trainer.losses.distill_loss``) on the same examples.
+trainer's (``specops.trainer.data.draft_logits``, ``specops.trainer.losses.distill_loss``) on the same examples.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks import osd  # noqa: E402
 from benchmarks.common import cpu_model, environment, write_doc_section  # noqa: E402
-from specops.chat_workload import ALL_DOMAINS  # noqa: E402
 from specops.core import draft_vocab  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
 from specops.trainer.data import Example, draft_logits  # noqa: E402
 from specops.trainer.losses import distill_loss  # noqa: E402
 from specops.trainer.replay import POLICIES, ReplayBuffer, ReplayConfig  # noqa: E402
+from specops.workloads.chat_workload import ALL_DOMAINS  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- BEGIN osd_average (written by benchmarks/osd_average.py; edits inside are overwritten) -->"
@@ -61,7 +61,7 @@ recipe names another replay policy)."""
 
 def parse_recipes(spec: str) -> list[tuple[float, int, ReplayConfig]]:
     """``--recipes LR:STEPS[:POLICY:CAPACITY],...`` -> [(lr, steps per update, replay)]; the replay
-    is the trainer's (``trainer.replay``): ``clear`` (its default: each request trains one update)
+    is the trainer's (``specops.trainer.replay``): ``clear`` (its default: each request trains one update)
     unless a policy is named, ``recent:64`` (the last 64 requests train every update)."""
     out = []
     for item in spec.split(","):

@@ -5,7 +5,7 @@ from the same requests served by ours?
 Our engine logs, for every finished request, the target's top-64 at each rejected position
 (``native``). vLLM hands out no distribution: its requests are logged with no positions
 (``MissRecord.engine = "vllm"``, ``scored`` False) and the trainer recomputes the target's
-distribution by teacher forward (``trainer.data.TargetTeacher``, batched per update). Per
+distribution by teacher forward (``specops.trainer.data.TargetTeacher``, batched per update). Per
 domain and recipe, two ``OnlineTrainer`` arms learn from the SAME served requests (same
 prompts, same outputs, same request ids, so the same held-out split), each serving with its
 own newest draft as ``osd.py``'s ``ungated`` arm does:
@@ -19,7 +19,7 @@ teacher's distribution in both arms, so the two arms compute the same examples, 
 float rounding of a batched forward against a one-at-a-time one: they should coincide, and the
 report shows how closely (probe α and the largest weight difference). ``positions=rejected``
 trains the native arm at the logged rejected positions and the teacher-forward arm at the
-positions where its current draft would be rejected (``trainer.data.rejected_example``: the
+positions where its current draft would be rejected (``specops.trainer.data.rejected_example``: the
 same positions, plus the disagreements the engine did not draft, after a full run of ``k``).
 
 Reported per domain and recipe: per-token α on the held-out probe of the static draft and of
@@ -44,13 +44,13 @@ from tqdm import tqdm
 
 from benchmarks import osd
 from benchmarks.common import cpu_model, environment, target_name, write_doc_section
-from specops.chat_workload import DOMAINS, chat_workload
 from specops.core.models import ModelPair
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
 from specops.streams import StreamConfig
 from specops.trainer.data import TargetTeacher
-from specops.trainer.online import OnlineTrainer
+from specops.trainer.online.trainer import OnlineTrainer
+from specops.workloads.chat_workload import DOMAINS, chat_workload
 
 DOC_BEGIN = "<!-- BEGIN osd-teacher (written by benchmarks/osd.py --teacher-forward; edits inside are overwritten) -->"
 DOC_END = "<!-- END osd-teacher -->"

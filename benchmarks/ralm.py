@@ -7,7 +7,7 @@ there is nothing to win; where it is a shared service (a vector database over th
 queried by many replicas at once) it can be most of it. So every arm is measured at points of
 growing retrieval cost (``--points``, ``BACKEND/RETRIEVER/PASSAGES[xCLIENTS][/minilm]``):
 
-- ``memory``: the KB in this process (``serving.retrieval.kb``), hashed-TF-IDF KBs of growing
+- ``memory``: the KB in this process (``specops.serving.retrieval.kb``), hashed-TF-IDF KBs of growing
   size (up to the largest this machine holds: the exact retriever reads every vector per
   search), or MiniLM KBs with any retriever (``/minilm``);
 - ``milvus-lite``: the KB in a Milvus collection, Milvus Lite embedded in this process;

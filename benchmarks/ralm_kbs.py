@@ -189,7 +189,7 @@ def milvus_kb(kb: KnowledgeBase, service: MilvusService, retriever: str):
     """``kb`` in a collection of ``service`` (copied once: the collection is named by the KB's
     content, so a later run finds it), opened as a Milvus KB with ``retriever``; the same
     embedder, so the same vectors and passage ids as ``kb``."""
-    from specops.serving.retrieval.milvus_build import build_milvus_kb
+    from specops.serving.retrieval.milvus.build import build_milvus_kb
 
     t0 = time.perf_counter()
     passages = kb.passages(range(kb.num_passages))  # already unique: ids stay the same

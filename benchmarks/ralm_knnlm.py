@@ -47,8 +47,8 @@ def knnlm_stores(pair, tok, args, entries: int) -> dict:
     import faiss
 
     from specops.core.models import tokenizer_hash
-    from specops.serving.ralm.knnlm_search import IvfpqSearcher, build_ivfpq
-    from specops.serving.ralm.knnlm_store import KnnDatastore, build_knnlm
+    from specops.serving.ralm.knnlm.search import IvfpqSearcher, build_ivfpq
+    from specops.serving.ralm.knnlm.store import KnnDatastore, build_knnlm
     from specops.trainer.kb_sources import default_sources, passages_from_sources
 
     base = Path(args.knnlm_dir) if args.knnlm_dir else Path(args.cache_dir) / f"knnlm-{entries}"
@@ -119,7 +119,7 @@ def knnlm_section(pair, tok, prompts: list[list[int]], args) -> dict:
 
 
 def knnlm_size(pair, tok, prompts: list[list[int]], args, entries: int) -> dict:
-    from specops.serving.ralm.knnlm import KnnConfig, KnnLM
+    from specops.serving.ralm.knnlm.decode import KnnConfig, KnnLM
 
     stores = knnlm_stores(pair, tok, args, entries)
     params = SamplingParams(max_new_tokens=args.knnlm_new_tokens)

@@ -54,11 +54,11 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.common import environment, fmt, write_doc_section  # noqa: E402
 from specops.core.models import load_model_dir  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
-from specops.prompts import heldout_prompts  # noqa: E402
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
 from specops.streams import OutMessage, StreamConfig, codec, open_stream  # noqa: E402
+from specops.workloads.prompts import heldout_prompts  # noqa: E402
 
 log = logging.getLogger("bench.streams")
 

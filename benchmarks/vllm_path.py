@@ -167,8 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def workload(args, model_dir: Path) -> list[dict]:
     """``2 * cases`` cases per kind, interleaved chat, rag, cag, ...: {kind, prompt (ids), references}."""
     from benchmarks import llma
-    from specops.chat_workload import chat_workload
     from specops.core.models import load_pair
+    from specops.workloads.chat_workload import chat_workload
 
     pair = load_pair(model_dir / "target", model_dir / "draft")
     tok = pair.tokenizer
@@ -239,7 +239,7 @@ class FrontDoor:
         if args.vllm_args:
             opts["--vllm-args"] = args.vllm_args
         opts.update(options or {})
-        self.argv = [sys.executable, "-m", "specops.cli", "--threads", str(args.threads), "serve"]
+        self.argv = [sys.executable, "-m", "specops.cli.main", "--threads", str(args.threads), "serve"]
         for key, value in opts.items():
             if value is True:  # a flag without a value (--no-vllm-draft-vocab)
                 self.argv.append(key)

@@ -70,9 +70,9 @@ def run(args) -> dict:
     # vLLM pins every server's worker to the same cores ("auto"); a standby starts beside a busy
     # server, and on 2 cores it then waits for it. nobind lets the OS place them (docs/vllm.md).
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from specops.cli.serve_runtime import Server
     from specops.core.models import load_tokenizer, tokenizer_hash
     from specops.registry import RegistryConfig, RegistryStore
-    from specops.serve import Server
     from specops.serving.http.config import ServeConfig
 
     work = Path(tempfile.mkdtemp(prefix="vllm-swap-"))

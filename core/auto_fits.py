@@ -1,6 +1,6 @@
-"""What the ``auto`` policy (``core.auto_policy``) measures and keeps: its cost fits
+"""What the ``auto`` policy (``specops.core.auto_policy``) measures and keeps: its cost fits
 (:class:`CostFit`), its acceptance counts (:class:`Counts`), and its priors artifact's format
-and checks, shared with the trainer's policy fit (``trainer.policy_fit`` writes it; every
+and checks, shared with the trainer's policy fit (``specops.trainer.policy_fit`` writes it; every
 number is checked before any is used)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from specops.core.errors import echo
 
 TEMP_BUCKETS = ("greedy", "low", "high")
-"""Temperature buckets of the acceptance counts (``core.auto_policy.temp_bucket``)."""
+"""Temperature buckets of the acceptance counts (``specops.core.auto_policy.temp_bucket``)."""
 
 PRIORS_FORMAT = "specops-auto-priors/1"
 MAX_PRIOR_COUNT = 1e12

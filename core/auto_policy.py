@@ -442,7 +442,7 @@ class AutoPolicy:
         longest draft it can give, "rows": rows per step, "catchup": tokens its cache must feed
         first}``; ``own``: the request's counts per key; ``session``: the asking session (its own
         previous choice is not one of the others'); ``seen``: the request's previous target pass
-        as it ran (``serving.engine.types.TargetPass``), which prices this one; ``remaining``:
+        as it ran (``specops.serving.engine.types.TargetPass``), which prices this one; ``remaining``:
         tokens the request may still emit (a catch-up is spread over at most the steps left)."""
         with self.lock:
             load = self.load()

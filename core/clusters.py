@@ -1,6 +1,6 @@
 """Cluster labels of metrics: the bounded label set every Prometheus metric labelled by cluster uses
 (serving's and the trainer's alike). Which clusters exist is serving's question
-(``serving.fleet.clusters.KnownClusters``).
+(``specops.serving.fleet.clusters.KnownClusters``).
 
 **Bounded labels** (:class:`ClusterLabels`): metrics label a cluster by its name for the first
 ``MAX_LABELLED`` names they see in this process, and every later one as ``OTHER``. Serving sees

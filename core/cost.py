@@ -3,7 +3,7 @@
 ``c`` in OSD Eq. 2 is a draft's 1-token step over the target's; a verification step feeds
 ``k + 1`` tokens. Both are measured here the same way everywhere (the bootstrap's
 ``manifest.json``, the ``auto`` policy's priors and ``benchmarks/spec_decode.py``): median wall
-time of the forward pass the engine's ``CachedLM`` runs (``serving.engine.kv``: the whole LM head,
+time of the forward pass the engine's ``CachedLM`` runs (``specops.serving.engine.kv``: the whole LM head,
 or only a draft vocabulary's rows) after a cached context, the cache rolled back after every step.
 The shared core sits below the engine, so :class:`CachedForward` is that pass on its own;
 ``tests/core/test_cost.py`` checks that both give the same logits.

@@ -2,7 +2,7 @@
 
 Entries: every position ``t`` of every document (a prompt and the target's output, or
 corpus text) that has a next token. Its key is the target's hidden state at ``t`` through
-the :class:`~core.keys.Projection`; its value is ``x_{t+1} .. x_{t+N}``, cut at
+the :class:`~specops.core.keys.Projection`; its value is ``x_{t+1} .. x_{t+N}``, cut at
 the document's end (``N = value_len``, 20). Values are not stored per entry: the documents'
 tokens are stored once (4 bytes a token) and an entry is its position (4 bytes).
 
@@ -130,7 +130,7 @@ class Datastore:
         self._suffix_lock = threading.Lock()
 
     def suffix_index(self):
-        """REST's exact-match index over this datastore's tokens (``core.suffix``), built on first
+        """REST's exact-match index over this datastore's tokens (``specops.core.suffix``), built on first
         use (about a second per million tokens; loaders call it off the request path) and kept."""
         if self._suffix is None:
             with self._suffix_lock:

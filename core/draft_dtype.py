@@ -4,7 +4,7 @@ A draft token costs reading the draft's weights, so half the bytes should make i
 and on AMD EPYC (``avx512_bf16``) they do: the default draft's cached 1-token forward went
 6.3 -> 3.8 ms in bfloat16, and the bfloat16 draft gave 1.32x target-only on code. On an Intel
 Xeon the same bfloat16 draft ran at 0.71-0.76x target-only: its bfloat16 products are slower
-than float32's there (float32 also gets ``core.cpu_linear``'s measured routes; bfloat16 always
+than float32's there (float32 also gets ``specops.core.cpu_linear``'s measured routes; bfloat16 always
 takes ``nn.Linear``). Which precision is faster is a property of the CPU, as the few-row
 linear route is, so ``auto`` measures it when the draft loads (:func:`settle`):
 
@@ -25,7 +25,7 @@ float32's at 98 % of held-out positions), so a bfloat16 draft must be clearly fa
 and a near tie should not flip between loads on timing noise. Precision never changes the
 output: verification runs on the target's logits whatever the draft's dtype.
 
-A hot-swapped draft version is loaded in the serving draft's dtype (``serving.fleet.hotswap``),
+A hot-swapped draft version is loaded in the serving draft's dtype (``specops.serving.fleet.hotswap``),
 so precision never changes mid-traffic; the per-process cache also gives a reload of the same
 architecture the same answer without timing it again.
 """
@@ -57,7 +57,7 @@ AUTO = "auto"
 ENV = "SPECOPS_DRAFT_DTYPE"
 """Forces the precision ``auto`` resolves to (``float32``, ``bfloat16``, ``float16`` on a GPU)."""
 TIMED = ("float32", "bfloat16")
-"""The precisions timed on a CPU (float16 is refused on a CPU, ``core.device``)."""
+"""The precisions timed on a CPU (float16 is refused on a CPU, ``specops.core.device``)."""
 MARGIN = 0.9
 """bfloat16 is kept where it costs less than this share of float32's time (module docstring)."""
 MIN_TIMED_BYTES = MIN_CALIBRATION_BYTES
@@ -80,7 +80,7 @@ CHOICES: dict[tuple, DtypeChoice] = {}
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Best milliseconds of the forwards a draft runs while drafting (``serving.proposers.draft_model``):
+    """Best milliseconds of the forwards a draft runs while drafting (``specops.serving.proposers.draft_model``):
     the prompt's prefill once per request, a 1-token step per drafted token, and a 2-token step
     (the last draft and the bonus token) after a fully accepted round."""
 
@@ -173,7 +173,7 @@ def _ids(model: PreTrainedModel) -> list[int]:
 
 
 def measure(arms: Mapping[str, PreTrainedModel], reps: int | None = None) -> dict[str, StepTimes]:
-    """:class:`StepTimes` of each arm through the engine's forward (``core.cost.CachedForward``),
+    """:class:`StepTimes` of each arm through the engine's forward (``specops.core.cost.CachedForward``),
     the arms interleaved (order alternating) so a concurrent job slows both alike; best of
     ``reps`` after one warm-up repetition (the prefill, a larger and steadier forward, best of
     :data:`PREFILL_REPS`); ``reps`` defaults to :data:`REPS`."""

@@ -3,8 +3,8 @@
 ::
 
     DIR/target/         a Hugging Face causal LM: config.json, *.safetensors (nothing pickled: no .bin), tokenizer
-    DIR/draft/          the same, with the target's tokenizer (core.models.tokenizer_hash equal); draft_vocab.json
-    DIR/embedder/       the router's MiniLM embedder (core.embed.check_minilm_dir); needed by the minilm embedder
+    DIR/draft/          the same, with the target's tokenizer (specops.core.models.tokenizer_hash equal); draft_vocab.json
+    DIR/embedder/       the router's MiniLM embedder (specops.core.embed.check_minilm_dir); needed by the minilm embedder
     DIR/manifest.json   the bootstrap's record (optional)
     DIR/ready.json      the completion marker (READY_MARKER), written last
 
@@ -33,7 +33,7 @@ MARKER_FORMAT = "specops-models/1"
 MODEL_SUBDIRS = ("target", "draft")
 """The two model directories every models directory has."""
 EMBEDDER_SUBDIR = "embedder"
-"""The router's MiniLM embedder (``core.embed.EMBEDDER_SUBDIR``)."""
+"""The router's MiniLM embedder (``specops.core.embed.EMBEDDER_SUBDIR``)."""
 OPTIONAL_FILES = ("manifest.json",)
 """Files at the top of a models directory that belong to it when present."""
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -53,7 +53,7 @@ class ModelsLayout:
     files: tuple[str, ...]
     """Every file of the layout, relative to ``root`` with ``/``, sorted (the marker lists these)."""
     tokenizer_sha256: str
-    """``core.models.tokenizer_hash`` of the target's (= the draft's) tokenizer; "" when not loaded."""
+    """``specops.core.models.tokenizer_hash`` of the target's (= the draft's) tokenizer; "" when not loaded."""
     embedder: bool
     """Whether ``embedder/`` is there (checked)."""
 

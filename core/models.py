@@ -4,12 +4,12 @@ Nothing is fetched from a hub (``local_files_only``), and weights load from safe
 only (``use_safetensors=True``), so nothing is ever unpickled.
 
 A loaded model is prepared for decoding: its linear layers take the few-row route of
-``core.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
-(``core.draft_vocab``).
+``specops.core.cpu_linear`` on a CPU, and a draft directory's ``draft_vocab.json`` is attached
+(``specops.core.draft_vocab``).
 
 The target always runs in float32: its distribution is the output. The draft runs in
 ``DEFAULT_DRAFT_DTYPE`` (``auto``) unless asked otherwise: float32 or bfloat16, whichever
-drafts faster on this machine, measured when it loads (``core.draft_dtype``; bfloat16 made
+drafts faster on this machine, measured when it loads (``specops.core.draft_dtype``; bfloat16 made
 the default draft 1.6x faster on AMD EPYC and slower than float32 on an Intel Xeon).
 Verification never depends on the draft's precision, so the output stays the target's token
 for token (greedy) and in distribution (sampling); the draft's precision only moves
@@ -75,7 +75,7 @@ class ModelPair:
 
     @property
     def context_size(self) -> int:
-        """The target's context (``core.limits.context_size``)."""
+        """The target's context (``specops.core.limits.context_size``)."""
         from specops.core.limits import context_size
 
         return context_size(self.target.config)
@@ -139,15 +139,15 @@ def check_weight_shapes(path: Path) -> None:
 
 
 DRAFT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-"""Precisions a model can be served in, by name (float16: GPU only, ``core.device``)."""
+"""Precisions a model can be served in, by name (float16: GPU only, ``specops.core.device``)."""
 DRAFT_DTYPE_NAMES = (draft_dtype.AUTO, *DRAFT_DTYPES)
-"""What a draft precision may be called: ``auto`` (measured per model, ``core.draft_dtype``) or a precision."""
+"""What a draft precision may be called: ``auto`` (measured per model, ``specops.core.draft_dtype``) or a precision."""
 DEFAULT_DRAFT_DTYPE = draft_dtype.AUTO
 
 
 def resolve_dtype(name: str | torch.dtype, model: PreTrainedModel | None = None) -> torch.dtype:
     """The torch dtype for a draft precision name (or a dtype itself), or a clear error.
-    ``auto`` needs the float32 ``model`` it is for (``core.draft_dtype.decide``: measured once
+    ``auto`` needs the float32 ``model`` it is for (``specops.core.draft_dtype.decide``: measured once
     per architecture and process)."""
     if isinstance(name, torch.dtype):
         if name not in DRAFT_DTYPES.values():
@@ -175,7 +175,7 @@ def load_model(
     mode, prepared for decoding (``prepare=False``: not, for a model that only checks or
     recounts, a forward or two, where the CPU routing's timing would cost more than it saves).
     ``dtype="auto"``: loaded in float32, then kept in the precision that drafts faster here
-    (``core.draft_dtype.settle``; the choice is the model's ``draft_dtype_measurement``). With
+    (``specops.core.draft_dtype.settle``; the choice is the model's ``draft_dtype_measurement``). With
     ``loading_info``, also the dict of missing/unexpected/mismatched keys."""
     path = check_model_dir(path)
     check_weight_shapes(path)
@@ -209,7 +209,7 @@ def load_model(
 
 
 def prepare_for_decoding(model: PreTrainedModel) -> PreTrainedModel:
-    """Few-row linear products as ``W @ xᵀ`` on a CPU (``core.cpu_linear``); in place."""
+    """Few-row linear products as ``W @ xᵀ`` on a CPU (``specops.core.cpu_linear``); in place."""
     if next(model.parameters()).device.type == "cpu":
         use_small_batch_linear(model)
     return model
@@ -219,8 +219,8 @@ def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict], **template_a
     """The prompt text of a chat: the tokenizer's chat template with the assistant's turn
     opened, or, for a base model without a template, the contents one paragraph each.
     ``/v1/chat/completions`` renders requests with this, and so do the workloads that
-    stand in for its traffic (``specops.chat_workload``). ``template_args`` go to the template
-    (``tools``, for one that renders them: ``serving.http.tools``)."""
+    stand in for its traffic (``specops.workloads.chat_workload``). ``template_args`` go to the template
+    (``tools``, for one that renders them: ``specops.serving.http.tools``)."""
     if getattr(tok, "chat_template", None):
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_args)
     return "\n\n".join(m["content"] for m in messages if m["content"])
@@ -270,7 +270,7 @@ def load_pair(
     draft_weights: bool = True,
 ) -> ModelPair:
     """Load a target (``target_dtype``, float32 by default) and optionally a draft (in
-    ``draft_dtype``; ``auto``: measured, ``core.draft_dtype``), both on ``device``; fail clearly
+    ``draft_dtype``; ``auto``: measured, ``specops.core.draft_dtype``), both on ``device``; fail clearly
     if their tokenizers differ. ``target_weights=False`` / ``draft_weights=False``: that model's
     config only (:func:`load_shell`), for a front door whose decode is vLLM's."""
     check_model_dir(target_dir)

@@ -1,5 +1,5 @@
 """A passage of a knowledge base, and how text is cut into passages: the format the trainer's
-KB sources (``trainer/kb_sources.py``) and serving's knowledge bases (``serving.retrieval.kb``)
+KB sources (``trainer/kb_sources.py``) and serving's knowledge bases (``specops.serving.retrieval.kb``)
 share.
 
 A passage is about 100 words (the paper's DPR-style chunks, :func:`chunk_text`) and at most

@@ -1,11 +1,11 @@
 """The prompt router: embed the prompt, pick the nearest of K named centroids.
 
 A request that names its ``cluster`` keeps it. Any other request is routed: its prompt is
-embedded (``core.embed``: all-MiniLM-L6-v2, or the target's own hidden states) and
+embedded (``specops.core.embed``: all-MiniLM-L6-v2, or the target's own hidden states) and
 goes to the cluster whose centroid has the highest cosine similarity. The
 :class:`RouteDecision` carries the cluster, the cosine distance to its centroid and the
 router version that decided. Each cluster has its own draft lineage; a cluster the
-registry has no draft for yet is served by the bootstrap draft (``serving.fleet.hotswap``).
+registry has no draft for yet is served by the bootstrap draft (``specops.serving.fleet.hotswap``).
 
 **The artifact** is a directory of safetensors and JSON only::
 
@@ -15,8 +15,8 @@ registry has no draft for yet is served by the bootstrap draft (``serving.fleet.
                           "metrics": {...}, "created_at", "version"}
 
 :meth:`Router.load` checks all of it (shapes, dimension, finite unit rows, the embedder's
-kind and hash) and raises :class:`~core.errors.RouterError` saying what is wrong. Serving follows
-``router@champion`` with ``serving.fleet.router.RouterFollower``; the trainer fits and saves a
+kind and hash) and raises :class:`~specops.core.errors.RouterError` saying what is wrong. Serving follows
+``router@champion`` with ``specops.serving.fleet.router.RouterFollower``; the trainer fits and saves a
 router (``trainer/router_fit.py``): both use this one format.
 """
 

@@ -3,7 +3,7 @@
 REST (He et al., 2023) keeps a suffix array over a token corpus; each step it finds the
 longest suffix of the context (16 tokens down to 2) that occurs in the corpus, gathers the
 continuations after its occurrences into a trie, and drafts the trie's most frequent paths.
-A DReSD datastore (``core.datastore``) already stores its documents' tokens once, so the same
+A DReSD datastore (``specops.core.datastore``) already stores its documents' tokens once, so the same
 rule runs over the same array with no second copy of the text: :class:`SuffixIndex` adds one
 int32 per token, the positions sorted by the ``max_n`` tokens that start there (a suffix array
 cut at ``max_n`` tokens, which is all a query of at most ``max_n`` tokens can compare).

@@ -87,7 +87,7 @@ def localize(config: dict, serving: list[str], trainer: str, prometheus: str) ->
 
 
 def _free_port() -> int:
-    from specops.demo_stack import free_port
+    from specops.demo.stack import free_port
 
     return free_port(0)
 
@@ -152,7 +152,7 @@ def start_fleet(fleet: Fleet, model_dir: Path, prometheus_bin: str, cfg) -> tupl
     work = fleet.work
     stream_url = f"local://{work / 'streams'}"
     registry_uri = f"sqlite:///{work / 'registry' / 'mlflow.db'}"
-    py = [sys.executable, "-m", "specops.cli", "--threads", "1"]
+    py = [sys.executable, "-m", "specops.cli.main", "--threads", "1"]
     trainer_port = _free_port()
     fleet.spawn(
         "trainer",
@@ -243,7 +243,7 @@ def start_fleet(fleet: Fleet, model_dir: Path, prometheus_bin: str, cfg) -> tupl
 def replay(replicas: list[str], workload, duration_s: float, clients: int, max_tokens: int) -> tuple[int, int]:
     """Request i starts no earlier than ``i * duration_s / N`` and goes to replica ``i % len(replicas)``;
     returns (ok, failed)."""
-    from specops.workload import Replayer
+    from specops.workloads.workload import Replayer
 
     players = [Replayer(u + "/v1", "specops", clients=1, max_tokens=max_tokens) for u in replicas]
     schedule = workload.schedule
@@ -503,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from specops.artifact_cli import open_registry
-    from specops.demo import DemoConfig, _first_router, _workload
+    from specops.cli.artifact import open_registry
+    from specops.demo.run import DemoConfig, _first_router, _workload
 
     cfg = DemoConfig(requests=args.requests, max_tokens=args.max_tokens, clients=args.clients)
     prom_cfg = yaml.safe_load(COMPOSE_PROMETHEUS.read_text())

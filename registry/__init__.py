@@ -1,5 +1,5 @@
 """The MLflow-backed registry of versioned artifacts: drafts, the router, datastores, knowledge bases,
-kNN-LM datastores, sessions and the auto policy (``registry.kinds``). One API for all of them:
+kNN-LM datastores, sessions and the auto policy (``specops.registry.kinds``). One API for all of them:
 ``RegistryStore(cfg).artifact(kind)``; one version type, :class:`ArtifactVersion`. A leaf: imports
 nothing of ours above it."""
 

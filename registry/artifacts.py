@@ -41,7 +41,7 @@ ALLOWED_SUFFIXES = (".safetensors", ".json", ".jinja")
 """Weights, JSON, and a tokenizer's chat template (Jinja text, rendered in transformers' sandbox)."""
 SKIP = {"optimizer.safetensors", "trained.safetensors", "state.json", MANIFEST}
 """Files of a trainer checkpoint that are not part of the served draft (optimiser state; the trained
-weights of a draft that publishes their moving average, ``trainer.checkpoint.TRAINED_FILE``)."""
+weights of a draft that publishes their moving average, ``specops.trainer.checkpoint.TRAINED_FILE``)."""
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -1,7 +1,7 @@
 """The registry's operations for one artifact kind: ``RegistryStore.artifact(kind)``.
 
 The same register / versions / get / by-alias / promote / rollback / retain / describe /
-fetch / gate for every kind in ``registry.kinds``: a draft per cluster, the router, a
+fetch / gate for every kind in ``specops.registry.kinds``: a draft per cluster, the router, a
 datastore per cluster, a knowledge base per name... ``key`` is the cluster (or name) of a
 keyed kind and ignored (``""``) for an unkeyed one (the router, the policy).
 """
@@ -118,7 +118,7 @@ class KindStore:
     ) -> ArtifactVersion:
         """Register the artifact in ``src_dir`` as a new version of ``key``'s model.
 
-        The kind's packer (``registry.packers``) checks and copies the directory; a draft takes
+        The kind's packer (``specops.registry.packers``) checks and copies the directory; a draft takes
         ``tokenizer_sha256`` (required), ``tokenizer_dir`` and ``config_sha256`` as
         ``pack_options``. ``source_id`` makes it idempotent: a version already registered from
         the same source is returned, not duplicated. ``tags`` are stamped on the version;

@@ -3,7 +3,7 @@
 Every kind gets the same operations from ``RegistryStore.artifact(kind)``: register,
 versions, get, by-alias, promote, rollback, retain, describe and fetch. A kind says how its
 registered models are named, where its files sit in a version's run, and which manifest
-format its directory carries (``registry.artifacts``).
+format its directory carries (``specops.registry.artifacts``).
 
 - ``draft``: a draft model per cluster, ``draft-<cluster>`` (OSD);
 - ``router``: the one prompt router, ``router``;

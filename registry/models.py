@@ -1,13 +1,13 @@
 """The registry's MLflow layer: registered models by name, their versions, aliases and runs.
 
 One registered model per artifact (``draft-<cluster>``, ``router``, ``datastore-<cluster>``...,
-named by ``registry.kinds``). Each version is backed by one MLflow run (experiment
+named by ``specops.registry.kinds``). Each version is backed by one MLflow run (experiment
 ``specops-drafts``) holding the artifact directory, the metrics and the parameters it was
 built with; the version carries the tags an operator filters on. Promotion history is kept
 on the versions themselves (``promoted_at`` and ``previous_champion`` tags), so a rollback
-needs no other state. Every MLflow failure reaches callers as a ``registry.errors`` exception.
+needs no other state. Every MLflow failure reaches callers as a ``specops.registry.errors`` exception.
 
-Callers use ``RegistryStore.artifact(kind)`` (``registry.kind_store``), which speaks in keys;
+Callers use ``RegistryStore.artifact(kind)`` (``specops.registry.kind_store``), which speaks in keys;
 this layer speaks in registered-model names and knows nothing of kinds' files.
 """
 

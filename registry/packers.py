@@ -1,7 +1,7 @@
 """How each artifact kind's directory is packed for registration, and the tags it earns.
 
 A packer copies what it is given into a staging directory with a checksummed manifest
-(``registry.artifacts``) and returns ``(manifest_sha256, version_tags, model_tags)``. Drafts
+(``specops.registry.artifacts``) and returns ``(manifest_sha256, version_tags, model_tags)``. Drafts
 and routers check what their directories must hold and tag what serving filters on; every
 other kind packs safetensors and JSON as they are (:func:`pack_any`). A new kind needs a
 packer here only when its directory has rules of its own.
@@ -53,7 +53,7 @@ def pack_draft(
 
 
 def pack_router(kind: ArtifactKind, key: str, router_dir: Path, staging: Path, meta: dict | None) -> Packed:
-    """A saved router (``router.safetensors`` + ``router.json``, ``core.router.Router.save``),
+    """A saved router (``router.safetensors`` + ``router.json``, ``specops.core.router.Router.save``),
     tagged with its cluster names and the embedder's kind and config hash."""
     info = router_info(Path(router_dir))
     sha = artifacts.pack_router(router_dir, staging, meta={**info, **(meta or {})})

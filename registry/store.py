@@ -1,6 +1,6 @@
 """The registry: ``RegistryStore(cfg).artifact(kind)`` is its one API.
 
-Every artifact kind (``registry.kinds``: draft, router, datastore, kb, knnlm, sessions,
+Every artifact kind (``specops.registry.kinds``: draft, router, datastore, kb, knnlm, sessions,
 policy) has the same operations through :meth:`RegistryStore.artifact`, which returns a
 :class:`~specops.registry.kind_store.KindStore`: ``register``, ``versions``, ``get``,
 ``by_alias``, ``keys``, ``promote``, ``rollback``, ``retain``, ``describe``, ``fetch``,
@@ -42,7 +42,7 @@ class RegistryStore:
         self.models.on_change = hook
 
     def artifact(self, kind: str) -> KindStore:
-        """The registry's operations for one artifact kind (``registry.kinds.KINDS``)."""
+        """The registry's operations for one artifact kind (``specops.registry.kinds.KINDS``)."""
         if kind not in KINDS:
             raise ValueError(f"unknown artifact kind {kind!r}; choose one of {', '.join(KINDS)}")
         return KindStore(self.models, KINDS[kind])

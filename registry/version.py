@@ -19,7 +19,7 @@ def now() -> str:
 
 @dataclass(frozen=True)
 class ArtifactVersion:
-    """One registered version of an artifact of any kind (``registry.kinds``)."""
+    """One registered version of an artifact of any kind (``specops.registry.kinds``)."""
 
     kind: str
     key: str

@@ -2,11 +2,11 @@
 
 :func:`count_request` counts a finished request: tokens, drafted and accepted per method (a
 method's parts for ``auto``) and artifact version, and its method's own metrics
-(:attr:`MethodSpec.count <serving.proposers.catalogue.MethodSpec.count>`); the replica then
-adds its mode's (:attr:`ModeSpec.count <serving.modes.ModeSpec.count>`: retrieval, kNN-LM). Method labels are whatever the
+(:attr:`MethodSpec.count <specops.serving.proposers.catalogue.MethodSpec.count>`); the replica then
+adds its mode's (:attr:`ModeSpec.count <specops.serving.modes.ModeSpec.count>`: retrieval, kNN-LM). Method labels are whatever the
 catalogue holds when the request runs, so a method registered at run time is counted too.
-The HTTP layer's own metrics live in ``serving.http.gate`` (requests by endpoint and status) and
-``serving.http.latency`` (time to first token, inter-token latency, end to end). Throughput is a
+The HTTP layer's own metrics live in ``specops.serving.http.gate`` (requests by endpoint and status) and
+``specops.serving.http.latency`` (time to first token, inter-token latency, end to end). Throughput is a
 rate of the counters (``rate(specops_generated_tokens_total[1m])``), not a gauge computed here.
 """
 
@@ -98,8 +98,8 @@ RALM_SECONDS = Counter(
 
 
 def count_request(plan, served, *, policy=None, sessions=None) -> None:
-    """Count one served request (``plan``: its ``serving.plan.DecodePlan``); its mode's own metrics
-    are the mode's (``serving.modes.ModeSpec.count``)."""
+    """Count one served request (``plan``: its ``specops.serving.plan.DecodePlan``); its mode's own metrics
+    are the mode's (``specops.serving.modes.ModeSpec.count``)."""
     st = served.result.stats
     label = cluster_label(plan.cluster)
     GENERATED.labels(label).inc(st.num_generated)

@@ -1,19 +1,19 @@
 """The catalogue of decoding modes, beside the catalogue of methods
-(``serving.proposers.catalogue``): a method says how to draft, a mode says what the decode
+(``specops.serving.proposers.catalogue``): a method says how to draft, a mode says what the decode
 around it is.
 
 - ``plain``: the prompt, decoded with the plan's method (``ServingNode.decode``);
 - ``oneshot``: one-shot RAG, the top passages of a knowledge base put before the prompt (and,
   for a method that copies references, copied from), then a plain decode;
-- ``ralm``: RaLMSeq / RaLMSpec, re-retrieving every few tokens (``serving.ralm.loop``), decoding
+- ``ralm``: RaLMSeq / RaLMSpec, re-retrieving every few tokens (``specops.serving.ralm.loop``), decoding
   between retrievals with the plan's method;
-- ``knnlm``: kNN-LM over a datastore of the target's hidden states (``serving.ralm.knnlm``).
+- ``knnlm``: kNN-LM over a datastore of the target's hidden states (``specops.serving.ralm.knnlm.decode``).
 
-The serving node (``serving.fleet.node.ServingNode``, the ``node`` each runner takes) dispatches
+The serving node (``specops.serving.fleet.node.ServingNode``, the ``node`` each runner takes) dispatches
 once, ``mode_spec(plan.mode).run(node, plan, on_step, pool)``,
 and then hands the result to the stream logger itself, in one place for every mode. Adding
 a mode is one :class:`ModeSpec` here (its runner, its metrics, whether it feeds the trainer)
-and the field of the request that selects it (``serving.http.server.ServingState.plan``).
+and the field of the request that selects it (``specops.serving.http.server.ServingState.plan``).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ class ServedResult:
     retrieval: dict | None = None
     """What a retrieval loop did (RaLMSeq/RaLMSpec or kNN-LM): the response's ``retrieval`` block."""
     engine: str = ""
-    """The engine that decoded, when it is not ours (``vllm``: ``serving.vllm.node``)."""
+    """The engine that decoded, when it is not ours (``vllm``: ``specops.serving.vllm.node``)."""
     counts_source: str = ""
     """Where another engine's drafted and accepted counts came from: ``vllm`` (its per-request
-    metrics) or ``replay`` (recomputed from the output: ``serving.vllm.replay``)."""
+    metrics) or ``replay`` (recomputed from the output: ``specops.serving.vllm.replay``)."""
 
     def version_of(self, method: str) -> str:
         """The version of ``method``'s artifact that served this request ("" if it has none)."""
@@ -96,7 +96,7 @@ def _passages(knowledge) -> Callable[[list[int]], list[str]]:
 
 def _oneshot(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     """The top ``passages`` of the knowledge base for the prompt go before it
-    (``serving.ralm.loop.oneshot_context``), then a plain decode; a method that copies
+    (``specops.serving.ralm.loop.oneshot_context``), then a plain decode; a method that copies
     references also copies from them (``retrieved``). The ``retrieval`` block names them."""
     from specops.serving.ralm.loop import oneshot_context
 
@@ -197,7 +197,7 @@ def _knnlm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     """kNN-LM over the plan's datastore: baseline or speculative, the same output. It drafts
     nothing and is not logged for the trainer (no draft served it)."""
     from specops.serving.engine.types import RequestStats
-    from specops.serving.ralm.knnlm import KnnLM
+    from specops.serving.ralm.knnlm.decode import KnnLM
 
     knn, store, pair = plan.knnlm.cfg, plan.knnlm.store, node.pair
     started_at = time.time()

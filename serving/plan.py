@@ -1,8 +1,8 @@
 """One request's :class:`DecodePlan`: everything decided about it, once, at the edge.
 
-The HTTP layer (``serving.http.server.ServingState.plan``) validates the body and builds
-the plan: the method's :class:`~serving.proposers.catalogue.MethodSpec` (looked up and its
-resources checked there, once), the decoding mode (a key of :data:`serving.modes.MODES`),
+The HTTP layer (``specops.serving.http.server.ServingState.plan``) validates the body and builds
+the plan: the method's :class:`~specops.serving.proposers.catalogue.MethodSpec` (looked up and its
+resources checked there, once), the decoding mode (a key of :data:`specops.serving.modes.MODES`),
 sampling and limits, LLMA's references, the retrieval or kNN-LM block with the artifact it
 names, the cluster and the tenant. Every layer below (the replica, the serving node, the
 retrieval loop, kNN-LM) reads the plan; none re-reads the body, re-looks-up the method or
@@ -24,9 +24,9 @@ class RetrievalPlan:
     """A retrieval-augmented request: the loop's settings and the knowledge base it names."""
 
     cfg: object
-    """``serving.ralm.loop.RalmConfig`` (its ``mode``: ``oneshot``, ``ralmseq`` or ``ralmspec``)."""
+    """``specops.serving.ralm.loop.RalmConfig`` (its ``mode``: ``oneshot``, ``ralmseq`` or ``ralmspec``)."""
     kb: object
-    """The knowledge base (``serving.fleet.catalog.Loaded``: name, version, artifact)."""
+    """The knowledge base (``specops.serving.fleet.catalog.Loaded``: name, version, artifact)."""
     retriever: str
     """The kind of the knowledge base's retriever to search with (``exact``, ``hnsw``, ...)."""
 
@@ -36,9 +36,9 @@ class KnnPlan:
     """A kNN-LM request: its settings and the datastore it names."""
 
     cfg: object
-    """``serving.ralm.knnlm.KnnConfig``."""
+    """``specops.serving.ralm.knnlm.decode.KnnConfig``."""
     store: object
-    """The kNN-LM datastore (``serving.fleet.catalog.Loaded``)."""
+    """The kNN-LM datastore (``specops.serving.fleet.catalog.Loaded``)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class DecodePlan:
     k: int | None = None
     """Tokens drafted per step (None: the method's default)."""
     mode: str = "plain"
-    """A key of ``serving.modes.MODES``: ``plain``, ``oneshot``, ``ralm`` or ``knnlm``."""
+    """A key of ``specops.serving.modes.MODES``: ``plain``, ``oneshot``, ``ralm`` or ``knnlm``."""
     cluster: str = "default"
     cluster_source: str = "default"
     """``request`` (the request's field), ``router`` or ``default``."""
@@ -69,7 +69,7 @@ class DecodePlan:
     stop: tuple[str, ...] = ()
     """Stop sequences (the HTTP layer ends the stream at the first)."""
     tenant: str = "anonymous"
-    """The id of the tenant that sent it (``serving.http.tenancy``; never the key)."""
+    """The id of the tenant that sent it (``specops.serving.http.tenancy``; never the key)."""
     session_scope: str = ""
     """Whose past outputs of the cluster it copies from and adds to (a tenant id; ``""``: shared)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -78,7 +78,7 @@ class DecodePlan:
     client_request_id: str = ""
     """The client's ``X-Request-Id``, as sent (the response's id and header); empty: none was sent."""
     prefix_share: PrefixShare | None = field(default=None, compare=False, repr=False)
-    """Its part in its request's choices' shared prefill (``n``, ``best_of``; ``serving.engine.prefix``)."""
+    """Its part in its request's choices' shared prefill (``n``, ``best_of``; ``specops.serving.engine.prefix``)."""
 
     @property
     def method(self) -> str:

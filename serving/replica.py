@@ -10,9 +10,9 @@
 5. the event watcher on ``spec.events``, pushing promotions to both followers;
 6. one warm-up decode, then ready.
 
-:meth:`Replica.decode` runs one request's :class:`~serving.plan.DecodePlan` on the serving
-node and counts it (``serving.metrics``). What is HTTP (admission, validating the body into
-a plan, streaming, deadlines) is ``serving.http.server.ServingState``, built on this.
+:meth:`Replica.decode` runs one request's :class:`~specops.serving.plan.DecodePlan` on the serving
+node and counts it (``specops.serving.metrics``). What is HTTP (admission, validating the body into
+a plan, streaming, deadlines) is ``specops.serving.http.server.ServingState``, built on this.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class _Idle:
 class Replica:
     """The components of one replica. ``start_loading`` returns at once; ``ready`` tells when done.
 
-    ``cfg``: a ``serving.http.config.ServeConfig``. ``load_snapshot()``: the requests running and
+    ``cfg``: a ``specops.serving.http.config.ServeConfig``. ``load_snapshot()``: the requests running and
     waiting now, and the load (``running``, ``waiting``, ``load``; the API's admission gives it):
     the ``auto`` policy's cost model and the load signal read it."""
 
@@ -67,22 +67,22 @@ class Replica:
         self.pair = self.node = self.follower = self.router = self.logger = self.watcher = self.registry = None
         self.datastores = None
         self.session_follower = None
-        """Seeds the past-sessions cache from ``sessions-<cluster>@champion`` (``serving.fleet.sessions``)."""
+        """Seeds the past-sessions cache from ``sessions-<cluster>@champion`` (``specops.serving.fleet.sessions``)."""
         self.batcher = None
         self.policy = None
-        """The replica's ``auto`` policy (``core.auto_policy.AutoPolicy``): acceptance per cluster, costs."""
+        """The replica's ``auto`` policy (``specops.core.auto_policy.AutoPolicy``): acceptance per cluster, costs."""
         self.knnlms = None
         """kNN-LM datastores by name, loaded on first use."""
         self.vllm = None
-        """``serving.vllm.fleet.VLLMServers`` when vLLM decodes (``engine = "vllm"``)."""
+        """``specops.serving.vllm.fleet.VLLMServers`` when vLLM decodes (``engine = "vllm"``)."""
         self.known_clusters = KnownClusters(
             [cfg.default_cluster, *cfg.clusters],
             router=lambda: self.router.current() if self.router is not None else None,
             champions=lambda: self.follower.champions if self.follower else (),
         )
-        """The clusters a request may name (``serving.fleet.clusters``); the followers follow no other."""
+        """The clusters a request may name (``specops.serving.fleet.clusters``); the followers follow no other."""
         self.kbs = None
-        """Knowledge bases by name (``serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
+        """Knowledge bases by name (``specops.serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
         self.ralm_pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ralm-verify")
         """RaLMSpec's asynchronous verifications (one KB search per running request at most)."""
         self._stop = threading.Event()
@@ -235,7 +235,7 @@ class Replica:
 
     def _vllm_follower(self, follow: dict):
         """The draft follower whose versions vLLM serves: the base draft's server started (and
-        ready) here, a champion's before its cluster swaps to it (``serving.vllm.fleet``)."""
+        ready) here, a champion's before its cluster swaps to it (``specops.serving.vllm.fleet``)."""
         import shlex
 
         from specops.serving.vllm.fleet import VLLMDraftFollower, VLLMServers
@@ -377,7 +377,7 @@ class Replica:
         """kNN-LM datastores: the local ``knnlm_dirs`` by folder name, then ``knnlm-<name>@champion``;
         each checked to fit this target and tokenizer."""
         from specops.serving.fleet.catalog import NamedArtifacts
-        from specops.serving.ralm.knnlm_store import KnnDatastore
+        from specops.serving.ralm.knnlm.store import KnnDatastore
 
         def load(path: Path):
             return KnnDatastore.load(Path(path), target=self.pair.target, tokenizer_sha256=self.pair.tokenizer_sha256)
@@ -445,7 +445,7 @@ class Replica:
 
     def clusters(self) -> dict:
         """``/v1/clusters``' body: the draft version each cluster serves, the router's version, and with
-        ``engine = "vllm"`` the vLLM servers (``serving.vllm.fleet.VLLMServers.describe``)."""
+        ``engine = "vllm"`` the vLLM servers (``specops.serving.vllm.fleet.VLLMServers.describe``)."""
         out: dict = {}
         if self.follower is not None:
             out["drafts"] = {c: s.current().version for c, s in sorted(self.follower.slots.items())}
@@ -464,7 +464,7 @@ class Replica:
 
     # ------------------------------------------------------------ one request
     def decode(self, plan: DecodePlan, on_step: Callable[[list[int]], bool | None] | None = None):
-        """Decode ``plan`` on this (worker) thread (``serving.fleet.node.ServingNode.serve``) and
+        """Decode ``plan`` on this (worker) thread (``specops.serving.fleet.node.ServingNode.serve``) and
         count it; returns the node's ``ServedResult``."""
         served = self.node.serve(plan, on_step=on_step, pool=self.ralm_pool)
         count_request(plan, served, policy=self.policy, sessions=self.node.sessions)

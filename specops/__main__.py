@@ -3,6 +3,6 @@
 
 import sys
 
-from specops.cli import main
+from specops.cli.main import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """Record schemas and the stream backends: Kafka (``kafka://``) and an embedded durable
-append-only log (``local://``), behind one contract (``streams.base``)."""
+append-only log (``local://``), behind one contract (``specops.streams.base``)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def open_stream(url_or_cfg: str | StreamConfig | None = None) -> Stream:
         cfg = url_or_cfg
     url = cfg.url
     if url.startswith("local://"):
-        from specops.streams.local import LocalStream
+        from specops.streams.local.stream import LocalStream
 
         rest = url[len("local://") :]
         if not rest:

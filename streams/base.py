@@ -1,6 +1,6 @@
 """The stream contract every backend implements (``kafka://`` and ``local://``).
 
-A :class:`Stream` is opened from a URL by :func:`streams.open_stream`. It hands out
+A :class:`Stream` is opened from a URL by :func:`specops.streams.open_stream`. It hands out
 producers and consumers:
 
 - :meth:`Producer.publish` appends a batch of ``(key, value)`` messages to one topic and
@@ -12,7 +12,7 @@ producers and consumers:
   returned so far is processed. After a restart or a rebalance, delivery resumes at the
   committed offsets, so uncommitted records are delivered again (at-least-once).
 
-Message keys and values are opaque bytes here; ``streams.codec`` gives them meaning.
+Message keys and values are opaque bytes here; ``specops.streams.codec`` gives them meaning.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Producer(ABC):
         """Append ``messages`` to ``topic``, in order per key, and wait until durable.
 
         Returns one :class:`Delivery` per message, in input order. Raises
-        :class:`~streams.errors.StreamUnavailableError` when the backend cannot take
+        :class:`~specops.streams.errors.StreamUnavailableError` when the backend cannot take
         them; in that case any subset may have been written (at-least-once).
         """
 
@@ -88,9 +88,9 @@ class Consumer(ABC):
     def commit(self) -> None:
         """Commit the position after every message returned by ``poll`` so far.
 
-        Raises :class:`~streams.errors.CommitFailedError` if the group took the
+        Raises :class:`~specops.streams.errors.CommitFailedError` if the group took the
         partitions away meanwhile (those records are redelivered to their new owner)
-        and :class:`~streams.errors.StreamUnavailableError` if the backend is down.
+        and :class:`~specops.streams.errors.StreamUnavailableError` if the backend is down.
         """
 
     @abstractmethod

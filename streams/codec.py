@@ -14,7 +14,7 @@ raw little-endian C-order bytes``; dtype codes are 1 int32, 2 float32, 3 float16
 Bodies over ``COMPRESS_MIN_BYTES`` are zstd-compressed (level 3). Decoding never
 executes or unpickles anything; it bounds the decompressed size, checks every field
 and then calls the record's ``validate()``. Any problem raises
-:class:`~streams.errors.RecordValidationError`.
+:class:`~specops.streams.errors.RecordValidationError`.
 """
 
 from __future__ import annotations

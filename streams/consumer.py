@@ -1,10 +1,10 @@
 """Typed, at-least-once consumption with dead letters.
 
-:class:`RecordConsumer` wraps a backend :class:`~streams.base.Consumer`:
+:class:`RecordConsumer` wraps a backend :class:`~specops.streams.base.Consumer`:
 
 1. ``poll()`` decodes and validates each message. A valid record of an expected type is
    returned; anything else (bad bytes, failed validation, an unexpected record type) is
-   wrapped in a :class:`~streams.records.DeadLetter` with the raw bytes, the source
+   wrapped in a :class:`~specops.streams.records.DeadLetter` with the raw bytes, the source
    topic/partition/offset and the reason, queued for the dead-letter topic and logged.
    The consumer moves on; it never raises on bad data.
 2. ``commit()`` first publishes the queued dead letters and only then commits offsets,

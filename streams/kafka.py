@@ -8,7 +8,7 @@
   at the earliest record.
 - Missing topics are created (``num_partitions``, ``replication_factor`` from config)
   before anyone produces to or subscribes to them.
-- TLS and SASL settings come from :class:`~streams.config.StreamConfig` and
+- TLS and SASL settings come from :class:`~specops.streams.config.StreamConfig` and
   ``client_options`` is passed verbatim to every client.
 """
 

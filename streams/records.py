@@ -1,9 +1,9 @@
 """Record schemas of the streams (what serving logs, what the trainer learns from).
 
 Every record is a frozen dataclass with a ``schema`` version and a ``validate()`` that
-raises :class:`~streams.errors.RecordValidationError` naming the field and the problem.
+raises :class:`~specops.streams.errors.RecordValidationError` naming the field and the problem.
 Tensors are NumPy arrays with fixed dtypes, so this package never imports torch.
-The wire format is in ``streams.codec`` and ``docs/streams.md``.
+The wire format is in ``specops.streams.codec`` and ``docs/streams.md``.
 
 Terms (the engine's, see ``serving/engine/types.py``): a **rejected position** is the first
 drafted position a verification step did not keep; the target emitted its own token
@@ -33,7 +33,7 @@ SCHEMA_VERSION = 2
   record decodes with no artifact versions beyond ``draft_version`` and one prompt span."""
 
 CONTEXT_KINDS = ("prompt", "reference", "retrieved")
-"""What a span of a request's context is (``serving.engine.types.CONTEXT_KINDS``)."""
+"""What a span of a request's context is (``specops.serving.engine.types.CONTEXT_KINDS``)."""
 MAX_SPANS = 4096
 MAX_ARTIFACTS = 16
 
@@ -223,7 +223,7 @@ class MissRecord:
     """Who served the request. Empty: our engine, which logged the target's distribution at every
     rejected position. A name (``vllm``): an external engine that hands out no distributions, so
     the record carries none (``m == 0``) and the trainer recomputes the target's distribution by
-    a teacher forward (``trainer.data.TargetTeacher``). An optional wire field (``eng``, left out
+    a teacher forward (``specops.trainer.data.TargetTeacher``). An optional wire field (``eng``, left out
     when empty): consumers that predate it ignore it, so it needs no schema bump."""
 
     @property
@@ -368,7 +368,7 @@ class GenerationRecord:
     context_spans: tuple[ContextSpan, ...] = ()
     """The parts of ``prompt_ids`` (the whole context the target saw; v2; empty: all prompt)."""
     policy: dict = field(default_factory=dict)
-    """What ``auto`` chose for the request (``serving.proposers.auto.AutoProposer.summary``: steps,
+    """What ``auto`` chose for the request (``specops.serving.proposers.auto.AutoProposer.summary``: steps,
     drafted and accepted per method, the latest decision); empty for fixed methods. An optional
     wire field: consumers that predate it ignore it, so it needs no schema bump."""
     schema: int = SCHEMA_VERSION

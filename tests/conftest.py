@@ -23,7 +23,7 @@ torch.set_num_threads(
 )
 
 # Trainers, in this process and in the subprocesses it starts, split held-out records by the unkeyed hash:
-# the same split on every run and in every process (a real trainer keys it: trainer.online.holdout_key_for).
+# the same split on every run and in every process (a real trainer keys it: specops.trainer.online.trainer.holdout_key_for).
 os.environ.setdefault("SPECOPS_HOLDOUT_KEY", "unkeyed")
 
 pytest_plugins = ["tests.registry.fixtures"]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
@@ -88,9 +88,9 @@ SUBSET = sorted(random.Random(0).sample(range(VOCAB), 48))
 
 @pytest.fixture(scope="session")
 def served_pair(tiny_target) -> ModelPair:
-    """``close_pair`` as serving loads it: few-row products as ``W @ xᵀ`` (``core.cpu_linear``) in
+    """``close_pair`` as serving loads it: few-row products as ``W @ xᵀ`` (``specops.core.cpu_linear``) in
     both models, a draft in bfloat16 (serving's default draft precision) that scores only the
-    ``SUBSET`` of its vocabulary (``core.draft_vocab``)."""
+    ``SUBSET`` of its vocabulary (``specops.core.draft_vocab``)."""
     target = prepare_for_decoding(copy.deepcopy(tiny_target))
     draft = prepare_for_decoding(perturbed(tiny_target, 0.05, seed=3).to(torch.bfloat16))
     draft_vocab.attach(draft, DraftVocab(torch.tensor(SUBSET), VOCAB))
@@ -121,7 +121,7 @@ def tiny_models(tmp_path_factory):
 
 
 SMALL_DOCS = ("matplotlib", "pydantic", "click", "jinja2", "rich", "requests", "flask", "werkzeug", "alembic", "sympy")
-"""The ``docs`` workload's packages (``specops.chat_workload.DOCS_PACKAGES``) but transformers, mlflow and
+"""The ``docs`` workload's packages (``specops.workloads.chat_workload.DOCS_PACKAGES``) but transformers, mlflow and
 torch: 1,144 of the 5,068 files ``ast`` parses on a cold cache (which CI always has; about 45 s of
 one core for all of them), still about 1,800 paragraphs with every held-out family among them."""
 
@@ -129,7 +129,7 @@ one core for all of them), still about 1,800 paragraphs with every held-out fami
 @pytest.fixture
 def small_docs(monkeypatch):
     """The ``docs`` domain drawn from :data:`SMALL_DOCS` for one test (a full run's counts still fit)."""
-    from specops import chat_workload as cw
+    from specops.workloads import chat_workload as cw
 
     assert set(SMALL_DOCS) <= set(cw.DOCS_PACKAGES) and cw.HELD_OUT["docs"] <= set(SMALL_DOCS)
     whole = cw.doc_paragraphs

@@ -13,7 +13,7 @@ import pytest
 def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("models")
     run = subprocess.run(
-        [sys.executable, "-m", "specops.cli", "-q", "bootstrap", "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "specops.cli.main", "-q", "bootstrap", "--tiny", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -23,7 +23,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def specops(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "specops.cli", "-q", *args]
+    cmd = [sys.executable, "-m", "specops.cli.main", "-q", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -90,7 +90,7 @@ def test_every_command_module_adds_commands_whose_subcommands_all_run_something(
     leaf subcommand sets the ``func`` that main() runs."""
     import argparse
 
-    from specops.cli import COMMANDS, build_parser
+    from specops.cli.main import COMMANDS, build_parser
 
     def subparsers(parser):
         return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
@@ -114,7 +114,7 @@ def test_every_command_module_adds_commands_whose_subcommands_all_run_something(
 def test_building_the_parser_loads_no_model_library():
     """`specops --help` stays fast: command modules import torch, transformers and numpy when a command runs."""
     code = (
-        "import sys\nfrom specops.cli import build_parser\nbuild_parser()\n"
+        "import sys\nfrom specops.cli.main import build_parser\nbuild_parser()\n"
         "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -198,7 +198,7 @@ def test_every_flag_whose_value_comes_from_the_environment_names_the_variable(mo
     import re
     from pathlib import Path
 
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
     from specops.serving.http.config import ServeConfig
 
     root = Path(__file__).resolve().parents[1]

@@ -14,13 +14,13 @@ import openai
 import pytest
 import torch
 
+from specops.cli.serve_runtime import Server
 from specops.core.models import load_model_dir
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore
-from specops.serve import Server
 from specops.serving.fleet.events import EventPublisher
 from specops.serving.http.config import ServeConfig
 from specops.streams import StreamConfig, open_stream
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.promote import PromoteConfig, Promoter
 from tests.conftest import perturbed, random_prompts
 

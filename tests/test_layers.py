@@ -2,7 +2,7 @@
 
 - Each contract of ``.importlinter`` (import-linter): the floors (composition modules of
   ``specops`` > serving | trainer > core > registry | streams, every module of ``specops`` on
-  one), ``serving.engine`` importing neither ``serving.fleet`` nor ``serving.http``, and no
+  one), ``specops.serving.engine`` importing neither ``specops.serving.fleet`` nor ``specops.serving.http``, and no
   trainer module importing serving. One test per contract, failing with import-linter's report
   of the imports that break it.
 - No import circle anywhere (grimp): the import graph of ``specops``, function-level (lazy)
@@ -129,7 +129,13 @@ def _cycles() -> list[dict]:
     import grimp
 
     graph = grimp.build_graph("specops", cache_dir=None, exclude_type_checking_imports=True)
-    missing = {"specops.cli", "specops.serving", "specops.trainer", "specops.core", "specops.registry"} - graph.modules
+    missing = {
+        "specops.cli.main",
+        "specops.serving",
+        "specops.trainer",
+        "specops.core",
+        "specops.registry",
+    } - graph.modules
     assert not missing, f"the staged package lacks {sorted(missing)}"
     nodes = sorted(graph.modules)
     edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in nodes}

@@ -68,7 +68,7 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the child's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specops.cli", "--threads", "1", *args],
+            [sys.executable, "-m", "specops.cli.main", "--threads", "1", *args],
             cwd=ROOT,
             env=env,
             stdout=self._log,

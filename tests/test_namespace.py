@@ -46,8 +46,9 @@ def test_package_data_names_every_template():
     """The wheel (the Docker image's ``pip install .``) carries the report's Jinja2 templates."""
     from fnmatch import fnmatch
 
-    patterns = _setuptools()["package-data"]["specops"]
-    templates = [f.relative_to(ROOT / "specops").as_posix() for f in (ROOT / "specops" / "templates").rglob("*.j2")]
+    patterns = _setuptools()["package-data"]["specops.demo"]
+    demo = ROOT / "specops" / "demo"
+    templates = [f.relative_to(demo).as_posix() for f in (demo / "templates").rglob("*.j2")]
     assert templates and all(any(fnmatch(t, pat) for pat in patterns) for t in templates), (templates, patterns)
 
 
@@ -56,8 +57,8 @@ def test_no_module_is_imported_under_a_bare_top_level_name():
     (two Prometheus registries, two model caches); nothing may do it."""
     code = (
         "import sys, pkgutil, importlib, specops\n"
-        "import specops.cli, specops.serving.http.server, specops.trainer.schedule, specops.trainer.online\n"
-        "import specops.registry.store, specops.streams.kafka, specops.streams.local, specops.serving.ralm.loop\n"
+        "import specops.cli.main, specops.serving.http.server, specops.trainer.schedule, specops.trainer.online.trainer\n"
+        "import specops.registry.store, specops.streams.kafka, specops.streams.local.stream, specops.serving.ralm.loop\n"
         f"bare = sorted(m for m in sys.modules if m.split('.')[0] in {MAPPED!r})\n"
         "print(bare); sys.exit(1 if bare else 0)\n"
     )
@@ -103,7 +104,7 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
     )
     (wheel,) = wheels.glob("specops-*.whl")
     with zipfile.ZipFile(wheel) as zf:
-        assert "specops/templates/report.html.j2" in zf.namelist(), "the report template is package data"
+        assert "specops/demo/templates/report.html.j2" in zf.namelist(), "the report template is package data"
     env = tmp_path / "clean"
     venv.EnvBuilder(with_pip=False).create(env)  # this venv's pip installs into it (--python): no ensurepip
     py = env / "bin" / "python"
@@ -122,12 +123,12 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
     deps = next(p for p in sys.path if p.endswith("site-packages"))  # torch, transformers, ... and the public trainer
     (Path(site) / "zz_dev_deps.pth").write_text(deps + "\n")  # after the clean venv's own packages
     code = (
-        "import trainer, specops, specops.trainer.online, specops.serving.http.server, specops.registry.store\n"
-        "import specops.streams.kafka, specops.report, os, sys\n"
+        "import trainer, specops, specops.trainer.online.trainer, specops.serving.http.server, specops.registry.store\n"
+        "import specops.streams.kafka, specops.demo.report, os, sys\n"
         "assert hasattr(trainer, 'Trainer') and not trainer.__file__.startswith(os.path.dirname(specops.__file__))\n"
-        "assert specops.trainer.online.__file__.startswith(sys.argv[1]), specops.trainer.online.__file__\n"
-        "assert specops.report._ENV.get_template('report.html.j2').filename.startswith(sys.argv[1])\n"
-        "print('ok', trainer.__file__, specops.trainer.online.__file__)\n"
+        "assert specops.trainer.online.trainer.__file__.startswith(sys.argv[1]), specops.trainer.online.trainer.__file__\n"
+        "assert specops.demo.report._ENV.get_template('report.html.j2').filename.startswith(sys.argv[1])\n"
+        "print('ok', trainer.__file__, specops.trainer.online.trainer.__file__)\n"
     )
     done = subprocess.run([py, "-c", code, site], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr

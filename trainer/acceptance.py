@@ -24,7 +24,7 @@ promotion gate compares drafts on it, pairing them request by request
 (:func:`paired_gain`).
 
 Every estimate is taken as serving runs the draft: restricted to its draft vocabulary
-when it has one (``core.draft_vocab``).
+when it has one (``specops.core.draft_vocab``).
 """
 
 from __future__ import annotations

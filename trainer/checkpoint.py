@@ -92,7 +92,7 @@ def save_version(
     """Write draft + optimiser + state as version ``version`` of ``cluster`` and point LATEST at it.
 
     ``opt`` is the optimiser, or its state already split by ``optimizer_to_files`` (a
-    DeepSpeed engine's, gathered from every rank by ``trainer.ds_backend.optimizer_files``).
+    DeepSpeed engine's, gathered from every rank by ``specops.trainer.ds_backend.optimizer_files``).
 
     ``extra_files`` (name -> source) are copied in beside the weights: files of the base
     draft that serving needs with every version (its ``draft_vocab.json``).

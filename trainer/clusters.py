@@ -2,7 +2,7 @@
 
 A cluster's draft and AdamW state take three times the draft's weights in memory, so the
 trainer holds at most ``OnlineConfig.max_loaded_clusters`` of them. Every update already
-checkpoints draft and optimiser (``trainer.checkpoint``, safetensors and JSON), so unloading the
+checkpoints draft and optimiser (``specops.trainer.checkpoint``, safetensors and JSON), so unloading the
 least recently used idle cluster writes only its buffered and held-out records
 (``buffer.msgpack``) and drops it; its next record reloads it from that checkpoint, weights and
 optimiser state identical. A cluster whose weights changed since its checkpoint is never
@@ -10,11 +10,11 @@ unloaded, and one waiting to be registered only when no other can go.
 
 It creates at most ``OnlineConfig.max_clusters`` clusters in all (those already under ``--out``
 count): a record of a further cluster goes to the dead-letter topic with the reason, before any
-draft is made for it. Serving accepts only clusters that exist (``serving.fleet.clusters``); this
+draft is made for it. Serving accepts only clusters that exist (``specops.serving.fleet.clusters``); this
 is the trainer's own bound, whatever writes to the stream.
 
 :class:`ClusterBudget` is the bookkeeping (which clusters exist, which are unloaded, which one
-goes next) and the metrics; ``trainer.online.OnlineTrainer`` does the loading and unloading.
+goes next) and the metrics; ``specops.trainer.online.trainer.OnlineTrainer`` does the loading and unloading.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def _rows(dist: TargetDist, start: int, end: int) -> TargetDist:
 def draft_predictions(model: torch.nn.Module, rec: MissRecord, vocab: DraftVocab | None = None) -> torch.Tensor:
     """[n_out] the draft's argmax predicting each output token of ``rec`` from the prefix before it
     (one causal forward), restricted to its draft vocabulary ``vocab`` when it has one, as serving
-    proposes (``trainer.acceptance.evaluate_records`` scores drafts the same way)."""
+    proposes (``specops.trainer.acceptance.evaluate_records`` scores drafts the same way)."""
     from specops.core.draft_vocab import supports_subset_head
 
     first, n = rec.num_prompt_tokens, len(rec.token_ids)

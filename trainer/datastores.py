@@ -235,7 +235,7 @@ def inputs_sha256(
 
 class DatastoreRebuilder(Rebuilder[Datastore]):
     """Rebuilds each cluster's DReSD datastore from its served generations. :meth:`run_once`
-    (``trainer.rebuild.Rebuilder``) reads top to bottom:
+    (``specops.trainer.rebuild.Rebuilder``) reads top to bottom:
 
     1. **consume** GenerationRecords in its own consumer group; each (context + output) goes
        to its cluster's training buffer, every ``heldout_every``-th to its held-out set;

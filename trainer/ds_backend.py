@@ -9,7 +9,7 @@ result back into the model's parameters.
 
 Scope:
 
-- one process, or N ranks under DeepSpeed's launcher (data parallel, see ``trainer.ranks``:
+- one process, or N ranks under DeepSpeed's launcher (data parallel, see ``specops.trainer.ranks``:
   rank 0 consumes, checkpoints and registers, every rank computes the gradients of its share
   of each update). The process group is created once per process; in one process on a
   free local port, under the launcher from its ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
@@ -132,7 +132,7 @@ _LINK = None
 
 def init_distributed(cfg: DeepSpeedConfig, *, ranks: bool = False):
     """Create the process group once per process (a no-op when it exists). With ``ranks``
-    a launcher's world of any size is accepted and the ``trainer.ranks.RankLink`` over it is
+    a launcher's world of any size is accepted and the ``specops.trainer.ranks.RankLink`` over it is
     returned; without, the world must be one process."""
     global _LINK
     deepspeed = _import_deepspeed()
@@ -190,7 +190,7 @@ def _group_numel(zopt: Any, group: int) -> int:
 
 
 def optimizer_files(engine: Any, link: Any = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """The engine's optimiser state as (tensors, JSON layout) for ``trainer.checkpoint``,
+    """The engine's optimiser state as (tensors, JSON layout) for ``specops.trainer.checkpoint``,
     the same for any world size. Under ZeRO 1/2 with several ranks this is a collective
     (``link``, every rank calls it); every rank gets the whole state."""
     from specops.trainer.checkpoint import optimizer_to_files

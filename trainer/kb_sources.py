@@ -4,11 +4,11 @@ A source is a directory (walked recursively) or a glob, where ``**`` matches any
 directories (``DIR/**/*.md``: every ``.md`` file below ``DIR``, as shells with globstar do); a
 source that matches no file is warned about. A file under a ``man<section>``
 directory is a man page: roff (plain or gzip) rendered to text by the bootstrap's
-:func:`~trainer.bootstrap.corpus.strip_roff` and titled like ``ls(1)``; any other file is
+:func:`~specops.trainer.bootstrap.corpus.strip_roff` and titled like ``ls(1)``; any other file is
 text (plain or gzip) titled by its path below the source's root (``bash/README``). Binary,
 non-UTF-8, huge (over ``MAX_BYTES``) and near-empty files are skipped, counted by reason in
 :class:`SourceStats` and warned about. Each document is cut
-into ~100-word passages by :func:`core.passage.chunk_text`.
+into ~100-word passages by :func:`specops.core.passage.chunk_text`.
 
 Man pages are capped per name family as the bootstrap caps them (``gcloud_*`` alone is
 16,000 near-identical pages on this machine); ``max_pages_per_family=0`` keeps every page.
@@ -83,7 +83,7 @@ def _digest(text: str) -> str:
 
 def bootstrap_heldout(model_dir: Path | None = None, *, seed: int = 0, share: Path = SHARE) -> HeldOut:
     """The prose files the bootstrap holds out: from ``model_dir/manifest.json`` when it is
-    bootstrapped, else recomputed like ``trainer.bootstrap.corpus.build_corpus`` (seconds)."""
+    bootstrapped, else recomputed like ``specops.trainer.bootstrap.corpus.build_corpus`` (seconds)."""
     paths: list[str] | None = None
     manifest = Path(model_dir) / "manifest.json" if model_dir is not None else None
     if manifest is not None and manifest.is_file():

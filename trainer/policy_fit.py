@@ -4,12 +4,12 @@ Serving logs, with every finished ``auto`` request, what the policy chose
 (``GenerationRecord.policy``: steps, drafted and accepted per method, and the request's
 acceptance counts per key: ``draft``, ``dresd``, ``llma.<source>@m<N>`` for a copy from
 a source at match length N and more). This module sums them per cluster, key and temperature bucket into a priors
-artifact (``core.auto_policy.AutoPolicy.load_priors`` reads it; ``specops policy fit``
+artifact (``specops.core.auto_policy.AutoPolicy.load_priors`` reads it; ``specops policy fit``
 registers it as the ``policy`` kind through :class:`PolicyFitter`), and into a report: per cluster, the share of steps
 each method got and its acceptance.
 
 Costs are not fitted here: they belong to a replica's hardware and are measured by each
-replica at load (``serving.proposers.auto.calibrate``) and while it serves.
+replica at load (``specops.serving.proposers.auto.calibrate``) and while it serves.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class _ReadAll:
 
 
 class PolicyFitter(Rebuilder[dict]):
-    """``specops policy fit --register``: the ``policy`` kind through ``trainer.rebuild.Rebuilder``.
+    """``specops policy fit --register``: the ``policy`` kind through ``specops.trainer.rebuild.Rebuilder``.
 
     1. **consume** every logged ``auto`` decision (read outside any consumer group);
     2. **build** the priors (:func:`fit_priors`);

@@ -23,7 +23,7 @@ For one cluster after an update (:meth:`Promoter.publish`), top to bottom:
    the candidate. ``served``
    is greedy agreement at every output position of held-out greedy requests, paired
    request by request; the rejected-position metrics (``sampling``, ``greedy``) are
-   biased towards any draft other than the one that served (``trainer.acceptance``). A promotion moves ``champion`` and is announced on
+   biased towards any draft other than the one that served (``specops.trainer.acceptance``). A promotion moves ``champion`` and is announced on
    ``spec.events`` by the registry's ``on_change`` hook.
 3. **retain**: archive old, unaliased versions beyond the newest ``keep_versions``.
 

@@ -1,6 +1,6 @@
 """One shape for every job that turns served traffic into a registered artifact.
 
-A :class:`Rebuilder` is one artifact kind (``registry.kinds``) rebuilt from ``spec.generations``
+A :class:`Rebuilder` is one artifact kind (``specops.registry.kinds``) rebuilt from ``spec.generations``
 in its own consumer group. :meth:`Rebuilder.run_once` reads top to bottom:
 
 1. **consume** new records (:meth:`~Rebuilder.consume`);
@@ -13,9 +13,9 @@ in its own consumer group. :meth:`Rebuilder.run_once` reads top to bottom:
 6. **commit** the offsets, only now, and only when :meth:`~Rebuilder.may_commit`: a crash before
    this re-reads the records, and the registration is idempotent.
 
-Subclasses: ``trainer.datastores.DatastoreRebuilder`` (DReSD), ``trainer.sessions.SessionIndexRebuilder``
-(LLMA), ``trainer.router_fit.RouterRefitter`` (the router) and ``trainer.policy_fit.PolicyFitter``
-(the ``auto`` policy's priors). Draft training (``trainer.online`` with ``trainer.promote.Promoter``)
+Subclasses: ``specops.trainer.datastores.DatastoreRebuilder`` (DReSD), ``specops.trainer.sessions.SessionIndexRebuilder``
+(LLMA), ``specops.trainer.router_fit.RouterRefitter`` (the router) and ``specops.trainer.policy_fit.PolicyFitter``
+(the ``auto`` policy's priors). Draft training (``specops.trainer.online.trainer`` with ``specops.trainer.promote.Promoter``)
 is not one: it consumes continuously, trains for many steps between registrations, and commits on
 its checkpoints, so only its register -> gate -> promote tail has this shape.
 """
@@ -56,7 +56,7 @@ class Rebuilder(Generic[T]):
     """consume -> build -> gate -> register -> promote -> commit, for one artifact kind."""
 
     kind: str = ""
-    """The artifact kind registered (``registry.kinds``)."""
+    """The artifact kind registered (``specops.registry.kinds``)."""
     gate_name: str = "rebuild gate"
     """How a promotion's reason starts (``<gate_name>: <the gate's reason>``)."""
 

@@ -295,7 +295,7 @@ class RefitResult:
 
 
 class RouterRefitter(Rebuilder[Router]):
-    """Refits the router from served prompts. One :meth:`run_once` (``trainer.rebuild.Rebuilder``)
+    """Refits the router from served prompts. One :meth:`run_once` (``specops.trainer.rebuild.Rebuilder``)
     reads top to bottom:
 
     1. **consume** GenerationRecords from ``spec.generations`` in its own consumer group;

@@ -3,7 +3,7 @@
 APScheduler's SQLAlchemy job store pickles each job (its function reference, trigger and
 arguments) and unpickles the rows when it starts, so whoever can write that database can run
 code in the trainer. Here the jobs live in APScheduler's in-memory store and are registered
-again from configuration at every start (:class:`~trainer.schedule.TrainerScheduler`); what
+again from configuration at every start (:class:`~specops.trainer.schedule.TrainerScheduler`); what
 persists is one row of plain numbers per job id, in a table of our own:
 
 ====================  =====================================================================

@@ -1,6 +1,6 @@
 """Scheduled jobs of the online trainer: the distillation tick, the evaluation, the router refit.
 
-:class:`TrainerScheduler` runs an :class:`~trainer.online.OnlineTrainer` under an
+:class:`TrainerScheduler` runs an :class:`~specops.trainer.online.trainer.OnlineTrainer` under an
 APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
 
 - **distill-tick** (every ``tick_seconds``): unless serving is busy, call
@@ -9,22 +9,22 @@ APScheduler 3.x ``BackgroundScheduler`` instead of the trainer's own loop:
 - **evaluate** (every ``eval_seconds``): held-out expected acceptance of every
   cluster in memory (``OnlineConfig.max_loaded_clusters``), logged and exported as a Prometheus gauge;
 - **router-refit** (every ``router_refit_s``, when set and a
-  :class:`~trainer.router_fit.RouterRefitter` is given): refit the prompt router from
+  :class:`~specops.trainer.router_fit.RouterRefitter` is given): refit the prompt router from
   ``spec.generations``, register it and promote it through its gate. It skips under
   serving load like a tick, and does not wait for the distillation (it touches no draft).
   When it is off, a ``router-refit`` row left in the job store by an earlier run is removed.
 - **datastore-rebuild** (every ``datastore_rebuild_s``, when set and a
-  :class:`~trainer.datastores.DatastoreRebuilder` is given): rebuild each cluster's DReSD
+  :class:`~specops.trainer.datastores.DatastoreRebuilder` is given): rebuild each cluster's DReSD
   datastore from its new ``spec.generations``, gate it on held-out MAR, register and promote
   it. Load-aware like the others (the target pass that makes the keys is its main cost).
 - **sessions-rebuild** (every ``sessions_rebuild_s``, when set and a
-  :class:`~trainer.sessions.SessionIndexRebuilder` is given): rebuild each cluster's LLMA
+  :class:`~specops.trainer.sessions.SessionIndexRebuilder` is given): rebuild each cluster's LLMA
   past-sessions index from its new ``spec.generations`` outputs, gate it on the held-out copy
   hit rate, register ``sessions-<cluster>`` and promote it. No model runs: it is cheap.
 
 **Load-aware skip (the paper's "spare FLOPs").** Distillation should use the compute
 serving leaves idle. Serving writes its load to a small JSON file
-(``{"load": 0.42, "time": <epoch seconds>}``, see ``core.load_signal``); a tick is
+(``{"load": 0.42, "time": <epoch seconds>}``, see ``specops.core.load_signal``); a tick is
 skipped while that load is above ``load_threshold``, logged at INFO and counted in
 ``specops_trainer_ticks_total{outcome="skipped_load"}``. A missing, unreadable or stale
 signal (older than ``load_stale_s``) is *unknown* and never causes a skip: a crashed
@@ -36,19 +36,19 @@ resumes from the committed offsets (other replicas may own its partitions meanwh
 **A job store that stores no code.** APScheduler's persistent job stores pickle each job and
 unpickle the rows at start, which would let whoever can write the database run code in the
 trainer. Here the jobs are re-registered from configuration at every start, in APScheduler's
-in-memory store, and only their run times persist (:mod:`trainer.runtimes`): one row per job
+in-memory store, and only their run times persist (:mod:`specops.trainer.runtimes`): one row per job
 id in the table ``jobstore_table`` of ``jobstore_url`` (SQLite at
 ``<trainer out>/schedule.sqlite`` by default, or any ``postgresql://`` URL) with its next run
 time, the scheduled time of its last finished run and its interval, as plain numbers. A table
 left by APScheduler's pickling store is converted at start without unpickling anything. The
-jobs are the module-level functions ``trainer.schedule:_tick``, ``trainer.schedule:_evaluate``
+jobs are the module-level functions ``specops.trainer.schedule:_tick``, ``specops.trainer.schedule:_evaluate``
 and so on, whose only argument is ``trainer_id``, a string key into this module's registry of
 the schedulers running in this process. :meth:`TrainerScheduler.start` registers itself under
 that key before any job can fire; :meth:`TrainerScheduler.shutdown` removes it.
 
 **The schedule survives a restart.** The jobs have stable ids (``distill-tick``,
 ``evaluate``, ...). A restarted trainer on the same table reads each job's row
-(:func:`~trainer.runtimes.next_run_after_restart`): with the same interval it keeps the
+(:func:`~specops.trainer.runtimes.next_run_after_restart`): with the same interval it keeps the
 pending next run time, a new interval counts from the last run, and neither is later than
 one interval from now (a shorter interval takes effect at once). Runs missed while the
 trainer was down are *coalesced* into one (``coalesce=True``) and dropped when later than
@@ -170,7 +170,7 @@ class TrainerScheduler:
     """Runs an OnlineTrainer's distillation ticks and evaluations on a persistent schedule.
 
     ``trainer`` needs ``step()``, ``evaluate(cluster)``, ``clusters`` and ``out`` (an
-    :class:`~trainer.online.OnlineTrainer`). ``trainer_id`` keys the job registry and is
+    :class:`~specops.trainer.online.trainer.OnlineTrainer`). ``trainer_id`` keys the job registry and is
     stored as the jobs' argument; the default (the trainer's resolved ``out`` directory)
     is stable across restarts. ``router_refitter`` (a RouterRefitter, with
     ``cfg.router_refit_s``) adds the router refit job. Plain counters for tests and the CLI:

@@ -4,7 +4,7 @@ rebuilt into a bounded set, gated on an offline copy hit rate, versioned as ``se
 - :func:`copy_hit_rate`: the gate's offline proxy for how much a past-sessions index helps LLMA;
 - :class:`SessionIndexRebuilder`: the rebuild job (consume, keep, gate, register, promote, commit).
 
-Serving seeds each cluster's :class:`~serving.proposers.session_cache.SessionCache` from
+Serving seeds each cluster's :class:`~specops.serving.proposers.session_cache.SessionCache` from
 ``sessions-<cluster>@champion`` (``serving/fleet/sessions.py``).
 """
 
@@ -112,7 +112,7 @@ class SessionRebuildResult:
 
 class SessionIndexRebuilder(Rebuilder[list[tuple[int, ...]]]):
     """Rebuilds each cluster's past-sessions index from its served outputs. :meth:`run_once`
-    (``trainer.rebuild.Rebuilder``) reads top to bottom:
+    (``specops.trainer.rebuild.Rebuilder``) reads top to bottom:
 
     1. **consume** GenerationRecords in its own consumer group; an output shorter than
        ``min_output_tokens`` is skipped, a repeat of one held moves to the newest place;

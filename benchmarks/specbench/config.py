@@ -91,7 +91,7 @@ class BenchConfig:
     """Timed forwards per model when measuring c."""
     draft_dtype: str = DEFAULT_DRAFT_DTYPE
     """Precision the draft runs in, ours and HF's assistant alike (serving's default; ``auto``:
-    measured at load, ``core.draft_dtype``; the results record what it resolved to)."""
+    measured at load, ``specops.core.draft_dtype``; the results record what it resolved to)."""
     float32_arm: bool = True
     """With a bfloat16 draft, also run ``draft_float32`` (the same draft in float32) side by side."""
     quick: bool = False

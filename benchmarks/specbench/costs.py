@@ -21,7 +21,7 @@ from specops.serving.engine.types import SamplingParams
 def measure_step_costs(pair: ModelPair, prompt_ids: list[int], cfg: BenchConfig, draft32=None) -> dict:
     """Median wall time of one cached forward of n new tokens on top of the prompt, for
     the draft (n=1) and the target (n=1 and n=k+1, a verification step), through the
-    engine's ``CachedLM`` (``core.cost.step_ms``). c = draft(1) / target(1)."""
+    engine's ``CachedLM`` (``specops.core.cost.step_ms``). c = draft(1) / target(1)."""
     ks = sorted({cfg.k, *cfg.sweep})
     out: dict = {"reps": cfg.cost_reps, "context_tokens": len(prompt_ids)}
     out["target_1_ms"] = step_ms(pair.target, prompt_ids, 1, reps=cfg.cost_reps)

@@ -131,7 +131,7 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
             kwargs.update(do_sample=False)
         n0 = counter.n
         # HF's loop on the models as from_pretrained loads them (plain nn.Linear): the baseline a
-        # user of HF gets. Our arms run on the served models (core.cpu_linear's few-row products).
+        # user of HF gets. Our arms run on the served models (specops.core.cpu_linear's few-row products).
         with hf_spec_counting() as counts, torch.inference_mode(), stock_linear(pair.target, pair.draft):
             t0 = time.perf_counter()
             out = pair.target.generate(ids, **kwargs)

@@ -42,8 +42,8 @@ from benchmarks.specbench.costs import (
 )
 from benchmarks.specbench.methods import ForwardCounter, Method, Outcome, build_methods, hf_assisted_settings
 from specops.core.models import load_model, load_model_dir
-from specops.prompts import heldout_prompts
 from specops.serving.engine.spec import DEFAULT_K, ProposerConfig
+from specops.workloads.prompts import heldout_prompts
 
 log = logging.getLogger("benchmarks.spec_decode")
 
@@ -389,7 +389,7 @@ def summarize(records: dict, results: dict, eq2: dict, costs: dict, cfg: BenchCo
                 if b["tokens_per_s"] > 0
             ]
         ),
-        "draft_dtype": costs["draft_dtype"],  # what it ran in ("auto" resolved, core.draft_dtype)
+        "draft_dtype": costs["draft_dtype"],  # what it ran in ("auto" resolved, specops.core.draft_dtype)
         "draft_dtype_requested": cfg.draft_dtype,
         "draft_vs_draft_float32": pooled_ratio(greedy, "draft", "draft_float32"),
         "headline_k": cfg.k,

@@ -1,5 +1,5 @@
 """What a cluster's past-sessions index keeps, and how it is built: one definition for serving's
-live cache (``serving.proposers.session_cache.SessionCache``) and the trainer's ``sessions-<cluster>``
+live cache (``specops.serving.proposers.session_cache.SessionCache``) and the trainer's ``sessions-<cluster>``
 artifact (``trainer/sessions.py``), so both bound and match past outputs the same way.
 """
 

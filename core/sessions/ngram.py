@@ -1,11 +1,11 @@
 """The n-gram index of token documents: the format LLMA copies from and the past-sessions
-artifact is rebuilt as (``core.sessions.cache.index_of``).
+artifact is rebuilt as (``specops.core.sessions.cache.index_of``).
 
 Every n-gram (n = 1..``max_n``) of the indexed documents maps to where it ends, so a lookup of
 a request's trailing tokens costs at most ``max_n`` dictionary reads and never re-scans a
 document. :meth:`NgramIndex.matches` ranks the hits of the longest n-gram by how far their
 match extends further back (up to :data:`MAX_EXTEND` tokens), then by the continuation's
-length, then by recency. LLMA's proposer (``serving.proposers.llma``) drafts from these matches.
+length, then by recency. LLMA's proposer (``specops.serving.proposers.llma``) drafts from these matches.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class NgramIndex:
     Documents are appended (never rewritten); each n-gram keeps at most ``max_positions``
     end positions, the most recent. Memory is bounded by ``max_tokens``: an append that
     would exceed it is refused (:meth:`room`), so an owner decides what to evict
-    (:class:`~serving.proposers.session_cache.SessionCache` rebuilds from its newest
+    (:class:`~specops.serving.proposers.session_cache.SessionCache` rebuilds from its newest
     documents).
     """
 

@@ -34,12 +34,12 @@ SKIP = ("specops.serving.vllm.plugin",)
 
 def check_entry_point(root: Path) -> None:
     """1 and 2: parse ``specops serve``, load its config and build the server as ``cmd_serve`` does."""
-    from specops.cli import build_parser
-    from specops.serve import Server
+    from specops.cli.main import build_parser
+    from specops.cli.serve_runtime import Server
     from specops.serving.http.config import ServeConfig, overrides_from_args
 
     args = build_parser().parse_args(["serve", "--port", "0"])
-    assert args.func.__module__ == "specops.commands.serve", args.func
+    assert args.func.__module__ == "specops.cli.serve", args.func
     cfg = ServeConfig.load(None, overrides=overrides_from_args(args))
     import torch  # cmd_serve sizes its thread team with it
 
@@ -69,7 +69,7 @@ def check_modules() -> list[str]:
 
 def check_registry(root: Path) -> None:
     """4: the registry store ``specops serve`` opens, on a server URI (no call made) and on SQLite (created)."""
-    from specops.artifact_cli import open_registry
+    from specops.cli.artifact import open_registry
 
     server = open_registry("http://127.0.0.1:9", None)
     assert server is not None

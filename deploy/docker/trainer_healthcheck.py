@@ -5,7 +5,7 @@ process lives, stuck or not; so liveness is read where its work leaves a trace:
 
 - **Scheduled** (``schedule = true``, or any ``*_every`` job in the config): the scheduler moves
   the ``distill-tick`` job's ``next_run_time`` in the job store's table of run times
-  (``trainer.runtimes``: numbers only, nothing pickled) every time it dispatches the tick, also
+  (``specops.trainer.runtimes``: numbers only, nothing pickled) every time it dispatches the tick, also
   when a tick is skipped for serving load or because the previous one is still running. A time more than ``SPECOPS_HEALTH_STALE_S`` seconds (default: the larger of
   120 s and 10 ticks) in the past means the scheduler loop is stuck or the job store (PostgreSQL)
   is unreachable: unhealthy.
@@ -38,7 +38,7 @@ def load_settings(path: str | Path) -> dict:
     import argparse
 
     from specops import config_file
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     actions = build_parser()._actions
     train = next(a for a in actions if isinstance(a, argparse._SubParsersAction)).choices["train"]

@@ -143,7 +143,7 @@ class TargetBatcher:
 
         A draft model gets a pool of its own: its passes never share one with the target's, but
         they are batched across requests and, on a CPU, run on the one thread that owns the OpenMP
-        team (``core.threads``). A draft that cannot pack (its attention is not SDPA) gets a plain
+        team (``specops.core.threads``). A draft that cannot pack (its attention is not SDPA) gets a plain
         ``CachedLM``, decoded on the request's own thread."""
         if model is None or model is self.model:
             return BatchedCachedLM(self.model, self)

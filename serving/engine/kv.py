@@ -4,7 +4,7 @@ Every model in the engine (target and draft) runs through ``CachedLM``: a forwar
 pass feeds only tokens that are not cached yet, so no step recomputes the prefix, and
 ``rollback`` drops cached positions after a rejection.
 
-A model that carries a draft vocabulary (``core.draft_vocab``) scores only those rows
+A model that carries a draft vocabulary (``specops.core.draft_vocab``) scores only those rows
 of its LM head; its logits are ``-inf`` elsewhere.
 """
 
@@ -99,7 +99,7 @@ class CachedLM:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append the uncached ``committed`` tokens, then every node of ``tree``, in one pass.
 
-        Each node sits at its own position (``serving.engine.tree.positions``) and attends
+        Each node sits at its own position (``specops.serving.engine.tree.positions``) and attends
         only to the committed tokens and its ancestors. Returns logits ``[1 + num_nodes,
         vocab]`` float32: row 0 at the last committed token (the root), row ``i`` at node
         ``i``; and the matching final hidden states when ``want_hidden``. Afterwards call
@@ -155,7 +155,7 @@ class CachedLM:
     @torch.inference_mode()
     def prefix(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the cached keys and values of positions ``0 .. length-1``, per layer
-        ``[kv_heads, length, head_dim]`` (``serving.engine.prefix``: a request's choices share a prefill)."""
+        ``[kv_heads, length, head_dim]`` (``specops.serving.engine.prefix``: a request's choices share a prefill)."""
         assert 0 < length <= self.num_cached, (length, self.num_cached)
         return [(layer.keys[0, :, :length].clone(), layer.values[0, :, :length].clone()) for layer in self.cache.layers]
 

@@ -1,7 +1,7 @@
 """A lean packed pass for Llama-family targets on a CPU: the decoder written out, projections fused.
 
 Issue 54 profiled a packed pass (``engine.ragged``) of SmolLM2-135M at 8 rows once its
-linear layers ran on prepacked oneDNN weights (``core.cpu_linear``): the products took about
+linear layers ran on prepacked oneDNN weights (``specops.core.cpu_linear``): the products took about
 60 % of the pass, and the rest was Hugging Face's per-layer module calls, the RMSNorm written
 as five elementwise ops, the rotary embedding, the cache object and three separate q/k/v and
 two gate/up products per layer. vLLM's CPU backend runs the same model as fused QKV and
@@ -10,7 +10,7 @@ own weights:
 
 - per layer **one** q/k/v product and **one** gate/up product, on weights concatenated and
   prepacked once (oneDNN's blocked layout), then ``o_proj`` and ``down_proj`` on the packed
-  weights ``core.cpu_linear`` already keeps for them: 4 products a layer instead of 7;
+  weights ``specops.core.cpu_linear`` already keeps for them: 4 products a layer instead of 7;
 - RMSNorm as ``F.rms_norm`` (one kernel); the rotary embedding gathered from a table the
   model's own ``rotary_emb`` computed (every rope scaling ``transformers`` knows), q's and k's
   heads rotated together; SiLU-and-multiply in place on the halves of the gate/up output;

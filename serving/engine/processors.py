@@ -15,7 +15,7 @@ masked while fewer than ``min_tokens`` are out; then ``repetition_penalty`` (HF/
 of a token in the context or the output divided by it when positive, multiplied when not),
 ``frequency_penalty`` × the token's count in the output and ``presence_penalty`` × whether it
 occurs there subtracted (OpenAI: output tokens only). Temperature and the filters come after
-(``serving.engine.sampling.warp``).
+(``specops.serving.engine.sampling.warp``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One request's decoding as a session of steps: ``start``, ``step``, ``rollback_to``, ``finish``.
 
-A step is one propose + verify + commit (``serving.engine.verifier`` defines the terms). The
+A step is one propose + verify + commit (``specops.serving.engine.verifier`` defines the terms). The
 session owns what a request needs between steps: its :class:`DecodeState`, the target's KV
 cache (through the verifier), the proposer, the RNG, the counters and the stage timings.
 
@@ -12,7 +12,7 @@ passage, checked against the real retrieval later) opens the session with
 and :meth:`DecodeSession.rollback_to` withdraws tentative ones, rolling the target's and the
 proposer's caches back with them. Streaming sends only final tokens.
 
-``SpecEngine.generate`` (``serving.engine.spec``) is the short driver over a session.
+``SpecEngine.generate`` (``specops.serving.engine.spec``) is the short driver over a session.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class DecodeSession:
     ) -> None:
         self.target = target
         self.prefix_share = prefix_share
-        """This choice's part in its request's shared prefill (``serving.engine.prefix``), or None."""
+        """This choice's part in its request's shared prefill (``specops.serving.engine.prefix``), or None."""
         self.grammar = grammar
         """The request's structured-output matcher (``params.grammar`` compiled), or None."""
         self.proposer = proposer

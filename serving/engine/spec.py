@@ -1,5 +1,5 @@
 """``SpecEngine.generate``: decode one request to the end, a short driver over a
-:class:`~serving.engine.session.DecodeSession` (propose, verify, commit, until EOS,
+:class:`~specops.serving.engine.session.DecodeSession` (propose, verify, commit, until EOS,
 max_new_tokens, the context is full, or the caller stops it)."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from specops.serving.proposers.catalogue import (  # noqa: F401  (re-exported: t
 
 
 class ResultSink(Protocol):
-    """Where a bare engine hands each finished request (``serving.fleet.stream_logger.StreamLogger``
+    """Where a bare engine hands each finished request (``specops.serving.fleet.stream_logger.StreamLogger``
     is one). The serving node does not give its engines one: it hands results over itself, for
-    every decoding mode (``serving.fleet.node.ServingNode.serve``)."""
+    every decoding mode (``specops.serving.fleet.node.ServingNode.serve``)."""
 
     cfg: object
     """Its ``enabled`` says whether records are kept (then rejections are collected for them)."""
@@ -144,7 +144,7 @@ class SpecEngine:
         HTTP API streams them); returning True ends the request there with finish reason
         ``stop`` (a stop sequence was seen), and an exception it raises (the client went
         away) ends it without logging. ``prefix_share`` is this request's part in its choices' shared
-        prefill (``serving.engine.prefix``: ``n`` and ``best_of``).
+        prefill (``specops.serving.engine.prefix``: ``n`` and ``best_of``).
 
         With a ``logger`` (a bare engine's :class:`ResultSink`), the finished request is handed
         to it (``meta`` names the request); that never blocks or raises. The serving node hands

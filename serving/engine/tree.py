@@ -14,7 +14,7 @@ A proposer may return ``n`` candidate rows (``Proposals.tokens`` ``[n, k]`` with
 
 The target sees the tree in one forward pass: each node at position ``base + depth - 1``
 (``base`` = committed length), attending to the committed tokens, its ancestors and itself
-(:func:`attention_mask`). The verifier's rules over a tree are in ``serving.engine.verifier``.
+(:func:`attention_mask`). The verifier's rules over a tree are in ``specops.serving.engine.verifier``.
 """
 
 from __future__ import annotations

@@ -77,9 +77,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: off. ``n`` in 0..:data:`MAX_LOGPROBS`: each emitted token's log-probability under the
     target, with its ``n`` most probable alternatives, from the verification pass that emitted it
-    (``serving.engine.sampling.token_logprobs``)."""
+    (``specops.serving.engine.sampling.token_logprobs``)."""
     presence_penalty: float = 0.0
-    """OpenAI's: subtracted from the logit of every token the output holds, in [-2, 2] (``serving.engine.processors``)."""
+    """OpenAI's: subtracted from the logit of every token the output holds, in [-2, 2] (``specops.serving.engine.processors``)."""
     frequency_penalty: float = 0.0
     """OpenAI's: times the token's count in the output, subtracted from its logit, in [-2, 2]."""
     repetition_penalty: float = 1.0
@@ -99,7 +99,7 @@ class SamplingParams:
     of the distribution the token was drawn from (temperature, min-p, top-k, top-p applied; a
     token they drop has ``-inf``). Greedy requests get ``raw`` either way, as vLLM's."""
     grammar: GrammarSpec | None = None
-    """Structured output: the grammar every output token must follow (``serving.engine.grammar``)."""
+    """Structured output: the grammar every output token must follow (``specops.serving.engine.grammar``)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
@@ -180,7 +180,7 @@ class DecodeState:
     num_final: int = 0
     """Output tokens that can no longer be rolled back."""
     grammar: object | None = None
-    """The request's structured-output matcher (``serving.engine.grammar.Constraint``), or None: a
+    """The request's structured-output matcher (``specops.serving.engine.grammar.Constraint``), or None: a
     draft model drafts only what it allows (the session prunes every other proposer's drafts)."""
 
     def __post_init__(self) -> None:
@@ -205,7 +205,7 @@ class DecodeState:
 class Proposals:
     """Candidate continuations from one proposer call: one row (a chain) or several (a tree).
 
-    Several rows are merged into a token tree (``serving.engine.tree``): rows sharing a
+    Several rows are merged into a token tree (``specops.serving.engine.tree``): rows sharing a
     prefix share its nodes, and one target pass verifies them all.
     """
 
@@ -317,7 +317,7 @@ class Verdict:
     """[hidden] target's last hidden state at the position that produced ``bonus``
     (only when the verifier was asked for it; DReSD keys on it)."""
     path: list[int] = field(default_factory=list)
-    """The accepted tree nodes, root to leaf (``serving.engine.tree`` numbering; for a
+    """The accepted tree nodes, root to leaf (``specops.serving.engine.tree`` numbering; for a
     chain, node ``i`` is draft ``i``, so ``path == [1 .. len(accepted)]``)."""
     num_nodes: int = 0
     """Distinct drafted tokens the target checked (tree nodes; ``num_drafted`` for a chain)."""
@@ -365,14 +365,14 @@ class RequestStats:
     """Emitted tokens later withdrawn by ``DecodeSession.rollback_to`` (not in ``num_generated``)."""
     num_prefill_shared: int = 0
     """Prompt tokens this choice loaded from its request's first choice instead of prefilling
-    them (``serving.engine.prefix``: ``n`` / ``best_of``)."""
+    them (``specops.serving.engine.prefix``: ``n`` / ``best_of``)."""
     finish_reason: str = ""
     """``eos``, ``length`` (max_new_tokens), ``context`` (model context full) or ``stop`` (the caller's
     ``on_step`` ended it: a stop sequence)."""
     proposer: dict[str, int] = field(default_factory=dict)
     """The proposer's own counters (``Proposer.counters``; LLMA: steps, hits per copy source)."""
     policy: dict = field(default_factory=dict)
-    """What ``auto`` chose (``serving.proposers.auto.AutoProposer.summary``): steps, drafted and
+    """What ``auto`` chose (``specops.serving.proposers.auto.AutoProposer.summary``): steps, drafted and
     accepted per method, and the latest decision with its estimates; empty for fixed methods."""
     time_s: dict[str, float] = field(
         default_factory=lambda: {"first_step": 0.0, "propose": 0.0, "verify": 0.0, "total": 0.0}

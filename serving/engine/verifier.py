@@ -1,6 +1,6 @@
 """The verifier: one target forward pass checks a proposal and emits accepted + bonus tokens.
 
-Terms (accepted, rejected, bonus, committed) are defined in ``serving.engine.types``.
+Terms (accepted, rejected, bonus, committed) are defined in ``specops.serving.engine.types``.
 
 Target cache: a step feeds every committed token the cache lacks (the whole prompt
 on the first step, which is the prefill; afterwards only the previous bonus token)
@@ -22,12 +22,12 @@ Acceptance rules (OSD §3; Leviathan et al. 2023; DReSD §3.6):
   a one-hot ``q``.
 
 ``p`` is the target's warped distribution (temperature, min-p, top-k, top-p:
-``serving.engine.sampling.warp``), the same one target-only sampling draws from, so every
+``specops.serving.engine.sampling.warp``), the same one target-only sampling draws from, so every
 rule preserves the target's distribution. ``q`` is the draft's distribution under the same
 warp, the one its tokens were drawn from; a token the target's filters dropped has ``p = 0``
 and is always rejected, and one the draft's dropped (``q = 0``) comes only from the residual.
 
-**Several drafts: a token tree** (``serving.engine.tree``). Rows are merged into a trie and
+**Several drafts: a token tree** (``specops.serving.engine.tree``). Rows are merged into a trie and
 one target pass scores every node (tree attention mask, each node at its own position).
 The walk starts at the root (the last committed token) with the target's ``p`` there:
 
@@ -164,15 +164,15 @@ class Verifier:
         self.collect_rejections = collect_rejections
         self.want_hidden = want_hidden
         self.eos = frozenset(eos)
-        """The model's EOS tokens (``min_tokens`` masks them: ``serving.engine.processors``)."""
+        """The model's EOS tokens (``min_tokens`` masks them: ``specops.serving.engine.processors``)."""
 
     def _adjusted(self, logits: torch.Tensor, state: DecodeState, extras: list[list[int]]) -> torch.Tensor:
-        """The rows' logits after the request's bias and penalties (``serving.engine.processors``)."""
+        """The rows' logits after the request's bias and penalties (``specops.serving.engine.processors``)."""
         return processors.adjust(logits, state.params, state.token_ids, state.num_prompt_tokens, extras, self.eos)
 
     def verify(self, state: DecodeState, proposals: Proposals, grammar: Constraint | None = None) -> Verdict:
         """Verify ``proposals`` (already pruned by ``grammar``, when the request has one: its
-        masks apply to every row, ``serving.engine.grammar``)."""
+        masks apply to every row, ``specops.serving.engine.grammar``)."""
         if not proposals.is_chain:
             return self.verify_tree(state, proposals, grammar)
         assert self.target.num_cached < len(state.token_ids), (self.target.num_cached, len(state.token_ids))

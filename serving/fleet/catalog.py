@@ -18,7 +18,7 @@ An unknown name is the caller's error (a 400 naming the field), listing what is 
 file) or cannot be fetched is refused once, logged at ERROR, and counted in
 ``specops_named_artifact_refusals_total{kind}``; it is not fetched again on every request.
 While a good version of the name is loaded it keeps serving. With none, a request gets a 503
-naming the field (``retrieval.kb``: :class:`~core.errors.ArtifactUnavailableError`). The
+naming the field (``retrieval.kb``: :class:`~specops.core.errors.ArtifactUnavailableError`). The
 fetch is retried with exponential backoff (``backoff_initial_s`` doubling to
 ``backoff_max_s``), by the next request or poll after the delay; a new champion version is
 tried at once.

@@ -18,7 +18,7 @@ Any other name is refused with a 400 naming ``cluster`` (:meth:`KnownClusters.ch
 followers take no key that is not a cluster (:meth:`KnownClusters.exists` is their filter), so
 a made-up name costs one refused request, not a slot, a poll every ``poll_s`` and metric series.
 
-Metrics label clusters with ``core.clusters.cluster_label`` (a bounded label set).
+Metrics label clusters with ``specops.core.clusters.cluster_label`` (a bounded label set).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Serving's DReSD datastores: one per cluster, following ``datastore-<cluster>@champion``.
 
-The ``datastore`` kind's :class:`~serving.fleet.follower.AliasFollower`: a check fetches the
+The ``datastore`` kind's :class:`~specops.serving.fleet.follower.AliasFollower`: a check fetches the
 champion (checksums against its manifest), loads it (:meth:`Datastore.load` re-checks every
 index file's sha256 and refuses anything malformed), proves it fits this target (hidden size,
 vocabulary, tokenizer) and installs it with one reference assignment. A request takes its

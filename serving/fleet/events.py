@@ -1,7 +1,7 @@
 """The push half of hot-swap: alias changes as ModelEvents on ``spec.events``.
 
 - :class:`EventPublisher` is the registry's ``on_change`` hook: every promotion or
-  rollback is published as a :class:`~streams.records.ModelEvent` keyed by model name.
+  rollback is published as a :class:`~specops.streams.records.ModelEvent` keyed by model name.
 - :class:`EventWatcher` is a serving replica's listener. It consumes ``spec.events`` in
   its own consumer group (one per replica, ``serving-events-<replica>``), so every replica
   sees every event, and calls ``on_event`` for each. Events older than the watcher are

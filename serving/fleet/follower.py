@@ -1,7 +1,7 @@
 """One alias follower for every artifact kind: keep what serving holds on ``<kind>@champion``.
 
 An :class:`AliasFollower` follows the registry alias ``champion`` of one artifact kind
-(``registry.kinds``) for a set of keys (a draft per cluster, one router, later a datastore
+(``specops.registry.kinds``) for a set of keys (a draft per cluster, one router, later a datastore
 per cluster and the knowledge bases). One check of a key (:meth:`AliasFollower.check`) is:
 
 1. **resolve** the key's champion in the registry (on a timer every ``poll_s``, and at once
@@ -15,8 +15,8 @@ per cluster and the knowledge bases). One check of a key (:meth:`AliasFollower.c
 Everything runs on the follower's one worker thread; a request never waits for it. A
 registry outage or a refused artifact keeps the current version serving; it is logged,
 counted (``specops_follower_failures_total``) and retried with exponential backoff.
-Subclasses give the kind's load/validate and install; ``serving.fleet.hotswap``
-(drafts) and ``serving.fleet.router`` (the router) are the two today.
+Subclasses give the kind's load/validate and install; ``specops.serving.fleet.hotswap``
+(drafts) and ``specops.serving.fleet.router`` (the router) are the two today.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class AliasFollower:
         self.follow_cfg = follow or FollowConfig()
         self.keys: set[str] = set()
         self.allow: Callable[[str], bool] | None = None
-        """Which keys may be followed (serving: clusters that exist, ``serving.fleet.clusters``); None: any.
+        """Which keys may be followed (serving: clusters that exist, ``specops.serving.fleet.clusters``); None: any.
         A key it refuses is not followed, and one it stops allowing is no longer polled."""
         self._failures: dict[str, tuple[int, float]] = {}
         """Per key: consecutive failures and when the next queued attempt may run."""

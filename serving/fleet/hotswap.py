@@ -1,6 +1,6 @@
 """Hot-swap: each cluster's draft slot follows the registry alias ``champion``.
 
-:class:`DraftFollower` is the ``draft`` kind's :class:`~serving.fleet.follower.AliasFollower`
+:class:`DraftFollower` is the ``draft`` kind's :class:`~specops.serving.fleet.follower.AliasFollower`
 (one worker thread, polling and events, backoff). One check of a cluster is:
 
 1. **resolve** ``draft-<cluster>@champion`` in the registry (on a timer every
@@ -27,7 +27,7 @@ numbers as the reason, and swaps to the restored version.
 
 **Which clusters exist.** The follower also lists the clusters with a champion draft
 (:attr:`DraftFollower.champions`: one registry search at start, every ``poll_s``, and when a
-ModelEvent names a draft it does not know); a request may name those (``serving.fleet.clusters``).
+ModelEvent names a draft it does not know); a request may name those (``specops.serving.fleet.clusters``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DraftHandle:
     """The version this one replaced as champion (the auto-rollback's comparison)."""
     loaded_at: float = field(default_factory=time.time)
     backend: object | None = None
-    """What serves this version outside the process, if anything (``serving.vllm``: the vLLM server)."""
+    """What serves this version outside the process, if anything (``specops.serving.vllm``: the vLLM server)."""
 
     @property
     def model_name(self) -> str:
@@ -179,14 +179,14 @@ class DraftFollower(AliasFollower):
         self._reported: dict[str, tuple[str, str]] = {}
         """Per cluster: the last (serving, refused) reported (``_report`` writes only changes)."""
         self.base_backend: object | None = None
-        """The base draft's outside server (``serving.vllm``), given to every new slot."""
+        """The base draft's outside server (``specops.serving.vllm``), given to every new slot."""
         self.on_swap: list = []
         """Called after every swap as ``fn(cluster, version)`` (the registry's ``ArtifactVersion``
         now serving): the serving node re-seeds ``auto``'s estimates of the draft there. A
         listener that raises is logged; the swap stands."""
         self.champions: frozenset[str] = frozenset()
         """Clusters with a registered champion draft, as last listed (every ``poll_s``, and when a
-        ModelEvent names a draft not in it): clusters that exist (``serving.fleet.clusters``)."""
+        ModelEvent names a draft not in it): clusters that exist (``specops.serving.fleet.clusters``)."""
 
     def start(self) -> DraftFollower:
         super().start()

@@ -1,10 +1,10 @@
 """A serving node: one target, one hot-swappable draft per cluster, concurrent requests.
 
-``ServingNode.serve(plan)`` is what the replica (``serving.replica``) calls from many
-threads at once, for one request's :class:`~serving.plan.DecodePlan`:
+``ServingNode.serve(plan)`` is what the replica (``specops.serving.replica``) calls from many
+threads at once, for one request's :class:`~specops.serving.plan.DecodePlan`:
 
-1. dispatch once over the mode catalogue (``serving.modes``): plain, one-shot RAG, RaLM or
-   kNN-LM; a mode decodes with the cluster's current :class:`~serving.fleet.hotswap.DraftHandle`,
+1. dispatch once over the mode catalogue (``specops.serving.modes``): plain, one-shot RAG, RaLM or
+   kNN-LM; a mode decodes with the cluster's current :class:`~specops.serving.fleet.hotswap.DraftHandle`,
    taken once (:meth:`decode`: a fresh KV cache per request; model weights are only read, so
    requests share them safely), and names the versions used in the result;
 2. count the request's drafted and accepted tokens on the artifact version that drafted them
@@ -66,14 +66,14 @@ class ServingNode:
         self.policy = policy
         """The replica's ``auto`` policy (None: the process default)."""
         self.sessions = sessions
-        """``serving.proposers.session_cache.SessionCache``: each cluster's past outputs, the copy
+        """``specops.serving.proposers.session_cache.SessionCache``: each cluster's past outputs, the copy
         source of methods that copy references (or None: off)."""
         self.follower = follower
         self.datastores = datastores
-        """``serving.fleet.datastores.DatastoreFollower``: the cluster's DReSD datastore (or None)."""
+        """``specops.serving.fleet.datastores.DatastoreFollower``: the cluster's DReSD datastore (or None)."""
         self.logger = logger
         self.batcher = batcher
-        """When set, concurrent requests share target forward passes (``serving.engine.batching``)."""
+        """When set, concurrent requests share target forward passes (``specops.serving.engine.batching``)."""
         if hasattr(follower, "on_swap"):
             follower.on_swap.append(self.draft_swapped)
 

@@ -1,4 +1,4 @@
-"""The serving router's hot-swap: the router artifact itself (:class:`~core.router.Router`, its
+"""The serving router's hot-swap: the router artifact itself (:class:`~specops.core.router.Router`, its
 format and routing) is in ``core/router.py``.
 
 **Hot-swap.** :class:`RouterFollower` follows ``router@champion`` in the registry like
@@ -41,7 +41,7 @@ KEY = ""
 
 class RouterFollower(AliasFollower):
     """Keeps the serving router on the registry's ``router@champion`` (the ``router`` kind's
-    :class:`~serving.fleet.follower.AliasFollower`, key ``""``).
+    :class:`~specops.serving.fleet.follower.AliasFollower`, key ``""``).
 
     ``embedder_factory(kind)`` returns the embedder a router of that kind routes with
     (serving passes one that knows its target for ``target``); one per kind is kept.

@@ -1,11 +1,11 @@
 """Serving's past sessions follow the registry: each cluster's cache is seeded from
 ``sessions-<cluster>@champion``.
 
-The ``sessions`` kind's :class:`~serving.fleet.follower.AliasFollower`: a check fetches the
+The ``sessions`` kind's :class:`~specops.serving.fleet.follower.AliasFollower`: a check fetches the
 champion (checksums against its manifest), loads it (:func:`load_sessions` re-checks its own
 sha256, dtypes, offsets and token ids against this target's vocabulary), refuses one made with
 another tokenizer, and replaces the cluster's outputs in the
-:class:`~serving.proposers.session_cache.SessionCache` (:meth:`SessionCache.seed`: the new
+:class:`~specops.serving.proposers.session_cache.SessionCache` (:meth:`SessionCache.seed`: the new
 index is swapped in by one assignment; a running request keeps the index it took). Outputs
 finished after that are added on top as before. A refused or unreachable version keeps the
 current cache.
@@ -13,7 +13,7 @@ current cache.
 Which clusters: every ``sessions-<cluster>`` registered when serving starts, and again every
 ``poll_s`` (a cluster first registered later is found then), and any named by a ModelEvent;
 in serving, only those that are clusters of the server (``AliasFollower.allow``,
-``serving.fleet.clusters``): a registered index of a name no request can send is not polled.
+``specops.serving.fleet.clusters``): a registered index of a name no request can send is not polled.
 """
 
 from __future__ import annotations

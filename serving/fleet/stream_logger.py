@@ -1,9 +1,9 @@
 """Serving-side logging of finished requests to the streams, off the request path.
 
 1. When a request finishes, :meth:`StreamLogger.log` turns its result into one
-   :class:`~streams.records.MissRecord` (the target's distribution at every rejected
+   :class:`~specops.streams.records.MissRecord` (the target's distribution at every rejected
    position, collected by the verifier during decoding: no extra forward pass) and one
-   :class:`~streams.records.GenerationRecord`, and appends both to a bounded in-memory
+   :class:`~specops.streams.records.GenerationRecord`, and appends both to a bounded in-memory
    queue. This takes a top-k over ``[m, vocab]`` logits and never touches the stream,
    so a request never waits on it.
 2. A background flusher thread takes up to ``batch_size`` records at a time, encodes

@@ -5,7 +5,7 @@ A request is admitted in one of three ways:
 - a worker is free: it runs now;
 - every worker is busy but the queue has room: it waits, at most ``queue_timeout_s``
   (then 503), in arrival order;
-- the queue is full too: :class:`~core.errors.OverloadedError` at once (429 with a
+- the queue is full too: :class:`~specops.core.errors.OverloadedError` at once (429 with a
   ``Retry-After``), so the server never hangs and its memory stays bounded by
   ``max_running + max_queue`` requests of bounded size.
 

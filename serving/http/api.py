@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over one :class:`~serving.http.server.ServingState`.
+"""The OpenAI-compatible HTTP API (FastAPI) over one :class:`~specops.serving.http.server.ServingState`.
 
 Endpoints:
 
@@ -15,16 +15,16 @@ Endpoints:
   loading failed); ``GET /readyz`` (models loaded and not draining: 200, else 503 with the loading
   step or the error; no cluster names); ``GET /metrics`` (Prometheus).
 
-Every request has a tenant (:mod:`serving.http.tenancy`): the owner of its key, resolved by
-:class:`~serving.http.gate.Gate` and kept in the ASGI scope's state; its id goes with the request into
-:meth:`ServingState.plan <serving.http.server.ServingState.plan>`.
+Every request has a tenant (:mod:`specops.serving.http.tenancy`): the owner of its key, resolved by
+:class:`~specops.serving.http.gate.Gate` and kept in the ASGI scope's state; its id goes with the request into
+:meth:`ServingState.plan <specops.serving.http.server.ServingState.plan>`.
 
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
-the status from :data:`core.errors.HTTP_STATUS`. A request is refused before any work
+the status from :data:`specops.core.errors.HTTP_STATUS`. A request is refused before any work
 when its body is too large (413), its key is missing (401) or wrong (403), or admission
 is full (429, ``Retry-After``); then it is validated (400 naming the field to fix) and
 only then queued for a decode worker. A body must arrive within ``body_timeout_s`` (408,
-:mod:`serving.http.read_timeouts`); :mod:`serving.http.request_json` parses it, and a bug is a 500
+:mod:`specops.serving.http.read_timeouts`); :mod:`specops.serving.http.request_json` parses it, and a bug is a 500
 of the same shape (uvicorn logs its traceback).
 """
 

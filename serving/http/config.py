@@ -43,7 +43,7 @@ DEFAULTS_FROM_ENV = {
 }
 """Fields whose default (empty, 'default' or 'auto') is resolved from these variables when the replica starts."""
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-"""What a request's ``cluster`` may be (``serving.http.schema.ClusterName``), so a configured cluster is one too."""
+"""What a request's ``cluster`` may be (``specops.serving.http.schema.ClusterName``), so a configured cluster is one too."""
 
 
 class ServeConfig(settings.ExplicitSettings):

@@ -1,6 +1,6 @@
 """The body of every API error, OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
 
-Shared by the API (``serving.http.api``) and the read deadlines (``serving.http.read_timeouts``,
+Shared by the API (``specops.serving.http.api``) and the read deadlines (``specops.serving.http.read_timeouts``,
 which answer a 408 before any route runs), so neither imports the other.
 """
 

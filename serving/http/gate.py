@@ -2,9 +2,9 @@
 
 :class:`Gate` refuses a body that is too large (413) and a missing (401) or wrong (403) key
 before any route runs, counts requests by endpoint and status, times them to their last byte,
-writes one access-log line each (``serving.http.latency.log_access``; probes and scrapes at DEBUG) and puts the request's
-:class:`~serving.http.tenancy.Tenant` and arrival time in the ASGI scope's state.
-:func:`error_response` is every API error's response (``serving.http.api`` uses it too).
+writes one access-log line each (``specops.serving.http.latency.log_access``; probes and scrapes at DEBUG) and puts the request's
+:class:`~specops.serving.http.tenancy.Tenant` and arrival time in the ASGI scope's state.
+:func:`error_response` is every API error's response (``specops.serving.http.api`` uses it too).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Gate:
     """Pure ASGI middleware, in front of everything: body size (413) and key (401/403) checks,
     then request counts by status and time to the last byte. Pure ASGI, not Starlette's
     ``BaseHTTPMiddleware``, so the route still sees the client's disconnect. The key's
-    :class:`~serving.http.tenancy.Tenant` goes in ``scope["state"]["tenant"]`` (``ANONYMOUS``
+    :class:`~specops.serving.http.tenancy.Tenant` goes in ``scope["state"]["tenant"]`` (``ANONYMOUS``
     without keys; none on a path open without a key)."""
 
     ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", *OPEN_PATHS)
@@ -67,7 +67,7 @@ class Gate:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        scope.setdefault("state", {})["arrived"] = t0  # the request timer's start (serving.http.latency)
+        scope.setdefault("state", {})["arrived"] = t0  # the request timer's start (specops.serving.http.latency)
         path = scope["path"]
         endpoint = path if path in self.ENDPOINTS else "other"
         seconds = API_SECONDS.labels(endpoint)

@@ -1,7 +1,7 @@
 """One admitted request as the client gets it: its :class:`Job` (the plan, streaming callbacks, the
 text and tokens handed out so far) and what decides which of its tokens go out: stop sequences
 (:func:`find_stop`, :func:`held_back`) and the log-probabilities behind the text sent
-(:func:`delta_logprobs`, :func:`prompt_logprobs`). ``serving.http.server`` runs jobs."""
+(:func:`delta_logprobs`, :func:`prompt_logprobs`). ``specops.serving.http.server`` runs jobs."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def choice_plan(plan: DecodePlan, index: int, *, rank: bool = False, prefix: Sha
     (vLLM's rule: a seeded request's choices are reproducible and differ), a request id of its
     own (``<id>#<index>``, the trainer's held-out split keeps a request's choices together), and
     with ``rank`` log-probabilities computed (``best_of`` ranks the choices by them); with ``prefix``,
-    choice 0 prefills the prompt and the others load its keys and values (``serving.engine.prefix``)."""
+    choice 0 prefills the prompt and the others load its keys and values (``specops.serving.engine.prefix``)."""
     params = plan.params
     changes: dict = {}
     if prefix is not None:

@@ -1,7 +1,7 @@
 """Request latency as clients see it, in vLLM's metric names (with our prefix), and the access log.
 
 Every completion request that reaches a decode worker is timed from its arrival (the first
-byte of its request, as :class:`serving.http.api.Gate` saw it) by one :class:`RequestTimer`:
+byte of its request, as :class:`specops.serving.http.api.Gate` saw it) by one :class:`RequestTimer`:
 
 - ``specops_time_to_first_token_seconds``: arrival to the first generated tokens, sent in a
   chunk (streams) or emitted by the decode's first step (non-streamed requests, whose client
@@ -11,9 +11,9 @@ byte of its request, as :class:`serving.http.api.Gate` saw it) by one :class:`Re
   emits several tokens at once: this is the gap a client waits, not time per token);
 - ``specops_e2e_request_latency_seconds``: arrival to the last token, of requests that finished.
 
-Labels are the cluster (``core.clusters.cluster_label``: bounded) and the decoding method.
+Labels are the cluster (``specops.core.clusters.cluster_label``: bounded) and the decoding method.
 The time a request waits for a worker is ``specops_admission_wait_seconds``
-(``serving.http.admission``); requests running and waiting are ``specops_admission_running``
+(``specops.serving.http.admission``); requests running and waiting are ``specops_admission_running``
 and ``specops_admission_queue_depth``.
 
 :func:`log_access` writes one line per HTTP request at INFO on the ``specops.access`` logger

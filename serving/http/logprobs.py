@@ -1,7 +1,7 @@
 """Log-probabilities in OpenAI's two response shapes.
 
-The engine gives one :class:`~serving.engine.types.TokenLogprob` per output token (the target's,
-from the verification pass that emitted it: ``serving.engine.sampling.token_logprobs``). Here
+The engine gives one :class:`~specops.serving.engine.types.TokenLogprob` per output token (the target's,
+from the verification pass that emitted it: ``specops.serving.engine.sampling.token_logprobs``). Here
 they become text: each token as the tokenizer decodes it alone (vLLM's choice; a token that is
 part of a multi-byte character decodes to U+FFFD, and ``bytes`` in the chat shape gives the
 UTF-8 of that text), then

@@ -1,7 +1,7 @@
 """Read deadlines: a client has a bounded time to send its request, so a connection that
 trickles its headers, or declares more body than it sends, does not stay open indefinitely.
 
-Three settings of ``specops serve`` (:class:`~serving.http.config.ServeConfig`):
+Three settings of ``specops serve`` (:class:`~specops.serving.http.config.ServeConfig`):
 
 1. ``header_timeout_s``: from a connection's opening, or on a kept-alive connection from the
    first byte of its next request, until that request's headers are complete. On expiry the

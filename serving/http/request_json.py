@@ -2,7 +2,7 @@
 
 :func:`parse` decodes the text (UTF-8, or the UTF-16/32 that JSON detection allows), parses
 standard JSON and walks the result once. It refuses, as
-:class:`~core.errors.InvalidRequestError` with ``param`` set to the field:
+:class:`~specops.core.errors.InvalidRequestError` with ``param`` set to the field:
 
 - JSON that does not parse: a syntax error; ``NaN`` or ``Infinity`` (not JSON); a number
   longer than Python's integer digit limit (``sys.get_int_max_str_digits()``, 4300);
@@ -13,7 +13,7 @@ standard JSON and walks the result once. It refuses, as
   escape ``"\\ud800"`` with no pair) or an invalid UTF-8 byte. The tokenizer cannot take
   it and a JSON response cannot quote it; an escaped surrogate *pair* is a valid character.
 
-Pydantic then validates types and bounds (see :mod:`serving.http.schema`).
+Pydantic then validates types and bounds (see :mod:`specops.serving.http.schema`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The body of a completion or chat response (``serving.http.api`` sends it): its choices (text,
+"""The body of a completion or chat response (``specops.serving.http.api`` sends it): its choices (text,
 log-probabilities, finish reason, token ids), usage, and the ``speculation`` block, summed over the
 choices of an ``n`` > 1 request, whose ``best_of`` keeps the most probable."""
 
@@ -42,7 +42,7 @@ def speculation_block(job: Job, served) -> dict:
         "tokens_per_target_forward": round(st.tokens_per_target_forward, 4),
         "decode_s": round(st.time_s.get("total", 0.0), 4),
     }
-    if served.engine:  # decoded by vLLM: its own per-request counts, or recomputed (serving.vllm.replay)
+    if served.engine:  # decoded by vLLM: its own per-request counts, or recomputed (specops.serving.vllm.replay)
         speculation.update(engine=served.engine, counts_source=served.counts_source or None)
         if st.method == "target":  # a target-only server drafts nothing: there is no α to report
             speculation.update(drafted=None, accepted=None, acceptance_rate=None, rejected_steps=None)
@@ -94,7 +94,7 @@ def choice_body(job: Job, served, *, chat: bool, tokenizer, index: int) -> dict:
         )
     if chat:
         message = {"role": "assistant", "content": job.text}
-        if job.tool_calls:  # the calls parsed out (serving.http.tools); content: what was outside them
+        if job.tool_calls:  # the calls parsed out (specops.serving.http.tools); content: what was outside them
             message.update(content=job.text if job.text.strip() else None, tool_calls=job.tool_calls)
             finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}

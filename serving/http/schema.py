@@ -7,11 +7,11 @@ gets a 400 naming the parameter, rather than being silently ignored. The excepti
 :data:`IGNORED_FIELDS`: what clients commonly send that cannot change the output (storage,
 billing and tracing hints); they are accepted, and the API names the ones a request sent in
 its ``X-Specops-Ignored-Fields`` header and a log line. vLLM's ``top_k`` and ``min_p`` are
-honoured (``serving.engine.sampling``). Our extension fields are ``speculation``, ``cluster``,
+honoured (``specops.serving.engine.sampling``). Our extension fields are ``speculation``, ``cluster``,
 ``retrieval``, ``knnlm``, ``references`` and vLLM's ``return_token_ids``, ``logprobs_mode``,
 ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``.
 Types are strict (:data:`STRICT`), as OpenAI's are. Server-side bounds (prompt length,
-``max_tokens``, ``k``) are checked by the API against :class:`~serving.http.config.ServeConfig`,
+``max_tokens``, ``k``) are checked by the API against :class:`~specops.serving.http.config.ServeConfig`,
 since they are settings.
 """
 
@@ -76,7 +76,7 @@ class Speculation(BaseModel):
     model_config = STRICT
 
     method: str | None = Field(None, json_schema_extra=lambda schema: _method_enum(schema["anyOf"][0]))
-    """One of the catalogue's methods (``serving.proposers.catalogue``), as registered when the request
+    """One of the catalogue's methods (``specops.serving.proposers.catalogue``), as registered when the request
     comes: draft = the cluster's draft model; pld = prompt lookup; target = target-only (no speculation)."""
     k: int | None = Field(None, ge=1)
     """Tokens drafted per verification step (bounded by the server's max_k)."""
@@ -268,7 +268,7 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     """OpenAI's (chat; vLLM takes it on completions too): ``json_object`` or ``json_schema`` output."""
     structured_outputs: StructuredOutputs | None = None
-    """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (``serving.engine.grammar``)."""
+    """vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (``specops.serving.engine.grammar``)."""
     guided_json: dict[str, Any] | str | None = None
     """vLLM's older name of ``structured_outputs.json`` (as are ``guided_regex``, ``guided_choice``, ``guided_grammar``)."""
     guided_regex: str | None = None
@@ -478,7 +478,7 @@ class ChatMessage(BaseModel):
     """An assistant turn's calls (its ``content`` may then be null)."""
 
     def as_dict(self) -> dict:
-        """The message as the chat template and ``serving.http.tools`` take it."""
+        """The message as the chat template and ``specops.serving.http.tools`` take it."""
         out: dict = {"role": self.role, "content": self.text}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -504,7 +504,7 @@ class ChatCompletionRequest(_Common):
     """The target's log-probability of each output token (``top_logprobs``: and of its most probable alternatives)."""
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
-    """Functions the model may call (``serving.http.tools``)."""
+    """Functions the model may call (``specops.serving.http.tools``)."""
     tool_choice: Any = None
     """``auto`` (the default with tools): the model decides; ``none``: no call (the tools are not
     rendered); ``required``: at least one call; a named function: that call. The last two are

@@ -1,12 +1,12 @@
 """The HTTP side of one replica: a request's validation into a plan, its admission slot, its
 decode on a worker thread, streaming, stop sequences and deadlines.
 
-:class:`ServingState` is the replica (``serving.replica.Replica``: the components, loaded in
-the background) plus what HTTP needs around it: admission (``serving.http.admission``) and
+:class:`ServingState` is the replica (``specops.serving.replica.Replica``: the components, loaded in
+the background) plus what HTTP needs around it: admission (``specops.serving.http.admission``) and
 the decode workers. A request goes:
 
 1. :meth:`ServingState.plan` validates the body into one immutable
-   :class:`~serving.plan.DecodePlan`: tokenized, bound-checked, routed, the method looked up and
+   :class:`~specops.serving.plan.DecodePlan`: tokenized, bound-checked, routed, the method looked up and
    its resources checked once, the mode chosen, the retrieval or kNN-LM artifact resolved
    (errors here are the caller's 4xx);
 2. :meth:`ServingState.run` decodes it on a worker thread (``Replica.decode``), streaming text
@@ -147,9 +147,9 @@ class ServingState(Replica):
         tenant: Tenant = ANONYMOUS,
         request_id: str | None = None,
     ) -> DecodePlan:
-        """Validate one request (``req``: the parsed ``serving.http.schema`` body; ``prompt``: its
+        """Validate one request (``req``: the parsed ``specops.serving.http.schema`` body; ``prompt``: its
         prompt, the rendered chat for chat) into its plan; raises the caller's 4xx errors.
-        ``tenant``: who sent it (``serving.http.tenancy``; without keys, the one anonymous tenant)."""
+        ``tenant``: who sent it (``specops.serving.http.tenancy``; without keys, the one anonymous tenant)."""
         cfg, tok = self.cfg, self.pair.tokenizer
         sp = req.speculation
         method, k = (sp.method, sp.k) if sp else (None, None)
@@ -310,7 +310,9 @@ class ServingState(Replica):
             explicit_method=sp is not None and sp.method is not None,
             explicit_k=sp is not None and sp.k is not None,
         )
-        if ignored := req.ignored():  # the response's header names them too (serving.http.schema.IGNORED_FIELDS)
+        if (
+            ignored := req.ignored()
+        ):  # the response's header names them too (specops.serving.http.schema.IGNORED_FIELDS)
             log.info("request %s: ignored %s (they do not change the output)", plan.request_id, ", ".join(ignored))
         return plan
 
@@ -403,7 +405,7 @@ class ServingState(Replica):
         """The request's kNN-LM config and the datastore it names (4xx naming the field)."""
         if knnlm is None:
             return None
-        from specops.serving.ralm.knnlm import KnnConfig
+        from specops.serving.ralm.knnlm.decode import KnnConfig
 
         if retrieval is not None:
             raise InvalidRequestError("send one of retrieval and knnlm, not both", "knnlm")
@@ -529,7 +531,7 @@ class ServingState(Replica):
             if job.score_only:
                 return True  # its token is not the client's: the prompt alone was asked for
             job.output_ids.extend(emitted)
-            if getattr(emitted, "logprobs", None) is not None:  # serving.engine.types.Emitted
+            if getattr(emitted, "logprobs", None) is not None:  # specops.serving.engine.types.Emitted
                 job.logprobs.extend(emitted.logprobs)
             if emitted and job.on_emit is not None:
                 job.on_emit()

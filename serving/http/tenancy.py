@@ -15,8 +15,8 @@ Permissions, by tenant id (``*``: every tenant):
 
 With no keys configured there is no authentication and one tenant, :data:`ANONYMOUS`, that
 may route and is admin (the single-user, loopback case). The HTTP layer resolves the tenant
-once, in ``serving.http.api.Gate``, puts it in the ASGI scope's state and passes its id down
-to :meth:`serving.http.server.ServingState.plan`; nothing below reads the key.
+once, in ``specops.serving.http.api.Gate``, puts it in the ASGI scope's state and passes its id down
+to :meth:`specops.serving.http.server.ServingState.plan`; nothing below reads the key.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tool calling on ``/v1/chat/completions``: the tools rendered into the prompt in the model's tool
 format, the calls parsed out of the output into ``message.tool_calls``, and, for ``tool_choice``
-``required`` or a named function, a grammar (``serving.engine.grammar``) that makes the output a call
+``required`` or a named function, a grammar (``specops.serving.engine.grammar``) that makes the output a call
 whose arguments follow the function's JSON schema.
 
 **Formats.** A format is a :class:`ToolFormat`: how the tools and a call look in text, how a tool

@@ -1,7 +1,7 @@
 """``speculation.method = "auto"``: one request's proposer, running per step the option the
 policy (:class:`specops.core.auto_policy.AutoPolicy`) estimates fastest.
 
-The candidates are the catalogue's methods with ``joins_auto`` (``serving.proposers.catalogue``),
+The candidates are the catalogue's methods with ``joins_auto`` (``specops.serving.proposers.catalogue``),
 each built by its own ``build`` when the request and the replica have what it needs, plus
 ``target`` (no draft), always. How ``auto`` runs a candidate follows from its spec, never from
 its name:
@@ -38,7 +38,7 @@ from specops.serving.proposers.base import Proposer
 
 
 class MethodSpec(Protocol):
-    """What ``auto`` reads of a candidate's ``serving.proposers.catalogue.MethodSpec`` (the
+    """What ``auto`` reads of a candidate's ``specops.serving.proposers.catalogue.MethodSpec`` (the
     catalogue builds this proposer, so this module does not import it back)."""
 
     needs: frozenset[str]
@@ -82,7 +82,7 @@ class Role:
 
 def calibrate(policy: AutoPolicy, pair, context_ids: list[int] | None = None, reps: int = 5) -> dict:
     """Measure the target's verify cost at 1 and 9 tokens and the draft's one-token step
-    (``core.cost.step_ms``), as the policy's cost priors (the draft's for every candidate that
+    (``specops.core.cost.step_ms``), as the policy's cost priors (the draft's for every candidate that
     drafts with the draft model). About a second on CPU.
 
     Each is the fastest of ``reps``: a replica calibrates while it starts, often beside other

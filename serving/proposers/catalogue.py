@@ -3,7 +3,7 @@ how to build its proposer.
 
 Everything that names a method derives from :data:`CATALOGUE`, read when asked (so a method
 :func:`register`-ed at run time is everywhere at once): the API's and config's allowed values
-(``serving.http.schema``, ``serving.http.config``), the CLI's ``--method`` choices, the
+(``specops.serving.http.schema``, ``specops.serving.http.config``), the CLI's ``--method`` choices, the
 metrics labels, ``auto``'s candidates (:attr:`MethodSpec.joins_auto`), which artifact's live
 acceptance a request feeds, and the engine's default k. What differs between methods is a
 capability on its :class:`MethodSpec`, never a test of its name. Adding a method is one
@@ -46,12 +46,12 @@ class ProposerResources:
     retrieved: tuple[tuple[int, ...], ...] = ()
     """Passages a one-shot retrieval put before the prompt (copy sources labelled ``retrieved``)."""
     reference_indexes: tuple[object, ...] = ()
-    """Prebuilt, shared copy sources (``core.sessions.ngram.NgramIndex``): the cluster's
+    """Prebuilt, shared copy sources (``specops.core.sessions.ngram.NgramIndex``): the cluster's
     past sessions."""
     versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
     policy: object | None = None
-    """The replica's ``core.auto_policy.AutoPolicy`` for method ``auto`` (None: the process's
+    """The replica's ``specops.core.auto_policy.AutoPolicy`` for method ``auto`` (None: the process's
     default policy)."""
     model_lm: Callable[[object], object] | None = None
     """Builds a request's cache over a draft model (``TargetBatcher.lm``: its passes run on the

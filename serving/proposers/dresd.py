@@ -1,10 +1,10 @@
 """DReSD: draft from a dense-retrieval datastore keyed on the target's hidden state (DReSD Alg. 1).
 
-Each step (after the first) queries the cluster's :class:`~core.datastore.Datastore`
+Each step (after the first) queries the cluster's :class:`~specops.core.datastore.Datastore`
 with the target's hidden state at the position that produced the last committed token (the
 verifier returns it with each verdict), keeps the values that start with that token, and
 proposes up to ``n_drafts`` rows of up to ``k`` tokens. The rows are verified as one token tree
-(``serving.engine.tree``) in one target pass, exactly under greedy decoding and sampling
+(``specops.serving.engine.tree``) in one target pass, exactly under greedy decoding and sampling
 (the trie rule for deterministic drafts; never the public code's "each row samples, the
 longest match wins", which is biased).
 

@@ -5,7 +5,7 @@ At each step the trailing tokens of the request (prompt + output) are matched ag
 references; the ``k`` tokens that followed the match in a reference are the draft
 (Algorithm 1). Departures from the public code, as the issue asks:
 
-- **incremental matching**: every reference set is indexed once (``core.sessions.ngram.NgramIndex``: each
+- **incremental matching**: every reference set is indexed once (``specops.core.sessions.ngram.NgramIndex``: each
   n-gram, n = 1..``max_n``, maps to where it ends); a step looks up at most ``max_n`` keys
   and never re-scans a reference (the public code rebuilds every n-gram of the output at
   every step);
@@ -25,7 +25,7 @@ references; the ``k`` tokens that followed the match in a reference are the draf
   one-hot rule (draw from the target; accept while the draw equals the draft).
 
 Sources (:class:`ReferenceSet`): the request's ``references``, the earlier turns of a chat,
-retrieved passages, past sessions of the cluster (:mod:`serving.proposers.session_cache`),
+retrieved passages, past sessions of the cluster (:mod:`specops.serving.proposers.session_cache`),
 and the request's own context, which is indexed as it grows.
 """
 

@@ -1,8 +1,8 @@
 """``speculation.method = "retrieval"``: exact suffix matching first, dense neighbours where it is
 short or absent, one token tree (a hybrid of REST and DReSD beyond either paper).
 
-Both drafters read the same datastore (``core.datastore``): REST's rule runs over its token
-array (:class:`~core.suffix.SuffixIndex`: the longest suffix of the context, 16 tokens down to
+Both drafters read the same datastore (``specops.core.datastore``): REST's rule runs over its token
+array (:class:`~specops.core.suffix.SuffixIndex`: the longest suffix of the context, 16 tokens down to
 2, that occurs in the documents, and the most frequent continuations after it), DReSD's over its
 keys (the target's hidden state after the last committed token, the first-token filter). Each
 step:
@@ -14,7 +14,7 @@ step:
    exact matching misses, DReSD §2.2.1) still draft.
 
 Rows that repeat or prefix another row are dropped; the rest merge into one trie verified in one
-target pass by the exact tree verifier (``serving.engine.verifier``), so the output is the
+target pass by the exact tree verifier (``specops.serving.engine.verifier``), so the output is the
 target's under greedy decoding and sampling alike (the rows are deterministic: the one-hot rule).
 The first step has no hidden state yet, so it drafts from the exact match alone.
 """

@@ -1,7 +1,7 @@
 """Past sessions as a copy source (LLMA's cache-assisted generation, fed by live traffic).
 
 Each *scope* of a cluster keeps the outputs of its recent finished requests in one bounded
-:class:`~core.sessions.ngram.NgramIndex`. A scope is whose outputs they are: a tenant's id
+:class:`~specops.core.sessions.ngram.NgramIndex`. A scope is whose outputs they are: a tenant's id
 (serving's default, ``session_sharing = "tenant"``: a request copies only from its own
 tenant's past outputs, so a key cannot probe another key's text through LLMA's hit counts or
 speed) or ``""``, the cluster's shared scope (``session_sharing = "shared"``, and what the

@@ -12,14 +12,14 @@ speculated passage. After ``s`` such speculation steps one *batched* KB retrieva
 ``q_1..q_s``; at the first mismatch the output is rolled back to that step and regenerated
 with the true passage. Refinements (§4): *prefetch* (the top-``prefetch`` results of every
 verification go into the cache, not just the first retrieval's), *OS³* (``s`` chosen live by
-``serving.ralm.os3``) and *asynchronous verification*: the batched KB retrieval runs in a
+``specops.serving.ralm.os3``) and *asynchronous verification*: the batched KB retrieval runs in a
 worker thread while the main thread makes the next speculation step (torch, FAISS and
 numpy release the GIL), and the measured wall time shows the overlap.
 
 **Same output.** Greedy RaLMSpec emits exactly RaLMSeq's tokens: the passage of every
 interval is the KB's (verification), the query of an interval is encoded once, on its own,
 and searched with a retriever whose rows do not depend on the batch
-(``serving.retrieval.retriever``), and both loops drive generation identically: one decode
+(``specops.serving.retrieval.retriever``), and both loops drive generation identically: one decode
 session per run of intervals with the same passage (the KV cache is kept while the passage
 stays, a passage change re-encodes passage + prompt + output), each interval capped at
 ``interval`` tokens. Rollback withdraws tentative tokens from the session that generated them
@@ -76,7 +76,7 @@ class RalmConfig:
     """Verify in a worker thread while the next speculation step runs."""
     speculation_off: bool = True
     """OS³ may skip speculating in a round when RaLMSeq is faster with the measured costs
-    (``serving.ralm.os3``); False is the paper's OS³, which always speculates."""
+    (``specops.serving.ralm.os3``); False is the paper's OS³, which always speculates."""
     cache_size: int = 4096
     """Most passages in a request's local cache (least recently added out first)."""
     passages: int = 5
@@ -377,7 +377,7 @@ class RalmGenerator:
         """Decode one request; ``on_final(tokens)`` receives output as it becomes final (verified);
         returning True ends the request there (finish reason ``stop``: a stop sequence was seen)."""
         cfg = self.cfg
-        shared = self.retriever  # a KB service's retriever has a per-request view (serving.retrieval.milvus)
+        shared = self.retriever  # a KB service's retriever has a per-request view (specops.serving.retrieval.milvus.kb)
         self.retriever = shared.for_request() if hasattr(shared, "for_request") else shared
         stats = RalmStats(mode=cfg.mode, retriever=self.retriever.kind)
         prompt, out, steps = [int(t) for t in prompt_ids], [], []

@@ -1,8 +1,8 @@
 """Knowledge bases for retrieval-augmented generation (RaLMSpec, kNN-LM): passages, their
-vectors and the indexes of four retrievers (``serving.retrieval.retrievers``).
+vectors and the indexes of four retrievers (``specops.serving.retrieval.retrievers``).
 
-A passage (``core.passage``) is about 100 words (the paper's DPR-style chunks,
-``core.passage.chunk_text``) and at most ``MAX_PASSAGE_TOKENS`` target tokens (RaLMSeq prepends a
+A passage (``specops.core.passage``) is about 100 words (the paper's DPR-style chunks,
+``specops.core.passage.chunk_text``) and at most ``MAX_PASSAGE_TOKENS`` target tokens (RaLMSeq prepends a
 chunk of at most 256). Exact duplicates (same words) are dropped at build: two passages with the same text would
 tie for every query, and the winner would be decided by nothing but their ids. What is
 embedded and indexed is the passage's title, a newline, and its text.
@@ -15,7 +15,7 @@ ever unpickled):
 - ``embeddings.safetensors``: ``embeddings`` float16 [N, dims] (unit vectors);
 - ``hash_embedder.safetensors``: the ``hash`` embedder's idf, when it is the embedder;
 - ``hnsw.safetensors``, ``scann.safetensors``: each index's files as raw bytes (uint8),
-  from ``core.index``;
+  from ``specops.core.index``;
 - ``bm25.safetensors`` (``data`` float32, ``indices`` int32, ``indptr`` int64: the CSC
   score matrix) and ``bm25.json`` (its vocabulary and parameters);
 - ``kb.json``: format ``specops-kb/1``, name, embedder kind and config hash, sizes,
@@ -23,7 +23,7 @@ ever unpickled):
   of its own content. :meth:`KnowledgeBase.load` checks all of it and refuses any file it
   does not list.
 
-A KB served by Milvus (``serving.retrieval.milvus``) is registered the same way, but its
+A KB served by Milvus (``specops.serving.retrieval.milvus.kb``) is registered the same way, but its
 artifact is a manifest: ``kb.json`` with ``"backend": "milvus"`` (and the hash embedder's
 file); :meth:`KnowledgeBase.load` verifies it the same way and returns a ``MilvusKB``
 connected to its collection, so the registry, the catalog and the RaLM loop treat both alike.
@@ -228,8 +228,8 @@ class KnowledgeBase:
     def _load(cls, path: Path) -> KnowledgeBase:
         meta = read_meta(path)
         backend = meta.get("backend", BACKEND_MEMORY)
-        if backend == BACKEND_MILVUS:  # the manifest of a KB served by Milvus (serving.retrieval.milvus)
-            from specops.serving.retrieval.milvus import MilvusKB
+        if backend == BACKEND_MILVUS:  # the manifest of a KB served by Milvus (specops.serving.retrieval.milvus.kb)
+            from specops.serving.retrieval.milvus.kb import MilvusKB
 
             return MilvusKB.from_manifest(path, meta)
         if backend != BACKEND_MEMORY:

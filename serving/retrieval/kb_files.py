@@ -1,5 +1,5 @@
-"""What every knowledge-base artifact shares, whatever its backend (``serving.retrieval.kb``
-in memory, ``serving.retrieval.milvus`` in a Milvus collection): ``kb.json`` and its
+"""What every knowledge-base artifact shares, whatever its backend (``specops.serving.retrieval.kb``
+in memory, ``specops.serving.retrieval.milvus.kb`` in a Milvus collection): ``kb.json`` and its
 verification, the safetensors helpers, and the embedder a KB names (queries are always
 embedded locally, by the embedder the KB was built with)."""
 
@@ -19,7 +19,7 @@ from specops.serving.retrieval.text_embed import HASH, MINILM, HashEmbedder, mak
 META_FILE, HASH_FILE = "kb.json", "hash_embedder.safetensors"
 BACKEND_MEMORY, BACKEND_MILVUS = "memory", "milvus"
 """Where a KB's passages and vectors live: the artifact's own files, or a Milvus collection
-that the artifact (then a manifest) names (``serving.retrieval.milvus``)."""
+that the artifact (then a manifest) names (``specops.serving.retrieval.milvus.kb``)."""
 
 
 def canonical_sha(meta: dict) -> str:

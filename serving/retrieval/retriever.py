@@ -1,6 +1,6 @@
 """The retriever interface shared by knowledge-base search, RaLMSpec's local cache and kNN-LM.
 
-A retriever searches one knowledge base (``serving.retrieval.kb``). It works in two stages
+A retriever searches one knowledge base (``specops.serving.retrieval.kb``). It works in two stages
 so a loop can encode a query once and use it twice (speculatively against a local cache,
 then in a batched verification against the whole KB):
 

@@ -1,4 +1,4 @@
-"""The four retrievers of a knowledge base (``serving.retrieval.retriever.Retriever``):
+"""The four retrievers of a knowledge base (``specops.serving.retrieval.retriever.Retriever``):
 ``exact`` (EDR), ``hnsw`` and ``scann`` (ADR), ``bm25`` (SR).
 
 **Dense scores are exact, so they cannot depend on the batch.** A passage vector is stored

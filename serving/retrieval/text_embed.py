@@ -4,7 +4,7 @@ Both map a text to a unit vector of 384 dimensions and name themselves by ``kind
 ``config_sha256`` (a KB records both and refuses an embedder that differs: its stored
 vectors only mean something in the space they were made in).
 
-- ``minilm``: :class:`core.embed.MiniLMEmbedder` (all-MiniLM-L6-v2, shipped as a
+- ``minilm``: :class:`specops.core.embed.MiniLMEmbedder` (all-MiniLM-L6-v2, shipped as a
   wheel, no hub download). Its ``embed`` pads a batch to its longest text, and padding
   changes the floats a little, so a *query* is always embedded on its own
   (:func:`embed_each`); passages are embedded in length-sorted batches (:func:`embed_passages`),

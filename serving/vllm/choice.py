@@ -1,13 +1,13 @@
 """``auto`` on vLLM: per request, the vLLM server (the method) expected to serve the traffic fastest.
 
-Our engine's ``auto`` (``core.auto_policy``) chooses a method and k *every step*, because it
+Our engine's ``auto`` (``specops.core.auto_policy``) chooses a method and k *every step*, because it
 drafts in-process. A vLLM server fixes its speculation when it starts, so through
 ``--engine vllm`` the choice is made once per request, among the servers the front door runs
-(``serving.vllm.fleet``: target-only, n-gram, the cluster's draft). Per-step switching stays a
+(``specops.serving.vllm.fleet``: target-only, n-gram, the cluster's draft). Per-step switching stays a
 feature of our engine (docs/vllm.md).
 
 The estimate is the same decomposition as the in-engine policy's, from what each finished
-request measured (its per-token α, computed by ``serving.vllm.replay``, and its decode time):
+request measured (its per-token α, computed by ``specops.serving.vllm.replay``, and its decode time):
 
     speed(m) = E(α_m, k) / step_ms_m(load)
 

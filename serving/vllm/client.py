@@ -23,7 +23,7 @@ from specops.serving.engine.types import TokenLogprob
 from specops.serving.vllm.process import VLLMError
 
 FINISH = {"stop": "eos", "length": "length", "abort": "length"}
-"""vLLM's finish reasons as our engine names them (``serving.engine.types``)."""
+"""vLLM's finish reasons as our engine names them (``specops.serving.engine.types``)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Chunk:
 
 
 def structured_outputs(spec) -> dict:
-    """vLLM's ``structured_outputs`` for a ``serving.engine.grammar.GrammarSpec``: JSON with our layout
+    """vLLM's ``structured_outputs`` for a ``specops.serving.engine.grammar.GrammarSpec``: JSON with our layout
     (``JSON_LAYOUT`` in the schema's ``x-guidance``, which the server's llguidance backend reads), so
     the grammar, and with it the output, is the one our engine decodes under."""
     if spec.kind in ("json_object", "json_schema"):
@@ -71,7 +71,7 @@ def request_body(
     adjust=None,
 ) -> dict:
     """The completion request vLLM's OpenAI server takes; ``top_k`` and ``min_p`` (vLLM's own
-    parameters, ``serving.engine.types.SamplingParams``) go only when on (0: off); ``logprobs``
+    parameters, ``specops.serving.engine.types.SamplingParams``) go only when on (0: off); ``logprobs``
     (N alternatives) asks for each token's log-probability, its tokens named by id
     (``return_tokens_as_token_ids``: ``"token_id:123"``) so they map back to ids exactly;
     ``adjust`` (the request's ``SamplingParams``) carries its penalties, ``logit_bias``,
@@ -99,7 +99,7 @@ def request_body(
         body["ignore_eos"] = True
     elif eos_ids:
         body["stop_token_ids"] = list(eos_ids)
-    if adjust is not None:  # ``serving.engine.types.SamplingParams``' penalties and biases, vLLM's names
+    if adjust is not None:  # ``specops.serving.engine.types.SamplingParams``' penalties and biases, vLLM's names
         if adjust.presence_penalty:
             body["presence_penalty"] = float(adjust.presence_penalty)
         if adjust.frequency_penalty:

@@ -285,7 +285,7 @@ class VLLMServers:
 
 
 class VLLMDraftFollower(DraftFollower):
-    """:class:`~serving.fleet.hotswap.DraftFollower` whose versions are served by vLLM servers:
+    """:class:`~specops.serving.fleet.hotswap.DraftFollower` whose versions are served by vLLM servers:
     a new champion gets its server started and ready before the slot swaps to it."""
 
     def __init__(self, *args, servers: VLLMServers, base_draft_dir: Path, **kwargs) -> None:
@@ -296,7 +296,7 @@ class VLLMDraftFollower(DraftFollower):
         self._last: dict[int, SpecCounters] = {}
         """The last /metrics reading of each server (by id)."""
         self.counts_per_request = True
-        """Live acceptance comes from each request's replayed counts (``serving.vllm.node``), as with our
+        """Live acceptance comes from each request's replayed counts (``specops.serving.vllm.node``), as with our
         engine; False: from each champion server's counters per ``poll_s`` interval."""
 
     def start_base(self) -> VLLMServer | None:

@@ -3,9 +3,9 @@
 vLLM reports speculation per server, not per request: the number of drafts (steps that
 drafted), drafted tokens, accepted tokens and accepted tokens per draft position, and the
 requests it finished. Since every vLLM server behind the front door serves one draft version
-(``serving.vllm.fleet``), the difference of two readings is that version's live acceptance
+(``specops.serving.vllm.fleet``), the difference of two readings is that version's live acceptance
 over the interval, which feeds the same live-acceptance report and auto-rollback as our own
-engine's per-request counts (``serving.fleet.hotswap.DraftFollower.record``).
+engine's per-request counts (``specops.serving.fleet.hotswap.DraftFollower.record``).
 
 The OSD paper's per-token α from these counters: a draft of k tokens ends in a rejection
 unless all k were accepted, and ``accepted_per_pos[k-1]`` counts the drafts whose last token

@@ -1,15 +1,15 @@
 """The serving node when vLLM decodes: the front door stays ours, the decode goes to vLLM.
 
 ``specops serve --engine vllm`` keeps everything in front of the decode: API keys, admission,
-validation into a :class:`~serving.plan.DecodePlan`, routing to a cluster, stop sequences,
+validation into a :class:`~specops.serving.plan.DecodePlan`, routing to a cluster, stop sequences,
 streaming, deadlines, metrics, and the hand-off of every finished request to the stream
 logger. :class:`VLLMNode` replaces only the decode: the plan's prompt ids go to the vLLM
-server of the cluster's current draft (``serving.vllm.fleet``) and its generated ids stream
+server of the cluster's current draft (``specops.serving.vllm.fleet``) and its generated ids stream
 back through the same ``on_step`` our engine calls after each step.
 
 What vLLM does not give per request is logged as unknown rather than guessed: the records
 carry ``engine="vllm"`` and no rejected positions (the trainer recomputes the target's
-distribution by a teacher forward, ``trainer.data.TargetTeacher``), and the response's
+distribution by a teacher forward, ``specops.trainer.data.TargetTeacher``), and the response's
 ``speculation`` block says ``engine: "vllm"`` with drafted/accepted counts of 0.
 
 Modes: ``plain`` and ``oneshot`` (retrieved passages before the prompt, then the same decode)
@@ -61,9 +61,9 @@ def _target_only(params) -> str:
 
 
 class VLLMNode(ServingNode):
-    """:class:`~serving.fleet.node.ServingNode` whose decode is a request to a vLLM server: the
-    server of the request's method (``auto``: the one :class:`~serving.vllm.choice.RequestPolicy`
-    expects fastest), with the per-request counts recomputed here (``serving.vllm.replay``)."""
+    """:class:`~specops.serving.fleet.node.ServingNode` whose decode is a request to a vLLM server: the
+    server of the request's method (``auto``: the one :class:`~specops.serving.vllm.choice.RequestPolicy`
+    expects fastest), with the per-request counts recomputed here (``specops.serving.vllm.replay``)."""
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class VLLMNode(ServingNode):
         self.served_name = served_name
         self.request_timeout_s = request_timeout_s
         self.servers = servers
-        """``serving.vllm.fleet.VLLMServers``: the shared servers (target-only, n-gram, copy)."""
+        """``specops.serving.vllm.fleet.VLLMServers``: the shared servers (target-only, n-gram, copy)."""
         self.methods = tuple(SERVED_METHOD[s] for s in self.speculations)
         self.ks = {m: k for m in self.methods} | ({"llma": copy_k} if copy_k and "llma" in self.methods else {})
         """Tokens each method's server drafts per step at most (the copy server's: ``vllm_copy_k``)."""
@@ -225,7 +225,7 @@ class VLLMNode(ServingNode):
         return replay_draft(self._weights(model), prompt_ids, tokens, self.k)
 
     def _weights(self, model):
-        """``model`` itself, or for a config-only draft (``core.models.load_shell``: the front door
+        """``model`` itself, or for a config-only draft (``specops.core.models.load_shell``: the front door
         over vLLM holds no draft weights) the draft loaded from its directory, the last one kept."""
         if has_weights(model):
             return model

@@ -35,7 +35,7 @@ SPECULATION = ("draft", "ngram", "copy", "none")
 """How a vLLM server speculates: the cluster's draft model, vLLM's n-gram prompt lookup, copying
 from each request's references (our proposer, ``plugin/specops_vllm_copy.py``), or not at all."""
 NGRAM_MIN, NGRAM_MAX = 2, 4
-"""vLLM's ``prompt_lookup_min`` and ``prompt_lookup_max`` (``serving.vllm.replay`` replays them)."""
+"""vLLM's ``prompt_lookup_min`` and ``prompt_lookup_max`` (``specops.serving.vllm.replay`` replays them)."""
 COPY_PROPOSER = "specops_vllm_copy.CopyProposer"
 """The copy proposer's dotted path, importable from :data:`PLUGIN_DIR` on the server's ``PYTHONPATH``."""
 DRAFT_RELOAD = "specops_vllm_reload.DraftReload"
@@ -158,7 +158,7 @@ class ServerSpec:
             # (a timing side channel). Off unless the operator turns it on ("--enable-prefix-caching" in
             # vllm_args comes later on the command line and wins).
             "--no-enable-prefix-caching",
-            # structured output through llguidance, as our engine's (serving.engine.grammar): the same grammar,
+            # structured output through llguidance, as our engine's (specops.serving.engine.grammar): the same grammar,
             # so a constrained request's output is the same whichever engine serves it
             "--structured-outputs-config",
             json.dumps({"backend": "guidance"}),

@@ -1,7 +1,7 @@
 """Per-request speculation counts of a vLLM request: vLLM's own, else recomputed in the front door.
 
 vLLM 0.32 reports them per request when started with ``--per-request-spec-decode-metrics
-detailed`` (``serving.vllm.process`` does): the final usage chunk of a streamed response
+detailed`` (``specops.serving.vllm.process`` does): the final usage chunk of a streamed response
 carries the tokens drafted and accepted at each verify step (:func:`from_vllm`). A stream the
 front door closes early (a stop sequence matched, the client went away) gets no final chunk,
 so for those the counts are recomputed from the request's prompt and returned token ids; vLLM's

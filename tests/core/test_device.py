@@ -46,7 +46,7 @@ def test_serve_config_refuses_float16_on_a_cpu():
 def test_every_command_shows_device_and_dtype():
     for cmd in ("serve", "train", "bootstrap"):
         out = subprocess.run(
-            [sys.executable, "-m", "specops.cli", cmd, "--help"], capture_output=True, text=True, check=True
+            [sys.executable, "-m", "specops.cli.main", cmd, "--help"], capture_output=True, text=True, check=True
         ).stdout
         assert "--device" in out and "--dtype" in out, cmd
 

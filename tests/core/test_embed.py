@@ -65,7 +65,7 @@ def test_install_copies_weights_tokenizer_and_config_with_their_sha256(copied, p
 def test_the_copy_gives_the_packages_vectors_and_fingerprint(copied, package_dir):
     from_copy, from_package = MiniLMEmbedder(copied), MiniLMEmbedder(package_dir)
     assert from_copy.model_dir == copied and from_package.model_dir == package_dir
-    # a router fitted with the package's embedder accepts the copy (core.router compares this hash)
+    # a router fitted with the package's embedder accepts the copy (specops.core.router compares this hash)
     assert from_copy.config_sha256 == from_package.config_sha256 and len(from_copy.config_sha256) == 64
     a, b = from_copy.embed(TEXTS), from_package.embed(TEXTS)
     assert a.shape == (len(TEXTS), 384) and a.dtype == np.float32

@@ -266,7 +266,7 @@ def test_a_config_only_target_has_its_limits_and_no_weights(tmp_path, words):
     assert lean.draft is not None and has_weights(lean.draft)
     leaner = load_pair(target, draft, target_weights=False, draft_weights=False)  # the front door over vLLM
     assert not has_weights(leaner.draft) and leaner.draft.config.vocab_size == full.draft.config.vocab_size
-    assert leaner.draft.config._name_or_path == str(draft)  # where a recount loads it from (serving.vllm.node)
+    assert leaner.draft.config._name_or_path == str(draft)  # where a recount loads it from (specops.serving.vllm.node)
     with pytest.raises(SpecOpsError, match="target's weights"):
         make_embedder("target", target=lean)
 

@@ -1,4 +1,4 @@
-"""core.threads: one OpenMP team per serving process, on the threads that run the target.
+"""specops.core.threads: one OpenMP team per serving process, on the threads that run the target.
 
 Each case runs in a fresh interpreter: torch's thread settings are process-wide."""
 

@@ -435,7 +435,7 @@ def test_kb_job_builds_the_default_kb_into_milvus_and_registers_it():
 
 
 def test_kb_job_command_parses_as_specops_kb_build():
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     args = build_parser().parse_args(command("kb")[1:])
     assert (args.name, args.backend, args.milvus_uri) == ("manpages", "milvus", MILVUS_URI)
@@ -455,7 +455,7 @@ def test_every_specops_service_finds_the_milvus_kb_service_and_nothing_always_on
 
 
 def test_bootstrap_writes_a_subdirectory_of_the_models_volume():
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     argv = command("bootstrap")
     assert argv[:2] == ["specops", "bootstrap"]
@@ -471,7 +471,7 @@ def test_train_toml_loads_as_specops_train_config():
     import argparse
 
     from specops import config_file
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     assert mounts("trainer")["/etc/specops/train.toml"] == ("./train.toml", "ro")
     path = COMPOSE_DIR / "train.toml"
@@ -583,7 +583,7 @@ def test_prometheus_scrapes_every_serving_replica_by_dns_and_the_trainer():
     serving service name, which Docker answers with every replica, on serve.toml's port; the trainer on
     train.toml's metrics_port."""
     from specops import config_file
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
     from specops.serving.http.config import ServeConfig
 
     config = prometheus_config()

@@ -201,7 +201,7 @@ def test_default_commands_are_the_documented_ones_and_parse():
     boot = exec_form(effective("bootstrap", "CMD"))
     assert serve == ["specops", "serve", "--config", "/etc/specops/serve.toml"]
     assert train == ["specops", "train", "--config", "/etc/specops/train.toml"]
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     parser = build_parser()
     assert parser.parse_args(serve[1:]).config == "/etc/specops/serve.toml"
@@ -209,7 +209,7 @@ def test_default_commands_are_the_documented_ones_and_parse():
     try:
         args = parser.parse_args(train[1:])
     except SystemExit:
-        pytest.skip("`specops train --config` is not in specops/cli.py yet")
+        pytest.skip("`specops train --config` is not in specops/cli/main.py yet")
     assert args.config == "/etc/specops/train.toml"
 
 
@@ -426,7 +426,7 @@ def _load_trainer_healthcheck():
 
 
 def _jobstore_with_tick(url: str, next_run: datetime) -> None:
-    """The distill-tick row as a running TrainerScheduler leaves it (``trainer.runtimes``: run times only)."""
+    """The distill-tick row as a running TrainerScheduler leaves it (``specops.trainer.runtimes``: run times only)."""
     from specops.trainer.runtimes import RunTimesTable
     from specops.trainer.schedule import TICK_JOB_ID, ScheduleConfig
 

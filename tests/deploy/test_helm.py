@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 
 from specops import config_file
-from specops.cli import build_parser
+from specops.cli.main import build_parser
 from specops.serving.http.config import ServeConfig
 from tests.deploy import helm_support as hs
 
@@ -47,9 +47,10 @@ SPECOPS_CONTAINERS = (
     ("CronJob", "policy-fit", "policy-fit"),
 )
 TOPICS = ("spec.misses", "spec.generations", "spec.events", "spec.deadletter")
-SERVE_OWNED = {"host", "port", "model_dir", "api_keys", "engine", "shutdown_timeout_s"} | {
-    name for name in ServeConfig.model_fields if name.startswith("vllm_") and name != "vllm_python"
-}  # engine and vllm_*: from serving.engine / serving.vllm (tests/deploy/test_helm_vllm.py); shutdown_timeout_s:
+SERVE_OWNED = (
+    {"host", "port", "model_dir", "api_keys", "engine", "shutdown_timeout_s"}
+    | {name for name in ServeConfig.model_fields if name.startswith("vllm_") and name != "vllm_python"}
+)  # engine and vllm_*: from specops.serving.engine / specops.serving.vllm (tests/deploy/test_helm_vllm.py); shutdown_timeout_s:
 # from the grace period (tests/deploy/test_helm_ops.py)
 TRAIN_OWNED = {"out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage"}
 

@@ -244,7 +244,7 @@ def test_kb_build_is_an_opt_in_post_install_hook_building_into_the_service():
 
 
 def test_kb_build_args_parse_as_specops_kb_build():
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     parser = build_parser()
     (c,) = hs.one(hs.render(LITE), "Job", "kb-build")["spec"]["template"]["spec"]["containers"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.cli import build_parser
+from specops.cli.main import build_parser
 from specops.serving.http.config import ServeConfig
 from tests.deploy import helm_support as hs
 from tests.deploy import test_docker as docker
@@ -336,7 +336,7 @@ def _run_fill(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_s3_fill_copies_a_model_directory_and_keeps_it_on_a_rerun(s3_bucket, tmp_path, tiny_models):
     from specops.core.model_layout import layout_files
-    from tests.specops.test_models_cli import a_models_dir
+    from tests.specops.cli.test_models import a_models_dir
 
     script, env, _ = _s3_fill(hs.render(EXTENSIONS))
     src = a_models_dir(tiny_models, tmp_path / "mine")  # a tiny pair and an embedder's files: the fill checks them

@@ -1,7 +1,7 @@
-"""The Helm chart with ``serving.engine: vllm``: the serving-vllm image, serve.toml's engine and vllm_* keys, the
+"""The Helm chart with ``specops.serving.engine: vllm``: the serving-vllm image, serve.toml's engine and vllm_* keys, the
 probes and rollout deadline that cover a vLLM server's start, and a schema that tracks ServeConfig.
 
-The CPU build is rendered from default-values.yaml with ``serving.engine: vllm``; the GPU one is
+The CPU build is rendered from default-values.yaml with ``specops.serving.engine: vllm``; the GPU one is
 ci/vllm-values.yaml (linted and validated with the other ci/ files by test_helm.py).
 """
 
@@ -118,7 +118,7 @@ def test_vllm_image_tag_follows_the_chart_tag_unless_set():
 
 
 def test_values_defaults_are_serve_configs():
-    """serving.vllm's defaults are ServeConfig's, but maxModelLen, which must hold the longest request the API takes."""
+    """specops.serving.vllm's defaults are ServeConfig's, but maxModelLen, which must hold the longest request the API takes."""
     tool = _tool()
     values = _values()["serving"]["vllm"]
     defaults = ServeConfig()

@@ -256,7 +256,7 @@ def bake(env: dict[str, str] | None = None) -> dict[str, dict]:
 
 def chart_images() -> set[str]:
     """Every image of the specops repositories a pod of the chart runs: each ci/ value set and the defaults, with
-    image.variant cpu and cuda (the sets that need GPUs render with cuda only), and serving.engine vllm."""
+    image.variant cpu and cuda (the sets that need GPUs render with cuda only), and specops.serving.engine vllm."""
     images: set[str] = set()
     variants = [{"image": {"variant": v}} for v in ("cpu", "cuda")]
     vllm = [{**v, "serving": {"engine": "vllm"}} for v in variants]

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from specops.cli import main
+from specops.cli.main import main
 from specops.core.model_layout import READY_MARKER, layout_files
 from tests.deploy import helm_support as hs
-from tests.specops.test_models_cli import a_models_dir
+from tests.specops.cli.test_models import a_models_dir
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from specops.streams import StreamConfig
 from specops.trainer import checkpoint as ckpt
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from tests.deploy import helm_support
 from tests.registry.mlflow_server import free_port

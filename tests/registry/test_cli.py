@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specops.cli import main
+from specops.cli.main import main
 from specops.core.models import load_tokenizer, tokenizer_hash
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore
 from specops.streams import StreamConfig, codec, open_stream

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from specops.cli import main
+from specops.cli.main import main
 from specops.core.errors import ModelConfigError
 from specops.core.models import load_model, load_tokenizer, tokenizer_hash
 from specops.registry import CHAMPION, RegistryConfig, RegistryStore

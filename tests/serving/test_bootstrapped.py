@@ -36,7 +36,7 @@ def engine():
 
 @pytest.mark.parametrize("domain", ["code", "prose"])
 def test_greedy_equality_on_bootstrapped_models(engine, domain):
-    from specops.prompts import heldout_prompts
+    from specops.workloads.prompts import heldout_prompts
 
     prompts = heldout_prompts(MODEL_DIR, engine.pair.tokenizer, domain, 3, num_tokens=64, seed=7)  # real LM, real text
     assert len(prompts) == 3

@@ -9,12 +9,12 @@ import logging
 import subprocess
 import sys
 
-from specops.cli import build_parser
+from specops.cli.main import build_parser
 from specops.logs import JsonFormatter, TextFormatter
 
 SCRIPT = """
 import logging, sys
-from specops import cli
+from specops.cli import main as cli
 args = cli.build_parser().parse_args(sys.argv[1:] + ["serve"])
 cli._setup_logging(args.verbose, args.log_format, args.access_log)
 logging.getLogger("specops.serving.http.gate").info("ready", extra={"request_id": "r-1"})

@@ -6,7 +6,7 @@ import pytest
 
 from specops.streams import StreamConfig, StreamConfigError, open_stream
 from specops.streams.kafka import KafkaStream, client_kwargs
-from specops.streams.local import LocalStream
+from specops.streams.local.stream import LocalStream
 
 
 def test_url_schemes_pick_the_backend(tmp_path):

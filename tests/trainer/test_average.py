@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import evaluate_records
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from tests.tolerances import assert_f32_close
 from tests.trainer.logged import log_requests

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 from specops.streams import codec, open_stream
 from specops.streams.records import DeadLetter
 from specops.trainer import checkpoint as ckpt
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from tests.trainer.logged import log_requests
 

@@ -1,8 +1,8 @@
 """A GKD update step on a GPU (``pytest -m cuda``): the loss and gradients the trainer computes
-(``trainer.losses``, OSD Eq. 4's JSD[β]) agree with the CPU's, and optimiser steps on the device
+(``specops.trainer.losses``, OSD Eq. 4's JSD[β]) agree with the CPU's, and optimiser steps on the device
 lower the loss and raise the draft's greedy agreement with the target.
 
-The step is ``trainer.online_update``'s: draft logits at the logged positions, ``checked_loss``,
+The step is ``specops.trainer.online.update``'s: draft logits at the logged positions, ``checked_loss``,
 backward, ``clip_grad_norm_``, AdamW. (The update loop itself reads records from ``streams``,
 whose pins the GPU machine lacks; the CPU tests run it end to end.)
 """

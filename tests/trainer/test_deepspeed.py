@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from specops.trainer import checkpoint as ckpt
-from specops.trainer.online import OnlineConfig
+from specops.trainer.online.trainer import OnlineConfig
 from tests.tolerances import F32_RTOL
 
 pytestmark = pytest.mark.slow  # a DeepSpeed subprocess
@@ -134,7 +134,7 @@ def test_backend_is_validated():
 # ---------------------------------------------------------------- the subprocess
 def _main(spec: dict) -> dict:
     from specops.streams import StreamConfig
-    from specops.trainer.online import OnlineTrainer
+    from specops.trainer.online.trainer import OnlineTrainer
 
     torch.set_num_threads(2)
     logging.basicConfig(level=logging.WARNING)
@@ -167,7 +167,7 @@ def _main(spec: dict) -> dict:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("specops.trainer.online").addHandler(handler)
+    logging.getLogger("specops.trainer.online.trainer").addHandler(handler)
 
     second = trainer("deepspeed", "ds", "deepspeed")  # a restart: resumes weights, optimiser state, buffers
     result["resumed"] = {}

@@ -18,7 +18,7 @@ import pytest
 from specops.core.models import ModelPair, load_model_dir
 from specops.registry import RegistryConfig, RegistryStore
 from specops.trainer.acceptance import Acceptance
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.promote import FRESH, Fresh, PromoteConfig, Promoter, fresh_window, gate_decision
 from specops.trainer.replay import ReplayConfig
 from tests.conftest import perturbed
@@ -56,7 +56,7 @@ def test_fresh_window_takes_the_newest_scored_by_a_learner_newer_than_the_champi
 def test_fresh_is_validated_and_the_cli_default_is_the_gate_default():
     with pytest.raises(ValueError, match="fresh"):
         PromoteConfig(fresh=-1)
-    from specops.commands.train import add_parser
+    from specops.cli.train import add_parser
 
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())

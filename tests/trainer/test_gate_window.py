@@ -44,7 +44,7 @@ def test_gate_window_is_validated(bad):
 
 
 def test_cli_default_is_the_gate_default():
-    from specops.commands.train import add_parser
+    from specops.cli.train import add_parser
 
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())

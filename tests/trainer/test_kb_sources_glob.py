@@ -63,7 +63,7 @@ def test_skipped_files_are_counted_by_reason_and_warned_about(tmp_path, caplog, 
 
 
 def test_kb_build_prints_what_it_matched_read_and_skipped(tiny_models, tmp_path, capsys):
-    from specops.cli import main
+    from specops.cli.main import main
 
     root = _tree(tmp_path / "docs")
     (root / "a" / "latin1.txt").write_bytes(b"caf\xe9 " + TEXT.encode())

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from specops.cli import main
+from specops.cli.main import main
+from specops.cli.policy import read_generations
 from specops.core.auto_policy import AutoPolicy
-from specops.policy_cli import read_generations
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger

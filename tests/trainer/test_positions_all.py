@@ -12,7 +12,7 @@ import torch
 from specops.streams import open_stream
 from specops.streams.consumer import RecordConsumer
 from specops.trainer.data import TargetTeacher, every_position_example, logs_every_position
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from tests.trainer.logged import log_requests
 
@@ -84,7 +84,7 @@ def test_every_position_needs_a_target_or_a_teacher(logged, tmp_path):
 
 def test_specops_train_defaults_are_the_trainers():
     """The recipe `specops train` runs with no flags is OnlineConfig's (chosen by benchmarks/osd.py --grid)."""
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     args = build_parser().parse_args(["train"])
     cfg = OnlineConfig()
@@ -100,7 +100,7 @@ def test_specops_train_defaults_are_the_trainers():
 
 
 def test_cli_says_which_target_is_missing(logged, tmp_path, capsys):
-    from specops.cli import main
+    from specops.cli.main import main
 
     cfg, draft_dir = logged
     rc = main(

@@ -21,7 +21,7 @@ from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import ModelEvent
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.promote import PromoteConfig, Promoter
 from specops.trainer.replay import ReplayConfig
 from tests.conftest import perturbed, random_prompts
@@ -221,7 +221,7 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
 
 @pytest.mark.slow
 def test_specops_train_registers_through_the_cli(weak_pair, tiny_models, sqlite_uri, tmp_path):
-    from specops.cli import main
+    from specops.cli.main import main
 
     cfg, draft_dir = log_requests(weak_pair, tmp_path, 16, seed=11, cluster_of=lambda i: "code")
     for f in ("tokenizer.json", "tokenizer_config.json"):  # a base draft that brings its tokenizer

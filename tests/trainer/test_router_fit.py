@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from specops.cli import main
+from specops.cli.main import main
 from specops.core.embed import MiniLMEmbedder, TargetHiddenEmbedder
 from specops.core.models import load_model, load_tokenizer
 from specops.core.router import Router

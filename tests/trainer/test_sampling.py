@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from specops.trainer.data import draft_logits, draft_logits_at, teacher_example
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from specops.trainer.sampling import mixture_sample, sampled_example
 from tests.trainer.logged import log_requests

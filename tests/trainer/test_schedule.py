@@ -17,7 +17,7 @@ from specops.core.load_signal import write_load_signal
 from specops.streams import StreamConfig, open_stream
 from specops.trainer import checkpoint as ckpt
 from specops.trainer.acceptance import Acceptance
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.schedule import (
     EVAL_FUNC,
     EVAL_JOB_ID,
@@ -197,7 +197,7 @@ def test_a_callable_load_signal(tmp_path):
 
 # ---------------------------------------------------------------- 3./4. persistent job stores
 def _rows(url: str, table: str) -> dict[str, dict]:
-    """The job store's rows: plain numbers per job id (trainer.runtimes), nothing pickled."""
+    """The job store's rows: plain numbers per job id (specops.trainer.runtimes), nothing pickled."""
     from sqlalchemy import create_engine, text
 
     engine = create_engine(engine_url(url))
@@ -324,7 +324,7 @@ def test_config_is_validated_and_one_trainer_is_scheduled_once(tmp_path):
 
 
 def test_cli_train_schedule(logged, tmp_path, capsys):
-    from specops.cli import main
+    from specops.cli.main import main
 
     cfg, draft_dir = logged
     out = tmp_path / "trainer"
@@ -369,7 +369,7 @@ def test_cli_train_schedule(logged, tmp_path, capsys):
 @pytest.mark.parametrize("schedule", [False, True], ids=["loop", "schedule"])
 def test_cli_train_max_records_stops_at_the_limit(logged, tmp_path, capsys, schedule):
     """--max-records N consumes, trains on and commits exactly N records, not the whole pass it is in."""
-    from specops.cli import main
+    from specops.cli.main import main
 
     cfg, draft_dir = logged
     out, group = tmp_path / "trainer", f"limit-{schedule}"

@@ -18,7 +18,7 @@ from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, Strea
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.consumer import RecordConsumer
 from specops.trainer.data import TargetTeacher, draft_predictions, would_be_rejected
-from specops.trainer.online import OnlineConfig, OnlineTrainer
+from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
 from specops.trainer.replay import ReplayConfig
 from tests.conftest import random_prompts
 

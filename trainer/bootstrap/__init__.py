@@ -137,7 +137,7 @@ def run(
     ``recipe`` (the draft's distillation), ``max_files_per_domain`` (a seeded subsample of
     the corpus files) and ``cost_reps`` (timed forwards per cost measurement) apply to the
     ``smollm2`` build; smaller values make a quick smoke build (the tests use one).
-    ``device`` and ``dtype`` (``core.device.Placement``) are where the ``smollm2``
+    ``device`` and ``dtype`` (``specops.core.device.Placement``) are where the ``smollm2``
     draft's distillation and evaluation run, under autocast to ``dtype``; the saved weights
     are float32 whatever they are, and the cost ratio c is measured on the CPU as CI serves.
 
@@ -460,7 +460,7 @@ def _temp_dir(out_dir: Path) -> Path:
 def _finish(tmp: Path, out_dir: Path, manifest: dict, t0: float) -> None:
     """Stamp the tokenizer hash and total time, write the manifest, rename ``tmp`` into place.
 
-    ``tokenizer_sha256`` is the hash serving and the registry compare (``core.models.tokenizer_hash``,
+    ``tokenizer_sha256`` is the hash serving and the registry compare (``specops.core.models.tokenizer_hash``,
     the tokenizer's definition), so a draft registered with it is accepted; ``tokenizer_json_sha256``
     is the file's (issue 58: the manifest held only the file's, which serving refused)."""
     manifest["tokenizer_sha256"] = tokenizer_hash(load_tokenizer(tmp / "target"))

@@ -41,7 +41,7 @@ _FAMILY_RE = re.compile(r"[_.-]")
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 """No file under a directory of these names is ever in the corpus, in either domain: installed
 packages are where the chat workload's ``api`` domain reads its functions
-(``specops.chat_workload``), traffic the bootstrap draft must not have seen."""
+(``specops.workloads.chat_workload``), traffic the bootstrap draft must not have seen."""
 _SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", *EXCLUDED_DIRS}
 
 

@@ -10,7 +10,7 @@ The draft is the target's architecture and tokenizer with ``len(layers)`` decode
    the norm learn (7M of SmolLM2's 135M parameters for two layers), the draft's head is
    the target's, and every version of the draft stores the same embedding matrix.
 2. **Draft vocabulary**: the draft scores only the ``vocab_size`` most frequent tokens of
-   the train text (``core.draft_vocab``); on a CPU this is most of its cost saved.
+   the train text (``specops.core.draft_vocab``); on a CPU this is most of its cost saved.
 3. **Distil** with forward KL from the target's next-token distribution, restricted to
    the draft vocabulary and renormalised, at every position of seeded windows of the
    train text. The target runs once per window; its final hidden states are kept (float16)

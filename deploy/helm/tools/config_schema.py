@@ -6,8 +6,8 @@ as ``_``. Both lists are taken from pydantic's own JSON schema of the settings m
 those files (``ServeConfig.model_json_schema()``, and the model ``specops/config_file.py`` generates
 from train's options), with each field's type, choices and help, so that a typo or a wrong type
 fails at ``helm install`` rather than when the pod starts. The fields the chart
-sets itself are left out (the schema then refuses them). ``serving.engine`` and the ServeConfig
-fields under ``serving.vllm`` (:data:`VLLM_VALUES`) are generated too, with their bounds; the rest
+sets itself are left out (the schema then refuses them). ``specops.serving.engine`` and the ServeConfig
+fields under ``specops.serving.vllm`` (:data:`VLLM_VALUES`) are generated too, with their bounds; the rest
 of the schema (``serving.vllm.image``, ``serving.vllm.gpuMemoryUtilization``, ...) is maintained by hand.
 
     python deploy/helm/tools/config_schema.py          # rewrite values.schema.json
@@ -35,10 +35,10 @@ VLLM_VALUES = {
     "args": "vllm_args",
     "startTimeoutS": "vllm_start_timeout_s",
 }
-"""``serving.vllm.<value>`` -> the ServeConfig field the chart renders it as (with ``serving.engine`` as ``engine``)."""
+"""``specops.serving.vllm.<value>`` -> the ServeConfig field the chart renders it as (with ``specops.serving.engine`` as ``engine``)."""
 SERVE_OWNED = ("host", "port", "model_dir", "api_keys", "engine", "shutdown_timeout_s", *VLLM_VALUES.values())
 """serve.toml fields the chart sets (api_keys: from a Secret, as $SPECOPS_API_KEYS; engine and vllm_*: from
-serving.engine and serving.vllm, because they also pick the image, the probes and the GPU settings;
+specops.serving.engine and specops.serving.vllm, because they also pick the image, the probes and the GPU settings;
 shutdown_timeout_s: from serving.terminationGracePeriodSeconds, preStopSleepSeconds and drainMarginSeconds)."""
 _BOUNDS = ("enum", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 TRAIN_OWNED = ("out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage")
@@ -78,7 +78,7 @@ def serve_field_schema(name: str) -> dict:
 
 
 def train_config_schema() -> dict:
-    from specops.commands import train
+    from specops.cli import train
     from specops.config_file import options_model
 
     sub = argparse.ArgumentParser().add_subparsers()

@@ -2,7 +2,7 @@
 
 vLLM 0.32 takes a proposer class as ``--speculative-config '{"method": "custom_class",
 "model": "specops_vllm_copy.CopyProposer", ...}'`` and calls its ``propose`` every step with
-the batch's token ids (``serving.vllm.process`` puts this folder on the server's
+the batch's token ids (``specops.serving.vllm.process`` puts this folder on the server's
 ``PYTHONPATH``). This module imports only numpy: the vLLM venv has no specops.
 
 **What it copies from, per request.** The front door sends each request's copy sources in
@@ -20,7 +20,7 @@ source (the sources in order, the context last); among its occurrences there, th
 those with the most tokens after it; the draft is what followed, ``1 + n`` tokens at most
 ``k`` (a longer match is right more often). The
 front door replays the same function over a finished request's output to count what was
-drafted and accepted (``serving.vllm.replay``), so the per-token α it reports is this
+drafted and accepted (``specops.serving.vllm.replay``), so the per-token α it reports is this
 proposer's.
 
 vLLM's custom-proposer interface passes no request ids; :class:`CopyProposer` finds them on

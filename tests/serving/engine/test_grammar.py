@@ -1,4 +1,4 @@
-"""Structured output under speculation (``serving.engine.grammar``): the grammar masks the target at
+"""Structured output under speculation (``specops.serving.engine.grammar``): the grammar masks the target at
 every verified row and prunes drafts before verification, so greedy outputs equal target-only's
 under the same grammar for every method, sampled ones follow the masked distribution (chi-square,
 with a negative control that drops a forbidden sampled draft instead of rejecting it), and what is

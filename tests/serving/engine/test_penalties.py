@@ -1,4 +1,4 @@
-"""Penalties, ``logit_bias`` and ``min_tokens`` under speculation (``serving.engine.processors``):
+"""Penalties, ``logit_bias`` and ``min_tokens`` under speculation (``specops.serving.engine.processors``):
 applied row by row in the verifier, counting the drafts before each row, so greedy outputs equal
 target-only's for every method and sampled ones follow the adjusted distribution (chi-square),
 with a negative control that counts only the tokens committed before the step."""

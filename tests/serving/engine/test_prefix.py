@@ -1,4 +1,4 @@
-"""A request's choices share the prompt's prefill (``serving.engine.prefix``): choice 0 prefills,
+"""A request's choices share the prompt's prefill (``specops.serving.engine.prefix``): choice 0 prefills,
 the others load its keys and values; every choice's output stays the target's, over a plain
 cache and over the batcher's slots; a lead that fails, or a context that differs, costs only
 the sharing."""

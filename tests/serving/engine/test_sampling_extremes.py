@@ -14,7 +14,7 @@ from specops.serving.engine.sampling import draw, tempered_softmax, warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.engine.verifier import decide, decide_tree
-from specops.serving.ralm.knnlm import next_token
+from specops.serving.ralm.knnlm.decode import next_token
 
 TOP_PS = (5e-324, 1e-300, 1e-46, 1e-40, 1e-8, 0.3, 1.0 - 1e-12, 1.0)
 TEMPERATURES = (5e-324, 1e-300, 1e-45, 1e-38, 1e-30, 1e-8, 0.01, 1.0, 2.0, 1e30, 1e300)

@@ -1,5 +1,5 @@
 """A draft hot-swap on a GPU (``pytest -m cuda``): a new version is loaded from its safetensors
-directory onto the device (``core.models.load_model``, as ``DraftFollower`` validates and loads a
+directory onto the device (``specops.core.models.load_model``, as ``DraftFollower`` validates and loads a
 fetched version) while requests decode on the old one, swapped into the cluster's ``DraftSlot``,
 and every request, before, during and after the swap, still equals target-only greedy output.
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import requests
 
-from specops.serve import Server
+from specops.cli.serve_runtime import Server
 from specops.serving.http.config import ServeConfig
 
 MODEL = "specops"

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from specops.streams.records import CHOICE_SEPARATOR
-from specops.trainer.online import _holdout
+from specops.trainer.online.trainer import _holdout
 from tests.serving.http.api_support import MODEL, assert_error, metric, running, serve_config
 
 CHAT = "/v1/chat/completions"

@@ -50,7 +50,7 @@ def artifacts(tiny_models, tmp_path_factory):
     from specops.core.index import IndexConfig
     from specops.core.models import load_model, load_tokenizer, tokenizer_hash
     from specops.core.passage import Passage
-    from specops.serving.ralm.knnlm_store import build_knnlm
+    from specops.serving.ralm.knnlm.store import build_knnlm
     from specops.serving.retrieval.kb import build_kb
 
     root = tmp_path_factory.mktemp("artifacts")
@@ -356,7 +356,7 @@ MODEL_CHECKS = {
         "response_format.json_schema",
     ),
 }
-"""Every model-level validator of ``serving.http.schema``: a body that trips it and the field it must name."""
+"""Every model-level validator of ``specops.serving.http.schema``: a body that trips it and the field it must name."""
 
 
 def _model_validators() -> set[tuple[str, str]]:

@@ -155,7 +155,7 @@ def test_config_precedence_file_env_overrides(tmp_path):
 
 
 def test_the_draft_dtype_is_measured_unless_named(tmp_path):
-    """``auto`` (measured at load, ``core.draft_dtype``) by default; a precision from a file or the environment."""
+    """``auto`` (measured at load, ``specops.core.draft_dtype``) by default; a precision from a file or the environment."""
     assert ServeConfig().draft_dtype == ServeConfig.load(env={}).draft_dtype == "auto"
     path = tmp_path / "serve.toml"
     path.write_text('draft_dtype = "float32"\n')

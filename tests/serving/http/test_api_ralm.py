@@ -159,7 +159,7 @@ def test_oneshot_retrieval_puts_top_passages_before_the_prompt_and_llma_copies_t
 
 def test_knnlm_requests_and_errors(tiny_models, kb_dir, tmp_path):
     from specops.core.models import load_model, load_tokenizer, tokenizer_hash
-    from specops.serving.ralm.knnlm_store import build_knnlm
+    from specops.serving.ralm.knnlm.store import build_knnlm
 
     target, tok = load_model(tiny_models / "target"), load_tokenizer(tiny_models / "target")
     docs = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS.values()] * 3

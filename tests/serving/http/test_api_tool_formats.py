@@ -1,5 +1,5 @@
 """Tool calling through a chat template that renders tools itself and names a format other than
-Hermes (``serving.http.tools``: Llama 3 JSON, Mistral): the server picks the format from the
+Hermes (``specops.serving.http.tools``: Llama 3 JSON, Mistral): the server picks the format from the
 template, a named function's call follows that format's grammar, and the call is parsed back into
 ``message.tool_calls``, whole and streamed.
 

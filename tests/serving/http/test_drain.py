@@ -42,7 +42,7 @@ def _serve(tiny_models: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.P
             [
                 sys.executable,
                 "-m",
-                "specops.cli",
+                "specops.cli.main",
                 "--threads",
                 "1",
                 "serve",

@@ -256,7 +256,7 @@ def test_two_tenants_sending_one_request_id_get_distinct_records(tiny_models, tm
 def test_the_held_out_split_is_keyed_by_the_trainers_secret(tmp_path, monkeypatch):
     """A client picks its request id, not its side of the split: the side depends on a key the
     trainer makes under ``--out`` (kept across restarts) and on nothing the client knows."""
-    from specops.trainer.online import _holdout, holdout_key_for, holdout_key_in
+    from specops.trainer.online.trainer import _holdout, holdout_key_for, holdout_key_in
 
     key = holdout_key_in(tmp_path)
     assert holdout_key_in(tmp_path) == key and len(key) == 32  # made once, read back

@@ -1,4 +1,4 @@
-"""The tool formats (``serving.http.tools``; Hermes, Llama 3 JSON, Mistral): what the prompt shows, with and without a chat
+"""The tool formats (``specops.serving.http.tools``; Hermes, Llama 3 JSON, Mistral): what the prompt shows, with and without a chat
 template that renders tools itself, how calls are parsed out of text, and the grammar of a forced
 call (its arguments follow the function's schema)."""
 

@@ -51,7 +51,7 @@ def test_api_config_and_cli_derive_their_choices_from_it():
     enum = Speculation.model_json_schema()["properties"]["method"]["anyOf"][0]["enum"]
     assert tuple(enum) == METHODS
     assert tuple(ServeConfig.model_json_schema()["properties"]["default_method"]["enum"]) == METHODS
-    from specops.cli import build_parser
+    from specops.cli.main import build_parser
 
     gen = next(
         a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions if a.dest == "method"

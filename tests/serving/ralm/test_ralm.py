@@ -1,8 +1,8 @@
-"""RaLMSeq and RaLMSpec (``serving.ralm.loop``) and OS³ (``serving.ralm.os3``).
+"""RaLMSeq and RaLMSpec (``specops.serving.ralm.loop``) and OS³ (``specops.serving.ralm.os3``).
 
 The loops run on the tiny bootstrap (random models, a real tokenizer) over a small
 in-test retriever (hashed bag of words, exact inner product in float64: deterministic and
-batch-independent, the contract of ``serving.retrieval.retriever``). The real knowledge
+batch-independent, the contract of ``specops.serving.retrieval.retriever``). The real knowledge
 bases and their retrievers are tested in ``tests/serving/retrieval/test_kb.py``; here the seam is the
 retriever interface, and one test runs the loop over a real KB's retrievers.
 """

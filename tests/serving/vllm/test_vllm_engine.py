@@ -476,8 +476,8 @@ def test_every_request_is_logged_for_teacher_forward_training(world, tmp_path):
         assert list(miss.token_ids) == [*gen.prompt_ids, *gen.output_ids] and len(gen.output_ids) >= 1
 
     # the trainer learns from them by a teacher forward of the target (no logged distributions)
-    from specops.trainer.online import OnlineTrainer
-    from specops.trainer.online_config import OnlineConfig
+    from specops.trainer.online.config import OnlineConfig
+    from specops.trainer.online.trainer import OnlineTrainer
 
     models = world["models"]
     trainer = OnlineTrainer(

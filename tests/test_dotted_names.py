@@ -30,7 +30,7 @@ FOLDERS = ("serving", "trainer", "registry", "streams", "core")
 BARE = re.compile(r"(?<![\w./\-:$@{\[])(?:" + "|".join(FOLDERS) + r")\.[a-z_]\w*(?:\.[A-Za-z_]\w*)*")
 PREFIXED = re.compile(r"(?<![\w./\-])specops\.(?:" + "|".join(FOLDERS) + r")(?:\.[A-Za-z_]\w*)+")
 CODE_SPAN = re.compile(r"`+([^`\n]+)`+")
-SKIP = ("benchmarks/out/",)
+SKIP = ("benchmarks/out/", "tests/test_dotted_names.py")
 HELM_DOCS = ("deploy/helm/",)
 
 
@@ -111,12 +111,31 @@ def tracked_files() -> list[str]:
     return [f for f in out.split() if f.endswith((".py", ".md")) and not f.startswith(SKIP) and (ROOT / f).is_file()]
 
 
+@cache
+def chart_values() -> frozenset[str]:
+    """Every dotted key path of the Helm chart's values (``serving.config``, ``serving.vllm.k``)."""
+    import yaml
+
+    paths: set[str] = set()
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                path = f"{prefix}.{key}" if prefix else str(key)
+                paths.add(path)
+                walk(value, path)
+
+    walk(yaml.safe_load((ROOT / "deploy/helm/specops/values.yaml").read_text()), "")
+    return frozenset(paths)
+
+
 def bare_names(rel: str, text: str) -> list[tuple[int, int]]:
-    """Spans of unprefixed names that, prefixed, would resolve: inside prose only."""
+    """Spans of unprefixed names that, prefixed, would resolve: inside prose only. A name that is
+    also a chart value (``serving.config``, ``serving.engine``) is ambiguous and left alone."""
     found = []
     for a, b in prose_spans(rel, text):
         for m in BARE.finditer(text, a, b):
-            if resolves("specops." + m.group(0)):
+            if m.group(0) not in chart_values() and resolves("specops." + m.group(0)):
                 found.append(m.span())
     return found
 

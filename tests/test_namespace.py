@@ -42,6 +42,23 @@ def test_the_package_list_names_every_folder_and_maps_each_top_level_one():
     assert {k: v for k, v in cfg["package-dir"].items() if k != "specops"} == {f"specops.{t}": t for t in MAPPED}
 
 
+def test_specops_holds_few_loose_modules_and_no_prefix_families():
+    """Issue 59: a family of modules is a subpackage (``specops/cli/``, ``streams/local/``), not a
+    run of ``<family>_*.py`` files, and ``specops/`` itself keeps at most 12 loose modules."""
+    loose = sorted(f.name for f in (ROOT / "specops").glob("*.py"))
+    assert len(loose) <= 12, f"{len(loose)} loose modules in specops/: {loose}"
+    families = {}
+    for folder in [ROOT / "specops", *(ROOT / t for t in MAPPED)]:
+        for pkg in [folder, *(d for d in folder.rglob("*") if (d / "__init__.py").is_file())]:
+            stems = [f.stem for f in pkg.glob("*.py") if f.stem != "__init__"]
+            for stem in stems:
+                prefix = stem.split("_")[0]
+                if "_" in stem and prefix in stems:  # local.py beside local_append.py, local_files.py
+                    families.setdefault(f"{pkg.relative_to(ROOT)}/{prefix}", []).append(stem)
+    crowded = {k: v for k, v in families.items() if len(v) >= 2}
+    assert not crowded, f"module families that should be subpackages: {crowded}"
+
+
 def test_package_data_names_every_template():
     """The wheel (the Docker image's ``pip install .``) carries the report's Jinja2 templates."""
     from fnmatch import fnmatch
@@ -124,10 +141,10 @@ def test_the_wheel_installs_beside_the_public_trainer_package(tmp_path):
     (Path(site) / "zz_dev_deps.pth").write_text(deps + "\n")  # after the clean venv's own packages
     code = (
         "import trainer, specops, specops.trainer.online.trainer, specops.serving.http.server, specops.registry.store\n"
-        "import specops.streams.kafka, specops.demo.report, os, sys\n"
+        "import specops.streams.kafka, specops.demo.report.page, os, sys\n"
         "assert hasattr(trainer, 'Trainer') and not trainer.__file__.startswith(os.path.dirname(specops.__file__))\n"
         "assert specops.trainer.online.trainer.__file__.startswith(sys.argv[1]), specops.trainer.online.trainer.__file__\n"
-        "assert specops.demo.report._ENV.get_template('report.html.j2').filename.startswith(sys.argv[1])\n"
+        "assert specops.demo.report.page._ENV.get_template('report.html.j2').filename.startswith(sys.argv[1])\n"
         "print('ok', trainer.__file__, specops.trainer.online.trainer.__file__)\n"
     )
     done = subprocess.run([py, "-c", code, site], cwd=tmp_path, capture_output=True, text=True, timeout=300)

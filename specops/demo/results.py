@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from specops.demo.report_data import DemoRun, SpeedRow
+from specops.demo.report.data import DemoRun, SpeedRow
 from specops.workloads.prompts import Prompt
+from specops.serving.plan import plain_generate
 
 if TYPE_CHECKING:
     from specops.demo.run import DemoConfig
@@ -41,7 +42,9 @@ def compare_speed(
     pair, tok = state.pair, state.pair.tokenizer
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_tokens)
     sessions = getattr(state.node, "sessions", None)
-    scope = "anonymous" if state.cfg.session_sharing == "tenant" else ""  # the demo's one tenant (no api keys)
+    scope = (
+        "anonymous" if state.cfg.retrieval.session_sharing == "tenant" else ""
+    )  # the demo's one tenant (no api keys)
     out: list[SpeedRow] = []
     clusters = sorted(set(unseen) & (set(state.known_clusters.names()) | set(state.follower.slots)))
     for cluster in clusters:
@@ -74,7 +77,7 @@ def compare_speed(
                     reference_indexes=(past,) if method == "auto" and past is not None else (),
                     policy=state.policy if method == "auto" else None,
                 )
-                results[arm].append(engine.generate(ids, params, method=method, resources=resources))
+                results[arm].append(plain_generate(engine, ids, params, method=method, resources=resources))
         ref = [r.token_ids for r in results["target-only"]]
         for arm, (_, method, version) in arms.items():
             res = results[arm]

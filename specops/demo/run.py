@@ -33,7 +33,7 @@
 
 This module runs the steps in order and does 1-4; the processes of 5 are
 :mod:`specops.demo.stack`, the traffic of 6 :mod:`specops.demo.traffic`, the comparison of 7 and
-the console summary :mod:`specops.demo.results`, the report of 8 :mod:`specops.demo.report`.
+the console summary :mod:`specops.demo.results`, the report of 8 :mod:`specops.demo.report.page`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specops.demo.report import write_report
+from specops.demo.report.page import write_report
 from specops.demo.results import compare_speed, print_summary, registry_versions
 from specops.demo.stack import Stack, free_port
 from specops.demo.traffic import late_promotions, replay_traffic

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from specops.demo.report_data import DemoRun, Promotion, acceptance, draft_share, token_alpha
+from specops.demo.report.data import DemoRun, Promotion, acceptance, draft_share, token_alpha
 
 if TYPE_CHECKING:
     from specops.demo.run import DemoConfig
@@ -28,7 +28,7 @@ def replay_traffic(console: Console, server, registry, workload, cfg: DemoConfig
     schedule = workload.schedule
     replayer = Replayer(
         server.url + "/v1",
-        server.cfg.served_model_name,
+        server.cfg.api.served_model_name,
         clients=cfg.clients,
         max_tokens=cfg.max_tokens,
         method=cfg.method or None,

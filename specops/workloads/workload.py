@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from specops.demo.report_data import RequestRow
+from specops.demo.report.data import RequestRow
 from specops.workloads.prompts import Prompt
 
 T = TypeVar("T")

@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from specops.demo.report import main, write_report
-from specops.demo.report_data import (
+from specops.demo.report.data import (
     DemoRun,
     Promotion,
     RequestRow,
@@ -17,6 +16,7 @@ from specops.demo.report_data import (
     phase_spans,
     summarize,
 )
+from specops.demo.report.page import main, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -199,7 +199,7 @@ def test_write_report_files_and_html(tmp_path):
 def test_alpha_is_per_token_and_the_report_plots_it(tmp_path):
     """α = Σ accepted / (Σ accepted + Σ rejected steps), beside accepted / drafted; a run whose every
     request reported its rejected steps plots α and carries no missing-field note."""
-    from specops.demo.report_data import acceptance, has_alpha, token_alpha
+    from specops.demo.report.data import acceptance, has_alpha, token_alpha
 
     rows = [
         RequestRow(

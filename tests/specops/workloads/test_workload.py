@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from specops.core.models import load_tokenizer, render_chat
-from specops.demo.report_data import draft_alpha, draft_share
+from specops.demo.report.data import draft_alpha, draft_share
 from specops.demo.run import DemoConfig
 from specops.workloads.chat_workload import SYSTEM, messages_of
 from specops.workloads.workload import (

@@ -2,7 +2,7 @@
 
 ``specops demo`` records what happened (one :class:`RequestRow` per request, the promotions and
 rollbacks, the speed measurements, the registry versions) in a :class:`DemoRun`;
-:mod:`specops.demo.report` renders it.
+:mod:`specops.demo.report.page` renders it.
 
 Two acceptance numbers, both pooled over a set of successful requests (never the mean of
 per-request ratios):
@@ -334,7 +334,7 @@ def _build(cls: type, d: dict) -> Any:
 
 
 def load_run(path: Path) -> DemoRun:
-    """Read a ``run.json`` written by :func:`specops.demo.report.write_report`."""
+    """Read a ``run.json`` written by :func:`specops.demo.report.page.write_report`."""
     d = json.loads(Path(path).read_text())
     d["requests"] = [_build(RequestRow, r) for r in d.get("requests", [])]
     d["promotions"] = [_build(Promotion, p) for p in d.get("promotions", [])]

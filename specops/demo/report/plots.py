@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from specops.demo.report_data import (
+from specops.demo.report.data import (
     DemoRun,
     acceptance,
     clusters_of,

@@ -1,10 +1,10 @@
 """The closed-loop demo's report: ``report/index.html``, ``summary.json``, PNG plots and ``run.json``.
 
-``specops demo`` records what happened in a :class:`~specops.demo.report_data.DemoRun` and calls
-:func:`write_report`. ``python -m specops.demo.report RUN_JSON OUT_DIR`` re-renders a saved run.
+``specops demo`` records what happened in a :class:`~specops.demo.report.data.DemoRun` and calls
+:func:`write_report`. ``python -m specops.demo.report.page RUN_JSON OUT_DIR`` re-renders a saved run.
 
 The record and the numbers of ``summary.json`` (α, acceptance, speedups: what each means) are in
-:mod:`specops.demo.report_data`; the plots in :mod:`specops.demo.report_plots`; this module writes the
+:mod:`specops.demo.report.data`; the plots in :mod:`specops.demo.report.plots`; this module writes the
 files and renders the HTML page from ``specops/demo/templates/report.html.j2``.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import jinja2
 
-from specops.demo.report_data import (
+from specops.demo.report.data import (
     WINDOW,
     DemoRun,
     dump_json,
@@ -35,7 +35,7 @@ from specops.demo.report_data import (
     summarize,
     version_label,
 )
-from specops.demo.report_plots import METHODS, plot_alpha, plot_auto, plot_speedup
+from specops.demo.report.plots import METHODS, plot_alpha, plot_auto, plot_speedup
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,8 @@ def write_report(run: DemoRun, out_dir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m specops.demo.report", description="Re-render the closed-loop demo report from a saved run.json."
+        prog="python -m specops.demo.report.page",
+        description="Re-render the closed-loop demo report from a saved run.json.",
     )
     parser.add_argument("run_json", type=Path, help="run.json written by `specops demo`")
     parser.add_argument("out_dir", type=Path, help="directory for index.html, summary.json and the PNGs")

@@ -55,6 +55,7 @@ from specops.core.models import load_model_dir
 from specops.paths import models_dir
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.workloads.prompts import heldout_prompts
 
 DOC_BEGIN = "<!-- BEGIN api (written by benchmarks/api.py; edits inside are overwritten) -->"
@@ -70,7 +71,7 @@ class EngineArm:
     def run(self, prompts, params: SamplingParams) -> list[dict]:
         out = []
         for p in prompts:
-            r = self.engine.generate(p.token_ids, params, method=self.method)
+            r = plain_generate(self.engine, p.token_ids, params, method=self.method)
             out.append(
                 {
                     "tokens": r.stats.num_generated,

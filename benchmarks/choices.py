@@ -48,6 +48,7 @@ from specops.serving.engine.batching import TargetBatcher
 from specops.serving.engine.prefix import SharedPrefix
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.workloads.prompts import heldout_prompts
 
 DOC_BEGIN = "<!-- BEGIN choices (written by benchmarks/choices.py; edits inside are overwritten) -->"
@@ -83,7 +84,8 @@ def _request(engine, batcher, ids, params, method: str, n: int, shared: bool) ->
                 if not first[i]:
                     first[i] = time.perf_counter() - t0
 
-            out[i] = engine.generate(
+            out[i] = plain_generate(
+                engine,
                 ids,
                 p,
                 method=method,

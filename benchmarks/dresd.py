@@ -44,13 +44,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_doc_section  # noqa: E402
+from benchmarks.harness.greedy import greedy_batches  # noqa: E402
 from benchmarks.rest_baseline import RestIndex, RestProposer  # noqa: E402
 from specops.core.datastore import Datastore, DatastoreConfig  # noqa: E402
 from specops.core.index import IndexConfig, build_index  # noqa: E402
 from specops.core.models import load_model_dir  # noqa: E402
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.serving.engine.types import SamplingParams  # noqa: E402
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources  # noqa: E402
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import ProposerResources  # noqa: E402
 
 log = logging.getLogger("benchmarks.dresd")
 DOC_BEGIN = "<!-- BEGIN dresd (written by benchmarks/dresd.py; edits inside are overwritten) -->"
@@ -75,24 +77,13 @@ def id_documents(
     ]
     docs, made, t0 = [], 0, time.perf_counter()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    for i in tqdm(range(0, len(prompts), batch), desc="ID datastore: target generations", unit="batch"):
-        chunk = prompts[i : i + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(chunk):  # left padding, as HF generate wants for decoder-only models
-            ids[r, width - len(p) :] = torch.tensor(p)
-            mask[r, width - len(p) :] = 1
-        with torch.no_grad():
-            out = pair.target.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad
-            )
-        for r, p in enumerate(chunk):
-            gen = out[r, width:].tolist()
-            if tok.eos_token_id in gen:
-                gen = gen[: gen.index(tok.eos_token_id) + 1]
-            docs.append(p + gen)
-            made += len(gen)
+    what = "ID datastore: target generations"
+    gens = greedy_batches(
+        pair.target, prompts, new_tokens, pad, batch=batch, by_length=False, eos=[tok.eos_token_id], desc=what
+    )
+    for p, gen in zip(prompts, gens):
+        docs.append(p + gen)
+        made += len(gen)
     return docs, made / (time.perf_counter() - t0)
 
 
@@ -167,23 +158,23 @@ def rebuilt_from_stream(pair, docs: list[list[int]], prompt_tokens: int = 64):
 
 # ---------------------------------------------------------------- arms
 def arms(engine: SpecEngine, stores: dict, rests: dict, paper_shapes: bool = True) -> dict:
-    """name -> (proposer_cfg or proposer factory, k, resources)."""
+    """name -> (the method and its settings, or a proposer factory; k; resources)."""
     res = {name: ProposerResources(pair=engine.pair, datastore=ds) for name, ds in stores.items()}
     out = {
-        "target": (ProposerConfig(method="target"), 1, None),
-        "pld": (ProposerConfig(method="pld"), 10, None),
-        "draft": (ProposerConfig(method="draft"), 3, None),
+        "target": (dict(method="target"), 1, None),
+        "pld": (dict(method="pld"), 10, None),
+        "draft": (dict(method="draft"), 3, None),
     }
     for name in stores:
         out[f"rest-{name} 10x6"] = (lambda i=rests[name]: RestProposer(i, n_drafts=10), 6, None)
-        out[f"dresd-{name} 10x6"] = (ProposerConfig(method="dresd", n_drafts=10), 6, res[name])
+        out[f"dresd-{name} 10x6"] = (dict(method="dresd", n_drafts=10), 6, res[name])
     out["rest-id native"] = (lambda i=rests["id"]: RestProposer(i), 10, None)
     if paper_shapes:
-        out["dresd-id 3x20"] = (ProposerConfig(method="dresd", n_drafts=3), 20, res["id"])
-        out["dresd-id 3x10"] = (ProposerConfig(method="dresd", n_drafts=3), 10, res["id"])
+        out["dresd-id 3x20"] = (dict(method="dresd", n_drafts=3), 20, res["id"])
+        out["dresd-id 3x10"] = (dict(method="dresd", n_drafts=3), 10, res["id"])
     shape = stores["id"].meta.get("shape")
     if shape:  # what serving drafts by default: the shape the rebuild job measured fastest on held-out traffic
-        out[f"dresd-id {shape['n_drafts']}x{shape['k']} (rebuild's)"] = (ProposerConfig(method="dresd"), 20, res["id"])
+        out[f"dresd-id {shape['n_drafts']}x{shape['k']} (rebuild's)"] = (dict(method="dresd"), 20, res["id"])
     return out
 
 
@@ -191,8 +182,8 @@ def run_arm(engine, spec, prompt, max_new_tokens):
     cfg, k, resources = spec
     params = SamplingParams(max_new_tokens=max_new_tokens)
     if callable(cfg):
-        return engine.generate(prompt, params, proposer=cfg(), k=k)
-    return engine.generate(prompt, params, proposer_cfg=cfg, k=k, resources=resources)
+        return plain_generate(engine, prompt, params, proposer=cfg(), k=k)
+    return plain_generate(engine, prompt, params, **cfg, k=k, resources=resources)
 
 
 # ---------------------------------------------------------------- budgets
@@ -376,7 +367,7 @@ def main(argv=None) -> int:
     ref_docs, starts = [], []
     for d in DOMAINS:
         for p in prompts[d]:
-            out = engine.generate(p, SamplingParams(max_new_tokens=new_tokens), method="target").token_ids
+            out = plain_generate(engine, p, SamplingParams(max_new_tokens=new_tokens), method="target").token_ids
             ref_docs.append(p + out)
             starts.append(len(p))
     sweep = {}

@@ -30,8 +30,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from tqdm import tqdm
+
+from benchmarks.harness.greedy import greedy_batches
 
 TAIL_CHARS = 120  # at least one edit must touch this many trailing characters
 
@@ -367,26 +368,6 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _greedy(target, prompts: list[list[int]], new_tokens: int, pad: int) -> list[list[int]]:
-    """The target's greedy continuations of ``prompts`` (one left-padded batch)."""
-    device = next(target.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):  # left padding, as HF generate wants for decoder-only models
-        ids[r, width - len(p) :] = torch.tensor(p)
-        mask[r, width - len(p) :] = 1
-    with torch.no_grad():
-        out = target.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-    return [out[r, width:].tolist() for r in range(len(prompts))]
-
-
 def _expected(continuation: Sequence[int], check_tokens: int, eos: int | None) -> list[int]:
     want = list(continuation[:check_tokens])
     if eos is not None and eos in want:
@@ -437,7 +418,8 @@ def build_perturbed_set(
     pending: list[PerturbedCase] = []
 
     def check(pending: list[PerturbedCase]) -> None:
-        gens = _greedy(target, [c.prompt_ids for c in pending], check_tokens, pad)
+        # one left-padded batch in the given order, no EOS cut (``_expected`` cuts the recorded side)
+        gens = greedy_batches(target, [c.prompt_ids for c in pending], check_tokens, pad, batch=None, by_length=False)
         for case, gen in zip(pending, gens, strict=True):
             want = _expected(case.continuation, check_tokens, eos)
             if gen[: len(want)] == want:

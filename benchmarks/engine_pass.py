@@ -50,6 +50,7 @@ import torch  # noqa: E402
 from benchmarks.common import environment, fmt, target_name, write_doc_section  # noqa: E402
 from specops.core import cpu_linear, threads  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
+from specops.serving.plan import plain_generate
 
 log = logging.getLogger("bench.engine_pass")
 DOC_BEGIN = "<!-- BEGIN engine-pass (written by benchmarks/engine_pass.py; edits inside are overwritten) -->"
@@ -197,7 +198,7 @@ def in_process(model, tokenizer, model_dir: Path, args) -> list[dict]:
         def one(prompt, batcher=batcher, engine=engine):
             batcher.begin()
             try:
-                return len(engine.generate(prompt, SamplingParams(max_new_tokens=64), method="target").token_ids)
+                return len(plain_generate(engine, prompt, SamplingParams(max_new_tokens=64), method="target").token_ids)
             finally:
                 batcher.end()
 

@@ -151,7 +151,7 @@ def learn(model_dir: Path, n: int, *, seed: int, threads: int, out: Path | None 
     """The gated champion after ``n`` sql chat requests (see the module docstring); cached."""
     from benchmarks import osd
     from specops.core.models import load_model_dir
-    from specops.serving.engine.spec import DEFAULT_K
+    from specops.serving.proposers.catalogue import DEFAULT_K
     from specops.workloads.chat_workload import chat_workload
 
     model_dir = Path(model_dir)

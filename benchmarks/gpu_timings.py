@@ -23,6 +23,7 @@ from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.tree import build as build_tree
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.trainer.bootstrap.distill import DraftRecipe, init_draft
 
 log = logging.getLogger("benchmarks.gpu_check")
@@ -192,7 +193,7 @@ def loop_vs_hf(target, ctx: list[int], s: dict, deadline: float) -> dict:
 
     def ours() -> tuple[float, list[int]]:
         t0 = time.perf_counter()
-        out = engine.generate(ctx, params, method="target").token_ids
+        out = plain_generate(engine, ctx, params, method="target").token_ids
         return time.perf_counter() - t0, out
 
     def hf() -> tuple[float, list[int]]:
@@ -239,7 +240,7 @@ def batched_throughput(target, s: dict, deadline: float) -> dict:
         def run(i: int) -> None:
             batcher.begin()
             try:
-                res = SpecEngine(pair, target_lm=batcher.lm).generate(prompts[i], params, method="target")
+                res = plain_generate(SpecEngine(pair, target_lm=batcher.lm), prompts[i], params, method="target")
                 made[i] = len(res.token_ids)
             finally:
                 batcher.end()

@@ -128,9 +128,7 @@ def run_point(point: Point, kb, engine, tok, questions: list, args) -> list[dict
     clients = ThreadPoolExecutor(c, thread_name_prefix="ralm-client")
 
     def one(arm: str, qi: int, slot: int):
-        gen = RalmGenerator(
-            engine, retriever, texts, tok, ARMS[arm], method="target", pool=pools[slot], os3=ARM_OS3.get(arm)
-        )
+        gen = RalmGenerator(engine, retriever, texts, tok, ARMS[arm], pool=pools[slot], os3=ARM_OS3.get(arm))
         return gen.generate(prompts[qi], params)
 
     def wave(arm: str, qs: list[int]) -> tuple[float, list]:

@@ -57,6 +57,7 @@ from specops.paths import models_dir  # noqa: E402
 from specops.serving.engine.spec import SpecEngine  # noqa: E402
 from specops.serving.engine.types import GenerationResult, SamplingParams  # noqa: E402
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records  # noqa: E402
+from specops.serving.plan import plain_generate
 from specops.streams import OutMessage, StreamConfig, codec, open_stream  # noqa: E402
 from specops.workloads.prompts import heldout_prompts  # noqa: E402
 
@@ -81,7 +82,7 @@ def run_overhead(pair, prompts, args, urls: dict[str, str]) -> tuple[dict, list[
     arms = list(engines)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for arm in arms:  # warm-up: first forwards, first publish, topic creation
-        engines[arm].generate(prompts[0].token_ids, params, meta=RequestMeta(cluster="warmup"))
+        plain_generate(engines[arm], prompts[0].token_ids, params, meta=RequestMeta(cluster="warmup"))
     for lg in loggers.values():
         lg.flush(60)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -93,7 +94,7 @@ def run_overhead(pair, prompts, args, urls: dict[str, str]) -> tuple[dict, list[
         outs = {}
         for arm in order:
             t0 = time.perf_counter()
-            res = engines[arm].generate(prompt.token_ids, params, meta=RequestMeta(cluster=prompt.domain))
+            res = plain_generate(engines[arm], prompt.token_ids, params, meta=RequestMeta(cluster=prompt.domain))
             times[arm].append(time.perf_counter() - t0)
             outs[arm] = res.token_ids
             if arm in loggers:

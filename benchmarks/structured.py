@@ -47,6 +47,7 @@ from specops.paths import models_dir
 from specops.serving.engine.grammar import GrammarSpec
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.workloads.prompts import heldout_prompts
 
 DOC_BEGIN = "<!-- BEGIN structured (written by benchmarks/structured.py; edits inside are overwritten) -->"
@@ -101,7 +102,7 @@ def _valid(text: str) -> bool:
 
 def run(args) -> dict:
     from specops.core.auto_policy import AutoPolicy
-    from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+    from specops.serving.proposers.catalogue import ProposerResources
 
     torch.manual_seed(0)
     model_dir = args.models or models_dir()
@@ -122,9 +123,7 @@ def run(args) -> dict:
                     refs = (tuple(case["reference"]),) if arm in ("llma", "auto") else ()
                     res = ProposerResources(pair=pair, references=refs, policy=policy)
                     t0 = time.perf_counter()
-                    out = engine.generate(
-                        case["prompt_ids"], params, proposer_cfg=ProposerConfig(method=arm), resources=res
-                    )
+                    out = plain_generate(engine, case["prompt_ids"], params, method=arm, resources=res)
                     wall = time.perf_counter() - t0
                     s = out.stats
                     text = pair.tokenizer.decode(out.token_ids, skip_special_tokens=True)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specops.serving.engine.tree import TokenTree, build  # noqa: E402
 from specops.serving.engine.verifier import decide_tree  # noqa: E402
+from specops.serving.plan import plain_generate
 
 V = 5
 """Vocabulary of the synthetic case."""
@@ -224,8 +225,8 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
     for _ in range(num_prompts):
         prompt = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(3, 20)))]
         params = SamplingParams(max_new_tokens=new_tokens)
-        ref = engine.generate(prompt, params, method="target").token_ids
-        out = engine.generate(prompt, params, proposer=Oracle(ref), k=5).token_ids
+        ref = plain_generate(engine, prompt, params, method="target").token_ids
+        out = plain_generate(engine, prompt, params, proposer=Oracle(ref), k=5).token_ids
         if out != ref:
             return False
     return True

@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks import faults as bench
 from benchmarks.faults import Attempt, Window
+from specops.serving.plan import plain_generate
 
 MISSES, GENERATIONS = bench.TOPICS
 
@@ -96,11 +97,9 @@ def test_output_check_tells_the_targets_output_from_another(tmp_path):
     models = bench.tiny_pair(tmp_path / "models", seed=0)
     pair = load_model_dir(models)
     args = Namespace(seed=0, max_tokens=8, vocab=pair.vocab_size)
-    ref = (
-        SpecEngine(pair)
-        .generate(bench.make_prompt(0, 0, 0, args.vocab), SamplingParams(max_new_tokens=8), method="target")
-        .token_ids
-    )
+    ref = plain_generate(
+        SpecEngine(pair), bench.make_prompt(0, 0, 0, args.vocab), SamplingParams(max_new_tokens=8), method="target"
+    ).token_ids
     other = [(t + 1) % args.vocab or 1 for t in ref]  # not the target's choice anywhere
     text = pair.tokenizer.decode
     served = [

@@ -1,6 +1,7 @@
 """One style, checked here so `make test` (and CI) fails on a drift: `ruff format` and `ruff check`
 with the settings in pyproject.toml, `# fmt: skip` kept for the rare table that reads better by
-hand, and no source file over 600 lines (split a file by role before it becomes a junk drawer)."""
+hand, and no source file over 600 lines, benchmarks/ included (split a file by role before it becomes a
+junk drawer)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = Path(sys.executable).with_name("ruff")
-SOURCE = ("serving", "trainer", "registry", "streams", "core", "specops")
+SOURCE = ("serving", "trainer", "registry", "streams", "core", "specops", "benchmarks")
+"""Top-level folders held to the line limit: the package's, and the benchmarks (issue 59)."""
 MAX_LINES = 600
 MAX_FMT_SKIPS = 50
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from specops.core.models import DEFAULT_DRAFT_DTYPE
 from specops.paths import models_dir
-from specops.serving.engine.spec import DEFAULT_K
+from specops.serving.proposers.catalogue import DEFAULT_K
 
 DOMAINS = ("code", "prose")
 MODES = {"greedy": 0.0, "t0.7": 0.7}
@@ -48,9 +48,9 @@ OWN_ARMS = ("target", "draft", "pld", "auto")
 def serving_setting(name: str):
     """A default of ``ServeConfig`` (``specops serve``'s), read when used: the benchmark measures
     what serving does today, not a copy of it."""
-    from specops.serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeKeys
 
-    return ServeConfig.model_fields[name].default
+    return ServeKeys.model_fields[name].default  # by flat key (serve.toml's, the flags')
 
 
 def worst(ratios: dict[str, float | None]) -> float | None:

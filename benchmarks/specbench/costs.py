@@ -15,6 +15,7 @@ from specops.core.cost import step_ms
 from specops.core.models import ModelPair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 
 
 # ---------------------------------------------------------------- step costs (c)
@@ -60,7 +61,9 @@ def measure_loop_overhead(pair: ModelPair, prompt_ids: list[int], tokens: int = 
     ids = torch.tensor([prompt_ids], dtype=torch.long)
 
     def ours() -> float:
-        res = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=tokens), method="target")
+        res = plain_generate(
+            engine, prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=tokens), method="target"
+        )
         return max(1, res.stats.num_generated)
 
     def hf() -> float:

@@ -17,8 +17,10 @@ from transformers.generation.utils import GenerationMixin
 from benchmarks.specbench.config import HF_PLD_NUM_TOKENS, REFERENCE, BenchConfig, default_arm, serving_setting
 from specops.core.cpu_linear import stock_linear
 from specops.core.models import ModelPair
-from specops.serving.engine.spec import DEFAULT_K, ProposerConfig, ProposerResources, SpecEngine
+from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import DEFAULT_K, ProposerResources
 
 
 # ---------------------------------------------------------------- counting
@@ -154,7 +156,7 @@ def hf_method(name: str, pair: ModelPair, counter: ForwardCounter, **extra) -> M
 def our_method(
     name: str,
     engine: SpecEngine,
-    cfg: ProposerConfig,
+    cfg: dict,
     k: int | None,
     headline: bool = True,
     resources: ProposerResources | None = None,
@@ -166,10 +168,10 @@ def our_method(
     def run(prompt_ids: list[int], temperature: float, max_new_tokens: int, seed: int) -> Outcome:
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
         t0 = time.perf_counter()
-        res = engine.generate(prompt_ids, params, proposer_cfg=cfg, k=k, resources=resources)
+        res = plain_generate(engine, prompt_ids, params, **cfg, k=k, resources=resources)
         wall = time.perf_counter() - t0
         s = res.stats
-        spec = cfg.method != "target"
+        spec = cfg["method"] != "target"
         return Outcome(
             token_ids=list(res.token_ids),
             wall_s=wall,
@@ -185,7 +187,7 @@ def our_method(
         name=name,
         family="ours",
         run=run,
-        k=None if cfg.method in ("target", "auto") else k,
+        k=None if cfg["method"] in ("target", "auto") else k,
         headline=headline,
         settings=settings,
     )
@@ -203,7 +205,7 @@ def auto_method(pair: ModelPair, engine: SpecEngine, cfg: BenchConfig) -> Method
     calibration = calibrate(policy, pair)
     settings = {"max_k": policy.max_k, "draft_max_k": policy.draft_max_k, "seed": cfg.seed, "calibration": calibration}
     res = ProposerResources(pair=pair, policy=policy)
-    return our_method("auto", engine, ProposerConfig(method="auto"), None, resources=res, settings=settings)
+    return our_method("auto", engine, dict(method="auto"), None, resources=res, settings=settings)
 
 
 def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter, draft32=None) -> list[Method]:
@@ -215,32 +217,30 @@ def build_methods(pair: ModelPair, cfg: BenchConfig, counter: ForwardCounter, dr
         hf_method(REFERENCE, pair, counter),
         hf_method("hf_assisted", pair, counter, assistant_model=pair.draft),
         hf_method("hf_pld", pair, counter, prompt_lookup_num_tokens=HF_PLD_NUM_TOKENS),
-        our_method("target", engine, ProposerConfig(method="target"), cfg.k),
-        our_method("draft", engine, ProposerConfig(method="draft"), cfg.k),
-        our_method("pld", engine, ProposerConfig(method="pld"), DEFAULT_K["pld"]),
+        our_method("target", engine, dict(method="target"), cfg.k),
+        our_method("draft", engine, dict(method="draft"), cfg.k),
+        our_method("pld", engine, dict(method="pld"), DEFAULT_K["pld"]),
         auto_method(pair, engine, cfg),
     ]
     default = serving_setting("default_method")
     if default_arm(default) == "our_method":
-        spec = ProposerConfig(method=default)
+        spec = dict(method=default)
         methods.append(our_method("our_method", engine, spec, DEFAULT_K[default], settings={"method": default}))
     if draft32 is not None:
         pair32 = ModelPair(
             target=pair.target, draft=draft32, tokenizer=pair.tokenizer, tokenizer_sha256=pair.tokenizer_sha256
         )
-        methods.append(
-            our_method("draft_float32", SpecEngine(pair32), ProposerConfig(method="draft"), cfg.k, headline=False)
-        )
+        methods.append(our_method("draft_float32", SpecEngine(pair32), dict(method="draft"), cfg.k, headline=False))
     for k in cfg.sweep:
         if k != cfg.k:
-            methods.append(our_method(f"draft_k{k}", engine, ProposerConfig(method="draft"), k, headline=False))
+            methods.append(our_method(f"draft_k{k}", engine, dict(method="draft"), k, headline=False))
     if cfg.adaptive and cfg.sweep:
         k_max = max(cfg.sweep)
         methods.append(
             our_method(
                 f"draft_adaptive_k{k_max}",
                 engine,
-                ProposerConfig(method="draft", adaptive_k=True),
+                dict(method="draft", adaptive_k=True),
                 k_max,
                 headline=False,
             )

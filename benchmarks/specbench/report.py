@@ -21,7 +21,7 @@ from benchmarks.specbench.config import (
     worst,
 )
 from benchmarks.specbench.costs import eq2_speedup
-from specops.serving.engine.spec import DEFAULT_K
+from specops.serving.proposers.catalogue import DEFAULT_K
 
 
 # ---------------------------------------------------------------- report

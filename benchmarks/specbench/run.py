@@ -42,7 +42,7 @@ from benchmarks.specbench.costs import (
 )
 from benchmarks.specbench.methods import ForwardCounter, Method, Outcome, build_methods, hf_assisted_settings
 from specops.core.models import load_model, load_model_dir
-from specops.serving.engine.spec import DEFAULT_K, ProposerConfig
+from specops.serving.proposers.catalogue import DEFAULT_K, PromptLookupOptions
 from specops.workloads.prompts import heldout_prompts
 
 log = logging.getLogger("benchmarks.spec_decode")
@@ -194,8 +194,8 @@ def run_benchmark(cfg: BenchConfig, command: list[str]) -> dict:
             "sampling": {"top_k": 0, "top_p": 1.0, "note": "HF's default top_k=50 turned off to match our engine"},
         },
         "our_settings": {
-            "pld_max_ngram": ProposerConfig().pld_max_ngram,
-            "pld_min_ngram": ProposerConfig().pld_min_ngram,
+            "pld_max_ngram": PromptLookupOptions().pld_max_ngram,
+            "pld_min_ngram": PromptLookupOptions().pld_min_ngram,
             "pld_k": DEFAULT_K["pld"],
             "serving_default_method": summary["default_method"],
             "serving_default_arm": summary["default_arm"],

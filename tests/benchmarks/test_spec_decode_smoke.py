@@ -55,10 +55,10 @@ def test_summary_has_headline_numbers(report):
 def test_summary_has_issue_39_bars(report):
     """Serving's default method and ``auto`` against our target-only loop, and our target-only loop
     against ``hf_target``, per domain and their worse domain; the CPU and the draft's served dtype."""
-    from specops.serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeKeys
 
     s = report["summary"]
-    assert s["default_method"] == ServeConfig.model_fields["default_method"].default
+    assert s["default_method"] == ServeKeys.model_fields["default_method"].default
     assert s["default_arm"] in report["results"]["code"]["greedy"]
     for key in ("default_vs_target", "auto_vs_target", "target_vs_hf_target_by_domain"):
         assert set(s[key]) == set(spec_decode.DOMAINS), key

@@ -131,17 +131,17 @@ def _rejected_steps(spec, st) -> dict[str, int]:
 
 
 def count_llma(cluster: str, stats) -> None:
-    """LLMA's copy counters of one request (its proposer's counters)."""
-    from specops.serving.proposers.llma import SOURCES
-
+    """LLMA's copy counters of one request (its proposer's counters: ``hits_<source>`` for each of
+    ``specops.serving.proposers.llma.SOURCES``, so this floor needs no proposer's names)."""
     label = cluster_label(cluster)
     counters = stats.proposer
     if not counters:
         return
     LLMA_STEPS.labels(label).inc(counters["steps"])
     LLMA_REFERENCE_TOKENS.labels(label).inc(counters["reference_tokens"])
-    for source in SOURCES:
-        LLMA_HITS.labels(label, source).inc(counters[f"hits_{source}"])
+    for key, hits in counters.items():
+        if key.startswith("hits_"):
+            LLMA_HITS.labels(label, key.removeprefix("hits_")).inc(hits)
 
 
 def count_auto(cluster: str, stats, policy) -> None:

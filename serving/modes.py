@@ -11,7 +11,9 @@ around it is.
 
 The serving node (``specops.serving.fleet.node.ServingNode``, the ``node`` each runner takes) dispatches
 once, ``mode_spec(plan.mode).run(node, plan, on_step, pool)``,
-and then hands the result to the stream logger itself, in one place for every mode. Adding
+and then hands the result to the stream logger itself, in one place for every mode. A runner
+calls only the node's members that :class:`~specops.serving.served.ModeHost` lists (typed; the
+modes import no node), and the node imports the modes: the modes sit a floor below the fleet. Adding
 a mode is one :class:`ModeSpec` here (its runner, its metrics, whether it feeds the trainer)
 and the field of the request that selects it (``specops.serving.http.server.ServingState.plan``).
 """
@@ -20,57 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from specops.serving.engine.types import GenerationResult
-from specops.serving.fleet.stream_logger import RequestMeta
 from specops.serving.metrics import count_knnlm, count_retrieval
 from specops.serving.plan import DecodePlan
-from specops.serving.proposers.catalogue import method_spec
+from specops.serving.served import Decoded, ModeHost, OnStep, ServedResult
 
-
-@dataclass(frozen=True)
-class ServedResult:
-    """A finished request and the draft that served it."""
-
-    request_id: str
-    cluster: str
-    draft_model: str
-    draft_version: str
-    """The registry version decoded with (``base`` before the cluster had a champion)."""
-    result: GenerationResult
-    started_at: float = 0.0
-    """Wall time just before the request took its draft handle."""
-    versions: dict[str, str] = field(default_factory=dict)
-    """Artifact kind -> version the request could use (``{"draft": ...}``)."""
-    n_drafts: int = 0
-    """Rows drafted per step by a multi-draft method (DReSD; 0 for the others)."""
-    retrieval: dict | None = None
-    """What a retrieval loop did (RaLMSeq/RaLMSpec or kNN-LM): the response's ``retrieval`` block."""
-    engine: str = ""
-    """The engine that decoded, when it is not ours (``vllm``: ``specops.serving.vllm.node``)."""
-    counts_source: str = ""
-    """Where another engine's drafted and accepted counts came from: ``vllm`` (its per-request
-    metrics) or ``replay`` (recomputed from the output: ``specops.serving.vllm.replay``)."""
-
-    def version_of(self, method: str) -> str:
-        """The version of ``method``'s artifact that served this request ("" if it has none)."""
-        artifact = method_spec(method).artifact
-        return self.versions.get(artifact, "") if artifact else ""
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """What a mode returns: the served result, and what the stream logger gets (if anything)."""
-
-    served: ServedResult
-    logged_prompt: tuple[int, ...] | None = None
-    """The token ids the request decoded after (its prompt, or the context built around it);
-    None: the request is not logged (kNN-LM: no draft served it)."""
-    meta: RequestMeta | None = None
-
-
-OnStep = Callable[[list[int]], "bool | None"] | None
+__all__ = ["MODES", "Decoded", "ModeHost", "ModeSpec", "ServedResult", "mode_of", "mode_spec"]
 
 
 @dataclass(frozen=True)
@@ -79,14 +38,14 @@ class ModeSpec:
 
     name: str
     description: str
-    run: Callable[[object, DecodePlan, OnStep, object], Decoded]
+    run: Callable[[ModeHost, DecodePlan, OnStep, object], Decoded]
     """Decode ``plan`` on the node: ``run(node, plan, on_step, pool)`` (``pool``: RaLMSpec's
     verification threads). It returns the served result and what the stream logger gets."""
     count: Callable[[dict | None], None] = lambda block: None
     """The mode's own metrics, from the response's ``retrieval`` (or ``knnlm``) block."""
 
 
-def _plain(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
+def _plain(node: ModeHost, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     return node.decode(plan, plan.prompt_ids, on_step=on_step)
 
 
@@ -94,7 +53,7 @@ def _passages(knowledge) -> Callable[[list[int]], list[str]]:
     return lambda ids: [p.text for p in knowledge.passages(ids)]
 
 
-def _oneshot(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
+def _oneshot(node: ModeHost, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     """The top ``passages`` of the knowledge base for the prompt go before it
     (``specops.serving.ralm.loop.oneshot_context``), then a plain decode; a method that copies
     references also copies from them (``retrieved``). The ``retrieval`` block names them."""
@@ -136,12 +95,12 @@ def _oneshot(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     return replace(decoded, served=replace(served, versions={**served.versions, "kb": kb.version}, retrieval=block))
 
 
-def _ralm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
+def _ralm(node: ModeHost, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     """RaLMSeq or RaLMSpec over the plan's knowledge base, decoding between retrievals with the
     plan's method and the cluster's current draft. ``on_step(final)`` gets verified output only."""
     from specops.serving.engine.types import RequestStats
     from specops.serving.proposers.catalogue import ProposerResources
-    from specops.serving.ralm.loop import RalmGenerator
+    from specops.serving.ralm.loop import Drafting, RalmGenerator
 
     ret = plan.retrieval
     started_at = time.time()
@@ -149,17 +108,15 @@ def _ralm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     engine = node.engine(pair, logged=False)
     versions = {"draft": handle.version, "kb": ret.kb.version}
     knowledge = ret.kb.artifact
+    resources = ProposerResources(pair=pair, cluster=plan.cluster, versions=versions)
     gen = RalmGenerator(
         engine,
         knowledge.retriever(ret.retriever),
         _passages(knowledge),
         pair.tokenizer,
         ret.cfg,
-        method=plan.method,
-        k=plan.k,
-        proposer_cfg=plan.proposer_config(),
+        drafting=Drafting(lambda: plan.proposer(resources), plan.k),
         pool=pool,
-        resources=ProposerResources(pair=pair, cluster=plan.cluster, versions=versions),
     )
     with node.batched():
         out = gen.generate(list(plan.prompt_ids), plan.params, on_final=on_step)
@@ -193,7 +150,7 @@ def _ralm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     return Decoded(served, plan.prompt_ids, node.meta(plan, handle, {}))
 
 
-def _knnlm(node, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
+def _knnlm(node: ModeHost, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     """kNN-LM over the plan's datastore: baseline or speculative, the same output. It drafts
     nothing and is not logged for the trainer (no draft served it)."""
     from specops.serving.engine.types import RequestStats

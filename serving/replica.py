@@ -12,7 +12,7 @@
 
 :meth:`Replica.decode` runs one request's :class:`~specops.serving.plan.DecodePlan` on the serving
 node and counts it (``specops.serving.metrics``). What is HTTP (admission, validating the body into
-a plan, streaming, deadlines) is ``specops.serving.http.server.ServingState``, built on this.
+a plan, streaming, deadlines) is ``specops.serving.http.server.ServingState``, which holds one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specops.core.load_signal import write_load_signal
+from specops.serving.config import ReplicaConfig
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.clusters import KnownClusters
 from specops.serving.metrics import READY, count_request
@@ -32,6 +33,13 @@ from specops.serving.modes import mode_spec
 from specops.serving.plan import DecodePlan
 
 log = logging.getLogger(__name__)
+
+READ_THROUGH = frozenset(
+    "pair node ready load_error loading_step context_size known_clusters router follower policy logger registry "
+    "datastores kbs knnlms batcher vllm session_follower cache_dir start_loading clusters".split()
+)
+"""The members of a :class:`Replica` that ``specops.serving.http.server.ServingState``, which holds one,
+reads through (``state.pair`` is ``state.replica.pair``), read-only."""
 
 
 class _Idle:
@@ -41,13 +49,14 @@ class _Idle:
 class Replica:
     """The components of one replica. ``start_loading`` returns at once; ``ready`` tells when done.
 
-    ``cfg``: a ``specops.serving.http.config.ServeConfig``. ``load_snapshot()``: the requests running and
-    waiting now, and the load (``running``, ``waiting``, ``load``; the API's admission gives it):
-    the ``auto`` policy's cost model and the load signal read it."""
+    ``cfg``: the sections it reads (``specops.serving.config.ReplicaConfig``: admission, engine, fleet,
+    retrieval, vLLM, and its name). ``load_snapshot()``: the requests running and waiting now, and the
+    load (``running``, ``waiting``, ``load``; the API's admission gives it): the ``auto`` policy's cost
+    model and the load signal read it."""
 
     def __init__(
         self,
-        cfg,
+        cfg: ReplicaConfig,
         *,
         target_dir: Path,
         draft_dir: Path,
@@ -76,14 +85,14 @@ class Replica:
         self.vllm = None
         """``specops.serving.vllm.fleet.VLLMServers`` when vLLM decodes (``engine = "vllm"``)."""
         self.known_clusters = KnownClusters(
-            [cfg.default_cluster, *cfg.clusters],
+            [cfg.fleet.default_cluster, *cfg.fleet.clusters],
             router=lambda: self.router.current() if self.router is not None else None,
             champions=lambda: self.follower.champions if self.follower else (),
         )
         """The clusters a request may name (``specops.serving.fleet.clusters``); the followers follow no other."""
         self.kbs = None
         """Knowledge bases by name (``specops.serving.fleet.catalog.NamedArtifacts``), loaded on first use."""
-        self.ralm_pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ralm-verify")
+        self.ralm_pool = ThreadPoolExecutor(cfg.admission.max_concurrency, thread_name_prefix="ralm-verify")
         """RaLMSpec's asynchronous verifications (one KB search per running request at most)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -112,17 +121,18 @@ class Replica:
 
         cfg = self.cfg
         self.loading_step = "models"  # 1.
-        placement = Placement(cfg.device, cfg.dtype)  # a missing GPU fails here, saying which flag to change
+        # a missing GPU fails here, saying which flag to change
+        placement = Placement(cfg.engine.device, cfg.engine.dtype)
         self.pair = load_pair(
             self.target_dir,
             self.draft_dir,
-            draft_dtype=cfg.draft_dtype,
-            target_dtype=cfg.dtype,
+            draft_dtype=cfg.engine.draft_dtype,
+            target_dtype=cfg.engine.dtype,
             device=placement.device,
             # vLLM decodes: the front door needs the models' configs and tokenizer, not their weights (a
             # draft is loaded here to validate a promoted version, and for a recount vLLM did not report)
-            target_weights=cfg.engine != "vllm",
-            draft_weights=cfg.engine != "vllm",
+            target_weights=cfg.engine.kind != "vllm",
+            draft_weights=cfg.engine.kind != "vllm",
         )
         if self.stream_cfg is not None:  # 2.
             from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
@@ -130,18 +140,18 @@ class Replica:
             self.loading_step = "stream logger"
             self.logger = StreamLogger(
                 self.stream_cfg,
-                LoggerConfig(sample_every=cfg.log_sample_every, queue_size=cfg.log_queue_size),
+                LoggerConfig(sample_every=cfg.fleet.log_sample_every, queue_size=cfg.fleet.log_queue_size),
                 vocab_size=self.pair.vocab_size,
             )
         self.loading_step = "registry"  # 3.
         self.registry = self.registry_factory()
         hcfg = HotSwapConfig(
-            poll_s=cfg.poll_s,
-            auto_rollback=cfg.auto_rollback,
-            live_report_every=cfg.live_report_every,
-            rollback_min_requests=cfg.rollback_min_requests,
-            rollback_margin=cfg.rollback_margin,
-            replica=cfg.replica_name,  # reports what it serves to the registry (`registry ls`)
+            poll_s=cfg.fleet.poll_s,
+            auto_rollback=cfg.fleet.auto_rollback,
+            live_report_every=cfg.fleet.live_report_every,
+            rollback_min_requests=cfg.fleet.rollback_min_requests,
+            rollback_margin=cfg.fleet.rollback_margin,
+            replica=cfg.name,  # reports what it serves to the registry (`registry ls`)
         )
         follow = dict(
             target_vocab=self.pair.vocab_size,
@@ -149,7 +159,7 @@ class Replica:
             cache_dir=self.cache_dir / "drafts",
             cfg=hcfg,
         )
-        if cfg.engine == "vllm":
+        if cfg.engine.kind == "vllm":
             self.follower = self._vllm_follower(follow)
         else:
             self.follower = DraftFollower(self.registry, self.pair.draft, **follow)
@@ -159,7 +169,7 @@ class Replica:
         self.datastores = self._datastores()
         self.kbs = self._kbs()
         self.knnlms = self._knnlms()
-        if cfg.router == "registry" and self.registry is not None:  # 4.
+        if cfg.fleet.router == "registry" and self.registry is not None:  # 4.
             from specops.core.embed import make_embedder
             from specops.serving.fleet.router import RouterFollower
 
@@ -168,43 +178,44 @@ class Replica:
                 self.registry,
                 cache_dir=self.cache_dir / "router",
                 embedder_factory=lambda kind: make_embedder(kind, target=self.pair),
-                poll_s=cfg.poll_s,
+                poll_s=cfg.fleet.poll_s,
             )
             self.router.start()
         if self.stream_cfg is not None:  # 5.
             from specops.serving.fleet.events import EventWatcher
 
-            self.watcher = EventWatcher(self.stream_cfg, cfg.replica_name, self._on_event).start()
-        if cfg.engine == "specops":  # every target pass runs on the batcher's thread, alone or batched
+            self.watcher = EventWatcher(self.stream_cfg, cfg.name, self._on_event).start()
+        if cfg.engine.kind == "specops":  # every target pass runs on the batcher's thread, alone or batched
             from specops.serving.engine.batching import TargetBatcher
 
             self.batcher = TargetBatcher(
                 self.pair.target,
-                max_batch=min(cfg.batch_max_size, cfg.max_concurrency),
-                window_s=cfg.batch_window_ms / 1000,
+                max_batch=min(cfg.engine.batch_max_size, cfg.admission.max_concurrency),
+                window_s=cfg.engine.batch_window_ms / 1000,
             )
         sessions = None
-        if cfg.session_cache_tokens:
+        if cfg.retrieval.session_cache_tokens:
             from specops.core.sessions.cache import SessionCacheConfig
             from specops.serving.proposers.session_cache import SessionCache
 
-            sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.session_cache_tokens))
-            if self.registry is not None and cfg.session_sharing == "shared":  # sessions-<cluster> mix tenants
+            sessions = SessionCache(SessionCacheConfig(max_tokens=cfg.retrieval.session_cache_tokens))
+            # shared: sessions-<cluster> mix tenants
+            if self.registry is not None and cfg.retrieval.session_sharing == "shared":
                 self.session_follower = self._session_follower(sessions)
         self.policy = self._policy()
         self.policy.padded_batches = self.batcher is not None and not self.batcher.packed
         parts = dict(logger=self.logger, datastores=self.datastores, sessions=sessions, policy=self.policy)
-        if cfg.engine == "vllm":
+        if cfg.engine.kind == "vllm":
             from specops.serving.vllm.node import VLLMNode
 
             self.node = VLLMNode(
                 self.pair,
                 self.follower,
-                speculation=cfg.vllm_speculations,
-                k=cfg.vllm_k,
-                copy_k=cfg.vllm_copy_k,
+                speculation=cfg.vllm.speculations,
+                k=cfg.vllm.k,
+                copy_k=cfg.vllm.copy_k,
                 served_name="target",
-                request_timeout_s=cfg.request_timeout_s,
+                request_timeout_s=cfg.admission.request_timeout_s,
                 servers=self.vllm,
                 **parts,
             )
@@ -212,14 +223,15 @@ class Replica:
             self.node = ServingNode(self.pair, self.follower, batcher=self.batcher, **parts)
             self.loading_step = "warm-up"  # 6.
             from specops.serving.engine.spec import SpecEngine
+            from specops.serving.plan import plain_generate
 
-            SpecEngine(self.pair).generate([0, 1, 2, 3], SamplingParams(max_new_tokens=2), method="draft")
-        if cfg.auto_calibrate and cfg.engine == "specops":
+            plain_generate(SpecEngine(self.pair), [0, 1, 2, 3], SamplingParams(max_new_tokens=2), "draft")
+        if cfg.engine.auto_calibrate and cfg.engine.kind == "specops":
             from specops.serving.proposers.auto import calibrate
 
             costs = calibrate(self.policy, self.pair)
             log.info("auto policy calibrated: %s", ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
-        if cfg.load_signal:
+        if cfg.admission.load_signal:
             self._spawn(self._write_load_signal, "load-signal")
         self.loading_step = "ready"
         self.ready.set()
@@ -228,7 +240,7 @@ class Replica:
             "serving ready: target %s, base draft %s, router %s, stream %s, registry %s",
             self.target_dir,
             self.draft_dir,
-            cfg.router if self.router else "off",
+            cfg.fleet.router if self.router else "off",
             self.stream_cfg.url if self.stream_cfg else "off",
             getattr(getattr(self.registry, "cfg", None), "uri", "off"),
         )
@@ -245,26 +257,26 @@ class Replica:
         self.loading_step = "vLLM servers"
         spec = ServerSpec(
             self.target_dir,
-            cfg.vllm_speculations[0],
+            cfg.vllm.speculations[0],
             None,
-            cfg.vllm_k,
+            cfg.vllm.k,
             served_name="target",
-            max_model_len=cfg.vllm_max_model_len,
-            kv_cache_gb=cfg.vllm_kv_cache_gb,
-            max_num_seqs=max(cfg.max_concurrency, 1),
-            dtype=cfg.dtype,
-            extra_args=tuple(shlex.split(cfg.vllm_args)),
-            views_dir=self.cache_dir / "vllm" / "draft-views" if cfg.vllm_draft_vocab else None,
+            max_model_len=cfg.vllm.max_model_len,
+            kv_cache_gb=cfg.vllm.kv_cache_gb,
+            max_num_seqs=max(cfg.admission.max_concurrency, 1),
+            dtype=cfg.engine.dtype,
+            extra_args=tuple(shlex.split(cfg.vllm.args)),
+            views_dir=self.cache_dir / "vllm" / "draft-views" if cfg.vllm.draft_vocab else None,
         )
         self.vllm = VLLMServers(
             spec,
-            methods=cfg.vllm_speculations,
-            python=vllm_python(cfg.vllm_python),
+            methods=cfg.vllm.speculations,
+            python=vllm_python(cfg.vllm.python),
             log_dir=self.cache_dir / "vllm",
-            start_timeout_s=cfg.vllm_start_timeout_s,
-            drain_s=cfg.request_timeout_s,
-            standby=cfg.vllm_standby,
-            copy_k=cfg.vllm_copy_k,
+            start_timeout_s=cfg.vllm.start_timeout_s,
+            drain_s=cfg.admission.request_timeout_s,
+            standby=cfg.vllm.standby,
+            copy_k=cfg.vllm.copy_k,
         )
         follower = VLLMDraftFollower(
             self.registry, self.pair.draft, servers=self.vllm, base_draft_dir=self.draft_dir, **follow
@@ -285,13 +297,15 @@ class Replica:
         """The ``auto`` policy: requests in flight from admission, priors from ``auto_priors``."""
         from specops.core.auto_policy import AutoPolicy
 
-        policy = AutoPolicy(max_k=min(self.cfg.auto_max_k, self.cfg.max_k), load=lambda: self.load_snapshot().running)
-        if self.cfg.auto_priors:
+        policy = AutoPolicy(
+            max_k=min(self.cfg.engine.auto_max_k, self.cfg.admission.max_k), load=lambda: self.load_snapshot().running
+        )
+        if self.cfg.engine.auto_priors:
             try:  # a bad file stops the start (readyz says why): the operator asked for these priors
-                policy.load_priors(json.loads(Path(self.cfg.auto_priors).read_text()))
+                policy.load_priors(json.loads(Path(self.cfg.engine.auto_priors).read_text()))
             except ValueError as exc:
-                raise ValueError(f"auto_priors {self.cfg.auto_priors}: {exc}") from None
-            log.info("auto policy priors from %s", self.cfg.auto_priors)
+                raise ValueError(f"auto_priors {self.cfg.engine.auto_priors}: {exc}") from None
+            log.info("auto policy priors from %s", self.cfg.engine.auto_priors)
         elif self.registry is not None:
             self._load_policy_priors(policy)
         return policy
@@ -318,7 +332,7 @@ class Replica:
         from specops.core.datastore import Datastore
         from specops.serving.fleet.datastores import DatastoreFollower
 
-        fallback = Datastore.load(Path(self.cfg.datastore_dir)) if self.cfg.datastore_dir else None
+        fallback = Datastore.load(Path(self.cfg.retrieval.datastore_dir)) if self.cfg.retrieval.datastore_dir else None
         follower = DatastoreFollower(
             self.registry,
             self.pair.target,
@@ -335,7 +349,9 @@ class Replica:
         from specops.serving.fleet.follower import FollowConfig
 
         return FollowConfig(
-            poll_s=self.cfg.poll_s, backoff_initial_s=min(1.0, self.cfg.poll_s), backoff_max_s=max(1.0, self.cfg.poll_s)
+            poll_s=self.cfg.fleet.poll_s,
+            backoff_initial_s=min(1.0, self.cfg.fleet.poll_s),
+            backoff_max_s=max(1.0, self.cfg.fleet.poll_s),
         )
 
     def _session_follower(self, sessions):
@@ -360,7 +376,7 @@ class Replica:
         from specops.serving.retrieval.kb import KnowledgeBase
 
         local = {}
-        for d in self.cfg.kb_dirs:
+        for d in self.cfg.retrieval.kb_dirs:
             kb = KnowledgeBase.load(Path(d))
             local[kb.name] = kb
         return NamedArtifacts(
@@ -370,7 +386,7 @@ class Replica:
             cache_dir=self.cache_dir / "kbs",
             local=local,
             field="retrieval.kb",
-            poll_s=self.cfg.poll_s,
+            poll_s=self.cfg.fleet.poll_s,
         ).start()
 
     def _knnlms(self):
@@ -382,7 +398,7 @@ class Replica:
         def load(path: Path):
             return KnnDatastore.load(Path(path), target=self.pair.target, tokenizer_sha256=self.pair.tokenizer_sha256)
 
-        local = {Path(d).name: load(Path(d)) for d in self.cfg.knnlm_dirs}
+        local = {Path(d).name: load(Path(d)) for d in self.cfg.retrieval.knnlm_dirs}
         return NamedArtifacts(
             "knnlm",
             load,
@@ -390,7 +406,7 @@ class Replica:
             cache_dir=self.cache_dir / "knnlm",
             local=local,
             field="knnlm.datastore",
-            poll_s=self.cfg.poll_s,
+            poll_s=self.cfg.fleet.poll_s,
         ).start()
 
     def _spawn(self, fn: Callable[[], None], name: str) -> None:
@@ -439,8 +455,8 @@ class Replica:
     def context_size(self) -> int:
         """The target's context; through vLLM, at most its servers' ``--max-model-len`` (a longer
         prompt is then the client's 400, not a server's failure)."""
-        if self.cfg.engine == "vllm":
-            return min(self.pair.context_size, self.cfg.vllm_max_model_len)
+        if self.cfg.engine.kind == "vllm":
+            return min(self.pair.context_size, self.cfg.vllm.max_model_len)
         return self.pair.context_size
 
     def clusters(self) -> dict:
@@ -457,7 +473,7 @@ class Replica:
         return out
 
     def _write_load_signal(self) -> None:
-        path = Path(self.cfg.load_signal)
+        path = Path(self.cfg.admission.load_signal)
         path.parent.mkdir(parents=True, exist_ok=True)
         while not self._stop.wait(1.0):
             write_load_signal(path, self.load_snapshot().load)

@@ -120,6 +120,40 @@ def tiny_models(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def calibrate_once(monkeypatch):
+    """``specops.core.cpu_linear.calibrate`` measures a model population (the same weight shapes, as
+    many modules of each) once in this test and gives a reload of it the routes it measured. The
+    routes are a timing (they differ from one load to the next anyway) and every route computes the
+    same product, so a reload keeps what a test proves; it skips re-timing every linear layer of a
+    135M target (a minute on a loaded 2-core machine)."""
+    from specops.core import cpu_linear
+
+    real, measured = cpu_linear.calibrate, {}
+
+    def calibrate(modules):
+        groups: dict[tuple[int, int], int] = {}
+        for m in modules:
+            if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+                groups[tuple(m.weight.shape)] = groups.get(tuple(m.weight.shape), 0) + 1
+        key = tuple(sorted(groups.items()))
+        if key not in measured:
+            measured[key] = real(modules)
+            return measured[key]
+        chosen = measured[key]
+        bucket = {r: next(c for c in cpu_linear.CALIBRATION_ROWS if c >= r) for r in cpu_linear.ALL_ROWS}
+        for m in modules:  # as calibrate sets them: the float32 CPU modules, by shape
+            won = chosen.get(tuple(m.weight.shape))
+            if won is not None and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+                wx = frozenset(r for r in cpu_linear.ALL_ROWS if won[bucket[r]] == "wx")
+                onednn = frozenset(r for r in cpu_linear.ALL_ROWS if won[bucket[r]] == "onednn")
+                m.set_routes(wx, onednn, won[cpu_linear.PREFILL_ROWS] == "onednn")
+        return chosen
+
+    monkeypatch.setattr(cpu_linear, "calibrate", calibrate)
+    return measured
+
+
 SMALL_DOCS = ("matplotlib", "pydantic", "click", "jinja2", "rich", "requests", "flask", "werkzeug", "alembic", "sympy")
 """The ``docs`` workload's packages (``specops.workloads.chat_workload.DOCS_PACKAGES``) but transformers, mlflow and
 torch: 1,144 of the 5,068 files ``ast`` parses on a cold cache (which CI always has; about 45 s of

@@ -199,7 +199,7 @@ def test_every_flag_whose_value_comes_from_the_environment_names_the_variable(mo
     from pathlib import Path
 
     from specops.cli.main import build_parser
-    from specops.serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeKeys
 
     root = Path(__file__).resolve().parents[1]
     code = "\n".join(
@@ -231,7 +231,7 @@ def test_every_flag_whose_value_comes_from_the_environment_names_the_variable(mo
         "serve --stream": {"SPECOPS_STREAM_URL"},
         "serve --registry": {"SPECOPS_REGISTRY_URI"},
         "serve --api-keys": {"SPECOPS_API_KEYS"},
-        **{f"serve --{name.replace('_', '-')}": {f"SPECOPS_SERVE_{name.upper()}"} for name in ServeConfig.model_fields},
+        **{f"serve --{name.replace('_', '-')}": {f"SPECOPS_SERVE_{name.upper()}"} for name in ServeKeys.model_fields},
     }
     for flag, names in at_run.items():
         moved.setdefault(flag, set()).update(names)

@@ -2,9 +2,11 @@
 
 - Each contract of ``.importlinter`` (import-linter): the floors (composition modules of
   ``specops`` > serving | trainer > core > registry | streams, every module of ``specops`` on
-  one), ``specops.serving.engine`` importing neither ``specops.serving.fleet`` nor ``specops.serving.http``, and no
+  one), serving's own floors (every subpackage and module of ``specops.serving`` on one: http >
+  replica > vllm > fleet > modes > served | ralm > config | plan > engine : proposers > retrieval |
+  metrics), ``specops.serving.engine`` importing neither ``specops.serving.fleet`` nor ``specops.serving.http``, and no
   trainer module importing serving. One test per contract, failing with import-linter's report
-  of the imports that break it.
+  of the imports that break it. Imports under ``if TYPE_CHECKING:`` are left out (they never run).
 - No import circle anywhere (grimp): the import graph of ``specops``, function-level (lazy)
   imports included, has no strongly connected component of more than one module. Imports under
   ``if TYPE_CHECKING:`` are left out of this one check: they never run, and they are how a

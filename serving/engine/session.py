@@ -66,6 +66,27 @@ class StepOutcome:
         return bool(self.finish_reason)
 
 
+@dataclass(frozen=True)
+class SessionSetup:
+    """How a session decodes, besides what and with which proposer (the engine fills it in)."""
+
+    context_size: int
+    """The target's context window: the session ends with ``context`` when it is full."""
+    eos_token_ids: tuple[int, ...] = ()
+    context_spans: tuple[ContextSpan, ...] = ()
+    """What ``context_ids`` holds besides the prompt (retrieved passages, ...)."""
+    collect_rejections: bool = False
+    """Keep the target's distribution at every rejected position (the stream logger's records)."""
+    want_hidden: bool = False
+    """The verifier returns the target's last hidden state (the proposer keys on it)."""
+    hold_back: bool = False
+    """Keep emitted tokens tentative until :meth:`DecodeSession.finalize`."""
+    grammar: Constraint | None = None
+    """The request's structured-output matcher (``params.grammar`` compiled), or None."""
+    prefix_share: PrefixShare | None = None
+    """This choice's part in its request's shared prefill (``specops.serving.engine.prefix``), or None."""
+
+
 class DecodeSession:
     """One request decoding over a target (and a proposer, unless target-only).
 
@@ -78,18 +99,15 @@ class DecodeSession:
         proposer: Proposer | None,
         context_ids: list[int],
         params: SamplingParams,
-        *,
         k: int,
-        method: str,
-        eos_token_ids: tuple[int, ...] | list[int] = (),
-        context_size: int,
-        context_spans: tuple[ContextSpan, ...] = (),
-        collect_rejections: bool = False,
-        want_hidden: bool = False,
-        hold_back: bool = False,
-        grammar: Constraint | None = None,
-        prefix_share: PrefixShare | None = None,
+        setup: SessionSetup,
     ) -> None:
+        """``k``: tokens drafted per step at most; the request's stats name ``proposer.name``
+        (``target`` without one)."""
+        grammar, prefix_share, context_spans = setup.grammar, setup.prefix_share, setup.context_spans
+        context_size, hold_back, eos_token_ids = setup.context_size, setup.hold_back, setup.eos_token_ids
+        collect_rejections, want_hidden = setup.collect_rejections, setup.want_hidden
+        method = proposer.name if proposer is not None else "target"
         self.target = target
         self.prefix_share = prefix_share
         """This choice's part in its request's shared prefill (``specops.serving.engine.prefix``), or None."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from specops.core import limits
@@ -14,17 +15,24 @@ from specops.core.models import ModelPair
 from specops.serving.engine import grammar
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.prefix import PrefixShare
-from specops.serving.engine.session import DecodeSession
+from specops.serving.engine.session import DecodeSession, SessionSetup
 from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, SamplingParams
 from specops.serving.proposers.base import Proposer
-from specops.serving.proposers.catalogue import (  # noqa: F401  (re-exported: the engine's public names)
-    DEFAULT_K,
-    METHODS,
-    ProposerConfig,
-    ProposerResources,
-    build_proposer,
-    method_spec,
-)
+
+
+@dataclass(frozen=True)
+class RequestHooks:
+    """What a caller hooks into one request's decode (all optional)."""
+
+    on_step: Callable[[Emitted], bool | None] | None = None
+    """Called after every step with the tokens that became final (the HTTP API streams them);
+    returning True ends the request there with finish reason ``stop`` (a stop sequence was
+    seen), and an exception it raises (the client went away) ends it without logging."""
+    meta: object | None = None
+    """Names the request in a bare engine's :class:`ResultSink` records."""
+    prefix_share: PrefixShare | None = None
+    """This request's part in its choices' shared prefill (``specops.serving.engine.prefix``:
+    ``n`` and ``best_of``)."""
 
 
 class ResultSink(Protocol):
@@ -78,89 +86,57 @@ class SpecEngine:
         self,
         prompt_ids: list[int],
         params: SamplingParams,
+        proposer: Proposer | None,
+        k: int,
         *,
-        method: str = "draft",
-        k: int | None = None,
-        proposer_cfg: ProposerConfig | None = None,
-        proposer: Proposer | None = None,
-        resources: ProposerResources | None = None,
-        context_spans: tuple[ContextSpan, ...] = (),
+        spans: tuple[ContextSpan, ...] = (),
         hold_back: bool = False,
         prefix_share: PrefixShare | None = None,
     ) -> DecodeSession:
-        """A started session for one request (see ``generate`` for the arguments)."""
-        cfg = proposer_cfg or ProposerConfig(method=method)
-        method = proposer.name if proposer is not None else cfg.method
-        if k is None:  # the default of the method actually used, a ready proposer's included
-            k = DEFAULT_K.get(method, DEFAULT_K[cfg.method])
+        """A started session for one request (see ``generate`` for the arguments); ``hold_back``:
+        its tokens stay tentative until finalized (``specops.serving.engine.session``)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, k)
-        if proposer is None:
-            proposer = build_proposer(cfg, resources or ProposerResources(pair=self.pair))
-        spec = method_spec(method) if method in METHODS else None
         constraint = None
         if params.grammar is not None:
             grammars = grammar.for_tokenizer(self.pair.tokenizer, self.pair.vocab_size, self.pair.eos_token_ids)
             constraint = grammars.constraint(params.grammar)
         target = self.target_lm() if self.target_lm is not None else CachedLM(self.pair.target)
-        return DecodeSession(
-            target,
-            proposer,
-            prompt_ids,
-            params,
-            k=k,
-            method=method,
-            eos_token_ids=self.pair.eos_token_ids,
+        setup = SessionSetup(
             context_size=self.context_size,
-            context_spans=context_spans,
+            eos_token_ids=tuple(self.pair.eos_token_ids),
+            context_spans=tuple(spans),
             collect_rejections=self.collect_rejections,
-            want_hidden=(spec is not None and "target_hidden" in spec.needs)
-            or bool(getattr(proposer, "needs_hidden", False)),
+            want_hidden=proposer is not None and bool(proposer.needs_hidden),
             hold_back=hold_back,
             grammar=constraint,
             prefix_share=prefix_share,
-        ).start()
+        )
+        return DecodeSession(target, proposer, prompt_ids, params, k, setup).start()
 
     def generate(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        *,
-        method: str = "draft",
-        k: int | None = None,
-        proposer_cfg: ProposerConfig | None = None,
-        proposer: Proposer | None = None,
-        resources: ProposerResources | None = None,
-        context_spans: tuple[ContextSpan, ...] = (),
-        meta: object | None = None,
-        on_step: Callable[[list[int]], bool | None] | None = None,
-        prefix_share: PrefixShare | None = None,
+        proposer: Proposer | None,
+        k: int,
+        spans: tuple[ContextSpan, ...] = (),
+        hooks: RequestHooks | None = None,
     ) -> GenerationResult:
-        """Decode one request with ``method`` (or a full ``proposer_cfg``, or a ready ``proposer``).
+        """Decode one request with ``proposer`` (None: target-only) drafting up to ``k`` tokens a step.
 
-        ``resources`` are what the method's proposer draws on (default: this engine's model
-        pair); ``context_spans`` describe ``prompt_ids`` when it holds more than the prompt.
-        ``on_step(final)`` is called after every step with the tokens that became final (the
-        HTTP API streams them); returning True ends the request there with finish reason
-        ``stop`` (a stop sequence was seen), and an exception it raises (the client went
-        away) ends it without logging. ``prefix_share`` is this request's part in its choices' shared
-        prefill (``specops.serving.engine.prefix``: ``n`` and ``best_of``).
+        The proposer is built by the caller (the serving node, from the request's plan:
+        ``specops.serving.plan``); the engine never looks a method up. ``spans`` describe
+        ``prompt_ids`` when it holds more than the prompt; ``hooks`` are the request's
+        :class:`RequestHooks`.
 
         With a ``logger`` (a bare engine's :class:`ResultSink`), the finished request is handed
-        to it (``meta`` names the request); that never blocks or raises. The serving node hands
-        its requests over itself.
+        to it (``hooks.meta`` names the request); that never blocks or raises. The serving node
+        hands its requests over itself.
         """
-        session = self.session(
-            prompt_ids,
-            params,
-            method=method,
-            k=k,
-            proposer_cfg=proposer_cfg,
-            proposer=proposer,
-            resources=resources,
-            context_spans=context_spans,
-            prefix_share=prefix_share,
-        )
+        hooks = hooks or RequestHooks()
+        session = self.session(prompt_ids, params, proposer, k, spans=spans, prefix_share=hooks.prefix_share)
+        on_step = hooks.on_step
         prompt_lps = session.prompt_logprobs  # handed on with the first step's tokens
         try:
             while not session.finished:
@@ -175,6 +151,6 @@ class SpecEngine:
         result = session.finish(self.pair.tokenizer)
         if self.logger is not None:
             t_log = time.perf_counter()
-            self.logger.log(session.state.token_ids[: session.state.num_prompt_tokens], result, params, meta)
+            self.logger.log(session.state.token_ids[: session.state.num_prompt_tokens], result, params, hooks.meta)
             result.stats.time_s["log"] = time.perf_counter() - t_log
         return result

@@ -12,7 +12,8 @@ threads at once, for one request's :class:`~specops.serving.plan.DecodePlan`:
 3. hand the finished request to the stream logger, here and only here, for every mode.
 
 A swap that lands while a request runs changes nothing for that request.
-``ServingNode.generate`` is the same plain decode for callers without a plan (benchmarks, tests).
+``ServingNode.generate`` serves a plan built without an HTTP request (``DecodePlan.plain``:
+benchmarks, tests), its resources checked as the HTTP layer does.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 
 from specops.core.models import ModelPair
 from specops.serving.engine.batching import TargetBatcher
-from specops.serving.engine.spec import SpecEngine
-from specops.serving.engine.types import ContextSpan, SamplingParams
+from specops.serving.engine.spec import RequestHooks, SpecEngine
+from specops.serving.engine.types import ContextSpan
 from specops.serving.fleet.hotswap import DraftFollower, DraftHandle
 from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
 from specops.serving.modes import Decoded, ServedResult, mode_spec
@@ -112,36 +113,10 @@ class ServingNode:
             result.stats.time_s["log"] = time.perf_counter() - t_log
         return decoded.served
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        cluster: str = "default",
-        method: str = "draft",
-        k: int | None = None,
-        n_drafts: int = 0,
-        request_id: str | None = None,
-        on_step: Callable[[list[int]], bool | None] | None = None,
-        references: tuple[tuple[int, ...], ...] = (),
-        llma_min_n: int = 1,
-        session_scope: str = "",
-    ) -> ServedResult:
-        """A plain decode without an HTTP request: the plan built here (the method's resources
-        checked here, as the HTTP layer does). ``session_scope``: whose past outputs of the
-        cluster the request copies from and adds to (a tenant id; ``""``: the shared scope)."""
-        plan = DecodePlan.plain(
-            prompt_ids,
-            params,
-            method=method,
-            k=k,
-            cluster=cluster,
-            n_drafts=n_drafts,
-            references=tuple(references),
-            llma_min_n=llma_min_n,
-            session_scope=session_scope,
-            **({"request_id": request_id} if request_id else {}),
-        )
+    def generate(self, plan: DecodePlan, *, on_step: Callable[[list[int]], bool | None] | None = None) -> ServedResult:
+        """A plan's decode without an HTTP request (``DecodePlan.plain``: benchmarks, tests): the
+        method's resources checked here, as the HTTP layer does, then :meth:`serve`."""
+        cluster = plan.cluster
         datastore = self.datastores.current(cluster).datastore if self.datastores is not None else None
         check_resources(
             plan.spec,
@@ -249,20 +224,12 @@ class ServingNode:
             datastore=datastore.datastore if datastore is not None else None,
             policy=self.policy,
             model_lm=self.batcher.lm if self.batcher is not None else None,
+            n_drafts=plan.n_drafts,
         )
-        cfg = plan.proposer_config()
+        hooks = RequestHooks(on_step=on_step, prefix_share=plan.prefix_share)
         with self.batched():
-            result = engine.generate(
-                list(prompt_ids),
-                plan.params,
-                proposer_cfg=cfg,
-                k=plan.k,
-                resources=resources,
-                proposer=spec.build(cfg, resources),
-                on_step=on_step,
-                context_spans=tuple(context_spans),
-                prefix_share=plan.prefix_share,
-            )
+            proposer = plan.proposer(resources)
+            result = engine.generate(list(prompt_ids), plan.params, proposer, plan.k, tuple(context_spans), hooks)
         if self.sessions is not None:
             self.sessions.add(cluster, result.token_ids, plan.session_scope)
         self.record(plan, handle, versions, result.stats)

@@ -25,7 +25,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from prometheus_client import Counter, Gauge
 
 from specops.serving.engine.sampling import LOGPROB_FLOOR
 from specops.serving.engine.types import GenerationResult, SamplingParams
+from specops.serving.served import RequestMeta  # defined below the modes and the fleet, named here too
 from specops.streams import OutMessage, Producer, Stream, StreamConfig, Topics, codec, open_stream
 from specops.streams.records import DIST_FULL, DIST_TOPK, ContextSpan, GenerationRecord, MissRecord, SamplingInfo
 
@@ -86,20 +86,6 @@ class LoggerConfig:
             raise ValueError(f"logprob_dtype must be float32 or float16, got {self.logprob_dtype!r}")
         if not (0 < self.retry_initial_s <= self.retry_max_s):
             raise ValueError("need 0 < retry_initial_s <= retry_max_s")
-
-
-@dataclass(frozen=True)
-class RequestMeta:
-    """Who served a request, as the records name it."""
-
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    cluster: str = "default"
-    draft_model: str = ""
-    draft_version: str = ""
-    artifact_versions: dict[str, str] = field(default_factory=dict)
-    """Artifact kind -> version the request used (the draft, a datastore, a knowledge base)."""
-    engine: str = ""
-    """The external engine that served the request (``vllm``), empty for ours (``MissRecord.engine``)."""
 
 
 @dataclass

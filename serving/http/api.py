@@ -99,11 +99,11 @@ def create_app(state: ServingState) -> FastAPI:
         description="OpenAI-compatible completions with speculative decoding by drafts that learn online.",
     )
     app.state.serving = state
-    tenants = Tenants.from_config(cfg)
+    tenants = Tenants.from_config(cfg.api)
 
     # ------------------------------------------------------------ gatekeeping, in order
-    app.add_middleware(BodyDeadline, timeout_s=cfg.body_timeout_s)
-    app.add_middleware(Gate, cfg=cfg, tenants=tenants)
+    app.add_middleware(BodyDeadline, timeout_s=cfg.api.body_timeout_s)
+    app.add_middleware(Gate, cfg=cfg.api, tenants=tenants)
 
     @app.exception_handler(SpecOpsError)
     async def _specops_error(request: Request, err: SpecOpsError):
@@ -179,7 +179,7 @@ def create_app(state: ServingState) -> FastAPI:
         return body
 
     def _model_card() -> dict:
-        return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "specops"}
+        return {"id": cfg.api.served_model_name, "object": "model", "created": 0, "owned_by": "specops"}
 
     @app.get("/v1/models")
     async def models():
@@ -187,11 +187,11 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):  # OpenAI clients' models.retrieve (a name with a "/" included)
-        if model_id != cfg.served_model_name:
+        if model_id != cfg.api.served_model_name:
             return JSONResponse(
                 error_body(
                     404,
-                    f"the model {model_id!r} does not exist here; this server serves {cfg.served_model_name!r}",
+                    f"the model {model_id!r} does not exist here; this server serves {cfg.api.served_model_name!r}",
                     "model_not_found",
                     param="model",
                 ),
@@ -227,7 +227,7 @@ def _tenant(request: Request) -> Tenant:
 
 
 async def _parse(request: Request, model):
-    limit = request.app.state.serving.cfg.max_body_bytes
+    limit = request.app.state.serving.cfg.api.max_body_bytes
     body = bytearray()
     async for chunk in request.stream():  # bounded even without a Content-Length header
         body += chunk
@@ -306,15 +306,17 @@ async def _serve(
 ):
     cfg = state.cfg
     _ensure_ready(state)
-    if req.model != cfg.served_model_name:
-        raise ModelNotFoundError(f"model {echo(req.model)} is not served here; use {cfg.served_model_name!r}", "model")
+    if req.model != cfg.api.served_model_name:
+        raise ModelNotFoundError(
+            f"model {echo(req.model)} is not served here; use {cfg.api.served_model_name!r}", "model"
+        )
     tenant = _tenant(request) if request is not None else ANONYMOUS
     plan = await asyncio.to_thread(state.plan, prompt, req, chat=chat, tenant=tenant, request_id=request_id)
     echoed = bool(getattr(req, "echo", False))
     n = req.n
     best_of = getattr(req, "best_of", None) or n  # choices decoded; the n best returned (completions' best_of)
     cancel = threading.Event()  # one request: a client that goes away stops every choice
-    prefix = SharedPrefix(wait_s=cfg.request_timeout_s) if best_of > 1 else None  # choice 0 prefills for all
+    prefix = SharedPrefix(wait_s=cfg.admission.request_timeout_s) if best_of > 1 else None  # choice 0 prefills for all
     jobs = [
         Job(
             choice_plan(plan, i, rank=best_of > n, prefix=prefix),
@@ -347,7 +349,7 @@ async def _serve(
         future = loop.run_in_executor(state.executor, run)
         watch = asyncio.create_task(_cancel_on_disconnect(request, future, job)) if request is not None else None
         try:
-            served = await asyncio.wait_for(asyncio.shield(future), cfg.request_timeout_s + TIMEOUT_GRACE_S)
+            served = await asyncio.wait_for(asyncio.shield(future), cfg.admission.request_timeout_s + TIMEOUT_GRACE_S)
         except ClientGone:  # nobody is listening; 499 is nginx's "client closed request", for the access log
             return Response(status_code=499)
         except TimeoutError:
@@ -359,7 +361,7 @@ async def _serve(
             if watch is not None:
                 watch.cancel()
         timer.finished()
-        body = response_body(cfg.served_model_name, jobs, served, chat=chat, tokenizer=state.pair.tokenizer, n=n)
+        body = response_body(cfg.api.served_model_name, jobs, served, chat=chat, tokenizer=state.pair.tokenizer, n=n)
         return JSONResponse(body, headers=headers)
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
@@ -367,10 +369,10 @@ async def _serve(
     future = loop.run_in_executor(state.executor, run)
     future.add_done_callback(lambda _: queue.put_nowait(None))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    deadline = loop.time() + cfg.request_timeout_s + TIMEOUT_GRACE_S
+    deadline = loop.time() + cfg.admission.request_timeout_s + TIMEOUT_GRACE_S
     return StreamingResponse(
         _sse(
-            cfg.served_model_name,
+            cfg.api.served_model_name,
             jobs,
             future,
             queue,

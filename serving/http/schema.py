@@ -34,30 +34,7 @@ from pydantic import (
 from specops.core.errors import UnsupportedParameterError, echo
 from specops.serving.engine.grammar import GrammarSpec
 from specops.serving.http import tools as tools_fmt
-from specops.serving.proposers.catalogue import CATALOGUE, methods
-
-
-def _choices() -> str:
-    """The catalogue's methods as pydantic words a Literal's choices: ``'a', 'b' or 'c'``."""
-    names = [repr(n) for n in methods()]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-
-
-def _method_enum(schema: dict) -> None:
-    """A method field's JSON schema: the catalogue's names now (the schema is built when asked)."""
-    schema.clear()
-    schema.update({"enum": list(methods()), "type": "string"})
-
-
-class FieldValueError(ValueError):
-    """What a model-level validator (one that compares fields) raises: pydantic gives its error no
-    location, so ``field`` (dotted, relative to the model) names the one to fix, and the API
-    reports it as the error's ``param``. Every model validator here raises this."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
+from specops.serving.http.speculation import FieldValueError, Speculation
 
 MAX_N = 16
 """Most choices one request may ask for (``n``, ``best_of``)."""
@@ -68,30 +45,6 @@ a number, ``1`` is not a boolean (an integer is still a valid float: ``"temperat
 
 ClusterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 """Cluster ids become registry model names (``draft-<cluster>``): letters, digits, ``_.-``, at most 64."""
-
-
-class Speculation(BaseModel):
-    """Extension: how to speculate for this request."""
-
-    model_config = STRICT
-
-    method: str | None = Field(None, json_schema_extra=lambda schema: _method_enum(schema["anyOf"][0]))
-    """One of the catalogue's methods (``specops.serving.proposers.catalogue``), as registered when the request
-    comes: draft = the cluster's draft model; pld = prompt lookup; target = target-only (no speculation)."""
-    k: int | None = Field(None, ge=1)
-    """Tokens drafted per verification step (bounded by the server's max_k)."""
-    n_drafts: int | None = Field(None, ge=1)
-    """Rows drafted per step by a multi-draft method (dresd, llma), verified as one token tree
-    (bounded by the server's max_n_drafts)."""
-    n: int | None = Field(None, ge=1, le=8)
-    """LLMA: the shortest trailing match (in tokens) that triggers a copy; 1 by default (the paper's best)."""
-
-    @field_validator("method", mode="before")
-    @classmethod
-    def _known(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, str) and v in CATALOGUE):
-            raise ValueError(f"Input should be {_choices()}")
-        return v
 
 
 KBName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]

@@ -1,8 +1,8 @@
 """The HTTP side of one replica: a request's validation into a plan, its admission slot, its
 decode on a worker thread, streaming, stop sequences and deadlines.
 
-:class:`ServingState` is the replica (``specops.serving.replica.Replica``: the components, loaded in
-the background) plus what HTTP needs around it: admission (``specops.serving.http.admission``) and
+:class:`ServingState` holds the replica (``specops.serving.replica.Replica``: the components, loaded in
+the background) and what HTTP needs around it: admission (``specops.serving.http.admission``) and
 the decode workers. A request goes:
 
 1. :meth:`ServingState.plan` validates the body into one immutable
@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specops.core import limits
-from specops.core.clusters import cluster_label
 from specops.core.errors import (
     ForbiddenError,
     InvalidRequestError,
@@ -35,6 +34,7 @@ from specops.core.errors import (
 )
 from specops.serving.engine import grammar, processors
 from specops.serving.engine.types import SamplingParams
+from specops.serving.fleet import planner
 from specops.serving.http.admission import Admission
 from specops.serving.http.config import ServeConfig
 from specops.serving.http.job import (
@@ -49,19 +49,20 @@ from specops.serving.http.job import (
 )
 from specops.serving.http.schema import MAX_N
 from specops.serving.http.tenancy import ANONYMOUS, Tenant
-from specops.serving.metrics import CANCELLED, READY, ROUTED
+from specops.serving.metrics import CANCELLED, READY
 from specops.serving.modes import mode_of
 from specops.serving.plan import DecodePlan, KnnPlan, RetrievalPlan
-from specops.serving.proposers.catalogue import CATALOGUE, MethodSpec, ProposerResources, check_resources, method_spec
-from specops.serving.replica import Replica
+from specops.serving.proposers.catalogue import CATALOGUE, MethodSpec
+from specops.serving.replica import READ_THROUGH, Replica
 
 __all__ = ["ClientGone", "Job", "ServingState"]
 
 log = logging.getLogger(__name__)
 
 
-class ServingState(Replica):
-    """One replica behind the API. ``start_loading`` returns at once; ``ready`` tells when done."""
+class ServingState:
+    """One replica behind the API: the :class:`~specops.serving.replica.Replica` it holds (``replica``),
+    admission and the decode workers. ``start_loading`` returns at once; ``ready`` tells when done."""
 
     def __init__(
         self,
@@ -73,16 +74,18 @@ class ServingState(Replica):
         registry_factory: Callable[[], object | None] = lambda: None,
         stream_cfg=None,
     ) -> None:
-        self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
-        self.executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="decode")
-        self.choice_pool = ThreadPoolExecutor(cfg.max_concurrency * (MAX_N - 1), thread_name_prefix="choice")
+        self.cfg = cfg
+        adm = cfg.admission
+        self.admission = Admission(adm.max_concurrency, adm.max_queue, adm.queue_timeout_s)
+        self.executor = ThreadPoolExecutor(adm.max_concurrency, thread_name_prefix="decode")
+        self.choice_pool = ThreadPoolExecutor(adm.max_concurrency * (MAX_N - 1), thread_name_prefix="choice")
         """Decodes a request's choices after its first (``n``, ``best_of``), beside the decode workers."""
         self.draining = threading.Event()
         """Set when shutdown starts: /readyz says 503 and new requests get 503 while in-flight ones finish."""
         self._running: dict[int, Job] = {}
         self._running_lock = threading.Lock()
-        super().__init__(
-            cfg,
+        self.replica = Replica(
+            cfg.replica(),
             target_dir=target_dir,
             draft_dir=draft_dir,
             cache_dir=cache_dir,
@@ -90,6 +93,11 @@ class ServingState(Replica):
             stream_cfg=stream_cfg,
             load_snapshot=self.admission.snapshot,
         )
+
+    def __getattr__(self, name: str):
+        if name in READ_THROUGH and "replica" in self.__dict__:  # state.pair is state.replica.pair
+            return getattr(self.replica, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def drain(self) -> None:
         """Stop admitting (``/readyz`` 503, new requests 503); what runs or waits for a worker goes on."""
@@ -102,7 +110,7 @@ class ServingState(Replica):
             "draining: no new requests; %d running and %d waiting finish first (up to shutdown_timeout_s=%gs)",
             snap.running,
             snap.waiting,
-            self.cfg.shutdown_timeout_s,
+            self.cfg.admission.shutdown_timeout_s,
         )
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -111,7 +119,7 @@ class ServingState(Replica):
         The server calls this after its drain: whatever still decodes then outlived ``shutdown_timeout_s``
         and is stopped at its next step (counted as ``specops_requests_cancelled_total{reason="shutdown"}``)."""
         self.drain()
-        self.ready.clear()
+        self.replica.ready.clear()
         with self._running_lock:
             left = list(self._running.values())
         for job in left:
@@ -120,21 +128,21 @@ class ServingState(Replica):
         if left:
             log.warning("stopping %d request(s) still decoding after the drain", len(left))
         self.executor.shutdown(wait=True, cancel_futures=False)
-        super().close(timeout_s)
+        self.replica.close(timeout_s)
 
     def status(self) -> dict:
         """``/readyz``'s body: readiness and load, no cluster names (the probe needs no key)."""
         snap = self.admission.snapshot()
         out = {
-            "ready": self.ready.is_set() and not self.draining.is_set(),
+            "ready": self.replica.ready.is_set() and not self.draining.is_set(),
             "draining": self.draining.is_set(),
-            "step": self.loading_step,
+            "step": self.replica.loading_step,
             "running": snap.running,
             "waiting": snap.waiting,
             "load": round(snap.load, 3),
         }
-        if self.load_error:
-            out["error"] = self.load_error
+        if self.replica.load_error:
+            out["error"] = self.replica.load_error
         return out
 
     # ------------------------------------------------------------ 1. the plan
@@ -153,13 +161,95 @@ class ServingState(Replica):
         cfg, tok = self.cfg, self.pair.tokenizer
         sp = req.speculation
         method, k = (sp.method, sp.k) if sp else (None, None)
-        n_drafts, llma_n = (sp.n_drafts, sp.n) if sp else (None, None)
+        n_drafts, options = (sp.n_drafts, sp.options) if sp else (None, {})
         retrieval, knnlm, references, cluster = req.retrieval, req.knnlm, req.references, req.cluster
+        params = self._sampling(req)
+        if cluster is not None and not tenant.may_route:
+            raise ForbiddenError(
+                "this API key may not choose its cluster: leave `cluster` out and the router "
+                "decides (the server's route_tenants lists the tenants that may)",
+                "cluster",
+            )
+        ids, text = self._prompt_ids(prompt, "messages" if chat else "prompt")
+        if params.max_new_tokens > cfg.admission.max_tokens_limit:
+            raise InvalidRequestError(
+                f"max_tokens is {echo(params.max_new_tokens)}; this server allows at most {cfg.admission.max_tokens_limit}",
+                "max_tokens",
+            )
+        if k is not None and k > cfg.admission.max_k:
+            raise InvalidRequestError(
+                f"speculation.k is {echo(k)}; this server allows at most {cfg.admission.max_k}", "speculation.k"
+            )
+        if n_drafts is not None and n_drafts > cfg.admission.max_n_drafts:
+            raise InvalidRequestError(
+                f"speculation.n_drafts is {echo(n_drafts)}; this server allows at most {cfg.admission.max_n_drafts}",
+                "speculation.n_drafts",
+            )
+        method = self._mode_limits(params, req, method, k, n_drafts, options)
+        default = self.node.fixed_method or cfg.engine.default_method  # vLLM: the method it runs
+        choice = planner.choose_method(method, k, n_drafts, options, default=default, max_k=cfg.admission.max_k)
+        spec = choice.spec
+        turns = [m.text for m in req.messages[:-1]] if chat else None
+        refs = self._references(references, turns if spec.copies_references else None, spec)
+        where = planner.route(
+            cluster,
+            lambda: text if text is not None else tok.decode(ids),
+            known=self.known_clusters,
+            router=self.router,
+            default_cluster=cfg.fleet.default_cluster,
+        )
+        planner.check_resources(spec, self.pair, where.cluster, self.datastores)  # the one check
+        rag = self._retrieval(retrieval, spec)
+        if rag is not None and rag.cfg.mode != "oneshot" and references:
+            raise InvalidRequestError(
+                f"retrieval.mode {rag.cfg.mode!r} re-retrieves as it decodes and copies from its "
+                "passages through the context; references go with retrieval.mode 'oneshot' "
+                "or without retrieval",
+                "references",
+            )
+        knn = self._knnlm(knnlm, retrieval)
+        where.count()
+        scope = tenant.id if cfg.retrieval.session_sharing == "tenant" else ""  # "shared": the cluster's one scope
+        plan = DecodePlan(
+            tuple(ids),
+            params,
+            spec,
+            choice.k,
+            choice.options,
+            mode=mode_of(retrieval and retrieval.mode, knn is not None),
+            cluster=where.cluster,
+            cluster_source=where.source,
+            router_version=where.router_version,
+            n_drafts=choice.n_drafts,
+            references=refs,
+            retrieval=rag,
+            knnlm=knn,
+            prompt_text=text or "",
+            stop=tuple(req.stop or ()),
+            tenant=tenant.id,
+            session_scope=scope,
+            # scoped by its tenant: two tenants' records never share an id (X-Request-Id has no "/")
+            **({"request_id": f"{tenant.id}/{request_id}", "client_request_id": request_id} if request_id else {}),
+        )
+        self.node.check_plan(  # the engine's own limits (vLLM: no retrieval loop, its own speculation)
+            plan,
+            explicit_method=sp is not None and sp.method is not None,
+            explicit_k=sp is not None and sp.k is not None,
+        )
+        if (
+            ignored := req.ignored()
+        ):  # the response's header names them too (specops.serving.http.schema.IGNORED_FIELDS)
+            log.info("request %s: ignored %s (they do not change the output)", plan.request_id, ", ".join(ignored))
+        return plan
+
+    def _sampling(self, req) -> SamplingParams:
+        """The request's sampling and limits (OpenAI's defaults where it says nothing); 400 naming the field."""
+        cfg, tok = self.cfg, self.pair.tokenizer
         # OpenAI's defaults: temperature 1, top_p 1 (send temperature=0 for greedy decoding)
         params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p if req.top_p is not None else 1.0,
-            max_new_tokens=max(1, req.max_tokens if req.max_tokens is not None else cfg.default_max_tokens),
+            max_new_tokens=max(1, req.max_tokens if req.max_tokens is not None else cfg.admission.default_max_tokens),
             seed=req.seed,
             # vLLM's "off" values (-1, 0) and a top_k past the vocabulary are 0: off
             top_k=req.top_k if req.top_k is not None and 0 < req.top_k < self.pair.vocab_size else 0,
@@ -182,27 +272,11 @@ class ServingState(Replica):
                 f"min_tokens ({echo(params.min_tokens)}) is more than max_tokens ({echo(params.max_new_tokens)})",
                 "min_tokens",
             )
-        if cluster is not None and not tenant.may_route:
-            raise ForbiddenError(
-                "this API key may not choose its cluster: leave `cluster` out and the router "
-                "decides (the server's route_tenants lists the tenants that may)",
-                "cluster",
-            )
-        ids, text = self._prompt_ids(prompt, "messages" if chat else "prompt")
-        if params.max_new_tokens > cfg.max_tokens_limit:
-            raise InvalidRequestError(
-                f"max_tokens is {echo(params.max_new_tokens)}; this server allows at most {cfg.max_tokens_limit}",
-                "max_tokens",
-            )
-        if k is not None and k > cfg.max_k:
-            raise InvalidRequestError(
-                f"speculation.k is {echo(k)}; this server allows at most {cfg.max_k}", "speculation.k"
-            )
-        if n_drafts is not None and n_drafts > cfg.max_n_drafts:
-            raise InvalidRequestError(
-                f"speculation.n_drafts is {echo(n_drafts)}; this server allows at most {cfg.max_n_drafts}",
-                "speculation.n_drafts",
-            )
+        return params
+
+    def _mode_limits(self, params: SamplingParams, req, method, k, n_drafts, options) -> str | None:
+        """What kNN-LM and the retrieval loop cannot honour (400 naming the field); the method then (kNN-LM: target)."""
+        retrieval, knnlm, references = req.retrieval, req.knnlm, req.references
         looping = retrieval is not None and retrieval.mode != "oneshot"
         if (knnlm is not None or looping) and (processors.adjusts(params) or params.grammar is not None):
             field = params.grammar.field if params.grammar is not None else processors.adjusting_field(params)
@@ -234,7 +308,7 @@ class ServingState(Replica):
                 method=method,
                 k=k,
                 n_drafts=n_drafts,
-                llma_n=llma_n,
+                options=options,
                 references=references,
             )
             method = "target"
@@ -244,77 +318,9 @@ class ServingState(Replica):
                 "the retrieval loop drafts one chain per step with "
                 "the method's default settings (retrieval.mode 'oneshot' takes them)",
                 n_drafts=n_drafts,
-                llma_n=llma_n,
+                options=options,
             )
-        default = getattr(self.node, "fixed_method", None) or cfg.default_method  # vLLM: the method it runs
-        spec = method_spec(method or default)  # the one catalogue look-up of the request
-        k = k or min(spec.default_k, cfg.max_k)  # a default never exceeds the server's cap
-        turns = [m.text for m in req.messages[:-1]] if chat else None
-        refs = self._references(references, turns if spec.copies_references else None, spec)
-        if llma_n is not None and not spec.copies_references:
-            raise InvalidRequestError(
-                f"speculation.n is LLMA's match length; method {spec.name!r} has none", "speculation.n"
-            )
-        source, router_version = "request", ""
-        if cluster is not None:
-            self.known_clusters.check(cluster)  # 400 naming `cluster` unless it exists
-        else:
-            cluster, source = cfg.default_cluster, "default"
-            router = self.router.current() if self.router is not None else None
-            if router is not None:
-                decision = router.route(text if text is not None else tok.decode(ids))
-                cluster, source, router_version = decision.cluster, "router", decision.router_version
-        datastores = self.datastores
-        check_resources(
-            spec,
-            ProposerResources(
-                pair=self.pair,
-                cluster=cluster,
-                datastore=(datastores.current(cluster).datastore if datastores is not None else None),
-            ),
-        )  # the one check
-        rag = self._retrieval(retrieval, spec)
-        if rag is not None and rag.cfg.mode != "oneshot" and references:
-            raise InvalidRequestError(
-                f"retrieval.mode {rag.cfg.mode!r} re-retrieves as it decodes and copies from its "
-                "passages through the context; references go with retrieval.mode 'oneshot' "
-                "or without retrieval",
-                "references",
-            )
-        knn = self._knnlm(knnlm, retrieval)
-        ROUTED.labels(cluster_label(cluster), source).inc()
-        scope = tenant.id if cfg.session_sharing == "tenant" else ""  # "shared": the cluster's one scope
-        plan = DecodePlan(
-            tuple(ids),
-            params,
-            spec,
-            k=k,
-            mode=mode_of(retrieval and retrieval.mode, knn is not None),
-            cluster=cluster,
-            cluster_source=source,
-            router_version=router_version,
-            n_drafts=n_drafts or 0,
-            llma_min_n=llma_n or 1,
-            references=refs,
-            retrieval=rag,
-            knnlm=knn,
-            prompt_text=text or "",
-            stop=tuple(req.stop or ()),
-            tenant=tenant.id,
-            session_scope=scope,
-            # scoped by its tenant: two tenants' records never share an id (X-Request-Id has no "/")
-            **({"request_id": f"{tenant.id}/{request_id}", "client_request_id": request_id} if request_id else {}),
-        )
-        self.node.check_plan(  # the engine's own limits (vLLM: no retrieval loop, its own speculation)
-            plan,
-            explicit_method=sp is not None and sp.method is not None,
-            explicit_k=sp is not None and sp.k is not None,
-        )
-        if (
-            ignored := req.ignored()
-        ):  # the response's header names them too (specops.serving.http.schema.IGNORED_FIELDS)
-            log.info("request %s: ignored %s (they do not change the output)", plan.request_id, ", ".join(ignored))
-        return plan
+        return method
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """OpenAI's ``logit_bias`` (token id strings) as ``(id, bias)`` pairs; 400 naming a key that
@@ -332,7 +338,7 @@ class ServingState(Replica):
     def _prompt_ids(self, prompt: str | list[int], field: str = "prompt") -> tuple[list[int], str | None]:
         """The prompt's token ids (and its text, when it came as text), within the server's limits; errors
         name ``field``, what the client sent (``messages`` for a chat, whose rendered text is ``prompt``)."""
-        cfg, tok = self.cfg, self.pair.tokenizer
+        cfg, tok = self.cfg.admission, self.pair.tokenizer
         limit = min(cfg.max_prompt_tokens, self.context_size - 1)  # the one limit enforced, and the one stated
         what = "prompt" if field == "prompt" else f"{field} (rendered)"
         if isinstance(prompt, str):
@@ -361,7 +367,7 @@ class ServingState(Replica):
     ) -> tuple[tuple[int, ...], ...]:
         """The references to copy, tokenized: the request's texts, then the earlier chat turns
         (400 when the method does not copy, 413 beyond the server's limits, naming the field)."""
-        cfg, tok = self.cfg, self.pair.tokenizer
+        cfg, tok = self.cfg.admission, self.pair.tokenizer
         if texts and not spec.copies_references:
             copiers = " or ".join(repr(n) for n, s in CATALOGUE.items() if s.copies_references)
             raise InvalidRequestError(
@@ -466,9 +472,9 @@ class ServingState(Replica):
         log.warning(
             "request %s is still decoding after request_timeout_s=%gs within one step; answered with the timeout",
             job.request_id,
-            self.cfg.request_timeout_s,
+            self.cfg.admission.request_timeout_s,
         )
-        return RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
+        return RequestTimeoutError(f"request decoded for more than {self.cfg.admission.request_timeout_s:g}s")
 
     def run_many(self, jobs: list[Job]) -> list:
         """Decode a request's choices: the first on this (worker) thread, the others on the choice
@@ -508,8 +514,8 @@ class ServingState(Replica):
             self.admission.release()
 
     def _run(self, job: Job):
-        tok = self.pair.tokenizer
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+        tok = self.replica.pair.tokenizer
+        deadline = time.monotonic() + self.cfg.admission.request_timeout_s
         stops = list(job.plan.stop)
 
         def on_step(emitted: list[int]) -> bool:
@@ -524,7 +530,7 @@ class ServingState(Replica):
                 raise ClientGone(job.request_id)
             if time.monotonic() > deadline:
                 CANCELLED.labels("timeout").inc()
-                raise RequestTimeoutError(f"request decoded for more than {self.cfg.request_timeout_s:g}s")
+                raise RequestTimeoutError(f"request decoded for more than {self.cfg.admission.request_timeout_s:g}s")
             if job.echo and getattr(emitted, "prompt_logprobs", None) is not None:
                 job.prompt_logprobs = prompt_logprobs(job, emitted.prompt_logprobs, emitted.context_len)
             send_echo(job, tok)
@@ -542,13 +548,11 @@ class ServingState(Replica):
             job.stopped = stop_at is not None
             job.text = streamable(job, text[:stop_at] if job.stopped else text, [] if job.stopped else stops)
             if job.on_delta is not None and len(job.text) > job.sent:
-                job.on_delta(
-                    job.text[job.sent :], delta_logprobs(job, self.pair.tokenizer, whole=len(job.text) == len(text))
-                )
+                job.on_delta(job.text[job.sent :], delta_logprobs(job, tok, whole=len(job.text) == len(text)))
                 job.sent = len(job.text)
             return job.stopped
 
-        served = self.decode(job.plan, on_step)
+        served = self.replica.decode(job.plan, on_step)
         res = served.result
         if job.echo and job.prompt_logprobs is None and res.prompt_logprobs is not None:
             job.prompt_logprobs = prompt_logprobs(job, res.prompt_logprobs, res.stats.num_prompt_tokens)
@@ -562,7 +566,7 @@ class ServingState(Replica):
         if not job.stopped:  # the whole output, the held-back tail included
             job.text = split_tools(job, tok.decode(served.result.token_ids, skip_special_tokens=True))
             if job.on_delta is not None and (len(job.text) > job.sent or job.sent_tokens < len(job.logprobs)):
-                job.on_delta(job.text[job.sent :], delta_logprobs(job, self.pair.tokenizer, whole=True))
+                job.on_delta(job.text[job.sent :], delta_logprobs(job, tok, whole=True))
                 job.sent = len(job.text)
         return served
 
@@ -574,7 +578,7 @@ def _refuse_ignored(
     method: str | None = None,
     k: int | None = None,
     n_drafts: int | None = None,
-    llma_n: int | None = None,
+    options: dict | None = None,
     references: list[str] | None = None,
 ) -> None:
     """A 400 naming the first field ``path`` (kNN-LM, a retrieval loop) would silently ignore; ``why`` says why."""
@@ -583,7 +587,7 @@ def _refuse_ignored(
         "speculation.method": drafts,
         "speculation.k": k is not None,
         "speculation.n_drafts": n_drafts is not None,
-        "speculation.n": llma_n is not None,
+        **{f"speculation.{name}": True for name in options or {}},  # the method's own options
         "references": bool(references),
     }
     for name, sent in given.items():

@@ -78,7 +78,7 @@ class Tenants:
 
     @classmethod
     def from_config(cls, cfg) -> Tenants:
-        """From a ``ServeConfig`` (``api_keys``, ``route_tenants``, ``admin_tenants``)."""
+        """From the API section (``specops.serving.http.config.ApiConfig``: ``api_keys``, ``route_tenants``, ``admin_tenants``)."""
         return cls(cfg.api_keys, cfg.route_tenants, cfg.admin_tenants)
 
     @property

@@ -16,6 +16,9 @@ class Proposer(ABC):
     """
 
     name: str = "proposer"
+    """The method it drafts for (the request's stats carry it)."""
+    needs_hidden: bool = False
+    """It keys on the target's last hidden state: the verifier returns it after every step."""
     num_forwards: int = 0
     """Model forward passes this proposer ran for the current request (0 for model-free ones)."""
 

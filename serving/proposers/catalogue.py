@@ -5,19 +5,27 @@ Everything that names a method derives from :data:`CATALOGUE`, read when asked (
 :func:`register`-ed at run time is everywhere at once): the API's and config's allowed values
 (``specops.serving.http.schema``, ``specops.serving.http.config``), the CLI's ``--method`` choices, the
 metrics labels, ``auto``'s candidates (:attr:`MethodSpec.joins_auto`), which artifact's live
-acceptance a request feeds, and the engine's default k. What differs between methods is a
-capability on its :class:`MethodSpec`, never a test of its name. Adding a method is one
-:class:`MethodSpec` (here, or :func:`register` from anywhere) plus its proposer module.
+acceptance a request feeds, the default k, the API's ``speculation`` schema and the docs' table
+of methods (:func:`method_table`). What differs between methods is a capability on its
+:class:`MethodSpec`, never a test of its name. Each method owns its request options: its
+:attr:`MethodSpec.options` is a pydantic model (:class:`MethodOptions`) with their defaults and
+bounds, which the plan validates once (:meth:`MethodSpec.parse_options`) and its proposer reads.
+Adding a method is one module (its proposer, its options, its :class:`MethodSpec`, then
+:func:`register`) plus its test (``docs/architecture.md``, "Adding a drafter").
 
-A proposer is built per request from a :class:`ProposerResources`: the model pair with the
-cluster's current draft, and whatever else the method needs (a datastore, references).
+A proposer is built per request from the plan (``specops.serving.plan.DecodePlan.proposer``):
+``spec.build(options, res)`` over a :class:`ProposerResources`, the model pair with the
+cluster's current draft and whatever else the method needs (a datastore, references).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specops.core.errors import InvalidRequestError
 
@@ -48,6 +56,8 @@ class ProposerResources:
     reference_indexes: tuple[object, ...] = ()
     """Prebuilt, shared copy sources (``specops.core.sessions.ngram.NgramIndex``): the cluster's
     past sessions."""
+    n_drafts: int = 0
+    """Rows per step the request asked for (the plan's ``n_drafts``; 0: the method's default)."""
     versions: dict[str, str] = field(default_factory=dict)
     """Artifact kind -> registry version in use, e.g. ``{"draft": "3"}``."""
     policy: object | None = None
@@ -65,46 +75,78 @@ MAX_DRAFTS = 64
 """Most rows one step may draft (a tree of up to ``MAX_DRAFTS * k`` nodes in one target pass)."""
 
 
-@dataclass(frozen=True)
-class ProposerConfig:
-    """Per-request method settings: which method, and its knobs."""
+class OptionError(ValueError):
+    """What an options model's check across fields raises: ``field`` names the one to fix."""
 
-    method: str = "draft"
-    """One of :data:`METHODS`."""
-    pld_max_ngram: int = 3
-    """Longest trailing n-gram prompt lookup tries to match."""
-    pld_min_ngram: int = 1
-    """Shortest n-gram prompt lookup accepts."""
-    draft_confidence: float = 0.0
-    """Draft model: stop drafting when its top probability drops below this (0 = off)."""
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class MethodOptions(BaseModel):
+    """A method's own request options (``speculation.<field>`` in the API): each method's
+    :attr:`MethodSpec.options` subclasses this with its fields, their defaults and bounds, and
+    its proposer reads them. Types are strict, as the API's are; unknown fields are refused."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+
+class NoOptions(MethodOptions):
+    """A method without options of its own."""
+
+
+class DraftOptions(MethodOptions):
+    """The draft model's options."""
+
+    draft_confidence: float = Field(0.0, ge=0.0, lt=1.0)
+    """Stop drafting when the draft's top probability drops below this (0 = off)."""
     adaptive_k: bool = False
-    """Draft model: adapt k per step within 1..k (+2 after full acceptance, -1 otherwise)."""
-    n_drafts: int = 0
-    """Rows drafted per step by multi-draft methods (DReSD); 0 = the datastore's measured shape
-    (rows, and tokens per row at most), else the method's default."""
-    search_k: int = 0
-    """DReSD: neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
-    llma_min_n: int = 1
-    """LLMA: the shortest trailing match that triggers a copy (the paper's n; 1 was its best)."""
-    llma_fixed_k: bool = False
-    """LLMA: copy ``k`` tokens at every match (the paper's rule); False (serving's default): the
-    copy grows with the match (``serving.proposers.llma.COPY_FACTOR``), at most ``k``, and stops
+    """Adapt k per step within 1..k (+2 after full acceptance, -1 otherwise)."""
+
+
+class PromptLookupOptions(MethodOptions):
+    """Prompt lookup's options."""
+
+    pld_max_ngram: int = Field(3, ge=1, le=64)
+    """Longest trailing n-gram prompt lookup tries to match."""
+    pld_min_ngram: int = Field(1, ge=1, le=64)
+    """Shortest n-gram prompt lookup accepts (at most ``pld_max_ngram``)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PromptLookupOptions:
+        if self.pld_min_ngram > self.pld_max_ngram:
+            raise OptionError(
+                "pld_min_ngram",
+                f"pld_min_ngram ({self.pld_min_ngram}) is more than pld_max_ngram ({self.pld_max_ngram})",
+            )
+        return self
+
+
+class DatastoreOptions(MethodOptions):
+    """The options of the methods that draft from the cluster's datastore (DReSD, the hybrid)."""
+
+    search_k: int = Field(0, ge=0, le=4096)
+    """Neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
+
+
+class LlmaOptions(MethodOptions):
+    """LLMA's options (``auto`` takes ``n`` too, for the LLMA copying it may choose)."""
+
+    n: int = Field(1, ge=1, le=LLMA_MAX_N)
+    """The shortest trailing match, in tokens, that triggers a copy (the paper's n; 1 was its best)."""
+    fixed_k: bool = False
+    """Copy ``k`` tokens at every match (the paper's rule); false (serving's default): the copy
+    grows with the match (by LLMA's copy factor), at most ``k``, and stops
     where equally good matches disagree."""
 
-    def __post_init__(self) -> None:
-        method_spec(self.method)
-        if not isinstance(self.n_drafts, int) or not 0 <= self.n_drafts <= MAX_DRAFTS:
-            raise InvalidRequestError(
-                f"n_drafts must be an integer in 0..{MAX_DRAFTS}, got {self.n_drafts!r}", "speculation.n_drafts"
-            )
-        if not isinstance(self.search_k, int) or not 0 <= self.search_k <= 4096:
-            raise InvalidRequestError(
-                f"search_k must be an integer in 0..4096, got {self.search_k!r}", "speculation.search_k"
-            )
-        if not isinstance(self.llma_min_n, int) or not 1 <= self.llma_min_n <= LLMA_MAX_N:
-            raise InvalidRequestError(
-                f"n must be an integer in 1..{LLMA_MAX_N}, got {self.llma_min_n!r}", "speculation.n"
-            )
+
+class AutoOptions(MethodOptions):
+    """``auto``'s options: handed on to the candidates whose options have the same field."""
+
+    n: int = Field(1, ge=1, le=LLMA_MAX_N)
+    """LLMA copying: the shortest trailing match that triggers a copy."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +165,10 @@ class MethodSpec:
     live acceptance (``draft`` for the draft model); None when the method has no artifact."""
     default_n_drafts: int = 1
     """Rows per step when the request does not say (1: a chain)."""
-    build: Callable[[ProposerConfig, ProposerResources], Proposer | None] = lambda cfg, res: None
+    build: Callable[[Any, ProposerResources], Proposer | None] = lambda options, res: None
+    """Its proposer for one request: ``build(options, res)`` (``options``: an instance of :attr:`options`)."""
+    options: type[MethodOptions] = NoOptions
+    """Its request options (``speculation.<field>``): fields, defaults and bounds; its proposer reads them."""
     drafts: bool = True
     """False for target-only decoding: a request's ``speculation`` knobs then mean nothing."""
     copies_references: bool = False
@@ -157,43 +202,64 @@ class MethodSpec:
             return self.parts(stats)
         return {self.name: (stats.num_drafted, stats.num_accepted)}
 
+    def parse_options(self, given: Mapping[str, object] | None = None) -> MethodOptions:
+        """Its options from a request's ``speculation`` fields (``given``; absent ones get their
+        defaults); a value out of bounds, or a field another method owns, is the caller's 400
+        naming ``speculation.<field>``."""
+        given = dict(given or {})
+        for name in given:
+            if name not in self.options.model_fields:
+                owners = " or ".join(repr(s.name) for s in CATALOGUE.values() if name in s.options.model_fields)
+                what = f"an option of method {owners}" if owners else "not an option of any method"
+                raise InvalidRequestError(
+                    f"speculation.{name} is {what}; method {self.name!r} has none", f"speculation.{name}"
+                )
+        try:
+            return self.options.model_validate(given)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            cause = (err.get("ctx") or {}).get("error")
+            where = cause.field if isinstance(cause, OptionError) else ".".join(str(p) for p in err.get("loc", ()))
+            msg = str(cause) if isinstance(cause, OptionError) else f"{err.get('msg', 'invalid value')}"
+            raise InvalidRequestError(
+                f"speculation.{where}: {msg} (method {self.name!r})", f"speculation.{where}"
+            ) from None
 
-def _build_draft(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+
+def _build_draft(opts: DraftOptions, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.draft_model import DraftModelProposer
 
     return DraftModelProposer(
-        res.pair.draft, confidence_threshold=cfg.draft_confidence, adaptive_k=cfg.adaptive_k, lm_factory=res.model_lm
+        res.pair.draft, confidence_threshold=opts.draft_confidence, adaptive_k=opts.adaptive_k, lm_factory=res.model_lm
     )
 
 
-def _build_pld(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+def _build_pld(opts: PromptLookupOptions, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.prompt_lookup import PromptLookupProposer
 
-    return PromptLookupProposer(cfg.pld_max_ngram, cfg.pld_min_ngram)
+    return PromptLookupProposer(opts.pld_max_ngram, opts.pld_min_ngram)
 
 
-def _build_dresd(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+def _build_dresd(opts: DatastoreOptions, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.dresd import DReSDProposer
 
-    return DReSDProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)  # 0: the datastore's shape
+    return DReSDProposer(res.datastore, n_drafts=res.n_drafts, search_k=opts.search_k)  # 0: the datastore's shape
 
 
-def _build_retrieval(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+def _build_retrieval(opts: DatastoreOptions, res: ProposerResources) -> Proposer:
     from specops.serving.proposers.retrieval import RetrievalProposer
 
-    return RetrievalProposer(res.datastore, n_drafts=cfg.n_drafts, search_k=cfg.search_k)
+    return RetrievalProposer(res.datastore, n_drafts=res.n_drafts, search_k=opts.search_k)
 
 
-def _build_llma(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
-    from specops.serving.proposers.llma import LLMAProposer, ReferenceSet
+def _build_llma(opts: LlmaOptions, res: ProposerResources) -> Proposer:
+    from specops.serving.proposers.llma import SERVING_RULE, LLMAProposer, ReferenceSet
 
     refs = ReferenceSet.from_docs(res.references, max_n=LLMA_MAX_N)
     refs = refs.plus(ReferenceSet.from_docs(res.retrieved, max_n=LLMA_MAX_N, source="retrieved"))
     past = ReferenceSet(res.reference_indexes, ["sessions"] * len(res.reference_indexes))
-    from specops.serving.proposers.llma import SERVING_RULE
-
-    adaptive = {} if cfg.llma_fixed_k else SERVING_RULE
-    return LLMAProposer(refs.plus(past), min_n=cfg.llma_min_n, max_n=LLMA_MAX_N, n_drafts=cfg.n_drafts or 1, **adaptive)
+    adaptive = {} if opts.fixed_k else SERVING_RULE
+    return LLMAProposer(refs.plus(past), min_n=opts.n, max_n=LLMA_MAX_N, n_drafts=res.n_drafts or 1, **adaptive)
 
 
 def _llma_stats(stats: RequestStats) -> dict | None:
@@ -227,10 +293,10 @@ def _dresd_rows(res: ProposerResources, n_drafts: int) -> int:
     return resolve_shape(res.datastore, n_drafts)[0] if res.datastore is not None else n_drafts
 
 
-def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
+def _build_auto(opts: AutoOptions, res: ProposerResources) -> Proposer:
     """``auto`` over its candidates: the methods with ``joins_auto`` (those in the policy's
     ``candidates`` when it restricts them), each built by its own ``build`` when ``res`` has
-    what it needs."""
+    what it needs, with ``auto``'s options that its options model has too (the rest: defaults)."""
     from specops.serving.proposers.auto import AutoProposer, default_policy
 
     policy = res.policy or default_policy()
@@ -242,7 +308,8 @@ def _build_auto(cfg: ProposerConfig, res: ProposerResources) -> Proposer:
             check_resources(spec, res)
         except InvalidRequestError:  # not for this request (no draft model, no datastore): not a candidate
             continue
-        sub = spec.build(cfg, res)
+        shared = {f: getattr(opts, f) for f in type(opts).model_fields if f in spec.options.model_fields}
+        sub = spec.build(spec.options(**shared), res)
         if sub is not None:
             subs[spec.name] = sub
     return AutoProposer(policy, subs, {s.name: s for s in specs}, cluster=res.cluster)
@@ -267,6 +334,7 @@ CATALOGUE: dict[str, MethodSpec] = {
             frozenset({"draft_model"}),
             "draft",
             build=_build_draft,
+            options=DraftOptions,
             joins_auto=True,
         ),
         MethodSpec(
@@ -276,6 +344,7 @@ CATALOGUE: dict[str, MethodSpec] = {
             frozenset(),
             None,
             build=_build_pld,
+            options=PromptLookupOptions,
         ),
         MethodSpec(
             "dresd",
@@ -285,6 +354,7 @@ CATALOGUE: dict[str, MethodSpec] = {
             "datastore",
             default_n_drafts=3,
             build=_build_dresd,
+            options=DatastoreOptions,
             joins_auto=True,
             served_n_drafts=_dresd_rows,
         ),
@@ -297,6 +367,7 @@ CATALOGUE: dict[str, MethodSpec] = {
             "datastore",
             default_n_drafts=3,
             build=_build_retrieval,
+            options=DatastoreOptions,
             joins_auto=True,
             served_n_drafts=_dresd_rows,
         ),
@@ -307,6 +378,7 @@ CATALOGUE: dict[str, MethodSpec] = {
             frozenset(),
             None,
             build=_build_llma,
+            options=LlmaOptions,
             copies_references=True,
             joins_auto=True,
             stats_block=_llma_stats,
@@ -320,6 +392,7 @@ CATALOGUE: dict[str, MethodSpec] = {
             frozenset(),
             None,
             build=_build_auto,
+            options=AutoOptions,
             copies_references=True,
             stats_block=_auto_stats,
             parts=_auto_parts,
@@ -412,13 +485,51 @@ def check_resources(spec: MethodSpec, res: ProposerResources) -> None:
         )
 
 
-def build_proposer(cfg: ProposerConfig, res: ProposerResources) -> Proposer | None:
-    """The proposer for ``cfg.method`` over ``res``, or None for target-only decoding."""
-    spec = method_spec(cfg.method)
+def build_proposer(spec: MethodSpec, options: MethodOptions, res: ProposerResources) -> Proposer | None:
+    """``spec``'s proposer with ``options`` over ``res`` (its resources checked), or None for
+    target-only decoding."""
     check_resources(spec, res)
-    return spec.build(cfg, res)
+    return spec.build(options, res)
 
 
 def describe() -> str:
     """``name: description`` lines, for ``--help``."""
     return "; ".join(f"{s.name}: {s.description} (k={s.default_k})" for s in CATALOGUE.values())
+
+
+def method_table() -> str:
+    """The docs' table of methods (``docs/api.md``, between its ``methods`` markers): each method's
+    default k, needs and request options with their defaults and bounds, from the catalogue."""
+    rows = ["| method | k | needs | options (`speculation.<name>`) | what |", "|---|---|---|---|---|"]
+    for spec in CATALOGUE.values():
+        opts = []
+        for name, prop in spec.options.model_json_schema().get("properties", {}).items():
+            lo = prop.get("minimum", prop.get("exclusiveMinimum"))
+            hi = prop.get("maximum", f"<{prop['exclusiveMaximum']}" if "exclusiveMaximum" in prop else None)
+            bounds = f", {lo}..{hi}" if lo is not None and hi is not None else ""
+            what = " ".join(prop.get("description", "").split()).replace("``", "`")
+            opts.append(f"`{name}` ({json.dumps(prop.get('default'))}{bounds}): {what}")
+        needs = ", ".join(sorted(spec.needs)) or "–"
+        rows.append(f"| `{spec.name}` | {spec.default_k} | {needs} | {'<br>'.join(opts) or '–'} | {spec.description} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLE_MARKERS = (
+    "<!-- BEGIN methods (written by the method catalogue's method_table; edits inside are overwritten) -->\n",
+    "<!-- END methods -->\n",
+)
+
+
+def write_method_table(text: str) -> str:
+    """``text`` (a Markdown page) with :func:`method_table` between its :data:`TABLE_MARKERS`."""
+    begin, end = TABLE_MARKERS
+    head, rest = text.split(begin, 1)
+    return head + begin + method_table() + end + rest.split(end, 1)[1]
+
+
+if __name__ == "__main__":  # python -m specops.serving.proposers.catalogue docs/api.md: rewrite its table
+    import sys
+    from pathlib import Path
+
+    for arg in sys.argv[1:]:
+        Path(arg).write_text(write_method_table(Path(arg).read_text()))

@@ -40,6 +40,7 @@ class DReSDProposer(Proposer):
     """Drafts ``n_drafts x k`` token rows from a datastore."""
 
     name = "dresd"
+    needs_hidden = True
 
     def __init__(self, datastore, *, n_drafts: int = 0, search_k: int = 0) -> None:
         """``n_drafts`` 0: the datastore's own shape (rows, and tokens per row at most), which its

@@ -59,6 +59,7 @@ class RetrievalProposer(Proposer):
     """Exact suffix rows, plus dense rows where the exact match is short or absent."""
 
     name = "retrieval"
+    needs_hidden = True
 
     def __init__(
         self,

@@ -44,7 +44,7 @@ from specops.core.errors import InvalidRequestError
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.proposers.base import Proposer
 from specops.serving.ralm.os3 import RALM_OS3, OS3Config, StrideScheduler
 from specops.serving.retrieval.retriever import Query, Retriever
 
@@ -252,12 +252,21 @@ class _Step:
     finish_reason: str = ""
 
 
+@dataclass(frozen=True)
+class Drafting:
+    """How the loop decodes between retrievals: a fresh proposer for each segment's session
+    (None: target-only) and the tokens it drafts per step (the plan's ``k``)."""
+
+    proposer: Callable[[], Proposer | None] = lambda: None
+    k: int = 1
+
+
 class RalmGenerator:
     """Runs one request's retrieval loop over a :class:`SpecEngine` and a knowledge base.
 
     ``passages(ids) -> list[str]`` gives passage texts; ``tokenizer`` encodes passages and
-    decodes queries. ``method``/``k``/``proposer_cfg``/``resources`` choose the speculative
-    decoding between retrievals, as for ``SpecEngine.session``."""
+    decodes queries. ``drafting`` is the speculative decoding between retrievals (:class:`Drafting`;
+    default: target-only)."""
 
     def __init__(
         self,
@@ -267,10 +276,7 @@ class RalmGenerator:
         tokenizer,
         cfg: RalmConfig,
         *,
-        method: str = "target",
-        k: int | None = None,
-        proposer_cfg: ProposerConfig | None = None,
-        resources: ProposerResources | None = None,
+        drafting: Drafting | None = None,
         pool: ThreadPoolExecutor | None = None,
         os3: OS3Config | None = None,
     ) -> None:
@@ -281,7 +287,7 @@ class RalmGenerator:
             tokenizer,
             cfg,
         )
-        self.method, self.k, self.proposer_cfg, self.resources = method, k, proposer_cfg, resources
+        self.drafting = drafting or Drafting()
         self.pool = pool
         self.os3 = os3
         self._passage_ids: dict[int, list[int]] = {}
@@ -317,22 +323,16 @@ class RalmGenerator:
             spans.insert(0, ContextSpan("retrieved", 0, len(p_ids)))
         seed = None if params.seed is None else params.seed + start  # reproducible sampling per interval start
         seg_params = replace(params, max_new_tokens=params.max_new_tokens - start, seed=seed)
+        drafting = self.drafting
         session = self.engine.session(
-            context,
-            seg_params,
-            method=self.method,
-            k=self.k,
-            proposer_cfg=self.proposer_cfg,
-            resources=self.resources,
-            context_spans=tuple(spans),
-            hold_back=True,
+            context, seg_params, drafting.proposer(), drafting.k, spans=tuple(spans), hold_back=True
         )
         return _Segment(session, passage, start, len(context))
 
     def _interval(self, seg: _Segment, out: list[int], stats: RalmStats) -> str:
         """Generate up to ``interval`` tokens in ``seg`` onto ``out``; returns a finish reason or ""."""
         t0 = time.perf_counter()
-        session, k = seg.session, self.k if self.k is not None else seg.session.k
+        session, k = seg.session, self.drafting.k
         produced = 0
         while produced < self.cfg.interval and not session.finished:
             session.k = min(k, self.cfg.interval - produced - 1)

@@ -185,6 +185,12 @@ class VLLMNode(ServingNode):
                 "(or 'auto', which sends the request there), or serve with --engine specops",
                 field,
             )
+        if given := sorted(set(plan.options.model_fields_set) - {"n"}):  # LLMA's n reaches the copy server
+            raise InvalidRequestError(
+                f"speculation.{given[0]}: the vLLM servers here run their own settings; leave it out, or serve "
+                "with --engine specops",
+                f"speculation.{given[0]}",
+            )
         if plan.method == "auto" and not self._allowed(plan):
             if field := _target_only(plan.params):
                 raise InvalidRequestError(
@@ -285,7 +291,7 @@ class VLLMNode(ServingNode):
             refs: list[int] = []
             if method == "llma":
                 refs = self._copy_sources(plan, retrieved)
-                body["vllm_xargs"] = {REFS_KEY: refs, MIN_N_KEY: int(plan.llma_min_n)}
+                body["vllm_xargs"] = {REFS_KEY: refs, MIN_N_KEY: _min_n(plan)}
             tokens, finish, first_s, measured, logprobs, prompt_lps = self._stream(
                 server, body, plan.cluster, on_step, t0
             )
@@ -299,7 +305,7 @@ class VLLMNode(ServingNode):
         counts, source = from_vllm(measured), "vllm"
         if counts is None:  # not reported (target-only, or a stream we closed early): recomputed from the output
             counts, source = (
-                self._replay(method, handle, list(prompt_ids), tokens, refs, int(plan.llma_min_n)),
+                self._replay(method, handle, list(prompt_ids), tokens, refs, _min_n(plan)),
                 "replay",
             )
         steps = counts.steps
@@ -407,3 +413,8 @@ def _unavailable_on_error(chunks, cluster: str):
         yield from chunks
     except VLLMError as exc:
         raise UnavailableError(f"the vLLM server of cluster {cluster!r} failed: {exc}; retry shortly") from exc
+
+
+def _min_n(plan: DecodePlan) -> int:
+    """LLMA's shortest copying match for the copy server (the plan's option ``n``; 1 without one)."""
+    return int(getattr(plan.options, "n", 1))

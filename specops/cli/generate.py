@@ -74,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import SamplingParams
     from specops.serving.fleet.stream_logger import RequestMeta
-    from specops.serving.proposers.catalogue import ProposerConfig
+    from specops.serving.plan import plain_generate
 
     set_threads(args.threads)
     pair = load_model_dir(Path(args.model_dir), draft_dtype=args.draft_dtype)
@@ -91,10 +91,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_model = "bootstrap-draft" if method_spec(args.method).artifact == "draft" else ""
         meta = RequestMeta(cluster=args.cluster, draft_model=draft_model)
         resources = _resources(args, pair)
-        proposer_cfg = ProposerConfig(method=args.method, n_drafts=args.n_drafts) if args.n_drafts else None
         engine = SpecEngine(pair, logger=logger)
-        result = engine.generate(
-            prompt_ids, params, method=args.method, k=args.k, meta=meta, resources=resources, proposer_cfg=proposer_cfg
+        result = plain_generate(
+            engine,
+            prompt_ids,
+            params,
+            args.method,
+            k=args.k,
+            n_drafts=args.n_drafts or 0,
+            meta=meta,
+            resources=resources,
         )
     finally:
         if logger is not None:

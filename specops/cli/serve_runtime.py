@@ -31,17 +31,17 @@ def build_state(cfg: ServeConfig, *, root: Path | None = None):
 
     root = Path(root) if root is not None else data_dir()
     target, draft = cfg.paths(root)
-    stream = streams_url() if cfg.stream == "default" else cfg.stream
+    stream = streams_url() if cfg.fleet.stream == "default" else cfg.fleet.stream
     stream_cfg = None if stream.lower() in NONE else StreamConfig.from_env(url=stream)
 
     def registry():
-        if cfg.registry.lower() in NONE:
+        if cfg.fleet.registry.lower() in NONE:
             return None
         from specops.cli.artifact import open_registry
 
-        return open_registry(cfg.registry, None)  # serving follows; it never publishes alias moves itself
+        return open_registry(cfg.fleet.registry, None)  # serving follows; it never publishes alias moves itself
 
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else root / "serve" / cfg.replica_name
+    cache = Path(cfg.fleet.cache_dir) if cfg.fleet.cache_dir else root / "serve" / cfg.replica_name
     return ServingState(
         cfg, target_dir=target, draft_dir=draft, cache_dir=cache, registry_factory=registry, stream_cfg=stream_cfg
     )
@@ -120,18 +120,18 @@ class Server:
         self.uv = DrainingUvicorn(
             uvicorn.Config(
                 self.app,
-                host=cfg.host,
-                port=cfg.port,
+                host=cfg.api.host,
+                port=cfg.api.port,
                 log_level="warning",
                 log_config=None,  # uvicorn's loggers go to ours (dates, --log-format json)
                 access_log=False,  # ours is specops.serving.http.latency's (logger specops.access)
-                timeout_graceful_shutdown=cfg.shutdown_timeout_s,
-                timeout_keep_alive=cfg.keep_alive_timeout_s,
-                http=guarded_h11(cfg.header_timeout_s, cfg.body_timeout_s),
+                timeout_graceful_shutdown=cfg.admission.shutdown_timeout_s,
+                timeout_keep_alive=cfg.api.keep_alive_timeout_s,
+                http=guarded_h11(cfg.api.header_timeout_s, cfg.api.body_timeout_s),
                 lifespan="on",
             ),
             drain=self.state.drain,
-            timeout_s=cfg.shutdown_timeout_s,
+            timeout_s=cfg.admission.shutdown_timeout_s,
         )
         self._thread: threading.Thread | None = None
 
@@ -140,11 +140,11 @@ class Server:
         for server in getattr(self.uv, "servers", []) or []:
             for sock in server.sockets:
                 return int(sock.getsockname()[1])
-        return self.cfg.port
+        return self.cfg.api.port
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
+        host = "127.0.0.1" if self.cfg.api.host in ("0.0.0.0", "") else self.cfg.api.host
         return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> Server:
@@ -154,7 +154,7 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while not self.uv.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the API server did not start on {self.cfg.host}:{self.cfg.port}")
+                raise RuntimeError(f"the API server did not start on {self.cfg.api.host}:{self.cfg.api.port}")
             time.sleep(0.02)
         return self
 
@@ -182,8 +182,8 @@ class Server:
         listens stops it at once, and a stopped replica exits 0 instead of dying of the signal."""
         log.info(
             "serving the OpenAI API on http://%s:%d/v1 (health: /healthz, ready: /readyz, metrics: /metrics)",
-            self.cfg.host,
-            self.cfg.port,
+            self.cfg.api.host,
+            self.cfg.api.port,
         )
 
         def stop(sig: int, frame) -> None:

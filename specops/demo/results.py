@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from specops.demo.report.data import DemoRun, SpeedRow
-from specops.workloads.prompts import Prompt
 from specops.serving.plan import plain_generate
+from specops.workloads.prompts import Prompt
 
 if TYPE_CHECKING:
     from specops.demo.run import DemoConfig

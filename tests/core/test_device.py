@@ -15,6 +15,7 @@ from specops.core.models import ModelPair, load_model
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.http.config import ServeConfig
+from specops.serving.plan import plain_generate
 from tests.conftest import random_prompts
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (CI has none)")
@@ -36,7 +37,7 @@ def test_placements_are_validated_with_the_flag_to_change():
 
 
 def test_serve_config_refuses_float16_on_a_cpu():
-    assert ServeConfig().device == "cpu" and ServeConfig().dtype == "float32"
+    assert ServeConfig().engine.device == "cpu" and ServeConfig().engine.dtype == "float32"
     with pytest.raises(ValueError, match="float16 needs a GPU"):
         ServeConfig(dtype="float16")
     with pytest.raises(ValueError, match="not a device"):
@@ -82,9 +83,9 @@ def test_speculation_is_lossless_in_bfloat16_on_a_cpu(close_pair):
     )
     engine = SpecEngine(pair)
     for prompt in random_prompts(4, seed=41):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=20), method="target").token_ids
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=20), method="target").token_ids
         for method in ("draft", "pld"):
-            out = engine.generate(prompt, SamplingParams(max_new_tokens=20), method=method, k=3).token_ids
+            out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=20), method=method, k=3).token_ids
             assert len(out) == len(ref)
             assert out == ref or _first_divergence_is_a_rounding_tie(pair.target, prompt, ref, out), method
 
@@ -94,7 +95,7 @@ def test_the_tie_check_is_not_a_blank_cheque(close_pair):
     target = _cast(close_pair.target, torch.bfloat16)
     prompt = random_prompts(1, seed=41)[0]
     engine = SpecEngine(ModelPair(target=target, draft=target, tokenizer=None))
-    ref = engine.generate(prompt, SamplingParams(max_new_tokens=4), method="target").token_ids
+    ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=4), method="target").token_ids
     with torch.no_grad():
         worst = int(target(torch.tensor([prompt])).logits[0, -1].argmin())
     with pytest.raises(AssertionError, match="logit gap"):
@@ -111,13 +112,13 @@ def test_speculation_is_lossless_on_a_gpu(close_pair, dtype):
     )
     engine = SpecEngine(pair)
     for prompt in random_prompts(6, seed=42):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
         for method in ("draft", "pld"):
-            out = engine.generate(prompt, SamplingParams(max_new_tokens=24), method=method, k=3).token_ids
+            out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method=method, k=3).token_ids
             assert out == ref or _first_divergence_is_a_rounding_tie(pair.target, prompt, ref, out), method
         seeded = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7)
-        a = engine.generate(prompt, seeded, method="draft").token_ids
-        assert a == engine.generate(prompt, seeded, method="draft").token_ids  # seeded sampling reproduces
+        a = plain_generate(engine, prompt, seeded, method="draft").token_ids
+        assert a == plain_generate(engine, prompt, seeded, method="draft").token_ids  # seeded sampling reproduces
 
 
 @GPU

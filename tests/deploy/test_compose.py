@@ -318,15 +318,15 @@ def test_serve_toml_loads_and_agrees_with_compose_and_the_gateway():
 
     assert mounts("serving")["/etc/specops/serve.toml"] == ("./serve.toml", "ro")
     cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})  # as `specops serve --config` loads it
-    assert cfg.host == "0.0.0.0" and SERVICES["serving"]["expose"] == [str(cfg.port)]
-    assert cfg.stream == "default" and cfg.registry == "default"  # compose's SPECOPS_* variables decide
+    assert cfg.api.host == "0.0.0.0" and SERVICES["serving"]["expose"] == [str(cfg.api.port)]
+    assert cfg.fleet.stream == "default" and cfg.fleet.registry == "default"  # compose's SPECOPS_* variables decide
     target, draft = cfg.paths(Path("/data"))
     bootstrap_out = Path(option(command("bootstrap"), "--out"))
     assert (target, draft) == (bootstrap_out / "target", bootstrap_out / "draft")
 
     haproxy = (COMPOSE_DIR / "haproxy.cfg").read_text()
     m = re.search(r"^\s*server-template\s+\S+\s+1-(\d+)\s+(\S+):(\d+)", haproxy, re.M)
-    assert m and (m.group(2), int(m.group(3))) == ("serving", cfg.port)
+    assert m and (m.group(2), int(m.group(3))) == ("serving", cfg.api.port)
     replicas = int(resolve(str(SERVICES["serving"]["deploy"]["replicas"])))
     assert 1 <= replicas <= int(m.group(1)) and str(replicas) == env_example()["SERVING_REPLICAS"][0]
     probe = re.search(r"http-check send meth GET uri (\S+)", haproxy).group(1)
@@ -370,18 +370,20 @@ def test_serving_vllm_is_an_opt_in_profile_of_the_serving_front_door_on_vllm():
 
     resolved = {k: resolve(v) for k, v in env("serving-vllm").items()}
     cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env=resolved)  # as the container loads it
-    assert cfg.engine == "vllm" and cfg.vllm_speculation == "draft"
-    assert cfg.vllm_max_model_len >= cfg.max_prompt_tokens + cfg.max_tokens_limit, "vLLM would refuse long requests"
+    assert cfg.engine.kind == "vllm" and cfg.vllm.speculation == "draft"
+    assert cfg.vllm.max_model_len >= cfg.admission.max_prompt_tokens + cfg.admission.max_tokens_limit, (
+        "vLLM would refuse long requests"
+    )
 
     published = {resolve(p).rsplit(":", 2)[-2] for s in ("gateway", "mlflow") for p in SERVICES[s]["ports"]}
     (port,) = vllm["ports"]
     host_port, container_port = resolve(port).rsplit(":", 2)[-2:]
-    assert container_port == str(cfg.port) and host_port not in published
+    assert container_port == str(cfg.api.port) and host_port not in published
     check = vllm["healthcheck"]
     probe = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(check["test"]))
-    assert probe and probe.group(1) == str(cfg.port) and probe.group(2) == "/readyz" and "/readyz" in OPEN_PATHS
+    assert probe and probe.group(1) == str(cfg.api.port) and probe.group(2) == "/readyz" and "/readyz" in OPEN_PATHS
     # healthy = ready: the grace must outlast one vLLM server's start (a CPU compiles the model first)
-    assert _seconds(check["start_period"]) >= cfg.vllm_start_timeout_s
+    assert _seconds(check["start_period"]) >= cfg.vllm.start_timeout_s
     assert _seconds(vllm["stop_grace_period"]) >= _seconds(SERVICES["serving"]["stop_grace_period"])
 
 
@@ -522,10 +524,10 @@ def test_serving_stops_after_its_drain_not_before():
     from specops.serving.http.config import ServeConfig
 
     cfg = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})
-    assert cfg.shutdown_timeout_s >= cfg.queue_timeout_s + cfg.request_timeout_s
+    assert cfg.admission.shutdown_timeout_s >= cfg.admission.queue_timeout_s + cfg.admission.request_timeout_s
     for name in ("serving", "serving-vllm"):
         assert mounts(name)["/etc/specops/serve.toml"] == ("./serve.toml", "ro")
-        assert _seconds(SERVICES[name]["stop_grace_period"]) > cfg.shutdown_timeout_s, name
+        assert _seconds(SERVICES[name]["stop_grace_period"]) > cfg.admission.shutdown_timeout_s, name
 
 
 # ---------------------------------------------------------------- fleet view (profile monitoring)
@@ -588,13 +590,13 @@ def test_prometheus_scrapes_every_serving_replica_by_dns_and_the_trainer():
 
     config = prometheus_config()
     serve = ServeConfig.load(COMPOSE_DIR / "serve.toml", env={})
-    assert not serve.auth_metrics, "serving's /metrics needs a key: give the serving jobs `authorization`"
+    assert not serve.api.auth_metrics, "serving's /metrics needs a key: give the serving jobs `authorization`"
     for name in ("serving", "serving-vllm"):
         job = scrape_job(config, name)
         assert job.get("metrics_path", "/metrics") == "/metrics" and "static_configs" not in job, name
         (sd,) = job["dns_sd_configs"]
-        assert sd["names"] == [name] and sd["type"] == "A" and sd["port"] == serve.port, name
-        assert SERVICES[name].get("expose", [str(serve.port)]) == [str(serve.port)], name
+        assert sd["names"] == [name] and sd["type"] == "A" and sd["port"] == serve.api.port, name
+        assert SERVICES[name].get("expose", [str(serve.api.port)]) == [str(serve.api.port)], name
     from specops.serving.http import api
 
     assert '@app.get("/metrics")' in Path(api.__file__).read_text(), "the path the serving jobs scrape"

@@ -174,7 +174,7 @@ def test_runtime_layout_env_volumes_workdir_entrypoint():
     assert effective("serving", "EXPOSE") == "8000"
     from specops.serving.http.config import ServeConfig
 
-    assert ServeConfig().port == 8000  # the port the image exposes and its health check uses
+    assert ServeConfig().api.port == 8000  # the port the image exposes and its health check uses
 
 
 def test_trainer_has_the_deepspeed_launcher_on_path_and_exposes_its_metrics_port():
@@ -535,7 +535,7 @@ def test_serving_vllm_runs_the_serving_front_door_with_engine_vllm(variant):
     assert "USER" not in keywords[max(i for i, kw in enumerate(keywords) if kw == "USER") + 1 :]
     env = vllm_env(variant)
     assert env["PATH"].split(":")[0] == "/opt/venv/bin" and env["SPECOPS_DATA_DIR"] == "/data"
-    assert ServeConfig.load(None, env={"SPECOPS_SERVE_ENGINE": env["SPECOPS_SERVE_ENGINE"]}).engine == "vllm"
+    assert ServeConfig.load(None, env={"SPECOPS_SERVE_ENGINE": env["SPECOPS_SERVE_ENGINE"]}).engine.kind == "vllm"
     labels = " ".join(a for stage in vllm_chain(variant) for a in stage.all("LABEL"))
     for key in ("title", "version", "revision", "source", "created"):
         assert f"org.opencontainers.image.{key}=" in labels, key

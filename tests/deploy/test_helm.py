@@ -22,7 +22,7 @@ import pytest
 
 from specops import config_file
 from specops.cli.main import build_parser
-from specops.serving.http.config import ServeConfig
+from specops.serving.http.config import ServeConfig, ServeKeys
 from tests.deploy import helm_support as hs
 
 CI = {path.name: path for path in hs.ci_value_files()}
@@ -49,7 +49,7 @@ SPECOPS_CONTAINERS = (
 TOPICS = ("spec.misses", "spec.generations", "spec.events", "spec.deadletter")
 SERVE_OWNED = (
     {"host", "port", "model_dir", "api_keys", "engine", "shutdown_timeout_s"}
-    | {name for name in ServeConfig.model_fields if name.startswith("vllm_") and name != "vllm_python"}
+    | {name for name in ServeKeys.model_fields if name.startswith("vllm_") and name != "vllm_python"}
 )  # engine and vllm_*: from specops.serving.engine / specops.serving.vllm (tests/deploy/test_helm_vllm.py); shutdown_timeout_s:
 # from the grace period (tests/deploy/test_helm_ops.py)
 TRAIN_OWNED = {"out", "model_dir", "schedule", "jobstore", "backend", "metrics_port", "zero_stage"}
@@ -583,18 +583,18 @@ def test_serve_toml_loads_as_the_cli_loads_it(values_file, tmp_path):
     env = hs.literal_env(hs.container(hs.one(objects, "Deployment", "serving"), "serving"))
     env["SPECOPS_SERVE_REPLICA"] = "prod-specops-serving-7d9f-abcde"  # the fieldRef's value in a pod
     cfg = ServeConfig.load(path, env=env)
-    assert (cfg.host, cfg.port, cfg.model_dir) == ("0.0.0.0", 8000, "/models")
+    assert (cfg.api.host, cfg.api.port, cfg.engine.model_dir) == ("0.0.0.0", 8000, "/models")
     assert cfg.replica_name == "prod-specops-serving-7d9f-abcde"
-    assert (cfg.stream, cfg.registry) == ("default", "default"), (
+    assert (cfg.fleet.stream, cfg.fleet.registry) == ("default", "default"), (
         "resolved from SPECOPS_STREAM_URL / SPECOPS_REGISTRY_URI"
     )
     values = hs.load_values(values_file)
     cuda = values.get("image", {}).get("variant") == "cuda"
     vllm = values.get("serving", {}).get("engine") == "vllm"  # the GPU is the vLLM servers'
-    assert cfg.device == ("cuda" if cuda and not vllm else "cpu")
-    assert cfg.engine == ("vllm" if vllm else "specops")
+    assert cfg.engine.device == ("cuda" if cuda and not vllm else "cpu")
+    assert cfg.engine.kind == ("vllm" if vllm else "specops")
     if values_file == GPU:
-        assert (cfg.dtype, cfg.max_concurrency, cfg.max_queue) == ("bfloat16", 8, 64)
+        assert (cfg.engine.dtype, cfg.admission.max_concurrency, cfg.admission.max_queue) == ("bfloat16", 8, 64)
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -635,7 +635,7 @@ def test_schema_config_fields_track_the_app():
     fix = "out of date: run python deploy/helm/tools/config_schema.py"
     serving = schema["properties"]["serving"]["properties"]["config"]
     assert _types(serving) == _types(tool.serve_config_schema()), fix
-    assert set(serving["properties"]) == set(ServeConfig.model_fields) - SERVE_OWNED
+    assert set(serving["properties"]) == set(ServeKeys.model_fields) - SERVE_OWNED
     trainer = schema["properties"]["trainer"]["properties"]["config"]
     assert _types(trainer) == _types(tool.train_config_schema()), fix
     assert set(trainer["properties"]) == set(config_file.options_of(_train_parser())) - TRAIN_OWNED

@@ -104,14 +104,16 @@ def test_grace_period_reaches_the_servers_shutdown_timeout():
     grace = pod["terminationGracePeriodSeconds"]
     sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     margin = _values()["serving"]["drainMarginSeconds"]
-    assert cfg.shutdown_timeout_s == grace - sleep - margin > 0
+    assert cfg.admission.shutdown_timeout_s == grace - sleep - margin > 0
     assert "SPECOPS_SERVE_SHUTDOWN_TIMEOUT_S" not in hs.literal_env(c), "serve.toml is the one source"
-    assert cfg.shutdown_timeout_s >= cfg.queue_timeout_s + cfg.request_timeout_s, "the longest admitted request ends"
+    assert cfg.admission.shutdown_timeout_s >= cfg.admission.queue_timeout_s + cfg.admission.request_timeout_s, (
+        "the longest admitted request ends"
+    )
 
     pod, c, cfg = _serving(
         hs.render(DEFAULT, {"serving": {"terminationGracePeriodSeconds": 300, "preStopSleepSeconds": 15}})
     )
-    assert (pod["terminationGracePeriodSeconds"], cfg.shutdown_timeout_s) == (300, 300 - 15 - margin)
+    assert (pod["terminationGracePeriodSeconds"], cfg.admission.shutdown_timeout_s) == (300, 300 - 15 - margin)
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 15}}
     assert "cut the longest requests" in hs.notes(DEFAULT, {"serving": {"terminationGracePeriodSeconds": 300}})
     assert "cut the longest requests" not in hs.notes(DEFAULT)
@@ -520,7 +522,9 @@ def test_ingress_and_http_route_send_traffic_to_the_serving_service():
     assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
     _, _, cfg = _serving(objects)
     timeout = rule["timeouts"]["request"]
-    assert timeout.endswith("s") and int(timeout[:-1]) > cfg.request_timeout_s, "a stream outlives no route timeout"
+    assert timeout.endswith("s") and int(timeout[:-1]) > cfg.admission.request_timeout_s, (
+        "a stream outlives no route timeout"
+    )
     plain = hs.render(DEFAULT)
     assert hs.find(plain, "Ingress") == [] and hs.find(plain, "HTTPRoute") == [], "both off by default"
     with pytest.raises(hs.RenderError, match="parentRefs"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.serving.http.config import ServeConfig
+from specops.serving.http.config import ServeConfig, ServeKeys
 from tests.deploy import helm_support as hs
 
 CI = {path.name: path for path in hs.ci_value_files()}
@@ -57,7 +57,7 @@ def _startup_budget_s(c: dict) -> int:
 
 def test_default_engine_is_ours_with_the_serving_image():
     deployment, c, cfg = _serving(DEFAULT)
-    assert cfg.engine == "specops" and c["image"].startswith("ghcr.io/specops/specops-serving:")
+    assert cfg.engine.kind == "specops" and c["image"].startswith("ghcr.io/specops/specops-serving:")
     assert "progressDeadlineSeconds" not in deployment["spec"]
     assert _values()["serving"]["engine"] == "specops"
 
@@ -67,17 +67,17 @@ def test_cpu_vllm_renders_the_serving_vllm_image_and_the_vllm_fields():
     deployment, c, cfg = _serving(DEFAULT, CPU_VLLM)
     assert c["image"] == "ghcr.io/specops/specops-serving-vllm:0.1.0"  # the CPU build: no -cuda
     assert c["args"] == ["specops", "serve", "--config", "/etc/specops/serve.toml"]
-    assert cfg.engine == "vllm" and cfg.device == "cpu"
-    assert (cfg.vllm_speculation, cfg.vllm_k, cfg.vllm_max_model_len, cfg.vllm_kv_cache_gb) == (
+    assert cfg.engine.kind == "vllm" and cfg.engine.device == "cpu"
+    assert (cfg.vllm.speculation, cfg.vllm.k, cfg.vllm.max_model_len, cfg.vllm.kv_cache_gb) == (
         values["speculation"],
         values["k"],
         values["maxModelLen"],
         values["kvCacheGb"],
     )
-    assert cfg.vllm_args == "" and cfg.vllm_start_timeout_s == values["startTimeoutS"]
-    assert (cfg.vllm_copy_k, cfg.vllm_standby) == (values["copyK"], values["standby"])
-    assert cfg.vllm_max_model_len >= cfg.max_prompt_tokens + cfg.max_tokens_limit
-    assert not cfg.vllm_python, "the image's SPECOPS_VLLM_PYTHON names vLLM's Python"
+    assert cfg.vllm.args == "" and cfg.vllm.start_timeout_s == values["startTimeoutS"]
+    assert (cfg.vllm.copy_k, cfg.vllm.standby) == (values["copyK"], values["standby"])
+    assert cfg.vllm.max_model_len >= cfg.admission.max_prompt_tokens + cfg.admission.max_tokens_limit
+    assert not cfg.vllm.python, "the image's SPECOPS_VLLM_PYTHON names vLLM's Python"
     for obj in hs.render(DEFAULT, CPU_VLLM):
         hs.validate_object(obj)
 
@@ -89,7 +89,7 @@ def test_vllm_start_lengthens_the_startup_probe_and_the_rollout_deadline():
     for set_values in (CPU_VLLM, {"serving": {"engine": "vllm", "vllm": {"startTimeoutS": 1234.5}}}):
         deployment, c, cfg = _serving(DEFAULT, set_values)
         assert c["startupProbe"]["httpGet"]["path"] == "/readyz"
-        assert _startup_budget_s(c) >= _startup_budget_s(plain) + math.ceil(cfg.vllm_start_timeout_s)
+        assert _startup_budget_s(c) >= _startup_budget_s(plain) + math.ceil(cfg.vllm.start_timeout_s)
         assert deployment["spec"]["progressDeadlineSeconds"] > _startup_budget_s(c)
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
@@ -99,12 +99,14 @@ def test_gpu_vllm_values_file():
     values = _values(VLLM)["serving"]
     assert c["image"] == "ghcr.io/specops/specops-serving-vllm:0.1.0-cuda"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 == c["resources"]["requests"]["nvidia.com/gpu"]
-    assert cfg.engine == "vllm" and cfg.device == "cpu", "the GPU is the vLLM servers': the front door stays off it"
-    argv = shlex.split(cfg.vllm_args)
+    assert cfg.engine.kind == "vllm" and cfg.engine.device == "cpu", (
+        "the GPU is the vLLM servers': the front door stays off it"
+    )
+    argv = shlex.split(cfg.vllm.args)
     share = float(argv[argv.index("--gpu-memory-utilization") + 1])
     assert share == values["vllm"]["gpuMemoryUtilization"] and 2 * share < 1, "two servers fit during a swap"
     assert argv[-2:] == shlex.split(values["vllm"]["args"]), "the values' args come last: they win"
-    assert (cfg.vllm_k, cfg.vllm_max_model_len) == (values["vllm"]["k"], values["vllm"]["maxModelLen"])
+    assert (cfg.vllm.k, cfg.vllm.max_model_len) == (values["vllm"]["k"], values["vllm"]["maxModelLen"])
     assert deployment["spec"]["progressDeadlineSeconds"] > _startup_budget_s(c)
     notes = hs.notes(VLLM)
     assert "vLLM" in notes and "specops-serving-vllm:0.1.0-cuda" in notes
@@ -124,12 +126,12 @@ def test_values_defaults_are_serve_configs():
     defaults = ServeConfig()
     for value, field in tool.VLLM_VALUES.items():
         if value != "maxModelLen":
-            assert values[value] == getattr(defaults, field), value
-    assert values["maxModelLen"] == defaults.max_prompt_tokens + defaults.max_tokens_limit
+            assert values[value] == defaults.flat()[field], value
+    assert values["maxModelLen"] == defaults.admission.max_prompt_tokens + defaults.admission.max_tokens_limit
     # the template's fallbacks when serving.config does not set them
     helpers = (hs.CHART_DIR / "templates" / "_helpers.tpl").read_text()
-    assert f"default {defaults.max_prompt_tokens} $c.max_prompt_tokens" in helpers
-    assert f"default {defaults.max_tokens_limit} $c.max_tokens_limit" in helpers
+    assert f"default {defaults.admission.max_prompt_tokens} $c.max_prompt_tokens" in helpers
+    assert f"default {defaults.admission.max_tokens_limit} $c.max_tokens_limit" in helpers
 
 
 def test_schema_engine_and_vllm_fields_track_serve_config():
@@ -137,10 +139,10 @@ def test_schema_engine_and_vllm_fields_track_serve_config():
     schema = json.loads((hs.CHART_DIR / "values.schema.json").read_text())["properties"]["serving"]["properties"]
     fix = "out of date: run python deploy/helm/tools/config_schema.py"
     assert schema["engine"] == tool.serve_field_schema("engine"), fix
-    assert schema["engine"]["enum"] == list(ServeConfig.model_json_schema()["properties"]["engine"]["enum"])
+    assert schema["engine"]["enum"] == list(ServeKeys.model_json_schema()["properties"]["engine"]["enum"])
     for value, field in tool.VLLM_VALUES.items():
         assert schema["vllm"]["properties"][value] == tool.serve_field_schema(field), fix
-    assert set(tool.VLLM_VALUES.values()) | {"vllm_python"} == {f for f in ServeConfig.model_fields if "vllm" in f}
+    assert set(tool.VLLM_VALUES.values()) | {"vllm_python"} == {f for f in ServeKeys.model_fields if "vllm" in f}
     assert not {"engine", *tool.VLLM_VALUES.values()} & set(schema["config"]["properties"])
 
 
@@ -178,5 +180,5 @@ def test_max_model_len_must_hold_the_longest_request():
         hs.render(DEFAULT, {"serving": {"engine": "vllm", "vllm": {"maxModelLen": 2048}}})
     limits = {"max_prompt_tokens": 1536, "max_tokens_limit": 512}
     _, _, cfg = _serving(DEFAULT, {"serving": {"engine": "vllm", "vllm": {"maxModelLen": 2048}, "config": limits}})
-    assert cfg.vllm_max_model_len == 2048 == cfg.max_prompt_tokens + cfg.max_tokens_limit
+    assert cfg.vllm.max_model_len == 2048 == cfg.admission.max_prompt_tokens + cfg.admission.max_tokens_limit
     hs.render(DEFAULT, {"serving": {"vllm": {"maxModelLen": 2048}}})  # engine specops: not checked

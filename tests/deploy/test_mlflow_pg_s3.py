@@ -24,6 +24,7 @@ from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.hotswap import BASE, FAILURES, DraftFollower, HotSwapConfig
 from specops.serving.fleet.node import ServingNode
+from specops.serving.plan import DecodePlan, plain_generate
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.slow  # starts a server process and an S3 endpoint
@@ -110,7 +111,7 @@ def test_hot_swap_follows_the_pg_s3_registry_with_no_failed_request(pg_s3_server
     pair = load_model_dir(tiny_models)
     ref = SpecEngine(pair)
     prompts = [
-        (p, ref.generate(p, GREEDY, method="target").token_ids)
+        (p, plain_generate(ref, p, GREEDY, method="target").token_ids)
         for p in random_prompts(4, seed=11, lo=4, hi=10, vocab=pair.vocab_size)
     ]
     reg = RegistryStore(RegistryConfig(uri=pg_s3_server.uri, experiment="deploy-hotswap"))
@@ -134,7 +135,7 @@ def test_hot_swap_follows_the_pg_s3_registry_with_no_failed_request(pg_s3_server
             prompt, want = prompts[n % len(prompts)]
             n += 1
             try:
-                results.append((node.generate(prompt, GREEDY, cluster=cluster), want))
+                results.append((node.generate(DecodePlan.plain(prompt, GREEDY, cluster=cluster)), want))
             except Exception as exc:  # noqa: BLE001 - the test counts every failure
                 errors.append(repr(exc))
 

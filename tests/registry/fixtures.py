@@ -79,14 +79,26 @@ def pg_uri(tmp_path):
         yield uri
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory, sqlite_template):
-    """A real ``mlflow server`` (SQLite store, served artifacts) for the module."""
+def _mlflow_server(tmp_path_factory, sqlite_template) -> Iterator[MlflowServer]:
     root = tmp_path_factory.mktemp("mlflow-server")
     shutil.copyfile(sqlite_template, root / "mlflow.db")
     server = MlflowServer(root).start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, sqlite_template) -> Iterator[MlflowServer]:
+    """A real ``mlflow server`` (SQLite store, served artifacts) shared by the session (one per xdist
+    worker; it takes 10-20 s to start): its tests register under a cluster and an experiment of their
+    own (``store_cfg``). A test that stops the server takes ``fresh_mlflow_server``."""
+    yield from _mlflow_server(tmp_path_factory, sqlite_template)
+
+
+@pytest.fixture
+def fresh_mlflow_server(tmp_path_factory, sqlite_template) -> Iterator[MlflowServer]:
+    """A real ``mlflow server`` of this test's own, which the test may kill and start again."""
+    yield from _mlflow_server(tmp_path_factory, sqlite_template)
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "http"])

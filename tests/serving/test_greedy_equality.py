@@ -7,6 +7,7 @@ import torch
 
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from tests.conftest import random_prompts
 
 
@@ -23,7 +24,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_target_method_equals_full_recompute(tiny_pair):
     engine = SpecEngine(tiny_pair)
     for prompt in random_prompts(6, seed=10):
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=20), method="target")
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=20), method="target")
         assert out.token_ids == reference_greedy(tiny_pair.target, prompt, 20)
         assert out.stats.num_target_forwards == 20  # one forward per token, prefill included
 
@@ -31,7 +32,7 @@ def test_target_method_equals_full_recompute(tiny_pair):
 def test_target_method_equals_hf_generate(tiny_pair):
     engine = SpecEngine(tiny_pair)
     for prompt in random_prompts(4, seed=11):
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=16), method="target")
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=16), method="target")
         hf = tiny_pair.target.generate(
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
         )[0, len(prompt) :].tolist()
@@ -45,8 +46,8 @@ def test_every_method_equals_target_greedy(request, pair_name, method, k):
     pair = request.getfixturevalue(pair_name)
     engine = SpecEngine(pair)
     for prompt in random_prompts(8, seed=100 + k):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target")
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=24), method=method, k=k)
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="target")
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method=method, k=k)
         assert out.token_ids == ref.token_ids, (prompt, k)
         assert out.stats.num_generated == 24
         assert out.stats.num_accepted <= out.stats.num_drafted
@@ -55,7 +56,7 @@ def test_every_method_equals_target_greedy(request, pair_name, method, k):
 def test_twin_draft_is_always_accepted(twin_pair):
     engine = SpecEngine(twin_pair)
     for prompt in random_prompts(4, seed=7):
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=25), method="draft", k=4)
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=25), method="draft", k=4)
         assert out.stats.acceptance_rate == 1.0
         # 25 tokens = 5 steps of (4 accepted + 1 bonus): the target ran 5 times, not 25.
         assert out.stats.num_target_forwards == 5
@@ -65,7 +66,7 @@ def test_twin_draft_is_always_accepted(twin_pair):
 def test_close_draft_accepts_partially(close_pair):
     engine = SpecEngine(close_pair)
     rates = [
-        engine.generate(p, SamplingParams(max_new_tokens=30), method="draft", k=4).stats.acceptance_rate
+        plain_generate(engine, p, SamplingParams(max_new_tokens=30), method="draft", k=4).stats.acceptance_rate
         for p in random_prompts(6, seed=8)
     ]
     mean = sum(rates) / len(rates)
@@ -76,10 +77,13 @@ def test_pld_copies_repeated_text(tiny_pair):
     """On a prompt that repeats, and with the target itself repeating, lookup drafts get accepted."""
     engine = SpecEngine(tiny_pair)
     prompt = random_prompts(1, seed=9, lo=6, hi=7)[0]
-    ref = engine.generate(prompt, SamplingParams(max_new_tokens=60), method="target").token_ids
+    ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=60), method="target").token_ids
     looped = prompt + ref  # the target's own continuation, so lookup has something true to copy
-    out = engine.generate(looped * 2, SamplingParams(max_new_tokens=40), method="pld", k=6)
-    assert out.token_ids == engine.generate(looped * 2, SamplingParams(max_new_tokens=40), method="target").token_ids
+    out = plain_generate(engine, looped * 2, SamplingParams(max_new_tokens=40), method="pld", k=6)
+    assert (
+        out.token_ids
+        == plain_generate(engine, looped * 2, SamplingParams(max_new_tokens=40), method="target").token_ids
+    )
     assert out.stats.num_accepted > 0
 
 
@@ -107,7 +111,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens(served_pair):
         proposer.start(state)
         drafted = proposer.propose(state, 6).tokens[0].tolist()
         assert len(drafted) == 6 and set(drafted) <= set(SUBSET)
-    out = SpecEngine(served_pair).generate(
-        random_prompts(1, seed=14)[0], SamplingParams(max_new_tokens=24), method="draft"
+    out = plain_generate(
+        SpecEngine(served_pair), random_prompts(1, seed=14)[0], SamplingParams(max_new_tokens=24), method="draft"
     )
     assert out.stats.num_accepted > 0  # the subset still drafts what the target says, often

@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from specops import cli, config_file
+from specops import config_file
+from specops.cli import main as cli
 
 
 def _train_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specops.serving.plan import plain_generate
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.base import partition_for_key
 from specops.streams.consumer import RecordConsumer
@@ -257,7 +258,8 @@ def _serve(pair, logger, prompts, first: int = 0) -> list[list[int]]:
     engine = SpecEngine(pair, logger=logger)
     outs = []
     for i, prompt in enumerate(prompts, start=first):
-        res = engine.generate(
+        res = plain_generate(
+            engine,
             prompt,
             SamplingParams(max_new_tokens=12),
             method="draft",
@@ -300,7 +302,7 @@ def test_stream_down_while_serving_requests_succeed_and_drops_count(request, mak
 
     prompts = random_prompts(12, seed=7)
     expected = [
-        SpecEngine(close_pair).generate(p, SamplingParams(max_new_tokens=12), method="target").token_ids
+        plain_generate(SpecEngine(close_pair), p, SamplingParams(max_new_tokens=12), method="target").token_ids
         for p in prompts
     ]
     logger = StreamLogger(

@@ -10,6 +10,7 @@ from specops.serving.engine.grammar import GrammarSpec
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.plan import plain_generate
 from specops.streams import StreamConfig
 from tests.conftest import random_prompts
 
@@ -47,6 +48,6 @@ def log_requests(
     for i, prompt in enumerate(random_prompts(n, seed=seed, lo=lo, hi=hi, **({"vocab": vocab} if vocab else {}))):
         temperature = 0.0 if greedy_only or i % 2 else 0.8
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i, grammar=grammar)
-        engine.generate(prompt, params, meta=RequestMeta(f"r{i}", cluster_of(i)))
+        plain_generate(engine, prompt, params, meta=RequestMeta(f"r{i}", cluster_of(i)))
     logger.close()
     return cfg, draft_dir

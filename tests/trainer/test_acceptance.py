@@ -9,6 +9,7 @@ from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.engine.verifier import decide
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.plan import plain_generate
 from specops.streams import StreamConfig, codec, open_stream
 from specops.trainer.acceptance import evaluate_records, position_acceptance
 from specops.trainer.losses import TargetDist
@@ -52,7 +53,7 @@ def test_on_its_own_greedy_rejections_the_draft_agrees_nowhere_and_the_target_ev
     logger = StreamLogger(cfg, LoggerConfig(topk=16), vocab_size=close_pair.vocab_size)
     engine = SpecEngine(close_pair, logger=logger)
     for i, prompt in enumerate(random_prompts(6, seed=3)):
-        engine.generate(prompt, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
+        plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
     logger.close()
     with open_stream(cfg) as s:
         records = [codec.decode(m.value) for m in s.read(cfg.topics.misses)]
@@ -72,7 +73,7 @@ def _served_records(pair, tmp_path, n=8, seed=3):
     logger = StreamLogger(cfg, LoggerConfig(topk=16), vocab_size=pair.vocab_size)
     engine = SpecEngine(pair, logger=logger)
     results = [
-        engine.generate(p, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
+        plain_generate(engine, p, SamplingParams(max_new_tokens=24), meta=RequestMeta(f"r{i}", "c"))
         for i, p in enumerate(random_prompts(n, seed=seed))
     ]
     logger.close()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import specops.trainer.bootstrap as bootstrap
 from specops.core.models import load_tokenizer, tokenizer_hash
+from specops.serving.plan import plain_generate
 from specops.trainer.bootstrap.corpus import split_files
 from specops.trainer.bootstrap.evaluate import agreement
 from specops.trainer.bootstrap.roff import strip_roff
@@ -261,7 +262,7 @@ def test_recommended_k_maximises_eq2_with_measured_verification_costs():
 
 
 @pytest.mark.slow
-def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
+def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path, calibrate_once):
     """The whole default bootstrap at a toy budget: the wheel's GGUF checked and converted, the draft
     built from the target's layers and embeddings, the manifest's numbers, a lossless greedy run."""
     from specops.core import draft_vocab
@@ -309,6 +310,9 @@ def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path):
     )
     engine = SpecEngine(pair)
     prompt = pair.tokenizer("import os\n\ndef main():\n", add_special_tokens=False)["input_ids"]
-    ref = engine.generate(prompt, SamplingParams(max_new_tokens=12), method="target")
-    assert engine.generate(prompt, SamplingParams(max_new_tokens=12), method="draft", k=3).token_ids == ref.token_ids
+    ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=12), method="target")
+    assert (
+        plain_generate(engine, prompt, SamplingParams(max_new_tokens=12), method="draft", k=3).token_ids
+        == ref.token_ids
+    )
     assert bootstrap.run(out, recipe=recipe)["created"] == m["created"]  # kept, not rebuilt

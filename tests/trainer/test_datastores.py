@@ -15,6 +15,7 @@ from specops.core.models import ModelPair
 from specops.registry import RegistryConfig, RegistryStore, RegistryUnavailableError
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.streams import OutMessage, StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord
 from specops.streams.tansu import TansuBroker
@@ -46,7 +47,7 @@ def _publish(cfg: StreamConfig, target, prompts, cluster="code") -> list[list[in
     engine = SpecEngine(ModelPair(target=target, draft=None, tokenizer=None))
     docs, msgs = [], []
     for i, p in enumerate(prompts):
-        out = engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
+        out = plain_generate(engine, p, SamplingParams(max_new_tokens=24), method="target").token_ids
         docs.append(p + out)
         rec = GenerationRecord(
             request_id=f"r{time.monotonic_ns()}-{i}",
@@ -146,15 +147,17 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, sqlite_uri, tiny_ta
     stored = docs[:6]
     starts = [len(d) - 24 for d in stored]
     replay = offline_mar(store, tiny_target, stored, starts, n_drafts=3, k=6)
-    from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+    from specops.serving.proposers.catalogue import ProposerResources
 
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     res = ProposerResources(pair=engine.pair, datastore=store)
     served = [
-        engine.generate(
+        plain_generate(
+            engine,
             d[:s],
             SamplingParams(max_new_tokens=24),
-            proposer_cfg=ProposerConfig(method="dresd", n_drafts=3),
+            method="dresd",
+            n_drafts=3,
             k=6,
             resources=res,
         ).stats.acceptance_rate
@@ -208,7 +211,7 @@ def test_choose_shape_trades_accepted_tokens_against_tree_size(tiny_target):
     pick the smallest tree; the numbers are the replay's."""
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     docs = [
-        p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=24), method="target").token_ids
         for p in random_prompts(16, seed=21)
     ]
     store, _ = Datastore.build(

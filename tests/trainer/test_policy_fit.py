@@ -12,7 +12,8 @@ from specops.core.auto_policy import AutoPolicy
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import RequestMeta, StreamLogger
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import ProposerResources
 from specops.streams import StreamConfig
 from specops.streams.codec import decode, encode
 from specops.trainer.policy_fit import fit_priors
@@ -26,14 +27,17 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     policy = AutoPolicy(seed=0)
     for i, prompt in enumerate(random_prompts(4, seed=6)):
         cluster = "code" if i % 2 else "prose"
-        engine.generate(
+        plain_generate(
+            engine,
             prompt,
             SamplingParams(max_new_tokens=16),
-            proposer_cfg=ProposerConfig(method="auto"),
+            method="auto",
             resources=ProposerResources(pair=close_pair, policy=policy, cluster=cluster),
             meta=RequestMeta(request_id=f"r{i}", cluster=cluster),
         )
-    engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8), method="target", meta=RequestMeta(request_id="t"))
+    plain_generate(
+        engine, [1, 2, 3], SamplingParams(max_new_tokens=8), method="target", meta=RequestMeta(request_id="t")
+    )
     logger.close()
 
     gens = list(read_generations(url))
@@ -81,9 +85,9 @@ def test_decisions_are_logged_fitted_registered_and_loaded(close_pair, tmp_path,
     assert json.loads((dest / "priors.json").read_text())["counts"] == json.loads(out.read_text())["counts"]
 
     # serving's start: policy@champion's priors, fetched into its cache
-    from specops.serving.http.server import ServingState
+    from specops.serving.replica import Replica
 
-    state = ServingState.__new__(ServingState)
+    state = Replica.__new__(Replica)
     state.registry, state.cache_dir = reg, tmp_path / "serve-cache"
     served = AutoPolicy()
     state._load_policy_priors(served)

@@ -19,6 +19,7 @@ from specops.serving.fleet.events import EventPublisher, EventWatcher
 from specops.serving.fleet.hotswap import DraftFollower, HotSwapConfig
 from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import LoggerConfig, StreamLogger
+from specops.serving.plan import DecodePlan, plain_generate
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import ModelEvent
 from specops.trainer.online.trainer import OnlineConfig, OnlineTrainer
@@ -164,7 +165,7 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
     params = SamplingParams(max_new_tokens=16)
     prompts = random_prompts(12, seed=9, lo=6, hi=16)
     ref = SpecEngine(weak_pair)
-    want = [ref.generate(p, params, method="target").token_ids for p in prompts]
+    want = [plain_generate(ref, p, params, method="target").token_ids for p in prompts]
     trainer = OnlineTrainer(
         cfg, draft_dir, tmp_path / "trainer", CFG, promoter=Promoter(reg, draft_dir, tmp_path / "trainer", GATE)
     )
@@ -174,7 +175,7 @@ def test_trainer_promotion_reaches_serving_without_failures(weak_pair, tiny_mode
         n = i
         while not stop.is_set():
             try:
-                s = node.generate(prompts[n % len(prompts)], params, cluster="code")
+                s = node.generate(DecodePlan.plain(prompts[n % len(prompts)], params, cluster="code"))
                 served.append((s.draft_version, s.result.token_ids == want[n % len(prompts)]))
             except Exception as exc:  # noqa: BLE001 - counted
                 errors.append(repr(exc))

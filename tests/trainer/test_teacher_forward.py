@@ -15,6 +15,7 @@ import torch
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger, build_records
+from specops.serving.plan import plain_generate
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.consumer import RecordConsumer
 from specops.trainer.data import TargetTeacher, draft_predictions, would_be_rejected
@@ -33,7 +34,7 @@ def _serve(pair, n: int, seed: int, *, greedy_only: bool = True):
     for i, prompt in enumerate(random_prompts(n, seed=seed, lo=6, hi=14)):
         temperature = 0.0 if greedy_only or i % 2 else 0.8
         params = SamplingParams(temperature=temperature, max_new_tokens=MAX_NEW, seed=i)
-        out.append((prompt, engine.generate(prompt, params), params))
+        out.append((prompt, plain_generate(engine, prompt, params), params))
     return out
 
 
@@ -111,7 +112,7 @@ def test_would_be_rejected_positions_are_the_engines_rejections(pair_name, reque
     engine rejected, plus the ones it did not draft there (after ``k`` accepted tokens, at the end):
     replaying the engine's step rule on the draft's predictions gives its rejections exactly."""
     from specops.core import draft_vocab
-    from specops.serving.engine.spec import DEFAULT_K
+    from specops.serving.proposers.catalogue import DEFAULT_K
 
     pair = request.getfixturevalue(pair_name)
     vocab = draft_vocab.of(pair.draft)

@@ -3,7 +3,7 @@
 ``serving.config`` becomes serve.toml, so its keys are ServeConfig's fields (serving/http/config.py);
 ``trainer.config`` becomes train.toml, so its keys are ``specops train``'s long options with ``-``
 as ``_``. Both lists are taken from pydantic's own JSON schema of the settings models that read
-those files (``ServeConfig.model_json_schema()``, and the model ``specops/config_file.py`` generates
+those files (``ServeKeys.model_json_schema()``, and the model ``specops/config_file.py`` generates
 from train's options), with each field's type, choices and help, so that a typo or a wrong type
 fails at ``helm install`` rather than when the pod starts. The fields the chart
 sets itself are left out (the schema then refuses them). ``specops.serving.engine`` and the ServeConfig
@@ -55,10 +55,10 @@ def _key(prop: dict) -> dict:
 
 
 def serve_config_schema() -> dict:
-    from specops.serving.http.config import ServeConfig
+    from specops.serving.http.config import ServeKeys
 
     # default_method's choices are the method catalogue's, read when the schema is asked for
-    properties = ServeConfig.model_json_schema()["properties"]
+    properties = ServeKeys.model_json_schema()["properties"]
     props = {name: _key(prop) for name, prop in properties.items() if name not in SERVE_OWNED}
     return {
         "type": "object",
@@ -70,10 +70,10 @@ def serve_config_schema() -> dict:
 
 
 def serve_field_schema(name: str) -> dict:
-    """One ServeConfig field as a values schema entry: its choices or type, its bounds and its description."""
-    from specops.serving.http.config import ServeConfig
+    """One serve key (``ServeKeys`` field) as a values schema entry: its choices or type, its bounds and its description."""
+    from specops.serving.http.config import ServeKeys
 
-    prop = ServeConfig.model_json_schema()["properties"][name]
+    prop = ServeKeys.model_json_schema()["properties"][name]
     return {**{k: prop[k] for k in _BOUNDS if k in prop}, "description": prop["description"]}
 
 

@@ -11,6 +11,7 @@ from specops.serving.engine.batching import TargetBatcher
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from tests.conftest import random_prompts
 
 
@@ -69,14 +70,14 @@ def test_concurrent_greedy_requests_stay_lossless(close_pair, packed, drafts_bat
     resources = ProposerResources(pair=close_pair, model_lm=batcher.lm if drafts_batched else None)
     params = SamplingParams(max_new_tokens=24)
     prompts = random_prompts(8, seed=4, lo=3, hi=16)
-    want = [SpecEngine(close_pair).generate(p, params, method="target").token_ids for p in prompts]
+    want = [plain_generate(SpecEngine(close_pair), p, params, method="target").token_ids for p in prompts]
     got: list = [None] * len(prompts)
 
     def run(i: int) -> None:
         batcher.begin()
         try:
             engine = SpecEngine(close_pair, target_lm=batcher.lm)
-            got[i] = engine.generate(prompts[i], params, method="draft", k=4, resources=resources).token_ids
+            got[i] = plain_generate(engine, prompts[i], params, method="draft", k=4, resources=resources).token_ids
         finally:
             batcher.end()
 

@@ -21,7 +21,8 @@ from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import ProposerResources
 from tests import cuda_support as cs
 from tests.conftest import random_prompts
 
@@ -47,7 +48,7 @@ def datastore(target):
     pytest.importorskip("faiss", reason="faiss is not installed (the datastore index)")
     engine = SpecEngine(cs.close_pair(target))
     docs = [
-        p + engine.generate(p, SamplingParams(max_new_tokens=NEW), method="target").token_ids
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=NEW), method="target").token_ids
         for p in random_prompts(8, seed=5)
     ]
     store, _ = Datastore.build(target, docs, DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat")))
@@ -78,7 +79,7 @@ def test_target_loop_equals_full_recompute_and_hf_generate(pairs):
     pair = pairs["tiny"]
     engine = SpecEngine(pair)
     for prompt in random_prompts(2, seed=11):
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=16), method="target").token_ids
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=16), method="target").token_ids
         ids = list(prompt)
         with torch.inference_mode():
             for _ in range(16):  # no KV cache at all
@@ -106,9 +107,9 @@ def test_every_drafter_equals_target_greedy(pairs, method, pair_name, k):
     engine = SpecEngine(pair)
     params = SamplingParams(max_new_tokens=NEW)
     for prompt in random_prompts(3, seed=100 + (k or 0)):
-        ref = engine.generate(prompt, params, method="target").token_ids
+        ref = plain_generate(engine, prompt, params, method="target").token_ids
         res = ProposerResources(pair=pair, references=(tuple(prompt + ref),))  # llma and auto copy from it
-        out = engine.generate(prompt, params, method=method, k=k, resources=res)
+        out = plain_generate(engine, prompt, params, method=method, k=k, resources=res)
         assert out.token_ids == ref, (method, prompt, k)
         assert out.stats.num_accepted <= out.stats.num_drafted
         if pair_name == "twin":
@@ -122,9 +123,9 @@ def test_bfloat16_drafters_equal_target_greedy_up_to_rounding_ties(method):
     engine = SpecEngine(pair)
     params = SamplingParams(max_new_tokens=NEW)
     for prompt in random_prompts(3, seed=41):
-        ref = engine.generate(prompt, params, method="target").token_ids
+        ref = plain_generate(engine, prompt, params, method="target").token_ids
         res = ProposerResources(pair=pair, references=(tuple(prompt + ref),))
-        out = engine.generate(prompt, params, method=method, k=3, resources=res).token_ids
+        out = plain_generate(engine, prompt, params, method=method, k=3, resources=res).token_ids
         assert len(out) == len(ref)
         assert out == ref or cs.first_divergence_is_a_rounding_tie(pair.target, prompt, ref, out), method
 
@@ -136,10 +137,8 @@ def test_datastore_drafters_equal_target_greedy(pairs, datastore, method):
     res = ProposerResources(pair=engine.pair, datastore=store)
     accepted = 0
     for prompt in [d[:8] for d in docs[:3]] + random_prompts(1, seed=77):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=NEW), method="target").token_ids
-        out = engine.generate(
-            prompt, SamplingParams(max_new_tokens=NEW), proposer_cfg=ProposerConfig(method=method), k=6, resources=res
-        )
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=NEW), method="target").token_ids
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=NEW), method=method, k=6, resources=res)
         assert out.token_ids == ref
         accepted += out.stats.num_accepted
     assert accepted > 10  # the datastore really drafted, and was accepted, on the prompts it has served
@@ -172,7 +171,7 @@ def test_engine_sampling_matches_the_target_and_a_broken_verifier_would_not(pair
     counts = np.zeros(len(expected), dtype=np.int64)
     drafted = 0
     for seed in range(n):
-        out = engine.generate(prompt, SamplingParams(seed=seed, **params), method="draft", k=1)
+        out = plain_generate(engine, prompt, SamplingParams(seed=seed, **params), method="draft", k=1)
         counts[out.token_ids[0]] += 1
         drafted += out.stats.num_drafted
     assert drafted >= n  # the draft took part in every request
@@ -189,13 +188,15 @@ def test_concurrent_requests_through_the_batcher_stay_lossless(pairs):
     batcher = TargetBatcher(pair.target, max_batch=8, window_s=0.01)
     params = SamplingParams(max_new_tokens=NEW)
     prompts = random_prompts(8, seed=4, lo=3, hi=16)
-    want = [SpecEngine(pair).generate(p, params, method="target").token_ids for p in prompts]
+    want = [plain_generate(SpecEngine(pair), p, params, method="target").token_ids for p in prompts]
     got: list = [None] * len(prompts)
 
     def run(i: int) -> None:
         batcher.begin()
         try:
-            got[i] = SpecEngine(pair, target_lm=batcher.lm).generate(prompts[i], params, method="draft", k=4).token_ids
+            got[i] = plain_generate(
+                SpecEngine(pair, target_lm=batcher.lm), prompts[i], params, method="draft", k=4
+            ).token_ids
         finally:
             batcher.end()
 

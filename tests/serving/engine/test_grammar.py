@@ -27,7 +27,8 @@ from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, Proposals, SamplingParams
 from specops.serving.engine.verifier import Verifier
 from specops.serving.fleet.stream_logger import RequestMeta, build_records
-from specops.serving.proposers.catalogue import CATALOGUE, ProposerConfig, ProposerResources
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import CATALOGUE, ProposerResources
 from tests.serving.engine.test_verifier import pooled_chisquare
 
 SCHEMA = {
@@ -58,7 +59,7 @@ def resources(pair):
     engine = SpecEngine(pair)
     prompts = [pair.tokenizer.encode(t) for t in PROMPTS]
     docs = [
-        p + engine.generate(p, SamplingParams(max_new_tokens=24, grammar=spec), method="target").token_ids
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=24, grammar=spec), method="target").token_ids
         for p in prompts
         for spec in SPECS.values()
     ]
@@ -74,7 +75,9 @@ def _text(pair, ids: list[int]) -> str:
 def test_target_only_output_follows_the_grammar(pair, kind):
     engine = SpecEngine(pair)
     for prompt in PROMPTS:
-        out = engine.generate(pair.tokenizer.encode(prompt), SamplingParams(max_new_tokens=48, grammar=SPECS[kind]))
+        out = plain_generate(
+            engine, pair.tokenizer.encode(prompt), SamplingParams(max_new_tokens=48, grammar=SPECS[kind])
+        )
         text = _text(pair, out.token_ids)
         if out.stats.finish_reason == "length":
             continue  # a random model may not close the value in time; what it wrote is a prefix
@@ -102,10 +105,8 @@ def test_greedy_outputs_equal_target_only_for_every_method(pair, resources, meth
     params = SamplingParams(max_new_tokens=32, grammar=SPECS[kind], logprobs=2)
     n = 3 if method in ("dresd", "retrieval") else 0
     for prompt in prompts:
-        ref = engine.generate(prompt, params, method="target")
-        out = engine.generate(
-            prompt, params, proposer_cfg=ProposerConfig(method=method, n_drafts=n), k=4, resources=res
-        )
+        ref = plain_generate(engine, prompt, params, method="target")
+        out = plain_generate(engine, prompt, params, method=method, n_drafts=n, k=4, resources=res)
         assert out.token_ids == ref.token_ids, (method, kind)
         assert out.stats.finish_reason == ref.stats.finish_reason
         for a, b in zip(out.logprobs, ref.logprobs, strict=True):  # raw: of the masked logits, as vLLM's
@@ -114,8 +115,11 @@ def test_greedy_outputs_equal_target_only_for_every_method(pair, resources, meth
 
 def test_the_twin_draft_speculates_under_the_grammar(pair):
     """Pruning keeps what the grammar allows: a twin draft's tokens are accepted where they are allowed."""
-    out = SpecEngine(pair).generate(
-        pair.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=32, grammar=SPECS["json_schema"]), k=4
+    out = plain_generate(
+        SpecEngine(pair),
+        pair.tokenizer.encode(PROMPTS[0]),
+        SamplingParams(max_new_tokens=32, grammar=SPECS["json_schema"]),
+        k=4,
     )
     assert out.stats.num_accepted > 0 and out.stats.num_accepted == out.stats.num_drafted
 
@@ -125,7 +129,7 @@ def test_the_draft_model_drafts_only_what_the_grammar_allows(pair):
     or sampled, and a sampled draft's ``q`` (what verification divides by) has no forbidden mass. The
     twin draft's unmasked argmax is forbidden at the first position here, so without the mask the
     row would be cut there."""
-    from specops.serving.proposers.catalogue import build_proposer
+    from specops.serving.plan import plain_proposer
 
     prompt = pair.tokenizer.encode(PROMPTS[0])
     sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
@@ -135,7 +139,7 @@ def test_the_draft_model_drafts_only_what_the_grammar_allows(pair):
             first = int(pair.draft(torch.tensor([prompt])).logits[0, -1].argmax())
         assert c._valid([first]) == 0  # what an unmasked twin would draft first
         state = DecodeState(list(prompt), len(prompt), params, generator=gen, grammar=c)
-        proposer = build_proposer(ProposerConfig(method="draft"), ProposerResources(pair=pair))
+        proposer = plain_proposer(ProposerResources(pair=pair), method="draft")
         proposer.start(state)
         props = proposer.propose(state, 6)
         row = props.rows()[0]
@@ -233,7 +237,7 @@ def test_a_constrained_requests_records_hold_the_masked_distribution(pair):
     prompt = pair.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(max_new_tokens=32, grammar=SPECS["json_schema"])
     res = ProposerResources(pair=pair, references=((*pair.tokenizer.encode('{"name": "zz", "ok": true}'),),))
-    out = engine.generate(prompt, params, method="llma", resources=res, k=4)
+    out = plain_generate(engine, prompt, params, method="llma", resources=res, k=4)
     assert out.rejections, "llma copies what the target does not write: some rejections"
     for r in out.rejections:
         assert torch.isinf(r.target_logits).any()  # masked

@@ -8,6 +8,7 @@ import torch
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, Proposals, SamplingParams, Verdict
+from specops.serving.plan import plain_generate
 from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.draft_model import DraftModelProposer
 
@@ -54,10 +55,10 @@ class ScriptedProposer(Proposer):
 def test_rejection_at_every_draft_position(tiny_pair, wrong_at):
     engine = SpecEngine(tiny_pair, collect_rejections=True)
     prompt = [7, 8, 9, 10]
-    truth = engine.generate(prompt, SamplingParams(max_new_tokens=40), method="target").token_ids
+    truth = plain_generate(engine, prompt, SamplingParams(max_new_tokens=40), method="target").token_ids
     k = 6
     proposer = ScriptedProposer(truth, len(prompt), wrong_at, tiny_pair.vocab_size)
-    out = engine.generate(prompt, SamplingParams(max_new_tokens=40), k=k, proposer=proposer)
+    out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=40), k=k, proposer=proposer)
     assert out.token_ids == truth
     full_steps = [v for v in proposer.verdicts if v.num_drafted == k]
     assert full_steps and all(len(v.accepted) == wrong_at for v in full_steps)
@@ -115,8 +116,8 @@ def test_draft_cache_stays_exact_across_rejections(close_pair, k):
     engine = SpecEngine(close_pair)
     proposer = CheckedDraftProposer(close_pair.draft)
     before = CheckedDraftProposer.checks
-    out = engine.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30), k=k, proposer=proposer)
-    ref = engine.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30), method="target")
+    out = plain_generate(engine, [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30), k=k, proposer=proposer)
+    ref = plain_generate(engine, [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=30), method="target")
     assert out.token_ids == ref.token_ids
     assert 0 < out.stats.num_accepted < out.stats.num_drafted  # both acceptances and rejections happened
     assert CheckedDraftProposer.checks - before >= out.stats.num_verify_steps - 1  # the last step may draft 0

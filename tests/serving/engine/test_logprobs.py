@@ -13,7 +13,8 @@ from specops.core.index import IndexConfig
 from specops.serving.engine.sampling import LOGPROB_FLOOR, token_logprobs, warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.proposers.catalogue import CATALOGUE, ProposerConfig, ProposerResources
+from specops.serving.plan import plain_generate, plain_session
+from specops.serving.proposers.catalogue import CATALOGUE, ProposerResources
 from tests.conftest import random_prompts
 
 ATOL = 1e-4
@@ -26,7 +27,9 @@ def served(close_pair):
     """The target's greedy outputs for a few prompts: what DReSD's datastore and LLMA's references hold."""
     engine = SpecEngine(close_pair)
     prompts = random_prompts(6, seed=11)
-    return [p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids for p in prompts]
+    return [
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=24), method="target").token_ids for p in prompts
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +59,9 @@ def _close(got, want) -> None:
 
 
 def _runs(method: str):
-    """(ProposerConfig, k) per method: trees for the retrieval methods, so the tree rows are covered."""
+    """(the method and its rows, k) per method: trees for the retrieval methods, so the tree rows are covered."""
     n = 3 if method in ("dresd", "retrieval") else 0
-    return ProposerConfig(method=method, n_drafts=n), 4
+    return dict(method=method, n_drafts=n), 4
 
 
 @pytest.mark.parametrize("method", list(CATALOGUE))
@@ -68,8 +71,8 @@ def test_greedy_logprobs_equal_target_only_for_every_method(close_pair, served, 
     cfg, k = _runs(method)
     drafted = 0
     for prompt in [d[:8] for d in served[:3]] + random_prompts(2, seed=5):
-        ref = engine.generate(prompt, params, method="target")
-        out = engine.generate(prompt, params, proposer_cfg=cfg, k=k, resources=resources)
+        ref = plain_generate(engine, prompt, params, method="target")
+        out = plain_generate(engine, prompt, params, **cfg, k=k, resources=resources)
         assert out.token_ids == ref.token_ids
         assert len(out.logprobs) == len(out.token_ids)
         _close(out.logprobs, ref.logprobs)
@@ -91,7 +94,7 @@ def test_sampled_logprobs_are_the_targets_at_each_position(close_pair, served, r
     )
     cfg, k = _runs(method)
     for prompt in [d[:8] for d in served[:2]]:
-        out = engine.generate(prompt, params, proposer_cfg=cfg, k=k, resources=resources)
+        out = plain_generate(engine, prompt, params, **cfg, k=k, resources=resources)
         _close(out.logprobs, _reference(close_pair.target, prompt, out.token_ids, params))
         if mode == "processed":  # drawn from the warped distribution: never from a filtered-out token
             assert all(x.logprob > LOGPROB_FLOOR for x in out.logprobs)
@@ -115,7 +118,7 @@ def test_logprobs_stop_with_the_output_at_eos_and_follow_a_rollback(close_pair):
     engine = SpecEngine(close_pair)
     prompt = [3, 9, 27, 3, 9]
     params = SamplingParams(max_new_tokens=12, logprobs=2)
-    session = engine.session(prompt, params, method="draft", k=4, hold_back=True)
+    session = plain_session(engine, prompt, params, method="draft", k=4, hold_back=True)
     while not session.finished:
         session.step()
     n = session.state.num_generated
@@ -144,12 +147,12 @@ def test_prompt_logprobs_come_from_the_prefill_and_equal_a_full_forward(close_pa
     prompt = random_prompts(1, seed=9, lo=20, hi=21)[0]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=TOP)
     cfg, k = _runs(method)
-    out = engine.generate(prompt, params, proposer_cfg=cfg, k=k, resources=resources)
+    out = plain_generate(engine, prompt, params, **cfg, k=k, resources=resources)
     with torch.inference_mode():
         logits = close_pair.target(torch.tensor([prompt])).logits[0, :-1].float()
     want = token_logprobs(logits, prompt[1:], SamplingParams(logprobs=TOP))
     _close(out.prompt_logprobs, want)
-    ref = engine.generate(prompt, params, method="target")
+    ref = plain_generate(engine, prompt, params, method="target")
     assert out.token_ids == ref.token_ids
     _close(out.logprobs, ref.logprobs)
 
@@ -159,9 +162,9 @@ def test_a_chunked_prefill_keeps_every_row(close_pair, monkeypatch):
 
     prompt = random_prompts(1, seed=4, lo=23, hi=24)[0]
     params = SamplingParams(max_new_tokens=3, prompt_logprobs=1)
-    whole = SpecEngine(close_pair).generate(prompt, params, method="draft", k=3)
+    whole = plain_generate(SpecEngine(close_pair), prompt, params, method="draft", k=3)
     monkeypatch.setattr(DecodeSession, "PREFILL_CHUNK", 5)
-    chunked = SpecEngine(close_pair).generate(prompt, params, method="draft", k=3)
+    chunked = plain_generate(SpecEngine(close_pair), prompt, params, method="draft", k=3)
     assert len(chunked.prompt_logprobs) == len(prompt) - 1 and chunked.token_ids == whole.token_ids
     for a, b in zip(chunked.prompt_logprobs, whole.prompt_logprobs, strict=True):
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=ATOL)

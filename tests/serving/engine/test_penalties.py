@@ -17,7 +17,8 @@ from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.engine.verifier import Verifier
-from specops.serving.proposers.catalogue import CATALOGUE, ProposerConfig, ProposerResources
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import CATALOGUE, ProposerResources
 from tests.conftest import random_prompts
 from tests.serving.engine.test_verifier import pooled_chisquare, second_token_counts
 
@@ -48,7 +49,9 @@ def _naive(target, prompt: list[int], params: SamplingParams, eos=()) -> list[in
 def resources(close_pair):
     engine = SpecEngine(close_pair)
     prompts = random_prompts(6, seed=11)
-    docs = [p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids for p in prompts]
+    docs = [
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=24), method="target").token_ids for p in prompts
+    ]
     store, _ = Datastore.build(close_pair.target, docs, DatastoreConfig(dims=8, value_len=6, index=IndexConfig("flat")))
     return ProposerResources(pair=close_pair, datastore=store, references=tuple(tuple(d) for d in docs[:3])), docs
 
@@ -57,9 +60,9 @@ def resources(close_pair):
 def test_target_only_applies_them_as_a_naive_loop_does(close_pair, kind):
     params = SamplingParams(max_new_tokens=16, **PENALTIES[kind])
     for prompt in random_prompts(3, seed=2):
-        got = SpecEngine(close_pair).generate(prompt, params, method="target").token_ids
+        got = plain_generate(SpecEngine(close_pair), prompt, params, method="target").token_ids
         assert got == _naive(close_pair.target, prompt, params)
-    plain = SpecEngine(close_pair).generate(prompt, SamplingParams(max_new_tokens=16), method="target").token_ids
+    plain = plain_generate(SpecEngine(close_pair), prompt, SamplingParams(max_new_tokens=16), method="target").token_ids
     assert got != plain  # the adjustment changes this output: the equality below is not vacuous
 
 
@@ -71,10 +74,8 @@ def test_greedy_outputs_equal_target_only_for_every_method(close_pair, resources
     params = SamplingParams(max_new_tokens=16, **PENALTIES[kind])
     n = 3 if method in ("dresd", "retrieval") else 0
     for prompt in [d[:8] for d in docs[:2]] + random_prompts(2, seed=5):
-        ref = engine.generate(prompt, params, method="target").token_ids
-        out = engine.generate(
-            prompt, params, proposer_cfg=ProposerConfig(method=method, n_drafts=n), k=4, resources=res
-        )
+        ref = plain_generate(engine, prompt, params, method="target").token_ids
+        out = plain_generate(engine, prompt, params, method=method, n_drafts=n, k=4, resources=res)
         assert out.token_ids == ref, (method, kind)
 
 
@@ -82,18 +83,20 @@ def test_min_tokens_holds_eos_back_and_ignore_eos_runs_to_the_end(close_pair):
     import copy
 
     prompt = [11, 12, 13, 11, 12]
-    free = SpecEngine(close_pair).generate(prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
+    free = plain_generate(SpecEngine(close_pair), prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
     pair = copy.copy(close_pair)
     pair.target = copy.deepcopy(close_pair.target)
     pair.target.generation_config.eos_token_id = free[3]  # EOS comes 4th when nothing holds it back
     engine = SpecEngine(pair)
     first = free.index(free[3])
-    assert engine.generate(prompt, SamplingParams(max_new_tokens=30), method="draft").token_ids == free[: first + 1]
+    assert (
+        plain_generate(engine, prompt, SamplingParams(max_new_tokens=30), method="draft").token_ids == free[: first + 1]
+    )
     held = SamplingParams(max_new_tokens=30, min_tokens=8)
-    out = engine.generate(prompt, held, method="draft", k=4)
-    assert out.token_ids == engine.generate(prompt, held, method="target").token_ids
+    out = plain_generate(engine, prompt, held, method="draft", k=4)
+    assert out.token_ids == plain_generate(engine, prompt, held, method="target").token_ids
     assert len(out.token_ids) >= 8 and free[3] not in out.token_ids[:7]
-    run = engine.generate(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), method="pld", k=4)
+    run = plain_generate(engine, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), method="pld", k=4)
     assert len(run.token_ids) == 20 and run.stats.finish_reason == "length"
 
 

@@ -13,6 +13,7 @@ from specops.serving.engine.batching import TargetBatcher
 from specops.serving.engine.prefix import SharedPrefix
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate, plain_session
 from tests.conftest import random_prompts
 
 PARAMS = SamplingParams(max_new_tokens=12)
@@ -26,7 +27,7 @@ def _choices(engine: SpecEngine, prompt: list[int], n: int, method: str, begin=N
         if begin is not None:
             begin()
         try:
-            out[i] = engine.generate(prompt, PARAMS, method=method, k=3, prefix_share=group.handle(lead=i == 0))
+            out[i] = plain_generate(engine, prompt, PARAMS, method=method, k=3, prefix_share=group.handle(lead=i == 0))
         finally:
             if end is not None:
                 end()
@@ -43,7 +44,7 @@ def _choices(engine: SpecEngine, prompt: list[int], n: int, method: str, begin=N
 @pytest.mark.parametrize("method", ["target", "draft", "pld"])
 def test_followers_load_the_leads_prefill_and_stay_the_targets(close_pair, method):
     prompt = random_prompts(1, seed=11, lo=40, hi=41)[0]
-    want = SpecEngine(close_pair).generate(prompt, PARAMS, method="target")
+    want = plain_generate(SpecEngine(close_pair), prompt, PARAMS, method="target")
     results = _choices(SpecEngine(close_pair), prompt, 3, method)
     assert [r.token_ids for r in results] == [want.token_ids] * 3
     assert [r.stats.num_prefill_shared for r in results] == [0, len(prompt) - 1, len(prompt) - 1]
@@ -54,7 +55,7 @@ def test_followers_share_through_the_batchers_slots(close_pair):
     try:
         engine = SpecEngine(close_pair, target_lm=batcher.lm)
         prompt = random_prompts(1, seed=12, lo=40, hi=41)[0]  # longer than the pool's rows: loading grows it
-        want = SpecEngine(close_pair).generate(prompt, PARAMS, method="target").token_ids
+        want = plain_generate(SpecEngine(close_pair), prompt, PARAMS, method="target").token_ids
         results = _choices(engine, prompt, 4, "draft", begin=batcher.begin, end=batcher.end)
         assert [r.token_ids for r in results] == [want] * 4
         assert batcher.pool.capacity >= len(prompt) + 12
@@ -67,11 +68,13 @@ def test_a_lead_that_fails_lets_the_followers_prefill(close_pair):
     """The lead ends before its first step (its client went away): followers stop waiting."""
     prompt = random_prompts(1, seed=13, lo=20, hi=21)[0]
     engine, group = SpecEngine(close_pair), SharedPrefix(wait_s=60)
-    want = engine.generate(prompt, PARAMS, method="target").token_ids
-    lead = engine.session(prompt, PARAMS, method="draft", prefix_share=group.handle(lead=True))
+    want = plain_generate(engine, prompt, PARAMS, method="target").token_ids
+    lead = plain_session(engine, prompt, PARAMS, method="draft", prefix_share=group.handle(lead=True))
     got: list = []
     follower = threading.Thread(
-        target=lambda: got.append(engine.generate(prompt, PARAMS, method="draft", prefix_share=group.handle(False)))
+        target=lambda: got.append(
+            plain_generate(engine, prompt, PARAMS, method="draft", prefix_share=group.handle(False))
+        )
     )
     follower.start()
     lead.abort()
@@ -82,7 +85,7 @@ def test_a_lead_that_fails_lets_the_followers_prefill(close_pair):
 def test_a_follower_with_another_context_prefills_its_own(close_pair):
     a, b = random_prompts(2, seed=14, lo=20, hi=21)
     engine, group = SpecEngine(close_pair), SharedPrefix(wait_s=60)
-    engine.generate(a, PARAMS, method="draft", prefix_share=group.handle(lead=True))
-    other = engine.generate(b, PARAMS, method="draft", prefix_share=group.handle(lead=False))
+    plain_generate(engine, a, PARAMS, method="draft", prefix_share=group.handle(lead=True))
+    other = plain_generate(engine, b, PARAMS, method="draft", prefix_share=group.handle(lead=False))
     assert other.stats.num_prefill_shared == 0 and group.num_taken == 0
-    assert other.token_ids == engine.generate(b, PARAMS, method="target").token_ids
+    assert other.token_ids == plain_generate(engine, b, PARAMS, method="target").token_ids

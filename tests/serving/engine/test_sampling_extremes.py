@@ -14,6 +14,7 @@ from specops.serving.engine.sampling import draw, tempered_softmax, warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.engine.verifier import decide, decide_tree
+from specops.serving.plan import plain_generate
 from specops.serving.ralm.knnlm.decode import next_token
 
 TOP_PS = (5e-324, 1e-300, 1e-46, 1e-40, 1e-8, 0.3, 1.0 - 1e-12, 1.0)
@@ -157,8 +158,8 @@ def test_every_method_decodes_at_extreme_settings(close_pair, method):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
     for temperature, top_p in ((1.0, 1e-300), (1e-300, 1.0), (5e-324, 5e-324), (2.0, 1e-46), (1e30, 0.5)):
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=8, seed=5)
-        out = engine.generate(prompt, params, method=method)
+        out = plain_generate(engine, prompt, params, method=method)
         assert len(out.token_ids) == 8 and all(0 <= t < VOCAB for t in out.token_ids), (temperature, top_p)
         if top_p < 1e-40 or temperature < 1e-40:  # one token left at every step: the greedy output
-            greedy = engine.generate(prompt, SamplingParams(max_new_tokens=8), method=method)
+            greedy = plain_generate(engine, prompt, SamplingParams(max_new_tokens=8), method=method)
             assert out.token_ids == greedy.token_ids, (temperature, top_p)

@@ -9,6 +9,7 @@ from specops.core import limits
 from specops.core.errors import InvalidRequestError, PromptTooLongError
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
+from specops.serving.plan import plain_generate, plain_session
 from specops.serving.proposers.catalogue import DEFAULT_K
 from specops.serving.proposers.prompt_lookup import PromptLookupProposer
 from tests.conftest import random_prompts
@@ -26,8 +27,8 @@ def drive(session) -> list[int]:
 def test_steps_equal_generate(close_pair, method):
     engine = SpecEngine(close_pair)
     for prompt in random_prompts(3, seed=31):
-        ref = engine.generate(prompt, GREEDY, method=method, k=3)
-        assert drive(engine.session(prompt, GREEDY, method=method, k=3)) == ref.token_ids
+        ref = plain_generate(engine, prompt, GREEDY, method=method, k=3)
+        assert drive(plain_session(engine, prompt, GREEDY, method=method, k=3)) == ref.token_ids
 
 
 @pytest.mark.parametrize("method", ["target", "draft", "pld"])
@@ -36,8 +37,8 @@ def test_rollback_then_continue_equals_target_only(close_pair, method):
     the output is still exactly target-only greedy, so both caches followed the cut."""
     engine = SpecEngine(close_pair)
     for prompt in random_prompts(4, seed=32):
-        ref = engine.generate(prompt, GREEDY, method="target").token_ids
-        s = engine.session(prompt, GREEDY, method=method, k=3, hold_back=True)
+        ref = plain_generate(engine, prompt, GREEDY, method="target").token_ids
+        s = plain_session(engine, prompt, GREEDY, method=method, k=3, hold_back=True)
         while s.state.num_generated < 10 and not s.finished:
             s.step()
         cut = len(prompt) + 4
@@ -54,8 +55,8 @@ def test_rollback_then_continue_equals_target_only(close_pair, method):
 def test_tentative_tokens_are_final_only_when_finalized(close_pair):
     engine = SpecEngine(close_pair)
     prompt = random_prompts(1, seed=33)[0]
-    ref = engine.generate(prompt, GREEDY, method="target").token_ids
-    s = engine.session(prompt, GREEDY, method="draft", k=3, hold_back=True)
+    ref = plain_generate(engine, prompt, GREEDY, method="target").token_ids
+    s = plain_session(engine, prompt, GREEDY, method="draft", k=3, hold_back=True)
     outcome = s.step()
     assert outcome.emitted and outcome.final == [] and s.state.num_tentative == len(outcome.emitted)
     n = len(outcome.emitted)
@@ -68,7 +69,7 @@ def test_tentative_tokens_are_final_only_when_finalized(close_pair):
 
 
 def test_without_hold_back_every_step_is_final(close_pair):
-    s = SpecEngine(close_pair).session(random_prompts(1, seed=34)[0], GREEDY, method="draft", k=3)
+    s = plain_session(SpecEngine(close_pair), random_prompts(1, seed=34)[0], GREEDY, method="draft", k=3)
     outcome = s.step()
     assert outcome.final == outcome.emitted and s.state.num_tentative == 0
     s.abort()
@@ -77,7 +78,7 @@ def test_without_hold_back_every_step_is_final(close_pair):
 def test_rollback_drops_rejections_past_the_cut(close_pair):
     engine = SpecEngine(close_pair, collect_rejections=True)
     prompt = random_prompts(1, seed=35)[0]
-    s = engine.session(prompt, SamplingParams(max_new_tokens=40), method="draft", k=4, hold_back=True)
+    s = plain_session(engine, prompt, SamplingParams(max_new_tokens=40), method="draft", k=4, hold_back=True)
     while not s.finished:
         s.step()
     assert s.rejections, "the close pair rejects some drafts"
@@ -90,9 +91,9 @@ def test_rollback_drops_rejections_past_the_cut(close_pair):
 def test_context_spans_travel_with_the_result(close_pair):
     prompt = random_prompts(1, seed=36, lo=12, hi=13)[0]
     spans = (ContextSpan("reference", 0, 8), ContextSpan("prompt", 8, len(prompt)))
-    out = SpecEngine(close_pair).generate(prompt, GREEDY, method="pld", context_spans=spans)
+    out = plain_generate(SpecEngine(close_pair), prompt, GREEDY, method="pld", context_spans=spans)
     assert out.context_spans == spans
-    plain = SpecEngine(close_pair).generate(prompt, GREEDY, method="pld")
+    plain = plain_generate(SpecEngine(close_pair), prompt, GREEDY, method="pld")
     assert plain.context_spans == (ContextSpan("prompt", 0, len(prompt)),)
 
 
@@ -105,8 +106,8 @@ def test_a_ready_proposer_gets_its_own_methods_default_k(close_pair):
             asked.append(k)
             return super().propose(state, k)
 
-    out = SpecEngine(close_pair).generate(
-        random_prompts(1, seed=38)[0], SamplingParams(max_new_tokens=30), proposer=Spy()
+    out = plain_generate(
+        SpecEngine(close_pair), random_prompts(1, seed=38)[0], SamplingParams(max_new_tokens=30), proposer=Spy()
     )
     assert out.stats.method == "pld"
     assert max(asked) == DEFAULT_K["pld"] == 10
@@ -115,9 +116,9 @@ def test_a_ready_proposer_gets_its_own_methods_default_k(close_pair):
 def test_a_stop_overrides_length_but_never_eos(close_pair):
     engine = SpecEngine(close_pair)
     prompt = random_prompts(1, seed=37)[0]
-    out = engine.generate(prompt, SamplingParams(max_new_tokens=1), method="target", on_step=lambda toks: True)
+    out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=1), method="target", on_step=lambda toks: True)
     assert out.stats.finish_reason == "stop"
-    s = engine.session(prompt, SamplingParams(max_new_tokens=1), method="target")
+    s = plain_session(engine, prompt, SamplingParams(max_new_tokens=1), method="target")
     s.step()
     assert s.finish_reason == "length"
     s.finish_reason = "eos"

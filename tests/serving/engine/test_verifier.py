@@ -15,6 +15,7 @@ from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.engine.verifier import decide
+from specops.serving.plan import plain_generate
 
 V = 6
 P = torch.tensor(
@@ -54,7 +55,7 @@ def second_token_counts(
     counts = np.zeros(vocab, dtype=np.int64)
     n = drafted = 0
     for seed in range(seeds):
-        out = engine.generate(prompt, SamplingParams(seed=seed, **params), **generate_kwargs)
+        out = plain_generate(engine, prompt, SamplingParams(seed=seed, **params), **generate_kwargs)
         if out.token_ids[0] != first:
             continue
         n += 1
@@ -138,7 +139,7 @@ def test_engine_sampling_matches_target_first_token(request, method, pair_name):
     counts = np.zeros(len(expected), dtype=np.int64)
     drafted = 0
     for seed in range(n):
-        out = engine.generate(prompt, SamplingParams(seed=seed, **params_kw), method=method, k=1)
+        out = plain_generate(engine, prompt, SamplingParams(seed=seed, **params_kw), method=method, k=1)
         counts[out.token_ids[0]] += 1
         drafted += out.stats.num_drafted
     assert drafted >= n  # the draft really took part in every request
@@ -207,10 +208,10 @@ def test_sampling_with_top_k_and_min_p_preserves_the_filtered_target(use_q):
 def test_a_filter_that_keeps_one_token_samples_the_greedy_output(close_pair, method, filters):
     engine = SpecEngine(close_pair)
     prompt = [5, 17, 42, 5, 17, 42, 5]
-    greedy = engine.generate(prompt, SamplingParams(max_new_tokens=10), method=method, k=3).token_ids
+    greedy = plain_generate(engine, prompt, SamplingParams(max_new_tokens=10), method=method, k=3).token_ids
     for seed in range(3):
         params = SamplingParams(temperature=1.5, seed=seed, max_new_tokens=10, **filters)
-        assert engine.generate(prompt, params, method=method, k=3).token_ids == greedy
+        assert plain_generate(engine, prompt, params, method=method, k=3).token_ids == greedy
 
 
 def test_engine_sampling_with_top_k_and_min_p_matches_the_filtered_target(close_pair, monkeypatch):
@@ -230,7 +231,7 @@ def test_engine_sampling_with_top_k_and_min_p_matches_the_filtered_target(close_
     def first_tokens(n: int) -> tuple[np.ndarray, int, int]:
         engine, counts, drafted, accepted = SpecEngine(close_pair), np.zeros(len(expected), dtype=np.int64), 0, 0
         for seed in range(n):
-            out = engine.generate(prompt, SamplingParams(seed=seed, **params_kw), method="draft", k=1)
+            out = plain_generate(engine, prompt, SamplingParams(seed=seed, **params_kw), method="draft", k=1)
             counts[out.token_ids[0]] += 1
             drafted, accepted = drafted + out.stats.num_drafted, accepted + out.stats.num_accepted
         return counts, drafted, accepted

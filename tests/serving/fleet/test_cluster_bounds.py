@@ -150,7 +150,7 @@ def test_configured_clusters_are_cluster_names():
     from specops.core.errors import ModelConfigError
     from specops.serving.http.config import ServeConfig
 
-    assert ServeConfig.load(env={"SPECOPS_SERVE_CLUSTERS": "code, prose,sql.v2"}).clusters == [
+    assert ServeConfig.load(env={"SPECOPS_SERVE_CLUSTERS": "code, prose,sql.v2"}).fleet.clusters == [
         "code",
         "prose",
         "sql.v2",

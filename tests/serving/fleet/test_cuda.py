@@ -18,6 +18,7 @@ from specops.core.models import ModelPair, load_model
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.hotswap import BASE, DraftHandle, DraftSlot
+from specops.serving.plan import plain_generate
 from tests import cuda_support as cs
 from tests.conftest import random_prompts
 
@@ -31,7 +32,7 @@ def test_a_draft_loaded_onto_the_device_swaps_in_under_load(tmp_path):
     engine_for = {}  # version -> engine (a request keeps the handle it started with)
     params = SamplingParams(max_new_tokens=24)
     prompts = random_prompts(6, seed=31)
-    want = [SpecEngine(pair).generate(p, params, method="target").token_ids for p in prompts]
+    want = [plain_generate(SpecEngine(pair), p, params, method="target").token_ids for p in prompts]
     results: list[tuple[str, list[int], float]] = []
     errors: list[BaseException] = []
     swapped = threading.Event()
@@ -44,7 +45,7 @@ def test_a_draft_loaded_onto_the_device_swaps_in_under_load(tmp_path):
                     engine = engine_for.setdefault(
                         handle.version, SpecEngine(ModelPair(target=pair.target, draft=handle.model, tokenizer=None))
                     )
-                    out = engine.generate(prompt, params, method="draft", k=4)
+                    out = plain_generate(engine, prompt, params, method="draft", k=4)
                     results.append((handle.version, out.token_ids, out.stats.acceptance_rate))
                     assert out.token_ids == want[i]
                 if swapped.is_set() and r >= 1:

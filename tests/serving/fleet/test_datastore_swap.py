@@ -21,6 +21,7 @@ from specops.serving.fleet.datastores import DatastoreFollower
 from specops.serving.fleet.follower import FollowConfig
 from specops.serving.fleet.hotswap import DraftFollower
 from specops.serving.fleet.node import ServingNode
+from specops.serving.plan import DecodePlan, plain_generate
 from tests.conftest import random_prompts
 
 CFG = DatastoreConfig(dims=16, value_len=12, index=IndexConfig(kind="flat"))
@@ -35,7 +36,7 @@ def reg(sqlite_uri):
 def docs(tiny_target):
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     return [
-        p + engine.generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=24), method="target").token_ids
         for p in random_prompts(16, seed=5)
     ]
 
@@ -59,11 +60,14 @@ def test_hot_swap_under_load_fails_nothing_and_keeps_outputs(reg, tmp_path, tiny
     node = ServingNode(pair, drafts, datastores=follower)
     prompts = [d[:8] for d in docs[:8]] + random_prompts(4, seed=9)
     engine = SpecEngine(pair)
-    ref = {tuple(p): engine.generate(p, SamplingParams(max_new_tokens=16), method="target").token_ids for p in prompts}
+    ref = {
+        tuple(p): plain_generate(engine, p, SamplingParams(max_new_tokens=16), method="target").token_ids
+        for p in prompts
+    }
     assert (
-        node.generate(prompts[0], SamplingParams(max_new_tokens=4), cluster="code", method="dresd").versions[
-            "datastore"
-        ]
+        node.generate(
+            DecodePlan.plain(prompts[0], SamplingParams(max_new_tokens=4), cluster="code", method="dresd")
+        ).versions["datastore"]
         == "base"
     )  # no champion yet: the fallback
     stop, served, errors = threading.Event(), [], []
@@ -72,7 +76,9 @@ def test_hot_swap_under_load_fails_nothing_and_keeps_outputs(reg, tmp_path, tiny
         while not stop.is_set():
             p = prompts[i % len(prompts)]
             try:
-                out = node.generate(p, SamplingParams(max_new_tokens=16), cluster="code", method="dresd", n_drafts=4)
+                out = node.generate(
+                    DecodePlan.plain(p, SamplingParams(max_new_tokens=16), cluster="code", method="dresd", n_drafts=4)
+                )
                 served.append(
                     (out.versions["datastore"], out.result.token_ids == ref[tuple(p)], out.result.stats.num_accepted)
                 )
@@ -137,13 +143,17 @@ def test_live_mar_reaches_the_registry(reg, tmp_path, tiny_target, close_pair, d
     node = ServingNode(pair, drafts, datastores=follower)
     try:
         for p in docs[:3]:
-            node.generate(p[:8], SamplingParams(max_new_tokens=8), cluster="code", method="dresd")  # on the fallback
+            node.generate(
+                DecodePlan.plain(p[:8], SamplingParams(max_new_tokens=8), cluster="code", method="dresd")
+            )  # on the fallback
         v = _register(reg, tmp_path, pair.target, docs, "live")
         reg.artifact("datastore").promote("code", v)
         assert follower.check("code")
         drafted = accepted = 0
         for p in docs[:6]:
-            st = node.generate(p[:8], SamplingParams(max_new_tokens=8), cluster="code", method="dresd").result.stats
+            st = node.generate(
+                DecodePlan.plain(p[:8], SamplingParams(max_new_tokens=8), cluster="code", method="dresd")
+            ).result.stats
             drafted, accepted = drafted + st.num_drafted, accepted + st.num_accepted
         deadline = time.monotonic() + 20
         while (

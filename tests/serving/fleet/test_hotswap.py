@@ -23,6 +23,7 @@ from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.events import EventPublisher, EventWatcher
 from specops.serving.fleet.hotswap import FAILURES, DraftFollower, HotSwapConfig
 from specops.serving.fleet.node import ServingNode
+from specops.serving.plan import DecodePlan, plain_generate
 from specops.streams import StreamConfig
 from specops.streams.tansu import TansuBroker
 from tests.conftest import random_prompts
@@ -53,7 +54,13 @@ def drafts(tiny_models, tmp_path_factory) -> dict[str, Path]:
 def prompts(pair):
     ps = random_prompts(8, seed=5, lo=4, hi=12, vocab=pair.vocab_size)
     ref = SpecEngine(pair)
-    return [(p, ref.generate(p, GREEDY, method="target").token_ids) for p in ps]
+    return [(p, plain_generate(ref, p, GREEDY, method="target").token_ids) for p in ps]
+
+
+@pytest.fixture
+def mlflow_server(fresh_mlflow_server):
+    """The outage test kills the registry: a server of its own, not the session's."""
+    return fresh_mlflow_server
 
 
 def _follower(pair, registry, tmp_path, **cfg) -> DraftFollower:
@@ -99,14 +106,14 @@ def test_event_triggers_swap_without_polling(backend, pair, drafts, prompts, sql
     watcher = EventWatcher(stream, "r1", follower.on_event).start()
     try:
         node = ServingNode(pair, follower)
-        assert node.generate(prompts[0][0], GREEDY, cluster="code").draft_version == "base"
+        assert node.generate(DecodePlan.plain(prompts[0][0], GREEDY, cluster="code")).draft_version == "base"
         follower.wait_idle()
         time.sleep(1.0 if broker is None else 6.0)  # the watcher's group has joined
         dv = _register(reg, drafts["good"])
         reg.artifact("draft").promote("code", dv.version, reason="test")
         _wait(lambda: follower.slot("code").current().version == dv.version, 20, "the event-driven swap")
         assert watcher.num_events >= 1
-        served = node.generate(prompts[1][0], GREEDY, cluster="code")
+        served = node.generate(DecodePlan.plain(prompts[1][0], GREEDY, cluster="code"))
         assert served.draft_version == dv.version and served.result.token_ids == prompts[1][1]
         # the target's own weights as draft, served in bfloat16 as the base draft is: (nearly) every token accepted
         assert follower.slot("code").current().model.dtype == pair.draft.dtype == torch.bfloat16
@@ -133,7 +140,7 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
             prompt, want = prompts[(i + n) % len(prompts)]
             n += 1
             try:
-                served = node.generate(prompt, GREEDY, cluster="code")
+                served = node.generate(DecodePlan.plain(prompt, GREEDY, cluster="code"))
                 results.append((served, want))
             except Exception as exc:  # noqa: BLE001 - the test counts every failure
                 errors.append(repr(exc))
@@ -183,14 +190,14 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
     follower = _follower(pair, reg, tmp_path, auto_rollback=False, replica="pod-1")
     node = ServingNode(pair, follower)
     try:
-        node.generate(prompts[0][0], GREEDY, cluster=cluster)
+        node.generate(DecodePlan.plain(prompts[0][0], GREEDY, cluster=cluster))
         _wait(lambda: follower.slot(cluster).current().version == v1, 30, "first swap")
         assert reg.artifact("draft").served(cluster)["pod-1"]["serving"] == v1  # what `registry ls` shows
         before = FAILURES.labels(cluster, "registry_unavailable")._value.get()
         mlflow_server.kill()  # the registry dies mid-run: serving goes on with v1
         _wait(lambda: FAILURES.labels(cluster, "registry_unavailable")._value.get() > before, 60, "a failed poll")
         for prompt, want in prompts:
-            served = node.generate(prompt, GREEDY, cluster=cluster)
+            served = node.generate(DecodePlan.plain(prompt, GREEDY, cluster=cluster))
             assert served.draft_version == v1 and served.result.token_ids == want
         mlflow_server.start()
         v2 = _register(reg, drafts["good"], cluster).version
@@ -203,7 +210,7 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
         refused = FAILURES.labels(cluster, "artifact_integrity")._value.get()
         reg.artifact("draft").promote(cluster, v3.version)
         _wait(lambda: FAILURES.labels(cluster, "artifact_integrity")._value.get() > refused, 30, "the refusal")
-        served = node.generate(prompts[1][0], GREEDY, cluster=cluster)
+        served = node.generate(DecodePlan.plain(prompts[1][0], GREEDY, cluster=cluster))
         assert served.draft_version == v2 and served.result.token_ids == prompts[1][1]
         assert follower.slot(cluster).current().version == v2
         report = reg.artifact("draft").served(cluster)["pod-1"]  # the refusal reaches the registry
@@ -221,15 +228,15 @@ def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlit
     follower = _follower(pair, reg, tmp_path)
     node = ServingNode(pair, follower)
     try:
-        node.generate(prompts[0][0], GREEDY, cluster="code")
+        node.generate(DecodePlan.plain(prompts[0][0], GREEDY, cluster="code"))
         _wait(lambda: follower.slot("code").current().version == good, 30, "swap to the good draft")
         for i in range(25):
-            node.generate(prompts[i % len(prompts)][0], GREEDY, cluster="code")
+            node.generate(DecodePlan.plain(prompts[i % len(prompts)][0], GREEDY, cluster="code"))
         reg.artifact("draft").promote("code", bad, reason="looks fine offline")
         _wait(lambda: follower.slot("code").current().version == bad, 30, "swap to the bad draft")
         for i in range(25):
             assert (
-                node.generate(prompts[i % len(prompts)][0], GREEDY, cluster="code").result.token_ids
+                node.generate(DecodePlan.plain(prompts[i % len(prompts)][0], GREEDY, cluster="code")).result.token_ids
                 == prompts[i % len(prompts)][1]
             )
         follower.wait_idle()

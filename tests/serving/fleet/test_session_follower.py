@@ -13,6 +13,7 @@ from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.follower import FollowConfig
 from specops.serving.fleet.sessions import SessionFollower
+from specops.serving.plan import plain_generate
 from specops.serving.proposers.session_cache import SessionCache
 from tests.serving.http.api_support import MODEL, metric, running, serve_config, wait_until
 
@@ -66,7 +67,7 @@ def test_serving_seeds_llma_from_the_champion_at_start(tiny_models, sqlite_uri, 
     and an LLMA request copies them (a tenant-scoped server does not seed: tests/serving/http/test_tenancy.py)."""
     pair = load_pair(tiny_models / "target")
     prompt = [5, 17, 23, 9, 41, 3]
-    answer = SpecEngine(pair).generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+    answer = plain_generate(SpecEngine(pair), prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     path = save_sessions(tmp_path / "s", "default", [tuple(answer)], pair.tokenizer_sha256)
     v = reg.artifact("sessions").register("default", path).version

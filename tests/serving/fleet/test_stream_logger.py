@@ -12,6 +12,7 @@ import torch
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
 from specops.serving.fleet.stream_logger import LoggerConfig, RequestMeta, StreamLogger
+from specops.serving.plan import plain_generate
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord, MissRecord
 from tests.conftest import random_prompts
@@ -34,7 +35,10 @@ def test_miss_records_hold_the_targets_distribution_at_each_rejection(close_pair
     results = {}
     for i, prompt in enumerate(random_prompts(6, seed=11)):
         params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=i)
-        results[f"r{i}"] = (prompt, engine.generate(prompt, params, method="draft", meta=RequestMeta(f"r{i}", "code")))
+        results[f"r{i}"] = (
+            prompt,
+            plain_generate(engine, prompt, params, method="draft", meta=RequestMeta(f"r{i}", "code")),
+        )
     assert logger.flush(20)
     logger.close()
     misses = _records(stream_cfg, stream_cfg.topics.misses)
@@ -71,7 +75,9 @@ def test_logging_never_changes_greedy_output(close_pair, stream_cfg):
     logged = SpecEngine(close_pair, logger=logger)
     for p in prompts:
         params = SamplingParams(max_new_tokens=16)
-        assert logged.generate(p, params).token_ids == plain.generate(p, params, method="target").token_ids
+        assert (
+            plain_generate(logged, p, params).token_ids == plain_generate(plain, p, params, method="target").token_ids
+        )
     logger.close()
     assert logger.stats.published == 2 * len(prompts)
 
@@ -80,7 +86,7 @@ def test_sampling_one_in_n_and_switching_off(close_pair, stream_cfg):
     logger = StreamLogger(stream_cfg, LoggerConfig(sample_every=3), vocab_size=close_pair.vocab_size)
     engine = SpecEngine(close_pair, logger=logger)
     for p in random_prompts(7, seed=2):
-        engine.generate(p, SamplingParams(max_new_tokens=4))
+        plain_generate(engine, p, SamplingParams(max_new_tokens=4))
     logger.close()
     assert logger.stats.logged_requests == 3 and logger.stats.sampled_out == 4
     assert len(_records(stream_cfg, stream_cfg.topics.misses)) == 3
@@ -88,7 +94,7 @@ def test_sampling_one_in_n_and_switching_off(close_pair, stream_cfg):
     off = StreamLogger(stream_cfg, LoggerConfig(enabled=False), vocab_size=close_pair.vocab_size)
     engine = SpecEngine(close_pair, logger=off)
     assert not engine.collect_rejections
-    engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+    plain_generate(engine, [1, 2, 3], SamplingParams(max_new_tokens=4))
     off.close()
     assert off.stats.logged_requests == 0
     assert len(_records(stream_cfg, stream_cfg.topics.misses)) == 3
@@ -127,10 +133,10 @@ def test_full_queue_sheds_by_policy_without_blocking(close_pair, stream_cfg, she
     )
     engine = SpecEngine(close_pair, logger=logger)
     params = SamplingParams(max_new_tokens=4)
-    engine.generate([5, 6, 7], params, meta=RequestMeta("first"))
+    plain_generate(engine, [5, 6, 7], params, meta=RequestMeta("first"))
     assert _wait(lambda: logger.queue_depth == 0)  # the flusher holds "first", stuck at the gate
     for i in range(6):
-        engine.generate([5, 6, 7 + i], params, meta=RequestMeta(f"q{i}"))  # must not block
+        plain_generate(engine, [5, 6, 7 + i], params, meta=RequestMeta(f"q{i}"))  # must not block
     assert logger.stats.dropped["queue_full"] == 12 - 4
     gate.set()
     assert logger.flush(20)

@@ -217,7 +217,7 @@ def test_a_priors_file_with_nan_stops_the_start_naming_the_field(tiny_models, tm
 
 def test_policy_champion_with_nan_is_refused_and_the_policy_kept(sqlite_uri, tmp_path, caplog):
     from specops.registry import RegistryConfig, RegistryStore
-    from specops.serving.http.server import ServingState
+    from specops.serving.replica import Replica
 
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
     d = tmp_path / "bad"
@@ -225,7 +225,7 @@ def test_policy_champion_with_nan_is_refused_and_the_policy_kept(sqlite_uri, tmp
     (d / "priors.json").write_text(json.dumps(_priors("counts.0.rejected", float("nan"))))
     v = reg.artifact("policy").register("", d, meta={"requests": 1}, metrics={"requests": 1.0})
     reg.artifact("policy").promote("", v.version, reason="a damaged fit")
-    state = ServingState.__new__(ServingState)  # only what _load_policy_priors reads
+    state = Replica.__new__(Replica)  # only what _load_policy_priors reads
     state.registry, state.cache_dir = reg, tmp_path / "serve-cache"
     policy = AutoPolicy()
     policy.load_priors(GOOD_PRIORS)

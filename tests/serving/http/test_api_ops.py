@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from specops.core.errors import ModelConfigError
-from specops.serving.http.config import ServeConfig
+from specops.serving.http.config import ServeConfig, ServeKeys
 from specops.serving.http.server import ServingState
 from specops.streams import StreamConfig, codec, open_stream
 from specops.streams.records import GenerationRecord, MissRecord
@@ -74,25 +74,24 @@ def test_auth_metrics_puts_metrics_behind_the_key(tiny_models, tmp_path):
 
 
 # ---------------------------------------------------------------- readiness
-class GatedState(ServingState):
-    """Loads only when the test opens the gate."""
+def gated_state(cfg, models: Path, cache_dir: Path, gate: threading.Event) -> ServingState:
+    """A serving state whose replica loads only when the test opens the gate."""
+    state = ServingState(cfg, target_dir=models / "target", draft_dir=models / "draft", cache_dir=cache_dir)
+    replica, load_steps = state.replica, state.replica._load_steps
 
-    def __init__(self, *args, gate: threading.Event, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.gate = gate
+    def gated() -> None:
+        replica.loading_step = "waiting for the test"
+        assert gate.wait(60)
+        load_steps()
 
-    def _load_steps(self) -> None:
-        self.loading_step = "waiting for the test"
-        assert self.gate.wait(60)
-        super()._load_steps()
+    replica._load_steps = gated
+    return state
 
 
 def test_readyz_is_503_while_loading_and_200_once_loaded(tiny_models, tmp_path):
     cfg = serve_config(tiny_models)
     gate = threading.Event()
-    state = GatedState(
-        cfg, target_dir=tiny_models / "target", draft_dir=tiny_models / "draft", cache_dir=tmp_path / "cache", gate=gate
-    )
+    state = gated_state(cfg, tiny_models, tmp_path / "cache", gate)
     with running(cfg, tmp_path, state=state, ready=False) as srv:
         url = srv.url
         try:
@@ -140,28 +139,42 @@ def test_config_precedence_file_env_overrides(tmp_path):
     table.write_text('[serve]\nport = 9101\napi_keys = ["file-key-0001"]\n')
     assert ServeConfig.load(env={}) == ServeConfig()
     cfg = ServeConfig.load(top, env={})
-    assert (cfg.port, cfg.max_queue, cfg.served_model_name, cfg.host) == (9001, 5, "from-file", "127.0.0.1")
+    assert (cfg.api.port, cfg.admission.max_queue, cfg.api.served_model_name, cfg.api.host) == (
+        9001,
+        5,
+        "from-file",
+        "127.0.0.1",
+    )
     env = {"SPECOPS_SERVE_PORT": "9002", "SPECOPS_SERVE_AUTH_METRICS": "true", "SPECOPS_SERVE_QUEUE_TIMEOUT_S": "2.5"}
     cfg = ServeConfig.load(top, env=env)
-    assert (cfg.port, cfg.max_queue, cfg.auth_metrics, cfg.queue_timeout_s) == (9002, 5, True, 2.5)
+    assert (cfg.api.port, cfg.admission.max_queue, cfg.api.auth_metrics, cfg.admission.queue_timeout_s) == (
+        9002,
+        5,
+        True,
+        2.5,
+    )
     cfg = ServeConfig.load(top, env=env, overrides={"port": 9003, "max_queue": None, "served_model_name": "flag"})
-    assert (cfg.port, cfg.max_queue, cfg.served_model_name) == (9003, 5, "flag")  # None = flag not given
+    assert (cfg.api.port, cfg.admission.max_queue, cfg.api.served_model_name) == (
+        9003,
+        5,
+        "flag",
+    )  # None = flag not given
     cfg = ServeConfig.load(table, env={})
-    assert (cfg.port, cfg.api_keys) == (9101, ["file-key-0001"])
+    assert (cfg.api.port, cfg.api.api_keys) == (9101, ["file-key-0001"])
     cfg = ServeConfig.load(table, env={"SPECOPS_API_KEYS": " env-key-00001, env-key-00002 ,"})
-    assert cfg.api_keys == ["env-key-00001", "env-key-00002"]
-    assert ServeConfig.load(env={"SPECOPS_SERVE_API_KEYS": "one-key-12345"}).api_keys == ["one-key-12345"]
-    assert ServeConfig(api_keys="a-key-123456,b-key-123456").api_keys == ["a-key-123456", "b-key-123456"]
+    assert cfg.api.api_keys == ["env-key-00001", "env-key-00002"]
+    assert ServeConfig.load(env={"SPECOPS_SERVE_API_KEYS": "one-key-12345"}).api.api_keys == ["one-key-12345"]
+    assert ServeConfig(api_keys="a-key-123456,b-key-123456").api.api_keys == ["a-key-123456", "b-key-123456"]
 
 
 def test_the_draft_dtype_is_measured_unless_named(tmp_path):
     """``auto`` (measured at load, ``specops.core.draft_dtype``) by default; a precision from a file or the environment."""
-    assert ServeConfig().draft_dtype == ServeConfig.load(env={}).draft_dtype == "auto"
+    assert ServeConfig().engine.draft_dtype == ServeConfig.load(env={}).engine.draft_dtype == "auto"
     path = tmp_path / "serve.toml"
     path.write_text('draft_dtype = "float32"\n')
-    assert ServeConfig.load(path, env={}).draft_dtype == "float32"
-    assert ServeConfig.load(path, env={"SPECOPS_SERVE_DRAFT_DTYPE": "bfloat16"}).draft_dtype == "bfloat16"
-    assert ServeConfig.load(path, env={"SPECOPS_SERVE_DRAFT_DTYPE": "auto"}).draft_dtype == "auto"
+    assert ServeConfig.load(path, env={}).engine.draft_dtype == "float32"
+    assert ServeConfig.load(path, env={"SPECOPS_SERVE_DRAFT_DTYPE": "bfloat16"}).engine.draft_dtype == "bfloat16"
+    assert ServeConfig.load(path, env={"SPECOPS_SERVE_DRAFT_DTYPE": "auto"}).engine.draft_dtype == "auto"
 
 
 @pytest.mark.parametrize(
@@ -199,7 +212,7 @@ def test_serve_help_shows_every_setting():
     )
     assert out.returncode == 0 and out.stdout.startswith("usage: specops serve"), out.stderr
     text = " ".join(out.stdout.split())
-    for name, info in ServeConfig.model_fields.items():
+    for name, info in ServeKeys.model_fields.items():
         assert "--" + name.replace("_", "-") in text, name
         assert " ".join(info.description.split()) in text, name
 

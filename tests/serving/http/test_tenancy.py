@@ -197,15 +197,15 @@ def test_tenant_settings_from_file_env_and_flags(tmp_path):
         'admin_tenants = ["ops"]\nsession_sharing = "shared"\n'
     )
     cfg = ServeConfig.load(table, env={})
-    assert (cfg.route_tenants, cfg.admin_tenants, cfg.session_sharing) == ([], ["ops"], "shared")
+    assert (cfg.api.route_tenants, cfg.api.admin_tenants, cfg.retrieval.session_sharing) == ([], ["ops"], "shared")
     env = {
         "SPECOPS_API_KEYS": "a:env-key-00001",
         "SPECOPS_SERVE_ROUTE_TENANTS": "a",
         "SPECOPS_SERVE_ADMIN_TENANTS": "*",
     }
     cfg = ServeConfig.load(env=env, overrides={"session_sharing": "tenant"})
-    assert (cfg.route_tenants, cfg.admin_tenants, cfg.session_sharing) == (["a"], ["*"], "tenant")
-    assert ServeConfig().route_tenants == ["*"] and ServeConfig().session_sharing == "tenant"
+    assert (cfg.api.route_tenants, cfg.api.admin_tenants, cfg.retrieval.session_sharing) == (["a"], ["*"], "tenant")
+    assert ServeConfig().api.route_tenants == ["*"] and ServeConfig().retrieval.session_sharing == "tenant"
     with pytest.raises(ModelConfigError, match="admin_tenants names 'opps'"):
         ServeConfig.load(env={}, overrides={"api_keys": ["ops:ops-key-0001"], "admin_tenants": ["opps"]})
     with pytest.raises(ModelConfigError, match="api_keys must be at least 8 characters"):
@@ -225,7 +225,7 @@ def test_the_serve_command_has_the_tenant_flags():
         ["--api-keys", "a:flag-key-0001", "--route-tenants", "", "--admin-tenants", "a", "--session-sharing", "shared"]
     )
     cfg = ServeConfig(**overrides_from_args(args))
-    assert (cfg.route_tenants, cfg.admin_tenants, cfg.session_sharing) == ([], ["a"], "shared")
+    assert (cfg.api.route_tenants, cfg.api.admin_tenants, cfg.retrieval.session_sharing) == ([], ["a"], "shared")
 
 
 # ---------------------------------------------------------------- request ids (issue 58)

@@ -15,12 +15,13 @@ from specops.core.models import ModelPair
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.serving.proposers.auto import calibrate
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.proposers.catalogue import ProposerResources
 from tests.conftest import random_prompts
 from tests.serving.engine.test_verifier import pooled_chisquare
 
-AUTO = ProposerConfig(method="auto")
+AUTO = dict(method="auto")
 
 
 def synthetic(counts: dict, *, verify=(20.0, 1.0), draft=(0.2, 2.0), explore=False, seed=0, load=None) -> AutoPolicy:
@@ -276,14 +277,14 @@ def test_the_gate_score_seeds_only_when_it_is_the_served_alpha():
 
 def _looped(pair, prompt, n=40):
     """The prompt followed by the target's own continuation twice: copying pays on the second pass."""
-    ref = SpecEngine(pair).generate(prompt, SamplingParams(max_new_tokens=n), method="target").token_ids
+    ref = plain_generate(SpecEngine(pair), prompt, SamplingParams(max_new_tokens=n), method="target").token_ids
     return prompt + ref + prompt
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_equals_target_while_switching_methods(close_pair, tiny_target, seed):
     docs = [
-        p + SpecEngine(close_pair).generate(p, SamplingParams(max_new_tokens=24), method="target").token_ids
+        p + plain_generate(SpecEngine(close_pair), p, SamplingParams(max_new_tokens=24), method="target").token_ids
         for p in random_prompts(12, seed=5)
     ]
     store, _ = Datastore.build(tiny_target, docs, DatastoreConfig(dims=16, value_len=8))
@@ -294,8 +295,8 @@ def test_greedy_equals_target_while_switching_methods(close_pair, tiny_target, s
     used: set[str] = set()
     for prompt in random_prompts(3, seed=20 + seed) + [_looped(close_pair, random_prompts(1, seed=9)[0])]:
         res = ProposerResources(pair=close_pair, policy=policy, datastore=store, references=(tuple(prompt[:12]),))
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=48), method="target")
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=48), proposer_cfg=AUTO, resources=res)
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=48), method="target")
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=48), **AUTO, resources=res)
         assert out.token_ids == ref.token_ids
         assert out.stats.method == "auto" and out.stats.num_generated == 48
         per = out.stats.policy["methods"]
@@ -326,8 +327,8 @@ def test_sampling_is_exact_with_a_negative_control(close_pair):
     counts = np.zeros(97, dtype=np.int64)
     drafted = 0
     for seed in range(n):
-        out = engine.generate(
-            prompt, SamplingParams(temperature=0.6, max_new_tokens=3, seed=seed), proposer_cfg=AUTO, k=2, resources=res
+        out = plain_generate(
+            engine, prompt, SamplingParams(temperature=0.6, max_new_tokens=3, seed=seed), **AUTO, k=2, resources=res
         )
         counts[out.token_ids[0]] += 1
         drafted += out.stats.num_drafted > 0
@@ -343,10 +344,11 @@ def test_priors_round_trip_and_bad_files_are_refused(close_pair):
     policy = AutoPolicy(seed=0)
     engine = SpecEngine(close_pair)
     for prompt in random_prompts(3, seed=3):
-        engine.generate(
+        plain_generate(
+            engine,
             prompt,
             SamplingParams(max_new_tokens=24),
-            proposer_cfg=AUTO,
+            **AUTO,
             resources=ProposerResources(pair=close_pair, policy=policy),
         )
     priors = policy.priors()
@@ -386,10 +388,11 @@ def test_calibration_measures_the_models_and_the_snapshot_shows_the_state(close_
     policy = AutoPolicy(seed=0)
     costs = calibrate(policy, close_pair, reps=2)
     assert costs["verify_ms_1"] > 0 and costs["draft_ms_1"] > 0
-    SpecEngine(close_pair).generate(
+    plain_generate(
+        SpecEngine(close_pair),
         [1, 2, 3],
         SamplingParams(max_new_tokens=12),
-        proposer_cfg=AUTO,
+        **AUTO,
         resources=ProposerResources(pair=close_pair, policy=policy, cluster="code"),
     )
     snap = policy.snapshot()
@@ -402,11 +405,12 @@ def test_calibration_measures_the_models_and_the_snapshot_shows_the_state(close_
 def test_no_draft_model_means_copy_or_target_only(tiny_target):
     pair = ModelPair(target=tiny_target, draft=None, tokenizer=None)
     prompt = random_prompts(1, seed=4)[0]
-    ref = SpecEngine(pair).generate(prompt, SamplingParams(max_new_tokens=20), method="target")
-    out = SpecEngine(pair).generate(
+    ref = plain_generate(SpecEngine(pair), prompt, SamplingParams(max_new_tokens=20), method="target")
+    out = plain_generate(
+        SpecEngine(pair),
         prompt,
         SamplingParams(max_new_tokens=20),
-        proposer_cfg=AUTO,
+        **AUTO,
         resources=ProposerResources(pair=pair, policy=AutoPolicy(seed=0)),
     )
     assert out.token_ids == ref.token_ids and set(out.stats.policy["methods"]) <= {"target", "llma"}

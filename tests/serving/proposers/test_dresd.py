@@ -18,14 +18,15 @@ from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources
+from specops.serving.plan import DecodePlan, plain_generate
+from specops.serving.proposers.catalogue import ProposerResources
 from tests.conftest import random_prompts
 from tests.serving.engine.test_verifier import pooled_chisquare, second_token_counts
 
 
 def _generations(target, prompts, n=24):
     engine = SpecEngine_for(target)
-    return [p + engine.generate(p, SamplingParams(max_new_tokens=n), method="target").token_ids for p in prompts]
+    return [p + plain_generate(engine, p, SamplingParams(max_new_tokens=n), method="target").token_ids for p in prompts]
 
 
 def SpecEngine_for(target):
@@ -102,11 +103,11 @@ def test_dresd_equals_target_greedy(datastore, tiny_target, served_docs, sizes):
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=datastore)
     n_drafts, k = sizes
-    cfg = ProposerConfig(method="dresd", n_drafts=n_drafts)
+    cfg = dict(method="dresd", n_drafts=n_drafts)
     accepted = 0
     for prompt in [d[:8] for d in served_docs[:4]] + random_prompts(4, seed=77):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=24), proposer_cfg=cfg, k=k, resources=res)
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), **cfg, k=k, resources=res)
         assert out.token_ids == ref
         accepted += out.stats.num_accepted
     assert accepted > 20  # the datastore really drafted (and was accepted) on the served prompts
@@ -127,8 +128,8 @@ def test_dresd_sampling_is_exact_with_a_negative_control(tiny_target):
     store, _ = Datastore.build(tiny_target, docs, DatastoreConfig(dims=8, value_len=4, index=IndexConfig(kind="flat")))
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=store)
-    cfg = ProposerConfig(method="dresd", n_drafts=3)
-    counts, n, drafted = second_token_counts(engine, prompt, first, 3000, params, proposer_cfg=cfg, k=2, resources=res)
+    cfg = dict(method="dresd", n_drafts=3)
+    counts, n, drafted = second_token_counts(engine, prompt, first, 3000, params, **cfg, k=2, resources=res)
     assert n > 300 and drafted == n  # every counted request verified a drafted tree at its second token
     assert pooled_chisquare(counts, p2.double().numpy() / float(p2.sum())) > 1e-3
     accept_all = np.zeros(97, dtype=np.int64)
@@ -180,9 +181,9 @@ def test_a_datastore_for_another_target_is_refused(datastore, tiny_draft):
 def test_dresd_needs_a_datastore_and_valid_shape(tiny_target):
     engine = SpecEngine_for(tiny_target)
     with pytest.raises(InvalidRequestError, match="needs a datastore"):
-        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), method="dresd")
+        plain_generate(engine, [1, 2, 3], SamplingParams(max_new_tokens=2), method="dresd")
     with pytest.raises(InvalidRequestError, match="n_drafts"):
-        ProposerConfig(method="dresd", n_drafts=1000)
+        DecodePlan.plain([1], SamplingParams(), method="dresd", n_drafts=1000)
 
 
 def test_dresd_drafts_the_datastores_measured_shape(datastore, tiny_target, served_docs):
@@ -200,11 +201,12 @@ def test_dresd_drafts_the_datastores_measured_shape(datastore, tiny_target, serv
         res = ProposerResources(pair=engine.pair, datastore=datastore)
         accepted = 0
         for prompt in [d[:8] for d in served_docs[:4]]:
-            ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
-            out = engine.generate(
+            ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+            out = plain_generate(
+                engine,
                 prompt,
                 SamplingParams(max_new_tokens=24),
-                proposer_cfg=ProposerConfig(method="dresd"),
+                method="dresd",
                 k=10,
                 resources=res,
             )

@@ -14,7 +14,8 @@ from specops.core.sessions.ngram import NgramIndex
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, SamplingParams
-from specops.serving.proposers.catalogue import ProposerConfig, ProposerResources, build_proposer
+from specops.serving.plan import DecodePlan, plain_generate, plain_proposer
+from specops.serving.proposers.catalogue import ProposerResources, method_spec
 from specops.serving.proposers.llma import (
     COPY_FACTOR,
     COPY_OFFSET,
@@ -133,7 +134,7 @@ def test_proposer_copies_from_references_and_from_its_growing_context(tiny_pair)
 def test_greedy_output_equals_target_only(tiny_pair, k, n_drafts, fixed_k):
     engine = SpecEngine(tiny_pair)
     for prompt in random_prompts(5, seed=200 + k):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
         # References: the target's own output (what cache-assisted generation copies), a
         # perturbed copy, and noise; copying must pay and never change a token.
         noisy = list(ref)
@@ -141,12 +142,15 @@ def test_greedy_output_equals_target_only(tiny_pair, k, n_drafts, fixed_k):
         res = ProposerResources(
             pair=tiny_pair, references=(tuple(ref), tuple(noisy), tuple(random_prompts(1, seed=k)[0]))
         )
-        out = engine.generate(
+        out = plain_generate(
+            engine,
             prompt,
             SamplingParams(max_new_tokens=30),
             k=k,
             resources=res,
-            proposer_cfg=ProposerConfig(method="llma", n_drafts=n_drafts, llma_fixed_k=fixed_k),
+            method="llma",
+            n_drafts=n_drafts,
+            fixed_k=fixed_k,
         )
         assert out.token_ids == ref
         if k > 1:
@@ -172,17 +176,14 @@ def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_
     assert cut.tokens.tolist() == [[9, 10]]
     whole = LLMAProposer(refs, max_n=8, use_context=False, copy_factor=10.0).propose(state, 4)
     assert whole.tokens.tolist() == [[9, 10, 11, 13]]
-    served = build_proposer(ProposerConfig(method="llma"), ProposerResources(pair=tiny_pair))
+    served = plain_proposer(ProposerResources(pair=tiny_pair), method="llma")
     assert (served.copy_factor, served.copy_offset, served.min_agreement, served.min_path) == (
         COPY_FACTOR,
         COPY_OFFSET,
         MIN_AGREEMENT,
         MIN_PATH,
     )
-    assert (
-        build_proposer(ProposerConfig(method="llma", llma_fixed_k=True), ProposerResources(pair=tiny_pair)).copy_factor
-        is None
-    )
+    assert plain_proposer(ProposerResources(pair=tiny_pair), method="llma", fixed_k=True).copy_factor is None
 
 
 def freq_rows(docs: list[list[int]], tail: list[int], n_drafts: int = 1, k: int = 4, max_n: int = 2) -> list[list[int]]:
@@ -282,18 +283,18 @@ def test_frequency_rows_are_distinct_and_none_is_a_prefix_of_another():
 def test_greedy_output_equals_target_only_when_frequent_copies_are_wrong(tiny_pair, n_drafts):
     """Serving's rule (the catalogue's llma) where the most frequent continuation is wrong at
     places: three references share a wrong token, one is the target's output."""
-    cfg = ProposerConfig(method="llma", n_drafts=n_drafts)
-    assert build_proposer(cfg, ProposerResources(pair=tiny_pair)).min_agreement == MIN_AGREEMENT
+    cfg = dict(method="llma", n_drafts=n_drafts)
+    assert plain_proposer(ProposerResources(pair=tiny_pair), **cfg).min_agreement == MIN_AGREEMENT
     engine = SpecEngine(tiny_pair)
     for i, prompt in enumerate(random_prompts(4, seed=300)):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=30), method="target").token_ids
         wrong = list(ref)
         for j in range(3 + i, len(wrong), 7):
             wrong[j] = (wrong[j] + 1) % 97
         split = list(ref)
         split[len(split) // 2] = (split[len(split) // 2] + 2) % 97
         res = ProposerResources(pair=tiny_pair, references=(tuple(wrong),) * 3 + (tuple(ref), tuple(split)))
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=30), k=8, resources=res, proposer_cfg=cfg)
+        out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=30), k=8, resources=res, **cfg)
         assert out.token_ids == ref
         assert out.stats.num_drafted > 0 and out.stats.num_target_forwards < 30
 
@@ -301,8 +302,8 @@ def test_greedy_output_equals_target_only_when_frequent_copies_are_wrong(tiny_pa
 def test_llma_with_no_references_still_equals_target(tiny_pair):
     engine = SpecEngine(tiny_pair)
     for prompt in random_prompts(4, seed=5):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=20), method="target").token_ids
-        assert engine.generate(prompt, SamplingParams(max_new_tokens=20), method="llma", k=5).token_ids == ref
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=20), method="target").token_ids
+        assert plain_generate(engine, prompt, SamplingParams(max_new_tokens=20), method="llma", k=5).token_ids == ref
 
 
 def test_sampling_is_exact_with_a_negative_control(tiny_target):
@@ -319,8 +320,8 @@ def test_sampling_is_exact_with_a_negative_control(tiny_target):
     likely = p2.argsort(descending=True)[:3].tolist()
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, references=tuple((90, first, t, 1) for t in likely))
-    cfg = ProposerConfig(method="llma", n_drafts=3)
-    counts, n, drafted = second_token_counts(engine, prompt, first, 1500, params, proposer_cfg=cfg, k=2, resources=res)
+    cfg = dict(method="llma", n_drafts=3)
+    counts, n, drafted = second_token_counts(engine, prompt, first, 1500, params, **cfg, k=2, resources=res)
     assert n > 200 and drafted == n
     expected = p2.double().numpy() / float(p2.sum())
     assert pooled_chisquare(counts, expected) > 1e-3
@@ -331,9 +332,9 @@ def test_sampling_is_exact_with_a_negative_control(tiny_target):
 
 def test_bad_settings_are_the_callers_error(tiny_pair):
     with pytest.raises(InvalidRequestError) as e:
-        ProposerConfig(method="llma", llma_min_n=0)
+        method_spec("llma").parse_options({"n": 0})
     assert e.value.param == "speculation.n"
-    assert build_proposer(ProposerConfig(method="llma", llma_min_n=3), ProposerResources(pair=tiny_pair)).min_n == 3
+    assert plain_proposer(ProposerResources(pair=tiny_pair), method="llma", n=3).min_n == 3
 
 
 def test_session_cache_is_bounded_and_keeps_the_newest():
@@ -366,9 +367,13 @@ def test_past_sessions_feed_llma_through_the_node(tiny_pair, tmp_path):
     follower = DraftFollower(None, tiny_pair.draft, target_vocab=97, target_tokenizer_sha256="", cache_dir=tmp_path)
     node = ServingNode(tiny_pair, follower, sessions=SessionCache())
     prompt = random_prompts(1, seed=31)[0]
-    first = node.generate(prompt, SamplingParams(max_new_tokens=30), method="target").result
+    first = node.generate(DecodePlan.plain(prompt, SamplingParams(max_new_tokens=30), method="target")).result
     assert node.sessions.stats()["default"]["outputs"] == 1
-    again = node.generate(prompt[:-1] + [(prompt[-1] + 1) % 97], SamplingParams(max_new_tokens=30), method="llma", k=8)
-    ref = node.generate(prompt[:-1] + [(prompt[-1] + 1) % 97], SamplingParams(max_new_tokens=30), method="target")
+    again = node.generate(
+        DecodePlan.plain(prompt[:-1] + [(prompt[-1] + 1) % 97], SamplingParams(max_new_tokens=30), method="llma", k=8)
+    )
+    ref = node.generate(
+        DecodePlan.plain(prompt[:-1] + [(prompt[-1] + 1) % 97], SamplingParams(max_new_tokens=30), method="target")
+    )
     assert again.result.token_ids == ref.result.token_ids
     assert first.token_ids and again.result.stats.num_drafted > 0

@@ -16,7 +16,8 @@ from specops.serving.engine import tree as tree_mod
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.sampling import warp
 from specops.serving.engine.types import DecodeState, SamplingParams, Verdict
-from specops.serving.proposers.catalogue import CATALOGUE, ProposerConfig, ProposerResources
+from specops.serving.plan import plain_generate
+from specops.serving.proposers.catalogue import CATALOGUE, ProposerResources
 from specops.serving.proposers.retrieval import RetrievalProposer, merge_rows
 from tests.conftest import random_prompts
 from tests.serving.engine.test_verifier import pooled_chisquare, second_token_counts
@@ -124,8 +125,9 @@ def test_retrieval_equals_target_greedy(store, tiny_target, served_docs, dense_b
     res = ProposerResources(pair=engine.pair, datastore=store)
     accepted = 0
     for prompt in [d[:8] for d in served_docs[:4]] + random_prompts(4, seed=78):
-        ref = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
-        out = engine.generate(
+        ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="target").token_ids
+        out = plain_generate(
+            engine,
             prompt,
             SamplingParams(max_new_tokens=24),
             proposer=RetrievalProposer(store, n_drafts=3, dense_below=dense_below),
@@ -133,9 +135,7 @@ def test_retrieval_equals_target_greedy(store, tiny_target, served_docs, dense_b
         )
         assert out.token_ids == ref
         accepted += out.stats.num_accepted
-        via_cfg = engine.generate(
-            prompt, SamplingParams(max_new_tokens=24), proposer_cfg=ProposerConfig(method="retrieval"), resources=res
-        )
+        via_cfg = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="retrieval", resources=res)
         assert via_cfg.token_ids == ref
     assert accepted > 20
 
@@ -151,8 +151,8 @@ def test_retrieval_sampling_is_exact_with_a_negative_control(tiny_target):
     store, _ = Datastore.build(tiny_target, docs, DatastoreConfig(dims=8, value_len=4, index=IndexConfig(kind="flat")))
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=store)
-    cfg = ProposerConfig(method="retrieval", n_drafts=3)
-    counts, n, drafted = second_token_counts(engine, prompt, first, 1500, params, proposer_cfg=cfg, k=2, resources=res)
+    cfg = dict(method="retrieval", n_drafts=3)
+    counts, n, drafted = second_token_counts(engine, prompt, first, 1500, params, **cfg, k=2, resources=res)
     assert n > 150 and drafted == n  # the exact match [.., 5, 17, first] drafts all three branches
     assert pooled_chisquare(counts, p2.double().numpy() / float(p2.sum())) > 1e-3
     accept_all = np.zeros(97, dtype=np.int64)

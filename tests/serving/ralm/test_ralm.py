@@ -20,7 +20,9 @@ import pytest
 from specops.core.errors import InvalidRequestError
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
-from specops.serving.ralm.loop import LocalCache, RalmConfig, RalmGenerator
+from specops.serving.plan import plain_proposer
+from specops.serving.proposers.catalogue import ProposerResources, method_spec
+from specops.serving.ralm.loop import Drafting, LocalCache, RalmConfig, RalmGenerator
 from specops.serving.ralm.os3 import (
     OS3Config,
     StrideScheduler,
@@ -120,11 +122,16 @@ def _run(
         lambda ids: [passages[i] for i in ids],
         pair.tokenizer,
         cfg,
-        method=method,
-        k=k,
+        drafting=_drafting(pair, method, k),
         pool=pool,
     )
     return gen.generate(prompt, SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=5, **filters))
+
+
+def _drafting(pair, method: str, k: int | None) -> Drafting:
+    """``method``'s proposer, fresh for each segment, and its ``k`` (default: the method's)."""
+    spec = method_spec(method)
+    return Drafting(lambda: plain_proposer(ProposerResources(pair=pair), method), k or spec.default_k)
 
 
 PROMPTS = ["disk partition table of the sector", "a network socket sends a packet", "the shell will expand a variable"]

@@ -28,6 +28,7 @@ from specops.core.models import has_weights, load_model_dir, load_tokenizer, tok
 from specops.registry import RegistryConfig, RegistryStore
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.serving.vllm.plugin.specops_vllm_copy import join_refs
 from specops.serving.vllm.process import VLLMError, vllm_python
 from specops.streams import StreamConfig, codec, open_stream
@@ -105,7 +106,7 @@ def reference(tiny_models):
     out = {}
     for p in PROMPTS:
         ids = tok(p, add_special_tokens=False)["input_ids"]
-        out[p] = engine.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS), method="target").token_ids
+        out[p] = plain_generate(engine, ids, SamplingParams(max_new_tokens=MAX_TOKENS), method="target").token_ids
     return out, tok
 
 
@@ -213,7 +214,7 @@ def test_logprobs_come_back_from_every_server_as_our_engines(world, reference, t
     pair = load_model_dir(tiny_models)
     p = PROMPTS[0]
     ids = tok(p, add_special_tokens=False)["input_ids"]
-    ours = SpecEngine(pair).generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3), method="target")
+    ours = plain_generate(SpecEngine(pair), ids, SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3), method="target")
     for method in ("draft", "pld", "llma", "target"):
         choice = _complete(srv.url, p, logprobs=3, return_token_ids=True, speculation={"method": method}).json()
         choice = choice["choices"][0]
@@ -234,7 +235,7 @@ def test_logprobs_come_back_from_every_server_as_our_engines(world, reference, t
     assert streamed == pytest.approx([x.logprob for x in ours.logprobs], abs=1e-3)
     # echo with logprobs scores the prompt too: vLLM's prompt log-probabilities, read back, equal our engine's
     scored = SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3, prompt_logprobs=3)
-    ours = SpecEngine(pair).generate(ids, scored, method="target")
+    ours = plain_generate(SpecEngine(pair), ids, scored, method="target")
     for method in ("draft", "target"):
         choice = _complete(srv.url, p, echo=True, logprobs=3, speculation={"method": method}).json()["choices"][0]
         lp = choice["logprobs"]
@@ -271,7 +272,7 @@ def test_what_vllm_cannot_do_is_a_400_naming_the_field(world):
     models = world["models"]
     pair = load_model_dir(models)
     ids = pair.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
-    ours = SpecEngine(pair).generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS, **adjust), method="target")
+    ours = plain_generate(SpecEngine(pair), ids, SamplingParams(max_new_tokens=MAX_TOKENS, **adjust), method="target")
     assert r.json()["choices"][0]["token_ids"] == ours.token_ids
     # the servers report raw log-probabilities (vLLM sets the kind once per server)
     processed = {"logprobs": 1, "logprobs_mode": "processed_logprobs"}
@@ -317,7 +318,7 @@ def test_grammars_run_on_the_target_server_as_our_engine_decodes_them(world, fie
     r = _complete(url, PROMPTS[1], return_token_ids=True, max_tokens=24, **field)
     assert r.status_code == 200 and r.json()["speculation"]["method"] == "target", r.text
     ids = pair.tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"]
-    ours = SpecEngine(pair).generate(ids, SamplingParams(max_new_tokens=24, grammar=spec), method="target")
+    ours = plain_generate(SpecEngine(pair), ids, SamplingParams(max_new_tokens=24, grammar=spec), method="target")
     got = [t for t in r.json()["choices"][0]["token_ids"] if t not in pair.eos_token_ids]
     assert got == [t for t in ours.token_ids if t not in pair.eos_token_ids]
 

@@ -11,6 +11,7 @@ import torch
 
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.serving.vllm.choice import MIN_TRIALS, RequestPolicy
 from specops.serving.vllm.plugin.specops_vllm_copy import join_refs, propose_copy, split_refs
 from specops.serving.vllm.replay import Replayed, ngram_draft, replay, replay_draft
@@ -79,7 +80,7 @@ def test_draft_replay_is_what_our_engine_counts_for_the_same_greedy_request(clos
     pair = close_pair
     engine = SpecEngine(pair)
     for prompt in ([5, 9, 12, 7], [3, 3, 3, 3, 3, 3]):
-        res = engine.generate(prompt, SamplingParams(max_new_tokens=24), method="draft", k=3)
+        res = plain_generate(engine, prompt, SamplingParams(max_new_tokens=24), method="draft", k=3)
         r = replay_draft(pair.draft, prompt, res.token_ids, 3)
         st = res.stats
         assert (r.accepted, r.rejected_steps) == (st.num_accepted, st.num_rejected_steps), (r, st.to_dict())

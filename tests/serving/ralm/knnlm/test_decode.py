@@ -18,6 +18,7 @@ from specops.core.errors import InvalidRequestError
 from specops.core.models import ModelPair
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import SamplingParams
+from specops.serving.plan import plain_generate
 from specops.serving.ralm.knnlm.decode import KnnConfig, KnnLM, LocalKnnCache, knnlm_generate
 from specops.serving.ralm.knnlm.search import search_keys, select_nearest
 from specops.serving.ralm.knnlm.store import (
@@ -46,7 +47,7 @@ def docs(tiny_target, prompts) -> list[list[int]]:
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     heads = prompts + random_prompts(6, seed=12, lo=4, hi=12)
     return [
-        p + engine.generate(p, SamplingParams(max_new_tokens=60), method="target").token_ids for p in heads
+        p + plain_generate(engine, p, SamplingParams(max_new_tokens=60), method="target").token_ids for p in heads
     ] + random_prompts(30, seed=13, lo=20, hi=90)
 
 
@@ -111,7 +112,7 @@ def test_a_high_hit_rate_saves_searches(tiny_target, stores, prompts):
 def test_lambda_zero_is_the_target_alone(tiny_target, stores, prompts):
     engine = SpecEngine(ModelPair(target=tiny_target, draft=None, tokenizer=None))
     for prompt in prompts[:2]:
-        want = engine.generate(prompt, GEN, method="target").token_ids
+        want = plain_generate(engine, prompt, GEN, method="target").token_ids
         for mode in ("baseline", "speculative"):
             assert run(tiny_target, stores["exact"], prompt, mode=mode, lam=0.0).token_ids == want
 

@@ -6,6 +6,7 @@ check does not do: ``prometheus_client`` (metrics of the batcher, the trainer's 
 hot-swap slots) and ``tenacity`` (the registry's retries, imported by ``specops.core.datastore`` through
 ``specops.registry``). :func:`install` puts a no-op stand-in in ``sys.modules`` for each one that
 is **absent** (an installed one is always used); everything else the check imports must exist.
+``pydantic`` (the catalogue's method options models) gets a working stand-in, ``benchmarks.gpu_pydantic``.
 
 The GPU machine also has no install of this project: with ``PYTHONPATH=.`` only ``specops/`` is
 found, not the top-level folders that ``pyproject.toml``'s ``package-dir`` installs as
@@ -33,8 +34,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-STUBBED = ("prometheus_client", "tenacity")
-"""Modules replaced by a no-op stand-in when they are not installed."""
+STUBBED = ("prometheus_client", "tenacity", "pydantic")
+"""Modules replaced by a stand-in when they are not installed (pydantic: ``benchmarks.gpu_pydantic``, for
+the catalogue's method options models)."""
 
 SIMULATE_ENV = "SPECOPS_SIMULATE_ABSENT"
 """Comma-separated top-level modules to treat as not installed (tests only)."""
@@ -54,6 +56,12 @@ class _Metric:
 
 
 def _stub(name: str) -> types.ModuleType:
+    if name == "pydantic":
+        from benchmarks import gpu_pydantic
+
+        mod = gpu_pydantic.module()
+        mod.__dict__["SPECOPS_STUB"] = True
+        return mod
     mod = types.ModuleType(name, f"no-op stand-in for {name} (benchmarks.gpu_compat): it is not installed here")
     mod.__dict__["SPECOPS_STUB"] = True
     if name == "prometheus_client":

@@ -23,7 +23,6 @@ from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.tree import build as build_tree
 from specops.serving.engine.types import SamplingParams
-from specops.serving.plan import plain_generate
 from specops.trainer.bootstrap.distill import DraftRecipe, init_draft
 
 log = logging.getLogger("benchmarks.gpu_check")
@@ -193,7 +192,7 @@ def loop_vs_hf(target, ctx: list[int], s: dict, deadline: float) -> dict:
 
     def ours() -> tuple[float, list[int]]:
         t0 = time.perf_counter()
-        out = plain_generate(engine, ctx, params, method="target").token_ids
+        out = engine.generate(ctx, params, None, 1).token_ids  # target-only: no proposer (k is unused)
         return time.perf_counter() - t0, out
 
     def hf() -> tuple[float, list[int]]:
@@ -240,7 +239,7 @@ def batched_throughput(target, s: dict, deadline: float) -> dict:
         def run(i: int) -> None:
             batcher.begin()
             try:
-                res = plain_generate(SpecEngine(pair, target_lm=batcher.lm), prompts[i], params, method="target")
+                res = SpecEngine(pair, target_lm=batcher.lm).generate(prompts[i], params, None, 1)
                 made[i] = len(res.token_ids)
             finally:
                 batcher.end()

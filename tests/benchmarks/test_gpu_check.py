@@ -75,7 +75,7 @@ def test_the_cuda_tests_ran_in_a_subprocess_and_skipped_without_a_gpu(dry_run):
     assert report["summary"]["cuda_tests_failed"] == 0 and report["summary"]["cuda_tests_passed"] == 0
     assert tests["skipped"] >= 15  # collected (so importable without the absent pins), then skipped
     assert tests["skip_reasons"] == ["no CUDA GPU"]
-    assert sorted(report["stubbed_modules"]) == ["prometheus_client", "tenacity"]
+    assert sorted(report["stubbed_modules"]) == ["prometheus_client", "pydantic", "tenacity"]
     assert report["repository_mapped"] is True  # specops.* came from the folders, as with PYTHONPATH=. there
 
 

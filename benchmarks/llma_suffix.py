@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals
-from specops.serving.proposers.base import Proposer
 
 
 class SuffixProposer(Proposer):

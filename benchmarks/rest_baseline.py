@@ -23,8 +23,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals
-from specops.serving.proposers.base import Proposer
 
 
 class RestIndex:

@@ -180,9 +180,9 @@ def greedy_identical(num_prompts: int = 4, new_tokens: int = 24, seed: int = 0, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specops.core.models import ModelPair
+    from specops.serving.engine.proposer import Proposer
     from specops.serving.engine.spec import SpecEngine
     from specops.serving.engine.types import Proposals, SamplingParams
-    from specops.serving.proposers.base import Proposer
 
     if pair is None:
         torch.manual_seed(seed)

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from specops.core.errors import InvalidRequestError
 from specops.serving.engine.prefix import PrefixShare
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import ContextSpan, GenerationResult, SamplingParams
-from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.catalogue import (
     CATALOGUE,
     MAX_DRAFTS,

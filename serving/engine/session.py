@@ -25,6 +25,7 @@ import torch
 from specops.serving.engine.grammar import Constraint
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.prefix import PrefixShare
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.sampling import token_logprobs
 from specops.serving.engine.types import (
     ContextSpan,
@@ -38,7 +39,6 @@ from specops.serving.engine.types import (
     Verdict,
 )
 from specops.serving.engine.verifier import Verifier
-from specops.serving.proposers.base import Proposer
 
 FINISH_REASONS = ("eos", "length", "context", "stop")
 

@@ -15,9 +15,9 @@ from specops.core.models import ModelPair
 from specops.serving.engine import grammar
 from specops.serving.engine.kv import CachedLM
 from specops.serving.engine.prefix import PrefixShare
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.session import DecodeSession, SessionSetup
 from specops.serving.engine.types import ContextSpan, Emitted, GenerationResult, SamplingParams
-from specops.serving.proposers.base import Proposer
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specops.core.auto_policy import TARGET, AutoPolicy, Choice, Counts, copy_key, temp_bucket
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
-from specops.serving.proposers.base import Proposer
 
 
 class MethodSpec(Protocol):

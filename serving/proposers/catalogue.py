@@ -31,8 +31,8 @@ from specops.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the catalogue itself stays light: the CLI builds its --help from it without torch
     from specops.core.models import ModelPair
+    from specops.serving.engine.proposer import Proposer
     from specops.serving.engine.types import RequestStats
-    from specops.serving.proposers.base import Proposer
 
 NEEDS = ("draft_model", "target_hidden", "references", "datastore")
 """What a method may need: a draft model (the cluster's), the target's last hidden state

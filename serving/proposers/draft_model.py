@@ -8,9 +8,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.sampling import draw, warp
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
-from specops.serving.proposers.base import Proposer
 
 
 class DraftModelProposer(Proposer):

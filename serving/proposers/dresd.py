@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
-from specops.serving.proposers.base import Proposer
 
 DEFAULT_SHAPE = (3, 10)
 """Rows and tokens per row when neither the request nor the datastore says."""

@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from specops.core.sessions.ngram import MAX_EXTEND, Match, NgramIndex
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals
-from specops.serving.proposers.base import Proposer
 
 COPY_FACTOR, COPY_OFFSET = 1.0, 1.0
 """Serving's copy length: ``1 + match`` tokens, at most ``k`` (SuffixDecoding's rule,

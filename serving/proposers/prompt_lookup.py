@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals
-from specops.serving.proposers.base import Proposer
 
 
 def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:

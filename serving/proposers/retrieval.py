@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from specops.core.suffix import MAX_N
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
-from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.dresd import resolve_shape
 
 DENSE_BELOW = 6

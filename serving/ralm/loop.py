@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from specops.core.errors import InvalidRequestError
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import ContextSpan, SamplingParams
-from specops.serving.proposers.base import Proposer
 from specops.serving.ralm.os3 import RALM_OS3, OS3Config, StrideScheduler
 from specops.serving.retrieval.retriever import Query, Retriever
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specops.serving.engine.kv import CachedLM
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.spec import SpecEngine
 from specops.serving.engine.types import DecodeState, Proposals, SamplingParams, Verdict
 from specops.serving.plan import plain_generate
-from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.draft_model import DraftModelProposer
 
 

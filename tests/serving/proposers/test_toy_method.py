@@ -16,10 +16,10 @@ import requests
 import torch
 from pydantic import Field
 
+from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals
 from specops.serving.plan import plain_proposer
 from specops.serving.proposers import catalogue
-from specops.serving.proposers.base import Proposer
 from specops.serving.proposers.catalogue import MethodOptions, MethodSpec, ProposerResources
 from tests.serving.http.api_support import MODEL, metric, running, serve_config
 

@@ -47,11 +47,11 @@ demo: $(STAMP)
 # Everything (what CI runs), on both cores. Test time: README, `make test` (last fresh clone 2026-11-30, Intel Xeon,
 # 2 cores: 18:53 for 1908 tests after issue 59, 21:24 for 1872 before; 11:21 for 1824 on an AMD EPYC). CPU-bound: both cores ~98 % busy.
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The quick ones, for development: everything but the end-to-end tests marked slow.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/spec_decode.py --json benchmarks/out/spec_decode.json

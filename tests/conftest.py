@@ -18,15 +18,30 @@ from specops.trainer.bootstrap import run as bootstrap
 # Under pytest-xdist (`make test`: one worker per core) a second torch thread per worker would
 # oversubscribe the cores, and the tiny models gain nothing from it. Code that needs both cores
 # (the bootstrap, subprocesses) sets its own thread count. SPECOPS_TEST_THREADS=N overrides.
-torch.set_num_threads(
-    int(os.environ.get("SPECOPS_TEST_THREADS") or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2))
-)
+TEST_THREADS = int(os.environ.get("SPECOPS_TEST_THREADS") or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2))
+torch.set_num_threads(TEST_THREADS)
+# The same for the `specops` processes tests start without --threads (servers, trainers, the demo): their
+# default (specops.cli.common.default_threads) would be every core, a second team beside the other worker's.
+os.environ.setdefault("SPECOPS_THREADS", str(TEST_THREADS))
 
 # Trainers, in this process and in the subprocesses it starts, split held-out records by the unkeyed hash:
 # the same split on every run and in every process (a real trainer keys it: specops.trainer.online.trainer.holdout_key_for).
 os.environ.setdefault("SPECOPS_HOLDOUT_KEY", "unkeyed")
 
-pytest_plugins = ["tests.registry.fixtures"]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
+pytest_plugins = [
+    "tests.registry.fixtures",
+    "tests.schedule",
+]  # real MLflow stores: sqlite_uri, pg_uri, mlflow_server, store_cfg
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """Put torch's thread count back after a test that changed it (a benchmark or CLI run in-process sets
+    its --threads): a later test in this worker would otherwise run a second team beside the other worker."""
+    yield
+    if torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
+
 
 VOCAB = 97
 EOS = 0

@@ -60,11 +60,25 @@ def add_version(parser: argparse.ArgumentParser) -> None:
     )
 
 
+THREADS_ENV = "SPECOPS_THREADS"
+"""The default of ``--threads`` where it is not given (a container's CPU limit, a test run sharing cores)."""
+
+
+def default_threads() -> int:
+    """``$SPECOPS_THREADS`` when set (a positive integer), else all cores, at most 8."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise SystemExit(f"{THREADS_ENV}={raw!r}: expected a positive integer (torch CPU threads)")
+        return int(raw)
+    return min(os.cpu_count() or 1, 8)
+
+
 def set_threads(n: int | None) -> None:
-    """``--threads``: torch CPU threads (default: all cores, at most 8)."""
+    """``--threads``: torch CPU threads (default: :func:`default_threads`)."""
     import torch
 
-    torch.set_num_threads(n or min(os.cpu_count() or 1, 8))
+    torch.set_num_threads(n or default_threads())
 
 
 def add_group(sub, name: str, *, help: str, description: str) -> argparse._SubParsersAction:

@@ -46,6 +46,9 @@ loop round these tests read (CI, stop 69). The work is the same; only the cut-of
 def dry_run(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SPECOPS_SIMULATE_ABSENT": ABSENT_ON_GPU_MACHINE}
+    # One torch thread in the dry run and its pytest subprocess: the tiny shapes gain nothing from two, and
+    # two threads beside a second xdist worker on a 2-core machine spin at every barrier (several times slower).
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run(
         [sys.executable, "-c", RUN.format(absent=ABSENT_ON_GPU_MACHINE), "--dry-run", *DEADLINES, "--json", str(out)],

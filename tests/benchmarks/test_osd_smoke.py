@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import osd
 
@@ -36,12 +37,26 @@ SUMMARY_KEYS = {
 JSON) and ``real_text`` (a ``--domains docs`` run); both are checked below."""
 
 
+ONE_THREAD = ("--threads", "1")
+"""The benchmark's default is 2 torch threads: the tiny models gain nothing from a second, and beside a
+second xdist worker on a 2-core machine two threads spin at every barrier (several times slower)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads_back():
+    """The benchmark sets the thread count of its process: the tests after this module get theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
     out, doc, png = tmp_path / "osd.json", tmp_path / "benchmarks.md", tmp_path / "img" / "osd.png"
     argv = [
         "--model-dir",
         str(tiny_models),
+        *ONE_THREAD,
         "--requests",
         "10",
         "--probe",
@@ -146,11 +161,12 @@ def test_osd_benchmark_writes_json_plot_and_doc(tiny_models, tmp_path):
 
 
 @pytest.mark.slow
-def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
+def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path, main_json):
     out, doc = tmp_path / "grid.json", tmp_path / "benchmarks.md"
     argv = [
         "--model-dir",
         str(tiny_models),
+        *ONE_THREAD,
         "--grid",
         "--grid-requests",
         "4",
@@ -193,9 +209,7 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
     assert pc["bytes_all"] > pc["bytes_rejected"] > 0 and pc["teacher_forward_s"] > 0
     assert osd.GRID_BEGIN in doc.read_text()
     # the grid's sampling rows reach the main report's summary through --merge
-    main_json, png = tmp_path / "main.json", tmp_path / "merged.png"
-    assert osd.main([*_tiny_main(tiny_models, tmp_path / "osd.png"), "--json", str(main_json), "--no-doc"]) == 0
-    merged = tmp_path / "merged.json"
+    png, merged = tmp_path / "merged.png", tmp_path / "merged.json"
     assert (
         osd.main(["--merge", str(main_json), str(out), "--json", str(merged), "--doc", str(doc), "--plot", str(png)])
         == 0
@@ -207,11 +221,21 @@ def test_osd_grid_runs_at_tiny_size(tiny_models, tmp_path):
     )
 
 
+@pytest.fixture(scope="module")
+def main_json(tiny_models, tmp_path_factory):
+    """One run of the default domains at :func:`_tiny_main` size, read (never written) by both tests that
+    merge another run beside it: the same arguments gave the same run twice."""
+    out = tmp_path_factory.mktemp("osd_main")
+    assert osd.main([*_tiny_main(tiny_models, out / "osd.png"), "--json", str(out / "main.json"), "--no-doc"]) == 0
+    return out / "main.json"
+
+
 def _tiny_main(model_dir, plot) -> list[str]:
     """The smallest run of the arms a summary needs (main and offline), no other part; its plot to ``plot``."""
     return [
         "--model-dir",
         str(model_dir),
+        *ONE_THREAD,
         "--plot",
         str(plot),
         "--parts",
@@ -240,11 +264,13 @@ def _tiny_main(model_dir, plot) -> list[str]:
 
 
 @pytest.mark.slow
-def test_osd_runs_the_real_text_domain_alone_and_merges_it_beside_the_main_run(tiny_models, tmp_path, small_docs):
+def test_osd_runs_the_real_text_domain_alone_and_merges_it_beside_the_main_run(
+    tiny_models, tmp_path, small_docs, main_json
+):
     """Issue 55: ``--domains docs`` (documentation paragraphs, not templates) runs as its own
     cluster; merged beside a run of the default domains, its numbers are the summary's
     ``real_text``, held to the same bars."""
-    docs, main_json, merged, doc = (tmp_path / n for n in ("docs.json", "main.json", "merged.json", "b.md"))
+    docs, merged, doc = (tmp_path / n for n in ("docs.json", "merged.json", "b.md"))
     assert (
         osd.main(
             [
@@ -261,7 +287,6 @@ def test_osd_runs_the_real_text_domain_alone_and_merges_it_beside_the_main_run(t
     )
     d = json.loads(docs.read_text())
     assert d["summary"]["clusters"] == ["docs"] and set(d["disjoint"]) == {"docs"}
-    assert osd.main([*_tiny_main(tiny_models, tmp_path / "osd.png"), "--json", str(main_json), "--no-doc"]) == 0
     png = tmp_path / "merged.png"
     assert (
         osd.main(["--merge", str(main_json), str(docs), "--json", str(merged), "--doc", str(doc), "--plot", str(png)])
@@ -320,6 +345,7 @@ def test_osd_parts_in_two_processes_merge_into_one_report(tiny_models, tmp_path)
     common = [
         "--model-dir",
         str(tiny_models),
+        *ONE_THREAD,
         "--requests",
         "6",
         "--probe",

@@ -19,6 +19,14 @@ from specops.cli.artifact import (
     registry_config,
 )
 
+MLFLOW_SERVER_ENV = {
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    # MLflow 3's server starts a job runner and 7 huey consumer processes for its GenAI jobs by default:
+    # the registry uses none of them
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+}
+"""Environment for an ``mlflow server`` this project starts (the UI, the demo's, the tests')."""
+
 
 def mlflow_ui_command(cfg, host: str, port: int) -> list[str]:
     """The ``mlflow server`` command line of the MLflow UI over the registry ``cfg`` (one worker)."""
@@ -40,7 +48,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     cmd = mlflow_ui_command(cfg, args.host, args.port)
     print(f"MLflow UI on http://{args.host}:{args.port}  (store {cfg.uri}; Ctrl-C stops it)", flush=True)
     try:
-        return subprocess.call(cmd, env={**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})
+        return subprocess.call(cmd, env={**os.environ, **MLFLOW_SERVER_ENV})
     except KeyboardInterrupt:
         return 0
 

@@ -38,9 +38,11 @@ class Stack:
         self._logs: list = []
 
     def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+        from specops.cli.registry import MLFLOW_SERVER_ENV
+
         f = open(log_path, "w")  # noqa: SIM115 (kept open for the child's lifetime)
         self._logs.append(f)
-        env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **MLFLOW_SERVER_ENV, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def mlflow_ui(self, registry, demo_dir: Path, port: int) -> str:

@@ -92,7 +92,7 @@ def pg_s3_server(pg_database, s3_bucket, tmp_path_factory):
         artifacts_destination=f"s3://{s3_bucket.bucket}/mlflow",
         env=s3_bucket.env,
     )
-    server.start(timeout_s=60)
+    server.start()  # the default 120 s: 60 was too short on a loaded 2-core machine
     try:
         yield server
     finally:

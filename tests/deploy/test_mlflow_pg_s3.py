@@ -124,14 +124,15 @@ def test_hot_swap_follows_the_pg_s3_registry_with_no_failed_request(pg_s3_server
         target_vocab=pair.vocab_size,
         target_tokenizer_sha256=pair.tokenizer_sha256,
         cache_dir=tmp_path / "cache",
-        cfg=HotSwapConfig(poll_s=0.5, backoff_initial_s=0.5, backoff_max_s=1.0, auto_rollback=False),
+        # polls only wait (a resolve is one small HTTP call): a short one sees each promotion sooner
+        cfg=HotSwapConfig(poll_s=0.2, backoff_initial_s=0.2, backoff_max_s=1.0, auto_rollback=False),
     ).start()
     node = ServingNode(pair, follower)
     stop, results, errors = threading.Event(), [], []
 
     def client() -> None:  # a steady trickle, not a busy loop: the follower's fetch shares the two cores
         n = 0
-        while not stop.wait(0.25):
+        while not stop.wait(0.1):
             prompt, want = prompts[n % len(prompts)]
             n += 1
             try:

@@ -91,13 +91,8 @@ def _mlflow_server(tmp_path_factory, sqlite_template) -> Iterator[MlflowServer]:
 def mlflow_server(tmp_path_factory, sqlite_template) -> Iterator[MlflowServer]:
     """A real ``mlflow server`` (SQLite store, served artifacts) shared by the session (one per xdist
     worker; it takes 10-20 s to start): its tests register under a cluster and an experiment of their
-    own (``store_cfg``). A test that stops the server takes ``fresh_mlflow_server``."""
-    yield from _mlflow_server(tmp_path_factory, sqlite_template)
-
-
-@pytest.fixture
-def fresh_mlflow_server(tmp_path_factory, sqlite_template) -> Iterator[MlflowServer]:
-    """A real ``mlflow server`` of this test's own, which the test may kill and start again."""
+    own (``store_cfg``). A test that stops it starts it again on the same port and store before it ends
+    (the hot-swap outage test)."""
     yield from _mlflow_server(tmp_path_factory, sqlite_template)
 
 

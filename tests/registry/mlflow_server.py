@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from specops.cli.registry import MLFLOW_SERVER_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,7 +73,7 @@ class MlflowServer:
             "1",
         ]
         log = open(self.root / "server.log", "ab")
-        env = {**os.environ, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", **self.env}
+        env = {**os.environ, **MLFLOW_SERVER_ENV, **self.env}  # no job runner: 8 processes fewer per server
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

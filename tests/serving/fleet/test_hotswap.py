@@ -8,9 +8,11 @@ tokenizer on disk). The "good" draft is a copy of the target (greedy acceptance 
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -57,19 +59,13 @@ def prompts(pair):
     return [(p, plain_generate(ref, p, GREEDY, method="target").token_ids) for p in ps]
 
 
-@pytest.fixture
-def mlflow_server(fresh_mlflow_server):
-    """The outage test kills the registry: a server of its own, not the session's."""
-    return fresh_mlflow_server
-
-
 def _follower(pair, registry, tmp_path, **cfg) -> DraftFollower:
     defaults = dict(
         poll_s=0.2,
         backoff_initial_s=0.2,
         backoff_max_s=1.0,
         live_report_every=10,
-        rollback_min_requests=20,
+        rollback_min_requests=10,
         rollback_margin=0.05,
     )
     return DraftFollower(
@@ -108,10 +104,11 @@ def test_event_triggers_swap_without_polling(backend, pair, drafts, prompts, sql
         node = ServingNode(pair, follower)
         assert node.generate(DecodePlan.plain(prompts[0][0], GREEDY, cluster="code")).draft_version == "base"
         follower.wait_idle()
-        time.sleep(1.0 if broker is None else 6.0)  # the watcher's group has joined
+        # No fixed wait for the watcher's group to join: a new group starts at the earliest record, so an
+        # event published before the join is still delivered; the wait below covers the join.
         dv = _register(reg, drafts["good"])
         reg.artifact("draft").promote("code", dv.version, reason="test")
-        _wait(lambda: follower.slot("code").current().version == dv.version, 20, "the event-driven swap")
+        _wait(lambda: follower.slot("code").current().version == dv.version, 30, "the event-driven swap")
         assert watcher.num_events >= 1
         served = node.generate(DecodePlan.plain(prompts[1][0], GREEDY, cluster="code"))
         assert served.draft_version == dv.version and served.result.token_ids == prompts[1][1]
@@ -183,8 +180,10 @@ def test_hot_swap_under_load(pair, drafts, prompts, sqlite_uri, tmp_path):
 
 @pytest.mark.slow
 def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts, mlflow_server, tmp_path):
-    reg = RegistryStore(RegistryConfig(uri=mlflow_server.uri, experiment="outage"))
-    cluster = "outage"
+    """Kills the session's ``mlflow server`` and starts it again on the same port and store (the recovery
+    this test checks), so later tests find it up: no server of its own to start (10-20 s on 2 cores)."""
+    cluster = f"outage{uuid.uuid4().hex[:6]}"
+    reg = RegistryStore(RegistryConfig(uri=mlflow_server.uri, experiment=cluster))
     v1 = _register(reg, drafts["good"], cluster).version
     reg.artifact("draft").promote(cluster, v1)
     follower = _follower(pair, reg, tmp_path, auto_rollback=False, replica="pod-1")
@@ -218,6 +217,8 @@ def test_registry_outage_and_corrupt_artifact_keep_serving(pair, drafts, prompts
         assert "corrupt or tampered" in report["refused"]
     finally:
         follower.stop()
+        if mlflow_server.proc is None:  # failed during the outage: the session's server must come back
+            mlflow_server.start()
 
 
 def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlite_uri, tmp_path):
@@ -230,11 +231,11 @@ def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlit
     try:
         node.generate(DecodePlan.plain(prompts[0][0], GREEDY, cluster="code"))
         _wait(lambda: follower.slot("code").current().version == good, 30, "swap to the good draft")
-        for i in range(25):
+        for i in range(12):  # the good draft's live acceptance (1.0), the bar the bad one is judged against
             node.generate(DecodePlan.plain(prompts[i % len(prompts)][0], GREEDY, cluster="code"))
         reg.artifact("draft").promote("code", bad, reason="looks fine offline")
         _wait(lambda: follower.slot("code").current().version == bad, 30, "swap to the bad draft")
-        for i in range(25):
+        for i in range(12):  # past rollback_min_requests (10): judged, with acceptance near 0 against 1.0
             assert (
                 node.generate(DecodePlan.plain(prompts[i % len(prompts)][0], GREEDY, cluster="code")).result.token_ids
                 == prompts[i % len(prompts)][1]
@@ -245,5 +246,7 @@ def test_degraded_champion_rolls_back_automatically(pair, drafts, prompts, sqlit
         follower.stop()
     assert reg.artifact("draft").aliases("code")[CHAMPION] == good
     tags = reg.artifact("draft").get("code", bad).tags
-    assert tags["rolled_back"].startswith("auto-rollback: live acceptance") and "over 2" in tags["rolled_back"]
+    assert tags["rolled_back"].startswith("auto-rollback: live acceptance")
+    judged_on = re.search(r"over (\d+) requests", tags["rolled_back"])
+    assert judged_on and 10 <= int(judged_on[1]) <= 12, tags["rolled_back"]  # judged once M requests were served
     assert reg.artifact("draft").get("code", good).metric("live_acceptance") == pytest.approx(1.0)

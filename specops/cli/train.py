@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from pathlib import Path
 
 from specops.cli.common import add_model_dir, fail, positive_int, prose, set_threads
@@ -56,6 +57,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from specops.trainer.ranks import launched_world
 
     set_threads(args.threads)
+    # Ctrl-C / SIGINT is the trainer's graceful stop (checkpoint, commit, exit 0). A process started from a
+    # non-interactive shell with `&` inherits SIGINT ignored, and Python then installs no handler: put it back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = _online_config(args)
     base = Path(args.draft) if args.draft else Path(args.model_dir) / "draft"
     target = None

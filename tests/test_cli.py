@@ -1,4 +1,9 @@
-"""The console script end to end on a --tiny bootstrap."""
+"""The console script end to end on a --tiny bootstrap.
+
+Each `specops generate` process imports torch and transformers (seconds of CPU before it decodes
+anything), so a real process runs where the process boundary is what is checked (the JSON a
+console run prints, a stream the process flushes before it exits, imports at start-up); argument
+handling and the decoding itself run through ``main()`` in this process (:func:`cli`)."""
 
 from __future__ import annotations
 
@@ -7,18 +12,28 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from specops.cli.main import main
+
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _threads() -> list[str]:
+    """``--threads`` as this process has it: an in-process command sets torch's threads, and the
+    pytest worker's count must stay as conftest set it."""
+    return ["--threads", str(torch.get_num_threads())]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("models")
-    run = subprocess.run(
-        [sys.executable, "-m", "specops.cli.main", "-q", "bootstrap", "--tiny", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
+    # through main(), as tests/specops/cli/test_bootstrap.py runs the command: here it only provides the
+    # models, and a process of its own would import torch once more
+    with pytest.MonkeyPatch.context() as mp:  # main() sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE: undone after
+        for var in OFFLINE:
+            mp.setenv(var, "1")
+        assert main([*_threads(), "-q", "bootstrap", "--tiny", "--out", str(out)]) == 0
     return out
 
 
@@ -27,24 +42,33 @@ def specops(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``specops ARGS`` through ``main()`` in this process, as a CompletedProcess: its exit code
+    (argparse's SystemExit included) and what it printed."""
+    for var in OFFLINE:  # main() sets them; undone after the test
+        monkeypatch.setenv(var, "1")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main([*_threads(), "-q", *args])
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
+
+
 @pytest.mark.slow
-def test_generate_json_is_identical_across_methods(tiny_dir):
+def test_generate_json_is_identical_across_methods(tiny_dir, cli):
     outs = {}
-    for method in ("target", "draft", "pld"):
-        run = specops(
-            "generate",
-            "--model-dir",
-            str(tiny_dir),
-            "--method",
-            method,
-            "--prompt",
-            "def main():\n    ",
-            "--max-new-tokens",
-            "12",
-            "--k",
-            "3",
-            "--json",
-        )
+    for method in ("draft", "target", "pld"):
+        args = ["generate", "--model-dir", str(tiny_dir), "--method", method, "--prompt", "def main():\n    "]
+        args += ["--max-new-tokens", "12", "--k", "3", "--json"]
+        # one console process prints the JSON; the other methods decode through main() in this process
+        run = specops(*_threads(), *args) if method == "draft" else cli(*args)
         assert run.returncode == 0, run.stderr
         outs[method] = json.loads(run.stdout)
     assert outs["draft"]["token_ids"] == outs["pld"]["token_ids"] == outs["target"]["token_ids"]
@@ -62,26 +86,29 @@ def test_generate_json_is_identical_across_methods(tiny_dir):
 
 
 @pytest.mark.slow
-def test_generate_sampling_is_seeded(tiny_dir):
+def test_generate_sampling_is_seeded(tiny_dir, cli):
+    """Twice in one process: a seed that were ignored would draw from torch's global generator, which
+    the first run moved (two fresh processes would agree on its start-up seed even then)."""
     sampled = ["--temperature", "0.9", "--seed", "3", "--method", "draft"]  # auto's samples are not reproducible
     args = ["generate", "--model-dir", str(tiny_dir), "--prompt", "the", *sampled, "--json"]
-    a, b = json.loads(specops(*args).stdout), json.loads(specops(*args).stdout)
-    assert a["token_ids"] == b["token_ids"]
+    a, b = cli(*args), cli(*args)
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
 
 
 @pytest.mark.slow
-def test_bad_input_gives_clear_error(tiny_dir):
-    run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "", "--json")
+def test_bad_input_gives_clear_error(tiny_dir, cli):
+    run = cli("generate", "--model-dir", str(tiny_dir), "--prompt", "", "--json")
     assert run.returncode == 2 and "prompt is empty" in run.stderr
-    run = specops("generate", "--model-dir", str(tiny_dir), "--prompt", "x", "--k", "0")
+    run = cli("generate", "--model-dir", str(tiny_dir), "--prompt", "x", "--k", "0")
     assert run.returncode == 2 and "k (tokens drafted per step)" in run.stderr
-    run = specops("generate", "--model-dir", str(tiny_dir / "missing"), "--prompt", "x")
+    run = cli("generate", "--model-dir", str(tiny_dir / "missing"), "--prompt", "x")
     assert run.returncode == 2 and "specops bootstrap" in run.stderr
 
 
-def test_every_subcommand_has_help():
+def test_every_subcommand_has_help(cli):
     for cmd in ("bootstrap", "generate", "demo"):
-        run = specops(cmd, "--help")
+        run = specops(cmd, "--help") if cmd == "generate" else cli(cmd, "--help")  # one console process is enough
         assert run.returncode == 0 and "usage: specops" in run.stdout
 
 

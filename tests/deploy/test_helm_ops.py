@@ -416,7 +416,8 @@ def test_one_job_migrates_mlflow_and_every_replica_waits_for_it():
     )
 
 
-def _wait_for_schema(uri: str, timeout_s: float = 1) -> subprocess.CompletedProcess:
+def _wait_for_schema(uri: str, timeout_s: float = 0) -> subprocess.CompletedProcess:
+    # the script checks once before it reads the clock, then sleeps 5 s: timeout 0 is that first check's verdict
     wait = hs.pod_spec(hs.one(hs.render(DEFAULT), "Deployment", "mlflow"))["initContainers"][0]
     assert wait["command"][:2] == ["python", "-c"]
     env = {**os.environ, **hs.literal_env(wait), "MLFLOW_BACKEND_STORE_URI": uri, "WAIT_TIMEOUT_S": str(timeout_s)}

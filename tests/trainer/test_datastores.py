@@ -102,7 +102,8 @@ def _run_until(rebuilder, want: str, timeout_s: float = 60.0):
 
 def test_rebuild_registers_promotes_then_commits(stream_cfg, sqlite_uri, tiny_target):
     reg = RegistryStore(RegistryConfig(uri=sqlite_uri))
-    docs = _publish(stream_cfg, tiny_target, random_prompts(30, seed=7))
+    # 20 generations: 16 to build from (min_new 8) and 4 held out (every 5th) for the gate
+    docs = _publish(stream_cfg, tiny_target, random_prompts(20, seed=7))
 
     down = DatastoreRebuilder(stream_cfg, DownOnRegister(reg), tiny_target, cfg=CFG)
     try:
@@ -123,7 +124,7 @@ def test_rebuild_registers_promotes_then_commits(stream_cfg, sqlite_uri, tiny_ta
         assert 0.0 <= float(v.tags["mar"]) <= 1.0  # random prompts to a random model: little to retrieve
         assert rebuilder.run_once().status == "no_new_records"
         # More traffic: rebuilt, gated against the champion on the same held-out generations.
-        _publish(stream_cfg, tiny_target, random_prompts(30, seed=8))
+        _publish(stream_cfg, tiny_target, random_prompts(20, seed=8))
         second = rebuilder.run_once()
         while not second.clusters:
             second = rebuilder.run_once()

@@ -36,6 +36,7 @@ from specops.serving.fleet.node import ServingNode
 from specops.serving.fleet.stream_logger import RequestMeta
 from specops.serving.modes import Decoded, ServedResult
 from specops.serving.plan import DecodePlan
+from specops.serving.proposers.catalogue import AutoOptions, LlmaOptions
 from specops.serving.vllm.choice import LoadMeter, RequestPolicy, request_kind
 from specops.serving.vllm.client import request_body, stream_completion
 from specops.serving.vllm.plugin.specops_vllm_copy import MIN_N_KEY, REFS_KEY, join_refs, split_refs
@@ -416,5 +417,6 @@ def _unavailable_on_error(chunks, cluster: str):
 
 
 def _min_n(plan: DecodePlan) -> int:
-    """LLMA's shortest copying match for the copy server (the plan's option ``n``; 1 without one)."""
-    return int(getattr(plan.options, "n", 1))
+    """LLMA's shortest copying match for the copy server: the option ``n`` of an ``llma`` or ``auto`` plan,
+    else 1 (the methods that copy nothing)."""
+    return plan.options.n if isinstance(plan.options, (LlmaOptions, AutoOptions)) else 1

@@ -466,7 +466,10 @@ def test_a_non_streaming_client_that_disconnects_stops_the_decode(server, caplog
         requests.post(server.url + "/v1/completions", json=body, timeout=(5, 0.3))
     assert wait_until(lambda: gone() == before + 1, 10), "the decode did not notice the client had gone"
     assert wait_until(lambda: server.state.admission.snapshot().running == 0, 5), server.state.admission.snapshot()
-    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    # kafka-python's own loggers left out: a client of an earlier test in this worker may still be retrying
+    # its stopped broker (ECONNREFUSED), which says nothing about this server
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and not r.name.startswith("kafka")]
+    assert not errors, caplog.text
     r = requests.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
     assert r.status_code == 200
 

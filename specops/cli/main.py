@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors in the log")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: $SPECOPS_THREADS, else all cores, max 8)"
+        "--threads", type=int, default=None, help="torch CPU threads (default: all cores, max 8) (env: SPECOPS_THREADS)"
     )
     parser.add_argument(
         "--log-format",

@@ -28,6 +28,12 @@ os.environ.setdefault("SPECOPS_THREADS", str(TEST_THREADS))
 # the same split on every run and in every process (a real trainer keys it: specops.trainer.online.trainer.holdout_key_for).
 os.environ.setdefault("SPECOPS_HOLDOUT_KEY", "unkeyed")
 
+# The vLLM servers tests start (and any process they start) run torch.compile'd helpers eagerly: vLLM
+# compiles its sampler and logprob ops with inductor even under --enforce-eager, a C++ build of each on
+# first use (about 40 s of CPU a server on a cold cache, several servers a run). The tests check
+# behaviour, not speed; benchmarks keep vLLM's compile as its users run it.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 pytest_plugins = [
     "tests.registry.fixtures",
     "tests.schedule",

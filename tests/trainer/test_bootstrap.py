@@ -16,6 +16,7 @@ from specops.trainer.bootstrap.corpus import split_files
 from specops.trainer.bootstrap.evaluate import agreement
 from specops.trainer.bootstrap.roff import strip_roff
 from specops.trainer.bootstrap.train import forward_kl_loss
+from tests.conftest import TEST_THREADS
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +278,8 @@ def test_default_pair_converts_the_wheel_and_distils_a_draft(tmp_path, calibrate
     out = tmp_path / "models"
     # one timed forward per cost (after one warm-up): c and k are timings a test can only bound, and each rep
     # is another forward of the pair (8 cost measurements: 26 cached forwards with 2 reps, 16 with 1)
-    m = bootstrap.run(out, recipe=recipe, max_files_per_domain=60, cost_reps=1)
+    # one thread, as each xdist worker: two would oversubscribe the cores the other worker uses
+    m = bootstrap.run(out, recipe=recipe, max_files_per_domain=60, cost_reps=1, threads=TEST_THREADS)
     assert (
         m["kind"] == "smollm2"
         and bootstrap.is_bootstrapped(out, "smollm2")

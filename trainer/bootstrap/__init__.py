@@ -130,6 +130,7 @@ def run(
     cost_reps: int = 50,
     device: str = "cpu",
     dtype: str = "float32",
+    threads: int = NUM_THREADS,
 ) -> dict:
     """Build the bootstrap of ``kind`` (default ``smollm2``; ``tiny=True`` means ``tiny``)
     at ``out_dir`` and return its manifest.
@@ -140,6 +141,9 @@ def run(
     ``device`` and ``dtype`` (``specops.core.device.Placement``) are where the ``smollm2``
     draft's distillation and evaluation run, under autocast to ``dtype``; the saved weights
     are float32 whatever they are, and the cost ratio c is measured on the CPU as CI serves.
+    ``threads`` is torch's thread count while building: float reductions, hence the weights,
+    depend on it, and the default gives the same weights on every machine (a test sharing
+    the cores with another test worker builds with one).
 
     An existing complete bootstrap of the same kind is kept (and its manifest returned)
     unless ``force``; a ``tiny`` run also keeps any existing non-tiny pair. Output is written to a sibling temp dir and renamed into
@@ -155,7 +159,7 @@ def run(
         log.info("a bootstrap exists at %s; skipping (force=True rebuilds)", out_dir)
         return load_manifest(out_dir)
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(threads)
     try:
         if kind == "smollm2":
             return _build_pretrained(

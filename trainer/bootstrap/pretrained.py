@@ -16,9 +16,12 @@ and which, once installed, makes every ``save_pretrained`` import DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,10 +92,21 @@ def locate(source: WheelModel = SMOLLM2) -> Path:
 
 def convert(gguf_path: Path, out_dir: Path, source: WheelModel = SMOLLM2) -> None:
     """Write ``out_dir`` as a Hugging Face model directory (safetensors, float32) with the tokenizer."""
+    gguf_path = Path(gguf_path)
+    with _gguf_parsed_once():
+        model, tok = _load_gguf(gguf_path, source)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    (out_dir / "source.json").write_text(json.dumps(source_record(source), indent=1) + "\n")
+    log.info("converted %s to %s (%d parameters)", gguf_path.name, out_dir, sum(p.numel() for p in model.parameters()))
+
+
+def _load_gguf(gguf_path: Path, source: WheelModel):
+    """The float32 model and the tokenizer, read from the GGUF file."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    gguf_path = Path(gguf_path)
     folder, name = gguf_path.parent, gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     config.eos_token_id = list(source.eos_token_ids)
@@ -113,11 +127,35 @@ def convert(gguf_path: Path, out_dir: Path, source: WheelModel = SMOLLM2) -> Non
     model.eval()
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok.model_max_length = int(config.max_position_embeddings)
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    (out_dir / "source.json").write_text(json.dumps(source_record(source), indent=1) + "\n")
-    log.info("converted %s to %s (%d parameters)", gguf_path.name, out_dir, sum(p.numel() for p in model.parameters()))
+    return model, tok
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, one parse of each GGUF file and one tensor-name map per architecture.
+
+    transformers parses the file three times (for the config, the weights and the tokenizer;
+    about 4 s of CPU each for SmolLM2's 49k-entry vocabulary) and builds gguf's tensor-name map
+    once per module of the model (about 400 times, 5 s). Both are read-only and looked up on the
+    ``gguf`` module at call time, so the block puts memoising versions there and restores the
+    originals after it. The result is the same: ``tests/trainer/test_bootstrap.py`` converts the
+    wheel's file through it."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def source_record(source: WheelModel = SMOLLM2) -> dict:

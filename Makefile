@@ -45,8 +45,8 @@ demo: $(STAMP)
 	$(BIN)/specops demo
 
 # Everything (what CI runs), on both cores, the longest test files first (tests/schedule.py). Test time: README,
-# `make test` (last fresh clone 2026-12-01, a slow 2-core AMD EPYC: 22:47 for 1916 tests, 26:02 for 1908 before the
-# cuts; 18:53 for 1908 on a 2-core Intel Xeon). CPU-bound: both cores ~98 % busy.
+# `make test` (2026-12-01, 1916 tests: 9:35 in a checkout on a 2-core AMD EPYC, 11:49 there before the second
+# round of cuts; 22:47 in a fresh clone on a slower EPYC before them; 18:53 for 1908 on a 2-core Intel Xeon). CPU-bound.
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 

@@ -155,17 +155,6 @@ def main(argv: list[str] | None = None) -> dict:
                     f"clients {clients} context {context}: {before:.1f} -> {after:.1f} ms/step ({after / before:.2f}x)",
                     file=sys.stderr,
                 )
-    table = [
-        "| clients | context | ms/step before | ms/step after | after/before | tok/s before | tok/s after | same logits |",
-        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
-    ]
-    for r in rows:
-        table.append(
-            f"| {r['clients']} | {r['context']} | {r['ms_per_step_before']} | {r['ms_per_step_after']} | "
-            f"{r['ratio_after_over_before']} | {r['tok_s_before']} | {r['tok_s_after']} | "
-            f"{'yes' if r['same_logits'] else 'NO'} |"
-        )
-    print("\n".join(table))
     summary = {
         "model": model_name,
         "ratio_median": round(statistics.median(r["ratio_after_over_before"] for r in rows), 3),
@@ -182,28 +171,50 @@ def main(argv: list[str] | None = None) -> dict:
         "environment": environment(),
         "command": " ".join(["python", "benchmarks/batching.py", *(argv if argv is not None else sys.argv[1:])]),
     }
+    print(markdown(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     if args.doc:
-        section = "\n".join(
-            [
-                DOC_BEGIN,
-                "## Batching: slot pool vs copy-per-step",
-                "",
-                f"`{report['command']}` ({model_name}, {reps} repetitions interleaved, {steps} decode steps of "
-                f"{STEP_TOKENS} tokens with {ROLLBACK} rolled back; medians; a shared 2-core CPU, so read the ratios):",
-                "",
-                *table,
-                "",
-                "`before` copies every request's whole cache into a new padded cache on each batched step and appends "
-                "back by concatenation; `after` writes new keys/values in place into a preallocated slot pool and attends "
-                "over a view of it (`serving/engine/batching.py`).",
-                DOC_END,
-            ]
-        )
-        write_doc_section(args.doc, DOC_BEGIN, DOC_END, section)
+        write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report))
     return report
+
+
+def markdown(report: dict) -> str:
+    """The table of ``report["results"]``: one row per (clients, context), in the order they ran."""
+    table = [
+        "| clients | context | ms/step before | ms/step after | after/before | tok/s before | tok/s after | same logits |",
+        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for r in report["results"].values():
+        table.append(
+            f"| {r['clients']} | {r['context']} | {r['ms_per_step_before']} | {r['ms_per_step_after']} | "
+            f"{r['ratio_after_over_before']} | {r['tok_s_before']} | {r['tok_s_after']} | "
+            f"{'yes' if r['same_logits'] else 'NO'} |"
+        )
+    return "\n".join(table)
+
+
+def doc_section(report: dict) -> str:
+    """The batching section of docs/benchmarks.md, markers included, from a report (a run's or its JSON's)."""
+    s = report["summary"]
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## Batching: slot pool vs copy-per-step",
+            "",
+            f"`{report['command']}` ({s['model']}, {s['repetitions']} repetitions interleaved, {s['decode_steps']} "
+            f"decode steps of {STEP_TOKENS} tokens with {ROLLBACK} rolled back; medians; a shared 2-core CPU, so read "
+            "the ratios):",
+            "",
+            markdown(report),
+            "",
+            "`before` copies every request's whole cache into a new padded cache on each batched step and appends "
+            "back by concatenation; `after` writes new keys/values in place into a preallocated slot pool and attends "
+            "over a view of it (`serving/engine/batching.py`).",
+            DOC_END,
+        ]
+    )
 
 
 if __name__ == "__main__":

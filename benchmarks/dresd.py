@@ -450,8 +450,13 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.doc:
-        write_doc_section(Path(args.doc), DOC_BEGIN, DOC_END, f"{DOC_BEGIN}\n{table}\n{DOC_END}")
+        write_doc_section(Path(args.doc), DOC_BEGIN, DOC_END, doc_section(report))
     return 0
+
+
+def doc_section(report: dict) -> str:
+    """This benchmark's section of docs/benchmarks.md, markers included, from a report (a run's or its JSON's)."""
+    return f"{DOC_BEGIN}\n{markdown(report)}\n{DOC_END}"
 
 
 def markdown(report: dict) -> str:

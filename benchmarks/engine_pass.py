@@ -351,27 +351,31 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
     if not args.no_doc:
-        env = report["environment"]
-        section = "\n".join(
-            [
-                DOC_BEGIN,
-                "## One packed target pass, by linear route and path (`benchmarks/engine_pass.py`)",
-                "",
-                "Command:",
-                "",
-                f"    {report['command']}",
-                "",
-                f"Date {report['date'][:10]}; CPU {env.get('cpu_model')}, {env.get('cpu_count')} cores; target "
-                f"{result['target']} in float32; decode rows with {args.past} cached positions; median of "
-                f"{args.reps} passes. `hf`: Hugging Face's modules over the packed pass; `lean`: "
-                "`serving/engine/lean.py` (fused q/k/v and gate/up on prepacked oneDNN weights).",
-                "",
-                table,
-                DOC_END,
-            ]
-        )
-        write_doc_section(args.doc, DOC_BEGIN, DOC_END, section)
+        write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report))
     return 0
+
+
+def doc_section(report: dict) -> str:
+    """This benchmark's section of docs/benchmarks.md, markers included, from a report (a run's or its JSON's)."""
+    env, cfg = report["environment"], report["config"]
+    return "\n".join(
+        [
+            DOC_BEGIN,
+            "## One packed target pass, by linear route and path (`benchmarks/engine_pass.py`)",
+            "",
+            "Command:",
+            "",
+            f"    {report['command']}",
+            "",
+            f"Date {report['date'][:10]}; CPU {env.get('cpu_model')}, {env.get('cpu_count')} cores; target "
+            f"{cfg['target']} in float32; decode rows with {cfg['past']} cached positions; median of "
+            f"{cfg['reps']} passes. `hf`: Hugging Face's modules over the packed pass; `lean`: "
+            "`serving/engine/lean.py` (fused q/k/v and gate/up on prepacked oneDNN weights).",
+            "",
+            markdown(report),
+            DOC_END,
+        ]
+    )
 
 
 if __name__ == "__main__":

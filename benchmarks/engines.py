@@ -455,10 +455,16 @@ def finish(report: dict, args) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
     if not args.no_doc:
-        begin, end = doc_markers(args.doc_section)
-        title = "Throughput under load, next to vLLM's CPU build" if args.doc_section == "engines-load" else None
-        write_doc_section(args.doc, begin, end, doc_section(report, table, begin, end, title))
+        write_doc_section(args.doc, *doc_markers(args.doc_section), doc_text(report, args.doc_section))
     return 0
+
+
+def doc_text(report: dict, section: str) -> str:
+    """The doc section ``section`` (``engines`` or ``engines-load``), markers included, of a report
+    whose summary is in it (a run's or its JSON's)."""
+    begin, end = doc_markers(section)
+    title = "Throughput under load, next to vLLM's CPU build" if section == "engines-load" else None
+    return doc_section(report, markdown(report), begin, end, title)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -409,8 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if not args.no_doc and not args.quick:
-        write_doc_section(args.doc, DOC_BEGIN, DOC_END, f"{DOC_BEGIN}\n{text}\n{DOC_END}")
+        write_doc_section(args.doc, DOC_BEGIN, DOC_END, doc_section(report, command.strip()))
     return 0
+
+
+def doc_section(report: dict, command: str) -> str:
+    """This benchmark's section of docs/benchmarks.md, markers included (``command``: the line that ran it)."""
+    return f"{DOC_BEGIN}\n{markdown(report, command)}\n{DOC_END}"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from benchmarks.distill.constants import (
     DOC_BEGIN,
     DOC_END,
     GAIN_BAR,
+    GRID_BEGIN,
+    GRID_END,
     OFFLINE_FRACTION_BAR,
     RECOVERY_BAR,
     RECOVERY_MARGIN,
@@ -212,3 +214,24 @@ def sampling_markdown(s: dict) -> list[str]:
         )
         + ".",
     ]
+
+
+def grid_doc_section(g: dict, text: str) -> str:
+    """The recipe grid's section of docs/benchmarks.md (markers included): ``g`` a ``--grid`` report,
+    ``text`` its ``grid_markdown``."""
+    env = g["environment"]
+    return "\n".join(
+        [
+            GRID_BEGIN,
+            "### The recipe grid (`benchmarks/osd.py --grid`)",
+            "",
+            "Command:",
+            "",
+            f"    {g['command']}",
+            "",
+            f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.",
+            "",
+            text,
+            GRID_END,
+        ]
+    )

@@ -279,6 +279,6 @@ def grid_markdown(g: dict) -> str:
         + ".",
         f"Training at every position costs, per request: {pc['bytes_all'] / 1024:.1f} KiB logged (against "
         f"{pc['bytes_rejected'] / 1024:.1f} KiB for the rejected positions), or one target forward of "
-        f"{pc['teacher_forward_s'] * 1000:.0f} ms in the trainer (`trainer.data.TargetTeacher`).",
+        f"{pc['teacher_forward_s'] * 1000:.0f} ms in the trainer (`specops.trainer.data.TargetTeacher`).",
     ]
     return "\n".join(lines)

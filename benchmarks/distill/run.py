@@ -22,7 +22,7 @@ from benchmarks.distill import scope
 from benchmarks.distill.arms import arm_key, moving, recovery, shift_segments
 from benchmarks.distill.cli import parse_args
 from benchmarks.distill.constants import DOC_BEGIN, DOC_END, GRID_BEGIN, GRID_END, PARTS, WINDOW
-from benchmarks.distill.doc import doc_section
+from benchmarks.distill.doc import doc_section, grid_doc_section
 from benchmarks.distill.grid import _recipe, grid, grid_markdown
 from benchmarks.distill.learning import learning_run, offline_bound, offline_distill, online_config
 from benchmarks.distill.scope import report_domains, set_domains
@@ -338,27 +338,7 @@ def grid_finish(g: dict, args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(g, indent=1))
     if not args.no_doc:
-        env = g["environment"]
-        write_doc_section(
-            args.doc,
-            GRID_BEGIN,
-            GRID_END,
-            "\n".join(
-                [
-                    GRID_BEGIN,
-                    "### The recipe grid (`benchmarks/osd.py --grid`)",
-                    "",
-                    "Command:",
-                    "",
-                    f"    {g['command']}",
-                    "",
-                    f"Date {g['date'][:10]}; CPU {env['cpu_model']}, {env['cpu_count']} cores.",
-                    "",
-                    text,
-                    GRID_END,
-                ]
-            ),
-        )
+        write_doc_section(args.doc, GRID_BEGIN, GRID_END, grid_doc_section(g, text))
     return 0
 
 

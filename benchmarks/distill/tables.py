@@ -97,8 +97,13 @@ def markdown(report: dict) -> str:
             "arm's final draft, and (`auto_*`) the default method, `auto`, continuing from a policy that served "
             "with the static draft: with it still (`auto_static`), with the final champion swapped in and its "
             "estimate re-seeded from the gate (`auto_gated`, what serving does), or kept (`auto_stale`, before "
-            "issue 55); where the offline part ran in the same process, with the offline bound's draft "
-            "(`auto_offline`, re-seeded from its probe α):",
+            "issue 55)"
+            + (
+                "; where the offline part ran in the same process, with the offline bound's draft "
+                "(`auto_offline`, re-seeded from its probe α):"
+                if "auto_offline" in arms
+                else ":"
+            ),
             "",
             "| cluster | " + " | ".join(arms) + " |",
             "|---|" + "---:|" * len(arms),

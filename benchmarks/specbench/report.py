@@ -139,7 +139,7 @@ def doc_section(report: dict, table: str) -> str:
             "over the common length (ours against our `target`, HF's against `hf_target`).",
             "",
             "Kernels: HF's methods run on the models as `from_pretrained` loads them (plain `nn.Linear`, what a user "
-            "of HF runs); ours on the served models, whose few-row products go through `core.cpu_linear` "
+            "of HF runs); ours on the served models, whose few-row products go through `specops.core.cpu_linear` "
             "(1 row as a 2-column `W @ xᵀ` that uses both cores, 2-16 rows as `W @ xᵀ`). The two compute the same "
             "products in another summation order, so `target` and `hf_target` may part on a near tie: "
             f"they agreed on {fmt(s['target_identical_to_hf_target'], '.0%')} of greedy prompts here. "

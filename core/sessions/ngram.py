@@ -5,16 +5,19 @@ Every n-gram (n = 1..``max_n``) of the indexed documents maps to where it ends, 
 a request's trailing tokens costs at most ``max_n`` dictionary reads and never re-scans a
 document. :meth:`NgramIndex.matches` ranks the hits of the longest n-gram by how far their
 match extends further back (up to :data:`MAX_EXTEND` tokens), then by the continuation's
-length, then by recency. LLMA's proposer (``specops.serving.proposers.llma``) drafts from these matches.
+length, then by recency; :meth:`NgramIndex.levels` gives every match by its length, as a
+suffix tree counts them (LLMA's scored rule). LLMA's proposer (``specops.serving.proposers.llma``)
+drafts from these matches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-MAX_EXTEND = 32
-"""How far back a candidate's match is compared to rank equally long n-gram hits."""
+MAX_EXTEND = 64
+"""How far back a candidate's match is compared: the longest match an index reports (SuffixDecoding's
+tree depth, 64; it was 32 until the scored rule of issue 60 counted matches per length)."""
 
 
 @dataclass(frozen=True)
@@ -73,16 +76,33 @@ class NgramIndex:
 
     def extend(self, more: Iterable[int]) -> None:
         """Append tokens to the last document (a growing context), indexing the n-grams that
-        end at each new token: ``max_n`` dictionary updates per token."""
+        end at each new token: ``max_n`` dictionary updates per token (one pass per n over
+        tuples ``zip`` builds: a 1,000-token prompt is indexed in a few milliseconds)."""
         toks, table, cap = self.tokens, self.table, self.max_positions
         if not self.num_docs:
             self.num_docs = 1
             self._doc_start = 0
-        for t in more:
-            toks.append(int(t))
-            end = len(toks)
-            for n in range(1, min(self.max_n, end - self._doc_start) + 1):
-                key = tuple(toks[end - n : end])
+        old = len(toks)
+        toks.extend(int(t) for t in more)
+        new = len(toks)
+        if new - old <= 16:  # a step's few tokens: token by token (the passes below cost more to set up)
+            for end in range(old + 1, new + 1):
+                for n in range(1, min(self.max_n, end - self._doc_start) + 1):
+                    key = tuple(toks[end - n : end])
+                    hits = table.get(key)
+                    if hits is None:
+                        table[key] = [end]
+                    else:
+                        hits.append(end)
+                        if len(hits) > cap:
+                            del hits[0]
+            return
+        for n in range(1, self.max_n + 1):
+            first = max(old + 1, self._doc_start + n)  # the first end of an n-gram within the document
+            if first > new:
+                break
+            grams = zip(*(toks[first - n + j : new - n + j + 1] for j in range(n)))
+            for end, key in enumerate(grams, first):
                 hits = table.get(key)
                 if hits is None:
                     table[key] = [end]
@@ -123,6 +143,36 @@ class NgramIndex:
                 found.sort(key=lambda m: (m.length, m.available, m.pos), reverse=True)
                 return found
         return []
+
+    def levels(self, tail: Sequence[int], k: int, min_n: int = 1) -> Iterator[tuple[int, list[Match]]]:
+        """Every place where a trailing piece of ``tail`` occurs with something to copy after it,
+        by match length: one ``(n, matches)`` per n-gram length from the longest that occurs
+        down to ``min_n``, each match given once, where it first appears.
+
+        The first level holds the hits of the longest trailing n-gram, each with how far its
+        match really extends (up to :data:`MAX_EXTEND`). Each later level ``n`` holds the
+        hits of the n-token suffix not already given, whose match is exactly ``n`` long: a hit
+        among the ``max_positions`` most recent of the n-gram that also matches ``n + 1`` tokens
+        is among the most recent of the (n+1)-gram too. So the matches of length >= L, for any
+        L, are the union of the levels down to L: what a suffix tree counts at depth L (within
+        the cap). A generator, so a caller that has seen enough stops early."""
+        limit = min(len(tail), MAX_EXTEND)
+        seen: set[int] = set()
+        first = True
+        for n in range(min(self.max_n, len(tail)), min_n - 1, -1):
+            level = []
+            for pos in self.table.get(tuple(tail[len(tail) - n :]), ()):
+                if pos in seen:
+                    continue
+                avail = self._available(pos, k)
+                if avail:
+                    seen.add(pos)
+                    level.append(Match(self._extent(tail, pos, limit) if first else n, pos, avail))
+            if first and not level:
+                continue
+            first = False
+            level.sort(key=lambda m: (m.length, m.pos), reverse=True)
+            yield n, level
 
     def copy(self, m: Match, k: int) -> list[int]:
         return self.tokens[m.pos : m.pos + min(k, m.available)]

@@ -137,9 +137,10 @@ class LlmaOptions(MethodOptions):
     n: int = Field(1, ge=1, le=LLMA_MAX_N)
     """The shortest trailing match, in tokens, that triggers a copy (the paper's n; 1 was its best)."""
     fixed_k: bool = False
-    """Copy ``k`` tokens at every match (the paper's rule); false (serving's default): the copy
-    grows with the match (by LLMA's copy factor), at most ``k``, and stops
-    where equally good matches disagree."""
+    """Copy ``k`` tokens at every match (the paper's rule); false (serving's default): every
+    match length up to 64 tokens is scored by how often its continuations recur
+    (SuffixDecoding's rule), the copy grows with the match, at most ``k``, and stops where its
+    probability falls too low."""
 
 
 class AutoOptions(MethodOptions):

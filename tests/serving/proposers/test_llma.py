@@ -17,10 +17,9 @@ from specops.serving.engine.types import DecodeState, SamplingParams
 from specops.serving.plan import DecodePlan, plain_generate, plain_proposer
 from specops.serving.proposers.catalogue import ProposerResources, method_spec
 from specops.serving.proposers.llma import (
-    COPY_FACTOR,
-    COPY_OFFSET,
     MIN_AGREEMENT,
     MIN_PATH,
+    SERVING_RULE,
     WIDEN_MARGIN,
     LLMAProposer,
     ReferenceSet,
@@ -177,11 +176,10 @@ def test_copy_length_grows_with_the_match_and_stops_where_matches_disagree(tiny_
     whole = LLMAProposer(refs, max_n=8, use_context=False, copy_factor=10.0).propose(state, 4)
     assert whole.tokens.tolist() == [[9, 10, 11, 13]]
     served = plain_proposer(ProposerResources(pair=tiny_pair), method="llma")
-    assert (served.copy_factor, served.copy_offset, served.min_agreement, served.min_path) == (
-        COPY_FACTOR,
-        COPY_OFFSET,
-        MIN_AGREEMENT,
-        MIN_PATH,
+    assert (served.copy_factor, served.copy_offset, served.min_prob) == (
+        SERVING_RULE["copy_factor"],
+        SERVING_RULE["copy_offset"],
+        SERVING_RULE["min_prob"],
     )
     assert plain_proposer(ProposerResources(pair=tiny_pair), method="llma", fixed_k=True).copy_factor is None
 
@@ -281,10 +279,10 @@ def test_frequency_rows_are_distinct_and_none_is_a_prefix_of_another():
 
 @pytest.mark.parametrize("n_drafts", [1, 3])
 def test_greedy_output_equals_target_only_when_frequent_copies_are_wrong(tiny_pair, n_drafts):
-    """Serving's rule (the catalogue's llma) where the most frequent continuation is wrong at
-    places: three references share a wrong token, one is the target's output."""
+    """Serving's rule (the catalogue's llma, the scored rule) where the most frequent
+    continuation is wrong at places: three references share a wrong token, one is the target's output."""
     cfg = dict(method="llma", n_drafts=n_drafts)
-    assert plain_proposer(ProposerResources(pair=tiny_pair), **cfg).min_agreement == MIN_AGREEMENT
+    assert plain_proposer(ProposerResources(pair=tiny_pair), **cfg).min_prob == SERVING_RULE["min_prob"]
     engine = SpecEngine(tiny_pair)
     for i, prompt in enumerate(random_prompts(4, seed=300)):
         ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=30), method="target").token_ids

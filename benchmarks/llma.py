@@ -21,13 +21,13 @@ Arms, interleaved per case (the order rotates): ``hf_target`` and ``target`` (ta
 HF's loop and ours; the speed-up's baseline is the faster of the two per set),
 ``hf_pld`` (HF prompt lookup, ``prompt_lookup_num_tokens``), ``pld`` (our prompt lookup
 at the same k, ``--pld-k``), ``draft`` (the bootstrapped draft model at its default k),
-``llma`` (serving's rule, ``serving/proposers/llma.py`` ``frequency_rows``: copy ``1 + match``
-tokens, at most ``--k``, of the continuation most of the longest matches share, ranked by
-frequency as SuffixDecoding ranks its tree's paths, cut before the first token whose share of
-the matches that agree so far is below half, or where the path's probability falls below 0.1) and ``suffix`` (SuffixDecoding from
+``llma`` (serving's rule, ``serving/proposers/llma.py`` ``scored_rows``: every match length up
+to 64 scored by how often its continuations recur, SuffixDecoding's rule, with the copy length
+and probability floor tuned on the dev split by ``benchmarks/llma_tune.py``) and ``suffix`` (SuffixDecoding from
 ``arctic-inference``, when it imports; ``benchmarks/llma_suffix.py``).
-A subset also runs LLMA with the paper's rule (copy k at every match) at every k of
-``--sweep``, and the target and LLMA at temperature 0.7 (the
+``--split dev|test`` takes disjoint halves of each set's first 2 x ``--cases`` cases: rules are
+tuned on dev (``benchmarks/llma_tune.py``) and reported on test. A subset also runs LLMA with the
+paper's rule (copy k at every match) at every k of ``--sweep``, and the target and LLMA at temperature 0.7 (the
 sampled outputs are not compared: the one-hot rule is exact in distribution, tested by the
 chi-square test in ``tests/serving/proposers/test_llma.py``).
 
@@ -77,12 +77,15 @@ from benchmarks.llma_report import (  # noqa: E402, F401  (some only re-exported
     SAMPLING_T,
     SET_LABELS,
     SETS,
+    SPLITS,
     SUMMARY_KEYS,
     TARGETS,
     arm_stats,
+    built,
     markdown,
     plot,
     set_report,
+    split_cases,
     summary,
 )
 from benchmarks.specbench.methods import ForwardCounter, Outcome, hf_method  # noqa: E402
@@ -97,8 +100,7 @@ from specops.serving.proposers.catalogue import (
 from specops.serving.proposers.llma import (  # noqa: E402
     COPY_FACTOR,
     COPY_OFFSET,
-    MIN_AGREEMENT,
-    MIN_PATH,
+    MIN_PROB,
     SERVING_RULE,
     LLMAProposer,
     ReferenceSet,
@@ -123,6 +125,11 @@ class Case:
 
 
 # ---------------------------------------------------------------- the sets
+def _split(args) -> str:
+    """The split to build (adaptive.py and vllm_path.py build sets with Namespaces of their own: all)."""
+    return getattr(args, "split", "all")
+
+
 def rag_cases(args, tok, n: int) -> list[Case]:
     from benchmarks import ralm_kbs, ralm_questions
     from specops.core.passage import token_counter
@@ -138,7 +145,7 @@ def rag_cases(args, tok, n: int) -> list[Case]:
         )
         kb = build_kb("llma-rag", passages, embedder="hash", retrievers=["bm25"], meta={"bench": recipe})
         kb.save(path)
-    per = -(-n // 3) + 2
+    per = -(-built(n, _split(args)) // 3) + 2
     questions = ralm_questions.interleaved(ralm_questions.question_sets(kb, per, seed=args.seed))
     bm25 = kb.retriever("bm25")
     cases = []
@@ -149,9 +156,9 @@ def rag_cases(args, tok, n: int) -> list[Case]:
         if docs:
             prompt = RAG_TEMPLATE.format(docs="\n".join(" ".join(d.split()) for d in docs), query=query)
             cases.append(Case("rag", q.title, prompt, docs))
-        if len(cases) == n:
+        if len(cases) == built(n, _split(args)):
             break
-    return cases
+    return split_cases(cases, n, _split(args))
 
 
 REWORDINGS = [
@@ -191,7 +198,7 @@ def cag_questions(args, n: int) -> list[tuple[str, str, list[str]]]:
                 break
     rng = random.Random(args.seed)
     rng.shuffle(out)
-    return out[:n]
+    return split_cases(out[: built(n, _split(args))], n, _split(args))
 
 
 def cag_cases(args, pair, n: int) -> list[Case]:
@@ -260,7 +267,7 @@ def overlap_cases(args, n: int, licences: dict[str, str]) -> list[Case]:
                 break
     cases = sorted(found.values(), key=lambda c: c.name)
     random.Random(args.seed).shuffle(cases)
-    return cases[:n]
+    return split_cases(cases[: built(n, _split(args))], n, _split(args))
 
 
 # ---------------------------------------------------------------- arms
@@ -365,6 +372,17 @@ def outcome_row(o: Outcome) -> dict:
 
 
 # ---------------------------------------------------------------- main
+def add_set_args(p: argparse.ArgumentParser) -> None:
+    """The options that build the sets (this script's and ``benchmarks/llma_tune.py``'s)."""
+    p.add_argument("--kb-passages", type=int, default=None, help="passages of the RAG KB (default 20000, quick 2000)")
+    p.add_argument("--source", action="append", help="text sources of the RAG KB (default: man pages + /usr/share/doc)")
+    p.add_argument("--licenses-dir", type=Path, default=Path("/usr/share/common-licenses"), help="overlap references")
+    p.add_argument("--copyright-glob", default="/usr/share/doc/*/copyright", help="overlap prompts")
+    p.add_argument("--prompt-chars", type=int, default=3000, help="overlap: characters kept before the cut")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def parse(argv) -> argparse.Namespace:
     from specops.paths import models_dir
 
@@ -391,13 +409,26 @@ def parse(argv) -> argparse.Namespace:
         "--k",
         type=int,
         default=DEFAULT_K["llma"],
-        help=f"LLMA's longest copy (serving's rule: {COPY_OFFSET:g} + {COPY_FACTOR:g} x match tokens, at most k)",
+        help=f"LLMA's longest copy (serving's rule: {COPY_FACTOR:g} x match + {COPY_OFFSET:g} tokens, at most k)",
     )
     p.add_argument(
         "--pld-k",
         type=int,
         default=DEFAULT_K["pld"],
         help="prompt lookup's copy length, ours and HF's (HF's default prompt_lookup_num_tokens)",
+    )
+    p.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="all",
+        help="which cases of each set: dev (tune on these) or test (report on these), disjoint halves of "
+        "the first 2 x --cases; all: the first --cases (default: %(default)s)",
+    )
+    p.add_argument(
+        "--arms",
+        default=",".join(a for a in GREEDY_ARMS if a != "suffix"),
+        help="comma-separated greedy arms (suffix runs whenever arctic-inference imports; hf_pld needs hf_target) "
+        "(default: %(default)s)",
     )
     p.add_argument("--n", type=int, default=1, help="LLMA's shortest match (the paper's best: 1)")
     p.add_argument("--sweep", default="4,8,12,16,20", help="LLMA k values run on the sweep subset")
@@ -406,13 +437,7 @@ def parse(argv) -> argparse.Namespace:
     )
     p.add_argument("--sampling-cases", type=int, default=None, help="cases per set run at T=0.7 (default 20, quick 2)")
     p.add_argument("--no-draft", action="store_true", help="skip the draft-model arm")
-    p.add_argument("--kb-passages", type=int, default=None, help="passages of the RAG KB (default 20000, quick 2000)")
-    p.add_argument("--source", action="append", help="text sources of the RAG KB (default: man pages + /usr/share/doc)")
-    p.add_argument("--licenses-dir", type=Path, default=Path("/usr/share/common-licenses"), help="overlap references")
-    p.add_argument("--copyright-glob", default="/usr/share/doc/*/copyright", help="overlap prompts")
-    p.add_argument("--prompt-chars", type=int, default=3000, help="overlap: characters kept before the cut")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--seed", type=int, default=0)
+    add_set_args(p)
     args = p.parse_args(argv)
     full = {"cases": 100, "max_new_tokens": 128, "sweep_cases": 20, "sampling_cases": 20, "kb_passages": 20000}
     quick = {"cases": 4, "max_new_tokens": 32, "sweep_cases": 2, "sampling_cases": 2, "kb_passages": 2000}
@@ -421,13 +446,24 @@ def parse(argv) -> argparse.Namespace:
             setattr(args, key, value)
     args.sweep = [int(k) for k in str(args.sweep).split(",") if k]
     args.sets = [s for s in args.sets.split(",") if s]
+    args.arms = [a for a in args.arms.split(",") if a]
+    if unknown := set(args.arms) - set(GREEDY_ARMS):
+        p.error(f"--arms: unknown {sorted(unknown)} (choose from {', '.join(GREEDY_ARMS)})")
+    if "target" not in args.arms or ("hf_pld" in args.arms and "hf_target" not in args.arms):
+        p.error("--arms: target is needed (every arm is compared with it), and hf_pld needs hf_target")
     if unknown := set(args.sets) - set(SETS):
         p.error(f"--sets: unknown {sorted(unknown)} (choose from {', '.join(SETS)})")
     return args
 
 
 def run_set(name: str, cases: list[Case], runner: Runner, args) -> tuple[dict, list[dict]]:
-    arms = [a for a in GREEDY_ARMS if not (a == "draft" and args.no_draft) and not (a == "suffix" and not args.suffix)]
+    arms = [
+        a
+        for a in GREEDY_ARMS
+        if (a in args.arms or a == "suffix")
+        and not (a == "draft" and args.no_draft)
+        and not (a == "suffix" and not args.suffix)
+    ]
     rows: dict[str, list[dict]] = {a: [] for a in arms}
     sweep: dict[int, list[dict]] = {k: [] for k in args.sweep} if args.sweep_cases else {}
     sampled: dict[str, list[dict]] = {"target": [], "llma": []} if args.sampling_cases else {}
@@ -520,16 +556,9 @@ def main(argv=None) -> int:
         log.info("%s: %d cases", name, len(cs))
     runner = Runner(pair, args, shared, shared_docs)
     warm = runner.encode("query: warm up\nanswer:")
-    for arm in (
-        "hf_target",
-        "target",
-        "hf_pld",
-        "pld",
-        "llma",
-        *(() if args.no_draft else ("draft",)),
-        *(("suffix",) if args.suffix else ()),
-    ):
-        runner.run(arm, Case("warm", "warm", "", ["warm up"]), warm)
+    for arm in GREEDY_ARMS:
+        if (arm in args.arms and not (arm == "draft" and args.no_draft)) or (arm == "suffix" and args.suffix):
+            runner.run(arm, Case("warm", "warm", "", ["warm up"]), warm)
     command = ".venv/bin/python benchmarks/llma.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report = {
         "command": command,
@@ -540,8 +569,8 @@ def main(argv=None) -> int:
             if k not in ("json", "doc", "plot", "replot")
         }
         | {
-            "copy_rule": f"{COPY_OFFSET:g} + {COPY_FACTOR:g} x match",
-            "cut_rule": f"the top token's share falls below {MIN_AGREEMENT:g} or the path's probability below {MIN_PATH:g}",
+            "copy_rule": f"{COPY_FACTOR:g} x match + {COPY_OFFSET:g}",
+            "cut_rule": f"the path's probability falls below {MIN_PROB:g}, the match length scored (SuffixDecoding's rule)",
         },
         "sets": {},
         "per_case": {},

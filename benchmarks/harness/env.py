@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -61,4 +62,8 @@ def target_name(model_dir: Path) -> str:
         m = load_manifest(model_dir)
         return m.get("target", {}).get("name") or f"{m.get('kind', 'toy')} target"
     except (OSError, ValueError):
+        pass
+    try:  # a target directory without the bootstrap's manifest: its converter's record
+        return json.loads((Path(model_dir) / "target" / "source.json").read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
         return "unknown"

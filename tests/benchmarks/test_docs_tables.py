@@ -132,7 +132,14 @@ def _ralm(r: dict) -> str:
 def _llma(r: dict) -> str:
     from benchmarks import llma_report
 
-    return llma_report.markdown(r, "img/llma.png")
+    swept = any(st.get("sweep") for st in r["sets"].values())  # the plot is of the k sweep
+    return llma_report.markdown(r, "img/llma.png" if swept else None)
+
+
+def _llma_tune(r: dict) -> str:
+    from benchmarks import llma_tune
+
+    return llma_tune.markdown(r, "img/llma_tune.png")
 
 
 def _adaptive(r: dict) -> str:
@@ -197,6 +204,7 @@ BLOCKS: dict[str, Block] = {
     "dresd-curve": Block("dresd.json", _dresd_curve),
     "ralm": Block("ralm.json", _ralm),
     "llma": Block("llma.json", _llma),
+    "llma-tune": Block("llma_tune.json", _llma_tune),
     "adaptive": Block("adaptive.json", _adaptive),
     # Written on 2026-11-26 by engines.py as it was before issue 54; the renderer has changed since
     # (a TTFT column, issue 54's summary columns, the protocol sentence) and no longer prints this

@@ -332,9 +332,9 @@ def doc_section(report: dict) -> str:
         f"throughput without it. Every output identical to target-only: {s['all_identical']}.",
         "",
         "What is batched is the target's forward passes (verify steps and prefills) of requests decoding at "
-        "the same time; draft forwards and the per-step Python work are not. A 5-token target pass over a "
-        "100-token context costs 1.12x for 2 requests and 1.39x for 4 compared with one on this CPU, so the "
-        "verify share of the work nearly halves at a mean batch of 2, while the draft's four 1-token forwards "
+        "the same time; draft forwards and the per-step Python work are not. A batched target pass costs less "
+        "than one pass per request (the batching section measures by how much, `benchmarks/out/batching.json`), "
+        "so the verify share of the work shrinks, while the draft's four 1-token forwards "
         "per step and the loop itself are unchanged, which is why the whole-request gain is smaller. The draft's "
         "own speedup depends on its acceptance on these prompts (see the spec_decode section for it on code "
         "and prose separately).",

@@ -55,9 +55,9 @@ def _passages(knowledge) -> Callable[[list[int]], list[str]]:
 
 def _oneshot(node: ModeHost, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
     """The top ``passages`` of the knowledge base for the prompt go before it
-    (``specops.serving.ralm.loop.oneshot_context``), then a plain decode; a method that copies
+    (``specops.serving.ralm.oneshot.oneshot_context``), then a plain decode; a method that copies
     references also copies from them (``retrieved``). The ``retrieval`` block names them."""
-    from specops.serving.ralm.loop import oneshot_context
+    from specops.serving.ralm.oneshot import oneshot_context
 
     ret = plan.retrieval
     kb, knowledge = ret.kb, ret.kb.artifact

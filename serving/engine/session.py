@@ -188,8 +188,13 @@ class DecodeSession:
     def finished(self) -> bool:
         return bool(self.finish_reason)
 
-    def step(self) -> StepOutcome:
-        """Propose, verify and commit once; the outcome says whether the request is finished."""
+    def step(self, proposals: Proposals | None = None) -> StepOutcome:
+        """Propose, verify and commit once; the outcome says whether the request is finished.
+
+        ``proposals``: rows the caller drafts this step instead of the proposer (deterministic,
+        verified by the one-hot rule; cut to the request's remaining length and context, not to
+        ``k``): RaLMSpec's withdrawn interval re-verified under the true passage. The proposer
+        still observes the verdict, as after a step it drafted nothing in."""
         assert self._started and not self._closed and not self.finished, "step() between start() and a finish"
         state, stats, params = self.state, self.stats, self.state.params
         remaining = params.max_new_tokens - state.num_generated
@@ -200,7 +205,11 @@ class DecodeSession:
         # A step emits up to k + 1 tokens (accepted + bonus): never past either limit.
         k_step = min(self.k, remaining - 1, room - 1)
         t0 = time.perf_counter()
-        if self.proposer is None or k_step <= 0:
+        if proposals is not None:
+            cap = min(remaining - 1, room - 1)
+            rows = [r[:cap] for r in proposals.rows()] if cap > 0 else []
+            proposals = Proposals.from_rows(rows) if any(rows) else Proposals.empty()
+        elif self.proposer is None or k_step <= 0:
             proposals = Proposals.empty()
         else:
             proposals = self.proposer.propose(state, k_step)

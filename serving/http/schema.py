@@ -76,6 +76,8 @@ class Retrieval(BaseModel):
     """RaLMSpec: verify while the next speculation step runs."""
     speculation_off: bool = True
     """RaLMSpec: OS³ may skip speculating when RaLMSeq is faster with the measured costs (false: the paper's OS³)."""
+    reverify: bool = True
+    """RaLMSpec: a mismatch verifies its withdrawn tokens again under the true passage (false: regenerate them)."""
 
 
 class Knnlm(BaseModel):

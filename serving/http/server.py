@@ -447,6 +447,7 @@ class ServingState:
             prefetch=retrieval.prefetch,
             asynchronous=retrieval.asynchronous,
             speculation_off=retrieval.speculation_off,
+            reverify=retrieval.reverify,
             passages=retrieval.passages,
         )
         if self.kbs is None:

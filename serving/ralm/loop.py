@@ -10,7 +10,9 @@ cache*; every later retrieval is first *speculated* from the cache (ranked with 
 score, so a cached passage scores exactly as in the KB), and generation goes on with the
 speculated passage. After ``s`` such speculation steps one *batched* KB retrieval verifies
 ``q_1..q_s``; at the first mismatch the output is rolled back to that step and regenerated
-with the true passage. Refinements (§4): *prefetch* (the top-``prefetch`` results of every
+with the true passage (ours, ``reverify``: the withdrawn tokens are first verified again under
+the true passage as one draft, in one target pass, so the prefix both passages give is kept
+instead of regenerated; the paper regenerates the whole interval). Refinements (§4): *prefetch* (the top-``prefetch`` results of every
 verification go into the cache, not just the first retrieval's), *OS³* (``s`` chosen live by
 ``specops.serving.ralm.os3``) and *asynchronous verification*: the batched KB retrieval runs in a
 worker thread while the main thread makes the next speculation step (torch, FAISS and
@@ -44,7 +46,7 @@ from specops.core.errors import InvalidRequestError
 from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.session import DecodeSession
 from specops.serving.engine.spec import SpecEngine
-from specops.serving.engine.types import ContextSpan, SamplingParams
+from specops.serving.engine.types import ContextSpan, Proposals, SamplingParams
 from specops.serving.ralm.os3 import RALM_OS3, OS3Config, StrideScheduler
 from specops.serving.retrieval.retriever import Query, Retriever
 
@@ -77,6 +79,10 @@ class RalmConfig:
     speculation_off: bool = True
     """OS³ may skip speculating in a round when RaLMSeq is faster with the measured costs
     (``specops.serving.ralm.os3``); False is the paper's OS³, which always speculates."""
+    reverify: bool = True
+    """A mismatch re-verifies the withdrawn interval's tokens under the true passage, as one draft
+    (the prefix both passages give is kept in one target pass), instead of regenerating it
+    token by token; False regenerates (the paper's rollback)."""
     cache_size: int = 4096
     """Most passages in a request's local cache (least recently added out first)."""
     passages: int = 5
@@ -133,6 +139,10 @@ class RalmStats:
     mismatches: int = 0
     """Verifications that found a wrong speculated passage."""
     rolled_back_tokens: int = 0
+    reverify_steps: int = 0
+    """Mismatches whose withdrawn interval was verified again under the true passage (``reverify``)."""
+    reverified_tokens: int = 0
+    """Of the withdrawn tokens, the ones the true passage also gave (kept without regenerating)."""
     unspeculated: int = 0
     """RaLMSpec rounds OS³ did not speculate in (a KB retrieval, then generation: RaLMSeq's
     interval), because with the measured costs RaLMSeq was faster."""
@@ -329,11 +339,19 @@ class RalmGenerator:
         )
         return _Segment(session, passage, start, len(context))
 
-    def _interval(self, seg: _Segment, out: list[int], stats: RalmStats) -> str:
-        """Generate up to ``interval`` tokens in ``seg`` onto ``out``; returns a finish reason or ""."""
+    def _interval(self, seg: _Segment, out: list[int], stats: RalmStats, redo: list[int] | None = None) -> str:
+        """Generate up to ``interval`` tokens in ``seg`` onto ``out``; returns a finish reason or "".
+        ``redo``: the tokens a mismatched speculation generated here, verified first as one draft
+        (the target accepts the prefix the true passage also gives, in one pass)."""
         t0 = time.perf_counter()
         session, k = seg.session, self.drafting.k
         produced = 0
+        if redo and not session.finished and self.cfg.interval > 1:
+            outcome = session.step(Proposals.from_rows([redo[: self.cfg.interval - 1]]))
+            out.extend(outcome.emitted)
+            produced += len(outcome.emitted)
+            stats.reverify_steps += 1
+            stats.reverified_tokens += len(outcome.verdict.accepted) if outcome.verdict is not None else 0
         while produced < self.cfg.interval and not session.finished:
             session.k = min(k, self.cfg.interval - produced - 1)
             outcome = session.step()
@@ -353,9 +371,10 @@ class RalmGenerator:
         out: list[int],
         params: SamplingParams,
         stats: RalmStats,
+        redo: list[int] | None = None,
     ) -> _Step:
         """Generate one interval with ``passage``: continue the previous step's session when the
-        passage is the same, else open a new one."""
+        passage is the same, else open a new one (``redo``: see :meth:`_interval`)."""
         t0 = time.perf_counter()
         start = len(out)
         prev = steps[-1] if steps else None
@@ -365,7 +384,7 @@ class RalmGenerator:
                 seg.session.rollback_to(seg.context_len + (start - seg.start))
         else:
             seg = self._open(passage, prompt, out, start, params)
-        reason = self._interval(seg, out, stats)
+        reason = self._interval(seg, out, stats, redo)
         step = _Step(start, query, passage, seg, verified, time.perf_counter() - t0, reason)
         steps.append(step)
         return step
@@ -538,8 +557,9 @@ class RalmGenerator:
                     if id(s.segment) not in kept_segments:
                         s.segment.close()
                 del steps[keep:]
+                redo = out[cut:] if cfg.reverify else None
                 del out[cut:]
-                self._run_step(steps, truth[m], pending[m].query, True, prompt, out, params, stats)
+                self._run_step(steps, truth[m], pending[m].query, True, prompt, out, params, stats, redo)
                 pending = []
             emit_final()
         stats.cache_passages = len(cache)
@@ -559,38 +579,3 @@ class RalmGenerator:
         reason = steps[-1].finish_reason if steps else "length"
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return RalmResult(list(out), [s.passage for s in steps], stats, reason, forwards, drafted, accepted, text)
-
-
-@dataclass(frozen=True)
-class OneShot:
-    """The context of a one-shot retrieval: the top passages for the prompt, put before it."""
-
-    context_ids: list[int]
-    spans: tuple[ContextSpan, ...]
-    passage_ids: list[int]
-    passage_tokens: tuple[tuple[int, ...], ...]
-    search_s: float
-
-
-def oneshot_context(
-    retriever: Retriever, passages: Callable[[list[int]], list[str]], tokenizer, prompt_ids: list[int], cfg: RalmConfig
-) -> OneShot:
-    """Retrieve the top ``cfg.passages`` passages once, for the last ``cfg.query_tokens`` tokens
-    of the prompt, and put them before it (best first, each cut to ``max_passage_tokens``, separated
-    as the retrieval loop separates its passage from the prompt). The LLMA paper's RAG setting."""
-    t0 = time.perf_counter()
-    query = retriever.encode([tokenizer.decode(prompt_ids[-cfg.query_tokens :])])
-    ids, _ = retriever.search(query, cfg.passages)
-    search_s = time.perf_counter() - t0
-    pids = [int(i) for i in ids[0] if i >= 0]
-    sep = list(tokenizer.encode("\n\n", add_special_tokens=False))
-    toks = tuple(tuple(tokenizer.encode(t, add_special_tokens=False)[: cfg.max_passage_tokens]) for t in passages(pids))
-    context: list[int] = []
-    spans = []
-    for t in toks:
-        if t:
-            spans.append(ContextSpan("retrieved", len(context), len(context) + len(t)))
-            context += [*t, *sep]
-    if prompt_ids:
-        spans.append(ContextSpan("prompt", len(context), len(context) + len(prompt_ids)))
-    return OneShot(context + list(prompt_ids), tuple(spans), pids, toks, search_s)

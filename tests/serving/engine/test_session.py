@@ -52,6 +52,28 @@ def test_rollback_then_continue_equals_target_only(close_pair, method):
         assert s.stats.num_rolled_back >= 6
 
 
+@pytest.mark.parametrize("method", ["target", "draft"])
+def test_a_callers_rows_are_verified_in_one_pass_and_change_nothing(close_pair, method):
+    """``step(proposals)``: the caller's draft (RaLMSpec's withdrawn interval) is verified in one
+    target pass; its right prefix is kept, a wrong token is replaced by the target's, and the
+    output stays target-only's (the proposer, if any, catches up)."""
+    from specops.serving.engine.types import Proposals
+
+    engine = SpecEngine(close_pair)
+    for prompt in random_prompts(3, seed=34):
+        ref = plain_generate(engine, prompt, GREEDY, method="target").token_ids
+        right = plain_session(engine, prompt, GREEDY, method=method, k=3)
+        first = right.step(Proposals.from_rows([ref[:6]]))
+        assert first.emitted == ref[:7] and right.target.num_forwards == 1  # 6 accepted + the target's own
+        assert drive(right) == ref
+        wrong = plain_session(engine, prompt, GREEDY, method=method, k=3)
+        bad = ref[:2] + [(ref[2] + 1) % 50] + ref[3:6]
+        assert wrong.step(Proposals.from_rows([bad])).emitted == ref[:3]
+        assert drive(wrong) == ref
+    capped = plain_session(engine, prompt, SamplingParams(max_new_tokens=3), method="target", k=1)
+    assert capped.step(Proposals.from_rows([ref[:6]])).emitted == ref[:3]  # cut to the request's length
+
+
 def test_tentative_tokens_are_final_only_when_finalized(close_pair):
     engine = SpecEngine(close_pair)
     prompt = random_prompts(1, seed=33)[0]

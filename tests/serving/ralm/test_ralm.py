@@ -146,8 +146,9 @@ PROMPTS = ["disk partition table of the sector", "a network socket sends a packe
         dict(prefetch=1),  # no prefetch (top-1 cache update)
         dict(asynchronous=False),  # no async
         dict(speculation_stride=5, prefetch=1, asynchronous=False, interval=3),
+        dict(speculation_stride=3, reverify=False),  # a mismatch regenerates its interval
     ],
-    ids=["psa", "paper-os3", "fixed3", "noprefetch", "sync", "s5-i3"],
+    ids=["psa", "paper-os3", "fixed3", "noprefetch", "sync", "s5-i3", "regenerate"],
 )
 def test_ralmspec_equals_ralmseq(pair, passages, pool, cfg):
     retriever = BagRetriever(passages)
@@ -192,6 +193,21 @@ def test_composes_with_a_draft_and_rolls_back(pair, passages, pool, method):
     )
     assert spec.token_ids == seq.token_ids
     assert spec.stats.mismatches > 0 and spec.stats.rolled_back_tokens > 0
+    # Each mismatch verified its withdrawn interval again under the true passage, in one pass.
+    assert 0 < spec.stats.reverify_steps <= spec.stats.mismatches
+    assert 0 <= spec.stats.reverified_tokens <= spec.stats.rolled_back_tokens
+    redo = _run(
+        pair,
+        retriever,
+        passages,
+        RalmConfig(speculation_stride=4, reverify=False),
+        prompt,
+        method=method,
+        k=3,
+        pool=pool,
+        max_new=40,
+    )
+    assert redo.token_ids == seq.token_ids and redo.stats.reverify_steps == 0
     target_only = _run(pair, retriever, passages, RalmConfig(mode="ralmseq"), prompt, max_new=40)
     assert target_only.token_ids == seq.token_ids  # the draft between retrievals changes nothing either
 

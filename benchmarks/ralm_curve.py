@@ -36,12 +36,12 @@ SEQ, SYNC, PSA, PAPER = "RaLMSeq", "RaLMSpec sync", "RaLMSpec async", "RaLMSpec 
 ARMS = {
     SEQ: RalmConfig(mode="ralmseq"),
     SYNC: RalmConfig(asynchronous=False),
-    PSA: RalmConfig(),
-    PAPER: RalmConfig(speculation_off=False),
+    PSA: RalmConfig(asynchronous=True),
+    PAPER: RalmConfig(asynchronous=True, speculation_off=False),
 }
 ARM_OS3 = {PAPER: PAPER_OS3}
 """RaLMSpec arms all prefetch the top 20 and choose the stride with OS³; ``sync`` verifies in
-the loop's thread, ``async`` (our default) in a worker during the next speculation step (both
+the loop's thread, ``async`` (serving's default when a request decodes alone) in a worker during the next speculation step (both
 with serving's OS³: γ capped at 0.9, speculation off when it cannot pay), and ``paper OS3`` is
 ``async`` with the paper's scheduler (γ capped at 0.6, always speculates)."""
 SPEC_ARMS = (SYNC, PSA, PAPER)

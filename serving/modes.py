@@ -117,6 +117,7 @@ def _ralm(node: ModeHost, plan: DecodePlan, on_step: OnStep, pool) -> Decoded:
         ret.cfg,
         drafting=Drafting(lambda: plan.proposer(resources), plan.k),
         pool=pool,
+        concurrency=node.decoding,
     )
     with node.batched():
         out = gen.generate(list(plan.prompt_ids), plan.params, on_final=on_step)

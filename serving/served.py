@@ -118,6 +118,10 @@ class ModeHost(Protocol):
         """Counts the request among the batcher's running ones while it decodes."""
         ...
 
+    def decoding(self) -> int:
+        """Requests decoding on this node now (the batcher's count; 1 without a batcher)."""
+        ...
+
     def record(self, plan: DecodePlan, handle: DraftRef, versions: dict[str, str], stats: RequestStats) -> None:
         """The drafted and accepted tokens go to the artifact version that drafted them."""
         ...

@@ -162,6 +162,10 @@ class ServingNode:
             if self.batcher is not None:
                 self.batcher.end()
 
+    def decoding(self) -> int:
+        """Requests decoding on this node now (the batcher's count; 1 without a batcher)."""
+        return max(1, self.batcher.active) if self.batcher is not None else 1
+
     def meta(self, plan: DecodePlan, handle: DraftHandle, versions: dict[str, str]) -> RequestMeta:
         """The logged records' names: the request, its cluster, the draft and the artifact versions
         its method used (all of them for a method that drafts with others)."""

@@ -72,8 +72,9 @@ class Retrieval(BaseModel):
     """RaLMSpec: speculations per verification; 0 = OS³ chooses it live."""
     prefetch: int = Field(20, ge=1, le=256)
     """RaLMSpec: KB results per query added to the local cache at each verification."""
-    asynchronous: bool = Field(True, alias="async")
-    """RaLMSpec: verify while the next speculation step runs."""
+    asynchronous: bool | None = Field(None, alias="async")
+    """RaLMSpec: verify while the next speculation step runs (true) or not (false); null (default): asynchronous
+    while the request decodes alone, synchronous while others decode beside it."""
     speculation_off: bool = True
     """RaLMSpec: OS³ may skip speculating when RaLMSeq is faster with the measured costs (false: the paper's OS³)."""
     reverify: bool = True

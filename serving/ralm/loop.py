@@ -56,6 +56,9 @@ MODES = ("ralmspec", "ralmseq", "oneshot")
 MAX_ONESHOT_PASSAGES = 20
 MAX_INTERVAL = 64
 MAX_PREFETCH = 256
+ASYNC_MAX_CONCURRENCY = 1
+"""``RalmConfig.asynchronous = None`` verifies asynchronously while at most this many requests
+decode on the engine (this one included), synchronously above."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,11 @@ class RalmConfig:
     """Speculation steps per verification: 0 = OS³ chooses it live; n > 0 = always n (the paper's 3)."""
     prefetch: int = 20
     """KB results per query added to the local cache at every verification (1 = top-1 update only)."""
-    asynchronous: bool = True
-    """Verify in a worker thread while the next speculation step runs."""
+    asynchronous: bool | None = None
+    """Verify in a worker thread while the next speculation step runs (True), or not (False);
+    None (the default): each round, asynchronous while the request decodes alone, synchronous
+    while others decode beside it (they already overlap the KB wait, and a synchronous loop
+    batches more; ``benchmarks/out/ralm.json``: 1.12-1.14x RaLMSeq sync at 4-8 clients, 1.03-1.05x async)."""
     speculation_off: bool = True
     """OS³ may skip speculating in a round when RaLMSeq is faster with the measured costs
     (``specops.serving.ralm.os3``); False is the paper's OS³, which always speculates."""
@@ -134,6 +140,8 @@ class RalmStats:
     kb_calls: int = 0
     """KB searches (a batched verification is one)."""
     verification_batches: int = 0
+    async_rounds: int = 0
+    """Verifications that ran during a speculation step (asynchronously)."""
     speculations: int = 0
     """Retrievals answered from the local cache."""
     mismatches: int = 0
@@ -289,7 +297,10 @@ class RalmGenerator:
         drafting: Drafting | None = None,
         pool: ThreadPoolExecutor | None = None,
         os3: OS3Config | None = None,
+        concurrency: Callable[[], int] | None = None,
     ) -> None:
+        """``concurrency()``: requests decoding on this engine now, this one included (the
+        batcher's count; None: 1), for ``RalmConfig.asynchronous = None``."""
         self.engine, self.retriever, self.passage_texts, self.tokenizer, self.cfg = (
             engine,
             retriever,
@@ -300,6 +311,7 @@ class RalmGenerator:
         self.drafting = drafting or Drafting()
         self.pool = pool
         self.os3 = os3
+        self.concurrency = concurrency or (lambda: 1)
         self._passage_ids: dict[int, list[int]] = {}
         self._sep = list(tokenizer.encode("\n\n", add_special_tokens=False))
 
@@ -474,7 +486,7 @@ class RalmGenerator:
         os3 = self.os3 or RALM_OS3
         if not cfg.speculation_off:
             os3 = replace(os3, allow_off=False)
-        sched = StrideScheduler(os3, asynchronous=cfg.asynchronous, fixed=cfg.speculation_stride)
+        sched = StrideScheduler(os3, asynchronous=self._asynchronous(), fixed=cfg.speculation_stride)
         cache = LocalCache(cfg.cache_size)
         # 1. the first retrieval is real; its top-``prefetch`` seed the cache
         q = self._encode_query(prompt, out, stats)
@@ -503,6 +515,7 @@ class RalmGenerator:
             # 2. speculate up to the stride from the local cache (stride 0: OS³ found that
             # RaLMSeq is faster with the measured costs; retrieve and generate unspeculated)
             s = 0
+            sched.asynchronous = self._asynchronous()
             if not done:
                 remaining = max(1, math.ceil((params.max_new_tokens - len(out)) / cfg.interval))
                 s = sched.stride(remaining)
@@ -518,7 +531,8 @@ class RalmGenerator:
             # 3. verify them in one batched KB retrieval (asynchronously: during one more speculation step)
             queries = [p.query for p in pending]
             extra: _Step | None = None
-            if cfg.asynchronous and s > 0 and not steps[-1].finish_reason and self.pool is not None:
+            if sched.asynchronous and s > 0 and not steps[-1].finish_reason and self.pool is not None:
+                stats.async_rounds += 1
                 future = self.pool.submit(self._search, queries, cfg.prefetch)
                 extra = self._speculate(cache, steps, prompt, out, params, stats)
                 sched.observe_speculation(extra.seconds)
@@ -564,6 +578,11 @@ class RalmGenerator:
             emit_final()
         stats.cache_passages = len(cache)
         stats.gamma = sched.gamma
+
+    def _asynchronous(self) -> bool:
+        """This round's verification mode: the config's, or (None) asynchronous only alone."""
+        chosen = self.cfg.asynchronous
+        return (self.concurrency() <= ASYNC_MAX_CONCURRENCY) if chosen is None else chosen
 
     def _result(self, out: list[int], steps: list[_Step], stats: RalmStats, t0: float) -> RalmResult:
         stats.intervals = len(steps)

@@ -114,6 +114,7 @@ def _run(
     pool=None,
     max_new=24,
     temperature=0.0,
+    concurrency=None,
     **filters,
 ):
     gen = RalmGenerator(
@@ -124,6 +125,7 @@ def _run(
         cfg,
         drafting=_drafting(pair, method, k),
         pool=pool,
+        concurrency=concurrency,
     )
     return gen.generate(prompt, SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=5, **filters))
 
@@ -224,6 +226,34 @@ def test_async_verification_overlaps_for_real(pair, passages, pool):
     assert t["async_overlap"] == pytest.approx(t["kb_search"] - t["kb_wait"], abs=0.02)
     sync = _run(pair, slow, passages, RalmConfig(speculation_stride=2, asynchronous=False), prompt, max_new=32)
     assert sync.stats.time_s["async_overlap"] == 0.0 and sync.token_ids == res.token_ids
+
+
+def test_verification_mode_follows_the_measured_concurrency(pair, passages, pool):
+    """``asynchronous = None``: asynchronous while the request decodes alone, synchronous while
+    others decode beside it, re-read every round; the output is the same either way."""
+    slow = BagRetriever(passages, delay_s=0.02)
+    prompt = pair.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    cfg = RalmConfig(speculation_stride=2)
+    assert cfg.asynchronous is None
+    alone = _run(pair, slow, passages, cfg, prompt, pool=pool, max_new=32, concurrency=lambda: 1)
+    busy = _run(pair, slow, passages, cfg, prompt, pool=pool, max_new=32, concurrency=lambda: 4)
+    assert alone.stats.async_rounds > 0 and alone.stats.time_s["async_overlap"] > 0.0
+    assert busy.stats.async_rounds == 0 and busy.stats.time_s["async_overlap"] == 0.0
+    load = iter([1, 1, 3] + [3] * 100)  # others start decoding after two rounds
+    mixed = _run(pair, slow, passages, cfg, prompt, pool=pool, max_new=32, concurrency=lambda: next(load))
+    assert 0 < mixed.stats.async_rounds < mixed.stats.verification_batches
+    assert alone.token_ids == busy.token_ids == mixed.token_ids
+    forced = _run(
+        pair,
+        slow,
+        passages,
+        RalmConfig(speculation_stride=2, asynchronous=True),
+        prompt,
+        pool=pool,
+        max_new=32,
+        concurrency=lambda: 4,
+    )
+    assert forced.stats.async_rounds > 0  # an explicit choice wins over the measured concurrency
 
 
 def test_streams_only_verified_output(pair, passages, pool):

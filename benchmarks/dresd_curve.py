@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks.llma_tune import verify_cost
 from benchmarks.rest_baseline import RestIndex
 from benchmarks.retrieval_curve.arms import (  # noqa: F401  (some only re-exported: the names this module used to define)
     _GREEDY,
@@ -60,6 +61,8 @@ from benchmarks.retrieval_curve.arms import (  # noqa: F401  (some only re-expor
     replay,
     run_live,
     search_p50_ms,
+    serving_hybrid,
+    tune_hybrid,
 )
 from benchmarks.retrieval_curve.report import (  # noqa: F401  (some only re-exported: the names this module used to define)
     DOC_BEGIN,
@@ -71,7 +74,6 @@ from benchmarks.retrieval_curve.report import (  # noqa: F401  (some only re-exp
     summary,
 )
 from specops.core.datastore import Datastore, DatastoreConfig
-from specops.core.suffix import MAX_N
 
 log = logging.getLogger("benchmarks.dresd_curve")
 CACHE = Path(".specops/bench/dresd_curve")
@@ -232,17 +234,36 @@ def run(pair, model_dir: Path, args) -> dict:
     }
     log.info("prompt sets: %s", {k: len(v) for k, v in sets.items()})
 
-    # The target's greedy outputs and states along prompt + output, per set.
+    # The target's greedy outputs and states along prompt + output, per set; the even-numbered
+    # prompts of each set are the dev split (the hybrid's settings are chosen there), the
+    # odd-numbered ones the test split (every arm is reported there).
+    dev: dict[str, list[Replay]] = {}
     cases: dict[str, list[Replay]] = {}
     for name, prompts in sets.items():
         outs = greedy_batches(target, prompts, args.max_new_tokens, pad, name)
         full = [p + o for p, o in zip(prompts, outs)]
         st = layer_states(target, full, tuple(layers[n] for n in need), desc=f"states ({name})")
-        cases[name] = [Replay(p, o, {n: st[layers[n]][i] for n in need}) for i, (p, o) in enumerate(zip(prompts, outs))]
+        every = [Replay(p, o, {n: st[layers[n]][i] for n in need}) for i, (p, o) in enumerate(zip(prompts, outs))]
+        dev[name], cases[name] = every[0::2], every[1::2]
+    test_prompts = {name: prompts[1::2] for name, prompts in sets.items()}
+    cost = verify_cost(pair, int(np.median([len(p) for p in sets["id"]])), args.cost_reps)
+    log.info("verify cost: %.1f ms + %.2f ms per token", 1e3 * cost[0], 1e3 * cost[1])
 
-    curve, layer_sweep, below_sweep = [], {}, {}
+    # The sweeps, on the dev split at the second size: the key layer, and the hybrid's dense_below
+    # and exact_nodes (its live shape), priced by the measured verify cost.
     engine = SpecEngine(pair)
     rng = random.Random(0)
+    sweep_size = sizes[min(1, len(sizes) - 1)]
+    part = seqs[: _docs_for(docs, sweep_size)]
+    store, _ = Datastore.build(target, part, DatastoreConfig(value_len=21), hidden=lambda i: doc_states["final"][i])
+    dev_sets = {n: cs for n, cs in dev.items() if cs}
+    tuning = tune_hybrid(store, dev_sets, cost, args.dense_below, args.exact_nodes)
+    args.dense_below, args.exact_nodes = tuning["chosen"]["dense_below"], tuning["chosen"]["exact_nodes"]
+    log.info("hybrid chosen on the dev split: %s", tuning["chosen"])
+    layer_sweep = key_layer_sweep(target, part, doc_states, dev_sets) if args.key_layers else {}
+    del store
+
+    curve = []
     for size in sizes:
         n_docs = _docs_for(docs, size)
         part = seqs[:n_docs]
@@ -276,24 +297,18 @@ def run(pair, model_dir: Path, args) -> dict:
             },
         }
         props = proposers(store, rest, dense_below=args.dense_below)
+        props["hybrid_live"] = serving_hybrid(store, dense_below=args.dense_below, exact_nodes=args.exact_nodes)
         point["sets"] = {}
         for name, cs in cases.items():
             if not cs or (name == "perturbed" and size < pert_from):
                 continue
-            point["sets"][name] = {a: replay(cs, props[a]) for a in ARMS}
-        if size == sizes[min(1, len(sizes) - 1)]:  # the sweeps at the second size
-            below_sweep = {
-                str(b): {name: replay(cases[name], props["_hybrid"](b))["al"] for name in point["sets"]}
-                for b in (0, 2, 4, 6, 8, MAX_N + 1)
-            }
-            if args.key_layers:
-                layer_sweep = key_layer_sweep(target, part, doc_states, {n: cases[n] for n in point["sets"]})
+            point["sets"][name] = {a: replay(cs, props[a], cost=cost) for a in ARMS + ("hybrid_live",)}
         qs = [(c.seq[: len(c.prompt)], c.states["final"][len(c.prompt) - 1]) for c in cases["id"][:100]]
         point["search_p50_ms"] = search_p50_ms(store, rest, qs)
-        arms = live_arms(store, rest, args.dense_below)
+        arms = live_arms(store, rest, args.dense_below, args.exact_nodes)
         point["live"] = {}
         for name in ("id", "chat"):
-            sub = rng.sample(sets[name], min(args.live_prompts, len(sets[name])))
+            sub = rng.sample(test_prompts[name], min(args.live_prompts, len(test_prompts[name])))
             point["live"][name] = run_live(engine, arms, sub, args.max_new_tokens, f"live {name} @ {entries:,}")
         log.info("point %s: %s", entries, json.dumps({k: point[k] for k in ("sets", "live")}))
         curve.append(point)
@@ -313,6 +328,15 @@ def run(pair, model_dir: Path, args) -> dict:
             "shape": f"{SHAPE[0]}x{SHAPE[1]}",
             "rest_choices": REST_CHOICES,
             "dense_below": args.dense_below,
+            "exact_nodes": args.exact_nodes,
+            "split": "test",
+            "tuned_on": "dev",
+            "split_prompts": {
+                "dev": {k: len(v) for k, v in dev.items()},
+                "test": {k: len(v) for k, v in cases.items()},
+            },
+            "sweep_entries": sweep_size,
+            "verify_cost_ms": [round(1e3 * cost[0], 2), round(1e3 * cost[1], 3)],
         },
         "documents": {"docs": len(docs), "generated_tokens": generated, "generate_s": round(gen_s, 1)},
         "keys_tokens_per_s": round(keys_tps, 1),
@@ -320,7 +344,7 @@ def run(pair, model_dir: Path, args) -> dict:
         "curve": curve,
         "extrapolation": {name: extrapolate(curve, name) for name in ("id", "chat", "perturbed") if cases.get(name)},
         "key_layer_sweep": layer_sweep,
-        "dense_below_sweep": below_sweep,
+        "hybrid_tuning": tuning,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -382,7 +406,16 @@ def main(argv=None) -> int:
     ap.add_argument("--check-tokens", type=int, default=8, help="perturbed: target tokens that must not change")
     ap.add_argument("--gen-tokens", type=int, default=16, help="target tokens after each chunk (default: %(default)s)")
     ap.add_argument(
-        "--dense-below", type=int, default=None, help="hybrid: dense rows below this exact match (default: serving's)"
+        "--dense-below",
+        type=int,
+        default=None,
+        help="hybrid: dense rows below this exact match (default: tuned on dev)",
+    )
+    ap.add_argument(
+        "--exact-nodes", type=int, default=None, help="live hybrid: exact trie nodes (default: tuned on dev)"
+    )
+    ap.add_argument(
+        "--cost-reps", type=int, default=7, help="reps of each verify-cost measurement (the fastest counts)"
     )
     ap.add_argument("--tail-chars", type=int, default=48, help="perturbations touch this many trailing characters")
     ap.add_argument(
@@ -394,12 +427,9 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from specops.serving.proposers.retrieval import DENSE_BELOW
-
     args.sizes = args.sizes or ([3_000, 10_000] if args.quick else [30_000, 100_000, 300_000])
     args.set_prompts = args.set_prompts or (12 if args.quick else 100)
     args.live_prompts = args.live_prompts if args.live_prompts is not None else (4 if args.quick else 16)
-    args.dense_below = DENSE_BELOW if args.dense_below is None else args.dense_below
     if args.replot:
         report = json.loads(args.replot.read_text())
         report["extrapolation"] = {n: extrapolate(report["curve"], n) for n in SETS}

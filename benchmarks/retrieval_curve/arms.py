@@ -8,14 +8,15 @@ import statistics
 import time
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from benchmarks.rest_baseline import RestIndex, RestProposer
 from specops.core.datastore import Datastore
 from specops.core.suffix import MAX_N
-from specops.serving.engine.types import DecodeState, SamplingParams
+from specops.serving.engine.types import DecodeState, SamplingParams, Verdict
 from specops.serving.plan import plain_generate
-from specops.serving.proposers.retrieval import RetrievalProposer, merge_rows
+from specops.serving.proposers.retrieval import RetrievalProposer
 
 SHAPE = (10, 10)
 """DReSD's rows x tokens (the paper's 10 x 10) for every dense arm."""
@@ -35,9 +36,12 @@ class Replay:
         self.prompt, self.seq, self.states = prompt, prompt + output, states
 
 
-def replay(cases: list[Replay], propose, *, key: str = "final") -> dict:
-    """``propose(context, hidden_or_None) -> rows`` over every case; the paper's MAR and the rest."""
-    per_case, steps, accepted_total, drafted_steps, nodes = [], 0, 0, 0, 0
+def replay(cases: list[Replay], propose, *, key: str = "final", cost: tuple[float, float] | None = None) -> dict:
+    """``propose(context, hidden_or_None) -> rows`` over every case; the paper's MAR and the rest.
+    With ``cost`` = (a, b) seconds (a target pass over t tokens costs a + b * t), also
+    ``priced_speedup``: target-only's seconds per token over the drafter's, each step a pass over
+    its tree's nodes plus the target's own token, plus the drafter's own measured time."""
+    per_case, steps, accepted_total, drafted_steps, nodes, spent = [], 0, 0, 0, 0, 0.0
     for case in cases:
         if hasattr(propose, "start"):  # a per-request drafter (REST's library: a fresh reader)
             propose.start()
@@ -46,7 +50,9 @@ def replay(cases: list[Replay], propose, *, key: str = "final") -> dict:
         first = True
         while c < len(seq):
             hidden = None if first else key_states_row(case.states, key, c - 2)
+            t0 = time.perf_counter()
             rows = [r for r in propose(seq[:c], hidden) if r]
+            spent += time.perf_counter() - t0
             best = 0
             for row in rows:
                 n = 0
@@ -63,7 +69,7 @@ def replay(cases: list[Replay], propose, *, key: str = "final") -> dict:
             first = False
         accepted_total += accepted
         per_case.append(accepted / drafted if drafted else 0.0)
-    return {
+    out = {
         "mar": round(float(np.mean(per_case)), 4) if per_case else 0.0,
         "al": round(accepted_total / steps, 4) if steps else 0.0,
         "drafted_fraction": round(drafted_steps / steps, 4) if steps else 0.0,
@@ -74,7 +80,13 @@ def replay(cases: list[Replay], propose, *, key: str = "final") -> dict:
         "speed_model": round((accepted_total / steps + 1) / (1 + STEP_OVERHEAD + NODE_COST * nodes / steps), 3)
         if steps
         else 0.0,
+        "propose_ms": round(1000 * spent / steps, 3) if steps else 0.0,
     }
+    if cost is not None and steps:
+        a, b = cost
+        step_s = a + b * (1 + nodes / steps) + spent / steps
+        out["priced_speedup"] = round((accepted_total / steps + 1) * (a + b) / step_s, 3)
+    return out
 
 
 def key_states_row(states: dict, key: str, pos: int) -> np.ndarray:
@@ -104,12 +116,9 @@ def proposers(store: Datastore, rest: RestIndex, *, dense_below: int, k: int = 1
         return [] if hidden is None else store.drafts(hidden, int(ctx[-1]), n_drafts=n, length=length)
 
     def hybrid(below):
-        def rows(ctx, hidden):
-            exact = suffix.lookup(ctx[-MAX_N:], k, max_nodes=REST_CHOICES)
-            dense = dense_rows(ctx, hidden) if exact.length < below else []
-            return merge_rows(exact.rows, dense)
-
-        return rows
+        return ProposerRows(
+            lambda: RetrievalProposer(store, n_drafts=n, dense_below=below, exact_nodes=REST_CHOICES), k
+        )
 
     return {
         "rest": RestRows(),
@@ -123,20 +132,47 @@ def proposers(store: Datastore, rest: RestIndex, *, dense_below: int, k: int = 1
 _GREEDY = SamplingParams(max_new_tokens=1)
 
 
+class ProposerRows:
+    """A serving proposer driven by the replay: a fresh one per case (``start``), each step the
+    committed tokens as its state and the key state before them as the verifier's hidden state."""
+
+    def __init__(self, make, k: int) -> None:
+        self.make, self.k, self.proposer = make, k, None
+
+    def start(self) -> None:
+        self.proposer = self.make()
+        self.proposer.start(DecodeState(token_ids=[], num_prompt_tokens=0, params=_GREEDY))
+
+    def __call__(self, ctx, hidden):
+        if self.proposer is None:
+            self.start()
+        state = DecodeState(token_ids=list(ctx), num_prompt_tokens=len(ctx), params=_GREEDY)
+        h = None if hidden is None else torch.from_numpy(np.ascontiguousarray(hidden))
+        self.proposer.observe(state, Verdict(accepted=[], bonus=int(ctx[-1]), num_drafted=0, target_hidden=h))
+        return self.proposer.propose(state, self.k).rows()
+
+
+def serving_hybrid(store: Datastore, *, dense_below: int, exact_nodes: int, k: int = 10) -> ProposerRows:
+    """The live arm's hybrid (one dense row, ``exact_nodes`` trie nodes) for the replay."""
+    return ProposerRows(
+        lambda: RetrievalProposer(store, n_drafts=1, dense_below=dense_below, exact_nodes=exact_nodes), k
+    )
+
+
 # ---------------------------------------------------------------- live
-def live_arms(store: Datastore, rest: RestIndex, dense_below: int) -> dict:
+def live_arms(store: Datastore, rest: RestIndex, dense_below: int, exact_nodes: int) -> dict:
     """name -> (factory of a fresh proposer, k); None: target-only. REST at its native 64 nodes (the
     fastest REST arm on this hardware), DReSD at the 1 x 4 shape its rebuild replay picks on 2 CPU
-    cores, the hybrid at serving's defaults with one dense row (the same CPU budget)."""
+    cores, the hybrid with one dense row and the ``dense_below`` and ``exact_nodes`` the dev split
+    chose (serving's defaults once committed)."""
     from specops.serving.proposers.dresd import DReSDProposer
-    from specops.serving.proposers.retrieval import EXACT_NODES
 
     return {
         "target": None,
         "rest": (lambda: RestProposer(rest, choices=REST_CHOICES), 10),
         "dresd": (lambda: DReSDProposer(store, n_drafts=1), 4),
         "hybrid": (
-            lambda: RetrievalProposer(store, n_drafts=1, dense_below=dense_below, exact_nodes=EXACT_NODES),
+            lambda: RetrievalProposer(store, n_drafts=1, dense_below=dense_below, exact_nodes=exact_nodes),
             10,
         ),
     }
@@ -210,3 +246,40 @@ def extrapolate(curve: list[dict], set_name: str) -> dict:
             np.polyval([ds, fit["dresd"]["intercept"]], x.max()) > np.polyval([rs, fit["rest"]["intercept"]], x.max())
         )
     return {**fit, "crossing_entries": cross, "dresd_above_at_largest": above, "extrapolated": True}
+
+
+TUNE_DENSE_BELOW = (0, 2, 4, 6, 8, MAX_N + 1)
+TUNE_EXACT_NODES = (4, 8, 16, 24)
+
+
+def tune_hybrid(
+    store: Datastore, dev: dict[str, list[Replay]], cost: tuple[float, float], dense_below=None, exact_nodes=None
+) -> dict:
+    """The live hybrid's ``dense_below`` and ``exact_nodes`` that maximise the priced speed-up
+    (geometric mean over the dev sets) of a replay of the dev split: the grid
+    :data:`TUNE_DENSE_BELOW` x :data:`TUNE_EXACT_NODES` (or the one value given for either)."""
+    belows = TUNE_DENSE_BELOW if dense_below is None else (dense_below,)
+    nodes = TUNE_EXACT_NODES if exact_nodes is None else (exact_nodes,)
+    grid = []
+    for b in belows:
+        for e in nodes:
+            per_set = {
+                name: replay(cs, serving_hybrid(store, dense_below=b, exact_nodes=e), cost=cost)
+                for name, cs in dev.items()
+            }
+            speed = float(np.exp(np.mean([np.log(max(r["priced_speedup"], 1e-6)) for r in per_set.values()])))
+            grid.append(
+                {
+                    "dense_below": b,
+                    "exact_nodes": e,
+                    "priced_speedup": round(speed, 4),
+                    "al": {n: r["al"] for n, r in per_set.items()},
+                    "nodes_per_step": {n: r["nodes_per_step"] for n, r in per_set.items()},
+                }
+            )
+    best = max(grid, key=lambda g: g["priced_speedup"])
+    return {
+        "grid": grid,
+        "chosen": {"dense_below": best["dense_below"], "exact_nodes": best["exact_nodes"]},
+        "objective": "geometric mean over the dev sets of the priced speed-up (replay, measured verify cost)",
+    }

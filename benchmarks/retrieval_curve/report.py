@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.retrieval_curve.arms import ARMS
+from specops.core.suffix import MAX_N
 
 
 # ---------------------------------------------------------------- report
@@ -35,12 +36,24 @@ def summary(report: dict) -> dict:
         if max(arms["dresd"]["al"], arms["rest"]["al"]) > 0
     ]
     key_layer, key_gain = pick_key_layer(report.get("key_layer_sweep") or {})
+    cfg = report["config"]
+    last = curve[-1]["sets"] if curve else {}
     return {
+        "split": cfg.get("split", "all"),
+        "dense_below": cfg["dense_below"],
+        "exact_nodes": cfg.get("exact_nodes"),
         "curve": points,
         "perturbed_al_ratio_vs_rest": round(min(r for r in ratios if r is not None), 3) if any(ratios) else None,
         "perturbed_al_ratio_vs_rest_by_size": [round(r, 3) if r is not None else None for r in ratios],
         "hybrid_al_vs_best": round(min(hybrid_vs_best), 3) if hybrid_vs_best else None,
+        "hybrid_al_vs_best_at_largest": {
+            name: round(arms["hybrid"]["al"] / max(arms[a]["al"] for a in ARMS if a != "hybrid"), 3)
+            for name, arms in last.items()
+            if max(arms[a]["al"] for a in ARMS if a != "hybrid") > 0
+        },
         "hybrid_tokens_per_s_vs_target": min(p["live"]["id"]["vs_target"]["hybrid"] for p in curve),
+        "hybrid_tokens_per_s_vs_target_by_size": [p["live"]["id"]["vs_target"]["hybrid"] for p in curve],
+        "hybrid_live_priced_speedup_id": [p["sets"]["id"].get("hybrid_live", {}).get("priced_speedup") for p in curve],
         "key_layer": key_layer,
         "key_layer_gain_vs_final": key_gain,
         "greedy_identical": all(live["identical"] for p in curve for live in p["live"].values()),
@@ -78,23 +91,47 @@ def markdown(report: dict, plot_rel: str | None, command: str) -> str:
         f"`{command}`: datastores of {sizes} entries "
         f"(chunks of {cfg['chunk_tokens']} tokens of the bootstrap's training files plus the target's "
         f"{cfg['gen_tokens']}-token greedy continuation; DReSD and REST over the same documents), "
-        f"prompt sets {cfg['set_prompts']} ({cfg['max_new_tokens']} new tokens, greedy). DReSD "
+        f"prompt sets {cfg['set_prompts']} ({cfg['max_new_tokens']} new tokens, greedy)"
+        + (
+            f", split into a dev half (even-numbered prompts, {cfg['split_prompts']['dev']}: the hybrid's "
+            f"settings are chosen there) and a test half (odd-numbered, {cfg['split_prompts']['test']}: "
+            "every number below)"
+            if cfg.get("split") == "test"
+            else ""
+        )
+        + ". DReSD "
         f"{cfg['shape']}, REST {cfg['rest_choices']} trie nodes (through its library, a fresh reader per request, "
         f"and REST's rule in our code, `rest rule`), hybrid = REST's rule over the datastore's "
-        f"tokens ({cfg['rest_choices']} nodes) plus DReSD's rows where the exact suffix is shorter than "
-        f"{cfg['dense_below']} tokens. CPU: {report.get('environment', {}).get('cpu_model', 'unknown')}. Replayed: MAR, accepted tokens per step (AL), fraction of steps "
+        f"tokens ({cfg['rest_choices']} nodes)"
+        + (", LLMA's scored rule over the request's own context" if cfg.get("split") == "test" else "")
+        + _dense_words(cfg)
+        + f"CPU: {report.get('environment', {}).get('cpu_model', 'unknown')}. Replayed: MAR, accepted tokens per step (AL), fraction of steps "
         f"that drafted; live ({cfg['live_prompts']} prompts per set, arms interleaved, the CPU budgets: REST "
-        f"native, DReSD 1 x 4, the hybrid's exact trie of 24 nodes plus one dense row): tokens/s vs target-only.",
-        "",
+        f"native, DReSD 1 x 4, the hybrid's exact trie of {cfg.get('exact_nodes', 24)} nodes "
+        + ("and no dense row): " if cfg["dense_below"] == 0 else "plus one dense row): ")
+        + "tokens/s vs target-only."
+        + (
+            f" Verify cost (measured): {cfg['verify_cost_ms'][0]} ms + {cfg['verify_cost_ms'][1]} ms per token; "
+            "`priced` is a replay's speed-up over target-only at that cost plus the drafter's own time."
+            if cfg.get("verify_cost_ms")
+            else ""
+        ),
+    ]
+    priced = any("priced_speedup" in a for p in report["curve"] for arms in p["sets"].values() for a in arms.values())
+    head = (
         "| entries | set | MAR dresd / rest / rest rule / hybrid | AL dresd / rest / rest rule / hybrid "
-        "| drafted dresd / rest / rest rule / hybrid | tokens/s vs target dresd / rest / hybrid |",
-        "|---|---|---|---|---|---|",
+        "| drafted dresd / rest / rest rule / hybrid | tokens/s vs target dresd / rest / hybrid |"
+    )
+    lines += [
+        "",
+        head + (" priced dresd / rest / hybrid live |" if priced else ""),
+        "|---" * (7 if priced else 6) + "|",
     ]
     for p in report["curve"]:
         for name, arms in p["sets"].items():
             live = p["live"].get(name, {}).get("vs_target")
             tps = " / ".join(fmt(live[a]) for a in ("dresd", "rest", "hybrid")) if live else "–"
-            lines.append(
+            row = (
                 f"| {p['entries']:,} | {name} | "
                 + " | ".join(
                     " / ".join(fmt(arms[a][m], ".3f") if a in arms else "–" for a in ARMS)
@@ -102,6 +139,13 @@ def markdown(report: dict, plot_rel: str | None, command: str) -> str:
                 )
                 + f" | {tps} |"
             )
+            if priced:
+                row += (
+                    " "
+                    + " / ".join(fmt(arms.get(a, {}).get("priced_speedup")) for a in ("dresd", "rest", "hybrid_live"))
+                    + " |"
+                )
+            lines.append(row)
     lines += [
         "",
         "| entries | docs | keys s | generate s | index s | search p50 ms dresd / rest / exact | "
@@ -138,6 +182,22 @@ def markdown(report: dict, plot_rel: str | None, command: str) -> str:
                 for k, sets in report["key_layer_sweep"].items()
             ),
         ]
+    tuning = report.get("hybrid_tuning")
+    if tuning:
+        top = sorted(tuning["grid"], key=lambda g: -g["priced_speedup"])[:6]
+        lines += [
+            "",
+            f"Hybrid settings chosen on the dev split at {cfg['sweep_entries']:,} entries ({tuning['objective']}; "
+            f"{len(tuning['grid'])} settings): dense_below {tuning['chosen']['dense_below']}, exact_nodes "
+            f"{tuning['chosen']['exact_nodes']}. Best six (dense_below / exact_nodes: priced speed-up, AL per set): "
+            + "; ".join(
+                f"{g['dense_below']} / {g['exact_nodes']}: {g['priced_speedup']:.3f} ("
+                + ", ".join(f"{n} {v:.3f}" for n, v in g["al"].items())
+                + ")"
+                for g in top
+            )
+            + ".",
+        ]
     if report.get("dense_below_sweep"):
         lines += [
             "",
@@ -156,6 +216,18 @@ def markdown(report: dict, plot_rel: str | None, command: str) -> str:
         DOC_END,
     ]
     return "\n".join(lines)
+
+
+def _dense_words(cfg: dict) -> str:
+    """When the hybrid adds DReSD's rows, in words."""
+    below = cfg["dense_below"]
+    if cfg.get("split") != "test":
+        return f" plus DReSD's rows where the exact suffix is shorter than {below} tokens. "
+    if below == 0:
+        return "; DReSD's rows never join (`dense_below` 0, the dev split's choice). "
+    if below > MAX_N:
+        return " plus DReSD's rows at every step. "
+    return f" plus DReSD's rows where the longer exact match is shorter than {below} tokens. "
 
 
 def plot(report: dict, path: Path) -> bool:

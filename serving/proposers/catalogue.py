@@ -131,6 +131,17 @@ class DatastoreOptions(MethodOptions):
     """Neighbours searched before the first-token filter; 0 = max(32, 8 * n_drafts)."""
 
 
+class RetrievalOptions(DatastoreOptions):
+    """The hybrid's options: when DReSD's rows join, and how big its exact trie is."""
+
+    dense_below: int | None = Field(None, ge=0, le=17)
+    """DReSD's rows join where the longer exact match (datastore or context) is shorter than this
+    (0: never, 17: always); null = serving's default, chosen on 2 CPU cores (on a GPU, where a
+    verified node costs little, dense rows at 6 or 17 accept more)."""
+    exact_nodes: int | None = Field(None, ge=1, le=256)
+    """Trie nodes kept from the datastore's exact match (REST's ``choices``, 64 on a GPU); null = serving's default."""
+
+
 class LlmaOptions(MethodOptions):
     """LLMA's options (``auto`` takes ``n`` too, for the LLMA copying it may choose)."""
 
@@ -247,10 +258,16 @@ def _build_dresd(opts: DatastoreOptions, res: ProposerResources) -> Proposer:
     return DReSDProposer(res.datastore, n_drafts=res.n_drafts, search_k=opts.search_k)  # 0: the datastore's shape
 
 
-def _build_retrieval(opts: DatastoreOptions, res: ProposerResources) -> Proposer:
-    from specops.serving.proposers.retrieval import RetrievalProposer
+def _build_retrieval(opts: RetrievalOptions, res: ProposerResources) -> Proposer:
+    from specops.serving.proposers.retrieval import DENSE_BELOW, EXACT_NODES, RetrievalProposer
 
-    return RetrievalProposer(res.datastore, n_drafts=res.n_drafts, search_k=opts.search_k)
+    return RetrievalProposer(
+        res.datastore,
+        n_drafts=res.n_drafts,
+        search_k=opts.search_k,
+        dense_below=DENSE_BELOW if opts.dense_below is None else opts.dense_below,
+        exact_nodes=EXACT_NODES if opts.exact_nodes is None else opts.exact_nodes,
+    )
 
 
 def _build_llma(opts: LlmaOptions, res: ProposerResources) -> Proposer:
@@ -361,14 +378,14 @@ CATALOGUE: dict[str, MethodSpec] = {
         ),
         MethodSpec(
             "retrieval",
-            "the datastore's exact suffix matches (REST's rule), with DReSD's dense neighbours where "
-            "the match is short or absent, in one token tree",
+            "the datastore's exact suffix matches (REST's rule) and the request's own context (LLMA's "
+            "scored rule), with DReSD's dense neighbours where both matches are short, in one token tree",
             10,
             frozenset({"datastore", "target_hidden"}),
             "datastore",
             default_n_drafts=3,
             build=_build_retrieval,
-            options=DatastoreOptions,
+            options=RetrievalOptions,
             joins_auto=True,
             served_n_drafts=_dresd_rows,
         ),

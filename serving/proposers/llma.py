@@ -290,6 +290,18 @@ def _other_leaves(
     return [(pool[leaves[leaf]][0], list(leaf)) for leaf in order]
 
 
+def context_index(index: NgramIndex | None, token_ids: Sequence[int], max_n: int) -> NgramIndex:
+    """The request's own context (prompt and output so far) as an n-gram index, grown by the
+    tokens committed since ``index`` was last brought up to date (a new index where it is None:
+    the first step, or after a rollback dropped it)."""
+    if index is None:
+        index = NgramIndex(max_n=max_n, max_positions=MAX_POSITIONS, max_tokens=1 << 30)
+        index.extend(token_ids)
+    elif len(index.tokens) < len(token_ids):
+        index.extend(token_ids[len(index.tokens) :])
+    return index
+
+
 SOURCES = ("request", "retrieved", "sessions", "context")
 """Where a copy came from: the request's references (and earlier chat turns), the passages a
 one-shot retrieval put before the prompt, the cluster's past sessions, or the request's own
@@ -388,13 +400,8 @@ class LLMAProposer(Proposer):
         }
 
     def _context_index(self, state: DecodeState) -> NgramIndex:
-        idx = self._context
-        if idx is None:
-            idx = self._context = NgramIndex(max_n=self.max_n, max_positions=MAX_POSITIONS, max_tokens=1 << 30)
-            idx.extend(state.token_ids)
-        elif len(idx.tokens) < len(state.token_ids):
-            idx.extend(state.token_ids[len(idx.tokens) :])
-        return idx
+        self._context = context_index(self._context, state.token_ids, self.max_n)
+        return self._context
 
     def propose(self, state: DecodeState, k: int) -> Proposals:
         if k <= 0:

@@ -33,5 +33,16 @@ def test_dresd_curve_writes_the_summary_keys_the_plot_and_the_doc(tiny_models, t
     for key in ("mar_dresd", "mar_rest", "al_dresd", "al_rest", "drafted_fraction_dresd", "drafted_fraction_rest"):
         assert key in s["curve"][0]
     assert s["greedy_identical"] is True
+    cfg, tuning = report["config"], report["hybrid_tuning"]
+    assert s["split"] == cfg["split"] == "test" and cfg["tuned_on"] == "dev"
+    assert sum(cfg["split_prompts"]["dev"].values()) + sum(cfg["split_prompts"]["test"].values()) == sum(
+        cfg["set_prompts"].values()
+    )  # even- and odd-numbered halves of each set
+    assert any(
+        (g["dense_below"], g["exact_nodes"]) == (cfg["dense_below"], cfg["exact_nodes"])
+        and g["priced_speedup"] == max(h["priced_speedup"] for h in tuning["grid"])
+        for g in tuning["grid"]
+    )
+    assert all("priced_speedup" in a for arms in report["curve"][0]["sets"].values() for a in arms.values())
     assert s["key_layer"] in ("final", "middle", "concat")
     assert "dresd-curve" in doc.read_text() and (tmp_path / "img" / "dresd_curve.png").exists()

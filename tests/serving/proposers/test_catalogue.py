@@ -85,6 +85,9 @@ def test_each_method_owns_its_options():
         (method_spec("pld"), {"n": 2}, "speculation.n"),
         (method_spec("pld"), {"pld_min_ngram": 4, "pld_max_ngram": 2}, "speculation.pld_min_ngram"),
         (method_spec("target"), {"search_k": 8}, "speculation.search_k"),
+        (method_spec("retrieval"), {"dense_below": 18}, "speculation.dense_below"),
+        (method_spec("retrieval"), {"exact_nodes": 0}, "speculation.exact_nodes"),
+        (method_spec("dresd"), {"dense_below": 2}, "speculation.dense_below"),
     ]:
         with pytest.raises(InvalidRequestError) as e:
             spec.parse_options(given)

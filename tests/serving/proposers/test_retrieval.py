@@ -1,5 +1,6 @@
-"""The hybrid ``retrieval`` method: REST's exact suffix rule over the datastore's tokens, DReSD's
-dense rows where the match is short, one tree; greedy equality and exact sampling."""
+"""The hybrid ``retrieval`` method: REST's exact suffix rule over the datastore's tokens, LLMA's
+scored rule over the request's own context, DReSD's dense rows where both matches are short, one
+tree; greedy equality and exact sampling."""
 
 from __future__ import annotations
 
@@ -98,11 +99,11 @@ def store(tiny_target, served_docs):
 def test_the_hybrid_adds_dense_rows_only_where_the_exact_match_is_short(store, served_docs, tiny_target):
     doc = served_docs[3]
     state = DecodeState(token_ids=list(doc[:12]), num_prompt_tokens=8, params=SamplingParams(max_new_tokens=8))
-    exact_only = RetrievalProposer(store, n_drafts=2, dense_below=0)
+    exact_only = RetrievalProposer(store, n_drafts=2, dense_below=0, use_context=False)
     exact_only.start(state)
     p = exact_only.propose(state, 5)
     assert exact_only.last_match >= 2 and p.rows()[0] == doc[12:17]  # its own document, matched verbatim
-    hybrid = RetrievalProposer(store, n_drafts=2, dense_below=17)  # always add the dense rows
+    hybrid = RetrievalProposer(store, n_drafts=2, dense_below=17, use_context=False)  # always add the dense rows
     hybrid.start(state)
     _, h = CachedLM(tiny_target).forward(doc[:11], want_hidden=True)
     hybrid.observe(state, Verdict(accepted=[], bonus=doc[11], num_drafted=0, target_hidden=h[-1]))
@@ -117,10 +118,41 @@ def test_the_hybrid_adds_dense_rows_only_where_the_exact_match_is_short(store, s
     assert hybrid.last_match < 2 and out.rows() == merge_rows(hybrid.suffix.lookup(state2.token_ids, 5).rows, dense)
 
 
+def test_the_context_drafts_what_no_document_holds_and_competes_with_the_datastore(store, served_docs):
+    params = SamplingParams(max_new_tokens=8)
+    # A pattern the request repeats, in no document (ids above the served documents' are rare;
+    # the assertion checks the datastore has no match).
+    pattern = [91, 92, 93, 94, 95, 96]
+    ctx = [90] + pattern + [89, 88] + pattern[:4]
+    state = DecodeState(token_ids=list(ctx), num_prompt_tokens=len(ctx), params=params)
+    on = RetrievalProposer(store, n_drafts=2, dense_below=0)
+    off = RetrievalProposer(store, n_drafts=2, dense_below=0, use_context=False)
+    for p in (on, off):
+        p.start(state)
+    assert on.suffix.lookup(ctx[-16:], 5).rows == []
+    assert off.propose(state, 5).k == 0
+    rows = on.propose(state, 5).rows()
+    assert rows == [[95, 96, 89, 88, 91]] and on.last_match == 4  # a 4-token match copies 4 + 1 tokens
+    assert on.counters()["context_steps"] == 1 and on.counters()["exact_steps"] == 0
+    # The index grows with the output, and a rollback past its end drops it (rebuilt next step).
+    state.token_ids += [95, 96, 89]
+    assert on.propose(state, 5).rows() == [[88, 91, 92, 93, 94]] and on.last_match == 7  # 91 .. 96, 89
+    on.rollback(state, len(ctx))
+    state.token_ids = state.token_ids[: len(ctx)]
+    assert on._context is None and on.propose(state, 5).rows() == [[95, 96, 89, 88, 91]]
+    # A document's own text: the datastore's rows and the context's (if any) in one tree.
+    doc = served_docs[3]
+    state = DecodeState(token_ids=list(doc[:12]), num_prompt_tokens=8, params=params)
+    on.start(state)
+    off.start(state)
+    both, exact = on.propose(state, 5).rows(), off.propose(state, 5).rows()
+    assert all(any(r[: len(e)] == e for r in both) for e in exact)  # every datastore row is still drafted
+
+
 @pytest.mark.parametrize(
-    "dense_below", [0, 17]
-)  # exact rows only; dense rows every step (6, the default: via the catalogue)
-def test_retrieval_equals_target_greedy(store, tiny_target, served_docs, dense_below):
+    "dense_below,use_context", [(0, False), (0, True), (17, True)]
+)  # exact rows only; with the context; dense rows every step (the default: via the catalogue)
+def test_retrieval_equals_target_greedy(store, tiny_target, served_docs, dense_below, use_context):
     engine = SpecEngine_for(tiny_target)
     res = ProposerResources(pair=engine.pair, datastore=store)
     accepted = 0
@@ -130,7 +162,7 @@ def test_retrieval_equals_target_greedy(store, tiny_target, served_docs, dense_b
             engine,
             prompt,
             SamplingParams(max_new_tokens=24),
-            proposer=RetrievalProposer(store, n_drafts=3, dense_below=dense_below),
+            proposer=RetrievalProposer(store, n_drafts=3, dense_below=dense_below, use_context=use_context),
             k=8,
         )
         assert out.token_ids == ref
@@ -160,8 +192,15 @@ def test_retrieval_sampling_is_exact_with_a_negative_control(tiny_target):
     assert pooled_chisquare(accept_all, p2.double().numpy() / float(p2.sum())) < 1e-6
 
 
-def test_retrieval_is_in_the_catalogue_and_joins_auto():
+def test_retrieval_is_in_the_catalogue_and_joins_auto(store):
+    from specops.serving.proposers.retrieval import DENSE_BELOW, EXACT_NODES
+
     spec = CATALOGUE["retrieval"]
     assert spec.joins_auto and {"datastore", "target_hidden"} <= spec.needs and spec.artifact == "datastore"
+    res = ProposerResources(pair=None, datastore=store, n_drafts=2)
+    default = spec.build(spec.parse_options({}), res)
+    assert (default.dense_below, default.exact_nodes) == (DENSE_BELOW, EXACT_NODES)
+    chosen = spec.build(spec.parse_options({"dense_below": 17, "exact_nodes": 64}), res)
+    assert (chosen.dense_below, chosen.exact_nodes) == (17, 64)
     with pytest.raises(ValueError, match="dense_below"):
         RetrievalProposer(None, dense_below=40)

@@ -34,17 +34,17 @@ import json
 import logging
 import os
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, environment, finish_report, target_name  # noqa: E402
-from benchmarks.ralm_curve import PSA, Point, parse_point, point_summary, run_point  # noqa: E402
+from benchmarks.ralm_curve import Point, headline, parse_point, point_summary, run_point  # noqa: E402
 from benchmarks.ralm_kbs import MilvusService, SourceText, hash_kb, milvus_kb, minilm_kb  # noqa: E402
 from benchmarks.ralm_questions import interleaved, question_sets  # noqa: E402
 from benchmarks.ralm_report import DOC_BEGIN, DOC_END, markdown, plot, summary  # noqa: E402
+from benchmarks.ralm_resume import RESUME_KEYS, Checkpoint, kb_fingerprint  # noqa: E402
 
 log = logging.getLogger("benchmarks.ralm")
 FULL_POINTS = (
@@ -80,6 +80,20 @@ def parse(argv) -> argparse.Namespace:
         "the LM and everything else run on the others (default: 1 when the machine has 2 or more, else 0 = "
         "no pinning)",
     )
+    p.add_argument(
+        "--ablations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run serving's default with prefetch 256, a fixed stride of 3 and regeneration on a mismatch "
+        "(default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="PATH",
+        help="checkpoint after every wave to PATH and go on from what it holds (a run longer than a session; "
+        "see benchmarks/ralm_resume.py)",
+    )
     p.add_argument("--no-knnlm", action="store_true")
     p.add_argument("--knnlm-sizes", default=None, help="datastore entries, comma-separated (default 100000,300000)")
     p.add_argument("--knnlm-dir", default=None, metavar="DIR", help="use this saved exact kNN-LM datastore")
@@ -87,8 +101,18 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--knnlm-prompts", type=int, default=None, help="prompts (the first questions) (default 8)")
     p.add_argument("--knnlm-new-tokens", type=int, default=None, help="default: --max-new-tokens")
     args = p.parse_args(argv)
-    full = dict(questions=10, max_new_tokens=128, runs=3, knnlm_sizes="100000,300000", knnlm_k="16", knnlm_prompts=8)
-    quick = dict(questions=2, max_new_tokens=32, runs=1, knnlm_sizes="3000", knnlm_k="16", knnlm_prompts=2)
+    full = dict(
+        questions=10,
+        max_new_tokens=128,
+        runs=3,
+        knnlm_sizes="100000,300000",
+        knnlm_k="16",
+        knnlm_prompts=8,
+        ablations=True,
+    )
+    quick = dict(
+        questions=2, max_new_tokens=32, runs=1, knnlm_sizes="3000", knnlm_k="16", knnlm_prompts=2, ablations=False
+    )
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -132,29 +156,48 @@ def memory_kb(point: Point, text: SourceText, tok, args):
     return hash_kb(text, point.passages, args)[0]
 
 
-def run_points(args, engine, tok) -> tuple[list[dict], list]:
-    """Every point in order (KBs built on first use and dropped when no later point needs them)."""
+def run_points(args, engine, tok, ck: Checkpoint) -> tuple[list[dict], list]:
+    """Every point in order (KBs built on first use and dropped when no later point needs them);
+    points and waves the checkpoint holds are kept, not rerun."""
+    from benchmarks.ralm_questions import Question
+
     text = SourceText(args)
-    questions = None
+    questions = [Question(**q) for q in ck.questions()] if ck.questions() else None
     out = []
     for i, point in enumerate(args.points):
+        if ck.point(i) is not None:
+            out.append(ck.point(i))
+            log.info("%s: measured in an earlier session (--resume)", point.label)
+            continue
         kb = memory_kb(point, text, tok, args)
         if questions is None:  # the same questions at every point, from the first KB's documents
             questions = interleaved(question_sets(kb, args.questions))
+            ck.save_questions([asdict(q) for q in questions])
             log.info("%d questions from %s", len(questions), kb.name)
+        fingerprint = kb_fingerprint(kb)
         service = None
         try:
             if point.backend != "memory":
                 service = MilvusService(point.backend, Path(args.cache_dir) / f"{point.backend}.db", args.kb_core_set)
                 service.start()
                 kb = milvus_kb(kb, service, point.retriever)
-            rows = run_point(point, kb, engine, tok, questions, args)
+            rows = run_point(
+                point,
+                kb,
+                engine,
+                tok,
+                questions,
+                args,
+                resume=ck.rows(i, fingerprint),
+                on_wave=lambda rows, i=i, f=fingerprint: ck.save_rows(i, f, rows),
+            )
         finally:
             if service is not None:
                 service.stop()
         s = point_summary(point, rows)
-        s.update(label=point.label, rows=rows, kb=kb.describe())
+        s.update(label=point.label, rows=rows, kb=kb.describe(), kb_fingerprint=fingerprint, cpu=cpu_model())
         out.append(s)
+        ck.save_point(i, s)
         log.info(
             "%s: r_save %.2f (r_encode %.2f), bound %.2fx, RaLMSpec %.2fx (%.0f%% of it), gamma %s",
             point.label,
@@ -162,7 +205,7 @@ def run_points(args, engine, tok) -> tuple[list[dict], list]:
             s["r_encode"],
             s["bound"],
             s["speedup"],
-            100 * s["arms"][PSA]["fraction_of_bound"],
+            100 * s["arms"][headline(s["arms"])]["fraction_of_bound"],
             s["gamma"],
         )
         del kb
@@ -201,21 +244,26 @@ def _main(argv=None) -> int:
     report = {
         "command": command,
         "args": {
-            k: (str(v) if k == "points" else v) for k, v in vars(args).items() if k not in ("json", "doc", "plot")
+            k: (str(v) if k in ("points", "resume") else v)
+            for k, v in vars(args).items()
+            if k not in ("json", "doc", "plot")
         },
         "target": target_name(Path(args.model_dir)),
         "cpu": cpu_model(),
     }
-    t0 = time.perf_counter()
-    report["points"], questions = run_points(args, engine, tok)
+    settings = {k: report["args"].get(k) for k in RESUME_KEYS}
+    ck = Checkpoint(args.resume, settings)
+    report["points"], questions = run_points(args, engine, tok, ck)
     report["questions"], report["question_list"] = len(questions), [asdict(q) for q in questions]
     if not args.no_knnlm:
         from benchmarks.ralm_knnlm import knnlm_section
 
         texts = [q.prompt for q in questions] or ["Question: What does the `ls` command do?\nAnswer:"]
         prompts = [tok.encode(t, add_special_tokens=False) for t in texts[: args.knnlm_prompts]]
-        report["knnlm"] = knnlm_section(pair, tok, prompts, args)
-    report["wall_s"] = time.perf_counter() - t0
+        report["knnlm"] = knnlm_section(pair, tok, prompts, args, ck)
+    report["wall_s"] = ck.wall_s
+    if ck.resumed():
+        report["sessions"] = ck.data["sessions"]
     report["environment"] = environment()
     finish(report, args)
     return 0

@@ -33,18 +33,43 @@ from specops.serving.ralm.loop import RalmConfig, RalmGenerator
 from specops.serving.ralm.os3 import PAPER_OS3
 
 SEQ, SYNC, PSA, PAPER = "RaLMSeq", "RaLMSpec sync", "RaLMSpec async", "RaLMSpec paper OS3"
+AUTO = "RaLMSpec"
+P256, FIXED, REGEN = "RaLMSpec prefetch 256", "RaLMSpec stride 3", "RaLMSpec regenerate"
 ARMS = {
     SEQ: RalmConfig(mode="ralmseq"),
+    AUTO: RalmConfig(),
     SYNC: RalmConfig(asynchronous=False),
     PSA: RalmConfig(asynchronous=True),
     PAPER: RalmConfig(asynchronous=True, speculation_off=False),
 }
+ABLATIONS = {
+    P256: RalmConfig(prefetch=256),
+    FIXED: RalmConfig(speculation_stride=3),
+    REGEN: RalmConfig(reverify=False),
+}
+"""What each refinement is worth, each arm serving's default (``RaLMSpec``) with one thing changed
+(RaLMSpec §5's ablations): the paper's other prefetch size (256 where serving takes 20), the
+scheduler off (the paper's fixed stride 3), and a mismatch regenerating its interval instead of
+re-verifying from the mismatch. Asynchronous verification off is the ``sync`` arm."""
 ARM_OS3 = {PAPER: PAPER_OS3}
-"""RaLMSpec arms all prefetch the top 20 and choose the stride with OS³; ``sync`` verifies in
-the loop's thread, ``async`` (serving's default when a request decodes alone) in a worker during the next speculation step (both
-with serving's OS³: γ capped at 0.9, speculation off when it cannot pay), and ``paper OS3`` is
-``async`` with the paper's scheduler (γ capped at 0.6, always speculates)."""
-SPEC_ARMS = (SYNC, PSA, PAPER)
+"""``RaLMSpec`` is serving's default: prefetch 20, OS³ (γ capped at 0.9, speculation off when it
+cannot pay), re-verification from a mismatch, and verification asynchronous while its request
+decodes alone, synchronous while others decode beside it (the count of the wave's requests still
+running, read every round, as serving reads its batcher's). ``sync`` and ``async`` fix that
+choice; ``paper OS3`` is ``async`` with the paper's scheduler (γ capped at 0.6, always
+speculates)."""
+SPEC_ARMS = (AUTO, SYNC, PSA, PAPER)
+HEADLINE = AUTO
+"""The arm the summary's speed-ups and fractions of the bound are of (before serving chose the
+verification mode itself, ``async``: :func:`headline` reads older JSONs so)."""
+
+
+def headline(arms: dict) -> str:
+    return HEADLINE if HEADLINE in arms else PSA
+
+
+def arm_names(ablations: bool) -> dict[str, RalmConfig]:
+    return {**ARMS, **(ABLATIONS if ablations else {})}
 
 
 @dataclass(frozen=True)
@@ -112,9 +137,11 @@ def _pinned(cores: set[int] | None):
     return pin
 
 
-def run_point(point: Point, kb, engine, tok, questions: list, args) -> list[dict]:
+def run_point(point: Point, kb, engine, tok, questions: list, args, resume=None, on_wave=None) -> list[dict]:
     """Every arm on every question in waves of ``point.clients``; returns one row per wave.
-    RaLMSpec's verification workers run on ``args.kb_core_set`` (the retrieval side's cores)."""
+    RaLMSpec's verification workers run on ``args.kb_core_set`` (the retrieval side's cores).
+    ``resume``: rows of this point's first waves, measured before (they are kept, not rerun);
+    ``on_wave(rows)`` is called after every wave (the checkpoint)."""
     retriever = kb.retriever(point.retriever)
     texts = lambda ids: [indexed_text(p) for p in kb.passages(ids)]  # noqa: E731
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -126,24 +153,43 @@ def run_point(point: Point, kb, engine, tok, questions: list, args) -> list[dict
         for i in range(c)
     ]
     clients = ThreadPoolExecutor(c, thread_name_prefix="ralm-client")
+    configs = arm_names(getattr(args, "ablations", False))
+    running, lock = [0], threading.Lock()  # the wave's requests still decoding: serving's batcher count
 
     def one(arm: str, qi: int, slot: int):
-        gen = RalmGenerator(engine, retriever, texts, tok, ARMS[arm], pool=pools[slot], os3=ARM_OS3.get(arm))
-        return gen.generate(prompts[qi], params)
+        gen = RalmGenerator(
+            engine,
+            retriever,
+            texts,
+            tok,
+            configs[arm],
+            pool=pools[slot],
+            os3=ARM_OS3.get(arm),
+            concurrency=lambda: running[0],
+        )
+        try:
+            return gen.generate(prompts[qi], params)
+        finally:
+            with lock:
+                running[0] -= 1
 
     def wave(arm: str, qs: list[int]) -> tuple[float, list]:
+        running[0] = len(qs)
         t0 = time.perf_counter()
         futures = [clients.submit(one, arm, qi, slot) for slot, qi in enumerate(qs)]
         results = [f.result() for f in futures]
         return time.perf_counter() - t0, results
 
+    done = list(resume or [])
     try:
-        for arm in ARMS:  # warm-up: the exact scorer's matrix, the KV path, the Milvus connection
+        for arm in configs:  # warm-up: the exact scorer's matrix, the KV path, the Milvus connection
             wave(arm, waves[0][:1])
-        rows = []
-        arms = list(ARMS)
-        with tqdm(total=len(waves) * args.runs, desc=point.label, unit="wave") as bar:
+        rows = done
+        arms = list(configs)
+        with tqdm(total=len(waves) * args.runs, initial=len(done) * args.runs, desc=point.label, unit="wave") as bar:
             for wi, qs in enumerate(waves):
+                if wi < len(done):  # measured in an earlier session (--resume)
+                    continue
                 runs: dict[str, list] = {a: [] for a in arms}
                 for run in range(args.runs):
                     shift = (wi + run) % len(arms)
@@ -162,6 +208,8 @@ def run_point(point: Point, kb, engine, tok, questions: list, args) -> list[dict
                         ),
                     }
                 rows.append(row)
+                if on_wave is not None:
+                    on_wave(rows)
         return rows
     finally:
         clients.shutdown()
@@ -182,7 +230,7 @@ def point_summary(point: Point, rows: list[dict]) -> dict:
     bound = 1.0 / max(1.0 - r_save, 1e-9)
     seq_wall = sum(r["arms"][SEQ]["wall_s"] for r in rows)
     arms = {}
-    for arm in ARMS:
+    for arm in rows[0]["arms"]:
         reqs = [req for r in rows for req in r["arms"][arm]["requests"]]
         wall = sum(r["arms"][arm]["wall_s"] for r in rows)
         strides = [s for req in reqs for s in req["strides"]]
@@ -218,7 +266,8 @@ def point_summary(point: Point, rows: list[dict]) -> dict:
         "r_encode": r_encode,
         "r_cache": _sum(rows, SEQ, "cache_s") / seq_total,
         "bound": bound,
-        "speedup": arms[PSA]["speedup"],
+        "speedup": arms[headline(arms)]["speedup"],
+        "headline": headline(arms),
         "gamma": arms[PAPER]["gamma"],
         "kb_search_ms": 1000 * _sum(rows, SEQ, "kb_search_s") / max(1.0, _sum(rows, SEQ, "kb_calls")),
         "arms": arms,

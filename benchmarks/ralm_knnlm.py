@@ -112,21 +112,30 @@ def knnlm_stores(pair, tok, args, entries: int) -> dict:
     return stores
 
 
-def knnlm_section(pair, tok, prompts: list[list[int]], args) -> dict:
+def knnlm_section(pair, tok, prompts: list[list[int]], args, ck=None) -> dict:
     """Per datastore size: baseline (a search per token) vs speculative kNN-LM (OS³), per
-    searcher and k, interleaved per prompt."""
-    return {"sizes": {str(n): knnlm_size(pair, tok, prompts, args, n) for n in args.knnlm_sizes}}
+    searcher and k, interleaved per prompt; sizes the checkpoint ``ck`` holds are kept."""
+    sizes = {}
+    for n in args.knnlm_sizes:
+        done = ck.knnlm(n) if ck is not None else None
+        sizes[str(n)] = done if done is not None else knnlm_size(pair, tok, prompts, args, n)
+        if ck is not None and done is None:
+            ck.save_knnlm(n, sizes[str(n)])
+    return {"sizes": sizes}
 
 
 def knnlm_size(pair, tok, prompts: list[list[int]], args, entries: int) -> dict:
     from specops.serving.ralm.knnlm.decode import KnnConfig, KnnLM
 
     stores = knnlm_stores(pair, tok, args, entries)
-    params = SamplingParams(max_new_tokens=args.knnlm_new_tokens)
+    # every prompt runs its full length (the paper's fixed-length continuations): a question prompt's
+    # answer ends in a token or two, which measures the first search and nothing of speculation
+    params = SamplingParams(max_new_tokens=args.knnlm_new_tokens, ignore_eos=True)
     out = {
         "entries": stores["exact"].num_entries,
         "prompts": len(prompts),
         "new_tokens": args.knnlm_new_tokens,
+        "ignore_eos": True,
         "build": {s: st.meta for s, st in stores.items()},
         "bytes_per_entry": {s: round(st.bytes_per_entry, 1) for s, st in stores.items()},
         "runs": {},
@@ -153,6 +162,8 @@ def knnlm_size(pair, tok, prompts: list[list[int]], args, entries: int) -> dict:
                             "verified": r.stats.verified,
                             "mismatches": r.stats.mismatches,
                             "strides": r.stats.strides,
+                            "unspeculated": r.stats.unspeculated,
+                            "shadowed": r.stats.shadowed,
                         }
                         for m, r in res.items()
                     }
@@ -182,6 +193,8 @@ def knn_summary(rows: list[dict]) -> dict:
         "bound": 1.0 / max(1.0 - r, 1e-9),
         "fraction_of_bound": (bm / max(sm, 1e-9)) * max(1.0 - r, 1e-9),
         "hit_rate": sum(x["verified"] for x in s) / max(1, judged),
+        "unspeculated_share": sum(x.get("unspeculated", 0) for x in s) / max(1, sum(x["tokens"] for x in s)),
+        "full_length": all(x["tokens"] == y["tokens"] for x, y in zip(b, s)) and len({x["tokens"] for x in b}) <= 1,
         "mean_stride": statistics.fmean(strides) if strides else None,
         "searches": [sum(x["searches"] for x in b), sum(x["searches"] for x in s)],
         "identical": all(r["identical"] for r in rows),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.common import fmt, save_png
-from benchmarks.ralm_curve import PAPER, PSA, SEQ, SPEC_ARMS, SYNC
+from benchmarks.ralm_curve import ABLATIONS, AUTO, PAPER, PSA, SEQ, SPEC_ARMS, SYNC, headline
 
 DOC_BEGIN = "<!-- BEGIN ralm (written by benchmarks/ralm.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END ralm -->"
@@ -28,14 +28,30 @@ def _knn_largest(report: dict) -> dict | None:
     return max(runs, key=lambda r: r["speedup"]) if runs else None
 
 
+def _knn_full(sizes: dict) -> bool:
+    """Whether the kNN-LM prompts ran their full length (end-of-sequence ignored)."""
+    return bool(sizes) and all(sz.get("ignore_eos") for sz in sizes.values())
+
+
 def summary(report: dict) -> dict:
     points = report["points"]
     curve = [
         {
             **{k: p[k] for k in CURVE_KEYS},
             "gamma": _rnd(p["gamma"], 4),
-            "fraction_of_bound": _rnd(p["arms"][PSA]["fraction_of_bound"], 4),
-            **{f"speedup_{a.split()[-1].lower()}": _rnd(p["arms"][a]["speedup"], 4) for a in SPEC_ARMS},
+            "fraction_of_bound": _rnd(p["arms"][headline(p["arms"])]["fraction_of_bound"], 4),
+            **{
+                f"speedup_{a.split()[-1].lower()}": _rnd(p["arms"][a]["speedup"], 4)
+                for a in SPEC_ARMS
+                if a in p["arms"]
+            },
+            **{
+                f"ablation_{a.split(maxsplit=1)[-1].replace(' ', '_')}_vs_default": _rnd(
+                    p["arms"][a]["speedup"] / p["arms"][headline(p["arms"])]["speedup"], 4
+                )
+                for a in ABLATIONS
+                if a in p["arms"]
+            },
         }
         for p in points
     ]
@@ -49,7 +65,7 @@ def summary(report: dict) -> dict:
     identical = all(p["outputs_identical"] for p in points) and all(r["identical"] for r in knn_runs)
     return {
         "curve": curve,
-        "min_fraction_of_bound": _rnd(min(p["arms"][PSA]["fraction_of_bound"] for p in bounded), 4)
+        "min_fraction_of_bound": _rnd(min(p["arms"][headline(p["arms"])]["fraction_of_bound"] for p in bounded), 4)
         if bounded
         else None,
         "speedup_at_max_r": _rnd(top["speedup"], 4) if top else None,
@@ -57,12 +73,19 @@ def summary(report: dict) -> dict:
         "min_speedup": _rnd(min(p["speedup"] for p in points), 4) if points else None,
         "knnlm_fraction_of_bound": _rnd(knn["fraction_of_bound"], 4) if knn else None,
         "knnlm_speedup": _rnd(knn["speedup"], 4) if knn else None,
+        "knnlm_full_length": _knn_full(report.get("knnlm", {}).get("sizes", {})),
+        "knnlm_ivfpq_min_speedup": _rnd(
+            min((r["speedup"] for r in knn_runs if r["searcher"] == "ivfpq"), default=None), 4
+        )
+        if any(r["searcher"] == "ivfpq" for r in knn_runs)
+        else None,
         "outputs_identical": 1.0 if identical else 0.0,
     }
 
 
 def bars(report: dict) -> list[tuple[str, str, bool | None]]:
-    """(bar, measured, met) for issue 37's bars (RaLMSpec = our default, the async arm)."""
+    """(bar, measured, met) for issue 37's bars (RaLMSpec = serving's default arm; the async arm in
+    JSONs from before serving chose the verification mode)."""
     s = report["summary"]
     met = lambda x, bar: None if x is None else x >= bar  # noqa: E731
     return [
@@ -114,30 +137,58 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         "`r_save`: RaLMSeq's share of time in KB searches (transport and queueing included): all that "
         "speculation can remove. `bound` = 1 / (1 - r_save), from the RaLMSeq arm. `r_encode`: query encoding, "
         "which every arm pays. γ: share of the cache's guesses equal to the KB's answer (paper-OS3 arm). "
-        "Speed-up: RaLMSeq's wall time over the arm's. `async` is our default (OS3 with speculation off when "
-        "it cannot pay); `paper OS3` always speculates.",
+        "Speed-up: RaLMSeq's wall time over the arm's. "
+        + (
+            "`RaLMSpec` is serving's default (OS3 with speculation off when it cannot pay, verification "
+            "asynchronous while a request decodes alone, synchronous beside others); `sync` and `async` fix "
+            "that choice; `paper OS3` always speculates."
+            if any(AUTO in p["arms"] for p in report["points"])
+            else "`async` is our default (OS3 with speculation off when it cannot pay); `paper OS3` always speculates."
+        ),
         "",
-        "| point | search ms | r_save | r_encode | bound | γ | sync | async | paper OS3 | async / bound | identical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    main = headline(report["points"][0]["arms"]) if report["points"] else PSA
+    shown = [a for a in (AUTO, SYNC, PSA, PAPER) if report["points"] and a in report["points"][0]["arms"]]
+    lines += [
+        "| point | search ms | r_save | r_encode | bound | γ | "
+        + " | ".join(a.replace("RaLMSpec ", "") for a in shown)
+        + f" | {main.replace('RaLMSpec ', '')} / bound | identical |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(shown) + 1) + ":---:|",
     ]
     for p in report["points"]:
         ar = p["arms"]
         lines.append(
             f"| {p['label']} | {p['kb_search_ms']:.0f} | {p['r_save']:.2f} | {p['r_encode']:.2f} | {p['bound']:.2f}x "
-            f"| {fmt(p['gamma'], '.2f')} | {ar[SYNC]['speedup']:.2f}x | {ar[PSA]['speedup']:.2f}x "
-            f"| {ar[PAPER]['speedup']:.2f}x | {ar[PSA]['fraction_of_bound']:.0%} | "
-            f"{'yes' if p['outputs_identical'] else 'NO'} |"
+            f"| {fmt(p['gamma'], '.2f')} | "
+            + " | ".join(f"{ar[a]['speedup']:.2f}x" for a in shown)
+            + f" | {ar[headline(ar)]['fraction_of_bound']:.0%} | {'yes' if p['outputs_identical'] else 'NO'} |"
         )
+    ablated = [a for a in ABLATIONS if any(a in p["arms"] for p in report["points"])]
+    if ablated:
+        lines += [
+            "",
+            "Ablations (RaLMSpec §5): serving's default with one refinement changed, speed-up over RaLMSeq "
+            "(and over the default). Asynchronous verification off is the `sync` column above.",
+            "",
+            "| point | " + " | ".join(a.replace("RaLMSpec ", "") for a in ablated) + " |",
+            "|---|" + "---:|" * len(ablated),
+        ]
+        for p in report["points"]:
+            ar = p["arms"]
+            base = ar[headline(ar)]["speedup"]
+            cells = [f"{ar[a]['speedup']:.2f}x ({ar[a]['speedup'] / base:.2f})" if a in ar else "–" for a in ablated]
+            lines.append(f"| {p['label']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Where the time goes (mean per request: generation / retrieval wait; KB calls; mean stride; rounds "
         "unspeculated):",
         "",
-        "| point | RaLMSeq G / R s | async G / R s | async KB calls / intervals | stride | unspeculated |",
+        f"| point | RaLMSeq G / R s | {main.replace('RaLMSpec ', '')} G / R s | KB calls / intervals | stride "
+        "| unspeculated |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for p in report["points"]:
-        q, x = p["arms"][SEQ], p["arms"][PSA]
+        q, x = p["arms"][SEQ], p["arms"][headline(p["arms"])]
         lines.append(
             f"| {p['label']} | {q['generate_s']:.2f} / {q['retrieval_s']:.2f} | {x['generate_s']:.2f} / "
             f"{x['retrieval_s']:.2f} | {x['kb_calls']:.1f} / {x['intervals']:.1f} | {fmt(x['mean_stride'], '.2f')} "
@@ -148,11 +199,13 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         lines += [
             "",
             "**Speculative kNN-LM** (a datastore search per token vs RaLMSpec §5.3; `r`: the baseline's search "
-            "share; bound 1 / (1 - r)):",
+            "share; bound 1 / (1 - r); off: share of tokens OS³'s off rule decoded with a search each"
+            + ("; every prompt runs its full length, end-of-sequence ignored" if _knn_full(knn) else "")
+            + "):",
             "",
             "| entries | searcher | k | build s (exact: keys; IVFPQ: its index) | baseline s | speculative s | speed-up | r | bound | of bound "
-            "| hit rate | identical |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+            "| hit rate | off | identical |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
         ]
         for n, sz in knn.items():
             for run in sz["runs"].values():
@@ -162,7 +215,7 @@ def markdown(report: dict, plot_rel: str | None) -> str:
                     f"| {int(n):,} | {run['searcher']} | {run['k']} | {fmt(built, '.0f')} "
                     f"| {run['baseline_s']:.2f} | {run['speculative_s']:.2f} | {run['speedup']:.2f}x | {run['r']:.2f} "
                     f"| {run['bound']:.2f}x | {run['fraction_of_bound']:.0%} | {run['hit_rate']:.2f} "
-                    f"| {'yes' if run['identical'] else 'NO'} |"
+                    f"| {fmt(run.get('unspeculated_share'), '.0%')} | {'yes' if run['identical'] else 'NO'} |"
                 )
     lines += ["", "| bar | measured | met |", "|---|---|:---:|"]
     for bar, measured, ok in bars(report):
@@ -191,7 +244,8 @@ def plot(report: dict, path: Path) -> bool:
     ax.plot(r, 1 / (1 - r), "k-", lw=1, label="bound 1/(1-r_save)")
     ax.plot(r, 0.8 / (1 - r), "k--", lw=0.8, label="0.8 x bound")
     ax.axhline(1.0, color="#999999", lw=0.6)
-    for arm, marker, color in ((SYNC, "s", "#55a868"), (PSA, "o", "#4c72b0"), (PAPER, "^", "#c44e52")):
+    arms = ((SYNC, "s", "#55a868"), (PSA, "o", "#4c72b0"), (PAPER, "^", "#c44e52"), (AUTO, "D", "#8172b2"))
+    for arm, marker, color in [x for x in arms if all(x[0] in p["arms"] for p in points)]:
         ax.scatter(
             [p["r_save"] for p in points],
             [p["arms"][arm]["speedup"] for p in points],
@@ -203,7 +257,7 @@ def plot(report: dict, path: Path) -> bool:
     for p in points:
         ax.annotate(
             f"{p['backend']} {p['passages'] // 1000}k" + (f" x{p['clients']}" if p["clients"] > 1 else ""),
-            (p["r_save"], p["arms"][PSA]["speedup"]),
+            (p["r_save"], p["arms"][headline(p["arms"])]["speedup"]),
             fontsize=6,
             xytext=(3, 3),
             textcoords="offset points",

@@ -59,12 +59,17 @@ def rate_with_rework(s: int, gamma: float, a: float, b: float, *, asynchronous: 
     return verified / max(verified / objective(s, gamma, a, b, asynchronous=asynchronous) + (1.0 - gamma**s) * a, 1e-12)
 
 
-def speculation_pays(gamma: float, a: float, bs: list[float], *, asynchronous: bool, margin: float = 0.0) -> bool:
-    """Whether some stride's rate with rework beats RaLMSeq's ``1 / (a + b(1))`` by more than ``margin``."""
+def speculation_pays(
+    gamma: float, a: float, bs: list[float], *, asynchronous: bool, margin: float = 0.0, rework: bool = True
+) -> bool:
+    """Whether some stride's rate with rework beats RaLMSeq's ``1 / (a + b(1))`` by more than ``margin``.
+    ``rework=False`` ranks by :func:`objective` alone: a loop whose mismatch emits the true token
+    where it rolls back (kNN-LM, §5.3) spends nothing after a mismatch beyond the stride's own steps."""
     sequential = 1.0 / max(a + bs[0], 1e-12)
-    return max(
-        rate_with_rework(s, gamma, a, bs[s - 1], asynchronous=asynchronous) for s in range(1, len(bs) + 1)
-    ) > sequential * (1.0 + margin)
+    rate = rate_with_rework if rework else objective
+    return max(rate(s, gamma, a, bs[s - 1], asynchronous=asynchronous) for s in range(1, len(bs) + 1)) > sequential * (
+        1.0 + margin
+    )
 
 
 def best_stride(gamma: float, a: float, b: float | list[float], *, asynchronous: bool, s_max: int = 16) -> int:
@@ -104,6 +109,9 @@ class OS3Config:
     out (handing verification to a worker thread that contends for the interpreter lock,
     scoring the cache, rollback bookkeeping) costs a few percent, so a predicted break-even
     is a measured loss."""
+    rework: bool = True
+    """Whether a mismatch costs a step of rework (RaLMSpec's interval is generated again; kNN-LM's
+    loop emits the true token where it rolls back, so it does not): see :func:`speculation_pays`."""
 
 
 PAPER_OS3 = OS3Config(allow_off=False)
@@ -204,14 +212,32 @@ class StrideScheduler:
         else:
             bs = [self.b(n) for n in range(1, self.cfg.s_max + 1)]
             s = best_stride(self.gamma, self.a, bs, asynchronous=self.asynchronous, s_max=self.cfg.s_max)
-            if self.cfg.allow_off and not speculation_pays(
-                self.gamma_uncapped, self.a, bs, asynchronous=self.asynchronous, margin=self.cfg.pay_margin
-            ):
+            if self.cfg.allow_off and not self._pays(self.gamma_uncapped, bs):
                 s = 0
         if remaining is not None and s:
             s = max(1, min(s, remaining))
         self.chosen.append(s)
         return s
+
+    def _pays(self, gamma: float, bs: list[float]) -> bool:
+        return speculation_pays(
+            gamma, self.a, bs, asynchronous=self.asynchronous, margin=self.cfg.pay_margin, rework=self.cfg.rework
+        )
+
+    def could_pay(self) -> bool:
+        """Whether speculating could beat RaLMSeq at the best γ the off rule admits
+        (``gamma_off_max``) with the ``a`` and ``b`` measured so far: when even that loses,
+        a search is too cheap next to a step for any guess to pay, and a loop may stop
+        scoring guesses (and keeping the cache that makes them) until the costs change.
+        True until ``a`` and ``b`` have been measured."""
+        if self.fixed or not self.cfg.allow_off or not self._spec_s or not self._verify:
+            return True
+        return self._pays(self.cfg.gamma_off_max, [self.b(n) for n in range(1, self.cfg.s_max + 1)])
+
+    def observe_retrieval(self, batch: int, seconds: float) -> None:
+        """A knowledge-base search of ``batch`` queries that verified nothing took ``seconds``
+        (an unspeculated round with no guess scored): ``b`` only."""
+        self._verify.append((int(batch), float(seconds)))
 
     def snapshot(self) -> dict:
         return {

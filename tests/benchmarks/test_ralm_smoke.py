@@ -19,6 +19,8 @@ SUMMARY_KEYS = {
     "min_speedup",
     "knnlm_fraction_of_bound",
     "knnlm_speedup",
+    "knnlm_full_length",
+    "knnlm_ivfpq_min_speedup",
     "outputs_identical",
 }
 TEXT = (
@@ -70,6 +72,9 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
         "300,600",
         "--knnlm-k",
         "4",
+        "--ablations",
+        "--resume",
+        str(tmp_path / "ck.json"),
         "--json",
         str(out),
         "--doc",
@@ -89,7 +94,10 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
         assert 0 <= c["r_save"] < 1 and 0 <= c["r_encode"] < 1 and c["bound"] >= 1 and c["speedup"] > 0
         assert c["bound"] == pytest.approx(1 / (1 - c["r_save"]), rel=1e-3)
     point = report["points"][0]
-    assert set(point["arms"]) == set(ralm_curve.ARMS)
+    assert set(point["arms"]) == set(ralm_curve.ARMS) | set(ralm_curve.ABLATIONS)
+    assert point["headline"] == ralm_curve.AUTO and point["speedup"] == point["arms"][ralm_curve.AUTO]["speedup"]
+    assert all(c["ablation_prefetch_256_vs_default"] > 0 for c in s["curve"])
+    assert s["knnlm_full_length"] is True
     assert point["gamma"] is None or 0 <= point["gamma"] <= 1
     assert set(report["knnlm"]["sizes"]) == {"300", "600"}
     for size in report["knnlm"]["sizes"].values():
@@ -98,6 +106,24 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
     text = doc.read_text()
     assert ralm_report.DOC_BEGIN in text and "r_save" in text and "kNN-LM" in text and "img/ralm.png" in text
     assert (tmp_path / "img" / "ralm.png").stat().st_size > 1000
+    assert "Ablations" in text and "prefetch 256" in text
+    # --resume: a run cut off after two points and one wave of the third goes on from there (the
+    # third: Milvus in its own process; Milvus Lite embedded does not reopen a file in one process)
+    ck = json.loads((tmp_path / "ck.json").read_text())
+    assert len(ck["points"]) == 3 and set(ck["knnlm"]) == {"300", "600"} and ck["partial"] is None
+    second = ck["points"][2]
+    ck["points"] = ck["points"][:2]
+    ck["partial"] = {"index": 2, "kb": second["kb_fingerprint"], "rows": second["rows"][:1], "cpu": "x"}
+    (tmp_path / "ck.json").write_text(json.dumps(ck))
+    assert ralm.main(argv[:-4] + ["--json", str(tmp_path / "resumed.json")]) == 0
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["points"][0]["rows"] == report["points"][0]["rows"]  # kept, not rerun
+    assert resumed["points"][2]["rows"][0] == second["rows"][0] and len(resumed["points"][2]["rows"]) == len(
+        second["rows"]
+    )
+    assert len(resumed["sessions"]) == 2 and resumed["summary"]["outputs_identical"] == 1.0
+    with pytest.raises(SystemExit, match="questions"):  # settings that shape the measurement must match
+        ralm.main([*argv[:-4], "--questions", "3"])
     # --replot re-derives the same summary from the JSON alone
     assert ralm.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s

@@ -378,6 +378,27 @@ def test_speculation_turns_off_when_ralmseq_is_faster():
     assert kept_on.stride() == 1
 
 
+def test_could_pay_and_no_rework_for_a_loop_that_emits_the_true_token():
+    """kNN-LM's off rule: a mismatch costs no rework there, so it ranks by the objective alone;
+    and when even the best admitted γ loses to a search per token, guesses stop being scored."""
+    a, cheap, dear = 1.0, [0.01] * 16, [0.5] * 16
+    for gamma in (0.5, 0.8, 0.95):
+        for bs in (cheap, dear):
+            if speculation_pays(gamma, a, bs, asynchronous=False):
+                assert speculation_pays(gamma, a, bs, asynchronous=False, rework=False)
+    # γ 0.7, b = a/2: the objective (no rework) pays, the rate with rework does not
+    assert speculation_pays(0.7, a, dear, asynchronous=False, rework=False)
+    assert not speculation_pays(0.7, a, dear, asynchronous=False)
+    sched = StrideScheduler(OS3Config(gamma_max=0.9, rework=False))
+    assert sched.could_pay()  # nothing measured yet
+    sched.observe_speculation(a)
+    sched.observe_retrieval(1, 0.01)  # a search of a hundredth of a step: no γ ≤ 0.99 can pay
+    assert not sched.could_pay() and sched.stride() == 0
+    sched.observe_retrieval(1, 0.99)  # searches got dear (b now their mean): worth scoring guesses again
+    assert sched.could_pay()
+    assert StrideScheduler(OS3Config(allow_off=False)).could_pay() and StrideScheduler(fixed=3).could_pay()
+
+
 def test_unspeculated_rounds_keep_the_output_and_score_guesses(pair, passages, pool, monkeypatch):
     """Rounds where OS³ turns speculation off (forced here on two rounds of three) retrieve from
     the KB first (the others speculate); the output is RaLMSeq's and the guesses still feed γ."""

@@ -10,6 +10,7 @@ from the cache mostly holds) and random token documents.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,17 +69,44 @@ def run(target, store, prompt, params=GEN, **cfg):
 @pytest.mark.parametrize("searcher", ["exact", "ivfpq"])
 @pytest.mark.parametrize("stride", [1, 3, 0])
 def test_speculative_equals_baseline(tiny_target, stores, prompts, searcher, stride):
-    store = stores[searcher]
+    from specops.serving.ralm.knnlm.decode import KNN_OS3
+
+    store, spoken = stores[searcher], 0
+    os3 = replace(KNN_OS3, pay_margin=-1.0)  # OS³'s strides every round: its off rule has its own test below
     for k in (1, 48):  # 48: far more neighbours than a cache hit set reproduces exactly; the tokens still match
         for prompt in prompts:
             base = run(tiny_target, store, prompt, mode="baseline", k=k)
-            spec = run(tiny_target, store, prompt, k=k, speculation_stride=stride)
+            spec = KnnLM(tiny_target, store, KnnConfig(k=k, speculation_stride=stride), os3=os3).generate(prompt, GEN)
             assert spec.token_ids == base.token_ids, (searcher, stride, k, prompt)
             assert base.stats.kb_searches == base.stats.kb_queries == len(base.token_ids)
-            assert spec.stats.kb_searches == 1 + spec.stats.verification_batches
+            assert spec.stats.kb_searches == 1 + spec.stats.verification_batches + spec.stats.unspeculated
             assert sum(spec.stats.strides) == spec.stats.speculations
             if stride:
-                assert set(spec.stats.strides[:-1]) <= {stride}
+                assert set(spec.stats.strides[:-1]) <= {stride} and not spec.stats.unspeculated
+            spoken += spec.stats.speculations
+    assert spoken > 0
+
+
+@pytest.mark.parametrize("margin", [100.0, -1.0])
+def test_the_off_rule_decodes_as_the_baseline(tiny_target, stores, prompts, margin):
+    """OS³'s off rule in the kNN-LM loop: rounds it turns off decode one token with a real
+    search, as the baseline does. With a margin nothing can clear, the first round scores the
+    cache's guess (nothing measured yet) and every later one skips the cache: the baseline's own
+    work. With a margin everything clears, speculation starts after that first measured round."""
+    from specops.serving.ralm.knnlm.decode import KNN_OS3
+
+    os3 = replace(KNN_OS3, pay_margin=margin)
+    for prompt in prompts[:2]:
+        base = run(tiny_target, stores["exact"], prompt, mode="baseline", k=8)
+        spec = KnnLM(tiny_target, stores["exact"], KnnConfig(k=8), os3=os3).generate(prompt, GEN)
+        assert spec.token_ids == base.token_ids
+        st = spec.stats
+        assert st.shadowed == 1 and st.unspeculated + st.speculations - st.rolled_back_tokens + 1 == st.tokens
+        if margin > 0:
+            assert st.unspeculated == st.tokens - 1 and not st.strides and st.kb_searches == st.tokens
+            assert st.cache_search_s == 0.0 or st.cache_size > 0
+        else:
+            assert st.unspeculated == 1 and st.strides and st.kb_searches < st.tokens
 
 
 def test_mismatches_roll_back_and_the_output_still_matches(tiny_target, stores):
@@ -169,14 +197,15 @@ def test_a_capped_cache_and_final_tokens(tiny_target, stores, prompts):
     assert stats["tokens"] == 32 and stats["total_s"] >= stats["lm_s"] > 0 and 0.0 <= stats["hit_rate"] <= 1.0
 
 
-def test_eos_stops_both_modes(tiny_target, stores, prompts):
+def test_eos_stops_both_modes_unless_ignored(tiny_target, stores, prompts):
     base = run(tiny_target, stores["exact"], prompts[0], mode="baseline", k=8)
     eos = base.token_ids[5]
     for mode in ("baseline", "speculative"):
-        out = KnnLM(
-            tiny_target, stores["exact"], KnnConfig(mode=mode, k=8, speculation_stride=3), eos_token_ids=[eos]
-        ).generate(prompts[0], GEN)
+        lm = KnnLM(tiny_target, stores["exact"], KnnConfig(mode=mode, k=8, speculation_stride=3), eos_token_ids=[eos])
+        out = lm.generate(prompts[0], GEN)
         assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(eos) + 1]
+        full = lm.generate(prompts[0], replace(GEN, ignore_eos=True))  # the API's ignore_eos: to the limit
+        assert full.finish_reason == "length" and full.token_ids == base.token_ids
 
 
 def test_bad_config_is_refused():

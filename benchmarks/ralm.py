@@ -43,7 +43,7 @@ from benchmarks.common import cpu_model, environment, finish_report, target_name
 from benchmarks.ralm_curve import Point, headline, parse_point, point_summary, run_point  # noqa: E402
 from benchmarks.ralm_kbs import MilvusService, SourceText, hash_kb, milvus_kb, minilm_kb  # noqa: E402
 from benchmarks.ralm_questions import interleaved, question_sets  # noqa: E402
-from benchmarks.ralm_report import DOC_BEGIN, DOC_END, markdown, plot, summary  # noqa: E402
+from benchmarks.ralm_report import markdown, markers, plot, summary  # noqa: E402
 from benchmarks.ralm_resume import RESUME_KEYS, Checkpoint, kb_fingerprint  # noqa: E402
 
 log = logging.getLogger("benchmarks.ralm")
@@ -95,6 +95,11 @@ def parse(argv) -> argparse.Namespace:
         "see benchmarks/ralm_resume.py)",
     )
     p.add_argument("--no-knnlm", action="store_true")
+    p.add_argument(
+        "--no-curve",
+        action="store_true",
+        help="kNN-LM only (its own section of --doc, ralm-knnlm, and plot ralm_knnlm.png; write it to another --json)",
+    )
     p.add_argument("--knnlm-sizes", default=None, help="datastore entries, comma-separated (default 100000,300000)")
     p.add_argument("--knnlm-dir", default=None, metavar="DIR", help="use this saved exact kNN-LM datastore")
     p.add_argument("--knnlm-k", default=None, help="comma-separated k (default 16, quick 16)")
@@ -117,6 +122,11 @@ def parse(argv) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.points = [parse_point(s) for s in (args.points or (QUICK_POINTS if args.quick else FULL_POINTS)).split(",")]
+    args.question_point = args.points[0]  # the KB the questions (and kNN-LM's prompts) are drawn from
+    if args.no_curve:
+        if args.no_knnlm:
+            raise SystemExit("--no-curve with --no-knnlm leaves nothing to run")
+        args.points = []
     args.knnlm_new_tokens = args.knnlm_new_tokens or args.max_new_tokens
     args.knnlm_k = [int(k) for k in str(args.knnlm_k).split(",") if k]
     args.knnlm_sizes = [int(n) for n in str(args.knnlm_sizes).split(",") if n]
@@ -143,9 +153,8 @@ def pin_lm(args) -> None:
 
 def finish(report: dict, args) -> None:
     """Summary, table, plot, JSON and doc section of a finished (or reloaded) run."""
-    finish_report(
-        report, args, summary=summary, markdown=markdown, plot=plot, png_name="ralm.png", begin=DOC_BEGIN, end=DOC_END
-    )
+    begin, end, png = markers(report)
+    finish_report(report, args, summary=summary, markdown=markdown, plot=plot, png_name=png, begin=begin, end=end)
 
 
 def memory_kb(point: Point, text: SourceText, tok, args):
@@ -210,6 +219,12 @@ def run_points(args, engine, tok, ck: Checkpoint) -> tuple[list[dict], list]:
         )
         del kb
         gc.collect()
+    if questions is None and not args.no_knnlm:  # --no-curve: the questions the curve's first point would ask
+        kb = memory_kb(args.question_point, text, tok, args)
+        questions = interleaved(question_sets(kb, args.questions))
+        ck.save_questions([asdict(q) for q in questions])
+        log.info("%d questions from %s (kNN-LM's prompts)", len(questions), kb.name)
+        del kb
     return out, questions or []
 
 
@@ -244,7 +259,7 @@ def _main(argv=None) -> int:
     report = {
         "command": command,
         "args": {
-            k: (str(v) if k in ("points", "resume") else v)
+            k: (str(v) if k in ("points", "resume", "question_point") else v)
             for k, v in vars(args).items()
             if k not in ("json", "doc", "plot")
         },

@@ -10,6 +10,15 @@ from benchmarks.ralm_curve import ABLATIONS, AUTO, PAPER, PSA, SEQ, SPEC_ARMS, S
 
 DOC_BEGIN = "<!-- BEGIN ralm (written by benchmarks/ralm.py; edits inside are overwritten) -->"
 DOC_END = "<!-- END ralm -->"
+KNN_BEGIN = "<!-- BEGIN ralm-knnlm (written by benchmarks/ralm.py --no-curve; edits inside are overwritten) -->"
+KNN_END = "<!-- END ralm-knnlm -->"
+
+
+def markers(report: dict) -> tuple[str, str, str]:
+    """(begin, end, png name) of a report's doc section: a run with ``--no-curve`` has its own."""
+    return (DOC_BEGIN, DOC_END, "ralm.png") if report["points"] else (KNN_BEGIN, KNN_END, "ralm_knnlm.png")
+
+
 BARS = {"fraction_of_bound": 0.8, "r_save_for_bound": 0.3, "speedup_at_max_r": 2.0, "min_speedup": 0.97}
 KNN_FRACTION = 0.8
 CURVE_KEYS = ("retriever", "backend", "passages", "embedder", "clients", "r_save", "r_encode", "bound", "speedup")
@@ -117,7 +126,37 @@ def bars(report: dict) -> list[tuple[str, str, bool | None]]:
     ]
 
 
+def _knn_lines(knn: dict) -> list[str]:
+    """The kNN-LM table of ``report["knnlm"]["sizes"]``."""
+    lines: list[str] = []
+    if knn:
+        lines += [
+            "",
+            "**Speculative kNN-LM** (a datastore search per token vs RaLMSpec §5.3; `r`: the baseline's search "
+            "share; bound 1 / (1 - r); off: share of tokens OS³'s off rule decoded with a search each"
+            + ("; every prompt runs its full length, end-of-sequence ignored" if _knn_full(knn) else "")
+            + "):",
+            "",
+            "| entries | searcher | k | build s (exact: keys; IVFPQ: its index) | baseline s | speculative s | speed-up | r | bound | of bound "
+            "| hit rate | off | identical |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
+        for n, sz in knn.items():
+            for run in sz["runs"].values():
+                b = sz["build"].get(run["searcher"], {})
+                built = b.get("index_s") if run["searcher"] == "ivfpq" else b.get("build_s")
+                lines.append(
+                    f"| {int(n):,} | {run['searcher']} | {run['k']} | {fmt(built, '.0f')} "
+                    f"| {run['baseline_s']:.2f} | {run['speculative_s']:.2f} | {run['speedup']:.2f}x | {run['r']:.2f} "
+                    f"| {run['bound']:.2f}x | {run['fraction_of_bound']:.0%} | {run['hit_rate']:.2f} "
+                    f"| {fmt(run.get('unspeculated_share'), '.0%')} | {'yes' if run['identical'] else 'NO'} |"
+                )
+    return lines
+
+
 def markdown(report: dict, plot_rel: str | None) -> str:
+    if not report["points"]:
+        return knn_markdown(report, plot_rel)
     a = report["args"]
     lines = [
         DOC_BEGIN,
@@ -194,29 +233,7 @@ def markdown(report: dict, plot_rel: str | None) -> str:
             f"{x['retrieval_s']:.2f} | {x['kb_calls']:.1f} / {x['intervals']:.1f} | {fmt(x['mean_stride'], '.2f')} "
             f"| {x['unspeculated']:.1f} |"
         )
-    knn = report.get("knnlm", {}).get("sizes", {})
-    if knn:
-        lines += [
-            "",
-            "**Speculative kNN-LM** (a datastore search per token vs RaLMSpec §5.3; `r`: the baseline's search "
-            "share; bound 1 / (1 - r); off: share of tokens OS³'s off rule decoded with a search each"
-            + ("; every prompt runs its full length, end-of-sequence ignored" if _knn_full(knn) else "")
-            + "):",
-            "",
-            "| entries | searcher | k | build s (exact: keys; IVFPQ: its index) | baseline s | speculative s | speed-up | r | bound | of bound "
-            "| hit rate | off | identical |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
-        ]
-        for n, sz in knn.items():
-            for run in sz["runs"].values():
-                b = sz["build"].get(run["searcher"], {})
-                built = b.get("index_s") if run["searcher"] == "ivfpq" else b.get("build_s")
-                lines.append(
-                    f"| {int(n):,} | {run['searcher']} | {run['k']} | {fmt(built, '.0f')} "
-                    f"| {run['baseline_s']:.2f} | {run['speculative_s']:.2f} | {run['speedup']:.2f}x | {run['r']:.2f} "
-                    f"| {run['bound']:.2f}x | {run['fraction_of_bound']:.0%} | {run['hit_rate']:.2f} "
-                    f"| {fmt(run.get('unspeculated_share'), '.0%')} | {'yes' if run['identical'] else 'NO'} |"
-                )
+    lines += _knn_lines(report.get("knnlm", {}).get("sizes", {}))
     lines += ["", "| bar | measured | met |", "|---|---|:---:|"]
     for bar, measured, ok in bars(report):
         lines.append(f"| {bar} | {measured} | {'–' if ok is None else 'yes' if ok else 'no'} |")
@@ -226,20 +243,64 @@ def markdown(report: dict, plot_rel: str | None) -> str:
     return "\n".join(lines)
 
 
+def knn_markdown(report: dict, plot_rel: str | None) -> str:
+    """The doc section of a run with ``--no-curve``: speculative kNN-LM alone."""
+    a = report["args"]
+    sizes = report.get("knnlm", {}).get("sizes", {})
+    s = report["summary"]
+    lines = [
+        KNN_BEGIN,
+        "## Speculative kNN-LM against kNN-LM (RaLMSpec §5.3)",
+        "",
+        "```sh",
+        report["command"],
+        "```",
+        "",
+        f"Target {report['target']}; greedy; {a['knnlm_new_tokens']} new tokens from each of "
+        f"{a['knnlm_prompts']} prompts (the curve's first questions), λ 0.25; datastores of the target's hidden "
+        "states over the KB sources, exact and IVFPQ; baseline and speculative interleaved per prompt. "
+        f"CPU: {report.get('cpu', '?')}, {report['environment']['cpu_count']} cores; wall time "
+        f"{report['wall_s'] / 60:.0f} min.",
+    ]
+    lines += _knn_lines(sizes)
+    lines += ["", "| bar | measured | met |", "|---|---|:---:|"]
+    for bar, measured, ok in bars(report):
+        if "kNN-LM" in bar or "identical" in bar:
+            lines.append(f"| {bar} | {measured} | {'–' if ok is None else 'yes' if ok else 'no'} |")
+    lines += [
+        "",
+        f"IVFPQ's slowest speed-up: {fmt(s.get('knnlm_ivfpq_min_speedup'), '.2f', 'x')}.",
+    ]
+    if plot_rel:
+        lines += ["", f"![speculative kNN-LM speed-up against r, with the bound]({plot_rel})"]
+    lines += ["", KNN_END]
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: Path) -> bool:
-    """Speed-up against r_save for each RaLMSpec arm, with 1/(1-r) and 0.8 of it; kNN-LM beside."""
+    """Speed-up against r_save for each RaLMSpec arm, with 1/(1-r) and 0.8 of it; kNN-LM beside
+    (or alone, for a run with ``--no-curve``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     points = report["points"]
-    if not points:
-        return False
     knn = [r for s in report.get("knnlm", {}).get("sizes", {}).values() for r in s["runs"].values()]
-    fig, axes = plt.subplots(1, 2 if knn else 1, figsize=(11 if knn else 6, 4.2), squeeze=False)
-    ax = axes[0][0]
+    if not points and not knn:
+        return False
+    panels = int(bool(points)) + int(bool(knn))
+    fig, axes = plt.subplots(1, panels, figsize=(11 if panels == 2 else 6, 4.2), squeeze=False)
+    if points:
+        _curve_panel(axes[0][0], points)
+    if knn:
+        _knn_panel(axes[0][panels - 1], knn)
+    return save_png(fig, path)
+
+
+def _curve_panel(ax, points: list[dict]) -> None:
+    import numpy as np
+
     r = np.linspace(0, min(0.95, max(p["r_save"] for p in points) + 0.1), 200)
     ax.plot(r, 1 / (1 - r), "k-", lw=1, label="bound 1/(1-r_save)")
     ax.plot(r, 0.8 / (1 - r), "k--", lw=0.8, label="0.8 x bound")
@@ -266,15 +327,19 @@ def plot(report: dict, path: Path) -> bool:
     ax.set_ylabel("speed-up over RaLMSeq")
     ax.set_title("RaLMSpec along the retrieval-cost curve", fontsize=9)
     ax.legend(fontsize=7)
-    if knn:
-        ax = axes[0][1]
-        rk = np.linspace(0, min(0.95, max(x["r"] for x in knn) + 0.05), 200)
-        ax.plot(rk, 1 / (1 - rk), "k-", lw=1, label="bound 1/(1-r)")
-        for searcher, color in (("exact", "#4c72b0"), ("ivfpq", "#dd8452")):
-            xs = [x for x in knn if x["searcher"] == searcher]
-            ax.scatter([x["r"] for x in xs], [x["speedup"] for x in xs], color=color, label=searcher, zorder=3)
-        ax.set_xlabel("r (baseline's share of time in datastore search)")
-        ax.set_ylabel("speed-up over kNN-LM")
-        ax.set_title("speculative kNN-LM", fontsize=9)
-        ax.legend(fontsize=7)
-    return save_png(fig, path)
+
+
+def _knn_panel(ax, knn: list[dict]) -> None:
+    import numpy as np
+
+    rk = np.linspace(0, min(0.95, max(x["r"] for x in knn) + 0.05), 200)
+    ax.plot(rk, 1 / (1 - rk), "k-", lw=1, label="bound 1/(1-r)")
+    ax.plot(rk, 0.8 / (1 - rk), "k--", lw=0.8, label="0.8 x bound")
+    ax.axhline(1.0, color="#999999", lw=0.6)
+    for searcher, color in (("exact", "#4c72b0"), ("ivfpq", "#dd8452")):
+        xs = [x for x in knn if x["searcher"] == searcher]
+        ax.scatter([x["r"] for x in xs], [x["speedup"] for x in xs], color=color, label=searcher, zorder=3)
+    ax.set_xlabel("r (baseline's share of time in datastore search)")
+    ax.set_ylabel("speed-up over kNN-LM")
+    ax.set_title("speculative kNN-LM", fontsize=9)
+    ax.legend(fontsize=7)

@@ -27,6 +27,7 @@ RESUME_KEYS = (
     "runs",
     "ablations",
     "no_knnlm",
+    "no_curve",
     "knnlm_sizes",
     "knnlm_k",
     "knnlm_prompts",

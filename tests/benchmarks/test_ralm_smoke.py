@@ -127,3 +127,25 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
     # --replot re-derives the same summary from the JSON alone
     assert ralm.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s
+
+
+def test_knnlm_alone_has_its_own_doc_section(tiny_models, tmp_path, one_thread):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(6):
+        (src / f"tool{i}.txt").write_text(TEXT.format(n=i) * 4)
+    out, doc = tmp_path / "knn.json", tmp_path / "benchmarks.md"
+    doc.write_text(f"# x\n\n{ralm_report.DOC_BEGIN}\nthe curve's\n{ralm_report.DOC_END}\n")
+    common = ["--model-dir", str(tiny_models), "--quick", "--source", str(src), "--cache-dir", str(tmp_path / "c")]
+    argv = [*common, "--no-curve", "--knnlm-sizes", "300", "--knnlm-k", "4", "--max-new-tokens", "8"]
+    assert ralm.main([*argv, "--json", str(out), "--doc", str(doc)]) == 0
+    report = json.loads(out.read_text())
+    assert report["points"] == [] and set(report["knnlm"]["sizes"]) == {"300"}
+    assert report["knnlm"]["sizes"]["300"]["prompts"] == 2  # the questions the curve would ask
+    s = report["summary"]
+    assert s["min_fraction_of_bound"] is None and s["knnlm_full_length"] is True and s["outputs_identical"] == 1.0
+    text = doc.read_text()
+    assert "the curve's" in text and ralm_report.KNN_BEGIN in text and "img/ralm_knnlm.png" in text
+    assert (tmp_path / "img" / "ralm_knnlm.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="nothing to run"):
+        ralm.main([*argv, "--no-knnlm"])

@@ -20,6 +20,7 @@ SUMMARY_KEYS = {
     "knnlm_fraction_of_bound",
     "knnlm_speedup",
     "knnlm_full_length",
+    "knnlm_model_fraction_of_bound",
     "knnlm_ivfpq_min_speedup",
     "outputs_identical",
 }

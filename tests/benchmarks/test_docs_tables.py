@@ -129,6 +129,12 @@ def _ralm(r: dict) -> str:
     return ralm_report.markdown(r, "img/ralm.png")
 
 
+def _ralm_knnlm(r: dict) -> str:
+    from benchmarks import ralm_report
+
+    return ralm_report.markdown(r, "img/ralm_knnlm.png")
+
+
 def _llma(r: dict) -> str:
     from benchmarks import llma_report
 
@@ -203,6 +209,7 @@ BLOCKS: dict[str, Block] = {
     "dresd": Block("dresd_vs_rest.json", _dresd),
     "dresd-curve": Block("dresd.json", _dresd_curve),
     "ralm": Block("ralm.json", _ralm),
+    "ralm-knnlm": Block("ralm_knnlm.json", _ralm_knnlm),
     "llma": Block("llma.json", _llma),
     "llma-tune": Block("llma_tune.json", _llma_tune),
     "adaptive": Block("adaptive.json", _adaptive),

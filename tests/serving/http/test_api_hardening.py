@@ -469,5 +469,7 @@ def test_a_client_gone_mid_body_is_one_info_line(server, caplog):
     gone = [r for r in caplog.records if "went away" in r.getMessage()]
     assert len(gone) == 1 and gone[0].levelno == logging.INFO and gone[0].exc_info is None, caplog.text
     assert "POST /v1/completions" in gone[0].getMessage()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+    # the server's own loggers only: a Kafka client another test left in this worker may warn meanwhile
+    ours = [r for r in caplog.records if r.name.startswith(("specops", "uvicorn"))]
+    assert not [r for r in ours if r.levelno >= logging.WARNING or r.exc_info], caplog.text
     healthy(server)

@@ -4,7 +4,8 @@ checkpoints after every wave and every kNN-LM datastore size, and a later run wi
 ``--resume PATH`` (on this machine or another, the file committed in between) goes on from there.
 
 What makes a resumed run one run: the settings that shape the measurement (:data:`RESUME_KEYS`)
-must equal the checkpoint's, or the run stops and says which differs; the questions come from the
+must equal the checkpoint's, or the run stops and says which differs (points may be added after
+the checkpoint's: the finished ones stand); the questions come from the
 checkpoint, not from re-reading this machine's sources; a point half done keeps its waves only if
 its knowledge base describes itself the same (passages, sources, chunking, retrievers), and every
 point records the CPU it ran on. Waves finished are never rerun; the wave in flight when a session
@@ -37,6 +38,14 @@ RESUME_KEYS = (
 """Arguments a resumed run must share with the checkpoint."""
 
 
+def _extends(saved, now) -> bool:
+    """Whether the run's points (``str`` of their list) are the checkpoint's with more after them."""
+    if not isinstance(saved, str) or not isinstance(now, str) or not saved.endswith("]"):
+        return False
+    head = saved[:-1]
+    return now == saved or (now.startswith(head) and now[len(head) : len(head) + 2] == ", ")
+
+
 def kb_fingerprint(kb) -> dict:
     """What a resumed point's KB must match: its description without its build time."""
     return {k: v for k, v in kb.describe().items() if k not in ("build_s", "version")}
@@ -52,6 +61,8 @@ class Checkpoint:
         if path is not None and path.exists():
             saved = json.loads(path.read_text())
             for key in RESUME_KEYS:
+                if key == "points" and _extends(saved["settings"].get(key), settings.get(key)):
+                    continue  # points added after the checkpoint's run: the finished ones stand
                 if saved["settings"].get(key) != settings.get(key):
                     raise SystemExit(
                         f"--resume {path}: it was run with {key}={saved['settings'].get(key)!r}, this run has "

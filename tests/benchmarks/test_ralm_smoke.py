@@ -125,6 +125,10 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
     assert len(resumed["sessions"]) == 2 and resumed["summary"]["outputs_identical"] == 1.0
     with pytest.raises(SystemExit, match="questions"):  # settings that shape the measurement must match
         ralm.main([*argv[:-4], "--questions", "3"])
+    from benchmarks.ralm_resume import _extends
+
+    a, b = "[Point(x=1), Point(x=2)]", "[Point(x=1), Point(x=2), Point(x=3)]"
+    assert _extends(a, b) and _extends(a, a) and not _extends(b, a) and not _extends(a, "[Point(x=1)]")
     # --replot re-derives the same summary from the JSON alone
     assert ralm.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s

@@ -191,16 +191,24 @@ class StrideScheduler:
 
     def b(self, s: int) -> float:
         """Estimated latency of a verification batch of ``s`` queries."""
+        intercept, slope = self._b_line()
+        return max(0.0, intercept + slope * s)
+
+    def _b_line(self) -> tuple[float, float]:
+        """(intercept, slope) of the line through the recent verifications (slope ≥ 0)."""
         if not self._verify:
-            return 0.0
+            return 0.0, 0.0
         xs = np.array([n for n, _ in self._verify], dtype=np.float64)
         ys = np.array([t for _, t in self._verify], dtype=np.float64)
         if np.ptp(xs) == 0:
-            return float(ys.mean())
-        slope, intercept = np.polyfit(xs, ys, 1)
-        slope = max(0.0, float(slope))  # a batch never gets cheaper with more queries
-        intercept = float(ys.mean() - slope * xs.mean())
-        return max(0.0, intercept + slope * s)
+            return float(ys.mean()), 0.0
+        slope = max(0.0, float(np.polyfit(xs, ys, 1)[0]))  # a batch never gets cheaper with more queries
+        return float(ys.mean() - slope * xs.mean()), slope
+
+    def _bs(self) -> list[float]:
+        """``b(1..s_max)`` from one fit (the stride and off decisions run every round)."""
+        intercept, slope = self._b_line()
+        return [max(0.0, intercept + slope * n) for n in range(1, self.cfg.s_max + 1)]
 
     def stride(self, remaining: int | None = None) -> int:
         """The stride for the next round (at most ``remaining`` speculation steps); 0 means do
@@ -210,7 +218,7 @@ class StrideScheduler:
         elif not self._verifications or not self._spec_s:
             s = 0 if self.cfg.allow_off else self.cfg.initial  # off: measure γ, a, b unspeculated first
         else:
-            bs = [self.b(n) for n in range(1, self.cfg.s_max + 1)]
+            bs = self._bs()
             s = best_stride(self.gamma, self.a, bs, asynchronous=self.asynchronous, s_max=self.cfg.s_max)
             if self.cfg.allow_off and not self._pays(self.gamma_uncapped, bs):
                 s = 0
@@ -232,7 +240,7 @@ class StrideScheduler:
         True until ``a`` and ``b`` have been measured."""
         if self.fixed or not self.cfg.allow_off or not self._spec_s or not self._verify:
             return True
-        return self._pays(self.cfg.gamma_off_max, [self.b(n) for n in range(1, self.cfg.s_max + 1)])
+        return self._pays(self.cfg.gamma_off_max, self._bs())
 
     def observe_retrieval(self, batch: int, seconds: float) -> None:
         """A knowledge-base search of ``batch`` queries that verified nothing took ``seconds``

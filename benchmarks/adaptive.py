@@ -88,6 +88,7 @@ from benchmarks.adaptive_report import (  # noqa: E402, F401  (some only re-expo
     _held_out_best_fixed,
     analyse,
     concurrencies,
+    current_rules,
     greedy_identical,
     markdown,
     phase_text,
@@ -485,6 +486,7 @@ def main(argv=None) -> int:
             for c in cases
         ],
         "calibration_ms": costs,
+        "rules": current_rules(),
     }
     report.update(run(cases, runner, args))
     report["policy_end"] = policy.snapshot()

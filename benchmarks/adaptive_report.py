@@ -17,6 +17,14 @@ SUMMARY_KEYS = ("auto_vs_best_fixed", "auto_vs_oracle", "min_slice_vs_target", "
 BARS = {"auto_vs_best_fixed": 1.0, "auto_vs_oracle": 0.9, "min_slice_vs_target": 0.95}
 
 
+def current_rules() -> dict:
+    """The rules a run decided by: LLMA's copy rule (serving's, issue 60) and whether ``auto``
+    scaled its estimates by the realized-speed check per load (``AutoPolicy.realized``)."""
+    from specops.serving.proposers.llma import SERVING_RULE
+
+    return {"llma": dict(SERVING_RULE), "auto_realized_check": True}
+
+
 # ---------------------------------------------------------------- the report
 def analyse(report: dict) -> dict:
     cases = report["cases"]
@@ -157,6 +165,8 @@ def summary(report: dict) -> dict:
             (v["auto_vs_best_fixed_cv"] for v in by.values() if v["auto_vs_best_fixed_cv"]), default=None
         ),
         "greedy_identical": greedy_identical(report),
+        "rerun_after_llma_rule": report.get("rules", {}).get("llma") == current_rules()["llma"],
+        "auto_realized_check": bool(report.get("rules", {}).get("auto_realized_check")),
         "cases": len(report["cases"]),
         "concurrency": [int(c) for c in by],
         "best_fixed": {c: v["best_fixed"] for c, v in by.items()},

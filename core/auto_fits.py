@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from specops.core.errors import echo
 
 TEMP_BUCKETS = ("greedy", "low", "high")
-"""Temperature buckets of the acceptance counts (``specops.core.auto_policy.temp_bucket``)."""
+"""Temperature buckets of the acceptance counts (``temp_bucket``)."""
 
 PRIORS_FORMAT = "specops-auto-priors/1"
 MAX_PRIOR_COUNT = 1e12
@@ -79,6 +79,53 @@ def check_priors(
         for m, fit in table("propose").items()
     }
     return counts, verify, propose
+
+
+LOAD_BUCKETS = (1, 2, 4, 8, 16)
+"""Requests in flight are bucketed (1, 2, 3-4, 5-8, 9-16, 17+) for the verify-cost fits."""
+
+MATCH_BUCKETS = (1, 2, 4, 8, 16)
+"""A copy's match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for its acceptance counts."""
+
+
+def temp_bucket(temperature: float) -> str:
+    """``greedy``, ``low`` (T <= 0.7) or ``high``: acceptance falls with temperature."""
+    return "greedy" if temperature <= 0 else ("low" if temperature <= 0.7 else "high")
+
+
+def _bucket(x: int, edges: tuple[int, ...]) -> int:
+    for i, e in enumerate(edges[1:]):
+        if x < e:
+            return i
+    return len(edges) - 1
+
+
+def load_bucket(n: int) -> int:
+    return _bucket(max(1, n), LOAD_BUCKETS)
+
+
+def copy_key(method: str, source: str, match: int) -> str:
+    """The acceptance key of a copy by ``method`` from ``source`` at match length ``match``:
+    ``copy_key("llma", "request", 9) == "llma.request@m8"``."""
+    return f"{method}.{source}@m{MATCH_BUCKETS[_bucket(match, MATCH_BUCKETS)]}"
+
+
+def key_chain(key: str) -> list[str]:
+    """``llma.context@m8`` -> ``[llma.context@m8, llma.context, llma]``: the key, then its parents."""
+    out = [key]
+    if "@" in key:
+        out.append(key.split("@")[0])
+    if "." in out[-1]:
+        out.append(out[-1].split(".")[0])
+    return out
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step emits with a chain of ``k`` drafts at per-token acceptance ``alpha``."""
+    if k <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 1.0)
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 COST_DECAY = 0.99
@@ -151,3 +198,54 @@ class Counts:
     @property
     def mean(self) -> float:
         return (self.accepted + 1.0) / (self.trials + 2.0)
+
+
+REALIZED_DECAY = 0.98
+"""Per-step decay of a method's realized-speed ratio at one load (about 50 steps of memory)."""
+
+REALIZED_PRIOR_STEPS = 8.0
+"""Pseudo-steps at ratio 1 in each realized-speed ratio: the model is trusted until the
+steps measured at that load outweigh it."""
+
+REALIZED_CLIP = 4.0
+"""One step's ratio is clipped to [1/4, 4] (a preempted thread must not decide the next 50 steps)."""
+
+
+class SpeedCheck:
+    """How fast a method's steps really were at one load against what the policy's model said:
+    the decayed geometric mean of ``realized / modelled`` tokens per second, shrunk towards 1 by
+    :data:`REALIZED_PRIOR_STEPS`. The model (acceptance counts, cost fits) misses what it does
+    not name: a draft's forwards contending with the other requests' threads, the batch waiting
+    for its slowest row, a chain whose acceptance is not geometric. The check learns, per load
+    level, how far the model is off for each method, and the policy scales that method's
+    estimate by :attr:`factor`: so it learns which method pays at each load."""
+
+    def __init__(
+        self, *, decay: float = REALIZED_DECAY, prior_steps: float = REALIZED_PRIOR_STEPS, half_life_s: float = 600.0
+    ):
+        self.decay, self.prior_steps, self.half_life_s = decay, prior_steps, half_life_s
+        self.weight = self.log_sum = 0.0
+        self.n_obs = 0
+        self.updated = time.time()
+
+    def _fade(self, now: float) -> float:
+        """Evidence loses half its weight per ``half_life_s`` without news: a method the check
+        turned off at a load is tried again there once its verdict has faded."""
+        return 0.5 ** (max(0.0, now - self.updated) / self.half_life_s)
+
+    def observe(self, ratio: float) -> None:
+        if not (math.isfinite(ratio) and ratio > 0):
+            return
+        now = time.time()
+        d = self.decay * self._fade(now)
+        r = min(max(ratio, 1.0 / REALIZED_CLIP), REALIZED_CLIP)
+        self.weight, self.log_sum = d * self.weight + 1.0, d * self.log_sum + math.log(r)
+        self.n_obs, self.updated = self.n_obs + 1, now
+
+    @property
+    def factor(self) -> float:
+        fade = self._fade(time.time())
+        return math.exp(self.log_sum * fade / (self.weight * fade + self.prior_steps))
+
+    def to_dict(self) -> dict:
+        return {"factor": round(self.factor, 4), "observations": self.n_obs}

@@ -41,18 +41,28 @@ from dataclasses import dataclass, field
 from specops.core.auto_fits import (
     COST_DECAY,
     COST_PRIOR_WEIGHT,
+    LOAD_BUCKETS,
+    MATCH_BUCKETS,
     MAX_PRIOR_COUNT,
     MAX_PRIOR_MS,
     PRIORS_FORMAT,
     TEMP_BUCKETS,
     CostFit,
     Counts,
+    SpeedCheck,
     check_priors,
+    copy_key,
+    expected_tokens,
+    key_chain,
+    load_bucket,
+    temp_bucket,
 )
 from specops.core.errors import UnavailableError
 
 __all__ = [
     "COST_DECAY",
+    "LOAD_BUCKETS",
+    "MATCH_BUCKETS",
     "COST_PRIOR_WEIGHT",
     "MAX_PRIOR_COUNT",
     "MAX_PRIOR_MS",
@@ -62,10 +72,12 @@ __all__ = [
     "Choice",
     "CostFit",
     "Counts",
+    "SpeedCheck",
     "check_priors",
     "copy_key",
     "expected_tokens",
     "key_chain",
+    "load_bucket",
     "temp_bucket",
 ]
 
@@ -87,58 +99,11 @@ HALF_LIFE_S = 600.0
 """A cluster's counts for a method lose half their weight per this many seconds without news:
 a method nobody picked for a while is explored again (the traffic or the draft may have changed)."""
 
-LOAD_BUCKETS = (1, 2, 4, 8, 16)
-"""Requests in flight are bucketed (1, 2, 3-4, 5-8, 9-16, 17+) for the verify-cost fits."""
-
-MATCH_BUCKETS = (1, 2, 4, 8, 16)
-"""A copy's match lengths are bucketed (1, 2-3, 4-7, 8-15, 16+) for its acceptance counts."""
-
-
 CATCHUP_HORIZON = 4.0
 """Steps over which a draft's catch-up prefill is spread when it is priced: a draft that sat
 out steps first feeds the tokens it missed (one forward of ``gap`` tokens), a cost paid once
 for the steps it then drafts. Choices are remade every step, so the horizon is short; a
 request about to end spreads it over the steps it has left."""
-
-
-def temp_bucket(temperature: float) -> str:
-    """``greedy``, ``low`` (T <= 0.7) or ``high``: acceptance falls with temperature."""
-    return "greedy" if temperature <= 0 else ("low" if temperature <= 0.7 else "high")
-
-
-def _bucket(x: int, edges: tuple[int, ...]) -> int:
-    for i, e in enumerate(edges[1:]):
-        if x < e:
-            return i
-    return len(edges) - 1
-
-
-def load_bucket(n: int) -> int:
-    return _bucket(max(1, n), LOAD_BUCKETS)
-
-
-def copy_key(method: str, source: str, match: int) -> str:
-    """The acceptance key of a copy by ``method`` from ``source`` at match length ``match``:
-    ``copy_key("llma", "request", 9) == "llma.request@m8"``."""
-    return f"{method}.{source}@m{MATCH_BUCKETS[_bucket(match, MATCH_BUCKETS)]}"
-
-
-def key_chain(key: str) -> list[str]:
-    """``llma.context@m8`` -> ``[llma.context@m8, llma.context, llma]``: the key, then its parents."""
-    out = [key]
-    if "@" in key:
-        out.append(key.split("@")[0])
-    if "." in out[-1]:
-        out.append(out[-1].split(".")[0])
-    return out
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one step emits with a chain of ``k`` drafts at per-token acceptance ``alpha``."""
-    if k <= 0:
-        return 1.0
-    alpha = min(max(alpha, 0.0), 1.0)
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
@@ -166,6 +131,14 @@ class Choice:
     """The catch-up prefill priced into this choice (before spreading over the horizon)."""
     alternatives: dict[str, float] = field(default_factory=dict)
     """Each option's estimated tokens per second (its best k)."""
+    others_emitted: float = 0.0
+    """Tokens the other in-flight requests are expected to emit in the same step."""
+    modelled: float = 0.0
+    """The model's tokens per second for this option and k at the posterior's mean acceptance
+    (not the Thompson draw, whose winners are biased up), before the realized-speed factor:
+    what :meth:`AutoPolicy.record` holds the step's measured speed against."""
+    bucket: int = 0
+    """The load bucket the choice was made at (its realized-speed check's)."""
 
 
 class AutoPolicy:
@@ -189,10 +162,13 @@ class AutoPolicy:
         prior_trials: float = PRIOR_TRIALS,
         explore: bool = True,
         padded_batches: bool = False,
+        realized_check: bool = True,
     ) -> None:
         """``propose_ms``: method -> the calibration prior of its call's cost (ms: ``a + b * k``);
         a method may also :meth:`join` later. ``candidates``: the methods ``auto`` may run
-        besides ``target`` (None: every method serving's catalogue lets join ``auto``)."""
+        besides ``target`` (None: every method serving's catalogue lets join ``auto``).
+        ``realized_check``: scale each option's estimate by its measured steps at the load
+        (:attr:`realized`); off only where a test pins the costs."""
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)
         """The longest draft of any option, and of a draft model's chain."""
         self.padded_batches = padded_batches
@@ -233,6 +209,10 @@ class AutoPolicy:
         """(cluster, method) -> steps chosen (the ``/metrics`` counter reads it)."""
         self.last: dict[str, Choice] = {}
         """cluster -> the latest decision (``/v1/policy``)."""
+        self.realized_check = realized_check
+        self.realized: dict[tuple[str, int], SpeedCheck] = {}
+        """(method, load bucket) -> how its measured steps compare with the model at that load
+        (:class:`~specops.core.auto_fits.SpeedCheck`); each option's estimate is scaled by it."""
 
     # ------------------------------------------------------------------ calibration and priors
     def join(self, method: str, prior_ms: tuple[float, float], *, kind: str = "") -> None:
@@ -447,14 +427,19 @@ class AutoPolicy:
         with self.lock:
             load = self.load()
             n_o, wide, others, rows_b = self._pass_shape(session, load, seen)
-            vfit = self._verify_fit(load_bucket(rows_b))
+            bucket = load_bucket(rows_b)
+            vfit = self._verify_fit(bucket)
             x1 = self.pass_tokens(1, n_o, wide, rows_b)
-            shared = {"n_others": n_o, "widest_other": wide, "rows": rows_b}
-            best = Choice(TARGET, 0, (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0, n_verify=1, **shared)
+            shared = {"n_others": n_o, "widest_other": wide, "rows": rows_b, "others_emitted": others, "bucket": bucket}
+            raw = (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0
+            best = Choice(TARGET, 0, raw * self._factor(TARGET, bucket), n_verify=1, modelled=raw, **shared)
             alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
                 alpha = self._alpha(cluster, key, temp, own.get(key))
+                pa, pr = self.posterior(cluster, key, temp, own.get(key))
+                mean_alpha = pa / (pa + pr) if pa + pr > 0 and math.isfinite(pa + pr) else 0.5
+                factor = self._factor(method, bucket)
                 pfit = self._propose_fit(method, load_bucket(load))
                 rows = max(1, int(info.get("rows", 1)))
                 sunk = info.get("sunk", False)  # a copy lookup already ran this step: its cost is paid
@@ -467,9 +452,20 @@ class AutoPolicy:
                     steps = CATCHUP_HORIZON if remaining is None else min(CATCHUP_HORIZON, max(1.0, remaining / e))
                     ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, rows_b))
                     ms += catchup / steps
-                    speed = (e + others) / max(ms, 1e-6) * 1000.0
+                    speed = (e + others) / max(ms, 1e-6) * 1000.0 * factor
                     if m_best is None or speed > m_best.speed:
-                        m_best = Choice(method, k, speed, key=key, n_verify=n, expected=e, catchup_ms=catchup, **shared)
+                        modelled = (expected_tokens(mean_alpha, k) + others) / max(ms, 1e-6) * 1000.0
+                        m_best = Choice(
+                            method,
+                            k,
+                            speed,
+                            key=key,
+                            n_verify=n,
+                            expected=e,
+                            catchup_ms=catchup,
+                            modelled=modelled,
+                            **shared,
+                        )
                 if m_best is not None:
                     alts[method] = round(m_best.speed, 2)
                     if m_best.speed > best.speed:
@@ -479,6 +475,10 @@ class AutoPolicy:
                 self.active[session] = (float(best.n_verify), best.expected)
             self.last[cluster] = best
             return best
+
+    def _factor(self, method: str, bucket: int) -> float:
+        check = self.realized.get((method, bucket))
+        return 1.0 if check is None else check.factor
 
     def decided(self, cluster: str, choice: Choice) -> None:
         """Count the step's final choice (after any in-step fallback) for ``/v1/policy`` and the metrics."""
@@ -499,13 +499,16 @@ class AutoPolicy:
         propose_ms: float | None,
         target_pass=None,
         catchup: int = 0,
+        step_ms: float | None = None,
     ) -> None:
         """One step's outcome: the acceptance counts of what was tried and the costs measured.
 
         ``target_pass``: the pass as the batcher ran it (``rows``, ``width``, ``mine``,
         ``others``): the verify cost is fitted on its real shape, not on the one the choice
         assumed. ``catchup``: tokens the method's cache fed before drafting (``propose_ms`` then
-        holds that prefill too: the part over the call's fitted cost goes to its catch-up fit)."""
+        holds that prefill too: the part over the call's fitted cost goes to its catch-up fit).
+        ``step_ms``: the step's wall time, proposing to verdict: its tokens per second against the
+        choice's ``modelled`` feed the method's realized-speed check at the choice's load."""
         with self.lock:
             load = self.load()
             if verify_ms is not None:
@@ -529,6 +532,11 @@ class AutoPolicy:
                     self._catchup_fit(choice.method).observe(catchup, extra)
                 else:
                     pfit.observe(max(choice.k, 1), propose_ms)
+            if self.realized_check and step_ms is not None and step_ms > 0 and choice.modelled > 0:
+                realized = (emitted + choice.others_emitted) / step_ms * 1000.0
+                self.realized.setdefault((choice.method, choice.bucket), SpeedCheck()).observe(
+                    realized / choice.modelled
+                )
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
             self.verified_per_step = 0.98 * self.verified_per_step + 0.02 * n_verified
             if drafted > 0:  # the key and its parents (the fallbacks of keys not seen yet)
@@ -566,6 +574,7 @@ class AutoPolicy:
                 "emitted_per_step": round(self.emitted_per_step, 3),
                 "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
                 "catchup_ms": {m: f.to_dict() for m, f in self.catchup.items()},
+                "realized": {f"{m}@{LOAD_BUCKETS[b]}": c.to_dict() for (m, b), c in sorted(self.realized.items())},
                 "propose_ms": {
                     **{m: f.to_dict() for m, f in self.propose.items()},
                     **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict() for (m, b), f in sorted(self.propose_loaded.items())},

@@ -9,7 +9,7 @@ its name:
 - a method that **copies** (``copies_references``: LLMA, from references, past sessions and the
   context) is asked first every step (it costs microseconds); where it copied from and how long
   the match was (its proposer's ``last_source`` and ``last_match``) pick its acceptance counts
-  (:func:`specops.core.auto_policy.copy_key`), so the policy copies while a long match holds and
+  (:func:`specops.core.auto_fits.copy_key`), so the policy copies while a long match holds and
   drafts with a model otherwise;
 - any other method is asked only when chosen, and one that drafts nothing falls back to the
   next best option in the same step; a method that needs a **draft model** drafts at most
@@ -144,7 +144,7 @@ class AutoProposer(Proposer):
         """Steps per method that rejected a drafted token (OSD's per-token α, ``specops_rejected_steps_total``)."""
         self.k_sum: dict[str, int] = {}
         self.last: Choice | None = None
-        self._pending: tuple[Choice, float, float | None, str, int] | None = None
+        self._pending: tuple[Choice, float, float | None, str, int, float] | None = None
         self._seen = None
         """The previous step's target pass as the batcher ran it (its rows and width price the next)."""
         self._started = False
@@ -206,6 +206,7 @@ class AutoProposer(Proposer):
         if k <= 0:
             self._pending = None
             return Proposals.empty()
+        t_step = time.perf_counter()  # the step's wall time runs from here to the verdict
         available, copies = self._options(state, k)
         cap = min(k, self.policy.max_k)
         while True:
@@ -239,7 +240,7 @@ class AutoProposer(Proposer):
         self.policy.decided(self.cluster, choice)
         self.last = choice
         timed = choice.method != TARGET and not self.roles[choice.method].copies
-        self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key, catchup)
+        self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key, catchup, t_step)
         return props
 
     def observe(self, state: DecodeState, verdict: Verdict) -> None:
@@ -255,9 +256,10 @@ class AutoProposer(Proposer):
         if self._pending is None:  # the session ran the step without asking (no room for a draft)
             self.steps[TARGET] = self.steps.get(TARGET, 0) + 1
             return
-        choice, t_end, propose_ms, key, catchup = self._pending
+        choice, t_end, propose_ms, key, catchup, t_step = self._pending
         self._pending = None
-        verify_ms = (time.perf_counter() - t_end) * 1000.0
+        now = time.perf_counter()
+        verify_ms = (now - t_end) * 1000.0
         acc, drafted = len(verdict.accepted), verdict.num_drafted
         m = choice.method
         self.steps[m] = self.steps.get(m, 0) + 1
@@ -282,6 +284,7 @@ class AutoProposer(Proposer):
             propose_ms=propose_ms,
             target_pass=verdict.target_pass,
             catchup=catchup,
+            step_ms=None if first else (now - t_step) * 1000.0,
         )
         self._seen = verdict.target_pass
 

@@ -316,8 +316,9 @@ def test_sampling_is_exact_with_a_negative_control(close_pair):
     with torch.inference_mode():
         p1 = warp(close_pair.target(torch.tensor([prompt])).logits[0, -1:], params)[0]
         q1 = warp(close_pair.draft(torch.tensor([prompt])).logits[0, -1:], params)[0]
-    policy = AutoPolicy(seed=0)
-    # costs pinned (a prior no measurement moves) and acceptance high: drafting pays, so it drafts
+    policy = AutoPolicy(seed=0, realized_check=False)
+    # costs pinned (a prior no measurement moves, no realized-speed check) and acceptance high:
+    # drafting pays, so it drafts
     policy.verify[0] = CostFit(10.0, 0.1, prior_weight=1e12)
     policy.propose["draft"] = CostFit(0.1, 0.1, prior_weight=1e12)
     policy.counts[("default", "draft", "low")] = Counts(900.0, 100.0)
@@ -414,3 +415,35 @@ def test_no_draft_model_means_copy_or_target_only(tiny_target):
         resources=ProposerResources(pair=pair, policy=AutoPolicy(seed=0)),
     )
     assert out.token_ids == ref.token_ids and set(out.stats.policy["methods"]) <= {"target", "llma"}
+
+
+def test_it_learns_per_load_which_method_pays():
+    """The model says the draft pays at 1 and at 4 requests in flight; at 4 its steps really
+    run at 0.4 of the model's speed (what the model does not name: its forwards contend with the
+    other requests' threads, the batch waits for it), the target's as modelled. The realized-speed
+    check at load 4 turns the draft off there within a few steps, and leaves load 1 alone."""
+    load = {"n": 4}
+    policy = synthetic({"draft": (90.0, 10.0)}, verify=(20.0, 1.0), draft=(0.2, 1.0), load=lambda: load["n"])
+    first = choose(policy, DRAFT)
+    assert first.method == "draft" and first.alternatives["draft"] > 1.2 * first.alternatives["target"], first
+    picks = []
+    for _ in range(40):
+        c = choose(policy, DRAFT)
+        picks.append(c.method)
+        slow = 2.5 if c.method == "draft" else 1.0
+        emitted = c.expected if c.method == "draft" else 1.0
+        step_ms = (emitted + c.others_emitted) / c.modelled * 1000.0 * slow
+        kw = dict(accepted=0, drafted=0, emitted=emitted, n_verified=c.n_verify, verify_ms=None, propose_ms=None)
+        policy.record("c", "greedy", c, step_ms=step_ms, **kw)
+    assert picks[:3] == ["draft"] * 3 and set(picks[-20:]) == {"target"}, picks
+    snap = policy.snapshot()["realized"]
+    assert snap["draft@4"]["factor"] < 0.85 and snap["target@4"]["factor"] == pytest.approx(1.0, abs=0.01)
+    load["n"] = 1
+    assert choose(policy, DRAFT).method == "draft"
+    # the verdict fades: an hour later the draft is tried at load 4 again
+    policy.realized[("draft", 2)].updated -= 3600.0
+    load["n"] = 4
+    assert choose(policy, DRAFT).method == "draft"
+    # a broken timing is ignored
+    policy.realized[("draft", 2)].observe(float("nan"))
+    assert policy.realized[("draft", 2)].n_obs == sum(p == "draft" for p in picks)

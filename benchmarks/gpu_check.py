@@ -32,7 +32,9 @@ there: "no CUDA GPU"); ``make test`` runs it (``tests/benchmarks/test_gpu_check.
 Summary keys: ``device``, ``cuda_tests_passed``, ``cuda_tests_failed``, ``verify_cost_ratio_k4``
 (a target pass over 5 tokens / over 1), ``c``, ``target_vs_hf_target`` (our target-only loop's
 tokens/s over HF ``generate``'s), ``projected_speedup`` (method -> median over its domains of
-the projected speed-up over target-only), ``wall_s``.
+the projected speed-up over target-only), ``projected_llma_vs_suffix`` (domain -> LLMA's projected
+speed over SuffixDecoding's, both from ``llma.json``, priced with the largest shape's pass costs),
+``wall_s``. ``--reproject JSON`` re-prices a saved run's timings with today's CPU JSONs (no GPU).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,7 @@ import transformers  # noqa: E402
 
 from benchmarks import gpu_compat  # noqa: E402  (stand-ins for the pins the GPU machine lacks, before specops)
 from benchmarks.common import cpu_model, environment, fmt  # noqa: E402
+from benchmarks.gpu_projection import best_k, copy_ratios, cpu_rows, interp, projected, projections  # noqa: E402,F401
 from benchmarks.gpu_timings import (  # noqa: E402,F401  (names the tests read here)
     CONCURRENCY,
     DRY_RUN_SETTINGS,
@@ -75,7 +77,6 @@ from benchmarks.gpu_timings import (  # noqa: E402,F401  (names the tests read h
     batched_throughput,
     time_shape,
 )
-from specops.core.auto_policy import expected_tokens  # noqa: E402
 
 log = logging.getLogger("benchmarks.gpu_check")
 
@@ -87,8 +88,12 @@ SUMMARY_KEYS = (
     "c",
     "target_vs_hf_target",
     "projected_speedup",
+    "projected_llma_vs_suffix",
     "wall_s",
 )
+LARGEST = "smollm2-1.7b"
+"""The shape whose pass costs price the LLMA / SuffixDecoding projection (the 135M shape's are noisy:
+its 5- to 16-token passes timed cheaper than its 1-token pass on the first run)."""
 
 CUDA_TEST_FILES = (
     "tests/serving/engine/test_cuda.py",
@@ -195,128 +200,6 @@ def _junit_counts(path: Path) -> dict:
 
 
 # ---------------------------------------------------------------- 3. projections
-def interp(points: dict[float, float], n: float) -> float:
-    """Piecewise-linear cost at ``n`` tokens through measured (tokens, ms) points, extrapolated past the ends."""
-    xs = sorted(points)
-    if len(xs) == 1:
-        return points[xs[0]]
-    for a, b in zip(xs, xs[1:], strict=False):  # the segment holding n; the first or last one outside
-        if n <= b:
-            break
-    return points[a] + (points[b] - points[a]) * (n - a) / (b - a)
-
-
-def projected(
-    method: str, e: float, drafted: float, propose_ms: float, v: dict[float, float], draft_1_ms: float | None
-) -> float:
-    """Speed-up over target-only of a method that emits ``e`` tokens per step from ``drafted`` drafts:
-    ``auto``'s speed ``E / (P + V(1 + drafted))`` over target-only's ``1 / V(1)``. ``P``: a draft model's
-    ``drafted`` one-token steps; a copy method's measured propose time (CPU work, the same on a GPU host)."""
-    p = drafted * draft_1_ms if method == "draft" else propose_ms
-    return (e / (p + interp(v, 1.0 + drafted))) * interp(v, 1.0)
-
-
-def cpu_rows(out_dir: Path) -> tuple[list[dict], dict]:
-    """Per (method, domain): tokens per step, drafts per step, propose cost and the CPU's speed-up, from the
-    committed benchmark JSONs; and the CPU's step costs (spec_decode.json's ``step_costs``)."""
-    rows: list[dict] = []
-    costs: dict = {}
-    sd_path = out_dir / "spec_decode.json"
-    if sd_path.exists():
-        sd = json.loads(sd_path.read_text())
-        sc = sd.get("step_costs", {})
-        v = {1.0: sc["target_1_ms"], **{int(k) + 1.0: ms for k, ms in sc.get("target_verify_ms", {}).items()}}
-        costs = {"source": "benchmarks/out/spec_decode.json step_costs", "verify_ms": v, "draft_1_ms": sc["draft_1_ms"]}
-        for domain, modes in sd.get("results", {}).items():
-            arms = modes.get("greedy", {})
-            base = arms.get("target", {}).get("speedup")
-            for method in ("draft", "pld"):
-                arm = arms.get(method)
-                if not arm or not arm.get("acceptance_rate") or not base:
-                    continue
-                e = arm["tokens_per_verify_step"]
-                rows.append(
-                    {
-                        "method": method,
-                        "domain": domain,
-                        "source": "spec_decode.json",
-                        "k": arm.get("k"),
-                        "tokens_per_step": e,
-                        "drafted_per_step": (e - 1.0) / arm["acceptance_rate"],
-                        "propose_ms": 0.0,
-                        "cpu_measured": arm["speedup"] / base,
-                        "alpha": arm.get("alpha"),
-                    }
-                )
-    ll_path = out_dir / "llma.json"
-    if ll_path.exists():
-        ll = json.loads(ll_path.read_text())
-        for domain, block in ll.get("sets", {}).items():
-            arms = block.get("arms", {})
-            base = arms.get("target", {}).get("speedup")
-            for method in ("llma", "pld"):
-                arm = arms.get(method)
-                if not arm or not arm.get("acceptance") or not base:
-                    continue
-                e = arm["tokens_per_forward"]
-                rows.append(
-                    {
-                        "method": method,
-                        "domain": domain,
-                        "source": "llma.json",
-                        "k": ll.get("args", {}).get("k" if method == "llma" else "pld_k"),
-                        "tokens_per_step": e,
-                        "drafted_per_step": (e - 1.0) / arm["acceptance"],
-                        "propose_ms": (arm.get("propose_us_per_step") or 0.0) / 1000.0,
-                        "cpu_measured": arm["speedup"] / base,
-                    }
-                )
-    return rows, costs
-
-
-def best_k(alpha: float, v: dict[float, float], draft_1_ms: float, max_k: int = 16) -> tuple[float, int]:
-    """The draft's best (speed-up, k) at per-token acceptance ``alpha``: Eq. 2 with measured costs,
-    ``E(alpha, k) / (k x draft step + V(k + 1)) x V(1)``, over k = 1 .. ``max_k`` (``auto``'s choice of k)."""
-    return max(
-        (expected_tokens(alpha, k) / (k * draft_1_ms + interp(v, k + 1.0)) * interp(v, 1.0), k)
-        for k in range(1, max_k + 1)
-    )
-
-
-def projections(timing: dict | None, out_dir: Path) -> dict:
-    """Each CPU row priced with the GPU's costs, and with the CPU's (same formula), beside the CPU's measurement."""
-    rows, cpu_costs = cpu_rows(out_dir)
-    if not rows:
-        return {"rows": [], "by_method": {}, "reason": f"no per-method acceptance in {out_dir}"}
-    gpu_v = gpu_draft = None
-    if timing and "verify" in timing and "draft_1_ms" in timing:
-        gpu_v = {float(n): ms for n, ms in timing["verify"]["ms"].items()}
-        gpu_draft = timing["draft_1_ms"]
-    for r in rows:
-        args = (r["method"], r["tokens_per_step"], r["drafted_per_step"], r["propose_ms"])
-        r["cpu_eq2"] = projected(*args, cpu_costs["verify_ms"], cpu_costs["draft_1_ms"]) if cpu_costs else None
-        r["gpu_projected"] = projected(*args, gpu_v, gpu_draft) if gpu_v else None
-        r["gpu_best_k"] = r["gpu_projected_best_k"] = None
-        if gpu_v and r["method"] == "draft" and r.get("alpha"):  # the k auto would pick at these costs
-            r["gpu_projected_best_k"], r["gpu_best_k"] = best_k(r["alpha"], gpu_v, gpu_draft)
-    by_method: dict[str, float] = {}
-    for method in dict.fromkeys(r["method"] for r in rows):
-        vals = [r["gpu_projected"] for r in rows if r["method"] == method and r["gpu_projected"] is not None]
-        if vals:
-            by_method[method] = statistics.median(vals)
-    return {
-        "rows": rows,
-        "by_method": by_method,
-        "cpu_costs": cpu_costs,
-        "formula": "speedup = E / (P + V(1 + d)) * V(1): E tokens per step and d drafts per step measured on the CPU "
-        "(greedy), V the GPU's target pass over n tokens (interpolated), P = d x the GPU draft step (draft) or the "
-        "measured propose time (copy methods; 0 where not recorded); best k: the draft's k that maximises "
-        "E(alpha, k) / (k x draft step + V(k + 1)) x V(1) at its CPU alpha (core.auto_policy.expected_tokens); "
-        "CPU measured: the arm's speed-up over hf_target / our target-only arm's (medians of per-prompt ratios)",
-        "sources": sorted({r["source"] for r in rows}),
-    }
-
-
 # ---------------------------------------------------------------- report
 def summary(report: dict) -> dict:
     tests, timing = report["cuda_tests"], report.get("timings", {}).get("smollm2-135m", {})
@@ -329,6 +212,10 @@ def summary(report: dict) -> dict:
         "c": timing.get("c"),
         "target_vs_hf_target": timing.get("loop", {}).get("target_vs_hf_target"),
         "projected_speedup": report["projected"].get("by_method", {}),
+        "projected_llma_vs_suffix": {
+            domain: r.get(LARGEST, r.get("smollm2-135m"))
+            for domain, r in report["projected"].get("llma_vs_suffix", {}).items()
+        },
         "wall_s": report["wall_s"],
     }
 
@@ -412,6 +299,11 @@ def markdown(report: dict) -> str:
                 + " |"
             )
         lines.append("")
+    for domain, r in p.get("llma_vs_suffix", {}).items():
+        shapes = ", ".join(f"{fmt(x)} at the {k} shape's costs" for k, x in r.items() if k != "cpu_measured")
+        lines.append(f"LLMA / SuffixDecoding, {domain}: {fmt(r['cpu_measured'])} measured on the CPU; {shapes}.")
+    if p.get("llma_vs_suffix"):
+        lines.append("")
     for section, reason in report["skipped"].items():
         lines.append(f"Skipped {section}: {reason}.")
     for section, error in report["errors"].items():
@@ -420,6 +312,22 @@ def markdown(report: dict) -> str:
 
 
 # ---------------------------------------------------------------- main
+def reproject(args: argparse.Namespace) -> dict:
+    """A saved run's projections, summary and table again from its timings and today's CPU JSONs."""
+    report = json.loads(args.reproject.read_text())
+    report.pop("table", None)
+    timings = report.get("timings", {})
+    report["projected"] = projections(timings.get("smollm2-135m"), args.cpu_results, timings)
+    report["reprojected"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report["summary"] = summary(report)
+    table = markdown(report)
+    print(table)
+    out = args.json or args.reproject
+    out.write_text(json.dumps({**report, "table": table}, indent=1, default=str) + "\n")
+    log.info("wrote %s", out)
+    return report
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="the same code on the CPU with tiny shapes (seconds)")
@@ -436,6 +344,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-tests", action="store_true", help="skip the pytest subprocess")
     p.add_argument("--cpu-results", type=Path, default=REPO_ROOT / "benchmarks" / "out", help="where the CPU JSONs are")
     p.add_argument("--json", type=Path, default=None, help="write the full results here")
+    p.add_argument(
+        "--reproject",
+        type=Path,
+        metavar="JSON",
+        help="re-price a saved run's GPU timings with the CPU JSONs of --cpu-results (no GPU; writes --json, default JSON)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -449,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
             datefmt="%H:%M:%S",
         )
     transformers.logging.set_verbosity_error()
+    if args.reproject:
+        return reproject(args)
     dry = args.dry_run
     device = torch.device(args.device or ("cpu" if dry else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -534,7 +450,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["skipped"]["smollm2-1.7b"] = f"out of time ({budget.left():.0f}s left)"
 
     # 3. projected speed-ups
-    report["projected"] = attempt(errors, "projections", lambda: projections(small, args.cpu_results)) or {}
+    report["projected"] = (
+        attempt(errors, "projections", lambda: projections(small, args.cpu_results, report["timings"])) or {}
+    )
     report["environment"] = environment()
     report["wall_s"] = round(time.perf_counter() - budget.t0, 1)
     report["summary"] = summary(report)

@@ -97,11 +97,30 @@ def test_timings_cover_the_curve_trees_and_concurrency(dry_run):
 def test_projections_price_the_cpu_acceptance_with_the_measured_costs(dry_run):
     report, _ = dry_run
     proj = report["projected"]
-    assert set(report["summary"]["projected_speedup"]) == {"draft", "pld", "llma"}
+    assert set(report["summary"]["projected_speedup"]) == {"draft", "pld", "llma", "suffix"}
     assert proj["sources"] == ["llma.json", "spec_decode.json"]
     for row in proj["rows"]:
         assert row["gpu_projected"] > 0 and row["cpu_eq2"] > 0 and row["cpu_measured"] > 0
         assert (row["gpu_best_k"] is not None) == (row["method"] == "draft")
+    # LLMA over SuffixDecoding per domain: the rows' own projections, and the largest shape's in the summary
+    ratios = proj["llma_vs_suffix"]
+    assert set(ratios) == {"rag", "cag"} == set(report["summary"]["projected_llma_vs_suffix"])
+    for domain, r in ratios.items():
+        row = {x["method"]: x for x in proj["rows"] if x["domain"] == domain and x["source"] == "llma.json"}
+        assert r["smollm2-135m"] == pytest.approx(row["llma"]["gpu_projected"] / row["suffix"]["gpu_projected"])
+        assert r["cpu_measured"] == pytest.approx(row["llma"]["cpu_measured"] / row["suffix"]["cpu_measured"])
+        assert report["summary"]["projected_llma_vs_suffix"][domain] == r[gpu_check.LARGEST]
+
+
+def test_reproject_reprices_a_saved_run_without_a_gpu(dry_run, tmp_path):
+    report, _ = dry_run
+    saved, out = tmp_path / "saved.json", tmp_path / "again.json"
+    saved.write_text(json.dumps({**report, "projected": {}, "summary": {}}))
+    again = gpu_check.main(["--reproject", str(saved), "--json", str(out)])
+    for domain, r in report["projected"]["llma_vs_suffix"].items():
+        assert again["projected"]["llma_vs_suffix"][domain] == pytest.approx(r)
+    assert tuple(again["summary"]) == gpu_check.SUMMARY_KEYS and "reprojected" in again
+    assert json.loads(out.read_text())["table"].startswith("GPU check on")
 
 
 def test_the_table_names_the_device_and_every_section(dry_run):

@@ -359,13 +359,16 @@ class AutoPolicy:
             a, r = a + own.accepted, r + own.rejected
         return a + 1.0, r + 1.0
 
-    def _alpha(self, cluster: str, key: str, temp: str, own: Counts | None) -> float:
+    def _alpha(self, cluster: str, key: str, temp: str, own: Counts | None) -> tuple[float, float]:
+        """(the acceptance the decision uses: a Thompson draw, or the mean without exploration;
+        the posterior's mean), from one posterior."""
         a, b = self.posterior(cluster, key, temp, own)
         if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
             # betavariate loops forever on NaN: evidence that is not finite counts as none
             # (the uniform prior's mean); load_priors refuses it, this guards the rest
-            return 0.5
-        return self.rng.betavariate(a, b) if self.explore else a / (a + b)
+            return 0.5, 0.5
+        mean = a / (a + b)
+        return (self.rng.betavariate(a, b) if self.explore else mean), mean
 
     def _others(self, session: int | None, load: int) -> tuple[float, float, float]:
         """(tokens the other in-flight requests verify per pass, the longest of them, tokens they
@@ -436,9 +439,7 @@ class AutoPolicy:
             alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
-                alpha = self._alpha(cluster, key, temp, own.get(key))
-                pa, pr = self.posterior(cluster, key, temp, own.get(key))
-                mean_alpha = pa / (pa + pr) if pa + pr > 0 and math.isfinite(pa + pr) else 0.5
+                alpha, mean_alpha = self._alpha(cluster, key, temp, own.get(key))
                 factor = self._factor(method, bucket)
                 pfit = self._propose_fit(method, load_bucket(load))
                 rows = max(1, int(info.get("rows", 1)))

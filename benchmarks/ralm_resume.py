@@ -48,7 +48,17 @@ def _extends(saved, now) -> bool:
 
 def kb_fingerprint(kb) -> dict:
     """What a resumed point's KB must match: its description without its build time."""
-    return {k: v for k, v in kb.describe().items() if k not in ("build_s", "version")}
+    return _comparable(kb.describe())
+
+
+def _comparable(described: dict) -> dict:
+    """A KB description without what does not shape the passages: build time, version, and which file
+    the held-out list was read from (a bootstrap manifest, or the same split recomputed from the seed
+    where the model dir has none); the list's effect (``heldout_excluded``, ``passages``) stays."""
+    out = {k: v for k, v in described.items() if k not in ("build_s", "version")}
+    if isinstance(out.get("sources"), dict):
+        out["sources"] = {k: v for k, v in out["sources"].items() if k != "heldout_origin"}
+    return out
 
 
 class Checkpoint:
@@ -92,7 +102,7 @@ class Checkpoint:
         part = self.data.get("partial")
         if not part or part["index"] != i:
             return []
-        if part["kb"] != fingerprint:
+        if _comparable(part["kb"]) != _comparable(fingerprint):
             raise SystemExit(
                 f"--resume {self.path}: point {i}'s knowledge base differs from the checkpoint's "
                 f"({part['kb']} there, {fingerprint} here); its waves cannot be continued"

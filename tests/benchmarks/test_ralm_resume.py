@@ -1,0 +1,53 @@
+"""benchmarks/ralm_resume.py: which knowledge-base differences stop a resumed point's waves."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.ralm_resume import Checkpoint, kb_fingerprint
+
+
+def _kb(**sources):
+    described = {
+        "passages": 99239,
+        "build_s": 12.0,
+        "version": 3,
+        "sources": {"heldout_excluded": 594, "heldout_origin": "the bootstrap manifest m.json", **sources},
+    }
+    return SimpleNamespace(describe=lambda: json.loads(json.dumps(described)))
+
+
+def _checkpoint(tmp_path, saved_kb: dict) -> Checkpoint:
+    path = tmp_path / "ck.json"
+    rows = [{"wave": 0}]
+    path.write_text(
+        json.dumps(
+            {
+                "settings": {},
+                "points": [],
+                "sessions": [],
+                "knnlm": {},
+                "partial": {"index": 0, "kb": saved_kb, "rows": rows, "cpu": "x"},
+            }
+        )
+    )
+    return Checkpoint(path, {})
+
+
+def test_where_the_heldout_list_was_read_from_does_not_stop_a_resume(tmp_path):
+    # the checkpoint's KB was built beside a model dir without a manifest: same split, other wording
+    saved = {**_kb().describe(), "build_s": 99.0}
+    saved["sources"]["heldout_origin"] = "the bootstrap's split recomputed (seed 0)"
+    assert _checkpoint(tmp_path, saved).rows(0, kb_fingerprint(_kb())) == [{"wave": 0}]
+
+
+def test_a_different_heldout_list_or_corpus_does(tmp_path):
+    saved = _kb().describe()
+    with pytest.raises(SystemExit, match="knowledge base differs"):
+        _checkpoint(tmp_path, saved).rows(0, kb_fingerprint(_kb(heldout_excluded=12)))
+    saved["passages"] = 5
+    with pytest.raises(SystemExit, match="knowledge base differs"):
+        _checkpoint(tmp_path, saved).rows(0, kb_fingerprint(_kb()))

@@ -18,11 +18,12 @@ BARS = {"auto_vs_best_fixed": 1.0, "auto_vs_oracle": 0.9, "min_slice_vs_target":
 
 
 def current_rules() -> dict:
-    """The rules a run decided by: LLMA's copy rule (serving's, issue 60) and whether ``auto``
-    scaled its estimates by the realized-speed check per load (``AutoPolicy.realized``)."""
+    """The rules a run decided by: LLMA's copy rule (serving's, issue 60), whether ``auto``
+    scaled its estimates by the realized-speed check per load (``AutoPolicy.realized``), and
+    whether it charged a method for what it cost the other rows' steps (``AutoPolicy.corun``)."""
     from specops.serving.proposers.llma import SERVING_RULE
 
-    return {"llma": dict(SERVING_RULE), "auto_realized_check": True}
+    return {"llma": dict(SERVING_RULE), "auto_realized_check": True, "auto_corun_check": True}
 
 
 # ---------------------------------------------------------------- the report
@@ -167,6 +168,7 @@ def summary(report: dict) -> dict:
         "greedy_identical": greedy_identical(report),
         "rerun_after_llma_rule": report.get("rules", {}).get("llma") == current_rules()["llma"],
         "auto_realized_check": bool(report.get("rules", {}).get("auto_realized_check")),
+        "auto_corun_check": bool(report.get("rules", {}).get("auto_corun_check")),
         "cases": len(report["cases"]),
         "concurrency": [int(c) for c in by],
         "best_fixed": {c: v["best_fixed"] for c, v in by.items()},

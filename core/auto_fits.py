@@ -249,3 +249,56 @@ class SpeedCheck:
 
     def to_dict(self) -> dict:
         return {"factor": round(self.factor, 4), "observations": self.n_obs}
+
+
+class CoRunCheck:
+    """What a method running in one request costs the *other* requests in flight, per load level.
+
+    A step's own check (:class:`SpeedCheck`) sees only that step: a draft model's step, timed on
+    its own, delivers about what the model promised. What it misses is the wait it causes: the
+    draft's forwards run on the batcher's thread and hold the pass its batch would have run (or
+    the batch goes without it and pays a pass of its own), so the *other* rows' steps take
+    longer. Every step's measured speed over its model is credited to each drafting method the other in-flight sessions were running when it was chosen
+    (``with``) and to each one they were not (``without``); a method's :meth:`factor` at a load
+    is the ratio of the two decayed geometric means, and the policy scales the tokens the others
+    emit during a step of that method by it. Target-only beside a step is the reference (the
+    pass costs the model fits describe it), so ``methods`` leaves it out and its factor is 1. Both sides start at 1 (:data:`REALIZED_PRIOR_STEPS`
+    pseudo-steps) and fade like the own check, so a method turned off at a load by what it cost
+    the others is tried again there."""
+
+    def __init__(self) -> None:
+        self.with_: dict[tuple[str, int], SpeedCheck] = {}
+        self.without: dict[tuple[str, int], SpeedCheck] = {}
+
+    def observe(self, bucket: int, present: tuple[str, ...], methods, ratio: float) -> None:
+        """One step at ``bucket`` whose co-running sessions ran ``present``; ``methods``: every
+        option the policy knows (each gets one side)."""
+        for m in methods:
+            (self.with_ if m in present else self.without).setdefault((m, bucket), SpeedCheck()).observe(ratio)
+
+    def observe_step(self, own: dict, method: str, bucket: int, co: tuple[str, ...], methods, ratio, rows) -> None:
+        """One step's measured speed over its model (``ratio``): its own method's check in ``own``
+        sees it without what the co-running methods cost it, and (with other rows in the pass) this
+        check sees it whole: its with/without split is the comparison."""
+        check = own.setdefault((method, bucket), SpeedCheck())
+        check.observe(ratio / math.prod(self.factor(m, bucket) for m in co))
+        if rows > 1:
+            self.observe(bucket, co, methods, ratio)
+
+    def factor(self, method: str, bucket: int) -> float:
+        w = self.with_.get((method, bucket))
+        if w is None:
+            return 1.0
+        wo = self.without.get((method, bucket))
+        ratio = w.factor / (wo.factor if wo is not None else 1.0)
+        return min(max(ratio, 1.0 / REALIZED_CLIP), REALIZED_CLIP)
+
+    def to_dict(self) -> dict:
+        return {
+            f"{m}@{LOAD_BUCKETS[b]}": {
+                "factor": round(self.factor(m, b), 4),
+                "with": self.with_[(m, b)].n_obs,
+                "without": self.without[(m, b)].n_obs if (m, b) in self.without else 0,
+            }
+            for (m, b) in sorted(self.with_)
+        }

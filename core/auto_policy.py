@@ -27,6 +27,9 @@ Every step, the policy estimates each option's **tokens per second** and runs th
   batch's throughput. At ``B = 1`` it is Eq. 2 with measured costs. Under load it lowers ``k``
   and turns speculation off once no draft pays (vLLM's disable-by-queue, from measured costs).
 - ``target`` (no draft) is always an option: ``(1 + (B - 1) e) / V_B(1)``.
+- Measured, per load level: each option's speed is scaled by its steps' realized speed over the
+  model (``SpeedCheck``), and ``(B - 1) e`` by what the method costs the others' steps when it
+  runs beside them (``CoRunCheck``: a draft's forwards hold the pass its batch would run).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from specops.core.auto_fits import (
     MAX_PRIOR_MS,
     PRIORS_FORMAT,
     TEMP_BUCKETS,
+    CoRunCheck,
     CostFit,
     Counts,
     SpeedCheck,
@@ -96,14 +100,12 @@ DEFAULT_PROPOSE_MS = (2.0, 4.0)
 model's, a forward per token (a method must then earn its place by measurement)."""
 
 HALF_LIFE_S = 600.0
-"""A cluster's counts for a method lose half their weight per this many seconds without news:
-a method nobody picked for a while is explored again (the traffic or the draft may have changed)."""
+"""Per this many seconds without news a cluster's counts for a method lose half their weight:
+it is explored again."""
 
 CATCHUP_HORIZON = 4.0
-"""Steps over which a draft's catch-up prefill is spread when it is priced: a draft that sat
-out steps first feeds the tokens it missed (one forward of ``gap`` tokens), a cost paid once
-for the steps it then drafts. Choices are remade every step, so the horizon is short; a
-request about to end spreads it over the steps it has left."""
+"""Steps over which a draft's catch-up prefill (one forward of the ``gap`` tokens it missed while
+other options ran) is priced; choices are remade every step, and a request's last steps take less."""
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Choice:
     what :meth:`AutoPolicy.record` holds the step's measured speed against."""
     bucket: int = 0
     """The load bucket the choice was made at (its realized-speed check's)."""
+    co: tuple[str, ...] = ()
+    """The methods the other in-flight ``auto`` sessions were running (the co-running check's)."""
 
 
 class AutoPolicy:
@@ -169,13 +173,10 @@ class AutoPolicy:
         besides ``target`` (None: every method serving's catalogue lets join ``auto``).
         ``realized_check``: scale each option's estimate by its measured steps at the load
         (:attr:`realized`); off only where a test pins the costs."""
-        self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)
-        """The longest draft of any option, and of a draft model's chain."""
+        self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)  # any option's longest draft; a draft model's
         self.padded_batches = padded_batches
-        """Concurrent requests share right-padded target passes (serving's ``TargetBatcher``): a pass
-        costs its rows times its widest row, so a draft as long as the others' is nearly free and
-        a longer one widens every row. False: requests run their own passes on shared cores, and
-        a pass's cost follows the tokens of all of them."""
+        """Passes are right-padded (serving's ``TargetBatcher``): a pass costs rows x its widest row.
+        False: a pass's cost follows the tokens of all its rows."""
         self.candidates = None if candidates is None else tuple(candidates)
         self.decay, self.prior_trials, self.explore = decay, prior_trials, explore
         self._verify_prior = verify_ms
@@ -190,17 +191,17 @@ class AutoPolicy:
         self._catchup_by_kind: dict[str, tuple[float, float]] = {}
         self._loaded: dict[str, tuple[int, tuple[float, float]]] = {}
         self._by_kind: dict[str, tuple[int, tuple[float, float]]] = {}
-        """Cost priors of methods that have not joined yet: loaded per method, measured per kind,
-        each with its order (:meth:`join` takes the newer)."""
+        """Cost priors of methods not joined yet, loaded per method, measured per kind (the newer wins)."""
         self._seq = 0
         self.propose_loaded: dict[tuple[str, int], CostFit] = {}
         """The same at higher loads (a draft's forwards share the cores with the other requests)."""
         self.counts: dict[tuple[str, str, str], Counts] = {}
-        self.emitted_per_step = 1.0
-        self.verified_per_step = 1.0
+        self.emitted_per_step = self.verified_per_step = 1.0
         """Running means over the replica's steps (for in-flight requests ``auto`` does not drive)."""
         self.active: dict[int, tuple[float, float]] = {}
         """In-flight ``auto`` sessions -> (tokens verified, tokens expected) of their latest choice."""
+        self.running: dict[int, str] = {}
+        """In-flight ``auto`` sessions -> the method of their latest choice."""
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self._load = load
@@ -213,6 +214,9 @@ class AutoPolicy:
         self.realized: dict[tuple[str, int], SpeedCheck] = {}
         """(method, load bucket) -> how its measured steps compare with the model at that load
         (:class:`~specops.core.auto_fits.SpeedCheck`); each option's estimate is scaled by it."""
+        self.corun = CoRunCheck()
+        """What each method costs the other requests' steps at each load: the others' tokens in an
+        option's estimate are scaled by it (:class:`~specops.core.auto_fits.CoRunCheck`)."""
 
     # ------------------------------------------------------------------ calibration and priors
     def join(self, method: str, prior_ms: tuple[float, float], *, kind: str = "") -> None:
@@ -433,14 +437,18 @@ class AutoPolicy:
             bucket = load_bucket(rows_b)
             vfit = self._verify_fit(bucket)
             x1 = self.pass_tokens(1, n_o, wide, rows_b)
+            co = tuple(sorted({m for sid, m in self.running.items() if sid != session}))
             shared = {"n_others": n_o, "widest_other": wide, "rows": rows_b, "others_emitted": others, "bucket": bucket}
-            raw = (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0
-            best = Choice(TARGET, 0, raw * self._factor(TARGET, bucket), n_verify=1, modelled=raw, **shared)
+            shared["co"] = co
+            v1 = max(vfit.predict(x1), 1e-6)
+            raw = (1.0 + others) / v1 * 1000.0
+            speed = (1.0 + others * self._co(TARGET, bucket)) / v1 * 1000.0 * self._factor(TARGET, bucket)
+            best = Choice(TARGET, 0, speed, n_verify=1, modelled=raw, **shared)
             alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]
                 alpha, mean_alpha = self._alpha(cluster, key, temp, own.get(key))
-                factor = self._factor(method, bucket)
+                factor, co_factor = self._factor(method, bucket), self._co(method, bucket)
                 pfit = self._propose_fit(method, load_bucket(load))
                 rows = max(1, int(info.get("rows", 1)))
                 sunk = info.get("sunk", False)  # a copy lookup already ran this step: its cost is paid
@@ -453,7 +461,7 @@ class AutoPolicy:
                     steps = CATCHUP_HORIZON if remaining is None else min(CATCHUP_HORIZON, max(1.0, remaining / e))
                     ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, rows_b))
                     ms += catchup / steps
-                    speed = (e + others) / max(ms, 1e-6) * 1000.0 * factor
+                    speed = (e + others * co_factor) / max(ms, 1e-6) * 1000.0 * factor
                     if m_best is None or speed > m_best.speed:
                         modelled = (expected_tokens(mean_alpha, k) + others) / max(ms, 1e-6) * 1000.0
                         m_best = Choice(
@@ -474,12 +482,16 @@ class AutoPolicy:
             best.alternatives = alts
             if session is not None:
                 self.active[session] = (float(best.n_verify), best.expected)
+                self.running[session] = best.method
             self.last[cluster] = best
             return best
 
     def _factor(self, method: str, bucket: int) -> float:
         check = self.realized.get((method, bucket))
         return 1.0 if check is None else check.factor
+
+    def _co(self, method: str, bucket: int) -> float:
+        return self.corun.factor(method, bucket) if self.realized_check else 1.0
 
     def decided(self, cluster: str, choice: Choice) -> None:
         """Count the step's final choice (after any in-step fallback) for ``/v1/policy`` and the metrics."""
@@ -534,9 +546,10 @@ class AutoPolicy:
                 else:
                     pfit.observe(max(choice.k, 1), propose_ms)
             if self.realized_check and step_ms is not None and step_ms > 0 and choice.modelled > 0:
-                realized = (emitted + choice.others_emitted) / step_ms * 1000.0
-                self.realized.setdefault((choice.method, choice.bucket), SpeedCheck()).observe(
-                    realized / choice.modelled
+                ratio = (emitted + choice.others_emitted) / step_ms * 1000.0 / choice.modelled
+                methods = tuple(self.propose)  # target-only beside it is the reference (factor 1)
+                self.corun.observe_step(
+                    self.realized, choice.method, choice.bucket, choice.co, methods, ratio, choice.rows
                 )
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
             self.verified_per_step = 0.98 * self.verified_per_step + 0.02 * n_verified
@@ -576,6 +589,7 @@ class AutoPolicy:
                 "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
                 "catchup_ms": {m: f.to_dict() for m, f in self.catchup.items()},
                 "realized": {f"{m}@{LOAD_BUCKETS[b]}": c.to_dict() for (m, b), c in sorted(self.realized.items())},
+                "co_running": self.corun.to_dict(),
                 "propose_ms": {
                     **{m: f.to_dict() for m, f in self.propose.items()},
                     **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict() for (m, b), f in sorted(self.propose_loaded.items())},

@@ -340,6 +340,7 @@ class AutoProposer(Proposer):
             with self.policy.lock:
                 self.policy.in_flight -= 1
                 self.policy.active.pop(id(self), None)
+                self.policy.running.pop(id(self), None)
 
 
 _DEFAULT: AutoPolicy | None = None

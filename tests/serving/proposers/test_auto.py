@@ -447,3 +447,37 @@ def test_it_learns_per_load_which_method_pays():
     # a broken timing is ignored
     policy.realized[("draft", 2)].observe(float("nan"))
     assert policy.realized[("draft", 2)].n_obs == sum(p == "draft" for p in picks)
+
+
+def test_a_draft_that_holds_up_the_others_steps_is_charged_for_it():
+    """Four requests in flight; one may draft, three run target-only. The draft's own steps run
+    as modelled, and the model says it pays (a little), but while it drafts the others' steps take
+    1/0.6 as long (its forwards hold the pass they wait for). Its own check cannot see that; the
+    co-running check does, and the request stops drafting. A negative control without the
+    co-running effect keeps drafting: the change is the charge, not the own check."""
+
+    def run(slowdown: float) -> tuple[list[str], AutoPolicy]:
+        policy = synthetic({"draft": (60.0, 40.0)}, verify=(20.0, 1.0), draft=(0.2, 1.0), load=lambda: 4)
+        picks = []
+        for _ in range(80):
+            for sid in (1, 2, 3, 4):
+                c = policy.choose("c", "greedy", available=DRAFT if sid == 1 else {}, own={}, k_cap=16, session=sid)
+                if sid == 1:
+                    picks.append(c.method)
+                emitted = c.expected if c.method == "draft" else 1.0
+                ratio = slowdown if "draft" in c.co else 1.0
+                step_ms = (emitted + c.others_emitted) / c.modelled * 1000.0 / ratio
+                kw = dict(
+                    accepted=0, drafted=0, emitted=emitted, n_verified=c.n_verify, verify_ms=None, propose_ms=None
+                )
+                policy.record("c", "greedy", c, step_ms=step_ms, **kw)
+        return picks, policy
+
+    picks, policy = run(0.6)
+    assert picks[0] == "draft" and set(picks[-30:]) == {"target"}, picks
+    co = policy.snapshot()["co_running"]
+    assert co["draft@4"]["factor"] < 0.75 and co["draft@4"]["with"] > 0, co
+    # the others' target steps were slow only beside the draft: the target's own check is not blamed
+    assert policy.snapshot()["realized"]["target@4"]["factor"] > 0.9
+    control, _ = run(1.0)
+    assert set(control[-30:]) == {"draft"}, control

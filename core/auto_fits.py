@@ -258,13 +258,14 @@ class CoRunCheck:
     its own, delivers about what the model promised. What it misses is the wait it causes: the
     draft's forwards run on the batcher's thread and hold the pass its batch would have run (or
     the batch goes without it and pays a pass of its own), so the *other* rows' steps take
-    longer. Every step's measured speed over its model is credited to each drafting method the other in-flight sessions were running when it was chosen
-    (``with``) and to each one they were not (``without``); a method's :meth:`factor` at a load
-    is the ratio of the two decayed geometric means, and the policy scales the tokens the others
-    emit during a step of that method by it. Target-only beside a step is the reference (the
-    pass costs the model fits describe it), so ``methods`` leaves it out and its factor is 1. Both sides start at 1 (:data:`REALIZED_PRIOR_STEPS`
-    pseudo-steps) and fade like the own check, so a method turned off at a load by what it cost
-    the others is tried again there."""
+    longer. Every step's measured speed over its model is credited to each drafting method the
+    other in-flight sessions were running when it was chosen (``with``) and to each one they
+    were not (``without``); a method's :meth:`factor` at a load is the ratio of the two decayed
+    geometric means, and the policy scales the tokens the others emit during a step of that
+    method by it. Target-only beside a step is the reference (the pass costs the model fits
+    describe it), so ``methods`` leaves it out and its factor is 1. Both sides start at 1
+    (:data:`REALIZED_PRIOR_STEPS` pseudo-steps) and fade like the own check, so a method turned
+    off at a load by what it cost the others is tried again there."""
 
     def __init__(self) -> None:
         self.with_: dict[tuple[str, int], SpeedCheck] = {}

@@ -440,10 +440,8 @@ class AutoPolicy:
             co = tuple(sorted({m for sid, m in self.running.items() if sid != session}))
             shared = {"n_others": n_o, "widest_other": wide, "rows": rows_b, "others_emitted": others, "bucket": bucket}
             shared["co"] = co
-            v1 = max(vfit.predict(x1), 1e-6)
-            raw = (1.0 + others) / v1 * 1000.0
-            speed = (1.0 + others * self._co(TARGET, bucket)) / v1 * 1000.0 * self._factor(TARGET, bucket)
-            best = Choice(TARGET, 0, speed, n_verify=1, modelled=raw, **shared)
+            raw = (1.0 + others) / max(vfit.predict(x1), 1e-6) * 1000.0  # target beside others: the reference
+            best = Choice(TARGET, 0, raw * self._factor(TARGET, bucket), n_verify=1, modelled=raw, **shared)
             alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
                 key = info["key"]

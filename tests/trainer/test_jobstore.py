@@ -23,7 +23,11 @@ from specops.trainer.schedule import (
 from tests.trainer.test_schedule import FakeTrainer, _wait
 
 TABLE = "specops_trainer_jobs"
-PICKLE_HEADERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04\x95", b"\x80\x05\x95")
+PICKLE_HEADERS = (b"\x80\x02}", b"\x80\x03}", b"\x80\x04\x95", b"\x80\x05\x95")
+"""How a pickled job state starts (APScheduler pickles a dict: protocol 2 and 3 go straight to
+EMPTY_DICT, 4 and 5 to a FRAME). Three bytes, not two: the file's REAL columns (run times as
+floats, and their older values in free pages) hold two-byte pairs such as ``80 02`` by chance,
+which failed this test once in CI."""
 
 
 def _rows(db: Path) -> list[tuple]:

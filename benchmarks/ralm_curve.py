@@ -221,6 +221,67 @@ def _sum(rows: list[dict], arm: str, key: str) -> float:
     return sum(req[key] for r in rows for req in r["arms"][arm]["requests"])
 
 
+def model_ceiling(rows: list[dict], bar: float = 0.8) -> dict:
+    """What RaLMSpec's own model (``os3.objective``, the paper's two latency forms) allows at a
+    point's measured costs, whatever the scheduler does: ``a`` = RaLMSeq's time per interval
+    outside the KB search, ``b`` = its time per search, γ = the highest hit rate any speculating
+    arm measured; the best stride (1..32) of the synchronous and of the asynchronous objective,
+    with the search of a batch priced as one query, the cache free and no rework after a
+    mismatch. So it is a ceiling: where it is under 0.8 of the bound, 0.8 cannot be reached at
+    this γ on this machine. As a speed-up over RaLMSeq's ``a + b`` per interval and as a fraction
+    of the bound ``1 / (1 - r_save)``; ``model_gamma_needed`` is the γ at which the ceiling would
+    reach ``bar`` of the bound at these costs (None where even γ → 1 does not)."""
+    from specops.serving.ralm.os3 import objective
+
+    seq = [req for r in rows for req in r["arms"][SEQ]["requests"]]
+    search = sum(q["kb_search_s"] for q in seq)
+    a = (sum(q["total_s"] for q in seq) - search) / max(1, sum(q["intervals"] for q in seq))
+    b = search / max(1, sum(q["kb_calls"] for q in seq))
+    gammas = {}
+    for arm in rows[0]["arms"]:
+        reqs = [req for r in rows for req in r["arms"][arm]["requests"]]
+        checked = sum(q["guesses_checked"] for q in reqs)
+        if arm != SEQ and checked:
+            gammas[arm] = sum(q["guesses_correct"] for q in reqs) / checked
+    if a <= 0 or b <= 0 or not gammas:
+        return {
+            "model_a_s": a,
+            "model_b_s": b,
+            "model_gamma": None,
+            "model_speedup": None,
+            "model_fraction_of_bound": None,
+        }
+
+    def best(g: float) -> tuple[float, int, bool]:
+        return max((objective(n, g, a, b, asynchronous=m), n, m) for n in range(1, 33) for m in (False, True))
+
+    def fraction(g: float) -> float:
+        return best(g)[0] * a
+
+    g = min(max(gammas.values()), 0.999)
+    rate, stride, asynchronous = best(g)
+    speedup = rate * (a + b)
+    needed = None
+    if fraction(0.0) >= bar:
+        needed = 0.0
+    elif fraction(0.999) >= bar:
+        lo, hi = 0.0, 0.999
+        for _ in range(40):
+            lo, hi = (lo, (lo + hi) / 2) if fraction((lo + hi) / 2) >= bar else ((lo + hi) / 2, hi)
+        needed = hi
+    return {
+        "model_a_s": a,
+        "model_b_s": b,
+        "model_gamma": g,
+        "model_gamma_arm": max(gammas, key=gammas.get),
+        "model_stride": stride,
+        "model_asynchronous": asynchronous,
+        "model_speedup": speedup,
+        "model_fraction_of_bound": speedup * a / (a + b),
+        "model_gamma_needed": needed,
+    }
+
+
 def point_summary(point: Point, rows: list[dict]) -> dict:
     """r_save, r_encode and the bound from RaLMSeq; per arm the speed-up (RaLMSeq's summed wave
     wall time over the arm's), its fraction of the bound, and the loop's counts; γ measured."""
@@ -272,4 +333,5 @@ def point_summary(point: Point, rows: list[dict]) -> dict:
         "kb_search_ms": 1000 * _sum(rows, SEQ, "kb_search_s") / max(1.0, _sum(rows, SEQ, "kb_calls")),
         "arms": arms,
         "outputs_identical": all(a["identical"] for a in arms.values()),
+        **model_ceiling(rows),
     }

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow  # benchmark scripts end to end
 SUMMARY_KEYS = {
     "curve",
     "min_fraction_of_bound",
+    "min_model_fraction_of_bound",
     "speedup_at_max_r",
     "max_r_save",
     "min_speedup",
@@ -100,6 +101,8 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
     assert all(c["ablation_prefetch_256_vs_default"] > 0 for c in s["curve"])
     assert s["knnlm_full_length"] is True
     assert point["gamma"] is None or 0 <= point["gamma"] <= 1
+    assert point["model_a_s"] > 0 and "model_fraction_of_bound" in point
+    assert all(c["model_fraction_of_bound"] is None or 0 < c["model_fraction_of_bound"] <= 1 for c in s["curve"])
     assert set(report["knnlm"]["sizes"]) == {"300", "600"}
     for size in report["knnlm"]["sizes"].values():
         assert {v["searcher"] for v in size["runs"].values()} == {"exact", "ivfpq"}

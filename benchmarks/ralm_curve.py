@@ -55,7 +55,8 @@ ARM_OS3 = {PAPER: PAPER_OS3}
 """``RaLMSpec`` is serving's default: prefetch 20, OS³ (γ capped at 0.9, speculation off when it
 cannot pay), re-verification from a mismatch, and verification asynchronous while its request
 decodes alone, synchronous while others decode beside it (the count of the wave's requests still
-running, read every round, as serving reads its batcher's). ``sync`` and ``async`` fix that
+running, read every round, as serving reads its batcher's) and always synchronous over embedded
+Milvus Lite (from 2026-12-03; the curve's in-memory points are unaffected). ``sync`` and ``async`` fix that
 choice; ``paper OS3`` is ``async`` with the paper's scheduler (γ capped at 0.6, always
 speculates)."""
 SPEC_ARMS = (AUTO, SYNC, PSA, PAPER)

@@ -217,7 +217,8 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         "Speed-up: RaLMSeq's wall time over the arm's. "
         + (
             "`RaLMSpec` is serving's default (OS3 with speculation off when it cannot pay, verification "
-            "asynchronous while a request decodes alone, synchronous beside others); `sync` and `async` fix "
+            "asynchronous while a request decodes alone, synchronous beside others or over embedded Milvus Lite); "
+            "`sync` and `async` fix "
             "that choice; `paper OS3` always speculates."
             if any(AUTO in p["arms"] for p in report["points"])
             else "`async` is our default (OS3 with speculation off when it cannot pay); `paper OS3` always speculates."

@@ -74,7 +74,8 @@ class Retrieval(BaseModel):
     """RaLMSpec: KB results per query added to the local cache at each verification."""
     asynchronous: bool | None = Field(None, alias="async")
     """RaLMSpec: verify while the next speculation step runs (true) or not (false); null (default): asynchronous
-    while the request decodes alone, synchronous while others decode beside it."""
+    while the request decodes alone, synchronous while others decode beside it, always synchronous over a KB in
+    embedded Milvus Lite (its search holds the interpreter lock)."""
     speculation_off: bool = True
     """RaLMSpec: OS³ may skip speculating when RaLMSeq is faster with the measured costs (false: the paper's OS³)."""
     reverify: bool = True

@@ -81,7 +81,8 @@ class RalmConfig:
     """Verify in a worker thread while the next speculation step runs (True), or not (False);
     None (the default): each round, asynchronous while the request decodes alone, synchronous
     while others decode beside it (they already overlap the KB wait, and a synchronous loop
-    batches more; ``benchmarks/out/ralm.json``: 1.12-1.14x RaLMSeq sync at 4-8 clients, 1.03-1.05x async)."""
+    batches more; ``benchmarks/out/ralm.json``: 1.12-1.14x RaLMSeq sync at 4-8 clients, 1.03-1.05x async),
+    and always synchronous where the retriever's ``search_holds_gil`` (embedded Milvus Lite)."""
     speculation_off: bool = True
     """OS³ may skip speculating in a round when RaLMSeq is faster with the measured costs
     (``specops.serving.ralm.os3``); False is the paper's OS³, which always speculates."""
@@ -580,9 +581,16 @@ class RalmGenerator:
         stats.gamma = sched.gamma
 
     def _asynchronous(self) -> bool:
-        """This round's verification mode: the config's, or (None) asynchronous only alone."""
+        """This round's verification mode: the config's, or (None) synchronous where the KB's
+        search runs as Python in this process's threads (embedded Milvus Lite: a search overlapped
+        with decoding contends for the interpreter lock, ``benchmarks/out/ralm.json``: 0.92x
+        RaLMSeq async, 0.99x sync), else asynchronous only alone."""
         chosen = self.cfg.asynchronous
-        return (self.concurrency() <= ASYNC_MAX_CONCURRENCY) if chosen is None else chosen
+        if chosen is not None:
+            return chosen
+        if getattr(self.retriever, "search_holds_gil", False):
+            return False
+        return self.concurrency() <= ASYNC_MAX_CONCURRENCY
 
     def _result(self, out: list[int], steps: list[_Step], stats: RalmStats, t0: float) -> RalmResult:
         stats.intervals = len(steps)

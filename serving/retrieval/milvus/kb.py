@@ -67,7 +67,7 @@ from specops.serving.retrieval.kb_files import (
     read_meta,
     save_tensors,
 )
-from specops.serving.retrieval.milvus.service import TOKEN_ENV, URI_ENV, Service, as_f16
+from specops.serving.retrieval.milvus.service import TOKEN_ENV, URI_ENV, Service, as_f16, is_lite
 from specops.serving.retrieval.retriever import Query
 from specops.serving.retrieval.retrievers import ANN_OVERFETCH, dense_queries, exact_scores, fp32_margin, to_query
 from specops.serving.retrieval.text_embed import HashEmbedder
@@ -97,6 +97,10 @@ class MilvusRetriever:
         self.kind, self.service, self.embedder = kb.kind, kb.service, kb.embedder
         self.num_passages, self.dims = kb.num_passages, kb.dims
         self.max_norm = float(kb.meta["milvus"]["max_norm"])
+        self.search_holds_gil = is_lite(self.service.uri)
+        """Embedded Milvus Lite serves its searches from pure-Python threads in this process
+        (``milvus_lite.server_manager``), so RaLMSpec's default verifies synchronously over it
+        (``specops.serving.ralm.loop.RalmGenerator._asynchronous``); a server's searches do not."""
 
     def encode(self, texts: list[str]) -> list[Query]:
         from specops.serving.retrieval.text_embed import embed_each
@@ -219,6 +223,7 @@ class RequestView:
 
     def __init__(self, base: MilvusRetriever, capacity: int = VIEW_CAPACITY) -> None:
         self.base, self.capacity, self.kind = base, capacity, base.kind
+        self.search_holds_gil = base.search_holds_gil
         self._vectors: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -254,6 +254,12 @@ def test_verification_mode_follows_the_measured_concurrency(pair, passages, pool
         concurrency=lambda: 4,
     )
     assert forced.stats.async_rounds > 0  # an explicit choice wins over the measured concurrency
+    # a KB whose search holds the interpreter lock (embedded Milvus Lite): synchronous even alone
+    slow.search_holds_gil = True
+    embedded = _run(pair, slow, passages, cfg, prompt, pool=pool, max_new=32, concurrency=lambda: 1)
+    assert embedded.stats.async_rounds == 0 and embedded.token_ids == alone.token_ids
+    told = RalmConfig(speculation_stride=2, asynchronous=True)
+    assert _run(pair, slow, passages, told, prompt, pool=pool, max_new=32, concurrency=lambda: 1).stats.async_rounds > 0
 
 
 def test_streams_only_verified_output(pair, passages, pool):

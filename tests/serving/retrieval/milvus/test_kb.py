@@ -162,6 +162,8 @@ def test_request_view_scores_like_the_kb(milvus_kb, memory_kb):
     mem, base = memory_kb.retriever("exact"), milvus_kb.retriever("exact")
     view = base.for_request()
     assert isinstance(view, RequestView) and view.kind == "exact"
+    # embedded Milvus Lite searches in this process's Python threads: RaLMSpec verifies synchronously
+    assert base.search_holds_gil is True and view.search_holds_gil is True
     queries = view.encode(QUERIES)
     ids, _ = view.search(queries, 20)
     remembered = len(view)
@@ -443,6 +445,7 @@ def test_a_milvus_lite_server_over_http(tmp_path, memory_kb, passages, monkeypat
         loaded = KnowledgeBase.load(out)
         assert loaded.uri == f"http://localhost:{port}"
         r = loaded.retriever("exact")
+        assert r.search_holds_gil is False and r.for_request().search_holds_gil is False  # its own process
         queries = r.encode(QUERIES)
         ids, scores = r.search(queries, 5)
         want_ids, want_scores = memory_kb.retriever("exact").search(queries, 5)

@@ -44,7 +44,7 @@ from benchmarks.ralm_curve import Point, headline, parse_point, point_summary, r
 from benchmarks.ralm_kbs import MilvusService, SourceText, hash_kb, milvus_kb, minilm_kb  # noqa: E402
 from benchmarks.ralm_questions import interleaved, question_sets  # noqa: E402
 from benchmarks.ralm_report import markdown, markers, plot, summary  # noqa: E402
-from benchmarks.ralm_resume import RESUME_KEYS, Checkpoint, kb_fingerprint  # noqa: E402
+from benchmarks.ralm_resume import RESUME_KEYS, Checkpoint, cpus_of, kb_fingerprint  # noqa: E402
 
 log = logging.getLogger("benchmarks.ralm")
 FULL_POINTS = (
@@ -208,7 +208,7 @@ def run_points(args, engine, tok, ck: Checkpoint) -> tuple[list[dict], list]:
             if service is not None:
                 service.stop()
         s = point_summary(point, rows)
-        s.update(label=point.label, rows=rows, kb=kb.describe(), kb_fingerprint=fingerprint, cpu=cpu_model())
+        s.update(label=point.label, rows=rows, kb=kb.describe(), kb_fingerprint=fingerprint, cpu=cpus_of(rows))
         out.append(s)
         ck.save_point(i, s)
         log.info(
@@ -283,6 +283,8 @@ def _main(argv=None) -> int:
     report["wall_s"] = ck.wall_s
     if ck.resumed():
         report["sessions"] = ck.data["sessions"]
+        # a run resumed on other machines names each (every point's own `cpu` says which measured it)
+        report["cpu"] = ", ".join(dict.fromkeys(s["cpu"] for s in report["sessions"]))
     report["environment"] = environment()
     finish(report, args)
     return 0

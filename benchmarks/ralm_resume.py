@@ -61,6 +61,19 @@ def _comparable(described: dict) -> dict:
     return out
 
 
+def cpus_of(rows: list[dict]) -> str:
+    """The CPU(s) that measured a point's waves: one model, or each with its count of waves
+    when a resumed point ran on more than one machine (every wave's arms ran on one CPU, so each
+    wave's ratios are like for like; the pooled times mix machines)."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        cpu = row.get("cpu") or cpu_model()
+        counts[cpu] = counts.get(cpu, 0) + 1
+    if len(counts) <= 1:
+        return next(iter(counts), cpu_model())
+    return ", ".join(f"{cpu} ({n} wave{'s' if n > 1 else ''})" for cpu, n in counts.items())
+
+
 class Checkpoint:
     """The run so far; every method is a no-op without a path (no ``--resume``)."""
 
@@ -110,6 +123,8 @@ class Checkpoint:
         return part["rows"]
 
     def save_rows(self, i: int, fingerprint: dict, rows: list[dict]) -> None:
+        for row in rows:  # each wave says which CPU measured it (a point can span machines)
+            row.setdefault("cpu", cpu_model())
         self.data["partial"] = {"index": i, "kb": fingerprint, "rows": rows, "cpu": cpu_model()}
         self._write()
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # types only: the plan names them, the modes import them
     from specops.serving.engine.spec import SpecEngine
     from specops.serving.fleet.catalog import Loaded
     from specops.serving.ralm.knnlm.decode import KnnConfig
-    from specops.serving.ralm.loop import RalmConfig
+    from specops.serving.ralm.types import RalmConfig
 
 
 @dataclass(frozen=True)

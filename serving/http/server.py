@@ -429,7 +429,7 @@ class ServingState:
         """The request's retrieval loop: its config, the KB it names and the retriever (4xx naming the field)."""
         if retrieval is None:
             return None
-        from specops.serving.ralm.loop import RalmConfig
+        from specops.serving.ralm.types import RalmConfig
 
         if retrieval.mode != "oneshot" and not spec.retrieval_loop:
             usable = [n for n, s in CATALOGUE.items() if s.retrieval_loop and s.parts is None]

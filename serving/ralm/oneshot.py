@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specops.serving.engine.types import ContextSpan
-from specops.serving.ralm.loop import RalmConfig
+from specops.serving.ralm.types import RalmConfig
 from specops.serving.retrieval.retriever import Retriever
 
 

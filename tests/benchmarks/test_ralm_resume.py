@@ -51,3 +51,19 @@ def test_a_different_heldout_list_or_corpus_does(tmp_path):
     saved["passages"] = 5
     with pytest.raises(SystemExit, match="knowledge base differs"):
         _checkpoint(tmp_path, saved).rows(0, kb_fingerprint(_kb()))
+
+
+def test_each_wave_says_which_cpu_measured_it_and_a_point_names_every_one(tmp_path, monkeypatch):
+    import benchmarks.ralm_resume as resume
+
+    ck = _checkpoint(tmp_path, _kb().describe())
+    monkeypatch.setattr(resume, "cpu_model", lambda: "CPU A")
+    rows = [{"wave": 0}]
+    ck.save_rows(0, _kb().describe(), rows)
+    monkeypatch.setattr(resume, "cpu_model", lambda: "CPU B")
+    rows.append({"wave": 1})
+    ck.save_rows(0, _kb().describe(), rows)  # resumed on another machine: the first wave keeps its CPU
+    saved = json.loads((tmp_path / "ck.json").read_text())["partial"]["rows"]
+    assert [r["cpu"] for r in saved] == ["CPU A", "CPU B"]
+    assert resume.cpus_of(rows + [{"wave": 2, "cpu": "CPU B"}]) == "CPU A (1 wave), CPU B (2 waves)"
+    assert resume.cpus_of(rows[1:]) == "CPU B"

@@ -202,7 +202,7 @@ def run_points(args, engine, tok, ck: Checkpoint) -> tuple[list[dict], list]:
                 questions,
                 args,
                 resume=ck.rows(i, fingerprint),
-                on_wave=lambda rows, i=i, f=fingerprint: ck.save_rows(i, f, rows),
+                on_wave=lambda rows, i=i, f=fingerprint, p=point: ck.save_rows(i, f, rows, point_summary(p, rows)),
             )
         finally:
             if service is not None:

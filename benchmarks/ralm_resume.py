@@ -122,10 +122,13 @@ class Checkpoint:
             )
         return part["rows"]
 
-    def save_rows(self, i: int, fingerprint: dict, rows: list[dict]) -> None:
+    def save_rows(self, i: int, fingerprint: dict, rows: list[dict], so_far: dict | None = None) -> None:
+        """Point ``i``'s waves so far; ``so_far``: their summary (what a partial reading quotes)."""
         for row in rows:  # each wave says which CPU measured it (a point can span machines)
             row.setdefault("cpu", cpu_model())
         self.data["partial"] = {"index": i, "kb": fingerprint, "rows": rows, "cpu": cpu_model()}
+        if so_far is not None:
+            self.data["partial"]["so_far"] = so_far
         self._write()
 
     def save_point(self, i: int, point: dict) -> None:

@@ -62,8 +62,9 @@ def test_each_wave_says_which_cpu_measured_it_and_a_point_names_every_one(tmp_pa
     ck.save_rows(0, _kb().describe(), rows)
     monkeypatch.setattr(resume, "cpu_model", lambda: "CPU B")
     rows.append({"wave": 1})
-    ck.save_rows(0, _kb().describe(), rows)  # resumed on another machine: the first wave keeps its CPU
-    saved = json.loads((tmp_path / "ck.json").read_text())["partial"]["rows"]
-    assert [r["cpu"] for r in saved] == ["CPU A", "CPU B"]
+    ck.save_rows(0, _kb().describe(), rows, {"speedup": 1.2})  # on another machine: wave 0 keeps its CPU
+    saved = json.loads((tmp_path / "ck.json").read_text())["partial"]
+    assert [r["cpu"] for r in saved["rows"]] == ["CPU A", "CPU B"]
+    assert saved["so_far"] == {"speedup": 1.2}  # the summary a partial reading quotes
     assert resume.cpus_of(rows + [{"wave": 2, "cpu": "CPU B"}]) == "CPU A (1 wave), CPU B (2 waves)"
     assert resume.cpus_of(rows[1:]) == "CPU B"

@@ -83,6 +83,7 @@ from benchmarks.adaptive_report import (  # noqa: E402, F401  (some only re-expo
     CV_FOLDS_C1,
     DOC_BEGIN,
     DOC_END,
+    NO_SHADOWS,
     SLICES,
     SUMMARY_KEYS,
     _held_out_best_fixed,
@@ -206,6 +207,12 @@ class Runner:
         self.in_flight = 0
         self._lock = threading.Lock()
         self.policy = AutoPolicy(seed=args.seed, max_k=max(16, *args.llma_k), load=self.load)
+        self.policies = {"auto": self.policy}
+        """Arm -> its own policy, learning from its own requests only (``--ablate-shadows`` adds one)."""
+        if getattr(args, "ablate_shadows", False):
+            self.policies[NO_SHADOWS] = AutoPolicy(
+                seed=args.seed, max_k=max(16, *args.llma_k), load=self.load, copy_shadows=False
+            )
 
     def load(self) -> int:
         """Requests in flight (serving gives the policy admission's running count): the batcher's
@@ -224,23 +231,26 @@ class Runner:
         if concurrency > 1:
             self.batcher = TargetBatcher(self.pair.target, max_batch=concurrency, window_s=0.002)
             self.batched_engine = SpecEngine(self.pair, target_lm=self.batcher.lm)
-        self.policy.padded_batches = self.batcher is not None and not self.batcher.packed
+        for policy in self.policies.values():
+            policy.padded_batches = self.batcher is not None and not self.batcher.packed
         try:
             yield
         finally:
             if self.batcher is not None:
                 self.batcher.stop()
             self.batcher = self.batched_engine = None
-            self.policy.padded_batches = False
+            for policy in self.policies.values():
+                policy.padded_batches = False
 
-    def generate(self, method: str, k: int | None, case: Case, engine=None) -> dict:
+    def generate(self, method: str, k: int | None, case: Case, engine=None, arm: str = "") -> dict:
         from specops.serving.engine.types import SamplingParams
         from specops.serving.proposers.catalogue import ProposerResources
 
         a = self.args
         params = SamplingParams(temperature=case.temperature, max_new_tokens=a.max_new_tokens, seed=case.seed)
         refs = tuple(tuple(r) for r in case.references) if method in ("llma", "auto") else ()
-        res = ProposerResources(pair=self.pair, references=refs, datastore=self.datastore, policy=self.policy)
+        policy = self.policies.get(arm, self.policy)
+        res = ProposerResources(pair=self.pair, references=refs, datastore=self.datastore, policy=policy)
         with self._lock:
             self.in_flight += 1
         t0 = time.perf_counter()
@@ -263,7 +273,7 @@ class Runner:
             row["policy"] = {m: v["steps"] for m, v in s.policy["methods"].items()}
         return row
 
-    def group(self, method: str, k: int | None, cases: list[Case]) -> tuple[float, list[dict]]:
+    def group(self, method: str, k: int | None, cases: list[Case], arm: str = "") -> tuple[float, list[dict]]:
         """``cases`` at once, one thread each, sharing target passes; the group's wall time."""
         batcher, engine = self.batcher, self.batched_engine
         assert batcher is not None and len(cases) <= batcher.max_batch, "a group runs inside phase(concurrency)"
@@ -272,7 +282,7 @@ class Runner:
         def one(i: int) -> None:
             batcher.begin()
             try:
-                rows[i] = self.generate(method, k, cases[i], engine)
+                rows[i] = self.generate(method, k, cases[i], engine, arm)
             finally:
                 batcher.end()
 
@@ -319,6 +329,8 @@ def phase_groups(cases: list[Case], args, concurrency: int) -> list[list[int]]:
 
 def run(cases: list[Case], runner: Runner, args) -> dict:
     arms = [*fixed_arms(args), ("auto", "auto", None)]
+    if getattr(args, "ablate_shadows", False):
+        arms.append((NO_SHADOWS, "auto", None))
     phases = {c: phase_groups(cases, args, c) for c in args.concurrency}
     per: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases}
     walls: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases if c > 1}
@@ -333,9 +345,10 @@ def run(cases: list[Case], runner: Runner, args) -> dict:
                     order = arms[gi % len(arms) :] + arms[: gi % len(arms)]
                     for name, method, k in order:
                         if c == 1:
-                            per["1"][name].append({"case": block[0], **runner.generate(method, k, cases[block[0]])})
+                            row = runner.generate(method, k, cases[block[0]], arm=name)
+                            per["1"][name].append({"case": block[0], **row})
                         else:
-                            wall, rows = runner.group(method, k, [cases[i] for i in block])
+                            wall, rows = runner.group(method, k, [cases[i] for i in block], arm=name)
                             walls[str(c)][name].append(wall)
                             per[str(c)][name] += [
                                 {"case": i, **r, "group": gi, "group_wall_s": wall, "group_size": len(block)}
@@ -418,6 +431,12 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--source", action="append", help="text sources of the RAG KB (default: man pages + /usr/share/doc)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ablate-shadows",
+        action="store_true",
+        help=f"also run `auto` without its copy shadows (arm {NO_SHADOWS}: its own policy, calibrated alike; "
+        "the A/B of serving/proposers/auto_shadow.py)",
+    )
     args = p.parse_args(argv)
     full = {"cases": 8, "groups": 3, "concurrency": "1,4,8", "max_new_tokens": 64, "draft_k": "2,3", "llma_k": "8,16"}
     quick = {"cases": 2, "groups": 1, "concurrency": "1,4", "max_new_tokens": 24, "draft_k": "3", "llma_k": "16"}
@@ -445,7 +464,7 @@ def main(argv=None) -> int:
         finish(report, args)
         return 0
     from specops.core.models import load_model_dir
-    from specops.serving.proposers.auto import calibrate
+    from specops.serving.proposers.auto import calibrate, calibration
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -463,6 +482,9 @@ def main(argv=None) -> int:
     policy = runner.policy
     costs = calibrate(policy, pair)
     log.info("auto calibrated: %s", ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items()))
+    for other in runner.policies.values():  # an ablation starts from the same calibration
+        if other is not policy:
+            other.calibrated(*calibration(costs))
     warm = Case("warm", "warm", pair.tokenizer.encode("def main():\n    return 0\n", add_special_tokens=False))
     for _, method, k in fixed_arms(args):  # not auto: its policy starts from the calibration alone
         runner.generate(method, k, warm)
@@ -490,6 +512,8 @@ def main(argv=None) -> int:
     }
     report.update(run(cases, runner, args))
     report["policy_end"] = policy.snapshot()
+    if NO_SHADOWS in runner.policies:
+        report["policy_end_" + NO_SHADOWS] = runner.policies[NO_SHADOWS].snapshot()
     report["wall_s"] = time.perf_counter() - t0
     report["environment"] = environment()
     finish(report, args)

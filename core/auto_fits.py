@@ -120,6 +120,14 @@ def key_chain(key: str) -> list[str]:
     return out
 
 
+def add_evidence(
+    counts: dict, cluster: str, temp: str, key: str, accepted: float, rejected: float, decay: float
+) -> None:
+    """One trial's evidence for ``key`` and its parents (the fallbacks of keys not seen yet)."""
+    for k in key_chain(key):
+        counts.setdefault((cluster, k, temp), Counts()).add(accepted, rejected, decay)
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one step emits with a chain of ``k`` drafts at per-token acceptance ``alpha``."""
     if k <= 0:

@@ -54,6 +54,7 @@ from specops.core.auto_fits import (
     CostFit,
     Counts,
     SpeedCheck,
+    add_evidence,
     check_priors,
     copy_key,
     expected_tokens,
@@ -167,12 +168,15 @@ class AutoPolicy:
         explore: bool = True,
         padded_batches: bool = False,
         realized_check: bool = True,
+        copy_shadows: bool = True,
     ) -> None:
         """``propose_ms``: method -> the calibration prior of its call's cost (ms: ``a + b * k``);
         a method may also :meth:`join` later. ``candidates``: the methods ``auto`` may run
         besides ``target`` (None: every method serving's catalogue lets join ``auto``).
         ``realized_check``: scale each option's estimate by its measured steps at the load
-        (:attr:`realized`); off only where a test pins the costs."""
+        (:attr:`realized`); off only where a test pins the costs. ``copy_shadows``: count the copies
+        a step declined against the tokens then emitted (``specops.serving.proposers.auto_shadow``)."""
+        self.copy_shadows = copy_shadows
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)  # any option's longest draft; a draft model's
         self.padded_batches = padded_batches
         """Passes are right-padded (serving's ``TargetBatcher``): a pass costs rows x its widest row.
@@ -551,11 +555,8 @@ class AutoPolicy:
                 )
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
             self.verified_per_step = 0.98 * self.verified_per_step + 0.02 * n_verified
-            if drafted > 0:  # the key and its parents (the fallbacks of keys not seen yet)
-                for k in key_chain(choice.key):
-                    self.counts.setdefault((cluster, k, temp), Counts()).add(
-                        accepted, 1.0 if accepted < drafted else 0.0, self.decay
-                    )
+            if drafted > 0:
+                add_evidence(self.counts, cluster, temp, choice.key, accepted, float(accepted < drafted), self.decay)
 
     # ------------------------------------------------------------------ observability
     def snapshot(self, cluster: str | None = None, *, timeout_s: float = -1) -> dict:

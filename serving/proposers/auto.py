@@ -10,7 +10,9 @@ its name:
   context) is asked first every step (it costs microseconds); where it copied from and how long
   the match was (its proposer's ``last_source`` and ``last_match``) pick its acceptance counts
   (:func:`specops.core.auto_fits.copy_key`), so the policy copies while a long match holds and
-  drafts with a model otherwise;
+  drafts with a model otherwise; a copy that another option ran instead of is followed over the
+  tokens then emitted, which say what it would have been accepted (``auto_shadow``), so its
+  estimate learns from the steps it lost too;
 - any other method is asked only when chosen, and one that drafts nothing falls back to the
   next best option in the same step; a method that needs a **draft model** drafts at most
   ``policy.draft_max_k`` tokens; one keyed on the **target's hidden state** is an option only
@@ -32,9 +34,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from specops.core.auto_fits import add_evidence
 from specops.core.auto_policy import TARGET, AutoPolicy, Choice, Counts, copy_key, temp_bucket
 from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
+from specops.serving.proposers.auto_shadow import CopyShadows
 
 
 class MethodSpec(Protocol):
@@ -92,24 +96,33 @@ def calibrate(policy: AutoPolicy, pair, context_ids: list[int] | None = None, re
     from specops.core.cost import step_ms
 
     ctx = context_ids or list(range(1, 65))
-    v1 = step_ms(pair.target, ctx, 1, reps=reps, warmup=2, best=True)
-    v9 = step_ms(pair.target, ctx, 9, reps=reps, warmup=2, best=True)
-    b = max((v9 - v1) / 8.0, 0.0)
-    out = {"verify_ms_1": v1, "verify_ms_9": v9}
-    kinds = {}
-    catchup = {}
+    out = {
+        "verify_ms_1": step_ms(pair.target, ctx, 1, reps=reps, warmup=2, best=True),
+        "verify_ms_9": step_ms(pair.target, ctx, 9, reps=reps, warmup=2, best=True),
+    }
     if pair.draft is not None:
-        d1 = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2, best=True)
+        out["draft_ms_1"] = step_ms(pair.draft, ctx, 1, reps=reps, warmup=2, best=True)
         # a catch-up feeds `gap` tokens in one forward that keeps the last row of logits only (the
         # draft proposer's): measured so, since with a chat model's vocabulary the head's rows
         # dominate a small draft's forward and 17 of them priced every catch-up several times over
-        d17 = step_ms(pair.draft, ctx, 17, reps=reps, warmup=2, best=True, keep=1)
-        kinds[MODEL] = (d1 * 0.1, d1 * 0.9)  # a call: little fixed cost, one forward per token
-        # its cost over a one-token call's, per token
-        catchup[MODEL] = (max(d1 * 0.1, 1e-3), max((d17 - d1) / 16.0, 0.0))
-        out["draft_ms_1"], out["draft_prefill_ms_17"] = d1, d17
-    policy.calibrated((max(v1 - b, 1e-3), b), kinds, catchup)
+        out["draft_prefill_ms_17"] = step_ms(pair.draft, ctx, 17, reps=reps, warmup=2, best=True, keep=1)
+    policy.calibrated(*calibration(out))
     return out
+
+
+def calibration(measured: Mapping[str, float]) -> tuple[tuple[float, float], dict, dict]:
+    """The arguments of ``AutoPolicy.calibrated`` from :func:`calibrate`'s measurements (so a
+    second policy can start from the same ones): the verify line through 1 and 9 tokens; a draft
+    call's cost per kind (little fixed cost, one forward per token); the draft's catch-up, its
+    17-token prefill over a one-token call, per token."""
+    v1, v9 = measured["verify_ms_1"], measured["verify_ms_9"]
+    b = max((v9 - v1) / 8.0, 0.0)
+    kinds, catchup = {}, {}
+    if "draft_ms_1" in measured:
+        d1, d17 = measured["draft_ms_1"], measured["draft_prefill_ms_17"]
+        kinds[MODEL] = (d1 * 0.1, d1 * 0.9)
+        catchup[MODEL] = (max(d1 * 0.1, 1e-3), max((d17 - d1) / 16.0, 0.0))
+    return (max(v1 - b, 1e-3), b), kinds, catchup
 
 
 class AutoProposer(Proposer):
@@ -152,6 +165,8 @@ class AutoProposer(Proposer):
         self._observed = False
         self._hidden = False
         """A verdict brought the target's hidden state since the last start or rollback."""
+        self.shadows = CopyShadows() if policy.copy_shadows else None
+        """The copies this request declined, followed over the tokens it then emitted."""
 
     @property
     def needs_hidden(self) -> bool:
@@ -169,6 +184,8 @@ class AutoProposer(Proposer):
         self._observed = False
         self._seen = None
         self._hidden = False
+        if self.shadows is not None:
+            self.shadows.clear()
         if not self._started:
             self._started = True
             with self.policy.lock:
@@ -239,12 +256,18 @@ class AutoProposer(Proposer):
             available.pop(choice.method)  # nothing retrieved: the next best option, this same step
         self.policy.decided(self.cluster, choice)
         self.last = choice
+        if self.shadows is not None:  # the copies on offer that did not run: what would they have got?
+            for m, copy in copies.items():
+                if m != choice.method and m in available and copy.k > 0:
+                    self.shadows.open(available[m]["key"], list(copy.rows()[0][:cap]))
         timed = choice.method != TARGET and not self.roles[choice.method].copies
         self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key, catchup, t_step)
         return props
 
     def observe(self, state: DecodeState, verdict: Verdict) -> None:
         self._account(verdict)
+        if self.shadows is not None and self.shadows.pending:
+            self._shadow_evidence(verdict.emitted)
         self._hidden = verdict.target_hidden is not None
         for p in self.subs.values():
             p.observe(state, verdict)
@@ -288,8 +311,22 @@ class AutoProposer(Proposer):
         )
         self._seen = verdict.target_pass
 
+    def _shadow_evidence(self, emitted: list[int]) -> None:
+        """The followed copies against this step's tokens: their keys' counts, the cluster's (each
+        copy's first news decays them, as a real step does) and the request's own."""
+        news = self.shadows.advance(emitted)  # type: ignore[union-attr]
+        with self.policy.lock:
+            for e in news:
+                decay = self.policy.decay if e.opened else 1.0
+                add_evidence(self.policy.counts, self.cluster, self._temp, e.key, e.accepted, e.rejected, decay)
+        for e in news:
+            if e.accepted or e.rejected:
+                self.own.setdefault(e.key, Counts()).add(e.accepted, e.rejected)
+
     def rollback(self, state: DecodeState, position: int) -> None:
         self._pending = None
+        if self.shadows is not None:
+            self.shadows.clear()
         self._hidden = False  # the hidden state described a withdrawn position
         for p in self.subs.values():
             p.rollback(state, position)
@@ -322,6 +359,7 @@ class AutoProposer(Proposer):
             "chosen": max(self.steps, key=self.steps.get) if self.steps else TARGET,
             "temperature": self._temp,
             "counts": {key: [round(c.accepted, 3), round(c.rejected, 3)] for key, c in sorted(self.own.items())},
+            "shadows": self.shadows.summary() if self.shadows is not None else None,
             "last": {
                 "method": last.method,
                 "k": last.k,

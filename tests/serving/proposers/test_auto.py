@@ -294,8 +294,10 @@ def test_greedy_equals_target_while_switching_methods(close_pair, tiny_target, s
     engine = SpecEngine(close_pair)
     used: set[str] = set()
     for prompt in random_prompts(3, seed=20 + seed) + [_looped(close_pair, random_prompts(1, seed=9)[0])]:
-        res = ProposerResources(pair=close_pair, policy=policy, datastore=store, references=(tuple(prompt[:12]),))
         ref = plain_generate(engine, prompt, SamplingParams(max_new_tokens=48), method="target")
+        # a reference that quotes the first half of the answer: copies pay there, then run out
+        quote = (tuple(prompt[-6:] + ref.token_ids[:24]),)
+        res = ProposerResources(pair=close_pair, policy=policy, datastore=store, references=quote)
         out = plain_generate(engine, prompt, SamplingParams(max_new_tokens=48), **AUTO, resources=res)
         assert out.token_ids == ref.token_ids
         assert out.stats.method == "auto" and out.stats.num_generated == 48

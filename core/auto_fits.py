@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specops.core.errors import echo
@@ -110,6 +111,36 @@ def copy_key(method: str, source: str, match: int) -> str:
     return f"{method}.{source}@m{MATCH_BUCKETS[_bucket(match, MATCH_BUCKETS)]}"
 
 
+def copy_keys(method: str, source: str, match: int, n: int) -> list[str]:
+    """The acceptance key of each of a copy's ``n`` tokens: once its first ``i`` are accepted the
+    context matches the source over ``match + i`` tokens, so token ``i`` is a trial at that match
+    length (``copy_keys("llma", "request", 1, 3) == ["llma.request@m1", "llma.request@m2",
+    "llma.request@m2"]``)."""
+    return [copy_key(method, source, match + i) for i in range(n)]
+
+
+def chain_tokens(alphas: list[float], k: int) -> float:
+    """Tokens one step emits with a chain of ``k`` drafts whose ``i``-th is accepted with
+    ``alphas[i]`` once those before it were: ``1 + a0 + a0 a1 + ...`` (:func:`expected_tokens`
+    when every ``a`` is the same)."""
+    e = p = 1.0
+    for a in alphas[:k]:
+        p *= min(max(a, 0.0), 1.0)
+        e += p
+    return e
+
+
+def chain_evidence(keys: list[str], accepted: int, rejected: bool) -> dict[str, list[float]]:
+    """One chain's outcome per key (``keys``: each drafted position's, :func:`copy_keys`): the
+    accepted positions are successes of their keys, the first rejected one a failure of its own."""
+    out: dict[str, list[float]] = {}
+    for key in keys[:accepted]:
+        out.setdefault(key, [0.0, 0.0])[0] += 1.0
+    if rejected and accepted < len(keys):
+        out.setdefault(keys[accepted], [0.0, 0.0])[1] += 1.0
+    return out
+
+
 def key_chain(key: str) -> list[str]:
     """``llma.context@m8`` -> ``[llma.context@m8, llma.context, llma]``: the key, then its parents."""
     out = [key]
@@ -120,11 +151,15 @@ def key_chain(key: str) -> list[str]:
     return out
 
 
-def add_evidence(
-    counts: dict, cluster: str, temp: str, key: str, accepted: float, rejected: float, decay: float
-) -> None:
-    """One trial's evidence for ``key`` and its parents (the fallbacks of keys not seen yet)."""
-    for k in key_chain(key):
+def add_evidence(counts: dict, cluster: str, temp: str, evidence: Mapping[str, Sequence[float]], decay: float) -> None:
+    """One step's evidence, ``key -> (accepted, rejected)``, for each key and its parents (the
+    fallbacks of keys not seen yet); each decays once, however many of the step's keys share it."""
+    total: dict[str, list[float]] = {}
+    for key, (accepted, rejected) in evidence.items():
+        for k in key_chain(key):
+            t = total.setdefault(k, [0.0, 0.0])
+            t[0], t[1] = t[0] + accepted, t[1] + rejected
+    for k, (accepted, rejected) in total.items():
         counts.setdefault((cluster, k, temp), Counts()).add(accepted, rejected, decay)
 
 
@@ -221,18 +256,29 @@ REALIZED_CLIP = 4.0
 
 class SpeedCheck:
     """How fast a method's steps really were at one load against what the policy's model said:
-    the decayed geometric mean of ``realized / modelled`` tokens per second, shrunk towards 1 by
-    :data:`REALIZED_PRIOR_STEPS`. The model (acceptance counts, cost fits) misses what it does
+    the tokens its steps emitted over the tokens the model's speed promised in the time they took
+    (decayed sums, each step weighted by its promised tokens), shrunk towards 1 by
+    :data:`REALIZED_PRIOR_STEPS`. A ratio of sums, not a mean of per-step ratios: a copy's steps
+    emit 1 token or many, and a geometric mean of their ratios sits below 1 by their spread alone
+    (emitting 1 or 5 where 3 are expected reads as 0.75), which held `auto` off copies that paid
+    (issue 60: ``llma@1`` 0.84 against ``target@1`` 0.95 where every step delivered as modelled). The model (acceptance counts, cost fits) misses what it does
     not name: a draft's forwards contending with the other requests' threads, the batch waiting
     for its slowest row, a chain whose acceptance is not geometric. The check learns, per load
     level, how far the model is off for each method, and the policy scales that method's
     estimate by :attr:`factor`: so it learns which method pays at each load."""
 
     def __init__(
-        self, *, decay: float = REALIZED_DECAY, prior_steps: float = REALIZED_PRIOR_STEPS, half_life_s: float = 600.0
+        self,
+        *,
+        decay: float = REALIZED_DECAY,
+        prior_steps: float = REALIZED_PRIOR_STEPS,
+        half_life_s: float = 600.0,
+        geometric: bool = False,
     ):
-        self.decay, self.prior_steps, self.half_life_s = decay, prior_steps, half_life_s
-        self.weight = self.log_sum = 0.0
+        """``geometric``: the old estimator, the geometric mean of the per-step ratios (kept for
+        the benchmark's before/after arm only)."""
+        self.decay, self.prior_steps, self.half_life_s, self.geometric = decay, prior_steps, half_life_s, geometric
+        self.weight = self.num = self.den = self.log_sum = 0.0
         self.n_obs = 0
         self.updated = time.time()
 
@@ -241,19 +287,27 @@ class SpeedCheck:
         turned off at a load is tried again there once its verdict has faded."""
         return 0.5 ** (max(0.0, now - self.updated) / self.half_life_s)
 
-    def observe(self, ratio: float) -> None:
-        if not (math.isfinite(ratio) and ratio > 0):
+    def observe(self, ratio: float, promised: float = 1.0) -> None:
+        """One step: its ``ratio`` of realized to modelled speed, and ``promised``, the tokens the
+        model's speed gives in the time the step took (its weight in the sums)."""
+        if not (math.isfinite(ratio) and ratio > 0 and math.isfinite(promised) and promised > 0):
             return
         now = time.time()
         d = self.decay * self._fade(now)
         r = min(max(ratio, 1.0 / REALIZED_CLIP), REALIZED_CLIP)
-        self.weight, self.log_sum = d * self.weight + 1.0, d * self.log_sum + math.log(r)
+        self.weight = d * self.weight + 1.0
+        self.num, self.den = d * self.num + r * promised, d * self.den + promised
+        self.log_sum = d * self.log_sum + math.log(r)
         self.n_obs, self.updated = self.n_obs + 1, now
 
     @property
     def factor(self) -> float:
-        fade = self._fade(time.time())
-        return math.exp(self.log_sum * fade / (self.weight * fade + self.prior_steps))
+        if self.den <= 0:
+            return 1.0
+        w = self.weight * self._fade(time.time())  # shrunk towards 1 in log space, as steps accrue
+        if self.geometric:
+            return math.exp(self.log_sum / self.weight * w / (w + self.prior_steps))
+        return math.exp(math.log(max(self.num / self.den, 1e-9)) * w / (w + self.prior_steps))
 
     def to_dict(self) -> dict:
         return {"factor": round(self.factor, 4), "observations": self.n_obs}
@@ -268,31 +322,36 @@ class CoRunCheck:
     the batch goes without it and pays a pass of its own), so the *other* rows' steps take
     longer. Every step's measured speed over its model is credited to each drafting method the
     other in-flight sessions were running when it was chosen (``with``) and to each one they
-    were not (``without``); a method's :meth:`factor` at a load is the ratio of the two decayed
-    geometric means, and the policy scales the tokens the others emit during a step of that
+    were not (``without``); a method's :meth:`factor` at a load is the ratio of the two sides'
+    :class:`SpeedCheck` factors, and the policy scales the tokens the others emit during a step of that
     method by it. Target-only beside a step is the reference (the pass costs the model fits
     describe it), so ``methods`` leaves it out and its factor is 1. Both sides start at 1
     (:data:`REALIZED_PRIOR_STEPS` pseudo-steps) and fade like the own check, so a method turned
     off at a load by what it cost the others is tried again there."""
 
-    def __init__(self) -> None:
+    def __init__(self, geometric: bool = False) -> None:
+        self.geometric = geometric
         self.with_: dict[tuple[str, int], SpeedCheck] = {}
         self.without: dict[tuple[str, int], SpeedCheck] = {}
 
-    def observe(self, bucket: int, present: tuple[str, ...], methods, ratio: float) -> None:
+    def observe(self, bucket: int, present: tuple[str, ...], methods, ratio: float, promised: float = 1.0) -> None:
         """One step at ``bucket`` whose co-running sessions ran ``present``; ``methods``: every
         option the policy knows (each gets one side)."""
         for m in methods:
-            (self.with_ if m in present else self.without).setdefault((m, bucket), SpeedCheck()).observe(ratio)
+            side = self.with_ if m in present else self.without
+            side.setdefault((m, bucket), SpeedCheck(geometric=self.geometric)).observe(ratio, promised)
 
-    def observe_step(self, own: dict, method: str, bucket: int, co: tuple[str, ...], methods, ratio, rows) -> None:
-        """One step's measured speed over its model (``ratio``): its own method's check in ``own``
-        sees it without what the co-running methods cost it, and (with other rows in the pass) this
-        check sees it whole: its with/without split is the comparison."""
-        check = own.setdefault((method, bucket), SpeedCheck())
-        check.observe(ratio / math.prod(self.factor(m, bucket) for m in co))
+    def observe_step(
+        self, own: dict, method: str, bucket: int, co: tuple[str, ...], methods, ratio, rows, promised: float = 1.0
+    ) -> None:
+        """One step's measured speed over its model (``ratio``; ``promised``: the tokens the model
+        gives in the step's time): its own method's check in ``own`` sees it without what the
+        co-running methods cost it, and (with other rows in the pass) this check sees it whole:
+        its with/without split is the comparison."""
+        check = own.setdefault((method, bucket), SpeedCheck(geometric=self.geometric))
+        check.observe(ratio / math.prod(self.factor(m, bucket) for m in co), promised)
         if rows > 1:
-            self.observe(bucket, co, methods, ratio)
+            self.observe(bucket, co, methods, ratio, promised)
 
     def factor(self, method: str, bucket: int) -> float:
         w = self.with_.get((method, bucket))

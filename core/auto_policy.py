@@ -55,6 +55,8 @@ from specops.core.auto_fits import (
     Counts,
     SpeedCheck,
     add_evidence,
+    chain_evidence,
+    chain_tokens,
     check_priors,
     copy_key,
     expected_tokens,
@@ -62,7 +64,6 @@ from specops.core.auto_fits import (
     load_bucket,
     temp_bucket,
 )
-from specops.core.errors import UnavailableError
 
 __all__ = [
     "COST_DECAY",
@@ -120,6 +121,9 @@ class Choice:
     key: str = ""
     """The acceptance counts it used (``llma.request@m4``: a copy from the request's references at
     match length 4-7)."""
+    keys: tuple[str, ...] = ()
+    """A copy's per-position keys (each drafted token's match length: ``copy_keys``); empty: one
+    key, ``key``, for every position."""
     n_verify: int = 1
     """Tokens this request's pass verifies (1 + the drafts)."""
     expected: float = 1.0
@@ -169,14 +173,18 @@ class AutoPolicy:
         padded_batches: bool = False,
         realized_check: bool = True,
         copy_shadows: bool = True,
+        copy_chain: bool = True,
+        geometric_check: bool = False,
     ) -> None:
         """``propose_ms``: method -> the calibration prior of its call's cost (ms: ``a + b * k``);
         a method may also :meth:`join` later. ``candidates``: the methods ``auto`` may run
         besides ``target`` (None: every method serving's catalogue lets join ``auto``).
         ``realized_check``: scale each option's estimate by its measured steps at the load
         (:attr:`realized`); off only where a test pins the costs. ``copy_shadows``: count the copies
-        a step declined against the tokens then emitted (``specops.serving.proposers.auto_shadow``)."""
-        self.copy_shadows = copy_shadows
+        a step declined against the tokens then emitted (``specops.serving.proposers.auto_shadow``).
+        ``copy_chain``: price a copy's token ``i`` at the match length it would then have (``keys``).
+        ``geometric_check``: the realized-speed check's old estimator (:class:`SpeedCheck`)."""
+        self.copy_shadows, self.copy_chain = copy_shadows, copy_chain
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)  # any option's longest draft; a draft model's
         self.padded_batches = padded_batches
         """Passes are right-padded (serving's ``TargetBatcher``): a pass costs rows x its widest row.
@@ -218,7 +226,7 @@ class AutoPolicy:
         self.realized: dict[tuple[str, int], SpeedCheck] = {}
         """(method, load bucket) -> how its measured steps compare with the model at that load
         (:class:`~specops.core.auto_fits.SpeedCheck`); each option's estimate is scaled by it."""
-        self.corun = CoRunCheck()
+        self.corun = CoRunCheck(geometric=geometric_check)
         """What each method costs the other requests' steps at each load: the others' tokens in an
         option's estimate are scaled by it (:class:`~specops.core.auto_fits.CoRunCheck`)."""
 
@@ -448,8 +456,11 @@ class AutoPolicy:
             best = Choice(TARGET, 0, raw * self._factor(TARGET, bucket), n_verify=1, modelled=raw, **shared)
             alts = {TARGET: round(best.speed, 2)}
             for method, info in available.items():
-                key = info["key"]
-                alpha, mean_alpha = self._alpha(cluster, key, temp, own.get(key))
+                key, keys = info["key"], list(info.get("keys") or [info["key"]])
+                drawn = {kk: self._alpha(cluster, kk, temp, own.get(kk)) for kk in dict.fromkeys(keys)}
+                alphas, means = [drawn[kk][0] for kk in keys], [drawn[kk][1] for kk in keys]
+                if len(keys) == 1:  # one key for every position: OSD's geometric chain
+                    alphas, means = alphas * k_cap, means * k_cap
                 factor, co_factor = self._factor(method, bucket), self._co(method, bucket)
                 pfit = self._propose_fit(method, load_bucket(load))
                 rows = max(1, int(info.get("rows", 1)))
@@ -459,18 +470,19 @@ class AutoPolicy:
                 m_best: Choice | None = None
                 for k in range(1, min(int(info["max_k"]), k_cap) + 1):
                     n = 1 + rows * k
-                    e = expected_tokens(alpha, k)
+                    e = chain_tokens(alphas, k)
                     steps = CATCHUP_HORIZON if remaining is None else min(CATCHUP_HORIZON, max(1.0, remaining / e))
                     ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, rows_b))
                     ms += catchup / steps
                     speed = (e + others * co_factor) / max(ms, 1e-6) * 1000.0 * factor
                     if m_best is None or speed > m_best.speed:
-                        modelled = (expected_tokens(mean_alpha, k) + others) / max(ms, 1e-6) * 1000.0
+                        modelled = (chain_tokens(means, k) + others) / max(ms, 1e-6) * 1000.0
                         m_best = Choice(
                             method,
                             k,
                             speed,
                             key=key,
+                            keys=tuple(keys[:k]) if len(keys) > 1 else (),
                             n_verify=n,
                             expected=e,
                             catchup_ms=catchup,
@@ -548,52 +560,21 @@ class AutoPolicy:
                 else:
                     pfit.observe(max(choice.k, 1), propose_ms)
             if self.realized_check and step_ms is not None and step_ms > 0 and choice.modelled > 0:
-                ratio = (emitted + choice.others_emitted) / step_ms * 1000.0 / choice.modelled
+                promised = choice.modelled * step_ms / 1000.0  # the model's tokens in the step's time
+                ratio = (emitted + choice.others_emitted) / promised
                 methods = tuple(self.propose)  # target-only beside it is the reference (factor 1)
                 self.corun.observe_step(
-                    self.realized, choice.method, choice.bucket, choice.co, methods, ratio, choice.rows
+                    self.realized, choice.method, choice.bucket, choice.co, methods, ratio, choice.rows, promised
                 )
             self.emitted_per_step = 0.98 * self.emitted_per_step + 0.02 * emitted
             self.verified_per_step = 0.98 * self.verified_per_step + 0.02 * n_verified
-            if drafted > 0:
-                add_evidence(self.counts, cluster, temp, choice.key, accepted, float(accepted < drafted), self.decay)
+            if drafted > 0:  # a copy's positions each under its match length (``keys``), else one key
+                keys = list(choice.keys) or [choice.key] * drafted
+                add_evidence(self.counts, cluster, temp, chain_evidence(keys, accepted, accepted < drafted), self.decay)
 
     # ------------------------------------------------------------------ observability
     def snapshot(self, cluster: str | None = None, *, timeout_s: float = -1) -> dict:
-        """The policy's state, per cluster (only ``cluster``'s when given): acceptance estimates,
-        decisions, the latest choice; and the replica's costs. With ``timeout_s`` >= 0, waits at
-        most that long for the lock, then raises ``UnavailableError`` (503)."""
-        if not self.lock.acquire(timeout=timeout_s):
-            raise UnavailableError(f"the auto policy is busy (its lock was held for over {timeout_s:g}s); retry")
-        try:
-            clusters: dict[str, dict] = {}
+        """The policy's state (``/v1/policy``): :func:`specops.core.auto_view.snapshot`."""
+        from specops.core.auto_view import snapshot
 
-            def of(c: str) -> dict | None:
-                return clusters.setdefault(c, {"acceptance": {}, "decisions": {}}) if cluster in (None, c) else None
-
-            for (c, key, t), v in self.counts.items():
-                if entry := of(c):
-                    entry["acceptance"][f"{key}/{t}"] = {"mean": round(v.mean, 4), "trials": round(v.trials, 1)}
-            for (c, m), n in self.decisions.items():
-                if entry := of(c):
-                    entry["decisions"][m] = n
-            for c, ch in self.last.items():
-                if entry := of(c):
-                    last = {"method": ch.method, "k": ch.k, "tokens_per_s": round(ch.speed, 2)}
-                    entry["last"] = {**last, "estimates": ch.alternatives}
-            return {
-                "in_flight": self.in_flight,
-                "load": self.load(),
-                "emitted_per_step": round(self.emitted_per_step, 3),
-                "verify_ms": {str(LOAD_BUCKETS[b]): f.to_dict() for b, f in sorted(self.verify.items())},
-                "catchup_ms": {m: f.to_dict() for m, f in self.catchup.items()},
-                "realized": {f"{m}@{LOAD_BUCKETS[b]}": c.to_dict() for (m, b), c in sorted(self.realized.items())},
-                "co_running": self.corun.to_dict(),
-                "propose_ms": {
-                    **{m: f.to_dict() for m, f in self.propose.items()},
-                    **{f"{m}@{LOAD_BUCKETS[b]}": f.to_dict() for (m, b), f in sorted(self.propose_loaded.items())},
-                },
-                "clusters": clusters,
-            }
-        finally:
-            self.lock.release()
+        return snapshot(self, cluster, timeout_s=timeout_s)

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from specops.core.auto_fits import add_evidence
+from specops.core.auto_fits import add_evidence, chain_evidence, copy_keys
 from specops.core.auto_policy import TARGET, AutoPolicy, Choice, Counts, copy_key, temp_bucket
 from specops.serving.engine.proposer import Proposer
 from specops.serving.engine.types import DecodeState, Proposals, Verdict
@@ -203,8 +203,11 @@ class AutoProposer(Proposer):
             copy = copies[m] = sub.propose(state, k)
             copy_ms = (time.perf_counter() - t0) * 1000.0
             if copy.k > 0:
-                key = copy_key(m, getattr(sub, "last_source", "") or "context", getattr(sub, "last_match", 1) or 1)
+                source, match = getattr(sub, "last_source", "") or "context", getattr(sub, "last_match", 1) or 1
+                key = copy_key(m, source, match)
                 available[m] = {"key": key, "max_k": copy.k, "rows": 1, "sunk": True}
+                if self.policy.copy_chain:  # each token at the match length it would then have
+                    available[m]["keys"] = copy_keys(m, source, match, copy.k)
             with self.policy.lock:
                 self.policy.propose[m].observe(1, copy_ms)
         for m, sub in self.subs.items():
@@ -259,7 +262,9 @@ class AutoProposer(Proposer):
         if self.shadows is not None:  # the copies on offer that did not run: what would they have got?
             for m, copy in copies.items():
                 if m != choice.method and m in available and copy.k > 0:
-                    self.shadows.open(available[m]["key"], list(copy.rows()[0][:cap]))
+                    tokens = list(copy.rows()[0][:cap])
+                    keys = available[m].get("keys") or [available[m]["key"]] * len(tokens)
+                    self.shadows.open(list(keys[: len(tokens)]), tokens)
         timed = choice.method != TARGET and not self.roles[choice.method].copies
         self._pending = (choice, time.perf_counter(), propose_ms if timed else None, choice.key, catchup, t_step)
         return props
@@ -291,7 +296,9 @@ class AutoProposer(Proposer):
             self.accepted[m] = self.accepted.get(m, 0) + acc
             self.rejected[m] = self.rejected.get(m, 0) + (acc < drafted)
             self.k_sum[m] = self.k_sum.get(m, 0) + drafted
-            self.own.setdefault(key, Counts()).add(acc, 1.0 if acc < drafted else 0.0)
+            keys = list(choice.keys) or [key] * drafted  # a copy's positions under their own keys
+            for k, (a, r) in chain_evidence(keys, acc, acc < drafted).items():
+                self.own.setdefault(k, Counts()).add(a, r)
         n_verified = 1 + (verdict.num_nodes or drafted)
         first = not self._observed  # the first pass is the prompt's prefill: not a verify step's cost
         self._observed = True
@@ -316,9 +323,15 @@ class AutoProposer(Proposer):
         copy's first news decays them, as a real step does) and the request's own."""
         news = self.shadows.advance(emitted)  # type: ignore[union-attr]
         with self.policy.lock:
-            for e in news:
-                decay = self.policy.decay if e.opened else 1.0
-                add_evidence(self.policy.counts, self.cluster, self._temp, e.key, e.accepted, e.rejected, decay)
+            for opened in (True, False):
+                step: dict[str, list[float]] = {}
+                for e in news:
+                    if e.opened == opened:
+                        t = step.setdefault(e.key, [0.0, 0.0])
+                        t[0], t[1] = t[0] + e.accepted, t[1] + e.rejected
+                if step:
+                    decay = self.policy.decay if opened else 1.0
+                    add_evidence(self.policy.counts, self.cluster, self._temp, step, decay)
         for e in news:
             if e.accepted or e.rejected:
                 self.own.setdefault(e.key, Counts()).add(e.accepted, e.rejected)

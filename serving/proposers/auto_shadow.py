@@ -14,8 +14,9 @@ accepted:
 
 So every step where a copy was on offer and another option ran (target-only, the draft model,
 a datastore), the copy is followed over the next steps' emitted tokens until it mismatches
-(a rejection) or runs out (all accepted), and each matching token is counted at once. The
-copy's acceptance key (source and match length) then learns from the steps ``auto`` declined,
+(a rejection) or runs out (all accepted), and each matching token is counted at once, under
+the key of the match length it would have been drafted at (``copy_keys``). The copy's keys
+(source and match length) then learn from the steps ``auto`` declined,
 not only from those it took: an estimate that starts low is no longer frozen by never being
 tried, which is where issue 60's run left ``auto`` copying less than a fixed LLMA arm
 (``docs/auto.md``). ``AutoPolicy.copy_shadows`` turns it off (the benchmark's ablation).
@@ -31,7 +32,8 @@ MAX_PENDING = 8
 
 @dataclass
 class _Shadow:
-    key: str
+    keys: list[str]
+    """Each token's acceptance key (the match length it would be drafted at: ``copy_keys``)."""
     tokens: list[int]
     matched: int = 0
     opened: bool = True
@@ -40,7 +42,8 @@ class _Shadow:
 
 @dataclass(frozen=True)
 class Evidence:
-    """One followed copy's news from one step: tokens that matched, and whether it mismatched."""
+    """One followed copy's news from one step for one key: its tokens that matched, and whether
+    the mismatch fell on it."""
 
     key: str
     accepted: int
@@ -57,10 +60,11 @@ class CopyShadows:
         self.accepted = 0
         self.rejected = 0
 
-    def open(self, key: str, tokens: list[int]) -> None:
-        """A copy was on offer this step and another option ran: follow its ``tokens``."""
+    def open(self, keys: list[str], tokens: list[int]) -> None:
+        """A copy was on offer this step and another option ran: follow its ``tokens`` (token
+        ``i`` counted under ``keys[i]``)."""
         if tokens:
-            self.pending.append(_Shadow(key, list(tokens)))
+            self.pending.append(_Shadow(list(keys), list(tokens)))
             self.opened += 1
             del self.pending[:-MAX_PENDING]
 
@@ -73,7 +77,7 @@ class CopyShadows:
         out: list[Evidence] = []
         keep: list[_Shadow] = []
         for s in self.pending:
-            accepted, rejected = 0, 0.0
+            accepted, rejected, first = 0, 0.0, s.matched
             for tok in emitted:
                 if s.matched == len(s.tokens):
                     break
@@ -82,8 +86,12 @@ class CopyShadows:
                     break
                 s.matched += 1
                 accepted += 1
-            if accepted or rejected or s.opened:
-                out.append(Evidence(s.key, accepted, rejected, s.opened))
+            news: dict[str, list[float]] = {}
+            for key in s.keys[first : first + accepted]:
+                news.setdefault(key, [0.0, 0.0])[0] += 1.0
+            if rejected:
+                news.setdefault(s.keys[s.matched], [0.0, 0.0])[1] += 1.0
+            out += [Evidence(key, int(a), r, s.opened) for key, (a, r) in news.items()]
             s.opened = False
             if not rejected and s.matched < len(s.tokens):
                 keep.append(s)

@@ -19,20 +19,21 @@ from specops.serving.proposers.auto_shadow import MAX_PENDING, CopyShadows
 from tests.conftest import random_prompts
 
 
-def test_a_followed_copy_counts_the_tokens_that_match_until_a_mismatch_or_its_end():
+def test_a_followed_copy_counts_each_token_under_its_key_until_a_mismatch_or_its_end():
     s = CopyShadows()
-    s.open("llma.context@m4", [1, 2, 3, 4])
+    s.open(["c@m4", "c@m4", "c@m4", "c@m4"], [1, 2, 3, 4])
     first = s.advance([1, 2])  # two match; the copy goes on
-    assert [(e.key, e.accepted, e.rejected, e.opened) for e in first] == [("llma.context@m4", 2, 0.0, True)]
-    s.open("llma.context@m8", [3, 7])
+    assert [(e.key, e.accepted, e.rejected, e.opened) for e in first] == [("c@m4", 2, 0.0, True)]
+    s.open(["c@m1", "c@m2"], [3, 7])
     second = s.advance([3, 9])  # the first matches 3 then mismatches 9; the second matches 3, then 9 != 7
-    assert [(e.accepted, e.rejected, e.opened) for e in second] == [(1, 1.0, False), (1, 1.0, True)]
+    got = [(e.key, e.accepted, e.rejected, e.opened) for e in second]
+    assert got == [("c@m4", 1, 1.0, False), ("c@m1", 1, 0.0, True), ("c@m2", 0, 1.0, True)]
     assert s.pending == []
-    s.open("llma.request@m16", [5, 6])
+    s.open(["r@m8", "r@m8"], [5, 6])
     assert [(e.accepted, e.rejected) for e in s.advance([5, 6, 7])] == [(2, 0.0)]  # all accepted: no rejection
     assert s.pending == [] and s.summary() == {"followed": 3, "accepted": 6, "rejected": 2}
     for i in range(MAX_PENDING + 3):
-        s.open("k", [100 + i])
+        s.open(["k"], [100 + i])
     assert len(s.pending) == MAX_PENDING  # the oldest are dropped
     s.clear()
     assert s.pending == []

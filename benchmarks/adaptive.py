@@ -79,11 +79,11 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.adaptive_report import (  # noqa: E402, F401  (some only re-exported: the names this module used to define)
     BARS,
-    BEFORE,
     BOOTSTRAP,
     CV_FOLDS_C1,
     DOC_BEGIN,
     DOC_END,
+    NO_SHADOWS,
     SLICES,
     SUMMARY_KEYS,
     _held_out_best_fixed,
@@ -209,14 +209,9 @@ class Runner:
         self.policy = AutoPolicy(seed=args.seed, max_k=max(16, *args.llma_k), load=self.load)
         self.policies = {"auto": self.policy}
         """Arm -> its own policy, learning from its own requests only (``--ablate-shadows`` adds one)."""
-        if getattr(args, "ablate", False):  # auto before this change: its own policy, the old rules
-            self.policies[BEFORE] = AutoPolicy(
-                seed=args.seed,
-                max_k=max(16, *args.llma_k),
-                load=self.load,
-                copy_shadows=False,
-                copy_chain=False,
-                geometric_check=True,
+        if getattr(args, "ablate_shadows", False):
+            self.policies[NO_SHADOWS] = AutoPolicy(
+                seed=args.seed, max_k=max(16, *args.llma_k), load=self.load, copy_shadows=False
             )
 
     def load(self) -> int:
@@ -334,8 +329,8 @@ def phase_groups(cases: list[Case], args, concurrency: int) -> list[list[int]]:
 
 def run(cases: list[Case], runner: Runner, args) -> dict:
     arms = [*fixed_arms(args), ("auto", "auto", None)]
-    if getattr(args, "ablate", False):
-        arms.append((BEFORE, "auto", None))
+    if getattr(args, "ablate_shadows", False):
+        arms.append((NO_SHADOWS, "auto", None))
     phases = {c: phase_groups(cases, args, c) for c in args.concurrency}
     per: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases}
     walls: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases if c > 1}
@@ -437,10 +432,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--ablate",
+        "--ablate-shadows",
         action="store_true",
-        help=f"also run `auto` as it was before the copy shadows, the copy chain and the realized-speed check's "
-        f"ratio of sums (arm {BEFORE}: its own policy, calibrated alike): the A/B of issue 60's last change",
+        help=f"also run `auto` without its copy shadows (arm {NO_SHADOWS}: its own policy, calibrated alike; "
+        "the A/B of serving/proposers/auto_shadow.py)",
     )
     args = p.parse_args(argv)
     full = {"cases": 8, "groups": 3, "concurrency": "1,4,8", "max_new_tokens": 64, "draft_k": "2,3", "llma_k": "8,16"}
@@ -517,8 +512,8 @@ def main(argv=None) -> int:
     }
     report.update(run(cases, runner, args))
     report["policy_end"] = policy.snapshot()
-    if BEFORE in runner.policies:
-        report["policy_end_" + BEFORE] = runner.policies[BEFORE].snapshot()
+    if NO_SHADOWS in runner.policies:
+        report["policy_end_" + NO_SHADOWS] = runner.policies[NO_SHADOWS].snapshot()
     report["wall_s"] = time.perf_counter() - t0
     report["environment"] = environment()
     finish(report, args)

@@ -15,19 +15,16 @@ DOC_END = "<!-- END adaptive -->"
 SLICES = ("code", "prose", "rag", "repetition", "creative")
 SUMMARY_KEYS = ("auto_vs_best_fixed", "auto_vs_oracle", "min_slice_vs_target", "greedy_identical")
 BARS = {"auto_vs_best_fixed": 1.0, "auto_vs_oracle": 0.9, "min_slice_vs_target": 0.95}
-BEFORE = "auto_before"
-"""The ablation arm (``--ablate``): ``auto`` as it was before the copy shadows, the copy chain and
-the realized-speed check's ratio of sums (``AutoPolicy(copy_shadows=False, copy_chain=False,
-geometric_check=True)``), with its own policy."""
-AUTO_ARMS = ("auto", BEFORE)
+NO_SHADOWS = "auto_noshadow"
+"""The ablation arm (``--ablate-shadows``): ``auto`` with its copy shadows off, its own policy."""
+AUTO_ARMS = ("auto", NO_SHADOWS)
 
 
 def current_rules() -> dict:
     """The rules a run decided by: LLMA's copy rule (serving's, issue 60), whether ``auto``
     scaled its estimates by the realized-speed check per load (``AutoPolicy.realized``), whether
     it charged a method for what it cost the other rows' steps (``AutoPolicy.corun``), and whether
-    it learned from the copies it declined (``AutoPolicy.copy_shadows``) and priced a copy's tokens
-    at the match lengths they would be drafted at (``AutoPolicy.copy_chain``)."""
+    it learned from the copies it declined (``AutoPolicy.copy_shadows``)."""
     from specops.serving.proposers.llma import SERVING_RULE
 
     return {
@@ -35,8 +32,6 @@ def current_rules() -> dict:
         "auto_realized_check": True,
         "auto_corun_check": True,
         "auto_copy_shadows": True,
-        "auto_copy_chain": True,
-        "auto_realized_ratio_of_sums": True,
     }
 
 
@@ -85,9 +80,9 @@ def analyse(report: dict) -> dict:
                 "auto_vs_target": round(tot["target"] / tot["auto"], 3),
                 "auto_mix": {m: round(n / steps, 3) for m, n in sorted(mix.items())},
             }
-            if BEFORE in arms:  # the A/B: > 1 when auto took less time than the arm with the old rules
-                slices[s]["gain_over_before"] = round(tot[BEFORE] / tot["auto"], 3)
-                slices[s]["before_vs_best_fixed"] = round(tot[best] / tot[BEFORE], 3)
+            if NO_SHADOWS in arms:  # the A/B: > 1 when auto with shadows took less time
+                slices[s]["shadow_gain"] = round(tot[NO_SHADOWS] / tot["auto"], 3)
+                slices[s]["noshadow_vs_best_fixed"] = round(tot[best] / tot[NO_SHADOWS], 3)
         slices["all"].update(_held_out_best_fixed(idx, cases, unit, time_of, fixed))
         out[conc] = slices
     return out
@@ -177,9 +172,9 @@ def summary(report: dict) -> dict:
             "auto_vs_best_fixed_cv": everything.get("auto_vs_best_fixed_cv"),
             "auto_vs_best_fixed_ci90": everything.get("auto_vs_best_fixed_ci90"),
         }
-        if "gain_over_before" in everything:
-            by[c]["gain_over_before"] = everything["gain_over_before"]
-            by[c]["before_vs_best_fixed"] = everything["before_vs_best_fixed"]
+        if "shadow_gain" in everything:
+            by[c]["shadow_gain"] = everything["shadow_gain"]
+            by[c]["noshadow_vs_best_fixed"] = everything["noshadow_vs_best_fixed"]
     return {
         **{key: min(v[key] for v in by.values()) for key in BARS},
         "auto_vs_best_fixed_cv": min(
@@ -190,7 +185,6 @@ def summary(report: dict) -> dict:
         "auto_realized_check": bool(report.get("rules", {}).get("auto_realized_check")),
         "auto_corun_check": bool(report.get("rules", {}).get("auto_corun_check")),
         "auto_copy_shadows": bool(report.get("rules", {}).get("auto_copy_shadows")),
-        "auto_copy_chain": bool(report.get("rules", {}).get("auto_copy_chain")),
         "cases": len(report["cases"]),
         "concurrency": [int(c) for c in by],
         "best_fixed": {c: v["best_fixed"] for c, v in by.items()},
@@ -247,13 +241,11 @@ def markdown(report: dict, plot_rel: str | None) -> str:
             + f" | {s.get('auto_vs_best_fixed_cv')} | |"
         )
         lines.append("| `auto_vs_best_fixed`, 90 % bootstrap interval | " + " | ".join(ci) + " | | |")
-    if all("gain_over_before" in by.get(c, {}) for c in concs):
-        gain = " | ".join(str(by[c]["gain_over_before"]) for c in concs)
-        lines.append(f"| `gain_over_before` (`{BEFORE}` time / `auto` time) | {gain} | | |")
-        nb = " | ".join(str(by[c]["before_vs_best_fixed"]) for c in concs)
-        lines.append(
-            f"| `{BEFORE}` (the rules before: no copy shadows or chain, geometric check) vs best fixed | {nb} | | |"
-        )
+    if all("shadow_gain" in by.get(c, {}) for c in concs):
+        gain = " | ".join(str(by[c]["shadow_gain"]) for c in concs)
+        lines.append(f"| `shadow_gain` (`{NO_SHADOWS}` time / `auto` time) | {gain} | | |")
+        nb = " | ".join(str(by[c]["noshadow_vs_best_fixed"]) for c in concs)
+        lines.append(f"| `{NO_SHADOWS}` vs best fixed (the ablation) | {nb} | | |")
     arms = report["arms"]
     for conc in concs:
         lines += [

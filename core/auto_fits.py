@@ -256,12 +256,13 @@ REALIZED_CLIP = 4.0
 
 class SpeedCheck:
     """How fast a method's steps really were at one load against what the policy's model said:
-    the tokens its steps emitted over the tokens the model's speed promised in the time they took
-    (decayed sums, each step weighted by its promised tokens), shrunk towards 1 by
-    :data:`REALIZED_PRIOR_STEPS`. A ratio of sums, not a mean of per-step ratios: a copy's steps
-    emit 1 token or many, and a geometric mean of their ratios sits below 1 by their spread alone
-    (emitting 1 or 5 where 3 are expected reads as 0.75), which held `auto` off copies that paid
-    (issue 60: ``llma@1`` 0.84 against ``target@1`` 0.95 where every step delivered as modelled). The model (acceptance counts, cost fits) misses what it does
+    by default the decayed geometric mean of ``realized / modelled`` tokens per second, shrunk
+    towards 1 by :data:`REALIZED_PRIOR_STEPS`. The geometric mean reads below 1 for a method
+    whose steps vary (a copy emits 1 token or many: emitting 1 or 5 where 3 are expected reads as
+    0.75); ``geometric=False`` is the unbiased estimator, the tokens emitted over the tokens the
+    model's speed promised in the time the steps took (decayed sums), which issue 60's A/B left
+    off by default: weighted by time, a few long waits in the batcher decided it at load 8
+    (docs/auto.md). The model (acceptance counts, cost fits) misses what it does
     not name: a draft's forwards contending with the other requests' threads, the batch waiting
     for its slowest row, a chain whose acceptance is not geometric. The check learns, per load
     level, how far the model is off for each method, and the policy scales that method's

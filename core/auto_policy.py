@@ -173,8 +173,8 @@ class AutoPolicy:
         padded_batches: bool = False,
         realized_check: bool = True,
         copy_shadows: bool = True,
-        copy_chain: bool = True,
-        geometric_check: bool = False,
+        copy_chain: bool = False,
+        geometric_check: bool = True,
     ) -> None:
         """``propose_ms``: method -> the calibration prior of its call's cost (ms: ``a + b * k``);
         a method may also :meth:`join` later. ``candidates``: the methods ``auto`` may run
@@ -183,7 +183,9 @@ class AutoPolicy:
         (:attr:`realized`); off only where a test pins the costs. ``copy_shadows``: count the copies
         a step declined against the tokens then emitted (``specops.serving.proposers.auto_shadow``).
         ``copy_chain``: price a copy's token ``i`` at the match length it would then have (``keys``).
-        ``geometric_check``: the realized-speed check's old estimator (:class:`SpeedCheck`)."""
+        ``geometric_check``: the realized-speed check's estimator, the geometric mean of its steps'
+        ratios (False: the ratio of sums; :class:`SpeedCheck`). Both options are off by default:
+        their A/B was slower under load (docs/auto.md, Numbers)."""
         self.copy_shadows, self.copy_chain = copy_shadows, copy_chain
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)  # any option's longest draft; a draft model's
         self.padded_batches = padded_batches

@@ -43,7 +43,7 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
         str(out),
         "--doc",
         str(doc),
-        "--ablate",
+        "--ablate-shadows",
     ]
     assert adaptive.main(argv) == 0
     report = json.loads(out.read_text())
@@ -69,11 +69,11 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
             assert sum(len(g) for g in groups) == len(report["per_case"][conc][arm])
         assert "auto" in report["results"][conc]["all"]["speedup"]
         # the ablation runs as its own arm, never counted as a fixed method
-        assert adaptive.BEFORE in report["arms"] and report["results"][conc]["all"]["best_fixed"] != adaptive.BEFORE
-        assert s["by_concurrency"][conc]["gain_over_before"] > 0
-    assert s["auto_copy_shadows"] is True and s["auto_copy_chain"] is True and "policy_end_auto_before" in report
+        assert adaptive.NO_SHADOWS in report["arms"] and report["results"][conc]["all"]["best_fixed"] != "auto_noshadow"
+        assert s["by_concurrency"][conc]["shadow_gain"] > 0
+    assert s["auto_copy_shadows"] is True and "policy_end_auto_noshadow" in report
     text = doc.read_text()
     assert adaptive.DOC_BEGIN in text and "auto_vs_oracle" in text and "| `auto_vs_oracle` |" in text
-    assert "**Concurrency 3**" in text and "`gain_over_before`" in text
+    assert "**Concurrency 3**" in text and "`shadow_gain`" in text
     assert adaptive.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s

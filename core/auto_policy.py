@@ -470,9 +470,11 @@ class AutoPolicy:
                 gap = int(info.get("catchup", 0) or 0)
                 catchup = self._catchup_fit(method).predict(gap) if gap > 0 else 0.0
                 m_best: Choice | None = None
+                e = reach = 1.0
                 for k in range(1, min(int(info["max_k"]), k_cap) + 1):
                     n = 1 + rows * k
-                    e = chain_tokens(alphas, k)
+                    reach *= min(max(alphas[k - 1], 0.0), 1.0)  # the chain's tokens, one more per k
+                    e += reach
                     steps = CATCHUP_HORIZON if remaining is None else min(CATCHUP_HORIZON, max(1.0, remaining / e))
                     ms = (0.0 if sunk else pfit.predict(k)) + vfit.predict(self.pass_tokens(n, n_o, wide, rows_b))
                     ms += catchup / steps

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, environment, finish_report, target_name  # noqa: E402
-from benchmarks.ralm_curve import Point, headline, parse_point, point_summary, run_point  # noqa: E402
+from benchmarks.ralm_curve import ABLATE_AT, Point, headline, parse_point, point_summary, run_point  # noqa: E402
 from benchmarks.ralm_kbs import MilvusService, SourceText, hash_kb, milvus_kb, minilm_kb  # noqa: E402
 from benchmarks.ralm_questions import interleaved, question_sets  # noqa: E402
 from benchmarks.ralm_report import markdown, markers, plot, summary  # noqa: E402
@@ -89,6 +89,13 @@ def parse(argv) -> argparse.Namespace:
         default=None,
         help="also run serving's default with prefetch 256, a fixed stride of 3 and regeneration on a mismatch "
         "(default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--ablate-at",
+        choices=ABLATE_AT,
+        default="memory-exact",
+        help="the points --ablations runs at: 'memory-exact' (the in-memory exact points, where the retrieval "
+        "cost alone varies; default) or 'all' (every point: about 60 %% more time at the service points)",
     )
     p.add_argument(
         "--resume",

@@ -69,6 +69,16 @@ def headline(arms: dict) -> str:
     return HEADLINE if HEADLINE in arms else PSA
 
 
+ABLATE_AT = ("memory-exact", "all")
+"""Where ``--ablations`` runs: the in-memory exact points (the curve's first three, where only the
+retrieval cost varies and the three ablations each cost a full arm) or every point."""
+
+
+def ablated(point: Point, ablations: bool, at: str = "all") -> bool:
+    """Whether ``point`` runs the ablation arms."""
+    return ablations and (at == "all" or (point.backend == "memory" and point.retriever == "exact"))
+
+
 def arm_names(ablations: bool) -> dict[str, RalmConfig]:
     return {**ARMS, **(ABLATIONS if ablations else {})}
 
@@ -154,7 +164,7 @@ def run_point(point: Point, kb, engine, tok, questions: list, args, resume=None,
         for i in range(c)
     ]
     clients = ThreadPoolExecutor(c, thread_name_prefix="ralm-client")
-    configs = arm_names(getattr(args, "ablations", False))
+    configs = arm_names(ablated(point, getattr(args, "ablations", False), getattr(args, "ablate_at", "all")))
     running, lock = [0], threading.Lock()  # the wave's requests still decoding: serving's batcher count
 
     def one(arm: str, qi: int, slot: int):

@@ -27,6 +27,7 @@ RESUME_KEYS = (
     "max_new_tokens",
     "runs",
     "ablations",
+    "ablate_at",
     "no_knnlm",
     "no_curve",
     "knnlm_sizes",
@@ -44,6 +45,17 @@ def _extends(saved, now) -> bool:
         return False
     head = saved[:-1]
     return now == saved or (now.startswith(head) and now[len(head) : len(head) + 2] == ", ")
+
+
+def _ablated_in_scope(saved: dict) -> bool:
+    """Whether a checkpoint written before ``ablate_at`` existed (when ``--ablations`` meant every
+    point) measured only points that the narrower scope ablates too: the in-memory exact points.
+    Then the points it finished keep their ablation arms and the run goes on under the new scope."""
+    partial = (saved.get("partial") or {}).get("so_far") or {}
+    done = [*saved.get("points", []), *([partial] if partial else [])]
+    return not saved["settings"].get("ablations") or all(
+        p.get("backend") == "memory" and p.get("retriever") == "exact" for p in done
+    )
 
 
 def kb_fingerprint(kb) -> dict:
@@ -86,6 +98,9 @@ class Checkpoint:
             for key in RESUME_KEYS:
                 if key == "points" and _extends(saved["settings"].get(key), settings.get(key)):
                     continue  # points added after the checkpoint's run: the finished ones stand
+                if key == "ablate_at" and key not in saved["settings"] and _ablated_in_scope(saved):
+                    saved["settings"][key] = settings.get(key)  # a checkpoint from before the option
+                    continue
                 if saved["settings"].get(key) != settings.get(key):
                     raise SystemExit(
                         f"--resume {path}: it was run with {key}={saved['settings'].get(key)!r}, this run has "

@@ -68,3 +68,48 @@ def test_each_wave_says_which_cpu_measured_it_and_a_point_names_every_one(tmp_pa
     assert saved["so_far"] == {"speedup": 1.2}  # the summary a partial reading quotes
     assert resume.cpus_of(rows + [{"wave": 2, "cpu": "CPU B"}]) == "CPU A (1 wave), CPU B (2 waves)"
     assert resume.cpus_of(rows[1:]) == "CPU B"
+
+
+def _old_checkpoint(tmp_path, points: list[dict], partial_point: dict | None, ablations=True):
+    """A checkpoint written before ``ablate_at`` existed (``--ablations`` then meant every point)."""
+    path = tmp_path / "old.json"
+    partial = {"index": len(points), "kb": {}, "rows": [], "cpu": "x", "so_far": partial_point}
+    settings = {"points": "[]", "ablations": ablations}
+    path.write_text(
+        json.dumps({"settings": settings, "points": points, "sessions": [], "knnlm": {}, "partial": partial})
+    )
+    return path, settings
+
+
+MEM = {"backend": "memory", "retriever": "exact"}
+
+
+def test_a_checkpoint_from_before_ablate_at_resumes_when_it_only_ablated_memory_exact_points(tmp_path):
+    path, settings = _old_checkpoint(tmp_path, [MEM, MEM], MEM)
+    ck = Checkpoint(path, {**settings, "ablate_at": "memory-exact"})
+    assert ck.data["settings"]["ablate_at"] == "memory-exact"  # recorded: the next resume compares it
+
+
+def test_but_not_when_it_ablated_a_service_point_under_the_old_meaning(tmp_path):
+    path, settings = _old_checkpoint(tmp_path, [MEM, {"backend": "milvus-lite", "retriever": "exact"}], None)
+    with pytest.raises(SystemExit, match="ablate_at"):
+        Checkpoint(path, {**settings, "ablate_at": "memory-exact"})
+    # without ablations the scope never mattered
+    path, settings = _old_checkpoint(tmp_path, [{"backend": "milvus-lite", "retriever": "exact"}], None, False)
+    Checkpoint(path, {**settings, "ablate_at": "memory-exact"})
+
+
+def test_a_checkpoint_with_ablate_at_must_match_it(tmp_path):
+    path, settings = _old_checkpoint(tmp_path, [MEM], None)
+    Checkpoint(path, {**settings, "ablate_at": "memory-exact"})._write()
+    with pytest.raises(SystemExit, match="ablate_at"):
+        Checkpoint(path, {**settings, "ablate_at": "all"})
+
+
+def test_ablations_run_where_the_scope_says():
+    from benchmarks.ralm_curve import Point, ablated
+
+    mem, hnsw, milvus = Point("memory", "exact", 10), Point("memory", "hnsw", 10), Point("milvus-lite", "exact", 10)
+    assert [ablated(p, True, "memory-exact") for p in (mem, hnsw, milvus)] == [True, False, False]
+    assert [ablated(p, True, "all") for p in (mem, hnsw, milvus)] == [True, True, True]
+    assert not ablated(mem, False, "all")

@@ -98,7 +98,11 @@ def test_ralm_benchmark_writes_curve_json_plot_and_doc(tiny_models, tmp_path, on
     point = report["points"][0]
     assert set(point["arms"]) == set(ralm_curve.ARMS) | set(ralm_curve.ABLATIONS)
     assert point["headline"] == ralm_curve.AUTO and point["speedup"] == point["arms"][ralm_curve.AUTO]["speedup"]
-    assert all(c["ablation_prefetch_256_vs_default"] > 0 for c in s["curve"])
+    # --ablations runs at the in-memory exact points only (--ablate-at's default)
+    assert report["args"]["ablate_at"] == "memory-exact"
+    assert [("ablation_prefetch_256_vs_default" in c) for c in s["curve"]] == [True, False, False]
+    assert s["curve"][0]["ablation_prefetch_256_vs_default"] > 0
+    assert set(report["points"][1]["arms"]) == set(ralm_curve.ARMS)
     assert s["knnlm_full_length"] is True
     assert point["gamma"] is None or 0 <= point["gamma"] <= 1
     assert point["model_a_s"] > 0 and "model_fraction_of_bound" in point

@@ -83,6 +83,7 @@ from benchmarks.adaptive_report import (  # noqa: E402, F401  (some only re-expo
     CV_FOLDS_C1,
     DOC_BEGIN,
     DOC_END,
+    ESTIMATOR_ARMS,
     NO_SHADOWS,
     SLICES,
     SUMMARY_KEYS,
@@ -213,6 +214,10 @@ class Runner:
             self.policies[NO_SHADOWS] = AutoPolicy(
                 seed=args.seed, max_k=max(16, *args.llma_k), load=self.load, copy_shadows=False
             )
+        for arm in estimator_arms(args):
+            self.policies[arm] = AutoPolicy(
+                seed=args.seed, max_k=max(16, *args.llma_k), load=self.load, realized_estimator=ESTIMATOR_ARMS[arm]
+            )
 
     def load(self) -> int:
         """Requests in flight (serving gives the policy admission's running count): the batcher's
@@ -327,10 +332,16 @@ def phase_groups(cases: list[Case], args, concurrency: int) -> list[list[int]]:
     return conc_groups(cases, size=concurrency, per_slice=phase_size(args, concurrency))
 
 
+def estimator_arms(args) -> list[str]:
+    """The ``--ablate-estimator`` arms (``auto_mean``, ``auto_sum``)."""
+    return [f"auto_{e}" for e in getattr(args, "ablate_estimator", None) or ()]
+
+
 def run(cases: list[Case], runner: Runner, args) -> dict:
     arms = [*fixed_arms(args), ("auto", "auto", None)]
     if getattr(args, "ablate_shadows", False):
         arms.append((NO_SHADOWS, "auto", None))
+    arms += [(arm, "auto", None) for arm in estimator_arms(args)]
     phases = {c: phase_groups(cases, args, c) for c in args.concurrency}
     per: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases}
     walls: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases if c > 1}
@@ -437,6 +448,14 @@ def parse(argv) -> argparse.Namespace:
         help=f"also run `auto` without its copy shadows (arm {NO_SHADOWS}: its own policy, calibrated alike; "
         "the A/B of serving/proposers/auto_shadow.py)",
     )
+    p.add_argument(
+        "--ablate-estimator",
+        action="append",
+        choices=sorted(e for e in ESTIMATOR_ARMS.values()),
+        help="also run `auto` with this realized-speed estimator instead of its default geometric mean (arm "
+        "auto_<name>: its own policy; 'mean' counts each step once, 'sum' weights steps by their time; "
+        "core/auto_fits.py SpeedCheck); repeatable",
+    )
     args = p.parse_args(argv)
     full = {"cases": 8, "groups": 3, "concurrency": "1,4,8", "max_new_tokens": 64, "draft_k": "2,3", "llma_k": "8,16"}
     quick = {"cases": 2, "groups": 1, "concurrency": "1,4", "max_new_tokens": 24, "draft_k": "3", "llma_k": "16"}
@@ -512,8 +531,9 @@ def main(argv=None) -> int:
     }
     report.update(run(cases, runner, args))
     report["policy_end"] = policy.snapshot()
-    if NO_SHADOWS in runner.policies:
-        report["policy_end_" + NO_SHADOWS] = runner.policies[NO_SHADOWS].snapshot()
+    for arm, arm_policy in runner.policies.items():
+        if arm != "auto":
+            report["policy_end_" + arm] = arm_policy.snapshot()
     report["wall_s"] = time.perf_counter() - t0
     report["environment"] = environment()
     finish(report, args)

@@ -17,7 +17,10 @@ SUMMARY_KEYS = ("auto_vs_best_fixed", "auto_vs_oracle", "min_slice_vs_target", "
 BARS = {"auto_vs_best_fixed": 1.0, "auto_vs_oracle": 0.9, "min_slice_vs_target": 0.95}
 NO_SHADOWS = "auto_noshadow"
 """The ablation arm (``--ablate-shadows``): ``auto`` with its copy shadows off, its own policy."""
-AUTO_ARMS = ("auto", NO_SHADOWS)
+ESTIMATOR_ARMS = {"auto_mean": "mean", "auto_sum": "sum"}
+"""The estimator ablation arms (``--ablate-estimator``): ``auto`` with another realized-speed
+estimator (:class:`specops.core.auto_fits.SpeedCheck`), its own policy."""
+AUTO_ARMS = ("auto", NO_SHADOWS, *ESTIMATOR_ARMS)
 
 
 def current_rules() -> dict:
@@ -32,6 +35,7 @@ def current_rules() -> dict:
         "auto_realized_check": True,
         "auto_corun_check": True,
         "auto_copy_shadows": True,
+        "auto_realized_estimator": "geometric",
     }
 
 
@@ -83,6 +87,10 @@ def analyse(report: dict) -> dict:
             if NO_SHADOWS in arms:  # the A/B: > 1 when auto with shadows took less time
                 slices[s]["shadow_gain"] = round(tot[NO_SHADOWS] / tot["auto"], 3)
                 slices[s]["noshadow_vs_best_fixed"] = round(tot[best] / tot[NO_SHADOWS], 3)
+            for arm in ESTIMATOR_ARMS:
+                if arm in arms:  # the A/B: > 1 when the other estimator took less time than auto's
+                    slices[s][f"{arm}_gain"] = round(tot["auto"] / tot[arm], 3)
+                    slices[s][f"{arm}_vs_best_fixed"] = round(tot[best] / tot[arm], 3)
         slices["all"].update(_held_out_best_fixed(idx, cases, unit, time_of, fixed))
         out[conc] = slices
     return out
@@ -175,6 +183,10 @@ def summary(report: dict) -> dict:
         if "shadow_gain" in everything:
             by[c]["shadow_gain"] = everything["shadow_gain"]
             by[c]["noshadow_vs_best_fixed"] = everything["noshadow_vs_best_fixed"]
+        for arm in ESTIMATOR_ARMS:
+            for key in (f"{arm}_gain", f"{arm}_vs_best_fixed"):
+                if key in everything:
+                    by[c][key] = everything[key]
     return {
         **{key: min(v[key] for v in by.values()) for key in BARS},
         "auto_vs_best_fixed_cv": min(
@@ -246,6 +258,12 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         lines.append(f"| `shadow_gain` (`{NO_SHADOWS}` time / `auto` time) | {gain} | | |")
         nb = " | ".join(str(by[c]["noshadow_vs_best_fixed"]) for c in concs)
         lines.append(f"| `{NO_SHADOWS}` vs best fixed (the ablation) | {nb} | | |")
+    for arm, estimator in ESTIMATOR_ARMS.items():
+        if all(f"{arm}_gain" in by.get(c, {}) for c in concs):
+            gain = " | ".join(str(by[c][f"{arm}_gain"]) for c in concs)
+            lines.append(f"| `{arm}_gain` (`auto` time / `{arm}` time: the `{estimator}` estimator) | {gain} | | |")
+            nb = " | ".join(str(by[c][f"{arm}_vs_best_fixed"]) for c in concs)
+            lines.append(f"| `{arm}` vs best fixed | {nb} | | |")
     arms = report["arms"]
     for conc in concs:
         lines += [

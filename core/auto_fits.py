@@ -254,19 +254,29 @@ REALIZED_CLIP = 4.0
 """One step's ratio is clipped to [1/4, 4] (a preempted thread must not decide the next 50 steps)."""
 
 
+ESTIMATORS = ("geometric", "sum", "mean")
+"""The realized-speed check's estimators (:class:`SpeedCheck`)."""
+
+
 class SpeedCheck:
-    """How fast a method's steps really were at one load against what the policy's model said:
-    by default the decayed geometric mean of ``realized / modelled`` tokens per second, shrunk
-    towards 1 by :data:`REALIZED_PRIOR_STEPS`. The geometric mean reads below 1 for a method
-    whose steps vary (a copy emits 1 token or many: emitting 1 or 5 where 3 are expected reads as
-    0.75); ``geometric=False`` is the unbiased estimator, the tokens emitted over the tokens the
-    model's speed promised in the time the steps took (decayed sums), which issue 60's A/B left
-    off by default: weighted by time, a few long waits in the batcher decided it at load 8
-    (docs/auto.md). The model (acceptance counts, cost fits) misses what it does
-    not name: a draft's forwards contending with the other requests' threads, the batch waiting
-    for its slowest row, a chain whose acceptance is not geometric. The check learns, per load
-    level, how far the model is off for each method, and the policy scales that method's
-    estimate by :attr:`factor`: so it learns which method pays at each load."""
+    """How fast a method's steps really were at one load against what the policy's model said,
+    as a factor shrunk towards 1 by :data:`REALIZED_PRIOR_STEPS`. Three estimators of it, over
+    decayed per-step ratios ``realized / modelled`` tokens per second, each clipped to
+    [1/:data:`REALIZED_CLIP`, :data:`REALIZED_CLIP`]:
+
+    - ``geometric`` (the default): their geometric mean. It reads below 1 for a method whose
+      steps vary (a copy emits 1 or 5 tokens where 3 are expected: 0.75), which holds a copy back.
+    - ``sum``: the ratio of sums, the tokens emitted over the tokens the model's speed promised
+      in the time the steps took. Unbiased, but weighted by time: at load 8 a few long waits in
+      the batcher decided it (issue 60's A/B, docs/auto.md).
+    - ``mean``: their arithmetic mean, each step one vote. No spread penalty (1/3 and 5/3 average
+      to 1), and a long wait is one step's low ratio, not a weight of its length.
+
+    The model (acceptance counts, cost fits) misses what it does not name: a draft's forwards
+    contending with the other requests' threads, the batch waiting for its slowest row, a chain
+    whose acceptance is not geometric. The check learns, per load level, how far the model is
+    off for each method, and the policy scales that method's estimate by :attr:`factor`: so it
+    learns which method pays at each load."""
 
     def __init__(
         self,
@@ -274,12 +284,13 @@ class SpeedCheck:
         decay: float = REALIZED_DECAY,
         prior_steps: float = REALIZED_PRIOR_STEPS,
         half_life_s: float = 600.0,
-        geometric: bool = False,
+        estimator: str = "geometric",
     ):
-        """``geometric``: the old estimator, the geometric mean of the per-step ratios (kept for
-        the benchmark's before/after arm only)."""
-        self.decay, self.prior_steps, self.half_life_s, self.geometric = decay, prior_steps, half_life_s, geometric
-        self.weight = self.num = self.den = self.log_sum = 0.0
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
+        self.decay, self.prior_steps, self.half_life_s = decay, prior_steps, half_life_s
+        self.estimator = estimator
+        self.weight = self.num = self.den = self.log_sum = self.ratio_sum = 0.0
         self.n_obs = 0
         self.updated = time.time()
 
@@ -290,7 +301,7 @@ class SpeedCheck:
 
     def observe(self, ratio: float, promised: float = 1.0) -> None:
         """One step: its ``ratio`` of realized to modelled speed, and ``promised``, the tokens the
-        model's speed gives in the time the step took (its weight in the sums)."""
+        model's speed gives in the time the step took (its weight in the ``sum`` estimator)."""
         if not (math.isfinite(ratio) and ratio > 0 and math.isfinite(promised) and promised > 0):
             return
         now = time.time()
@@ -299,6 +310,7 @@ class SpeedCheck:
         self.weight = d * self.weight + 1.0
         self.num, self.den = d * self.num + r * promised, d * self.den + promised
         self.log_sum = d * self.log_sum + math.log(r)
+        self.ratio_sum = d * self.ratio_sum + r
         self.n_obs, self.updated = self.n_obs + 1, now
 
     @property
@@ -306,9 +318,13 @@ class SpeedCheck:
         if self.den <= 0:
             return 1.0
         w = self.weight * self._fade(time.time())  # shrunk towards 1 in log space, as steps accrue
-        if self.geometric:
-            return math.exp(self.log_sum / self.weight * w / (w + self.prior_steps))
-        return math.exp(math.log(max(self.num / self.den, 1e-9)) * w / (w + self.prior_steps))
+        if self.estimator == "geometric":
+            log_factor = self.log_sum / self.weight
+        elif self.estimator == "mean":
+            log_factor = math.log(max(self.ratio_sum / self.weight, 1e-9))
+        else:
+            log_factor = math.log(max(self.num / self.den, 1e-9))
+        return math.exp(log_factor * w / (w + self.prior_steps))
 
     def to_dict(self) -> dict:
         return {"factor": round(self.factor, 4), "observations": self.n_obs}
@@ -330,8 +346,8 @@ class CoRunCheck:
     (:data:`REALIZED_PRIOR_STEPS` pseudo-steps) and fade like the own check, so a method turned
     off at a load by what it cost the others is tried again there."""
 
-    def __init__(self, geometric: bool = False) -> None:
-        self.geometric = geometric
+    def __init__(self, estimator: str = "geometric") -> None:
+        self.estimator = estimator
         self.with_: dict[tuple[str, int], SpeedCheck] = {}
         self.without: dict[tuple[str, int], SpeedCheck] = {}
 
@@ -340,7 +356,7 @@ class CoRunCheck:
         option the policy knows (each gets one side)."""
         for m in methods:
             side = self.with_ if m in present else self.without
-            side.setdefault((m, bucket), SpeedCheck(geometric=self.geometric)).observe(ratio, promised)
+            side.setdefault((m, bucket), SpeedCheck(estimator=self.estimator)).observe(ratio, promised)
 
     def observe_step(
         self, own: dict, method: str, bucket: int, co: tuple[str, ...], methods, ratio, rows, promised: float = 1.0
@@ -349,7 +365,7 @@ class CoRunCheck:
         gives in the step's time): its own method's check in ``own`` sees it without what the
         co-running methods cost it, and (with other rows in the pass) this check sees it whole:
         its with/without split is the comparison."""
-        check = own.setdefault((method, bucket), SpeedCheck(geometric=self.geometric))
+        check = own.setdefault((method, bucket), SpeedCheck(estimator=self.estimator))
         check.observe(ratio / math.prod(self.factor(m, bucket) for m in co), promised)
         if rows > 1:
             self.observe(bucket, co, methods, ratio, promised)

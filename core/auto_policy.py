@@ -174,7 +174,7 @@ class AutoPolicy:
         realized_check: bool = True,
         copy_shadows: bool = True,
         copy_chain: bool = False,
-        geometric_check: bool = True,
+        realized_estimator: str = "geometric",
     ) -> None:
         """``propose_ms``: method -> the calibration prior of its call's cost (ms: ``a + b * k``);
         a method may also :meth:`join` later. ``candidates``: the methods ``auto`` may run
@@ -183,9 +183,9 @@ class AutoPolicy:
         (:attr:`realized`); off only where a test pins the costs. ``copy_shadows``: count the copies
         a step declined against the tokens then emitted (``specops.serving.proposers.auto_shadow``).
         ``copy_chain``: price a copy's token ``i`` at the match length it would then have (``keys``).
-        ``geometric_check``: the realized-speed check's estimator, the geometric mean of its steps'
-        ratios (False: the ratio of sums; :class:`SpeedCheck`). Both options are off by default:
-        their A/B was slower under load (docs/auto.md, Numbers)."""
+        ``realized_estimator``: the realized-speed check's estimator (:class:`SpeedCheck`):
+        ``geometric`` (default), ``sum`` or ``mean``. The copy chain and ``sum`` were slower under
+        load in their A/B (docs/auto.md, Numbers); ``mean`` awaits its own."""
         self.copy_shadows, self.copy_chain = copy_shadows, copy_chain
         self.max_k, self.draft_max_k = int(max_k), int(draft_max_k)  # any option's longest draft; a draft model's
         self.padded_batches = padded_batches
@@ -228,7 +228,7 @@ class AutoPolicy:
         self.realized: dict[tuple[str, int], SpeedCheck] = {}
         """(method, load bucket) -> how its measured steps compare with the model at that load
         (:class:`~specops.core.auto_fits.SpeedCheck`); each option's estimate is scaled by it."""
-        self.corun = CoRunCheck(geometric=geometric_check)
+        self.corun = CoRunCheck(estimator=realized_estimator)
         """What each method costs the other requests' steps at each load: the others' tokens in an
         option's estimate are scaled by it (:class:`~specops.core.auto_fits.CoRunCheck`)."""
 

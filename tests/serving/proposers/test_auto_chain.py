@@ -86,17 +86,45 @@ def test_the_realized_speed_check_does_not_penalize_a_method_for_the_spread_of_i
 
     from specops.core.auto_fits import SpeedCheck
 
-    check = SpeedCheck(prior_steps=0.0)
+    check = SpeedCheck(prior_steps=0.0, estimator="sum")
     ratios = [1 / 3, 5 / 3] * 200  # realized / modelled speed: 1 or 5 tokens where 3 were expected
     for r in ratios:
         check.observe(r, promised=3.0)
     assert check.factor == pytest.approx(1.0, abs=0.01)
-    old = SpeedCheck(prior_steps=0.0, geometric=True)
+    old = SpeedCheck(prior_steps=0.0, estimator="geometric")
     for r in ratios:
         old.observe(r, promised=3.0)
     assert old.factor == pytest.approx(math.sqrt(5) / 3, abs=0.01) and old.factor < 0.76
     # a method that really is slower reads so: its steps take 25 % longer than modelled
-    slow = SpeedCheck(prior_steps=0.0)
+    slow = SpeedCheck(prior_steps=0.0, estimator="sum")
     for r in ratios:
         slow.observe(r / 1.25, promised=3.0 * 1.25)
     assert slow.factor == pytest.approx(0.8, abs=0.01)
+
+
+def test_the_mean_estimator_neither_penalizes_spread_nor_lets_a_long_wait_weigh_its_length():
+    """``mean``: each step one vote. A copy's 1-or-5 steps read 1 (as ``sum``, not as
+    ``geometric``); and where one step in 20 waits 10x its modelled time in the batcher, ``sum``
+    weights that step by its length (the method reads about a third slower) while ``mean`` counts
+    it once (about 5 % slower: 19 steps at 1, one at the clip's floor)."""
+    from specops.core.auto_fits import REALIZED_CLIP, SpeedCheck
+
+    spread = SpeedCheck(prior_steps=0.0, estimator="mean")
+    for r in [1 / 3, 5 / 3] * 200:
+        spread.observe(r, promised=3.0)
+    assert spread.factor == pytest.approx(1.0, abs=0.01)
+    waits = {e: SpeedCheck(prior_steps=0.0, decay=1.0, estimator=e) for e in ("mean", "sum")}
+    for i in range(400):
+        long = i % 20 == 0  # its time 10x the model's: ratio 0.1, promised 10x the tokens
+        for check in waits.values():
+            check.observe(0.1 if long else 1.0, promised=10.0 if long else 1.0)
+    floor = 1 / REALIZED_CLIP
+    assert waits["mean"].factor == pytest.approx((19 + floor) / 20, abs=0.01)
+    assert waits["sum"].factor == pytest.approx((19 + floor * 10) / 29, abs=0.01) and waits["sum"].factor < 0.75
+
+
+def test_an_unknown_estimator_is_refused():
+    from specops.core.auto_fits import SpeedCheck
+
+    with pytest.raises(ValueError, match="estimator"):
+        SpeedCheck(estimator="median")

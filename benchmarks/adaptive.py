@@ -452,9 +452,9 @@ def parse(argv) -> argparse.Namespace:
         "--ablate-estimator",
         action="append",
         choices=sorted(e for e in ESTIMATOR_ARMS.values()),
-        help="also run `auto` with this realized-speed estimator instead of its default geometric mean (arm "
-        "auto_<name>: its own policy; 'mean' counts each step once, 'sum' weights steps by their time; "
-        "core/auto_fits.py SpeedCheck); repeatable",
+        help="also run `auto` with this realized-speed estimator instead of its default 'mean' (arm "
+        "auto_<name>: its own policy; 'mean' counts each step's ratio once, 'geometric' averages their logs, "
+        "'sum' weights steps by their time; core/auto_fits.py SpeedCheck); repeatable",
     )
     args = p.parse_args(argv)
     full = {"cases": 8, "groups": 3, "concurrency": "1,4,8", "max_new_tokens": 64, "draft_k": "2,3", "llma_k": "8,16"}

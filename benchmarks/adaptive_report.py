@@ -17,7 +17,7 @@ SUMMARY_KEYS = ("auto_vs_best_fixed", "auto_vs_oracle", "min_slice_vs_target", "
 BARS = {"auto_vs_best_fixed": 1.0, "auto_vs_oracle": 0.9, "min_slice_vs_target": 0.95}
 NO_SHADOWS = "auto_noshadow"
 """The ablation arm (``--ablate-shadows``): ``auto`` with its copy shadows off, its own policy."""
-ESTIMATOR_ARMS = {"auto_mean": "mean", "auto_sum": "sum"}
+ESTIMATOR_ARMS = {"auto_geometric": "geometric", "auto_mean": "mean", "auto_sum": "sum"}
 """The estimator ablation arms (``--ablate-estimator``): ``auto`` with another realized-speed
 estimator (:class:`specops.core.auto_fits.SpeedCheck`), its own policy."""
 AUTO_ARMS = ("auto", NO_SHADOWS, *ESTIMATOR_ARMS)
@@ -35,7 +35,7 @@ def current_rules() -> dict:
         "auto_realized_check": True,
         "auto_corun_check": True,
         "auto_copy_shadows": True,
-        "auto_realized_estimator": "geometric",
+        "auto_realized_estimator": "mean",
     }
 
 

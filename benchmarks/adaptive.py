@@ -333,7 +333,7 @@ def phase_groups(cases: list[Case], args, concurrency: int) -> list[list[int]]:
 
 
 def estimator_arms(args) -> list[str]:
-    """The ``--ablate-estimator`` arms (``auto_mean``, ``auto_sum``)."""
+    """The ``--ablate-estimator`` arms (``auto_geometric``, ``auto_mean``, ``auto_sum``)."""
     return [f"auto_{e}" for e in getattr(args, "ablate_estimator", None) or ()]
 
 

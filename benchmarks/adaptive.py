@@ -80,6 +80,7 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.adaptive_report import (  # noqa: E402, F401  (some only re-exported: the names this module used to define)
     BARS,
     BOOTSTRAP,
+    CHAIN_ARM,
     CV_FOLDS_C1,
     DOC_BEGIN,
     DOC_END,
@@ -218,6 +219,10 @@ class Runner:
             self.policies[arm] = AutoPolicy(
                 seed=args.seed, max_k=max(16, *args.llma_k), load=self.load, realized_estimator=ESTIMATOR_ARMS[arm]
             )
+        if getattr(args, "ablate_chain", False):
+            self.policies[CHAIN_ARM] = AutoPolicy(
+                seed=args.seed, max_k=max(16, *args.llma_k), load=self.load, copy_chain=True
+            )
 
     def load(self) -> int:
         """Requests in flight (serving gives the policy admission's running count): the batcher's
@@ -342,6 +347,8 @@ def run(cases: list[Case], runner: Runner, args) -> dict:
     if getattr(args, "ablate_shadows", False):
         arms.append((NO_SHADOWS, "auto", None))
     arms += [(arm, "auto", None) for arm in estimator_arms(args)]
+    if getattr(args, "ablate_chain", False):
+        arms.append((CHAIN_ARM, "auto", None))
     phases = {c: phase_groups(cases, args, c) for c in args.concurrency}
     per: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases}
     walls: dict[str, dict] = {str(c): {name: [] for name, _, _ in arms} for c in phases if c > 1}
@@ -455,6 +462,12 @@ def parse(argv) -> argparse.Namespace:
         help="also run `auto` with this realized-speed estimator instead of its default 'mean' (arm "
         "auto_<name>: its own policy; 'mean' counts each step's ratio once, 'geometric' averages their logs, "
         "'sum' weights steps by their time; core/auto_fits.py SpeedCheck); repeatable",
+    )
+    p.add_argument(
+        "--ablate-chain",
+        action="store_true",
+        help=f"also run `auto` with the copy chain on (arm {CHAIN_ARM}: its own policy, pricing a copy's token i "
+        "at the match length it would then have, core/auto_policy.py copy_chain)",
     )
     args = p.parse_args(argv)
     full = {"cases": 8, "groups": 3, "concurrency": "1,4,8", "max_new_tokens": 64, "draft_k": "2,3", "llma_k": "8,16"}

@@ -20,7 +20,12 @@ NO_SHADOWS = "auto_noshadow"
 ESTIMATOR_ARMS = {"auto_geometric": "geometric", "auto_mean": "mean", "auto_sum": "sum"}
 """The estimator ablation arms (``--ablate-estimator``): ``auto`` with another realized-speed
 estimator (:class:`specops.core.auto_fits.SpeedCheck`), its own policy."""
-AUTO_ARMS = ("auto", NO_SHADOWS, *ESTIMATOR_ARMS)
+CHAIN_ARM = "auto_chain"
+"""The copy-chain ablation arm (``--ablate-chain``): ``auto`` pricing a copy's token ``i`` at the
+match it would then have (``AutoPolicy(copy_chain=True)``), its own policy, today's estimator."""
+VARIANT_ARMS = {**{arm: f"the `{e}` estimator" for arm, e in ESTIMATOR_ARMS.items()}, CHAIN_ARM: "the copy chain"}
+"""Every ``auto`` variant that reports ``<arm>_gain`` (``auto`` time / its time) and ``<arm>_vs_best_fixed``."""
+AUTO_ARMS = ("auto", NO_SHADOWS, *VARIANT_ARMS)
 
 
 def current_rules() -> dict:
@@ -87,8 +92,8 @@ def analyse(report: dict) -> dict:
             if NO_SHADOWS in arms:  # the A/B: > 1 when auto with shadows took less time
                 slices[s]["shadow_gain"] = round(tot[NO_SHADOWS] / tot["auto"], 3)
                 slices[s]["noshadow_vs_best_fixed"] = round(tot[best] / tot[NO_SHADOWS], 3)
-            for arm in ESTIMATOR_ARMS:
-                if arm in arms:  # the A/B: > 1 when the other estimator took less time than auto's
+            for arm in VARIANT_ARMS:
+                if arm in arms:  # the A/B: > 1 when the variant took less time than auto
                     slices[s][f"{arm}_gain"] = round(tot["auto"] / tot[arm], 3)
                     slices[s][f"{arm}_vs_best_fixed"] = round(tot[best] / tot[arm], 3)
         slices["all"].update(_held_out_best_fixed(idx, cases, unit, time_of, fixed))
@@ -183,7 +188,7 @@ def summary(report: dict) -> dict:
         if "shadow_gain" in everything:
             by[c]["shadow_gain"] = everything["shadow_gain"]
             by[c]["noshadow_vs_best_fixed"] = everything["noshadow_vs_best_fixed"]
-        for arm in ESTIMATOR_ARMS:
+        for arm in VARIANT_ARMS:
             for key in (f"{arm}_gain", f"{arm}_vs_best_fixed"):
                 if key in everything:
                     by[c][key] = everything[key]
@@ -258,10 +263,10 @@ def markdown(report: dict, plot_rel: str | None) -> str:
         lines.append(f"| `shadow_gain` (`{NO_SHADOWS}` time / `auto` time) | {gain} | | |")
         nb = " | ".join(str(by[c]["noshadow_vs_best_fixed"]) for c in concs)
         lines.append(f"| `{NO_SHADOWS}` vs best fixed (the ablation) | {nb} | | |")
-    for arm, estimator in ESTIMATOR_ARMS.items():
+    for arm, what in VARIANT_ARMS.items():
         if all(f"{arm}_gain" in by.get(c, {}) for c in concs):
             gain = " | ".join(str(by[c][f"{arm}_gain"]) for c in concs)
-            lines.append(f"| `{arm}_gain` (`auto` time / `{arm}` time: the `{estimator}` estimator) | {gain} | | |")
+            lines.append(f"| `{arm}_gain` (`auto` time / `{arm}` time: {what}) | {gain} | | |")
             nb = " | ".join(str(by[c][f"{arm}_vs_best_fixed"]) for c in concs)
             lines.append(f"| `{arm}` vs best fixed | {nb} | | |")
     arms = report["arms"]

@@ -46,6 +46,7 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
         "--ablate-shadows",
         "--ablate-estimator",
         "geometric",
+        "--ablate-chain",
     ]
     assert adaptive.main(argv) == 0
     report = json.loads(out.read_text())
@@ -75,10 +76,18 @@ def test_adaptive_benchmark_writes_summary_json_plot_and_doc(tiny_models, tmp_pa
         assert s["by_concurrency"][conc]["shadow_gain"] > 0
         assert "auto_geometric" in report["arms"] and report["results"][conc]["all"]["best_fixed"] != "auto_geometric"
         assert s["by_concurrency"][conc]["auto_geometric_gain"] > 0
+        assert "auto_chain" in report["arms"] and report["results"][conc]["all"]["best_fixed"] != "auto_chain"
+        assert s["by_concurrency"][conc]["auto_chain_gain"] > 0
     assert s["auto_copy_shadows"] is True and "policy_end_auto_noshadow" in report
     assert "policy_end_auto_geometric" in report and report["rules"]["auto_realized_estimator"] == "mean"
+    assert "policy_end_auto_chain" in report
     text = doc.read_text()
     assert adaptive.DOC_BEGIN in text and "auto_vs_oracle" in text and "| `auto_vs_oracle` |" in text
-    assert "**Concurrency 3**" in text and "`shadow_gain`" in text and "`auto_geometric_gain`" in text
+    assert (
+        "**Concurrency 3**" in text
+        and "`shadow_gain`" in text
+        and "`auto_geometric_gain`" in text
+        and "`auto_chain_gain`" in text
+    )
     assert adaptive.main(["--replot", str(out), "--json", str(tmp_path / "again.json")]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == s
